@@ -1,0 +1,235 @@
+"""Bucket keys and the bucket table: which padded shape serves a request.
+
+The table *decides*; the runner (:mod:`bcg_core.runner`) trusts the key it is handed. A request's exact
+shape (:class:`ShapeQuery`) is rounded up, per dimension, to the smallest bucket that holds it. A request
+that fits no bucket is a *miss*, a normal return value that names the dimensions that missed.
+
+Dimensions (DESIGN.md section 2):
+
+- ``batch``: transformer rows, i.e. images x 2 when classifier-free guidance puts cond and uncond rows
+  into one forward. Pad rows are copies of a real row.
+- ``image_tokens``: tokens of the image stream. Families whose forward depends only on the count (FLUX
+  takes positions as ``img_ids`` tensors) round up with a key-padding mask; families that crop a position
+  table by the latent grid (SD3) key on the exact grid (``latent_hw``) instead.
+- ``text_tokens``: tokens of the text stream. Families trained on unmasked fixed-length text keep their
+  native length (one text bucket); families trained with masks round up with a key-padding mask.
+"""
+
+from __future__ import annotations
+
+import bisect
+import enum
+from dataclasses import dataclass
+
+from .config import BucketConfig, MissPolicy
+
+__all__ = ["BucketKey", "BucketLookup", "BucketTable", "Dim", "ShapeQuery", "ShapeRules"]
+
+
+class Dim(str, enum.Enum):
+    """A dimension of a bucket key."""
+
+    BATCH = "batch"
+    IMAGE = "image_tokens"
+    TEXT = "text_tokens"
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class BucketKey:
+    """The padded shape a captured graph (or a static-buffer eager run) is bound to.
+
+    Attributes:
+        batch: transformer rows of the bucket (real rows + pad rows).
+        image_tokens: image-stream tokens of the bucket (real tokens + masked pad tokens).
+        text_tokens: text-stream tokens of the bucket.
+        latent_hw: ``(h, w)`` of the token grid for families whose forward depends on it, else None.
+    """
+
+    batch: int
+    image_tokens: int
+    text_tokens: int
+    latent_hw: tuple[int, int] | None = None
+
+    def __str__(self) -> str:
+        grid = f"_g{self.latent_hw[0]}x{self.latent_hw[1]}" if self.latent_hw else ""
+        return f"b{self.batch}_i{self.image_tokens}_t{self.text_tokens}{grid}"
+
+    @property
+    def tokens(self) -> int:
+        """Padded tokens in one forward: ``batch * (image_tokens + text_tokens)``."""
+        return self.batch * (self.image_tokens + self.text_tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class ShapeQuery:
+    """A request's exact (unpadded) shape, in the same units as :class:`BucketKey`."""
+
+    batch: int
+    image_tokens: int
+    text_tokens: int
+    latent_hw: tuple[int, int] | None = None
+
+    @property
+    def tokens(self) -> int:
+        """Real tokens in one forward: ``batch * (image_tokens + text_tokens)``."""
+        return self.batch * (self.image_tokens + self.text_tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class ShapeRules:
+    """What a model family's forward depends on; supplied by its adapter.
+
+    Attributes:
+        pixels_per_token: image pixels per token side (VAE downsampling x patch size; FLUX: 8 x 2 = 16).
+        grid_keyed: the forward depends on the latent grid, so the key carries ``latent_hw`` and the
+            image dimension never rounds up.
+        native_text_tokens: fixed unmasked text length the model was trained with, or None when the
+            model was trained with a text key-padding mask (then any text bucket list is valid).
+    """
+
+    pixels_per_token: int
+    grid_keyed: bool
+    native_text_tokens: int | None
+
+    def grid(self, width_px: int, height_px: int) -> tuple[int, int]:
+        """Token grid ``(h, w)`` of an image of ``width_px`` x ``height_px`` pixels."""
+        return height_px // self.pixels_per_token, width_px // self.pixels_per_token
+
+    def check_size(self, width_px: int, height_px: int, where: str = "size") -> None:
+        """Raise ``ValueError`` if a side is not a multiple of :attr:`pixels_per_token`."""
+        m = self.pixels_per_token
+        for name, v in (("width", width_px), ("height", height_px)):
+            if v % m:
+                lo, hi = max(m, v - v % m), v - v % m + m
+                raise ValueError(f"{where} {width_px}x{height_px}: {name} {v} is not a multiple of {m}; use {lo} or {hi}")
+
+
+@dataclass(frozen=True, slots=True)
+class BucketLookup:
+    """Result of :meth:`BucketTable.lookup`: a hit carries ``key``; a miss names ``missed`` dimensions."""
+
+    query: ShapeQuery
+    key: BucketKey | None
+    missed: tuple[Dim, ...] = ()
+
+    @property
+    def hit(self) -> bool:
+        """True when a bucket holds the query."""
+        return self.key is not None
+
+    @property
+    def padded_tokens(self) -> int:
+        """Tokens of the forward that serves the query (the bucket's on a hit, the query's own on a miss)."""
+        return self.key.tokens if self.key is not None else self.query.tokens
+
+
+class BucketTable:
+    """All buckets of one replica, built once from :class:`BucketConfig` and validated.
+
+    Lookup is O(1): each dimension has a precomputed round-up array indexed by the exact value
+    (batch rows, image tokens, text tokens), so serving never searches.
+
+    Raises (at construction):
+        ValueError: a tier not a multiple of the model's token size, duplicate tiers, or text buckets that
+            contradict the model's training (fixed-length unmasked text accepts only its native length).
+    """
+
+    def __init__(self, config: BucketConfig, rules: ShapeRules):
+        self.config = config
+        self.rules = rules
+        self.miss_policy: MissPolicy = config.miss_policy
+        self.batch_sizes: tuple[int, ...] = tuple(config.batch_sizes)
+        self.text_lengths: tuple[int, ...] = tuple(config.text_lengths)
+        native = rules.native_text_tokens
+        if native is not None and self.text_lengths != (native,):
+            raise ValueError(
+                f"text_lengths {list(self.text_lengths)} do not match the model: it was trained on unmasked "
+                f"fixed-length text of {native} tokens, and padding or masking its text changes the output; "
+                f"use text_lengths: [{native}]"
+            )
+        grids: list[tuple[int, int]] = []
+        for w, h in config.resolution_pairs():
+            rules.check_size(w, h, where="bucket resolution")
+            grids.append(rules.grid(w, h))
+        if rules.grid_keyed:
+            self.grids: tuple[tuple[int, int], ...] = tuple(sorted(set(grids)))
+            self.image_tiers: tuple[int, ...] = tuple(sorted({h * w for h, w in self.grids}))
+        else:
+            self.grids = ()
+            by_tokens: dict[int, list[str]] = {}
+            for s, (h, w) in zip(config.resolutions, grids):
+                by_tokens.setdefault(h * w, []).append(s)
+            for same in by_tokens.values():
+                if len(same) > 1:
+                    raise ValueError(
+                        f"resolutions {same} have the same number of image tokens and would share one bucket "
+                        f"(this model's forward depends only on the token count); keep one of them"
+                    )
+            tiers = sorted(by_tokens)
+            self.image_tiers = tuple(tiers)
+        self._batch_up = self._round_up_array(self.batch_sizes)
+        self._text_up = self._round_up_array(self.text_lengths)
+        self._image_up = self._round_up_array(self.image_tiers)
+        self._grid_set = frozenset(self.grids)
+
+    @staticmethod
+    def _round_up_array(values: tuple[int, ...]) -> tuple[int, ...]:
+        """``arr[v]`` = smallest bucket value >= v, for v in 0..max(values)."""
+        return tuple(values[bisect.bisect_left(values, v)] for v in range(values[-1] + 1))
+
+    @property
+    def keys(self) -> list[BucketKey]:
+        """Every bucket, smallest first (sorted by batch, then image tokens, then text tokens)."""
+        if self.rules.grid_keyed:
+            images = [(h * w, (h, w)) for h, w in self.grids]
+        else:
+            images = [(t, None) for t in self.image_tiers]
+        return sorted(
+            BucketKey(b, t, s, hw) for b in self.batch_sizes for t, hw in images for s in self.text_lengths
+        )
+
+    def __len__(self) -> int:
+        return len(self.batch_sizes) * len(self.image_tiers if not self.grids else self.grids) * len(self.text_lengths)
+
+    def lookup(self, query: ShapeQuery) -> BucketLookup:
+        """Round ``query`` up to its bucket, O(1).
+
+        Args:
+            query: exact shape of the request's forward.
+
+        Returns:
+            A hit with the key, or a miss listing every dimension that exceeds the largest bucket (or, for
+            grid-keyed families, whose grid is not a tier).
+        """
+        missed: list[Dim] = []
+        b = self._up(self._batch_up, query.batch, Dim.BATCH, missed)
+        s = self._up(self._text_up, query.text_tokens, Dim.TEXT, missed)
+        hw = None
+        if self.rules.grid_keyed:
+            hw = query.latent_hw
+            if hw not in self._grid_set:
+                missed.append(Dim.IMAGE)
+            t = query.image_tokens
+        else:
+            t = self._up(self._image_up, query.image_tokens, Dim.IMAGE, missed)
+        if missed:
+            return BucketLookup(query, None, tuple(missed))
+        return BucketLookup(query, BucketKey(b, t, s, hw))
+
+    @staticmethod
+    def _up(arr: tuple[int, ...], v: int, dim: Dim, missed: list[Dim]) -> int:
+        if 0 < v < len(arr):
+            return arr[v]
+        missed.append(dim)
+        return v
+
+    def describe_limits(self) -> dict[str, object]:
+        """The largest value each dimension can hold, for error messages and ``GET /v1/buckets``."""
+        return {
+            "batch_sizes": list(self.batch_sizes),
+            "image_tokens": list(self.image_tiers),
+            "grids": [list(g) for g in self.grids] or None,
+            "text_tokens": list(self.text_lengths),
+            "resolutions": list(self.config.resolutions),
+            "miss_policy": self.miss_policy.value,
+        }

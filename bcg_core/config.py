@@ -1,0 +1,169 @@
+"""Typed configuration for a bcg-serve replica: model, bucket table and request limits.
+
+Every field is documented; every check raises a ``ValueError`` (surfaced by pydantic as a
+``ValidationError``) whose message names the bad value and the fix. Configuration is read from a
+YAML/JSON mapping or built in code; environment variables are read only in :mod:`bcg_core.settings`.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+__all__ = [
+    "BucketConfig",
+    "LimitsConfig",
+    "MissPolicy",
+    "ModelConfig",
+    "ServeConfig",
+    "parse_size",
+]
+
+_SIZE_RE = re.compile(r"^\s*(\d+)\s*[xX]\s*(\d+)\s*$")
+
+
+def parse_size(size: str) -> tuple[int, int]:
+    """Parse an OpenAI-style ``"WxH"`` size string.
+
+    Args:
+        size: e.g. ``"512x768"`` (width 512 pixels, height 768 pixels).
+
+    Returns:
+        ``(width, height)`` in pixels.
+
+    Raises:
+        ValueError: if the string is not two positive integers joined by ``x``.
+    """
+    m = _SIZE_RE.match(size) if isinstance(size, str) else None
+    if m is None:
+        raise ValueError(f"size {size!r} is not of the form 'WxH' (for example '512x512')")
+    w, h = int(m.group(1)), int(m.group(2))
+    if w <= 0 or h <= 0:
+        raise ValueError(f"size {size!r} must have positive width and height")
+    return w, h
+
+
+class MissPolicy(str, enum.Enum):
+    """What a replica does with a request that no bucket can hold."""
+
+    EAGER = "eager"
+    """Run the request unpadded and eagerly (counted as a miss)."""
+    REJECT = "reject"
+    """Answer HTTP 422 naming the dimension that missed and the largest bucket."""
+
+
+def _check_ascending(name: str, values: list[int]) -> list[int]:
+    if not values:
+        raise ValueError(f"{name} must list at least one value")
+    for v in values:
+        if v <= 0:
+            raise ValueError(f"{name} value {v} must be positive")
+    if sorted(set(values)) != list(values):
+        raise ValueError(f"{name} {values} must be strictly ascending without repeats; use {sorted(set(values))}")
+    return values
+
+
+class BucketConfig(BaseModel):
+    """The bucket table: every combination of the three lists below is one bucket.
+
+    Defaults come from the real request mix in ``bcg_core/data/krea_open_prompts_1k_flat.csv``: 512x512
+    is ~49% of images, portrait/landscape 512x768 and 768x512 the next most common sizes, and the
+    Discord bot's default of 9 images per request (18 transformer rows with classifier-free guidance).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    batch_sizes: list[int] = Field(
+        default=[1, 2, 4, 8, 16, 18],
+        description="Transformer batch rows per bucket, ascending: images x 2 when classifier-free "
+        "guidance is on (cond + uncond rows in one forward), images x 1 otherwise.",
+    )
+    resolutions: list[str] = Field(
+        default=["256x256", "512x512", "512x768", "768x768", "1024x1024"],
+        description="Resolution tiers as 'WxH' pixels. For models whose forward depends only on the "
+        "number of image tokens (FLUX) a tier holds any size with at most as many tokens; for models "
+        "keyed on the latent grid (SD3) it holds exactly that grid.",
+    )
+    text_lengths: list[int] = Field(
+        default=[256],
+        description="Text-token buckets, ascending. Models trained on unmasked fixed-length text "
+        "(FLUX, SD3) accept only their native length here.",
+    )
+    miss_policy: MissPolicy = Field(default=MissPolicy.EAGER, description="What to do on a bucket miss.")
+
+    @field_validator("batch_sizes", "text_lengths")
+    @classmethod
+    def _ascending(cls, v: list[int], info) -> list[int]:
+        return _check_ascending(info.field_name, v)
+
+    @field_validator("resolutions")
+    @classmethod
+    def _sizes(cls, v: list[str]) -> list[str]:
+        if not v:
+            raise ValueError("resolutions must list at least one 'WxH' tier")
+        seen = set()
+        for s in v:
+            wh = parse_size(s)
+            if wh in seen:
+                raise ValueError(f"resolution {s!r} is listed twice")
+            seen.add(wh)
+        return v
+
+    def resolution_pairs(self) -> list[tuple[int, int]]:
+        """The tiers as ``(width, height)`` pixel pairs, in config order."""
+        return [parse_size(s) for s in self.resolutions]
+
+
+class ModelConfig(BaseModel):
+    """Which DiT to load and how."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    path: str | None = Field(
+        default=None,
+        description="Local diffusers checkpoint directory (model_index.json, transformer/, vae/, "
+        "scheduler/, text encoder folders). None loads the tiny embedded default: seeded random "
+        "weights of the real architectures, untrained, so its images are noise.",
+    )
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(default="float32", description="Weights dtype.")
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        default="auto", description="'auto' picks CUDA when available, else CPU."
+    )
+    seed: int = Field(default=0, ge=0, description="Seed of the tiny default's random weights.")
+
+
+class LimitsConfig(BaseModel):
+    """Request limits enforced by the ingress and the replica (HTTP 422 above them)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_images: int = Field(default=10, ge=1, le=64, description="Largest n per request (OpenAI allows 1-10).")
+    min_side_px: int = Field(default=256, ge=16, description="Smallest width or height in pixels.")
+    max_side_px: int = Field(default=2048, ge=16, description="Largest width or height in pixels.")
+    max_steps: int = Field(default=50, ge=1, le=1000, description="Largest num_inference_steps.")
+    default_steps: int = Field(default=4, ge=1, description="num_inference_steps when a request omits it.")
+    default_guidance_scale: float = Field(default=3.5, ge=0.0, description="CFG scale when omitted.")
+    max_guidance_scale: float = Field(default=30.0, gt=0.0, description="Largest guidance_scale.")
+    max_prompt_chars: int = Field(default=4000, ge=1, description="Longest prompt in characters.")
+    max_body_bytes: int = Field(default=65536, ge=1024, description="Largest HTTP request body in bytes.")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "LimitsConfig":
+        if self.min_side_px > self.max_side_px:
+            raise ValueError(f"min_side_px {self.min_side_px} exceeds max_side_px {self.max_side_px}")
+        if self.default_steps > self.max_steps:
+            raise ValueError(f"default_steps {self.default_steps} exceeds max_steps {self.max_steps}")
+        return self
+
+
+class ServeConfig(BaseModel):
+    """Everything one replica needs: the embedded default is ``ServeConfig()``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    buckets: BucketConfig = Field(default_factory=BucketConfig)
+    limits: LimitsConfig = Field(default_factory=LimitsConfig)
