@@ -1,0 +1,207 @@
+"""The ``bcg`` command line: ``bcg demo``, ``bcg config``, ``bcg serve``.
+
+Subcommands that need Ray import :mod:`deployments.demo` lazily, inside the command, so that importing
+this module (and ``bcg config``) never imports Ray.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import textwrap
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+from pydantic import BaseModel
+
+from .config import ServeConfig
+
+__all__ = ["config_text", "main"]
+
+_MAX_REQUESTS = 998  # rows in the data file
+_MAX_CONCURRENCY = 16  # deployments.demo.MAX_CONCURRENCY (not imported: that would pull Ray in here)
+
+
+def _bounded_int(lo: int, hi: int | None = None):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < lo or (hi is not None and value > hi):
+            allowed = f"{lo}..{hi}" if hi is not None else f">= {lo}"
+            raise argparse.ArgumentTypeError(f"{value} is out of range ({allowed})")
+        return value
+
+    return parse
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{value} must be positive")
+    return value
+
+
+def _yaml_lines(model: BaseModel, indent: int) -> list[str]:
+    """YAML for ``model``, one key per line, each preceded by its field description as a comment."""
+    pad = " " * indent
+    lines: list[str] = []
+    for name, info in type(model).model_fields.items():
+        value = getattr(model, name)
+        doc = info.description
+        if doc is None and isinstance(value, BaseModel):
+            doc = (type(value).__doc__ or "").strip().split("\n\n")[0]
+        if doc:
+            doc = " ".join(doc.split())
+            lines += textwrap.wrap(doc, width=104 - indent, initial_indent=pad + "# ",
+                                   subsequent_indent=pad + "# ")
+        if isinstance(value, BaseModel):
+            lines.append(f"{pad}{name}:")
+            lines += _yaml_lines(value, indent + 2)
+        else:
+            # JSON scalars and flow lists are valid YAML.
+            lines.append(f"{pad}{name}: {json.dumps(value.value if hasattr(value, 'value') else value)}")
+    return lines
+
+
+def config_text(config: ServeConfig | None = None, fmt: str = "yaml") -> str:
+    """A ServeConfig as an editable YAML (with field descriptions as comments) or JSON document.
+
+    Args:
+        config: the configuration; None for the embedded default ``ServeConfig()``.
+        fmt: ``"yaml"`` or ``"json"``.
+
+    Raises:
+        ValueError: unknown ``fmt``.
+    """
+    config = ServeConfig() if config is None else config
+    if fmt == "json":
+        return json.dumps(config.model_dump(mode="json"), indent=2) + "\n"
+    if fmt != "yaml":
+        raise ValueError(f"format {fmt!r} is not one of 'yaml', 'json'")
+    head = [
+        "# bcg-serve configuration (ServeConfig); this is the embedded default.",
+        "# Edit it, then: bcg demo --config FILE   or   bcg serve --config FILE",
+    ]
+    return "\n".join(head + _yaml_lines(config, 0)) + "\n"
+
+
+def _cmd_config(args: argparse.Namespace) -> int:
+    sys.stdout.write(config_text(fmt=args.format))
+    return 0
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from deployments.demo import run_demo
+
+    return run_demo(requests=args.requests, steps=args.steps, concurrency=args.concurrency, out=args.out,
+                    port=args.port, url=args.url, config=args.config, timeout_s=args.timeout_s,
+                    num_cpus=args.num_cpus, quiet=not args.verbose)
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from deployments.demo import start_local, stop_local
+
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: Any) -> None:
+        stop.set()
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        url = start_local(args.config, args.port, args.num_cpus, quiet=not args.verbose)
+        print(f"bcg-serve is listening on {url} (Ctrl-C stops it)", flush=True)
+        print(f"  try: curl -s {url}/v1/buckets", flush=True)
+        stop.wait(args.stop_after_s)
+        print("bcg-serve: shutting down", flush=True)
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        stop_local()
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="bcg",
+        description="bcg-serve: Diffusion Transformer image generation on Ray Serve with Bucketed CUDA "
+        "Graphs (BCG).",
+    )
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    d = sub.add_parser("demo", help="start the app, replay real requests over HTTP, print the bucket table",
+                       description="Start Ray and the Serve app on 127.0.0.1 (or use --url), send the first "
+                       "N requests of bcg_core/data/krea_open_prompts_1k_flat.csv, write the PNGs, and "
+                       "print GET /v1/buckets as a table. Exit status 1 if any request failed.")
+    d.add_argument("--requests", type=_bounded_int(1, _MAX_REQUESTS), default=8, metavar="N",
+                   help="requests to send, from the top of the data file (default 8)")
+    d.add_argument("--steps", type=_bounded_int(1), default=4, metavar="S",
+                   help="num_inference_steps of each request (default 4)")
+    d.add_argument("--concurrency", type=_bounded_int(1, _MAX_CONCURRENCY), default=1, metavar="C",
+                   help=f"requests in flight at once, 1..{_MAX_CONCURRENCY} (default 1)")
+    d.add_argument("--out", default="out/demo", metavar="DIR", help="folder for the PNGs (default out/demo)")
+    d.add_argument("--port", type=_bounded_int(0, 65535), default=0, metavar="P",
+                   help="port of the local server on 127.0.0.1 (default 0: a free port)")
+    d.add_argument("--url", default=None, metavar="URL",
+                   help="use a running server at URL (e.g. http://127.0.0.1:8000) instead of starting one")
+    d.add_argument("--config", default=None, metavar="PATH",
+                   help="ServeConfig YAML/JSON for the local server (default: the embedded default; "
+                   "see `bcg config`)")
+    d.add_argument("--timeout-s", type=_positive_float, default=600.0, metavar="T",
+                   help="bound on each HTTP request in seconds (default 600)")
+    d.add_argument("--num-cpus", type=_bounded_int(2), default=4, metavar="K",
+                   help="logical CPUs of the local Ray instance (default 4)")
+    d.add_argument("--verbose", action="store_true", help="show Ray's and the replicas' logs")
+    d.set_defaults(func=_cmd_demo)
+
+    c = sub.add_parser("config", help="print the embedded default ServeConfig (YAML or JSON) to edit",
+                       description="Print the embedded default ServeConfig. Save it, edit it, and pass it "
+                       "with --config to `bcg demo` or `bcg serve`.")
+    c.add_argument("--format", choices=("yaml", "json"), default="yaml", help="output format (default yaml)")
+    c.set_defaults(func=_cmd_config)
+
+    s = sub.add_parser("serve", help="start the app on 127.0.0.1 and block until Ctrl-C",
+                       description="Start Ray and the bcg-serve application on 127.0.0.1:PORT and serve "
+                       "until Ctrl-C (or SIGTERM).")
+    s.add_argument("--config", default=None, metavar="PATH", help="ServeConfig YAML/JSON (default: embedded)")
+    s.add_argument("--port", type=_bounded_int(0, 65535), default=8000, metavar="P",
+                   help="HTTP port on 127.0.0.1 (default 8000; 0 picks a free one)")
+    s.add_argument("--num-cpus", type=_bounded_int(2), default=4, metavar="K",
+                   help="logical CPUs of the local Ray instance (default 4)")
+    s.add_argument("--stop-after-s", type=_positive_float, default=None, metavar="T",
+                   help="stop by itself after T seconds (default: run until Ctrl-C)")
+    s.add_argument("--verbose", action="store_true", help="show Ray's and the replicas' logs")
+    s.set_defaults(func=_cmd_serve)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``bcg`` command line.
+
+    Args:
+        argv: arguments without the program name; None reads ``sys.argv``.
+
+    Returns:
+        The process exit status (2 for bad arguments or a bad configuration).
+    """
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError, TimeoutError) as exc:
+        print(f"bcg {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"bcg {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
