@@ -137,7 +137,7 @@ class BucketTable:
     def __init__(self, config: BucketConfig, rules: ShapeRules):
         self.config = config
         self.rules = rules
-        self.miss_policy: MissPolicy = config.miss_policy
+        self.miss_policy = MissPolicy(config.miss_policy)
         self.batch_sizes: tuple[int, ...] = tuple(config.batch_sizes)
         self.text_lengths: tuple[int, ...] = tuple(config.text_lengths)
         native = rules.native_text_tokens

@@ -1,0 +1,22 @@
+"""bcg-serve's torch-only engine: bucket keys and table, model adapters, bucket runners, the pipeline.
+
+Never imports Ray (the Ray Serve layer lives in ``deployments/`` and ``router/``).
+"""
+
+from .buckets import BucketKey, BucketLookup, BucketTable, Dim, ShapeQuery, ShapeRules
+from .config import BucketConfig, LimitsConfig, MissPolicy, ModelConfig, ServeConfig, parse_size
+from .errors import RequestError
+from .metrics import BucketCounters, BucketMetrics
+from .models import LoadedModel, ModelSpec, build_tiny, describe_model, load_model, save_pipeline
+from .padding import DenoiseInputs, DiTAdapter, FluxAdapter
+from .pipeline import DiTPipeline, GenerationResult
+from .planner import GenerationRequest, Plan, Planner
+from .runner import BucketEntry, BucketRunner, EagerBucketRunner, RunMode
+
+__all__ = [
+    "BucketConfig", "BucketCounters", "BucketEntry", "BucketKey", "BucketLookup", "BucketMetrics", "BucketRunner",
+    "BucketTable", "DenoiseInputs", "DiTAdapter", "DiTPipeline", "Dim", "EagerBucketRunner", "FluxAdapter",
+    "GenerationRequest", "GenerationResult", "LimitsConfig", "LoadedModel", "MissPolicy", "ModelConfig",
+    "ModelSpec", "Plan", "Planner", "RequestError", "RunMode", "ServeConfig", "ShapeQuery", "ShapeRules",
+    "build_tiny", "describe_model", "load_model", "parse_size", "save_pipeline",
+]

@@ -1,0 +1,26 @@
+"""Errors that carry an HTTP status: bad input is answered, never crashes a replica."""
+
+from __future__ import annotations
+
+__all__ = ["RequestError"]
+
+
+class RequestError(ValueError):
+    """A request that cannot be served as asked; the ingress answers it with ``status``.
+
+    Attributes:
+        field: the request field at fault (``"prompt"``, ``"n"``, ``"size"``, ``"num_inference_steps"``,
+            ``"guidance_scale"``, ``"negative_prompt"``, ``"seed"``).
+        message: the whole message, naming the field and the allowed values.
+        status: HTTP status code to answer with (422 unless said otherwise).
+    """
+
+    def __init__(self, field: str, message: str, status: int = 422):
+        super().__init__(message)
+        self.field = field
+        self.message = message
+        self.status = status
+
+    def __reduce__(self):
+        # Keep field and status when Ray pickles the error across processes.
+        return (type(self), (self.field, self.message, self.status))

@@ -1,0 +1,233 @@
+"""Model adapters: how one DiT family pads a forward up to a bucket, masks the padding, and unpads.
+
+A family opts in by implementing :class:`DiTAdapter` (a ``typing.Protocol``); nothing matches class
+names. The runner owns the static buffers; the adapter knows their layout:
+
+1. :meth:`DiTAdapter.allocate` makes the static buffers of one bucket (fixed shapes and addresses, so a
+   CUDA graph can be captured over them);
+2. :meth:`DiTAdapter.fill` writes *every element* of them from a request's real inputs (pad rows are
+   copies of real row 0, never zeros: an all-masked row would make softmax NaN; pad tokens are zero and
+   masked out), so nothing of an earlier request survives;
+3. :meth:`DiTAdapter.forward` runs the model reading only the buffers;
+4. :meth:`DiTAdapter.unpad` slices the real rows and tokens back out.
+
+:meth:`DiTAdapter.forward_eager` is the unpadded reference that every bucket is checked against.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from .buckets import BucketKey, ShapeRules
+
+__all__ = ["DenoiseInputs", "DiTAdapter", "FluxAdapter", "flux_image_ids"]
+
+
+@dataclass
+class DenoiseInputs:
+    """The real (unpadded) inputs of one transformer forward.
+
+    All rows share one token grid and one text length (a forward never mixes image shapes).
+
+    Attributes:
+        latents: (rows, image_tokens, in_channels) packed latents (FLUX packs 2x2 latent patches).
+        text: (rows, text_tokens, seq_dim) text-encoder sequence embeddings.
+        pooled: (rows, pooled_dim) pooled text embeddings.
+        timestep: (rows,) flow-matching time in [0, 1] (the scheduler's timestep / 1000).
+        grid: (h, w) token grid of the image; ``h * w == image_tokens``.
+        guidance: (rows,) guidance scale for guidance-distilled models (FLUX.1-dev), else None.
+    """
+
+    latents: torch.Tensor
+    text: torch.Tensor
+    pooled: torch.Tensor
+    timestep: torch.Tensor
+    grid: tuple[int, int]
+    guidance: torch.Tensor | None = None
+
+    @property
+    def rows(self) -> int:
+        """Real rows of the forward."""
+        return self.latents.shape[0]
+
+    @property
+    def image_tokens(self) -> int:
+        """Real image tokens per row."""
+        return self.latents.shape[1]
+
+    @property
+    def text_tokens(self) -> int:
+        """Text tokens per row."""
+        return self.text.shape[1]
+
+    def select(self, rows: slice | list[int]) -> "DenoiseInputs":
+        """The same inputs restricted to some rows (for tests of batch invariance)."""
+        g = None if self.guidance is None else self.guidance[rows]
+        return DenoiseInputs(self.latents[rows], self.text[rows], self.pooled[rows], self.timestep[rows], self.grid, g)
+
+
+class DiTAdapter(Protocol):
+    """A DiT family's padding semantics (see the module docstring for the contract)."""
+
+    family: str
+    rules: ShapeRules
+    model: torch.nn.Module
+
+    def allocate(self, key: BucketKey, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """Static buffers of bucket ``key``."""
+        ...
+
+    def fill(self, buffers: dict[str, torch.Tensor], inputs: DenoiseInputs) -> None:
+        """Write every element of ``buffers`` from ``inputs``. Raises ValueError if they do not fit."""
+        ...
+
+    def forward(self, buffers: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Padded forward: (key.batch, key.image_tokens, out_channels)."""
+        ...
+
+    def unpad(self, output: torch.Tensor, inputs: DenoiseInputs) -> torch.Tensor:
+        """Real part of ``output``: (inputs.rows, inputs.image_tokens, out_channels), a view."""
+        ...
+
+    def forward_eager(self, inputs: DenoiseInputs) -> torch.Tensor:
+        """Unpadded reference forward: (inputs.rows, inputs.image_tokens, out_channels)."""
+        ...
+
+
+def flux_image_ids(grid: tuple[int, int], device=None, dtype=torch.float32) -> torch.Tensor:
+    """FLUX image position ids, as ``FluxPipeline._prepare_latent_image_ids``.
+
+    Args:
+        grid: (h, w) token grid.
+
+    Returns:
+        (h * w, 3): channel 0 zero, channel 1 the row, channel 2 the column.
+    """
+    h, w = grid
+    ids = torch.zeros(h, w, 3, device=device, dtype=dtype)
+    ids[..., 1] = torch.arange(h, device=device, dtype=dtype)[:, None]
+    ids[..., 2] = torch.arange(w, device=device, dtype=dtype)[None, :]
+    return ids.reshape(h * w, 3)
+
+
+class FluxAdapter:
+    """FLUX architecture (diffusers ``FluxTransformer2DModel``): double-stream then single-stream blocks.
+
+    Padding semantics:
+
+    - batch: pad rows copy real row 0 and are dropped after the forward.
+    - image tokens: the forward depends only on the token count (positions come in as ``img_ids``
+      tensors), so a tier holds any grid with at most its tokens. Pad tokens are zero latents with zero
+      position ids, and a boolean key-padding mask ``(batch, 1, 1, text + image)`` (passed through
+      ``joint_attention_kwargs`` to every attention) keeps real tokens from attending to them; every
+      other op of the model is per token or per row, so real tokens are unchanged.
+    - text tokens: FLUX was trained on unmasked fixed-length T5 text (512 tokens for FLUX.1-dev); text
+      keeps its native length and is never masked (DESIGN.md section 2: a mask changes the output).
+
+    Args:
+        model: a ``FluxTransformer2DModel``.
+        native_text_tokens: the text length the model was trained with.
+        vae_scale_factor: pixels per latent pixel (8 for FLUX's VAE).
+    """
+
+    family = "flux"
+
+    def __init__(self, model: torch.nn.Module, native_text_tokens: int, vae_scale_factor: int = 8):
+        self.model = model
+        patch = int(getattr(model.config, "patch_size", 1))
+        # FLUX packs 2x2 latent pixels into one token (FluxPipeline._pack_latents), then patch_size=1.
+        self.rules = ShapeRules(
+            pixels_per_token=vae_scale_factor * 2 * patch, grid_keyed=False, native_text_tokens=native_text_tokens
+        )
+        self.in_channels = int(model.config.in_channels)
+        self.out_channels = int(model.config.out_channels or model.config.in_channels)
+        self.seq_dim = int(model.config.joint_attention_dim)
+        self.pooled_dim = int(model.config.pooled_projection_dim)
+        self.guidance_embeds = bool(model.config.guidance_embeds)
+
+    def allocate(self, key: BucketKey, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """Static buffers of ``key`` (shapes in the comments)."""
+        b, s, t = key.batch, key.image_tokens, key.text_tokens
+        buf = {
+            "latents": torch.zeros(b, s, self.in_channels, device=device, dtype=dtype),  # (B, S, C_in)
+            "text": torch.zeros(b, t, self.seq_dim, device=device, dtype=dtype),  # (B, T, D_text)
+            "pooled": torch.zeros(b, self.pooled_dim, device=device, dtype=dtype),  # (B, D_pooled)
+            "timestep": torch.zeros(b, device=device, dtype=dtype),  # (B,)
+            "img_ids": torch.zeros(s, 3, device=device, dtype=dtype),  # (S, 3)
+            "txt_ids": torch.zeros(t, 3, device=device, dtype=dtype),  # (T, 3)
+            "attn_mask": torch.ones(b, 1, 1, t + s, device=device, dtype=torch.bool),  # (B, 1, 1, T + S)
+        }
+        if self.guidance_embeds:
+            buf["guidance"] = torch.zeros(b, device=device, dtype=dtype)  # (B,)
+        return buf
+
+    def fill(self, buffers: dict[str, torch.Tensor], inputs: DenoiseInputs) -> None:
+        """Copy ``inputs`` into the buffers, padding rows with row 0 and image tokens with masked zeros.
+
+        Raises:
+            ValueError: if the inputs do not fit the buffers (more rows, tokens or a different text length).
+        """
+        lat = buffers["latents"]
+        b, s, _ = lat.shape
+        t = buffers["text"].shape[1]
+        n, k = inputs.rows, inputs.image_tokens
+        if n > b or k > s or inputs.text_tokens != t or inputs.grid[0] * inputs.grid[1] != k:
+            raise ValueError(
+                f"inputs of {n} rows x {k} image tokens x {inputs.text_tokens} text tokens (grid {inputs.grid}) "
+                f"do not fit bucket buffers of {b} rows x {s} image tokens x {t} text tokens"
+            )
+        rows = torch.cat([torch.arange(n), torch.zeros(b - n, dtype=torch.long)]).to(lat.device)
+        lat[:, :k].copy_(inputs.latents.index_select(0, rows.to(inputs.latents.device)))
+        lat[:, k:].zero_()
+        buffers["text"].copy_(inputs.text.index_select(0, rows.to(inputs.text.device)))
+        buffers["pooled"].copy_(inputs.pooled.index_select(0, rows.to(inputs.pooled.device)))
+        buffers["timestep"].copy_(inputs.timestep.index_select(0, rows.to(inputs.timestep.device)))
+        if self.guidance_embeds:
+            if inputs.guidance is None:
+                raise ValueError("this FLUX model is guidance-distilled: inputs.guidance is required")
+            buffers["guidance"].copy_(inputs.guidance.index_select(0, rows.to(inputs.guidance.device)))
+        ids = buffers["img_ids"]
+        ids[:k].copy_(flux_image_ids(inputs.grid, device=ids.device, dtype=ids.dtype))
+        ids[k:].zero_()
+        buffers["txt_ids"].zero_()
+        mask = buffers["attn_mask"]
+        mask[..., : t + k] = True
+        mask[..., t + k :] = False
+
+    def _call(self, latents, text, pooled, timestep, img_ids, txt_ids, guidance, attention_kwargs):
+        return self.model(
+            hidden_states=latents,
+            encoder_hidden_states=text,
+            pooled_projections=pooled,
+            timestep=timestep,
+            img_ids=img_ids,
+            txt_ids=txt_ids,
+            guidance=guidance,
+            joint_attention_kwargs=attention_kwargs,
+            return_dict=False,
+        )[0]
+
+    def forward(self, buffers: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Padded forward over the static buffers: (B, S, C_out)."""
+        return self._call(
+            buffers["latents"], buffers["text"], buffers["pooled"], buffers["timestep"], buffers["img_ids"],
+            buffers["txt_ids"], buffers.get("guidance"), {"attention_mask": buffers["attn_mask"]},
+        )
+
+    def unpad(self, output: torch.Tensor, inputs: DenoiseInputs) -> torch.Tensor:
+        """Rows ``[0, inputs.rows)`` and image tokens ``[0, inputs.image_tokens)`` of ``output``."""
+        return output[: inputs.rows, : inputs.image_tokens]
+
+    def forward_eager(self, inputs: DenoiseInputs) -> torch.Tensor:
+        """Unpadded, unmasked reference forward, exactly as ``FluxPipeline`` calls the transformer."""
+        p = next(self.model.parameters())
+        cast = lambda x: None if x is None else x.to(device=p.device, dtype=p.dtype)  # noqa: E731
+        return self._call(
+            cast(inputs.latents), cast(inputs.text), cast(inputs.pooled), cast(inputs.timestep),
+            flux_image_ids(inputs.grid, device=p.device, dtype=p.dtype),
+            torch.zeros(inputs.text_tokens, 3, device=p.device, dtype=p.dtype),
+            cast(inputs.guidance) if self.guidance_embeds else None, None,
+        )

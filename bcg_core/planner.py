@@ -1,0 +1,187 @@
+"""Request validation and bucket planning: a request in, its bucket key (or a counted miss) out.
+
+The ingress runs a :class:`Planner` (tokenizer only, no weights) to reject bad input with a 4xx before
+it reaches a GPU replica and to compute the bucket key that routing needs; the replica runs the same
+planner again on what it receives.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, replace
+from typing import Callable
+
+from .buckets import BucketLookup, BucketTable, Dim, ShapeQuery, ShapeRules
+from .config import MissPolicy, ServeConfig
+from .errors import RequestError
+
+__all__ = ["GenerationRequest", "Plan", "Planner", "SEED_MAX"]
+
+SEED_MAX = 2**63 - 1
+"""Largest seed (``torch.Generator.manual_seed`` takes 64-bit values; JSON clients handle int64)."""
+
+
+@dataclass
+class GenerationRequest:
+    """One text-to-image request.
+
+    Attributes:
+        prompt: the text.
+        n: images to generate.
+        width, height: image size in pixels.
+        num_inference_steps: denoising steps (None: the configured default).
+        guidance_scale: classifier-free guidance scale (None: the configured default); above 1 it adds one
+            uncond row per image (cond and uncond in one forward).
+        negative_prompt: text of the uncond rows (None: the empty prompt).
+        seed: image ``i`` uses noise seeded with ``seed + i`` (None: a random seed, reported back).
+    """
+
+    prompt: str
+    n: int = 1
+    width: int = 512
+    height: int = 512
+    num_inference_steps: int | None = None
+    guidance_scale: float | None = None
+    negative_prompt: str | None = None
+    seed: int | None = None
+
+    @property
+    def cfg(self) -> bool:
+        """True when classifier-free guidance runs (uncond rows are added)."""
+        return self.guidance_scale is not None and self.guidance_scale > 1.0
+
+
+@dataclass
+class Plan:
+    """A validated request with defaults filled in, and its bucket lookup."""
+
+    request: GenerationRequest
+    lookup: BucketLookup
+    prompt_tokens: int
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+class Planner:
+    """Validates requests and maps them to buckets.
+
+    Args:
+        config: the replica's config (limits and bucket table).
+        rules: the model family's shape rules.
+        count_tokens: ``prompt -> tokens`` of the model's sequence text encoder.
+        cfg_rows: False for guidance-distilled models (guidance is an input, no uncond rows).
+    """
+
+    def __init__(self, config: ServeConfig, rules: ShapeRules, count_tokens: Callable[[str], int],
+                 cfg_rows: bool = True):
+        self.config = config
+        self.limits = config.limits
+        self.rules = rules
+        self.table = BucketTable(config.buckets, rules)
+        self.count_tokens = count_tokens
+        self.cfg_rows = cfg_rows
+
+    @classmethod
+    def from_config(cls, config: ServeConfig) -> "Planner":
+        """A planner that loads only the model's tokenizer and JSON configs (cheap; for the ingress)."""
+        from .models import describe_model, load_tokenizer_counter
+
+        spec = describe_model(config.model)
+        return cls(config, spec.rules, load_tokenizer_counter(config.model))
+
+    @property
+    def text_limit(self) -> int:
+        """Most prompt tokens a request may have: the native length, or the largest text bucket."""
+        native = self.rules.native_text_tokens
+        return native if native is not None else self.table.text_lengths[-1]
+
+    def plan(self, request: GenerationRequest) -> Plan:
+        """Validate every field of ``request``, fill defaults, and look its shape up in the table.
+
+        Raises:
+            RequestError: naming the first bad field and its allowed values; also for a miss under the
+                reject policy.
+        """
+        lim = self.limits
+        r = request
+        if not isinstance(r.prompt, str) or not r.prompt.strip():
+            raise RequestError("prompt", "prompt must be a non-empty string")
+        if len(r.prompt) > lim.max_prompt_chars:
+            raise RequestError("prompt", f"prompt has {len(r.prompt)} characters; at most {lim.max_prompt_chars} allowed")
+        if not _is_int(r.n) or not 1 <= r.n <= lim.max_images:
+            raise RequestError("n", f"n must be an integer from 1 to {lim.max_images}, got {r.n!r}")
+        for name, v in (("width", r.width), ("height", r.height)):
+            if not _is_int(v) or not lim.min_side_px <= v <= lim.max_side_px:
+                raise RequestError(
+                    "size", f"size {r.width}x{r.height}: {name} must be from {lim.min_side_px} to {lim.max_side_px} pixels"
+                )
+        try:
+            self.rules.check_size(r.width, r.height)
+        except ValueError as e:
+            raise RequestError("size", str(e)) from None
+        steps = lim.default_steps if r.num_inference_steps is None else r.num_inference_steps
+        if not _is_int(steps) or not 1 <= steps <= lim.max_steps:
+            raise RequestError(
+                "num_inference_steps", f"num_inference_steps must be an integer from 1 to {lim.max_steps}, got {steps!r}"
+            )
+        g = lim.default_guidance_scale if r.guidance_scale is None else r.guidance_scale
+        if isinstance(g, bool) or not isinstance(g, (int, float)) or not 0.0 <= g <= lim.max_guidance_scale:
+            raise RequestError(
+                "guidance_scale", f"guidance_scale must be a number from 0 to {lim.max_guidance_scale}, got {g!r}"
+            )
+        neg = "" if r.negative_prompt is None else r.negative_prompt
+        if not isinstance(neg, str) or len(neg) > lim.max_prompt_chars:
+            raise RequestError(
+                "negative_prompt", f"negative_prompt must be a string of at most {lim.max_prompt_chars} characters"
+            )
+        seed = r.seed if r.seed is not None else random.randint(0, 2**31 - 1)
+        if not _is_int(seed) or not 0 <= seed <= SEED_MAX - lim.max_images:
+            raise RequestError("seed", f"seed must be an integer from 0 to {SEED_MAX - lim.max_images}, got {seed!r}")
+        limit = self.text_limit
+        tokens = self.count_tokens(r.prompt)
+        if tokens > limit:
+            raise RequestError("prompt", f"prompt is {tokens} tokens long; this model takes at most {limit} tokens")
+        neg_tokens = self.count_tokens(neg) if neg else 0
+        if neg_tokens > limit:
+            raise RequestError(
+                "negative_prompt", f"negative_prompt is {neg_tokens} tokens long; this model takes at most {limit} tokens"
+            )
+        filled = replace(r, num_inference_steps=steps, guidance_scale=float(g), negative_prompt=neg, seed=seed)
+        lookup = self.table.lookup(self.query(filled, tokens, neg_tokens))
+        if not lookup.hit and self.table.miss_policy is MissPolicy.REJECT:
+            raise self._miss_error(filled, lookup)
+        return Plan(filled, lookup, tokens)
+
+    def rows(self, request: GenerationRequest) -> int:
+        """Transformer rows of ``request``: ``n``, doubled when classifier-free guidance adds uncond rows."""
+        return request.n * (2 if (request.cfg and self.cfg_rows) else 1)
+
+    def query(self, request: GenerationRequest, prompt_tokens: int, negative_tokens: int = 0) -> ShapeQuery:
+        """The exact forward shape of a validated request."""
+        grid = self.rules.grid(request.width, request.height)
+        native = self.rules.native_text_tokens
+        text = native if native is not None else max(prompt_tokens, negative_tokens)
+        return ShapeQuery(self.rows(request), grid[0] * grid[1], text, grid if self.rules.grid_keyed else None)
+
+    def _miss_error(self, request: GenerationRequest, lookup: BucketLookup) -> RequestError:
+        dim = lookup.missed[0]
+        t = self.table
+        if dim is Dim.BATCH:
+            per = 2 if (request.cfg and self.cfg_rows) else 1
+            most = t.batch_sizes[-1] // per
+            why = " (cond + uncond rows for guidance_scale > 1)" if per == 2 else ""
+            return RequestError(
+                "n", f"n={request.n} needs {lookup.query.batch} transformer rows{why}, above the largest batch "
+                f"bucket {t.batch_sizes[-1]}; use n <= {most}"
+            )
+        if dim is Dim.IMAGE:
+            return RequestError(
+                "size", f"size {request.width}x{request.height} fits no resolution bucket; served tiers: "
+                f"{', '.join(t.config.resolutions)} (any size with at most as many pixels as a tier)"
+                if not self.rules.grid_keyed else
+                f"size {request.width}x{request.height} is not a served resolution; served: {', '.join(t.config.resolutions)}"
+            )
+        return RequestError("prompt", f"prompt needs {lookup.query.text_tokens} text tokens, above the largest "
+                                      f"text bucket {t.text_lengths[-1]}")

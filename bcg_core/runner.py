@@ -1,0 +1,145 @@
+"""Bucket runners: execute one transformer forward on a bucket's static padded buffers.
+
+Contract (every runner, CPU or CUDA graph):
+
+- :meth:`BucketRunner.prepare` makes every bucket ready before the replica reports ready (here: static
+  buffers, largest bucket first; the CUDA graph runner captures into one shared memory pool). It is
+  idempotent.
+- :meth:`BucketRunner.run` with a key copies the real inputs into that bucket's buffers (every element,
+  so no earlier request leaks), runs the padded forward, and returns a *new* tensor holding only the real
+  rows and tokens (never a view of a static buffer that the next forward overwrites). With ``key=None``
+  (a miss under the eager policy) it runs the unpadded forward.
+- Forwards are serialised by a lock: static buffers are shared state.
+
+The bucket table decides the key; the runner trusts it.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from .buckets import BucketKey
+from .metrics import BucketMetrics
+from .padding import DenoiseInputs, DiTAdapter
+
+__all__ = ["BucketEntry", "BucketRunner", "EagerBucketRunner", "RunMode"]
+
+
+class RunMode(enum.Enum):
+    """How a bucket's forward executes."""
+
+    STATIC_EAGER = "static_eager"
+    """Eager PyTorch over the bucket's static padded buffers (CPU, or a bucket whose capture failed)."""
+    GRAPH = "graph"
+    """Replay of the bucket's captured CUDA graph."""
+
+    @property
+    def replays(self) -> bool:
+        """True when forwards replay a captured graph."""
+        return self is RunMode.GRAPH
+
+
+@dataclass
+class BucketEntry:
+    """Everything one bucket owns.
+
+    Attributes:
+        key: the bucket.
+        buffers: static input buffers (name -> tensor), fixed shapes and addresses.
+        mode: how forwards run.
+        output: the static output of a captured graph, else None.
+        graph: the captured ``torch.cuda.CUDAGraph``, else None.
+        pool_bytes: graph memory pool growth measured at capture (0 on CPU).
+        capture_s: seconds spent capturing (0 on CPU).
+        note: why the bucket runs as it does (e.g. a capture failure), for logs and ``/v1/buckets``.
+    """
+
+    key: BucketKey
+    buffers: dict[str, torch.Tensor]
+    mode: RunMode = RunMode.STATIC_EAGER
+    output: torch.Tensor | None = None
+    graph: object | None = None
+    pool_bytes: int = 0
+    capture_s: float = 0.0
+    note: str = ""
+    forwards: int = field(default=0)
+
+
+class BucketRunner(Protocol):
+    """What the pipeline needs from a runner (see the module docstring)."""
+
+    def prepare(self) -> None:
+        """Make every bucket ready (idempotent)."""
+        ...
+
+    def run(self, key: BucketKey | None, inputs: DenoiseInputs) -> torch.Tensor:
+        """One forward: (inputs.rows, inputs.image_tokens, out_channels), a new tensor."""
+        ...
+
+    def describe(self) -> list[dict]:
+        """Per-bucket state for ``/v1/buckets``: key, mode, pool_bytes, capture_s, note."""
+        ...
+
+
+class EagerBucketRunner:
+    """Runs each bucket eagerly on its static padded buffers (CPU development and CI).
+
+    Padding, masking and unpadding are exercised exactly as under CUDA graph replay; only capture and
+    replay themselves need a GPU.
+
+    Args:
+        adapter: the model family's adapter.
+        keys: the buckets to serve.
+        metrics: counters to record forwards into.
+        device, dtype: where the static buffers live (the model's device and dtype).
+    """
+
+    def __init__(self, adapter: DiTAdapter, keys: list[BucketKey], metrics: BucketMetrics,
+                 device: torch.device, dtype: torch.dtype):
+        self.adapter = adapter
+        self.keys = sorted(keys, key=lambda k: k.tokens, reverse=True)  # largest first, as capture order
+        self.metrics = metrics
+        self.device, self.dtype = device, dtype
+        self.entries: dict[BucketKey, BucketEntry] = {}
+        self._lock = threading.Lock()
+
+    def prepare(self) -> None:
+        """Allocate the static buffers of every bucket, largest first. Idempotent."""
+        with self._lock:
+            for key in self.keys:
+                if key not in self.entries:
+                    self.entries[key] = BucketEntry(key, self.adapter.allocate(key, self.device, self.dtype))
+
+    @torch.inference_mode()
+    def run(self, key: BucketKey | None, inputs: DenoiseInputs) -> torch.Tensor:
+        """One forward on bucket ``key`` (padded) or, for ``key=None``, unpadded.
+
+        Raises:
+            KeyError: if ``key`` is not one of this runner's buckets.
+            ValueError: if ``inputs`` do not fit the bucket.
+        """
+        with self._lock:
+            if key is None:
+                out = self.adapter.forward_eager(inputs).clone()
+            else:
+                entry = self.entries.get(key)
+                if entry is None:
+                    raise KeyError(f"bucket {key} is not prepared on this runner; prepared: {len(self.entries)}")
+                self.adapter.fill(entry.buffers, inputs)
+                out = self.adapter.unpad(self.adapter.forward(entry.buffers), inputs).clone()
+                entry.forwards += 1
+        self.metrics.record_forward(key)
+        return out
+
+    def describe(self) -> list[dict]:
+        """Per-bucket state, largest bucket first."""
+        return [
+            {"key": str(e.key), "mode": e.mode.value, "pool_bytes": e.pool_bytes, "capture_s": e.capture_s,
+             "forwards": e.forwards, "note": e.note}
+            for e in self.entries.values()
+        ]

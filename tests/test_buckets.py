@@ -1,0 +1,128 @@
+"""Bucket table: round-up at and around every boundary, misses that name the dimension, bad configs."""
+
+import pytest
+from pydantic import ValidationError
+
+from bcg_core import BucketConfig, BucketKey, BucketTable, Dim, MissPolicy, ShapeQuery, ShapeRules, parse_size
+
+FLUX_RULES = ShapeRules(pixels_per_token=16, grid_keyed=False, native_text_tokens=None)
+GRID_RULES = ShapeRules(pixels_per_token=16, grid_keyed=True, native_text_tokens=None)
+
+
+def _table(rules=FLUX_RULES, **kw):
+    base = dict(batch_sizes=[1, 2, 4, 8], resolutions=["256x256", "512x512", "512x768"], text_lengths=[32, 64, 128])
+    base.update(kw)
+    return BucketTable(BucketConfig(**base), rules)
+
+
+def _brute_up(values, v):
+    ups = [b for b in values if b >= v]
+    return min(ups) if ups else None
+
+
+def test_every_value_rounds_up_to_the_smallest_bucket_that_holds_it():
+    t = _table()
+    assert t.image_tiers == (256, 1024, 1536)
+    for b in range(1, 10):
+        for s in range(1, 1540, 7):
+            for text in (1, 31, 32, 33, 64, 65, 127, 128, 129):
+                lk = t.lookup(ShapeQuery(b, s, text))
+                want = (_brute_up(t.batch_sizes, b), _brute_up(t.image_tiers, s), _brute_up(t.text_lengths, text))
+                if None in want:
+                    assert not lk.hit and lk.key is None
+                else:
+                    assert lk.hit and lk.key == BucketKey(*want), (b, s, text)
+
+
+@pytest.mark.parametrize("dim,values", [("batch", [1, 2, 4, 8]), ("text", [32, 64, 128])])
+def test_boundaries_at_one_below_and_one_above(dim, values):
+    t = _table()
+    prev = 0
+    for v in values:
+        for probe, expect in ((v, v), (v - 1, v if v - 1 > prev else prev), (prev + 1, v)):
+            if probe <= 0:
+                continue
+            q = ShapeQuery(probe, 256, 32) if dim == "batch" else ShapeQuery(1, 256, probe)
+            key = t.lookup(q).key
+            assert (key.batch if dim == "batch" else key.text_tokens) == expect
+        prev = v
+
+
+def test_image_token_boundaries():
+    t = _table()
+    assert t.lookup(ShapeQuery(1, 256, 32)).key.image_tokens == 256
+    assert t.lookup(ShapeQuery(1, 257, 32)).key.image_tokens == 1024
+    assert t.lookup(ShapeQuery(1, 1023, 32)).key.image_tokens == 1024
+    assert t.lookup(ShapeQuery(1, 1025, 32)).key.image_tokens == 1536
+    assert t.lookup(ShapeQuery(1, 1536, 32)).key.image_tokens == 1536
+
+
+def test_misses_name_every_dimension_that_missed():
+    t = _table()
+    assert t.lookup(ShapeQuery(9, 256, 32)).missed == (Dim.BATCH,)
+    assert t.lookup(ShapeQuery(1, 1537, 32)).missed == (Dim.IMAGE,)
+    assert t.lookup(ShapeQuery(1, 256, 129)).missed == (Dim.TEXT,)
+    lk = t.lookup(ShapeQuery(9, 5000, 500))
+    assert set(lk.missed) == {Dim.BATCH, Dim.IMAGE, Dim.TEXT}
+    assert lk.padded_tokens == lk.query.tokens  # a miss runs unpadded
+
+
+def test_grid_keyed_family_keys_on_the_exact_grid():
+    t = _table(rules=GRID_RULES, resolutions=["512x512", "512x768", "768x512"])
+    assert t.lookup(ShapeQuery(1, 32 * 48, 32, (48, 32))).key.latent_hw == (48, 32)
+    assert t.lookup(ShapeQuery(1, 32 * 48, 32, (32, 48))).key.latent_hw == (32, 48)
+    miss = t.lookup(ShapeQuery(1, 30 * 30, 32, (30, 30)))
+    assert miss.missed == (Dim.IMAGE,)
+    assert len(t.keys) == len(t) == 4 * 3 * 3
+
+
+def test_keys_are_unique_and_cover_the_product():
+    t = _table()
+    assert len(set(t.keys)) == len(t.keys) == 4 * 3 * 3
+    assert str(BucketKey(2, 1024, 64)) == "b2_i1024_t64"
+    assert BucketKey(2, 1024, 64).tokens == 2 * (1024 + 64)
+
+
+@pytest.mark.parametrize(
+    "kw,needle",
+    [
+        (dict(batch_sizes=[4, 2]), "strictly ascending"),
+        (dict(batch_sizes=[1, 1, 2]), "strictly ascending"),
+        (dict(batch_sizes=[0, 2]), "must be positive"),
+        (dict(batch_sizes=[]), "at least one"),
+        (dict(text_lengths=[-3]), "must be positive"),
+        (dict(resolutions=["big"]), "not of the form 'WxH'"),
+        (dict(resolutions=["512x512", "512X512"]), "listed twice"),
+        (dict(resolutions=[]), "at least one"),
+        (dict(miss_policy="sometimes"), "miss_policy"),
+        (dict(unknown_field=1), "unknown_field"),
+    ],
+)
+def test_bad_configs_are_rejected_with_a_message_naming_the_value(kw, needle):
+    with pytest.raises(ValidationError) as e:
+        BucketConfig(**kw)
+    assert needle in str(e.value)
+
+
+def test_resolution_not_a_multiple_of_the_token_size_suggests_the_fix():
+    with pytest.raises(ValueError, match="width 500 is not a multiple of 16; use 496 or 512"):
+        _table(resolutions=["500x512"])
+
+
+def test_fixed_length_text_model_rejects_text_buckets():
+    rules = ShapeRules(pixels_per_token=16, grid_keyed=False, native_text_tokens=256)
+    with pytest.raises(ValueError, match=r"use text_lengths: \[256\]"):
+        _table(rules=rules, text_lengths=[64, 256])
+    assert _table(rules=rules, text_lengths=[256]).text_lengths == (256,)
+
+
+def test_resolutions_with_equal_token_counts_are_rejected_for_count_keyed_models():
+    with pytest.raises(ValueError, match="same number of image tokens"):
+        _table(resolutions=["512x768", "768x512"])
+
+
+def test_parse_size_and_policy_defaults():
+    assert parse_size("512x768") == (512, 768)
+    with pytest.raises(ValueError):
+        parse_size("512")
+    assert BucketConfig().miss_policy is MissPolicy.EAGER

@@ -1,0 +1,121 @@
+"""The whole pipeline on the tiny default model: determinism, batch invariance, padded vs eager, loading."""
+
+import io
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from bcg_core import (
+    BucketConfig, DiTPipeline, GenerationRequest, ModelConfig, RequestError, ServeConfig, build_tiny, load_model,
+    save_pipeline,
+)
+from bcg_core.models import TINY_TEXT_TOKENS, describe_model
+
+SMALL = ServeConfig(buckets=BucketConfig(batch_sizes=[1, 2, 4, 8], resolutions=["256x256", "512x512"],
+                                         text_lengths=[TINY_TEXT_TOKENS]))
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return build_tiny()
+
+
+@pytest.fixture(scope="module")
+def pipe(tiny):
+    return DiTPipeline(SMALL, tiny)
+
+
+def _pixels(png: bytes) -> np.ndarray:
+    return np.asarray(Image.open(io.BytesIO(png)).convert("RGB")).astype(np.int16)
+
+
+def test_same_request_and_seed_give_the_same_png(pipe):
+    req = GenerationRequest("a corgi astronaut on the moon", n=1, width=256, height=256, num_inference_steps=2, seed=5)
+    a, b = pipe.generate(req), pipe.generate(req)
+    assert a.images_png == b.images_png
+    img = Image.open(io.BytesIO(a.images_png[0]))
+    assert img.size == (256, 256) and img.format == "PNG"
+    c = pipe.generate(GenerationRequest(**{**vars(req), "seed": 6}))
+    assert c.images_png != a.images_png
+
+
+def test_image_does_not_depend_on_how_many_images_share_its_forward(pipe):
+    one = pipe.generate(GenerationRequest("p. cubensis", n=1, width=256, height=272, num_inference_steps=2, seed=9))
+    three = pipe.generate(GenerationRequest("p. cubensis", n=3, width=256, height=272, num_inference_steps=2, seed=9))
+    assert one.bucket == "b2_i1024_t256" and three.bucket == "b8_i1024_t256"  # 2 and 6 rows with CFG
+    assert np.abs(_pixels(one.images_png[0]) - _pixels(three.images_png[0])).max() <= 1
+    assert np.abs(_pixels(three.images_png[0]) - _pixels(three.images_png[1])).max() > 10  # other noise
+
+
+def test_padded_denoise_equals_the_unpadded_eager_denoise(pipe):
+    req = pipe.planner.plan(GenerationRequest("totem animal", n=3, width=256, height=320, num_inference_steps=3,
+                                              seed=1, guidance_scale=4.0))
+    r, key = req.request, req.lookup.key
+    assert key is not None and key.batch == 8 and key.image_tokens == 1024  # 6 rows, 320 tokens: both padded
+    text, pooled = pipe.encode(r, True, TINY_TEXT_TOKENS)
+    padded = pipe.denoise(r, True, text, pooled, key)
+    eager = pipe.denoise(r, True, text, pooled, None)
+    err = ((padded - eager).abs().max() / eager.abs().max()).item()
+    assert err < 1e-5
+
+
+def test_counters_follow_hits_and_misses(tiny):
+    p = DiTPipeline(SMALL, tiny)
+    p.generate(GenerationRequest("a", n=1, width=256, height=256, num_inference_steps=1, seed=0))
+    p.generate(GenerationRequest("a", n=5, width=256, height=256, num_inference_steps=1, seed=0))  # 10 rows: miss
+    p.generate(GenerationRequest("a", n=1, width=256, height=256, num_inference_steps=1, guidance_scale=1.0, seed=0))
+    s = p.stats()
+    by_key = {b["key"]: b for b in s["buckets"]}
+    assert by_key["b2_i256_t256"]["requests"] == 1 and by_key["b2_i256_t256"]["hits"] == 1
+    assert by_key["b2_i256_t256"]["forwards"] == 1
+    assert by_key["b1_i256_t256"]["requests"] == 1  # guidance 1: no uncond rows
+    assert s["misses"]["requests"] == 1 and s["misses"]["by_dim"]["batch"] == 1
+    assert s["totals"] == {"requests": 3, "hits": 2, "misses": 1}
+    assert s["model"]["name"] == "bcg-tiny-flux"
+
+
+def test_padding_waste_is_measured_in_tokens(tiny):
+    p = DiTPipeline(SMALL, tiny)
+    p.generate(GenerationRequest("a", n=3, width=256, height=256, num_inference_steps=1, seed=0))  # 6 -> 8 rows
+    b = {b["key"]: b for b in p.stats()["buckets"]}["b8_i256_t256"]
+    assert b["real_tokens"] == 6 * (256 + 256) and b["padded_tokens"] == 8 * (256 + 256)
+    assert b["padding_waste_pct"] == 25.0
+
+
+def test_saved_tiny_pipeline_loads_back_and_gives_the_same_image(tiny, tmp_path):
+    folder = save_pipeline(tiny, tmp_path / "tiny")
+    assert (folder / "model_index.json").is_file() and (folder / "transformer" / "config.json").is_file()
+    cfg = ModelConfig(path=str(folder))
+    assert describe_model(cfg).rules == tiny.adapter.rules
+    loaded = load_model(cfg)
+    assert loaded.native_text_tokens == TINY_TEXT_TOKENS
+    req = GenerationRequest("inmates with cow heads", n=1, width=256, height=256, num_inference_steps=2, seed=3)
+    a = DiTPipeline(SMALL, tiny).generate(req)
+    b = DiTPipeline(SMALL.model_copy(update={"model": cfg}), loaded).generate(req)
+    assert a.images_png == b.images_png
+
+
+def test_loading_a_folder_that_is_not_a_checkpoint_says_what_is_missing(tmp_path):
+    with pytest.raises(FileNotFoundError, match="model_index.json is missing"):
+        load_model(ModelConfig(path=str(tmp_path)))
+    (tmp_path / "model_index.json").write_text('{"_class_name": "StableDiffusionPipeline"}')
+    with pytest.raises(ValueError, match="supported: FluxPipeline"):
+        load_model(ModelConfig(path=str(tmp_path)))
+
+
+def test_tiny_weights_are_seeded(tiny):
+    other = build_tiny(ModelConfig(seed=0))
+    for a, b in zip(tiny.adapter.model.parameters(), other.adapter.model.parameters()):
+        assert torch.equal(a, b)
+    third = build_tiny(ModelConfig(seed=1))
+    assert not torch.equal(next(tiny.adapter.model.parameters()), next(third.adapter.model.parameters()))
+
+
+def test_reject_policy_turns_a_miss_into_a_request_error(tiny):
+    cfg = ServeConfig(buckets=BucketConfig(**{**SMALL.buckets.model_dump(), "miss_policy": "reject"}))
+    p = DiTPipeline(cfg, tiny)
+    with pytest.raises(RequestError) as e:
+        p.generate(GenerationRequest("a", n=5, width=256, height=256, num_inference_steps=1))
+    assert e.value.field == "n" and "use n <= 4" in e.value.message

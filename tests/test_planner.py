@@ -1,0 +1,72 @@
+"""Request validation and planning: each bad field gets an error naming it and the allowed values."""
+
+import pytest
+
+from bcg_core import BucketConfig, Dim, GenerationRequest, MissPolicy, Planner, RequestError, ServeConfig, ShapeRules
+
+RULES = ShapeRules(pixels_per_token=16, grid_keyed=False, native_text_tokens=32)
+
+
+def _planner(policy=MissPolicy.EAGER) -> Planner:
+    cfg = ServeConfig(buckets=BucketConfig(batch_sizes=[1, 2, 4, 8], resolutions=["256x256", "512x512"],
+                                           text_lengths=[32], miss_policy=policy))
+    return Planner(cfg, RULES, count_tokens=lambda s: len(s.split()) + 2)
+
+
+@pytest.mark.parametrize(
+    "kw,field,needle",
+    [
+        (dict(prompt=""), "prompt", "non-empty"),
+        (dict(prompt="   "), "prompt", "non-empty"),
+        (dict(prompt=123), "prompt", "non-empty string"),
+        (dict(prompt="x" * 4001), "prompt", "at most 4000"),
+        (dict(prompt="word " * 31), "prompt", "at most 32 tokens"),
+        (dict(n=0), "n", "from 1 to 10"),
+        (dict(n=11), "n", "from 1 to 10"),
+        (dict(n="two"), "n", "integer"),
+        (dict(n=True), "n", "integer"),
+        (dict(width=500), "size", "not a multiple of 16; use 496 or 512"),
+        (dict(width=128), "size", "from 256 to 2048"),
+        (dict(height=4096), "size", "from 256 to 2048"),
+        (dict(num_inference_steps=0), "num_inference_steps", "from 1 to 50"),
+        (dict(num_inference_steps=51), "num_inference_steps", "from 1 to 50"),
+        (dict(num_inference_steps=2.5), "num_inference_steps", "integer"),
+        (dict(guidance_scale=-1.0), "guidance_scale", "from 0 to 30"),
+        (dict(guidance_scale="high"), "guidance_scale", "number"),
+        (dict(negative_prompt=5), "negative_prompt", "string"),
+        (dict(negative_prompt="word " * 40), "negative_prompt", "at most 32 tokens"),
+        (dict(seed=-1), "seed", "integer from 0"),
+        (dict(seed=2**64), "seed", "integer from 0"),
+    ],
+)
+def test_bad_fields_are_named_with_allowed_values(kw, field, needle):
+    req = GenerationRequest(**{"prompt": "a cat", **kw})
+    with pytest.raises(RequestError) as e:
+        _planner().plan(req)
+    assert e.value.field == field and needle in e.value.message and e.value.status == 422
+
+
+def test_defaults_are_filled_and_cfg_doubles_the_rows():
+    p = _planner().plan(GenerationRequest("a cat", n=3))
+    r = p.request
+    assert r.num_inference_steps == 4 and r.guidance_scale == 3.5 and r.negative_prompt == "" and r.seed is not None
+    assert p.lookup.query.batch == 6 and p.lookup.key.batch == 8
+    assert p.lookup.query.text_tokens == 32  # fixed-length text: always the native length
+    q = _planner().plan(GenerationRequest("a cat", n=3, guidance_scale=1.0))
+    assert q.lookup.query.batch == 3 and q.lookup.key.batch == 4
+
+
+def test_eager_policy_returns_a_counted_miss_and_reject_policy_an_error_naming_the_field():
+    miss = _planner().plan(GenerationRequest("a cat", n=5))
+    assert not miss.lookup.hit and miss.lookup.missed == (Dim.BATCH,)
+    with pytest.raises(RequestError) as e:
+        _planner(MissPolicy.REJECT).plan(GenerationRequest("a cat", n=5))
+    assert e.value.field == "n" and "10 transformer rows" in e.value.message and "use n <= 4" in e.value.message
+    with pytest.raises(RequestError) as e:
+        _planner(MissPolicy.REJECT).plan(GenerationRequest("a cat", width=768, height=768))
+    assert e.value.field == "size" and "256x256, 512x512" in e.value.message
+
+
+def test_sizes_between_tiers_round_up():
+    p = _planner().plan(GenerationRequest("a cat", width=512, height=320))
+    assert p.lookup.query.image_tokens == 32 * 20 and p.lookup.key.image_tokens == 1024
