@@ -1,0 +1,35 @@
+"""Ray Serve layer of bcg-serve: HTTP ingress (OpenAI Images API), DiT replica, app builder."""
+
+from .app import AppArgs, build_app, load_config
+from .dit import DiTReplica, as_generation_request
+from .ingress import Ingress, error_response, find_request_error, validation_error_response
+from .schemas import (
+    BcgInfo,
+    ErrorBody,
+    ErrorDetail,
+    ImageData,
+    ImageGenerationRequest,
+    ImageGenerationResponse,
+    RequestLimits,
+    allowed_values,
+)
+
+__all__ = [
+    "AppArgs",
+    "BcgInfo",
+    "DiTReplica",
+    "ErrorBody",
+    "ErrorDetail",
+    "ImageData",
+    "ImageGenerationRequest",
+    "ImageGenerationResponse",
+    "Ingress",
+    "RequestLimits",
+    "allowed_values",
+    "as_generation_request",
+    "build_app",
+    "error_response",
+    "find_request_error",
+    "load_config",
+    "validation_error_response",
+]

@@ -1,0 +1,93 @@
+"""Application builder: ``serve run deployments.app:build_app [config_path=serve.yaml]``.
+
+Arguments (``serve run`` ``key=value`` pairs, or ``args:`` in a Serve config file):
+
+- ``config``: a ``ServeConfig`` mapping (``model``, ``buckets``, ``limits``), or
+- ``config_path``: a YAML or JSON file holding that mapping;
+- ``dit_replicas``: DiT replicas (default 1; one per GPU);
+- ``dit_num_gpus``: GPUs per DiT replica (default: 1 when ``model.device`` is ``cuda``, or ``auto`` and this
+  process sees CUDA, else 0; set 1 explicitly when the driver has no GPU but the workers do).
+
+Without ``config`` or ``config_path`` the embedded default ``ServeConfig()`` is served. ``app`` is that
+default application, for ``serve run deployments.app:app``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Mapping
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field
+from ray.serve import Application
+
+from bcg_core.config import ServeConfig
+
+from .dit import DiTReplica
+from .ingress import Ingress
+
+__all__ = ["AppArgs", "app", "build_app", "load_config"]
+
+
+class AppArgs(BaseModel):
+    """Arguments of :func:`build_app`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    config: dict[str, Any] | None = Field(default=None, description="ServeConfig mapping.")
+    config_path: str | None = Field(default=None, description="YAML or JSON file with a ServeConfig mapping.")
+    dit_replicas: int = Field(default=1, ge=1, description="Number of DiT replicas (one per GPU).")
+    dit_num_gpus: float | None = Field(default=None, ge=0, description="GPUs per DiT replica; None = detect.")
+
+
+def load_config(config: Mapping[str, Any] | None = None, config_path: str | Path | None = None) -> ServeConfig:
+    """Build the served ``ServeConfig`` from a mapping or a YAML/JSON file.
+
+    Raises:
+        ValueError: both or an unreadable/non-mapping file; pydantic.ValidationError: a bad config.
+    """
+    if config is not None and config_path is not None:
+        raise ValueError("give either config or config_path, not both")
+    if config_path is not None:
+        data = yaml.safe_load(Path(config_path).read_text())  # YAML is a superset of JSON
+        if not isinstance(data, dict):
+            raise ValueError(f"config_path {str(config_path)!r} must hold a mapping with model/buckets/limits")
+        config = data
+    return ServeConfig.model_validate(dict(config or {}))
+
+
+def _default_num_gpus(config: ServeConfig) -> float:
+    if config.model.device == "cuda":
+        return 1
+    if config.model.device == "cpu":
+        return 0
+    import torch
+
+    return 1 if torch.cuda.is_available() else 0
+
+
+def build_app(args: Mapping[str, Any] | None = None) -> Application:
+    """Bind the ingress and DiT deployments into one Serve application.
+
+    Args:
+        args: see the module docstring (keys ``config``, ``config_path``, ``dit_replicas``, ``dit_num_gpus``).
+
+    Returns:
+        The application; its ingress is :class:`~deployments.ingress.Ingress` (0 CPUs, so it fits next to
+        the replicas on a small machine).
+
+    Raises:
+        pydantic.ValidationError: unknown argument or bad config.
+    """
+    parsed = AppArgs.model_validate(dict(args or {}))
+    config = load_config(parsed.config, parsed.config_path)
+    as_dict = config.model_dump(mode="json")
+    num_gpus = parsed.dit_num_gpus if parsed.dit_num_gpus is not None else _default_num_gpus(config)
+    dit = DiTReplica.options(
+        num_replicas=parsed.dit_replicas,
+        ray_actor_options={"num_cpus": 1, "num_gpus": num_gpus},
+    ).bind(as_dict)
+    return Ingress.options(ray_actor_options={"num_cpus": 0}).bind(dit, as_dict)
+
+
+app = build_app({})

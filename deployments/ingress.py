@@ -1,0 +1,280 @@
+"""HTTP ingress: OpenAI Images API on FastAPI, validated and planned before any GPU work.
+
+Routes (relative to the application's route prefix):
+
+- ``POST /v1/images/generations``: body :class:`~deployments.schemas.ImageGenerationRequest`, answer
+  :class:`~deployments.schemas.ImageGenerationResponse`.
+- ``GET /v1/buckets``: the DiT replica's ``DiTPipeline.stats()``.
+- ``GET /healthz``: ``{"status": "ok"}``.
+
+Every error is answered in OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``: 413 for a
+body over ``limits.max_body_bytes``, 400 for a body that is not JSON, 422 for a field that fails
+validation or planning (the message names the field and the values it accepts), 500 for a server fault.
+"""
+
+# No ``from __future__ import annotations`` here: FastAPI reads the route signatures (``request: Request``)
+# of the class-based view that ``serve.ingress`` builds, and postponed annotations hide them from it.
+
+import logging
+import time
+from base64 import b64encode
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+from ray import serve
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from bcg_core.config import MissPolicy, ServeConfig
+from bcg_core.errors import RequestError
+from bcg_core.planner import GenerationRequest, Planner
+
+from .schemas import (
+    BcgInfo,
+    ErrorBody,
+    ErrorDetail,
+    ImageData,
+    ImageGenerationRequest,
+    ImageGenerationResponse,
+    RequestLimits,
+    allowed_values,
+)
+
+__all__ = ["Ingress", "error_response", "find_request_error", "validation_error_response"]
+
+logger = logging.getLogger("ray.serve")
+
+app = FastAPI(
+    title="bcg-serve",
+    description="Diffusion Transformer image generation with Bucketed CUDA Graphs (BCG) on Ray Serve; "
+    "OpenAI Images API compatible.",
+)
+
+_ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorBody} for code in (400, 413, 422, 500, 503)
+}
+
+
+def error_response(status: int, message: str, param: str | None = None, type_: str | None = None) -> JSONResponse:
+    """An OpenAI-shaped error answer.
+
+    Args:
+        status: HTTP status code.
+        message: human message naming the field and the values it accepts.
+        param: the request field at fault, or None.
+        type_: OpenAI error type; default ``"invalid_request_error"`` below 500, ``"server_error"`` above.
+    """
+    kind = type_ or ("server_error" if status >= 500 else "invalid_request_error")
+    body = ErrorBody(error=ErrorDetail(message=message, type=kind, param=param))
+    return JSONResponse(status_code=status, content=body.model_dump())
+
+
+def _short(value: Any, limit: int = 40) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def validation_error_response(exc: ValidationError, limits: RequestLimits) -> JSONResponse:
+    """Turn a pydantic error of :class:`ImageGenerationRequest` into an OpenAI error answer.
+
+    Returns:
+        400 when the body is not JSON, else 422; ``param`` is the first field at fault and the message
+        lists every fault, each with the values its field accepts.
+    """
+    fields = ", ".join(ImageGenerationRequest.model_fields)
+    messages: list[str] = []
+    param: str | None = None
+    status = 422
+    for err in exc.errors(include_url=False):
+        loc = [str(p) for p in err.get("loc", ())]
+        name = loc[0] if loc else None
+        kind = err.get("type", "")
+        msg = str(err.get("msg", "")).removeprefix("Value error, ")
+        if kind == "json_invalid":
+            status = 400
+            messages.append(f"request body is not valid JSON ({err.get('ctx', {}).get('error', msg)}); "
+                            f"send a JSON object with the fields {fields}")
+            continue
+        if name is None:
+            messages.append(f"request body must be a JSON object with the fields {fields} ({msg})")
+            continue
+        param = param or name
+        if kind == "extra_forbidden":
+            messages.append(f"unknown field '{name}'; allowed fields: {fields}")
+        elif kind == "missing":
+            messages.append(f"'{name}' is required: {allowed_values(name, limits)}")
+        else:
+            got = f" (got {_short(err['input'])})" if "input" in err else ""
+            messages.append(f"invalid '{name}'{got}: {msg}; allowed: {allowed_values(name, limits)}")
+    return error_response(status, "; ".join(messages) or str(exc), param=param)
+
+
+def find_request_error(exc: BaseException) -> RequestError | None:
+    """The :class:`RequestError` inside ``exc``, however Ray wrapped it, or None.
+
+    Ray re-raises a replica's exception as a ``RayTaskError`` that usually also subclasses the original
+    class (so ``isinstance`` works) and keeps the original in ``.cause``; both are checked, plus the
+    ``__cause__`` chain, a bounded number of levels deep.
+    """
+    seen: BaseException | None = exc
+    for _ in range(8):
+        if seen is None:
+            return None
+        if isinstance(seen, RequestError):
+            cause = getattr(seen, "cause", None)
+            return cause if isinstance(cause, RequestError) else seen
+        seen = getattr(seen, "cause", None) or seen.__cause__
+    return None
+
+
+@app.exception_handler(RequestValidationError)
+async def _fastapi_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+    errs = exc.errors()
+    param = str(errs[0]["loc"][-1]) if errs and errs[0].get("loc") else None
+    return error_response(422, f"invalid request: {errs}", param=param)
+
+
+@app.exception_handler(StarletteHTTPException)
+async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    return error_response(exc.status_code, f"{exc.detail} ({request.method} {request.url.path})")
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+async def _read_body(request: Request, max_bytes: int) -> bytes:
+    """Read the body, stopping as soon as it exceeds ``max_bytes`` (raises :class:`_BodyTooLarge`)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise _BodyTooLarge(int(declared))
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise _BodyTooLarge(size)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+@serve.deployment
+@serve.ingress(app)
+class Ingress:
+    """FastAPI ingress: validates, plans (bucket lookup, miss policy) and forwards to the DiT replica.
+
+    Args:
+        dit_handle: handle of the :class:`~deployments.dit.DiTReplica` deployment.
+        config: a ``ServeConfig`` as a mapping (``ServeConfig.model_dump(mode="json")``).
+
+    Raises:
+        pydantic.ValidationError: on a bad config (at replica start).
+    """
+
+    def __init__(self, dit_handle, config: dict):
+        self._config = ServeConfig.model_validate(config)
+        self._dit = dit_handle
+        self._planner = Planner.from_config(self._config)
+        self._model_name: str | None = None
+        self._model_known = False  # the name is read once from the replica's stats, on the first request
+        self._limits = self._request_limits()
+
+    def _request_limits(self) -> RequestLimits:
+        return RequestLimits(
+            limits=self._config.limits,
+            size_multiple=self._planner.table.rules.pixels_per_token,
+            model_name=self._model_name,
+            resolutions=tuple(self._config.buckets.resolutions),
+        )
+
+    async def _served_model_name(self) -> str | None:
+        if not self._model_known:
+            stats = await self._dit.stats.remote()
+            self._model_name = (stats.get("model") or {}).get("name")
+            self._model_known = True
+            self._limits = self._request_limits()
+        return self._model_name
+
+    @app.get("/healthz")
+    async def healthz(self) -> dict[str, str]:
+        """Liveness: ``{"status": "ok"}``."""
+        return {"status": "ok"}
+
+    @app.get("/v1/buckets", responses={500: {"model": ErrorBody}})
+    async def buckets(self) -> dict:
+        """Per-bucket counters of the DiT replica (``DiTPipeline.stats()``)."""
+        return await self._dit.stats.remote()
+
+    @app.post(
+        "/v1/images/generations",
+        response_model=ImageGenerationResponse,
+        responses=_ERROR_RESPONSES,
+        openapi_extra={
+            "requestBody": {
+                "required": True,
+                "content": {"application/json": {"schema": ImageGenerationRequest.model_json_schema()}},
+            }
+        },
+    )
+    async def generate(self, request: Request):
+        """Generate ``n`` images for a prompt (OpenAI ``images.generate``)."""
+        limits = self._limits
+        try:
+            body = await _read_body(request, limits.limits.max_body_bytes)
+        except _BodyTooLarge as exc:
+            return error_response(
+                413, f"request body of {exc.args[0]} bytes is over the limit of {limits.limits.max_body_bytes} bytes"
+            )
+        try:
+            await self._served_model_name()
+        except Exception:  # noqa: BLE001
+            logger.exception("stats of the DiT replica failed")
+            return error_response(503, "the image model is not available yet; retry shortly")
+        limits = self._limits
+        try:
+            req = ImageGenerationRequest.model_validate_json(body, context={"limits": limits})
+            width, height = req.width_height()
+            plan = self._planner.plan(
+                GenerationRequest(
+                    prompt=req.prompt,
+                    n=req.n or 1,
+                    width=width,
+                    height=height,
+                    num_inference_steps=req.num_inference_steps,
+                    guidance_scale=req.guidance_scale,
+                    negative_prompt=req.negative_prompt,
+                    seed=req.seed,
+                )
+            )
+        except ValidationError as exc:
+            return validation_error_response(exc, limits)
+        except RequestError as exc:
+            return error_response(exc.status, exc.message, param=exc.field)
+        if not plan.lookup.hit and self._planner.table.miss_policy is MissPolicy.REJECT:
+            # The planner is expected to reject this itself; kept so a reject policy can never run eager.
+            missed = [d.value for d in plan.lookup.missed]
+            param = {"image_tokens": "size", "batch": "n", "text_tokens": "prompt"}[missed[0]]
+            return error_response(422, f"no bucket holds this request ({', '.join(missed)} missed; table: "
+                                  f"{self._planner.table.describe_limits()}) and the miss policy is reject",
+                                  param=param)
+        try:
+            result = await self._dit.generate.remote(plan.request)
+        except Exception as exc:  # noqa: BLE001 - every failure is answered, the server keeps serving
+            found = find_request_error(exc)
+            if found is not None:
+                return error_response(found.status, found.message, param=found.field)
+            logger.exception("generation failed")
+            return error_response(500, f"generation failed: {type(exc).__name__}")
+        return ImageGenerationResponse(
+            created=int(time.time()),
+            data=[ImageData(b64_json=b64encode(png).decode("ascii")) for png in result.images_png],
+            bcg=BcgInfo(
+                bucket=result.bucket,
+                hit=result.hit,
+                missed=list(result.missed),
+                seed=result.seed,
+                timings_ms=dict(result.timings_ms),
+            ),
+        )

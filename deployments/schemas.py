@@ -1,0 +1,243 @@
+"""Request and response bodies of the HTTP API (OpenAI Images API compatible, plus BCG extensions).
+
+Validation is strict (no ``"2"`` for an integer, no ``true`` for a number) and rejects unknown fields.
+The limits that depend on the served configuration (largest ``n``, step count, side lengths, the size
+multiple of the model, the served model name) come in through pydantic's validation context as a
+:class:`RequestLimits`::
+
+    ImageGenerationRequest.model_validate_json(body, context={"limits": RequestLimits(...)})
+
+Without a context the defaults of :class:`bcg_core.config.LimitsConfig` apply. Every error message
+names the field and the values it accepts (:func:`allowed_values`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+
+from bcg_core.config import LimitsConfig, parse_size
+from bcg_core.planner import SEED_MAX
+
+__all__ = [
+    "BcgInfo",
+    "ErrorBody",
+    "ErrorDetail",
+    "ImageData",
+    "ImageGenerationRequest",
+    "ImageGenerationResponse",
+    "RequestLimits",
+    "allowed_values",
+]
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What the served configuration allows; handed to validation through the pydantic context.
+
+    Attributes:
+        limits: the ``limits`` section of the served ``ServeConfig``.
+        size_multiple: width and height must be multiples of this many pixels (the model's pixels per
+            token side, e.g. 16 = VAE factor 8 x patch size 2).
+        model_name: name of the served model; a request's ``model`` must equal it. None skips the check.
+        resolutions: the bucket resolution tiers (for messages only).
+    """
+
+    limits: LimitsConfig = field(default_factory=LimitsConfig)
+    size_multiple: int = 16
+    model_name: str | None = None
+    resolutions: tuple[str, ...] = ()
+
+
+def _limits(info: ValidationInfo) -> RequestLimits:
+    ctx = info.context or {}
+    return ctx.get("limits") or RequestLimits()
+
+
+def allowed_values(name: str, limits: RequestLimits) -> str:
+    """Describe what a request field accepts, for error messages.
+
+    Args:
+        name: a field of :class:`ImageGenerationRequest` (or any other name, for unknown fields).
+        limits: the served limits.
+
+    Returns:
+        A short phrase such as ``"an integer from 1 to 10"``.
+    """
+    lim = limits.limits
+    if name == "prompt":
+        return f"a non-empty string of at most {lim.max_prompt_chars} characters"
+    if name == "model":
+        return f"{limits.model_name!r} (or omit it)" if limits.model_name else "the served model name (or omit it)"
+    if name == "n":
+        return f"an integer from 1 to {lim.max_images}"
+    if name == "size":
+        tiers = f"; bucketed sizes: {', '.join(limits.resolutions)}" if limits.resolutions else ""
+        return (
+            f"a string 'WxH' with width and height from {lim.min_side_px} to {lim.max_side_px} pixels, "
+            f"each a multiple of {limits.size_multiple}{tiers}"
+        )
+    if name == "response_format":
+        return "'b64_json'"
+    if name == "user":
+        return "a string (ignored)"
+    if name == "seed":
+        return f"an integer from 0 to {SEED_MAX - lim.max_images}"
+    if name == "num_inference_steps":
+        return f"an integer from 1 to {lim.max_steps}"
+    if name == "guidance_scale":
+        return f"a number from 0 to {lim.max_guidance_scale:g} (above 1 enables classifier-free guidance)"
+    if name == "negative_prompt":
+        return f"a string of at most {lim.max_prompt_chars} characters"
+    return "one of the fields " + ", ".join(ImageGenerationRequest.model_fields)
+
+
+class ImageGenerationRequest(BaseModel):
+    """Body of ``POST /v1/images/generations``: OpenAI's fields plus the BCG extensions.
+
+    ``null`` for a field with a default means the default.
+    """
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+    prompt: str = Field(description="Text to generate images for: 1 to limits.max_prompt_chars characters; "
+                        "its token count must fit the largest text bucket (checked by the planner).")
+    model: str | None = Field(default=None, description="Served model name; omit it or send exactly that name.")
+    n: int | None = Field(default=1, description="Number of images, 1 to limits.max_images.")
+    size: str | None = Field(
+        default="512x512",
+        description="'WxH' in pixels; each side from limits.min_side_px to limits.max_side_px and a multiple "
+        "of the model's pixels per token (16 for the default model).",
+    )
+    response_format: Literal["b64_json"] | None = Field(
+        default="b64_json", description="Only 'b64_json' (base64 PNG in the response); 'url' is not served."
+    )
+    user: str | None = Field(default=None, description="End-user id (OpenAI field); accepted and ignored.")
+    seed: int | None = Field(default=None, description="Noise seed of image 0 (image i uses seed + i), 0 to 2**63-1-limits.max_images; "
+                      "omitted = random, reported back.")
+    num_inference_steps: int | None = Field(
+        default=None, description="Denoising steps, 1 to limits.max_steps; omitted = limits.default_steps."
+    )
+    guidance_scale: float | None = Field(
+        default=None,
+        description="Classifier-free guidance scale, 0 to limits.max_guidance_scale; above 1 runs cond + uncond "
+        "rows (2n transformer rows). Omitted = limits.default_guidance_scale.",
+    )
+    negative_prompt: str | None = Field(default=None, description="Text to guide away from (used with CFG).")
+
+    @field_validator("prompt", "negative_prompt")
+    @classmethod
+    def _text(cls, v: str | None, info: ValidationInfo) -> str | None:
+        if v is None:
+            return v
+        lim = _limits(info).limits
+        if info.field_name == "prompt" and not v.strip():
+            raise ValueError("it is empty")
+        if len(v) > lim.max_prompt_chars:
+            raise ValueError(f"it has {len(v)} characters")
+        return v
+
+    @field_validator("model")
+    @classmethod
+    def _model(cls, v: str | None, info: ValidationInfo) -> str | None:
+        name = _limits(info).model_name
+        if v is not None and name is not None and v != name:
+            raise ValueError(f"model {v!r} is not served here")
+        return v
+
+    @field_validator("n")
+    @classmethod
+    def _n(cls, v: int | None, info: ValidationInfo) -> int:
+        if v is None:
+            return 1
+        if not 1 <= v <= _limits(info).limits.max_images:
+            raise ValueError(f"{v} is out of range")
+        return v
+
+    @field_validator("size")
+    @classmethod
+    def _size(cls, v: str | None, info: ValidationInfo) -> str:
+        if v is None:
+            return "512x512"
+        lim = _limits(info)
+        w, h = parse_size(v)  # ValueError names the expected form
+        for side, px in (("width", w), ("height", h)):
+            if not lim.limits.min_side_px <= px <= lim.limits.max_side_px:
+                raise ValueError(f"{side} {px} is out of range")
+            if px % lim.size_multiple:
+                lo = max(lim.size_multiple, px - px % lim.size_multiple)
+                raise ValueError(f"{side} {px} is not a multiple of {lim.size_multiple} (use {lo} or "
+                                 f"{px - px % lim.size_multiple + lim.size_multiple})")
+        return f"{w}x{h}"
+
+    @field_validator("response_format")
+    @classmethod
+    def _format(cls, v: str | None) -> str:
+        return v or "b64_json"
+
+    @field_validator("seed")
+    @classmethod
+    def _seed(cls, v: int | None, info: ValidationInfo) -> int | None:
+        # image i uses seed + i, so the top of the range leaves room for n images
+        if v is not None and not 0 <= v <= SEED_MAX - _limits(info).limits.max_images:
+            raise ValueError(f"{v} is out of range")
+        return v
+
+    @field_validator("num_inference_steps")
+    @classmethod
+    def _steps(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v is not None and not 1 <= v <= _limits(info).limits.max_steps:
+            raise ValueError(f"{v} is out of range")
+        return v
+
+    @field_validator("guidance_scale")
+    @classmethod
+    def _guidance(cls, v: float | None, info: ValidationInfo) -> float | None:
+        if v is not None and not (math.isfinite(v) and 0.0 <= v <= _limits(info).limits.max_guidance_scale):
+            raise ValueError(f"{v} is out of range")
+        return v
+
+    def width_height(self) -> tuple[int, int]:
+        """``(width, height)`` in pixels of :attr:`size`."""
+        return parse_size(self.size or "512x512")
+
+
+class ImageData(BaseModel):
+    """One generated image."""
+
+    b64_json: str = Field(description="Base64 of a PNG file.")
+
+
+class BcgInfo(BaseModel):
+    """How the request was served (extension of the OpenAI response)."""
+
+    bucket: str | None = Field(description="Bucket key, e.g. 'b2_i1024_t256'; null on a miss (eager run).")
+    hit: bool = Field(description="True when a bucket held the request.")
+    missed: list[str] = Field(description="Key dimensions that missed: 'batch', 'image_tokens', 'text_tokens'.")
+    seed: int = Field(description="Seed used (the request's, or the random one drawn for it).")
+    timings_ms: dict[str, float] = Field(description="'encode', 'denoise', 'decode' and 'total' in milliseconds.")
+
+
+class ImageGenerationResponse(BaseModel):
+    """Body of a successful ``POST /v1/images/generations``."""
+
+    created: int = Field(description="Unix time in seconds.")
+    data: list[ImageData] = Field(description="n images, in order.")
+    bcg: BcgInfo
+
+
+class ErrorDetail(BaseModel):
+    """OpenAI's error object."""
+
+    message: str = Field(description="What is wrong, naming the field and the values it accepts.")
+    type: str = Field(default="invalid_request_error", description="'invalid_request_error' or 'server_error'.")
+    param: str | None = Field(default=None, description="The request field at fault, if any.")
+    code: str | None = Field(default=None, description="Machine-readable code, or null.")
+
+
+class ErrorBody(BaseModel):
+    """Body of every 4xx/5xx answer: ``{"error": {...}}``."""
+
+    error: ErrorDetail
