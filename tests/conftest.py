@@ -56,7 +56,8 @@ def serve_apps():
     from deployments import build_app
 
     port = _free_port()
-    ray.init(num_cpus=4, include_dashboard=False)
+    # address="local": always a new Ray instance, never a cluster named by RAY_ADDRESS or found running
+    ray.init(address="local", num_cpus=4, include_dashboard=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         apps = ServeApps(port=port, base_url=f"http://127.0.0.1:{port}", reject_url=f"http://127.0.0.1:{port}/reject")

@@ -21,13 +21,13 @@ GEN = "/v1/images/generations"
 
 @pytest.fixture(scope="module")
 def client(serve_apps):
-    with httpx.Client(base_url=serve_apps.base_url, timeout=120.0) as c:
+    with httpx.Client(base_url=serve_apps.base_url, timeout=120.0, trust_env=False) as c:
         yield c
 
 
 @pytest.fixture(scope="module")
 def reject_client(serve_apps):
-    with httpx.Client(base_url=serve_apps.reject_url, timeout=120.0) as c:
+    with httpx.Client(base_url=serve_apps.reject_url, timeout=120.0, trust_env=False) as c:
         yield c
 
 
