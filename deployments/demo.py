@@ -407,18 +407,23 @@ def render_report(stats: Mapping[str, Any] | None, results: list[DemoResult], wa
         table = Table(title=f"Buckets of the replica (model {model}; counts since the server started)",
                       caption=f"{len(buckets)} buckets in the table, {len(buckets) - len(used)} unused not "
                               f"shown; miss policy: {policy}")
-        for name in ("bucket", "requests", "hits", "misses", "padding waste %", "mean latency ms"):
-            table.add_column(name, justify="left" if name == "bucket" else "right")
+        table.add_column("bucket", no_wrap=True)
+        table.add_column("mode")
+        for name in ("requests", "hits", "misses", "padding waste %", "mean latency ms"):
+            table.add_column(name, justify="right", min_width=min(len(name), 8))
         for b in used:
             hits = b.get("hits", 0)
-            table.add_row(str(b.get("key")), str(b["requests"]), str(hits), str(b["requests"] - hits),
-                          _fmt(b.get("padding_waste_pct")), _fmt(b.get("mean_latency_ms")))
+            table.add_row(str(b.get("key")), str(b.get("mode") or "-"), str(b["requests"]), str(hits),
+                          str(b["requests"] - hits), _fmt(b.get("padding_waste_pct")),
+                          _fmt(b.get("mean_latency_ms")))
         misses = stats.get("misses", {})
-        by_dim = ", ".join(f"{k} {v}" for k, v in misses.get("by_dim", {}).items())
-        table.add_row(f"misses by dimension: {by_dim or 'none'}", str(misses.get("requests", 0)), "0",
-                      str(misses.get("requests", 0)), "0.0" if misses.get("requests") else "-",
-                      _fmt(misses.get("mean_latency_ms") if misses.get("requests") else None),
-                      style="yellow" if misses.get("requests") else None)
+        missed = misses.get("requests", 0)
+        by_dim = "".join(f"\n  {k} {v}" for k, v in misses.get("by_dim", {}).items())
+        table.add_section()
+        table.add_row(f"misses by dim.:{by_dim}", "eager" if missed else "-", str(missed), "0",
+                      str(missed), "0.0" if missed else "-",
+                      _fmt(misses.get("mean_latency_ms") if missed else None),
+                      style="yellow" if missed else None)
         console.print(table)
     else:
         console.print("[yellow]GET /v1/buckets failed: no bucket table to show[/yellow]")
@@ -476,7 +481,7 @@ def run_demo(*, requests: int = 8, steps: int = 4, concurrency: int = 1, out: st
     started = url is None
     try:
         if started:
-            console.print("starting Ray and the bcg-serve application (first start takes ~20-60 s) ...")
+            console.print("starting Ray and the bcg-serve application (takes ~30-60 s) ...")
             url = start_local(config, port, num_cpus, quiet=quiet)
         url = url.rstrip("/")
         wait_healthy(url)

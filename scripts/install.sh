@@ -29,11 +29,22 @@ else
     "$PY" -m pip install "torch==$TORCH_VERSION"
 fi
 
-# The project: skipped when pyproject.toml is unchanged since the last install from this checkout.
+# The project: skipped when pyproject.toml is unchanged since the last install from this checkout and
+# every package with an __init__.py imports from here as a regular package (an editable install made
+# before a package had its __init__.py maps it as a namespace package, which breaks its data files).
 stamp="$VENV/.bcg-serve-installed"
 want="$(sha256sum pyproject.toml | cut -d' ' -f1) $PWD"
+packages_ok() {
+    local pkg
+    for pkg in bcg_core deployments router; do
+        [ -f "$pkg/__init__.py" ] || continue
+        (cd / && "$OLDPWD/$PY" -c 'import importlib.util as u, sys
+s = u.find_spec(sys.argv[1])
+sys.exit(0 if s is not None and s.origin == sys.argv[2] else 1)' "$pkg" "$OLDPWD/$pkg/__init__.py") || return 1
+    done
+}
 if [ "${BCG_FORCE_INSTALL:-0}" != 1 ] && [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] \
-    && [ -x "$VENV/bin/bcg" ]; then
+    && [ -x "$VENV/bin/bcg" ] && packages_ok; then
     echo "install: bcg-serve already installed (pyproject.toml unchanged); BCG_FORCE_INSTALL=1 reinstalls"
 else
     echo "install: installing bcg-serve (editable) with test extras"
