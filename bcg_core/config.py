@@ -18,6 +18,7 @@ __all__ = [
     "LimitsConfig",
     "MissPolicy",
     "ModelConfig",
+    "RunnerConfig",
     "ServeConfig",
     "parse_size",
 ]
@@ -159,6 +160,30 @@ class LimitsConfig(BaseModel):
         return self
 
 
+class RunnerConfig(BaseModel):
+    """How bucket forwards execute: eager on static buffers, or CUDA graph capture and replay."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    mode: Literal["auto", "eager", "graph"] = Field(
+        default="auto",
+        description="'graph' captures one CUDA graph per bucket at start (needs CUDA); 'eager' runs every "
+        "bucket eagerly on its static padded buffers; 'auto' is 'graph' on CUDA and 'eager' on CPU.",
+    )
+    graph_memory_budget_mib: float | None = Field(
+        default=None, gt=0,
+        description="Most MiB the shared graph memory pool may hold. Buckets whose capture would exceed "
+        "it are not captured (reported 'over_budget', served eagerly). None: 90% of the GPU memory free "
+        "after the weights are loaded.",
+    )
+    lazy_capture: bool = Field(
+        default=False,
+        description="Capture a bucket on its first request instead of at start (each lazy capture is "
+        "counted and logged). Off by default: serving never captures.",
+    )
+    warmup_iters: int = Field(default=2, ge=1, le=10, description="Warm-up forwards on a side stream before capture.")
+
+
 class ServeConfig(BaseModel):
     """Everything one replica needs: the embedded default is ``ServeConfig()``."""
 
@@ -167,3 +192,4 @@ class ServeConfig(BaseModel):
     model: ModelConfig = Field(default_factory=ModelConfig)
     buckets: BucketConfig = Field(default_factory=BucketConfig)
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
+    runner: RunnerConfig = Field(default_factory=RunnerConfig)

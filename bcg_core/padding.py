@@ -113,6 +113,14 @@ def flux_image_ids(grid: tuple[int, int], device=None, dtype=torch.float32) -> t
     return ids.reshape(h * w, 3)
 
 
+def _copy_rows(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst[:n] = src``; every pad row ``dst[n:]`` = ``src[0]`` (a real row, never zeros)."""
+    n = src.shape[0]
+    dst[:n].copy_(src)
+    if dst.shape[0] > n:
+        dst[n:].copy_(src[:1].expand(dst.shape[0] - n, *src.shape[1:]))
+
+
 class FluxAdapter:
     """FLUX architecture (diffusers ``FluxTransformer2DModel``): double-stream then single-stream blocks.
 
@@ -147,6 +155,7 @@ class FluxAdapter:
         self.seq_dim = int(model.config.joint_attention_dim)
         self.pooled_dim = int(model.config.pooled_projection_dim)
         self.guidance_embeds = bool(model.config.guidance_embeds)
+        self._ids_cache: dict[tuple, torch.Tensor] = {}
 
     def allocate(self, key: BucketKey, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         """Static buffers of ``key`` (shapes in the comments)."""
@@ -179,23 +188,33 @@ class FluxAdapter:
                 f"inputs of {n} rows x {k} image tokens x {inputs.text_tokens} text tokens (grid {inputs.grid}) "
                 f"do not fit bucket buffers of {b} rows x {s} image tokens x {t} text tokens"
             )
-        rows = torch.cat([torch.arange(n), torch.zeros(b - n, dtype=torch.long)]).to(lat.device)
-        lat[:, :k].copy_(inputs.latents.index_select(0, rows.to(inputs.latents.device)))
-        lat[:, k:].zero_()
-        buffers["text"].copy_(inputs.text.index_select(0, rows.to(inputs.text.device)))
-        buffers["pooled"].copy_(inputs.pooled.index_select(0, rows.to(inputs.pooled.device)))
-        buffers["timestep"].copy_(inputs.timestep.index_select(0, rows.to(inputs.timestep.device)))
+        _copy_rows(lat[:, :k], inputs.latents)
+        if k < s:
+            lat[:, k:].zero_()
+        _copy_rows(buffers["text"], inputs.text)
+        _copy_rows(buffers["pooled"], inputs.pooled)
+        _copy_rows(buffers["timestep"], inputs.timestep)
         if self.guidance_embeds:
             if inputs.guidance is None:
                 raise ValueError("this FLUX model is guidance-distilled: inputs.guidance is required")
-            buffers["guidance"].copy_(inputs.guidance.index_select(0, rows.to(inputs.guidance.device)))
+            _copy_rows(buffers["guidance"], inputs.guidance)
         ids = buffers["img_ids"]
-        ids[:k].copy_(flux_image_ids(inputs.grid, device=ids.device, dtype=ids.dtype))
-        ids[k:].zero_()
+        ids[:k].copy_(self._image_ids(inputs.grid, ids.device, ids.dtype))
+        if k < s:
+            ids[k:].zero_()
         buffers["txt_ids"].zero_()
         mask = buffers["attn_mask"]
-        mask[..., : t + k] = True
-        mask[..., t + k :] = False
+        mask[..., : t + k].fill_(True)
+        if k < s:
+            mask[..., t + k :].fill_(False)
+
+    def _image_ids(self, grid: tuple[int, int], device, dtype) -> torch.Tensor:
+        """Cached :func:`flux_image_ids` (one small tensor per grid and device)."""
+        key = (grid, str(device), dtype)
+        ids = self._ids_cache.get(key)
+        if ids is None:
+            ids = self._ids_cache[key] = flux_image_ids(grid, device=device, dtype=dtype)
+        return ids
 
     def _call(self, latents, text, pooled, timestep, img_ids, txt_ids, guidance, attention_kwargs):
         return self.model(

@@ -28,7 +28,7 @@ from .padding import DenoiseInputs
 from .planner import GenerationRequest, Planner
 from .runner import BucketRunner, EagerBucketRunner
 
-__all__ = ["DiTPipeline", "GenerationResult"]
+__all__ = ["DiTPipeline", "GenerationResult", "build_runner"]
 
 
 @dataclass
@@ -61,13 +61,34 @@ class GenerationResult:
         return asdict(self)
 
 
+def build_runner(config: ServeConfig, model: LoadedModel, keys: list, metrics: BucketMetrics) -> BucketRunner:
+    """The runner ``config.runner.mode`` asks for: CUDA graphs (``graph``, or ``auto`` on CUDA) or eager.
+
+    Raises:
+        ValueError: ``mode: graph`` on a model that is not on a CUDA device.
+    """
+    mode = config.runner.mode
+    if mode == "auto":
+        mode = "graph" if model.device.type == "cuda" else "eager"
+    if mode == "eager":
+        return EagerBucketRunner(model.adapter, keys, metrics, model.device, model.dtype)
+    from .graphs import CudaGraphRunner
+
+    budget = config.runner.graph_memory_budget_mib
+    return CudaGraphRunner(
+        model.adapter, keys, metrics, model.device, model.dtype,
+        budget_bytes=None if budget is None else int(budget * 2**20), lazy=config.runner.lazy_capture,
+        warmup_iters=config.runner.warmup_iters,
+    )
+
+
 class DiTPipeline:
     """A loaded model with its planner, bucket runner and per-bucket metrics.
 
     Args:
         config: the replica's config.
         model: the loaded model (see :func:`bcg_core.models.load_model`).
-        runner: a bucket runner; by default an :class:`EagerBucketRunner` over every bucket of the table.
+        runner: a bucket runner; by default the one ``config.runner`` asks for (:func:`build_runner`).
         prepare: prepare (allocate / capture) every bucket now.
     """
 
@@ -79,9 +100,7 @@ class DiTPipeline:
         self.planner = Planner(config, model.adapter.rules, count, cfg_rows=not model.adapter.guidance_embeds)
         self.table = self.planner.table
         self.metrics = BucketMetrics(self.table.keys)
-        self.runner: BucketRunner = runner or EagerBucketRunner(
-            model.adapter, self.table.keys, self.metrics, model.device, model.dtype
-        )
+        self.runner: BucketRunner = runner or build_runner(config, model, self.table.keys, self.metrics)
         if prepare:
             self.runner.prepare()
 

@@ -6,8 +6,6 @@ masked pad image tokens) equals the unpadded, unmasked reference forward in fp32
 equals the same row among other prompts, and garbage in pad slots changes nothing.
 """
 
-import itertools
-
 import pytest
 import torch
 from diffusers import FluxTransformer2DModel
@@ -16,6 +14,7 @@ from bcg_core import (
     BucketConfig, BucketMetrics, BucketTable, DenoiseInputs, EagerBucketRunner, FluxAdapter, LimitsConfig,
     ShapeQuery,
 )
+from bcg_core.verify import boundary_cases, verify_runner
 
 TEXT = 12
 RTOL = 1e-5
@@ -63,53 +62,26 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> None:
     assert err < RTOL, f"relative error {err:.2e}"
 
 
-def _valid_grids(limits: LimitsConfig, step: int) -> list[tuple[int, int]]:
-    sides = range(limits.min_side_px // step, limits.max_side_px // step + 1)
-    return [(h, w) for h in sides for w in sides]
-
-
-def _boundary_cases(table: BucketTable, limits: LimitsConfig):
-    """(bucket, rows, grid) at each bucket's size, one below it, and the smallest request that maps to it.
-
-    The bucket is the one the table picks: "one below" a bucket's size may fall into the next smaller bucket.
-    """
-    grids = _valid_grids(limits, table.rules.pixels_per_token)
-    for key in table.keys:
-        prev_b = max([b for b in table.batch_sizes if b < key.batch], default=0)
-        rows = sorted({key.batch, key.batch - 1, prev_b + 1} - {0})
-        prev_t = max([t for t in table.image_tiers if t < key.image_tokens], default=0)
-        mapped = [g for g in grids if prev_t < g[0] * g[1] <= key.image_tokens]
-        exact = [g for g in mapped if g[0] * g[1] == key.image_tokens][:1]
-        below = [max(mapped, key=lambda g: (g[0] * g[1] < key.image_tokens, g[0] * g[1]))] if len(mapped) > 1 else []
-        below = [g for g in below if g[0] * g[1] < key.image_tokens]
-        smallest = [min(mapped, key=lambda g: g[0] * g[1])]
-        for r, g in itertools.product(rows, {*exact, *below, *smallest}):
-            yield table.lookup(ShapeQuery(r, g[0] * g[1], TEXT)).key, r, g
-
-
 def test_boundary_cases_cover_every_bucket_and_round_up(table):
-    cases = list(_boundary_cases(table, LimitsConfig()))
-    assert {k for k, _, _ in cases} == set(table.keys)
-    for key, rows, grid in cases:
-        assert rows <= key.batch and grid[0] * grid[1] <= key.image_tokens
-    exact = {k for k, r, g in cases if r == k.batch and g[0] * g[1] == k.image_tokens}
+    cases = boundary_cases(table, LimitsConfig())
+    assert {c.key for c in cases} == set(table.keys)
+    for c in cases:
+        assert table.lookup(ShapeQuery(c.rows, c.grid[0] * c.grid[1], TEXT)).key == c.key
+    exact = {c.key for c in cases if c.rows == c.key.batch and c.grid[0] * c.grid[1] == c.key.image_tokens}
     assert exact == set(table.keys)
-    # Some case of each non-smallest bucket really pads in each dimension.
-    assert any(r < k.batch for k, r, _ in cases)
-    assert any(g[0] * g[1] < k.image_tokens for k, _, g in cases)
+    # Every bucket above the smallest in a dimension is checked with a request that pads that dimension.
+    assert {c.key for c in cases if c.rows < c.key.batch} == {k for k in table.keys if k.batch == 4}  # 3 -> 4
+    assert {c.key for c in cases if c.grid[0] * c.grid[1] < c.key.image_tokens} >= {
+        k for k in table.keys if k.image_tokens > 256}
 
 
 def test_padded_bucket_run_equals_unpadded_eager_run_at_every_boundary(adapter, table, runner):
-    n = 0
-    for key, rows, grid in _boundary_cases(table, LimitsConfig()):
-        x = _inputs(rows, grid, seed=n)
-        with torch.inference_mode():
-            ref = adapter.forward_eager(x)
-        out = runner.run(key, x)
-        assert out.shape == ref.shape == (rows, grid[0] * grid[1], 16)
-        _close(out, ref)
-        n += 1
-    assert n >= 3 * len(table.keys)
+    cases = boundary_cases(table, LimitsConfig())
+    verdicts = verify_runner(adapter, runner, cases, torch.device("cpu"), torch.float32, rtol=RTOL)
+    assert [v.key for v in verdicts] == table.keys
+    failed = [(str(v.key), v.max_rel_err) for v in verdicts if not v.passed]
+    assert not failed
+    assert sum(v.cases for v in verdicts) >= 3 * len(table.keys)
 
 
 def test_a_prompt_alone_equals_the_same_prompt_inside_a_batch(table, runner):

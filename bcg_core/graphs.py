@@ -1,0 +1,264 @@
+"""CUDA graph bucket runner: capture every bucket at start into one shared memory pool, then replay.
+
+Lifecycle (the contract of :class:`~bcg_core.runner.BucketRunner`):
+
+- :meth:`CudaGraphRunner.prepare` runs before the replica reports ready. Buckets are captured largest
+  first (by padded tokens) into one shared memory pool (``torch.cuda.graph_pool_handle``), so smaller
+  buckets reuse the larger ones' pool blocks. Per bucket: static buffers, warm-up forwards on a side
+  stream (their peak memory is the bucket's estimate), a budget check, then the capture. The first
+  capture runs under ``torch.cuda.set_sync_debug_mode("error")`` to surface hidden host syncs. It is
+  idempotent and says per bucket whether a graph exists (:attr:`BucketEntry.mode`).
+- :meth:`CudaGraphRunner.run` copies every input element into the bucket's static buffers, replays, and
+  clones the real rows and tokens out of the static output before returning.
+- Failure never kills the replica: a capture that raises marks its bucket eager-only (static buffers,
+  eager forward; reason logged and counted); an out-of-memory error drops the bucket (its requests run
+  unpadded and eager); a bucket whose estimate exceeds the graph-memory budget is not captured.
+- Serving never captures unless ``lazy`` is set; then each lazy capture is counted and logged.
+
+No random numbers are drawn inside a graph: the pipeline draws noise on the CPU before the loop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .buckets import BucketKey
+from .metrics import BucketMetrics
+from .padding import DenoiseInputs, DiTAdapter
+from .runner import BucketEntry, RunMode
+
+__all__ = ["CaptureStats", "CudaGraphRunner", "budget_allows"]
+
+log = logging.getLogger(__name__)
+
+MiB = 1 << 20
+
+
+def budget_allows(pool_bytes: int, estimate_bytes: int, budget_bytes: int | None) -> bool:
+    """Whether a bucket whose forward peaks at ``estimate_bytes`` fits the shared-pool budget.
+
+    In one shared pool, captured largest first, a new graph reuses the pool's free blocks: the pool grows
+    by at most ``max(0, estimate - pool)``. So the pool after capture is at most
+    ``max(pool_bytes, estimate_bytes)``.
+
+    Args:
+        pool_bytes: the shared pool's size before this capture.
+        estimate_bytes: peak activation bytes of the bucket's forward (measured in warm-up).
+        budget_bytes: the graph-memory budget; None means no budget.
+    """
+    return budget_bytes is None or max(pool_bytes, estimate_bytes) <= budget_bytes
+
+
+@dataclass
+class CaptureStats:
+    """Totals of one runner's captures (shown in ``/v1/buckets`` and by ``bcg profile``)."""
+
+    captured: int = 0
+    failed: int = 0
+    dropped_oom: int = 0
+    over_budget: int = 0
+    lazy_captures: int = 0
+    capture_s: float = 0.0
+    pool_bytes: int = 0
+
+
+class CudaGraphRunner:
+    """One CUDA graph per bucket, all in one shared memory pool.
+
+    Args:
+        adapter: the model family's adapter (its model on ``device``).
+        keys: the buckets to serve.
+        metrics: counters to record forwards into.
+        device, dtype: the model's CUDA device and dtype.
+        budget_bytes: graph-memory budget for the shared pool; None: 90% of free memory at :meth:`prepare`.
+        lazy: capture a bucket on its first request instead of in :meth:`prepare`.
+        warmup_iters: warm-up forwards on a side stream before each capture.
+        sync_debug: run the first capture under ``torch.cuda.set_sync_debug_mode("error")``.
+
+    Raises:
+        ValueError: if ``device`` is not a CUDA device.
+    """
+
+    def __init__(self, adapter: DiTAdapter, keys: list[BucketKey], metrics: BucketMetrics, device: torch.device,
+                 dtype: torch.dtype, budget_bytes: int | None = None, lazy: bool = False, warmup_iters: int = 2,
+                 sync_debug: bool = True):
+        if torch.device(device).type != "cuda":
+            raise ValueError(f"CudaGraphRunner needs a CUDA device, got {device}; use EagerBucketRunner on CPU")
+        self.adapter = adapter
+        self.keys = sorted(keys, key=lambda k: (k.tokens, k.batch), reverse=True)
+        self.metrics = metrics
+        self.device, self.dtype = torch.device(device), dtype
+        self.budget_bytes = budget_bytes
+        self.lazy = lazy
+        self.warmup_iters = warmup_iters
+        self.sync_debug = sync_debug
+        self.entries: dict[BucketKey, BucketEntry] = {}
+        self.stats = CaptureStats()
+        self.pool = None
+        self._prepared = False
+        self._lock = threading.RLock()
+
+    # -- capture ----------------------------------------------------------------------------------
+
+    def prepare(self) -> None:
+        """Capture every bucket, largest first (or only set up, with ``lazy``). Idempotent."""
+        with self._lock:
+            if self._prepared:
+                return
+            self.pool = torch.cuda.graph_pool_handle()
+            if self.budget_bytes is None:
+                free, _ = torch.cuda.mem_get_info(self.device)
+                self.budget_bytes = int(0.9 * free)
+            self._prepared = True
+            if self.lazy:
+                return
+            for key in self.keys:
+                self.capture(key)
+            log.info("captured %d of %d buckets in %.2f s; shared pool %.1f MiB (budget %.1f MiB)",
+                     self.stats.captured, len(self.keys), self.stats.capture_s, self.stats.pool_bytes / MiB,
+                     self.budget_bytes / MiB)
+
+    def capture(self, key: BucketKey) -> BucketEntry:
+        """Capture bucket ``key`` (if not already done) and return its entry; never raises on failure."""
+        with self._lock:
+            if key in self.entries:
+                return self.entries[key]
+            entry = self._capture(key)
+            self.entries[key] = entry
+            return entry
+
+    def _warmup(self, buffers: dict[str, torch.Tensor]) -> int:
+        """Warm-up forwards on a side stream; returns their peak memory above the starting allocation."""
+        torch.cuda.synchronize(self.device)
+        base = torch.cuda.memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side), torch.inference_mode():
+            for _ in range(self.warmup_iters):
+                self.adapter.forward(buffers)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        torch.cuda.synchronize(self.device)
+        return torch.cuda.max_memory_allocated(self.device) - base
+
+    def _capture(self, key: BucketKey) -> BucketEntry:
+        t0 = time.perf_counter()
+        try:
+            buffers = self.adapter.allocate(key, self.device, self.dtype)
+            entry = BucketEntry(key, buffers)
+            estimate = self._warmup(buffers)
+        except torch.cuda.OutOfMemoryError as e:
+            return self._dropped(key, f"out of memory while warming up: {e}".splitlines()[0])
+        if not budget_allows(self.stats.pool_bytes, estimate, self.budget_bytes):
+            self.stats.over_budget += 1
+            entry.note = (f"over_budget: forward peaks at {estimate / MiB:.1f} MiB, shared pool "
+                          f"{self.stats.pool_bytes / MiB:.1f} MiB, budget {self.budget_bytes / MiB:.1f} MiB")
+            log.warning("bucket %s not captured: %s", key, entry.note)
+            return entry
+        graph = torch.cuda.CUDAGraph()
+        # Release cached (unused) blocks so that reserved-memory growth is the graph pool's growth alone.
+        torch.cuda.empty_cache()
+        reserved = torch.cuda.memory_reserved(self.device)
+        first = self.stats.captured == 0 and self.sync_debug
+        try:
+            with self._sync_debug(first), torch.inference_mode(), torch.cuda.graph(graph, pool=self.pool):
+                output = self.adapter.forward(buffers)
+            torch.cuda.synchronize(self.device)
+        except torch.cuda.OutOfMemoryError as e:
+            del graph
+            return self._dropped(key, f"out of memory during capture: {e}".splitlines()[0])
+        except Exception as e:  # noqa: BLE001 - any capture failure must leave the replica serving
+            del graph
+            torch.cuda.synchronize(self.device)
+            self.stats.failed += 1
+            entry.note = f"capture_failed: {type(e).__name__}: {e}".splitlines()[0][:300]
+            log.warning("bucket %s runs eager-only: %s", key, entry.note)
+            return entry
+        torch.cuda.empty_cache()
+        grown = max(0, torch.cuda.memory_reserved(self.device) - reserved)
+        entry.mode, entry.graph, entry.output = RunMode.GRAPH, graph, output
+        entry.pool_bytes = grown
+        entry.capture_s = time.perf_counter() - t0
+        entry.note = f"estimate {estimate / MiB:.1f} MiB"
+        self.stats.captured += 1
+        self.stats.capture_s += entry.capture_s
+        self.stats.pool_bytes += grown
+        return entry
+
+    @contextlib.contextmanager
+    def _sync_debug(self, on: bool):
+        if not on:
+            yield
+            return
+        old = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            yield
+        finally:
+            torch.cuda.set_sync_debug_mode(old)
+
+    def _dropped(self, key: BucketKey, why: str) -> BucketEntry:
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        self.stats.dropped_oom += 1
+        entry = BucketEntry(key, {}, note=f"dropped: {why}"[:300])
+        log.warning("bucket %s dropped: %s", key, why)
+        return entry
+
+    # -- serving ----------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def run(self, key: BucketKey | None, inputs: DenoiseInputs) -> torch.Tensor:
+        """One forward on bucket ``key``: replay if captured, else eager (see the module docstring).
+
+        Returns:
+            (inputs.rows, inputs.image_tokens, out_channels), a new tensor.
+
+        Raises:
+            KeyError: ``key`` is not one of this runner's buckets.
+            ValueError: ``inputs`` do not fit the bucket.
+        """
+        with self._lock:
+            if key is None:
+                out = self.adapter.forward_eager(inputs).clone()
+            else:
+                entry = self.entries.get(key)
+                if entry is None:
+                    if key not in self.keys:
+                        raise KeyError(f"bucket {key} is not served by this runner")
+                    if not self.lazy:
+                        raise KeyError(f"bucket {key} was not prepared; call prepare() before serving")
+                    entry = self.capture(key)
+                    self.stats.lazy_captures += 1
+                    log.info("lazy capture of bucket %s (%d so far): %s", key, self.stats.lazy_captures, entry.mode.value)
+                if entry.mode is RunMode.GRAPH:
+                    self.adapter.fill(entry.buffers, inputs)
+                    entry.graph.replay()
+                    out = self.adapter.unpad(entry.output, inputs).clone()
+                elif entry.buffers:  # eager-only: capture failed or over budget
+                    self.adapter.fill(entry.buffers, inputs)
+                    out = self.adapter.unpad(self.adapter.forward(entry.buffers), inputs).clone()
+                else:  # dropped after OOM: unpadded eager
+                    out = self.adapter.forward_eager(inputs).clone()
+                entry.forwards += 1
+        self.metrics.record_forward(key)
+        return out
+
+    @property
+    def graph_count(self) -> int:
+        """Buckets that hold a captured graph."""
+        return sum(1 for e in self.entries.values() if e.mode is RunMode.GRAPH)
+
+    def describe(self) -> list[dict]:
+        """Per-bucket state, capture order."""
+        return [
+            {"key": str(e.key), "mode": e.mode.value if e.buffers or e.mode is RunMode.GRAPH else "dropped",
+             "pool_bytes": e.pool_bytes, "capture_s": round(e.capture_s, 4), "forwards": e.forwards, "note": e.note}
+            for e in self.entries.values()
+        ]
