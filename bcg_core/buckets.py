@@ -9,8 +9,11 @@ Dimensions (DESIGN.md section 2):
 - ``batch``: transformer rows, i.e. images x 2 when classifier-free guidance puts cond and uncond rows
   into one forward. Pad rows are copies of a real row.
 - ``image_tokens``: tokens of the image stream. Families whose forward depends only on the count (FLUX
-  takes positions as ``img_ids`` tensors) round up with a key-padding mask; families that crop a position
-  table by the latent grid (SD3) key on the exact grid (``latent_hw``) instead.
+  takes positions as ``img_ids`` tensors) serve a tier's exact token count with an unmasked graph, and
+  (with ``image_padding: masked``) round sizes between tiers up with a key-padding mask, in a second
+  graph of that tier (``image_mask=True``): a mask makes attention leave its fastest kernels, so exact
+  fits never pay for it. Families that crop a position table by the latent grid (SD3) key on the exact
+  grid (``latent_hw``) instead.
 - ``text_tokens``: tokens of the text stream. Families trained on unmasked fixed-length text keep their
   native length (one text bucket); families trained with masks round up with a key-padding mask.
 """
@@ -43,16 +46,19 @@ class BucketKey:
         image_tokens: image-stream tokens of the bucket (real tokens + masked pad tokens).
         text_tokens: text-stream tokens of the bucket.
         latent_hw: ``(h, w)`` of the token grid for families whose forward depends on it, else None.
+        image_mask: the forward masks padded image tokens (requests with fewer tokens than the tier).
     """
 
     batch: int
     image_tokens: int
     text_tokens: int
     latent_hw: tuple[int, int] | None = None
+    image_mask: bool = False
 
     def __str__(self) -> str:
         grid = f"_g{self.latent_hw[0]}x{self.latent_hw[1]}" if self.latent_hw else ""
-        return f"b{self.batch}_i{self.image_tokens}_t{self.text_tokens}{grid}"
+        mask = "_m" if self.image_mask else ""
+        return f"b{self.batch}_i{self.image_tokens}{mask}_t{self.text_tokens}{grid}"
 
     @property
     def tokens(self) -> int:
@@ -129,12 +135,19 @@ class BucketTable:
     Lookup is O(1): each dimension has a precomputed round-up array indexed by the exact value
     (batch rows, image tokens, text tokens), so serving never searches.
 
+    Args:
+        config: the bucket lists and policies.
+        rules: the model family's shape rules.
+        min_image_tokens: fewest image tokens a valid request can have (from the smallest allowed side);
+            a tier gets a masked variant only if some valid request falls strictly between it and the
+            tier below.
+
     Raises (at construction):
         ValueError: a tier not a multiple of the model's token size, duplicate tiers, or text buckets that
             contradict the model's training (fixed-length unmasked text accepts only its native length).
     """
 
-    def __init__(self, config: BucketConfig, rules: ShapeRules):
+    def __init__(self, config: BucketConfig, rules: ShapeRules, min_image_tokens: int = 1):
         self.config = config
         self.rules = rules
         self.miss_policy = MissPolicy(config.miss_policy)
@@ -171,6 +184,10 @@ class BucketTable:
         self._text_up = self._round_up_array(self.text_lengths)
         self._image_up = self._round_up_array(self.image_tiers)
         self._grid_set = frozenset(self.grids)
+        self._tier_set = frozenset(self.image_tiers)
+        self.pad_images = config.image_padding == "masked" and not rules.grid_keyed
+        self.min_image_tokens = min_image_tokens
+        self._keys = self._all_keys()
 
     @staticmethod
     def _round_up_array(values: tuple[int, ...]) -> tuple[int, ...]:
@@ -179,17 +196,24 @@ class BucketTable:
 
     @property
     def keys(self) -> list[BucketKey]:
-        """Every bucket, smallest first (sorted by batch, then image tokens, then text tokens)."""
+        """Every bucket, sorted by batch, then image tokens, then text tokens (exact before masked)."""
+        return list(self._keys)
+
+    def _all_keys(self) -> tuple[BucketKey, ...]:
         if self.rules.grid_keyed:
-            images = [(h * w, (h, w)) for h, w in self.grids]
+            images = [(h * w, (h, w), False) for h, w in self.grids]
         else:
-            images = [(t, None) for t in self.image_tiers]
-        return sorted(
-            BucketKey(b, t, s, hw) for b in self.batch_sizes for t, hw in images for s in self.text_lengths
-        )
+            images = [(t, None, False) for t in self.image_tiers]
+            if self.pad_images:
+                below = (0,) + self.image_tiers[:-1]
+                images += [(t, None, True) for t, prev in zip(self.image_tiers, below)
+                           if max(prev + 1, self.min_image_tokens) < t]
+        return tuple(sorted(
+            BucketKey(b, t, s, hw, m) for b in self.batch_sizes for t, hw, m in images for s in self.text_lengths
+        ))
 
     def __len__(self) -> int:
-        return len(self.batch_sizes) * len(self.image_tiers if not self.grids else self.grids) * len(self.text_lengths)
+        return len(self._keys)
 
     def lookup(self, query: ShapeQuery) -> BucketLookup:
         """Round ``query`` up to its bucket, O(1).
@@ -204,17 +228,20 @@ class BucketTable:
         missed: list[Dim] = []
         b = self._up(self._batch_up, query.batch, Dim.BATCH, missed)
         s = self._up(self._text_up, query.text_tokens, Dim.TEXT, missed)
-        hw = None
+        hw, masked = None, False
+        t = query.image_tokens
         if self.rules.grid_keyed:
             hw = query.latent_hw
             if hw not in self._grid_set:
                 missed.append(Dim.IMAGE)
-            t = query.image_tokens
-        else:
-            t = self._up(self._image_up, query.image_tokens, Dim.IMAGE, missed)
+        elif t not in self._tier_set:
+            if self.pad_images:
+                t, masked = self._up(self._image_up, t, Dim.IMAGE, missed), True
+            else:
+                missed.append(Dim.IMAGE)
         if missed:
             return BucketLookup(query, None, tuple(missed))
-        return BucketLookup(query, BucketKey(b, t, s, hw))
+        return BucketLookup(query, BucketKey(b, t, s, hw, masked))
 
     @staticmethod
     def _up(arr: tuple[int, ...], v: int, dim: Dim, missed: list[Dim]) -> int:
@@ -231,5 +258,6 @@ class BucketTable:
             "grids": [list(g) for g in self.grids] or None,
             "text_tokens": list(self.text_lengths),
             "resolutions": list(self.config.resolutions),
+            "image_padding": "masked" if self.pad_images else "exact",
             "miss_policy": self.miss_policy.value,
         }

@@ -93,6 +93,12 @@ class BucketConfig(BaseModel):
         description="Text-token buckets, ascending. Models trained on unmasked fixed-length text "
         "(FLUX, SD3) accept only their native length here.",
     )
+    image_padding: Literal["masked", "exact"] = Field(
+        default="masked",
+        description="For models keyed on the image-token count (FLUX): 'masked' serves a size between "
+        "tiers from the next tier up with a key-padding mask (a second graph per tier; exact fits keep the "
+        "unmasked graph, whose attention kernels are faster); 'exact' serves only exact tier sizes.",
+    )
     miss_policy: MissPolicy = Field(default=MissPolicy.EAGER, description="What to do on a bucket miss.")
 
     @field_validator("batch_sizes", "text_lengths")

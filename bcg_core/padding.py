@@ -128,10 +128,11 @@ class FluxAdapter:
 
     - batch: pad rows copy real row 0 and are dropped after the forward.
     - image tokens: the forward depends only on the token count (positions come in as ``img_ids``
-      tensors), so a tier holds any grid with at most its tokens. Pad tokens are zero latents with zero
-      position ids, and a boolean key-padding mask ``(batch, 1, 1, text + image)`` (passed through
-      ``joint_attention_kwargs`` to every attention) keeps real tokens from attending to them; every
-      other op of the model is per token or per row, so real tokens are unchanged.
+      tensors), so a tier holds any grid with its token count (512x768 and 768x512 share a graph)
+      unmasked. A masked bucket (``key.image_mask``) also holds grids with fewer tokens: pad tokens are
+      zero latents with zero position ids, and a boolean key-padding mask ``(batch, 1, 1, text + image)``
+      (passed through ``joint_attention_kwargs`` to every attention) keeps real tokens from attending to
+      them; every other op of the model is per token or per row, so real tokens are unchanged.
     - text tokens: FLUX was trained on unmasked fixed-length T5 text (512 tokens for FLUX.1-dev); text
       keeps its native length and is never masked (DESIGN.md section 2: a mask changes the output).
 
@@ -167,8 +168,9 @@ class FluxAdapter:
             "timestep": torch.zeros(b, device=device, dtype=dtype),  # (B,)
             "img_ids": torch.zeros(s, 3, device=device, dtype=dtype),  # (S, 3)
             "txt_ids": torch.zeros(t, 3, device=device, dtype=dtype),  # (T, 3)
-            "attn_mask": torch.ones(b, 1, 1, t + s, device=device, dtype=torch.bool),  # (B, 1, 1, T + S)
         }
+        if key.image_mask:
+            buf["attn_mask"] = torch.ones(b, 1, 1, t + s, device=device, dtype=torch.bool)  # (B, 1, 1, T + S)
         if self.guidance_embeds:
             buf["guidance"] = torch.zeros(b, device=device, dtype=dtype)  # (B,)
         return buf
@@ -183,7 +185,8 @@ class FluxAdapter:
         b, s, _ = lat.shape
         t = buffers["text"].shape[1]
         n, k = inputs.rows, inputs.image_tokens
-        if n > b or k > s or inputs.text_tokens != t or inputs.grid[0] * inputs.grid[1] != k:
+        masked = "attn_mask" in buffers
+        if n > b or k > s or (k < s and not masked) or inputs.text_tokens != t or inputs.grid[0] * inputs.grid[1] != k:
             raise ValueError(
                 f"inputs of {n} rows x {k} image tokens x {inputs.text_tokens} text tokens (grid {inputs.grid}) "
                 f"do not fit bucket buffers of {b} rows x {s} image tokens x {t} text tokens"
@@ -203,10 +206,11 @@ class FluxAdapter:
         if k < s:
             ids[k:].zero_()
         buffers["txt_ids"].zero_()
-        mask = buffers["attn_mask"]
-        mask[..., : t + k].fill_(True)
-        if k < s:
-            mask[..., t + k :].fill_(False)
+        if masked:
+            mask = buffers["attn_mask"]
+            mask[..., : t + k].fill_(True)
+            if k < s:
+                mask[..., t + k :].fill_(False)
 
     def _image_ids(self, grid: tuple[int, int], device, dtype) -> torch.Tensor:
         """Cached :func:`flux_image_ids` (one small tensor per grid and device)."""
@@ -233,7 +237,8 @@ class FluxAdapter:
         """Padded forward over the static buffers: (B, S, C_out)."""
         return self._call(
             buffers["latents"], buffers["text"], buffers["pooled"], buffers["timestep"], buffers["img_ids"],
-            buffers["txt_ids"], buffers.get("guidance"), {"attention_mask": buffers["attn_mask"]},
+            buffers["txt_ids"], buffers.get("guidance"),
+            {"attention_mask": buffers["attn_mask"]} if "attn_mask" in buffers else None,
         )
 
     def unpad(self, output: torch.Tensor, inputs: DenoiseInputs) -> torch.Tensor:

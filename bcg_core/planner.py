@@ -79,7 +79,8 @@ class Planner:
         self.config = config
         self.limits = config.limits
         self.rules = rules
-        self.table = BucketTable(config.buckets, rules)
+        min_side = -(-config.limits.min_side_px // rules.pixels_per_token)
+        self.table = BucketTable(config.buckets, rules, min_image_tokens=min_side * min_side)
         self.count_tokens = count_tokens
         self.cfg_rows = cfg_rows
 

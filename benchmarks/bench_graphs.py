@@ -83,6 +83,8 @@ def main() -> None:
     ap.add_argument("--sizes", default="512x512,1024x1024", help="comma-separated WxH")
     ap.add_argument("--batches", default="1,2,4,8", help="comma-separated transformer rows")
     ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--with-masked", action="store_true",
+                    help="also time each size through its tier's masked bucket (the graph that serves smaller sizes)")
     ap.add_argument("--private-pools", action="store_true", help="also capture each bucket in a private pool")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
@@ -113,8 +115,9 @@ def main() -> None:
         w, h = parse_size(size)
         grid = adapter.rules.grid(w, h)
         for b in (int(x) for x in args.batches.split(",")):
-            key = BucketKey(b, grid[0] * grid[1], text)
-            cases.append((size, BoundaryCase(key, b, grid, text)))
+            for masked in (False, True) if args.with_masked else (False,):
+                key = BucketKey(b, grid[0] * grid[1], text, image_mask=masked)
+                cases.append((size, BoundaryCase(key, b, grid, text)))
     keys = [c.key for _, c in cases]
 
     torch.cuda.synchronize()

@@ -31,7 +31,8 @@ def test_every_value_rounds_up_to_the_smallest_bucket_that_holds_it():
                 if None in want:
                     assert not lk.hit and lk.key is None
                 else:
-                    assert lk.hit and lk.key == BucketKey(*want), (b, s, text)
+                    masked = s not in t.image_tiers
+                    assert lk.hit and lk.key == BucketKey(*want, image_mask=masked), (b, s, text)
 
 
 @pytest.mark.parametrize("dim,values", [("batch", [1, 2, 4, 8]), ("text", [32, 64, 128])])
@@ -74,12 +75,30 @@ def test_grid_keyed_family_keys_on_the_exact_grid():
     miss = t.lookup(ShapeQuery(1, 30 * 30, 32, (30, 30)))
     assert miss.missed == (Dim.IMAGE,)
     assert len(t.keys) == len(t) == 4 * 3 * 3
+    assert not any(k.image_mask for k in t.keys)
 
 
 def test_keys_are_unique_and_cover_the_product():
     t = _table()
-    assert len(set(t.keys)) == len(t.keys) == 4 * 3 * 3
+    assert len(set(t.keys)) == len(t.keys) == len(t) == 4 * (3 + 3) * 3  # every tier exact and masked
     assert str(BucketKey(2, 1024, 64)) == "b2_i1024_t64"
+    assert str(BucketKey(2, 1024, 64, image_mask=True)) == "b2_i1024_m_t64"
+
+
+def test_exact_fits_run_unmasked_and_sizes_between_tiers_masked():
+    t = _table()
+    assert t.lookup(ShapeQuery(1, 1024, 32)).key.image_mask is False
+    assert t.lookup(ShapeQuery(1, 1000, 32)).key == BucketKey(1, 1024, 32, image_mask=True)
+    exact = _table(image_padding="exact")
+    assert len(exact) == 4 * 3 * 3
+    assert exact.lookup(ShapeQuery(1, 1000, 32)).missed == (Dim.IMAGE,)
+    assert exact.lookup(ShapeQuery(1, 1024, 32)).key == BucketKey(1, 1024, 32)
+
+
+def test_a_tier_that_no_valid_request_can_pad_into_gets_no_masked_variant():
+    t = BucketTable(BucketConfig(batch_sizes=[1], resolutions=["256x256", "512x512"], text_lengths=[32]),
+                    FLUX_RULES, min_image_tokens=256)
+    assert [str(k) for k in t.keys] == ["b1_i256_t32", "b1_i1024_t32", "b1_i1024_m_t32"]
     assert BucketKey(2, 1024, 64).tokens == 2 * (1024 + 64)
 
 

@@ -44,7 +44,7 @@ def test_same_request_and_seed_give_the_same_png(pipe):
 def test_image_does_not_depend_on_how_many_images_share_its_forward(pipe):
     one = pipe.generate(GenerationRequest("p. cubensis", n=1, width=256, height=272, num_inference_steps=2, seed=9))
     three = pipe.generate(GenerationRequest("p. cubensis", n=3, width=256, height=272, num_inference_steps=2, seed=9))
-    assert one.bucket == "b2_i1024_t256" and three.bucket == "b8_i1024_t256"  # 2 and 6 rows with CFG
+    assert one.bucket == "b2_i1024_m_t256" and three.bucket == "b8_i1024_m_t256"  # 2 and 6 rows with CFG
     assert np.abs(_pixels(one.images_png[0]) - _pixels(three.images_png[0])).max() <= 1
     assert np.abs(_pixels(three.images_png[0]) - _pixels(three.images_png[1])).max() > 10  # other noise
 

@@ -27,7 +27,7 @@ def adapter():
 @pytest.fixture(scope="module")
 def table(adapter):
     cfg = BucketConfig(batch_sizes=[1, 2, 4], resolutions=["256x256", "512x512"], text_lengths=[64])
-    return BucketTable(cfg, adapter.rules)
+    return BucketTable(cfg, adapter.rules, min_image_tokens=256)
 
 
 @pytest.fixture()

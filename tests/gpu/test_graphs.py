@@ -48,6 +48,17 @@ def test_graph_replay_equals_eager_at_every_boundary_shape(adapter, runner, tabl
     assert all(v.passed for v in verdicts), [(str(v.key), v.max_rel_err) for v in verdicts if not v.passed]
 
 
+def test_exact_fit_replay_equals_eager_bit_for_bit(adapter, runner, table):
+    """Unmasked buckets at exactly their size run the same kernels as eager: identical bits."""
+    for key in (k for k in table.keys if not k.image_mask):
+        grid = (16, 16) if key.image_tokens == 256 else (32, 32)
+        case = BoundaryCase(key, key.batch, grid, 64)
+        x = random_inputs(adapter, case, CUDA, torch.bfloat16, seed=key.batch)
+        with torch.inference_mode():
+            ref = adapter.forward_eager(x)
+        assert torch.equal(runner.run(key, x), ref), str(key)
+
+
 def test_the_expected_buckets_replay_counter_goes_up_and_captures_stay_constant(adapter, runner, table):
     captures = (runner.graph_count, runner.stats.captured, runner.stats.lazy_captures)
     case = _case(table, 3, (16, 20))
