@@ -114,9 +114,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     def on_signal(signum: int, frame: Any) -> None:
         stop.set()
 
-    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    previous: dict[int, Any] = {}
     try:
         url = start_local(args.config, args.port, args.num_cpus, quiet=not args.verbose)
+        # After ray.init: Ray's core worker installs its own SIGTERM handler, which would kill the
+        # process without shutting Serve down.
+        previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         print(f"bcg-serve is listening on {url} (Ctrl-C stops it)", flush=True)
         print(f"  try: curl -s {url}/v1/buckets", flush=True)
         stop.wait(args.stop_after_s)

@@ -294,20 +294,25 @@ def replay(url: str, requests: list[DemoRequest], *, steps: int, concurrency: in
     results: dict[int, DemoResult] = {}
     timeout = httpx.Timeout(timeout_s, connect=min(10.0, timeout_s))
     limits = httpx.Limits(max_connections=concurrency)
-    with httpx.Client(timeout=timeout, limits=limits, trust_env=False) as client, \
-            ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="demo") as pool, \
-            tqdm(total=len(requests), unit="req", desc="generating", dynamic_ncols=True) as bar:
-        futures = [pool.submit(send_request, client, url, r, steps, out_dir) for r in requests]
-        images = failed = 0
-        for future in as_completed(futures):
-            result = future.result()
-            results[result.request.number] = result
-            images += len(result.files)
-            failed += not result.ok
-            bar.set_postfix(images=images, failed=failed)
-            if not result.ok:
-                bar.write(f"FAILED {result.request.describe()}: {result.error}")
-            bar.update(1)
+    pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="demo")
+    try:
+        with httpx.Client(timeout=timeout, limits=limits, trust_env=False) as client, \
+                tqdm(total=len(requests), unit="req", desc="generating", dynamic_ncols=True) as bar:
+            futures = [pool.submit(send_request, client, url, r, steps, out_dir) for r in requests]
+            images = failed = 0
+            for future in as_completed(futures):
+                result = future.result()
+                results[result.request.number] = result
+                images += len(result.files)
+                failed += not result.ok
+                bar.set_postfix(images=images, failed=failed)
+                if not result.ok:
+                    bar.write(f"FAILED {result.request.describe()}: {result.error}")
+                bar.update(1)
+    finally:
+        # On Ctrl-C do not wait for requests in flight (each is bounded by timeout_s anyway); the
+        # caller shuts the server down, which ends them.
+        pool.shutdown(wait=False, cancel_futures=True)
     return [results[r.number] for r in requests]
 
 
@@ -408,7 +413,7 @@ def render_report(stats: Mapping[str, Any] | None, results: list[DemoResult], wa
                       caption=f"{len(buckets)} buckets in the table, {len(buckets) - len(used)} unused not "
                               f"shown; miss policy: {policy}")
         table.add_column("bucket", no_wrap=True)
-        table.add_column("mode")
+        table.add_column("mode", no_wrap=True)
         for name in ("requests", "hits", "misses", "padding waste %", "mean latency ms"):
             table.add_column(name, justify="right", min_width=min(len(name), 8))
         for b in used:
