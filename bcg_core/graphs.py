@@ -33,11 +33,20 @@ from .metrics import BucketMetrics
 from .padding import DenoiseInputs, DiTAdapter
 from .runner import BucketEntry, RunMode
 
-__all__ = ["CaptureStats", "CudaGraphRunner", "budget_allows"]
+__all__ = ["CaptureStats", "CudaGraphRunner", "budget_allows", "capture_order"]
 
 log = logging.getLogger(__name__)
 
 MiB = 1 << 20
+
+
+def capture_order(keys: list[BucketKey]) -> list[BucketKey]:
+    """Buckets largest first: by padded tokens per forward, then rows, then exact before masked.
+
+    Capturing the largest graph first sizes the shared pool once; every smaller graph then reuses its
+    free blocks (DESIGN.md section 3).
+    """
+    return sorted(keys, key=lambda k: (-k.tokens, -k.batch, k.image_mask, k.latent_hw or (0, 0)))
 
 
 def budget_allows(pool_bytes: int, estimate_bytes: int, budget_bytes: int | None) -> bool:
@@ -91,7 +100,7 @@ class CudaGraphRunner:
         if torch.device(device).type != "cuda":
             raise ValueError(f"CudaGraphRunner needs a CUDA device, got {device}; use EagerBucketRunner on CPU")
         self.adapter = adapter
-        self.keys = sorted(keys, key=lambda k: (k.tokens, k.batch), reverse=True)
+        self.keys = capture_order(keys)
         self.metrics = metrics
         self.device, self.dtype = torch.device(device), dtype
         self.budget_bytes = budget_bytes

@@ -102,7 +102,7 @@ class EagerBucketRunner:
     def __init__(self, adapter: DiTAdapter, keys: list[BucketKey], metrics: BucketMetrics,
                  device: torch.device, dtype: torch.dtype):
         self.adapter = adapter
-        self.keys = sorted(keys, key=lambda k: k.tokens, reverse=True)  # largest first, as capture order
+        self.keys = sorted(keys, key=lambda k: (-k.tokens, -k.batch, k.image_mask))  # largest first, as capture
         self.metrics = metrics
         self.device, self.dtype = device, dtype
         self.entries: dict[BucketKey, BucketEntry] = {}

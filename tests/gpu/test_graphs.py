@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from bcg_core import LimitsConfig, RunMode, ShapeQuery
-from bcg_core.graphs import CudaGraphRunner
+from bcg_core.graphs import CudaGraphRunner, capture_order
 from bcg_core.verify import BoundaryCase, boundary_cases, random_inputs, verify_runner
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -34,7 +34,7 @@ def _case(table, rows, grid):
 def test_every_bucket_is_captured_largest_first_into_one_pool(runner, table):
     assert runner.graph_count == len(table.keys)
     order = list(runner.entries)
-    assert order == sorted(table.keys, key=lambda k: (k.tokens, k.batch), reverse=True)
+    assert order == capture_order(table.keys)
     assert runner.stats.failed == runner.stats.dropped_oom == runner.stats.over_budget == 0
     # Shared pool: the first (largest) capture pays; the rest reuse its blocks.
     largest = runner.entries[order[0]].pool_bytes
