@@ -18,6 +18,7 @@ import io
 import logging
 import socket
 import time
+from collections import Counter
 from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
@@ -409,24 +410,22 @@ def render_report(stats: Mapping[str, Any] | None, results: list[DemoResult], wa
         used = [b for b in buckets if b.get("requests")]
         model = stats.get("model", {}).get("name", "?")
         policy = stats.get("table", {}).get("miss_policy", "?")
+        modes = Counter(str(b.get("mode") or "?") for b in buckets)
         table = Table(title=f"Buckets of the replica (model {model}; counts since the server started)",
-                      caption=f"{len(buckets)} buckets in the table, {len(buckets) - len(used)} unused not "
-                              f"shown; miss policy: {policy}")
+                      caption=f"{len(buckets)} buckets in the table ({', '.join(f'{m} {k}' for m, k in modes.items())}"
+                              f"), {len(buckets) - len(used)} unused not shown; miss policy: {policy}")
         table.add_column("bucket", no_wrap=True)
-        table.add_column("mode", no_wrap=True)
         for name in ("requests", "hits", "misses", "padding waste %", "mean latency ms"):
             table.add_column(name, justify="right", min_width=min(len(name), 8))
         for b in used:
             hits = b.get("hits", 0)
-            table.add_row(str(b.get("key")), str(b.get("mode") or "-"), str(b["requests"]), str(hits),
-                          str(b["requests"] - hits), _fmt(b.get("padding_waste_pct")),
-                          _fmt(b.get("mean_latency_ms")))
+            table.add_row(str(b.get("key")), str(b["requests"]), str(hits), str(b["requests"] - hits),
+                          _fmt(b.get("padding_waste_pct")), _fmt(b.get("mean_latency_ms")))
         misses = stats.get("misses", {})
         missed = misses.get("requests", 0)
         by_dim = "".join(f"\n  {k} {v}" for k, v in misses.get("by_dim", {}).items())
         table.add_section()
-        table.add_row(f"misses by dim.:{by_dim}", "eager" if missed else "-", str(missed), "0",
-                      str(missed), "0.0" if missed else "-",
+        table.add_row(f"misses by dimension{by_dim}", str(missed), "0", str(missed), "0.0" if missed else "-",
                       _fmt(misses.get("mean_latency_ms") if missed else None),
                       style="yellow" if missed else None)
         console.print(table)
@@ -438,8 +437,12 @@ def render_report(stats: Mapping[str, Any] | None, results: list[DemoResult], wa
         console.print(f"[red]failed[/red] {r.request.describe()}: {r.error or status}", highlight=False)
     images = sum(len(r.files) for r in results)
     console.print(
-        f"{len(results)} requests ({len(results) - len(failed)} ok, {len(failed)} failed), {images} images "
-        f"in {wall_s:.1f} s wall -> {out_dir}/", highlight=False)
+        f"{_plural(len(results), 'request')} ({len(results) - len(failed)} ok, {len(failed)} failed), "
+        f"{_plural(images, 'image')} in {wall_s:.1f} s wall -> {out_dir}/", highlight=False)
+
+
+def _plural(count: int, noun: str) -> str:
+    return f"{count} {noun}{'' if count == 1 else 's'}"
 
 
 def run_demo(*, requests: int = 8, steps: int = 4, concurrency: int = 1, out: str | Path = "out/demo",

@@ -117,4 +117,4 @@ def test_demo_against_running_app_writes_pngs_reports_failures_and_prints_the_ta
     assert (out / "req001_img1.png").read_bytes().startswith(b"\x89PNG")
     assert "failed req002 (data row 1, 264x256, n=1): HTTP 422" in text
     assert "b2_i256_t256" in text  # 1 image with CFG = 2 rows, 256x256 = 256 tokens of 16x16 px
-    assert "2 requests (1 ok, 1 failed), 1 images" in text
+    assert "2 requests (1 ok, 1 failed), 1 image in" in text
