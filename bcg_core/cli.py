@@ -107,7 +107,9 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from deployments.demo import start_local, stop_local
+    from deployments.demo import check_config, start_local, stop_local
+
+    config = check_config(args.config) if args.config else None
 
     stop = threading.Event()
 
@@ -116,7 +118,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     previous: dict[int, Any] = {}
     try:
-        url = start_local(args.config, args.port, args.num_cpus, quiet=not args.verbose)
+        url = start_local(config, args.port, args.num_cpus, quiet=not args.verbose)
         # After ray.init: Ray's core worker installs its own SIGTERM handler, which would kill the
         # process without shutting Serve down.
         previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}

@@ -25,7 +25,10 @@ from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from bcg_core.config import ServeConfig
 
 __all__ = [
     "DATA_FILE",
@@ -33,6 +36,7 @@ __all__ = [
     "SEED_MODULUS",
     "DemoRequest",
     "DemoResult",
+    "check_config",
     "free_loopback_port",
     "load_requests",
     "read_requests",
@@ -346,7 +350,29 @@ def free_loopback_port() -> int:
         return s.getsockname()[1]
 
 
-def start_local(config_path: str | None = None, port: int = 8000, num_cpus: int = 4,
+def check_config(config_path: str | Path) -> "ServeConfig":
+    """Load a ServeConfig file and build its bucket table, without starting anything.
+
+    A relative ``model.path`` is taken from the current directory. Cheap (the planner loads only the tokenizer), so a bad file fails with its own message before Ray
+    starts.
+
+    Raises:
+        ValueError: a bad file, config value or bucket table (pydantic's ValidationError is a ValueError).
+        FileNotFoundError: ``config_path`` or the config's ``model.path`` does not exist.
+    """
+    from bcg_core.planner import Planner
+    from deployments.app import load_config
+
+    config = load_config(config_path=config_path)
+    if config.model.path is not None:
+        # The replicas may run in another working directory: pin a relative path to this one.
+        model = config.model.model_copy(update={"path": str(Path(config.model.path).resolve())})
+        config = config.model_copy(update={"model": model})
+    Planner.from_config(config)
+    return config
+
+
+def start_local(config: "ServeConfig | None" = None, port: int = 8000, num_cpus: int = 4,
                 quiet: bool = True) -> str:
     """Start Ray and the bcg-serve application on ``127.0.0.1:port``; returns the base URL.
 
@@ -354,7 +380,7 @@ def start_local(config_path: str | None = None, port: int = 8000, num_cpus: int 
     machine. ``serve.run`` returns once the replicas are ready (the DiT replica has built its pipeline).
 
     Args:
-        config_path: a YAML/JSON :class:`bcg_core.config.ServeConfig` file, or None for the embedded default.
+        config: the configuration (see :func:`check_config`), or None for the embedded default.
         port: HTTP port on 127.0.0.1 (0 picks a free one).
         num_cpus: logical CPUs Ray may hand out (each replica asks for its own share).
         quiet: keep Ray's and the replicas' logs out of the terminal (they stay in Ray's log folder).
@@ -371,7 +397,7 @@ def start_local(config_path: str | None = None, port: int = 8000, num_cpus: int 
              logging_level=level)
     logging.getLogger("ray.serve").setLevel(level)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    args = {"config_path": str(config_path)} if config_path else {}
+    args = {"config": config.model_dump(mode="json")} if config is not None else {}
     serve.run(build_app(args), name="bcg", route_prefix="/")
     return f"http://127.0.0.1:{port}"
 
@@ -481,16 +507,13 @@ def run_demo(*, requests: int = 8, steps: int = 4, concurrency: int = 1, out: st
         raise ValueError(f"steps {steps} must be at least 1")
     console = Console()
     todo = load_requests(requests, data)
-    if url is None and config is not None:
-        from deployments.app import load_config
-
-        load_config(config_path=config)  # a bad file fails here, before Ray starts
+    served = check_config(config) if config is not None else None
     out_dir = Path(out)
     started = url is None
     try:
         if started:
             console.print("starting Ray and the bcg-serve application (takes ~30-60 s) ...")
-            url = start_local(config, port, num_cpus, quiet=quiet)
+            url = start_local(served, port, num_cpus, quiet=quiet)
         url = url.rstrip("/")
         wait_healthy(url)
         n_images = sum(r.n for r in todo)
