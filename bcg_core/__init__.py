@@ -9,14 +9,16 @@ from .errors import RequestError
 from .metrics import BucketCounters, BucketMetrics
 from .models import LoadedModel, ModelSpec, build_tiny, describe_model, load_model, save_pipeline
 from .padding import DenoiseInputs, DiTAdapter, FluxAdapter
+from .pixart import PixArtAdapter
 from .pipeline import DiTPipeline, GenerationResult
 from .planner import GenerationRequest, Plan, Planner
 from .runner import BucketEntry, BucketRunner, EagerBucketRunner, RunMode
+from .sd3 import SD3Adapter
 
 __all__ = [
     "BucketConfig", "BucketCounters", "BucketEntry", "BucketKey", "BucketLookup", "BucketMetrics", "BucketRunner",
     "BucketTable", "DenoiseInputs", "DiTAdapter", "DiTPipeline", "Dim", "EagerBucketRunner", "FluxAdapter",
     "GenerationRequest", "GenerationResult", "LimitsConfig", "LoadedModel", "MissPolicy", "ModelConfig",
-    "ModelSpec", "Plan", "Planner", "RequestError", "RunMode", "ServeConfig", "ShapeQuery", "ShapeRules",
-    "build_tiny", "describe_model", "load_model", "parse_size", "save_pipeline",
+    "ModelSpec", "PixArtAdapter", "Plan", "Planner", "RequestError", "RunMode", "SD3Adapter", "ServeConfig",
+    "ShapeQuery", "ShapeRules", "build_tiny", "describe_model", "load_model", "parse_size", "save_pipeline",
 ]

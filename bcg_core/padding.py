@@ -30,15 +30,26 @@ __all__ = ["DenoiseInputs", "DiTAdapter", "FluxAdapter", "flux_image_ids"]
 class DenoiseInputs:
     """The real (unpadded) inputs of one transformer forward.
 
-    All rows share one token grid and one text length (a forward never mixes image shapes).
+    All rows share one token grid and one text length (a forward never mixes image shapes). The layout
+    of ``latents`` and the scale of ``timestep`` are the family's own, exactly as its diffusers pipeline
+    hands them to the transformer (each adapter's ``example_latents`` builds the layout):
+
+    - FLUX: latents (rows, image_tokens, in_channels), packed 2x2 latent patches; timestep in [0, 1]
+      (``FluxPipeline`` divides the scheduler's timestep by 1000; the transformer multiplies back).
+    - SD3, PixArt: latents (rows, in_channels, h * patch, w * patch), the VAE latent image; timestep on
+      the scheduler's 0-1000 scale, undivided (``StableDiffusion3Pipeline``: ``t.expand(batch)``;
+      ``PixArtSigmaPipeline``: ``current_timestep.expand(batch)``).
 
     Attributes:
-        latents: (rows, image_tokens, in_channels) packed latents (FLUX packs 2x2 latent patches).
+        latents: the latents in the family's layout (above).
         text: (rows, text_tokens, seq_dim) text-encoder sequence embeddings.
-        pooled: (rows, pooled_dim) pooled text embeddings.
-        timestep: (rows,) flow-matching time in [0, 1] (the scheduler's timestep / 1000).
+        pooled: (rows, pooled_dim) pooled text embeddings (pooled_dim 0 for families without them).
+        timestep: (rows,) denoising time on the family's scale (above).
         grid: (h, w) token grid of the image; ``h * w == image_tokens``.
         guidance: (rows,) guidance scale for guidance-distilled models (FLUX.1-dev), else None.
+        text_mask: (rows, text_tokens) bool, True for real tokens, for families trained with a text
+            key-padding mask (PixArt); None means every token is real. Families trained on unmasked text
+            refuse a mask.
     """
 
     latents: torch.Tensor
@@ -47,6 +58,7 @@ class DenoiseInputs:
     timestep: torch.Tensor
     grid: tuple[int, int]
     guidance: torch.Tensor | None = None
+    text_mask: torch.Tensor | None = None
 
     @property
     def rows(self) -> int:
@@ -55,8 +67,8 @@ class DenoiseInputs:
 
     @property
     def image_tokens(self) -> int:
-        """Real image tokens per row."""
-        return self.latents.shape[1]
+        """Real image tokens per row (dim 1 of packed latents; ``h * w`` of the grid for image latents)."""
+        return self.latents.shape[1] if self.latents.ndim == 3 else self.grid[0] * self.grid[1]
 
     @property
     def text_tokens(self) -> int:
@@ -66,7 +78,9 @@ class DenoiseInputs:
     def select(self, rows: slice | list[int]) -> "DenoiseInputs":
         """The same inputs restricted to some rows (for tests of batch invariance)."""
         g = None if self.guidance is None else self.guidance[rows]
-        return DenoiseInputs(self.latents[rows], self.text[rows], self.pooled[rows], self.timestep[rows], self.grid, g)
+        m = None if self.text_mask is None else self.text_mask[rows]
+        return DenoiseInputs(self.latents[rows], self.text[rows], self.pooled[rows], self.timestep[rows], self.grid,
+                             g, m)
 
 
 class DiTAdapter(Protocol):
@@ -75,6 +89,12 @@ class DiTAdapter(Protocol):
     family: str
     rules: ShapeRules
     model: torch.nn.Module
+    timestep_max: float
+    """Upper end of :attr:`DenoiseInputs.timestep` in this family (1.0 for FLUX, 1000.0 for SD3, PixArt)."""
+
+    def example_latents(self, rows: int, grid: tuple[int, int], generator: torch.Generator) -> torch.Tensor:
+        """Standard-normal CPU fp32 latents of ``rows`` rows of token grid ``grid``, in the family's layout."""
+        ...
 
     def allocate(self, key: BucketKey, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         """Static buffers of bucket ``key``."""
@@ -85,15 +105,15 @@ class DiTAdapter(Protocol):
         ...
 
     def forward(self, buffers: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Padded forward: (key.batch, key.image_tokens, out_channels)."""
+        """Padded forward: (key.batch, key.image_tokens, out_channels) (image families: (B, C_out, H, W))."""
         ...
 
     def unpad(self, output: torch.Tensor, inputs: DenoiseInputs) -> torch.Tensor:
-        """Real part of ``output``: (inputs.rows, inputs.image_tokens, out_channels), a view."""
+        """Real part of ``output``, a view: (rows, image_tokens, out_channels) or (rows, C_out, H, W)."""
         ...
 
     def forward_eager(self, inputs: DenoiseInputs) -> torch.Tensor:
-        """Unpadded reference forward: (inputs.rows, inputs.image_tokens, out_channels)."""
+        """Unpadded reference forward, in the same layout as :meth:`unpad`."""
         ...
 
 
@@ -143,6 +163,7 @@ class FluxAdapter:
     """
 
     family = "flux"
+    timestep_max = 1.0
 
     def __init__(self, model: torch.nn.Module, native_text_tokens: int, vae_scale_factor: int = 8):
         self.model = model
@@ -157,6 +178,10 @@ class FluxAdapter:
         self.pooled_dim = int(model.config.pooled_projection_dim)
         self.guidance_embeds = bool(model.config.guidance_embeds)
         self._ids_cache: dict[tuple, torch.Tensor] = {}
+
+    def example_latents(self, rows: int, grid: tuple[int, int], generator: torch.Generator) -> torch.Tensor:
+        """Packed latents (rows, h * w, in_channels), standard normal, CPU fp32."""
+        return torch.randn(rows, grid[0] * grid[1], self.in_channels, generator=generator)
 
     def allocate(self, key: BucketKey, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         """Static buffers of ``key`` (shapes in the comments)."""
@@ -186,6 +211,8 @@ class FluxAdapter:
         t = buffers["text"].shape[1]
         n, k = inputs.rows, inputs.image_tokens
         masked = "attn_mask" in buffers
+        if inputs.text_mask is not None:
+            raise ValueError("FLUX was trained on unmasked fixed-length text: inputs.text_mask must be None")
         if n > b or k > s or (k < s and not masked) or inputs.text_tokens != t or inputs.grid[0] * inputs.grid[1] != k:
             raise ValueError(
                 f"inputs of {n} rows x {k} image tokens x {inputs.text_tokens} text tokens (grid {inputs.grid}) "

@@ -90,17 +90,22 @@ def boundary_cases(table: BucketTable, limits: LimitsConfig) -> list[BoundaryCas
 
 
 def random_inputs(adapter: DiTAdapter, case: BoundaryCase, device, dtype, seed: int = 0) -> DenoiseInputs:
-    """Seeded random inputs of the case's shape (drawn on the CPU in fp32, then cast), for ``adapter``."""
+    """Seeded random inputs of the case's shape (drawn on the CPU in fp32, then cast), for ``adapter``.
+
+    Latents come in the family's layout (:meth:`DiTAdapter.example_latents`), timesteps uniform on the
+    family's scale ``[0, adapter.timestep_max)``; every text token is real (``text_mask`` None).
+    """
     g = torch.Generator().manual_seed(seed)
-    n, tokens = case.rows, case.grid[0] * case.grid[1]
+    n = case.rows
 
     def rnd(*shape):
         return torch.randn(*shape, generator=g).to(device=device, dtype=dtype)
 
     guidance = torch.full((n,), 3.5, device=device, dtype=dtype) if getattr(adapter, "guidance_embeds", False) else None
     return DenoiseInputs(
-        latents=rnd(n, tokens, adapter.in_channels), text=rnd(n, case.text_tokens, adapter.seq_dim),
-        pooled=rnd(n, adapter.pooled_dim), timestep=torch.rand(n, generator=g).to(device=device, dtype=dtype),
+        latents=adapter.example_latents(n, case.grid, g).to(device=device, dtype=dtype),
+        text=rnd(n, case.text_tokens, adapter.seq_dim), pooled=rnd(n, adapter.pooled_dim),
+        timestep=(torch.rand(n, generator=g) * adapter.timestep_max).to(device=device, dtype=dtype),
         grid=case.grid, guidance=guidance,
     )
 
