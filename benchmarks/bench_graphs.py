@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -40,6 +39,7 @@ from bcg_core import (
     parse_size,
 )
 from bcg_core.graphs import CudaGraphRunner
+from bcg_core.profile import cuda_ms, kernel_floor
 from bcg_core.verify import BoundaryCase, random_inputs
 
 
@@ -191,33 +191,25 @@ def dry_run(name: str, sizes: list[str], batches: list[int], with_masked: bool =
     return rows
 
 
-def cuda_ms(fn, iters: int) -> float:
-    """Median milliseconds of ``fn()`` over ``iters`` calls, timed with CUDA events after 2 warm-ups."""
-    for _ in range(2):
-        fn()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+def compiled_step(adapter: DiTAdapter, x, iters: int) -> dict:
+    """``torch.compile(mode="reduce-overhead")`` of the unpadded forward: compile seconds and step ms.
 
+    The first call compiles and captures (its wall time is ``compile_s``); later calls replay. Dynamo's
+    cache is reset first, so each shape pays its own compilation, as a new bucket would.
+    """
+    import copy
 
-def kernel_floor(fn) -> tuple[float, int]:
-    """(sum of CUDA kernel milliseconds, kernel count) of one ``fn()`` call, from torch.profiler."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
+    torch._dynamo.reset()
+    compiled = copy.copy(adapter)
+    compiled.model = torch.compile(adapter.model, mode="reduce-overhead", dynamic=False)
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        compiled.forward_eager(x)
         torch.cuda.synchronize()
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    total_us = sum(e.device_time for e in kernels)
-    return total_us / 1e3, len(kernels)
+        compile_s = time.perf_counter() - t0
+        step = cuda_ms(lambda: compiled.forward_eager(x), iters)
+    return dict(compile_ms=round(step, 3), compile_s=round(compile_s, 1))
 
 
 def buffer_bytes(runner: CudaGraphRunner) -> int:
@@ -234,6 +226,9 @@ def main() -> None:
     ap.add_argument("--with-masked", action="store_true",
                     help="also time each size through its tier's masked bucket (the graph that serves smaller sizes)")
     ap.add_argument("--private-pools", action="store_true", help="also capture each bucket in a private pool")
+    ap.add_argument("--compile-batches", default="",
+                    help="comma-separated rows for which to also time torch.compile(mode='reduce-overhead') "
+                    "(compile seconds reported; slow: tens of seconds per shape)")
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--dry-run", action="store_true",
                     help="build on the CPU in fp32 and check padded vs eager per bucket, no timing "
@@ -281,10 +276,13 @@ def main() -> None:
         with torch.inference_mode():
             ref = adapter.forward_eager(x).float()
         err = ((out - ref).abs().max() / ref.abs().max()).item()
-        row = dict(size=size, batch=case.rows, key=str(case.key), eager_ms=round(eager, 3), graph_ms=round(graph, 3), replay_only_ms=round(replay, 3),
-                   floor_ms=round(floor, 3), kernels=kernels, speedup=round(eager / graph, 2),
-                   graph_over_floor=round(graph / floor, 3), capture_s=round(entry.capture_s, 3),
-                   pool_mib=round(entry.pool_bytes / 2**20, 1), rel_err=float(f"{err:.2e}"))
+        row = dict(size=size, batch=case.rows, key=str(case.key), eager_ms=round(eager, 3), graph_ms=round(graph, 3),
+                   replay_only_ms=round(replay, 3), floor_ms=round(floor, 3), kernels=kernels,
+                   speedup=round(eager / graph, 2), graph_over_floor=round(graph / floor, 3),
+                   capture_s=round(entry.capture_s, 3), pool_mib=round(entry.pool_bytes / 2**20, 1),
+                   rel_err=float(f"{err:.2e}"))
+        if str(case.rows) in args.compile_batches.split(",") and not case.key.image_mask:
+            row.update(compiled_step(adapter, x, args.iters))
         rows.append(row)
         print(json.dumps(row))
 
