@@ -110,6 +110,7 @@ class CudaGraphRunner:
         self.entries: dict[BucketKey, BucketEntry] = {}
         self.stats = CaptureStats()
         self.pool = None
+        self._side: torch.cuda.Stream | None = None
         self._prepared = False
         self._lock = threading.RLock()
 
@@ -147,7 +148,10 @@ class CudaGraphRunner:
         torch.cuda.synchronize(self.device)
         base = torch.cuda.memory_allocated(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
-        side = torch.cuda.Stream(self.device)
+        # One side stream for every warm-up: each new stream would get (and keep) its own cuBLAS workspace.
+        if self._side is None:
+            self._side = torch.cuda.Stream(self.device)
+        side = self._side
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side), torch.inference_mode():
             for _ in range(self.warmup_iters):
