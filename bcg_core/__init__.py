@@ -4,7 +4,9 @@ Never imports Ray (the Ray Serve layer lives in ``deployments/`` and ``router/``
 """
 
 from .buckets import BucketKey, BucketLookup, BucketTable, Dim, ShapeQuery, ShapeRules
-from .config import BucketConfig, LimitsConfig, MissPolicy, ModelConfig, ServeConfig, parse_size
+from .config import (
+    BucketConfig, LimitsConfig, MissPolicy, ModelConfig, RunnerConfig, ServeConfig, load_config, parse_size,
+)
 from .errors import RequestError
 from .metrics import BucketCounters, BucketMetrics
 from .models import LoadedModel, ModelSpec, build_tiny, describe_model, load_model, save_pipeline
@@ -20,5 +22,5 @@ __all__ = [
     "BucketTable", "DenoiseInputs", "DiTAdapter", "DiTPipeline", "Dim", "EagerBucketRunner", "FluxAdapter",
     "GenerationRequest", "GenerationResult", "LimitsConfig", "LoadedModel", "MissPolicy", "ModelConfig",
     "ModelSpec", "PixArtAdapter", "Plan", "Planner", "RequestError", "RunMode", "SD3Adapter", "ServeConfig",
-    "ShapeQuery", "ShapeRules", "build_tiny", "describe_model", "load_model", "parse_size", "save_pipeline",
+    "ShapeQuery", "ShapeRules", "RunnerConfig", "build_tiny", "describe_model", "load_config", "load_model", "parse_size", "save_pipeline",
 ]

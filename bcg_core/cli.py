@@ -1,4 +1,4 @@
-"""The ``bcg`` command line: ``bcg demo``, ``bcg config``, ``bcg serve``.
+"""The ``bcg`` command line: ``bcg demo``, ``bcg config``, ``bcg serve``, ``bcg verify``, ``bcg profile``.
 
 Subcommands that need Ray import :mod:`deployments.demo` lazily, inside the command, so that importing
 this module (and ``bcg config``) never imports Ray.
@@ -133,6 +133,29 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _load(path: str | None) -> ServeConfig:
+    from .config import load_config
+
+    return load_config(config_path=path) if path else ServeConfig()
+
+
+def _cmd_verify(args: argparse.Namespace) -> int:
+    from .commands import run_verify
+
+    return 0 if run_verify(_load(args.config), args.bucket, args.rtol) else 1
+
+
+def _cmd_profile(args: argparse.Namespace) -> int:
+    from .commands import run_profile
+
+    try:
+        run_profile(_load(args.config), args.bucket, args.iters)
+    except RuntimeError as exc:
+        print(f"bcg profile: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="bcg",
@@ -184,6 +207,26 @@ def _parser() -> argparse.ArgumentParser:
                    help="stop by itself after T seconds (default: run until Ctrl-C)")
     s.add_argument("--verbose", action="store_true", help="show Ray's and the replicas' logs")
     s.set_defaults(func=_cmd_serve)
+
+    v = sub.add_parser("verify", help="check every bucket against an unpadded eager run (pass/fail per bucket)",
+                       description="Load the model, build the runner the config asks for (CUDA graphs on a "
+                       "GPU), run each bucket's boundary shapes (the bucket size, one below, the smallest "
+                       "request that maps to it) padded and unpadded, and print the max relative error and "
+                       "pass or fail per bucket. Exit status 1 if any bucket fails.")
+    v.add_argument("--config", default=None, metavar="PATH", help="ServeConfig YAML/JSON (default: embedded)")
+    v.add_argument("--bucket", action="append", metavar="KEY",
+                   help="check only this bucket (e.g. b2_i1024_t256); repeatable; default: all")
+    v.add_argument("--rtol", type=_positive_float, default=None,
+                   help="relative tolerance (default: 1e-5 for float32, 2e-2 for bfloat16)")
+    v.set_defaults(func=_cmd_verify)
+
+    pr = sub.add_parser("profile", help="per bucket: kernels, eager ms, graph ms, kernel-busy ms, verdict (CUDA)",
+                        description="Time each bucket at its exact size on a CUDA GPU: kernels per step, eager "
+                        "ms, graph replay ms, kernel-busy ms (sum of kernel times), and whether graphs pay.")
+    pr.add_argument("--config", default=None, metavar="PATH", help="ServeConfig YAML/JSON (default: embedded)")
+    pr.add_argument("--bucket", action="append", metavar="KEY", help="profile only this bucket; repeatable")
+    pr.add_argument("--iters", type=_bounded_int(1, 1000), default=10, help="timed iterations (default 10)")
+    pr.set_defaults(func=_cmd_profile)
     return p
 
 

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import enum
 import re
-from typing import Literal
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -20,6 +22,7 @@ __all__ = [
     "ModelConfig",
     "RunnerConfig",
     "ServeConfig",
+    "load_config",
     "parse_size",
 ]
 
@@ -199,3 +202,23 @@ class ServeConfig(BaseModel):
     buckets: BucketConfig = Field(default_factory=BucketConfig)
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
     runner: RunnerConfig = Field(default_factory=RunnerConfig)
+
+
+def load_config(config: Mapping[str, Any] | None = None, config_path: str | Path | None = None) -> ServeConfig:
+    """Build a ``ServeConfig`` from a mapping or a YAML/JSON file (what ``bcg config`` prints).
+
+    Raises:
+        ValueError: both given, or a file that does not hold a mapping; pydantic.ValidationError (a
+            ValueError) for a bad value, naming the field.
+        FileNotFoundError: ``config_path`` does not exist.
+    """
+    import yaml
+
+    if config is not None and config_path is not None:
+        raise ValueError("give either config or config_path, not both")
+    if config_path is not None:
+        data = yaml.safe_load(Path(config_path).read_text())  # YAML is a superset of JSON
+        if not isinstance(data, dict):
+            raise ValueError(f"config_path {str(config_path)!r} must hold a mapping with model/buckets/limits")
+        config = data
+    return ServeConfig.model_validate(dict(config or {}))

@@ -17,11 +17,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Mapping
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field
 from ray.serve import Application
 
-from bcg_core.config import ServeConfig
+from bcg_core.config import ServeConfig, load_config
 
 from .dit import DiTReplica
 from .ingress import Ingress
@@ -38,22 +37,6 @@ class AppArgs(BaseModel):
     config_path: str | None = Field(default=None, description="YAML or JSON file with a ServeConfig mapping.")
     dit_replicas: int = Field(default=1, ge=1, description="Number of DiT replicas (one per GPU).")
     dit_num_gpus: float | None = Field(default=None, ge=0, description="GPUs per DiT replica; None = detect.")
-
-
-def load_config(config: Mapping[str, Any] | None = None, config_path: str | Path | None = None) -> ServeConfig:
-    """Build the served ``ServeConfig`` from a mapping or a YAML/JSON file.
-
-    Raises:
-        ValueError: both or an unreadable/non-mapping file; pydantic.ValidationError: a bad config.
-    """
-    if config is not None and config_path is not None:
-        raise ValueError("give either config or config_path, not both")
-    if config_path is not None:
-        data = yaml.safe_load(Path(config_path).read_text())  # YAML is a superset of JSON
-        if not isinstance(data, dict):
-            raise ValueError(f"config_path {str(config_path)!r} must hold a mapping with model/buckets/limits")
-        config = data
-    return ServeConfig.model_validate(dict(config or {}))
 
 
 def _default_num_gpus(config: ServeConfig) -> float:

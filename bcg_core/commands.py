@@ -1,0 +1,131 @@
+"""``bcg verify`` and ``bcg profile``: correctness and speed of every bucket of a config, as tables.
+
+Both load the configured model and build the runner the config asks for (CUDA graphs on a GPU, static
+eager buffers on a CPU), exactly as a replica does, then:
+
+- ``verify`` runs every bucket's boundary shapes (:func:`bcg_core.verify.boundary_cases`) padded
+  through the runner and unpadded through the adapter's eager forward, and prints the worst relative
+  error and pass or fail per bucket (tolerance from the dtype: DESIGN.md section 4);
+- ``profile`` times each bucket at its exact size: kernels per step, eager ms, graph ms, kernel-busy ms,
+  and a verdict on whether graphs pay (:mod:`bcg_core.profile`). It needs CUDA.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .buckets import BucketKey
+from .config import ServeConfig
+from .pipeline import DiTPipeline
+from .verify import BoundaryCase, boundary_cases, verify_runner
+
+__all__ = ["RTOL", "run_profile", "run_verify"]
+
+RTOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 1e-2}
+"""Relative tolerance of padded vs unpadded per dtype (DESIGN.md s4: fp32 ~1e-5, bf16 ~1e-2; bf16 here
+is 2e-2 because a masked bucket's attention kernel differs from the unmasked eager one, docs/BENCHMARKS.md)."""
+
+
+def _select(keys: list[BucketKey], wanted: list[str] | None) -> list[BucketKey]:
+    if not wanted:
+        return keys
+    by_name = {str(k): k for k in keys}
+    unknown = [w for w in wanted if w not in by_name]
+    if unknown:
+        raise ValueError(f"bucket {unknown[0]!r} is not in the table; buckets: {', '.join(by_name)}")
+    return [by_name[w] for w in wanted]
+
+
+def _pipeline(config: ServeConfig) -> DiTPipeline:
+    return DiTPipeline.from_config(config)
+
+
+def run_verify(config: ServeConfig, buckets: list[str] | None = None, rtol: float | None = None,
+               console=None) -> bool:
+    """Verify buckets of ``config`` against unpadded eager runs and print a table.
+
+    Args:
+        config: the serve config (model, table, runner).
+        buckets: bucket keys to check (as ``str(BucketKey)``); None checks every bucket.
+        rtol: relative tolerance; None picks it from the model dtype (:data:`RTOL`).
+        console: a ``rich.console.Console`` (a new one when None).
+
+    Returns:
+        True when every checked bucket passed.
+
+    Raises:
+        ValueError: an unknown bucket key.
+    """
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+    pipe = _pipeline(config)
+    model = pipe.model
+    keys = set(_select(pipe.table.keys, buckets))
+    cases = [c for c in boundary_cases(pipe.table, config.limits) if c.key in keys]
+    tol = rtol if rtol is not None else RTOL[model.dtype]
+    verdicts = verify_runner(model.adapter, pipe.runner, cases, model.device, model.dtype, rtol=tol)
+    modes = {d["key"]: d["mode"] for d in pipe.runner.describe()}
+    table = Table(title=f"bcg verify: {model.name} on {model.device} ({str(model.dtype).removeprefix('torch.')}), "
+                        f"rtol {tol:g}")
+    for col in ("bucket", "mode", "cases", "shapes (rows x grid + text)", "max rel err", "result"):
+        table.add_column(col, justify="right" if col in ("cases", "max rel err") else "left")
+    for v in verdicts:
+        table.add_row(str(v.key), modes.get(str(v.key), "?"), str(v.cases), ", ".join(v.shapes[:4]) +
+                      (" ..." if len(v.shapes) > 4 else ""), f"{v.max_rel_err:.2e}",
+                      "[green]pass[/]" if v.passed else "[red]FAIL[/]" + (" (NaN)" if v.nan else ""))
+    console.print(table)
+    unreached = sorted(str(k) for k in keys - {v.key for v in verdicts})
+    if unreached:
+        console.print(f"no valid request size maps to: {', '.join(unreached)}")
+    failed = [v for v in verdicts if not v.passed]
+    console.print(f"{len(verdicts) - len(failed)} of {len(verdicts)} buckets passed")
+    return not failed
+
+
+def run_profile(config: ServeConfig, buckets: list[str] | None = None, iters: int = 10, console=None) -> list:
+    """Time buckets of ``config`` at their exact sizes and print a table with a verdict per bucket.
+
+    Returns:
+        The :class:`~bcg_core.profile.ProfileRow` list.
+
+    Raises:
+        RuntimeError: without CUDA.
+        ValueError: an unknown bucket key.
+    """
+    from rich.console import Console
+    from rich.table import Table
+
+    from .profile import profile_case
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("bcg profile needs a CUDA GPU: it times CUDA kernels and graph replay")
+    console = console or Console()
+    pipe = _pipeline(config)
+    model = pipe.model
+    rows = []
+    for key in _select(pipe.table.keys, buckets):
+        if key.image_mask:
+            continue  # a masked bucket's exact fit is its unmasked twin
+        grid = key.latent_hw or _square_grid(key.image_tokens)
+        if grid is None:
+            continue
+        rows.append(profile_case(model.adapter, pipe.runner, BoundaryCase(key, key.batch, grid, key.text_tokens),
+                                 model.device, model.dtype, iters))
+    table = Table(title=f"bcg profile: {model.name} on {torch.cuda.get_device_name()}")
+    for col in ("bucket", "kernels", "eager ms", "graph ms", "kernel-busy ms", "eager/graph", "verdict"):
+        table.add_column(col, justify="left" if col in ("bucket", "verdict") else "right")
+    for r in rows:
+        table.add_row(r.key, str(r.kernels), f"{r.eager_ms:.2f}", f"{r.graph_ms:.2f}", f"{r.floor_ms:.2f}",
+                      f"{r.speedup:.2f}", r.verdict)
+    console.print(table)
+    return rows
+
+
+def _square_grid(tokens: int) -> tuple[int, int] | None:
+    """A grid with ``tokens`` tokens, as square as possible (FLUX buckets key on the count only)."""
+    for h in range(int(tokens**0.5), 0, -1):
+        if tokens % h == 0:
+            return (h, tokens // h)
+    return None

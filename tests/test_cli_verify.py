@@ -1,0 +1,38 @@
+"""`bcg verify` and `bcg profile` from the command line (CPU: verify runs, profile refuses clearly)."""
+
+import pytest
+import torch
+
+from bcg_core.cli import main
+
+
+@pytest.fixture()
+def small_config(tmp_path):
+    path = tmp_path / "small.yaml"
+    path.write_text('buckets:\n  batch_sizes: [1, 2]\n  resolutions: ["256x256", "320x256"]\n')
+    return str(path)
+
+
+def test_verify_passes_every_bucket_and_names_them(small_config, capsys):
+    assert main(["verify", "--config", small_config]) == 0
+    out = capsys.readouterr().out
+    for key in ("b1_i256_t256", "b2_i320_t256", "b2_i320_m_t256"):
+        assert key in out
+    assert "6 of 6 buckets passed" in out and "FAIL" not in out
+
+
+def test_verify_fails_when_the_tolerance_cannot_be_met(small_config, capsys):
+    # Masked buckets differ from eager by float reduction order (~1e-7): a zero tolerance must fail them.
+    assert main(["verify", "--config", small_config, "--rtol", "1e-30", "--bucket", "b2_i320_m_t256"]) == 1
+    assert "FAIL" in capsys.readouterr().out
+
+
+def test_verify_rejects_an_unknown_bucket(small_config, capsys):
+    assert main(["verify", "--config", small_config, "--bucket", "b3_i1_t1"]) == 2
+    assert "is not in the table" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU refusal")
+def test_profile_without_cuda_says_it_needs_a_gpu(small_config, capsys):
+    assert main(["profile", "--config", small_config]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
