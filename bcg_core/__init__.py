@@ -7,7 +7,7 @@ from .buckets import BucketKey, BucketLookup, BucketTable, Dim, ShapeQuery, Shap
 from .config import (
     BucketConfig, LimitsConfig, MissPolicy, ModelConfig, RunnerConfig, ServeConfig, load_config, parse_size,
 )
-from .errors import RequestError
+from .errors import BucketMissError, RequestError
 from .metrics import BucketCounters, BucketMetrics
 from .models import LoadedModel, ModelSpec, build_tiny, describe_model, load_model, save_pipeline
 from .padding import DenoiseInputs, DiTAdapter, FluxAdapter
@@ -18,7 +18,7 @@ from .runner import BucketEntry, BucketRunner, EagerBucketRunner, RunMode
 from .sd3 import SD3Adapter
 
 __all__ = [
-    "BucketConfig", "BucketCounters", "BucketEntry", "BucketKey", "BucketLookup", "BucketMetrics", "BucketRunner",
+    "BucketConfig", "BucketMissError", "BucketCounters", "BucketEntry", "BucketKey", "BucketLookup", "BucketMetrics", "BucketRunner",
     "BucketTable", "DenoiseInputs", "DiTAdapter", "DiTPipeline", "Dim", "EagerBucketRunner", "FluxAdapter",
     "GenerationRequest", "GenerationResult", "LimitsConfig", "LoadedModel", "MissPolicy", "ModelConfig",
     "ModelSpec", "PixArtAdapter", "Plan", "Planner", "RequestError", "RunMode", "SD3Adapter", "ServeConfig",

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["RequestError"]
+__all__ = ["BucketMissError", "RequestError"]
 
 
 class RequestError(ValueError):
@@ -24,3 +24,19 @@ class RequestError(ValueError):
     def __reduce__(self):
         # Keep field and status when Ray pickles the error across processes.
         return (type(self), (self.field, self.message, self.status))
+
+
+class BucketMissError(RequestError):
+    """A request no bucket holds, under the reject miss policy (HTTP 422).
+
+    Attributes:
+        missed: the key dimensions that missed (``"batch"``, ``"image_tokens"``, ``"text_tokens"``), so
+            that whoever rejects it can still count the miss by dimension.
+    """
+
+    def __init__(self, field: str, message: str, missed: tuple[str, ...] = (), status: int = 422):
+        super().__init__(field, message, status)
+        self.missed = tuple(missed)
+
+    def __reduce__(self):
+        return (type(self), (self.field, self.message, self.missed, self.status))

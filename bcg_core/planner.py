@@ -13,7 +13,7 @@ from typing import Callable
 
 from .buckets import BucketLookup, BucketTable, Dim, ShapeQuery, ShapeRules
 from .config import MissPolicy, ServeConfig
-from .errors import RequestError
+from .errors import BucketMissError, RequestError
 
 __all__ = ["GenerationRequest", "Plan", "Planner", "SEED_MAX"]
 
@@ -166,7 +166,11 @@ class Planner:
         text = native if native is not None else max(prompt_tokens, negative_tokens)
         return ShapeQuery(self.rows(request), grid[0] * grid[1], text, grid if self.rules.grid_keyed else None)
 
-    def _miss_error(self, request: GenerationRequest, lookup: BucketLookup) -> RequestError:
+    def _miss_error(self, request: GenerationRequest, lookup: BucketLookup) -> BucketMissError:
+        err = self._miss_message(request, lookup)
+        return BucketMissError(err.field, err.message, tuple(d.value for d in lookup.missed))
+
+    def _miss_message(self, request: GenerationRequest, lookup: BucketLookup) -> RequestError:
         dim = lookup.missed[0]
         t = self.table
         if dim is Dim.BATCH:

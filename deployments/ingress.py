@@ -18,6 +18,7 @@ validation or planning (the message names the field and the values it accepts), 
 import logging
 import time
 from base64 import b64encode
+from collections import Counter
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -28,7 +29,7 @@ from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from bcg_core.config import MissPolicy, ServeConfig
-from bcg_core.errors import RequestError
+from bcg_core.errors import BucketMissError, RequestError
 from bcg_core.planner import GenerationRequest, Planner
 
 from .schemas import (
@@ -180,6 +181,8 @@ class Ingress:
         self._model_name: str | None = None
         self._model_known = False  # the name is read once from the replica's stats, on the first request
         self._limits = self._request_limits()
+        self._rejected: Counter[str] = Counter()  # misses answered 422 here (reject policy), by dimension
+        self._rejected_requests = 0
 
     def _request_limits(self) -> RequestLimits:
         return RequestLimits(
@@ -204,8 +207,13 @@ class Ingress:
 
     @app.get("/v1/buckets", responses={500: {"model": ErrorBody}})
     async def buckets(self) -> dict:
-        """Per-bucket counters of the DiT replica (``DiTPipeline.stats()``)."""
-        return await self._dit.stats.remote()
+        """Per-bucket counters of the DiT replica (``DiTPipeline.stats()``), plus the misses this ingress
+        rejected under the reject policy (``misses.rejected``, ``misses.rejected_by_dim``)."""
+        stats = await self._dit.stats.remote()
+        misses = stats.setdefault("misses", {})
+        misses["rejected"] = self._rejected_requests
+        misses["rejected_by_dim"] = {d: self._rejected.get(d, 0) for d in ("batch", "image_tokens", "text_tokens")}
+        return stats
 
     @app.post(
         "/v1/images/generations",
@@ -251,6 +259,9 @@ class Ingress:
         except ValidationError as exc:
             return validation_error_response(exc, limits)
         except RequestError as exc:
+            if isinstance(exc, BucketMissError):
+                self._rejected_requests += 1
+                self._rejected.update(exc.missed)
             return error_response(exc.status, exc.message, param=exc.field)
         if not plan.lookup.hit and self._planner.table.miss_policy is MissPolicy.REJECT:
             # The planner is expected to reject this itself; kept so a reject policy can never run eager.

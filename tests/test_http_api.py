@@ -212,6 +212,15 @@ def test_batch_the_table_cannot_hold_is_rejected_under_the_reject_policy(reject_
     assert r.json()["error"]["param"] == "n"
 
 
+def test_rejected_misses_are_counted_by_dimension(reject_client):
+    before = reject_client.get("/v1/buckets").json()["misses"]
+    assert reject_client.post(GEN, json=_good(n=3, guidance_scale=2.0)).status_code == 422
+    after = reject_client.get("/v1/buckets").json()["misses"]
+    assert after["rejected"] == before["rejected"] + 1
+    assert after["rejected_by_dim"]["batch"] == before["rejected_by_dim"]["batch"] + 1
+    assert after["rejected_by_dim"]["image_tokens"] == before["rejected_by_dim"]["image_tokens"]
+
+
 def test_reject_app_still_serves_what_its_table_holds(reject_client):
     r = reject_client.post(GEN, json=_good(n=2, guidance_scale=2.0))  # 4 rows: the largest bucket
     assert r.status_code == 200, r.text
