@@ -32,12 +32,15 @@ __all__ = [
     "LoadedModel",
     "ModelSpec",
     "TINY_TEXT_TOKENS",
+    "assemble_flux",
     "build_tiny",
     "describe_model",
     "load_model",
     "load_tokenizer_counter",
     "resolve_device",
     "save_pipeline",
+    "tiny_transformer_config",
+    "tiny_vae_config",
 ]
 
 TINY_TEXT_TOKENS = 256
@@ -109,6 +112,26 @@ def _dtype(name: str) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
+def tiny_transformer_config(text_dim: int) -> dict:
+    """``FluxTransformer2DModel`` kwargs of the tiny default for a text encoder of ``text_dim`` channels."""
+    return _tiny_transformer_config(text_dim)
+
+
+def tiny_vae_config() -> dict:
+    """``AutoencoderKL`` kwargs of the tiny default (FLUX's latent layout, few channels)."""
+    return _tiny_vae_config()
+
+
+def assemble_flux(name: str, transformer: torch.nn.Module, vae: torch.nn.Module, text_encoder: TextEncoder,
+                  native_text_tokens: int, device: torch.device, dtype: torch.dtype,
+                  scheduler_config: dict | None = None) -> LoadedModel:
+    """A :class:`LoadedModel` from parts already on ``device`` in ``dtype`` (FLUX.1-dev scheduler by default)."""
+    scale = 2 ** (len(vae.config.block_out_channels) - 1)
+    return LoadedModel(name, FluxAdapter(transformer.eval(), native_text_tokens, scale), vae.eval(),
+                       dict(scheduler_config or FLUX_SCHEDULER_CONFIG), text_encoder, native_text_tokens,
+                       device, dtype)
+
+
 def _tiny_transformer_config(text_dim: int) -> dict:
     # FLUX architecture at toy size: 2 double-stream + 2 single-stream blocks, 2 heads x 32 channels;
     # axes_dims_rope must sum to attention_head_dim.
@@ -150,12 +173,8 @@ def build_tiny(config: ModelConfig | None = None) -> LoadedModel:
         vae = AutoencoderKL(**_tiny_vae_config())
     finally:
         torch.random.set_rng_state(gen_state)
-    transformer = transformer.to(device=device, dtype=dtype).eval()
-    vae = vae.to(device=device, dtype=dtype).eval()
-    return LoadedModel(
-        TINY_NAME, FluxAdapter(transformer, TINY_TEXT_TOKENS, 2 ** (len(vae.config.block_out_channels) - 1)),
-        vae, dict(FLUX_SCHEDULER_CONFIG), text, TINY_TEXT_TOKENS, device, dtype,
-    )
+    return assemble_flux(TINY_NAME, transformer.to(device=device, dtype=dtype), vae.to(device=device, dtype=dtype),
+                         text, TINY_TEXT_TOKENS, device, dtype)
 
 
 def _read_index(path: Path) -> dict:
@@ -250,9 +269,7 @@ def load_model(config: ModelConfig) -> LoadedModel:
             AutoTokenizer.from_pretrained(str(path / "tokenizer"), local_files_only=True),
             AutoModel.from_pretrained(path / "text_encoder").to(device),
         )
-    native = _text_tokens(index)
-    scale = 2 ** (len(vae.config.block_out_channels) - 1)
-    return LoadedModel(path.name, FluxAdapter(transformer, native, scale), vae, sched, text, native, device, dtype)
+    return assemble_flux(path.name, transformer, vae, text, _text_tokens(index), device, dtype, sched)
 
 
 def save_pipeline(model: LoadedModel, path: str | Path) -> Path:
