@@ -31,7 +31,7 @@ import torch
 from .buckets import BucketKey
 from .metrics import BucketMetrics
 from .padding import DenoiseInputs, DiTAdapter
-from .runner import BucketEntry, RunMode
+from .runner import BucketEntry, RunMode, static_forward
 
 __all__ = ["CaptureStats", "CudaGraphRunner", "budget_allows", "capture_order"]
 
@@ -184,10 +184,10 @@ class CudaGraphRunner:
                 output = self.adapter.forward(buffers)
             torch.cuda.synchronize(self.device)
         except torch.cuda.OutOfMemoryError as e:
-            del graph
+            graph = None  # drop the partial capture
             return self._dropped(key, f"out of memory during capture: {e}".splitlines()[0])
         except Exception as e:  # noqa: BLE001 - any capture failure must leave the replica serving
-            del graph
+            graph = None  # drop the partial capture
             torch.cuda.synchronize(self.device)
             self.stats.failed += 1
             entry.note = f"capture_failed: {type(e).__name__}: {e}".splitlines()[0][:300]
@@ -255,8 +255,7 @@ class CudaGraphRunner:
                     entry.graph.replay()
                     out = self.adapter.unpad(entry.output, inputs).clone()
                 elif entry.buffers:  # eager-only: capture failed or over budget
-                    self.adapter.fill(entry.buffers, inputs)
-                    out = self.adapter.unpad(self.adapter.forward(entry.buffers), inputs).clone()
+                    out = static_forward(self.adapter, entry.buffers, inputs)
                 else:  # dropped after OOM: unpadded eager
                     out = self.adapter.forward_eager(inputs).clone()
                 entry.forwards += 1

@@ -27,7 +27,7 @@ from .buckets import BucketKey
 from .metrics import BucketMetrics
 from .padding import DenoiseInputs, DiTAdapter
 
-__all__ = ["BucketEntry", "BucketRunner", "EagerBucketRunner", "RunMode"]
+__all__ = ["BucketEntry", "BucketRunner", "EagerBucketRunner", "RunMode", "static_forward"]
 
 
 class RunMode(enum.Enum):
@@ -86,6 +86,16 @@ class BucketRunner(Protocol):
         ...
 
 
+def static_forward(adapter: DiTAdapter, buffers: dict[str, torch.Tensor], inputs: DenoiseInputs) -> torch.Tensor:
+    """Fill a bucket's static buffers from ``inputs``, run the padded forward eagerly, return the real part.
+
+    Returns:
+        (inputs.rows, inputs.image_tokens, out_channels), a new tensor (never a view of a buffer).
+    """
+    adapter.fill(buffers, inputs)
+    return adapter.unpad(adapter.forward(buffers), inputs).clone()
+
+
 class EagerBucketRunner:
     """Runs each bucket eagerly on its static padded buffers (CPU development and CI).
 
@@ -130,8 +140,7 @@ class EagerBucketRunner:
                 entry = self.entries.get(key)
                 if entry is None:
                     raise KeyError(f"bucket {key} is not prepared on this runner; prepared: {len(self.entries)}")
-                self.adapter.fill(entry.buffers, inputs)
-                out = self.adapter.unpad(self.adapter.forward(entry.buffers), inputs).clone()
+                out = static_forward(self.adapter, entry.buffers, inputs)
                 entry.forwards += 1
         self.metrics.record_forward(key)
         return out

@@ -14,7 +14,6 @@ default application, for ``serve run deployments.app:app``.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field

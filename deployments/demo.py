@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import base64
 import csv
-import io
 import logging
 import socket
 import time

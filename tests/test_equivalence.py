@@ -15,9 +15,9 @@ from bcg_core import (
     ShapeQuery,
 )
 from bcg_core.verify import boundary_cases, verify_runner
+from closeness import RTOL, assert_close
 
 TEXT = 12
-RTOL = 1e-5
 
 
 @pytest.fixture(scope="module")
@@ -56,12 +56,6 @@ def _inputs(rows: int, grid: tuple[int, int], seed: int = 0) -> DenoiseInputs:
     )
 
 
-def _close(a: torch.Tensor, b: torch.Tensor) -> None:
-    assert not torch.isnan(a).any()
-    err = ((a - b).abs().max() / b.abs().max()).item()
-    assert err < RTOL, f"relative error {err:.2e}"
-
-
 def test_boundary_cases_cover_every_bucket_and_round_up(table):
     cases = boundary_cases(table, LimitsConfig())
     assert {c.key for c in cases} == set(table.keys)
@@ -92,7 +86,7 @@ def test_a_prompt_alone_equals_the_same_prompt_inside_a_batch(table, runner):
     together = runner.run(key, batch)
     for i in range(3):
         alone = runner.run(table.lookup(ShapeQuery(1, 360, TEXT)).key, batch.select([i]))
-        _close(together[i : i + 1], alone)
+        assert_close(together[i : i + 1], alone)
     assert not torch.allclose(together[0], together[1])
 
 
@@ -112,7 +106,7 @@ def test_garbage_in_pad_slots_changes_nothing(adapter, table):
         buf["pooled"][3:] = 50 * torch.randn(buf["pooled"][3:].shape, generator=g)
         buf["img_ids"][272:] = 1e3 * torch.randn(buf["img_ids"][272:].shape, generator=g)
         dirty = adapter.unpad(adapter.forward(buf), x)
-    _close(dirty, clean)
+    assert_close(dirty, clean)
 
 
 def test_without_the_mask_padding_would_change_the_output(adapter, table):
@@ -138,7 +132,7 @@ def test_stale_data_from_a_larger_request_does_not_leak(table, runner):
     after_big = runner.run(key, small)
     fresh = EagerBucketRunner(runner.adapter, [key], runner.metrics, torch.device("cpu"), torch.float32)
     fresh.prepare()
-    _close(after_big, fresh.run(key, small))
+    assert_close(after_big, fresh.run(key, small))
 
 
 def test_inputs_that_do_not_fit_the_bucket_are_refused(adapter, table, runner):

@@ -16,8 +16,8 @@ from bcg_core import (
     PixArtAdapter, ShapeQuery,
 )
 from bcg_core.verify import boundary_cases, verify_runner
+from closeness import RTOL, assert_close, rel_err
 
-RTOL = 1e-5
 CPU = torch.device("cpu")
 TEXTS = [32, 128]
 
@@ -60,16 +60,6 @@ def _inputs(adapter: PixArtAdapter, rows: int, grid: tuple[int, int], text: int,
     )
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).abs().max() / b.abs().max()).item()
-
-
-def _close(a: torch.Tensor, b: torch.Tensor) -> None:
-    assert not torch.isnan(a).any()
-    err = _rel(a, b)
-    assert err < RTOL, f"relative error {err:.2e}"
-
-
 def _key(table: BucketTable, rows: int, grid: tuple[int, int], text: int):
     return table.lookup(ShapeQuery(rows, grid[0] * grid[1], text, grid)).key
 
@@ -104,10 +94,10 @@ def test_text_padded_77_to_128_with_the_mask_equals_unpadded_and_without_it_does
         ref = adapter.forward_eager(x)
         adapter.fill(buf, x)
         assert buf["text_mask"].sum().item() == 77
-        _close(adapter.unpad(adapter.forward(buf), x), ref)
+        assert_close(adapter.unpad(adapter.forward(buf), x), ref)
         buf["text"][:, 77:] = torch.randn(1, 51, adapter.seq_dim, generator=torch.Generator().manual_seed(1))
         buf["text_mask"].fill_(True)
-        assert _rel(adapter.unpad(adapter.forward(buf), x), ref) > 1e-3
+        assert rel_err(adapter.unpad(adapter.forward(buf), x), ref) > 1e-3
 
 
 def test_no_mask_and_an_all_true_mask_are_the_same_forward_on_cpu(adapter):
@@ -127,7 +117,7 @@ def test_a_prompt_alone_equals_the_same_prompt_inside_a_batch(adapter, table, ru
     assert together.shape == (3, 8, 96, 64)
     for i in range(3):
         alone = runner.run(_key(table, 1, grid, 77), batch.select([i]))
-        _close(together[i : i + 1], alone)
+        assert_close(together[i : i + 1], alone)
     assert not torch.allclose(together[0], together[1])
 
 
@@ -141,7 +131,7 @@ def test_prompts_of_different_lengths_in_one_batch_equal_each_prompt_alone_unpad
         row = batch.select([i])
         alone = DenoiseInputs(row.latents, row.text[:, :n], row.pooled, row.timestep, grid)
         with torch.inference_mode():
-            _close(together[i : i + 1], adapter.forward_eager(alone))
+            assert_close(together[i : i + 1], adapter.forward_eager(alone))
 
 
 def test_garbage_in_pad_rows_and_pad_text_tokens_changes_nothing(adapter, table):
@@ -158,7 +148,7 @@ def test_garbage_in_pad_rows_and_pad_text_tokens_changes_nothing(adapter, table)
         for name, scale in (("latents", 1e3), ("text", 1e3), ("timestep", 1e3)):
             buf[name][3:] = scale * torch.randn(buf[name][3:].shape, generator=g)
         dirty = adapter.unpad(adapter.forward(buf), x)
-    _close(dirty, clean)
+    assert_close(dirty, clean)
 
 
 def test_stale_data_from_a_larger_request_does_not_leak(adapter, table, runner):
@@ -169,7 +159,7 @@ def test_stale_data_from_a_larger_request_does_not_leak(adapter, table, runner):
     after_big = runner.run(key, small)
     fresh = EagerBucketRunner(adapter, [key], runner.metrics, CPU, torch.float32)
     fresh.prepare()
-    _close(after_big, fresh.run(key, small))
+    assert_close(after_big, fresh.run(key, small))
 
 
 def test_inputs_that_do_not_fit_the_bucket_are_refused(adapter, table, runner):

@@ -17,9 +17,9 @@ from bcg_core import (
     ShapeQuery,
 )
 from bcg_core.verify import boundary_cases, verify_runner
+from closeness import RTOL, assert_close, rel_err
 
 TEXT = 12
-RTOL = 1e-5
 CPU = torch.device("cpu")
 
 
@@ -60,16 +60,6 @@ def _inputs(adapter: SD3Adapter, rows: int, grid: tuple[int, int], seed: int = 0
     )
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).abs().max() / b.abs().max()).item()
-
-
-def _close(a: torch.Tensor, b: torch.Tensor) -> None:
-    assert not torch.isnan(a).any()
-    err = _rel(a, b)
-    assert err < RTOL, f"relative error {err:.2e}"
-
-
 def _query(rows: int, grid: tuple[int, int]) -> ShapeQuery:
     return ShapeQuery(rows, grid[0] * grid[1], TEXT, grid)
 
@@ -108,7 +98,7 @@ def test_a_prompt_alone_equals_the_same_prompt_inside_a_batch(adapter, table, ru
     assert together.shape == (3, 4, 96, 64)
     for i in range(3):
         alone = runner.run(table.lookup(_query(1, grid)).key, batch.select([i]))
-        _close(together[i : i + 1], alone)
+        assert_close(together[i : i + 1], alone)
     assert not torch.allclose(together[0], together[1])
 
 
@@ -125,7 +115,7 @@ def test_garbage_in_pad_rows_changes_nothing(adapter, table):
         for name, scale in (("latents", 1e3), ("text", 1e3), ("pooled", 50.0), ("timestep", 1e3)):
             buf[name][3:] = scale * torch.randn(buf[name][3:].shape, generator=g)
         dirty = adapter.unpad(adapter.forward(buf), x)
-    _close(dirty, clean)
+    assert_close(dirty, clean)
 
 
 def test_the_forward_depends_on_the_grid_so_the_key_must_carry_it(adapter):
@@ -134,7 +124,7 @@ def test_the_forward_depends_on_the_grid_so_the_key_must_carry_it(adapter):
     xt = DenoiseInputs(x.latents.transpose(-1, -2).contiguous(), x.text, x.pooled, x.timestep, (48, 32))
     with torch.inference_mode():
         out, out_t = adapter.forward_eager(x), adapter.forward_eager(xt)
-    assert _rel(out_t.transpose(-1, -2), out) > 1e-3
+    assert rel_err(out_t.transpose(-1, -2), out) > 1e-3
 
 
 def test_padding_the_text_changes_the_output_so_text_keeps_its_native_length(adapter):
@@ -142,7 +132,7 @@ def test_padding_the_text_changes_the_output_so_text_keeps_its_native_length(ada
     padded = DenoiseInputs(short.latents, torch.cat([short.text, torch.zeros(1, 4, adapter.seq_dim)], dim=1),
                            short.pooled, short.timestep, short.grid)
     with torch.inference_mode():
-        assert _rel(adapter.forward_eager(padded), adapter.forward_eager(short)) > 1e-3
+        assert rel_err(adapter.forward_eager(padded), adapter.forward_eager(short)) > 1e-3
 
 
 def test_stale_data_from_a_larger_request_does_not_leak(adapter, table, runner):
@@ -153,7 +143,7 @@ def test_stale_data_from_a_larger_request_does_not_leak(adapter, table, runner):
     after_big = runner.run(key, small)
     fresh = EagerBucketRunner(adapter, [key], runner.metrics, CPU, torch.float32)
     fresh.prepare()
-    _close(after_big, fresh.run(key, small))
+    assert_close(after_big, fresh.run(key, small))
 
 
 def test_inputs_that_do_not_fit_the_bucket_are_refused(adapter, table, runner):
