@@ -243,9 +243,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError, TimeoutError) as exc:
+    except (ValueError, OSError, TimeoutError) as exc:
         print(f"bcg {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except RuntimeError as exc:  # e.g. Ray cannot bind the port, or a replica failed to start
+        print(f"bcg {args.command}: error: {str(exc).strip().splitlines()[-1]}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print(f"bcg {args.command}: interrupted", file=sys.stderr)
         return 130

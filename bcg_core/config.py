@@ -26,7 +26,7 @@ __all__ = [
     "parse_size",
 ]
 
-_SIZE_RE = re.compile(r"^\s*(\d+)\s*[xX]\s*(\d+)\s*$")
+_SIZE_RE = re.compile(r"^([1-9][0-9]{0,5})x([1-9][0-9]{0,5})$")  # ASCII digits, no sign, space or leading 0
 
 
 def parse_size(size: str) -> tuple[int, int]:
@@ -39,11 +39,12 @@ def parse_size(size: str) -> tuple[int, int]:
         ``(width, height)`` in pixels.
 
     Raises:
-        ValueError: if the string is not two positive integers joined by ``x``.
+        ValueError: if the string is not two positive integers (ASCII digits, no leading zero, at most six
+            digits) joined by a lowercase ``x`` without spaces.
     """
     m = _SIZE_RE.match(size) if isinstance(size, str) else None
     if m is None:
-        raise ValueError(f"size {size!r} is not of the form 'WxH' (for example '512x512')")
+        raise ValueError(f"size {str(size)[:40]!r} is not of the form 'WxH' with positive integer pixels (for example '512x512')")
     w, h = int(m.group(1)), int(m.group(2))
     if w <= 0 or h <= 0:
         raise ValueError(f"size {size!r} must have positive width and height")
@@ -75,13 +76,14 @@ class BucketConfig(BaseModel):
 
     Defaults come from the real request mix in ``bcg_core/data/krea_open_prompts_1k_flat.csv``: 512x512
     is ~49% of images, portrait/landscape 512x768 and 768x512 the next most common sizes, and the
-    Discord bot's default of 9 images per request (18 transformer rows with classifier-free guidance).
+    Discord bot's default of 9 images per request (18 transformer rows with classifier-free guidance),
+    and 20 rows for the largest request the default limits allow (n=10 with guidance).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     batch_sizes: list[int] = Field(
-        default=[1, 2, 4, 8, 16, 18],
+        default=[1, 2, 4, 8, 16, 18, 20],
         description="Transformer batch rows per bucket, ascending: images x 2 when classifier-free "
         "guidance is on (cond + uncond rows in one forward), images x 1 otherwise.",
     )
@@ -166,6 +168,9 @@ class LimitsConfig(BaseModel):
             raise ValueError(f"min_side_px {self.min_side_px} exceeds max_side_px {self.max_side_px}")
         if self.default_steps > self.max_steps:
             raise ValueError(f"default_steps {self.default_steps} exceeds max_steps {self.max_steps}")
+        if self.default_guidance_scale > self.max_guidance_scale:
+            raise ValueError(f"default_guidance_scale {self.default_guidance_scale} exceeds max_guidance_scale "
+                             f"{self.max_guidance_scale}")
         return self
 
 
@@ -203,6 +208,20 @@ class ServeConfig(BaseModel):
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
     runner: RunnerConfig = Field(default_factory=RunnerConfig)
 
+    @model_validator(mode="after")
+    def _reachable_buckets(self) -> "ServeConfig":
+        """Every bucket must be reachable by some valid request (else it only costs memory and start-up)."""
+        lim = self.limits
+        for s, (w, h) in zip(self.buckets.resolutions, self.buckets.resolution_pairs()):
+            if not (lim.min_side_px <= w <= lim.max_side_px and lim.min_side_px <= h <= lim.max_side_px):
+                raise ValueError(f"bucket resolution {s} is outside the request limits: sides must be from "
+                                 f"{lim.min_side_px} to {lim.max_side_px} pixels (limits.min_side_px/max_side_px)")
+        most_rows = 2 * lim.max_images
+        if self.buckets.batch_sizes[-1] > most_rows:
+            raise ValueError(f"batch size {self.buckets.batch_sizes[-1]} exceeds the most transformer rows a "
+                             f"request can need, {most_rows} (2 x limits.max_images with guidance)")
+        return self
+
 
 def load_config(config: Mapping[str, Any] | None = None, config_path: str | Path | None = None) -> ServeConfig:
     """Build a ``ServeConfig`` from a mapping or a YAML/JSON file (what ``bcg config`` prints).
@@ -217,7 +236,13 @@ def load_config(config: Mapping[str, Any] | None = None, config_path: str | Path
     if config is not None and config_path is not None:
         raise ValueError("give either config or config_path, not both")
     if config_path is not None:
-        data = yaml.safe_load(Path(config_path).read_text())  # YAML is a superset of JSON
+        path = Path(config_path)
+        if path.is_dir():
+            raise ValueError(f"config file {str(path)!r} is a directory; give a YAML or JSON file (see `bcg config`)")
+        try:
+            data = yaml.safe_load(path.read_text())  # YAML is a superset of JSON
+        except yaml.YAMLError as e:
+            raise ValueError(f"config file {str(path)!r} is not valid YAML/JSON: {e}") from None
         if not isinstance(data, dict):
             raise ValueError(f"config_path {str(config_path)!r} must hold a mapping with model/buckets/limits")
         config = data

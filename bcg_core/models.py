@@ -102,9 +102,15 @@ class LoadedModel:
 
 
 def resolve_device(device: str) -> torch.device:
-    """``"auto"`` -> CUDA when available, else CPU."""
+    """``"auto"`` -> CUDA when available, else CPU.
+
+    Raises:
+        ValueError: ``"cuda"`` asked for where no CUDA device is visible.
+    """
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("model.device is 'cuda' but no CUDA device is visible here; use 'auto' or 'cpu'")
     return torch.device(device)
 
 

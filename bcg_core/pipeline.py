@@ -28,7 +28,7 @@ from .padding import DenoiseInputs
 from .planner import GenerationRequest, Planner
 from .runner import BucketRunner, EagerBucketRunner
 
-__all__ = ["DiTPipeline", "GenerationResult", "build_runner"]
+__all__ = ["DiTPipeline", "GenerationResult", "build_runner", "runner_mode"]
 
 
 @dataclass
@@ -61,15 +61,31 @@ class GenerationResult:
         return asdict(self)
 
 
+def runner_mode(config: ServeConfig, device: torch.device | None = None) -> str:
+    """``"graph"`` or ``"eager"``: what ``config.runner.mode`` means on ``device`` (the configured one if None).
+
+    Raises:
+        ValueError: ``runner.mode: graph`` without CUDA, or ``model.device: cuda`` where none is visible.
+    """
+    from .models import resolve_device
+
+    device = device or resolve_device(config.model.device)
+    mode = config.runner.mode
+    if mode == "auto":
+        return "graph" if device.type == "cuda" else "eager"
+    if mode == "graph" and device.type != "cuda":
+        raise ValueError(f"runner.mode is 'graph' but the model runs on {device.type}: CUDA graphs need a CUDA "
+                         f"device; use runner.mode 'auto' or 'eager'")
+    return mode
+
+
 def build_runner(config: ServeConfig, model: LoadedModel, keys: list, metrics: BucketMetrics) -> BucketRunner:
     """The runner ``config.runner.mode`` asks for: CUDA graphs (``graph``, or ``auto`` on CUDA) or eager.
 
     Raises:
         ValueError: ``mode: graph`` on a model that is not on a CUDA device.
     """
-    mode = config.runner.mode
-    if mode == "auto":
-        mode = "graph" if model.device.type == "cuda" else "eager"
+    mode = runner_mode(config, model.device)
     if mode == "eager":
         return EagerBucketRunner(model.adapter, keys, metrics, model.device, model.dtype)
     from .graphs import CudaGraphRunner

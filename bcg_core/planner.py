@@ -167,26 +167,26 @@ class Planner:
         return ShapeQuery(self.rows(request), grid[0] * grid[1], text, grid if self.rules.grid_keyed else None)
 
     def _miss_error(self, request: GenerationRequest, lookup: BucketLookup) -> BucketMissError:
-        err = self._miss_message(request, lookup)
-        return BucketMissError(err.field, err.message, tuple(d.value for d in lookup.missed))
-
-    def _miss_message(self, request: GenerationRequest, lookup: BucketLookup) -> RequestError:
-        dim = lookup.missed[0]
+        """One error naming every dimension that missed; ``field`` is the first one's request field."""
         t = self.table
-        if dim is Dim.BATCH:
-            per = 2 if (request.cfg and self.cfg_rows) else 1
-            most = t.batch_sizes[-1] // per
-            why = " (cond + uncond rows for guidance_scale > 1)" if per == 2 else ""
-            return RequestError(
-                "n", f"n={request.n} needs {lookup.query.batch} transformer rows{why}, above the largest batch "
-                f"bucket {t.batch_sizes[-1]}; use n <= {most}"
-            )
-        if dim is Dim.IMAGE:
-            return RequestError(
-                "size", f"size {request.width}x{request.height} fits no resolution bucket; served tiers: "
-                f"{', '.join(t.config.resolutions)} (any size with at most as many pixels as a tier)"
-                if not self.rules.grid_keyed else
-                f"size {request.width}x{request.height} is not a served resolution; served: {', '.join(t.config.resolutions)}"
-            )
-        return RequestError("prompt", f"prompt needs {lookup.query.text_tokens} text tokens, above the largest "
-                                      f"text bucket {t.text_lengths[-1]}")
+        parts: list[tuple[str, str]] = []
+        for dim in lookup.missed:
+            if dim is Dim.BATCH:
+                per = 2 if (request.cfg and self.cfg_rows) else 1
+                why = " (cond + uncond rows for guidance_scale > 1)" if per == 2 else ""
+                parts.append(("n", f"n={request.n} needs {lookup.query.batch} transformer rows{why}, above the "
+                                   f"largest batch bucket {t.batch_sizes[-1]}; use n <= {t.batch_sizes[-1] // per}"))
+            elif dim is Dim.IMAGE:
+                if t.pad_images:
+                    rule = "any size with at most as many pixels as a tier"
+                elif self.rules.grid_keyed:
+                    rule = "exactly these sizes"
+                else:
+                    rule = "sizes with exactly a tier's number of image tokens"
+                parts.append(("size", f"size {request.width}x{request.height} fits no resolution bucket; served "
+                                      f"tiers: {', '.join(t.config.resolutions)} ({rule})"))
+            else:
+                parts.append(("prompt", f"prompt needs {lookup.query.text_tokens} text tokens, above the largest "
+                                        f"text bucket {t.text_lengths[-1]}"))
+        return BucketMissError(parts[0][0], "; and ".join(m for _, m in parts),
+                               tuple(d.value for d in lookup.missed))

@@ -359,8 +359,9 @@ def check_config(config_path: str | Path) -> "ServeConfig":
         ValueError: a bad file, config value or bucket table (pydantic's ValidationError is a ValueError).
         FileNotFoundError: ``config_path`` or the config's ``model.path`` does not exist.
     """
+    from bcg_core.config import load_config
+    from bcg_core.pipeline import runner_mode
     from bcg_core.planner import Planner
-    from deployments.app import load_config
 
     config = load_config(config_path=config_path)
     if config.model.path is not None:
@@ -368,6 +369,7 @@ def check_config(config_path: str | Path) -> "ServeConfig":
         model = config.model.model_copy(update={"path": str(Path(config.model.path).resolve())})
         config = config.model_copy(update={"model": model})
     Planner.from_config(config)
+    runner_mode(config)  # a CUDA device or graph runner asked for where none is visible fails here, not in Ray
     return config
 
 

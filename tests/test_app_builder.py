@@ -26,7 +26,8 @@ def test_config_path_yaml_and_json_give_the_same_config(tmp_path):
 def test_no_arguments_serve_the_embedded_default():
     assert load_config() == load_config(config={})
     assert isinstance(build_app({}), Application)
-    assert isinstance(build_app({"config": {"limits": {"max_images": 4}}, "dit_num_gpus": 0}), Application)
+    cfg = {"limits": {"max_images": 4}, "buckets": {"batch_sizes": [1, 2, 4, 8]}}
+    assert isinstance(build_app({"config": cfg, "dit_num_gpus": 0}), Application)
 
 
 def test_bad_arguments_are_rejected_at_build_time(tmp_path):

@@ -111,7 +111,7 @@ def test_a_tier_that_no_valid_request_can_pad_into_gets_no_masked_variant():
         (dict(batch_sizes=[]), "at least one"),
         (dict(text_lengths=[-3]), "must be positive"),
         (dict(resolutions=["big"]), "not of the form 'WxH'"),
-        (dict(resolutions=["512x512", "512X512"]), "listed twice"),
+        (dict(resolutions=["512x512", "512x512"]), "listed twice"),
         (dict(resolutions=[]), "at least one"),
         (dict(miss_policy="sometimes"), "miss_policy"),
         (dict(unknown_field=1), "unknown_field"),

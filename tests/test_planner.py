@@ -70,3 +70,18 @@ def test_eager_policy_returns_a_counted_miss_and_reject_policy_an_error_naming_t
 def test_sizes_between_tiers_round_up():
     p = _planner().plan(GenerationRequest("a cat", width=512, height=320))
     assert p.lookup.query.image_tokens == 32 * 20 and p.lookup.key.image_tokens == 1024
+
+
+def test_a_miss_in_several_dimensions_names_them_all():
+    with pytest.raises(RequestError) as e:
+        _planner(MissPolicy.REJECT).plan(GenerationRequest("a cat", n=5, width=768, height=768))
+    assert e.value.field == "n" and "use n <= 4" in e.value.message and "fits no resolution bucket" in e.value.message
+    assert e.value.missed == ("batch", "image_tokens")
+
+
+def test_exact_padding_miss_explains_the_exact_rule():
+    cfg = ServeConfig(buckets=BucketConfig(batch_sizes=[1, 2], resolutions=["256x256", "512x512"], text_lengths=[32],
+                                           miss_policy="reject", image_padding="exact"))
+    with pytest.raises(RequestError) as e:
+        Planner(cfg, RULES, count_tokens=lambda s: 3).plan(GenerationRequest("a", width=384, height=512))
+    assert "exactly a tier's number of image tokens" in e.value.message

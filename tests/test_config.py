@@ -1,0 +1,49 @@
+"""Config checks that stop a server from starting with values no request could use or no device can run."""
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from bcg_core import BucketConfig, ModelConfig, RunnerConfig, ServeConfig, load_config
+from bcg_core.models import resolve_device
+from bcg_core.pipeline import runner_mode
+
+
+@pytest.mark.parametrize("kw,needle", [
+    (dict(limits=dict(default_guidance_scale=50.0)), "exceeds max_guidance_scale"),
+    (dict(buckets=dict(resolutions=["512x512", "4096x4096"])), "outside the request limits"),
+    (dict(buckets=dict(resolutions=["128x128"])), "outside the request limits"),
+    (dict(buckets=dict(batch_sizes=[1, 100000])), "2 x limits.max_images"),
+])
+def test_configs_with_unusable_values_are_refused(kw, needle):
+    with pytest.raises(ValidationError) as e:
+        ServeConfig.model_validate(kw)
+    assert needle in str(e.value)
+
+
+def test_default_limits_reach_every_default_bucket_and_n10_with_guidance_is_a_hit():
+    cfg = ServeConfig()
+    assert cfg.buckets.batch_sizes[-1] == 2 * cfg.limits.max_images
+
+
+def test_config_files_that_are_not_yaml_say_so(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: [1\n")
+    with pytest.raises(ValueError, match="not valid YAML/JSON"):
+        load_config(config_path=bad)
+    with pytest.raises(ValueError, match="is a directory"):
+        load_config(config_path=tmp_path)
+    with pytest.raises(FileNotFoundError):
+        load_config(config_path=tmp_path / "missing.yaml")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without CUDA")
+def test_cuda_asked_for_without_cuda_is_refused_before_anything_starts():
+    with pytest.raises(ValueError, match="no CUDA device is visible"):
+        resolve_device("cuda")
+    with pytest.raises(ValueError, match="runner.mode is 'graph'"):
+        runner_mode(ServeConfig(runner=RunnerConfig(mode="graph")))
+    with pytest.raises(ValueError, match="no CUDA device"):
+        runner_mode(ServeConfig(model=ModelConfig(device="cuda")))
+    assert runner_mode(ServeConfig()) == "eager"
+    assert BucketConfig().batch_sizes[-1] == 20
