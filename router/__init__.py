@@ -1,4 +1,36 @@
-"""Shape-aware request routing across DiT replicas (bucket ownership, the Ray Serve request router and
-the autoscaling policy). Empty until the routing work lands: nothing here is imported by the app yet."""
+"""Shape-aware request routing across DiT replicas (DESIGN.md section 5).
 
-__all__: list[str] = []
+- :mod:`router.ownership`: which replicas own (capture and serve) which buckets, from the expected request
+  mix and each replica's graph-memory budget. Pure and deterministic, no Ray; recomputed when the replica
+  set changes.
+
+Nothing here imports Ray at module import.
+"""
+
+from .ownership import (
+    DEFAULT_GRAPH_OVERHEAD_BYTES,
+    DEFAULT_HOT_SHARE,
+    KREA_CSV,
+    Assignment,
+    BucketDemand,
+    LoadEstimate,
+    ReplicaCapacity,
+    assign,
+    bucket_demands,
+    expected_load,
+    krea_rows,
+)
+
+__all__ = [
+    "Assignment",
+    "BucketDemand",
+    "DEFAULT_GRAPH_OVERHEAD_BYTES",
+    "DEFAULT_HOT_SHARE",
+    "KREA_CSV",
+    "LoadEstimate",
+    "ReplicaCapacity",
+    "assign",
+    "bucket_demands",
+    "expected_load",
+    "krea_rows",
+]
