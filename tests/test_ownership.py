@@ -157,7 +157,8 @@ def test_exact_leave_and_moved_from():
     a = assign(d, _reps(3, 100), hot_share=0.9, graph_overhead_bytes=0, balance_tolerance=10.0)
     assert dict(a.owners) == {A: ("r0",), B: ("r1",), C: ("r2",)}
     assert a.moved_from(None) == 3 and a.moved_from(a) == 0
-    b = assign(d, _reps(3, 100)[:2], previous=a, hot_share=0.9, graph_overhead_bytes=0, balance_tolerance=10.0)
+    b = assign(d, _reps(3, 100)[:2], previous=a, hot_share=0.9, graph_overhead_bytes=0,
+               balance_tolerance=10.0)
     assert dict(b.owners) == {A: ("r0",), B: ("r1",), C: ("r1",)}  # C to the least-loaded survivor
     assert b.moved_from(a) == 1
 
