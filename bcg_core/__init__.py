@@ -7,7 +7,7 @@ from .buckets import BucketKey, BucketLookup, BucketTable, Dim, ShapeQuery, Shap
 from .config import (
     BucketConfig, LimitsConfig, MissPolicy, ModelConfig, RunnerConfig, ServeConfig, load_config, parse_size,
 )
-from .errors import BucketMissError, RequestError
+from .errors import BucketMissError, RequestCancelled, RequestError
 from .metrics import BucketCounters, BucketMetrics
 from .models import LoadedModel, ModelSpec, build_tiny, describe_model, load_model, save_pipeline
 from .padding import DenoiseInputs, DiTAdapter, FluxAdapter
@@ -21,6 +21,6 @@ __all__ = [
     "BucketConfig", "BucketMissError", "BucketCounters", "BucketEntry", "BucketKey", "BucketLookup", "BucketMetrics", "BucketRunner",
     "BucketTable", "DenoiseInputs", "DiTAdapter", "DiTPipeline", "Dim", "EagerBucketRunner", "FluxAdapter",
     "GenerationRequest", "GenerationResult", "LimitsConfig", "LoadedModel", "MissPolicy", "ModelConfig",
-    "ModelSpec", "PixArtAdapter", "Plan", "Planner", "RequestError", "RunMode", "SD3Adapter", "ServeConfig",
+    "ModelSpec", "PixArtAdapter", "Plan", "Planner", "RequestCancelled", "RequestError", "RunMode", "SD3Adapter", "ServeConfig",
     "ShapeQuery", "ShapeRules", "RunnerConfig", "build_tiny", "describe_model", "load_config", "load_model", "parse_size", "save_pipeline",
 ]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["BucketMissError", "RequestError"]
+__all__ = ["BucketMissError", "RequestCancelled", "RequestError"]
 
 
 class RequestError(ValueError):
@@ -40,3 +40,7 @@ class BucketMissError(RequestError):
 
     def __reduce__(self):
         return (type(self), (self.field, self.message, self.missed, self.status))
+
+
+class RequestCancelled(Exception):
+    """The caller gave up on a request (its client went away); raised between denoising steps."""

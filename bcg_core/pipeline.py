@@ -15,6 +15,7 @@ reduction order of the batched kernels: ~1e-6 relative in fp32).
 from __future__ import annotations
 
 import io
+import threading
 import time
 from dataclasses import asdict, dataclass
 
@@ -22,6 +23,7 @@ import numpy as np
 import torch
 
 from .config import ServeConfig
+from .errors import RequestCancelled
 from .metrics import BucketMetrics
 from .models import LoadedModel, load_model
 from .padding import DenoiseInputs
@@ -59,6 +61,11 @@ class GenerationResult:
     def to_dict(self) -> dict:
         """A plain dict (PNG bytes kept as bytes)."""
         return asdict(self)
+
+
+def _check(cancel: threading.Event | None) -> None:
+    if cancel is not None and cancel.is_set():
+        raise RequestCancelled("the request was cancelled by its caller")
 
 
 def runner_mode(config: ServeConfig, device: torch.device | None = None) -> str:
@@ -128,11 +135,17 @@ class DiTPipeline:
 
     # -- the request path -------------------------------------------------------------------------
 
-    def generate(self, request: GenerationRequest) -> GenerationResult:
+    def generate(self, request: GenerationRequest, cancel: threading.Event | None = None) -> GenerationResult:
         """Validate, plan, denoise and decode one request.
+
+        Args:
+            request: the request.
+            cancel: set by the caller to stop the request early; checked before every denoising step and
+                before the decode, so a request whose client went away frees the replica within one step.
 
         Raises:
             RequestError: bad input, or a miss under the reject policy.
+            RequestCancelled: ``cancel`` was set.
         """
         t0 = time.perf_counter()
         plan = self.planner.plan(request)
@@ -140,8 +153,9 @@ class DiTPipeline:
         cfg = req.cfg and not self.model.adapter.guidance_embeds
         text, pooled = self.encode(req, cfg, lookup.query.text_tokens)
         t1 = time.perf_counter()
-        latents = self.denoise(req, cfg, text, pooled, lookup.key)
+        latents = self.denoise(req, cfg, text, pooled, lookup.key, cancel)
         t2 = time.perf_counter()
+        _check(cancel)
         images = [self.decode(latents[i : i + 1], req.width, req.height) for i in range(req.n)]
         t3 = time.perf_counter()
         total_ms = (t3 - t0) * 1e3
@@ -181,8 +195,12 @@ class DiTPipeline:
 
     @torch.inference_mode()
     def denoise(self, req: GenerationRequest, cfg: bool, text: torch.Tensor, pooled: torch.Tensor,
-                key) -> torch.Tensor:
-        """The denoising loop. Returns packed latents (n, image_tokens, 64), fp32."""
+                key, cancel: threading.Event | None = None) -> torch.Tensor:
+        """The denoising loop. Returns packed latents (n, image_tokens, 64), fp32.
+
+        Raises:
+            RequestCancelled: ``cancel`` was set before a step.
+        """
         from diffusers import FlowMatchEulerDiscreteScheduler
         from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 
@@ -202,6 +220,7 @@ class DiTPipeline:
         if adapter.guidance_embeds:
             guidance = torch.full((rows,), req.guidance_scale, device=latents.device, dtype=dtype)
         for t in sched.timesteps:
+            _check(cancel)
             x = torch.cat([latents, latents]) if cfg else latents
             ts = (t / 1000.0).expand(rows).to(dtype)
             out = self.runner.run(key, DenoiseInputs(x.to(dtype), text, pooled, ts, grid, guidance)).float()

@@ -2,13 +2,15 @@
 
 The pipeline is built (and, on CUDA, its bucket graphs captured) in the constructor, so the replica
 reports ready only when it can serve. Generation is blocking torch work: it runs in a worker thread so
-the replica's event loop keeps answering ``stats`` and health checks.
+the replica's event loop keeps answering ``stats`` and health checks; a cancelled call (its client went
+away) stops that thread at the next denoising step.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import threading
 
 from ray import serve
 
@@ -68,7 +70,14 @@ class DiTReplica:
             RequestError: a field out of range, or a bucket miss under the reject policy.
         """
         req = as_generation_request(request)
-        return await asyncio.to_thread(self._pipeline.generate, req)
+        cancel = threading.Event()
+        try:
+            return await asyncio.to_thread(self._pipeline.generate, req, cancel)
+        except asyncio.CancelledError:
+            # The caller went away (an HTTP client disconnected, a handle call was cancelled): stop the
+            # worker thread at its next denoising step instead of finishing an image nobody will read.
+            cancel.set()
+            raise
 
     def stats(self) -> dict:
         """Per-bucket counters: :meth:`DiTPipeline.stats`."""

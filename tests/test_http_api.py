@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import time
 
 import httpx
 import pytest
@@ -265,3 +266,26 @@ def test_python_handle_returns_a_generation_result(serve_apps):
         handle.generate.remote(GenerationRequest(prompt="x", n=0, width=256, height=256)).result(timeout_s=120)
     assert info.value.field == "n"
     assert json.dumps(result.to_dict()["timings_ms"])  # JSON-friendly apart from the PNG bytes
+
+
+def test_a_client_that_disconnects_frees_the_replica_within_a_few_steps(client):
+    def forwards() -> int:
+        stats = client.get("/v1/buckets").json()
+        return sum(b["forwards"] for b in stats["buckets"]) + stats["misses"]["forwards"]
+
+    before_requests = client.get("/v1/buckets").json()["totals"]["requests"]
+    before = forwards()
+    slow = _good(size="512x512", n=2, guidance_scale=3.0, num_inference_steps=50, seed=99)
+    with pytest.raises(httpx.TimeoutException):
+        client.post(GEN, json=slow, timeout=2.0)  # the client gives up after 2 s and closes the connection
+    deadline = time.monotonic() + 30
+    settled = forwards()
+    while time.monotonic() < deadline:  # wait until the replica stops stepping (bounded)
+        time.sleep(1.0)
+        now = forwards()
+        if now == settled:
+            break
+        settled = now
+    assert settled - before < 50, "the replica ran all 50 steps for a client that was gone"
+    assert client.get("/v1/buckets").json()["totals"]["requests"] == before_requests
+    assert client.post(GEN, json=_good()).status_code == 200  # and it keeps serving

@@ -8,7 +8,8 @@ import torch
 from PIL import Image
 
 from bcg_core import (
-    BucketConfig, DiTPipeline, GenerationRequest, ModelConfig, RequestError, ServeConfig, build_tiny, load_model,
+    BucketConfig, DiTPipeline, GenerationRequest, ModelConfig, RequestCancelled, RequestError, ServeConfig, build_tiny,
+    load_model,
     save_pipeline,
 )
 from bcg_core.models import TINY_TEXT_TOKENS, describe_model
@@ -119,3 +120,15 @@ def test_reject_policy_turns_a_miss_into_a_request_error(tiny):
     with pytest.raises(RequestError) as e:
         p.generate(GenerationRequest("a", n=5, width=256, height=256, num_inference_steps=1))
     assert e.value.field == "n" and "use n <= 4" in e.value.message
+
+
+def test_a_cancelled_request_stops_before_its_next_step_and_is_not_counted(tiny):
+    import threading
+
+    p = DiTPipeline(SMALL, tiny)
+    cancel = threading.Event()
+    cancel.set()
+    with pytest.raises(RequestCancelled):
+        p.generate(GenerationRequest("a", n=1, width=256, height=256, num_inference_steps=50, seed=0), cancel)
+    assert p.stats()["totals"]["requests"] == 0
+    assert sum(b["forwards"] for b in p.stats()["buckets"]) == 0  # no denoising step ran
