@@ -399,8 +399,30 @@ def start_local(config: "ServeConfig | None" = None, port: int = 8000, num_cpus:
     logging.getLogger("ray.serve").setLevel(level)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     args = {"config": config.model_dump(mode="json")} if config is not None else {}
-    serve.run(build_app(args), name="bcg", route_prefix="/")
+    try:
+        serve.run(build_app(args), name="bcg", route_prefix="/")
+    except RuntimeError as exc:
+        raise RuntimeError(f"the bcg application failed to start: {deploy_failure('bcg')}") from exc
     return f"http://127.0.0.1:{port}"
+
+
+def deploy_failure(app_name: str) -> str:
+    """Why a Serve application failed to deploy, in one line: each failing deployment's last error line.
+
+    Reads ``serve.status()`` (the replica's constructor traceback is in the deployment's status message),
+    so that a bad checkpoint or device shows its cause instead of Ray's "Deploying application failed".
+    """
+    from ray import serve
+
+    app = serve.status().applications.get(app_name)
+    if app is None:
+        return f"application {app_name!r} is not known to Serve"
+    reasons = []
+    for name, dep in app.deployments.items():
+        lines = [ln.strip() for ln in (dep.message or "").splitlines() if ln.strip()]
+        if lines and str(dep.status) not in ("HEALTHY", "DeploymentStatus.HEALTHY"):
+            reasons.append(f"{name}: {lines[-1]}")
+    return "; ".join(reasons) or (app.message or "no reason reported").strip().splitlines()[-1]
 
 
 def stop_local() -> None:
