@@ -65,6 +65,12 @@ class BucketKey:
         """Padded tokens in one forward: ``batch * (image_tokens + text_tokens)``."""
         return self.batch * (self.image_tokens + self.text_tokens)
 
+    @property
+    def shape(self) -> str:
+        """The bucket's shape without its batch dimension, e.g. ``"i1024_m_t256"``: the unit of ownership,
+        routing and micro-batching (every batch bucket of one resolution tier and text bucket)."""
+        return str(self).split("_", 1)[1]
+
 
 @dataclass(frozen=True, slots=True)
 class ShapeQuery:

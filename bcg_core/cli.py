@@ -118,7 +118,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     previous: dict[int, Any] = {}
     try:
-        url = start_local(config, args.port, args.num_cpus, quiet=not args.verbose)
+        url = start_local(config, args.port, args.num_cpus, quiet=not args.verbose, replicas=args.replicas)
         # After ray.init: Ray's core worker installs its own SIGTERM handler, which would kill the
         # process without shutting Serve down.
         previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -203,6 +203,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="HTTP port on 127.0.0.1 (default 8000; 0 picks a free one)")
     s.add_argument("--num-cpus", type=_bounded_int(2), default=4, metavar="K",
                    help="logical CPUs of the local Ray instance (default 4)")
+    s.add_argument("--replicas", type=_bounded_int(1, 64), default=1, metavar="N",
+                   help="DiT replicas (one per GPU; default 1); they split the bucket shapes between them")
     s.add_argument("--stop-after-s", type=_positive_float, default=None, metavar="T",
                    help="stop by itself after T seconds (default: run until Ctrl-C)")
     s.add_argument("--verbose", action="store_true", help="show Ray's and the replicas' logs")

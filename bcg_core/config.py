@@ -20,6 +20,7 @@ __all__ = [
     "LimitsConfig",
     "MissPolicy",
     "ModelConfig",
+    "RoutingConfig",
     "RunnerConfig",
     "ServeConfig",
     "load_config",
@@ -196,6 +197,61 @@ class RunnerConfig(BaseModel):
         "counted and logged). Off by default: serving never captures.",
     )
     warmup_iters: int = Field(default=2, ge=1, le=10, description="Warm-up forwards on a side stream before capture.")
+    micro_batching: bool = Field(
+        default=True,
+        description="Batch concurrent requests of the same bucket shape (same size, steps and guidance mode) "
+        "inside a replica into one transformer forward per step, up to the largest batch bucket. Misses "
+        "never batch.",
+    )
+    batch_wait_ms: float = Field(
+        default=10.0, ge=0, le=1000,
+        description="Micro-batching window in milliseconds: concurrent requests of the same bucket shape wait "
+        "up to this long to share one forward (0: only requests that arrive together share).",
+    )
+
+
+class RoutingConfig(BaseModel):
+    """Bucket ownership and shape-aware routing across DiT replicas (``router/``, DESIGN.md section 5)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    shape_aware: bool = Field(
+        default=True,
+        description="Replicas own bucket shapes (assigned by the ownership coordinator) and capture only "
+        "those; ShapeAwareRouter sends each request to an owner. False: Ray's default router, every "
+        "replica captures every bucket.",
+    )
+    fallback_wait_s: float = Field(
+        default=2.0, ge=0.0, le=600.0,
+        description="Seconds a request waits for an owner of its shape before any replica may take it "
+        "(eagerly, or by lazy capture there; counted).",
+    )
+    stats_period_s: float = Field(
+        default=1.0, gt=0.0, le=60.0,
+        description="Period of each replica's routing stats and ownership heartbeat in seconds.",
+    )
+    lease_s: float = Field(
+        default=5.0, gt=0.0, le=600.0,
+        description="A replica silent this long has left: its shapes move to the survivors.",
+    )
+    join_window_s: float = Field(
+        default=60.0, ge=0.0, le=3600.0,
+        description="At start, the first assignment waits up to this long for all expected replicas to join, "
+        "so each captures only its own shapes.",
+    )
+    hot_share: float = Field(
+        default=0.10, gt=0.0, le=1.0,
+        description="A shape with at least this fraction of the expected requests (krea mix) gets >= 2 owners "
+        "when >= 2 replicas exist; 1.0 gives every shape one owner (disjoint sets).",
+    )
+    max_retries: int = Field(
+        default=2, ge=0, le=10,
+        description="Times the ingress resends a request whose replica died before answering.",
+    )
+    max_ongoing_requests: int = Field(
+        default=16, ge=1, le=1024,
+        description="Requests one DiT replica accepts at once (queued for its micro-batcher or running).",
+    )
 
 
 class ServeConfig(BaseModel):
@@ -207,6 +263,7 @@ class ServeConfig(BaseModel):
     buckets: BucketConfig = Field(default_factory=BucketConfig)
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
     runner: RunnerConfig = Field(default_factory=RunnerConfig)
+    routing: RoutingConfig = Field(default_factory=RoutingConfig)
 
     @model_validator(mode="after")
     def _reachable_buckets(self) -> "ServeConfig":

@@ -25,6 +25,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
+from typing import Iterable
 
 import torch
 
@@ -73,6 +74,7 @@ class CaptureStats:
     dropped_oom: int = 0
     over_budget: int = 0
     lazy_captures: int = 0
+    unprepared_forwards: int = 0
     capture_s: float = 0.0
     pool_bytes: int = 0
 
@@ -101,6 +103,7 @@ class CudaGraphRunner:
             raise ValueError(f"CudaGraphRunner needs a CUDA device, got {device}; use EagerBucketRunner on CPU")
         self.adapter = adapter
         self.keys = capture_order(keys)
+        self._key_set = frozenset(self.keys)
         self.metrics = metrics
         self.device, self.dtype = torch.device(device), dtype
         self.budget_bytes = budget_bytes
@@ -116,23 +119,36 @@ class CudaGraphRunner:
 
     # -- capture ----------------------------------------------------------------------------------
 
-    def prepare(self) -> None:
-        """Capture every bucket, largest first (or only set up, with ``lazy``). Idempotent."""
+    def prepare(self, keys: Iterable[BucketKey] | None = None) -> None:
+        """Capture ``keys`` (every bucket when None), largest first, into the shared pool; with ``lazy`` and
+        ``keys=None`` only set up. Idempotent; a replica that gains buckets later calls it again with them.
+
+        Raises:
+            KeyError: a key that is not one of this runner's buckets.
+        """
         with self._lock:
-            if self._prepared:
+            if not self._prepared:
+                self.pool = torch.cuda.graph_pool_handle()
+                if self.budget_bytes is None:
+                    free, _ = torch.cuda.mem_get_info(self.device)
+                    self.budget_bytes = int(0.9 * free)
+                self._prepared = True
+            if keys is None and self.lazy:
                 return
-            self.pool = torch.cuda.graph_pool_handle()
-            if self.budget_bytes is None:
-                free, _ = torch.cuda.mem_get_info(self.device)
-                self.budget_bytes = int(0.9 * free)
-            self._prepared = True
-            if self.lazy:
-                return
-            for key in self.keys:
+            todo = self.keys if keys is None else capture_order(list(keys))
+            unknown = [str(k) for k in todo if k not in self._key_set]
+            if unknown:
+                raise KeyError(f"buckets {unknown} are not served by this runner")
+            for key in todo:
                 self.capture(key)
             log.info("captured %d of %d buckets in %.2f s; shared pool %.1f MiB (budget %.1f MiB)",
                      self.stats.captured, len(self.keys), self.stats.capture_s, self.stats.pool_bytes / MiB,
                      self.budget_bytes / MiB)
+
+    def prepared(self) -> set[BucketKey]:
+        """Buckets that are ready to serve as buckets (captured, eager-only, or dropped after OOM)."""
+        with self._lock:
+            return set(self.entries)
 
     def capture(self, key: BucketKey) -> BucketEntry:
         """Capture bucket ``key`` (if not already done) and return its entry; never raises on failure."""
@@ -246,7 +262,12 @@ class CudaGraphRunner:
                     if key not in self.keys:
                         raise KeyError(f"bucket {key} is not served by this runner")
                     if not self.lazy:
-                        raise KeyError(f"bucket {key} was not prepared; call prepare() before serving")
+                        # Not owned here (a request routed to a non-owner after the fallback wait): run it
+                        # unpadded and eager rather than capture on the request path; counted.
+                        self.stats.unprepared_forwards += 1
+                        out = self.adapter.forward_eager(inputs).clone()
+                        self.metrics.record_forward(key)
+                        return out
                     entry = self.capture(key)
                     self.stats.lazy_captures += 1
                     log.info("lazy capture of bucket %s (%d so far): %s", key, self.stats.lazy_captures, entry.mode.value)

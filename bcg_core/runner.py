@@ -19,7 +19,7 @@ from __future__ import annotations
 import enum
 import threading
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Iterable, Protocol
 
 import torch
 
@@ -73,8 +73,12 @@ class BucketEntry:
 class BucketRunner(Protocol):
     """What the pipeline needs from a runner (see the module docstring)."""
 
-    def prepare(self) -> None:
-        """Make every bucket ready (idempotent)."""
+    def prepare(self, keys: Iterable[BucketKey] | None = None) -> None:
+        """Make ``keys`` (every bucket when None) ready; idempotent."""
+        ...
+
+    def prepared(self) -> set[BucketKey]:
+        """Buckets made ready so far."""
         ...
 
     def run(self, key: BucketKey | None, inputs: DenoiseInputs) -> torch.Tensor:
@@ -113,17 +117,32 @@ class EagerBucketRunner:
                  device: torch.device, dtype: torch.dtype):
         self.adapter = adapter
         self.keys = sorted(keys, key=lambda k: (-k.tokens, -k.batch, k.image_mask))  # largest first, as capture
+        self._key_set = frozenset(self.keys)
+        self.lazy_prepares = 0
         self.metrics = metrics
         self.device, self.dtype = device, dtype
         self.entries: dict[BucketKey, BucketEntry] = {}
         self._lock = threading.Lock()
 
-    def prepare(self) -> None:
-        """Allocate the static buffers of every bucket, largest first. Idempotent."""
+    def prepare(self, keys: Iterable[BucketKey] | None = None) -> None:
+        """Allocate the static buffers of ``keys`` (every bucket when None), largest first. Idempotent.
+
+        Raises:
+            KeyError: a key that is not one of this runner's buckets.
+        """
         with self._lock:
-            for key in self.keys:
+            todo = self.keys if keys is None else sorted(keys, key=lambda k: (-k.tokens, -k.batch, k.image_mask))
+            unknown = [str(k) for k in todo if k not in self._key_set]
+            if unknown:
+                raise KeyError(f"buckets {unknown} are not served by this runner")
+            for key in todo:
                 if key not in self.entries:
                     self.entries[key] = BucketEntry(key, self.adapter.allocate(key, self.device, self.dtype))
+
+    def prepared(self) -> set[BucketKey]:
+        """Buckets whose static buffers exist."""
+        with self._lock:
+            return set(self.entries)
 
     @torch.inference_mode()
     def run(self, key: BucketKey | None, inputs: DenoiseInputs) -> torch.Tensor:
@@ -139,7 +158,11 @@ class EagerBucketRunner:
             else:
                 entry = self.entries.get(key)
                 if entry is None:
-                    raise KeyError(f"bucket {key} is not prepared on this runner; prepared: {len(self.entries)}")
+                    if key not in self._key_set:
+                        raise KeyError(f"bucket {key} is not one of this runner's {len(self.keys)} buckets")
+                    # Not owned here (routed to a non-owner after the fallback wait): allocate now, counted.
+                    entry = self.entries[key] = BucketEntry(key, self.adapter.allocate(key, self.device, self.dtype))
+                    self.lazy_prepares += 1
                 out = static_forward(self.adapter, entry.buffers, inputs)
                 entry.forwards += 1
         self.metrics.record_forward(key)

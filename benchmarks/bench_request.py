@@ -59,8 +59,10 @@ def krea_tokenizer(vocab_size: int = 4000):
                                  pad_token="[PAD]", cls_token="[CLS]", mask_token="[MASK]", model_max_length=512)
 
 
-def build(transformer: str, vae: str, text_tokens: int, device: torch.device, dtype: torch.dtype):
-    """The assembled random-weight model (see the module docstring)."""
+def build(transformer: str, vae: str, text_tokens: int, device: torch.device, dtype: torch.dtype,
+          layers: tuple[int, int] | None = None):
+    """The assembled random-weight model (see the module docstring); ``layers`` overrides the transformer's
+    (double-stream, single-stream) block counts, e.g. FLUX.1-dev's width with fewer blocks."""
     import importlib.util
     import sys
     from pathlib import Path
@@ -78,6 +80,8 @@ def build(transformer: str, vae: str, text_tokens: int, device: torch.device, dt
         bench = sys.modules.setdefault("bench_graphs", importlib.util.module_from_spec(spec))
         spec.loader.exec_module(bench)
         cfg = dict(bench.MODELS[transformer].config)
+    if layers is not None:
+        cfg["num_layers"], cfg["num_single_layers"] = layers
     cfg["pooled_projection_dim"] = cfg["joint_attention_dim"]
     hidden = cfg["joint_attention_dim"]
     bert = BertModel(BertConfig(vocab_size=len(tok), hidden_size=hidden, num_hidden_layers=1,
@@ -100,15 +104,19 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=28)
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--save", help="also write the model as a checkpoint folder here")
+    ap.add_argument("--layers", help="DOUBLE,SINGLE block counts overriding the transformer's (e.g. 2,4)")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
 
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    model = build(args.transformer, args.vae, args.text_tokens, dev, dtype)
+    layers = tuple(int(x) for x in args.layers.split(",")) if args.layers else None
+    model = build(args.transformer, args.vae, args.text_tokens, dev, dtype, layers)
     if args.save:
         save_pipeline(model, args.save)
         print(f"saved {args.save}")
+        if args.iters == 0:
+            return
     w, h = parse_size(args.size)
     buckets = BucketConfig(batch_sizes=[1, 2, 4, 8], resolutions=[args.size], text_lengths=[args.text_tokens])
     limits = LimitsConfig(max_steps=max(50, args.steps))

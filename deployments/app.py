@@ -6,7 +6,12 @@ Arguments (``serve run`` ``key=value`` pairs, or ``args:`` in a Serve config fil
 - ``config_path``: a YAML or JSON file holding that mapping;
 - ``dit_replicas``: DiT replicas (default 1; one per GPU);
 - ``dit_num_gpus``: GPUs per DiT replica (default: 1 when ``model.device`` is ``cuda``, or ``auto`` and this
-  process sees CUDA, else 0; set 1 explicitly when the driver has no GPU but the workers do).
+  process sees CUDA, else 0; set 1 explicitly when the driver has no GPU but the workers do);
+- ``dit_num_cpus``: CPUs per DiT replica (default 1);
+- ``ingress_replicas``: ingress replicas (default 1; each encodes and forwards the images of its requests).
+
+With ``routing.shape_aware`` (the default) the application has three deployments: the ingress, the
+``BucketCoordinator`` (ownership) and the DiT replicas, routed by :class:`router.shape_router.ShapeAwareRouter`.
 
 Without ``config`` or ``config_path`` the embedded default ``ServeConfig()`` is served. ``app`` is that
 default application, for ``serve run deployments.app:app``.
@@ -18,9 +23,12 @@ from typing import Any, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field
 from ray.serve import Application
+from ray.serve.config import RequestRouterConfig
 
 from bcg_core.config import ServeConfig, load_config
+from router.shape_router import ShapeAwareRouter
 
+from .coordinator import BucketCoordinator
 from .dit import DiTReplica
 from .ingress import Ingress
 
@@ -36,6 +44,8 @@ class AppArgs(BaseModel):
     config_path: str | None = Field(default=None, description="YAML or JSON file with a ServeConfig mapping.")
     dit_replicas: int = Field(default=1, ge=1, description="Number of DiT replicas (one per GPU).")
     dit_num_gpus: float | None = Field(default=None, ge=0, description="GPUs per DiT replica; None = detect.")
+    dit_num_cpus: float = Field(default=1, ge=0, description="CPUs per DiT replica.")
+    ingress_replicas: int = Field(default=1, ge=1, description="Ingress replicas (they base64-encode the images).")
 
 
 def _default_num_gpus(config: ServeConfig) -> float:
@@ -65,11 +75,25 @@ def build_app(args: Mapping[str, Any] | None = None) -> Application:
     config = load_config(parsed.config, parsed.config_path)
     as_dict = config.model_dump(mode="json")
     num_gpus = parsed.dit_num_gpus if parsed.dit_num_gpus is not None else _default_num_gpus(config)
-    dit = DiTReplica.options(
+    routing = config.routing
+    options: dict[str, Any] = dict(
         num_replicas=parsed.dit_replicas,
-        ray_actor_options={"num_cpus": 1, "num_gpus": num_gpus},
-    ).bind(as_dict)
-    return Ingress.options(ray_actor_options={"num_cpus": 0}).bind(dit, as_dict)
+        max_ongoing_requests=routing.max_ongoing_requests,
+        ray_actor_options={"num_cpus": parsed.dit_num_cpus, "num_gpus": num_gpus},
+    )
+    if not routing.shape_aware:
+        dit = DiTReplica.options(**options).bind(as_dict)
+        return Ingress.options(num_replicas=parsed.ingress_replicas, ray_actor_options={"num_cpus": 0}).bind(dit, as_dict)
+    coordinator = BucketCoordinator.bind(as_dict, parsed.dit_replicas)
+    options["request_router_config"] = RequestRouterConfig(
+        request_router_class=ShapeAwareRouter,
+        request_router_kwargs={"fallback_wait_s": routing.fallback_wait_s},
+        request_routing_stats_period_s=routing.stats_period_s,
+        request_routing_stats_timeout_s=max(1.0, 2 * routing.stats_period_s),
+    )
+    dit = DiTReplica.options(**options).bind(as_dict, coordinator)
+    return Ingress.options(num_replicas=parsed.ingress_replicas, ray_actor_options={"num_cpus": 0}).bind(
+        dit, as_dict, coordinator)
 
 
 app = build_app({})

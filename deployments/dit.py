@@ -1,27 +1,48 @@
 """DiT replica deployment: one :class:`~bcg_core.pipeline.DiTPipeline` per replica (one GPU each).
 
-The pipeline is built (and, on CUDA, its bucket graphs captured) in the constructor, so the replica
-reports ready only when it can serve. Generation is blocking torch work: it runs in a worker thread so
-the replica's event loop keeps answering ``stats`` and health checks; a cancelled call (its client went
-away) stops that thread at the next denoising step.
+Start-up: the model is loaded, the replica joins the ownership coordinator (when the application routes
+by shape) and captures only the bucket shapes it owns (every batch bucket of each owned resolution tier and
+text bucket), then reports ready. Without a coordinator it captures every bucket.
+
+Serving: requests go through a :class:`~bcg_core.batching.MicroBatcher`, which batches concurrent requests
+of one shape into one forward. Generation is blocking torch work in worker threads, so the replica's event
+loop keeps answering ``stats``, health checks and ``record_routing_stats``; a cancelled call (its client went
+away) stops at the next denoising step.
+
+Routing stats (read by :class:`router.shape_router.ShapeAwareRouter`, refreshed every
+``routing.stats_period_s``): ``{"owned": [...], "ready": [...], "queue": {shape: n}, "capturing": bool}``.
+A background task heartbeats the coordinator at the same period (from the moment the replica joined, so a
+long capture never lets its lease expire); shapes it newly assigns (a peer left) are captured in the
+background and listed as owned-but-not-ready (warming) until done.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import threading
+import time
+from collections import Counter
 
 from ray import serve
 
+from bcg_core.batching import MicroBatcher
+from bcg_core.buckets import BucketKey
 from bcg_core.config import ServeConfig
 from bcg_core.errors import RequestError
+from bcg_core.models import load_model
 from bcg_core.pipeline import DiTPipeline, GenerationResult
 from bcg_core.planner import GenerationRequest
 
 __all__ = ["DiTReplica", "as_generation_request"]
 
+logger = logging.getLogger("ray.serve")
+
 _REQUEST_FIELDS = tuple(f.name for f in dataclasses.fields(GenerationRequest))
+
+_NO_BUDGET = 1 << 62
+"""Graph budget reported to the coordinator when neither the config nor a GPU bounds it (CPU replicas)."""
 
 
 def as_generation_request(request: GenerationRequest | dict) -> GenerationRequest:
@@ -43,42 +64,181 @@ def as_generation_request(request: GenerationRequest | dict) -> GenerationReques
     return GenerationRequest(**request)
 
 
+def _replica_id() -> str:
+    try:
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:  # noqa: BLE001 - outside Serve (tests constructing the class directly)
+        return f"local-{id(object())}"
+
+
 @serve.deployment(name="DiTReplica")
 class DiTReplica:
     """Ray Serve deployment owning one DiT pipeline.
 
     Args:
         config: a ``ServeConfig`` as a mapping (``ServeConfig.model_dump(mode="json")``).
+        coordinator: handle of :class:`~deployments.coordinator.BucketCoordinator`, or None to own (and
+            capture) every bucket.
 
     Raises:
         pydantic.ValidationError: on a bad config; ``ValueError`` on a bad bucket table (at start).
     """
 
-    def __init__(self, config: dict):
-        self._pipeline = DiTPipeline.from_config(ServeConfig.model_validate(config))
+    async def __init__(self, config: dict, coordinator=None):
+        self._config = ServeConfig.model_validate(config)
+        self._id = _replica_id()
+        model = await asyncio.to_thread(load_model, self._config.model)
+        self._pipeline = DiTPipeline(self._config, model, prepare=False)
+        self._by_shape: dict[str, list[BucketKey]] = {}
+        for k in self._pipeline.table.keys:
+            self._by_shape.setdefault(k.shape, []).append(k)
+        self._coord = coordinator
+        self._budget = self._graph_budget()
+        self._owned: set[str] = set()
+        self._ready: set[str] = set()
+        self._capture_lock = threading.Lock()
+        self._capture_task: asyncio.Task | None = None
+        self._served: Counter[str] = Counter()  # "owner", "non_owner", "unkeyed"
+        self._served_by_shape: Counter[str] = Counter()
+        self._batcher = MicroBatcher.from_pipeline(self._pipeline)
+        self._heartbeat_task: asyncio.Task | None = None
+        if coordinator is None:
+            owned = sorted(self._by_shape)
+        else:
+            owned = await coordinator.join.remote(self._id, self._budget)
+        self._owned = set(owned)
+        if coordinator is not None:
+            # heartbeats start now, so a long capture below never lets the lease expire
+            period = self._config.routing.stats_period_s
+            self._heartbeat_task = asyncio.get_running_loop().create_task(self._heartbeat_loop(period))
+        t0 = time.perf_counter()
+        await asyncio.to_thread(self._prepare_shapes, sorted(self._owned))
+        logger.info("replica %s owns %d of %d shapes %s, prepared in %.1f s", self._id, len(self._owned),
+                    len(self._by_shape), sorted(self._owned), time.perf_counter() - t0)
+
+    def _graph_budget(self) -> int:
+        mib = self._config.runner.graph_memory_budget_mib
+        if mib is not None:
+            return int(mib * 2**20)
+        if self._pipeline.model.device.type == "cuda":
+            import torch
+
+            free, _ = torch.cuda.mem_get_info(self._pipeline.model.device)
+            return int(0.9 * free)
+        return _NO_BUDGET
+
+    def _prepare_shapes(self, shapes: list[str]) -> None:
+        """Prepare (capture on CUDA) every batch bucket of ``shapes``, largest shape first; each shape is
+        ready as soon as its buckets are. Runs in a worker thread."""
+        with self._capture_lock:
+            order = sorted(shapes, key=lambda s: -max(k.tokens for k in self._by_shape.get(s, [BucketKey(0, 0, 0)])))
+            for s in order:
+                keys = self._by_shape.get(s)
+                if not keys:
+                    logger.warning("replica %s was assigned unknown shape %r; ignored", self._id, s)
+                    continue
+                self._pipeline.runner.prepare(keys)
+                self._ready.add(s)
+
+    # -- serving ------------------------------------------------------------------------------------
 
     async def generate(self, request: GenerationRequest | dict) -> GenerationResult:
-        """Generate images for one request.
+        """Generate images for one request (micro-batched with concurrent requests of its shape).
 
         Args:
-            request: a :class:`GenerationRequest`, or a dict of its fields.
+            request: a :class:`GenerationRequest`, or a dict of its fields. The caller should route it with
+                ``handle.options(multiplexed_model_id=<bucket shape>)`` (see :mod:`deployments.routing`).
 
         Returns:
-            The :class:`GenerationResult` (PNG bytes, seed, bucket, timings).
+            The :class:`GenerationResult`; ``replica`` names this replica and ``owner`` says whether it
+            owns the request's shape (None for requests that have no bucket).
 
         Raises:
             RequestError: a field out of range, or a bucket miss under the reject policy.
         """
         req = as_generation_request(request)
-        cancel = threading.Event()
-        try:
-            return await asyncio.to_thread(self._pipeline.generate, req, cancel)
-        except asyncio.CancelledError:
-            # The caller went away (an HTTP client disconnected, a handle call was cancelled): stop the
-            # worker thread at its next denoising step instead of finishing an image nobody will read.
-            cancel.set()
-            raise
+        shape = serve.get_multiplexed_model_id()
+        result = await self._batcher.submit(req)
+        actual = result.bucket.split("_", 1)[1] if result.bucket else ""
+        if actual:
+            owner = actual in self._owned
+            self._served["owner" if owner else "non_owner"] += 1
+            self._served_by_shape[actual] += 1
+        else:
+            owner = None
+            self._served["unkeyed"] += 1
+        if shape and actual and shape != actual:
+            logger.warning("request routed with shape %s but served in bucket %s", shape, result.bucket)
+        return dataclasses.replace(result, replica=self._id, owner=owner)
+
+    # -- routing and ownership ----------------------------------------------------------------------
+
+    def _routing_view(self) -> dict:
+        return {
+            "owned": sorted(self._owned),
+            "ready": sorted(self._ready & self._owned),
+            "queue": self._batcher.queue_lengths(),
+            "capturing": self._capture_task is not None and not self._capture_task.done(),
+        }
+
+    async def record_routing_stats(self) -> dict:
+        """Called by Serve every ``routing.stats_period_s``: the routing view (``owned``, ``ready``, ``queue``,
+        ``capturing``) for :class:`~router.shape_router.ShapeAwareRouter`."""
+        return self._routing_view()
+
+    async def _heartbeat_loop(self, period_s: float) -> None:
+        """Heartbeat the coordinator every ``period_s``: renew the lease, report ready shapes, queue and owner
+        hits, and adopt shapes it newly assigns (captured in the background: warming until ready)."""
+        while True:
+            await asyncio.sleep(period_s)
+            view = self._routing_view()
+            try:
+                owned = await self._coord.heartbeat.remote(
+                    self._id, self._budget, view["owned"], view["ready"], view["queue"], self._served_totals())
+            except Exception:  # noqa: BLE001 - keep serving with the last ownership when the coordinator is away
+                logger.exception("ownership heartbeat failed; keeping %d owned shapes", len(self._owned))
+                continue
+            if owned is not None:
+                new = set(owned) - self._owned
+                self._owned = set(owned)
+                if new:
+                    logger.info("replica %s gained shapes %s; capturing them in the background", self._id, sorted(new))
+                    self._start_capture(sorted(new))
+
+    def _start_capture(self, shapes: list[str]) -> None:
+        previous = self._capture_task
+
+        async def run() -> None:
+            if previous is not None:
+                await asyncio.shield(previous)
+            await asyncio.to_thread(self._prepare_shapes, shapes)
+
+        self._capture_task = asyncio.get_running_loop().create_task(run())
+
+    def _served_totals(self) -> dict:
+        return {"served": dict(self._served), "by_shape": dict(self._served_by_shape)}
+
+    def __del__(self):
+        """Graceful shutdown: tell the coordinator (fire and forget) so the survivors take this replica's
+        shapes at once; a replica that dies without it is removed when its lease expires."""
+        task, coord = getattr(self, "_heartbeat_task", None), getattr(self, "_coord", None)  # __init__ may have failed
+        if task is not None:
+            task.cancel()
+        if coord is not None:
+            try:
+                coord.leave.remote(self._id)
+            except Exception:  # noqa: BLE001 - the lease expiry covers a failed leave
+                pass
 
     def stats(self) -> dict:
-        """Per-bucket counters: :meth:`DiTPipeline.stats`."""
-        return self._pipeline.stats()
+        """Per-bucket counters (:meth:`DiTPipeline.stats`) plus this replica's id, routing view, owner
+        hits and micro-batching totals."""
+        out = self._pipeline.stats()
+        out["replica"] = self._id
+        out["routing"] = {**self._routing_view(), **self._served_totals()}
+        out["batching"] = self._batcher.stats()
+        return out
+
+    def ping(self) -> str:
+        """This replica's id: a no-op for measuring routing overhead (``benchmarks/bench_router.py``)."""
+        return self._id

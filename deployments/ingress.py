@@ -4,17 +4,26 @@ Routes (relative to the application's route prefix):
 
 - ``POST /v1/images/generations``: body :class:`~deployments.schemas.ImageGenerationRequest`, answer
   :class:`~deployments.schemas.ImageGenerationResponse`.
-- ``GET /v1/buckets``: the DiT replica's ``DiTPipeline.stats()``.
+- ``GET /v1/buckets``: one DiT replica's ``DiTReplica.stats()`` (its per-bucket counters, routing view,
+  micro-batching totals) and, with shape-aware routing, ``ownership``: the coordinator's assignment and
+  every replica's last heartbeat (owned and ready shapes, queue, owner hits), at most
+  ``routing.stats_period_s`` old.
 - ``GET /healthz``: ``{"status": "ok"}``.
+
+Python handle callers use ``Ingress.images`` (same validation and routing). Each request travels to the DiT
+deployment with its bucket shape in the request metadata (:mod:`deployments.routing`), and is resent when
+its replica dies mid-request (answered 503 only if that keeps happening).
 
 Every error is answered in OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``: 413 for a
 body over ``limits.max_body_bytes``, 400 for a body that is not JSON, 422 for a field that fails
-validation or planning (the message names the field and the values it accepts), 500 for a server fault.
+validation or planning (the message names the field and the values it accepts), 503 when no replica could
+serve it, 500 for a server fault.
 """
 
 # No ``from __future__ import annotations`` here: FastAPI reads the route signatures (``request: Request``)
 # of the class-based view that ``serve.ingress`` builds, and postponed annotations hide them from it.
 
+import dataclasses
 import logging
 import time
 from base64 import b64encode
@@ -30,8 +39,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from bcg_core.config import MissPolicy, ServeConfig
 from bcg_core.errors import BucketMissError, RequestError
+from bcg_core.pipeline import GenerationResult
 from bcg_core.planner import GenerationRequest, Planner
 
+from .routing import call_dit
 from .schemas import (
     BcgInfo,
     ErrorBody,
@@ -169,14 +180,17 @@ class Ingress:
     Args:
         dit_handle: handle of the :class:`~deployments.dit.DiTReplica` deployment.
         config: a ``ServeConfig`` as a mapping (``ServeConfig.model_dump(mode="json")``).
+        coordinator: handle of the :class:`~deployments.coordinator.BucketCoordinator` (shape-aware routing),
+            or None.
 
     Raises:
         pydantic.ValidationError: on a bad config (at replica start).
     """
 
-    def __init__(self, dit_handle, config: dict):
+    def __init__(self, dit_handle, config: dict, coordinator=None):
         self._config = ServeConfig.model_validate(config)
         self._dit = dit_handle
+        self._coord = coordinator
         self._planner = Planner.from_config(self._config)
         self._model_name: str | None = None
         self._model_known = False  # the name is read once from the replica's stats, on the first request
@@ -213,7 +227,31 @@ class Ingress:
         misses = stats.setdefault("misses", {})
         misses["rejected"] = self._rejected_requests
         misses["rejected_by_dim"] = {d: self._rejected.get(d, 0) for d in ("batch", "image_tokens", "text_tokens")}
+        if self._coord is not None:
+            stats["ownership"] = await self._coord.snapshot.remote()
         return stats
+
+    async def images(self, request: GenerationRequest | dict) -> GenerationResult:
+        """Python handle entry point: ``serve.get_app_handle(name).images.remote({...})``.
+
+        Plans the request (same validation as HTTP) and sends it to an owner of its bucket shape, exactly as
+        the HTTP route does.
+
+        Args:
+            request: a :class:`GenerationRequest` or a dict of its fields (``prompt`` required).
+
+        Returns:
+            The :class:`GenerationResult` (PNG bytes, bucket, replica, owner, batch size).
+
+        Raises:
+            RequestError: a field out of range, or a miss under the reject policy (``field`` names it).
+            ReplicaUnavailable: the serving replica died on every attempt.
+        """
+        from .dit import as_generation_request
+
+        plan = self._planner.plan(as_generation_request(request))
+        routed = await call_dit(self._dit, plan, self._config.routing.max_retries)
+        return dataclasses.replace(routed.result, retries=routed.retries)
 
     @app.post(
         "/v1/images/generations",
@@ -271,7 +309,8 @@ class Ingress:
                                   f"{self._planner.table.describe_limits()}) and the miss policy is reject",
                                   param=param)
         try:
-            result = await self._dit.generate.remote(plan.request)
+            routed = await call_dit(self._dit, plan, self._config.routing.max_retries)
+            result = routed.result
         except Exception as exc:  # noqa: BLE001 - every failure is answered, the server keeps serving
             found = find_request_error(exc)
             if found is not None:
@@ -287,5 +326,9 @@ class Ingress:
                 missed=list(result.missed),
                 seed=result.seed,
                 timings_ms=dict(result.timings_ms),
+                replica=result.replica,
+                owner=result.owner,
+                batch_size=result.batch_size,
+                retries=routed.retries,
             ),
         )

@@ -218,6 +218,11 @@ class BcgInfo(BaseModel):
     missed: list[str] = Field(description="Key dimensions that missed: 'batch', 'image_tokens', 'text_tokens'.")
     seed: int = Field(description="Seed used (the request's, or the random one drawn for it).")
     timings_ms: dict[str, float] = Field(description="'encode', 'denoise', 'decode' and 'total' in milliseconds.")
+    replica: str | None = Field(default=None, description="Id of the DiT replica that served the request.")
+    owner: bool | None = Field(default=None, description="True when that replica owns the request's bucket shape "
+                               "(shape-aware routing); null for a miss.")
+    batch_size: int = Field(default=1, description="Requests that shared the transformer forward (micro-batching).")
+    retries: int = Field(default=0, description="Times the request was resent because its replica died.")
 
 
 class ImageGenerationResponse(BaseModel):

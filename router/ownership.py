@@ -37,8 +37,13 @@ __all__ = [
     "KREA_CSV",
     "LoadEstimate",
     "ReplicaCapacity",
+    "ACTIVATION_FACTOR",
     "assign",
     "bucket_demands",
+    "demands_for_config",
+    "estimate_graph_bytes",
+    "shape_demands",
+    "shape_shares",
     "expected_load",
     "krea_rows",
 ]
@@ -89,7 +94,7 @@ def _int_field(row: Mapping[str, object], name: str) -> int | None:
 
 
 def expected_load(table_planner: Planner, rows: Iterable[Mapping[str, object]],
-                  guidance_scale: float = 3.5) -> LoadEstimate:
+                  guidance_scale: float = 3.5, by: str = "requests") -> LoadEstimate:
     """Share of requests per bucket from real data rows.
 
     Each row becomes ``GenerationRequest(prompt="x", n=num_generations or 1, width, height,
@@ -101,6 +106,9 @@ def expected_load(table_planner: Planner, rows: Iterable[Mapping[str, object]],
         table_planner: the planner whose bucket table keys the requests.
         rows: mappings with ``width``, ``height`` and (optional, may be empty) ``num_generations``.
         guidance_scale: CFG scale of every request (above 1 the batch dimension doubles).
+        by: ``"requests"``: each request weighs 1; ``"work"``: each request weighs the padded tokens of its
+            bucket's forward (``BucketKey.tokens``, proportional to its GPU time per denoising step), so a
+            1024x1024 request counts ~4x a 512x512 one. Ownership balances work.
 
     Returns:
         Shares per bucket and the count of rows skipped (invalid or missed; also logged).
@@ -123,7 +131,7 @@ def expected_load(table_planner: Planner, rows: Iterable[Mapping[str, object]],
         if key is None:
             skipped += 1
             continue
-        weights[key] = weights.get(key, 0.0) + 1.0 / n
+        weights[key] = weights.get(key, 0.0) + (1.0 / n) * (key.tokens if by == "work" else 1)
     if skipped:
         log.info("expected_load: skipped %d of %d rows (invalid or no bucket)", skipped, read)
     total = sum(weights.values())
@@ -135,6 +143,81 @@ def krea_rows() -> list[dict[str, str]]:
     """Rows of the packaged krea request mix (``bcg_core/data/krea_open_prompts_1k_flat.csv``), as strings."""
     text = resources.files("bcg_core").joinpath("data", KREA_CSV).read_text(encoding="utf-8")
     return list(csv.DictReader(io.StringIO(text)))
+
+
+def shape_shares(shares: Mapping[BucketKey, float]) -> dict[str, float]:
+    """Sum per-bucket shares into per-shape shares (:attr:`BucketKey.shape`: every batch bucket of one
+    resolution tier and text bucket, the unit replicas own, route by and micro-batch within)."""
+    out: dict[str, float] = {}
+    for k, v in shares.items():
+        out[k.shape] = out.get(k.shape, 0.0) + float(v)
+    return dict(sorted(out.items()))
+
+
+ACTIVATION_FACTOR = 38.0
+"""Graph pool bytes per ``token x hidden x dtype byte`` of a bucket's forward. Measured on an H200
+(docs/bench/2026-11-30_flux-dev_h200.json): FLUX.1-dev's largest bucket b8_i4096_t512 (36,864 tokens,
+hidden 3,072, bf16) grew the pool by 8,366 MiB = 38.7 x 36,864 x 3,072 x 2 bytes."""
+
+
+def estimate_graph_bytes(key: BucketKey, hidden_size: int, dtype_bytes: int,
+                         factor: float = ACTIVATION_FACTOR) -> int:
+    """Estimated graph pool bytes of bucket ``key`` before it is captured.
+
+    ``factor * key.tokens * hidden_size * dtype_bytes`` (see :data:`ACTIVATION_FACTOR` for the
+    measurement behind the factor). Used to place buckets within replica budgets; the capture then measures
+    the real bytes (``/v1/buckets`` ``pool_bytes``).
+    """
+    return int(factor * key.tokens * hidden_size * dtype_bytes)
+
+
+def shape_demands(keys: Iterable[BucketKey], shares: Mapping[BucketKey, float],
+                  graph_bytes: Callable[[BucketKey], int]) -> dict[str, BucketDemand]:
+    """One :class:`BucketDemand` per bucket shape: the summed share of its batch buckets, and the graph
+    bytes of its largest batch bucket (all of a shape's graphs share one pool, which the largest sets).
+
+    Args:
+        keys: every bucket of the table.
+        shares: fraction of requests per bucket (e.g. :attr:`LoadEstimate.shares`).
+        graph_bytes: ``key -> bytes`` of one bucket's graph pool.
+    """
+    per_shape = shape_shares(shares)
+    out: dict[str, BucketDemand] = {}
+    for k in sorted(set(keys)):
+        prev = out.get(k.shape)
+        b = int(graph_bytes(k))
+        out[k.shape] = BucketDemand(per_shape.get(k.shape, 0.0), max(b, prev.graph_bytes if prev else 0))
+    return dict(sorted(out.items()))
+
+
+def _hidden_size(model_path: str | None) -> int:
+    """Transformer width (``num_attention_heads * attention_head_dim``) from the checkpoint's config.json."""
+    import json
+    from pathlib import Path
+
+    from bcg_core.models import tiny_transformer_config
+
+    cfg = tiny_transformer_config(384) if model_path is None else \
+        json.loads((Path(model_path) / "transformer" / "config.json").read_text())
+    return int(cfg["num_attention_heads"]) * int(cfg["attention_head_dim"])
+
+
+def demands_for_config(config, planner: Planner | None = None) -> dict[str, BucketDemand]:
+    """Per-shape demand of a ``ServeConfig``: shares of the expected work from the krea mix (requests at the
+    configured default guidance scale, weighted by padded tokens: :func:`expected_load` ``by="work"``), graph bytes from :func:`estimate_graph_bytes` with the model's width and dtype.
+
+    Args:
+        config: a :class:`bcg_core.config.ServeConfig`.
+        planner: its planner (built with :meth:`Planner.from_config`, tokenizer only, when None).
+
+    Raises:
+        FileNotFoundError, ValueError: the configured checkpoint folder is unreadable.
+    """
+    planner = planner or Planner.from_config(config)
+    load = expected_load(planner, krea_rows(), guidance_scale=config.limits.default_guidance_scale, by="work")
+    hidden = _hidden_size(config.model.path)
+    dtype_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}[config.model.dtype]
+    return shape_demands(planner.table.keys, load.shares, lambda k: estimate_graph_bytes(k, hidden, dtype_bytes))
 
 
 # ---------------------------------------------------------------------------------------------------------

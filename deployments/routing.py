@@ -1,0 +1,73 @@
+"""Sending a planned request to the DiT deployment with its bucket shape in the request metadata.
+
+On the HTTP path the router sees a request's arguments only as opaque bytes, so the bucket shape travels in
+``RequestMetadata.multiplexed_model_id`` (``handle.options(multiplexed_model_id=shape)``), where
+:class:`router.shape_router.ShapeAwareRouter` reads it. The ingress uses :func:`call_dit` for HTTP requests
+and for its Python handle method ``Ingress.images``; code holding a DiT handle directly can use it too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+from ray.exceptions import RayActorError
+
+from bcg_core.errors import RequestError
+from bcg_core.pipeline import GenerationResult
+from bcg_core.planner import Plan
+
+__all__ = ["ReplicaUnavailable", "Routed", "bucket_shape", "call_dit"]
+
+logger = logging.getLogger("ray.serve")
+
+
+class ReplicaUnavailable(RequestError):
+    """Every attempt hit a replica that died before answering (HTTP 503; the client may retry)."""
+
+    def __init__(self, field: str, message: str, status: int = 503):
+        super().__init__(field, message, status)
+
+
+def bucket_shape(plan: Plan) -> str:
+    """The routing key of a planned request: its bucket's shape (``BucketKey.shape``, e.g.
+    ``"i1024_t256"``), or ``""`` for a miss (no owner: any replica, eagerly)."""
+    key = plan.lookup.key
+    return key.shape if key is not None else ""
+
+
+@dataclass
+class Routed:
+    """A result and how many times its request was resent."""
+
+    result: GenerationResult
+    retries: int
+
+
+async def call_dit(handle, plan: Plan, max_retries: int = 2, retry_wait_s: float = 0.5) -> Routed:
+    """Send ``plan.request`` to the DiT deployment, keyed by its bucket shape; resend when the replica dies.
+
+    A replica that dies mid-request (``RayActorError``: killed, node lost, out of memory) fails its
+    in-flight calls; generation is deterministic per seed and has no side effects, so the request is
+    resent (the router skips the dead replica) up to ``max_retries`` times, ``retry_wait_s`` apart.
+
+    Raises:
+        RequestError: the replica refused the request (bad field, miss under the reject policy).
+        ReplicaUnavailable: every attempt met a dead replica.
+    """
+    shape = bucket_shape(plan)
+    routed = handle.options(multiplexed_model_id=shape)
+    last: BaseException | None = None
+    for attempt in range(max_retries + 1):
+        try:
+            result = await routed.generate.remote(plan.request)
+            return Routed(result, attempt)
+        except RayActorError as exc:
+            last = exc
+            logger.warning("DiT replica died serving a request of shape %r (attempt %d of %d): %s",
+                           shape, attempt + 1, max_retries + 1, type(exc).__name__)
+            await asyncio.sleep(retry_wait_s)
+    raise ReplicaUnavailable(
+        "request", f"the DiT replica serving this request died {max_retries + 1} times in a row "
+        f"({type(last).__name__}); retry shortly") from last

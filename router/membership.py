@@ -1,0 +1,236 @@
+"""Replica membership and the live shape assignment: the state behind the ownership coordinator.
+
+Pure logic with an injectable clock (no Ray): :class:`deployments.coordinator.BucketCoordinator` wraps one
+:class:`OwnershipTable` in a Serve deployment, and the tests drive it directly.
+
+Life of a replica:
+
+1. ``join``: the replica registers with its graph budget. Before the first assignment the table waits for
+   ``expected`` replicas (or the join window to close) so that a fresh deployment gets one balanced
+   assignment in which each replica captures only its own shapes (``router.ownership.assign`` with no
+   previous assignment). After that, a joiner is added with the previous assignment kept: it receives
+   co-ownerships of the most loaded shapes and nobody else changes.
+2. ``heartbeat`` every ``routing.stats_period_s`` (from the replica's ``record_routing_stats``): it renews
+   the replica's lease, reports its ready shapes, queue and counters, and returns its owned shapes (which
+   grow when a peer leaves). A heartbeat from an unknown replica (the coordinator restarted, or its lease
+   had expired) re-joins it, adopting the shapes it reports as owned.
+3. ``leave`` (graceful shutdown) or lease expiry (``lease_s`` without a heartbeat: the replica died): its
+   shapes move to the survivors (``assign`` with the previous assignment: only the leaver's ownerships are
+   re-homed).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Mapping
+
+from .ownership import DEFAULT_GRAPH_OVERHEAD_BYTES, Assignment, BucketDemand, ReplicaCapacity, assign
+
+__all__ = ["MemberState", "OwnershipTable"]
+
+
+@dataclass
+class MemberState:
+    """What the table knows of one replica.
+
+    Attributes:
+        replica_id: Ray Serve's unique replica id.
+        budget_bytes: its graph budget in bytes.
+        last_seen: clock time (seconds) of its last join or heartbeat.
+        ready: shapes it reported captured and serving.
+        queue: requests per shape it reported waiting or running.
+        stats: the last counters it reported (free-form, shown in ``/v1/buckets``).
+    """
+
+    replica_id: str
+    budget_bytes: int
+    last_seen: float
+    ready: tuple[str, ...] = ()
+    queue: dict[str, int] = field(default_factory=dict)
+    stats: dict = field(default_factory=dict)
+
+
+class OwnershipTable:
+    """Live bucket-shape ownership over a changing replica set.
+
+    Args:
+        demands: per shape, its expected share of requests and its graph bytes
+            (:func:`router.ownership.shape_demands`).
+        expected: replicas the first assignment waits for.
+        join_window_s: seconds after the first join at which the first assignment is made even if fewer
+            than ``expected`` replicas joined.
+        lease_s: seconds without a heartbeat after which a replica counts as gone.
+        hot_share: shapes with at least this share get >= 2 owners (see :func:`router.ownership.assign`).
+        graph_overhead_bytes: bytes each owned graph adds beyond the largest (ownership memory model).
+        clock: monotonic seconds (``time.monotonic`` by default; tests pass a fake).
+
+    Raises:
+        ValueError: ``expected`` < 1 or a negative window or lease.
+    """
+
+    def __init__(self, demands: Mapping[str, BucketDemand], expected: int = 1, join_window_s: float = 60.0,
+                 lease_s: float = 5.0, hot_share: float = 0.10,
+                 graph_overhead_bytes: int = DEFAULT_GRAPH_OVERHEAD_BYTES,
+                 clock: Callable[[], float] = time.monotonic):
+        if expected < 1 or join_window_s < 0 or lease_s <= 0:
+            raise ValueError(f"need expected >= 1, join_window_s >= 0 and lease_s > 0; got {expected}, "
+                             f"{join_window_s}, {lease_s}")
+        self.demands = dict(demands)
+        self.expected = expected
+        self.join_window_s = join_window_s
+        self.lease_s = lease_s
+        self.hot_share = hot_share
+        self.overhead = graph_overhead_bytes
+        self.clock = clock
+        self.members: dict[str, MemberState] = {}
+        self.assignment: Assignment | None = None
+        self.version = 0
+        self.first_join: float | None = None
+        self.events: list[dict] = []
+        self.moves = 0
+
+    # -- membership ---------------------------------------------------------------------------------
+
+    @property
+    def assigned(self) -> bool:
+        """True once the first assignment was made."""
+        return self.assignment is not None
+
+    def window_closed(self) -> bool:
+        """True when the first assignment may be made: all expected replicas joined, or the window passed."""
+        if len(self.members) >= self.expected:
+            return True
+        return self.first_join is not None and self.clock() - self.first_join >= self.join_window_s
+
+    def join(self, replica_id: str, budget_bytes: int, owned: tuple[str, ...] = (), ready: tuple[str, ...] = ()) -> None:
+        """Register (or re-register) a replica; reassigns when the first assignment exists.
+
+        Args:
+            replica_id: the replica's unique id.
+            budget_bytes: its graph budget.
+            owned: shapes it already holds (a re-join after a coordinator restart): adopted as its previous
+                ownership so it keeps them.
+            ready: shapes it has captured.
+        """
+        now = self.clock()
+        if self.first_join is None:
+            self.first_join = now
+        known = replica_id in self.members
+        self.members[replica_id] = MemberState(replica_id, int(budget_bytes), now, tuple(ready))
+        if not known:
+            self._event("join", replica_id)
+        if self.assignment is not None and not known:
+            self._reassign(adopt={replica_id: tuple(owned)})
+        elif self.assignment is None and self.window_closed():
+            self._reassign()
+
+    def leave(self, replica_id: str, why: str = "leave") -> bool:
+        """Remove a replica (graceful shutdown or expired lease); its shapes move to the survivors.
+
+        Returns:
+            True when it was a member.
+        """
+        if self.members.pop(replica_id, None) is None:
+            return False
+        self._event(why, replica_id)
+        if self.assignment is not None:
+            self._reassign()
+        return True
+
+    def heartbeat(self, replica_id: str, budget_bytes: int, owned: tuple[str, ...] = (), ready: tuple[str, ...] = (),
+                  queue: Mapping[str, int] | None = None, stats: Mapping | None = None) -> tuple[str, ...] | None:
+        """Renew a replica's lease and record what it reports.
+
+        Returns:
+            Its owned shapes, or None while the first assignment is still waiting for replicas.
+        """
+        member = self.members.get(replica_id)
+        if member is None:
+            self.join(replica_id, budget_bytes, owned, ready)
+            member = self.members[replica_id]
+        member.last_seen = self.clock()
+        member.ready = tuple(ready)
+        member.queue = dict(queue or {})
+        member.stats = dict(stats or {})
+        if self.assignment is None and self.window_closed():
+            self._reassign()
+        return self.owned(replica_id)
+
+    def touch(self, replica_id: str) -> None:
+        """Renew a replica's lease without a report (it is alive: e.g. waiting in ``join``)."""
+        member = self.members.get(replica_id)
+        if member is not None:
+            member.last_seen = self.clock()
+
+    def expire(self) -> list[str]:
+        """Remove every replica whose lease ran out; returns their ids (sorted)."""
+        now = self.clock()
+        gone = sorted(r for r, m in self.members.items() if now - m.last_seen > self.lease_s)
+        for r in gone:
+            self.leave(r, why="expired")
+        if self.assignment is None and self.members and self.window_closed():
+            self._reassign()
+        return gone
+
+    def owned(self, replica_id: str) -> tuple[str, ...] | None:
+        """Shapes ``replica_id`` owns; None before the first assignment or for an unknown replica."""
+        if self.assignment is None or replica_id not in self.members:
+            return None
+        return tuple(self.assignment.buckets.get(replica_id, ()))
+
+    # -- assignment ---------------------------------------------------------------------------------
+
+    def _reassign(self, adopt: Mapping[str, tuple[str, ...]] | None = None) -> None:
+        replicas = [ReplicaCapacity(r, m.budget_bytes) for r, m in sorted(self.members.items())]
+        previous = self.assignment
+        if previous is not None and adopt:
+            owners = {b: set(rs) for b, rs in previous.owners.items()}
+            buckets = {r: set(bs) for r, bs in previous.buckets.items()}
+            for r, shapes in adopt.items():
+                for b in shapes:
+                    if b in self.demands:
+                        owners.setdefault(b, set()).add(r)
+                        buckets.setdefault(r, set()).add(b)
+            previous = Assignment({b: tuple(sorted(rs)) for b, rs in owners.items()},
+                                  {r: tuple(sorted(bs)) for r, bs in buckets.items()})
+        new = assign(self.demands, replicas, previous=previous if replicas else None, hot_share=self.hot_share,
+                     graph_overhead_bytes=self.overhead)
+        self.moves += new.moved_from(self.assignment)
+        self.assignment = new
+        self.version += 1
+
+    def _event(self, kind: str, replica_id: str) -> None:
+        self.events.append({"event": kind, "replica": replica_id, "t": round(self.clock(), 3),
+                            "replicas": len(self.members)})
+        del self.events[:-50]
+
+    # -- introspection ------------------------------------------------------------------------------
+
+    def snapshot(self) -> dict:
+        """JSON-ready view for ``/v1/buckets``: version, moves, events, unplaceable shapes, and per replica
+        its owned and ready shapes, expected load share, modelled graph bytes, queue and last counters."""
+        a = self.assignment
+        now = self.clock()
+        replicas = {}
+        for r, m in sorted(self.members.items()):
+            replicas[r] = {
+                "owned": list(a.buckets.get(r, ())) if a else [],
+                "ready": list(m.ready),
+                "expected_load": round(a.loads.get(r, 0.0), 4) if a else 0.0,
+                "graph_bytes_model": a.graph_bytes.get(r, 0) if a else 0,
+                "queue": dict(m.queue),
+                "seen_s_ago": round(now - m.last_seen, 2),
+                "stats": m.stats,
+            }
+        return {
+            "assigned": a is not None,
+            "version": self.version,
+            "expected_replicas": self.expected,
+            "moves": self.moves,
+            "owners": {b: list(rs) for b, rs in a.owners.items()} if a else {},
+            "unplaceable": list(a.unplaceable) if a else [],
+            "under_replicated": list(a.under_replicated) if a else [],
+            "replicas": replicas,
+            "events": list(self.events),
+        }
