@@ -11,8 +11,10 @@ What it measures (one JSON report, ``--json``):
   shows that every request still got an answer, the ownership before and after, and the owner-hit rate
   of the requests answered after the kill.
 - ``overhead``: with ``--ping N``, N keyed no-op calls (``DiTReplica.ping``) through the DiT deployment's
-  handle, timed; run once with ``--router shape`` and once with ``--router default`` to get the added
-  routing latency (p50, p99) of ShapeAwareRouter over Ray's default router on the same app.
+  handle, timed; with ``--compare-routers`` the same application is also deployed with the other router
+  (``routing.shape_aware`` flipped) and the calls alternate between the two, so the added routing latency
+  of ShapeAwareRouter over Ray's default router (p50, p99 of the per-call difference) is measured under
+  the same load.
 - ``padding``: padded-token waste summed over the replicas, with micro-batching on or off
   (``--no-batching``).
 
@@ -171,17 +173,30 @@ def summarize(records: list[dict], wall_s: float) -> dict:
     }
 
 
-async def ping_overhead(dit_handle, shapes: list[str], count: int) -> dict:
-    """Time ``count`` sequential keyed ``ping`` calls (shapes cycled): p50/p99 milliseconds."""
-    times = []
+async def ping_overhead(handles: dict, shapes: list[str], count: int) -> dict:
+    """Time ``count`` rounds of keyed ``DiTReplica.ping`` calls, one per handle in each round (so routers
+    compared are measured under the same machine load), shapes cycled; p50/p99/mean milliseconds per handle
+    after 20 warm-up rounds, and the p50/p99 of the per-round difference to the first handle."""
+    times: dict[str, list[float]] = {name: [] for name in handles}
     for i in range(count):
-        h = dit_handle.options(multiplexed_model_id=shapes[i % len(shapes)] if shapes else "")
-        t0 = time.perf_counter()
-        await h.ping.remote()
-        times.append((time.perf_counter() - t0) * 1e3)
-    warm = times[min(20, len(times) // 5):]
-    return {"calls": count, "p50_ms": round(percentile(warm, 0.5), 3), "p99_ms": round(percentile(warm, 0.99), 3),
-            "mean_ms": round(statistics.mean(warm), 3)}
+        key = shapes[i % len(shapes)] if shapes else ""
+        for name, handle in handles.items():
+            h = handle.options(multiplexed_model_id=key)
+            t0 = time.perf_counter()
+            await h.ping.remote()
+            times[name].append((time.perf_counter() - t0) * 1e3)
+    skip = min(20, count // 5)
+    out: dict = {"calls_per_router": count}
+    names = list(handles)
+    for name in names:
+        warm = times[name][skip:]
+        out[name] = {"p50_ms": round(percentile(warm, 0.5), 3), "p99_ms": round(percentile(warm, 0.99), 3),
+                     "mean_ms": round(statistics.mean(warm), 3)}
+    for name in names[1:]:
+        diff = [a - b for a, b in zip(times[names[0]][skip:], times[name][skip:])]
+        out[f"{names[0]}_minus_{name}"] = {"p50_ms": round(percentile(diff, 0.5), 3),
+                                           "p99_ms": round(percentile(diff, 0.99), 3)}
+    return out
 
 
 async def wait_ready(app_name: str, replicas: int, timeout_s: float) -> dict:
@@ -229,7 +244,7 @@ def build(args) -> tuple[object, dict]:
                     "lease_s": args.lease_s, "fallback_wait_s": args.fallback_wait_s,
                     "join_window_s": args.start_timeout_s},
     }
-    app = build_app({"config": config, "dit_replicas": args.replicas, "dit_num_gpus": 1,
+    app = build_app({"config": config, "dit_replicas": args.replicas, "dit_num_gpus": args.dit_gpus,
                      "dit_num_cpus": args.dit_cpus, "ingress_replicas": args.ingress_replicas})
     return app, config
 
@@ -263,7 +278,16 @@ async def run(args) -> dict:
 
     if args.ping:
         shapes = sorted({s for v in snap.get("replicas", {}).values() for s in v["owned"]}) or ["i1024_t256"]
-        report["overhead"] = await ping_overhead(dit, shapes, args.ping)
+        handles = {args.router: dit}
+        if args.compare_routers:
+            other = "default" if args.router == "shape" else "shape"
+            args_other = argparse.Namespace(**{**vars(args), "router": other})
+            app_other, _ = build(args_other)
+            serve.run(app_other, name=f"{args.app}-{other}", route_prefix=f"/{other}")
+            await wait_ready(f"{args.app}-{other}", args.replicas, args.start_timeout_s)
+            await asyncio.sleep(3.0)
+            handles[other] = serve.get_deployment_handle("DiTReplica", f"{args.app}-{other}")
+        report["overhead"] = await ping_overhead(handles, shapes, args.ping)
 
     if args.requests:
         reqs = krea_requests(args.requests, args.steps, args.max_images)
@@ -334,6 +358,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--model-path", default=None)
     p.add_argument("--dit-cpus", type=float, default=1)
     p.add_argument("--ingress-replicas", type=int, default=1)
+    p.add_argument("--dit-gpus", type=float, default=1, help="GPUs per DiT replica (0.5 fits two apps per GPU)")
+    p.add_argument("--compare-routers", action="store_true",
+                   help="with --ping: also deploy the app with the other router and ping both, interleaved")
     p.add_argument("--no-batching", action="store_true")
     p.add_argument("--batch-wait-ms", type=float, default=10.0)
     p.add_argument("--hot-share", type=float, default=0.10)
