@@ -157,6 +157,8 @@ class CudaGraphRunner:
                 return self.entries[key]
             entry = self._capture(key)
             self.entries[key] = entry
+            if entry.mode is RunMode.GRAPH:
+                self.metrics.record_capture(key, entry.capture_s)
             return entry
 
     def _warmup(self, buffers: dict[str, torch.Tensor]) -> int:
@@ -254,6 +256,7 @@ class CudaGraphRunner:
             ValueError: ``inputs`` do not fit the bucket.
         """
         with self._lock:
+            mode = "eager"  # a miss, an unprepared bucket or a dropped one: unpadded
             if key is None:
                 out = self.adapter.forward_eager(inputs).clone()
             else:
@@ -266,7 +269,7 @@ class CudaGraphRunner:
                         # unpadded and eager rather than capture on the request path; counted.
                         self.stats.unprepared_forwards += 1
                         out = self.adapter.forward_eager(inputs).clone()
-                        self.metrics.record_forward(key)
+                        self.metrics.record_forward(key, mode)
                         return out
                     entry = self.capture(key)
                     self.stats.lazy_captures += 1
@@ -275,12 +278,14 @@ class CudaGraphRunner:
                     self.adapter.fill(entry.buffers, inputs)
                     entry.graph.replay()
                     out = self.adapter.unpad(entry.output, inputs).clone()
+                    mode = "graph"
                 elif entry.buffers:  # eager-only: capture failed or over budget
                     out = static_forward(self.adapter, entry.buffers, inputs)
+                    mode = "static_eager"
                 else:  # dropped after OOM: unpadded eager
                     out = self.adapter.forward_eager(inputs).clone()
                 entry.forwards += 1
-        self.metrics.record_forward(key)
+        self.metrics.record_forward(key, mode)
         return out
 
     @property

@@ -1,7 +1,10 @@
 """Per-bucket counters that know nothing of Ray (deployments export them through ``ray.util.metrics``).
 
 Counted per request: requests, hits, real vs padded tokens (padding waste), latency. Counted per
-forward: forwards (replays on the GPU). Misses are counted by the key dimension that missed.
+forward: forwards by how they ran (:data:`FORWARD_MODES`: ``graph`` replays, ``static_eager``, unpadded
+``eager``). Counted per denoising step: its latency in milliseconds, in a histogram with the bucket
+boundaries :data:`STEP_MS_BOUNDS`. Counted per CUDA graph capture: captures and capture seconds. Misses
+are counted by the key dimension that missed.
 
 Micro-batching (:meth:`bcg_core.pipeline.DiTPipeline.generate_batch`) runs several requests of one bucket
 shape in one forward per step. Each request then counts its own real tokens and a share of the batch
@@ -12,13 +15,28 @@ or more requests and ``batched_requests`` the requests served by them.
 
 from __future__ import annotations
 
+import bisect
 import threading
-from collections import Counter
-from dataclasses import dataclass
+from collections import Counter, deque
+from dataclasses import dataclass, field, replace
 
 from .buckets import BucketKey, BucketLookup, Dim
 
-__all__ = ["BucketCounters", "BucketMetrics", "token_shares"]
+__all__ = ["BucketCounters", "BucketMetrics", "FORWARD_MODES", "STEP_MS_BOUNDS", "STEP_SAMPLE_LIMIT",
+           "histogram_quantile", "token_shares"]
+
+FORWARD_MODES = ("graph", "static_eager", "eager")
+"""How a transformer forward ran: ``graph`` replayed the bucket's CUDA graph; ``static_eager`` ran eagerly on the
+bucket's static padded buffers (every bucket on a CPU, a bucket whose capture failed or was over budget);
+``eager`` ran unpadded (a miss, a bucket dropped after an out-of-memory capture, or an unprepared bucket)."""
+
+STEP_MS_BOUNDS: tuple[float, ...] = (0.5, 1, 2, 3, 5, 7.5, 10, 15, 20, 30, 50, 75, 100, 150, 200, 300, 500, 750,
+                                     1000, 2000, 5000, 10000)
+"""Upper bounds (milliseconds, inclusive, as Prometheus ``le``) of the step-latency histogram bins; one more bin,
+``+Inf``, holds slower steps."""
+
+STEP_SAMPLE_LIMIT = 65536
+"""Most step latencies kept for :meth:`BucketMetrics.step_samples` (older ones are dropped first)."""
 
 
 @dataclass
@@ -30,6 +48,11 @@ class BucketCounters:
     its forward with others, its share of the bucket's tokens, see :func:`token_shares`).
     ``batches`` counts denoising loops shared by two or more requests; ``batched_requests`` counts the
     requests served by such a loop (so ``requests - batched_requests`` ran alone).
+    ``forwards`` counts every transformer forward; ``replays`` those that replayed a CUDA graph and
+    ``unpadded_forwards`` those that ran unpadded and eager (the rest ran eagerly on static buffers).
+    ``captures`` counts CUDA graph captures and ``capture_s`` their seconds. ``steps``, ``step_ms_sum``
+    (milliseconds) and ``step_ms_bins`` (non-cumulative counts per bin of :data:`STEP_MS_BOUNDS`, then ``+Inf``)
+    describe the latency of the denoising steps run on the bucket.
     """
 
     requests: int = 0
@@ -40,6 +63,13 @@ class BucketCounters:
     latency_ms_sum: float = 0.0
     batches: int = 0
     batched_requests: int = 0
+    replays: int = 0
+    unpadded_forwards: int = 0
+    captures: int = 0
+    capture_s: float = 0.0
+    steps: int = 0
+    step_ms_sum: float = 0.0
+    step_ms_bins: list[int] = field(default_factory=lambda: [0] * (len(STEP_MS_BOUNDS) + 1))
 
     @property
     def padding_waste_pct(self) -> float:
@@ -50,6 +80,64 @@ class BucketCounters:
     def mean_latency_ms(self) -> float:
         """Mean end-to-end latency of this bucket's requests in milliseconds; 0 with no traffic."""
         return self.latency_ms_sum / self.requests if self.requests else 0.0
+
+    @property
+    def padded_token_ratio(self) -> float | None:
+        """Computed tokens per real token, ``padded_tokens / real_tokens`` (1.0: no padding; 1.25: a quarter
+        more tokens computed than requested); None with no traffic."""
+        return self.padded_tokens / self.real_tokens if self.real_tokens else None
+
+    @property
+    def forwards_by_mode(self) -> dict[str, int]:
+        """Forwards by :data:`FORWARD_MODES`: ``graph`` (replays), ``static_eager``, ``eager`` (unpadded)."""
+        return {"graph": self.replays, "static_eager": self.forwards - self.replays - self.unpadded_forwards,
+                "eager": self.unpadded_forwards}
+
+    def step_latency(self) -> dict:
+        """JSON-ready step latency: ``count``, ``sum`` and ``mean`` (milliseconds), ``p50`` and ``p95``
+        (milliseconds, interpolated within the histogram bins as Prometheus' ``histogram_quantile`` does; None
+        with no steps) and ``buckets``: cumulative counts by upper bound (``"0.5"``, ``"1.0"`` ... ``"10000.0"``,
+        ``"+Inf"``), the ``le`` labels and values of the exported histogram."""
+        cumulative, n = {}, 0
+        for bound, c in zip([*STEP_MS_BOUNDS, float("inf")], self.step_ms_bins):
+            n += c
+            cumulative["+Inf" if bound == float("inf") else str(float(bound))] = n
+        return {
+            "count": self.steps, "sum": round(self.step_ms_sum, 3),
+            "mean": round(self.step_ms_sum / self.steps, 3) if self.steps else 0.0,
+            "p50": _round(histogram_quantile(0.5, self.step_ms_bins)),
+            "p95": _round(histogram_quantile(0.95, self.step_ms_bins)), "buckets": cumulative,
+        }
+
+
+def _round(x: float | None, digits: int = 3) -> float | None:
+    return None if x is None else round(x, digits)
+
+
+def histogram_quantile(q: float, bins: list[int], bounds: tuple[float, ...] = STEP_MS_BOUNDS) -> float | None:
+    """The ``q`` quantile (0..1) of a histogram, interpolated linearly within its bin (Prometheus'
+    ``histogram_quantile``; the first bin starts at 0 and a quantile in ``+Inf`` is the last finite bound).
+
+    Args:
+        q: the quantile, 0..1.
+        bins: non-cumulative counts per bin of ``bounds``, then ``+Inf`` (``len(bounds) + 1`` counts).
+        bounds: bin upper bounds, ascending.
+
+    Returns:
+        The quantile in the unit of ``bounds``; None for an empty histogram.
+    """
+    total = sum(bins)
+    if not total:
+        return None
+    rank, seen = q * total, 0
+    for i, c in enumerate(bins):
+        if c and seen + c >= rank:
+            if i == len(bounds):
+                return float(bounds[-1])
+            lo = 0.0 if i == 0 else float(bounds[i - 1])
+            return lo + (float(bounds[i]) - lo) * max(0.0, rank - seen) / c
+        seen += c
+    return float(bounds[-1])
 
 
 def token_shares(total: int, rows: list[int]) -> list[int]:
@@ -83,6 +171,12 @@ class BucketMetrics:
         self._buckets: dict[BucketKey, BucketCounters] = {k: BucketCounters() for k in keys}
         self._miss = BucketCounters()
         self._miss_by_dim: Counter[str] = Counter({d.value: 0 for d in Dim})
+        self._samples: deque[tuple[int, BucketKey | None, float]] = deque(maxlen=STEP_SAMPLE_LIMIT)
+        self._sample_seq = 0
+
+    def _of(self, key: BucketKey | None) -> BucketCounters:
+        """The counters of ``key`` (None: the miss path); call with the lock held."""
+        return self._buckets.setdefault(key, BucketCounters()) if key is not None else self._miss
 
     def record_request(self, lookup: BucketLookup, latency_ms: float, padded_tokens: int | None = None,
                        batch_size: int = 1) -> None:
@@ -107,26 +201,86 @@ class BucketMetrics:
             for d in lookup.missed:
                 self._miss_by_dim[d.value] += 1
 
-    def record_forward(self, key: BucketKey | None) -> None:
-        """Count one transformer forward on bucket ``key`` (None: an eager miss forward)."""
+    def record_forward(self, key: BucketKey | None, mode: str | None = None) -> None:
+        """Count one transformer forward on bucket ``key`` (None: an eager miss forward).
+
+        Args:
+            key: the bucket, or None for a miss.
+            mode: how it ran, one of :data:`FORWARD_MODES`; None: ``eager`` for a miss, else ``static_eager``.
+
+        Raises:
+            ValueError: an unknown ``mode``.
+        """
+        mode = mode or ("eager" if key is None else "static_eager")
+        if mode not in FORWARD_MODES:
+            raise ValueError(f"forward mode must be one of {FORWARD_MODES}, got {mode!r}")
         with self._lock:
-            (self._buckets.setdefault(key, BucketCounters()) if key is not None else self._miss).forwards += 1
+            c = self._of(key)
+            c.forwards += 1
+            c.replays += int(mode == "graph")
+            c.unpadded_forwards += int(mode == "eager")
+
+    def record_capture(self, key: BucketKey, seconds: float) -> None:
+        """Count one CUDA graph capture of bucket ``key`` that took ``seconds`` (warm-up included)."""
+        with self._lock:
+            c = self._of(key)
+            c.captures += 1
+            c.capture_s += seconds
+
+    def record_steps(self, key: BucketKey | None, step_ms: list[float]) -> None:
+        """Count denoising steps run on bucket ``key`` (None: a miss), each taking ``step_ms[i]`` milliseconds."""
+        if not step_ms:
+            return
+        with self._lock:
+            c = self._of(key)
+            for ms in step_ms:
+                c.steps += 1
+                c.step_ms_sum += ms
+                c.step_ms_bins[bisect.bisect_left(STEP_MS_BOUNDS, ms)] += 1
+                self._sample_seq += 1
+                self._samples.append((self._sample_seq, key, ms))
+
+    def step_samples(self, after: int = 0) -> tuple[int, list[tuple[BucketKey | None, float]], int]:
+        """Step latencies recorded after sequence number ``after``, oldest first (for an exporter that observes
+        each one into a histogram; the last :data:`STEP_SAMPLE_LIMIT` are kept).
+
+        Returns:
+            ``(last, samples, lost)``: the sequence number to pass next time, ``(key, milliseconds)`` pairs, and
+            how many samples after ``after`` were already dropped (0 unless the caller fell behind).
+        """
+        with self._lock:
+            last = self._sample_seq
+            if after >= last:
+                return last, [], 0
+            first = self._samples[0][0] if self._samples else last + 1
+            lost = max(0, first - after - 1)
+            start = max(0, after + 1 - first)
+            samples = [(k, ms) for _, k, ms in list(self._samples)[start:]]
+        return last, samples, lost
 
     def record_batch(self, key: BucketKey | None, requests: int) -> None:
         """Count one denoising loop on bucket ``key`` shared by ``requests`` requests (ignored below 2)."""
         if requests < 2:
             return
         with self._lock:
-            (self._buckets.setdefault(key, BucketCounters()) if key is not None else self._miss).batches += 1
+            self._of(key).batches += 1
 
     def counters(self, key: BucketKey | None) -> BucketCounters:
         """A copy of the counters of ``key`` (None: the miss path)."""
         with self._lock:
             c = self._buckets.get(key, BucketCounters()) if key is not None else self._miss
-            return BucketCounters(**vars(c))
+            return replace(c, step_ms_bins=list(c.step_ms_bins))
 
     def snapshot(self) -> dict:
         """JSON-ready view: ``{"buckets": [...], "misses": {...}, "totals": {...}, "batch_totals": {...}}``.
+
+        Per bucket: its key and dimensions, ``shape`` (the key without its batch dimension), ``requests``,
+        ``hits``, ``forwards``, ``replays`` (forwards that replayed a CUDA graph), ``forwards_by_mode``
+        (:data:`FORWARD_MODES`), ``captures``, ``batches``, ``batched_requests``, ``real_tokens``, ``padded_tokens``,
+        ``padding_waste_pct`` (percent), ``padded_token_ratio`` (padded / real tokens, None with no traffic),
+        ``mean_latency_ms`` (per request) and ``step_latency_ms`` (per denoising step,
+        :meth:`BucketCounters.step_latency`). ``misses`` holds the same request, token, forward and step
+        counters for requests no bucket held (run unpadded), plus ``by_dim``.
 
         ``batch_totals`` sums the batch counters (``batches``, ``batched_requests``) over every bucket; it is
         kept apart from ``totals``, whose keys (requests, hits, misses) clients compare whole.
@@ -135,19 +289,25 @@ class BucketMetrics:
             buckets = [
                 {
                     "key": str(k), "batch": k.batch, "image_tokens": k.image_tokens, "text_tokens": k.text_tokens,
-                    "latent_hw": list(k.latent_hw) if k.latent_hw else None,
+                    "latent_hw": list(k.latent_hw) if k.latent_hw else None, "shape": k.shape,
                     "requests": c.requests, "hits": c.hits, "forwards": c.forwards,
+                    "replays": c.replays, "forwards_by_mode": c.forwards_by_mode, "captures": c.captures,
                     "batches": c.batches, "batched_requests": c.batched_requests,
                     "real_tokens": c.real_tokens, "padded_tokens": c.padded_tokens,
                     "padding_waste_pct": round(c.padding_waste_pct, 2),
+                    "padded_token_ratio": _round(c.padded_token_ratio, 4),
                     "mean_latency_ms": round(c.mean_latency_ms, 2),
+                    "step_latency_ms": c.step_latency(),
                 }
                 for k, c in sorted(self._buckets.items())
             ]
             hits = sum(c.hits for c in self._buckets.values())
+            m = self._miss
             misses = {
-                "requests": self._miss.requests, "forwards": self._miss.forwards,
-                "by_dim": dict(self._miss_by_dim), "mean_latency_ms": round(self._miss.mean_latency_ms, 2),
+                "requests": m.requests, "forwards": m.forwards,
+                "by_dim": dict(self._miss_by_dim), "mean_latency_ms": round(m.mean_latency_ms, 2),
+                "real_tokens": m.real_tokens, "padded_tokens": m.padded_tokens, "forwards_by_mode": m.forwards_by_mode,
+                "step_latency_ms": m.step_latency(),
             }
             totals = {"requests": hits + self._miss.requests, "hits": hits, "misses": self._miss.requests}
             every = [*self._buckets.values(), self._miss]

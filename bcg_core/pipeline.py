@@ -83,6 +83,44 @@ class GenerationResult:
         return asdict(self)
 
 
+class _StepTimer:
+    """Milliseconds of each denoising step (the transformer forward on the bucket, the guidance combination and the
+    scheduler update). On a CUDA device, CUDA events on the current stream measure the GPU's time between a step's
+    start and end and are read once after the loop (no host sync per step); elsewhere the host clock."""
+
+    def __init__(self, device: torch.device):
+        self._cuda = torch.device(device).type == "cuda"
+        self._device = device
+        self._spans: list[tuple] = []
+        self._begin = None
+
+    def _now(self):
+        if not self._cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(self._device))
+        return event
+
+    def start(self) -> None:
+        """A step begins."""
+        self._begin = self._now()
+
+    def stop(self) -> None:
+        """The step that began last ends."""
+        if self._begin is not None:
+            self._spans.append((self._begin, self._now()))
+            self._begin = None
+
+    def step_ms(self) -> list[float]:
+        """Milliseconds of every finished step, in order (on CUDA this waits for the last step to finish)."""
+        if not self._spans:
+            return []
+        if self._cuda:
+            self._spans[-1][1].synchronize()
+            return [float(a.elapsed_time(b)) for a, b in self._spans]
+        return [(b - a) * 1e3 for a, b in self._spans]
+
+
 def _cancelled(cancel: threading.Event | None) -> bool:
     return cancel is not None and cancel.is_set()
 
@@ -428,6 +466,10 @@ class DiTPipeline:
             key: the bucket of ``R`` rows, or None for an unpadded eager forward (a miss).
             cancels: one event (or None) per request; the loop stops before a step only when all are set.
 
+        Metrics: the milliseconds of every finished step (forward, guidance and scheduler update, as the caller
+        sees them: waiting for the runner lock while another batch's forward runs is included) are recorded on
+        ``key`` (:meth:`~bcg_core.metrics.BucketMetrics.record_steps`), also for a loop that is cancelled.
+
         Returns:
             Packed latents (N, image_tokens, 64), fp32, images in request order.
 
@@ -458,15 +500,23 @@ class DiTPipeline:
             guidance = torch.tensor(per_row, device=latents.device, dtype=dtype)
         # One guidance scale for all: the Python float, exactly as a lone request; else (N, 1, 1) per image.
         g = scales[0] if len(set(scales)) == 1 else torch.tensor(scales, device=latents.device).view(-1, 1, 1)
-        for t in sched.timesteps:
-            _check_all(cancels)
-            x = torch.cat([latents, latents]) if cfg else latents
-            ts = (t / 1000.0).expand(rows).to(dtype)
-            out = self.runner.run(key, DenoiseInputs(x.to(dtype), text, pooled, ts, grid, guidance)).float()
-            if cfg:
-                cond, uncond = out.chunk(2)
-                out = uncond + g * (cond - uncond)
-            latents = sched.step(out, t, latents, return_dict=False)[0]
+        timer = _StepTimer(latents.device)
+        try:
+            for t in sched.timesteps:
+                _check_all(cancels)
+                timer.start()
+                x = torch.cat([latents, latents]) if cfg else latents
+                ts = (t / 1000.0).expand(rows).to(dtype)
+                out = self.runner.run(key, DenoiseInputs(x.to(dtype), text, pooled, ts, grid, guidance)).float()
+                if cfg:
+                    cond, uncond = out.chunk(2)
+                    out = uncond + g * (cond - uncond)
+                latents = sched.step(out, t, latents, return_dict=False)[0]
+                timer.stop()
+        except RequestCancelled:
+            self.metrics.record_steps(key, timer.step_ms())  # the steps that ran before the cancel
+            raise
+        self.metrics.record_steps(key, timer.step_ms())
         return latents
 
     @torch.inference_mode()

@@ -165,7 +165,7 @@ class EagerBucketRunner:
                     self.lazy_prepares += 1
                 out = static_forward(self.adapter, entry.buffers, inputs)
                 entry.forwards += 1
-        self.metrics.record_forward(key)
+        self.metrics.record_forward(key, "eager" if key is None else "static_eager")
         return out
 
     def describe(self) -> list[dict]:

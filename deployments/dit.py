@@ -14,6 +14,9 @@ Routing stats (read by :class:`router.shape_router.ShapeAwareRouter`, refreshed 
 A background task heartbeats the coordinator at the same period (from the moment the replica joined, so a
 long capture never lets its lease expire); shapes it newly assigns (a peer left) are captured in the
 background and listed as owned-but-not-ready (warming) until done.
+
+Metrics: once ready, a background task pushes the bucket counters, step latencies and queue lengths into
+Ray's metrics every second (:mod:`deployments.metrics`, exported to Prometheus by Ray's metrics agent).
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ from bcg_core.errors import RequestError
 from bcg_core.models import load_model
 from bcg_core.pipeline import DiTPipeline, GenerationResult
 from bcg_core.planner import GenerationRequest
+
+from .metrics import BucketExporter
 
 __all__ = ["DiTReplica", "as_generation_request"]
 
@@ -102,6 +107,8 @@ class DiTReplica:
         self._served_by_shape: Counter[str] = Counter()
         self._batcher = MicroBatcher.from_pipeline(self._pipeline)
         self._heartbeat_task: asyncio.Task | None = None
+        self._exporter: BucketExporter | None = None
+        self._metrics_task: asyncio.Task | None = None
         if coordinator is None:
             owned = sorted(self._by_shape)
         else:
@@ -115,6 +122,17 @@ class DiTReplica:
         await asyncio.to_thread(self._prepare_shapes, sorted(self._owned))
         logger.info("replica %s owns %d of %d shapes %s, prepared in %.1f s", self._id, len(self._owned),
                     len(self._by_shape), sorted(self._owned), time.perf_counter() - t0)
+        self._exporter, self._metrics_task = self._start_metrics_export()
+
+    def _start_metrics_export(self) -> tuple[BucketExporter | None, asyncio.Task | None]:
+        """Start pushing the bucket counters into Ray's metrics every second (:mod:`deployments.metrics`); a
+        replica whose exporter cannot be made serves without it (logged)."""
+        try:
+            exporter = BucketExporter.for_replica(self._pipeline, self._batcher)
+        except Exception:  # noqa: BLE001 - metrics must never keep a replica from serving
+            logger.exception("replica %s: Prometheus metrics export is off", self._id)
+            return None, None
+        return exporter, asyncio.get_running_loop().create_task(exporter.run())
 
     def _graph_budget(self) -> int:
         mib = self._config.runner.graph_memory_budget_mib
@@ -224,6 +242,9 @@ class DiTReplica:
         task, coord = getattr(self, "_heartbeat_task", None), getattr(self, "_coord", None)  # __init__ may have failed
         if task is not None:
             task.cancel()
+        metrics_task = getattr(self, "_metrics_task", None)
+        if metrics_task is not None:
+            metrics_task.cancel()
         if coord is not None:
             try:
                 coord.leave.remote(self._id)
@@ -232,11 +253,13 @@ class DiTReplica:
 
     def stats(self) -> dict:
         """Per-bucket counters (:meth:`DiTPipeline.stats`) plus this replica's id, routing view, owner
-        hits and micro-batching totals."""
+        hits, micro-batching totals and the state of its Prometheus export (``metrics_export``: pushes, errors,
+        ``None`` when the exporter is off)."""
         out = self._pipeline.stats()
         out["replica"] = self._id
         out["routing"] = {**self._routing_view(), **self._served_totals()}
         out["batching"] = self._batcher.stats()
+        out["metrics_export"] = self._exporter.status() if self._exporter is not None else None
         return out
 
     def ping(self) -> str:

@@ -1,0 +1,287 @@
+"""Prometheus export of the per-bucket counters: a small exporter each DiT replica runs every second.
+
+The engine counts (:class:`bcg_core.metrics.BucketMetrics`, no Ray); this module pushes those counts into Ray's
+metrics (``ray.serve.metrics``: ``ray.util.metrics`` with the Serve tags ``deployment``, ``replica`` and
+``application`` added inside a replica), which Ray's per-node metrics agent serves to Prometheus. Every push reads
+:meth:`bcg_core.pipeline.DiTPipeline.stats` (the very dict ``GET /v1/buckets`` answers, so both show the same
+numbers), the step latencies recorded since the last push, and the micro-batcher's queue lengths, then:
+
+- counters are increased by the difference to what was pushed last (never decreased: a counter that went down,
+  which cannot happen within one replica, only resets the baseline);
+- gauges are set to the current value (every push, so Ray's agent never ages them out);
+- the step-latency histogram observes every step latency recorded since the last push (exact counts per
+  bucket; Ray 2.60's agent approximates the exported ``_sum`` from bucket midpoints, so the exact total is
+  also exported as the counter ``bcg_step_time_ms``).
+
+Tags: ``bucket`` is the bucket key (``b2_i1024_t256``) and ``shape`` the key without its batch dimension
+(``i1024_t256``); requests no bucket held (run unpadded under the eager miss policy) are tagged
+``bucket="miss", shape="miss"``. Ray adds ``deployment``, ``replica``, ``application`` (Serve) and its own node
+tags (``SessionName``, ``NodeAddress``, ...). :data:`METRICS` lists every metric; ``README.md`` (section
+"Metrics (Prometheus)") gives the exported names (Ray prefixes ``ray_``; counters end in ``_total``).
+
+An exception while pushing is logged (the first few, then one in 60) and the next push retries: the exporter
+never stops the replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from bcg_core.metrics import FORWARD_MODES, STEP_MS_BOUNDS, BucketMetrics
+
+__all__ = ["EXPORT_PERIOD_S", "METRICS", "MISS", "BucketExporter", "MetricSpec", "MetricsBackend",
+           "RayMetricsBackend"]
+
+logger = logging.getLogger("ray.serve")
+
+EXPORT_PERIOD_S = 1.0
+"""Seconds between two pushes of a replica's counters into Ray's metrics."""
+
+MISS = "miss"
+"""``bucket`` and ``shape`` tag of requests no bucket held (run unpadded and eager)."""
+
+_BUCKET = ("bucket", "shape")
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    """One exported metric.
+
+    Attributes:
+        name: the name given to Ray (Prometheus shows ``ray_`` + name, plus ``_total`` for a counter).
+        kind: ``counter``, ``gauge`` or ``histogram``.
+        tag_keys: our tags (Ray adds its own, see the module docstring).
+        unit: the unit of the value.
+        description: what it counts.
+        field: for bucket counters, the key of a ``stats()["buckets"]`` entry it follows (None: derived).
+    """
+
+    name: str
+    kind: str
+    tag_keys: tuple[str, ...]
+    unit: str
+    description: str
+    field: str | None = None
+
+    @property
+    def exported(self) -> str:
+        """The name on Ray's Prometheus endpoint (histograms add ``_bucket``, ``_count`` and ``_sum``)."""
+        return f"ray_{self.name}_total" if self.kind == "counter" else f"ray_{self.name}"
+
+
+METRICS: tuple[MetricSpec, ...] = (
+    MetricSpec("bcg_requests", "counter", _BUCKET, "requests",
+               "Requests served (bucket=miss: requests no bucket held, run unpadded).", "requests"),
+    MetricSpec("bcg_hits", "counter", _BUCKET, "requests", "Requests a bucket held (bucket hits).", "hits"),
+    MetricSpec("bcg_misses", "counter", ("dim",), "requests",
+               "Requests no bucket held, served unpadded, by the key dimension that missed (batch, image_tokens, "
+               "text_tokens; a request missing in two dimensions counts in both)."),
+    MetricSpec("bcg_forwards", "counter", (*_BUCKET, "mode"), "forwards",
+               "Transformer forwards by mode: graph (CUDA graph replays), static_eager (eager on the bucket's "
+               "static padded buffers: every bucket on a CPU), eager (unpadded)."),
+    MetricSpec("bcg_captures", "counter", _BUCKET, "captures", "CUDA graph captures of the bucket.", "captures"),
+    MetricSpec("bcg_capture_seconds", "counter", _BUCKET, "seconds",
+               "Seconds spent capturing the bucket's CUDA graph (warm-up forwards included).", "capture_s"),
+    MetricSpec("bcg_real_tokens", "counter", _BUCKET, "tokens",
+               "Real (requested) tokens per forward, summed over requests: rows x (image + text tokens).",
+               "real_tokens"),
+    MetricSpec("bcg_padded_tokens", "counter", _BUCKET, "tokens",
+               "Computed (padded) tokens per forward, summed over requests (a batched request counts its share).",
+               "padded_tokens"),
+    MetricSpec("bcg_batches", "counter", _BUCKET, "loops",
+               "Denoising loops shared by two or more micro-batched requests.", "batches"),
+    MetricSpec("bcg_batched_requests", "counter", _BUCKET, "requests",
+               "Requests served by a shared (micro-batched) denoising loop.", "batched_requests"),
+    MetricSpec("bcg_step_time_ms", "counter", _BUCKET, "milliseconds",
+               "Total milliseconds of denoising steps (exact; the histogram's _sum is approximated by Ray)."),
+    MetricSpec("bcg_step_latency_ms", "histogram", _BUCKET, "milliseconds",
+               "Milliseconds per denoising step (transformer forward + guidance + scheduler update)."),
+    MetricSpec("bcg_graph_pool_bytes", "gauge", _BUCKET, "bytes",
+               "CUDA graph memory pool growth measured when the bucket was captured (0 on a CPU).", "pool_bytes"),
+    MetricSpec("bcg_padded_token_ratio", "gauge", _BUCKET, "ratio",
+               "padded_tokens / real_tokens since start (1.0: no padding); set once the bucket served a request.",
+               "padded_token_ratio"),
+    MetricSpec("bcg_queue_length", "gauge", ("shape",), "requests",
+               "Requests waiting or running in the replica's micro-batcher, per bucket shape."),
+)
+"""Every metric the exporter pushes, in README order."""
+
+
+class MetricsBackend(Protocol):
+    """Makes metric objects: ``counter(...).inc(value, tags)``, ``gauge(...).set(value, tags)``,
+    ``histogram(...).observe(value, tags)`` (the ``ray.util.metrics`` interface)."""
+
+    def counter(self, name: str, description: str, tag_keys: tuple[str, ...]) -> Any:
+        """A counter."""
+        ...
+
+    def gauge(self, name: str, description: str, tag_keys: tuple[str, ...]) -> Any:
+        """A gauge."""
+        ...
+
+    def histogram(self, name: str, description: str, boundaries: list[float], tag_keys: tuple[str, ...]) -> Any:
+        """A histogram with bucket upper bounds ``boundaries``."""
+        ...
+
+
+class RayMetricsBackend:
+    """``ray.serve.metrics``: ``ray.util.metrics`` that add ``deployment``, ``replica`` and ``application`` tags when
+    made inside a Serve replica (outside one they are plain ``ray.util.metrics``)."""
+
+    def counter(self, name: str, description: str, tag_keys: tuple[str, ...]) -> Any:
+        """A ``ray.serve.metrics.Counter``."""
+        from ray.serve import metrics
+
+        return metrics.Counter(name, description=description, tag_keys=tag_keys)
+
+    def gauge(self, name: str, description: str, tag_keys: tuple[str, ...]) -> Any:
+        """A ``ray.serve.metrics.Gauge``."""
+        from ray.serve import metrics
+
+        return metrics.Gauge(name, description=description, tag_keys=tag_keys)
+
+    def histogram(self, name: str, description: str, boundaries: list[float], tag_keys: tuple[str, ...]) -> Any:
+        """A ``ray.serve.metrics.Histogram``."""
+        from ray.serve import metrics
+
+        return metrics.Histogram(name, description=description, boundaries=boundaries, tag_keys=tag_keys)
+
+
+def _shape_of(key: str) -> str:
+    return MISS if key == MISS else key.split("_", 1)[1]
+
+
+class BucketExporter:
+    """Pushes one replica's bucket counters into Ray's metrics (see the module docstring).
+
+    Args:
+        stats: returns :meth:`DiTPipeline.stats`-shaped dicts: ``buckets`` (entries with ``key`` and the counter
+            fields of :data:`METRICS`, ``forwards_by_mode``, ``pool_bytes``, ``padded_token_ratio``) and
+            ``misses`` (``requests``, ``by_dim``, ``forwards_by_mode``, ``real_tokens``, ``padded_tokens``).
+        metrics: the counters whose step latencies (:meth:`BucketMetrics.step_samples`) feed the histogram.
+        queue_lengths: returns requests waiting or running per bucket shape.
+        shapes: every bucket shape of the table (a queue gauge is set for each, 0 when empty).
+        backend: makes the metric objects; default :class:`RayMetricsBackend`.
+    """
+
+    def __init__(self, stats: Callable[[], dict], metrics: BucketMetrics,
+                 queue_lengths: Callable[[], dict[str, int]] = dict, shapes: Iterable[str] = (),
+                 backend: MetricsBackend | None = None):
+        self._stats = stats
+        self._metrics = metrics
+        self._queue_lengths = queue_lengths
+        self._shapes = sorted(set(shapes))
+        backend = backend or RayMetricsBackend()
+        self._m: dict[str, Any] = {}
+        for spec in METRICS:
+            if spec.kind == "counter":
+                self._m[spec.name] = backend.counter(spec.name, spec.description, spec.tag_keys)
+            elif spec.kind == "gauge":
+                self._m[spec.name] = backend.gauge(spec.name, spec.description, spec.tag_keys)
+            else:
+                self._m[spec.name] = backend.histogram(spec.name, spec.description, list(STEP_MS_BOUNDS),
+                                                       spec.tag_keys)
+        self._pushed: dict[tuple, float] = {}  # (metric, tags) -> cumulative value pushed so far
+        self._cursor = 0  # last step sample observed
+        self.period_s = EXPORT_PERIOD_S
+        self.pushes = 0
+        self.errors = 0
+        self.lost_samples = 0
+        self.last_error: str | None = None
+
+    @classmethod
+    def for_replica(cls, pipeline, batcher, backend: MetricsBackend | None = None) -> "BucketExporter":
+        """The exporter of a DiT replica: ``pipeline.stats``, ``pipeline.metrics``, ``batcher.queue_lengths``."""
+        shapes = {k.shape for k in pipeline.table.keys}
+        return cls(pipeline.stats, pipeline.metrics, batcher.queue_lengths, shapes, backend)
+
+    # -- one push ---------------------------------------------------------------------------------------
+
+    def _inc(self, name: str, tags: dict[str, str], total: float) -> None:
+        """Raise counter ``name`` at ``tags`` to the cumulative ``total`` (by the difference; never down)."""
+        key = (name, tuple(sorted(tags.items())))
+        before = self._pushed.get(key, 0)
+        delta = total - before
+        if delta > 1e-9:
+            self._m[name].inc(delta, tags=tags)
+            self._pushed[key] = total
+        elif delta < -1e-9:  # a counter went down: only a new baseline, never a negative increment
+            logger.warning("metric %s%s went down from %s to %s; not exported", name, tags, before, total)
+            self._pushed[key] = total
+
+    def push(self) -> None:
+        """Push everything once (counters by difference, gauges set, new step latencies observed).
+
+        Raises:
+            Exception: whatever reading the stats or recording a metric raised (:meth:`run` logs it).
+        """
+        stats = self._stats()
+        misses = stats.get("misses", {})
+        rows = list(stats.get("buckets", []))
+        rows.append({"key": MISS, "requests": misses.get("requests", 0), "hits": 0,
+                     "forwards_by_mode": misses.get("forwards_by_mode", {}),
+                     "real_tokens": misses.get("real_tokens", 0), "padded_tokens": misses.get("padded_tokens", 0),
+                     "step_latency_ms": misses.get("step_latency_ms", {})})
+        for row in rows:
+            tags = {"bucket": row["key"], "shape": _shape_of(row["key"])}
+            for spec in METRICS:
+                if spec.kind == "counter" and spec.field is not None and spec.field in row:
+                    self._inc(spec.name, tags, row[spec.field] or 0)
+            for mode in FORWARD_MODES:
+                self._inc("bcg_forwards", {**tags, "mode": mode}, row.get("forwards_by_mode", {}).get(mode, 0))
+            self._inc("bcg_step_time_ms", tags, (row.get("step_latency_ms") or {}).get("sum", 0.0))
+            if row["key"] != MISS:
+                self._m["bcg_graph_pool_bytes"].set(int(row.get("pool_bytes") or 0), tags=tags)
+            if row.get("padded_token_ratio") is not None:
+                self._m["bcg_padded_token_ratio"].set(float(row["padded_token_ratio"]), tags=tags)
+        for dim, n in sorted(misses.get("by_dim", {}).items()):
+            self._inc("bcg_misses", {"dim": dim}, n)
+        queue = self._queue_lengths()
+        for shape in sorted(set(self._shapes) | set(queue)):
+            self._m["bcg_queue_length"].set(int(queue.get(shape, 0)), tags={"shape": shape})
+        last, samples, lost = self._metrics.step_samples(self._cursor)
+        self._cursor = last  # at most once: a failing observe below never observes a step twice
+        if lost:
+            self.lost_samples += lost
+            logger.warning("%d step latencies were dropped before export (more than %d per push)", lost,
+                           len(samples))
+        histogram = self._m["bcg_step_latency_ms"]
+        for key, ms in samples:
+            k = MISS if key is None else str(key)
+            histogram.observe(float(ms), tags={"bucket": k, "shape": _shape_of(k)})
+        self.pushes += 1
+
+    # -- the background task ----------------------------------------------------------------------------
+
+    async def run(self, period_s: float = EXPORT_PERIOD_S) -> None:
+        """Push every ``period_s`` seconds until cancelled; an exception is logged and the next push retries."""
+        self.period_s = period_s
+        while True:
+            await asyncio.sleep(period_s)
+            self.push_logged()
+
+    def push_logged(self) -> bool:
+        """:meth:`push`, logging an exception instead of raising it (the first 3, then one in 60).
+
+        Returns:
+            True when the push succeeded.
+        """
+        try:
+            self.push()
+            return True
+        except Exception as e:  # noqa: BLE001 - exporting must never stop the replica
+            self.errors += 1
+            self.last_error = f"{type(e).__name__}: {e}"[:300]
+            if self.errors <= 3 or self.errors % 60 == 0:
+                logger.exception("metrics export failed (%d failures so far); retrying", self.errors)
+            return False
+
+    def status(self) -> dict:
+        """``pushes``, ``errors``, ``last_error``, ``lost_samples`` (step latencies dropped before export) and
+        ``period_s`` (seconds between pushes)."""
+        return {"pushes": self.pushes, "errors": self.errors, "last_error": self.last_error,
+                "lost_samples": self.lost_samples, "period_s": self.period_s}
