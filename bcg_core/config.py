@@ -252,6 +252,15 @@ class RoutingConfig(BaseModel):
         default=16, ge=1, le=1024,
         description="Requests one DiT replica accepts at once (queued for its micro-batcher or running).",
     )
+    max_queued_requests: int = Field(
+        default=64, ge=1, le=100000,
+        description="Requests each caller of the DiT deployment (each ingress replica) may hold waiting for a "
+        "replica slot; beyond it a request is answered 503 with Retry-After at once (backpressure).",
+    )
+    retry_after_s: float = Field(
+        default=2.0, gt=0.0, le=3600.0,
+        description="Seconds sent in the Retry-After header of a 503 answered under overload.",
+    )
 
 
 class ServeConfig(BaseModel):

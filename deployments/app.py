@@ -79,6 +79,7 @@ def build_app(args: Mapping[str, Any] | None = None) -> Application:
     options: dict[str, Any] = dict(
         num_replicas=parsed.dit_replicas,
         max_ongoing_requests=routing.max_ongoing_requests,
+        max_queued_requests=routing.max_queued_requests,
         ray_actor_options={"num_cpus": parsed.dit_num_cpus, "num_gpus": num_gpus},
     )
     if not routing.shape_aware:

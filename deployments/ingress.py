@@ -17,7 +17,8 @@ its replica dies mid-request (answered 503 only if that keeps happening).
 Every error is answered in OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``: 413 for a
 body over ``limits.max_body_bytes``, 400 for a body that is not JSON, 422 for a field that fails
 validation or planning (the message names the field and the values it accepts), 503 when no replica could
-serve it, 500 for a server fault.
+serve it (under overload at once, with ``Retry-After``: backpressure from ``routing.max_queued_requests``),
+500 for a server fault.
 """
 
 # No ``from __future__ import annotations`` here: FastAPI reads the route signatures (``request: Request``)
@@ -35,6 +36,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from ray import serve
+from ray.serve.exceptions import BackPressureError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from bcg_core.config import MissPolicy, ServeConfig
@@ -42,7 +44,7 @@ from bcg_core.errors import BucketMissError, RequestError
 from bcg_core.pipeline import GenerationResult
 from bcg_core.planner import GenerationRequest, Planner
 
-from .routing import call_dit
+from .routing import Overloaded, call_dit
 from .schemas import (
     BcgInfo,
     ErrorBody,
@@ -250,7 +252,8 @@ class Ingress:
         from .dit import as_generation_request
 
         plan = self._planner.plan(as_generation_request(request))
-        routed = await call_dit(self._dit, plan, self._config.routing.max_retries)
+        routed = await call_dit(self._dit, plan, self._config.routing.max_retries,
+                                retry_after_s=self._config.routing.retry_after_s)
         return dataclasses.replace(routed.result, retries=routed.retries)
 
     @app.post(
@@ -273,11 +276,19 @@ class Ingress:
             return error_response(
                 413, f"request body of {exc.args[0]} bytes is over the limit of {limits.limits.max_body_bytes} bytes"
             )
+        retry_after = str(max(1, round(self._config.routing.retry_after_s)))
         try:
             await self._served_model_name()
+        except BackPressureError:
+            answer = error_response(503, f"the server is at capacity (every DiT replica busy and the queue full); "
+                                    f"retry after {retry_after} s")
+            answer.headers["Retry-After"] = retry_after
+            return answer
         except Exception:  # noqa: BLE001
             logger.exception("stats of the DiT replica failed")
-            return error_response(503, "the image model is not available yet; retry shortly")
+            answer = error_response(503, "the image model is not available yet; retry shortly")
+            answer.headers["Retry-After"] = retry_after
+            return answer
         limits = self._limits
         try:
             req = ImageGenerationRequest.model_validate_json(body, context={"limits": limits})
@@ -309,12 +320,16 @@ class Ingress:
                                   f"{self._planner.table.describe_limits()}) and the miss policy is reject",
                                   param=param)
         try:
-            routed = await call_dit(self._dit, plan, self._config.routing.max_retries)
+            routed = await call_dit(self._dit, plan, self._config.routing.max_retries,
+                                retry_after_s=self._config.routing.retry_after_s)
             result = routed.result
         except Exception as exc:  # noqa: BLE001 - every failure is answered, the server keeps serving
             found = find_request_error(exc)
             if found is not None:
-                return error_response(found.status, found.message, param=found.field)
+                answer = error_response(found.status, found.message, param=found.field)
+                if isinstance(found, Overloaded):
+                    answer.headers["Retry-After"] = str(max(1, round(found.retry_after_s)))
+                return answer
             logger.exception("generation failed")
             return error_response(500, f"generation failed: {type(exc).__name__}")
         return ImageGenerationResponse(

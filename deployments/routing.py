@@ -13,14 +13,30 @@ import logging
 from dataclasses import dataclass
 
 from ray.exceptions import RayActorError
+from ray.serve.exceptions import BackPressureError
 
 from bcg_core.errors import RequestError
 from bcg_core.pipeline import GenerationResult
 from bcg_core.planner import Plan
 
-__all__ = ["ReplicaUnavailable", "Routed", "bucket_shape", "call_dit"]
+__all__ = ["Overloaded", "ReplicaUnavailable", "Routed", "bucket_shape", "call_dit"]
 
 logger = logging.getLogger("ray.serve")
+
+
+class Overloaded(RequestError):
+    """Every DiT replica is busy and the caller's queue is full (HTTP 503 with ``Retry-After``).
+
+    Attributes:
+        retry_after_s: seconds the client should wait before retrying.
+    """
+
+    def __init__(self, field: str, message: str, status: int = 503, retry_after_s: float = 2.0):
+        super().__init__(field, message, status)
+        self.retry_after_s = retry_after_s
+
+    def __reduce__(self):
+        return (type(self), (self.field, self.message, self.status, self.retry_after_s))
 
 
 class ReplicaUnavailable(RequestError):
@@ -45,7 +61,8 @@ class Routed:
     retries: int
 
 
-async def call_dit(handle, plan: Plan, max_retries: int = 2, retry_wait_s: float = 0.5) -> Routed:
+async def call_dit(handle, plan: Plan, max_retries: int = 2, retry_wait_s: float = 0.5,
+                   retry_after_s: float = 2.0) -> Routed:
     """Send ``plan.request`` to the DiT deployment, keyed by its bucket shape; resend when the replica dies.
 
     A replica that dies mid-request (``RayActorError``: killed, node lost, out of memory) fails its
@@ -54,6 +71,8 @@ async def call_dit(handle, plan: Plan, max_retries: int = 2, retry_wait_s: float
 
     Raises:
         RequestError: the replica refused the request (bad field, miss under the reject policy).
+        Overloaded: the deployment's queue for this caller is full (``max_queued_requests``); raised at
+            once, with ``retry_after_s`` for the client.
         ReplicaUnavailable: every attempt met a dead replica.
     """
     shape = bucket_shape(plan)
@@ -63,6 +82,9 @@ async def call_dit(handle, plan: Plan, max_retries: int = 2, retry_wait_s: float
         try:
             result = await routed.generate.remote(plan.request)
             return Routed(result, attempt)
+        except BackPressureError as exc:
+            raise Overloaded("request", f"the server is at capacity (every DiT replica busy and the queue full: "
+                             f"{exc}); retry after {retry_after_s:g} s", retry_after_s=retry_after_s) from None
         except RayActorError as exc:
             last = exc
             logger.warning("DiT replica died serving a request of shape %r (attempt %d of %d): %s",
