@@ -12,11 +12,10 @@ from ray import serve
 
 from deployments import build_app
 
-from conftest import SMALL_BUCKETS
-
 pytestmark = pytest.mark.serve
 
 # capacity 2: one request running on the single replica, one waiting in the ingress's queue for it
+SMALL_BUCKETS = {"batch_sizes": [1, 2, 4], "resolutions": ["256x256", "512x512"], "text_lengths": [256]}
 CONFIG = {"buckets": SMALL_BUCKETS, "routing": {"max_ongoing_requests": 1, "max_queued_requests": 1,
                                                 "retry_after_s": 3}}
 OFFERED = 10  # 5x capacity
