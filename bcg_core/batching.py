@@ -124,7 +124,7 @@ class MicroBatcher:
         plan = self.pipeline.planner.plan(request)
         lookup = plan.lookup
         rows = lookup.query.batch
-        shape = DiTPipeline.shape_of(lookup.key) if lookup.hit else None
+        shape = lookup.key.shape if lookup.hit else None
         group = self.pipeline.batch_group(plan) if self.enabled and rows < self.max_rows else None
         loop = asyncio.get_running_loop()
         item = _Item(plan.request, rows, shape, threading.Event(), loop.create_future(), time.perf_counter())

@@ -26,7 +26,13 @@ from dataclasses import dataclass
 
 from .config import BucketConfig, MissPolicy
 
-__all__ = ["BucketKey", "BucketLookup", "BucketTable", "Dim", "ShapeQuery", "ShapeRules"]
+__all__ = ["BucketKey", "BucketLookup", "BucketTable", "Dim", "ShapeQuery", "ShapeRules", "shape_of"]
+
+
+def shape_of(key: str) -> str:
+    """A bucket key string without its batch dimension: ``"b8_i1024_m_t256"`` -> ``"i1024_m_t256"``
+    (:attr:`BucketKey.shape` of the key; for callers that hold the string, e.g. ``GenerationResult.bucket``)."""
+    return key.split("_", 1)[1]
 
 
 class Dim(str, enum.Enum):
@@ -69,7 +75,7 @@ class BucketKey:
     def shape(self) -> str:
         """The bucket's shape without its batch dimension, e.g. ``"i1024_m_t256"``: the unit of ownership,
         routing and micro-batching (every batch bucket of one resolution tier and text bucket)."""
-        return str(self).split("_", 1)[1]
+        return shape_of(str(self))
 
 
 @dataclass(frozen=True, slots=True)

@@ -256,7 +256,7 @@ class DiTPipeline:
         Returns:
             None on a bucket miss (a miss always runs alone), else the hashable tuple
             ``(shape, width, height, num_inference_steps, cfg, text_tokens)``: ``shape`` is the bucket key
-            without its batch dimension (e.g. ``"i1024_m_t256"``, see :meth:`shape_of`), so the image and text
+            without its batch dimension (e.g. ``"i1024_m_t256"``, see :attr:`BucketKey.shape`), so the image and text
             padding of every request is the same; width and height fix the token grid (positions, VAE decode
             size) and the scheduler's shift; ``cfg`` is True when uncond rows are added; ``text_tokens`` is the
             exact text length encoded (the model's native length for FLUX).
@@ -265,13 +265,8 @@ class DiTPipeline:
         if not lookup.hit:
             return None
         r = plan.request
-        return (self.shape_of(lookup.key), r.width, r.height, r.num_inference_steps, self._cfg(r),
+        return (lookup.key.shape, r.width, r.height, r.num_inference_steps, self._cfg(r),
                 lookup.query.text_tokens)
-
-    @staticmethod
-    def shape_of(key: BucketKey) -> str:
-        """``str(key)`` without its batch dimension: ``"b8_i1024_m_t256"`` -> ``"i1024_m_t256"``."""
-        return str(key).split("_", 1)[1]
 
     def _cfg(self, request: GenerationRequest) -> bool:
         """True when ``request`` runs classifier-free guidance with uncond rows (not a guidance-embedding model)."""
@@ -356,7 +351,7 @@ class DiTPipeline:
             raise ValueError(f"{len(plans)} requests need {rows} transformer rows, above the largest batch "
                              f"bucket {largest}")
         lookup = self.table.lookup(ShapeQuery(rows, q.image_tokens, q.text_tokens, q.latent_hw))
-        assert lookup.hit and self.shape_of(lookup.key) == self.shape_of(plans[0].lookup.key), lookup
+        assert lookup.hit and lookup.key.shape == plans[0].lookup.key.shape, lookup
         return lookup
 
     def _run_batch(self, plans: list[Plan], lookup: BucketLookup, cancels: list[threading.Event | None],

@@ -31,7 +31,7 @@ from collections import Counter
 from ray import serve
 
 from bcg_core.batching import MicroBatcher
-from bcg_core.buckets import BucketKey
+from bcg_core.buckets import BucketKey, shape_of
 from bcg_core.config import ServeConfig
 from bcg_core.errors import RequestError
 from bcg_core.models import load_model
@@ -177,7 +177,7 @@ class DiTReplica:
         req = as_generation_request(request)
         shape = serve.get_multiplexed_model_id()
         result = await self._batcher.submit(req)
-        actual = result.bucket.split("_", 1)[1] if result.bucket else ""
+        actual = shape_of(result.bucket) if result.bucket else ""
         if actual:
             owner = actual in self._owned
             self._served["owner" if owner else "non_owner"] += 1

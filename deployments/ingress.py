@@ -56,7 +56,7 @@ from .schemas import (
     allowed_values,
 )
 
-__all__ = ["Ingress", "error_response", "find_request_error", "validation_error_response"]
+__all__ = ["Ingress", "error_response", "find_request_error", "unavailable_response", "validation_error_response"]
 
 logger = logging.getLogger("ray.serve")
 
@@ -83,6 +83,13 @@ def error_response(status: int, message: str, param: str | None = None, type_: s
     kind = type_ or ("server_error" if status >= 500 else "invalid_request_error")
     body = ErrorBody(error=ErrorDetail(message=message, type=kind, param=param))
     return JSONResponse(status_code=status, content=body.model_dump())
+
+
+def unavailable_response(message: str, retry_after_s: float, param: str | None = None) -> JSONResponse:
+    """A 503 answer with ``Retry-After`` in whole seconds (at least 1), for overload and a replica not ready."""
+    answer = error_response(503, message, param=param)
+    answer.headers["Retry-After"] = str(max(1, round(retry_after_s)))
+    return answer
 
 
 def _short(value: Any, limit: int = 40) -> str:
@@ -276,19 +283,15 @@ class Ingress:
             return error_response(
                 413, f"request body of {exc.args[0]} bytes is over the limit of {limits.limits.max_body_bytes} bytes"
             )
-        retry_after = str(max(1, round(self._config.routing.retry_after_s)))
+        retry_after = self._config.routing.retry_after_s
         try:
             await self._served_model_name()
         except BackPressureError:
-            answer = error_response(503, f"the server is at capacity (every DiT replica busy and the queue full); "
-                                    f"retry after {retry_after} s")
-            answer.headers["Retry-After"] = retry_after
-            return answer
+            return unavailable_response(f"the server is at capacity (every DiT replica busy and the queue full); "
+                                        f"retry after {retry_after:g} s", retry_after)
         except Exception:  # noqa: BLE001
             logger.exception("stats of the DiT replica failed")
-            answer = error_response(503, "the image model is not available yet; retry shortly")
-            answer.headers["Retry-After"] = retry_after
-            return answer
+            return unavailable_response("the image model is not available yet; retry shortly", retry_after)
         limits = self._limits
         try:
             req = ImageGenerationRequest.model_validate_json(body, context={"limits": limits})
@@ -326,10 +329,9 @@ class Ingress:
         except Exception as exc:  # noqa: BLE001 - every failure is answered, the server keeps serving
             found = find_request_error(exc)
             if found is not None:
-                answer = error_response(found.status, found.message, param=found.field)
                 if isinstance(found, Overloaded):
-                    answer.headers["Retry-After"] = str(max(1, round(found.retry_after_s)))
-                return answer
+                    return unavailable_response(found.message, found.retry_after_s, param=found.field)
+                return error_response(found.status, found.message, param=found.field)
             logger.exception("generation failed")
             return error_response(500, f"generation failed: {type(exc).__name__}")
         return ImageGenerationResponse(

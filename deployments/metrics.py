@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from bcg_core.buckets import shape_of
 from bcg_core.metrics import FORWARD_MODES, STEP_MS_BOUNDS, BucketMetrics
 
 __all__ = ["EXPORT_PERIOD_S", "METRICS", "MISS", "BucketExporter", "MetricSpec", "MetricsBackend",
@@ -152,7 +153,7 @@ class RayMetricsBackend:
 
 
 def _shape_of(key: str) -> str:
-    return MISS if key == MISS else key.split("_", 1)[1]
+    return MISS if key == MISS else shape_of(key)
 
 
 class BucketExporter:

@@ -1,10 +1,12 @@
 """Shape-aware request routing across DiT replicas (DESIGN.md section 5).
 
-- :mod:`router.ownership`: which replicas own (capture and serve) which buckets, from the expected request
-  mix and each replica's graph-memory budget. Pure and deterministic, no Ray; recomputed when the replica
-  set changes.
+- :mod:`router.ownership`: which replicas own (capture and serve) which bucket shapes, from the expected
+  work of the request mix and each replica's graph-memory budget. Pure and deterministic, no Ray.
+- :mod:`router.membership`: joins, heartbeats, leases; the live assignment as replicas come and go.
+- :mod:`router.shape_router`: ``ShapeAwareRouter``, the Ray Serve request router (imports ``ray.serve``,
+  so it is not re-exported here).
 
-Nothing here imports Ray at module import.
+Importing this package does not import Ray; it re-exports the ownership API.
 """
 
 from .ownership import (
