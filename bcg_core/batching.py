@@ -27,6 +27,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 
+from .load import LoadMeter
 from .pipeline import DiTPipeline, GenerationResult
 from .planner import GenerationRequest
 
@@ -72,13 +73,15 @@ class MicroBatcher:
         enabled: False runs every request alone at once (no window).
         run_batch: runs one batch (blocking, in a worker thread) instead of ``pipeline.generate_batch``;
             ``(requests, cancels) -> [result or exception per request]``.
+        meter: where arrivals, running batches and completions per bucket shape are counted (the load the
+            replica reports for autoscaling, :mod:`bcg_core.load`); a fresh 10 s :class:`LoadMeter` when None.
 
     Raises:
         ValueError: ``max_rows`` below 1 or ``wait_ms`` negative.
     """
 
     def __init__(self, pipeline: DiTPipeline, max_rows: int | None = None, wait_ms: float = 10.0,
-                 enabled: bool = True, run_batch: RunBatch | None = None):
+                 enabled: bool = True, run_batch: RunBatch | None = None, meter: LoadMeter | None = None):
         self.pipeline = pipeline
         self.max_rows = int(max_rows if max_rows is not None else pipeline.table.batch_sizes[-1])
         if self.max_rows < 1:
@@ -88,6 +91,7 @@ class MicroBatcher:
         self.wait_ms = float(wait_ms)
         self.enabled = bool(enabled)
         self._run_batch: RunBatch = run_batch if run_batch is not None else pipeline.generate_batch
+        self.meter = meter if meter is not None else LoadMeter()
         self._open: dict[tuple, _Batch] = {}  # group -> its batch still in its window
         self._tasks: set[asyncio.Task] = set()  # keep the drivers alive until they end
         self._lock = threading.Lock()  # the counters below are read from other threads (stats calls)
@@ -101,9 +105,12 @@ class MicroBatcher:
 
     @classmethod
     def from_pipeline(cls, pipeline: DiTPipeline, run_batch: RunBatch | None = None) -> "MicroBatcher":
-        """A batcher configured by ``pipeline.config.runner`` (``micro_batching``, ``batch_wait_ms``)."""
+        """A batcher configured by ``pipeline.config.runner`` (``micro_batching``, ``batch_wait_ms``), its load
+        meter's window by ``pipeline.config.autoscaling.look_back_period_s``."""
         r = pipeline.config.runner
-        return cls(pipeline, wait_ms=r.batch_wait_ms, enabled=r.micro_batching, run_batch=run_batch)
+        window = pipeline.config.autoscaling.look_back_period_s
+        return cls(pipeline, wait_ms=r.batch_wait_ms, enabled=r.micro_batching, run_batch=run_batch,
+                   meter=LoadMeter(window_s=window, snapshot_s=min(0.5, window)))
 
     # -- the request path ---------------------------------------------------------------------------
 
@@ -132,6 +139,7 @@ class MicroBatcher:
             if shape is not None:
                 self._queued[shape] += 1
             self._waiting += 1
+        self.meter.arrive(shape)
         batch = self._enqueue(item, group)
         try:
             return await item.future
@@ -220,6 +228,7 @@ class MicroBatcher:
             if len(items) > 1:
                 self._batches += 1
                 self._batched_requests += len(items)
+        self.meter.start(batch, items[0].shape)
         try:
             results = list(await asyncio.to_thread(self._run_batch, [i.request for i in items],
                                                    [i.cancel for i in items]))
@@ -233,6 +242,7 @@ class MicroBatcher:
         except Exception as e:  # noqa: BLE001 - the batch's error is each of its requests' error
             results = [e] * len(items)
         finally:
+            self.meter.finish(batch, len(items))
             for i in items:
                 self._release(i, waiting=False)
         for i, r in zip(items, results):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import re
+from dataclasses import dataclass
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -16,6 +17,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 __all__ = [
+    "AutoscalingSettings",
+    "BackpressureLimits",
     "BucketConfig",
     "LimitsConfig",
     "MissPolicy",
@@ -23,6 +26,7 @@ __all__ = [
     "RoutingConfig",
     "RunnerConfig",
     "ServeConfig",
+    "backpressure_limits",
     "load_config",
     "parse_size",
 ]
@@ -248,19 +252,85 @@ class RoutingConfig(BaseModel):
         default=2, ge=0, le=10,
         description="Times the ingress resends a request whose replica died before answering.",
     )
-    max_ongoing_requests: int = Field(
-        default=16, ge=1, le=1024,
-        description="Requests one DiT replica accepts at once (queued for its micro-batcher or running).",
+    max_ongoing_requests: int | None = Field(
+        default=None, ge=1, le=1024,
+        description="Requests one DiT replica accepts at once (queued for its micro-batcher or running). None: "
+        "derived from the batch capacity, 2 x (largest batch bucket // rows of a default request): one "
+        "micro-batch running and one filling (bcg_core.config.backpressure_limits).",
     )
-    max_queued_requests: int = Field(
-        default=64, ge=1, le=100000,
+    max_queued_requests: int | None = Field(
+        default=None, ge=1, le=100000,
         description="Requests each caller of the DiT deployment (each ingress replica) may hold waiting for a "
-        "replica slot; beyond it a request is answered 503 with Retry-After at once (backpressure).",
+        "replica slot; beyond it a request is answered 503 with Retry-After at once (backpressure). None: "
+        "max_ongoing_requests x the most DiT replicas (autoscaling.max_replicas, or the fixed replica count).",
     )
     retry_after_s: float = Field(
         default=2.0, gt=0.0, le=3600.0,
         description="Seconds sent in the Retry-After header of a 503 answered under overload.",
     )
+
+
+class AutoscalingSettings(BaseModel):
+    """Autoscaling of the DiT replicas by bucket load (``router/autoscaling.py``, DESIGN.md section 5).
+
+    Off by default: the replica count is then fixed (``dit_replicas``). On, :func:`deployments.build_app`
+    gives the DiT deployment a Ray Serve ``autoscaling_config`` whose policy is
+    :class:`router.autoscaling.BucketLoadPolicy`; the delays below are applied by that policy (Ray's own
+    ``upscale_delay_s`` and ``downscale_delay_s`` are set to 0 so that they do not stack).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    enabled: bool = Field(default=False, description="Scale the DiT replicas by bucket load (else a fixed count).")
+    min_replicas: int = Field(default=1, ge=1, le=1024, description="Fewest DiT replicas.")
+    max_replicas: int = Field(default=4, ge=1, le=1024, description="Most DiT replicas (one GPU each).")
+    initial_replicas: int | None = Field(
+        default=None, ge=1, le=1024,
+        description="DiT replicas at deploy time (None: min_replicas); the first ownership assignment waits "
+        "for this many.",
+    )
+    target_utilization: float = Field(
+        default=0.75, gt=0.0, le=1.0,
+        description="Fraction of each ready replica's measured capacity the policy plans to use: replicas = "
+        "ceil(bucket load / target_utilization) + replicas still capturing.",
+    )
+    backlog_drain_s: float = Field(
+        default=10.0, gt=0.0, le=3600.0,
+        description="Seconds in which the requests in flight (at replicas and queued at the ingress) should be "
+        "served: a backlog counts as (its measured work in seconds) / backlog_drain_s replicas.",
+    )
+    upscale_delay_s: float = Field(
+        default=3.0, ge=0.0, le=3600.0,
+        description="Seconds the policy must want more replicas without a break before it adds them.",
+    )
+    downscale_delay_s: float = Field(
+        default=30.0, ge=0.0, le=3600.0,
+        description="Seconds the policy must want fewer replicas without a break before it removes them (to the "
+        "most it wanted during that time).",
+    )
+    look_back_period_s: float = Field(
+        default=10.0, gt=0.0, le=600.0,
+        description="Window in seconds of each replica's arrival rate and measured service time per bucket "
+        "shape, and of Ray's metric aggregation.",
+    )
+    metrics_interval_s: float = Field(
+        default=1.0, gt=0.0, le=60.0,
+        description="Seconds between a replica's record_autoscaling_stats reports (Ray's metrics_interval_s).",
+    )
+
+    @model_validator(mode="after")
+    def _bounds(self) -> "AutoscalingSettings":
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(f"autoscaling.min_replicas {self.min_replicas} exceeds max_replicas {self.max_replicas}")
+        if self.initial_replicas is not None and not self.min_replicas <= self.initial_replicas <= self.max_replicas:
+            raise ValueError(f"autoscaling.initial_replicas {self.initial_replicas} must be from min_replicas "
+                             f"{self.min_replicas} to max_replicas {self.max_replicas}")
+        return self
+
+    @property
+    def start_replicas(self) -> int:
+        """Replicas at deploy time: ``initial_replicas``, else ``min_replicas``."""
+        return self.initial_replicas if self.initial_replicas is not None else self.min_replicas
 
 
 class ServeConfig(BaseModel):
@@ -273,6 +343,7 @@ class ServeConfig(BaseModel):
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
     runner: RunnerConfig = Field(default_factory=RunnerConfig)
     routing: RoutingConfig = Field(default_factory=RoutingConfig)
+    autoscaling: AutoscalingSettings = Field(default_factory=AutoscalingSettings)
 
     @model_validator(mode="after")
     def _reachable_buckets(self) -> "ServeConfig":
@@ -313,3 +384,49 @@ def load_config(config: Mapping[str, Any] | None = None, config_path: str | Path
             raise ValueError(f"config_path {str(config_path)!r} must hold a mapping with model/buckets/limits")
         config = data
     return ServeConfig.model_validate(dict(config or {}))
+
+
+@dataclass(frozen=True)
+class BackpressureLimits:
+    """Request limits of the deployments (:func:`backpressure_limits`).
+
+    Attributes:
+        batch_capacity: requests of the default shape (n=1, default guidance) one micro-batch holds.
+        dit_max_ongoing: ``max_ongoing_requests`` of each DiT replica.
+        dit_max_queued: ``max_queued_requests`` of the DiT deployment, per caller (ingress replica).
+        ingress_max_ongoing: ``max_ongoing_requests`` of each ingress replica: enough to hold every DiT slot
+            and the DiT queue, plus 8 for ``/v1/buckets`` and ``/healthz``, so the DiT deployment's queue,
+            not the ingress, is what answers 503 under overload.
+    """
+
+    batch_capacity: int
+    dit_max_ongoing: int
+    dit_max_queued: int
+    ingress_max_ongoing: int
+
+
+def backpressure_limits(config: ServeConfig, dit_replicas: int = 1) -> BackpressureLimits:
+    """The backpressure limits of an application, from the batch capacity unless the config sets them.
+
+    ``batch_capacity = largest batch bucket // rows of a default request`` (2 rows with classifier-free
+    guidance, ``limits.default_guidance_scale > 1``, else 1): the requests one shared forward serves.
+    ``max_ongoing_requests = 2 x batch_capacity`` (one micro-batch running, one filling its window);
+    ``max_queued_requests = max_ongoing_requests x most replicas`` (``autoscaling.max_replicas`` when
+    autoscaling is on, else ``dit_replicas``): each ingress replica may hold one full deployment's worth
+    of requests waiting, enough for a burst to wait while replicas are added. Explicit
+    ``routing.max_ongoing_requests`` / ``max_queued_requests`` win.
+
+    Args:
+        config: the application's config.
+        dit_replicas: the fixed DiT replica count (ignored when autoscaling is on).
+
+    Returns:
+        The limits. Default config: batch capacity 10 (20 rows / 2), 20 ongoing per replica, 80 queued
+        with 4 replicas at most.
+    """
+    rows = 2 if config.limits.default_guidance_scale > 1 else 1
+    capacity = max(1, config.buckets.batch_sizes[-1] // rows)
+    most = config.autoscaling.max_replicas if config.autoscaling.enabled else max(1, int(dit_replicas))
+    ongoing = config.routing.max_ongoing_requests or 2 * capacity
+    queued = config.routing.max_queued_requests or ongoing * most
+    return BackpressureLimits(capacity, ongoing, queued, ongoing * most + queued + 8)

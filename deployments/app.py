@@ -4,7 +4,9 @@ Arguments (``serve run`` ``key=value`` pairs, or ``args:`` in a Serve config fil
 
 - ``config``: a ``ServeConfig`` mapping (``model``, ``buckets``, ``limits``), or
 - ``config_path``: a YAML or JSON file holding that mapping;
-- ``dit_replicas``: DiT replicas (default 1; one per GPU);
+- ``dit_replicas``: DiT replicas (default 1; one per GPU); ignored when ``autoscaling.enabled`` is set in the
+  config, which gives the DiT deployment an ``autoscaling_config`` with
+  :class:`router.autoscaling.BucketLoadPolicy` (from ``autoscaling.min_replicas`` to ``max_replicas``);
 - ``dit_num_gpus``: GPUs per DiT replica (default: 1 when ``model.device`` is ``cuda``, or ``auto`` and this
   process sees CUDA, else 0; set 1 explicitly when the driver has no GPU but the workers do);
 - ``dit_num_cpus``: CPUs per DiT replica (default 1);
@@ -12,6 +14,10 @@ Arguments (``serve run`` ``key=value`` pairs, or ``args:`` in a Serve config fil
 
 With ``routing.shape_aware`` (the default) the application has three deployments: the ingress, the
 ``BucketCoordinator`` (ownership) and the DiT replicas, routed by :class:`router.shape_router.ShapeAwareRouter`.
+
+Backpressure: ``max_ongoing_requests`` and ``max_queued_requests`` of the DiT deployment, and the ingress's
+``max_ongoing_requests``, come from :func:`bcg_core.config.backpressure_limits` (the batch capacity, unless the
+config's ``routing`` section sets them).
 
 Without ``config`` or ``config_path`` the embedded default ``ServeConfig()`` is served. ``app`` is that
 default application, for ``serve run deployments.app:app``.
@@ -25,14 +31,15 @@ from pydantic import BaseModel, ConfigDict, Field
 from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
-from bcg_core.config import ServeConfig, load_config
+from bcg_core.config import ServeConfig, backpressure_limits, load_config
+from router.autoscaling import BucketLoadPolicy
 from router.shape_router import ShapeAwareRouter
 
 from .coordinator import BucketCoordinator
 from .dit import DiTReplica
 from .ingress import Ingress
 
-__all__ = ["AppArgs", "app", "build_app", "load_config"]
+__all__ = ["AppArgs", "app", "autoscaling_config", "build_app", "load_config"]
 
 
 class AppArgs(BaseModel):
@@ -58,6 +65,36 @@ def _default_num_gpus(config: ServeConfig) -> float:
     return 1 if torch.cuda.is_available() else 0
 
 
+def autoscaling_config(config: ServeConfig) -> dict[str, Any]:
+    """The DiT deployment's Ray Serve ``autoscaling_config`` for ``config.autoscaling`` (enabled).
+
+    The policy is :class:`router.autoscaling.BucketLoadPolicy` with the config's utilisation, drain time and
+    delays as ``policy_kwargs``; Ray's own ``upscale_delay_s``/``downscale_delay_s`` are 0 (the policy applies
+    the delays, so they do not stack); ``fallback_ongoing_per_replica`` is the batch capacity.
+    """
+    a = config.autoscaling
+    limits = backpressure_limits(config)
+    return {
+        "min_replicas": a.min_replicas,
+        "max_replicas": a.max_replicas,
+        "initial_replicas": a.start_replicas,
+        "metrics_interval_s": a.metrics_interval_s,
+        "look_back_period_s": a.look_back_period_s,
+        "upscale_delay_s": 0.0,
+        "downscale_delay_s": 0.0,
+        "policy": {
+            "policy_function": BucketLoadPolicy,
+            "policy_kwargs": {
+                "target_utilization": a.target_utilization,
+                "backlog_drain_s": a.backlog_drain_s,
+                "upscale_delay_s": a.upscale_delay_s,
+                "downscale_delay_s": a.downscale_delay_s,
+                "fallback_ongoing_per_replica": float(limits.batch_capacity),
+            },
+        },
+    }
+
+
 def build_app(args: Mapping[str, Any] | None = None) -> Application:
     """Bind the ingress and DiT deployments into one Serve application.
 
@@ -76,16 +113,23 @@ def build_app(args: Mapping[str, Any] | None = None) -> Application:
     as_dict = config.model_dump(mode="json")
     num_gpus = parsed.dit_num_gpus if parsed.dit_num_gpus is not None else _default_num_gpus(config)
     routing = config.routing
+    limits = backpressure_limits(config, parsed.dit_replicas)
     options: dict[str, Any] = dict(
-        num_replicas=parsed.dit_replicas,
-        max_ongoing_requests=routing.max_ongoing_requests,
-        max_queued_requests=routing.max_queued_requests,
+        max_ongoing_requests=limits.dit_max_ongoing,
+        max_queued_requests=limits.dit_max_queued,
         ray_actor_options={"num_cpus": parsed.dit_num_cpus, "num_gpus": num_gpus},
     )
+    if config.autoscaling.enabled:
+        options["autoscaling_config"] = autoscaling_config(config)
+        start_replicas = config.autoscaling.start_replicas
+    else:
+        options["num_replicas"] = start_replicas = parsed.dit_replicas
+    ingress = Ingress.options(num_replicas=parsed.ingress_replicas, max_ongoing_requests=limits.ingress_max_ongoing,
+                              ray_actor_options={"num_cpus": 0})
     if not routing.shape_aware:
         dit = DiTReplica.options(**options).bind(as_dict)
-        return Ingress.options(num_replicas=parsed.ingress_replicas, ray_actor_options={"num_cpus": 0}).bind(dit, as_dict)
-    coordinator = BucketCoordinator.bind(as_dict, parsed.dit_replicas)
+        return ingress.bind(dit, as_dict)
+    coordinator = BucketCoordinator.bind(as_dict, start_replicas)
     options["request_router_config"] = RequestRouterConfig(
         request_router_class=ShapeAwareRouter,
         request_router_kwargs={"fallback_wait_s": routing.fallback_wait_s},
@@ -93,8 +137,7 @@ def build_app(args: Mapping[str, Any] | None = None) -> Application:
         request_routing_stats_timeout_s=max(1.0, 2 * routing.stats_period_s),
     )
     dit = DiTReplica.options(**options).bind(as_dict, coordinator)
-    return Ingress.options(num_replicas=parsed.ingress_replicas, ray_actor_options={"num_cpus": 0}).bind(
-        dit, as_dict, coordinator)
+    return ingress.bind(dit, as_dict, coordinator)
 
 
 app = build_app({})

@@ -15,6 +15,12 @@ A background task heartbeats the coordinator at the same period (from the moment
 long capture never lets its lease expire); shapes it newly assigns (a peer left) are captured in the
 background and listed as owned-but-not-ready (warming) until done.
 
+Autoscaling stats (read by :class:`router.autoscaling.BucketLoadPolicy` in Ray's controller, every
+``autoscaling.metrics_interval_s`` when the deployment autoscales): per bucket shape the arrival rate, the
+measured replica seconds per request and the requests in flight, plus whether the replica is capturing
+(:func:`router.autoscaling.replica_metrics`). The heartbeat carries the same per-shape load (``offered``:
+arrival rate x service time) to the coordinator, which re-assigns ownership by it on scale events.
+
 Metrics: once ready, a background task pushes the bucket counters, step latencies and queue lengths into
 Ray's metrics every second (:mod:`deployments.metrics`, exported to Prometheus by Ray's metrics agent).
 """
@@ -37,6 +43,8 @@ from bcg_core.errors import RequestError
 from bcg_core.models import load_model
 from bcg_core.pipeline import DiTPipeline, GenerationResult
 from bcg_core.planner import GenerationRequest
+
+from router.autoscaling import replica_metrics
 
 from .metrics import BucketExporter
 
@@ -199,6 +207,19 @@ class DiTReplica:
             "capturing": self._capture_task is not None and not self._capture_task.done(),
         }
 
+    def _loads(self) -> dict:
+        """``{shape: ShapeLoad}`` over the load meter's window, every shape of the table included."""
+        return self._batcher.meter.loads(sorted(self._by_shape))
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Called by Serve every ``autoscaling.metrics_interval_s`` when the deployment autoscales: per bucket
+        shape ``bcg_arrival_rps:<shape>`` (requests/s over ``autoscaling.look_back_period_s``),
+        ``bcg_service_s:<shape>`` (measured replica seconds per request) and ``bcg_inflight:<shape>``, plus
+        ``bcg_capturing`` (1.0 while capturing: not capacity) and ``bcg_ready_shapes``
+        (:func:`router.autoscaling.replica_metrics`)."""
+        view = self._routing_view()
+        return replica_metrics(self._loads(), view["queue"], view["capturing"], len(view["ready"]))
+
     async def record_routing_stats(self) -> dict:
         """Called by Serve every ``routing.stats_period_s``: the routing view (``owned``, ``ready``, ``queue``,
         ``capturing``) for :class:`~router.shape_router.ShapeAwareRouter`."""
@@ -234,7 +255,10 @@ class DiTReplica:
         self._capture_task = asyncio.get_running_loop().create_task(run())
 
     def _served_totals(self) -> dict:
-        return {"served": dict(self._served), "by_shape": dict(self._served_by_shape)}
+        """Owner hits, requests per shape, and the measured load per shape (``load``: arrival rate x
+        service time, in replicas; what the coordinator re-assigns ownership by on scale events)."""
+        load = {s: round(v.offered, 6) for s, v in self._loads().items() if v.offered > 0}
+        return {"served": dict(self._served), "by_shape": dict(self._served_by_shape), "load": load}
 
     def __del__(self):
         """Graceful shutdown: tell the coordinator (fire and forget) so the survivors take this replica's
@@ -259,6 +283,9 @@ class DiTReplica:
         out["replica"] = self._id
         out["routing"] = {**self._routing_view(), **self._served_totals()}
         out["batching"] = self._batcher.stats()
+        out["load"] = {s: {"arrival_rps": round(v.arrival_rps, 4), "completion_rps": round(v.completion_rps, 4),
+                           "busy": round(v.busy, 4), "service_s": round(v.service_s, 4), "offered": round(v.offered, 4)}
+                       for s, v in self._loads().items()}
         out["metrics_export"] = self._exporter.status() if self._exporter is not None else None
         return out
 

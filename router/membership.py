@@ -17,6 +17,12 @@ Life of a replica:
 3. ``leave`` (graceful shutdown) or lease expiry (``lease_s`` without a heartbeat: the replica died): its
    shapes move to the survivors (``assign`` with the previous assignment: only the leaver's ownerships are
    re-homed).
+
+Scale events (a join after the first assignment, a leave) re-assign by the **measured** load: each
+heartbeat's ``stats["load"]`` is ``{shape: replicas' worth of work}`` (arrival rate x measured service time,
+:mod:`bcg_core.load`); summed over the replicas (a leaver's last report included) it replaces the krea prior's
+shares for that re-assignment, so a replica added because one shape is hot becomes a co-owner of that shape.
+With no measured load yet the prior is used. ``snapshot()["demand"]`` shows the shares and their source.
 """
 
 from __future__ import annotations
@@ -76,7 +82,9 @@ class OwnershipTable:
         if expected < 1 or join_window_s < 0 or lease_s <= 0:
             raise ValueError(f"need expected >= 1, join_window_s >= 0 and lease_s > 0; got {expected}, "
                              f"{join_window_s}, {lease_s}")
+        self.prior = dict(demands)
         self.demands = dict(demands)
+        self.demand_source = "prior"
         self.expected = expected
         self.join_window_s = join_window_s
         self.lease_s = lease_s
@@ -121,6 +129,7 @@ class OwnershipTable:
         if not known:
             self._event("join", replica_id)
         if self.assignment is not None and not known:
+            self._refresh_demands()
             self._reassign(adopt={replica_id: tuple(owned)})
         elif self.assignment is None and self.window_closed():
             self._reassign()
@@ -131,8 +140,10 @@ class OwnershipTable:
         Returns:
             True when it was a member.
         """
-        if self.members.pop(replica_id, None) is None:
+        if replica_id not in self.members:
             return False
+        self._refresh_demands()  # the leaver's last load still counts: its traffic moves to the survivors
+        self.members.pop(replica_id)
         self._event(why, replica_id)
         if self.assignment is not None:
             self._reassign()
@@ -181,6 +192,26 @@ class OwnershipTable:
 
     # -- assignment ---------------------------------------------------------------------------------
 
+    def measured_load(self) -> dict[str, float]:
+        """Replicas' worth of work per shape, summed over the members' last reports (``stats["load"]``);
+        shapes outside the table are ignored."""
+        total: dict[str, float] = {}
+        for m in self.members.values():
+            for shape, v in (m.stats.get("load") or {}).items():
+                if shape in self.prior and isinstance(v, (int, float)) and v > 0:
+                    total[shape] = total.get(shape, 0.0) + float(v)
+        return total
+
+    def _refresh_demands(self) -> None:
+        """Set each shape's share from the measured load (the prior's when nothing is measured)."""
+        load = self.measured_load()
+        whole = sum(load.values())
+        if whole <= 0:
+            self.demands, self.demand_source = dict(self.prior), "prior"
+            return
+        self.demands = {s: BucketDemand(load.get(s, 0.0) / whole, d.graph_bytes) for s, d in self.prior.items()}
+        self.demand_source = "measured"
+
     def _reassign(self, adopt: Mapping[str, tuple[str, ...]] | None = None) -> None:
         replicas = [ReplicaCapacity(r, m.budget_bytes) for r, m in sorted(self.members.items())]
         previous = self.assignment
@@ -209,7 +240,9 @@ class OwnershipTable:
 
     def snapshot(self) -> dict:
         """JSON-ready view for ``/v1/buckets``: version, moves, events, unplaceable shapes, and per replica
-        its owned and ready shapes, expected load share, modelled graph bytes, queue and last counters."""
+        its owned and ready shapes, expected load share, modelled graph bytes, queue and last counters; and
+        ``demand``: the shares the last re-assignment used and their ``source`` (``"prior"``: the krea mix,
+        ``"measured"``: the replicas' reported load)."""
         a = self.assignment
         now = self.clock()
         replicas = {}
@@ -233,4 +266,6 @@ class OwnershipTable:
             "under_replicated": list(a.under_replicated) if a else [],
             "replicas": replicas,
             "events": list(self.events),
+            "demand": {"source": self.demand_source,
+                       "shares": {s: round(d.share, 4) for s, d in sorted(self.demands.items())}},
         }
