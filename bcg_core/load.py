@@ -11,8 +11,11 @@ This is what a DiT replica reports to the autoscaling policy (``record_autoscali
   CPU pool) each is charged 1/k of the elapsed time: processor-sharing accounting, so busy time is never
   counted twice;
 - ``service_s``: measured replica seconds per request, ``busy seconds / completions`` over the window (the
-  inverse of the shape's measured capacity in requests per second). It keeps its last measured value when
-  the window has no completion, and is 0.0 until the shape's first completion;
+  inverse of the shape's measured capacity in requests per second). The first micro-batch of each shape is
+  left out of it (its busy time still counts in ``busy``): the first forward at a new size pays one-time
+  costs (on an H200 a first 768x768 request took 2.2 s, the next ones 0.4-0.9 s: the VAE's cuDNN algorithm
+  search, allocator growth). It keeps its last measured value when the window has no completion, and is
+  0.0 until the shape's second micro-batch completed;
 - ``offered``: ``arrival_rps x service_s``, the replicas' worth of work arriving (1.0 = one replica busy all
   the time).
 
@@ -61,6 +64,9 @@ class _Totals:
     arrivals: int = 0
     completions: int = 0
     busy_s: float = 0.0
+    svc_completions: int = 0  # completions and busy time of every batch but the shape's first
+    svc_busy_s: float = 0.0
+    batches: int = 0
 
 
 class LoadMeter:
@@ -84,9 +90,10 @@ class LoadMeter:
         self._lock = threading.Lock()
         self._totals: dict[str, _Totals] = {}
         self._active: dict[object, str] = {}  # running batch -> its shape
+        self._batch_busy: dict[object, float] = {}  # running batch -> busy seconds charged to it so far
         self._last = clock()
         self._start = self._last
-        self._snaps: deque[tuple[float, dict[str, tuple[int, int, float]]]] = deque()
+        self._snaps: deque[tuple[float, dict[str, tuple[int, int, float, int, float]]]] = deque()
         self._service: dict[str, float] = {}  # last measured seconds per request, by shape
         self._snaps.append((self._last, {}))
 
@@ -97,11 +104,13 @@ class LoadMeter:
         elapsed = max(0.0, now - self._last)
         if self._active and elapsed > 0:
             share = elapsed / len(self._active)
-            for shape in self._active.values():
+            for batch, shape in self._active.items():
                 self._totals.setdefault(shape, _Totals()).busy_s += share
+                self._batch_busy[batch] = self._batch_busy.get(batch, 0.0) + share
         self._last = now
         if now - self._snaps[-1][0] >= self.snapshot_s:
-            self._snaps.append((now, {s: (t.arrivals, t.completions, t.busy_s) for s, t in self._totals.items()}))
+            self._snaps.append((now, {s: (t.arrivals, t.completions, t.busy_s, t.svc_completions, t.svc_busy_s)
+                                      for s, t in self._totals.items()}))
             # keep one snapshot at or before the window's start
             while len(self._snaps) > 2 and now - self._snaps[1][0] >= self.window_s:
                 self._snaps.popleft()
@@ -124,8 +133,14 @@ class LoadMeter:
         with self._lock:
             self._advance(self._clock())
             shape = self._active.pop(batch, None)
+            busy = self._batch_busy.pop(batch, 0.0)
             if shape is not None:
-                self._totals.setdefault(shape, _Totals()).completions += completed
+                t = self._totals.setdefault(shape, _Totals())
+                t.completions += completed
+                t.batches += 1
+                if t.batches > 1:  # the shape's first batch pays one-time costs: not a service time
+                    t.svc_completions += completed
+                    t.svc_busy_s += busy
 
     # -- reads --------------------------------------------------------------------------------------
 
@@ -150,10 +165,11 @@ class LoadMeter:
             out: dict[str, ShapeLoad] = {}
             for s in names:
                 cur = self._totals.get(s, _Totals())
-                a0, c0, b0 = base.get(s, (0, 0, 0.0))
+                a0, c0, b0, sc0, sb0 = base.get(s, (0, 0, 0.0, 0, 0.0))
                 arrivals, completions, busy = cur.arrivals - a0, cur.completions - c0, cur.busy_s - b0
-                if completions > 0:
-                    self._service[s] = busy / completions
+                svc_n, svc_busy = cur.svc_completions - sc0, cur.svc_busy_s - sb0
+                if svc_n > 0:
+                    self._service[s] = svc_busy / svc_n
                 out[s] = ShapeLoad(arrival_rps=arrivals / span, completion_rps=completions / span,
                                    busy=min(1.0, busy / span), service_s=self._service.get(s, 0.0))
             return out

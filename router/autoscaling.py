@@ -43,6 +43,7 @@ pickled by value) without importing torch or the rest of the project.
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 from dataclasses import dataclass, field
@@ -57,6 +58,10 @@ READY_SHAPES = "bcg_ready_shapes"
 """Metric: number of shapes the replica has captured and serves."""
 _FIELDS = ("arrival_rps", "service_s", "inflight")
 _STATE = "bcg"  # the policy's own key in Ray's policy_state
+
+logger = logging.getLogger("ray.serve")
+LOG_PREFIX = "BucketLoadPolicy:"
+"""Start of the policy's log lines in the Serve controller's log (``logs/serve/controller_*.log``)."""
 
 
 def metric_name(field_name: str, shape: str) -> str:
@@ -331,7 +336,8 @@ class BucketLoadPolicy:
             batch capacity: requests of the default shape one micro-batch holds).
 
     Returns (per call): ``(replicas, policy_state)``; ``policy_state["bcg"]["last"]`` is the tick's
-    :meth:`Decision.as_dict`.
+    :meth:`Decision.as_dict`. Each change of the wanted or decided count, or of the kind of reason, is logged
+    (logger ``ray.serve``, in the controller's log) as one line starting with :data:`LOG_PREFIX`.
     """
 
     def __init__(self, target_utilization: float = 0.75, backlog_drain_s: float = 10.0,
@@ -345,6 +351,7 @@ class BucketLoadPolicy:
     def __call__(self, ctx) -> tuple[int, dict]:
         policy_state = dict(ctx.policy_state or {})
         mine = dict(policy_state.get(_STATE) or {})
+        logged = tuple(mine.get("logged") or ())
         reports = parse_reports(list(ctx.running_replicas), ctx.raw_metrics, ctx.aggregated_metrics)
         try:
             queued = float(ctx.total_queued_requests or 0.0)
@@ -354,5 +361,15 @@ class BucketLoadPolicy:
         decision, mine = decide(reports, target=ctx.target_num_replicas, now=now, state=mine,
                                 min_replicas=ctx.capacity_adjusted_min_replicas,
                                 max_replicas=ctx.capacity_adjusted_max_replicas, queued=queued, **self.kwargs)
+        kind = decision.reason.split(" ")[0]  # "hold", "waiting", "up", "down", "warming:"
+        seen = (decision.want, decision.replicas, kind)
+        if seen != logged:
+            top = sorted(decision.shapes.items(), key=lambda kv: -kv[1].load)[:4]
+            logger.info("%s %d -> %d replicas (%s): want %d, need %.2f, warming %d, queued %.0f; load %s", LOG_PREFIX,
+                        ctx.target_num_replicas, decision.replicas, decision.reason, decision.want, decision.need,
+                        decision.warming, decision.queued,
+                        ", ".join(f"{s} {d.load:.2f} ({d.arrival_rps:.2f}/s x {d.service_s:.3f} s)" for s, d in top)
+                        or "none")
+        mine["logged"] = list(seen)
         policy_state[_STATE] = mine
         return decision.replicas, policy_state

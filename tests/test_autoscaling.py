@@ -178,17 +178,17 @@ def test_bad_policy_arguments_are_refused():
 def test_load_meter_rates_busy_time_and_service_time():
     clock = Clock(0.0)
     meter = LoadMeter(window_s=10.0, snapshot_s=0.5, clock=clock)
-    for i in range(20):  # 2 req/s of HOT for 10 s, each batch 0.25 s alone
+    for i in range(20):  # 2 req/s of HOT for 10 s, each batch 0.25 s alone (the first, cold one 0.45 s)
         clock.t = i * 0.5
         meter.arrive(HOT)
         meter.start(i, HOT)
-        clock.t += 0.25
+        clock.t += 0.45 if i == 0 else 0.25
         meter.finish(i, 1)
     clock.t = 10.0
     ld = meter.loads([COLD])[HOT]
     assert ld.arrival_rps == pytest.approx(2.0, rel=0.06)
-    assert ld.service_s == pytest.approx(0.25)
-    assert ld.busy == pytest.approx(0.5, rel=0.06)
+    assert ld.service_s == pytest.approx(0.25)  # the cold first batch is not a service time ...
+    assert ld.busy == pytest.approx(0.52, rel=0.06)  # ... but it kept the replica busy
     assert ld.offered == pytest.approx(0.5, rel=0.06)
     assert meter.loads([COLD])[COLD].arrival_rps == 0.0  # idle shapes are reported, as zeros
     # the window slides: 20 s later the rate is gone, the measured service time stays
@@ -200,9 +200,13 @@ def test_load_meter_rates_busy_time_and_service_time():
 def test_load_meter_shares_time_between_concurrent_batches():
     clock = Clock(0.0)
     meter = LoadMeter(window_s=10.0, snapshot_s=0.5, clock=clock)
+    for first in ("x0", "y0"):  # each shape's first (cold) batch is left out of its service time
+        meter.start(first, HOT if first == "x0" else COLD)
+        clock.t += 5.0
+        meter.finish(first, 1)
     meter.start("x", HOT)
     meter.start("y", COLD)
-    clock.t = 2.0
+    clock.t += 2.0
     meter.finish("x", 2)
     meter.finish("y", 1)
     loads = meter.loads()
@@ -234,3 +238,49 @@ def test_a_replica_added_for_a_hot_shape_co_owns_it():
     assert table.snapshot()["demand"]["source"] == "measured"
     assert "c" in table.assignment.owners[HOT]
     assert len(table.assignment.owners[HOT]) >= 2
+
+
+# -- backpressure limits and the autoscaling config ------------------------------------------------------
+
+
+def test_backpressure_limits_follow_the_batch_capacity():
+    default = backpressure_limits(ServeConfig())
+    # 20 rows in the largest batch bucket, 2 rows per default request (guidance 3.5 > 1)
+    assert (default.batch_capacity, default.dit_max_ongoing, default.dit_max_queued) == (10, 20, 20)
+    assert default.ingress_max_ongoing == 20 + 20 + 8
+    scaled = backpressure_limits(ServeConfig.model_validate({"autoscaling": {"enabled": True, "max_replicas": 4}}))
+    assert scaled.dit_max_queued == 20 * 4 and scaled.ingress_max_ongoing == 20 * 4 + 80 + 8
+    fixed = backpressure_limits(ServeConfig(), dit_replicas=3)
+    assert fixed.dit_max_queued == 60
+    no_cfg = backpressure_limits(ServeConfig.model_validate({"limits": {"default_guidance_scale": 1.0}}))
+    assert no_cfg.batch_capacity == 20
+    explicit = backpressure_limits(ServeConfig.model_validate(
+        {"routing": {"max_ongoing_requests": 1, "max_queued_requests": 1}}))
+    assert (explicit.dit_max_ongoing, explicit.dit_max_queued, explicit.ingress_max_ongoing) == (1, 1, 10)
+
+
+def test_the_deployments_get_the_limits_and_the_policy():
+    from ray.serve._private.build_app import build_app as serve_build_app
+
+    from deployments import build_app
+
+    app = build_app({"config": {"autoscaling": {"enabled": True, "min_replicas": 2, "max_replicas": 5}}})
+    built = {d.name: d for d in serve_build_app(app, name="bcg").deployments}
+    dit = built["DiTReplica"]._deployment_config
+    assert dit.max_ongoing_requests == 20 and dit.max_queued_requests == 100
+    assert (dit.autoscaling_config.min_replicas, dit.autoscaling_config.max_replicas) == (2, 5)
+    assert dit.autoscaling_config.policy.policy_function == "router.autoscaling.BucketLoadPolicy"
+    assert built["Ingress"]._deployment_config.max_ongoing_requests == 20 * 5 + 100 + 8
+    fixed = {d.name: d for d in serve_build_app(build_app({"dit_replicas": 3}), name="bcg").deployments}
+    assert fixed["DiTReplica"]._deployment_config.num_replicas == 3
+    assert fixed["DiTReplica"]._deployment_config.autoscaling_config is None
+
+
+@pytest.mark.parametrize("bad, match", [({"min_replicas": 3, "max_replicas": 2}, "exceeds max_replicas"),
+                                        ({"initial_replicas": 9, "max_replicas": 4}, "initial_replicas 9"),
+                                        ({"target_utilization": 1.5}, "target_utilization")])
+def test_a_bad_autoscaling_section_is_refused(bad, match):
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match=match):
+        ServeConfig.model_validate({"autoscaling": bad})

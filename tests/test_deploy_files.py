@@ -117,10 +117,14 @@ def test_each_gpu_worker_type_holds_a_dit_replica_and_the_cluster_holds_all():
         assert res["GPU"] >= need["GPU"], name
         assert res["CPU"] >= need["CPU"] * (res["GPU"] // need["GPU"]), name  # CPUs for a replica per GPU
         assert 0 <= t["min_workers"] <= t["max_workers"], name
-    replicas = dit.deployment_config.num_replicas
-    # the replicas start with the cluster: its minimum GPU workers hold them all
+    scaling = dit.deployment_config.autoscaling_config
+    assert scaling is not None and scaling.policy.policy_function == "router.autoscaling.BucketLoadPolicy"
+    # the minimum replicas start with the cluster: its minimum GPU workers hold them all ...
     at_start = sum(t["min_workers"] * (t["resources"]["GPU"] // need["GPU"]) for t in gpu_types.values())
-    assert at_start >= replicas
+    assert at_start >= scaling.initial_replicas >= scaling.min_replicas
+    # ... and its largest size holds the most the policy may ask for
+    at_most = sum(t["max_workers"] * (t["resources"]["GPU"] // need["GPU"]) for t in gpu_types.values())
+    assert at_most >= scaling.max_replicas
     assert config["max_workers"] >= sum(t["max_workers"] for t in workers.values())
     assert config["max_workers"] >= sum(t["min_workers"] for t in workers.values())
 
@@ -160,7 +164,14 @@ def test_serve_config_args_build_the_application_with_its_overrides(path):
     infos = _resolved_deployments(_load(path))
     assert set(infos) == APP_DEPLOYMENTS
     dit = infos["DiTReplica"]
-    assert dit.deployment_config.num_replicas == args["dit_replicas"]
+    scaling = args["config"].get("autoscaling", {})
+    if scaling.get("enabled"):
+        ac = dit.deployment_config.autoscaling_config
+        assert (ac.min_replicas, ac.max_replicas) == (scaling["min_replicas"], scaling["max_replicas"])
+        assert ac.upscale_delay_s == ac.downscale_delay_s == 0  # the policy applies the delays
+        assert ac.policy.policy_kwargs["downscale_delay_s"] == scaling["downscale_delay_s"]
+    else:
+        assert dit.deployment_config.num_replicas == args["dit_replicas"]
     assert dit.replica_config.ray_actor_options["num_gpus"] == args["dit_num_gpus"]
     assert infos["Ingress"].deployment_config.num_replicas == args.get("ingress_replicas", 1)
     # overrides may add a resource, never CPUs: the ingress and the coordinator stay at 0 CPUs
@@ -171,7 +182,8 @@ def test_serve_config_args_build_the_application_with_its_overrides(path):
 def test_gpu_serve_config_overrides_reach_the_deployments():
     dit = _resolved_deployments(_load(SERVE_GPU))["DiTReplica"]
     assert dit.deployment_config.graceful_shutdown_timeout_s == 120
-    assert dit.deployment_config.num_replicas == 2 and dit.replica_config.resource_dict["GPU"] == 1
+    assert dit.deployment_config.autoscaling_config.min_replicas == 2
+    assert dit.replica_config.resource_dict["GPU"] == 1
 
 
 def test_an_override_of_an_unknown_deployment_is_refused():
@@ -224,4 +236,8 @@ def test_rayservice_workers_request_gpus_and_the_head_none():
         assert 0 <= group["minReplicas"] <= group["replicas"] <= group["maxReplicas"]
         assert box["image"] == head_box["image"]
         per_pod.append((group["minReplicas"], gpus))
-    assert sum(n * (g // need["GPU"]) for n, g in per_pod) >= _gpu_app()["args"]["dit_replicas"]
+    scaling = _gpu_app()["args"]["config"]["autoscaling"]
+    assert sum(n * (g // need["GPU"]) for n, g in per_pod) >= scaling["min_replicas"]
+    assert sum(group["maxReplicas"] * (g // need["GPU"])
+               for group, (_, g) in zip(cluster["workerGroupSpecs"], per_pod)) >= scaling["max_replicas"]
+    assert cluster["enableInTreeAutoscaling"] is True
