@@ -48,6 +48,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench_router import run_and_wait  # noqa: E402 - beside this script
+
 TRACE = "alibaba_gentd26_burst_2024-12-06.csv"
 TABLE = {"batch_sizes": [1, 2, 4], "resolutions": ["256x256", "256x384", "384x384", "512x512"],
          "text_lengths": [256], "image_padding": "masked", "miss_policy": "eager"}
@@ -235,18 +237,7 @@ async def run(args) -> dict:
     }
     serve.start(http_options={"host": "127.0.0.1", "port": args.port})
     app = build_app({"config": config, "dit_num_gpus": args.dit_gpus, "dit_num_cpus": args.dit_cpus})
-    t_start = time.perf_counter()
-    serve.run(app, name=args.app, route_prefix="/", blocking=False)
-    while True:
-        st = serve.status().applications.get(args.app)
-        if st is not None and st.status == "RUNNING":
-            break
-        if st is not None and st.status in ("DEPLOY_FAILED", "UNHEALTHY"):
-            raise RuntimeError(f"application failed: {st.message}")
-        if time.perf_counter() - t_start > args.start_timeout_s:
-            raise TimeoutError(f"application not running after {args.start_timeout_s} s")
-        await asyncio.sleep(0.5)
-    start_s = time.perf_counter() - t_start
+    start_s = await run_and_wait(app, args.app, args.start_timeout_s)
     await asyncio.sleep(2.5)  # routing stats arrive after the first poll
     coord = serve.get_deployment_handle("BucketCoordinator", args.app)
     requests = build_requests(trace_arrivals(args.trace, args.start, args.end), args.compress, args.every,

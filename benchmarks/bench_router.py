@@ -199,6 +199,28 @@ async def ping_overhead(handles: dict, shapes: list[str], count: int) -> dict:
     return out
 
 
+async def run_and_wait(app, name: str, timeout_s: float, route_prefix: str = "/") -> float:
+    """Deploy ``app`` as ``name`` (``serve.run``, not blocking) and wait until it is RUNNING; returns seconds.
+
+    Raises:
+        RuntimeError: the application failed to deploy (its status message).
+        TimeoutError: not running after ``timeout_s``.
+    """
+    from ray import serve
+
+    t0 = time.perf_counter()
+    serve.run(app, name=name, route_prefix=route_prefix, blocking=False)
+    while True:
+        st = serve.status().applications.get(name)
+        if st is not None and st.status == "RUNNING":
+            return time.perf_counter() - t0
+        if st is not None and st.status in ("DEPLOY_FAILED", "UNHEALTHY"):
+            raise RuntimeError(f"application failed: {st.message}")
+        if time.perf_counter() - t0 > timeout_s:
+            raise TimeoutError(f"application not running after {timeout_s} s: {st}")
+        await asyncio.sleep(0.5)
+
+
 async def wait_ready(app_name: str, replicas: int, timeout_s: float) -> dict:
     """Wait until the coordinator has an assignment over ``replicas`` replicas that all report every owned
     shape ready (or ``timeout_s``); returns the last ownership snapshot (``{}`` without a coordinator)."""
@@ -257,16 +279,7 @@ async def run(args) -> dict:
     port = args.port
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     t0 = time.perf_counter()
-    serve.run(app, name=args.app, route_prefix="/", blocking=False)
-    while True:
-        st = serve.status().applications.get(args.app)
-        if st is not None and st.status == "RUNNING":
-            break
-        if st is not None and st.status in ("DEPLOY_FAILED", "UNHEALTHY"):
-            raise RuntimeError(f"application failed: {st.message}")
-        if time.perf_counter() - t0 > args.start_timeout_s:
-            raise TimeoutError(f"application not running after {args.start_timeout_s} s: {st}")
-        await asyncio.sleep(0.5)
+    await run_and_wait(app, args.app, args.start_timeout_s)
     snap = await wait_ready(args.app, args.replicas, args.start_timeout_s)
     report: dict = {"args": vars(args), "config": config, "start_s": round(time.perf_counter() - t0, 2),
                     "ownership_start": {r: v["owned"] for r, v in snap.get("replicas", {}).items()}}
