@@ -23,7 +23,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPRESS = 6.0
-BURST = (240 / COMPRESS, 450 / COMPRESS)  # 00:38:00 to 00:41:30, seconds after 00:34:00, compressed
+# the burst: arrivals pick up at 00:37:30 (3x the quiet rate), peak from 00:38:00 and end at 00:41:30; in seconds
+# after 00:34:00, compressed
+BURST = (210 / COMPRESS, 450 / COMPRESS)
 
 
 @pytest.fixture(scope="module")
