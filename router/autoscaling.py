@@ -125,6 +125,9 @@ def parse_reports(running: list, raw: Mapping[str, Mapping[Any, Any]] | None,
         raw: ``ctx.raw_metrics``: ``{metric: {replica_id: [TimeStampedValue]}}``; the newest point is used.
         aggregated: ``ctx.aggregated_metrics`` (``{metric: {replica_id: value}}``), read when ``raw`` has
             nothing for a replica.
+
+    Values that are negative, NaN or infinite are dropped (a replica without a valid ``bcg_capturing``
+    counts as not reported, i.e. warming).
     """
     out: dict[Any, ReplicaReport | None] = {}
     for rid in running:
@@ -134,7 +137,7 @@ def parse_reports(running: list, raw: Mapping[str, Mapping[Any, Any]] | None,
                 if name in values or rid not in per_replica:
                     continue
                 v = _latest(per_replica[rid])
-                if v is not None:
+                if v is not None and math.isfinite(v) and v >= 0:  # a broken report is no report
                     values[name] = v
         if CAPTURING not in values:
             out[rid] = None

@@ -284,3 +284,15 @@ def test_a_bad_autoscaling_section_is_refused(bad, match):
 
     with pytest.raises(ValidationError, match=match):
         ServeConfig.model_validate({"autoscaling": bad})
+
+
+def test_broken_metric_values_are_ignored():
+    m = metrics({HOT: (2.0, 0.25, 1)})
+    m[f"bcg_service_s:{HOT}"] = float("nan")
+    m[f"bcg_arrival_rps:{COLD}"] = float("inf")
+    reports = parse_reports(["a", "b"], {k: {"a": v, "b": v} for k, v in m.items()}
+                            | {"bcg_capturing": {"a": 0.0, "b": float("nan")}})
+    assert reports["b"] is None  # no valid capturing flag: not reported, counts as warming
+    assert HOT in reports["a"].shapes and "service_s" not in reports["a"].shapes[HOT]
+    d, _ = decide(reports, target=2, now=0, state={}, min_replicas=1, max_replicas=4)
+    assert d.warming == 1 and all(x.load >= 0 for x in d.shapes.values())
