@@ -110,6 +110,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from deployments.demo import check_config, start_local, stop_local
 
     config = check_config(args.config) if args.config else None
+    if config is not None and config.autoscaling.enabled and args.replicas is not None:
+        print(f"bcg serve: error: --replicas {args.replicas} conflicts with autoscaling.enabled in {args.config}: the "
+              f"replica count then comes from autoscaling.min_replicas to max_replicas; drop one of them",
+              file=sys.stderr)
+        return 2
 
     stop = threading.Event()
 
@@ -203,8 +208,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="HTTP port on 127.0.0.1 (default 8000; 0 picks a free one)")
     s.add_argument("--num-cpus", type=_bounded_int(2), default=4, metavar="K",
                    help="logical CPUs of the local Ray instance (default 4)")
-    s.add_argument("--replicas", type=_bounded_int(1, 64), default=1, metavar="N",
-                   help="DiT replicas (one per GPU; default 1); they split the bucket shapes between them")
+    s.add_argument("--replicas", type=_bounded_int(1, 64), default=None, metavar="N",
+                   help="DiT replicas (one per GPU; default 1); they split the bucket shapes between them. Not with "
+                   "autoscaling.enabled in the config, whose min/max_replicas then set the count")
     s.add_argument("--stop-after-s", type=_positive_float, default=None, metavar="T",
                    help="stop by itself after T seconds (default: run until Ctrl-C)")
     s.add_argument("--verbose", action="store_true", help="show Ray's and the replicas' logs")

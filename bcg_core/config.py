@@ -308,6 +308,12 @@ class AutoscalingSettings(BaseModel):
         description="Seconds the policy must want fewer replicas without a break before it removes them (to the "
         "most it wanted during that time).",
     )
+    capture_grace_s: float = Field(
+        default=30.0, ge=0.0, le=3600.0,
+        description="A replica that is capturing graphs (shapes gained when a peer left) or has not reported yet is "
+        "not capacity; after this many seconds of warming without a break it is added on top of what the load "
+        "needs. Captures normally end sooner, so a downscale (which makes the survivors capture) does not bounce.",
+    )
     look_back_period_s: float = Field(
         default=10.0, gt=0.0, le=600.0,
         description="Window in seconds of each replica's arrival rate and measured service time per bucket "
@@ -322,6 +328,9 @@ class AutoscalingSettings(BaseModel):
     def _bounds(self) -> "AutoscalingSettings":
         if self.min_replicas > self.max_replicas:
             raise ValueError(f"autoscaling.min_replicas {self.min_replicas} exceeds max_replicas {self.max_replicas}")
+        if self.look_back_period_s < self.metrics_interval_s:
+            raise ValueError(f"autoscaling.look_back_period_s {self.look_back_period_s} is shorter than "
+                             f"metrics_interval_s {self.metrics_interval_s}: a rate needs reports within its window")
         if self.initial_replicas is not None and not self.min_replicas <= self.initial_replicas <= self.max_replicas:
             raise ValueError(f"autoscaling.initial_replicas {self.initial_replicas} must be from min_replicas "
                              f"{self.min_replicas} to max_replicas {self.max_replicas}")

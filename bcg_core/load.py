@@ -9,7 +9,8 @@ This is what a DiT replica reports to the autoscaling policy (``record_autoscali
 - ``busy``: fraction of the replica's time spent on the shape (0..1; summed over shapes it is the replica's
   utilisation). While k micro-batches run at once (their forwards share one runner lock, so one GPU or one
   CPU pool) each is charged 1/k of the elapsed time: processor-sharing accounting, so busy time is never
-  counted twice;
+  counted twice. The split among shapes is an approximation (a batch waiting for the lock is charged like
+  one computing), the total is exact;
 - ``service_s``: measured replica seconds per request, ``busy seconds / completions`` over the window (the
   inverse of the shape's measured capacity in requests per second). The first micro-batch of each shape is
   left out of it (its busy time still counts in ``busy``): the first forward at a new size pays one-time
@@ -145,7 +146,8 @@ class LoadMeter:
     # -- reads --------------------------------------------------------------------------------------
 
     def loads(self, shapes: list[str] | None = None) -> dict[str, ShapeLoad]:
-        """Per-shape load over the window (the time since start while that is shorter).
+        """Per-shape load over the window: counts and busy seconds of the last ``window_s`` divided by
+        ``window_s`` (also while the meter is younger than the window).
 
         Args:
             shapes: shapes to report even when idle (every shape of the table); shapes seen are always in.
@@ -160,7 +162,10 @@ class LoadMeter:
             for t, snap in self._snaps:  # the newest snapshot at or before the window's start
                 if now - t >= self.window_s:
                     t0, base = t, snap
-            span = max(now - t0, 1e-9)
+            # always divided by the whole window, also while the meter is younger: after a scale-up the older
+            # replicas' windows still hold traffic the new one now takes, and the rates summed over replicas
+            # must not count it twice (a fresh deployment ramps up over one window instead)
+            span = max(now - t0, self.window_s)
             names = sorted(set(self._totals) | set(shapes or ()))
             out: dict[str, ShapeLoad] = {}
             for s in names:

@@ -68,9 +68,10 @@ def _default_num_gpus(config: ServeConfig) -> float:
 def autoscaling_config(config: ServeConfig) -> dict[str, Any]:
     """The DiT deployment's Ray Serve ``autoscaling_config`` for ``config.autoscaling`` (enabled).
 
-    The policy is :class:`router.autoscaling.BucketLoadPolicy` with the config's utilisation, drain time and
-    delays as ``policy_kwargs``; Ray's own ``upscale_delay_s``/``downscale_delay_s`` are 0 (the policy applies
-    the delays, so they do not stack); ``fallback_ongoing_per_replica`` is the batch capacity.
+    The policy is :class:`router.autoscaling.BucketLoadPolicy` with the config's utilisation, drain time,
+    delays and capture grace as ``policy_kwargs``; Ray's own ``upscale_delay_s``/``downscale_delay_s`` are 0
+    (the policy applies the delays, so they do not stack); ``max_ongoing_per_replica`` is the DiT replica's
+    ``max_ongoing_requests`` (:func:`bcg_core.config.backpressure_limits`).
     """
     a = config.autoscaling
     limits = backpressure_limits(config)
@@ -89,7 +90,8 @@ def autoscaling_config(config: ServeConfig) -> dict[str, Any]:
                 "backlog_drain_s": a.backlog_drain_s,
                 "upscale_delay_s": a.upscale_delay_s,
                 "downscale_delay_s": a.downscale_delay_s,
-                "fallback_ongoing_per_replica": float(limits.batch_capacity),
+                "max_ongoing_per_replica": float(limits.dit_max_ongoing),
+                "capture_grace_s": a.capture_grace_s,
             },
         },
     }
@@ -107,9 +109,13 @@ def build_app(args: Mapping[str, Any] | None = None) -> Application:
 
     Raises:
         pydantic.ValidationError: unknown argument or bad config.
+        ValueError: ``dit_replicas`` given while ``autoscaling.enabled`` is set.
     """
     parsed = AppArgs.model_validate(dict(args or {}))
     config = load_config(parsed.config, parsed.config_path)
+    if config.autoscaling.enabled and "dit_replicas" in parsed.model_fields_set:
+        raise ValueError(f"dit_replicas={parsed.dit_replicas} conflicts with autoscaling.enabled: the replica count "
+                         f"then comes from autoscaling.min_replicas/initial_replicas/max_replicas; drop one of them")
     as_dict = config.model_dump(mode="json")
     num_gpus = parsed.dit_num_gpus if parsed.dit_num_gpus is not None else _default_num_gpus(config)
     routing = config.routing

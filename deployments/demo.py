@@ -374,7 +374,7 @@ def check_config(config_path: str | Path) -> "ServeConfig":
 
 
 def start_local(config: "ServeConfig | None" = None, port: int = 8000, num_cpus: int = 4,
-                quiet: bool = True, replicas: int = 1) -> str:
+                quiet: bool = True, replicas: int | None = None) -> str:
     """Start Ray and the bcg-serve application on ``127.0.0.1:port``; returns the base URL.
 
     A new local Ray instance is always started (``address="local"``), never a cluster found on the
@@ -385,7 +385,8 @@ def start_local(config: "ServeConfig | None" = None, port: int = 8000, num_cpus:
         port: HTTP port on 127.0.0.1 (0 picks a free one).
         num_cpus: logical CPUs Ray may hand out (each replica asks for its own share).
         quiet: keep Ray's and the replicas' logs out of the terminal (they stay in Ray's log folder).
-        replicas: DiT replicas (one per GPU); with more than one they split the bucket shapes.
+        replicas: DiT replicas (one per GPU); with more than one they split the bucket shapes. None: 1, or the
+            config's ``autoscaling`` bounds when it autoscales.
     """
     import ray
     from ray import serve
@@ -400,7 +401,8 @@ def start_local(config: "ServeConfig | None" = None, port: int = 8000, num_cpus:
     logging.getLogger("ray.serve").setLevel(level)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     args: dict = {"config": config.model_dump(mode="json")} if config is not None else {}
-    args["dit_replicas"] = replicas
+    if replicas is not None:
+        args["dit_replicas"] = replicas
     try:
         serve.run(build_app(args), name="bcg", route_prefix="/")
     except RuntimeError as exc:

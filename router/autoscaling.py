@@ -12,18 +12,26 @@ measured replica seconds per request, the inverse of the shape's measured capaci
 flight at the replicas)::
 
     load_s = max(lambda_s * T_s,  L_s * T_s / backlog_drain_s)     # replicas' worth of work
-    queued = Q * T_mean / backlog_drain_s                          # Q: requests queued at the ingress handles
+    queued = Q * T_mean / backlog_drain_s                          # Q: requests queued at the ingress handles,
+                                                                   # counted only while the replicas are full
     need   = (sum_s load_s + queued) / target_utilization
-    want   = ceil(need) + warming
+    want   = ceil(need) + (warming replicas, once warming longer than capture_grace_s)
 
 ``lambda_s * T_s`` is the offered load (Little's law: the replicas kept busy by the arrivals); the backlog
-term makes a queue that builds up faster than the rate estimate count at once. A shape with traffic but no
-measured service time yet (its first requests are still running) borrows one from the measured shapes,
-scaled by tokens per row (``image + text`` tokens of the shape name), or, with nothing measured at all, counts
-``L_s / fallback_ongoing_per_replica`` replicas (Ray's default rule). ``warming`` is the number of running
-replicas that are still capturing CUDA graphs (or have not reported yet): **a replica that is capturing
-never counts as capacity**, so it is added on top of what the load needs; while any replica is warming the
-policy does not scale down either (a downscale would move shapes and start more captures).
+term makes a queue at the replicas that builds up faster than the rate estimate count at once. A shape with
+traffic but no measured service time yet (its first micro-batches are still running) borrows one from the
+measured shapes, scaled by tokens per row (``image + text`` tokens of the shape name), or, with nothing
+measured at all, counts ``L_s / max_ongoing_per_replica`` replicas (a replica at its ``max_ongoing_requests``
+is one replica's worth). ``Q`` is Ray's ``total_queued_requests``, an average over ``look_back_period_s``;
+requests wait at a handle only while every replica is at its limit, so ``Q`` counts only then (otherwise it
+is requests in transit, already counted at the replicas a moment later).
+
+``warming`` is the number of running replicas that are capturing CUDA graphs (shapes they gained when a peer
+left) or have not reported yet: **a replica that is capturing never counts as capacity**. While any replica
+is warming the policy does not scale down (a downscale would move shapes and start more captures). A capture
+normally ends within seconds, sooner than a new replica could start, so warming replicas are added on top
+of what the load needs only after ``capture_grace_s`` of warming without a break; otherwise every downscale,
+which makes the survivors capture the leaver's shapes, would trigger an upscale.
 
 Delays and bounds: ``want`` must stay above the current target for ``upscale_delay_s`` before replicas are
 added (then to the latest ``want``), and below it for ``downscale_delay_s`` before they are removed (then
@@ -172,7 +180,7 @@ class ShapeDemand:
         inflight: requests in flight at the replicas.
         load: replicas' worth of work (the module docstring's ``load_s``).
         estimated: ``service_s`` was borrowed from other shapes (``"tokens"``), or there was none
-            (``"ongoing"``: the load is ``inflight / fallback_ongoing_per_replica``); ``""`` when measured.
+            (``"ongoing"``: the load is ``inflight / max_ongoing_per_replica``); ``""`` when measured.
     """
 
     arrival_rps: float
@@ -191,7 +199,8 @@ class Decision:
         replicas: the decision (after delays and bounds).
         need: ``(sum of loads + queued) / target_utilization``, in replicas.
         warming: running replicas still capturing or not reported yet.
-        queued: requests queued at the handles (``ctx.total_queued_requests``).
+        queued: requests queued at the handles that were counted (``ctx.total_queued_requests`` while the
+            replicas are full, else 0).
         shapes: per shape with traffic, its :class:`ShapeDemand`.
         reason: a short why (``"hold"``, ``"up after 3.0 s"``, ``"down after 30.0 s"``, ``"warming: no
             downscale"``, ``"waiting N s"``).
@@ -215,7 +224,7 @@ class Decision:
 
 
 def shape_demands(reports: Mapping[Any, ReplicaReport | None], backlog_drain_s: float,
-                  fallback_ongoing_per_replica: float) -> dict[str, ShapeDemand]:
+                  max_ongoing_per_replica: float) -> dict[str, ShapeDemand]:
     """Sum the replicas' reports per shape and turn each into a load in replicas (module docstring)."""
     arrivals: dict[str, float] = {}
     inflight: dict[str, float] = {}
@@ -248,7 +257,7 @@ def shape_demands(reports: Mapping[Any, ReplicaReport | None], backlog_drain_s: 
         if t > 0:
             load = max(a * t, q * t / backlog_drain_s)
         else:
-            how, load = "ongoing", q / fallback_ongoing_per_replica
+            how, load = "ongoing", q / max_ongoing_per_replica
         out[shape] = ShapeDemand(a, t, q, load, how)
     return out
 
@@ -256,7 +265,7 @@ def shape_demands(reports: Mapping[Any, ReplicaReport | None], backlog_drain_s: 
 def decide(reports: Mapping[Any, ReplicaReport | None], *, target: int, now: float, state: Mapping[str, Any],
            min_replicas: int, max_replicas: int, queued: float = 0.0, target_utilization: float = 0.75,
            backlog_drain_s: float = 10.0, upscale_delay_s: float = 3.0, downscale_delay_s: float = 30.0,
-           fallback_ongoing_per_replica: float = 2.0) -> tuple[Decision, dict]:
+           max_ongoing_per_replica: float = 2.0, capture_grace_s: float = 30.0) -> tuple[Decision, dict]:
     """One autoscaling tick as a pure function (the formula and rules are in the module docstring).
 
     Args:
@@ -269,30 +278,43 @@ def decide(reports: Mapping[Any, ReplicaReport | None], *, target: int, now: flo
         target_utilization: planned fraction of each replica's measured capacity (0..1].
         backlog_drain_s: seconds in which the in-flight work should be served.
         upscale_delay_s, downscale_delay_s: how long a wish to scale must hold before it is acted on.
-        fallback_ongoing_per_replica: requests per replica for shapes with no measured service time.
+        max_ongoing_per_replica: a replica's ``max_ongoing_requests``: in-flight requests that make one
+            replica's worth of work for shapes with no measured service time, and the limit at which the
+            replicas count as full (then handle-queued requests count).
+        capture_grace_s: seconds of warming without a break after which warming replicas are added on top.
 
     Returns:
         ``(decision, new_state)``.
 
     Raises:
-        ValueError: a utilisation outside (0, 1], a non-positive drain time or fallback, negative delays, or
+        ValueError: a utilisation outside (0, 1], a non-positive drain time or max_ongoing_per_replica, negative delays or grace, or
             ``min_replicas > max_replicas``.
     """
-    if not 0 < target_utilization <= 1 or backlog_drain_s <= 0 or fallback_ongoing_per_replica <= 0:
-        raise ValueError(f"need 0 < target_utilization <= 1, backlog_drain_s > 0, fallback_ongoing_per_replica > 0; "
-                         f"got {target_utilization}, {backlog_drain_s}, {fallback_ongoing_per_replica}")
-    if upscale_delay_s < 0 or downscale_delay_s < 0 or min_replicas > max_replicas:
+    if not 0 < target_utilization <= 1 or backlog_drain_s <= 0 or max_ongoing_per_replica <= 0:
+        raise ValueError(f"need 0 < target_utilization <= 1, backlog_drain_s > 0, max_ongoing_per_replica > 0; "
+                         f"got {target_utilization}, {backlog_drain_s}, {max_ongoing_per_replica}")
+    if upscale_delay_s < 0 or downscale_delay_s < 0 or capture_grace_s < 0 or min_replicas > max_replicas:
         raise ValueError(f"need delays >= 0 and min_replicas <= max_replicas; got {upscale_delay_s}, "
-                         f"{downscale_delay_s}, {min_replicas}, {max_replicas}")
-    shapes = shape_demands(reports, backlog_drain_s, fallback_ongoing_per_replica)
+                         f"{downscale_delay_s}, {capture_grace_s}, {min_replicas}, {max_replicas}")
+    shapes = shape_demands(reports, backlog_drain_s, max_ongoing_per_replica)
     warming = sum(1 for r in reports.values() if r is None or r.capturing)
     total = sum(d.load for d in shapes.values())
     served = [(d.service_s, d.arrival_rps + d.inflight) for d in shapes.values() if d.service_s > 0]
-    mean_t = (sum(t * w for t, w in served) / sum(w for _, w in served)) if served and sum(w for _, w in served) else 0.0
-    queued = max(0.0, float(queued or 0.0))
-    queued_load = queued * mean_t / backlog_drain_s if mean_t > 0 else queued / fallback_ongoing_per_replica
+    weight = sum(w for _, w in served)
+    mean_t = sum(t * w for t, w in served) / weight if weight > 0 else 0.0
+    queued = float(queued or 0.0)
+    queued = queued if math.isfinite(queued) and queued > 0 else 0.0
+    reported = [r for r in reports.values() if r is not None]
+    in_flight = sum(f.get("inflight", 0.0) for r in reported for f in r.shapes.values())
+    full = bool(reports) and in_flight >= len(reports) * (max_ongoing_per_replica - 1)  # <= 1 free slot each
+    counted_queue = queued if full else 0.0
+    queued_load = (counted_queue * mean_t / backlog_drain_s if mean_t > 0
+                   else counted_queue / max_ongoing_per_replica)
     need = (total + queued_load) / target_utilization
-    want = max(0, math.ceil(need - 1e-9)) + warming
+    warming_since = state.get("warming_since")
+    warming_since = (now if warming_since is None else warming_since) if warming else None
+    added = warming if warming and now - warming_since + 1e-6 >= capture_grace_s else 0
+    want = max(0, math.ceil(need - 1e-9)) + added
     want_bounded = min(max(want, min_replicas), max_replicas)
     target = int(target)
     up_since, down_since = state.get("up_since"), state.get("down_since")
@@ -320,9 +342,10 @@ def decide(reports: Mapping[Any, ReplicaReport | None], *, target: int, now: flo
     else:
         up_since = down_since = None
     decision = min(max(decision, min_replicas), max_replicas)
-    result = Decision(want=want, replicas=decision, need=need, warming=warming, queued=queued, shapes=shapes,
-                      reason=reason)
-    new_state = {"up_since": up_since, "down_since": down_since, "down_peak": down_peak, "last": result.as_dict()}
+    result = Decision(want=want, replicas=decision, need=need, warming=warming, queued=counted_queue,
+                      shapes=shapes, reason=reason)
+    new_state = {"up_since": up_since, "down_since": down_since, "down_peak": down_peak,
+                 "warming_since": warming_since, "last": result.as_dict()}
     return result, new_state
 
 
@@ -335,8 +358,8 @@ class BucketLoadPolicy:
         target_utilization: planned fraction of each replica's measured capacity.
         backlog_drain_s: seconds in which in-flight work should be served.
         upscale_delay_s, downscale_delay_s: seconds a wish to scale must hold.
-        fallback_ongoing_per_replica: requests per replica for shapes with no measured service time (the
-            batch capacity: requests of the default shape one micro-batch holds).
+        max_ongoing_per_replica: the DiT replica's ``max_ongoing_requests`` (see :func:`decide`).
+        capture_grace_s: seconds of warming after which warming replicas are added on top.
 
     Returns (per call): ``(replicas, policy_state)``; ``policy_state["bcg"]["last"]`` is the tick's
     :meth:`Decision.as_dict`. Each change of the wanted or decided count, or of the kind of reason, is logged
@@ -345,10 +368,11 @@ class BucketLoadPolicy:
 
     def __init__(self, target_utilization: float = 0.75, backlog_drain_s: float = 10.0,
                  upscale_delay_s: float = 3.0, downscale_delay_s: float = 30.0,
-                 fallback_ongoing_per_replica: float = 2.0):
+                 max_ongoing_per_replica: float = 2.0, capture_grace_s: float = 30.0):
         self.kwargs = dict(target_utilization=float(target_utilization), backlog_drain_s=float(backlog_drain_s),
                            upscale_delay_s=float(upscale_delay_s), downscale_delay_s=float(downscale_delay_s),
-                           fallback_ongoing_per_replica=float(fallback_ongoing_per_replica))
+                           max_ongoing_per_replica=float(max_ongoing_per_replica),
+                           capture_grace_s=float(capture_grace_s))
         decide({}, target=1, now=0.0, state={}, min_replicas=1, max_replicas=1, **self.kwargs)  # validate now
 
     def __call__(self, ctx) -> tuple[int, dict]:

@@ -54,7 +54,7 @@ def context(per_replica: dict[str, dict[str, float] | None], *, target: int, now
 
 
 POLICY = dict(target_utilization=0.75, backlog_drain_s=10.0, upscale_delay_s=3.0, downscale_delay_s=30.0,
-              fallback_ongoing_per_replica=2.0)
+              max_ongoing_per_replica=2.0, capture_grace_s=30.0)
 
 
 def run(policy, reports_by_time, target: int, **kw) -> list[tuple[float, int, dict]]:
@@ -116,26 +116,59 @@ def test_respects_the_bounds():
 
 
 def test_a_capturing_replica_is_not_capacity_and_blocks_downscale():
-    policy = BucketLoadPolicy(**{**POLICY, "upscale_delay_s": 0.0, "downscale_delay_s": 0.0})
+    policy = BucketLoadPolicy(**{**POLICY, "upscale_delay_s": 0.0, "downscale_delay_s": 0.0, "capture_grace_s": 10.0})
     # load 1.2 replicas -> 2 ready replicas needed; one of the two running replicas is capturing
-    reps = {"a": metrics({HOT: (4.8, 0.25, 2)}), "b": metrics({}, capturing=True)}
-    t, n, last = run(policy, [(0.0, reps)], target=2)[-1]
-    assert (last["warming"], last["want"], n) == (1, 3, 3)
+    busy = metrics({HOT: (4.8, 0.25, 2)})
+    reps = {"a": busy, "b": metrics({}, capturing=True)}
+    steps = run(policy, [(0.0, reps), (5.0, reps), (10.0, reps), (11.0, {"a": busy, "b": metrics({})})], target=2)
+    # within the grace the capture is expected to end (a new replica would take longer): hold ...
+    assert [(s[2]["warming"], s[2]["want"], s[1]) for s in steps[:2]] == [(1, 2, 2), (1, 2, 2)]
+    # ... still capturing after it: the replica is not capacity, and one more is asked for
+    assert (steps[2][2]["want"], steps[2][1]) == (3, 3)
     # a replica that has not reported yet counts as warming too
-    assert run(policy, [(0.0, {"a": metrics({HOT: (4.8, 0.25, 2)}), "b": None})], target=2)[-1][2]["warming"] == 1
+    assert run(policy, [(0.0, {"a": busy, "b": None})], target=2)[-1][2]["warming"] == 1
     # idle, but a replica is capturing: no downscale
     reps = {"a": metrics({}), "b": metrics({}), "c": metrics({}, capturing=True)}
     t, n, last = run(policy, [(0.0, reps)], target=3)[-1]
     assert n == 3 and last["reason"] == "warming: no downscale"
 
 
+def test_a_downscale_does_not_bounce_back_while_the_survivor_captures():
+    # 2 -> 1, then the survivor captures the leaver's shapes for 8 s while light traffic goes on
+    policy = BucketLoadPolicy(**{**POLICY, "upscale_delay_s": 3.0, "downscale_delay_s": 10.0})
+    light = metrics({HOT: (0.3, 0.25, 0)})
+    ticks = [(float(t), {"a": light, "b": light}) for t in range(0, 11)]
+    ticks += [(float(t), {"a": metrics({HOT: (0.3, 0.25, 0)}, capturing=True)}) for t in range(11, 20)]
+    ticks += [(float(t), {"a": light}) for t in range(20, 30)]
+    counts = [n for _, n, _ in run(policy, ticks, target=2)]
+    assert counts[10] == 1 and set(counts[10:]) == {1}, counts
+
+
+def test_unmeasured_shape_at_the_replica_limit_is_one_replica():
+    # a fresh replica at its max_ongoing_requests on a shape with no measured service time yet
+    m = metrics({HOT: (2.0, 0.0, 16)})
+    d, _ = decide(parse_reports(["a"], {k: {"a": v} for k, v in m.items()}), target=1, now=0, state={},
+                  min_replicas=1, max_replicas=8, max_ongoing_per_replica=16, target_utilization=1.0)
+    assert d.shapes[HOT].estimated == "ongoing" and d.shapes[HOT].load == pytest.approx(1.0) and d.want == 1
+
+
 def test_backlog_and_handle_queue_count_before_the_rate_catches_up():
     d, _ = decide(parse_reports(["a"], {k: {"a": v} for k, v in metrics({HOT: (0.5, 0.5, 40)}).items()}),
-                  target=1, now=0, state={}, min_replicas=1, max_replicas=8, upscale_delay_s=0)
+                  target=1, now=0, state={}, min_replicas=1, max_replicas=8, upscale_delay_s=0,
+                  max_ongoing_per_replica=64)
     assert d.shapes[HOT].load == pytest.approx(40 * 0.5 / 10)  # backlog term 2.0 > rate term 0.25
-    d2, _ = decide(parse_reports(["a"], {k: {"a": v} for k, v in metrics({HOT: (0.5, 0.5, 0)}).items()}),
-                   target=1, now=0, state={}, min_replicas=1, max_replicas=8, upscale_delay_s=0, queued=60)
-    assert d2.need == pytest.approx((0.25 + 60 * 0.5 / 10) / 0.75)
+    # handle-queued requests count only while the replicas are full (otherwise they are in transit)
+    spare = parse_reports(["a"], {k: {"a": v} for k, v in metrics({HOT: (0.5, 0.5, 4)}).items()})
+    d2, _ = decide(spare, target=1, now=0, state={}, min_replicas=1, max_replicas=8, queued=60,
+                   max_ongoing_per_replica=16)
+    assert d2.queued == 0 and d2.need == pytest.approx(0.25 / 0.75)
+    full = parse_reports(["a"], {k: {"a": v} for k, v in metrics({HOT: (0.5, 0.5, 16)}).items()})
+    d3, _ = decide(full, target=1, now=0, state={}, min_replicas=1, max_replicas=8, queued=60,
+                   max_ongoing_per_replica=16)
+    assert d3.queued == 60 and d3.need == pytest.approx((16 * 0.5 / 10 + 60 * 0.5 / 10) / 0.75)
+    d4, _ = decide(full, target=1, now=0, state={}, min_replicas=1, max_replicas=8, queued=float("inf"),
+                   max_ongoing_per_replica=16)
+    assert d4.queued == 0  # not a number of requests: ignored
 
 
 def test_unmeasured_shapes_borrow_a_service_time_by_tokens_or_fall_back_to_ongoing():
@@ -146,7 +179,7 @@ def test_unmeasured_shapes_borrow_a_service_time_by_tokens_or_fall_back_to_ongoi
     assert d.shapes[BIG].service_s == pytest.approx(0.25 / 1280 * (4096 + 256))
     m = metrics({BIG: (1.0, 0.0, 3)})
     d, _ = decide(parse_reports(["a"], {k: {"a": v} for k, v in m.items()}), target=1, now=0, state={},
-                  min_replicas=1, max_replicas=8, fallback_ongoing_per_replica=2.0)
+                  min_replicas=1, max_replicas=8, max_ongoing_per_replica=2.0, capture_grace_s=30.0)
     assert d.shapes[BIG].estimated == "ongoing" and d.shapes[BIG].load == pytest.approx(1.5)
 
 
@@ -155,7 +188,7 @@ def test_through_rays_wrapper_with_the_config_build_app_makes():
                                                       "upscale_delay_s": 0}})
     ac = AutoscalingConfig(**autoscaling_config(cfg))
     assert ac.upscale_delay_s == 0 and ac.downscale_delay_s == 0  # the policy applies the delays
-    assert ac.policy.policy_kwargs["fallback_ongoing_per_replica"] == backpressure_limits(cfg).batch_capacity
+    assert ac.policy.policy_kwargs["max_ongoing_per_replica"] == backpressure_limits(cfg).dit_max_ongoing
     from ray.serve._private.autoscaling_state import _resolve_policy_callable
 
     wrapped = _apply_autoscaling_config(_resolve_policy_callable(ac.policy))
@@ -170,6 +203,8 @@ def test_bad_policy_arguments_are_refused():
         BucketLoadPolicy(target_utilization=0)
     with pytest.raises(ValueError, match="delays"):
         BucketLoadPolicy(downscale_delay_s=-1)
+    with pytest.raises(ValueError, match="delays"):
+        BucketLoadPolicy(capture_grace_s=-1)
 
 
 # -- the load meter --------------------------------------------------------------------------------------
@@ -213,6 +248,21 @@ def test_load_meter_shares_time_between_concurrent_batches():
     assert loads[HOT].service_s == pytest.approx(0.5)  # 1 s of the 2 s, for 2 requests
     assert loads[COLD].service_s == pytest.approx(1.0)
     assert loads[HOT].busy + loads[COLD].busy <= 1.0 + 1e-9
+
+
+def test_load_meter_rates_of_a_young_replica_do_not_double_count_after_a_scale_up():
+    # 5 req/s in all; a replica added at t=7 takes half of them: summed over both replicas the rate at t=10
+    # must stay 5 req/s although the old replica's 10 s window still holds 7 s of the full rate
+    clock = Clock(0.0)
+    old, new = LoadMeter(window_s=10.0, clock=clock), None
+    for i in range(50):
+        clock.t = i * 0.2
+        if clock.t >= 7.0 and new is None:
+            new = LoadMeter(window_s=10.0, clock=clock)
+        (new if new is not None and i % 2 else old).arrive(HOT)
+    clock.t = 10.0
+    total = old.loads()[HOT].arrival_rps + new.loads()[HOT].arrival_rps
+    assert total == pytest.approx(5.0, rel=0.05)
 
 
 def test_load_meter_refuses_a_bad_window():
@@ -271,12 +321,15 @@ def test_the_deployments_get_the_limits_and_the_policy():
     assert (dit.autoscaling_config.min_replicas, dit.autoscaling_config.max_replicas) == (2, 5)
     assert dit.autoscaling_config.policy.policy_function == "router.autoscaling.BucketLoadPolicy"
     assert built["Ingress"]._deployment_config.max_ongoing_requests == 20 * 5 + 100 + 8
+    with pytest.raises(ValueError, match="dit_replicas=2 conflicts with autoscaling.enabled"):
+        build_app({"dit_replicas": 2, "config": {"autoscaling": {"enabled": True}}})
     fixed = {d.name: d for d in serve_build_app(build_app({"dit_replicas": 3}), name="bcg").deployments}
     assert fixed["DiTReplica"]._deployment_config.num_replicas == 3
     assert fixed["DiTReplica"]._deployment_config.autoscaling_config is None
 
 
 @pytest.mark.parametrize("bad, match", [({"min_replicas": 3, "max_replicas": 2}, "exceeds max_replicas"),
+                                        ({"look_back_period_s": 0.5, "metrics_interval_s": 2}, "shorter than"),
                                         ({"initial_replicas": 9, "max_replicas": 4}, "initial_replicas 9"),
                                         ({"target_utilization": 1.5}, "target_utilization")])
 def test_a_bad_autoscaling_section_is_refused(bad, match):

@@ -102,6 +102,14 @@ def test_cli_demo_refuses_config_with_url(capsys):
     assert "--config and --port" in capsys.readouterr().err
 
 
+def test_cli_serve_refuses_replicas_with_autoscaling(tmp_path, capsys):
+    cfg = tmp_path / "autoscale.yaml"
+    cfg.write_text("autoscaling: {enabled: true, max_replicas: 3}\n")
+    assert main(["serve", "--config", str(cfg), "--replicas", "2"]) == 2  # before Ray starts
+    err = capsys.readouterr().err
+    assert "--replicas 2 conflicts with autoscaling.enabled" in err and "max_replicas" in err
+
+
 @pytest.mark.serve
 def test_demo_against_running_app_writes_pngs_reports_failures_and_prints_the_table(serve_apps, tmp_path, capsys):
     from deployments.demo import run_demo
