@@ -4,7 +4,8 @@
 two worker nodes that each declare one GPU; the DiT replicas ask for one GPU each and run the tiny model on the
 CPU). It replays 00:34 to 00:44 of 2024-12-06 from ``bcg_core/data/alibaba_gentd26_burst_2024-12-06.csv``
 (every second arrival, six times faster than real time, each with its own number of images and a size drawn
-from the krea mix) over HTTP against an application that autoscales by bucket load from 1 to 2 replicas.
+from the krea mix) over HTTP against an application that autoscales by bucket load from 1 to 2 replicas (target
+utilisation 0.25, so that the burst asks for a second replica on fast and slow CPUs alike).
 
 - every request is answered 200 (none lost; a 503 would be retried after its Retry-After);
 - the replica count goes up during the burst and back to 1 after it;
@@ -33,7 +34,8 @@ def replay(tmp_path_factory) -> tuple[dict, Path]:
     out = tmp_path_factory.mktemp("autoscale")
     report, png = out / "report.json", out / "timeline.png"
     cmd = [sys.executable, str(ROOT / "benchmarks" / "autoscale_replay.py"), "--compress", str(COMPRESS),
-           "--every", "2", "--max-replicas", "2", "--retries", "10", "--settle-s", "60", "--records",
+           "--every", "2", "--max-replicas", "2", "--target-utilization", "0.25", "--retries", "10",
+           "--settle-s", "60", "--records",
            "--json", str(report), "--plot", str(png)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
