@@ -110,11 +110,13 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from deployments.demo import check_config, start_local, stop_local
 
     config = check_config(args.config) if args.config else None
-    if config is not None and config.autoscaling.enabled and args.replicas is not None:
-        print(f"bcg serve: error: --replicas {args.replicas} conflicts with autoscaling.enabled in {args.config}: the "
-              f"replica count then comes from autoscaling.min_replicas to max_replicas; drop one of them",
-              file=sys.stderr)
-        return 2
+    if config is not None:
+        from deployments.app import replicas_conflict
+
+        conflict = replicas_conflict(config, None if args.replicas is None else f"--replicas {args.replicas}")
+        if conflict:
+            print(f"bcg serve: error: {conflict} (in {args.config})", file=sys.stderr)
+            return 2
 
     stop = threading.Event()
 

@@ -93,7 +93,6 @@ class LoadMeter:
         self._active: dict[object, str] = {}  # running batch -> its shape
         self._batch_busy: dict[object, float] = {}  # running batch -> busy seconds charged to it so far
         self._last = clock()
-        self._start = self._last
         self._snaps: deque[tuple[float, dict[str, tuple[int, int, float, int, float]]]] = deque()
         self._service: dict[str, float] = {}  # last measured seconds per request, by shape
         self._snaps.append((self._last, {}))
@@ -178,8 +177,3 @@ class LoadMeter:
                 out[s] = ShapeLoad(arrival_rps=arrivals / span, completion_rps=completions / span,
                                    busy=min(1.0, busy / span), service_s=self._service.get(s, 0.0))
             return out
-
-    def running(self) -> int:
-        """Micro-batches running now."""
-        with self._lock:
-            return len(self._active)

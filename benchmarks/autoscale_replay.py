@@ -39,7 +39,6 @@ import asyncio
 import csv
 import datetime as dt
 import json
-import os
 import random
 import sys
 import time
@@ -48,7 +47,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_router import run_and_wait  # noqa: E402 - beside this script
+from bench_router import bench_ray, run_and_wait  # noqa: E402 - beside this script
 
 TRACE = "alibaba_gentd26_burst_2024-12-06.csv"
 TABLE = {"batch_sizes": [1, 2, 4], "resolutions": ["256x256", "256x384", "384x384", "512x512"],
@@ -359,30 +358,10 @@ def main(argv: list[str] | None = None) -> dict:
     nodes = args.fake_gpu_nodes if args.fake_gpu_nodes is not None else args.max_replicas
 
     import ray
-    from ray import serve
-    from ray.cluster_utils import Cluster
 
-    os.environ.setdefault("RAY_SERVE_LOG_TO_STDERR", "0")
-    cluster = None
-    if nodes:
-        cluster = Cluster(initialize_head=True,
-                          head_node_args={"num_cpus": 2, "num_gpus": 0, "include_dashboard": False})
-        for _ in range(nodes):
-            cluster.add_node(num_cpus=args.node_cpus, num_gpus=1)
-        cluster.wait_for_nodes()
-        ray.init(address=cluster.address)
-    else:
-        ray.init(address="local", include_dashboard=False)
-    try:
+    with bench_ray(nodes, args.node_cpus):
         report = asyncio.run(run(args))
         report["policy_log"] = policy_log(ray._private.worker._global_node.get_session_dir_path())
-    finally:
-        try:
-            serve.shutdown()
-        finally:
-            ray.shutdown()
-            if cluster is not None:
-                cluster.shutdown()
     text = json.dumps(report, indent=1, default=str)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

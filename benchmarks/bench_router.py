@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import statistics
@@ -197,6 +198,41 @@ async def ping_overhead(handles: dict, shapes: list[str], count: int) -> dict:
         out[f"{names[0]}_minus_{name}"] = {"p50_ms": round(percentile(diff, 0.5), 3),
                                            "p99_ms": round(percentile(diff, 0.99), 3)}
     return out
+
+
+@contextlib.contextmanager
+def bench_ray(fake_gpu_nodes: int, node_cpus: int):
+    """Ray for one benchmark run, shut down (Serve, Ray, the cluster) on exit.
+
+    ``fake_gpu_nodes`` > 0: a ``ray.cluster_utils.Cluster`` on this machine, a head with 2 CPUs and no GPU plus
+    that many worker nodes of ``node_cpus`` CPUs that each declare one GPU. 0: a new local instance with the
+    GPUs this machine has.
+    """
+    import ray
+    from ray import serve
+
+    cluster = None
+    os.environ.setdefault("RAY_SERVE_LOG_TO_STDERR", "0")
+    if fake_gpu_nodes:
+        from ray.cluster_utils import Cluster
+
+        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "num_gpus": 0,
+                                                                "include_dashboard": False})
+        for _ in range(fake_gpu_nodes):
+            cluster.add_node(num_cpus=node_cpus, num_gpus=1)
+        cluster.wait_for_nodes()
+        ray.init(address=cluster.address)
+    else:
+        ray.init(address="local", include_dashboard=False)
+    try:
+        yield
+    finally:
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
+            if cluster is not None:
+                cluster.shutdown()
 
 
 async def run_and_wait(app, name: str, timeout_s: float, route_prefix: str = "/") -> float:
@@ -393,31 +429,8 @@ def main(argv: list[str] | None = None) -> dict:
             s.bind(("127.0.0.1", 0))
             args.port = s.getsockname()[1]
 
-    import ray
-    from ray import serve
-
-    cluster = None
-    os.environ.setdefault("RAY_SERVE_LOG_TO_STDERR", "0")
-    if args.fake_gpu_nodes:
-        from ray.cluster_utils import Cluster
-
-        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "num_gpus": 0,
-                                                                "include_dashboard": False})
-        for _ in range(args.fake_gpu_nodes):
-            cluster.add_node(num_cpus=args.node_cpus, num_gpus=1)
-        cluster.wait_for_nodes()
-        ray.init(address=cluster.address)
-    else:
-        ray.init(address="local", include_dashboard=False)
-    try:
+    with bench_ray(args.fake_gpu_nodes, args.node_cpus):
         report = asyncio.run(run(args))
-    finally:
-        try:
-            serve.shutdown()
-        finally:
-            ray.shutdown()
-            if cluster is not None:
-                cluster.shutdown()
     text = json.dumps(report, indent=1, default=str)
     if args.json:
         Path(args.json).write_text(text)

@@ -4,7 +4,7 @@ Arguments (``serve run`` ``key=value`` pairs, or ``args:`` in a Serve config fil
 
 - ``config``: a ``ServeConfig`` mapping (``model``, ``buckets``, ``limits``), or
 - ``config_path``: a YAML or JSON file holding that mapping;
-- ``dit_replicas``: DiT replicas (default 1; one per GPU); ignored when ``autoscaling.enabled`` is set in the
+- ``dit_replicas``: DiT replicas (default 1; one per GPU); refused when ``autoscaling.enabled`` is set in the
   config, which gives the DiT deployment an ``autoscaling_config`` with
   :class:`router.autoscaling.BucketLoadPolicy` (from ``autoscaling.min_replicas`` to ``max_replicas``);
 - ``dit_num_gpus``: GPUs per DiT replica (default: 1 when ``model.device`` is ``cuda``, or ``auto`` and this
@@ -39,7 +39,7 @@ from .coordinator import BucketCoordinator
 from .dit import DiTReplica
 from .ingress import Ingress
 
-__all__ = ["AppArgs", "app", "autoscaling_config", "build_app", "load_config"]
+__all__ = ["AppArgs", "app", "autoscaling_config", "build_app", "load_config", "replicas_conflict"]
 
 
 class AppArgs(BaseModel):
@@ -63,6 +63,22 @@ def _default_num_gpus(config: ServeConfig) -> float:
     import torch
 
     return 1 if torch.cuda.is_available() else 0
+
+
+def replicas_conflict(config: ServeConfig, given: str | None) -> str | None:
+    """Why a fixed replica count cannot go with ``config``, or None.
+
+    Args:
+        config: the application's config.
+        given: the fixed count as the caller took it (``"dit_replicas=2"``, ``"--replicas 2"``), None if none.
+
+    A fixed count and ``autoscaling.enabled`` exclude each other: the autoscaling bounds set the count.
+    :func:`build_app` raises with this message, ``bcg serve --replicas`` prints it before Ray starts.
+    """
+    if given is None or not config.autoscaling.enabled:
+        return None
+    return (f"{given} conflicts with autoscaling.enabled: the replica count then comes from "
+            f"autoscaling.min_replicas/initial_replicas/max_replicas; drop one of them")
 
 
 def autoscaling_config(config: ServeConfig) -> dict[str, Any]:
@@ -113,9 +129,10 @@ def build_app(args: Mapping[str, Any] | None = None) -> Application:
     """
     parsed = AppArgs.model_validate(dict(args or {}))
     config = load_config(parsed.config, parsed.config_path)
-    if config.autoscaling.enabled and "dit_replicas" in parsed.model_fields_set:
-        raise ValueError(f"dit_replicas={parsed.dit_replicas} conflicts with autoscaling.enabled: the replica count "
-                         f"then comes from autoscaling.min_replicas/initial_replicas/max_replicas; drop one of them")
+    given = f"dit_replicas={parsed.dit_replicas}" if "dit_replicas" in parsed.model_fields_set else None
+    conflict = replicas_conflict(config, given)
+    if conflict:
+        raise ValueError(conflict)
     as_dict = config.model_dump(mode="json")
     num_gpus = parsed.dit_num_gpus if parsed.dit_num_gpus is not None else _default_num_gpus(config)
     routing = config.routing

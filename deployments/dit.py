@@ -254,10 +254,12 @@ class DiTReplica:
 
         self._capture_task = asyncio.get_running_loop().create_task(run())
 
-    def _served_totals(self) -> dict:
+    def _served_totals(self, loads: dict | None = None) -> dict:
         """Owner hits, requests per shape, and the measured load per shape (``load``: arrival rate x
-        service time, in replicas; what the coordinator re-assigns ownership by on scale events)."""
-        load = {s: round(v.offered, 6) for s, v in self._loads().items() if v.offered > 0}
+        service time, in replicas; what the coordinator re-assigns ownership by on scale events). ``loads``:
+        :meth:`_loads` when the caller has it already."""
+        loads = self._loads() if loads is None else loads
+        load = {s: round(v.offered, 6) for s, v in loads.items() if v.offered > 0}
         return {"served": dict(self._served), "by_shape": dict(self._served_by_shape), "load": load}
 
     def __del__(self):
@@ -281,11 +283,12 @@ class DiTReplica:
         ``None`` when the exporter is off)."""
         out = self._pipeline.stats()
         out["replica"] = self._id
-        out["routing"] = {**self._routing_view(), **self._served_totals()}
+        loads = self._loads()
+        out["routing"] = {**self._routing_view(), **self._served_totals(loads)}
         out["batching"] = self._batcher.stats()
         out["load"] = {s: {"arrival_rps": round(v.arrival_rps, 4), "completion_rps": round(v.completion_rps, 4),
                            "busy": round(v.busy, 4), "service_s": round(v.service_s, 4), "offered": round(v.offered, 4)}
-                       for s, v in self._loads().items()}
+                       for s, v in loads.items()}
         out["metrics_export"] = self._exporter.status() if self._exporter is not None else None
         return out
 
