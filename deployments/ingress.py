@@ -24,6 +24,7 @@ serve it (under overload at once, with ``Retry-After``: backpressure from ``rout
 # No ``from __future__ import annotations`` here: FastAPI reads the route signatures (``request: Request``)
 # of the class-based view that ``serve.ingress`` builds, and postponed annotations hide them from it.
 
+import asyncio
 import dataclasses
 import logging
 import time
@@ -203,6 +204,7 @@ class Ingress:
         self._planner = Planner.from_config(self._config)
         self._model_name: str | None = None
         self._model_known = False  # the name is read once from the replica's stats, on the first request
+        self._model_lock = asyncio.Lock()  # concurrent first requests share that one stats call
         self._limits = self._request_limits()
         self._rejected: Counter[str] = Counter()  # misses answered 422 here (reject policy), by dimension
         self._rejected_requests = 0
@@ -216,11 +218,16 @@ class Ingress:
         )
 
     async def _served_model_name(self) -> str | None:
+        """The served model's name, read from a DiT replica's stats once. Requests that arrive together before
+        it is known wait for one stats call instead of each sending their own: every such call takes a DiT slot
+        or queue place, so a burst at first contact would otherwise be answered 503 for a name lookup."""
         if not self._model_known:
-            stats = await self._dit.stats.remote()
-            self._model_name = (stats.get("model") or {}).get("name")
-            self._model_known = True
-            self._limits = self._request_limits()
+            async with self._model_lock:
+                if not self._model_known:
+                    stats = await self._dit.stats.remote()
+                    self._model_name = (stats.get("model") or {}).get("name")
+                    self._model_known = True
+                    self._limits = self._request_limits()
         return self._model_name
 
     @app.get("/healthz")
