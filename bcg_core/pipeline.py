@@ -1,27 +1,31 @@
-"""The text-to-image pipeline: text encode -> denoising loop over the bucket runner -> VAE decode -> PNG.
+"""The generic text-to-image pipeline over family hooks: encode -> step-level denoising -> decode -> PNG.
 
-The denoising loop is FLUX's (diffusers ``FluxPipeline``): packed 2x2 latents, a flow-matching Euler
-scheduler with resolution-dependent shift (``calculate_shift``), and the transformer forward done by the
-bucket runner on the request's bucket. With ``guidance_scale > 1`` (and a model without distilled
-guidance) classifier-free guidance puts cond and uncond rows into the same forward:
-``noise = uncond + g * (cond - uncond)``.
+Everything specific to a model family (text encoders, latent layout, schedule, CFG order, decode scaling)
+lives in its module of :mod:`bcg_core.families`; this module only calls the hooks of
+:class:`~bcg_core.families.Family` and never asks which family it runs.
 
-Micro-batching (:meth:`DiTPipeline.generate_batch`): requests of one *batch group* (same bucket shape,
-size, step count and guidance mode, :meth:`DiTPipeline.batch_group`) run one denoising loop together, one
-transformer forward per step on the bucket of their total rows. Rows are laid out as in a single request:
-the cond rows of every request (request by request, image by image), then, with CFG, their uncond rows in
-the same order; guidance is applied per row with each request's own ``guidance_scale``. A batch of one is
-exactly the single-request path (:meth:`DiTPipeline.generate` is a batch of one).
+The denoising loop is step-level (the only way it runs):
 
-Determinism: image ``i`` of a request starts from noise drawn on the CPU by a generator seeded with
-``seed + i``; text, scheduler and decode are deterministic; so the same request and seed give the same
-PNG bytes, and an image does not depend on how many other images (of its own or of other requests) share
-its forward (up to the float reduction order of the batched kernels: ~1e-6 relative in fp32).
+- :meth:`DiTPipeline.start` turns a planned request into a :class:`~bcg_core.families.RequestState`
+  (encoded text, initial latents, its own scheduler with its timesteps, step index 0);
+- :meth:`DiTPipeline.step` runs *one* transformer forward over the rows of several requests, each at its own
+  step and timestep (every DiT of diffusers takes a per-row timestep), on the bucket of their total rows
+  (or unpadded on a miss), then applies each request's own CFG combination and scheduler step;
+- :meth:`DiTPipeline.finish` decodes a finished request to PNG files.
+
+:meth:`DiTPipeline.generate_batch` (and :meth:`DiTPipeline.generate`, a batch of one) drives that loop for the
+requests of one *batch group* (same bucket shape and token grid, :meth:`DiTPipeline.batch_group`): requests
+with different step counts, guidance or seeds share forwards while they run; a request that finishes leaves
+the batch, and a cancelled one leaves at the next step boundary.
+
+Determinism: image ``i`` of a request starts from noise drawn on the CPU by a generator seeded ``seed + i``,
+exactly as its family's diffusers pipeline draws it from that generator list; text, scheduler and decode are
+deterministic; so the same request and seed give the same PNG bytes, equal to diffusers' own pipeline's
+(``tests/test_family_*.py``), up to the float reduction order of batched kernels when rows share a forward.
 """
 
 from __future__ import annotations
 
-import copy
 import io
 import threading
 import time
@@ -34,8 +38,9 @@ import torch
 from .buckets import BucketKey, BucketLookup, ShapeQuery
 from .config import ServeConfig
 from .errors import RequestCancelled, RequestError
+from .families import Family, RequestState, concat_rows
 from .metrics import BucketMetrics, token_shares
-from .models import LoadedModel, load_model
+from .models import load_model
 from .padding import DenoiseInputs
 from .planner import GenerationRequest, Plan, Planner
 from .runner import BucketRunner, EagerBucketRunner
@@ -84,9 +89,9 @@ class GenerationResult:
 
 
 class _StepTimer:
-    """Milliseconds of each denoising step (the transformer forward on the bucket, the guidance combination and the
-    scheduler update). On a CUDA device, CUDA events on the current stream measure the GPU's time between a step's
-    start and end and are read once after the loop (no host sync per step); elsewhere the host clock."""
+    """Milliseconds of each denoising step (the forward on its bucket, the guidance combinations and the
+    scheduler updates). On a CUDA device, CUDA events on the current stream measure the GPU's time between a
+    step's start and end and are read once after the loop (no host sync per step); elsewhere the host clock."""
 
     def __init__(self, device: torch.device):
         self._cuda = torch.device(device).type == "cuda"
@@ -105,30 +110,36 @@ class _StepTimer:
         """A step begins."""
         self._begin = self._now()
 
-    def stop(self) -> None:
-        """The step that began last ends."""
+    def stop(self, key: BucketKey | None, states: Sequence[RequestState]) -> None:
+        """The step that began last ends; it ran on bucket ``key`` (None: a miss) for ``states``."""
         if self._begin is not None:
-            self._spans.append((self._begin, self._now()))
+            self._spans.append((self._begin, self._now(), key, list(states)))
             self._begin = None
 
-    def step_ms(self) -> list[float]:
-        """Milliseconds of every finished step, in order (on CUDA this waits for the last step to finish)."""
+    def by_key(self) -> dict[BucketKey | None, list[float]]:
+        """Milliseconds of every finished step per bucket, in order; each step's milliseconds are also
+        appended to its states' ``step_ms`` (on CUDA this waits for the last step to finish)."""
         if not self._spans:
-            return []
+            return {}
         if self._cuda:
             self._spans[-1][1].synchronize()
-            return [float(a.elapsed_time(b)) for a, b in self._spans]
-        return [(b - a) * 1e3 for a, b in self._spans]
+        out: dict[BucketKey | None, list[float]] = {}
+        for a, b, key, states in self._spans:
+            ms = float(a.elapsed_time(b)) if self._cuda else (b - a) * 1e3
+            out.setdefault(key, []).append(ms)
+            for state in states:
+                state.step_ms.append(ms)
+        self._spans.clear()
+        return out
 
 
-def _cancelled(cancel: threading.Event | None) -> bool:
-    return cancel is not None and cancel.is_set()
+def _png(image: np.ndarray) -> bytes:
+    """PNG bytes of a (height, width, 3) uint8 image (PIL's encoder, its default settings)."""
+    from PIL import Image
 
-
-def _check_all(cancels: Sequence[threading.Event | None]) -> None:
-    """Raise :class:`RequestCancelled` when every request of a batch was cancelled."""
-    if cancels and all(_cancelled(c) for c in cancels):
-        raise RequestCancelled("the request was cancelled by its caller")
+    buf = io.BytesIO()
+    Image.fromarray(image).save(buf, format="PNG")
+    return buf.getvalue()
 
 
 def runner_mode(config: ServeConfig, device: torch.device | None = None) -> str:
@@ -149,7 +160,7 @@ def runner_mode(config: ServeConfig, device: torch.device | None = None) -> str:
     return mode
 
 
-def build_runner(config: ServeConfig, model: LoadedModel, keys: list, metrics: BucketMetrics) -> BucketRunner:
+def build_runner(config: ServeConfig, model: Family, keys: list, metrics: BucketMetrics) -> BucketRunner:
     """The runner ``config.runner.mode`` asks for: CUDA graphs (``graph``, or ``auto`` on CUDA) or eager.
 
     Raises:
@@ -168,57 +179,21 @@ def build_runner(config: ServeConfig, model: LoadedModel, keys: list, metrics: B
     )
 
 
-_TOKENIZER_ATTRS = ("tokenizer", "t5_tokenizer", "clip_tokenizer")
-"""Tokenizer attributes of the text encoders in :mod:`bcg_core.text`."""
-
-
-def _counting_encoder(text_encoder):
-    """A shallow copy of ``text_encoder`` with deep copies of its tokenizers, for ``count_tokens``.
-
-    A ``transformers`` fast tokenizer keeps padding and truncation as mutable state of its backend, set by
-    each call: counting (no padding, no truncation) in one thread while another thread encodes (padding to
-    ``max_length``) makes either call fail ("Unable to create tensor ..."). Planning runs on the replica's
-    event loop while batches encode in worker threads, so counting gets tokenizers of its own.
-
-    Returns:
-        ``(counter, separate)``: ``separate`` is False when no tokenizer was found to copy (``counter`` is
-        then ``text_encoder`` itself).
-    """
-    counter = copy.copy(text_encoder)
-    separate = False
-    for name in _TOKENIZER_ATTRS:
-        tok = getattr(text_encoder, name, None)
-        if tok is not None:
-            setattr(counter, name, copy.deepcopy(tok))
-            separate = True
-    return (counter, True) if separate else (text_encoder, False)
-
-
 class DiTPipeline:
-    """A loaded model with its planner, bucket runner and per-bucket metrics.
+    """A loaded model (its family) with its planner, bucket runner and per-bucket metrics.
 
     Args:
         config: the replica's config.
-        model: the loaded model (see :func:`bcg_core.models.load_model`).
+        model: the loaded family (see :func:`bcg_core.models.load_model`).
         runner: a bucket runner; by default the one ``config.runner`` asks for (:func:`build_runner`).
         prepare: prepare (allocate / capture) every bucket now.
     """
 
-    def __init__(self, config: ServeConfig, model: LoadedModel, runner: BucketRunner | None = None,
+    def __init__(self, config: ServeConfig, model: Family, runner: BucketRunner | None = None,
                  prepare: bool = True):
         self.config = config
         self.model = model
-        # Text encoding runs in worker threads (one per running batch) and token counting on the caller's
-        # thread: encodes are serialised, and counting uses tokenizers of its own (see _counting_encoder).
-        self._encode_lock = threading.Lock()
-        counter, separate = _counting_encoder(model.text_encoder)
-        count_lock = threading.Lock() if separate else self._encode_lock
-
-        def count(prompt: str) -> int:
-            with count_lock:
-                return counter.count_tokens(prompt)
-
-        self.planner = Planner(config, model.adapter.rules, count, cfg_rows=not model.adapter.guidance_embeds)
+        self.planner = Planner(config, model.spec, model.count_tokens)
         self.table = self.planner.table
         self.metrics = BucketMetrics(self.table.keys)
         self.runner: BucketRunner = runner or build_runner(config, model, self.table.keys, self.metrics)
@@ -231,18 +206,68 @@ class DiTPipeline:
         config = config or ServeConfig()
         return cls(config, load_model(config.model))
 
-    # -- the request path -------------------------------------------------------------------------
+    # -- the step-level interface -------------------------------------------------------------------
 
-    def generate(self, request: GenerationRequest, cancel: threading.Event | None = None) -> GenerationResult:
-        """Validate, plan, denoise and decode one request (a batch of one: :meth:`generate_batch`).
+    def start(self, plan: Plan, cancel: threading.Event | None = None) -> RequestState:
+        """A planned request at step 0: encoded text, initial latents, its own scheduler (family hook)."""
+        return self.model.start(plan, cancel)
+
+    @torch.inference_mode()
+    def step(self, states: Sequence[RequestState]) -> BucketLookup:
+        """One denoising step of each of ``states`` in ONE transformer forward.
+
+        The rows of every state (its cond rows and, with CFG, its uncond rows, at its own timestep) are
+        concatenated request by request (:func:`~bcg_core.families.concat_rows`); the forward runs on the
+        bucket of their total rows (:meth:`BucketTable.lookup`), or unpadded and eager on a miss; each state
+        then gets its own slice of the output for its guidance and scheduler step. The step's milliseconds
+        (forward, guidance, scheduler updates; on CUDA from events, read when the loop ends) are appended to
+        each state's ``step_ms`` by :meth:`generate_batch`.
 
         Args:
-            request: the request.
+            states: requests of one token grid, none finished.
+
+        Returns:
+            The lookup of the forward's shape (``.key`` None on a miss).
+
+        Raises:
+            ValueError: a finished state, states of different grids, or unmasked text of different lengths.
+        """
+        if any(s.done for s in states):
+            raise ValueError("a finished request cannot take another step")
+        parts = [self.model.model_rows(s) for s in states]
+        inputs = concat_rows(parts)
+        lookup = self.table.lookup(self._query(inputs, states))
+        out = self.runner.run(lookup.key, inputs)
+        offset = 0
+        for state, part in zip(states, parts):
+            self.model.advance(state, out[offset : offset + part.rows])
+            offset += part.rows
+        return lookup
+
+    def _query(self, inputs: DenoiseInputs, states: Sequence[RequestState]) -> ShapeQuery:
+        """The exact shape of a forward: its rows, the grid's tokens, and the text length its plans keyed on."""
+        text = max(s.plan.lookup.query.text_tokens for s in states)
+        hw = inputs.grid if self.table.rules.grid_keyed else None
+        return ShapeQuery(inputs.rows, inputs.grid[0] * inputs.grid[1], text, hw)
+
+    def finish(self, state: RequestState) -> list[bytes]:
+        """PNG files of a finished request's ``n`` images (family decode, then PIL's PNG encoder)."""
+        return [_png(image) for image in self.model.decode(state)]
+
+    # -- the request path ---------------------------------------------------------------------------
+
+    def generate(self, request: Plan | GenerationRequest,
+                 cancel: threading.Event | None = None) -> GenerationResult:
+        """Denoise and decode one request (a batch of one: :meth:`generate_batch`).
+
+        Args:
+            request: a :class:`~bcg_core.planner.Plan` (trusted as planned: the ingress plans each request
+                once), or a raw :class:`GenerationRequest`, which is validated and planned here.
             cancel: set by the caller to stop the request early; checked before every denoising step and
                 before the decode, so a request whose client went away frees the replica within one step.
 
         Raises:
-            RequestError: bad input, or a miss under the reject policy.
+            RequestError: bad input, or a miss under the reject policy (a raw request only).
             RequestCancelled: ``cancel`` was set.
         """
         (result,) = self.generate_batch([request], [cancel])
@@ -251,59 +276,40 @@ class DiTPipeline:
         return result
 
     def batch_group(self, plan: Plan) -> tuple | None:
-        """The micro-batching key of a planned request: requests may share a forward only if keys are equal.
+        """The micro-batching key of a planned request: requests may share forwards only if keys are equal.
 
         Returns:
-            None on a bucket miss (a miss always runs alone), else the hashable tuple
-            ``(shape, width, height, num_inference_steps, cfg, text_tokens)``: ``shape`` is the bucket key
-            without its batch dimension (e.g. ``"i1024_m_t256"``, see :attr:`BucketKey.shape`), so the image and text
-            padding of every request is the same; width and height fix the token grid (positions, VAE decode
-            size) and the scheduler's shift; ``cfg`` is True when uncond rows are added; ``text_tokens`` is the
-            exact text length encoded (the model's native length for FLUX).
+            None on a bucket miss (a miss always runs alone), else ``(shape, grid)``: ``shape`` is the bucket
+            key without its batch dimension (e.g. ``"i1024_m_t256"``, :attr:`BucketKey.shape`), so the image
+            and text buckets of every request are the same; ``grid`` is the token grid (positions, latent
+            layout). Step counts, guidance, CFG, seeds and (for masked families) real text lengths may differ.
         """
         lookup = plan.lookup
         if not lookup.hit:
             return None
         r = plan.request
-        return (lookup.key.shape, r.width, r.height, r.num_inference_steps, self._cfg(r),
-                lookup.query.text_tokens)
-
-    def _cfg(self, request: GenerationRequest) -> bool:
-        """True when ``request`` runs classifier-free guidance with uncond rows (not a guidance-embedding model)."""
-        return request.cfg and not self.model.adapter.guidance_embeds
+        return (lookup.key.shape, self.table.rules.grid(*self.model.spec.generation_size(r.width, r.height)))
 
     def generate_batch(
-        self, requests: Sequence[GenerationRequest], cancels: Sequence[threading.Event | None] | None = None,
+        self, requests: Sequence[Plan | GenerationRequest], cancels: Sequence[threading.Event | None] | None = None,
     ) -> list[GenerationResult | BaseException]:
-        """Serve requests of one batch group with one denoising loop: one transformer forward per step.
+        """Serve requests of one batch group with the step-level loop: one transformer forward per step.
 
-        Every request is planned; a request that fails planning gets its :class:`RequestError` as its
-        result and takes no part. The others must share one :meth:`batch_group` and their transformer rows
-        (``sum(n_i)``, doubled with CFG) must fit the largest batch bucket; they then run on the bucket of
-        their total rows (a single request that misses runs alone, unpadded). Layout of the forward's
-        ``R = sum(rows_i)`` rows (``N = sum(n_i)`` images; ``S`` image tokens, ``T`` text tokens):
+        A :class:`~bcg_core.planner.Plan` is trusted as it is (validated, defaults and seed filled in, bucket
+        looked up: the ingress or the micro-batcher planned it), so a planned request is never planned again.
+        A raw :class:`GenerationRequest` is planned here, once; one that fails planning gets its
+        :class:`RequestError` as its result and takes no part. The others must share one :meth:`batch_group`,
+        and their rows must fit the largest batch bucket. They start together; each step runs the rows of
+        every request still running (each at its own step) in one forward (:meth:`step`); a request leaves
+        when its last step is done, or, when its cancel event is set, at the next step boundary (its result is
+        then :class:`RequestCancelled`).
 
-        - latents (N, S, 64): each request's initial noise (image ``i`` seeded ``seed + i``), concatenated
-          in request order; the forward's input is latents, then (CFG) the same latents again: (R, S, 64);
-        - text (R, T, D_text) and pooled (R, D_pooled): the cond rows of every request, then (CFG) the
-          uncond rows of every request, each request's text encoded on its own exactly as a lone request;
-        - CFG: ``noise = uncond + g * (cond - uncond)`` with ``g`` (N, 1, 1) the image's own request's
-          ``guidance_scale``; guidance-embedding models get a (R,) guidance tensor per row instead.
-
-        Cancellation: a request whose event is set gets :class:`RequestCancelled` as its result, is not
-        decoded and is not counted; the loop stops early only when every request is cancelled.
-
-        Metrics: each completed request is recorded with the batch's bucket, its own real tokens and its
-        share by rows of the forward's padded tokens (:func:`~bcg_core.metrics.token_shares`; the shares of
-        a batch sum to the bucket's tokens); a loop shared by 2+ requests is counted under ``batches``.
-
-        Args:
-            requests: the requests, in the order of the results.
-            cancels: one event (or None) per request; None: no cancellation.
+        Metrics: each completed request is recorded with the bucket of its first forward, its own real tokens
+        and its share by rows of that forward's padded tokens (:func:`~bcg_core.metrics.token_shares`); step
+        milliseconds are recorded per bucket; a loop shared by 2+ requests is counted under ``batches``.
 
         Returns:
-            One :class:`GenerationResult` (``batch_size`` = requests that shared the forward) or exception
-            (:class:`RequestError`, :class:`RequestCancelled`, or the error that broke the batch) per request.
+            One :class:`GenerationResult` or exception per request, in order.
 
         Raises:
             ValueError: the requests that planned do not share one batch group (a miss in a batch of more than
@@ -317,218 +323,90 @@ class DiTPipeline:
         results: list[GenerationResult | BaseException | None] = [None] * len(requests)
         plans: list[tuple[int, Plan]] = []
         for i, request in enumerate(requests):
+            if isinstance(request, Plan):
+                plans.append((i, request))
+                continue
             try:
                 plans.append((i, self.planner.plan(request)))
             except RequestError as e:
                 results[i] = e
         if plans:
-            lookup = self._batch_lookup([p for _, p in plans])
+            self._check_batch([p for _, p in plans])
             try:
-                done = self._run_batch([p for _, p in plans], lookup, [cancels[i] for i, _ in plans], t0)
+                done = self._run_batch([p for _, p in plans], [cancels[i] for i, _ in plans], t0)
             except Exception as e:  # noqa: BLE001 - an error of the shared forward is every request's error
                 done = [e] * len(plans)
             for (i, _), r in zip(plans, done):
                 results[i] = r
         return results  # type: ignore[return-value]
 
-    def _batch_lookup(self, plans: list[Plan]) -> BucketLookup:
-        """The bucket of the batch's total rows (the plan's own lookup for a batch of one).
-
-        Raises:
-            ValueError: mixed batch groups, a miss in a batch of several, or too many rows.
-        """
+    def _check_batch(self, plans: list[Plan]) -> None:
+        """Raise ValueError unless the plans may share forwards (see :meth:`generate_batch`)."""
         if len(plans) == 1:
-            return plans[0].lookup
+            return
         groups = {self.batch_group(p) for p in plans}
         if None in groups:
             raise ValueError("a bucket miss runs alone: it cannot share a forward with other requests")
         if len(groups) > 1:
             raise ValueError(f"requests of different batch groups cannot share a forward: {sorted(groups)}")
-        q = plans[0].lookup.query
         rows = sum(p.lookup.query.batch for p in plans)
         largest = self.table.batch_sizes[-1]
         if rows > largest:
             raise ValueError(f"{len(plans)} requests need {rows} transformer rows, above the largest batch "
                              f"bucket {largest}")
-        lookup = self.table.lookup(ShapeQuery(rows, q.image_tokens, q.text_tokens, q.latent_hw))
-        assert lookup.hit and lookup.key.shape == plans[0].lookup.key.shape, lookup
-        return lookup
 
-    def _run_batch(self, plans: list[Plan], lookup: BucketLookup, cancels: list[threading.Event | None],
+    def _run_batch(self, plans: list[Plan], cancels: list[threading.Event | None],
                    t0: float) -> list[GenerationResult | BaseException]:
-        """Encode, denoise and decode planned requests of one group on ``lookup``'s bucket (None: a miss)."""
-        reqs = [p.request for p in plans]
-        cfg = self._cfg(reqs[0])
-        text, pooled = self.encode_batch(reqs, cfg, lookup.query.text_tokens)
+        """Start, step until every request finished or left, decode; one result per plan."""
+        states = [self.start(p, c) for p, c in zip(plans, cancels)]
         t1 = time.perf_counter()
+        first: dict[int, BucketLookup] = {}
+        timer = _StepTimer(self.model.device)
+        left: set[int] = set()
         try:
-            latents = self.denoise_batch(reqs, cfg, text, pooled, lookup.key, cancels)
-        except RequestCancelled as e:
-            return [e] * len(plans)
+            running = list(range(len(states)))
+            while running:
+                running = [i for i in running if not states[i].cancelled] or []
+                left.update(i for i in range(len(states)) if states[i].cancelled)
+                if not running:
+                    break
+                timer.start()
+                lookup = self.step([states[i] for i in running])
+                timer.stop(lookup.key, [states[i] for i in running])
+                for i in running:
+                    first.setdefault(i, lookup)
+                running = [i for i in running if not states[i].done]
+        finally:
+            for key, ms in timer.by_key().items():
+                self.metrics.record_steps(key, ms)
         t2 = time.perf_counter()
-        shares = token_shares(lookup.padded_tokens, [p.lookup.query.batch for p in plans])
         results: list[GenerationResult | BaseException] = []
-        offset, served = 0, 0
-        for plan, cancel, share in zip(plans, cancels, shares):
-            req = plan.request
-            start, offset = offset, offset + req.n
-            if _cancelled(cancel):
+        served = 0
+        for i, (plan, state) in enumerate(zip(plans, states)):
+            if i in left or state.cancelled:
                 results.append(RequestCancelled("the request was cancelled by its caller"))
                 continue
             t_dec = time.perf_counter()
-            images = [self.decode(latents[i : i + 1], req.width, req.height) for i in range(start, start + req.n)]
+            images = self.finish(state)
             t3 = time.perf_counter()
             total_ms = (t3 - t0) * 1e3
+            lookup = first[i]
+            share = token_shares(lookup.padded_tokens, [s.rows for s in states])[i] if len(states) > 1 \
+                else lookup.padded_tokens
             mine = BucketLookup(plan.lookup.query, lookup.key, plan.lookup.missed)
             self.metrics.record_request(mine, total_ms, padded_tokens=share, batch_size=len(plans))
             served += 1
             results.append(GenerationResult(
-                images_png=images, seed=req.seed, bucket=str(lookup.key) if lookup.hit else None, hit=lookup.hit,
-                missed=[d.value for d in plan.lookup.missed], real_tokens=plan.lookup.query.tokens,
-                padded_tokens=share, steps=req.num_inference_steps,
+                images_png=images, seed=plan.request.seed, bucket=str(lookup.key) if lookup.hit else None,
+                hit=lookup.hit, missed=[d.value for d in plan.lookup.missed], real_tokens=plan.lookup.query.tokens,
+                padded_tokens=share, steps=plan.request.num_inference_steps,
                 timings_ms={"encode": round((t1 - t0) * 1e3, 2), "denoise": round((t2 - t1) * 1e3, 2),
                             "decode": round((t3 - t_dec) * 1e3, 2), "total": round(total_ms, 2)},
                 batch_size=len(plans),
             ))
         if served:
-            self.metrics.record_batch(lookup.key, len(plans))
+            self.metrics.record_batch(first[next(iter(first))].key if first else None, len(plans))
         return results
-
-    @torch.inference_mode()
-    def encode(self, req: GenerationRequest, cfg: bool, text_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Text embeddings of the forward's rows: cond rows then (with CFG) uncond rows.
-
-        Returns:
-            ``(text, pooled)``: (rows, text_tokens, seq_dim) and (rows, pooled_dim), fp32.
-        """
-        prompts = [req.prompt] + ([req.negative_prompt or ""] if cfg else [])
-        with self._encode_lock:
-            seq, pooled = self.model.text_encoder.encode(prompts, text_tokens)
-        index = torch.tensor([0] * req.n + ([1] * req.n if cfg else []), device=seq.device)
-        return seq.index_select(0, index), pooled.index_select(0, index)
-
-    def encode_batch(self, reqs: Sequence[GenerationRequest], cfg: bool,
-                     text_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Text embeddings of a batch's rows: every request's cond rows, then (CFG) every request's uncond rows.
-
-        Each request is encoded on its own by :meth:`encode` (so a batch of one is exactly :meth:`encode`).
-
-        Returns:
-            ``(text, pooled)``: (R, text_tokens, seq_dim) and (R, pooled_dim), fp32, ``R = sum(n_i)`` (x 2
-            with CFG).
-        """
-        parts = [self.encode(r, cfg, text_tokens) for r in reqs]
-        if len(parts) == 1:
-            return parts[0]
-        halves = range(2 if cfg else 1)  # each request's rows: n cond rows, then (CFG) n uncond rows
-        text = torch.cat([t[h * r.n : (h + 1) * r.n] for h in halves for (t, _), r in zip(parts, reqs)])
-        pooled = torch.cat([p[h * r.n : (h + 1) * r.n] for h in halves for (_, p), r in zip(parts, reqs)])
-        return text, pooled
-
-    def initial_latents(self, req: GenerationRequest) -> torch.Tensor:
-        """Packed starting noise: (n, image_tokens, 64), image ``i`` from a CPU generator seeded ``seed + i``."""
-        from diffusers.pipelines.flux.pipeline_flux import FluxPipeline
-
-        channels = self.model.adapter.in_channels // 4
-        h, w = self.model.adapter.rules.grid(req.width, req.height)
-        noise = [
-            torch.randn(1, channels, 2 * h, 2 * w, generator=torch.Generator("cpu").manual_seed(req.seed + i))
-            for i in range(req.n)
-        ]
-        packed = FluxPipeline._pack_latents(torch.cat(noise), req.n, channels, 2 * h, 2 * w)
-        return packed.to(self.model.device)
-
-    @torch.inference_mode()
-    def denoise(self, req: GenerationRequest, cfg: bool, text: torch.Tensor, pooled: torch.Tensor,
-                key, cancel: threading.Event | None = None) -> torch.Tensor:
-        """The denoising loop of one request. Returns packed latents (n, image_tokens, 64), fp32.
-
-        Raises:
-            RequestCancelled: ``cancel`` was set before a step.
-        """
-        return self.denoise_batch([req], cfg, text, pooled, key, [cancel])
-
-    @torch.inference_mode()
-    def denoise_batch(self, reqs: Sequence[GenerationRequest], cfg: bool, text: torch.Tensor, pooled: torch.Tensor,
-                      key: BucketKey | None, cancels: Sequence[threading.Event | None] | None = None) -> torch.Tensor:
-        """One denoising loop for requests of one batch group: one forward per step on bucket ``key``.
-
-        Args:
-            reqs: planned requests of one group (same size and steps; ``N = sum(n_i)`` images).
-            cfg: True when uncond rows follow the cond rows (all requests alike).
-            text, pooled: (R, text_tokens, seq_dim) and (R, pooled_dim) from :meth:`encode_batch`, ``R = N``
-                (``2N`` with CFG).
-            key: the bucket of ``R`` rows, or None for an unpadded eager forward (a miss).
-            cancels: one event (or None) per request; the loop stops before a step only when all are set.
-
-        Metrics: the milliseconds of every finished step (forward, guidance and scheduler update, as the caller
-        sees them: waiting for the runner lock while another batch's forward runs is included) are recorded on
-        ``key`` (:meth:`~bcg_core.metrics.BucketMetrics.record_steps`), also for a loop that is cancelled.
-
-        Returns:
-            Packed latents (N, image_tokens, 64), fp32, images in request order.
-
-        Raises:
-            RequestCancelled: every request was cancelled before a step.
-        """
-        from diffusers import FlowMatchEulerDiscreteScheduler
-        from diffusers.pipelines.flux.pipeline_flux import calculate_shift
-
-        adapter, dtype = self.model.adapter, self.model.dtype
-        cancels = list(cancels) if cancels is not None else []
-        req = reqs[0]
-        latents = torch.cat([self.initial_latents(r) for r in reqs]) if len(reqs) > 1 else self.initial_latents(req)
-        grid = adapter.rules.grid(req.width, req.height)
-        sched = FlowMatchEulerDiscreteScheduler.from_config(self.model.scheduler_config)
-        c = sched.config
-        steps = req.num_inference_steps
-        # As FluxPipeline.__call__: sigmas 1 -> 1/steps, shifted by mu from the image sequence length.
-        mu = calculate_shift(latents.shape[1], c.get("base_image_seq_len", 256), c.get("max_image_seq_len", 4096),
-                             c.get("base_shift", 0.5), c.get("max_shift", 1.15))
-        sched.set_timesteps(sigmas=np.linspace(1.0, 1.0 / steps, steps), mu=mu, device=latents.device)
-        rows = text.shape[0]
-        text, pooled = text.to(dtype), pooled.to(dtype)
-        scales = [r.guidance_scale for r in reqs for _ in range(r.n)]  # per image, (N,)
-        guidance = None
-        if adapter.guidance_embeds:  # per row: cond rows, then (CFG) uncond rows
-            per_row = scales * (rows // len(scales))
-            guidance = torch.tensor(per_row, device=latents.device, dtype=dtype)
-        # One guidance scale for all: the Python float, exactly as a lone request; else (N, 1, 1) per image.
-        g = scales[0] if len(set(scales)) == 1 else torch.tensor(scales, device=latents.device).view(-1, 1, 1)
-        timer = _StepTimer(latents.device)
-        try:
-            for t in sched.timesteps:
-                _check_all(cancels)
-                timer.start()
-                x = torch.cat([latents, latents]) if cfg else latents
-                ts = (t / 1000.0).expand(rows).to(dtype)
-                out = self.runner.run(key, DenoiseInputs(x.to(dtype), text, pooled, ts, grid, guidance)).float()
-                if cfg:
-                    cond, uncond = out.chunk(2)
-                    out = uncond + g * (cond - uncond)
-                latents = sched.step(out, t, latents, return_dict=False)[0]
-                timer.stop()
-        except RequestCancelled:
-            self.metrics.record_steps(key, timer.step_ms())  # the steps that ran before the cancel
-            raise
-        self.metrics.record_steps(key, timer.step_ms())
-        return latents
-
-    @torch.inference_mode()
-    def decode(self, latents: torch.Tensor, width: int, height: int) -> bytes:
-        """One image: packed latents (1, image_tokens, 64) -> PNG bytes of ``width`` x ``height``."""
-        from diffusers.pipelines.flux.pipeline_flux import FluxPipeline
-
-        vae = self.model.vae
-        z = FluxPipeline._unpack_latents(latents, height, width, self.model.vae_scale_factor)
-        z = z / vae.config.scaling_factor + (vae.config.shift_factor or 0.0)
-        image = vae.decode(z.to(self.model.dtype), return_dict=False)[0]
-        array = ((image[0].float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(1, 2, 0).cpu().numpy()
-        from PIL import Image
-
-        buf = io.BytesIO()
-        Image.fromarray(array).save(buf, format="PNG")
-        return buf.getvalue()
 
     # -- introspection ------------------------------------------------------------------------------
 
@@ -541,7 +419,8 @@ class DiTPipeline:
             b.update({"mode": s.get("mode"), "pool_bytes": s.get("pool_bytes", 0),
                       "capture_s": s.get("capture_s", 0.0), "note": s.get("note", "")})
         m = self.model
-        snap["model"] = {"name": m.name, "family": m.adapter.family, "device": str(m.device),
-                         "dtype": str(m.dtype).removeprefix("torch."), "native_text_tokens": m.native_text_tokens}
+        snap["model"] = {"name": m.model_name, "family": m.name, "pipeline_class": m.spec.pipeline_class,
+                         "device": str(m.device), "dtype": str(m.dtype).removeprefix("torch."),
+                         "native_text_tokens": m.rules.native_text_tokens}
         snap["table"] = self.table.describe_limits()
         return snap

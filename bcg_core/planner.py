@@ -1,8 +1,9 @@
 """Request validation and bucket planning: a request in, its bucket key (or a counted miss) out.
 
 The ingress runs a :class:`Planner` (tokenizer only, no weights) to reject bad input with a 4xx before
-it reaches a GPU replica and to compute the bucket key that routing needs; the replica runs the same
-planner again on what it receives.
+it reaches a GPU replica and to compute the bucket key that routing needs. The family's request rules
+(which options it refuses, when classifier-free guidance adds uncond rows, PixArt's and SANA's resolution
+binning) come from its :class:`~bcg_core.families.ModelSpec`, so the ingress and the replica plan alike.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Callable
 from .buckets import BucketLookup, BucketTable, Dim, ShapeQuery, ShapeRules
 from .config import MissPolicy, ServeConfig
 from .errors import BucketMissError, RequestError
+from .families.base import ModelSpec
 
 __all__ = ["GenerationRequest", "Plan", "Planner", "SEED_MAX"]
 
@@ -30,10 +32,15 @@ class GenerationRequest:
         n: images to generate.
         width, height: image size in pixels.
         num_inference_steps: denoising steps (None: the configured default).
-        guidance_scale: classifier-free guidance scale (None: the configured default); above 1 it adds one
-            uncond row per image (cond and uncond in one forward).
-        negative_prompt: text of the uncond rows (None: the empty prompt).
+        guidance_scale: guidance scale (None: the configured default). For most families it is the
+            classifier-free guidance scale, and above 1 adds one uncond row per image (cond and uncond in one
+            forward); for guidance-distilled FLUX.1-dev it feeds the guidance embedding (see the family table
+            in the README).
+        negative_prompt: text of the uncond rows (None: the family's default, "" for most; FLUX and Qwen-Image
+            run true CFG only when one is given, as their diffusers pipelines).
         seed: image ``i`` uses noise seeded with ``seed + i`` (None: a random seed, reported back).
+        true_cfg_scale: true classifier-free guidance scale of FLUX and Qwen-Image (``true_cfg_scale`` of
+            ``FluxPipeline``/``QwenImagePipeline``; None: the pipeline's default); refused by other families.
     """
 
     prompt: str
@@ -44,11 +51,7 @@ class GenerationRequest:
     guidance_scale: float | None = None
     negative_prompt: str | None = None
     seed: int | None = None
-
-    @property
-    def cfg(self) -> bool:
-        """True when classifier-free guidance runs (uncond rows are added)."""
-        return self.guidance_scale is not None and self.guidance_scale > 1.0
+    true_cfg_scale: float | None = None
 
 
 @dataclass
@@ -69,32 +72,36 @@ class Planner:
 
     Args:
         config: the replica's config (limits and bucket table).
-        rules: the model family's shape rules.
-        count_tokens: ``prompt -> tokens`` of the model's sequence text encoder.
-        cfg_rows: False for guidance-distilled models (guidance is an input, no uncond rows).
+        spec: the model's spec (shape and request rules of its family); bare :class:`ShapeRules` stand for a
+            family with classifier-free guidance by ``guidance_scale`` and no other rules (tests, tools).
+        count_tokens: ``(prompt, negative=False) -> tokens`` of the key's text dimension, counted as the family
+            encodes a prompt or a negative prompt (:meth:`~bcg_core.families.Family.count_tokens`).
     """
 
-    def __init__(self, config: ServeConfig, rules: ShapeRules, count_tokens: Callable[[str], int],
-                 cfg_rows: bool = True):
+    def __init__(self, config: ServeConfig, spec: ModelSpec | ShapeRules, count_tokens: Callable[[str], int]):
+        if isinstance(spec, ShapeRules):
+            spec = ModelSpec("model", "generic", "", spec)
         self.config = config
+        self.spec = spec
         self.limits = config.limits
-        self.rules = rules
+        rules = self.rules = spec.rules
         min_side = -(-config.limits.min_side_px // rules.pixels_per_token)
         self.table = BucketTable(config.buckets, rules, min_image_tokens=min_side * min_side)
         self.count_tokens = count_tokens
-        self.cfg_rows = cfg_rows
 
     @classmethod
     def from_config(cls, config: ServeConfig) -> "Planner":
         """A planner that loads only the model's tokenizer and JSON configs (cheap; for the ingress)."""
         from .models import describe_model, load_tokenizer_counter
 
-        spec = describe_model(config.model)
-        return cls(config, spec.rules, load_tokenizer_counter(config.model))
+        return cls(config, describe_model(config.model), load_tokenizer_counter(config.model))
 
     @property
     def text_limit(self) -> int:
-        """Most prompt tokens a request may have: the native length, or the largest text bucket."""
+        """Most prompt tokens a request may have: what the text encoder reads (:attr:`ModelSpec.max_prompt_tokens`),
+        else the native length, else the largest text bucket."""
+        if self.spec.max_prompt_tokens is not None:
+            return self.spec.max_prompt_tokens
         native = self.rules.native_text_tokens
         return native if native is not None else self.table.text_lengths[-1]
 
@@ -118,10 +125,11 @@ class Planner:
                 raise RequestError(
                     "size", f"size {r.width}x{r.height}: {name} must be from {lim.min_side_px} to {lim.max_side_px} pixels"
                 )
-        try:
-            self.rules.check_size(r.width, r.height)
-        except ValueError as e:
-            raise RequestError("size", str(e)) from None
+        if not self.spec.size_bins:  # with binning any size is served (generated at its bin, resized back)
+            try:
+                self.rules.check_size(r.width, r.height)
+            except ValueError as e:
+                raise RequestError("size", str(e)) from None
         steps = lim.default_steps if r.num_inference_steps is None else r.num_inference_steps
         if not _is_int(steps) or not 1 <= steps <= lim.max_steps:
             raise RequestError(
@@ -132,24 +140,39 @@ class Planner:
             raise RequestError(
                 "guidance_scale", f"guidance_scale must be a number from 0 to {lim.max_guidance_scale}, got {g!r}"
             )
-        neg = "" if r.negative_prompt is None else r.negative_prompt
-        if not isinstance(neg, str) or len(neg) > lim.max_prompt_chars:
+        neg = r.negative_prompt
+        if neg is not None and (not isinstance(neg, str) or len(neg) > lim.max_prompt_chars):
             raise RequestError(
                 "negative_prompt", f"negative_prompt must be a string of at most {lim.max_prompt_chars} characters"
             )
         seed = r.seed if r.seed is not None else random.randint(0, 2**31 - 1)
         if not _is_int(seed) or not 0 <= seed <= SEED_MAX - lim.max_images:
             raise RequestError("seed", f"seed must be an integer from 0 to {SEED_MAX - lim.max_images}, got {seed!r}")
+        tcfg = r.true_cfg_scale
+        if tcfg is not None and (isinstance(tcfg, bool) or not isinstance(tcfg, (int, float))
+                                 or not 0.0 <= tcfg <= lim.max_guidance_scale):
+            raise RequestError(
+                "true_cfg_scale", f"true_cfg_scale must be a number from 0 to {lim.max_guidance_scale}, got {tcfg!r}"
+            )
+        filled = replace(r, num_inference_steps=steps, guidance_scale=float(g), negative_prompt=neg, seed=seed,
+                         true_cfg_scale=None if tcfg is None else float(tcfg))
+        self.spec.check(filled)
+        if self.spec.size_bins:
+            gen_w, gen_h = self.spec.generation_size(r.width, r.height)
+            try:
+                self.rules.check_size(gen_w, gen_h)
+            except ValueError as e:
+                raise RequestError("size", f"size {r.width}x{r.height} is generated at its aspect-ratio bin "
+                                           f"{gen_w}x{gen_h} (resolution binning): {e}") from None
         limit = self.text_limit
         tokens = self.count_tokens(r.prompt)
         if tokens > limit:
             raise RequestError("prompt", f"prompt is {tokens} tokens long; this model takes at most {limit} tokens")
-        neg_tokens = self.count_tokens(neg) if neg else 0
+        neg_tokens = self.count_tokens(neg or "", negative=True) if self.spec.uses_cfg(filled) else 0
         if neg_tokens > limit:
             raise RequestError(
                 "negative_prompt", f"negative_prompt is {neg_tokens} tokens long; this model takes at most {limit} tokens"
             )
-        filled = replace(r, num_inference_steps=steps, guidance_scale=float(g), negative_prompt=neg, seed=seed)
         lookup = self.table.lookup(self.query(filled, tokens, neg_tokens))
         if not lookup.hit and self.table.miss_policy is MissPolicy.REJECT:
             raise self._miss_error(filled, lookup)
@@ -157,11 +180,12 @@ class Planner:
 
     def rows(self, request: GenerationRequest) -> int:
         """Transformer rows of ``request``: ``n``, doubled when classifier-free guidance adds uncond rows."""
-        return request.n * (2 if (request.cfg and self.cfg_rows) else 1)
+        return request.n * (2 if self.spec.uses_cfg(request) else 1)
 
     def query(self, request: GenerationRequest, prompt_tokens: int, negative_tokens: int = 0) -> ShapeQuery:
-        """The exact forward shape of a validated request."""
-        grid = self.rules.grid(request.width, request.height)
+        """The exact forward shape of a validated request (at its generation size: the aspect-ratio bin of
+        families with resolution binning)."""
+        grid = self.rules.grid(*self.spec.generation_size(request.width, request.height))
         native = self.rules.native_text_tokens
         text = native if native is not None else max(prompt_tokens, negative_tokens)
         return ShapeQuery(self.rows(request), grid[0] * grid[1], text, grid if self.rules.grid_keyed else None)
@@ -172,7 +196,7 @@ class Planner:
         parts: list[tuple[str, str]] = []
         for dim in lookup.missed:
             if dim is Dim.BATCH:
-                per = 2 if (request.cfg and self.cfg_rows) else 1
+                per = 2 if self.spec.uses_cfg(request) else 1
                 why = " (cond + uncond rows for guidance_scale > 1)" if per == 2 else ""
                 parts.append(("n", f"n={request.n} needs {lookup.query.batch} transformer rows{why}, above the "
                                    f"largest batch bucket {t.batch_sizes[-1]}; use n <= {t.batch_sizes[-1] // per}"))

@@ -21,7 +21,8 @@ import torch
 from PIL import Image
 
 from bcg_core import (
-    BucketConfig, BucketKey, DiTPipeline, GenerationRequest, RequestCancelled, RequestError, ServeConfig, build_tiny,
+    BucketConfig, BucketKey, DiTPipeline, GenerationRequest, Plan, Planner, RequestCancelled, RequestError, ServeConfig,
+    build_tiny,
 )
 from bcg_core.batching import MicroBatcher
 from bcg_core.metrics import token_shares
@@ -59,37 +60,25 @@ def _max_diff(a: bytes, b: bytes) -> int:
 
 @torch.inference_mode()
 def _reference_images(pipe: DiTPipeline, request: GenerationRequest) -> list[bytes]:
-    """The single-request path as it was before micro-batching, written out from the pipeline's
-    batch-unaware parts (encode, initial_latents, runner.run, decode): one request, scalar guidance."""
-    from diffusers import FlowMatchEulerDiscreteScheduler
-    from diffusers.pipelines.flux.pipeline_flux import calculate_shift
-
-    from bcg_core import DenoiseInputs
-
+    """The single-request path written out from the family's step hooks (start, model_rows, the runner on the
+    request's own bucket, advance, decode), without DiTPipeline.step's batching: one request, its own bucket."""
     plan = pipe.planner.plan(request)
-    req, lookup = plan.request, plan.lookup
-    cfg = req.cfg and not pipe.model.adapter.guidance_embeds
-    text, pooled = pipe.encode(req, cfg, lookup.query.text_tokens)
-    latents = pipe.initial_latents(req)
-    grid = pipe.model.adapter.rules.grid(req.width, req.height)
-    sched = FlowMatchEulerDiscreteScheduler.from_config(pipe.model.scheduler_config)
-    c, steps = sched.config, req.num_inference_steps
-    mu = calculate_shift(latents.shape[1], c.get("base_image_seq_len", 256), c.get("max_image_seq_len", 4096),
-                         c.get("base_shift", 0.5), c.get("max_shift", 1.15))
-    sched.set_timesteps(sigmas=np.linspace(1.0, 1.0 / steps, steps), mu=mu, device=latents.device)
-    rows = text.shape[0]
-    for t in sched.timesteps:
-        x = torch.cat([latents, latents]) if cfg else latents
-        out = pipe.runner.run(lookup.key, DenoiseInputs(x, text, pooled, (t / 1000.0).expand(rows), grid)).float()
-        if cfg:
-            cond, uncond = out.chunk(2)
-            out = uncond + req.guidance_scale * (cond - uncond)
-        latents = sched.step(out, t, latents, return_dict=False)[0]
-    return [pipe.decode(latents[i : i + 1], req.width, req.height) for i in range(req.n)]
+    state = pipe.model.start(plan)
+    while not state.done:
+        pipe.model.advance(state, pipe.runner.run(plan.lookup.key, pipe.model.model_rows(state)))
+    return pipe.finish(state)
+
+
+def _latents(pipe: DiTPipeline, requests: list[GenerationRequest]) -> list[torch.Tensor]:
+    """Final latents of ``requests`` stepped together through DiTPipeline.step (one forward per step)."""
+    states = [pipe.start(pipe.planner.plan(r)) for r in requests]
+    while not all(s.done for s in states):
+        pipe.step([s for s in states if not s.done])
+    return [s.latents for s in states]
 
 
 class Recorder:
-    """A ``run_batch`` that records each batch as ``[(width, height, steps, rows), ...]`` and runs it.
+    """A ``run_batch`` that records each batch of plans as ``[(width, height, steps, rows), ...]`` and runs it.
 
     With ``gate``, a batch waits for the gate before it computes, so that batches dispatched early do not
     slow the event loop (through the GIL) while later requests are still being submitted.
@@ -100,11 +89,30 @@ class Recorder:
         self.gate = gate
         self.calls: list[list[tuple[int, int, int, int]]] = []
 
-    def __call__(self, requests, cancels):
-        self.calls.append([(r.width, r.height, r.num_inference_steps, self.pipe.planner.rows(r)) for r in requests])
+    def __call__(self, plans, cancels):
+        assert all(isinstance(p, Plan) for p in plans)
+        self.calls.append([(p.request.width, p.request.height, p.request.num_inference_steps, p.lookup.query.batch)
+                           for p in plans])
         if self.gate is not None:
             assert self.gate.wait(60)
-        return self.pipe.generate_batch(requests, cancels)
+        return self.pipe.generate_batch(plans, cancels)
+
+
+class PlanCounter:
+    """Counts ``Planner.plan`` calls per planner (wrapping the real method), to prove who plans a request."""
+
+    def __init__(self, monkeypatch):
+        self.calls: list[Planner] = []
+        real = Planner.plan
+
+        def counting(planner, request):
+            self.calls.append(planner)
+            return real(planner, request)
+
+        monkeypatch.setattr(Planner, "plan", counting)
+
+    def by(self, planner: Planner) -> int:
+        return sum(p is planner for p in self.calls)
 
 
 def _submit_all(batcher: MicroBatcher, requests: list[GenerationRequest], gate: threading.Event | None = None) -> list:
@@ -157,24 +165,33 @@ def test_a_batch_of_three_gives_each_request_the_images_it_gets_alone(pipe):
     other_guidance = pipe.generate(dataclasses.replace(reqs[0], guidance_scale=7.5))
     assert _max_diff(together[0].images_png[0], other_guidance.images_png[0]) > 1
     # The latents themselves agree to fp32 reduction order (RTOL 1e-5).
-    plans = [pipe.planner.plan(r).request for r in reqs]
-    text, pooled = pipe.encode_batch(plans, True, T)
-    batched = pipe.denoise_batch(plans, True, text, pooled, BucketKey(8, 256, T))
-    offset = 0
-    for r in plans:
-        lone = pipe.denoise(r, True, *pipe.encode(r, True, T), pipe.planner.plan(r).lookup.key)
-        assert_close(batched[offset : offset + r.n], lone)
-        offset += r.n
+    for batched, r in zip(_latents(pipe, reqs), reqs):
+        assert_close(batched, _latents(pipe, [r])[0])
+
+
+def test_requests_of_different_steps_and_guidance_share_forwards_and_each_gets_its_own_images(pipe):
+    reqs = [
+        _req("a lighthouse at dusk", n=1, steps=3, guidance=4.0, seed=11),  # 2 rows
+        _req("a bowl of ramen", n=2, steps=1, guidance=1.0, seed=22),  # 2 rows, no CFG, leaves after step 1
+        _req("p. cubensis", n=1, steps=2, guidance=7.5, seed=33),  # 2 rows
+    ]
+    assert len({pipe.batch_group(pipe.planner.plan(r)) for r in reqs}) == 1
+    together = pipe.generate_batch(reqs)
+    for t, r in zip(together, reqs):
+        assert t.batch_size == 3 and t.bucket == "b8_i256_t256" and t.steps == r.num_inference_steps
+        for x, y in zip(t.images_png, pipe.generate(r).images_png):
+            assert _max_diff(x, y) <= 1
+    # 3 forwards: 6 rows (b8), then 4 rows (b4) once the 1-step request left, then 2 rows (b2)
+    assert [pipe.metrics.counters(BucketKey(b, 256, T)).steps for b in (8, 4, 2)] == [1, 1, 1 + 3 + 1 + 2]
+    for batched, r in zip(_latents(pipe, reqs), reqs):
+        assert_close(batched, _latents(pipe, [r])[0])
 
 
 def test_generate_batch_refuses_mixed_groups_misses_and_too_many_rows(pipe):
     base = _req(guidance=4.0)  # 2 rows
-    assert pipe.batch_group(pipe.planner.plan(base)) == ("i256_t256", 256, 256, 1, True, T)
-    for other in (dataclasses.replace(base, width=256, height=512),  # another shape
-                  dataclasses.replace(base, num_inference_steps=2),  # another step count
-                  dataclasses.replace(base, guidance_scale=1.0)):  # no uncond rows
-        with pytest.raises(ValueError, match="different batch groups"):
-            pipe.generate_batch([base, other])
+    assert pipe.batch_group(pipe.planner.plan(base)) == ("i256_t256", (16, 16))
+    with pytest.raises(ValueError, match="different batch groups"):
+        pipe.generate_batch([base, dataclasses.replace(base, width=256, height=512)])  # another shape
     tall, wide = dataclasses.replace(base, width=256, height=512), dataclasses.replace(base, width=512, height=256)
     assert pipe.planner.plan(tall).lookup.key == pipe.planner.plan(wide).lookup.key  # one bucket, two grids
     with pytest.raises(ValueError, match="different batch groups"):
@@ -200,13 +217,15 @@ def test_a_cancelled_request_of_a_batch_is_not_decoded_and_the_others_are_served
     out = pipe.generate_batch(reqs, cancels)
     assert isinstance(out[1], RequestCancelled)
     assert [r.batch_size for r in (out[0], out[2])] == [3, 3] and len(out[2].images_png) == 1
-    c = pipe.metrics.counters(BucketKey(4, 256, T))
+    # the cancelled request left at the first step boundary: the two others ran 2 rows (b2) per step
+    assert pipe.metrics.counters(BucketKey(4, 256, T)).forwards == 0
+    c = pipe.metrics.counters(BucketKey(2, 256, T))
     assert (c.forwards, c.requests, c.batches, c.batched_requests) == (2, 2, 1, 2)  # the loop ran on
     every = [threading.Event() for _ in reqs]
     for e in every:
         e.set()
     assert all(isinstance(r, RequestCancelled) for r in pipe.generate_batch(reqs, every))
-    c = pipe.metrics.counters(BucketKey(4, 256, T))
+    c = pipe.metrics.counters(BucketKey(2, 256, T))
     assert (c.forwards, c.requests, c.batches) == (2, 2, 1)  # all cancelled: no step ran, nothing counted
 
 
@@ -221,7 +240,37 @@ def test_token_shares_split_by_rows_and_sum_exactly():
         token_shares(5, [2, 0])
 
 
+def test_generate_batch_trusts_plans_and_plans_each_raw_request_once(pipe, monkeypatch):
+    ingress = Planner(CONFIG, pipe.model.spec, pipe.model.count_tokens)  # the ingress's own planner
+    plans = [ingress.plan(_req("a lighthouse", seed=None)), ingress.plan(_req("a bowl of ramen", seed=None))]
+    raw = _req("p. cubensis", seed=7)
+    counter = PlanCounter(monkeypatch)
+    out = pipe.generate_batch([plans[0], raw, plans[1]])
+    assert counter.by(pipe.planner) == 1 and len(counter.calls) == 1  # the raw request only, once
+    assert [r.seed for r in out] == [plans[0].request.seed, 7, plans[1].request.seed]  # the plans' drawn seeds
+    assert all(r.batch_size == 3 and r.bucket == "b4_i256_t256" for r in out)
+    (again,) = pipe.generate_batch([plans[0]])  # the same plan again (a resend): the same seed, the same image
+    assert again.images_png == pipe.generate(plans[0]).images_png
+    assert len(counter.calls) == 1
+    pipe.generate(raw)  # a raw request through generate: planned there, once
+    (bad,) = pipe.generate_batch([dataclasses.replace(raw, n=0)])  # bad raw input is still refused, naming n
+    assert isinstance(bad, RequestError) and bad.field == "n" and len(counter.calls) == 3
+
+
 # -- MicroBatcher ---------------------------------------------------------------------------------------
+
+
+def test_the_batcher_does_not_plan_a_planned_request_again(pipe, monkeypatch):
+    ingress = Planner(CONFIG, pipe.model.spec, pipe.model.count_tokens)
+    plans = [ingress.plan(_req(f"prompt {i}", seed=None)) for i in range(2)]
+    rec = Recorder(pipe)
+    batcher = MicroBatcher(pipe, wait_ms=WAIT_MS, run_batch=rec)
+    counter = PlanCounter(monkeypatch)
+    results = _submit_all(batcher, [*plans, _req("raw", seed=3)])
+    assert not [r for r in results if isinstance(r, BaseException)], results
+    assert counter.by(pipe.planner) == 1 and len(counter.calls) == 1  # only the raw request, at submit
+    assert [r.seed for r in results] == [plans[0].request.seed, plans[1].request.seed, 3]
+    assert rec.calls == [[(256, 256, 1, 1)] * 3]  # one batch: the plans and the raw request's plan
 
 
 def test_concurrent_same_shape_submits_share_one_forward_per_step(pipe):
@@ -252,26 +301,27 @@ def test_concurrent_same_shape_submits_share_one_forward_per_step(pipe):
     assert batcher.queue_lengths() == {}
 
 
-def test_requests_of_different_groups_never_share_a_batch(pipe):
+def test_requests_of_different_grids_never_share_a_batch_and_steps_or_guidance_do(pipe):
     rec = Recorder(pipe)
     batcher = MicroBatcher(pipe, wait_ms=WAIT_MS, run_batch=rec)
     base = _req()
     reqs = [
-        base, dataclasses.replace(base, seed=1),  # group A
+        base, dataclasses.replace(base, seed=1),  # one group: bucket shape i256_t256, grid 16x16 ...
         dataclasses.replace(base, num_inference_steps=2), dataclasses.replace(base, num_inference_steps=2, seed=1),
+        dataclasses.replace(base, guidance_scale=3.0),  # ... whatever the steps and CFG rows
         dataclasses.replace(base, width=256, height=512),  # bucket shape i512_t256, grid 32x16
         dataclasses.replace(base, width=512, height=256),  # the same bucket shape, grid 16x32
-        dataclasses.replace(base, guidance_scale=3.0),  # CFG rows
     ]
     results = _submit_all(batcher, reqs)
     errors = [r for r in results if isinstance(r, BaseException)]
     assert not errors, errors
-    assert all(len(set(call)) == 1 for call in rec.calls), rec.calls  # every batch is one group
     assert sorted(rec.calls) == sorted([
-        [(256, 256, 1, 1)] * 2, [(256, 256, 2, 1)] * 2, [(256, 512, 1, 1)], [(512, 256, 1, 1)], [(256, 256, 1, 2)],
+        [(256, 256, 1, 1), (256, 256, 1, 1), (256, 256, 2, 1), (256, 256, 2, 1), (256, 256, 1, 2)],
+        [(256, 512, 1, 1)], [(512, 256, 1, 1)],
     ])
-    assert [r.batch_size for r in results] == [2, 2, 2, 2, 1, 1, 1]
-    assert [Image.open(io.BytesIO(r.images_png[0])).size for r in results[4:6]] == [(256, 512), (512, 256)]
+    assert [r.batch_size for r in results] == [5, 5, 5, 5, 5, 1, 1]
+    assert [r.steps for r in results[:5]] == [1, 1, 2, 2, 1]
+    assert [Image.open(io.BytesIO(r.images_png[0])).size for r in results[5:7]] == [(256, 512), (512, 256)]
 
 
 def test_a_batch_never_exceeds_max_rows(pipe):
@@ -287,7 +337,7 @@ def test_a_batch_never_exceeds_max_rows(pipe):
     assert max(sum(r[3] for r in call) for call in rec.calls) <= 4
     assert sorted(rec.calls) == sorted([
         [(256, 256, 1, 2)] * 2,  # p0 + p1 filled the batch
-        [(256, 256, 1, 2)],  # p2 then waited for company that never came
+        [(256, 256, 1, 2)],  # p2: "three" (CFG or not, one group) would have overflowed it, so it ran
         [(256, 256, 1, 4)],  # big
         [(256, 256, 1, 3)],  # three: "two" would have overflowed it, so it ran and "two" opened the next
         [(256, 256, 1, 2), (256, 256, 1, 1)],  # two + one
@@ -295,8 +345,8 @@ def test_a_batch_never_exceeds_max_rows(pipe):
     assert [r.batch_size for r in results] == [2, 2, 1, 1, 1, 2, 2]
     assert results[0].bucket == results[1].bucket == "b4_i256_t256"
     # Full batches and overflowed ones run at once instead of waiting out the window; the others wait it.
-    assert max(results[i].timings_ms["queue"] for i in (0, 1, 3, 4)) < WAIT_MS / 2
-    assert min(results[i].timings_ms["queue"] for i in (2, 5, 6)) >= WAIT_MS * 0.9
+    assert max(results[i].timings_ms["queue"] for i in (0, 1, 2, 3, 4)) < WAIT_MS / 2
+    assert min(results[i].timings_ms["queue"] for i in (5, 6)) >= WAIT_MS * 0.9
 
 
 def test_misses_and_disabled_batching_run_each_request_alone(pipe):
@@ -347,11 +397,11 @@ def test_a_submit_cancelled_while_its_batch_runs_does_not_break_the_others(pipe)
     started, go = threading.Event(), threading.Event()
     seen: list[list[threading.Event]] = []
 
-    def gated(requests, cancels):
+    def gated(plans, cancels):
         seen.append(list(cancels))
         started.set()
         assert go.wait(30)
-        return pipe.generate_batch(requests, cancels)
+        return pipe.generate_batch(plans, cancels)
 
     batcher = MicroBatcher(pipe, wait_ms=20, run_batch=gated)
     reqs = [_req(f"prompt {i}", steps=2, seed=i) for i in range(3)]
@@ -370,17 +420,17 @@ def test_a_submit_cancelled_while_its_batch_runs_does_not_break_the_others(pipe)
     assert running == {"i256_t256": 3} and batcher.stats()["running"] == 0
     assert [c.is_set() for c in seen[0]] == [False, True, False]
     assert [r.seed for r in results] == [0, 2] and all(r.batch_size == 3 for r in results)
-    c = pipe.metrics.counters(BucketKey(4, 256, T))
+    c = pipe.metrics.counters(BucketKey(2, 256, T))  # the cancelled one left before the first step: 2 rows
     assert (c.forwards, c.requests) == (2, 2)  # the loop ran for the others; the cancelled one is not counted
 
 
 def test_cancelling_every_submit_of_a_running_batch_stops_it_before_its_steps(pipe):
     started, go = threading.Event(), threading.Event()
 
-    def gated(requests, cancels):
+    def gated(plans, cancels):
         started.set()
         assert go.wait(30)
-        return pipe.generate_batch(requests, cancels)
+        return pipe.generate_batch(plans, cancels)
 
     batcher = MicroBatcher(pipe, wait_ms=0, run_batch=gated)
 
@@ -436,9 +486,9 @@ def test_planning_while_batches_encode_in_other_threads_does_not_break_the_token
 
     def encode():
         try:
-            for _ in range(20):  # a short text length: the race is in the tokenizer, not the encoder's forward
-                text, _ = pipe.encode(_req("a lighthouse", guidance=4.0), True, 16)
-                assert text.shape[:2] == (2, 16)
+            for _ in range(20):
+                rows = pipe.model.encode("a lighthouse")
+                assert rows.text.shape[:2] == (1, T)
         except Exception as e:  # noqa: BLE001
             errors.append(e)
 

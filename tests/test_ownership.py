@@ -37,7 +37,7 @@ def _bytes(key: BucketKey) -> int:
 
 @pytest.fixture(scope="module")
 def planner() -> Planner:
-    return Planner(ServeConfig(), ShapeRules(16, False, 256), count_tokens=lambda s: 3)
+    return Planner(ServeConfig(), ShapeRules(16, False, 256), count_tokens=lambda s, negative=False: 3)
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,8 @@ import torch
 from PIL import Image
 
 from bcg_core import (
-    BucketConfig, DiTPipeline, GenerationRequest, ModelConfig, RequestCancelled, RequestError, ServeConfig, build_tiny,
+    BucketConfig, CheckpointError, DiTPipeline, GenerationRequest, ModelConfig, RequestCancelled, RequestError,
+    ServeConfig, build_tiny,
     load_model,
     save_pipeline,
 )
@@ -53,11 +54,16 @@ def test_image_does_not_depend_on_how_many_images_share_its_forward(pipe):
 def test_padded_denoise_equals_the_unpadded_eager_denoise(pipe):
     req = pipe.planner.plan(GenerationRequest("totem animal", n=3, width=256, height=320, num_inference_steps=3,
                                               seed=1, guidance_scale=4.0))
-    r, key = req.request, req.lookup.key
+    key = req.lookup.key
     assert key is not None and key.batch == 8 and key.image_tokens == 1024  # 6 rows, 320 tokens: both padded
-    text, pooled = pipe.encode(r, True, TINY_TEXT_TOKENS)
-    padded = pipe.denoise(r, True, text, pooled, key)
-    eager = pipe.denoise(r, True, text, pooled, None)
+
+    def final(k):
+        state = pipe.start(req)
+        while not state.done:
+            pipe.model.advance(state, pipe.runner.run(k, pipe.model.model_rows(state)))
+        return state.latents
+
+    padded, eager = final(key), final(None)
     err = ((padded - eager).abs().max() / eager.abs().max()).item()
     assert err < 1e-5
 
@@ -91,7 +97,7 @@ def test_saved_tiny_pipeline_loads_back_and_gives_the_same_image(tiny, tmp_path)
     cfg = ModelConfig(path=str(folder))
     assert describe_model(cfg).rules == tiny.adapter.rules
     loaded = load_model(cfg)
-    assert loaded.native_text_tokens == TINY_TEXT_TOKENS
+    assert loaded.rules.native_text_tokens == TINY_TEXT_TOKENS
     req = GenerationRequest("inmates with cow heads", n=1, width=256, height=256, num_inference_steps=2, seed=3)
     a = DiTPipeline(SMALL, tiny).generate(req)
     b = DiTPipeline(SMALL.model_copy(update={"model": cfg}), loaded).generate(req)
@@ -99,11 +105,30 @@ def test_saved_tiny_pipeline_loads_back_and_gives_the_same_image(tiny, tmp_path)
 
 
 def test_loading_a_folder_that_is_not_a_checkpoint_says_what_is_missing(tmp_path):
-    with pytest.raises(FileNotFoundError, match="model_index.json is missing"):
+    with pytest.raises(CheckpointError, match="does not exist"):
+        load_model(ModelConfig(path=str(tmp_path / "nowhere")))
+    with pytest.raises(CheckpointError, match="model_index.json is missing"):
         load_model(ModelConfig(path=str(tmp_path)))
     (tmp_path / "model_index.json").write_text('{"_class_name": "StableDiffusionPipeline"}')
-    with pytest.raises(ValueError, match="supported: FluxPipeline"):
+    with pytest.raises(CheckpointError, match="StableDiffusionPipeline checkpoint .*supported: BCGFluxPipeline, "
+                                              "FluxPipeline, PixArtSigmaPipeline, QwenImagePipeline, SanaPipeline, "
+                                              "StableDiffusion3Pipeline"):
         load_model(ModelConfig(path=str(tmp_path)))
+
+
+def test_a_checkpoint_with_a_missing_or_mismatched_component_is_refused_naming_it(tiny, tmp_path):
+    import json
+    import shutil
+
+    folder = save_pipeline(tiny, tmp_path / "tiny")
+    shutil.rmtree(folder / "vae")
+    with pytest.raises(CheckpointError, match="component 'vae' .* is missing"):
+        load_model(ModelConfig(path=str(folder)))
+    folder = save_pipeline(tiny, tmp_path / "mixed")
+    cfg = json.loads((folder / "vae" / "config.json").read_text())
+    (folder / "vae" / "config.json").write_text(json.dumps({**cfg, "_class_name": "AutoencoderDC"}))
+    with pytest.raises(CheckpointError, match="is a AutoencoderDC, but model_index.json says vae is a AutoencoderKL"):
+        describe_model(ModelConfig(path=str(folder)))
 
 
 def test_tiny_weights_are_seeded(tiny):

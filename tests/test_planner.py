@@ -10,7 +10,7 @@ RULES = ShapeRules(pixels_per_token=16, grid_keyed=False, native_text_tokens=32)
 def _planner(policy=MissPolicy.EAGER) -> Planner:
     cfg = ServeConfig(buckets=BucketConfig(batch_sizes=[1, 2, 4, 8], resolutions=["256x256", "512x512"],
                                            text_lengths=[32], miss_policy=policy))
-    return Planner(cfg, RULES, count_tokens=lambda s: len(s.split()) + 2)
+    return Planner(cfg, RULES, count_tokens=lambda s, negative=False: len(s.split()) + 2)
 
 
 @pytest.mark.parametrize(
@@ -49,7 +49,7 @@ def test_bad_fields_are_named_with_allowed_values(kw, field, needle):
 def test_defaults_are_filled_and_cfg_doubles_the_rows():
     p = _planner().plan(GenerationRequest("a cat", n=3))
     r = p.request
-    assert r.num_inference_steps == 4 and r.guidance_scale == 3.5 and r.negative_prompt == "" and r.seed is not None
+    assert r.num_inference_steps == 4 and r.guidance_scale == 3.5 and r.negative_prompt is None and r.seed is not None
     assert p.lookup.query.batch == 6 and p.lookup.key.batch == 8
     assert p.lookup.query.text_tokens == 32  # fixed-length text: always the native length
     q = _planner().plan(GenerationRequest("a cat", n=3, guidance_scale=1.0))
@@ -83,5 +83,5 @@ def test_exact_padding_miss_explains_the_exact_rule():
     cfg = ServeConfig(buckets=BucketConfig(batch_sizes=[1, 2], resolutions=["256x256", "512x512"], text_lengths=[32],
                                            miss_policy="reject", image_padding="exact"))
     with pytest.raises(RequestError) as e:
-        Planner(cfg, RULES, count_tokens=lambda s: 3).plan(GenerationRequest("a", width=384, height=512))
+        Planner(cfg, RULES, count_tokens=lambda s, negative=False: 3).plan(GenerationRequest("a", width=384, height=512))
     assert "exactly a tier's number of image tokens" in e.value.message

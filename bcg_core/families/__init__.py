@@ -1,0 +1,47 @@
+"""DiT families: one module per family, chosen by the checkpoint's ``model_index.json`` ``_class_name``.
+
+Each module implements :class:`~bcg_core.families.base.Family`; :data:`PIPELINE_CLASSES` maps every
+supported ``_class_name`` to its module. Modules are imported on first use (each pulls in its diffusers
+pipeline), never for their side effects.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from .base import Family, ModelSpec, RequestState, TextRows, concat_rows, pad_text
+
+__all__ = [
+    "Family", "ModelSpec", "PIPELINE_CLASSES", "RequestState", "TextRows", "UnknownPipelineClass",
+    "concat_rows", "family_class", "pad_text",
+]
+
+PIPELINE_CLASSES: dict[str, tuple[str, str]] = {
+    "FluxPipeline": ("flux", "FluxFamily"),
+    "BCGFluxPipeline": ("flux", "BCGFluxFamily"),
+    "StableDiffusion3Pipeline": ("sd3", "SD3Family"),
+    "PixArtSigmaPipeline": ("pixart", "PixArtSigmaFamily"),
+    "SanaPipeline": ("sana", "SanaFamily"),
+    "QwenImagePipeline": ("qwenimage", "QwenImageFamily"),
+}
+"""``model_index.json`` ``_class_name`` -> (module of this package, class implementing :class:`Family`)."""
+
+
+class UnknownPipelineClass(ValueError):
+    """A checkpoint whose ``_class_name`` no family serves."""
+
+
+def family_class(pipeline_class: str) -> type:
+    """The :class:`Family` class that loads checkpoints of ``pipeline_class``.
+
+    Raises:
+        UnknownPipelineClass: naming the supported classes.
+    """
+    entry = PIPELINE_CLASSES.get(pipeline_class)
+    if entry is None:
+        raise UnknownPipelineClass(
+            f"_class_name {pipeline_class or '(missing)'!r} is not a supported pipeline; supported: "
+            f"{', '.join(sorted(PIPELINE_CLASSES))}"
+        )
+    module, name = entry
+    return getattr(importlib.import_module(f".{module}", __name__), name)

@@ -1,0 +1,355 @@
+"""The family contract: what the generic pipeline asks of one DiT family, and the per-request step state.
+
+A *family* (FLUX.1, SD3, PixArt-Sigma, SANA, Qwen-Image) is one module of :mod:`bcg_core.families` that
+holds everything specific to it: its padding adapter (pad, mask, unpad, key rules), text encoding (encoders,
+lengths, negative prompts, CFG order), latent preparation and packing, timestep and scheduler conventions and
+decode scaling. A family opts in by implementing :class:`Family` (a ``typing.Protocol``); the generic
+pipeline (:mod:`bcg_core.pipeline`) only ever calls these hooks, so no code outside ``families/`` asks which
+family it runs.
+
+Step-level contract (DESIGN.md section 12, docs/DESIGN.md "The step-level loop"):
+
+1. :meth:`Family.start` turns one planned request into a :class:`RequestState`: encoded text, initial
+   latents (drawn exactly as the family's diffusers pipeline draws them from generators seeded
+   ``seed + i``), its own scheduler instance with its timesteps set (a multistep solver's history lives
+   there) and step index 0.
+2. :meth:`Family.model_rows` gives the transformer rows of one request at *its* current step: a
+   :class:`~bcg_core.padding.DenoiseInputs` of ``state.rows`` rows with a per-row timestep. The pipeline
+   concatenates the rows of several requests, each at its own step, into one forward
+   (:func:`concat_rows`), runs it on a bucket, and hands each request its own slice of the output.
+3. :meth:`Family.advance` combines that request's CFG rows (the family's own formula and order), runs
+   the request's own scheduler step and moves its step index on.
+4. :meth:`Family.decode` turns a finished request's latents into ``n`` RGB images, with the same
+   post-processing (and, for PixArt, the same resize back from its aspect-ratio bin) as diffusers.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, ClassVar, Protocol
+
+import numpy as np
+import torch
+
+from ..buckets import ShapeRules
+from ..padding import DenoiseInputs, DiTAdapter
+
+__all__ = ["Family", "ModelSpec", "RequestState", "TextRows", "concat_rows", "pad_text"]
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What the ingress needs to know about a model without loading its weights, and the family's request
+    rules that follow from it (pure functions of the request: the ingress and the replica plan alike).
+
+    Attributes:
+        name: served model name (the checkpoint folder's name, or ``bcg-tiny-flux``).
+        family: the family's :attr:`Family.name` (``"flux"``, ``"sd3"``, ``"pixart"``, ``"sana"``, ``"qwenimage"``).
+        pipeline_class: ``_class_name`` of the checkpoint's ``model_index.json``.
+        rules: the family's shape rules (token size, grid keying, native text length).
+        guidance_embeds: ``guidance_scale`` is a transformer input (FLUX.1-dev), never uncond rows.
+        cfg_rule: when classifier-free guidance adds uncond rows: ``"guidance_scale"`` when
+            ``guidance_scale > 1`` (SD3, PixArt, SANA, the tiny default: ``do_classifier_free_guidance`` of
+            their pipelines), ``"true_cfg"`` when ``true_cfg_scale > 1`` and a negative prompt is given
+            (``FluxPipeline``, ``QwenImagePipeline``).
+        default_true_cfg_scale: ``true_cfg_scale`` when a request omits it (the pipeline's default: 1.0 for
+            FLUX, 4.0 for Qwen-Image); None where the family has no such option (a request that sets it is
+            refused).
+        size_bins: aspect-ratio bins (``{"ratio": [height, width]}``) of pipelines with resolution binning
+            (PixArt-Sigma, SANA), else None.
+        max_prompt_tokens: most prompt tokens the text encoder reads, where it is below the key's text length
+            (SD3: T5 reads 256 of its 77 + 256 native tokens); a longer prompt is refused, not truncated.
+        max_grid_side: largest token-grid side the transformer's position table holds (SD3's
+            ``pos_embed_max_size``), else None.
+    """
+
+    name: str
+    family: str
+    pipeline_class: str
+    rules: ShapeRules
+    guidance_embeds: bool = False
+    cfg_rule: str = "guidance_scale"
+    default_true_cfg_scale: float | None = None
+    size_bins: dict[str, list[float]] | None = None
+    max_prompt_tokens: int | None = None
+    max_grid_side: int | None = None
+
+    def true_cfg_scale(self, request) -> float:
+        """The request's ``true_cfg_scale``, or this family's default."""
+        v = getattr(request, "true_cfg_scale", None)
+        return float(v if v is not None else (self.default_true_cfg_scale or 1.0))
+
+    def uses_cfg(self, request) -> bool:
+        """True when ``request`` runs classifier-free guidance with uncond rows (see :attr:`cfg_rule`)."""
+        if self.cfg_rule == "true_cfg":
+            return self.true_cfg_scale(request) > 1.0 and request.negative_prompt is not None
+        return not self.guidance_embeds and request.guidance_scale is not None and request.guidance_scale > 1.0
+
+    def cfg_scale(self, request) -> float:
+        """The scale of the CFG combination ``uncond + s * (cond - uncond)``."""
+        return self.true_cfg_scale(request) if self.cfg_rule == "true_cfg" else float(request.guidance_scale)
+
+    def check(self, request) -> None:
+        """Refuse request fields this family's pipeline has no counterpart for.
+
+        Raises:
+            RequestError: ``true_cfg_scale`` set on a family without true CFG (field ``true_cfg_scale``); a size
+                whose token grid exceeds :attr:`max_grid_side` (field ``size``; diffusers raises there too).
+        """
+        from ..errors import RequestError
+
+        if self.default_true_cfg_scale is None and getattr(request, "true_cfg_scale", None) is not None:
+            raise RequestError(
+                "true_cfg_scale", f"true_cfg_scale is not an option of {self.pipeline_class} (family {self.family}); "
+                f"leave it unset and use guidance_scale (classifier-free guidance above 1)")
+        if self.max_grid_side is not None:
+            h, w = self.rules.grid(*self.generation_size(request.width, request.height))
+            if max(h, w) > self.max_grid_side:
+                px = self.max_grid_side * self.rules.pixels_per_token
+                raise RequestError("size", f"size {request.width}x{request.height} exceeds this model's position "
+                                           f"table ({self.max_grid_side} tokens a side): width and height at most "
+                                           f"{px} pixels")
+
+    def generation_size(self, width: int, height: int) -> tuple[int, int]:
+        """``(width, height)`` the latents are generated at: the nearest aspect-ratio bin with resolution
+        binning (``PixArtImageProcessor.classify_height_width_bin``, as the pipelines' ``__call__``), else
+        the size itself."""
+        if not self.size_bins:
+            return width, height
+        from diffusers.image_processor import PixArtImageProcessor
+
+        h, w = PixArtImageProcessor.classify_height_width_bin(height, width, ratios=self.size_bins)
+        return int(w), int(h)
+
+
+@dataclass
+class TextRows:
+    """One prompt's encoded text, as the family's transformer takes it (one row, broadcast to images).
+
+    Attributes:
+        text: (1, T, D_text) sequence embeddings; ``T`` is the real length for masked families (the
+            pipeline pads rows of a forward to a common length), the native length otherwise.
+        pooled: (1, D_pooled) pooled embedding, (1, 0) for families without one.
+        mask: (1, T) bool, True for real tokens, for families trained with a text key-padding mask; None for
+            families whose text is never masked.
+    """
+
+    text: torch.Tensor
+    pooled: torch.Tensor
+    mask: torch.Tensor | None = None
+
+    @property
+    def tokens(self) -> int:
+        """Text tokens ``T``."""
+        return self.text.shape[1]
+
+
+@dataclass(eq=False)
+class RequestState:
+    """One request in flight at the step level: everything its denoising loop carries between steps.
+
+    Attributes:
+        plan: the validated request with its bucket lookup (:class:`~bcg_core.planner.Plan`).
+        cond: the prompt's text rows.
+        uncond: the negative prompt's text rows when the request runs classifier-free guidance with uncond
+            rows, else None (the *CFG pairing*: every image has one cond row and, with CFG, one uncond row,
+            always in the same forward).
+        latents: (n, ...) latents in the family's layout (packed tokens for FLUX and Qwen-Image, latent
+            images for SD3, PixArt and SANA) and in the dtype its diffusers pipeline keeps them.
+        scheduler: this request's own diffusers scheduler, timesteps set; multistep history lives in it.
+        timesteps: (steps,) the scheduler's timesteps.
+        step_index: steps done so far.
+        grid: (h, w) token grid of the generated image (PixArt: of its aspect-ratio bin).
+        extras: per-request values a family keeps (guidance tensor, image shapes, generation size ...).
+        cancel: set by the caller to drop the request at the next step boundary.
+        step_ms: milliseconds of each finished step as seen by this request.
+    """
+
+    plan: Any
+    cond: TextRows
+    uncond: TextRows | None
+    latents: torch.Tensor
+    scheduler: Any
+    timesteps: torch.Tensor
+    grid: tuple[int, int]
+    step_index: int = 0
+    extras: dict[str, Any] = field(default_factory=dict)
+    cancel: threading.Event | None = None
+    step_ms: list[float] = field(default_factory=list)
+
+    @property
+    def request(self):
+        """The validated :class:`~bcg_core.planner.GenerationRequest`."""
+        return self.plan.request
+
+    @property
+    def n(self) -> int:
+        """Images of the request."""
+        return self.latents.shape[0]
+
+    @property
+    def cfg(self) -> bool:
+        """True when uncond rows run beside the cond rows."""
+        return self.uncond is not None
+
+    @property
+    def rows(self) -> int:
+        """Transformer rows per step: ``n``, doubled with CFG."""
+        return self.n * (2 if self.cfg else 1)
+
+    @property
+    def done(self) -> bool:
+        """True when every timestep has run."""
+        return self.step_index >= len(self.timesteps)
+
+    @property
+    def cancelled(self) -> bool:
+        """True when the caller gave up on the request."""
+        return self.cancel is not None and self.cancel.is_set()
+
+    @property
+    def timestep(self) -> torch.Tensor:
+        """The scheduler timestep of the next step (0-d tensor)."""
+        return self.timesteps[self.step_index]
+
+
+class Family(Protocol):
+    """One DiT family (see the module docstring for the step-level contract).
+
+    Class attributes name the family and the ``model_index.json`` classes it loads; instances are built by
+    :meth:`load` and hold the loaded components.
+    """
+
+    name: ClassVar[str]
+    """Short family id, e.g. ``"flux"``: metrics, ``/v1/buckets`` and logs use it."""
+    pipeline_classes: ClassVar[tuple[str, ...]]
+    """``_class_name`` values of ``model_index.json`` this family loads."""
+
+    model_name: str
+    adapter: DiTAdapter
+    rules: ShapeRules
+    guidance_embeds: bool
+    device: torch.device
+    dtype: torch.dtype
+
+    @classmethod
+    def describe(cls, path: Path, index: dict) -> ModelSpec:
+        """The model's spec from its JSON configs only (no weights), for the ingress.
+
+        Raises:
+            ValueError: a component that this family cannot serve (naming it and the fix).
+        """
+        ...
+
+    @classmethod
+    def token_counter(cls, path: Path, index: dict) -> Callable[..., int]:
+        """``(prompt, negative=False) -> text tokens`` of the text dimension of the bucket key, counted as the
+        pipeline encodes a prompt or (``negative=True``) a negative prompt (tokenizers only, no weights)."""
+        ...
+
+    @classmethod
+    def load(cls, path: Path, index: dict, device: torch.device, dtype: torch.dtype) -> "Family":
+        """Load the checkpoint folder ``path`` (diffusers ``save_pretrained`` layout) onto ``device``."""
+        ...
+
+    def count_tokens(self, prompt: str, negative: bool = False) -> int:
+        """Text tokens of ``prompt`` in the text dimension of the bucket key, as a prompt or (``negative``) a
+        negative prompt (SANA prefixes only prompts with its instruction; as :meth:`token_counter`)."""
+        ...
+
+    def check(self, request) -> None:
+        """Refuse request options that this family does not implement exactly as diffusers does.
+
+        Raises:
+            RequestError: naming the field and its allowed values (HTTP 422).
+        """
+        ...
+
+    def generation_size(self, width: int, height: int) -> tuple[int, int]:
+        """Pixel size the latents are generated at for a requested size (PixArt's resolution binning maps a
+        size to its aspect-ratio bin; every other family returns the size itself)."""
+        ...
+
+    def uses_cfg(self, request) -> bool:
+        """True when ``request`` runs classifier-free guidance as uncond rows (the family's own rule)."""
+        ...
+
+    def start(self, plan, cancel: threading.Event | None = None) -> RequestState:
+        """Encode, draw the initial latents and set up the request's own scheduler (step 0)."""
+        ...
+
+    def model_rows(self, state: RequestState) -> DenoiseInputs:
+        """The request's transformer rows at its current step (``state.rows`` rows, per-row timestep)."""
+        ...
+
+    def advance(self, state: RequestState, output: torch.Tensor) -> None:
+        """Apply one step: ``output`` (``state.rows`` rows of the forward, in :meth:`model_rows`' order) ->
+        guidance -> the request's scheduler step -> ``state.latents``; increments ``state.step_index``."""
+        ...
+
+    def decode(self, state: RequestState) -> list[np.ndarray]:
+        """``n`` images as (height, width, 3) uint8 arrays at the requested size, as diffusers'
+        ``output_type="pil"`` gives them (``VaeImageProcessor.postprocess``)."""
+        ...
+
+
+def pad_text(rows: TextRows, tokens: int) -> TextRows:
+    """``rows`` padded to ``tokens`` text tokens with zero vectors and mask False (masked families only).
+
+    Raises:
+        ValueError: ``rows`` has no mask (its family was trained on unmasked fixed-length text) and differs
+            in length, or is longer than ``tokens``.
+    """
+    t = rows.tokens
+    if t == tokens:
+        return rows
+    if rows.mask is None or t > tokens:
+        raise ValueError(f"text of {t} tokens cannot be padded to {tokens}: "
+                         f"{'it is longer' if t <= tokens or rows.mask is not None else 'it has no mask'}")
+    extra = tokens - t
+    text = torch.cat([rows.text, rows.text.new_zeros(1, extra, rows.text.shape[2])], dim=1)
+    mask = torch.cat([rows.mask, rows.mask.new_zeros(1, extra)], dim=1)
+    return TextRows(text, rows.pooled, mask)
+
+
+def concat_rows(parts: list[DenoiseInputs]) -> DenoiseInputs:
+    """The rows of several requests (each at its own step) as the inputs of one forward.
+
+    Rows keep their order (request by request). All parts must share one grid; masked text is padded to the
+    longest part with masked zeros (unmasked text must already share one length).
+
+    Raises:
+        ValueError: parts of different grids, or unmasked text of different lengths.
+    """
+    if len(parts) == 1:
+        return parts[0]
+    grids = {p.grid for p in parts}
+    if len(grids) > 1:
+        raise ValueError(f"rows of different token grids {sorted(grids)} cannot share one forward")
+    masked = [p.text_mask is not None for p in parts]
+    if any(masked) and not all(masked):
+        raise ValueError("masked and unmasked text rows cannot share one forward")
+    tokens = max(p.text_tokens for p in parts)
+    texts, masks = [], []
+    for p in parts:
+        if p.text_tokens != tokens:
+            if p.text_mask is None:
+                raise ValueError(f"unmasked text of {p.text_tokens} and {tokens} tokens cannot share one forward")
+            extra = tokens - p.text_tokens
+            texts.append(torch.cat([p.text, p.text.new_zeros(p.rows, extra, p.text.shape[2])], dim=1))
+            masks.append(torch.cat([p.text_mask, p.text_mask.new_zeros(p.rows, extra)], dim=1))
+        else:
+            texts.append(p.text)
+            masks.append(p.text_mask)
+    guidance = [p.guidance for p in parts]
+    return DenoiseInputs(
+        latents=torch.cat([p.latents for p in parts]),
+        text=torch.cat(texts),
+        pooled=torch.cat([p.pooled for p in parts]),
+        timestep=torch.cat([p.timestep for p in parts]),
+        grid=parts[0].grid,
+        guidance=None if guidance[0] is None else torch.cat(guidance),
+        text_mask=torch.cat(masks) if masked[0] else None,
+    )

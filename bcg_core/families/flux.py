@@ -1,0 +1,446 @@
+"""FLUX.1 family: ``FluxPipeline`` checkpoints (dev with its guidance embedding, schnell without) and the
+bcg-serve tiny layout ``BCGFluxPipeline`` (the zero-config default).
+
+What diffusers 0.42.1 does, and what this module does the same way (``pipelines/flux/pipeline_flux.py``,
+``FluxPipeline.__call__``):
+
+- Text: ``encode_prompt`` gives T5 sequence embeddings of ``max_sequence_length`` (512) tokens, unmasked
+  (padding included), and CLIP's pooled output; this module calls that very method. FLUX was trained on
+  unmasked fixed-length text, so the key's text dimension is that native length (DESIGN.md section 2).
+- Latents: ``prepare_latents`` draws ``(n, C/4... , 2h, 2w)`` noise with ``randn_tensor`` from the
+  request's generators (one per image, seeded ``seed + i``) in the transformer's dtype and packs 2x2 latent
+  patches into tokens (``_pack_latents``): (n, h * w, in_channels).
+- Schedule: sigmas ``linspace(1, 1/N, N)`` with ``mu = calculate_shift(image_seq_len, ...)`` through
+  ``retrieve_timesteps`` (a plain ``set_timesteps(N)`` is a different schedule), ``set_begin_index(0)``.
+- Step: ``timestep = t.expand(rows).to(latents.dtype) / 1000``. FLUX.1-dev gets ``guidance_scale`` as a
+  per-row guidance tensor (the guidance embedding; that is *not* classifier-free guidance). True CFG runs
+  only with ``true_cfg_scale > 1`` and a negative prompt: ``neg + true_cfg_scale * (cond - neg)``; diffusers
+  runs two forwards, here the uncond rows ride in the same forward as the cond rows.
+- Decode: ``_unpack_latents``, ``z / scaling_factor + shift_factor`` (0.3611, 0.1159), ``vae.decode``,
+  ``VaeImageProcessor.postprocess``.
+
+The tiny layout (``BCGFluxPipeline``, written by :func:`bcg_core.models.save_pipeline`) has one sentence
+encoder (all-MiniLM-L6-v2) in place of CLIP and T5, and runs classifier-free guidance with uncond rows when
+``guidance_scale > 1`` (its transformer has no guidance embedding); everything else is the FLUX code above.
+It has no diffusers pipeline to compare with; its images are noise (random weights).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import threading
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..buckets import BucketKey, ShapeRules
+from ..padding import DenoiseInputs, copy_rows
+from .base import ModelSpec, RequestState, TextRows
+
+__all__ = ["BCGFluxFamily", "FLUX_SCHEDULER_CONFIG", "FluxAdapter", "FluxFamily", "flux_image_ids"]
+
+FLUX_DEFAULT_TEXT_TOKENS = 512
+"""FLUX.1's T5 length (``FluxPipeline.__call__(max_sequence_length=512)``)."""
+
+FLUX_SCHEDULER_CONFIG = dict(
+    num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
+    base_image_seq_len=256, max_image_seq_len=4096,
+)
+"""The FLUX.1-dev scheduler config (``scheduler/scheduler_config.json`` of black-forest-labs/FLUX.1-dev)."""
+
+
+def flux_image_ids(grid: tuple[int, int], device=None, dtype=torch.float32) -> torch.Tensor:
+    """FLUX image position ids, as ``FluxPipeline._prepare_latent_image_ids``.
+
+    Args:
+        grid: (h, w) token grid.
+
+    Returns:
+        (h * w, 3): channel 0 zero, channel 1 the row, channel 2 the column.
+    """
+    h, w = grid
+    ids = torch.zeros(h, w, 3, device=device, dtype=dtype)
+    ids[..., 1] = torch.arange(h, device=device, dtype=dtype)[:, None]
+    ids[..., 2] = torch.arange(w, device=device, dtype=dtype)[None, :]
+    return ids.reshape(h * w, 3)
+
+
+class FluxAdapter:
+    """FLUX architecture (diffusers ``FluxTransformer2DModel``): double-stream then single-stream blocks.
+
+    Padding semantics:
+
+    - batch: pad rows copy real row 0 and are dropped after the forward.
+    - image tokens: the forward depends only on the token count (positions come in as ``img_ids``
+      tensors), so a tier holds any grid with its token count (512x768 and 768x512 share a graph)
+      unmasked. A masked bucket (``key.image_mask``) also holds grids with fewer tokens: pad tokens are
+      zero latents with zero position ids, and a boolean key-padding mask ``(batch, 1, 1, text + image)``
+      (passed through ``joint_attention_kwargs`` to every attention) keeps real tokens from attending to
+      them; every other op of the model is per token or per row, so real tokens are unchanged.
+    - text tokens: FLUX was trained on unmasked fixed-length T5 text (512 tokens for FLUX.1-dev); text
+      keeps its native length and is never masked (DESIGN.md section 2: a mask changes the output).
+
+    Args:
+        model: a ``FluxTransformer2DModel``.
+        native_text_tokens: the text length the model was trained with.
+        vae_scale_factor: pixels per latent pixel (8 for FLUX's VAE).
+    """
+
+    family = "flux"
+    timestep_max = 1.0
+
+    def __init__(self, model: torch.nn.Module, native_text_tokens: int, vae_scale_factor: int = 8):
+        self.model = model
+        patch = int(getattr(model.config, "patch_size", 1))
+        # FLUX packs 2x2 latent pixels into one token (FluxPipeline._pack_latents), then patch_size=1.
+        self.rules = ShapeRules(
+            pixels_per_token=vae_scale_factor * 2 * patch, grid_keyed=False, native_text_tokens=native_text_tokens
+        )
+        self.in_channels = int(model.config.in_channels)
+        self.out_channels = int(model.config.out_channels or model.config.in_channels)
+        self.seq_dim = int(model.config.joint_attention_dim)
+        self.pooled_dim = int(model.config.pooled_projection_dim)
+        self.guidance_embeds = bool(model.config.guidance_embeds)
+        self._ids_cache: dict[tuple, torch.Tensor] = {}
+
+    def example_latents(self, rows: int, grid: tuple[int, int], generator: torch.Generator) -> torch.Tensor:
+        """Packed latents (rows, h * w, in_channels), standard normal, CPU fp32."""
+        return torch.randn(rows, grid[0] * grid[1], self.in_channels, generator=generator)
+
+    def allocate(self, key: BucketKey, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """Static buffers of ``key`` (shapes in the comments)."""
+        b, s, t = key.batch, key.image_tokens, key.text_tokens
+        buf = {
+            "latents": torch.zeros(b, s, self.in_channels, device=device, dtype=dtype),  # (B, S, C_in)
+            "text": torch.zeros(b, t, self.seq_dim, device=device, dtype=dtype),  # (B, T, D_text)
+            "pooled": torch.zeros(b, self.pooled_dim, device=device, dtype=dtype),  # (B, D_pooled)
+            "timestep": torch.zeros(b, device=device, dtype=dtype),  # (B,)
+            "img_ids": torch.zeros(s, 3, device=device, dtype=dtype),  # (S, 3)
+            "txt_ids": torch.zeros(t, 3, device=device, dtype=dtype),  # (T, 3)
+        }
+        if key.image_mask:
+            buf["attn_mask"] = torch.ones(b, 1, 1, t + s, device=device, dtype=torch.bool)  # (B, 1, 1, T + S)
+        if self.guidance_embeds:
+            buf["guidance"] = torch.zeros(b, device=device, dtype=dtype)  # (B,)
+        return buf
+
+    def fill(self, buffers: dict[str, torch.Tensor], inputs: DenoiseInputs) -> None:
+        """Copy ``inputs`` into the buffers, padding rows with row 0 and image tokens with masked zeros.
+
+        Raises:
+            ValueError: if the inputs do not fit the buffers (more rows, tokens or a different text length).
+        """
+        lat = buffers["latents"]
+        b, s, _ = lat.shape
+        t = buffers["text"].shape[1]
+        n, k = inputs.rows, inputs.image_tokens
+        masked = "attn_mask" in buffers
+        if inputs.text_mask is not None:
+            raise ValueError("FLUX was trained on unmasked fixed-length text: inputs.text_mask must be None")
+        if n > b or k > s or (k < s and not masked) or inputs.text_tokens != t or inputs.grid[0] * inputs.grid[1] != k:
+            raise ValueError(
+                f"inputs of {n} rows x {k} image tokens x {inputs.text_tokens} text tokens (grid {inputs.grid}) "
+                f"do not fit bucket buffers of {b} rows x {s} image tokens x {t} text tokens"
+            )
+        copy_rows(lat[:, :k], inputs.latents)
+        if k < s:
+            lat[:, k:].zero_()
+        copy_rows(buffers["text"], inputs.text)
+        copy_rows(buffers["pooled"], inputs.pooled)
+        copy_rows(buffers["timestep"], inputs.timestep)
+        if self.guidance_embeds:
+            if inputs.guidance is None:
+                raise ValueError("this FLUX model is guidance-distilled: inputs.guidance is required")
+            copy_rows(buffers["guidance"], inputs.guidance)
+        ids = buffers["img_ids"]
+        ids[:k].copy_(self._image_ids(inputs.grid, ids.device, ids.dtype))
+        if k < s:
+            ids[k:].zero_()
+        buffers["txt_ids"].zero_()
+        if masked:
+            mask = buffers["attn_mask"]
+            mask[..., : t + k].fill_(True)
+            if k < s:
+                mask[..., t + k :].fill_(False)
+
+    def _image_ids(self, grid: tuple[int, int], device, dtype) -> torch.Tensor:
+        """Cached :func:`flux_image_ids` (one small tensor per grid and device)."""
+        key = (grid, str(device), dtype)
+        ids = self._ids_cache.get(key)
+        if ids is None:
+            ids = self._ids_cache[key] = flux_image_ids(grid, device=device, dtype=dtype)
+        return ids
+
+    def _call(self, latents, text, pooled, timestep, img_ids, txt_ids, guidance, attention_kwargs):
+        return self.model(
+            hidden_states=latents,
+            encoder_hidden_states=text,
+            pooled_projections=pooled,
+            timestep=timestep,
+            img_ids=img_ids,
+            txt_ids=txt_ids,
+            guidance=guidance,
+            joint_attention_kwargs=attention_kwargs,
+            return_dict=False,
+        )[0]
+
+    def forward(self, buffers: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Padded forward over the static buffers: (B, S, C_out)."""
+        return self._call(
+            buffers["latents"], buffers["text"], buffers["pooled"], buffers["timestep"], buffers["img_ids"],
+            buffers["txt_ids"], buffers.get("guidance"),
+            {"attention_mask": buffers["attn_mask"]} if "attn_mask" in buffers else None,
+        )
+
+    def unpad(self, output: torch.Tensor, inputs: DenoiseInputs) -> torch.Tensor:
+        """Rows ``[0, inputs.rows)`` and image tokens ``[0, inputs.image_tokens)`` of ``output``."""
+        return output[: inputs.rows, : inputs.image_tokens]
+
+    def forward_eager(self, inputs: DenoiseInputs) -> torch.Tensor:
+        """Unpadded, unmasked reference forward, exactly as ``FluxPipeline`` calls the transformer."""
+        p = next(self.model.parameters())
+        cast = lambda x: None if x is None else x.to(device=p.device, dtype=p.dtype)  # noqa: E731
+        return self._call(
+            cast(inputs.latents), cast(inputs.text), cast(inputs.pooled), cast(inputs.timestep),
+            flux_image_ids(inputs.grid, device=p.device, dtype=p.dtype),
+            torch.zeros(inputs.text_tokens, 3, device=p.device, dtype=p.dtype),
+            cast(inputs.guidance) if self.guidance_embeds else None, None,
+        )
+
+
+def _read_json(path: Path) -> dict:
+    return json.loads(path.read_text())
+
+
+class FluxFamily:
+    """A ``FluxPipeline`` checkpoint (FLUX.1-dev or -schnell), served step by step.
+
+    Build with :meth:`load`. Request fields: ``guidance_scale`` feeds FLUX.1-dev's guidance embedding (and is
+    ignored by schnell, as diffusers ignores it); ``true_cfg_scale`` > 1 with a ``negative_prompt`` runs true
+    classifier-free guidance (uncond rows), as ``FluxPipeline(true_cfg_scale=...)``.
+
+    Args:
+        name: served model name.
+        spec: the model's :class:`ModelSpec`.
+        transformer, vae: the loaded components, on ``device`` in ``dtype``.
+        scheduler: the checkpoint's scheduler (a template: each request gets a deep copy).
+        image_processor: ``VaeImageProcessor`` of the pipeline (``vae_scale_factor * 2``).
+        encoder: ``prompt -> TextRows`` (serialised by a lock: tokenizers are not thread-safe).
+        counter: ``prompt -> tokens`` of the sequence encoder.
+    """
+
+    name = "flux"
+    pipeline_classes = ("FluxPipeline",)
+
+    def __init__(self, name: str, spec: ModelSpec, transformer, vae, scheduler, image_processor, encoder, counter,
+                 device: torch.device, dtype: torch.dtype):
+        self.model_name = name
+        self.spec = spec
+        self.rules = spec.rules
+        self.guidance_embeds = spec.guidance_embeds
+        self.vae = vae
+        self.vae_scale_factor = 2 ** (len(vae.config.block_out_channels) - 1)
+        self.adapter = FluxAdapter(transformer, spec.rules.native_text_tokens, self.vae_scale_factor)
+        self.scheduler = scheduler
+        self.image_processor = image_processor
+        self._encoder = encoder
+        self._counter = counter
+        self._lock = threading.Lock()
+        self.device, self.dtype = device, dtype
+
+    # -- checkpoint ---------------------------------------------------------------------------------
+
+    @classmethod
+    def describe(cls, path: Path, index: dict) -> ModelSpec:
+        """Spec from ``transformer/config.json``, ``vae/config.json`` and ``model_index.json``."""
+        tr = _read_json(path / "transformer" / "config.json")
+        vae = _read_json(path / "vae" / "config.json")
+        scale = 2 ** (len(vae["block_out_channels"]) - 1)
+        tokens = int(index.get("bcg_text_tokens", FLUX_DEFAULT_TEXT_TOKENS))
+        return ModelSpec(
+            name=path.name, family=cls.name, pipeline_class=index["_class_name"],
+            rules=ShapeRules(pixels_per_token=scale * 2 * int(tr.get("patch_size", 1)), grid_keyed=False,
+                             native_text_tokens=tokens),
+            guidance_embeds=bool(tr.get("guidance_embeds", False)), cfg_rule="true_cfg",
+            default_true_cfg_scale=1.0,
+        )
+
+    @classmethod
+    def token_counter(cls, path: Path, index: dict):
+        """T5 tokens of a prompt (``tokenizer_2``), with the end-of-sequence token."""
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(str(path / "tokenizer_2"), local_files_only=True)
+        return lambda prompt, negative=False: len(tok(prompt, truncation=False)["input_ids"])
+
+    @classmethod
+    def load(cls, path: Path, index: dict, device: torch.device, dtype: torch.dtype) -> "FluxFamily":
+        """Load with ``FluxPipeline.from_pretrained`` (local files only) and move to ``device``."""
+        from diffusers import FluxPipeline
+
+        spec = cls.describe(path, index)
+        pipe = FluxPipeline.from_pretrained(str(path), torch_dtype=dtype, local_files_only=True).to(device)
+        for m in (pipe.transformer, pipe.vae, pipe.text_encoder, pipe.text_encoder_2):
+            m.eval()
+        tokens = spec.rules.native_text_tokens
+
+        def encode(prompt: str) -> TextRows:
+            seq, pooled, _ = pipe.encode_prompt(prompt=[prompt], prompt_2=None, device=device,
+                                                num_images_per_prompt=1, max_sequence_length=tokens)
+            return TextRows(seq, pooled)
+
+        counter = cls.token_counter(path, index)
+        return cls(path.name, spec, pipe.transformer, pipe.vae, pipe.scheduler, pipe.image_processor, encode,
+                   counter, device, dtype)
+
+    # -- planning hooks -----------------------------------------------------------------------------
+
+    def count_tokens(self, prompt: str, negative: bool = False) -> int:
+        """Tokens of ``prompt`` in the sequence encoder (prompts and negative prompts alike)."""
+        with self._lock:
+            return self._counter(prompt)
+
+    def check(self, request) -> None:
+        """Nothing to refuse beyond :meth:`ModelSpec.check`."""
+        self.spec.check(request)
+
+    def generation_size(self, width: int, height: int) -> tuple[int, int]:
+        """The requested size itself (FLUX has no resolution binning)."""
+        return width, height
+
+    def uses_cfg(self, request) -> bool:
+        """See :meth:`ModelSpec.uses_cfg`."""
+        return self.spec.uses_cfg(request)
+
+    # -- the step-level loop ------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def encode(self, prompt: str) -> TextRows:
+        """One prompt's text rows (serialised: tokenizers keep mutable padding state)."""
+        with self._lock:
+            return self._encoder(prompt)
+
+    @torch.inference_mode()
+    def start(self, plan, cancel: threading.Event | None = None) -> RequestState:
+        """Encode, draw packed noise as ``FluxPipeline.prepare_latents`` and set the shifted schedule."""
+        from diffusers.pipelines.flux.pipeline_flux import FluxPipeline, calculate_shift, retrieve_timesteps
+        from diffusers.utils.torch_utils import randn_tensor
+
+        req = plan.request
+        cond = self.encode(req.prompt)
+        uncond = self.encode(req.negative_prompt or "") if self.uses_cfg(req) else None
+        h, w = self.rules.grid(req.width, req.height)
+        channels = self.adapter.in_channels // 4
+        gens = [torch.Generator("cpu").manual_seed(req.seed + i) for i in range(req.n)]
+        noise = randn_tensor((req.n, channels, 2 * h, 2 * w), generator=gens, device=self.device,
+                             dtype=cond.text.dtype)
+        latents = FluxPipeline._pack_latents(noise, req.n, channels, 2 * h, 2 * w)
+        sched = copy.deepcopy(self.scheduler)
+        steps = req.num_inference_steps
+        sigmas = np.linspace(1.0, 1 / steps, steps)
+        if getattr(sched.config, "use_flow_sigmas", False):
+            sigmas = None
+        c = sched.config
+        mu = calculate_shift(latents.shape[1], c.get("base_image_seq_len", 256), c.get("max_image_seq_len", 4096),
+                             c.get("base_shift", 0.5), c.get("max_shift", 1.15))
+        timesteps, _ = retrieve_timesteps(sched, steps, self.device, sigmas=sigmas, mu=mu)
+        sched.set_begin_index(0)
+        extras = {}
+        if self.guidance_embeds:  # FluxPipeline: torch.full([1], guidance_scale, float32).expand(batch)
+            extras["guidance"] = torch.full([1], float(req.guidance_scale), device=self.device, dtype=torch.float32)
+        return RequestState(plan, cond, uncond, latents, sched, timesteps, (h, w), extras=extras, cancel=cancel)
+
+    def model_rows(self, state: RequestState) -> DenoiseInputs:
+        """Cond rows (one per image), then with true CFG the uncond rows; timestep ``t / 1000`` per row."""
+        n, lat = state.n, state.latents
+        parts = [state.cond] + ([state.uncond] if state.cfg else [])
+        x = torch.cat([lat] * len(parts)) if len(parts) > 1 else lat
+        text = torch.cat([p.text.expand(n, -1, -1) for p in parts])
+        pooled = torch.cat([p.pooled.expand(n, -1) for p in parts])
+        timestep = state.timestep.expand(x.shape[0]).to(lat.dtype) / 1000
+        guidance = state.extras.get("guidance")
+        if guidance is not None:
+            guidance = guidance.expand(x.shape[0])
+        return DenoiseInputs(x, text, pooled, timestep, state.grid, guidance)
+
+    def advance(self, state: RequestState, output: torch.Tensor) -> None:
+        """``neg + scale * (cond - neg)`` with true CFG, then the request's flow-matching Euler step."""
+        noise = output
+        if state.cfg:
+            cond, neg = output[: state.n], output[state.n :]
+            noise = neg + self.spec.cfg_scale(state.request) * (cond - neg)
+        state.latents = state.scheduler.step(noise, state.timestep, state.latents, return_dict=False)[0]
+        state.step_index += 1
+
+    @torch.inference_mode()
+    def decode(self, state: RequestState) -> list[np.ndarray]:
+        """Unpack, unscale (``z / scaling + shift``), VAE decode, ``postprocess`` to uint8 RGB."""
+        from diffusers.pipelines.flux.pipeline_flux import FluxPipeline
+
+        req = state.request
+        z = FluxPipeline._unpack_latents(state.latents, req.height, req.width, self.vae_scale_factor)
+        z = z / self.vae.config.scaling_factor + self.vae.config.shift_factor
+        image = self.vae.decode(z.to(self.vae.dtype), return_dict=False)[0]
+        return [np.asarray(im) for im in self.image_processor.postprocess(image, output_type="pil")]
+
+
+class BCGFluxFamily(FluxFamily):
+    """The bcg-serve tiny layout (``BCGFluxPipeline``): FLUX transformer and VAE, one sentence encoder.
+
+    Classifier-free guidance runs with uncond rows when ``guidance_scale > 1`` (its transformer has no
+    guidance embedding), ``uncond + g * (cond - uncond)``.
+    """
+
+    pipeline_classes = ("BCGFluxPipeline",)
+
+    @classmethod
+    def describe(cls, path: Path, index: dict) -> ModelSpec:
+        """As :meth:`FluxFamily.describe`, CFG by ``guidance_scale``, native text from ``bcg_text_tokens``."""
+        from ..models import TINY_TEXT_TOKENS
+
+        spec = FluxFamily.describe(path, {"bcg_text_tokens": TINY_TEXT_TOKENS, **index})
+        return ModelSpec(spec.name, cls.name, index["_class_name"], spec.rules, guidance_embeds=False,
+                         cfg_rule="guidance_scale")
+
+    @classmethod
+    def token_counter(cls, path: Path, index: dict):
+        """Tokens of the sentence encoder's tokenizer, with [CLS] and [SEP]."""
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(str(path / "tokenizer"), local_files_only=True)
+        return lambda prompt, negative=False: len(tok(prompt, truncation=False)["input_ids"])
+
+    @classmethod
+    def load(cls, path: Path, index: dict, device: torch.device, dtype: torch.dtype) -> "BCGFluxFamily":
+        """Load the transformer, VAE, scheduler and sentence encoder folders."""
+        from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
+
+        from transformers import AutoModel, AutoTokenizer
+
+        from ..text import SentenceTextEncoder
+
+        transformer = FluxTransformer2DModel.from_pretrained(path / "transformer", torch_dtype=dtype).to(device)
+        vae = AutoencoderKL.from_pretrained(path / "vae", torch_dtype=dtype).to(device)
+        sched = FlowMatchEulerDiscreteScheduler.from_pretrained(path / "scheduler")
+        text = SentenceTextEncoder(AutoTokenizer.from_pretrained(str(path / "tokenizer"), local_files_only=True),
+                                   AutoModel.from_pretrained(path / "text_encoder").to(device))
+        return cls.assemble(path.name, cls.describe(path, index), transformer, vae, sched, text, device, dtype)
+
+    @classmethod
+    def assemble(cls, name: str, spec: ModelSpec, transformer, vae, scheduler, text, device, dtype) -> "BCGFluxFamily":
+        """A family from parts already on ``device`` (the tiny default is built this way)."""
+        from diffusers.image_processor import VaeImageProcessor
+
+        tokens = spec.rules.native_text_tokens
+
+        def encode(prompt: str) -> TextRows:
+            seq, pooled = text.encode([prompt], tokens)
+            return TextRows(seq.to(dtype), pooled.to(dtype))
+
+        scale = 2 ** (len(vae.config.block_out_channels) - 1)
+        fam = cls(name, spec, transformer.eval(), vae.eval(), scheduler, VaeImageProcessor(vae_scale_factor=scale * 2),
+                  encode, text.count_tokens, device, dtype)
+        fam.text_encoder = text
+        return fam

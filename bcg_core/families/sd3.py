@@ -1,0 +1,377 @@
+"""Stable Diffusion 3 and 3.5 (``StableDiffusion3Pipeline``): MMDiT keyed on the latent grid, unmasked text.
+
+Everything below reproduces ``diffusers/pipelines/stable_diffusion_3/pipeline_stable_diffusion_3.py``
+(diffusers 0.42.1, "the pipeline") by calling its own methods; line numbers are that file's unless named.
+
+- Text (``encode_prompt``, called as ``__call__`` calls it, with ``prompt_2``/``prompt_3`` None so every
+  encoder reads the prompt): CLIP-L and CLIP-G take their *penultimate* hidden states (``hidden_states[-2]``,
+  line 328) and their projected ``text_embeds`` as pooled (line 325); the two are concatenated on channels,
+  zero-padded to the T5 width (line 459) and put before the T5 tokens: 77 + ``max_sequence_length`` (256) =
+  333 tokens, unmasked (T5 runs without an attention mask, and the joint attention takes none). Pooled:
+  CLIP-L + CLIP-G.
+  With CFG the negative prompt is encoded even when empty (``negative_prompt or ""``, line 467).
+- CFG: ``do_classifier_free_guidance = guidance_scale > 1``; rows ``[uncond] * n + [cond] * n`` (line 998);
+  ``uncond + guidance_scale * (cond - uncond)`` (line 1086). ``guidance_scale`` is the CFG scale; SD3 has no
+  guidance embedding and no ``true_cfg_scale`` (FLUX and Qwen-Image only): :meth:`SD3Family.check` refuses it.
+- Skip-layer guidance (``skip_guidance_layers``, SD3.5-medium's recommended extra: a third forward without
+  some layers inside its own step window ``skip_layer_guidance_start/stop``) is not a request field and is not
+  supported: every request runs the pipeline's default ``skip_guidance_layers=None``.
+- Latents: ``prepare_latents`` (16, H/8, W/8) in the text-embedding dtype, from generators ``seed + i``.
+- Timesteps: a deep copy of the pipeline's ``FlowMatchEulerDiscreteScheduler`` per request, set by the
+  pipeline's ``retrieve_timesteps``; with ``use_dynamic_shifting`` the pipeline's ``calculate_shift`` gives
+  ``mu`` from ``(H/8/patch) * (W/8/patch)`` image tokens with the config's fields (``max_shift`` falls back to
+  1.16 there, not FLUX's 1.15; line 1016). The transformer gets ``t.expand(rows)`` undivided (0-1000, fp32).
+- Decode: ``z / scaling_factor + shift_factor`` (1.5305, 0.0609 for SD3's VAE; line 1141), ``vae.decode`` of
+  the request's ``n`` latents in one call, ``image_processor.postprocess(output_type="pil")``.
+- Refused at load (:meth:`SD3Family.describe`): a scheduler other than ``FlowMatchEulerDiscreteScheduler``,
+  or one with ``stochastic_sampling`` (the pipeline draws that noise from the global RNG: not reproducible).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import threading
+from pathlib import Path
+from typing import Callable, ClassVar
+
+import numpy as np
+import torch
+
+from ..buckets import BucketKey, ShapeRules
+from ..errors import RequestError
+from ..padding import DenoiseInputs, copy_rows
+from .base import ModelSpec, RequestState, TextRows
+
+__all__ = ["SD3Adapter", "SD3Family", "SD3_MAX_SEQUENCE_LENGTH", "SD3_NATIVE_TEXT_TOKENS"]
+
+SD3_MAX_SEQUENCE_LENGTH = 256
+"""T5 tokens of ``StableDiffusion3Pipeline.__call__``'s default ``max_sequence_length``."""
+
+SD3_NATIVE_TEXT_TOKENS = 77 + SD3_MAX_SEQUENCE_LENGTH
+"""CLIP tokens + T5 tokens of ``StableDiffusion3Pipeline`` with its default ``max_sequence_length=256``."""
+
+
+class SD3Adapter:
+    """SD3 padding (diffusers ``SD3Transformer2DModel``): exact latent grid, native-length unmasked text.
+
+    Why (``diffusers/models/transformers/transformer_sd3.py``, ``.../embeddings.py``): the forward reads
+    ``height, width = hidden_states.shape[-2:]`` and ``PatchEmbed`` crops its ``pos_embed_max_size``-square
+    position table around the centre by those Python ints (``cropped_pos_embed``); the unpatchify reshapes by
+    them. A captured graph bakes in one (h, w), so the key carries ``latent_hw`` (``grid_keyed=True``) and
+    image tokens are never rounded up. The model was trained on fixed-length unmasked text (333 tokens);
+    padding it changes the output (tests/test_sd3.py). Pad rows are copies of row 0, dropped after the forward
+    (every op is per row). The timestep buffer is fp32 whatever the model dtype (bf16 would round 999 to
+    1000).
+
+    Layout:
+
+    - ``DenoiseInputs.latents``: (rows, in_channels, h * patch, w * patch); ``grid`` the token grid (h, w).
+    - ``DenoiseInputs.text``: (rows, native_text_tokens, joint_attention_dim); ``text_mask`` must be None.
+    - ``DenoiseInputs.pooled``: (rows, pooled_projection_dim) (CLIP-L and CLIP-G pooled, concatenated).
+    - ``DenoiseInputs.timestep``: (rows,) the scheduler's timestep on the 0-1000 scale, not divided.
+    - output: (rows, out_channels, h * patch, w * patch), the velocity prediction.
+
+    Args:
+        model: an ``SD3Transformer2DModel`` (with ``pos_embed_max_size`` set, as every SD3 checkpoint).
+        native_text_tokens: 77 CLIP tokens plus ``max_sequence_length`` T5 tokens (333 by default).
+        vae_scale_factor: pixels per latent pixel (8 for SD3's VAE).
+
+    Raises:
+        ValueError: the model has no ``pos_embed_max_size`` (its forward would not crop a table).
+    """
+
+    family = "sd3"
+    guidance_embeds = False
+    timestep_max = 1000.0
+
+    def __init__(self, model: torch.nn.Module, native_text_tokens: int = SD3_NATIVE_TEXT_TOKENS,
+                 vae_scale_factor: int = 8):
+        cfg = model.config
+        if not cfg.pos_embed_max_size:
+            raise ValueError("SD3Adapter needs an SD3Transformer2DModel with pos_embed_max_size set "
+                             "(SD3 checkpoints use 192 or 384)")
+        self.model = model
+        self.patch = int(cfg.patch_size)
+        self.rules = ShapeRules(pixels_per_token=vae_scale_factor * self.patch, grid_keyed=True,
+                                native_text_tokens=native_text_tokens)
+        self.in_channels = int(cfg.in_channels)
+        self.out_channels = int(cfg.out_channels or cfg.in_channels)
+        self.seq_dim = int(cfg.joint_attention_dim)
+        self.pooled_dim = int(cfg.pooled_projection_dim)
+        self.max_grid_side = int(cfg.pos_embed_max_size)
+
+    def example_latents(self, rows: int, grid: tuple[int, int], generator: torch.Generator) -> torch.Tensor:
+        """Latent images (rows, in_channels, h * patch, w * patch), standard normal, CPU fp32."""
+        h, w = grid[0] * self.patch, grid[1] * self.patch
+        return torch.randn(rows, self.in_channels, h, w, generator=generator)
+
+    def allocate(self, key: BucketKey, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """Static buffers of ``key`` (shapes in the comments).
+
+        Raises:
+            ValueError: the key has no grid, or a grid side exceeds ``pos_embed_max_size``.
+        """
+        if key.latent_hw is None:
+            raise ValueError(f"bucket {key} has no latent_hw: SD3 buckets are keyed on the latent grid")
+        h, w = key.latent_hw
+        if max(h, w) > self.max_grid_side:
+            px = self.max_grid_side * self.rules.pixels_per_token
+            raise ValueError(f"bucket {key}: grid {h}x{w} exceeds the model's pos_embed_max_size "
+                             f"{self.max_grid_side} (sides up to {px} px)")
+        b, t, p = key.batch, key.text_tokens, self.patch
+        return {
+            # (B, C, H, W)
+            "latents": torch.zeros(b, self.in_channels, h * p, w * p, device=device, dtype=dtype),
+            "text": torch.zeros(b, t, self.seq_dim, device=device, dtype=dtype),  # (B, T, D_text)
+            "pooled": torch.zeros(b, self.pooled_dim, device=device, dtype=dtype),  # (B, D_pooled)
+            "timestep": torch.zeros(b, device=device, dtype=torch.float32),  # (B,) 0-1000 scale, fp32
+        }
+
+    def fill(self, buffers: dict[str, torch.Tensor], inputs: DenoiseInputs) -> None:
+        """Copy ``inputs`` into the buffers; pad rows are copies of row 0 (every element is written).
+
+        Raises:
+            ValueError: the inputs do not fit (more rows, another grid, another text length) or carry a
+                text mask (SD3 text is unmasked).
+        """
+        lat = buffers["latents"]
+        b, t, n = lat.shape[0], buffers["text"].shape[1], inputs.rows
+        if inputs.text_mask is not None:
+            raise ValueError("SD3 was trained on unmasked fixed-length text: inputs.text_mask must be None")
+        if n > b or tuple(inputs.latents.shape[1:]) != tuple(lat.shape[1:]) or inputs.text_tokens != t:
+            raise ValueError(
+                f"inputs of {n} rows x latents {tuple(inputs.latents.shape[1:])} x {inputs.text_tokens} text "
+                f"tokens do not fit bucket buffers of {b} rows x latents {tuple(lat.shape[1:])} x {t} text "
+                f"tokens"
+            )
+        copy_rows(lat, inputs.latents)
+        copy_rows(buffers["text"], inputs.text)
+        copy_rows(buffers["pooled"], inputs.pooled)
+        copy_rows(buffers["timestep"], inputs.timestep)
+
+    def _call(self, latents, text, pooled, timestep) -> torch.Tensor:
+        return self.model(hidden_states=latents, encoder_hidden_states=text, pooled_projections=pooled,
+                          timestep=timestep, return_dict=False)[0]
+
+    def forward(self, buffers: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Padded forward over the static buffers: (B, C_out, H, W)."""
+        return self._call(buffers["latents"], buffers["text"], buffers["pooled"], buffers["timestep"])
+
+    def unpad(self, output: torch.Tensor, inputs: DenoiseInputs) -> torch.Tensor:
+        """Rows ``[0, inputs.rows)`` of ``output`` (no image or text padding to remove)."""
+        return output[: inputs.rows]
+
+    def forward_eager(self, inputs: DenoiseInputs) -> torch.Tensor:
+        """Unpadded reference forward, as ``StableDiffusion3Pipeline`` calls the transformer (line 1074)."""
+        if inputs.text_mask is not None:
+            raise ValueError("SD3 was trained on unmasked fixed-length text: inputs.text_mask must be None")
+        p = next(self.model.parameters())
+        cast = lambda x: x.to(device=p.device, dtype=p.dtype)  # noqa: E731
+        return self._call(cast(inputs.latents), cast(inputs.text), cast(inputs.pooled),
+                          inputs.timestep.to(device=p.device, dtype=torch.float32))
+
+
+def _read_json(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _counter(t5, clip) -> tuple[Callable[[str], int], int]:
+    """``prompt -> tokens`` of the sequence encoder that reads most of a prompt, and how many it reads: T5
+    (``max_sequence_length`` 256) when the checkpoint has it, else CLIP-L (77)."""
+    tok, limit = (t5, SD3_MAX_SEQUENCE_LENGTH) if t5 is not None else (clip, int(clip.model_max_length))
+    return (lambda prompt, negative=False: len(tok(prompt, truncation=False)["input_ids"])), limit
+
+
+class SD3Family:
+    """SD3 / SD3.5 (``StableDiffusion3Pipeline``); see the module docstring for each diffusers fact.
+
+    Built by :meth:`load`; holds the loaded pipeline (``pipe``) and calls its own methods for encoding,
+    latents, timesteps and decoding. Request fields: ``guidance_scale`` is the CFG scale (uncond rows above
+    1); ``negative_prompt`` is the uncond text ("" when omitted, encoded); ``true_cfg_scale`` is refused.
+
+    Args:
+        spec: the model's :class:`ModelSpec` (from :meth:`describe`).
+        pipe: the loaded ``StableDiffusion3Pipeline`` on ``device`` in ``dtype``.
+    """
+
+    name: ClassVar[str] = "sd3"
+    pipeline_classes: ClassVar[tuple[str, ...]] = ("StableDiffusion3Pipeline",)
+
+    def __init__(self, spec: ModelSpec, pipe, device: torch.device, dtype: torch.dtype):
+        self.model_name = spec.name
+        self.spec = spec
+        self.pipe = pipe
+        self.device, self.dtype = torch.device(device), dtype
+        self.guidance_embeds = False
+        self.adapter = SD3Adapter(pipe.transformer, native_text_tokens=spec.rules.native_text_tokens,
+                                  vae_scale_factor=int(pipe.vae_scale_factor))
+        self.rules = self.adapter.rules
+        self._count = _counter(pipe.tokenizer_3, pipe.tokenizer)[0]
+        self._lock = threading.Lock()  # tokenizers keep mutable padding state: one encode at a time
+
+    # -- checkpoint ---------------------------------------------------------------------------------
+
+    @classmethod
+    def describe(cls, path: Path, index: dict) -> ModelSpec:
+        """The model's spec from ``model_index.json`` and the component configs (no weights).
+
+        Raises:
+            ValueError: a scheduler other than ``FlowMatchEulerDiscreteScheduler``, a stochastic one, or a
+                transformer without ``pos_embed_max_size``.
+        """
+        path = Path(path)
+        sched_cls = (index.get("scheduler") or [None, None])[1]
+        if sched_cls != "FlowMatchEulerDiscreteScheduler":
+            raise ValueError(f"{path}: scheduler {sched_cls!r} is not served for SD3; use the checkpoint's "
+                             f"FlowMatchEulerDiscreteScheduler (the only one this family is checked with)")
+        if _read_json(path / "scheduler" / "scheduler_config.json").get("stochastic_sampling"):
+            raise ValueError(f"{path}: scheduler stochastic_sampling=true draws noise from the global RNG in "
+                             f"StableDiffusion3Pipeline (not reproducible per seed); set it to false")
+        tr = _read_json(path / "transformer" / "config.json")
+        if not tr.get("pos_embed_max_size"):
+            raise ValueError(f"{path}: transformer config has no pos_embed_max_size "
+                             f"(SD3 checkpoints use 192 or 384)")
+        vae = _read_json(path / "vae" / "config.json")
+        scale = 2 ** (len(vae.get("block_out_channels", (0,) * 4)) - 1)
+        clip = int(_read_json(path / "tokenizer" / "tokenizer_config.json").get("model_max_length", 77))
+        rules = ShapeRules(pixels_per_token=scale * int(tr.get("patch_size", 2)), grid_keyed=True,
+                           native_text_tokens=clip + SD3_MAX_SEQUENCE_LENGTH)
+        has_t5 = (index.get("tokenizer_3") or [None])[0] is not None
+        return ModelSpec(name=path.name, family=cls.name, pipeline_class=index["_class_name"], rules=rules,
+                         guidance_embeds=False, cfg_rule="guidance_scale", default_true_cfg_scale=None,
+                         max_prompt_tokens=SD3_MAX_SEQUENCE_LENGTH if has_t5 else clip,
+                         max_grid_side=int(tr["pos_embed_max_size"]))
+
+    @classmethod
+    def token_counter(cls, path: Path, index: dict) -> Callable[[str], int]:
+        """T5 tokens of a prompt with its end-of-sequence token (``tokenizer_3``; CLIP-L's ``tokenizer`` when
+        the checkpoint has no T5)."""
+        from transformers import AutoTokenizer
+
+        path = Path(path)
+        has_t5 = (index.get("tokenizer_3") or [None])[0] is not None
+        tok = AutoTokenizer.from_pretrained(str(path / ("tokenizer_3" if has_t5 else "tokenizer")),
+                                            local_files_only=True)
+        return _counter(tok if has_t5 else None, tok)[0]
+
+    @classmethod
+    def load(cls, path: Path, index: dict, device: torch.device, dtype: torch.dtype) -> "SD3Family":
+        """``StableDiffusion3Pipeline.from_pretrained(path)`` (local files only), moved to ``device``.
+
+        Raises:
+            ValueError: as :meth:`describe`.
+        """
+        from diffusers import StableDiffusion3Pipeline
+
+        spec = cls.describe(path, index)
+        pipe = StableDiffusion3Pipeline.from_pretrained(str(path), dtype=dtype, local_files_only=True)
+        pipe.to(device)
+        pipe.set_progress_bar_config(disable=True)
+        for m in (pipe.transformer, pipe.vae, pipe.text_encoder, pipe.text_encoder_2, pipe.text_encoder_3):
+            if m is not None:
+                m.eval()
+        return cls(spec, pipe, device, dtype)
+
+    # -- planning hooks -----------------------------------------------------------------------------
+
+    def count_tokens(self, prompt: str, negative: bool = False) -> int:
+        """T5 tokens of ``prompt``, prompts and negative prompts alike (as :meth:`token_counter`)."""
+        with self._lock:
+            return self._count(prompt)
+
+    def check(self, request) -> None:
+        """Refuse what this family does not run exactly as ``StableDiffusion3Pipeline``.
+
+        Raises:
+            RequestError: as :meth:`ModelSpec.check`: ``true_cfg_scale`` set (SD3's CFG scale is
+                ``guidance_scale``), a size whose token grid exceeds ``pos_embed_max_size`` (diffusers raises
+                there too). A prompt or negative prompt longer than T5's ``max_sequence_length`` (256 tokens,
+                which diffusers would silently cut) is refused by the planner (:attr:`ModelSpec.max_prompt_tokens`).
+        """
+        self.spec.check(request)
+
+    def generation_size(self, width: int, height: int) -> tuple[int, int]:
+        """The requested size itself (SD3 has no resolution binning)."""
+        return width, height
+
+    def uses_cfg(self, request) -> bool:
+        """``guidance_scale > 1``: the pipeline's ``do_classifier_free_guidance`` (``ModelSpec.uses_cfg``)."""
+        return self.spec.uses_cfg(request)
+
+    # -- the step-level loop ------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def start(self, plan, cancel: threading.Event | None = None) -> RequestState:
+        """Encode (``encode_prompt``), draw latents (``prepare_latents``) and set this request's scheduler.
+
+        Returns:
+            A state at step 0; ``latents`` (n, 16, H/8, W/8) in the text-embedding dtype, as the pipeline.
+
+        Raises:
+            RequestError: as :meth:`check`.
+        """
+        from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import (
+            calculate_shift, retrieve_timesteps,
+        )
+
+        req, pipe = plan.request, self.pipe
+        cfg = self.uses_cfg(req)
+        with self._lock:
+            text, neg_text, pooled, neg_pooled = pipe.encode_prompt(
+                prompt=req.prompt, prompt_2=None, prompt_3=None, device=self.device, num_images_per_prompt=1,
+                do_classifier_free_guidance=cfg, negative_prompt=req.negative_prompt,
+                max_sequence_length=SD3_MAX_SEQUENCE_LENGTH,
+            )
+        width, height = self.generation_size(req.width, req.height)
+        generators = [torch.Generator("cpu").manual_seed(req.seed + i) for i in range(req.n)]
+        latents = pipe.prepare_latents(req.n, pipe.transformer.config.in_channels, height, width, text.dtype,
+                                       self.device, generators)
+        scheduler = copy.deepcopy(pipe.scheduler)
+        kwargs = {}
+        c = scheduler.config
+        if c.get("use_dynamic_shifting", None):  # pipeline line 1016: mu from the latent size, as there
+            patch = pipe.transformer.config.patch_size
+            kwargs["mu"] = calculate_shift(
+                (latents.shape[2] // patch) * (latents.shape[3] // patch), c.get("base_image_seq_len", 256),
+                c.get("max_image_seq_len", 4096), c.get("base_shift", 0.5), c.get("max_shift", 1.16),
+            )
+        timesteps, _ = retrieve_timesteps(scheduler, req.num_inference_steps, self.device, sigmas=None,
+                                          **kwargs)
+        return RequestState(
+            plan=plan, cond=TextRows(text, pooled), uncond=TextRows(neg_text, neg_pooled) if cfg else None,
+            latents=latents, scheduler=scheduler, timesteps=timesteps, grid=self.rules.grid(width, height),
+            cancel=cancel,
+        )
+
+    def model_rows(self, state: RequestState) -> DenoiseInputs:
+        """``[uncond] * n + [cond] * n`` rows with CFG (pipeline line 998), else ``[cond] * n``; timestep
+        ``t.expand(rows)`` undivided (0-1000)."""
+        n, lat = state.n, state.latents
+        parts = [state.uncond, state.cond] if state.cfg else [state.cond]
+        text = torch.cat([p.text.expand(n, -1, -1) for p in parts])
+        pooled = torch.cat([p.pooled.expand(n, -1) for p in parts])
+        latents = torch.cat([lat] * 2) if state.cfg else lat
+        return DenoiseInputs(latents=latents, text=text, pooled=pooled,
+                             timestep=state.timestep.expand(latents.shape[0]), grid=state.grid)
+
+    @torch.inference_mode()
+    def advance(self, state: RequestState, output: torch.Tensor) -> None:
+        """``uncond + guidance_scale * (cond - uncond)`` (pipeline line 1086), then the request's own
+        scheduler step."""
+        noise_pred = output
+        if state.cfg:
+            noise_pred_uncond, noise_pred_text = noise_pred.chunk(2)
+            scale = self.spec.cfg_scale(state.request)
+            noise_pred = noise_pred_uncond + scale * (noise_pred_text - noise_pred_uncond)
+        state.latents = state.scheduler.step(noise_pred, state.timestep, state.latents, return_dict=False)[0]
+        state.step_index += 1
+
+    @torch.inference_mode()
+    def decode(self, state: RequestState) -> list[np.ndarray]:
+        """``vae.decode(z / scaling_factor + shift_factor)`` of the ``n`` latents in one call, then
+        ``image_processor.postprocess(output_type="pil")`` (pipeline line 1141): (H, W, 3) uint8 each."""
+        vae = self.pipe.vae
+        latents = (state.latents / vae.config.scaling_factor) + vae.config.shift_factor
+        image = vae.decode(latents, return_dict=False)[0]
+        return [np.asarray(im) for im in self.pipe.image_processor.postprocess(image, output_type="pil")]

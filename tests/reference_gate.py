@@ -1,0 +1,135 @@
+"""The reference gate: bcg-serve against the family's own diffusers pipeline, same folder, request and seed.
+
+For one request, :func:`diffusers_run` calls the diffusers pipeline class on the checkpoint folder with the
+same prompt, negative prompt, steps, guidance, size and generators (image ``i`` from
+``torch.Generator("cpu").manual_seed(seed + i)``), once with ``output_type="latent"`` and once with
+``output_type="pil"`` (PNG-encoded with PIL's defaults). :func:`bcg_run` serves the same request through
+:class:`~bcg_core.DiTPipeline` (step-level loop, bucket runner on static padded buffers) and returns its final
+latents and PNG files. :func:`assert_same` asserts latents within 1e-5 relative (fp32 on CPU) and the same
+images: byte-equal PNGs where the latents are bit-identical (a request alone at an exact bucket), else at
+most one level on at most 0.1% of the pixel values (float reduction order of a padded or shared forward).
+"""
+
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from bcg_core import BucketConfig, DiTPipeline, GenerationRequest, LimitsConfig, ModelConfig, ServeConfig
+
+__all__ = ["GateRun", "RTOL", "assert_same", "bcg_pipeline", "bcg_run", "bcg_run_joined", "diffusers_run"]
+
+RTOL = 1e-5
+"""Relative tolerance on the final latents (fp32 on CPU, DESIGN.md section 4)."""
+
+
+@dataclass
+class GateRun:
+    """Final latents (in the pipeline's ``output_type="latent"`` layout) and PNG files of one request."""
+
+    latents: torch.Tensor
+    pngs: list[bytes] = field(default_factory=list)
+
+
+def bcg_pipeline(folder, buckets: dict, **limits) -> DiTPipeline:
+    """A CPU fp32 :class:`DiTPipeline` on ``folder`` with bucket table ``buckets`` and small-size limits."""
+    lim = {"min_side_px": 16, "max_side_px": 1024, "max_steps": 50, **limits}
+    cfg = ServeConfig(model=ModelConfig(path=str(folder), device="cpu", dtype="float32"),
+                      buckets=BucketConfig(**buckets), limits=LimitsConfig(**lim))
+    return DiTPipeline.from_config(cfg)
+
+
+def _png(image) -> bytes:
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def diffusers_run(pipeline_cls, folder, request: GenerationRequest, **call_kwargs) -> GateRun:
+    """Run the diffusers pipeline itself on ``request`` (its ``seed`` must be set).
+
+    ``call_kwargs`` are passed on as they are (e.g. ``true_cfg_scale``, ``max_sequence_length``); prompt,
+    negative prompt, n, size, steps, guidance and generators come from ``request``.
+    """
+    pipe = pipeline_cls.from_pretrained(str(folder), torch_dtype=torch.float32, local_files_only=True)
+    pipe.set_progress_bar_config(disable=True)
+    kwargs = dict(prompt=request.prompt, num_images_per_prompt=request.n, width=request.width,
+                  height=request.height, num_inference_steps=request.num_inference_steps,
+                  guidance_scale=request.guidance_scale, **call_kwargs)
+    if request.negative_prompt is not None:
+        kwargs["negative_prompt"] = request.negative_prompt
+
+    def gens():
+        return [torch.Generator("cpu").manual_seed(request.seed + i) for i in range(request.n)]
+
+    with torch.inference_mode():
+        latents = pipe(**kwargs, generator=gens(), output_type="latent").images
+        images = pipe(**kwargs, generator=gens(), output_type="pil").images
+    return GateRun(latents.float(), [_png(im) for im in images])
+
+
+def bcg_run(pipe: DiTPipeline, request: GenerationRequest) -> GateRun:
+    """Serve ``request`` alone through the step-level loop; its final latents and PNGs."""
+    state = pipe.start(pipe.planner.plan(request))
+    while not state.done:
+        pipe.step([state])
+    return GateRun(state.latents.float(), pipe.finish(state))
+
+
+def bcg_run_joined(pipe: DiTPipeline, request: GenerationRequest, other: GenerationRequest,
+                   head_start: int) -> tuple[GateRun, GateRun]:
+    """``other`` runs ``head_start`` steps alone, then ``request`` joins it: both step together (one forward
+    per step, each at its own step and timestep) until each is done.
+
+    Returns:
+        ``(request's run, other's run)``.
+    """
+    b = pipe.start(pipe.planner.plan(other))
+    for _ in range(head_start):
+        pipe.step([b])
+    a = pipe.start(pipe.planner.plan(request))
+    assert a.step_index == 0 and b.step_index == head_start
+    while not (a.done and b.done):
+        pipe.step([s for s in (a, b) if not s.done])
+    return GateRun(a.latents.float(), pipe.finish(a)), GateRun(b.latents.float(), pipe.finish(b))
+
+
+PIXEL_SHARE = 1e-3
+"""Most share of pixel values that may differ (by one level) where the latents are not bit-identical."""
+
+
+def _pixels(png: bytes) -> np.ndarray:
+    from PIL import Image
+
+    return np.asarray(Image.open(io.BytesIO(png))).astype(np.int16)
+
+
+def assert_same(ours: GateRun, ref: GateRun, rtol: float = RTOL, exact: bool = False) -> None:
+    """The gate: latents within ``rtol`` relative (``max|a-b| / max|b|``), no NaN, and the same images.
+
+    Where the final latents are bit-identical (``exact=True`` demands it: a request alone at an exact
+    bucket runs the very forwards diffusers runs), the PNG files must be byte-equal. Where rows shared a
+    padded or batched forward, fp32 reduction order differs in the last bits (~1e-7 relative, DESIGN.md
+    section 11), and a pixel value that lies on a rounding boundary may move by one level: then at most
+    :data:`PIXEL_SHARE` of the pixel values may differ, by at most one level.
+    """
+    assert ours.latents.shape == ref.latents.shape, (ours.latents.shape, ref.latents.shape)
+    assert not torch.isnan(ours.latents).any()
+    err = ((ours.latents - ref.latents).abs().max() / ref.latents.abs().max()).item()
+    assert err < rtol, f"final latents differ from diffusers' by {err:.2e} relative (tolerance {rtol:.0e})"
+    identical = torch.equal(ours.latents, ref.latents)
+    assert identical or not exact, f"latents are not bit-identical to diffusers' (max relative {err:.2e})"
+    assert len(ours.pngs) == len(ref.pngs)
+    for i, (a, b) in enumerate(zip(ours.pngs, ref.pngs)):
+        if identical:
+            assert a == b, f"image {i}: PNG differs from diffusers' own pipeline although the latents are identical"
+            continue
+        pa, pb = _pixels(a), _pixels(b)
+        assert pa.shape == pb.shape, (pa.shape, pb.shape)
+        diff = np.abs(pa - pb)
+        share = float((diff > 0).mean())
+        assert diff.max() <= 1 and share <= PIXEL_SHARE, (
+            f"image {i}: {share:.2%} of pixel values differ from diffusers' (max {diff.max()} levels)")
