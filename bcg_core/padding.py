@@ -124,5 +124,3 @@ def copy_rows(dst: torch.Tensor, src: torch.Tensor) -> None:
     if dst.shape[0] > n:
         dst[n:].copy_(src[:1].expand(dst.shape[0] - n, *src.shape[1:]))
 
-
-_copy_rows = copy_rows  # the name the family modules were written against

@@ -85,6 +85,14 @@ class Planner:
         self.spec = spec
         self.limits = config.limits
         rules = self.rules = spec.rules
+        if spec.size_bins:
+            bins = {(int(w), int(h)) for h, w in spec.size_bins.values()}
+            dead = [r for r, wh in zip(config.buckets.resolutions, config.buckets.resolution_pairs()) if wh not in bins]
+            if dead:
+                near = sorted({f"{w}x{h}" for w, h in (spec.generation_size(*wh) for wh in config.buckets.resolution_pairs())})
+                raise ValueError(f"bucket resolutions {dead} are not aspect-ratio bins of this model: resolution "
+                                 f"binning generates every image at a bin, so no request would reach them; use bins, "
+                                 f"e.g. {', '.join(near)}")
         min_side = -(-config.limits.min_side_px // rules.pixels_per_token)
         self.table = BucketTable(config.buckets, rules, min_image_tokens=min_side * min_side)
         self.count_tokens = count_tokens

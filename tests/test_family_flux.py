@@ -77,3 +77,15 @@ def test_flux_guidance_scale_is_the_embedding_not_cfg(flux):
     plan = pipe.planner.plan(_req(n=1, guidance_scale=7.0))
     assert plan.lookup.query.batch == 1  # no uncond rows for guidance_scale, dev or schnell
     assert pipe.model.guidance_embeds is (variant == "dev")
+
+
+def test_a_tokenizer_shorter_than_the_served_text_length_is_a_start_up_error(tmp_path):
+    import json
+
+    from bcg_core import CheckpointError, ModelConfig, describe_model
+
+    folder = build(tmp_path / "short", "schnell")
+    cfg = folder / "tokenizer_2" / "tokenizer_config.json"
+    cfg.write_text(json.dumps({**json.loads(cfg.read_text()), "model_max_length": 16}))
+    with pytest.raises((CheckpointError, ValueError), match="tokenizer_2 holds at most 16 tokens .* bcg_text_tokens"):
+        describe_model(ModelConfig(path=str(folder)))

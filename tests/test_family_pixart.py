@@ -81,7 +81,7 @@ def test_padded_rows_and_text_at_a_binned_size_equal_diffusers(pipe, folder):
     # the batch-8 bucket; prompt and negative prompt of different lengths, below the text bucket.
     req = GenerationRequest(prompt="A Watercolor painting of a lighthouse at dusk", n=3, width=300, height=200,
                             num_inference_steps=4, guidance_scale=4.5, negative_prompt="blurry", seed=7)
-    assert pipe.model.generation_size(300, 200) == (304, 208)
+    assert pipe.model.spec.generation_size(300, 200) == (304, 208)
     key = pipe.planner.plan(req).lookup.key
     assert Planner.from_config(pipe.config).plan(req).lookup.key == key  # the ingress: configs and tokenizer only
     assert key.batch == 8 and key.latent_hw == (13, 19)
@@ -98,7 +98,7 @@ def test_a_request_joining_one_that_started_earlier_equals_diffusers_for_both(pi
                           num_inference_steps=4, guidance_scale=3.0, seed=11)
     b = GenerationRequest(prompt="an astronaut riding a horse", n=2, width=200, height=300, num_inference_steps=5,
                           guidance_scale=1.0, seed=5)
-    assert pipe.model.generation_size(200, 300) == (208, 304)
+    assert pipe.model.spec.generation_size(200, 300) == (208, 304)
     ours_a, ours_b = bcg_run_joined(pipe, a, b, head_start=2)
     assert_same(ours_a, diffusers_run(PixArtSigmaPipeline, folder, a))
     assert_same(ours_b, diffusers_run(PixArtSigmaPipeline, folder, b))
@@ -154,7 +154,7 @@ def test_true_cfg_scale_is_refused_with_its_field(pipe):
         pipe.planner.plan(req)
     assert e.value.field == "true_cfg_scale"
     with pytest.raises(RequestError) as e:
-        pipe.model.check(req)
+        pipe.model.spec.check(req)
     assert e.value.field == "true_cfg_scale"
 
 

@@ -73,7 +73,7 @@ def test_an_exact_bucket_without_a_negative_prompt_runs_no_cfg_and_equals_diffus
     req = _req("a photo of a cat on a red chair", guidance_scale=7.0, seed=1)  # guidance_scale: ignored
     assert pipe.model.count_tokens(req.prompt) == 16  # exactly the text bucket
     plan = pipe.planner.plan(req)
-    assert not pipe.model.uses_cfg(plan.request)  # true_cfg_scale defaults to 4.0, but no negative prompt
+    assert not pipe.model.spec.uses_cfg(plan.request)  # true_cfg_scale defaults to 4.0, but no negative prompt
     assert str(plan.lookup.key) == "b1_i16_t16_g4x4"
     assert_same(bcg_run(pipe, req), diffusers_run(QwenImagePipeline, folder, req), exact=True)
 
@@ -111,9 +111,9 @@ def test_cfg_runs_only_with_a_negative_prompt_and_true_cfg_scale_above_one(pipe)
              ("blurry", 1.0, False), ("blurry", 1.5, True)]
     for neg, scale, cfg in cases:
         plan = pipe.planner.plan(_req(p, negative_prompt=neg, true_cfg_scale=scale))
-        assert fam.uses_cfg(plan.request) is cfg, (neg, scale)
+        assert fam.spec.uses_cfg(plan.request) is cfg, (neg, scale)
         assert plan.lookup.key.batch == (2 if cfg else 1)
-        fam.check(plan.request)  # nothing refused: every combination is a diffusers option
+        fam.spec.check(plan.request)  # nothing refused: every combination is a diffusers option
     assert fam.spec.cfg_scale(_req(p, negative_prompt="x")) == 4.0
 
 

@@ -100,7 +100,7 @@ def test_padded_rows_and_text_at_a_binned_size_equal_diffusers(pipe, folder):
     # batch-8 bucket; prompt (12 tokens) and negative prompt (5) below the 16-token text bucket.
     req = GenerationRequest(prompt="portrait of an old man, studio lighting, 85mm", n=3, width=300, height=200,
                             num_inference_steps=4, guidance_scale=4.5, negative_prompt="blurry", seed=7)
-    assert pipe.model.generation_size(300, 200) == (608, 416)
+    assert pipe.model.spec.generation_size(300, 200) == (608, 416)
     key = pipe.planner.plan(req).lookup.key
     assert (key.batch, key.latent_hw, key.text_tokens) == (8, (13, 19), 16)
     ours = bcg_run(pipe, req)
@@ -115,7 +115,7 @@ def test_a_request_joining_one_that_started_earlier_equals_diffusers_for_both(pi
                           num_inference_steps=4, guidance_scale=3.0, seed=11)
     b = GenerationRequest(prompt="an astronaut riding a horse", n=2, width=400, height=600, num_inference_steps=5,
                           guidance_scale=1.0, seed=5)
-    assert pipe.model.generation_size(400, 600) == (416, 608)
+    assert pipe.model.spec.generation_size(400, 600) == (416, 608)
     ours_a, ours_b = bcg_run_joined(pipe, a, b, head_start=2)
     assert_same(ours_a, _ref(folder, a))
     assert_same(ours_b, _ref(folder, b))
@@ -175,9 +175,9 @@ def test_the_text_key_holds_a_negative_prompt_longer_than_the_prompt(pipe):
 def test_generation_size_is_the_nearest_aspect_ratio_bin_of_the_sample_size(pipe):
     assert sana_bins(16) == {k: list(v) for k, v in ASPECT_RATIO_512_BIN.items()}
     fam = pipe.model
-    assert fam.generation_size(512, 512) == (512, 512)
-    assert fam.generation_size(64, 64) == (512, 512)  # the bin, whatever the requested scale
-    assert fam.generation_size(1024, 256) == (1024, 256)  # ratio 0.25: [256, 1024] (height, width)
+    assert fam.spec.generation_size(512, 512) == (512, 512)
+    assert fam.spec.generation_size(64, 64) == (512, 512)  # the bin, whatever the requested scale
+    assert fam.spec.generation_size(1024, 256) == (1024, 256)  # ratio 0.25: [256, 1024] (height, width)
     for h, w in ASPECT_RATIO_512_BIN.values():
         assert h % 32 == 0 and w % 32 == 0
     with pytest.raises(ValueError, match="Invalid sample size"):
@@ -199,7 +199,7 @@ def test_true_cfg_scale_is_refused_with_its_field(pipe):
         pipe.planner.plan(req)
     assert e.value.field == "true_cfg_scale"
     with pytest.raises(RequestError) as e:
-        pipe.model.check(req)
+        pipe.model.spec.check(req)
     assert e.value.field == "true_cfg_scale"
 
 

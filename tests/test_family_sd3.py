@@ -151,7 +151,7 @@ def test_true_cfg_scale_is_refused_naming_the_field(pipes):
         pipes["sd3"].planner.plan(req)
     assert e.value.field == "true_cfg_scale" and "guidance_scale" in e.value.message
     with pytest.raises(RequestError) as e:
-        pipes["sd3"].model.check(req)
+        pipes["sd3"].model.spec.check(req)
     assert e.value.field == "true_cfg_scale"
 
 

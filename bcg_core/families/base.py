@@ -228,6 +228,9 @@ class Family(Protocol):
     """``_class_name`` values of ``model_index.json`` this family loads."""
 
     model_name: str
+    spec: ModelSpec
+    """The model's spec: shape rules and the family's request rules (CFG rule, binning, refusals), which the
+    planner applies alike at the ingress and on the replica."""
     adapter: DiTAdapter
     rules: ShapeRules
     guidance_embeds: bool
@@ -257,23 +260,6 @@ class Family(Protocol):
     def count_tokens(self, prompt: str, negative: bool = False) -> int:
         """Text tokens of ``prompt`` in the text dimension of the bucket key, as a prompt or (``negative``) a
         negative prompt (SANA prefixes only prompts with its instruction; as :meth:`token_counter`)."""
-        ...
-
-    def check(self, request) -> None:
-        """Refuse request options that this family does not implement exactly as diffusers does.
-
-        Raises:
-            RequestError: naming the field and its allowed values (HTTP 422).
-        """
-        ...
-
-    def generation_size(self, width: int, height: int) -> tuple[int, int]:
-        """Pixel size the latents are generated at for a requested size (PixArt's resolution binning maps a
-        size to its aspect-ratio bin; every other family returns the size itself)."""
-        ...
-
-    def uses_cfg(self, request) -> bool:
-        """True when ``request`` runs classifier-free guidance as uncond rows (the family's own rule)."""
         ...
 
     def start(self, plan, cancel: threading.Event | None = None) -> RequestState:

@@ -254,11 +254,21 @@ class FluxFamily:
 
     @classmethod
     def describe(cls, path: Path, index: dict) -> ModelSpec:
-        """Spec from ``transformer/config.json``, ``vae/config.json`` and ``model_index.json``."""
+        """Spec from ``transformer/config.json``, ``vae/config.json`` and ``model_index.json``.
+
+        Raises:
+            ValueError: the T5 tokenizer holds fewer tokens than the model is served with.
+        """
         tr = _read_json(path / "transformer" / "config.json")
         vae = _read_json(path / "vae" / "config.json")
         scale = 2 ** (len(vae["block_out_channels"]) - 1)
         tokens = int(index.get("bcg_text_tokens", FLUX_DEFAULT_TEXT_TOKENS))
+        tok_cfg = path / "tokenizer_2" / "tokenizer_config.json"
+        limit = _read_json(tok_cfg).get("model_max_length") if tok_cfg.is_file() else None
+        if isinstance(limit, int) and limit < tokens:
+            raise ValueError(f"checkpoint {str(path)!r}: tokenizer_2 holds at most {limit} tokens "
+                             f"(model_max_length in {tok_cfg}), but the model is served with {tokens} T5 tokens; "
+                             f"set bcg_text_tokens in model_index.json to at most {limit} (and text_lengths to match)")
         return ModelSpec(
             name=path.name, family=cls.name, pipeline_class=index["_class_name"],
             rules=ShapeRules(pixels_per_token=scale * 2 * int(tr.get("patch_size", 1)), grid_keyed=False,
@@ -302,18 +312,6 @@ class FluxFamily:
         with self._lock:
             return self._counter(prompt)
 
-    def check(self, request) -> None:
-        """Nothing to refuse beyond :meth:`ModelSpec.check`."""
-        self.spec.check(request)
-
-    def generation_size(self, width: int, height: int) -> tuple[int, int]:
-        """The requested size itself (FLUX has no resolution binning)."""
-        return width, height
-
-    def uses_cfg(self, request) -> bool:
-        """See :meth:`ModelSpec.uses_cfg`."""
-        return self.spec.uses_cfg(request)
-
     # -- the step-level loop ------------------------------------------------------------------------
 
     @torch.inference_mode()
@@ -330,7 +328,7 @@ class FluxFamily:
 
         req = plan.request
         cond = self.encode(req.prompt)
-        uncond = self.encode(req.negative_prompt or "") if self.uses_cfg(req) else None
+        uncond = self.encode(req.negative_prompt or "") if self.spec.uses_cfg(req) else None
         h, w = self.rules.grid(req.width, req.height)
         channels = self.adapter.in_channels // 4
         gens = [torch.Generator("cpu").manual_seed(req.seed + i) for i in range(req.n)]

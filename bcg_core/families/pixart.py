@@ -333,22 +333,6 @@ class PixArtSigmaFamily:
         with self._lock:
             return _kept_tokens(self.pipe, prompt)
 
-    def check(self, request) -> None:
-        """Refuse ``true_cfg_scale`` (only FLUX and Qwen-Image have it).
-
-        Raises:
-            RequestError: field ``true_cfg_scale``.
-        """
-        self.spec.check(request)
-
-    def generation_size(self, width: int, height: int) -> tuple[int, int]:
-        """``(width, height)`` of the aspect-ratio bin the latents are generated at (resolution binning)."""
-        return self.spec.generation_size(width, height)
-
-    def uses_cfg(self, request) -> bool:
-        """``guidance_scale > 1`` (``do_classifier_free_guidance``)."""
-        return self.spec.uses_cfg(request)
-
     # -- the step-level loop ------------------------------------------------------------------------
 
     @torch.inference_mode()
@@ -359,8 +343,8 @@ class PixArtSigmaFamily:
         from diffusers.pipelines.pixart_alpha.pipeline_pixart_sigma import retrieve_timesteps
 
         req = plan.request
-        cfg = self.uses_cfg(req)
-        gen_w, gen_h = self.generation_size(req.width, req.height)
+        cfg = self.spec.uses_cfg(req)
+        gen_w, gen_h = self.spec.generation_size(req.width, req.height)
         with self._lock:
             pe, pm, ne, nm = self.pipe.encode_prompt(
                 req.prompt, cfg, negative_prompt=req.negative_prompt or "", num_images_per_prompt=1,

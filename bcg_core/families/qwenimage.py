@@ -321,18 +321,6 @@ class QwenImageFamily:
         with self._lock:
             return self._counter(prompt)
 
-    def check(self, request) -> None:
-        """Nothing to refuse beyond :meth:`ModelSpec.check` (``guidance_scale`` is ignored, as diffusers)."""
-        self.spec.check(request)
-
-    def generation_size(self, width: int, height: int) -> tuple[int, int]:
-        """The requested size itself (no resolution binning)."""
-        return width, height
-
-    def uses_cfg(self, request) -> bool:
-        """A negative prompt is given and ``true_cfg_scale`` (default 4.0) is above 1 (P:564)."""
-        return self.spec.uses_cfg(request)
-
     # -- the step-level loop ------------------------------------------------------------------------
 
     @torch.inference_mode()
@@ -351,7 +339,7 @@ class QwenImageFamily:
 
         req = plan.request
         cond = self.encode(req.prompt)
-        uncond = self.encode(req.negative_prompt) if self.uses_cfg(req) else None
+        uncond = self.encode(req.negative_prompt) if self.spec.uses_cfg(req) else None
         gens = [torch.Generator("cpu").manual_seed(req.seed + i) for i in range(req.n)]
         latents = self.pipe.prepare_latents(req.n, self.adapter.in_channels // 4, req.height, req.width,
                                             cond.text.dtype, self.device, gens)

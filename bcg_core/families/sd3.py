@@ -39,7 +39,6 @@ import numpy as np
 import torch
 
 from ..buckets import BucketKey, ShapeRules
-from ..errors import RequestError
 from ..padding import DenoiseInputs, copy_rows
 from .base import ModelSpec, RequestState, TextRows
 
@@ -280,25 +279,6 @@ class SD3Family:
         with self._lock:
             return self._count(prompt)
 
-    def check(self, request) -> None:
-        """Refuse what this family does not run exactly as ``StableDiffusion3Pipeline``.
-
-        Raises:
-            RequestError: as :meth:`ModelSpec.check`: ``true_cfg_scale`` set (SD3's CFG scale is
-                ``guidance_scale``), a size whose token grid exceeds ``pos_embed_max_size`` (diffusers raises
-                there too). A prompt or negative prompt longer than T5's ``max_sequence_length`` (256 tokens,
-                which diffusers would silently cut) is refused by the planner (:attr:`ModelSpec.max_prompt_tokens`).
-        """
-        self.spec.check(request)
-
-    def generation_size(self, width: int, height: int) -> tuple[int, int]:
-        """The requested size itself (SD3 has no resolution binning)."""
-        return width, height
-
-    def uses_cfg(self, request) -> bool:
-        """``guidance_scale > 1``: the pipeline's ``do_classifier_free_guidance`` (``ModelSpec.uses_cfg``)."""
-        return self.spec.uses_cfg(request)
-
     # -- the step-level loop ------------------------------------------------------------------------
 
     @torch.inference_mode()
@@ -316,14 +296,14 @@ class SD3Family:
         )
 
         req, pipe = plan.request, self.pipe
-        cfg = self.uses_cfg(req)
+        cfg = self.spec.uses_cfg(req)
         with self._lock:
             text, neg_text, pooled, neg_pooled = pipe.encode_prompt(
                 prompt=req.prompt, prompt_2=None, prompt_3=None, device=self.device, num_images_per_prompt=1,
                 do_classifier_free_guidance=cfg, negative_prompt=req.negative_prompt,
                 max_sequence_length=SD3_MAX_SEQUENCE_LENGTH,
             )
-        width, height = self.generation_size(req.width, req.height)
+        width, height = self.spec.generation_size(req.width, req.height)
         generators = [torch.Generator("cpu").manual_seed(req.seed + i) for i in range(req.n)]
         latents = pipe.prepare_latents(req.n, pipe.transformer.config.in_channels, height, width, text.dtype,
                                        self.device, generators)
