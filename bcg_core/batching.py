@@ -8,6 +8,11 @@ holds graphs of every batch size). :class:`MicroBatcher` groups requests by
 and guidance mode; requests of different groups are never padded together) and hands each batch to
 :meth:`~bcg_core.pipeline.DiTPipeline.generate_batch` in a worker thread.
 
+Plan once: a request arrives planned (a :class:`~bcg_core.planner.Plan` from the ingress, which validated it
+and looked its bucket up) and is trusted as it is: grouped by its plan and handed to the pipeline as that plan,
+never planned again. A raw :class:`~bcg_core.planner.GenerationRequest` (a caller holding a DiT handle
+directly) is planned here, once, and then travels as its plan the same way.
+
 Window: the first request of a group opens a batch and a window of ``wait_ms``; requests of the same group
 that arrive within it join while the batch's transformer rows stay within ``max_rows``. The batch runs when
 the window closes, or at once when its rows reach ``max_rows``; a request that would overflow it sends it
@@ -29,19 +34,20 @@ from collections.abc import Callable, Sequence
 
 from .load import LoadMeter
 from .pipeline import DiTPipeline, GenerationResult
-from .planner import GenerationRequest
+from .planner import GenerationRequest, Plan
 
 __all__ = ["MicroBatcher", "RunBatch"]
 
-RunBatch = Callable[[list[GenerationRequest], list[threading.Event]], Sequence[GenerationResult | BaseException]]
-"""``run_batch(requests, cancels) -> one result or exception per request`` (blocking; runs in a worker thread)."""
+RunBatch = Callable[[list[Plan], list[threading.Event]], Sequence[GenerationResult | BaseException]]
+"""``run_batch(plans, cancels) -> one result or exception per plan`` (blocking; runs in a worker thread)."""
 
 
 @dataclasses.dataclass(eq=False)
 class _Item:
-    """One submitted request: planned (defaults and seed filled in), its rows, shape and caller's future."""
+    """One submitted request: its plan (defaults and seed filled in, bucket looked up), rows, shape and
+    caller's future."""
 
-    request: GenerationRequest
+    plan: Plan
     rows: int
     shape: str | None
     cancel: threading.Event
@@ -65,14 +71,14 @@ class MicroBatcher:
     """Batches concurrent same-shape requests of one replica into shared forwards (see the module docstring).
 
     Args:
-        pipeline: plans requests (``pipeline.planner.plan``), groups them (``pipeline.batch_group``) and, by
-            default, runs batches (``pipeline.generate_batch``).
+        pipeline: plans raw requests (``pipeline.planner.plan``; a :class:`Plan` is not planned again),
+            groups them (``pipeline.batch_group``) and, by default, runs batches (``pipeline.generate_batch``).
         max_rows: most transformer rows of one batch; None: the largest batch bucket of the pipeline's table.
         wait_ms: how long the first request of a batch waits for others of its group (0: only requests
             submitted in the same event-loop turn share).
         enabled: False runs every request alone at once (no window).
         run_batch: runs one batch (blocking, in a worker thread) instead of ``pipeline.generate_batch``;
-            ``(requests, cancels) -> [result or exception per request]``.
+            ``(plans, cancels) -> [result or exception per plan]``.
         meter: where arrivals, running batches and completions per bucket shape are counted (the load the
             replica reports for autoscaling, :mod:`bcg_core.load`); a fresh 10 s :class:`LoadMeter` when None.
 
@@ -114,13 +120,17 @@ class MicroBatcher:
 
     # -- the request path ---------------------------------------------------------------------------
 
-    async def submit(self, request: GenerationRequest) -> GenerationResult:
-        """Plan ``request``, wait for its batch to run, and return its own result.
+    async def submit(self, request: Plan | GenerationRequest) -> GenerationResult:
+        """Queue a planned request into its batch, wait for the batch to run, and return its own result.
 
         The result's ``timings_ms`` gains ``queue``: milliseconds from submission until its batch started.
 
+        Args:
+            request: a :class:`Plan` (the ingress's: trusted as it is, not planned again), or a raw
+                :class:`GenerationRequest`, which is planned here once (with the pipeline's planner).
+
         Raises:
-            RequestError: the request fails validation (raised at once, nothing is queued), or a miss under
+            RequestError: a raw request fails validation (raised at once, nothing is queued), or misses under
                 the reject policy.
             RequestCancelled: its cancel event was set by the time its batch decoded.
             asyncio.CancelledError: the caller's task was cancelled; the request's cancel event is set, so a
@@ -128,13 +138,13 @@ class MicroBatcher:
                 every request of its batch is cancelled).
             Exception: whatever broke the batch's forward (every request of the batch gets it).
         """
-        plan = self.pipeline.planner.plan(request)
+        plan = request if isinstance(request, Plan) else self.pipeline.planner.plan(request)
         lookup = plan.lookup
         rows = lookup.query.batch
         shape = lookup.key.shape if lookup.hit else None
         group = self.pipeline.batch_group(plan) if self.enabled and rows < self.max_rows else None
         loop = asyncio.get_running_loop()
-        item = _Item(plan.request, rows, shape, threading.Event(), loop.create_future(), time.perf_counter())
+        item = _Item(plan, rows, shape, threading.Event(), loop.create_future(), time.perf_counter())
         with self._lock:
             if shape is not None:
                 self._queued[shape] += 1
@@ -230,7 +240,7 @@ class MicroBatcher:
                 self._batched_requests += len(items)
         self.meter.start(batch, items[0].shape)
         try:
-            results = list(await asyncio.to_thread(self._run_batch, [i.request for i in items],
+            results = list(await asyncio.to_thread(self._run_batch, [i.plan for i in items],
                                                    [i.cancel for i in items]))
             if len(results) != len(items):
                 raise RuntimeError(f"run_batch returned {len(results)} results for {len(items)} requests")

@@ -4,7 +4,7 @@ The table *decides*; the runner (:mod:`bcg_core.runner`) trusts the key it is ha
 shape (:class:`ShapeQuery`) is rounded up, per dimension, to the smallest bucket that holds it. A request
 that fits no bucket is a *miss*, a normal return value that names the dimensions that missed.
 
-Dimensions (DESIGN.md section 2):
+Dimensions (docs/DESIGN.md section 2):
 
 - ``batch``: transformer rows, i.e. images x 2 when classifier-free guidance puts cond and uncond rows
   into one forward. Pad rows are copies of a real row.

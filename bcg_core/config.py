@@ -215,7 +215,7 @@ class RunnerConfig(BaseModel):
 
 
 class RoutingConfig(BaseModel):
-    """Bucket ownership and shape-aware routing across DiT replicas (``router/``, DESIGN.md section 5)."""
+    """Bucket ownership and shape-aware routing across DiT replicas (``router/``, docs/DESIGN.md section 5)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -271,7 +271,7 @@ class RoutingConfig(BaseModel):
 
 
 class AutoscalingSettings(BaseModel):
-    """Autoscaling of the DiT replicas by bucket load (``router/autoscaling.py``, DESIGN.md section 5).
+    """Autoscaling of the DiT replicas by bucket load (``router/autoscaling.py``, docs/DESIGN.md section 5).
 
     Off by default: the replica count is then fixed (``dit_replicas``). On, :func:`deployments.build_app`
     gives the DiT deployment a Ray Serve ``autoscaling_config`` whose policy is

@@ -45,7 +45,7 @@ def capture_order(keys: list[BucketKey]) -> list[BucketKey]:
     """Buckets largest first: by padded tokens per forward, then rows, then exact before masked.
 
     Capturing the largest graph first sizes the shared pool once; every smaller graph then reuses its
-    free blocks (DESIGN.md section 3).
+    free blocks (docs/DESIGN.md section 3).
     """
     return sorted(keys, key=lambda k: (-k.tokens, -k.batch, k.image_mask, k.latent_hw or (0, 0)))
 

@@ -2,7 +2,7 @@
 
 A graph removes the CPU's launch overhead and the GPU's idle gaps between kernels; it cannot make a
 kernel faster. So the sum of kernel durations of one eager forward (the *kernel-busy floor*) bounds what
-replay can reach, and ``eager_ms / floor_ms`` says how launch-bound the eager step is (DESIGN.md s1:
+replay can reach, and ``eager_ms / floor_ms`` says how launch-bound the eager step is (docs/DESIGN.md section 1:
 PixArt 512x512 ~4.4x, FLUX.1-dev 1024x1024 ~1.03x). ``bcg profile`` prints these per bucket;
 ``benchmarks/bench_graphs.py`` uses the same timers.
 """

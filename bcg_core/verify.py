@@ -1,4 +1,4 @@
-"""Correctness gates: every bucket against an unpadded eager run, at its boundary shapes (DESIGN.md s4).
+"""Correctness gates: every bucket against an unpadded eager run, at its boundary shapes (docs/DESIGN.md section 4).
 
 :func:`boundary_cases` lists, per bucket, the request shapes at the bucket's size, one below it, and the
 smallest request that maps to it (per dimension; "one below" a bucket's size may fall into the next

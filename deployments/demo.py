@@ -1,7 +1,7 @@
 """The demo: replay real prompts against the bcg-serve HTTP API and show what the bucket table did.
 
-It starts Ray and the Serve application from :func:`deployments.app.build_app` on a loopback port (or
-talks to a server already running, with ``url``), reads the first N requests of the real request sample
+It starts the local server (:func:`deployments.local.start_local`: Ray and the Serve application on a
+loopback port), or talks to a server already running (``url``), reads the first N requests of the real request sample
 ``bcg_core/data/krea_open_prompts_1k_flat.csv`` (one row = one request for ``num_generations`` images at
 its width x height; rows with an empty prompt are skipped), replays them over HTTP, writes the images as
 PNG files, then prints the replica's per-bucket statistics from ``GET /v1/buckets``.
@@ -15,7 +15,6 @@ from __future__ import annotations
 import base64
 import csv
 import logging
-import socket
 import time
 from collections import Counter
 from collections.abc import Iterable, Mapping
@@ -24,10 +23,9 @@ from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
 from importlib import resources
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from bcg_core.config import ServeConfig
+from .local import check_config, start_local, stop_local, wait_healthy
 
 __all__ = [
     "DATA_FILE",
@@ -35,14 +33,12 @@ __all__ = [
     "SEED_MODULUS",
     "DemoRequest",
     "DemoResult",
-    "check_config",
-    "free_loopback_port",
     "load_requests",
     "read_requests",
+    "render_report",
+    "replay",
     "run_demo",
-    "start_local",
-    "stop_local",
-    "wait_healthy",
+    "send_request",
 ]
 
 DATA_FILE = "krea_open_prompts_1k_flat.csv"
@@ -52,7 +48,6 @@ SEED_MODULUS = 2**31
 MAX_CONCURRENCY = 16
 """Most requests the demo keeps in flight at once."""
 _PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-_HEALTH_WAIT_S = 60.0
 
 log = logging.getLogger(__name__)
 
@@ -320,127 +315,6 @@ def replay(url: str, requests: list[DemoRequest], *, steps: int, concurrency: in
     return [results[r.number] for r in requests]
 
 
-def wait_healthy(url: str, timeout_s: float = _HEALTH_WAIT_S) -> None:
-    """Poll ``GET {url}/healthz`` until it answers 200.
-
-    Raises:
-        TimeoutError: no healthy answer within ``timeout_s`` seconds (the message has the last error).
-    """
-    import httpx
-
-    deadline = time.monotonic() + timeout_s
-    last = "no attempt"
-    while time.monotonic() < deadline:
-        try:
-            r = httpx.get(f"{url}/healthz", timeout=5.0, trust_env=False)
-            if r.status_code == 200:
-                return
-            last = f"HTTP {r.status_code}"
-        except httpx.HTTPError as exc:
-            last = f"{type(exc).__name__}: {exc}"
-        time.sleep(0.5)
-    raise TimeoutError(f"{url}/healthz did not answer 200 within {timeout_s:.0f} s (last: {last})")
-
-
-def free_loopback_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def check_config(config_path: str | Path) -> "ServeConfig":
-    """Load a ServeConfig file and build its bucket table, without starting anything.
-
-    A relative ``model.path`` is taken from the current directory. Cheap (the planner loads only the tokenizer), so a bad file fails with its own message before Ray
-    starts.
-
-    Raises:
-        ValueError: a bad file, config value or bucket table (pydantic's ValidationError is a ValueError).
-        FileNotFoundError: ``config_path`` or the config's ``model.path`` does not exist.
-    """
-    from bcg_core.config import load_config
-    from bcg_core.pipeline import runner_mode
-    from bcg_core.planner import Planner
-
-    config = load_config(config_path=config_path)
-    if config.model.path is not None:
-        # The replicas may run in another working directory: pin a relative path to this one.
-        model = config.model.model_copy(update={"path": str(Path(config.model.path).resolve())})
-        config = config.model_copy(update={"model": model})
-    Planner.from_config(config)
-    runner_mode(config)  # a CUDA device or graph runner asked for where none is visible fails here, not in Ray
-    return config
-
-
-def start_local(config: "ServeConfig | None" = None, port: int = 8000, num_cpus: int = 4,
-                quiet: bool = True, replicas: int | None = None) -> str:
-    """Start Ray and the bcg-serve application on ``127.0.0.1:port``; returns the base URL.
-
-    A new local Ray instance is always started (``address="local"``), never a cluster found on the
-    machine. ``serve.run`` returns once the replicas are ready (the DiT replica has built its pipeline).
-
-    Args:
-        config: the configuration (see :func:`check_config`), or None for the embedded default.
-        port: HTTP port on 127.0.0.1 (0 picks a free one).
-        num_cpus: logical CPUs Ray may hand out (each replica asks for its own share).
-        quiet: keep Ray's and the replicas' logs out of the terminal (they stay in Ray's log folder).
-        replicas: DiT replicas (one per GPU); with more than one they split the bucket shapes. None: 1, or the
-            config's ``autoscaling`` bounds when it autoscales.
-    """
-    import ray
-    from ray import serve
-
-    from deployments.app import build_app
-
-    if port == 0:
-        port = free_loopback_port()
-    level = logging.WARNING if quiet else logging.INFO
-    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=not quiet,
-             logging_level=level)
-    logging.getLogger("ray.serve").setLevel(level)
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    args: dict = {"config": config.model_dump(mode="json")} if config is not None else {}
-    if replicas is not None:
-        args["dit_replicas"] = replicas
-    try:
-        serve.run(build_app(args), name="bcg", route_prefix="/")
-    except RuntimeError as exc:
-        raise RuntimeError(f"the bcg application failed to start: {deploy_failure('bcg')}") from exc
-    return f"http://127.0.0.1:{port}"
-
-
-def deploy_failure(app_name: str) -> str:
-    """Why a Serve application failed to deploy, in one line: each failing deployment's last error line.
-
-    Reads ``serve.status()`` (the replica's constructor traceback is in the deployment's status message),
-    so that a bad checkpoint or device shows its cause instead of Ray's "Deploying application failed".
-    """
-    from ray import serve
-
-    app = serve.status().applications.get(app_name)
-    if app is None:
-        return f"application {app_name!r} is not known to Serve"
-    reasons = []
-    for name, dep in app.deployments.items():
-        lines = [ln.strip() for ln in (dep.message or "").splitlines() if ln.strip()]
-        if lines and str(dep.status) not in ("HEALTHY", "DeploymentStatus.HEALTHY"):
-            reasons.append(f"{name}: {lines[-1]}")
-    return "; ".join(reasons) or (app.message or "no reason reported").strip().splitlines()[-1]
-
-
-def stop_local() -> None:
-    """Shut down Serve and Ray started by :func:`start_local` (safe to call when they are not running)."""
-    import ray
-    from ray import serve
-
-    if ray.is_initialized():
-        try:
-            serve.shutdown()
-        finally:
-            ray.shutdown()
-
-
 def _fmt(value: Any, spec: str = ".1f") -> str:
     return "-" if value is None else format(value, spec)
 
@@ -562,10 +436,3 @@ def run_demo(*, requests: int = 8, steps: int = 4, concurrency: int = 1, out: st
         if started:
             stop_local()
 
-
-if __name__ == "__main__":
-    import sys
-
-    from bcg_core.cli import main
-
-    sys.exit(main(["demo", *sys.argv[1:]]))

@@ -4,10 +4,13 @@ Start-up: the model is loaded, the replica joins the ownership coordinator (when
 by shape) and captures only the bucket shapes it owns (every batch bucket of each owned resolution tier and
 text bucket), then reports ready. Without a coordinator it captures every bucket.
 
-Serving: requests go through a :class:`~bcg_core.batching.MicroBatcher`, which batches concurrent requests
-of one shape into one forward. Generation is blocking torch work in worker threads, so the replica's event
-loop keeps answering ``stats``, health checks and ``record_routing_stats``; a cancelled call (its client went
-away) stops at the next denoising step.
+Serving: a request arrives as the ingress's :class:`~bcg_core.planner.Plan` (validated, seed filled in,
+bucket looked up) and is trusted as it is: the replica never plans it again. A raw request (a caller holding
+this deployment's handle) is planned once, by the micro-batcher. Requests go through a
+:class:`~bcg_core.batching.MicroBatcher`, which batches concurrent requests of one shape into one forward.
+Generation is blocking torch work in worker threads, so the replica's event loop keeps answering ``stats``,
+health checks and ``record_routing_stats``; a cancelled call (its client went away) stops at the next
+denoising step.
 
 Routing stats (read by :class:`router.shape_router.ShapeAwareRouter`, refreshed every
 ``routing.stats_period_s``): ``{"owned": [...], "ready": [...], "queue": {shape: n}, "capturing": bool}``.
@@ -42,7 +45,7 @@ from bcg_core.config import ServeConfig
 from bcg_core.errors import RequestError
 from bcg_core.models import load_model
 from bcg_core.pipeline import DiTPipeline, GenerationResult
-from bcg_core.planner import GenerationRequest
+from bcg_core.planner import GenerationRequest, Plan
 
 from router.autoscaling import replica_metrics
 
@@ -168,23 +171,25 @@ class DiTReplica:
 
     # -- serving ------------------------------------------------------------------------------------
 
-    async def generate(self, request: GenerationRequest | dict) -> GenerationResult:
+    async def generate(self, request: Plan | GenerationRequest | dict) -> GenerationResult:
         """Generate images for one request (micro-batched with concurrent requests of its shape).
 
         Args:
-            request: a :class:`GenerationRequest`, or a dict of its fields. The caller should route it with
-                ``handle.options(multiplexed_model_id=<bucket shape>)`` (see :mod:`deployments.routing`).
+            request: the ingress's :class:`~bcg_core.planner.Plan`, trusted as it is (not planned again); or a
+                raw :class:`GenerationRequest` or a dict of its fields, planned once here. The caller should
+                route it with ``handle.options(multiplexed_model_id=<bucket shape>)`` (see
+                :mod:`deployments.routing`).
 
         Returns:
             The :class:`GenerationResult`; ``replica`` names this replica and ``owner`` says whether it
             owns the request's shape (None for requests that have no bucket).
 
         Raises:
-            RequestError: a field out of range, or a bucket miss under the reject policy.
+            RequestError: a field of a raw request out of range, or its bucket miss under the reject policy.
         """
-        req = as_generation_request(request)
+        planned = request if isinstance(request, Plan) else as_generation_request(request)
         shape = serve.get_multiplexed_model_id()
-        result = await self._batcher.submit(req)
+        result = await self._batcher.submit(planned)
         actual = shape_of(result.bucket) if result.bucket else ""
         if actual:
             owner = actual in self._owned

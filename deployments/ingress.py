@@ -10,9 +10,12 @@ Routes (relative to the application's route prefix):
   ``routing.stats_period_s`` old.
 - ``GET /healthz``: ``{"status": "ok"}``.
 
-Python handle callers use ``Ingress.images`` (same validation and routing). Each request travels to the DiT
-deployment with its bucket shape in the request metadata (:mod:`deployments.routing`), and is resent when
-its replica dies mid-request (answered 503 only if that keeps happening).
+Python handle callers use ``Ingress.images`` (same validation and routing). Each request is planned here
+once (:class:`~bcg_core.planner.Planner`: validation, defaults, the seed, the bucket lookup) and its
+:class:`~bcg_core.planner.Plan` travels to the DiT deployment, which trusts it, with its bucket shape in the
+request metadata (:mod:`deployments.routing`); the same plan (the same seed) is resent when its replica dies
+mid-request (answered 503 only if that keeps happening). The served model name (a request's ``model``) comes
+from the model's spec (``describe_model``: the checkpoint's JSON configs), known at start.
 
 Every error is answered in OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``: 413 for a
 body over ``limits.max_body_bytes``, 400 for a body that is not JSON, 422 for a field that fails
@@ -24,7 +27,6 @@ serve it (under overload at once, with ``Retry-After``: backpressure from ``rout
 # No ``from __future__ import annotations`` here: FastAPI reads the route signatures (``request: Request``)
 # of the class-based view that ``serve.ingress`` builds, and postponed annotations hide them from it.
 
-import asyncio
 import dataclasses
 import logging
 import time
@@ -37,7 +39,6 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from ray import serve
-from ray.serve.exceptions import BackPressureError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from bcg_core.config import MissPolicy, ServeConfig
@@ -185,7 +186,7 @@ async def _read_body(request: Request, max_bytes: int) -> bytes:
 @serve.deployment
 @serve.ingress(app)
 class Ingress:
-    """FastAPI ingress: validates, plans (bucket lookup, miss policy) and forwards to the DiT replica.
+    """FastAPI ingress: validates and plans each request once (bucket lookup, miss policy), forwards its plan.
 
     Args:
         dit_handle: handle of the :class:`~deployments.dit.DiTReplica` deployment.
@@ -201,10 +202,10 @@ class Ingress:
         self._config = ServeConfig.model_validate(config)
         self._dit = dit_handle
         self._coord = coordinator
+        # The planner's spec is describe_model(config.model): the served name comes from the checkpoint's JSON
+        # configs, as the replicas' own, so no request waits for (or spends a DiT slot on) a stats call for it.
         self._planner = Planner.from_config(self._config)
-        self._model_name: str | None = None
-        self._model_known = False  # the name is read once from the replica's stats, on the first request
-        self._model_lock = asyncio.Lock()  # concurrent first requests share that one stats call
+        self._model_name = self._planner.spec.name
         self._limits = self._request_limits()
         self._rejected: Counter[str] = Counter()  # misses answered 422 here (reject policy), by dimension
         self._rejected_requests = 0
@@ -216,19 +217,6 @@ class Ingress:
             model_name=self._model_name,
             resolutions=tuple(self._config.buckets.resolutions),
         )
-
-    async def _served_model_name(self) -> str | None:
-        """The served model's name, read from a DiT replica's stats once. Requests that arrive together before
-        it is known wait for one stats call instead of each sending their own: every such call takes a DiT slot
-        or queue place, so a burst at first contact would otherwise be answered 503 for a name lookup."""
-        if not self._model_known:
-            async with self._model_lock:
-                if not self._model_known:
-                    stats = await self._dit.stats.remote()
-                    self._model_name = (stats.get("model") or {}).get("name")
-                    self._model_known = True
-                    self._limits = self._request_limits()
-        return self._model_name
 
     @app.get("/healthz")
     async def healthz(self) -> dict[str, str]:
@@ -250,8 +238,8 @@ class Ingress:
     async def images(self, request: GenerationRequest | dict) -> GenerationResult:
         """Python handle entry point: ``serve.get_app_handle(name).images.remote({...})``.
 
-        Plans the request (same validation as HTTP) and sends it to an owner of its bucket shape, exactly as
-        the HTTP route does.
+        Plans the request (same validation as HTTP) and sends its plan to an owner of its bucket shape, exactly
+        as the HTTP route does; the replica trusts the plan and does not plan it again.
 
         Args:
             request: a :class:`GenerationRequest` or a dict of its fields (``prompt`` required).
@@ -290,16 +278,6 @@ class Ingress:
             return error_response(
                 413, f"request body of {exc.args[0]} bytes is over the limit of {limits.limits.max_body_bytes} bytes"
             )
-        retry_after = self._config.routing.retry_after_s
-        try:
-            await self._served_model_name()
-        except BackPressureError:
-            return unavailable_response(f"the server is at capacity (every DiT replica busy and the queue full); "
-                                        f"retry after {retry_after:g} s", retry_after)
-        except Exception:  # noqa: BLE001
-            logger.exception("stats of the DiT replica failed")
-            return unavailable_response("the image model is not available yet; retry shortly", retry_after)
-        limits = self._limits
         try:
             req = ImageGenerationRequest.model_validate_json(body, context={"limits": limits})
             width, height = req.width_height()

@@ -1,4 +1,5 @@
-"""Sending a planned request to the DiT deployment with its bucket shape in the request metadata.
+"""Sending a planned request (its :class:`~bcg_core.planner.Plan`) to the DiT deployment, with its bucket
+shape in the request metadata.
 
 On the HTTP path the router sees a request's arguments only as opaque bytes, so the bucket shape travels in
 ``RequestMetadata.multiplexed_model_id`` (``handle.options(multiplexed_model_id=shape)``), where
@@ -63,10 +64,11 @@ class Routed:
 
 async def call_dit(handle, plan: Plan, max_retries: int = 2, retry_wait_s: float = 0.5,
                    retry_after_s: float = 2.0) -> Routed:
-    """Send ``plan.request`` to the DiT deployment, keyed by its bucket shape; resend when the replica dies.
+    """Send ``plan`` to the DiT deployment, keyed by its bucket shape; resend when the replica dies.
 
-    A replica that dies mid-request (``RayActorError``: killed, node lost, out of memory) fails its
-    in-flight calls; generation is deterministic per seed and has no side effects, so the request is
+    The replica trusts the plan (validated, seed filled in, bucket looked up) and does not plan it again. A
+    replica that dies mid-request (``RayActorError``: killed, node lost, out of memory) fails its in-flight
+    calls; generation is deterministic per seed and has no side effects, so the same plan (the same seed) is
     resent (the router skips the dead replica) up to ``max_retries`` times, ``retry_wait_s`` apart.
 
     Raises:
@@ -80,7 +82,7 @@ async def call_dit(handle, plan: Plan, max_retries: int = 2, retry_wait_s: float
     last: BaseException | None = None
     for attempt in range(max_retries + 1):
         try:
-            result = await routed.generate.remote(plan.request)
+            result = await routed.generate.remote(plan)
             return Routed(result, attempt)
         except BackPressureError as exc:
             raise Overloaded("request", f"the server is at capacity (every DiT replica busy and the queue full: "

@@ -1,4 +1,4 @@
-"""Shape-aware request routing across DiT replicas (DESIGN.md section 5).
+"""Shape-aware request routing across DiT replicas (docs/DESIGN.md section 5).
 
 - :mod:`router.ownership`: which replicas own (capture and serve) which bucket shapes, from the expected
   work of the request mix and each replica's graph-memory budget. Pure and deterministic, no Ray.

@@ -1,4 +1,4 @@
-"""Bucket ownership: which DiT replicas capture and serve which buckets (DESIGN.md section 5).
+"""Bucket ownership: which DiT replicas capture and serve which buckets (docs/DESIGN.md section 5).
 
 Pure CPU logic, no Ray: the router and the autoscaling policy call :func:`assign` whenever the replica set
 changes, and replicas capture the buckets they own at start. Two inputs:

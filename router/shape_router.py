@@ -1,4 +1,4 @@
-"""Shape-aware request routing across DiT replicas (DESIGN.md section 5).
+"""Shape-aware request routing across DiT replicas (docs/DESIGN.md section 5).
 
 :class:`ShapeAwareRouter` is a Ray Serve ``RequestRouter`` (``ray.serve.request_router.RequestRouter``) for the
 DiT replica deployment. It sends each request to a replica that owns (has captured, or is capturing) the
@@ -61,7 +61,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 DEFAULT_FALLBACK_WAIT_S = 2.0
-"""Seconds a keyed request waits for an owner before any replica may take it (DESIGN.md section 5)."""
+"""Seconds a keyed request waits for an owner before any replica may take it (docs/DESIGN.md section 5)."""
 
 TIERS = ("ready_owner", "warming_owner", "fallback", "unkeyed")
 """Decision tiers, best first; ``unkeyed`` is the tier of requests without a routing key."""

@@ -1,4 +1,4 @@
-"""Shared assertions of the equivalence tests (fp32 on CPU: DESIGN.md s4, ~1e-5 relative)."""
+"""Shared assertions of the equivalence tests (fp32 on CPU: docs/DESIGN.md section 4, ~1e-5 relative)."""
 
 import torch
 

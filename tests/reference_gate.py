@@ -23,7 +23,7 @@ from bcg_core import BucketConfig, DiTPipeline, GenerationRequest, LimitsConfig,
 __all__ = ["GateRun", "RTOL", "assert_same", "bcg_pipeline", "bcg_run", "bcg_run_joined", "diffusers_run"]
 
 RTOL = 1e-5
-"""Relative tolerance on the final latents (fp32 on CPU, DESIGN.md section 4)."""
+"""Relative tolerance on the final latents (fp32 on CPU, docs/DESIGN.md section 4)."""
 
 
 @dataclass
@@ -112,8 +112,8 @@ def assert_same(ours: GateRun, ref: GateRun, rtol: float = RTOL, exact: bool = F
 
     Where the final latents are bit-identical (``exact=True`` demands it: a request alone at an exact
     bucket runs the very forwards diffusers runs), the PNG files must be byte-equal. Where rows shared a
-    padded or batched forward, fp32 reduction order differs in the last bits (~1e-7 relative, DESIGN.md
-    section 11), and a pixel value that lies on a rounding boundary may move by one level: then at most
+    padded or batched forward, fp32 reduction order differs in the last bits (~1e-7 relative, docs/DESIGN.md
+    section 4), and a pixel value that lies on a rounding boundary may move by one level: then at most
     :data:`PIXEL_SHARE` of the pixel values may differ, by at most one level.
     """
     assert ours.latents.shape == ref.latents.shape, (ours.latents.shape, ref.latents.shape)

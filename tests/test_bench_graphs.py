@@ -17,7 +17,7 @@ _spec.loader.exec_module(bench)
 
 
 @pytest.mark.parametrize("name, adapter_cls, params_b, text", [
-    ("flux-dev", FluxAdapter, 11.90, 512),  # DESIGN.md s1: FLUX.1-dev 11.9B
+    ("flux-dev", FluxAdapter, 11.90, 512),  # docs/DESIGN.md section 1: FLUX.1-dev 11.9B
     ("sd3-medium", SD3Adapter, 2.03, 333),  # SD3-medium 2.0B
     ("pixart-sigma", PixArtAdapter, 0.61, 128),  # PixArt-Sigma 0.6B
 ])

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from bcg_core.cli import main
+from deployments.cli import main
 
 
 @pytest.fixture()

@@ -9,8 +9,8 @@ import json
 import pytest
 import yaml
 
-from bcg_core.cli import config_text, main
 from bcg_core.config import ServeConfig
+from deployments.cli import config_text, main
 from deployments.demo import SEED_MODULUS, DemoRequest, load_requests, read_requests
 
 HEADER = "prompt,width,height,num_step,cfg_scale,seed,num_generations,is_grid,timestamp,sampler_flag,image_uri\n"

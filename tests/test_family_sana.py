@@ -8,7 +8,7 @@ padded up at a size generated at its aspect-ratio bin and resized back; a reques
 steps earlier; learned sigma + sin-cos positions + flow-match Euler, and SDE-DPM-Solver (noise drawn in each
 step from the request's generators). Plus the planning rules (token counts with the complex human
 instruction, the bin table, refused options and checkpoints) and, on a bare ``SanaTransformer2DModel``, the
-bucket gates of DESIGN.md section 4 (every bucket at its boundary shapes, pad-value invariance, stale data).
+bucket gates of docs/DESIGN.md section 4 (every bucket at its boundary shapes, pad-value invariance, stale data).
 
 On this CPU, fp32 cross-attention over a text length that is a multiple of 16 gives bit-identical outputs
 whatever the masked padding behind it (diffusers always feeds 300 tokens, mostly masked); other lengths differ
@@ -227,7 +227,7 @@ def test_checkpoints_sanapipeline_cannot_run_are_refused(folder, tmp_path, sub, 
     assert spec.cfg_rule == "guidance_scale" and spec.default_true_cfg_scale is None
 
 
-# -- the bucket adapter on a bare transformer (DESIGN.md section 4) --------------------------------------
+# -- the bucket adapter on a bare transformer (docs/DESIGN.md section 4) --------------------------------------
 
 
 @pytest.fixture(scope="module")

@@ -33,7 +33,7 @@ def test_demands_from_config_cover_every_shape_with_krea_shares(demands):
 
     assert set(demands) == {k.shape for k in Planner.from_config(ServeConfig()).table.keys}
     assert sum(d.share for d in demands.values()) == pytest.approx(1.0)
-    # 512x512 is about half of the krea requests (DESIGN.md section 8) but a third of the work: shares are
+    # 512x512 is about half of the krea requests (docs/DESIGN.md section 8) but a third of the work: shares are
     # weighted by padded tokens, so a 1024x1024 request counts ~4x
     planner = Planner.from_config(ServeConfig())
     by_requests = shape_shares(expected_load(planner, krea_rows(), by="requests").shares)

@@ -7,7 +7,7 @@ decode scaling. A family opts in by implementing :class:`Family` (a ``typing.Pro
 pipeline (:mod:`bcg_core.pipeline`) only ever calls these hooks, so no code outside ``families/`` asks which
 family it runs.
 
-Step-level contract (DESIGN.md section 12, docs/DESIGN.md "The step-level loop"):
+Step-level contract (docs/DESIGN.md section 10, "The step-level loop"):
 
 1. :meth:`Family.start` turns one planned request into a :class:`RequestState`: encoded text, initial
    latents (drawn exactly as the family's diffusers pipeline draws them from generators seeded

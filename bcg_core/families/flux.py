@@ -6,7 +6,7 @@ What diffusers 0.42.1 does, and what this module does the same way (``pipelines/
 
 - Text: ``encode_prompt`` gives T5 sequence embeddings of ``max_sequence_length`` (512) tokens, unmasked
   (padding included), and CLIP's pooled output; this module calls that very method. FLUX was trained on
-  unmasked fixed-length text, so the key's text dimension is that native length (DESIGN.md section 2).
+  unmasked fixed-length text, so the key's text dimension is that native length (docs/DESIGN.md section 2).
 - Latents: ``prepare_latents`` draws ``(n, C/4... , 2h, 2w)`` noise with ``randn_tensor`` from the
   request's generators (one per image, seeded ``seed + i``) in the transformer's dtype and packs 2x2 latent
   patches into tokens (``_pack_latents``): (n, h * w, in_channels).
@@ -80,7 +80,7 @@ class FluxAdapter:
       (passed through ``joint_attention_kwargs`` to every attention) keeps real tokens from attending to
       them; every other op of the model is per token or per row, so real tokens are unchanged.
     - text tokens: FLUX was trained on unmasked fixed-length T5 text (512 tokens for FLUX.1-dev); text
-      keeps its native length and is never masked (DESIGN.md section 2: a mask changes the output).
+      keeps its native length and is never masked (docs/DESIGN.md section 2: a mask changes the output).
 
     Args:
         model: a ``FluxTransformer2DModel``.

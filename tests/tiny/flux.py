@@ -1,4 +1,4 @@
-"""A tiny random-weight ``FluxPipeline`` in the real layout, built offline (DESIGN.md section 13).
+"""A tiny random-weight ``FluxPipeline`` in the real layout, built offline (docs/DESIGN.md section 4).
 
 Components as diffusers' own ``tests/pipelines/flux/test_pipeline_flux.py`` sizes them: a
 ``FluxTransformer2DModel`` with one double- and one single-stream block, CLIP (``CLIPTextModel``) and T5

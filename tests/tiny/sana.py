@@ -1,6 +1,6 @@
 """A tiny SANA pipeline (``SanaPipeline``) in the real layout, built offline with seeded random weights.
 
-Components, each the real class with few channels (DESIGN.md section 13):
+Components, each the real class with few channels (docs/DESIGN.md section 4):
 
 - ``tokenizer``: a ``GemmaTokenizer`` (BPE with byte fallback, ``<pad>`` 0, ``<eos>`` 1, ``<bos>`` 2,
   ``<unk>`` 3, ``<mask>`` 4, then the 256 ``<0xNN>`` byte tokens), trained with the ``tokenizers`` library

@@ -1,4 +1,4 @@
-"""Tiny tokenizers in the real classes, trained offline with the ``tokenizers`` library (DESIGN.md section 13).
+"""Tiny tokenizers in the real classes, trained offline with the ``tokenizers`` library (docs/DESIGN.md section 4).
 
 Nothing is downloaded: each tokenizer is trained on a small corpus (the PartiPrompts-like sentences below
 plus the krea prompts shipped in ``bcg_core/data``) and built directly from its vocab (and merges), as

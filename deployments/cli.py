@@ -1,7 +1,10 @@
 """The ``bcg`` command line: ``bcg demo``, ``bcg config``, ``bcg serve``, ``bcg verify``, ``bcg profile``.
 
-Subcommands that need Ray import :mod:`deployments.demo` lazily, inside the command, so that importing
-this module (and ``bcg config``) never imports Ray.
+The console script of ``pyproject.toml`` (``bcg = "deployments.cli:main"``), also run as
+``python -m deployments.cli``.
+``demo`` replays real requests (:mod:`deployments.demo`), ``serve`` runs the local server until stopped
+(:mod:`deployments.local`), ``verify`` and ``profile`` print tables of the engine's correctness gates and
+timings (:mod:`deployments.commands`), ``config`` prints the embedded default ``ServeConfig``.
 """
 
 from __future__ import annotations
@@ -17,12 +20,16 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from .config import ServeConfig
+from bcg_core.config import ServeConfig, load_config
+
+from .app import replicas_conflict
+from .commands import run_profile, run_verify
+from .demo import MAX_CONCURRENCY as _MAX_CONCURRENCY, run_demo
+from .local import check_config, start_local, stop_local
 
 __all__ = ["config_text", "main"]
 
 _MAX_REQUESTS = 998  # rows in the data file
-_MAX_CONCURRENCY = 16  # deployments.demo.MAX_CONCURRENCY (not imported: that would pull Ray in here)
 
 
 def _bounded_int(lo: int, hi: int | None = None):
@@ -99,20 +106,14 @@ def _cmd_config(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from deployments.demo import run_demo
-
     return run_demo(requests=args.requests, steps=args.steps, concurrency=args.concurrency, out=args.out,
                     port=args.port, url=args.url, config=args.config, timeout_s=args.timeout_s,
                     num_cpus=args.num_cpus, quiet=not args.verbose)
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from deployments.demo import check_config, start_local, stop_local
-
     config = check_config(args.config) if args.config else None
     if config is not None:
-        from deployments.app import replicas_conflict
-
         conflict = replicas_conflict(config, None if args.replicas is None else f"--replicas {args.replicas}")
         if conflict:
             print(f"bcg serve: error: {conflict} (in {args.config})", file=sys.stderr)
@@ -141,20 +142,14 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _load(path: str | None) -> ServeConfig:
-    from .config import load_config
-
     return load_config(config_path=path) if path else ServeConfig()
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
-    from .commands import run_verify
-
     return 0 if run_verify(_load(args.config), args.bucket, args.rtol) else 1
 
 
 def _cmd_profile(args: argparse.Namespace) -> int:
-    from .commands import run_profile
-
     try:
         run_profile(_load(args.config), args.bucket, args.iters)
     except RuntimeError as exc:

@@ -5,7 +5,7 @@ eager buffers on a CPU), exactly as a replica does, then:
 
 - ``verify`` runs every bucket's boundary shapes (:func:`bcg_core.verify.boundary_cases`) padded
   through the runner and unpadded through the adapter's eager forward, and prints the worst relative
-  error and pass or fail per bucket (tolerance from the dtype: DESIGN.md section 4);
+  error and pass or fail per bucket (tolerance from the dtype: docs/DESIGN.md section 4);
 - ``profile`` times each bucket at its exact size: kernels per step, eager ms, graph ms, kernel-busy ms,
   and a verdict on whether graphs pay (:mod:`bcg_core.profile`). It needs CUDA.
 """
@@ -14,15 +14,15 @@ from __future__ import annotations
 
 import torch
 
-from .buckets import BucketKey
-from .config import ServeConfig
-from .pipeline import DiTPipeline
-from .verify import BoundaryCase, boundary_cases, verify_runner
+from bcg_core.buckets import BucketKey
+from bcg_core.config import ServeConfig
+from bcg_core.pipeline import DiTPipeline
+from bcg_core.verify import BoundaryCase, boundary_cases, verify_runner
 
 __all__ = ["RTOL", "run_profile", "run_verify"]
 
 RTOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 1e-2}
-"""Relative tolerance of padded vs unpadded per dtype (DESIGN.md s4: fp32 ~1e-5, bf16 ~1e-2; bf16 here
+"""Relative tolerance of padded vs unpadded per dtype (docs/DESIGN.md section 4: fp32 ~1e-5, bf16 ~1e-2; bf16 here
 is 2e-2 because a masked bucket's attention kernel differs from the unmasked eager one, docs/BENCHMARKS.md)."""
 
 
@@ -67,7 +67,7 @@ def run_verify(config: ServeConfig, buckets: list[str] | None = None, rtol: floa
     tol = rtol if rtol is not None else RTOL[model.dtype]
     verdicts = verify_runner(model.adapter, pipe.runner, cases, model.device, model.dtype, rtol=tol)
     modes = {d["key"]: d["mode"] for d in pipe.runner.describe()}
-    table = Table(title=f"bcg verify: {model.name} on {model.device} ({str(model.dtype).removeprefix('torch.')}), "
+    table = Table(title=f"bcg verify: {model.model_name} on {model.device} ({str(model.dtype).removeprefix('torch.')}), "
                         f"rtol {tol:g}")
     for col in ("bucket", "mode", "cases", "shapes (rows x grid + text)", "max rel err", "result"):
         table.add_column(col, justify="right" if col in ("cases", "max rel err") else "left")
@@ -97,7 +97,7 @@ def run_profile(config: ServeConfig, buckets: list[str] | None = None, iters: in
     from rich.console import Console
     from rich.table import Table
 
-    from .profile import profile_case
+    from bcg_core.profile import profile_case
 
     if not torch.cuda.is_available():
         raise RuntimeError("bcg profile needs a CUDA GPU: it times CUDA kernels and graph replay")
@@ -113,7 +113,7 @@ def run_profile(config: ServeConfig, buckets: list[str] | None = None, iters: in
             continue
         rows.append(profile_case(model.adapter, pipe.runner, BoundaryCase(key, key.batch, grid, key.text_tokens),
                                  model.device, model.dtype, iters))
-    table = Table(title=f"bcg profile: {model.name} on {torch.cuda.get_device_name()}")
+    table = Table(title=f"bcg profile: {model.model_name} on {torch.cuda.get_device_name()}")
     for col in ("bucket", "kernels", "eager ms", "graph ms", "kernel-busy ms", "eager/graph", "verdict"):
         table.add_column(col, justify="left" if col in ("bucket", "verdict") else "right")
     for r in rows:

@@ -1,0 +1,150 @@
+"""The local server: Ray and the bcg-serve application on this machine's loopback, for ``bcg serve`` and
+``bcg demo`` (:mod:`deployments.cli`).
+
+:func:`check_config` reads and checks a config file before anything starts (the bucket table, the
+checkpoint's JSON configs and tokenizer, the device and runner mode), so that a bad file is reported with
+its own message instead of a replica failing inside Ray; :func:`start_local` starts a new local Ray
+instance, Serve on ``127.0.0.1`` and the application from :func:`deployments.app.build_app`;
+:func:`stop_local` shuts both down; :func:`deploy_failure` says in one line why an application failed to
+deploy.
+
+Ray and httpx are imported only by the functions that use them.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from bcg_core.config import ServeConfig
+
+__all__ = [
+    "check_config", "deploy_failure", "free_loopback_port", "start_local", "stop_local", "wait_healthy",
+]
+
+_HEALTH_WAIT_S = 60.0
+
+
+def wait_healthy(url: str, timeout_s: float = _HEALTH_WAIT_S) -> None:
+    """Poll ``GET {url}/healthz`` until it answers 200.
+
+    Raises:
+        TimeoutError: no healthy answer within ``timeout_s`` seconds (the message has the last error).
+    """
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    last = "no attempt"
+    while time.monotonic() < deadline:
+        try:
+            r = httpx.get(f"{url}/healthz", timeout=5.0, trust_env=False)
+            if r.status_code == 200:
+                return
+            last = f"HTTP {r.status_code}"
+        except httpx.HTTPError as exc:
+            last = f"{type(exc).__name__}: {exc}"
+        time.sleep(0.5)
+    raise TimeoutError(f"{url}/healthz did not answer 200 within {timeout_s:.0f} s (last: {last})")
+
+
+def free_loopback_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def check_config(config_path: str | Path) -> "ServeConfig":
+    """Load a ServeConfig file and build its bucket table, without starting anything.
+
+    A relative ``model.path`` is taken from the current directory. Cheap (the planner loads only the tokenizer
+    and the checkpoint's JSON configs), so a bad file fails with its own message before Ray starts.
+
+    Raises:
+        ValueError: a bad file, config value or bucket table (pydantic's ValidationError is a ValueError).
+        FileNotFoundError: ``config_path`` or the config's ``model.path`` does not exist.
+    """
+    from bcg_core.config import load_config
+    from bcg_core.pipeline import runner_mode
+    from bcg_core.planner import Planner
+
+    config = load_config(config_path=config_path)
+    if config.model.path is not None:
+        # The replicas may run in another working directory: pin a relative path to this one.
+        model = config.model.model_copy(update={"path": str(Path(config.model.path).resolve())})
+        config = config.model_copy(update={"model": model})
+    Planner.from_config(config)
+    runner_mode(config)  # a CUDA device or graph runner asked for where none is visible fails here, not in Ray
+    return config
+
+
+def start_local(config: "ServeConfig | None" = None, port: int = 8000, num_cpus: int = 4,
+                quiet: bool = True, replicas: int | None = None) -> str:
+    """Start Ray and the bcg-serve application on ``127.0.0.1:port``; returns the base URL.
+
+    A new local Ray instance is always started (``address="local"``), never a cluster found on the
+    machine. ``serve.run`` returns once the replicas are ready (the DiT replica has built its pipeline).
+
+    Args:
+        config: the configuration (see :func:`check_config`), or None for the embedded default.
+        port: HTTP port on 127.0.0.1 (0 picks a free one).
+        num_cpus: logical CPUs Ray may hand out (each replica asks for its own share).
+        quiet: keep Ray's and the replicas' logs out of the terminal (they stay in Ray's log folder).
+        replicas: DiT replicas (one per GPU); with more than one they split the bucket shapes. None: 1, or the
+            config's ``autoscaling`` bounds when it autoscales.
+    """
+    import ray
+    from ray import serve
+
+    from .app import build_app
+
+    if port == 0:
+        port = free_loopback_port()
+    level = logging.WARNING if quiet else logging.INFO
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=not quiet,
+             logging_level=level)
+    logging.getLogger("ray.serve").setLevel(level)
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    args: dict = {"config": config.model_dump(mode="json")} if config is not None else {}
+    if replicas is not None:
+        args["dit_replicas"] = replicas
+    try:
+        serve.run(build_app(args), name="bcg", route_prefix="/")
+    except RuntimeError as exc:
+        raise RuntimeError(f"the bcg application failed to start: {deploy_failure('bcg')}") from exc
+    return f"http://127.0.0.1:{port}"
+
+
+def deploy_failure(app_name: str) -> str:
+    """Why a Serve application failed to deploy, in one line: each failing deployment's last error line.
+
+    Reads ``serve.status()`` (the replica's constructor traceback is in the deployment's status message),
+    so that a bad checkpoint or device shows its cause instead of Ray's "Deploying application failed".
+    """
+    from ray import serve
+
+    app = serve.status().applications.get(app_name)
+    if app is None:
+        return f"application {app_name!r} is not known to Serve"
+    reasons = []
+    for name, dep in app.deployments.items():
+        lines = [ln.strip() for ln in (dep.message or "").splitlines() if ln.strip()]
+        if lines and str(dep.status) not in ("HEALTHY", "DeploymentStatus.HEALTHY"):
+            reasons.append(f"{name}: {lines[-1]}")
+    return "; ".join(reasons) or (app.message or "no reason reported").strip().splitlines()[-1]
+
+
+def stop_local() -> None:
+    """Shut down Serve and Ray started by :func:`start_local` (safe to call when they are not running)."""
+    import ray
+    from ray import serve
+
+    if ray.is_initialized():
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
