@@ -4,9 +4,11 @@ A replica serves concurrent requests (Ray Serve's ``max_ongoing_requests``). Run
 of 512x512 with guidance take two denoising loops of 2-row forwards; batched, they take one loop of 4-row
 forwards, and on a GPU a 4-row forward costs far less than two 2-row forwards (the bucket table already
 holds graphs of every batch size). :class:`MicroBatcher` groups requests by
-:meth:`~bcg_core.pipeline.DiTPipeline.batch_group` (bucket shape without the batch dimension, size, steps
-and guidance mode; requests of different groups are never padded together) and hands each batch to
-:meth:`~bcg_core.pipeline.DiTPipeline.generate_batch` in a worker thread.
+:meth:`~bcg_core.pipeline.DiTPipeline.batch_group` (bucket shape without the batch dimension and token grid;
+requests of different groups are never padded together; steps, guidance and seeds may differ) and hands each
+batch to :meth:`~bcg_core.pipeline.DiTPipeline.generate_batch` in a worker thread, whose step-level loop runs
+every request still going in one forward per step (a request leaves when its own steps are done). A request
+joins a batch only while its window is open; joining a loop that already runs is the step scheduler's work.
 
 Plan once: a request arrives planned (a :class:`~bcg_core.planner.Plan` from the ingress, which validated it
 and looked its bucket up) and is trusted as it is: grouped by its plan and handed to the pipeline as that plan,

@@ -203,9 +203,9 @@ class RunnerConfig(BaseModel):
     warmup_iters: int = Field(default=2, ge=1, le=10, description="Warm-up forwards on a side stream before capture.")
     micro_batching: bool = Field(
         default=True,
-        description="Batch concurrent requests of the same bucket shape (same size, steps and guidance mode) "
-        "inside a replica into one transformer forward per step, up to the largest batch bucket. Misses "
-        "never batch.",
+        description="Batch concurrent requests of the same bucket shape and token grid (steps, guidance and "
+        "seeds may differ) inside a replica into one transformer forward per step, up to the largest batch "
+        "bucket; each request leaves when its own steps are done. Misses never batch.",
     )
     batch_wait_ms: float = Field(
         default=10.0, ge=0, le=1000,

@@ -3,7 +3,9 @@
 The ingress runs a :class:`Planner` (tokenizer only, no weights) to reject bad input with a 4xx before
 it reaches a GPU replica and to compute the bucket key that routing needs. The family's request rules
 (which options it refuses, when classifier-free guidance adds uncond rows, PixArt's and SANA's resolution
-binning) come from its :class:`~bcg_core.families.ModelSpec`, so the ingress and the replica plan alike.
+binning) come from its :class:`~bcg_core.families.ModelSpec`, read from JSON configs: the ingress plans each
+request once, and the replica trusts that :class:`Plan` (it plans only raw requests that direct handle
+callers send it).
 """
 
 from __future__ import annotations

@@ -291,6 +291,7 @@ class Ingress:
                     guidance_scale=req.guidance_scale,
                     negative_prompt=req.negative_prompt,
                     seed=req.seed,
+                    true_cfg_scale=req.true_cfg_scale,
                 )
             )
         except ValidationError as exc:

@@ -91,6 +91,8 @@ def allowed_values(name: str, limits: RequestLimits) -> str:
         return f"a number from 0 to {lim.max_guidance_scale:g} (above 1 enables classifier-free guidance)"
     if name == "negative_prompt":
         return f"a string of at most {lim.max_prompt_chars} characters"
+    if name == "true_cfg_scale":
+        return f"a number from 0 to {lim.max_guidance_scale:g} (FLUX and Qwen-Image only: true CFG with a negative_prompt)"
     return "one of the fields " + ", ".join(ImageGenerationRequest.model_fields)
 
 
@@ -122,10 +124,20 @@ class ImageGenerationRequest(BaseModel):
     )
     guidance_scale: float | None = Field(
         default=None,
-        description="Classifier-free guidance scale, 0 to limits.max_guidance_scale; above 1 runs cond + uncond "
-        "rows (2n transformer rows). Omitted = limits.default_guidance_scale.",
+        description="Guidance scale, 0 to limits.max_guidance_scale. Classifier-free guidance for SD3, PixArt-Sigma, "
+        "SANA and the tiny default: above 1 runs cond + uncond rows (2n transformer rows). FLUX.1-dev: its guidance "
+        "embedding (no uncond rows); FLUX.1-schnell and Qwen-Image ignore it, as their diffusers pipelines do. "
+        "Omitted = limits.default_guidance_scale.",
     )
-    negative_prompt: str | None = Field(default=None, description="Text to guide away from (used with CFG).")
+    negative_prompt: str | None = Field(
+        default=None, description="Text to guide away from (the uncond rows of CFG). Omitted = the family's default: "
+        "\"\" for SD3, PixArt-Sigma, SANA; none for FLUX and Qwen-Image, which then run no true CFG.")
+    true_cfg_scale: float | None = Field(
+        default=None,
+        description="True classifier-free guidance scale of FLUX and Qwen-Image (their pipelines' true_cfg_scale), 0 "
+        "to limits.max_guidance_scale: above 1, with a negative_prompt, runs cond + uncond rows. Omitted = the "
+        "pipeline's default (1.0 FLUX, 4.0 Qwen-Image). Other families answer 422 when it is set.",
+    )
 
     @field_validator("prompt", "negative_prompt")
     @classmethod
@@ -192,7 +204,7 @@ class ImageGenerationRequest(BaseModel):
             raise ValueError(f"{v} is out of range")
         return v
 
-    @field_validator("guidance_scale")
+    @field_validator("guidance_scale", "true_cfg_scale")
     @classmethod
     def _guidance(cls, v: float | None, info: ValidationInfo) -> float | None:
         if v is not None and not (math.isfinite(v) and 0.0 <= v <= _limits(info).limits.max_guidance_scale):

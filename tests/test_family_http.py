@@ -22,9 +22,10 @@ GEN = "/v1/images/generations"
 
 # family -> (builder module, build kwargs, bucket table, request body, expected bucket)
 CASES = {
-    "flux": ("flux", {"variant": "dev"},
-             {"batch_sizes": [1, 2], "resolutions": ["32x32"], "text_lengths": [32]},
-             {"size": "32x32", "n": 2, "guidance_scale": 3.5}, "b2_i64_t32"),
+    "flux": ("flux", {"variant": "dev"},  # true CFG through HTTP: 2 images x (cond + uncond) rows
+             {"batch_sizes": [1, 2, 4], "resolutions": ["32x32"], "text_lengths": [32]},
+             {"size": "32x32", "n": 2, "guidance_scale": 3.5, "negative_prompt": "blurry", "true_cfg_scale": 2.0},
+             "b4_i64_t32"),
     "sd3": ("sd3", {"variant": "sd35"},
             {"batch_sizes": [2], "resolutions": ["64x64"], "text_lengths": [333]},
             {"size": "64x64", "n": 1, "guidance_scale": 5.0}, "b2_i16_t333_g4x4"),
@@ -58,7 +59,8 @@ def test_each_family_is_served_over_http_and_answers_what_the_pipeline_gives(ser
     name, prefix = f"family-{family}", f"/family-{family}"
     serve.run(build_app({"config": config}), name=name, route_prefix=prefix)
     try:
-        request = {"prompt": "a photo of a cat sitting on a red chair", "seed": 5, "num_inference_steps": 2, **body}
+        request = {"prompt": "a photo of a cat sitting on a red chair", "seed": 5, "num_inference_steps": 2,
+                   "model": folder.name, **body}
         with httpx.Client(base_url=serve_apps.base_url + prefix, timeout=300.0, trust_env=False) as client:
             r = client.post(GEN, json=request)
             assert r.status_code == 200, r.text
@@ -70,7 +72,7 @@ def test_each_family_is_served_over_http_and_answers_what_the_pipeline_gives(ser
         assert payload["bcg"]["bucket"] == bucket
         assert stats["model"]["family"] == family and stats["model"]["name"] == folder.name
         local = DiTPipeline.from_config(load_config(config))
-        fields = {k: v for k, v in request.items() if k != "size"}
+        fields = {k: v for k, v in request.items() if k not in ("size", "model")}
         expect = local.generate(GenerationRequest(**fields, width=w, height=h))
         assert pngs == expect.images_png
     finally:
