@@ -99,3 +99,21 @@ def test_published_configs_have_their_sizes_and_imply_the_real_text_widths(name,
     assert bench.text_widths(spec.family, spec.transformer) == widths
     vae_m = sum(p.numel() for p in vae.parameters()) / 1e6
     assert 80 < vae_m < 90 if spec.family != "sana" else 300 < vae_m < 330  # KL VAEs ~84M, DC-AE f32c32 ~312M
+
+
+def test_a_family_that_raises_is_recorded_the_others_still_run_and_the_exit_status_is_1(tmp_path, monkeypatch):
+    real = bench._verify_one
+
+    def flaky(name, *args, **kwargs):
+        if name == "sd3":
+            raise RuntimeError("capture failed")
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(bench, "_verify_one", flaky)
+    out = tmp_path / "verify.json"
+    rc = bench.main(["verify", "--device", "cpu", "--tiny", "--families", "sd3,flux-dev", "--out", str(out),
+                     "--scratch", str(tmp_path)])
+    data = json.loads(out.read_text())
+    assert rc == 1 and data["ok"] is False
+    assert data["errors"] == ["sd3/float32: RuntimeError: capture failed"]
+    assert [(r["family"], r["passed"] == r["buckets"]) for r in data["families"]] == [("flux-dev", True)]

@@ -264,8 +264,9 @@ class SD3Family:
         from diffusers import StableDiffusion3Pipeline
 
         spec = cls.describe(path, index)
-        pipe = StableDiffusion3Pipeline.from_pretrained(str(path), dtype=dtype, local_files_only=True)
-        pipe.to(device)
+        pipe = StableDiffusion3Pipeline.from_pretrained(str(path), torch_dtype=dtype, local_files_only=True)
+        # diffusers 0.42.1 without accelerate leaves an fp32-saved SD3 transformer in fp32: cast every component
+        pipe.to(device=device, dtype=dtype)
         pipe.set_progress_bar_config(disable=True)
         for m in (pipe.transformer, pipe.vae, pipe.text_encoder, pipe.text_encoder_2, pipe.text_encoder_3):
             if m is not None:
