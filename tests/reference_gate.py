@@ -101,7 +101,8 @@ PIXEL_SHARE = 1e-3
 """Most share of pixel values that may differ (by one level) where the latents are not bit-identical."""
 
 
-def _pixels(png: bytes) -> np.ndarray:
+def pixels(png: bytes) -> np.ndarray:
+    """(height, width, 3) int16 pixel values of a PNG file."""
     from PIL import Image
 
     return np.asarray(Image.open(io.BytesIO(png))).astype(np.int16)
@@ -127,7 +128,7 @@ def assert_same(ours: GateRun, ref: GateRun, rtol: float = RTOL, exact: bool = F
         if identical:
             assert a == b, f"image {i}: PNG differs from diffusers' own pipeline although the latents are identical"
             continue
-        pa, pb = _pixels(a), _pixels(b)
+        pa, pb = pixels(a), pixels(b)
         assert pa.shape == pb.shape, (pa.shape, pb.shape)
         diff = np.abs(pa - pb)
         share = float((diff > 0).mean())

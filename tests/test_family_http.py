@@ -3,8 +3,9 @@
 Each case builds the family's tiny random-weight pipeline (``tests/tiny/``), deploys it as its own Serve
 application on the session's local Ray Serve instance (``conftest.serve_apps``), asks
 ``POST /v1/images/generations`` for images and checks the answer: the PNGs are the requested size, the bucket
-is the expected one, ``/v1/buckets`` names the family, and the images equal what the same request gives
-through ``DiTPipeline`` in this process (same checkpoint, same seed). Then the application is deleted.
+is the expected one, ``/v1/buckets`` names the family, and the images are what the same request gives
+through ``DiTPipeline`` in this process (same checkpoint, same seed; up to one level on a rounding boundary,
+as the replica's process may sum in another order). Then the application is deleted.
 """
 
 from __future__ import annotations
@@ -13,8 +14,11 @@ import base64
 import io
 
 import httpx
+import numpy as np
 import pytest
 from PIL import Image
+
+from reference_gate import PIXEL_SHARE, pixels
 
 pytestmark = pytest.mark.serve
 
@@ -74,6 +78,10 @@ def test_each_family_is_served_over_http_and_answers_what_the_pipeline_gives(ser
         local = DiTPipeline.from_config(load_config(config))
         fields = {k: v for k, v in request.items() if k not in ("size", "model")}
         expect = local.generate(GenerationRequest(**fields, width=w, height=h))
-        assert pngs == expect.images_png
+        # the replica's process may run torch with another thread count (other fp32 reduction order): the same
+        # image up to one level on a rounding boundary (reference_gate.PIXEL_SHARE)
+        for ours, ref in zip(pngs, expect.images_png):
+            diff = np.abs(pixels(ours) - pixels(ref))
+            assert diff.max() <= 1 and (diff > 0).mean() <= PIXEL_SHARE
     finally:
         serve.delete(name)
