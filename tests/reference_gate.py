@@ -20,7 +20,7 @@ import torch
 
 from bcg_core import BucketConfig, DiTPipeline, GenerationRequest, LimitsConfig, ModelConfig, ServeConfig
 
-__all__ = ["GateRun", "RTOL", "assert_same", "bcg_pipeline", "bcg_run", "bcg_run_joined", "diffusers_run"]
+__all__ = ["GateRun", "PIXEL_SHARE", "RTOL", "assert_same", "bcg_pipeline", "bcg_run", "bcg_run_joined", "diffusers_run", "pixels"]
 
 RTOL = 1e-5
 """Relative tolerance on the final latents (fp32 on CPU, docs/DESIGN.md section 4)."""
