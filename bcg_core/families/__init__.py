@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import importlib
 
-from .base import Family, ModelSpec, RequestState, TextRows, concat_rows, pad_text
+from .base import Family, ModelSpec, RequestState, TextRows, concat_rows, pad_text, read_json
 
 __all__ = [
     "Family", "ModelSpec", "PIPELINE_CLASSES", "RequestState", "TextRows", "UnknownPipelineClass",
-    "concat_rows", "family_class", "pad_text",
+    "concat_rows", "family_class", "pad_text", "read_json",
 ]
 
 PIPELINE_CLASSES: dict[str, tuple[str, str]] = {

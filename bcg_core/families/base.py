@@ -36,7 +36,7 @@ import torch
 from ..buckets import ShapeRules
 from ..padding import DenoiseInputs, DiTAdapter
 
-__all__ = ["Family", "ModelSpec", "RequestState", "TextRows", "concat_rows", "pad_text"]
+__all__ = ["Family", "ModelSpec", "RequestState", "TextRows", "concat_rows", "pad_text", "read_json"]
 
 
 @dataclass(frozen=True)
@@ -279,6 +279,22 @@ class Family(Protocol):
         """``n`` images as (height, width, 3) uint8 arrays at the requested size, as diffusers'
         ``output_type="pil"`` gives them (``VaeImageProcessor.postprocess``)."""
         ...
+
+
+def read_json(path: Path, optional: bool = False) -> dict:
+    """A component's JSON config (``config.json``, ``scheduler_config.json`` ...).
+
+    Raises:
+        ValueError: the file is missing (unless ``optional``: then ``{}``), naming it and the fix.
+    """
+    import json
+
+    if not path.is_file():
+        if optional:
+            return {}
+        raise ValueError(f"{path} is missing: the checkpoint folder is incomplete; re-save the pipeline with "
+                         f"save_pretrained or copy the whole folder")
+    return json.loads(path.read_text())
 
 
 def pad_text(rows: TextRows, tokens: int) -> TextRows:

@@ -28,7 +28,6 @@ It has no diffusers pipeline to compare with; its images are noise (random weigh
 from __future__ import annotations
 
 import copy
-import json
 import threading
 from pathlib import Path
 
@@ -37,7 +36,7 @@ import torch
 
 from ..buckets import BucketKey, ShapeRules
 from ..padding import DenoiseInputs, copy_rows
-from .base import ModelSpec, RequestState, TextRows
+from .base import ModelSpec, RequestState, TextRows, read_json
 
 __all__ = ["BCGFluxFamily", "FLUX_SCHEDULER_CONFIG", "FluxAdapter", "FluxFamily", "flux_image_ids"]
 
@@ -210,10 +209,6 @@ class FluxAdapter:
         )
 
 
-def _read_json(path: Path) -> dict:
-    return json.loads(path.read_text())
-
-
 class FluxFamily:
     """A ``FluxPipeline`` checkpoint (FLUX.1-dev or -schnell), served step by step.
 
@@ -259,12 +254,12 @@ class FluxFamily:
         Raises:
             ValueError: the T5 tokenizer holds fewer tokens than the model is served with.
         """
-        tr = _read_json(path / "transformer" / "config.json")
-        vae = _read_json(path / "vae" / "config.json")
+        tr = read_json(path / "transformer" / "config.json")
+        vae = read_json(path / "vae" / "config.json")
         scale = 2 ** (len(vae["block_out_channels"]) - 1)
         tokens = int(index.get("bcg_text_tokens", FLUX_DEFAULT_TEXT_TOKENS))
         tok_cfg = path / "tokenizer_2" / "tokenizer_config.json"
-        limit = _read_json(tok_cfg).get("model_max_length") if tok_cfg.is_file() else None
+        limit = read_json(tok_cfg).get("model_max_length") if tok_cfg.is_file() else None
         if isinstance(limit, int) and limit < tokens:
             raise ValueError(f"checkpoint {str(path)!r}: tokenizer_2 holds at most {limit} tokens "
                              f"(model_max_length in {tok_cfg}), but the model is served with {tokens} T5 tokens; "

@@ -36,7 +36,6 @@ What diffusers 0.42.1 does (``pipelines/pixart_alpha/pipeline_pixart_sigma.py``,
 from __future__ import annotations
 
 import copy
-import json
 import threading
 from pathlib import Path
 from types import SimpleNamespace
@@ -44,9 +43,9 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from ..buckets import BucketKey, ShapeRules
-from ..padding import DenoiseInputs, copy_rows
-from .base import ModelSpec, RequestState, TextRows, pad_text
+from ..buckets import ShapeRules
+from ..padding import DenoiseInputs, GridMaskedTextAdapter
+from .base import ModelSpec, RequestState, TextRows, pad_text, read_json
 
 __all__ = ["PIXART_SIGMA_MAX_TEXT_TOKENS", "PixArtAdapter", "PixArtSigmaFamily", "aspect_ratio_bins"]
 
@@ -79,7 +78,7 @@ def aspect_ratio_bins(sample_size: int) -> dict[str, list[float]]:
     return tables[sample_size]
 
 
-class PixArtAdapter:
+class PixArtAdapter(GridMaskedTextAdapter):
     """PixArt family (diffusers ``PixArtTransformer2DModel``): exact latent grid, masked text buckets.
 
     How the model runs (``diffusers/models/transformers/pixart_transformer_2d.py`` unless named otherwise):
@@ -114,9 +113,6 @@ class PixArtAdapter:
     """
 
     family = "pixart"
-    guidance_embeds = False
-    timestep_max = 1000.0
-    pooled_dim = 0
 
     def __init__(self, model: torch.nn.Module, max_text_tokens: int = PIXART_SIGMA_MAX_TEXT_TOKENS,
                  vae_scale_factor: int = 8):
@@ -133,85 +129,11 @@ class PixArtAdapter:
         self.seq_dim = int(cfg.caption_channels or cfg.cross_attention_dim)
         self.max_text_tokens = max_text_tokens
 
-    def example_latents(self, rows: int, grid: tuple[int, int], generator: torch.Generator) -> torch.Tensor:
-        """Latent images (rows, in_channels, h * patch, w * patch), standard normal, CPU fp32."""
-        h, w = grid[0] * self.patch, grid[1] * self.patch
-        return torch.randn(rows, self.in_channels, h, w, generator=generator)
-
-    def allocate(self, key: BucketKey, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-        """Static buffers of ``key`` (shapes in the comments).
-
-        Raises:
-            ValueError: if the key has no grid or more text tokens than the model was trained with.
-        """
-        if key.latent_hw is None:
-            raise ValueError(f"bucket {key} has no latent_hw: PixArt buckets are keyed on the latent grid")
-        if key.text_tokens > self.max_text_tokens:
-            raise ValueError(f"bucket {key}: {key.text_tokens} text tokens exceed the {self.max_text_tokens} "
-                             f"the model was trained with; use text_lengths up to {self.max_text_tokens}")
-        (h, w), b, t, p = key.latent_hw, key.batch, key.text_tokens, self.patch
-        return {
-            # (B, C, H, W)
-            "latents": torch.zeros(b, self.in_channels, h * p, w * p, device=device, dtype=dtype),
-            "text": torch.zeros(b, t, self.seq_dim, device=device, dtype=dtype),  # (B, T, D_caption)
-            "text_mask": torch.zeros(b, t, device=device, dtype=torch.bool),  # (B, T), True = real token
-            "timestep": torch.zeros(b, device=device, dtype=torch.float32),  # (B,) 0-1000 scale, fp32
-        }
-
-    def fill(self, buffers: dict[str, torch.Tensor], inputs: DenoiseInputs) -> None:
-        """Copy ``inputs`` into the buffers: pad rows copy row 0, pad text tokens are zeros with mask False.
-
-        Every element is written, so nothing of an earlier request survives.
-
-        Raises:
-            ValueError: if the inputs do not fit (more rows, another grid, more text tokens).
-        """
-        lat, text, mask = buffers["latents"], buffers["text"], buffers["text_mask"]
-        b, t = text.shape[:2]
-        n, s = inputs.rows, inputs.text_tokens
-        if n > b or tuple(inputs.latents.shape[1:]) != tuple(lat.shape[1:]) or s > t:
-            raise ValueError(
-                f"inputs of {n} rows x latents {tuple(inputs.latents.shape[1:])} x {s} text tokens "
-                f"do not fit bucket buffers of {b} rows x latents {tuple(lat.shape[1:])} x {t} text tokens"
-            )
-        copy_rows(lat, inputs.latents)
-        copy_rows(text[:, :s], inputs.text)
-        if inputs.text_mask is None:
-            mask[:, :s].fill_(True)
-        else:
-            copy_rows(mask[:, :s], inputs.text_mask)
-        if s < t:
-            text[:, s:].zero_()
-            mask[:, s:].fill_(False)
-        copy_rows(buffers["timestep"], inputs.timestep)
-
     def _call(self, latents, text, mask, timestep) -> torch.Tensor:
         return self.model(
             latents, encoder_hidden_states=text, timestep=timestep, added_cond_kwargs=_ADDED_COND,
             encoder_attention_mask=mask, return_dict=False,
         )[0]
-
-    def forward(self, buffers: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Padded, masked forward over the static buffers: (B, C_out, H, W)."""
-        return self._call(buffers["latents"], buffers["text"], buffers["text_mask"], buffers["timestep"])
-
-    def unpad(self, output: torch.Tensor, inputs: DenoiseInputs) -> torch.Tensor:
-        """Rows ``[0, inputs.rows)`` of ``output`` (text padding leaves no trace in the image output)."""
-        return output[: inputs.rows]
-
-    def forward_eager(self, inputs: DenoiseInputs) -> torch.Tensor:
-        """Unpadded reference forward: the real text with its mask (all True when ``text_mask`` is None)."""
-        p = next(self.model.parameters())
-        cast = lambda x: x.to(device=p.device, dtype=p.dtype)  # noqa: E731
-        mask = inputs.text_mask
-        if mask is None:
-            mask = torch.ones(inputs.rows, inputs.text_tokens, dtype=torch.bool)
-        return self._call(cast(inputs.latents), cast(inputs.text), mask.to(device=p.device, dtype=torch.bool),
-                          inputs.timestep.to(device=p.device, dtype=torch.float32))
-
-
-def _read_json(path: Path) -> dict:
-    return json.loads(path.read_text())
 
 
 def _caption_pipeline(tokenizer):
@@ -276,8 +198,8 @@ class PixArtSigmaFamily:
         if missing:
             raise ValueError(f"{path}: model_index.json has no {' and '.join(missing)}; PixArtSigmaPipeline can "
                              f"then only take precomputed prompt embeddings, which bcg-serve does not accept")
-        tr = _read_json(path / "transformer" / "config.json")
-        vae = _read_json(path / "vae" / "config.json")
+        tr = read_json(path / "transformer" / "config.json")
+        vae = read_json(path / "vae" / "config.json")
         sample = int(tr.get("sample_size", 128))  # PixArtTransformer2DModel's defaults where a key is absent
         micro = tr.get("use_additional_conditions")
         if micro is None:  # PixArtTransformer2DModel.__init__: None means "sample_size == 128"

@@ -45,7 +45,7 @@ import torch
 from diffusers.models.transformers.transformer_qwenimage import QwenDoubleStreamAttnProcessor2_0
 
 from ..buckets import BucketKey, ShapeRules
-from ..padding import DenoiseInputs, copy_rows
+from ..padding import DenoiseInputs, copy_rows, fill_masked_text
 from .base import ModelSpec, RequestState, TextRows, pad_text
 
 __all__ = ["QWEN_MAX_TEXT_TOKENS", "QwenImageAdapter", "QwenImageFamily", "TextMaskAttnProcessor"]
@@ -181,14 +181,7 @@ class QwenImageAdapter:
                 f"x grid {(h, w)} x {t} text tokens (Qwen-Image takes no guidance input)"
             )
         copy_rows(lat.view(b, h * w, c), inputs.latents)
-        copy_rows(text[:, :s], inputs.text)
-        if inputs.text_mask is None:
-            mask[:, :s].fill_(True)
-        else:
-            copy_rows(mask[:, :s], inputs.text_mask)
-        if s < t:
-            text[:, s:].zero_()
-            mask[:, s:].fill_(False)
+        fill_masked_text(text, mask, inputs)
         copy_rows(buffers["timestep"], inputs.timestep)
 
     def _call(self, latents, text, mask, timestep, grid: tuple[int, int], attention_kwargs: dict) -> torch.Tensor:

@@ -37,16 +37,15 @@ from __future__ import annotations
 
 import copy
 import inspect
-import json
 import threading
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from ..buckets import BucketKey, ShapeRules
-from ..padding import DenoiseInputs, copy_rows
-from .base import ModelSpec, RequestState, TextRows, pad_text
+from ..buckets import ShapeRules
+from ..padding import DenoiseInputs, GridMaskedTextAdapter
+from .base import ModelSpec, RequestState, TextRows, pad_text, read_json
 
 __all__ = ["SANA_MAX_TEXT_TOKENS", "SanaAdapter", "SanaFamily", "complex_human_instruction", "sana_bins"]
 
@@ -77,7 +76,7 @@ def sana_bins(sample_size: int) -> dict[str, list[float]]:
     return {k: list(v) for k, v in tables[sample_size].items()}
 
 
-class SanaAdapter:
+class SanaAdapter(GridMaskedTextAdapter):
     """SANA (diffusers ``SanaTransformer2DModel``): exact latent grid, masked text buckets.
 
     How the model runs (``diffusers/models/transformers/sana_transformer.py`` lines, 0.42.1):
@@ -116,9 +115,6 @@ class SanaAdapter:
     """
 
     family = "sana"
-    guidance_embeds = False
-    timestep_max = 1000.0
-    pooled_dim = 0
 
     def __init__(self, model: torch.nn.Module, max_text_tokens: int = SANA_MAX_TEXT_TOKENS,
                  vae_scale_factor: int = 32):
@@ -135,78 +131,9 @@ class SanaAdapter:
         self.seq_dim = int(cfg.caption_channels)
         self.max_text_tokens = max_text_tokens
 
-    def example_latents(self, rows: int, grid: tuple[int, int], generator: torch.Generator) -> torch.Tensor:
-        """Latent images (rows, in_channels, h * patch, w * patch), standard normal, CPU fp32."""
-        return torch.randn(rows, self.in_channels, grid[0] * self.patch, grid[1] * self.patch, generator=generator)
-
-    def allocate(self, key: BucketKey, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-        """Static buffers of ``key`` (shapes in the comments).
-
-        Raises:
-            ValueError: if the key has no grid or more text tokens than the pipeline ever feeds.
-        """
-        if key.latent_hw is None:
-            raise ValueError(f"bucket {key} has no latent_hw: SANA buckets are keyed on the latent grid")
-        if key.text_tokens > self.max_text_tokens:
-            raise ValueError(f"bucket {key}: {key.text_tokens} text tokens exceed the {self.max_text_tokens} "
-                             f"SanaPipeline feeds; use text_lengths up to {self.max_text_tokens}")
-        (h, w), b, t, p = key.latent_hw, key.batch, key.text_tokens, self.patch
-        return {
-            # (B, C, H, W)
-            "latents": torch.zeros(b, self.in_channels, h * p, w * p, device=device, dtype=dtype),
-            "text": torch.zeros(b, t, self.seq_dim, device=device, dtype=dtype),  # (B, T, D_caption)
-            "text_mask": torch.zeros(b, t, device=device, dtype=torch.bool),  # (B, T), True = real token
-            "timestep": torch.zeros(b, device=device, dtype=torch.float32),  # (B,) 0-1000 scale, fp32
-        }
-
-    def fill(self, buffers: dict[str, torch.Tensor], inputs: DenoiseInputs) -> None:
-        """Copy ``inputs`` into the buffers: pad rows copy row 0, pad text tokens are zeros with mask False.
-
-        Every element is written, so nothing of an earlier request survives.
-
-        Raises:
-            ValueError: if the inputs do not fit (more rows, another grid, more text tokens).
-        """
-        lat, text, mask = buffers["latents"], buffers["text"], buffers["text_mask"]
-        b, t = text.shape[:2]
-        n, s = inputs.rows, inputs.text_tokens
-        if n > b or tuple(inputs.latents.shape[1:]) != tuple(lat.shape[1:]) or s > t:
-            raise ValueError(
-                f"inputs of {n} rows x latents {tuple(inputs.latents.shape[1:])} x {s} text tokens "
-                f"do not fit bucket buffers of {b} rows x latents {tuple(lat.shape[1:])} x {t} text tokens"
-            )
-        copy_rows(lat, inputs.latents)
-        copy_rows(text[:, :s], inputs.text)
-        if inputs.text_mask is None:
-            mask[:, :s].fill_(True)
-        else:
-            copy_rows(mask[:, :s], inputs.text_mask)
-        if s < t:
-            text[:, s:].zero_()
-            mask[:, s:].fill_(False)
-        copy_rows(buffers["timestep"], inputs.timestep)
-
     def _call(self, latents, text, mask, timestep) -> torch.Tensor:
         return self.model(latents, encoder_hidden_states=text, encoder_attention_mask=mask, timestep=timestep,
                           return_dict=False)[0]
-
-    def forward(self, buffers: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Padded, masked forward over the static buffers: (B, C_out, H, W)."""
-        return self._call(buffers["latents"], buffers["text"], buffers["text_mask"], buffers["timestep"])
-
-    def unpad(self, output: torch.Tensor, inputs: DenoiseInputs) -> torch.Tensor:
-        """Rows ``[0, inputs.rows)`` of ``output`` (text padding leaves no trace in the image output)."""
-        return output[: inputs.rows]
-
-    def forward_eager(self, inputs: DenoiseInputs) -> torch.Tensor:
-        """Unpadded reference forward: the real text with its mask (all True when ``text_mask`` is None)."""
-        p = next(self.model.parameters())
-        mask = inputs.text_mask
-        if mask is None:
-            mask = torch.ones(inputs.rows, inputs.text_tokens, dtype=torch.bool)
-        return self._call(inputs.latents.to(device=p.device, dtype=p.dtype),
-                          inputs.text.to(device=p.device, dtype=p.dtype), mask.to(device=p.device, dtype=torch.bool),
-                          inputs.timestep.to(device=p.device, dtype=torch.float32))
 
 
 class _Counter:
@@ -240,10 +167,6 @@ class _Counter:
         if not negative:
             mask = mask[:, [0] + list(range(-SANA_MAX_TEXT_TOKENS + 1, 0))]
         return int(mask.sum())
-
-
-def _read_json(path: Path) -> dict:
-    return json.loads(path.read_text())
 
 
 def _real_tokens(embeds: torch.Tensor, mask: torch.Tensor) -> TextRows:
@@ -301,13 +224,13 @@ class SanaFamily:
                 ``use_dynamic_shifting`` (``__call__`` passes no ``mu``: diffusers itself fails), a sample size
                 without a bin table, or bins that are not multiples of the token size.
         """
-        tr = _read_json(path / "transformer" / "config.json")
-        vae = _read_json(path / "vae" / "config.json")
+        tr = read_json(path / "transformer" / "config.json")
+        vae = read_json(path / "vae" / "config.json")
         if tr.get("guidance_embeds"):
             raise ValueError(f"{path}: the transformer embeds a guidance scale (SANA-Sprint); SanaPipeline "
                              f"never passes one: serve it with SanaSprintPipeline")
         sched = path / "scheduler" / "scheduler_config.json"
-        if sched.exists() and _read_json(sched).get("use_dynamic_shifting"):
+        if sched.exists() and read_json(sched).get("use_dynamic_shifting"):
             raise ValueError(f"{path}: scheduler use_dynamic_shifting=true needs a mu that SanaPipeline.__call__ "
                              f"never passes to retrieve_timesteps (diffusers fails on it); set it to false")
         # SanaPipeline.__init__: vae_scale_factor = 2 ** (len(encoder_block_out_channels) - 1)

@@ -30,7 +30,6 @@ Everything below reproduces ``diffusers/pipelines/stable_diffusion_3/pipeline_st
 from __future__ import annotations
 
 import copy
-import json
 import threading
 from pathlib import Path
 from typing import Callable, ClassVar
@@ -40,7 +39,7 @@ import torch
 
 from ..buckets import BucketKey, ShapeRules
 from ..padding import DenoiseInputs, copy_rows
-from .base import ModelSpec, RequestState, TextRows
+from .base import ModelSpec, RequestState, TextRows, read_json
 
 __all__ = ["SD3Adapter", "SD3Family", "SD3_MAX_SEQUENCE_LENGTH", "SD3_NATIVE_TEXT_TOKENS"]
 
@@ -171,10 +170,6 @@ class SD3Adapter:
                           inputs.timestep.to(device=p.device, dtype=torch.float32))
 
 
-def _read_json(path: Path) -> dict:
-    return json.loads(path.read_text()) if path.is_file() else {}
-
-
 def _counter(t5, clip) -> tuple[Callable[[str], int], int]:
     """``prompt -> tokens`` of the sequence encoder that reads most of a prompt, and how many it reads: T5
     (``max_sequence_length`` 256) when the checkpoint has it, else CLIP-L (77)."""
@@ -224,16 +219,16 @@ class SD3Family:
         if sched_cls != "FlowMatchEulerDiscreteScheduler":
             raise ValueError(f"{path}: scheduler {sched_cls!r} is not served for SD3; use the checkpoint's "
                              f"FlowMatchEulerDiscreteScheduler (the only one this family is checked with)")
-        if _read_json(path / "scheduler" / "scheduler_config.json").get("stochastic_sampling"):
+        if read_json(path / "scheduler" / "scheduler_config.json").get("stochastic_sampling"):
             raise ValueError(f"{path}: scheduler stochastic_sampling=true draws noise from the global RNG in "
                              f"StableDiffusion3Pipeline (not reproducible per seed); set it to false")
-        tr = _read_json(path / "transformer" / "config.json")
+        tr = read_json(path / "transformer" / "config.json")
         if not tr.get("pos_embed_max_size"):
             raise ValueError(f"{path}: transformer config has no pos_embed_max_size "
                              f"(SD3 checkpoints use 192 or 384)")
-        vae = _read_json(path / "vae" / "config.json")
+        vae = read_json(path / "vae" / "config.json")
         scale = 2 ** (len(vae.get("block_out_channels", (0,) * 4)) - 1)
-        clip = int(_read_json(path / "tokenizer" / "tokenizer_config.json").get("model_max_length", 77))
+        clip = int(read_json(path / "tokenizer" / "tokenizer_config.json", optional=True).get("model_max_length", 77))
         rules = ShapeRules(pixels_per_token=scale * int(tr.get("patch_size", 2)), grid_keyed=True,
                            native_text_tokens=clip + SD3_MAX_SEQUENCE_LENGTH)
         has_t5 = (index.get("tokenizer_3") or [None])[0] is not None
