@@ -142,13 +142,53 @@ def build_tiny(config: ModelConfig | None = None) -> Family:
                          text, TINY_TEXT_TOKENS, device, dtype)
 
 
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt", "spiece.model",
+                    "tokenizer.model")
+"""Files of which a saved tokenizer folder holds at least one (``PreTrainedTokenizer.save_pretrained``)."""
+
+_WEIGHT_SUFFIXES = (".safetensors", ".bin")
+"""Weight files of a saved model folder (``ModelMixin``/``PreTrainedModel.save_pretrained``), sharded or not."""
+
+
+def _check_component(path: Path, component: str, library: str, cls: str) -> None:
+    """Raise :class:`CheckpointError` unless ``path / component`` holds what ``save_pretrained`` writes for a
+    ``cls`` of ``library``: a tokenizer's files; a scheduler's config; a model's config and weights."""
+    folder = path / component
+    where = f"checkpoint {str(path)!r}: component {component!r} ({cls})"
+    fix = "copy the whole folder that pipeline.save_pretrained wrote"
+    if not folder.is_dir():
+        raise CheckpointError(f"{where} is listed in model_index.json but {folder} is missing; {fix}")
+    if "Tokenizer" in cls:
+        if not any((folder / f).is_file() for f in _TOKENIZER_FILES):
+            raise CheckpointError(f"{where}: {folder} holds no tokenizer files (none of {', '.join(_TOKENIZER_FILES)}); "
+                                  f"a tokenizer loaded from it would be empty; {fix}")
+        return
+    if "Scheduler" in cls:
+        if not (folder / "scheduler_config.json").is_file():
+            raise CheckpointError(f"{where}: {folder / 'scheduler_config.json'} is missing; {fix}")
+        return
+    config_file = folder / "config.json"
+    if not config_file.is_file():
+        raise CheckpointError(f"{where}: {config_file} is missing; {fix}")
+    try:
+        named = json.loads(config_file.read_text()).get("_class_name")
+    except (json.JSONDecodeError, AttributeError):
+        raise CheckpointError(f"{where}: {config_file} is not a JSON object; {fix}") from None
+    if library == "diffusers" and named is not None and named != cls:
+        raise CheckpointError(f"{where}: {config_file} names class {named}, but model_index.json says {cls}; the "
+                              f"folder mixes components of different pipelines; {fix}")
+    if not any(f.suffix in _WEIGHT_SUFFIXES for f in folder.iterdir()):
+        raise CheckpointError(f"{where}: {folder} holds no weights (*.safetensors or *.bin); {fix}")
+
+
 def read_checkpoint(path: str | Path) -> dict:
     """``model_index.json`` of a checkpoint folder, after checking the folder can be served.
 
     Raises:
-        CheckpointError: the folder or its ``model_index.json`` is missing; ``_class_name`` names no supported
-            pipeline (the message lists the supported ones); a component listed in the index has no folder, or
-            its config names another class than the index says.
+        CheckpointError: the folder or its ``model_index.json`` is missing or not a JSON object; ``_class_name``
+            is missing or names no supported pipeline (the message lists the supported ones); a component listed
+            in the index has no folder, no tokenizer files, no config, no weights, or a config that names another
+            class than the index says.
     """
     path = Path(path)
     if not path.is_dir():
@@ -163,25 +203,20 @@ def read_checkpoint(path: str | Path) -> dict:
         index = json.loads(index_file.read_text())
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{index_file} is not valid JSON ({e}); re-save the pipeline with save_pretrained") from None
-    cls = index.get("_class_name", "")
+    if not isinstance(index, dict):
+        raise CheckpointError(f"{index_file} holds a JSON {type(index).__name__}, not an object naming the pipeline "
+                              f"class and its components; re-save the pipeline with save_pretrained")
+    supported = ", ".join(sorted(PIPELINE_CLASSES))
+    cls = index.get("_class_name")
+    if not cls:
+        raise CheckpointError(f"{index_file} has no _class_name (the diffusers pipeline class); supported: {supported}")
     if cls not in PIPELINE_CLASSES:
         raise CheckpointError(
-            f"model.path {str(path)!r} holds a {cls or 'unnamed'} checkpoint (model_index.json _class_name); "
-            f"supported: {', '.join(sorted(PIPELINE_CLASSES))}")
+            f"model.path {str(path)!r} holds a {cls} checkpoint (model_index.json _class_name); supported: {supported}")
     for component, entry in index.items():
         if component.startswith("_") or not isinstance(entry, list) or len(entry) != 2 or entry[1] is None:
             continue
-        folder = path / component
-        if not folder.is_dir():
-            raise CheckpointError(f"checkpoint {str(path)!r}: component {component!r} ({entry[1]}) is listed in "
-                                  f"model_index.json but {folder} is missing; copy the whole saved pipeline folder")
-        config_file = next((folder / f for f in ("config.json", "scheduler_config.json") if (folder / f).is_file()), None)
-        if config_file is None:
-            continue  # tokenizers and processors have no class-naming config of their own
-        named = json.loads(config_file.read_text()).get("_class_name")
-        if entry[0] == "diffusers" and named is not None and named != entry[1]:
-            raise CheckpointError(f"checkpoint {str(path)!r}: {config_file} is a {named}, but model_index.json says "
-                                  f"{component} is a {entry[1]}; the folder mixes components of different pipelines")
+        _check_component(path, component, str(entry[0]), str(entry[1]))
     return index
 
 

@@ -87,6 +87,7 @@ class Planner:
         self.spec = spec
         self.limits = config.limits
         rules = self.rules = spec.rules
+        spec.check_table(config.buckets)
         if spec.size_bins:
             bins = {(int(w), int(h)) for h, w in spec.size_bins.values()}
             dead = [r for r, wh in zip(config.buckets.resolutions, config.buckets.resolution_pairs()) if wh not in bins]
@@ -177,16 +178,32 @@ class Planner:
         limit = self.text_limit
         tokens = self.count_tokens(r.prompt)
         if tokens > limit:
-            raise RequestError("prompt", f"prompt is {tokens} tokens long; this model takes at most {limit} tokens")
+            raise RequestError("prompt", f"prompt is {self._too_long(tokens)}; {self._limit_reason}")
         neg_tokens = self.count_tokens(neg or "", negative=True) if self.spec.uses_cfg(filled) else 0
         if neg_tokens > limit:
-            raise RequestError(
-                "negative_prompt", f"negative_prompt is {neg_tokens} tokens long; this model takes at most {limit} tokens"
-            )
+            raise RequestError("negative_prompt", f"negative_prompt is {self._too_long(neg_tokens)}; {self._limit_reason}")
         lookup = self.table.lookup(self.query(filled, tokens, neg_tokens))
         if not lookup.hit and self.table.miss_policy is MissPolicy.REJECT:
             raise self._miss_error(filled, lookup)
         return Plan(filled, lookup, tokens)
+
+    def _too_long(self, tokens: int) -> str:
+        """``"N tokens long"``, or ``"at least N tokens long"`` where N is the family's cut (the encoder keeps no
+        more: PixArt-Sigma, SANA and Qwen-Image cut as their pipelines do)."""
+        cut = self.spec.max_text_tokens
+        return f"{'at least ' if cut is not None and tokens >= cut else ''}{tokens} tokens long"
+
+    @property
+    def _limit_reason(self) -> str:
+        """Why :attr:`text_limit` is the limit, and what to do."""
+        limit = self.text_limit
+        if self.spec.max_prompt_tokens is not None:
+            return f"this model's text encoder reads at most {limit} tokens (more would be cut); shorten it"
+        if self.rules.native_text_tokens is not None:
+            return f"this model takes at most {limit} tokens; shorten it"
+        most = self.spec.max_text_tokens
+        more = f", or add a larger text bucket (up to {most})" if most is not None and limit < most else ""
+        return (f"the largest text bucket (buckets.text_lengths) holds {limit} tokens; shorten it{more}")
 
     def rows(self, request: GenerationRequest) -> int:
         """Transformer rows of ``request``: ``n``, doubled when classifier-free guidance adds uncond rows."""

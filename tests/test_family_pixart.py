@@ -183,3 +183,20 @@ def test_checkpoints_without_text_encoder_micro_conditions_or_a_bin_table_are_re
         PixArtSigmaFamily.describe(odd, index)
     sigma_1024 = _configs_only(folder, tmp_path / "sigma1024", use_additional_conditions=False, sample_size=128)
     assert PixArtSigmaFamily.describe(sigma_1024, index).generation_size(1024, 1024) == (1024, 1024)
+
+
+def test_a_text_bucket_above_what_the_pipeline_feeds_is_refused_before_loading(folder):
+    from bcg_core import BucketConfig, ModelConfig, Planner, ServeConfig
+
+    cfg = ServeConfig(model=ModelConfig(path=str(folder)), limits={"min_side_px": 16},
+                      buckets=BucketConfig(**{**BUCKETS, "text_lengths": [16, 512]}))
+    with pytest.raises(ValueError, match=r"feeds at most 300 text tokens, .* use text_lengths up to 300"):
+        Planner.from_config(cfg)  # the ingress's planner: tokenizer and JSON configs only
+
+
+def test_a_prompt_longer_than_the_largest_text_bucket_names_the_bucket_and_the_fix(pipe):
+    with pytest.raises(RequestError) as e:
+        pipe.planner.plan(GenerationRequest(" ".join(["a red cat"] * 60), width=256, height=256, seed=0))
+    assert e.value.field == "prompt"
+    assert "largest text bucket (buckets.text_lengths) holds 64 tokens" in e.value.message
+    assert "add a larger text bucket (up to 300)" in e.value.message

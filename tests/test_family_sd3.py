@@ -196,3 +196,12 @@ def test_a_scheduler_the_family_cannot_reproduce_is_a_load_error(folders, tmp_pa
     spec = SD3Family.describe(folders["sd3"], json.loads((folders["sd3"] / "model_index.json").read_text()))
     assert spec.family == "sd3" and spec.rules.native_text_tokens == 333 and spec.rules.grid_keyed
     assert spec.rules.pixels_per_token == 16 and spec.default_true_cfg_scale is None
+
+
+def test_a_resolution_beyond_the_position_table_is_refused_before_loading(folders):
+    from bcg_core import BucketConfig, ModelConfig, Planner, ServeConfig
+
+    cfg = ServeConfig(model=ModelConfig(path=str(folders["sd3"])), limits={"min_side_px": 16},
+                      buckets=BucketConfig(**{**BUCKETS, "resolutions": ["64x64", "1024x1024"]}))
+    with pytest.raises(ValueError, match=r"bucket resolution 1024x1024 exceeds .* \(32 tokens a side\): sides up to 512"):
+        Planner.from_config(cfg)

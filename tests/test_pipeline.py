@@ -127,7 +127,39 @@ def test_a_checkpoint_with_a_missing_or_mismatched_component_is_refused_naming_i
     folder = save_pipeline(tiny, tmp_path / "mixed")
     cfg = json.loads((folder / "vae" / "config.json").read_text())
     (folder / "vae" / "config.json").write_text(json.dumps({**cfg, "_class_name": "AutoencoderDC"}))
-    with pytest.raises(CheckpointError, match="is a AutoencoderDC, but model_index.json says vae is a AutoencoderKL"):
+    with pytest.raises(CheckpointError, match="names class AutoencoderDC, but model_index.json says AutoencoderKL"):
+        describe_model(ModelConfig(path=str(folder)))
+
+
+@pytest.mark.parametrize("breakage, match", [
+    ("empty-tokenizer", "holds no tokenizer files"),
+    ("no-weights", "holds no weights"),
+    ("no-config", "config.json is missing"),
+    ("no-scheduler-config", "scheduler_config.json is missing"),
+    ("index-is-a-list", "holds a JSON list, not an object"),
+    ("no-class-name", "has no _class_name"),
+])
+def test_a_broken_checkpoint_is_a_start_up_error_naming_the_cause(tiny, tmp_path, breakage, match):
+    import json
+
+    folder = save_pipeline(tiny, tmp_path / "tiny")
+    if breakage == "empty-tokenizer":  # would load as a blank tokenizer and serve wrong text silently
+        for f in (folder / "tokenizer").iterdir():
+            f.unlink()
+    elif breakage == "no-weights":
+        for f in (folder / "transformer").glob("*.safetensors"):
+            f.unlink()
+    elif breakage == "no-config":
+        (folder / "vae" / "config.json").unlink()
+    elif breakage == "no-scheduler-config":
+        (folder / "scheduler" / "scheduler_config.json").unlink()
+    elif breakage == "index-is-a-list":
+        (folder / "model_index.json").write_text("[1, 2]")
+    else:
+        index = json.loads((folder / "model_index.json").read_text())
+        del index["_class_name"]
+        (folder / "model_index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match=match):
         describe_model(ModelConfig(path=str(folder)))
 
 

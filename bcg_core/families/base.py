@@ -63,6 +63,8 @@ class ModelSpec:
             (SD3: T5 reads 256 of its 77 + 256 native tokens); a longer prompt is refused, not truncated.
         max_grid_side: largest token-grid side the transformer's position table holds (SD3's
             ``pos_embed_max_size``), else None.
+        max_text_tokens: most text tokens the pipeline ever feeds a masked-text family (PixArt-Sigma and SANA
+            300, Qwen-Image 512): a larger text bucket could never fill and is a start-up error.
     """
 
     name: str
@@ -75,6 +77,7 @@ class ModelSpec:
     size_bins: dict[str, list[float]] | None = None
     max_prompt_tokens: int | None = None
     max_grid_side: int | None = None
+    max_text_tokens: int | None = None
 
     def true_cfg_scale(self, request) -> float:
         """The request's ``true_cfg_scale``, or this family's default."""
@@ -90,6 +93,29 @@ class ModelSpec:
     def cfg_scale(self, request) -> float:
         """The scale of the CFG combination ``uncond + s * (cond - uncond)``."""
         return self.true_cfg_scale(request) if self.cfg_rule == "true_cfg" else float(request.guidance_scale)
+
+    def check_table(self, config) -> None:
+        """Refuse a bucket table this model cannot serve, before anything loads (the replica would fail at
+        capture otherwise).
+
+        Args:
+            config: the :class:`~bcg_core.config.BucketConfig`.
+
+        Raises:
+            ValueError: a text bucket above :attr:`max_text_tokens`, or a resolution whose token grid exceeds
+                :attr:`max_grid_side`; the message names the values allowed.
+        """
+        if self.max_text_tokens is not None and config.text_lengths[-1] > self.max_text_tokens:
+            raise ValueError(f"text_lengths {list(config.text_lengths)}: {self.pipeline_class} feeds at most "
+                             f"{self.max_text_tokens} text tokens, so a larger bucket never fills; use text_lengths "
+                             f"up to {self.max_text_tokens}")
+        if self.max_grid_side is not None:
+            px = self.max_grid_side * self.rules.pixels_per_token
+            for name, (w, h) in zip(config.resolutions, config.resolution_pairs()):
+                gh, gw = self.rules.grid(*self.generation_size(w, h))
+                if max(gh, gw) > self.max_grid_side:
+                    raise ValueError(f"bucket resolution {name} exceeds this model's position table "
+                                     f"({self.max_grid_side} tokens a side): sides up to {px} pixels")
 
     def check(self, request) -> None:
         """Refuse request fields this family's pipeline has no counterpart for.

@@ -219,7 +219,8 @@ class PixArtSigmaFamily:
                              f"of the token size {m} px (VAE x patch); this checkpoint cannot be bucketed")
         return ModelSpec(name=path.name, family=cls.name, pipeline_class=index["_class_name"], rules=rules,
                          cfg_rule="guidance_scale", default_true_cfg_scale=None,
-                         size_bins={k: list(v) for k, v in bins.items()})
+                         size_bins={k: list(v) for k, v in bins.items()},
+                         max_text_tokens=PIXART_SIGMA_MAX_TEXT_TOKENS)
 
     @classmethod
     def token_counter(cls, path: Path, index: dict):

@@ -273,6 +273,7 @@ class QwenImageFamily:
             name=path.name, family=cls.name, pipeline_class=index["_class_name"],
             rules=ShapeRules(pixels_per_token=scale * 2, grid_keyed=True, native_text_tokens=None),
             guidance_embeds=False, cfg_rule="true_cfg", default_true_cfg_scale=QWEN_DEFAULT_TRUE_CFG_SCALE,
+            max_text_tokens=QWEN_MAX_TEXT_TOKENS,
         )
 
     @classmethod

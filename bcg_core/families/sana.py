@@ -244,7 +244,8 @@ class SanaFamily:
             raise ValueError(f"{path}: aspect-ratio bins {', '.join(bad)} are not multiples of the token size "
                              f"{m} px (VAE x patch); this checkpoint cannot be bucketed")
         return ModelSpec(name=path.name, family=cls.name, pipeline_class=index["_class_name"], rules=rules,
-                         cfg_rule="guidance_scale", default_true_cfg_scale=None, size_bins=bins)
+                         cfg_rule="guidance_scale", default_true_cfg_scale=None, size_bins=bins,
+                         max_text_tokens=SANA_MAX_TEXT_TOKENS)
 
     @classmethod
     def token_counter(cls, path: Path, index: dict):
