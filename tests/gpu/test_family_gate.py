@@ -1,0 +1,86 @@
+"""The reference gate on a GPU: every family served through captured CUDA graphs equals its diffusers pipeline.
+
+The tiny checkpoints of ``tests/tiny/`` (fp32), loaded through ``model.path`` on CUDA, where the runner
+captures every bucket as a CUDA graph and replays it; the same request through the family's diffusers
+pipeline on CUDA. A request alone at its exact bucket, and a request that joins another one two steps into
+its loop (rows of both, at different timesteps, in one padded forward). On CUDA the graph's kernels and
+diffusers' need not sum in the same order (fp32 attention and convolutions pick kernels by shape), so the
+latents must agree within 1e-4 relative and the images within one level on at most 1% of the pixel values.
+TF32 is off in this module (cuDNN turns it on for convolutions by default, and the VAE then amplifies a 1e-7
+difference of the latents into one-level flips on ~1.5% of the pixels).
+"""
+
+import importlib
+
+import pytest
+import torch
+
+from bcg_core import GenerationRequest
+from reference_gate import assert_same, bcg_pipeline, bcg_run, bcg_run_joined, diffusers_run
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+RTOL_CUDA, PIXELS_CUDA = 1e-4, 1e-2
+
+# family: (builder module, build kwargs, diffusers pipeline class, buckets, request fields, diffusers kwargs)
+CASES = {
+    "flux-dev": ("flux", {"variant": "dev"}, "FluxPipeline",
+                 {"batch_sizes": [1, 2, 4], "resolutions": ["32x32", "64x64"], "text_lengths": [32]},
+                 {"width": 32, "height": 32, "guidance_scale": 3.5}, {"max_sequence_length": 32}),
+    "sd35": ("sd3", {"variant": "sd35"}, "StableDiffusion3Pipeline",
+             {"batch_sizes": [1, 2, 4, 8], "resolutions": ["64x64"], "text_lengths": [333]},
+             {"width": 64, "height": 64, "guidance_scale": 5.0}, {}),
+    "pixart": ("pixart", {}, "PixArtSigmaPipeline",
+               {"batch_sizes": [1, 2, 4, 8], "resolutions": ["256x256"], "text_lengths": [16, 32]},
+               {"width": 256, "height": 256, "guidance_scale": 4.5}, {}),
+    "sana": ("sana", {}, "SanaPipeline",
+             {"batch_sizes": [1, 2, 4, 8], "resolutions": ["512x512"], "text_lengths": [16, 32]},
+             {"width": 512, "height": 512, "guidance_scale": 4.5}, {}),
+    "qwenimage": ("qwenimage", {}, "QwenImagePipeline",
+                  {"batch_sizes": [1, 2, 4, 8], "resolutions": ["64x64"], "text_lengths": [16, 32]},
+                  {"width": 64, "height": 64, "negative_prompt": "blurry"}, {}),
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _no_tf32():
+    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def family(request, tmp_path_factory):
+    module, kwargs, cls, buckets, fields, ref = CASES[request.param]
+    folder = importlib.import_module(f"tiny.{module}").build(tmp_path_factory.mktemp(request.param), **kwargs)
+    pipe = bcg_pipeline(folder, buckets, device="cuda")
+    assert {d["mode"] for d in pipe.runner.describe()} == {"graph"}, pipe.runner.describe()
+    return folder, pipe, getattr(importlib.import_module("diffusers"), cls), fields, ref
+
+
+def _req(fields: dict, **kw) -> GenerationRequest:
+    return GenerationRequest(**{"prompt": "a photo of a cat sitting on a red chair", "n": 1, "seed": 3,
+                                "num_inference_steps": 4, **fields, **kw})
+
+
+def test_alone_at_its_bucket_replayed_as_a_graph_equals_diffusers_on_cuda(family):
+    folder, pipe, cls, fields, ref = family
+    req = pipe.planner.plan(_req(fields)).request
+    key = str(pipe.planner.plan(req).lookup.key)
+    before = {b["key"]: b["replays"] for b in pipe.stats()["buckets"]}.get(key, 0)
+    ours = bcg_run(pipe, req)
+    after = {b["key"]: b["replays"] for b in pipe.stats()["buckets"]}[key]
+    assert after - before == req.num_inference_steps  # every step replayed its bucket's graph
+    assert_same(ours, diffusers_run(cls, folder, req, device="cuda", **ref), rtol=RTOL_CUDA,
+                pixel_share=PIXELS_CUDA)
+
+
+def test_joining_a_running_request_in_one_graph_replay_equals_diffusers_on_cuda(family):
+    folder, pipe, cls, fields, ref = family
+    a = pipe.planner.plan(_req(fields, seed=7)).request
+    b = pipe.planner.plan(_req(fields, n=2, seed=40, num_inference_steps=5, prompt="an astronaut riding a horse")).request
+    ours_a, ours_b = bcg_run_joined(pipe, a, b, head_start=2)
+    for ours, req in ((ours_a, a), (ours_b, b)):
+        assert_same(ours, diffusers_run(cls, folder, req, device="cuda", **ref), rtol=RTOL_CUDA,
+                    pixel_share=PIXELS_CUDA)
