@@ -360,16 +360,11 @@ class DiTPipeline:
         """Start, step until every request finished or left, decode; one result per plan."""
         states = [self.start(p, c) for p, c in zip(plans, cancels)]
         t1 = time.perf_counter()
-        first: dict[int, BucketLookup] = {}
+        first: dict[int, BucketLookup] = {}  # request -> the forward it first took part in
         timer = _StepTimer(self.model.device)
-        left: set[int] = set()
         try:
             running = list(range(len(states)))
-            while running:
-                running = [i for i in running if not states[i].cancelled] or []
-                left.update(i for i in range(len(states)) if states[i].cancelled)
-                if not running:
-                    break
+            while running := [i for i in running if not states[i].cancelled]:
                 timer.start()
                 lookup = self.step([states[i] for i in running])
                 timer.stop(lookup.key, [states[i] for i in running])
@@ -381,9 +376,13 @@ class DiTPipeline:
                 self.metrics.record_steps(key, ms)
         t2 = time.perf_counter()
         results: list[GenerationResult | BaseException] = []
-        served = 0
+        # every request that was not cancelled before it took the first step took it together: its forward's
+        # padded tokens are shared among them by rows
+        joined = sorted(first)
+        shares = dict(zip(joined, token_shares(first[joined[0]].padded_tokens, [states[i].rows for i in joined]))) \
+            if joined else {}
         for i, (plan, state) in enumerate(zip(plans, states)):
-            if i in left or state.cancelled:
+            if state.cancelled:  # left at a step boundary, or cancelled before its decode
                 results.append(RequestCancelled("the request was cancelled by its caller"))
                 continue
             t_dec = time.perf_counter()
@@ -391,11 +390,9 @@ class DiTPipeline:
             t3 = time.perf_counter()
             total_ms = (t3 - t0) * 1e3
             lookup = first[i]
-            share = token_shares(lookup.padded_tokens, [s.rows for s in states])[i] if len(states) > 1 \
-                else lookup.padded_tokens
+            share = shares[i]
             mine = BucketLookup(plan.lookup.query, lookup.key, plan.lookup.missed)
             self.metrics.record_request(mine, total_ms, padded_tokens=share, batch_size=len(plans))
-            served += 1
             results.append(GenerationResult(
                 images_png=images, seed=plan.request.seed, bucket=str(lookup.key) if lookup.hit else None,
                 hit=lookup.hit, missed=[d.value for d in plan.lookup.missed], real_tokens=plan.lookup.query.tokens,
@@ -404,8 +401,8 @@ class DiTPipeline:
                             "decode": round((t3 - t_dec) * 1e3, 2), "total": round(total_ms, 2)},
                 batch_size=len(plans),
             ))
-        if served:
-            self.metrics.record_batch(first[next(iter(first))].key if first else None, len(plans))
+        if any(isinstance(r, GenerationResult) for r in results):
+            self.metrics.record_batch(first[joined[0]].key, len(plans))
         return results
 
     # -- introspection ------------------------------------------------------------------------------
