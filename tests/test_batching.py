@@ -28,6 +28,7 @@ from bcg_core.batching import MicroBatcher
 from bcg_core.metrics import token_shares
 from bcg_core.models import TINY_TEXT_TOKENS
 from closeness import assert_close
+from plan_counting import PlanCounter
 
 T = TINY_TEXT_TOKENS
 CONFIG = ServeConfig(buckets=BucketConfig(batch_sizes=[1, 2, 4, 8], resolutions=["256x256", "256x512"],
@@ -96,23 +97,6 @@ class Recorder:
         if self.gate is not None:
             assert self.gate.wait(60)
         return self.pipe.generate_batch(plans, cancels)
-
-
-class PlanCounter:
-    """Counts ``Planner.plan`` calls per planner (wrapping the real method), to prove who plans a request."""
-
-    def __init__(self, monkeypatch):
-        self.calls: list[Planner] = []
-        real = Planner.plan
-
-        def counting(planner, request):
-            self.calls.append(planner)
-            return real(planner, request)
-
-        monkeypatch.setattr(Planner, "plan", counting)
-
-    def by(self, planner: Planner) -> int:
-        return sum(p is planner for p in self.calls)
 
 
 def _submit_all(batcher: MicroBatcher, requests: list[GenerationRequest], gate: threading.Event | None = None) -> list:

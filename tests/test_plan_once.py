@@ -20,24 +20,11 @@ from bcg_core.pipeline import GenerationResult
 from deployments.dit import DiTReplica
 from deployments.ingress import Ingress
 from deployments.routing import ReplicaUnavailable, call_dit
+from plan_counting import PlanCounter
 
 CONFIG = ServeConfig(buckets=BucketConfig(batch_sizes=[1, 2], resolutions=["256x256"]))
 BODY = {"prompt": "a lighthouse at dusk", "n": 1, "size": "256x256", "num_inference_steps": 1,
         "guidance_scale": 0.0}
-
-
-class PlanCounter:
-    """Records the planner of every ``Planner.plan`` call (the real method runs)."""
-
-    def __init__(self, monkeypatch):
-        self.calls: list[Planner] = []
-        real = Planner.plan
-
-        def counting(planner, request):
-            self.calls.append(planner)
-            return real(planner, request)
-
-        monkeypatch.setattr(Planner, "plan", counting)
 
 
 class FakeDiT:
