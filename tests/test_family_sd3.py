@@ -205,3 +205,15 @@ def test_a_resolution_beyond_the_position_table_is_refused_before_loading(folder
                       buckets=BucketConfig(**{**BUCKETS, "resolutions": ["64x64", "1024x1024"]}))
     with pytest.raises(ValueError, match=r"bucket resolution 1024x1024 exceeds .* \(32 tokens a side\): sides up to 512"):
         Planner.from_config(cfg)
+
+
+def test_an_fp32_checkpoint_served_in_bf16_runs_every_component_in_bf16(folders):
+    from bcg_core import BucketConfig, DiTPipeline, LimitsConfig, ModelConfig, ServeConfig
+
+    pipe = DiTPipeline.from_config(ServeConfig(
+        model=ModelConfig(path=str(folders["sd3"]), device="cpu", dtype="bfloat16"),
+        buckets=BucketConfig(batch_sizes=[2], resolutions=["64x64"], text_lengths=[333]), limits=LimitsConfig(min_side_px=16)))
+    p = pipe.model.pipe
+    assert {m.dtype for m in (p.transformer, p.vae, p.text_encoder, p.text_encoder_2, p.text_encoder_3)} == {torch.bfloat16}
+    out = pipe.generate(GenerationRequest("a cat", width=64, height=64, num_inference_steps=1, guidance_scale=4.0, seed=1))
+    assert out.bucket == "b2_i16_t333_g4x4" and len(out.images_png) == 1

@@ -260,8 +260,10 @@ class SD3Family:
 
         spec = cls.describe(path, index)
         pipe = StableDiffusion3Pipeline.from_pretrained(str(path), torch_dtype=dtype, local_files_only=True)
-        # diffusers 0.42.1 without accelerate leaves an fp32-saved SD3 transformer in fp32: cast every component
-        pipe.to(device=device, dtype=dtype)
+        # diffusers 0.42.1 without accelerate leaves an fp32-saved SD3Transformer2DModel in fp32 (the other
+        # components do get torch_dtype): cast it alone, so no component's own fp32 modules are touched
+        pipe.transformer.to(dtype=dtype)
+        pipe.to(device)
         pipe.set_progress_bar_config(disable=True)
         for m in (pipe.transformer, pipe.vae, pipe.text_encoder, pipe.text_encoder_2, pipe.text_encoder_3):
             if m is not None:
