@@ -24,6 +24,7 @@ import torch
 from .buckets import ShapeRules
 from .config import ModelConfig
 from .families import Family, ModelSpec, PIPELINE_CLASSES, family_class
+from .families.base import tokenizer_counter
 from .text import SentenceTextEncoder, minilm_path
 
 __all__ = [
@@ -242,8 +243,7 @@ def load_tokenizer_counter(config: ModelConfig):
     if config.path is None:
         from transformers import AutoTokenizer
 
-        tok = AutoTokenizer.from_pretrained(str(minilm_path()), local_files_only=True)
-        return lambda prompt, negative=False: len(tok(prompt, truncation=False)["input_ids"])
+        return tokenizer_counter(AutoTokenizer.from_pretrained(str(minilm_path()), local_files_only=True))
     path = Path(config.path)
     index = read_checkpoint(path)
     return family_class(index["_class_name"]).token_counter(path, index)

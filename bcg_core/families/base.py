@@ -36,7 +36,10 @@ import torch
 from ..buckets import ShapeRules
 from ..padding import DenoiseInputs, DiTAdapter
 
-__all__ = ["Family", "ModelSpec", "RequestState", "TextRows", "concat_rows", "pad_text", "read_json"]
+__all__ = [
+    "Family", "ModelSpec", "RequestState", "TextRows", "concat_rows", "load_pipeline", "pad_text", "read_json",
+    "tokenizer_counter",
+]
 
 
 @dataclass(frozen=True)
@@ -321,6 +324,31 @@ def read_json(path: Path, optional: bool = False) -> dict:
         raise ValueError(f"{path} is missing: the checkpoint folder is incomplete; re-save the pipeline with "
                          f"save_pretrained or copy the whole folder")
     return json.loads(path.read_text())
+
+
+def load_pipeline(pipeline_cls, path: Path, device: torch.device, dtype: torch.dtype):
+    """A diffusers pipeline from a local checkpoint folder, every model component in eval mode on ``device``.
+
+    ``from_pretrained(torch_dtype=dtype, local_files_only=True)``, as a user of diffusers loads it. Without
+    ``accelerate``, diffusers 0.42.1 leaves an fp32-saved ``SD3Transformer2DModel`` in fp32 although the other
+    components get ``torch_dtype``; a transformer left in another dtype is cast alone, so no component's own
+    fp32 modules are touched. The progress bar is off (a replica logs no per-step bars).
+    """
+    pipe = pipeline_cls.from_pretrained(str(path), torch_dtype=dtype, local_files_only=True)
+    if pipe.transformer.dtype != dtype:
+        pipe.transformer.to(dtype=dtype)
+    pipe.to(device)
+    pipe.set_progress_bar_config(disable=True)
+    for component in pipe.components.values():
+        if isinstance(component, torch.nn.Module):
+            component.eval()
+    return pipe
+
+
+def tokenizer_counter(tokenizer) -> Callable[..., int]:
+    """``(prompt, negative=False) -> tokens`` of ``tokenizer`` with its special tokens, untruncated: the count of
+    families whose prompts and negative prompts tokenize alike and are never cut (FLUX, SD3, the tiny default)."""
+    return lambda prompt, negative=False: len(tokenizer(prompt, truncation=False)["input_ids"])
 
 
 def pad_text(rows: TextRows, tokens: int) -> TextRows:

@@ -36,7 +36,7 @@ import torch
 
 from ..buckets import BucketKey, ShapeRules
 from ..padding import DenoiseInputs, copy_rows
-from .base import ModelSpec, RequestState, TextRows, read_json
+from .base import ModelSpec, RequestState, TextRows, load_pipeline, read_json, tokenizer_counter
 
 __all__ = ["BCGFluxFamily", "FLUX_SCHEDULER_CONFIG", "FluxAdapter", "FluxFamily", "flux_image_ids"]
 
@@ -277,18 +277,15 @@ class FluxFamily:
         """T5 tokens of a prompt (``tokenizer_2``), with the end-of-sequence token."""
         from transformers import AutoTokenizer
 
-        tok = AutoTokenizer.from_pretrained(str(path / "tokenizer_2"), local_files_only=True)
-        return lambda prompt, negative=False: len(tok(prompt, truncation=False)["input_ids"])
+        return tokenizer_counter(AutoTokenizer.from_pretrained(str(path / "tokenizer_2"), local_files_only=True))
 
     @classmethod
     def load(cls, path: Path, index: dict, device: torch.device, dtype: torch.dtype) -> "FluxFamily":
-        """Load with ``FluxPipeline.from_pretrained`` (local files only) and move to ``device``."""
+        """Load with ``FluxPipeline.from_pretrained`` (local files only, :func:`load_pipeline`) onto ``device``."""
         from diffusers import FluxPipeline
 
         spec = cls.describe(path, index)
-        pipe = FluxPipeline.from_pretrained(str(path), torch_dtype=dtype, local_files_only=True).to(device)
-        for m in (pipe.transformer, pipe.vae, pipe.text_encoder, pipe.text_encoder_2):
-            m.eval()
+        pipe = load_pipeline(FluxPipeline, path, device, dtype)
         tokens = spec.rules.native_text_tokens
 
         def encode(prompt: str) -> TextRows:
@@ -402,8 +399,7 @@ class BCGFluxFamily(FluxFamily):
         """Tokens of the sentence encoder's tokenizer, with [CLS] and [SEP]."""
         from transformers import AutoTokenizer
 
-        tok = AutoTokenizer.from_pretrained(str(path / "tokenizer"), local_files_only=True)
-        return lambda prompt, negative=False: len(tok(prompt, truncation=False)["input_ids"])
+        return tokenizer_counter(AutoTokenizer.from_pretrained(str(path / "tokenizer"), local_files_only=True))
 
     @classmethod
     def load(cls, path: Path, index: dict, device: torch.device, dtype: torch.dtype) -> "BCGFluxFamily":

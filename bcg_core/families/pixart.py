@@ -45,7 +45,7 @@ import torch
 
 from ..buckets import ShapeRules
 from ..padding import DenoiseInputs, GridMaskedTextAdapter
-from .base import ModelSpec, RequestState, TextRows, pad_text, read_json
+from .base import ModelSpec, RequestState, TextRows, load_pipeline, pad_text, read_json
 
 __all__ = ["PIXART_SIGMA_MAX_TEXT_TOKENS", "PixArtAdapter", "PixArtSigmaFamily", "aspect_ratio_bins"]
 
@@ -244,9 +244,7 @@ class PixArtSigmaFamily:
         from diffusers import PixArtSigmaPipeline
 
         spec = cls.describe(path, index)
-        pipe = PixArtSigmaPipeline.from_pretrained(str(path), torch_dtype=dtype, local_files_only=True).to(device)
-        for m in (pipe.transformer, pipe.vae, pipe.text_encoder):
-            m.eval()
+        pipe = load_pipeline(PixArtSigmaPipeline, path, device, dtype)
         return cls(spec, pipe, device, dtype)
 
     # -- planning hooks -----------------------------------------------------------------------------

@@ -46,7 +46,7 @@ from diffusers.models.transformers.transformer_qwenimage import QwenDoubleStream
 
 from ..buckets import BucketKey, ShapeRules
 from ..padding import DenoiseInputs, copy_rows, fill_masked_text
-from .base import ModelSpec, RequestState, TextRows, pad_text
+from .base import ModelSpec, RequestState, TextRows, load_pipeline, pad_text
 
 __all__ = ["QWEN_MAX_TEXT_TOKENS", "QwenImageAdapter", "QwenImageFamily", "TextMaskAttnProcessor"]
 
@@ -302,10 +302,7 @@ class QwenImageFamily:
         from diffusers import QwenImagePipeline
 
         spec = cls.describe(path, index)
-        pipe = QwenImagePipeline.from_pretrained(str(path), torch_dtype=dtype, local_files_only=True).to(device)
-        for m in (pipe.transformer, pipe.vae, pipe.text_encoder):
-            m.eval()
-        pipe.set_progress_bar_config(disable=True)
+        pipe = load_pipeline(QwenImagePipeline, path, device, dtype)
         return cls(path.name, spec, pipe, cls.token_counter(path, index), device, dtype)
 
     # -- planning hooks -----------------------------------------------------------------------------

@@ -45,7 +45,7 @@ import torch
 
 from ..buckets import ShapeRules
 from ..padding import DenoiseInputs, GridMaskedTextAdapter
-from .base import ModelSpec, RequestState, TextRows, pad_text, read_json
+from .base import ModelSpec, RequestState, TextRows, load_pipeline, pad_text, read_json
 
 __all__ = ["SANA_MAX_TEXT_TOKENS", "SanaAdapter", "SanaFamily", "complex_human_instruction", "sana_bins"]
 
@@ -262,9 +262,7 @@ class SanaFamily:
         from diffusers import SanaPipeline
 
         spec = cls.describe(path, index)
-        pipe = SanaPipeline.from_pretrained(str(path), torch_dtype=dtype, local_files_only=True).to(device)
-        for m in (pipe.transformer, pipe.vae, pipe.text_encoder):
-            m.eval()
+        pipe = load_pipeline(SanaPipeline, path, device, dtype)
         return cls(spec, pipe, device, dtype)
 
     # -- planning hooks -----------------------------------------------------------------------------

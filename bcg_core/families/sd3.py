@@ -39,7 +39,7 @@ import torch
 
 from ..buckets import BucketKey, ShapeRules
 from ..padding import DenoiseInputs, copy_rows
-from .base import ModelSpec, RequestState, TextRows, read_json
+from .base import ModelSpec, RequestState, TextRows, load_pipeline, read_json, tokenizer_counter
 
 __all__ = ["SD3Adapter", "SD3Family", "SD3_MAX_SEQUENCE_LENGTH", "SD3_NATIVE_TEXT_TOKENS"]
 
@@ -170,13 +170,6 @@ class SD3Adapter:
                           inputs.timestep.to(device=p.device, dtype=torch.float32))
 
 
-def _counter(t5, clip) -> tuple[Callable[[str], int], int]:
-    """``prompt -> tokens`` of the sequence encoder that reads most of a prompt, and how many it reads: T5
-    (``max_sequence_length`` 256) when the checkpoint has it, else CLIP-L (77)."""
-    tok, limit = (t5, SD3_MAX_SEQUENCE_LENGTH) if t5 is not None else (clip, int(clip.model_max_length))
-    return (lambda prompt, negative=False: len(tok(prompt, truncation=False)["input_ids"])), limit
-
-
 class SD3Family:
     """SD3 / SD3.5 (``StableDiffusion3Pipeline``); see the module docstring for each diffusers fact.
 
@@ -201,7 +194,7 @@ class SD3Family:
         self.adapter = SD3Adapter(pipe.transformer, native_text_tokens=spec.rules.native_text_tokens,
                                   vae_scale_factor=int(pipe.vae_scale_factor))
         self.rules = self.adapter.rules
-        self._count = _counter(pipe.tokenizer_3, pipe.tokenizer)[0]
+        self._count = tokenizer_counter(pipe.tokenizer_3 if pipe.tokenizer_3 is not None else pipe.tokenizer)
         self._lock = threading.Lock()  # tokenizers keep mutable padding state: one encode at a time
 
     # -- checkpoint ---------------------------------------------------------------------------------
@@ -238,7 +231,7 @@ class SD3Family:
                          max_grid_side=int(tr["pos_embed_max_size"]))
 
     @classmethod
-    def token_counter(cls, path: Path, index: dict) -> Callable[[str], int]:
+    def token_counter(cls, path: Path, index: dict) -> Callable[..., int]:
         """T5 tokens of a prompt with its end-of-sequence token (``tokenizer_3``; CLIP-L's ``tokenizer`` when
         the checkpoint has no T5)."""
         from transformers import AutoTokenizer
@@ -247,7 +240,7 @@ class SD3Family:
         has_t5 = (index.get("tokenizer_3") or [None])[0] is not None
         tok = AutoTokenizer.from_pretrained(str(path / ("tokenizer_3" if has_t5 else "tokenizer")),
                                             local_files_only=True)
-        return _counter(tok if has_t5 else None, tok)[0]
+        return tokenizer_counter(tok)
 
     @classmethod
     def load(cls, path: Path, index: dict, device: torch.device, dtype: torch.dtype) -> "SD3Family":
@@ -259,15 +252,7 @@ class SD3Family:
         from diffusers import StableDiffusion3Pipeline
 
         spec = cls.describe(path, index)
-        pipe = StableDiffusion3Pipeline.from_pretrained(str(path), torch_dtype=dtype, local_files_only=True)
-        # diffusers 0.42.1 without accelerate leaves an fp32-saved SD3Transformer2DModel in fp32 (the other
-        # components do get torch_dtype): cast it alone, so no component's own fp32 modules are touched
-        pipe.transformer.to(dtype=dtype)
-        pipe.to(device)
-        pipe.set_progress_bar_config(disable=True)
-        for m in (pipe.transformer, pipe.vae, pipe.text_encoder, pipe.text_encoder_2, pipe.text_encoder_3):
-            if m is not None:
-                m.eval()
+        pipe = load_pipeline(StableDiffusion3Pipeline, path, device, dtype)
         return cls(spec, pipe, device, dtype)
 
     # -- planning hooks -----------------------------------------------------------------------------
