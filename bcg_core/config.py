@@ -212,6 +212,42 @@ class RunnerConfig(BaseModel):
         description="Micro-batching window in milliseconds: concurrent requests of the same bucket shape wait "
         "up to this long to share one forward (0: only requests that arrive together share).",
     )
+    scheduler: Literal["step", "request"] = Field(
+        default="step",
+        description="'step': the step scheduler (bcg_core/step_scheduler.py): requests join and leave at "
+        "step boundaries, every iteration runs one denoising step of each request in flight, rows of "
+        "different requests (at their own steps) share bucket forwards chosen by the measured cost model "
+        "(fill, split, or unpadded eager). 'request': request-level micro-batching (bcg_core/batching.py, "
+        "micro_batching and batch_wait_ms): requests join only while a batch's window is open.",
+    )
+    max_rows_in_flight: int = Field(
+        default=64, ge=1, le=4096,
+        description="Step scheduler: most transformer rows (images, x2 with classifier-free guidance) in flight "
+        "per replica; a request that does not fit waits for admission (FIFO per shape). On CUDA admission "
+        "is further bounded by measured memory. A single request larger than this runs alone.",
+    )
+    max_requests: int | None = Field(
+        default=None, ge=1, le=100000,
+        description="Step scheduler: requests a replica accepts (in flight plus waiting for admission; Ray "
+        "Serve's max_ongoing_requests of the DiT deployment unless routing.max_ongoing_requests is set). "
+        "None: 2 x max_rows_in_flight / rows of a default request (one set in flight, one waiting).",
+    )
+    decode_batch_images: int = Field(
+        default=8, ge=1, le=256,
+        description="Step scheduler: most images one VAE decode call takes; finished requests of the same "
+        "image size are decoded together, in a decode thread, overlapped with the next denoising steps.",
+    )
+    encode_threads: int = Field(
+        default=4, ge=1, le=64,
+        description="Step scheduler: threads that encode decoded images to PNG (off the event loop and off "
+        "the denoising and decode threads).",
+    )
+    measure_costs: bool = Field(
+        default=True,
+        description="Step scheduler: at prepare, time each bucket's forward (replay on CUDA) and the unpadded "
+        "eager forward of each shape against row count; the cost model chooses forwards from these times. "
+        "False: a token-count model stands in (cost proportional to padded tokens).",
+    )
 
 
 class RoutingConfig(BaseModel):
@@ -415,14 +451,20 @@ class BackpressureLimits:
 
 
 def backpressure_limits(config: ServeConfig, dit_replicas: int = 1) -> BackpressureLimits:
-    """The backpressure limits of an application, from the batch capacity unless the config sets them.
+    """The backpressure limits of an application, from the scheduler's capacity unless the config sets them.
 
-    ``batch_capacity = largest batch bucket // rows of a default request`` (2 rows with classifier-free
-    guidance, ``limits.default_guidance_scale > 1``, else 1): the requests one shared forward serves.
-    ``max_ongoing_requests = 2 x batch_capacity`` (one micro-batch running, one filling its window);
+    ``rows`` of a default request: 2 with classifier-free guidance (``limits.default_guidance_scale > 1``),
+    else 1. ``batch_capacity`` (the requests a replica runs at once):
+
+    - step scheduler (``runner.scheduler: step``): ``runner.max_rows_in_flight // rows``. Forwards are
+      split across buckets (or run eager), so the largest batch bucket does not bound it;
+    - request-level micro-batching: ``largest batch bucket // rows`` (the requests one shared forward serves).
+
+    ``max_ongoing_requests``: ``runner.max_requests`` for the step scheduler when set, else
+    ``2 x batch_capacity`` (one set running, one waiting for admission or filling its window).
     ``max_queued_requests = max_ongoing_requests x most replicas`` (``autoscaling.max_replicas`` when
-    autoscaling is on, else ``dit_replicas``): each ingress replica may hold one full deployment's worth
-    of requests waiting, enough for a burst to wait while replicas are added. Explicit
+    autoscaling is on, else ``dit_replicas``): each ingress replica may hold one full deployment's worth of
+    requests waiting, enough for a burst to wait while replicas are added. Explicit
     ``routing.max_ongoing_requests`` / ``max_queued_requests`` win.
 
     Args:
@@ -430,12 +472,18 @@ def backpressure_limits(config: ServeConfig, dit_replicas: int = 1) -> Backpress
         dit_replicas: the fixed DiT replica count (ignored when autoscaling is on).
 
     Returns:
-        The limits. Default config: batch capacity 10 (20 rows / 2), 20 ongoing per replica, 80 queued
-        with 4 replicas at most.
+        The limits. Default config (step scheduler, 64 rows, guidance 3.5): batch capacity 32, 64 ongoing
+        per replica, 256 queued with 4 replicas at most.
     """
     rows = 2 if config.limits.default_guidance_scale > 1 else 1
-    capacity = max(1, config.buckets.batch_sizes[-1] // rows)
+    runner = config.runner
+    if runner.scheduler == "step":
+        capacity = max(1, runner.max_rows_in_flight // rows)
+        default_ongoing = runner.max_requests or 2 * capacity
+    else:
+        capacity = max(1, config.buckets.batch_sizes[-1] // rows)
+        default_ongoing = 2 * capacity
     most = config.autoscaling.max_replicas if config.autoscaling.enabled else max(1, int(dit_replicas))
-    ongoing = config.routing.max_ongoing_requests or 2 * capacity
+    ongoing = config.routing.max_ongoing_requests or default_ongoing
     queued = config.routing.max_queued_requests or ongoing * most
     return BackpressureLimits(capacity, ongoing, queued, ongoing * most + queued + 8)

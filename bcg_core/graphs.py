@@ -245,8 +245,9 @@ class CudaGraphRunner:
     # -- serving ----------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def run(self, key: BucketKey | None, inputs: DenoiseInputs) -> torch.Tensor:
-        """One forward on bucket ``key``: replay if captured, else eager (see the module docstring).
+    def run(self, key: BucketKey | None, inputs: DenoiseInputs, eager: bool = False) -> torch.Tensor:
+        """One forward on bucket ``key``: replay if captured, else eager (see the module docstring); with
+        ``eager`` unpadded and eager (the step scheduler's cost model chose it), counted under ``key``.
 
         Returns:
             (inputs.rows, inputs.image_tokens, out_channels), a new tensor.
@@ -257,7 +258,9 @@ class CudaGraphRunner:
         """
         with self._lock:
             mode = "eager"  # a miss, an unprepared bucket or a dropped one: unpadded
-            if key is None:
+            if key is None or eager:
+                if key is not None and key not in self._key_set:
+                    raise KeyError(f"bucket {key} is not served by this runner")
                 out = self.adapter.forward_eager(inputs).clone()
             else:
                 entry = self.entries.get(key)

@@ -76,7 +76,7 @@ class DenoiseInputs:
         return self.text.shape[1]
 
     def select(self, rows: slice | list[int]) -> "DenoiseInputs":
-        """The same inputs restricted to some rows (for tests of batch invariance)."""
+        """The same inputs restricted to some rows (a split step's chunk; tests of batch invariance)."""
         g = None if self.guidance is None else self.guidance[rows]
         m = None if self.text_mask is None else self.text_mask[rows]
         return DenoiseInputs(self.latents[rows], self.text[rows], self.pooled[rows], self.timestep[rows], self.grid,

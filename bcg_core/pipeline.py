@@ -37,6 +37,7 @@ import torch
 
 from .buckets import BucketKey, BucketLookup, ShapeQuery
 from .config import ServeConfig
+from .costs import CostModel, ForwardPlan, measure_costs
 from .errors import RequestCancelled, RequestError
 from .families import Family, RequestState, concat_rows
 from .metrics import BucketMetrics, token_shares
@@ -201,7 +202,7 @@ class DiTPipeline:
             self.runner.prepare()
 
     @classmethod
-    def from_config(cls, config: ServeConfig | None = None) -> "DiTPipeline":
+    def from_config(cls, config: ServeConfig | None = None) -> DiTPipeline:
         """Load the configured model (the tiny default when ``config.model.path`` is None) and prepare."""
         config = config or ServeConfig()
         return cls(config, load_model(config.model))
@@ -213,7 +214,7 @@ class DiTPipeline:
         return self.model.start(plan, cancel)
 
     @torch.inference_mode()
-    def step(self, states: Sequence[RequestState]) -> BucketLookup:
+    def step(self, states: Sequence[RequestState], plan: ForwardPlan | None = None) -> BucketLookup:
         """One denoising step of each of ``states`` in ONE transformer forward.
 
         The rows of every state (its cond rows and, with CFG, its uncond rows, at its own timestep) are
@@ -223,21 +224,37 @@ class DiTPipeline:
         (forward, guidance, scheduler updates; on CUDA from events, read when the loop ends) are appended to
         each state's ``step_ms`` by :meth:`generate_batch`.
 
+        With a ``plan`` (the step scheduler's, :meth:`bcg_core.costs.CostModel.plan`) the rows run as its
+        chunks instead, in row order: each chunk on its bucket (padded) or unpadded and eager; every chunk
+        finishes before any request advances, so an image's cond and uncond rows always share a step.
+
         Args:
             states: requests of one token grid, none finished.
+            plan: the forwards to run the rows as; None: one forward on the bucket of all the rows.
 
         Returns:
             The lookup of the forward's shape (``.key`` None on a miss).
 
         Raises:
-            ValueError: a finished state, states of different grids, or unmasked text of different lengths.
+            ValueError: a finished state, states of different grids, unmasked text of different lengths, or a
+                plan whose rows are not the states' rows.
         """
         if any(s.done for s in states):
             raise ValueError("a finished request cannot take another step")
         parts = [self.model.model_rows(s) for s in states]
         inputs = concat_rows(parts)
         lookup = self.table.lookup(self._query(inputs, states))
-        out = self.runner.run(lookup.key, inputs)
+        if plan is None:
+            out = self.runner.run(lookup.key, inputs)
+        else:
+            if plan.rows != inputs.rows:
+                raise ValueError(f"the plan runs {plan.rows} rows, the step has {inputs.rows}")
+            outs, a = [], 0
+            for chunk in plan.chunks:
+                rows = inputs.select(slice(a, a + chunk.rows)) if len(plan.chunks) > 1 else inputs
+                outs.append(self.runner.run(chunk.key or plan.home, rows, eager=chunk.key is None))
+                a += chunk.rows
+            out = torch.cat(outs) if len(outs) > 1 else outs[0]
         offset = 0
         for state, part in zip(states, parts):
             self.model.advance(state, out[offset : offset + part.rows])
@@ -404,6 +421,31 @@ class DiTPipeline:
         if any(isinstance(r, GenerationResult) for r in results):
             self.metrics.record_batch(first[joined[0]].key, len(plans))
         return results
+
+    # -- the cost model's measurements ---------------------------------------------------------------
+
+    def example_inputs(self, key: BucketKey, rows: int, seed: int = 0) -> DenoiseInputs:
+        """Seeded random real inputs of ``rows`` rows that fill ``key``'s tier: its latent grid for
+        grid-keyed families, else the most square grid of exactly ``key.image_tokens`` tokens among the sizes
+        the limits allow (the largest grid below it when none is exact); ``key.text_tokens`` real text tokens.
+        """
+        from .verify import BoundaryCase, random_inputs
+
+        grid = key.latent_hw
+        if grid is None:
+            step = self.table.rules.pixels_per_token
+            lim = self.config.limits
+            sides = range(-(-lim.min_side_px // step), lim.max_side_px // step + 1)
+            grids = [(h, w) for h in sides for w in sides if h * w <= key.image_tokens]
+            best = max(h * w for h, w in grids)
+            grid = min((g for g in grids if g[0] * g[1] == best), key=lambda g: abs(g[0] - g[1]))
+        case = BoundaryCase(key, rows, tuple(grid), key.text_tokens)
+        return random_inputs(self.model.adapter, case, self.model.device, self.model.dtype, seed)
+
+    def measure_costs(self, keys: Sequence[BucketKey], iters: int = 3) -> CostModel:
+        """Time each of ``keys`` (prepared) and each of their shapes' unpadded eager forwards against row
+        count (:func:`bcg_core.costs.measure_costs`), for the step scheduler's cost model."""
+        return measure_costs(self.runner, self.model.adapter, keys, self.example_inputs, self.model.device, iters)
 
     # -- introspection ------------------------------------------------------------------------------
 

@@ -81,8 +81,9 @@ class BucketRunner(Protocol):
         """Buckets made ready so far."""
         ...
 
-    def run(self, key: BucketKey | None, inputs: DenoiseInputs) -> torch.Tensor:
-        """One forward: (inputs.rows, inputs.image_tokens, out_channels), a new tensor."""
+    def run(self, key: BucketKey | None, inputs: DenoiseInputs, eager: bool = False) -> torch.Tensor:
+        """One forward: (inputs.rows, inputs.image_tokens, out_channels), a new tensor; unpadded when ``key``
+        is None or ``eager`` (counted as an eager forward of ``key``)."""
         ...
 
     def describe(self) -> list[dict]:
@@ -145,15 +146,23 @@ class EagerBucketRunner:
             return set(self.entries)
 
     @torch.inference_mode()
-    def run(self, key: BucketKey | None, inputs: DenoiseInputs) -> torch.Tensor:
-        """One forward on bucket ``key`` (padded) or, for ``key=None``, unpadded.
+    def run(self, key: BucketKey | None, inputs: DenoiseInputs, eager: bool = False) -> torch.Tensor:
+        """One forward on bucket ``key`` (padded) or, for ``key=None`` or ``eager``, unpadded.
+
+        Args:
+            key: the bucket, None for a miss.
+            inputs: the forward's real rows.
+            eager: run unpadded even though ``key`` holds the shape (the step scheduler's cost model chose
+                eager); counted as an ``eager`` forward of ``key``.
 
         Raises:
             KeyError: if ``key`` is not one of this runner's buckets.
             ValueError: if ``inputs`` do not fit the bucket.
         """
         with self._lock:
-            if key is None:
+            if key is None or eager:
+                if key is not None and key not in self._key_set:
+                    raise KeyError(f"bucket {key} is not one of this runner's {len(self.keys)} buckets")
                 out = self.adapter.forward_eager(inputs).clone()
             else:
                 entry = self.entries.get(key)
@@ -165,7 +174,7 @@ class EagerBucketRunner:
                     self.lazy_prepares += 1
                 out = static_forward(self.adapter, entry.buffers, inputs)
                 entry.forwards += 1
-        self.metrics.record_forward(key, "eager" if key is None else "static_eager")
+        self.metrics.record_forward(key, "eager" if key is None or eager else "static_eager")
         return out
 
     def describe(self) -> list[dict]:

@@ -7,8 +7,10 @@ Arrivals: the rows of a GenTD26 trace from ``--start`` to ``--end`` (default: 00
 the prompt and size of a krea row (``bcg_core/data/krea_open_prompts_1k_flat.csv``) drawn with a seeded
 generator, each side scaled by ``--size-scale`` and rounded to the model's 16 pixels (the default 0.5 keeps the
 krea mix's shape, 512x768 -> 256x384, so that the tiny model on a CPU keeps up). ``--every K`` keeps every
-K-th arrival. Requests are sent open-loop (at their time, whatever is in flight) over HTTP; a 503 is retried
-after its ``Retry-After`` up to ``--retries`` times. Sending stops at ``--deadline-s``.
+K-th arrival. Requests are sent open-loop (at their time, whatever is in flight) over HTTP; a 503 with
+``Retry-After`` is resent after it up to ``--retries`` times (:func:`deployments.demo.apost_honouring_retry_after`:
+the wait clamped to 0.05..30 s, no resend later than 600 s after the first send; a 503 without the header is
+final). Sending stops at ``--deadline-s``.
 
 The application autoscales by bucket load (``autoscaling.enabled``, :class:`router.autoscaling.BucketLoadPolicy`)
 from ``--min-replicas`` to ``--max-replicas``. Every ``--sample-s`` the script records the DiT deployment's
@@ -21,7 +23,9 @@ worker nodes that each declare one GPU (replicas ask for ``num_gpus=1`` and run 
 ``--fake-gpu-nodes 0 --device cuda`` runs on this machine's real GPUs instead (CUDA graphs captured at start
 and after ownership changes).
 
-Report (``--json``): the replay totals (requests, ok, statuses, lost: requests without an answer, retried),
+Report (``--json``): the replay totals (requests, ok, statuses, lost: requests without an answer, retried:
+requests resent, retries: resends in all, retry_wait_s: seconds waited for Retry-After in all; each record
+has ``tries``, ``retries`` and ``retry_wait_s``),
 ``timeline`` (samples), ``scale_events`` (each change of the running count), the peak and final replica
 counts, the coordinator's ownership at the peak and at the end, and ``policy_log``: the policy's own log
 lines from the Serve controller's log (each change of what it wants or decides, with the per-shape loads).
@@ -47,7 +51,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_router import bench_ray, run_and_wait  # noqa: E402 - beside this script
+from bench_router import bench_ray, run_and_wait  # beside this script
+
+from deployments.demo import apost_honouring_retry_after
 
 TRACE = "alibaba_gentd26_burst_2024-12-06.csv"
 TABLE = {"batch_sizes": [1, 2, 4], "resolutions": ["256x256", "256x384", "384x384", "512x512"],
@@ -87,8 +93,8 @@ def build_requests(arrivals: list[dict], compress: float, every: int, max_images
     out = []
     for i, a in enumerate(arrivals[::every]):
         row = rng.choice(krea)
-        w = max(256, int(round(float(row["width"]) * size_scale / 16)) * 16)
-        h = max(256, int(round(float(row["height"]) * size_scale / 16)) * 16)
+        w = max(256, round(float(row["width"]) * size_scale / 16) * 16)
+        h = max(256, round(float(row["height"]) * size_scale / 16) * 16)
         body = {"prompt": (row["prompt"].strip() or "an image")[:300], "n": max(1, min(a["n"], max_images)),
                 "size": f"{w}x{h}", "num_inference_steps": steps or a["steps"], "seed": seed + i}
         out.append({"at": a["t"] / compress, "body": body})
@@ -107,7 +113,8 @@ def dit_states(app: str) -> dict[str, int]:
 
 async def replay(requests: list[dict], base_url: str, retries: int, timeout_s: float, deadline_s: float,
                  stats: dict) -> list[dict]:
-    """Send every request at its time (open loop); retry 503s after Retry-After. One record per request."""
+    """Send every request at its time (open loop); resend a 503 with Retry-After after it, at most ``retries``
+    times. One record per request."""
     import httpx
 
     t0 = time.perf_counter()
@@ -117,29 +124,27 @@ async def replay(requests: list[dict], base_url: str, retries: int, timeout_s: f
         if delay > 0:
             await asyncio.sleep(delay)
         rec: dict = {"i": i, "at": round(req["at"], 3), "size": req["body"]["size"], "n": req["body"]["n"],
-                     "tries": 0}
+                     "tries": 0, "retries": 0, "retry_wait_s": 0.0}
         if time.perf_counter() - t0 > deadline_s:
             rec["status"] = "not sent"
             return rec
         stats["arrivals"].append(time.perf_counter() - t0)
         stats["inflight"] += 1
         try:
-            while True:
-                rec["tries"] += 1
-                r = await client.post(f"{base_url}/v1/images/generations", json=req["body"], timeout=timeout_s)
-                rec["status"] = r.status_code
-                if r.status_code == 503 and rec["tries"] <= retries:
-                    await asyncio.sleep(float(r.headers.get("retry-after", "1")))
-                    continue
-                data = r.json()
-                if r.status_code == 200:
-                    b = data["bcg"]
-                    rec.update(bucket=b["bucket"], replica=b["replica"], owner=b["owner"], images=len(data["data"]))
-                else:
-                    rec["error"] = data.get("error", {}).get("message", "")[:200]
-                break
+            r, resent, waited = await apost_honouring_retry_after(
+                client, f"{base_url}/v1/images/generations", req["body"], timeout=timeout_s,
+                max_retries=retries)
+            rec.update(status=r.status_code, tries=1 + resent, retries=resent, retry_wait_s=round(waited, 3))
+            data = r.json()
+            if r.status_code == 200:
+                b = data["bcg"]
+                rec.update(bucket=b["bucket"], replica=b["replica"], owner=b["owner"], images=len(data["data"]))
+            else:
+                rec["error"] = data.get("error", {}).get("message", "")[:200]
         except Exception as exc:  # noqa: BLE001 - every outcome is recorded
-            rec.update(status="error", error=f"{type(exc).__name__}: {str(exc)[:200]}")
+            resent = getattr(exc, "retries", 0)
+            rec.update(status="error", error=f"{type(exc).__name__}: {str(exc)[:200]}", tries=1 + resent,
+                       retries=resent, retry_wait_s=round(getattr(exc, "retry_wait_s", 0.0), 3))
         finally:
             stats["inflight"] -= 1
         rec["latency_s"] = round(time.perf_counter() - t0 - req["at"], 3)
@@ -205,7 +210,7 @@ def plot(report: dict, path: str) -> None:
     a = report["args"]
     ax2.axvline(report["replay"]["send_span_s"], color="tab:gray", lw=0.8, ls=":", label="last arrival sent")
     ax2.set_ylim(0, a["max_replicas"] + 0.5)
-    ax2.set_yticks(range(0, a["max_replicas"] + 1))
+    ax2.set_yticks(range(a["max_replicas"] + 1))
     ax2.set_ylabel("replicas")
     ax2.set_xlabel(f"seconds (trace time / {a['compress']:g})")
     ax2.legend(loc="upper right", fontsize=8)
@@ -285,6 +290,8 @@ async def run(args) -> dict:
         "replay": {"requests": len(records), "ok": len(ok), "statuses": statuses,
                    "lost": sum(1 for r in records if r.get("status") in (None, "error")),
                    "retried": sum(1 for r in records if r.get("tries", 0) > 1),
+                   "retries": sum(r.get("retries", 0) for r in records),
+                   "retry_wait_s": round(sum(r.get("retry_wait_s", 0.0) for r in records), 2),
                    "images": sum(r.get("images", 0) for r in ok), "replay_s": round(replay_s, 2),
                    "send_span_s": round(requests[-1]["at"], 2) if requests else 0.0,
                    "latency_p50_s": sorted(r["latency_s"] for r in ok)[len(ok) // 2] if ok else None,
@@ -327,7 +334,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--batch-sizes", default=",".join(map(str, TABLE["batch_sizes"])), help="batch buckets (rows)")
     p.add_argument("--node-cpus", type=int, default=1)
     p.add_argument("--dit-cpus", type=float, default=0.5)
-    p.add_argument("--retries", type=int, default=3, help="resends of a request answered 503")
+    p.add_argument("--retries", type=int, default=3, help="resends of a request answered 503 with Retry-After")
     p.add_argument("--timeout-s", type=float, default=120.0, help="bound on each HTTP request")
     p.add_argument("--deadline-s", type=float, default=300.0, help="no request is sent after this")
     p.add_argument("--settle-s", type=float, default=90.0, help="most seconds to wait for the downscale")

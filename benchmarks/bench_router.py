@@ -7,6 +7,10 @@ What it measures (one JSON report, ``--json``):
   HTTP and through the ingress's Python handle (``--via``). Per request: status, serving replica, whether
   it owns the request's bucket shape, batch size, retries, latency. Totals: owner-hit rate (requests with a
   bucket that landed on an owner), images/s, latency p50/p99, requests per replica, errors, lost (no answer).
+  Over HTTP a 503 with ``Retry-After`` is waited out and resent (``--http-retries`` at most,
+  :func:`deployments.demo.apost_honouring_retry_after`); those resends are counted apart from ``retries``
+  (the server's own resends to another replica) as ``http_retries`` and ``http_retry_wait_s`` (per request
+  and in total) and ``http_retried`` (requests resent), and a request that got its answer after them is ok.
 - ``kill``: with ``--kill-after K``, one DiT replica is killed (``ray.kill``) after K answers; the report
   shows that every request still got an answer, the ownership before and after, and the owner-hit rate
   of the requests answered after the kill.
@@ -41,6 +45,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from deployments.demo import RETRY_MAX_RETRIES, apost_honouring_retry_after
 
 SMALL_TABLE = {"batch_sizes": [1, 2, 4, 8, 16, 20], "resolutions": ["512x512", "640x640", "768x768", "1024x1024"],
                "text_lengths": [256]}
@@ -78,7 +84,7 @@ def percentile(values: list[float], q: float) -> float:
     if not values:
         return 0.0
     s = sorted(values)
-    return s[min(len(s) - 1, max(0, int(round(q * (len(s) - 1)))))]
+    return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
 
 
 def dit_actor_names() -> list[str]:
@@ -89,15 +95,24 @@ def dit_actor_names() -> list[str]:
                   if "DiTReplica" in a["name"] and a.get("namespace") == "serve")
 
 
-async def _one(i: int, req: dict, via: str, handle, base_url: str, client, timeout_s: float) -> dict:
+async def _one(i: int, req: dict, via: str, handle, base_url: str, client, timeout_s: float,
+               http_retries: int = RETRY_MAX_RETRIES) -> dict:
     t0 = time.perf_counter()
     rec: dict = {"i": i, "via": via, "shape_wh": f"{req['width']}x{req['height']}", "n": req["n"]}
     try:
         if via == "http":
             body = {"prompt": req["prompt"], "n": req["n"], "size": f"{req['width']}x{req['height']}",
                     "num_inference_steps": req["num_inference_steps"], "seed": req["seed"]}
-            r = await client.post(f"{base_url}/v1/images/generations", json=body, timeout=timeout_s)
-            rec["status"] = r.status_code
+            rec.update(http_retries=0, http_retry_wait_s=0.0)
+            try:
+                r, resent, waited = await apost_honouring_retry_after(
+                    client, f"{base_url}/v1/images/generations", body, timeout=timeout_s,
+                    max_retries=http_retries)
+            except Exception as exc:  # the resends made before a send failed, then recorded below
+                rec.update(http_retries=getattr(exc, "retries", 0),
+                           http_retry_wait_s=round(getattr(exc, "retry_wait_s", 0.0), 3))
+                raise
+            rec.update(status=r.status_code, http_retries=resent, http_retry_wait_s=round(waited, 3))
             data = r.json()
             if r.status_code == 200:
                 b = data["bcg"]
@@ -118,9 +133,10 @@ async def _one(i: int, req: dict, via: str, handle, base_url: str, client, timeo
 
 
 async def replay(requests: list[dict], concurrency: int, via: str, handle, base_url: str, timeout_s: float,
-                 on_done=None) -> list[dict]:
+                 on_done=None, http_retries: int = RETRY_MAX_RETRIES) -> list[dict]:
     """Send ``requests`` with at most ``concurrency`` in flight; ``via`` is ``http``, ``handle`` or ``mixed``
-    (alternating). ``on_done(count)`` is called after each answer. Returns one record per request, in order."""
+    (alternating). ``on_done(count)`` is called after each answer. Over HTTP a 503 with ``Retry-After`` is
+    resent up to ``http_retries`` times. Returns one record per request, in order."""
     import httpx
 
     sem = asyncio.Semaphore(concurrency)
@@ -130,7 +146,7 @@ async def replay(requests: list[dict], concurrency: int, via: str, handle, base_
             nonlocal done
             async with sem:
                 how = via if via != "mixed" else ("http" if i % 2 == 0 else "handle")
-                rec = await _one(i, req, how, handle, base_url, client, timeout_s)
+                rec = await _one(i, req, how, handle, base_url, client, timeout_s, http_retries)
             done += 1
             if on_done is not None:
                 on_done(done)
@@ -170,6 +186,9 @@ def summarize(records: list[dict], wall_s: float) -> dict:
         "latency_p50_s": round(percentile(lat, 0.5), 3), "latency_p99_s": round(percentile(lat, 0.99), 3),
         "per_replica": dict(sorted(per_replica.items())),
         "retried": sum(1 for r in ok if r.get("retries")),
+        "http_retries": sum(r.get("http_retries", 0) for r in records),
+        "http_retried": sum(1 for r in records if r.get("http_retries")),
+        "http_retry_wait_s": round(sum(r.get("http_retry_wait_s", 0.0) for r in records), 2),
         "mean_batch_size": round(statistics.mean(r.get("batch_size", 1) for r in ok), 3) if ok else None,
     }
 
@@ -350,7 +369,8 @@ async def run(args) -> dict:
                 ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
 
         t1 = time.perf_counter()
-        records = await replay(reqs, args.concurrency, args.via, handle, base_url, args.timeout_s, on_done)
+        records = await replay(reqs, args.concurrency, args.via, handle, base_url, args.timeout_s, on_done,
+                               args.http_retries)
         wall = time.perf_counter() - t1
         report["replay"] = summarize(records, wall)
         if killed:
@@ -380,7 +400,7 @@ async def run(args) -> dict:
                 stats.append(s)
         report["padding"] = padding_totals(stats)
         report["replica_stats"] = {
-            s["replica"]: {"routing": s["routing"], "batching": s["batching"], "totals": s["totals"],
+            s["replica"]: {"routing": s["routing"], "batching": s.get("batching"), "scheduler": s.get("scheduler"), "totals": s["totals"],
                            "graphs": sorted(b["key"] for b in s["buckets"] if b.get("mode") == "graph"),
                            "prepared": sum(1 for b in s["buckets"] if b.get("mode")),
                            "pool_mib": round(sum(b.get("pool_bytes") or 0 for b in s["buckets"]) / 2**20, 1),
@@ -416,6 +436,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--lease-s", type=float, default=3.0)
     p.add_argument("--fallback-wait-s", type=float, default=2.0)
     p.add_argument("--timeout-s", type=float, default=300.0)
+    p.add_argument("--http-retries", type=int, default=RETRY_MAX_RETRIES,
+                   help="most resends of an HTTP request answered 503 with Retry-After")
     p.add_argument("--start-timeout-s", type=float, default=300.0)
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--app", default="bcg-bench")

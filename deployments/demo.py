@@ -6,6 +6,11 @@ loopback port), or talks to a server already running (``url``), reads the first 
 its width x height; rows with an empty prompt are skipped), replays them over HTTP, writes the images as
 PNG files, then prints the replica's per-bucket statistics from ``GET /v1/buckets``.
 
+A ``503`` answer with a ``Retry-After`` header (a replica that cannot admit more, see
+:func:`deployments.ingress.unavailable_response`) is not a failure: the request waits as long as the
+header says and is sent again, bounded by a number of retries and a deadline
+(:func:`post_honouring_retry_after`; the benchmarks use its asyncio twin :func:`apost_honouring_retry_after`).
+
 The pure parts (:func:`read_requests`, :func:`load_requests`, :class:`DemoRequest`) import nothing heavy;
 Ray, httpx, rich and tqdm are imported only by the functions that use them.
 """
@@ -15,11 +20,13 @@ from __future__ import annotations
 import base64
 import csv
 import logging
+import math
 import time
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from decimal import Decimal, InvalidOperation
 from importlib import resources
 from pathlib import Path
@@ -30,13 +37,21 @@ from .local import check_config, start_local, stop_local, wait_healthy
 __all__ = [
     "DATA_FILE",
     "MAX_CONCURRENCY",
+    "RETRY_AFTER_MAX_S",
+    "RETRY_AFTER_MIN_S",
+    "RETRY_DEADLINE_S",
+    "RETRY_MAX_RETRIES",
     "SEED_MODULUS",
     "DemoRequest",
     "DemoResult",
+    "apost_honouring_retry_after",
     "load_requests",
+    "parse_retry_after",
+    "post_honouring_retry_after",
     "read_requests",
     "render_report",
     "replay",
+    "retry_after_delay",
     "run_demo",
     "send_request",
 ]
@@ -47,6 +62,14 @@ SEED_MODULUS = 2**31
 """Seeds from the data (up to 2**32) are taken modulo this."""
 MAX_CONCURRENCY = 16
 """Most requests the demo keeps in flight at once."""
+RETRY_MAX_RETRIES = 20
+"""Default bound on the resends of one request answered 503 with ``Retry-After``."""
+RETRY_DEADLINE_S = 600.0
+"""Default deadline of one request's resends, seconds from its first send (no resend starts after it)."""
+RETRY_AFTER_MIN_S = 0.05
+"""Shortest wait honoured for a ``Retry-After``, seconds (``0`` or a date in the past wait this long)."""
+RETRY_AFTER_MAX_S = 30.0
+"""Longest wait honoured for a ``Retry-After``, seconds (longer values wait this long, then resend)."""
 _PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 log = logging.getLogger(__name__)
@@ -187,11 +210,14 @@ class DemoResult:
         request: the request sent.
         ok: True when every image came back and was written.
         status: HTTP status, or None when no answer came (timeout, refused connection).
-        latency_ms: time from send to the end of the answer, milliseconds.
+        latency_ms: time from the first send to the end of the final answer, milliseconds; it includes
+            the waits for ``Retry-After`` and the resends after them.
         files: PNG files written.
         bucket: the bucket that served it (``"bcg"."bucket"`` of the answer), None on a miss or failure.
         hit: whether a bucket held it, None on failure.
         error: why it failed, None when ok.
+        retries: resends after a ``503`` answer with ``Retry-After`` (0 when the first answer was final).
+        retry_wait_s: seconds spent waiting for those ``Retry-After`` headers (in ``latency_ms`` too).
     """
 
     request: DemoRequest
@@ -202,6 +228,8 @@ class DemoResult:
     bucket: str | None = None
     hit: bool | None = None
     error: str | None = None
+    retries: int = 0
+    retry_wait_s: float = 0.0
 
 
 def _error_message(response: Any) -> str:
@@ -216,42 +244,230 @@ def _error_message(response: Any) -> str:
     return response.text[:300] or response.reason_phrase
 
 
-def send_request(client: Any, url: str, request: DemoRequest, steps: int, out_dir: Path) -> DemoResult:
-    """POST one request and write its images; never raises for a failed request.
+def parse_retry_after(value: str | None, *, now: datetime | None = None) -> float | None:
+    """The seconds a ``Retry-After`` header value asks to wait, unclamped.
 
     Args:
-        client: an ``httpx.Client`` (its timeout bounds the request).
+        value: the header value: delay-seconds (``"2"``; a decimal such as ``"1.5"`` is accepted too) or an
+            HTTP-date (RFC 9110, e.g. ``"Wed, 21 Oct 2015 07:28:00 GMT"``); None when the header is absent.
+        now: the current time for an HTTP-date (aware datetime); None takes the clock.
+
+    Returns:
+        Seconds to wait (negative for a date in the past), or None when ``value`` is None, empty, or neither a
+        finite number nor an HTTP-date. Never raises.
+    """
+    from email.utils import parsedate_to_datetime
+
+    text = (value or "").strip()
+    if not text:
+        return None
+    try:
+        seconds = float(text)
+    except ValueError:
+        pass
+    else:
+        return seconds if math.isfinite(seconds) else None
+    try:
+        when = parsedate_to_datetime(text)
+    except (TypeError, ValueError, IndexError, OverflowError):
+        return None
+    if when is None:
+        return None
+    if when.tzinfo is None:  # RFC 9110 dates are GMT; "-0000" parses as naive
+        when = when.replace(tzinfo=timezone.utc)
+    return (when - (now or datetime.now(timezone.utc))).total_seconds()
+
+
+def retry_after_delay(response: Any) -> float | None:
+    """How long to wait before resending, for an answer that asks for it; None for any other answer.
+
+    Args:
+        response: an ``httpx.Response`` (anything with ``status_code`` and ``headers``).
+
+    Returns:
+        For a ``503`` with a parseable ``Retry-After`` (:func:`parse_retry_after`), its seconds clamped to
+        [:data:`RETRY_AFTER_MIN_S`, :data:`RETRY_AFTER_MAX_S`]; None for every other status, for a 503 without
+        the header and for a header that does not parse (such answers are final). Never raises.
+    """
+    if response.status_code != 503:
+        return None
+    seconds = parse_retry_after(response.headers.get("retry-after"))
+    if seconds is None:
+        return None
+    return min(RETRY_AFTER_MAX_S, max(RETRY_AFTER_MIN_S, seconds))
+
+
+def _check_bounds(max_retries: int, deadline_s: float) -> None:
+    if max_retries < 0:
+        raise ValueError(f"max_retries {max_retries} must be at least 0")
+    if not deadline_s >= 0:
+        raise ValueError(f"deadline_s {deadline_s} must be at least 0")
+
+
+def _post_kwargs(json: Any, timeout: float | None) -> dict[str, Any]:
+    return {"json": json} if timeout is None else {"json": json, "timeout": timeout}
+
+
+def _give_up(exc: BaseException, retries: int, waited_s: float) -> None:
+    """Record the resends made so far on a transport error before it propagates."""
+    try:
+        exc.retries = retries  # type: ignore[attr-defined]
+        exc.retry_wait_s = waited_s  # type: ignore[attr-defined]
+    except AttributeError:  # an exception type without a __dict__: the counts are lost, the error is not
+        pass
+
+
+def post_honouring_retry_after(client: Any, url: str, json: Any, *, timeout: float | None = None,
+                               max_retries: int = RETRY_MAX_RETRIES, deadline_s: float = RETRY_DEADLINE_S,
+                               sleep: Callable[[float], Any] = time.sleep,
+                               clock: Callable[[], float] = time.monotonic) -> tuple[Any, int, float]:
+    """POST ``json`` to ``url``; while the answer is ``503`` with ``Retry-After``, wait that long and resend.
+
+    The wait is :func:`retry_after_delay` (the header's seconds or HTTP-date, clamped to
+    [:data:`RETRY_AFTER_MIN_S`, :data:`RETRY_AFTER_MAX_S`] seconds). Every other answer, a 503 without
+    ``Retry-After`` included, is returned at once. The same body is resent each time.
+
+    Args:
+        client: an ``httpx.Client`` (any object whose ``post(url, json=..., timeout=...)`` returns a
+            response).
+        url: the full URL, e.g. ``http://127.0.0.1:8000/v1/images/generations``.
+        json: the JSON body.
+        timeout: bound on each send, seconds; None keeps the client's own timeout.
+        max_retries: most resends (>= 0; 0 sends once).
+        deadline_s: seconds from the first send (>= 0) after which no resend starts: a wait that would end
+            past it is not taken and the 503 is returned.
+        sleep: called with the seconds to wait (tests pass a recorder).
+        clock: monotonic clock in seconds for the deadline.
+
+    Returns:
+        ``(response, retries, waited_s)``: the final answer, the resends made, and the seconds waited for
+        ``Retry-After`` in total. When a bound stopped the resends the response is the last 503 (then
+        ``retry_after_delay(response)`` is not None).
+
+    Raises:
+        ValueError: ``max_retries`` < 0 or ``deadline_s`` < 0.
+        httpx.HTTPError: (and whatever else ``client.post`` raises) a send failed; the exception carries
+            ``retries`` and ``retry_wait_s`` attributes with the resends made before it.
+    """
+    _check_bounds(max_retries, deadline_s)
+    start = clock()
+    retries, waited = 0, 0.0
+    while True:
+        try:
+            response = client.post(url, **_post_kwargs(json, timeout))
+        except Exception as exc:
+            _give_up(exc, retries, waited)
+            raise
+        delay = retry_after_delay(response)
+        if delay is None or retries >= max_retries or clock() - start + delay > deadline_s:
+            return response, retries, waited
+        response.close()
+        sleep(delay)
+        retries, waited = retries + 1, waited + delay
+
+
+async def apost_honouring_retry_after(client: Any, url: str, json: Any, *, timeout: float | None = None,
+                                      max_retries: int = RETRY_MAX_RETRIES,
+                                      deadline_s: float = RETRY_DEADLINE_S,
+                                      sleep: Callable[[float], Awaitable[Any]] | None = None,
+                                      clock: Callable[[], float] = time.monotonic) -> tuple[Any, int, float]:
+    """:func:`post_honouring_retry_after` for an ``httpx.AsyncClient``: the same bounds, waits and result.
+
+    Args:
+        client: an ``httpx.AsyncClient`` (any object whose ``post`` is a coroutine returning a response).
+        url, json, timeout, max_retries, deadline_s, clock: as in :func:`post_honouring_retry_after`.
+        sleep: coroutine function called with the seconds to wait; None is ``asyncio.sleep``.
+
+    Returns:
+        ``(response, retries, waited_s)`` as :func:`post_honouring_retry_after`.
+
+    Raises:
+        ValueError: ``max_retries`` < 0 or ``deadline_s`` < 0.
+        httpx.HTTPError: a send failed (with ``retries`` and ``retry_wait_s`` attributes, as there).
+    """
+    import asyncio
+
+    _check_bounds(max_retries, deadline_s)
+    wait = asyncio.sleep if sleep is None else sleep
+    start = clock()
+    retries, waited = 0, 0.0
+    while True:
+        try:
+            response = await client.post(url, **_post_kwargs(json, timeout))
+        except Exception as exc:
+            _give_up(exc, retries, waited)
+            raise
+        delay = retry_after_delay(response)
+        if delay is None or retries >= max_retries or clock() - start + delay > deadline_s:
+            return response, retries, waited
+        await response.aclose()
+        await wait(delay)
+        retries, waited = retries + 1, waited + delay
+
+
+def send_request(client: Any, url: str, request: DemoRequest, steps: int, out_dir: Path, *,
+                 max_retries: int = RETRY_MAX_RETRIES, deadline_s: float = RETRY_DEADLINE_S,
+                 sleep: Callable[[float], Any] = time.sleep) -> DemoResult:
+    """POST one request and write its images; never raises for a failed request.
+
+    A ``503`` answer with ``Retry-After`` is waited out and the request resent
+    (:func:`post_honouring_retry_after`), at most ``max_retries`` times and not after ``deadline_s``; the
+    result counts the resends and the seconds waited, and its ``latency_ms`` runs from the first send to the
+    final answer (waits included).
+
+    Args:
+        client: an ``httpx.Client`` (its timeout bounds each send).
         url: server base URL, e.g. ``http://127.0.0.1:8000``.
         request: the request.
         steps: ``num_inference_steps``.
         out_dir: folder for the PNG files (must exist).
+        max_retries: most resends after 503 + ``Retry-After`` (>= 0).
+        deadline_s: seconds from the first send after which no resend starts (>= 0).
+        sleep: called with the seconds of each wait.
 
     Returns:
         The outcome; ``ok`` is False with ``error`` set for a timeout, a refused connection, a 4xx/5xx
-        answer, or an answer with the wrong number of images or non-PNG data.
+        answer (a 503 with ``Retry-After`` only once a bound stopped the resends; the error then says how many
+        were made), or an answer with the wrong number of images or non-PNG data.
+
+    Raises:
+        ValueError: ``max_retries`` or ``deadline_s`` negative.
     """
     import httpx
 
     start = time.perf_counter()
     try:
-        response = client.post(f"{url}/v1/images/generations", json=request.body(steps))
-    except httpx.TimeoutException as exc:
-        ms = (time.perf_counter() - start) * 1e3
-        return DemoResult(request, False, None, ms, error=f"no answer within the timeout ({type(exc).__name__})")
+        response, retries, waited = post_honouring_retry_after(
+            client, f"{url}/v1/images/generations", request.body(steps), max_retries=max_retries,
+            deadline_s=deadline_s, sleep=sleep)
     except httpx.HTTPError as exc:
         ms = (time.perf_counter() - start) * 1e3
-        return DemoResult(request, False, None, ms, error=f"{type(exc).__name__}: {exc}")
+        retries, waited = getattr(exc, "retries", 0), getattr(exc, "retry_wait_s", 0.0)
+        after = f" (after {_plural(retries, 'retry', 'retries')} on 503 Retry-After)" if retries else ""
+        if isinstance(exc, httpx.TimeoutException):
+            error = f"no answer within the timeout ({type(exc).__name__}){after}"
+        else:
+            error = f"{type(exc).__name__}: {exc}{after}"
+        return DemoResult(request, False, None, ms, error=error, retries=retries, retry_wait_s=waited)
     ms = (time.perf_counter() - start) * 1e3
     if response.status_code != 200:
-        return DemoResult(request, False, response.status_code, ms,
-                          error=f"HTTP {response.status_code}: {_error_message(response)}")
+        error = f"HTTP {response.status_code}: {_error_message(response)}"
+        if retry_after_delay(response) is not None:
+            error += (f" (gave up after {_plural(retries, 'retry', 'retries')} honouring Retry-After, "
+                      f"{waited:.1f} s waited; bounds: {max_retries} retries, {deadline_s:g} s)")
+        elif retries:
+            error += f" (after {_plural(retries, 'retry', 'retries')} on 503 Retry-After)"
+        return DemoResult(request, False, response.status_code, ms, error=error, retries=retries,
+                          retry_wait_s=waited)
     try:
         payload = response.json()
         images = [base64.b64decode(item["b64_json"]) for item in payload["data"]]
         info = payload.get("bcg") or {}
     except (ValueError, KeyError, TypeError) as exc:
-        return DemoResult(request, False, 200, ms, error=f"malformed answer: {type(exc).__name__}: {exc}")
-    result = DemoResult(request, True, 200, ms, bucket=info.get("bucket"), hit=info.get("hit"))
+        return DemoResult(request, False, 200, ms, error=f"malformed answer: {type(exc).__name__}: {exc}",
+                          retries=retries, retry_wait_s=waited)
+    result = DemoResult(request, True, 200, ms, bucket=info.get("bucket"), hit=info.get("hit"),
+                        retries=retries, retry_wait_s=waited)
     if len(images) != request.n:
         result.ok, result.error = False, f"asked for {request.n} images, got {len(images)}"
     for i, png in enumerate(images, start=1):
@@ -265,7 +481,7 @@ def send_request(client: Any, url: str, request: DemoRequest, steps: int, out_di
 
 
 def replay(url: str, requests: list[DemoRequest], *, steps: int, concurrency: int, out_dir: Path,
-           timeout_s: float) -> list[DemoResult]:
+           timeout_s: float, max_retries: int = RETRY_MAX_RETRIES) -> list[DemoResult]:
     """Send every request with at most ``concurrency`` in flight, showing a tqdm progress bar.
 
     Args:
@@ -274,13 +490,15 @@ def replay(url: str, requests: list[DemoRequest], *, steps: int, concurrency: in
         steps: ``num_inference_steps`` for each.
         concurrency: requests in flight at once, 1..:data:`MAX_CONCURRENCY`.
         out_dir: folder for the PNG files (created if absent).
-        timeout_s: bound on each request, seconds.
+        timeout_s: bound on each send of a request, seconds.
+        max_retries: most resends of one request answered 503 with ``Retry-After`` (>= 0; see
+            :func:`send_request`; the deadline of its resends is :data:`RETRY_DEADLINE_S`).
 
     Returns:
         One result per request, in request order.
 
     Raises:
-        ValueError: ``concurrency`` out of range or ``timeout_s`` not positive.
+        ValueError: ``concurrency`` out of range, ``timeout_s`` not positive or ``max_retries`` negative.
     """
     import httpx
     from tqdm import tqdm
@@ -289,6 +507,8 @@ def replay(url: str, requests: list[DemoRequest], *, steps: int, concurrency: in
         raise ValueError(f"concurrency {concurrency} must be between 1 and {MAX_CONCURRENCY}")
     if timeout_s <= 0:
         raise ValueError(f"timeout_s {timeout_s} must be positive")
+    if max_retries < 0:
+        raise ValueError(f"max_retries {max_retries} must be at least 0")
     out_dir.mkdir(parents=True, exist_ok=True)
     results: dict[int, DemoResult] = {}
     timeout = httpx.Timeout(timeout_s, connect=min(10.0, timeout_s))
@@ -297,7 +517,8 @@ def replay(url: str, requests: list[DemoRequest], *, steps: int, concurrency: in
     try:
         with httpx.Client(timeout=timeout, limits=limits, trust_env=False) as client, \
                 tqdm(total=len(requests), unit="req", desc="generating", dynamic_ncols=True) as bar:
-            futures = [pool.submit(send_request, client, url, r, steps, out_dir) for r in requests]
+            futures = [pool.submit(send_request, client, url, r, steps, out_dir, max_retries=max_retries)
+                       for r in requests]
             images = failed = 0
             for future in as_completed(futures):
                 result = future.result()
@@ -362,19 +583,26 @@ def render_report(stats: Mapping[str, Any] | None, results: list[DemoResult], wa
     for r in failed:
         status = f"HTTP {r.status}" if r.status else "no answer"
         console.print(f"[red]failed[/red] {r.request.describe()}: {r.error or status}", highlight=False)
+    retried = [r for r in results if r.retries]
+    if retried:
+        console.print(
+            f"retried {_plural(len(retried), 'request')} after 503 Retry-After "
+            f"({_plural(sum(r.retries for r in retried), 'retry', 'retries')}, "
+            f"{sum(r.retry_wait_s for r in retried):.1f} s waited)", highlight=False)
     images = sum(len(r.files) for r in results)
     console.print(
         f"{_plural(len(results), 'request')} ({len(results) - len(failed)} ok, {len(failed)} failed), "
         f"{_plural(images, 'image')} in {wall_s:.1f} s wall -> {out_dir}/", highlight=False)
 
 
-def _plural(count: int, noun: str) -> str:
-    return f"{count} {noun}{'' if count == 1 else 's'}"
+def _plural(count: int, noun: str, nouns: str | None = None) -> str:
+    return f"{count} {noun if count == 1 else nouns or noun + 's'}"
 
 
 def run_demo(*, requests: int = 8, steps: int = 4, concurrency: int = 1, out: str | Path = "out/demo",
              port: int = 0, url: str | None = None, config: str | None = None, timeout_s: float = 600.0,
-             num_cpus: int = 4, quiet: bool = True, data: str | Path | None = None) -> int:
+             num_cpus: int = 4, quiet: bool = True, data: str | Path | None = None,
+             max_retries: int = RETRY_MAX_RETRIES) -> int:
     """The whole demo: start the server (unless ``url``), replay, report, shut down.
 
     Args:
@@ -389,6 +617,7 @@ def run_demo(*, requests: int = 8, steps: int = 4, concurrency: int = 1, out: st
         num_cpus: logical CPUs for the local Ray instance.
         quiet: keep Ray's logs out of the terminal.
         data: a CSV file with the data file's columns instead of :data:`DATA_FILE`.
+        max_retries: most resends of one request answered 503 with ``Retry-After`` (see :func:`replay`).
 
     Returns:
         Process exit status: 0 when every request succeeded, 1 otherwise.
@@ -406,6 +635,8 @@ def run_demo(*, requests: int = 8, steps: int = 4, concurrency: int = 1, out: st
         raise ValueError("--config and --port configure the local server; leave them out with --url")
     if steps < 1:
         raise ValueError(f"steps {steps} must be at least 1")
+    if max_retries < 0:
+        raise ValueError(f"max_retries {max_retries} must be at least 0")
     console = Console()
     todo = load_requests(requests, data)
     served = check_config(config) if config is not None else None
@@ -421,7 +652,8 @@ def run_demo(*, requests: int = 8, steps: int = 4, concurrency: int = 1, out: st
         console.print(f"server {url}: sending {len(todo)} requests ({n_images} images, {steps} steps, "
                       f"concurrency {concurrency}) from {Path(data).name if data else DATA_FILE}", highlight=False)
         t0 = time.perf_counter()
-        results = replay(url, todo, steps=steps, concurrency=concurrency, out_dir=out_dir, timeout_s=timeout_s)
+        results = replay(url, todo, steps=steps, concurrency=concurrency, out_dir=out_dir, timeout_s=timeout_s,
+                         max_retries=max_retries)
         wall_s = time.perf_counter() - t0
         stats = None
         try:

@@ -6,11 +6,17 @@ text bucket), then reports ready. Without a coordinator it captures every bucket
 
 Serving: a request arrives as the ingress's :class:`~bcg_core.planner.Plan` (validated, seed filled in,
 bucket looked up) and is trusted as it is: the replica never plans it again. A raw request (a caller holding
-this deployment's handle) is planned once, by the micro-batcher. Requests go through a
-:class:`~bcg_core.batching.MicroBatcher`, which batches concurrent requests of one shape into one forward.
-Generation is blocking torch work in worker threads, so the replica's event loop keeps answering ``stats``,
-health checks and ``record_routing_stats``; a cancelled call (its client went away) stops at the next
-denoising step.
+this deployment's handle) is planned once, by the scheduler. Requests go through the replica's scheduler
+(``runner.scheduler``): the :class:`~bcg_core.step_scheduler.StepScheduler` (default: requests join and leave
+at step boundaries; each iteration runs one step of every request in flight, in the bucket forwards its
+measured cost model chooses) or the request-level :class:`~bcg_core.batching.MicroBatcher`. Generation is
+blocking torch work in worker threads, so the replica's event loop keeps answering ``stats``, health checks
+and ``record_routing_stats``; a cancelled call (its client went away) stops at the next denoising step.
+
+Cost model: with the step scheduler and ``runner.measure_costs``, each shape's buckets are timed right after
+they are prepared (graph replays on CUDA) together with the shape's unpadded eager forward against row
+count (:meth:`~bcg_core.pipeline.DiTPipeline.measure_costs`); the scheduler's memory budget is then set from
+the device memory left.
 
 Routing stats (read by :class:`router.shape_router.ShapeAwareRouter`, refreshed every
 ``routing.stats_period_s``): ``{"owned": [...], "ready": [...], "queue": {shape: n}, "capturing": bool}``.
@@ -40,6 +46,7 @@ from collections import Counter
 from ray import serve
 
 from bcg_core.batching import MicroBatcher
+from bcg_core.step_scheduler import StepScheduler
 from bcg_core.buckets import BucketKey, shape_of
 from bcg_core.config import ServeConfig
 from bcg_core.errors import RequestError
@@ -116,7 +123,9 @@ class DiTReplica:
         self._capture_task: asyncio.Task | None = None
         self._served: Counter[str] = Counter()  # "owner", "non_owner", "unkeyed"
         self._served_by_shape: Counter[str] = Counter()
-        self._batcher = MicroBatcher.from_pipeline(self._pipeline)
+        self._batcher: StepScheduler | MicroBatcher = (
+            StepScheduler.from_pipeline(self._pipeline) if self._config.runner.scheduler == "step"
+            else MicroBatcher.from_pipeline(self._pipeline))
         self._heartbeat_task: asyncio.Task | None = None
         self._exporter: BucketExporter | None = None
         self._metrics_task: asyncio.Task | None = None
@@ -167,7 +176,25 @@ class DiTReplica:
                     logger.warning("replica %s was assigned unknown shape %r; ignored", self._id, s)
                     continue
                 self._pipeline.runner.prepare(keys)
+                self._measure_costs(s, keys)
                 self._ready.add(s)
+            if isinstance(self._batcher, StepScheduler) and self._pipeline.model.device.type == "cuda":
+                import torch
+
+                free, _ = torch.cuda.mem_get_info(self._pipeline.model.device)
+                self._batcher.memory_budget_bytes = int(0.5 * free)
+
+    def _measure_costs(self, shape: str, keys: list[BucketKey]) -> None:
+        """Time ``shape``'s prepared buckets and its eager forwards for the step scheduler's cost model; a
+        failed measurement leaves the shape on the token-count stand-in (logged)."""
+        if not isinstance(self._batcher, StepScheduler) or not self._config.runner.measure_costs:
+            return
+        try:
+            costs = self._pipeline.measure_costs(keys)
+        except Exception:  # noqa: BLE001 - the scheduler can serve on the stand-in model
+            logger.exception("replica %s: measuring the costs of shape %s failed", self._id, shape)
+            return
+        self._batcher.set_costs(costs)
 
     # -- serving ------------------------------------------------------------------------------------
 
@@ -290,7 +317,10 @@ class DiTReplica:
         out["replica"] = self._id
         loads = self._loads()
         out["routing"] = {**self._routing_view(), **self._served_totals(loads)}
-        out["batching"] = self._batcher.stats()
+        if isinstance(self._batcher, StepScheduler):
+            out["scheduler"] = self._batcher.stats()
+        else:
+            out["batching"] = self._batcher.stats()
         out["load"] = {s: {"arrival_rps": round(v.arrival_rps, 4), "completion_rps": round(v.completion_rps, 4),
                            "busy": round(v.busy, 4), "service_s": round(v.service_s, 4), "offered": round(v.offered, 4)}
                        for s, v in loads.items()}

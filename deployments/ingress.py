@@ -46,7 +46,7 @@ from bcg_core.errors import BucketMissError, RequestError
 from bcg_core.pipeline import GenerationResult
 from bcg_core.planner import GenerationRequest, Planner
 
-from .routing import Overloaded, call_dit
+from .routing import Overloaded, ReplicaUnavailable, call_dit
 from .schemas import (
     BcgInfo,
     ErrorBody,
@@ -315,7 +315,7 @@ class Ingress:
         except Exception as exc:  # noqa: BLE001 - every failure is answered, the server keeps serving
             found = find_request_error(exc)
             if found is not None:
-                if isinstance(found, Overloaded):
+                if isinstance(found, (Overloaded, ReplicaUnavailable)):
                     return unavailable_response(found.message, found.retry_after_s, param=found.field)
                 return error_response(found.status, found.message, param=found.field)
             logger.exception("generation failed")

@@ -107,7 +107,27 @@ METRICS: tuple[MetricSpec, ...] = (
                "padded_tokens / real_tokens since start (1.0: no padding); set once the bucket served a request.",
                "padded_token_ratio"),
     MetricSpec("bcg_queue_length", "gauge", ("shape",), "requests",
-               "Requests waiting or running in the replica's micro-batcher, per bucket shape."),
+               "Requests waiting or running in the replica's scheduler, per bucket shape."),
+    MetricSpec("bcg_sched_rows_in_flight", "gauge", ("shape",), "rows",
+               "Step scheduler: transformer rows of the requests in flight (shape=miss: misses)."),
+    MetricSpec("bcg_sched_waiting", "gauge", ("shape",), "requests",
+               "Step scheduler: requests waiting for admission."),
+    MetricSpec("bcg_sched_forwards", "counter", ("shape", "kind"), "forwards",
+               "Step scheduler: forwards by kind: graph (a step's only forward, on a bucket), split (a bucket "
+               "forward of a step split into several), eager (unpadded: a miss, or the cost model's choice)."),
+    MetricSpec("bcg_sched_decisions", "counter", ("shape", "decision"), "steps",
+               "Step scheduler: steps by the cost model's decision: fill (one full bucket), pad (one bucket with "
+               "padded rows), split (several forwards), eager (any unpadded chunk)."),
+    MetricSpec("bcg_sched_fill", "gauge", ("shape",), "ratio",
+               "Step scheduler: real rows / bucket rows over every bucket forward since start (1.0: no padded rows)."),
+    MetricSpec("bcg_sched_padded_token_waste", "gauge", ("shape",), "ratio",
+               "Step scheduler: 1 - real / computed tokens over every forward since start (0.0: no padding)."),
+    MetricSpec("bcg_sched_queue_wait_ms", "counter", ("shape",), "milliseconds",
+               "Step scheduler: total milliseconds admitted requests waited for admission (divide by "
+               "bcg_sched_admitted for the mean)."),
+    MetricSpec("bcg_sched_admitted", "counter", ("shape",), "requests", "Step scheduler: requests admitted."),
+    MetricSpec("bcg_sched_queue_wait_p99_ms", "gauge", ("shape",), "milliseconds",
+               "Step scheduler: p99 of the last 1024 admission waits."),
 )
 """Every metric the exporter pushes, in README order."""
 
@@ -167,12 +187,15 @@ class BucketExporter:
         queue_lengths: returns requests waiting or running per bucket shape.
         shapes: every bucket shape of the table (a queue gauge is set for each, 0 when empty).
         backend: makes the metric objects; default :class:`RayMetricsBackend`.
+        scheduler_stats: returns :meth:`bcg_core.step_scheduler.StepScheduler.stats` (the ``bcg_sched_*``
+            metrics), or None when the replica batches whole requests.
     """
 
     def __init__(self, stats: Callable[[], dict], metrics: BucketMetrics,
                  queue_lengths: Callable[[], dict[str, int]] = dict, shapes: Iterable[str] = (),
-                 backend: MetricsBackend | None = None):
+                 backend: MetricsBackend | None = None, scheduler_stats: Callable[[], dict] | None = None):
         self._stats = stats
+        self._scheduler_stats = scheduler_stats
         self._metrics = metrics
         self._queue_lengths = queue_lengths
         self._shapes = sorted(set(shapes))
@@ -196,9 +219,13 @@ class BucketExporter:
 
     @classmethod
     def for_replica(cls, pipeline, batcher, backend: MetricsBackend | None = None) -> "BucketExporter":
-        """The exporter of a DiT replica: ``pipeline.stats``, ``pipeline.metrics``, ``batcher.queue_lengths``."""
+        """The exporter of a DiT replica: ``pipeline.stats``, ``pipeline.metrics``, ``batcher.queue_lengths`` and,
+        for a step scheduler (its stats have ``kind: step``), ``batcher.stats``."""
+        from bcg_core.step_scheduler import StepScheduler
+
         shapes = {k.shape for k in pipeline.table.keys}
-        return cls(pipeline.stats, pipeline.metrics, batcher.queue_lengths, shapes, backend)
+        sched = batcher.stats if isinstance(batcher, StepScheduler) else None
+        return cls(pipeline.stats, pipeline.metrics, batcher.queue_lengths, shapes, backend, sched)
 
     # -- one push ---------------------------------------------------------------------------------------
 
@@ -244,6 +271,8 @@ class BucketExporter:
         queue = self._queue_lengths()
         for shape in sorted(set(self._shapes) | set(queue)):
             self._m["bcg_queue_length"].set(int(queue.get(shape, 0)), tags={"shape": shape})
+        if self._scheduler_stats is not None:
+            self._push_scheduler(self._scheduler_stats())
         last, samples, lost = self._metrics.step_samples(self._cursor)
         self._cursor = last  # at most once: a failing observe below never observes a step twice
         if lost:
@@ -255,6 +284,29 @@ class BucketExporter:
             k = MISS if key is None else str(key)
             histogram.observe(float(ms), tags={"bucket": k, "shape": _shape_of(k)})
         self.pushes += 1
+
+    def _push_scheduler(self, sched: dict) -> None:
+        """The ``bcg_sched_*`` metrics from one :meth:`StepScheduler.stats` snapshot (every table shape gets
+        its gauges, 0 when idle)."""
+        shapes = sched.get("shapes", {})
+        for shape in sorted(set(self._shapes) | set(shapes)):
+            row = shapes.get(shape, {})
+            tags = {"shape": shape}
+            self._m["bcg_sched_rows_in_flight"].set(int(row.get("rows_in_flight", 0)), tags=tags)
+            self._m["bcg_sched_waiting"].set(int(row.get("waiting", 0)), tags=tags)
+            for kind, n in row.get("forwards", {}).items():
+                self._inc("bcg_sched_forwards", {**tags, "kind": kind}, n)
+            for decision, n in row.get("decisions", {}).items():
+                self._inc("bcg_sched_decisions", {**tags, "decision": decision}, n)
+            if row.get("fill") is not None:
+                self._m["bcg_sched_fill"].set(float(row["fill"]), tags=tags)
+            self._m["bcg_sched_padded_token_waste"].set(float(row.get("padded_token_waste", 0.0)), tags=tags)
+            wait = row.get("queue_wait_ms", {})
+            admitted = int(row.get("admitted", 0))
+            self._inc("bcg_sched_admitted", tags, admitted)
+            self._inc("bcg_sched_queue_wait_ms", tags, float(wait.get("sum", 0.0)))
+            if wait.get("p99") is not None:
+                self._m["bcg_sched_queue_wait_p99_ms"].set(float(wait["p99"]), tags=tags)
 
     # -- the background task ----------------------------------------------------------------------------
 

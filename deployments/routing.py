@@ -41,10 +41,19 @@ class Overloaded(RequestError):
 
 
 class ReplicaUnavailable(RequestError):
-    """Every attempt hit a replica that died before answering (HTTP 503; the client may retry)."""
+    """Every attempt hit a replica that died before answering (HTTP 503 with ``Retry-After``: the client may
+    retry once a replacement is up).
 
-    def __init__(self, field: str, message: str, status: int = 503):
+    Attributes:
+        retry_after_s: seconds the client should wait before retrying.
+    """
+
+    def __init__(self, field: str, message: str, status: int = 503, retry_after_s: float = 2.0):
         super().__init__(field, message, status)
+        self.retry_after_s = retry_after_s
+
+    def __reduce__(self):
+        return (type(self), (self.field, self.message, self.status, self.retry_after_s))
 
 
 def bucket_shape(plan: Plan) -> str:
@@ -75,7 +84,7 @@ async def call_dit(handle, plan: Plan, max_retries: int = 2, retry_wait_s: float
         RequestError: the replica refused the request (bad field, miss under the reject policy).
         Overloaded: the deployment's queue for this caller is full (``max_queued_requests``); raised at
             once, with ``retry_after_s`` for the client.
-        ReplicaUnavailable: every attempt met a dead replica.
+        ReplicaUnavailable: every attempt met a dead replica (with ``retry_after_s`` for the client).
     """
     shape = bucket_shape(plan)
     routed = handle.options(multiplexed_model_id=shape)
@@ -94,4 +103,4 @@ async def call_dit(handle, plan: Plan, max_retries: int = 2, retry_wait_s: float
             await asyncio.sleep(retry_wait_s)
     raise ReplicaUnavailable(
         "request", f"the DiT replica serving this request died {max_retries + 1} times in a row "
-        f"({type(last).__name__}); retry shortly") from last
+        f"({type(last).__name__}); retry after {retry_after_s:g} s", retry_after_s=retry_after_s) from last

@@ -1,0 +1,322 @@
+"""The step scheduler's cost model: measured forward times, and the cheapest way to run a step's rows.
+
+One denoising step of a bucket shape has ``R`` real rows (images, and their uncond rows with classifier-free
+guidance), from any requests at any steps. They can run as:
+
+- **fill** / **pad**: one bucket forward of ``b >= R`` rows (a graph replay on CUDA; padded rows when
+  ``b > R``);
+- **split**: several bucket forwards whose rows add up to ``R`` (9 rows as 8 + 1 instead of padding to 16);
+- **eager**: the unpadded eager forward of ``R`` rows (or a chunk of them), where no graph pays.
+
+:meth:`CostModel.plan` chooses the combination of chunks with the least expected milliseconds for the ``R``
+rows (so the least per real row), by dynamic programming over the row count: ``best[r] = min over chunks c
+(best[r - c] + chunk_ms(c))``, where ``chunk_ms(c)`` is the cheapest of the bucket forwards that hold ``c``
+rows and the eager forward of ``c`` rows. No chunk is larger than the shape's largest batch bucket, so an
+eager chunk never needs more activation memory than the largest captured forward (measured at capture).
+Every row of a step is computed before any request advances, so a split never separates an image's cond
+and uncond rows across steps.
+
+Where the times come from (:attr:`CostModel.source`):
+
+- ``measured`` (:func:`measure_costs`, at prepare): each bucket's forward through its runner (on CUDA a graph
+  replay, timed with CUDA events; elsewhere the static padded eager forward, timed with the host clock), and
+  each shape's unpadded eager forward at 1, 2, 4, ... rows and at every batch size of the table; eager
+  milliseconds between measured row counts are interpolated linearly, beyond them extrapolated from the
+  last two points;
+- ``token-count`` (:meth:`CostModel.token_model`): a stand-in when nothing is measured (``runner.measure_costs:
+  false``): milliseconds proportional to the tokens computed (padded for a bucket, real for eager) plus a
+  fixed launch cost per forward, ``launch_ms + tokens * ms_per_token``; graph replays pay ``launch_ms / 10``
+  (a replay is one launch instead of hundreds; docs/DESIGN.md section 3).
+
+Pure Python and torch, no Ray; the scripted-cost tests build :class:`CostModel` directly.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+from .buckets import BucketKey
+
+__all__ = ["Chunk", "CostModel", "ForwardPlan", "measure_costs"]
+
+log = logging.getLogger(__name__)
+
+DECISIONS = ("fill", "pad", "split", "eager")
+"""How a step's rows ran (:attr:`ForwardPlan.decision`): one full bucket forward; one bucket forward with
+padded rows; several forwards; any unpadded eager forward (alone or in a split)."""
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One forward of a step: ``rows`` real rows on bucket ``key`` (None: unpadded eager), ``ms`` expected."""
+
+    key: BucketKey | None
+    rows: int
+    ms: float
+
+    @property
+    def kind(self) -> str:
+        """``"bucket"`` or ``"eager"``."""
+        return "eager" if self.key is None else "bucket"
+
+
+@dataclass(frozen=True)
+class ForwardPlan:
+    """The forwards one step of ``rows`` rows runs as, in row order, and their expected milliseconds.
+
+    ``home``: the shape's bucket that eager chunks are counted under in the bucket metrics (its largest);
+    None for a miss (counted as a miss forward).
+    """
+
+    chunks: tuple[Chunk, ...]
+    home: BucketKey | None = None
+
+    @property
+    def rows(self) -> int:
+        """Real rows of the step."""
+        return sum(c.rows for c in self.chunks)
+
+    @property
+    def ms(self) -> float:
+        """Expected milliseconds of the whole step."""
+        return sum(c.ms for c in self.chunks)
+
+    @property
+    def ms_per_row(self) -> float:
+        """Expected milliseconds per real row (what the plan minimises, at a fixed row count)."""
+        return self.ms / self.rows if self.rows else 0.0
+
+    @property
+    def padded_rows(self) -> int:
+        """Rows computed that hold no request (bucket rows beyond the real ones)."""
+        return sum(c.key.batch - c.rows for c in self.chunks if c.key is not None)
+
+    @property
+    def decision(self) -> str:
+        """One of :data:`DECISIONS` (``eager`` wins over ``split``: any eager chunk)."""
+        if any(c.key is None for c in self.chunks):
+            return "eager"
+        if len(self.chunks) > 1:
+            return "split"
+        return "pad" if self.padded_rows else "fill"
+
+
+@dataclass
+class CostModel:
+    """Expected milliseconds of bucket forwards and unpadded eager forwards, per bucket shape.
+
+    Args:
+        bucket_ms: milliseconds of one forward of each bucket (replay on CUDA).
+        eager_ms: per bucket shape (:attr:`BucketKey.shape`), unpadded eager milliseconds by row count.
+        source: ``"measured"``, ``"token-count"`` or ``"scripted"`` (shown in ``/v1/buckets``).
+        eager: whether eager chunks may be chosen at all.
+
+    Raises:
+        ValueError: a negative time, or an eager measurement at 0 rows or fewer.
+    """
+
+    bucket_ms: dict[BucketKey, float]
+    eager_ms: dict[str, dict[int, float]] = field(default_factory=dict)
+    source: str = "scripted"
+    eager: bool = True
+
+    def __post_init__(self):
+        if any(v < 0 for v in self.bucket_ms.values()):
+            raise ValueError("bucket forward times must be >= 0 ms")
+        for shape, points in self.eager_ms.items():
+            if any(r < 1 for r in points) or any(v < 0 for v in points.values()):
+                raise ValueError(f"eager times of {shape} need row counts >= 1 and times >= 0 ms: {points}")
+
+    @classmethod
+    def token_model(cls, keys: Iterable[BucketKey], graphs: bool, launch_ms: float = 5.0,
+                    ms_per_token: float = 1e-3) -> CostModel:
+        """The token-count stand-in (module docstring): ``launch_ms + tokens * ms_per_token`` per forward.
+
+        Args:
+            keys: the table's buckets.
+            graphs: bucket forwards are graph replays (launch cost ``launch_ms / 10``).
+            launch_ms: launch overhead of one eager forward, milliseconds.
+            ms_per_token: milliseconds per token computed (:attr:`BucketKey.tokens`: rows x tokens per row).
+        """
+        keys = list(keys)
+        launch = launch_ms / 10 if graphs else launch_ms
+        bucket = {k: launch + k.tokens * ms_per_token for k in keys}
+        eager: dict[str, dict[int, float]] = {}
+        for k in keys:  # the bucket's own tokens: an upper bound of a request of the shape
+            eager.setdefault(k.shape, {})[k.batch] = launch_ms + k.tokens * ms_per_token
+        return cls(bucket, eager, source="token-count")
+
+    def eager_cost(self, shape: str, rows: int) -> float | None:
+        """Expected milliseconds of an unpadded eager forward of ``rows`` rows of ``shape`` (None: unknown).
+
+        Piecewise linear through the measured points; below the first point, scaled down linearly from the
+        origin's intercept (the line through the first two points, never below 0); above the last,
+        extrapolated from the last two.
+        """
+        points = self.eager_ms.get(shape)
+        if not points or rows < 1:
+            return None
+        xs = sorted(points)
+        if rows in points:
+            return points[rows]
+        if len(xs) == 1:
+            return points[xs[0]] * rows / xs[0]
+        if rows < xs[0]:
+            a, b = xs[0], xs[1]
+        elif rows > xs[-1]:
+            a, b = xs[-2], xs[-1]
+        else:
+            b = next(x for x in xs if x > rows)
+            a = max(x for x in xs if x < rows)
+        slope = (points[b] - points[a]) / (b - a)
+        return max(0.0, points[a] + slope * (rows - a))
+
+    def plan(self, shape: str, rows: int, buckets: Sequence[BucketKey]) -> ForwardPlan:
+        """The cheapest forwards for ``rows`` real rows of ``shape`` on its ``buckets`` (module docstring).
+
+        Args:
+            shape: the bucket shape (:attr:`BucketKey.shape`).
+            rows: real rows of the step, at least 1.
+            buckets: the shape's bucket keys that can run (prepared), any order.
+
+        Returns:
+            The plan; ties go to fewer forwards, then to buckets over eager.
+
+        Raises:
+            ValueError: ``rows`` below 1, or no bucket and no eager time to run them with.
+        """
+        if rows < 1:
+            raise ValueError(f"a step needs at least 1 row, got {rows}")
+        keys = sorted((k for k in buckets if k in self.bucket_ms), key=lambda k: (k.batch, self.bucket_ms[k]))
+        largest = max((k.batch for k in keys), default=0)
+        eager_ok = self.eager and shape in self.eager_ms
+        if not keys and not eager_ok:
+            raise ValueError(f"no cost is known for shape {shape}: neither a bucket nor an eager time")
+        max_chunk = largest if keys else rows
+        options: list[Chunk | None] = [None] * (max_chunk + 1)  # cheapest single forward of c rows
+        for c in range(1, max_chunk + 1):
+            best: Chunk | None = None
+            for k in keys:
+                if k.batch >= c and (best is None or self.bucket_ms[k] < best.ms):
+                    best = Chunk(k, c, self.bucket_ms[k])
+            if eager_ok:
+                e = self.eager_cost(shape, c)
+                if e is not None and (best is None or e < best.ms):
+                    best = Chunk(None, c, e)
+            options[c] = best
+        # best[r] = (ms, forwards, chunks): fewest ms, then fewest forwards
+        inf = (float("inf"), 0, ())
+        table: list[tuple[float, int, tuple[Chunk, ...]]] = [(0.0, 0, ())] + [inf] * rows
+        for r in range(1, rows + 1):
+            for c in range(1, min(r, max_chunk) + 1):
+                opt = options[c]
+                if opt is None:
+                    continue
+                ms, n, chunks = table[r - c]
+                cand = (ms + opt.ms, n + 1, chunks + (opt,))
+                best_ms, best_n, _ = table[r]
+                if cand[0] < best_ms - 1e-9 or (abs(cand[0] - best_ms) <= 1e-9 and cand[1] < best_n):
+                    table[r] = cand
+        chunks = table[rows][2]
+        if not chunks:
+            raise ValueError(f"shape {shape} cannot run {rows} rows")
+        # largest chunks first: the bucket forwards in a stable order
+        home = max(keys, key=lambda k: k.batch) if keys else None
+        return ForwardPlan(tuple(sorted(chunks, key=lambda c: (-c.rows, c.key is None))), home)
+
+    def describe(self) -> dict:
+        """JSON-ready view for ``/v1/buckets``: the source, bucket milliseconds, eager milliseconds by rows."""
+        return {
+            "source": self.source, "eager": self.eager,
+            "bucket_ms": {str(k): round(v, 4) for k, v in sorted(self.bucket_ms.items())},
+            "eager_ms": {s: {str(r): round(v, 4) for r, v in sorted(p.items())} for s, p in sorted(self.eager_ms.items())},
+        }
+
+    def merged(self, other: CostModel) -> CostModel:
+        """This model with ``other``'s times added (newer measurements win), e.g. after a shape is captured."""
+        eager = {s: dict(p) for s, p in self.eager_ms.items()}
+        for s, p in other.eager_ms.items():
+            eager.setdefault(s, {}).update(p)
+        source = other.source if other.source == self.source else f"{self.source}+{other.source}"
+        return CostModel({**self.bucket_ms, **other.bucket_ms}, eager, source, self.eager and other.eager)
+
+
+def _timer(device) -> Callable[[Callable[[], object], int], float]:
+    """``time(fn, iters) -> median ms`` on ``device``: CUDA events on CUDA, the host clock elsewhere."""
+    import torch
+
+    cuda = torch.device(device).type == "cuda"
+
+    def run(fn: Callable[[], object], iters: int) -> float:
+        fn()  # warm-up (allocator, kernels selected)
+        times = []
+        for _ in range(iters):
+            if cuda:
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                fn()
+                b.record()
+                b.synchronize()
+                times.append(a.elapsed_time(b))
+            else:
+                t0 = time.perf_counter()
+                fn()
+                times.append((time.perf_counter() - t0) * 1e3)
+        return float(statistics.median(times))
+
+    return run
+
+
+def eager_row_counts(batch_sizes: Sequence[int]) -> list[int]:
+    """Row counts an eager shape is measured at: 1, 2, 4, ... up to the largest batch, and every batch size."""
+    largest = max(batch_sizes)
+    rows = {b for b in batch_sizes}
+    r = 1
+    while r <= largest:
+        rows.add(r)
+        r *= 2
+    return sorted(rows)
+
+
+def measure_costs(runner, adapter, keys: Sequence[BucketKey], inputs_for: Callable[[BucketKey, int], object],
+                  device, iters: int = 3) -> CostModel:
+    """Measure the forward times of ``keys`` and, per shape, the unpadded eager forward against row count.
+
+    Args:
+        runner: the bucket runner (``runner.run(key, inputs)``), its buckets prepared.
+        adapter: the family's adapter (``adapter.forward_eager(inputs)``).
+        keys: buckets to measure (those of the shapes this replica owns).
+        inputs_for: ``(key, rows) -> DenoiseInputs``: real inputs of ``rows`` rows at the size of ``key``'s
+            exact tier (a request that fills the tier, so eager and bucket forwards compute the same tokens).
+        device: the model's device (CUDA events there, the host clock elsewhere).
+        iters: timed calls per point (median), after one warm-up call.
+
+    Returns:
+        A ``measured`` :class:`CostModel`. The forwards go through the runner, so they count as forwards of
+        their buckets in the metrics (``forwards_by_mode``).
+    """
+    import torch
+
+    time_ms = _timer(device)
+    bucket: dict[BucketKey, float] = {}
+    eager: dict[str, dict[int, float]] = {}
+    by_shape: dict[str, list[BucketKey]] = {}
+    for k in keys:
+        by_shape.setdefault(k.shape, []).append(k)
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        for shape, ks in sorted(by_shape.items()):
+            for k in sorted(ks, key=lambda k: k.batch):
+                x = inputs_for(k, k.batch)
+                bucket[k] = time_ms(lambda k=k, x=x: runner.run(k, x), iters)
+            ref = max(ks, key=lambda k: k.batch)
+            for rows in eager_row_counts([k.batch for k in ks]):
+                x = inputs_for(ref, rows)
+                eager.setdefault(shape, {})[rows] = time_ms(lambda x=x: adapter.forward_eager(x), iters)
+    log.info("measured %d bucket forwards and %d eager points in %.1f s", len(bucket),
+             sum(len(p) for p in eager.values()), time.perf_counter() - t0)
+    return CostModel(bucket, eager, source="measured")

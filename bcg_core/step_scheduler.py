@@ -1,0 +1,741 @@
+"""The step scheduler: continuous batching of denoising steps into bucket forwards, per replica.
+
+Requests join and leave at step boundaries instead of sharing a whole loop. One denoising thread runs
+*iterations*; each iteration:
+
+1. **Admits** waiting requests (at a step boundary), oldest first, while the rows in flight stay within
+   ``runner.max_rows_in_flight`` (and, on CUDA, their tensors within the measured memory budget); each
+   admitted request is started (:meth:`~bcg_core.pipeline.DiTPipeline.start`: text encoded, noise drawn,
+   its own scheduler set up). Admission is FIFO within a batch group (bucket shape and token grid): a request
+   that does not fit holds back the later requests of its group only, so an incompatible request at the head
+   never blocks the others. A request that has waited longer than ``fair_wait_s`` holds back every later
+   request until it fits, so no request (and no rare shape) waits for admission without bound. A request
+   larger than the whole row budget is admitted alone, when nothing else runs.
+2. **Steps every group** that has requests in flight, oldest group first: one denoising step of *every*
+   request of the group (each at its own step and timestep, with its own guidance and scheduler), in the
+   forwards the cost model (:class:`~bcg_core.costs.CostModel`) finds cheapest for the group's rows: one full
+   bucket (``fill``), one bucket with padded rows (``pad``), several buckets (``split``, e.g. 9 rows as
+   8 + 1), or unpadded eager chunks where no graph pays (``eager``). Every group steps once per iteration,
+   so a rare shape is never starved: it waits at most one step of each other group.
+3. **Retires** finished requests (handed to the decode thread) and cancelled ones (their rows leave at this
+   step boundary; the caller gets :class:`~bcg_core.errors.RequestCancelled` if still waiting).
+
+Off the denoising thread's path:
+
+- a **decode thread** takes finished requests, batches those of one image size (up to
+  ``runner.decode_batch_images`` images) into one family decode call, on its own CUDA stream (waiting on an
+  event recorded after each request's last step), so decoding overlaps the next denoising steps;
+- a **thread pool** (``runner.encode_threads``) encodes each decoded image to PNG; the caller's future is
+  resolved on its event loop when the request's last image is encoded. Each image's PNG bytes go into the
+  :class:`~bcg_core.pipeline.GenerationResult` once; the replica returns that object to the ingress.
+
+Cancellation: a caller's ``asyncio.CancelledError`` sets the request's cancel event; a waiting request leaves
+the queue at the next admission, a running one at the next step boundary, a finished one is not decoded.
+
+Errors: a request whose start raises gets that error alone; a forward that raises fails the requests of
+that step only (each gets the error), and the thread goes on serving.
+
+Metrics (:meth:`StepScheduler.stats`, ``GET /v1/buckets`` under ``scheduler``; Prometheus through
+``deployments/metrics.py``), per bucket shape: rows and requests in flight, requests waiting, forwards by kind
+(``graph``: a one-forward step on a bucket; ``split``: a bucket forward of a split step; ``eager``: an
+unpadded forward), step decisions, the mean fill of bucket forwards (real rows / bucket rows),
+padded-token waste (``1 - real / computed tokens`` over every forward) and queue wait (submission to
+admission, milliseconds). Each completed request is also recorded in the pipeline's
+:class:`~bcg_core.metrics.BucketMetrics` (the bucket of its first forward, its share by rows of that step's
+computed tokens).
+
+Pure threads and asyncio, no Ray: :mod:`deployments.dit` owns one scheduler per replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections import Counter, deque
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from .buckets import BucketKey, BucketLookup
+from .costs import DECISIONS, Chunk, CostModel, ForwardPlan
+from .errors import RequestCancelled
+from .families import RequestState
+from .load import LoadMeter
+from .metrics import token_shares
+from .pipeline import DiTPipeline, GenerationResult, _png
+from .planner import GenerationRequest, Plan
+
+__all__ = ["FORWARD_KINDS", "StepScheduler"]
+
+log = logging.getLogger(__name__)
+
+FORWARD_KINDS = ("graph", "split", "eager")
+"""Forwards counted by the step scheduler: a step's only forward, on a bucket (a graph replay on CUDA); a
+bucket forward of a step split into several; an unpadded eager forward (a miss, or the cost model's choice)."""
+
+_WAITS_KEPT = 1024
+"""Queue waits kept per shape for the p50 / p99 in :meth:`StepScheduler.stats` (the most recent ones)."""
+
+
+@dataclasses.dataclass(eq=False)
+class _Request:
+    """One submitted request and what the scheduler tracks of it."""
+
+    plan: Plan
+    rows: int
+    group: tuple
+    shape: str | None
+    cancel: threading.Event
+    future: asyncio.Future
+    loop: asyncio.AbstractEventLoop
+    submitted: float
+    admitted: float = 0.0
+    started: float = 0.0
+    denoised: float = 0.0
+    decoded: float = 0.0
+    state: RequestState | None = None
+    first_key: BucketKey | None = None
+    first_share: int = 0
+    company: int = 1  # most requests that shared one step with it
+    nbytes: int = 0
+    done_event: object | None = None
+
+
+@dataclasses.dataclass
+class _ShapeStats:
+    """Counters of one bucket shape (or ``"miss"``)."""
+
+    forwards: Counter = dataclasses.field(default_factory=Counter)
+    decisions: Counter = dataclasses.field(default_factory=Counter)
+    bucket_rows: int = 0
+    bucket_real_rows: int = 0
+    real_tokens: int = 0
+    computed_tokens: int = 0
+    steps: int = 0
+    admitted: int = 0
+    completed: int = 0
+    cancelled: int = 0
+    failed: int = 0
+    waits_ms: deque = dataclasses.field(default_factory=lambda: deque(maxlen=_WAITS_KEPT))
+    wait_ms_sum: float = 0.0
+    wait_ms_max: float = 0.0
+
+
+def _tensor_bytes(state: RequestState) -> int:
+    """Bytes of a request state's tensors (latents and text rows) held while it is in flight."""
+    total = state.latents.numel() * state.latents.element_size()
+    for rows in (state.cond, state.uncond):
+        if rows is None:
+            continue
+        for t in dataclasses.astuple(rows):
+            if isinstance(t, torch.Tensor):
+                total += t.numel() * t.element_size()
+    return total
+
+
+def _percentile(values: Sequence[float], q: float) -> float | None:
+    if not values:
+        return None
+    xs = sorted(values)
+    i = min(len(xs) - 1, max(0, round(q / 100 * (len(xs) - 1))))
+    return round(xs[i], 2)
+
+
+class StepScheduler:
+    """Continuous step-level batching for one replica's pipeline (see the module docstring).
+
+    Args:
+        pipeline: the replica's pipeline (planner, table, runner, family).
+        costs: the cost model; None: the token-count stand-in over the table
+            (:meth:`CostModel.token_model`). Shapes missing from it fall back to that stand-in too.
+        max_rows: most transformer rows in flight (``runner.max_rows_in_flight``).
+        memory_budget_bytes: most bytes of request tensors in flight (None: unbounded); see
+            :meth:`from_pipeline` for how a replica measures it on CUDA.
+        decode_batch_images: most images of one decode call.
+        encode_threads: PNG encoder threads.
+        fair_wait_s: a request waiting longer than this for admission holds back every later request.
+        meter: load meter (arrivals, running requests and completions per shape) for autoscaling.
+
+    Raises:
+        ValueError: ``max_rows``, ``decode_batch_images`` or ``encode_threads`` below 1, ``fair_wait_s`` < 0.
+    """
+
+    def __init__(self, pipeline: DiTPipeline, costs: CostModel | None = None, max_rows: int = 64,
+                 memory_budget_bytes: int | None = None, decode_batch_images: int = 8, encode_threads: int = 4,
+                 fair_wait_s: float = 2.0, meter: LoadMeter | None = None):
+        if max_rows < 1 or decode_batch_images < 1 or encode_threads < 1:
+            raise ValueError("max_rows, decode_batch_images and encode_threads must be at least 1")
+        if fair_wait_s < 0:
+            raise ValueError(f"fair_wait_s must be >= 0, got {fair_wait_s}")
+        self.pipeline = pipeline
+        self.max_rows = int(max_rows)
+        self.memory_budget_bytes = memory_budget_bytes
+        self.decode_batch_images = int(decode_batch_images)
+        self.fair_wait_s = float(fair_wait_s)
+        self.meter = meter if meter is not None else LoadMeter()
+        graphs = getattr(pipeline.runner, "graph_count", None) is not None
+        self._fallback = CostModel.token_model(pipeline.table.keys, graphs=graphs)
+        self.costs = self._fallback if costs is None else costs
+        self._by_shape: dict[str, list[BucketKey]] = {}
+        for k in pipeline.table.keys:
+            self._by_shape.setdefault(k.shape, []).append(k)
+        self._cv = threading.Condition()
+        self._waiting: deque[_Request] = deque()
+        self._running: dict[tuple, list[_Request]] = {}
+        self._rows_in_flight = 0
+        self._bytes_in_flight = 0
+        self._bytes_per_row: dict[tuple, float] = {}
+        self._stats: dict[str, _ShapeStats] = {}
+        self._iterations = 0
+        self._spans: deque = deque()  # (start, end, key, states) of steps not yet recorded
+        self._busy_s = 0.0
+        self._closed = False
+        self._miss_ids = itertools.count()
+        self._decode_q: queue.Queue = queue.Queue()
+        self._pool = ThreadPoolExecutor(max_workers=int(encode_threads), thread_name_prefix="bcg-png")
+        self._device = pipeline.model.device
+        self._cuda = torch.device(self._device).type == "cuda"
+        self._decode_stream = torch.cuda.Stream(self._device) if self._cuda else None
+        self._threads: list[threading.Thread] = []
+        self._started = False
+        self._start_lock = threading.Lock()
+
+    @classmethod
+    def from_pipeline(cls, pipeline: DiTPipeline, costs: CostModel | None = None) -> StepScheduler:
+        """A scheduler configured by ``pipeline.config.runner`` (``max_rows_in_flight``,
+        ``decode_batch_images``, ``encode_threads``), its load meter's window by
+        ``autoscaling.look_back_period_s``. On CUDA the memory budget of request tensors in flight is half of
+        the device memory free now (after the weights, the graph pool and the cost measurement's forwards,
+        whose activation peak the caching allocator keeps reserved)."""
+        r = pipeline.config.runner
+        window = pipeline.config.autoscaling.look_back_period_s
+        budget = None
+        if torch.device(pipeline.model.device).type == "cuda":
+            free, _ = torch.cuda.mem_get_info(pipeline.model.device)
+            budget = int(0.5 * free)
+        return cls(pipeline, costs, max_rows=r.max_rows_in_flight, memory_budget_bytes=budget,
+                   decode_batch_images=r.decode_batch_images, encode_threads=r.encode_threads,
+                   meter=LoadMeter(window_s=window, snapshot_s=min(0.5, window)))
+
+    def set_costs(self, costs: CostModel) -> None:
+        """Use ``costs`` from now on (merged over the current model: a shape captured later adds its times)."""
+        with self._cv:
+            self.costs = costs if self.costs is self._fallback else self.costs.merged(costs)
+
+    # -- the request path ---------------------------------------------------------------------------
+
+    async def submit(self, request: Plan | GenerationRequest) -> GenerationResult:
+        """Queue a request, wait for its images, and return its result.
+
+        ``timings_ms`` of the result: ``queue`` (submission to admission), ``encode`` (text encoding and noise),
+        ``denoise`` (its steps, sharing forwards), ``decode`` (waiting for and running the batched VAE decode),
+        ``png`` (image encoding) and ``total``, milliseconds.
+
+        Args:
+            request: a :class:`Plan` (trusted as planned), or a raw :class:`GenerationRequest`, planned here.
+
+        Raises:
+            RequestError: a raw request fails validation (nothing is queued).
+            RequestCancelled: its cancel event was set.
+            asyncio.CancelledError: the caller was cancelled; the request leaves at the next step boundary.
+            Exception: whatever broke its start or a forward it took part in.
+        """
+        plan = request if isinstance(request, Plan) else self.pipeline.planner.plan(request)
+        group = self.pipeline.batch_group(plan)
+        if group is None:  # a miss: unpadded and eager, alone
+            group = ("miss", next(self._miss_ids))
+        shape = plan.lookup.key.shape if plan.lookup.hit else None
+        loop = asyncio.get_running_loop()
+        item = _Request(plan, plan.lookup.query.batch, group, shape, threading.Event(), loop.create_future(), loop,
+                        time.perf_counter())
+        self._ensure_started()
+        self.meter.arrive(shape)
+        with self._cv:
+            if self._closed:
+                raise RuntimeError("the step scheduler is closed")
+            self._waiting.append(item)
+            self._cv.notify_all()
+        try:
+            return await item.future
+        except asyncio.CancelledError:
+            item.cancel.set()
+            with self._cv:
+                self._cv.notify_all()
+            raise
+
+    def _resolve(self, item: _Request, value: GenerationResult | BaseException) -> None:
+        """Hand ``value`` to the caller's future on its event loop (unless the caller has gone)."""
+        def set_it():
+            if item.future.done():
+                return
+            if isinstance(value, BaseException):
+                item.future.set_exception(value)
+            else:
+                item.future.set_result(value)
+
+        try:
+            item.loop.call_soon_threadsafe(set_it)
+        except RuntimeError:  # the caller's loop has closed
+            pass
+
+    # -- threads ------------------------------------------------------------------------------------
+
+    def _ensure_started(self) -> None:
+        with self._start_lock:
+            if self._started:
+                return
+            self._started = True
+            for target, name in ((self._step_loop, "bcg-step"), (self._decode_loop, "bcg-decode")):
+                t = threading.Thread(target=target, name=name, daemon=True)
+                t.start()
+                self._threads.append(t)
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Stop the threads (requests still queued or running get :class:`RequestCancelled`)."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        self._decode_q.put(None)
+        for t in self._threads:
+            t.join(timeout_s)
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _step_loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._closed and not self._waiting and not self._running:
+                    self._cv.wait()
+                if self._closed:
+                    leftover = list(self._waiting) + [i for g in self._running.values() for i in g]
+                    self._waiting.clear()
+                    self._running.clear()
+                    break
+                admitted = self._admit_locked()
+            t0 = time.perf_counter()
+            with torch.inference_mode():
+                for item in admitted:
+                    self._start(item)
+                self._iterate()
+            self._busy_s += time.perf_counter() - t0
+        for item in leftover:
+            self._resolve(item, RequestCancelled("the replica is shutting down"))
+
+    def _admit_locked(self) -> list[_Request]:
+        """Pop the waiting requests to admit now (module docstring, step 1); called with the lock held."""
+        now = time.perf_counter()
+        out: list[_Request] = []
+        held: set[tuple] = set()
+        rows, nbytes = self._rows_in_flight, self._bytes_in_flight
+        for item in list(self._waiting):
+            if item.cancel.is_set():
+                self._waiting.remove(item)
+                self._resolve(item, RequestCancelled("the request was cancelled by its caller"))
+                continue
+            if item.group in held:
+                continue
+            estimate = int(self._bytes_per_row.get(item.group, 0.0) * item.rows)
+            alone = rows == 0 and not out
+            fits = rows + item.rows <= self.max_rows and (
+                self.memory_budget_bytes is None or nbytes + estimate <= self.memory_budget_bytes)
+            if fits or alone:
+                self._waiting.remove(item)
+                item.admitted = now
+                out.append(item)
+                rows += item.rows
+                nbytes += estimate
+                continue
+            held.add(item.group)
+            if now - item.submitted > self.fair_wait_s:
+                break  # it has waited past the bound: nothing later jumps ahead of it
+        self._rows_in_flight = rows
+        return out
+
+    def _stat(self, shape: str | None) -> _ShapeStats:
+        key = shape or "miss"
+        s = self._stats.get(key)
+        if s is None:
+            s = self._stats[key] = _ShapeStats()
+        return s
+
+    def _start(self, item: _Request) -> None:
+        """Start an admitted request (text, noise, its scheduler); a failure is its own error."""
+        wait_ms = (item.admitted - item.submitted) * 1e3
+        with self._cv:
+            st = self._stat(item.shape)
+            st.admitted += 1
+            st.waits_ms.append(wait_ms)
+            st.wait_ms_sum += wait_ms
+            st.wait_ms_max = max(st.wait_ms_max, wait_ms)
+        if item.cancel.is_set():
+            self._retire(item, RequestCancelled("the request was cancelled by its caller"), cancelled=True)
+            return
+        try:
+            item.state = self.pipeline.start(item.plan, item.cancel)
+        except Exception as e:  # noqa: BLE001 - this request's own error
+            self._retire(item, e, failed=True)
+            return
+        item.started = time.perf_counter()
+        item.nbytes = _tensor_bytes(item.state)
+        with self._cv:
+            self._bytes_in_flight += item.nbytes
+            self._bytes_per_row[item.group] = item.nbytes / max(1, item.rows)
+            self._running.setdefault(item.group, []).append(item)
+        self.meter.start(item, item.shape)
+
+    def _retire(self, item: _Request, error: BaseException | None, cancelled: bool = False,
+                failed: bool = False) -> None:
+        """Take ``item`` out of flight (its rows and bytes freed); with ``error``, hand it to the caller."""
+        with self._cv:
+            group = self._running.get(item.group)
+            if group is not None and item in group:
+                group.remove(item)
+                if not group:
+                    del self._running[item.group]
+            self._rows_in_flight -= item.rows
+            self._bytes_in_flight -= item.nbytes
+            item.nbytes = 0
+            st = self._stat(item.shape)
+            if cancelled:
+                st.cancelled += 1
+            if failed:
+                st.failed += 1
+            self._cv.notify_all()
+        self.meter.finish(item, 0)
+        if error is not None:
+            self._resolve(item, error)
+
+    def _plan_for(self, group: tuple, shape: str | None, rows: int) -> ForwardPlan:
+        """The step's forwards: the cost model's cheapest plan over the shape's prepared buckets; a miss runs
+        unpadded and eager in one forward."""
+        if shape is None or group[0] == "miss":
+            return ForwardPlan((Chunk(None, rows, 0.0),))
+        prepared = self.pipeline.runner.prepared()
+        keys = [k for k in self._by_shape.get(shape, []) if k in prepared] or self._by_shape.get(shape, [])
+        costs = self.costs
+        if not any(k in costs.bucket_ms for k in keys):
+            costs = self._fallback
+        return costs.plan(shape, rows, keys)
+
+    def _iterate(self) -> None:
+        """Step every group in flight once (oldest group first), then retire what finished or left."""
+        with self._cv:
+            groups = sorted(self._running.items(), key=lambda kv: min(i.submitted for i in kv[1]))
+        self._iterations += 1
+        for group, items in groups:
+            live = []
+            for item in items:
+                if item.cancel.is_set():
+                    self._retire(item, RequestCancelled("the request was cancelled by its caller"), cancelled=True)
+                else:
+                    live.append(item)
+            if live:
+                self._step_group(group, live)
+
+    def _step_group(self, group: tuple, items: list[_Request]) -> None:
+        states = [i.state for i in items]
+        shape = items[0].shape
+        rows = sum(s.rows for s in states)
+        plan = self._plan_for(group, shape, rows)
+        begin = self._now()
+        try:
+            lookup = self.pipeline.step(states, plan)
+        except Exception as e:
+            log.exception("a step of %d requests (shape %s) failed", len(items), shape)
+            for item in items:
+                self._retire(item, e, failed=True)
+            return
+        self._count_step(shape, plan, items)
+        # the bucket the step is counted under: its first bucket forward's; all eager: the shape's bucket
+        key = next((c.key for c in plan.chunks if c.key is not None), None) or plan.home or lookup.key
+        self._spans.append((begin, self._now(), key, states))
+        self._record_spans()
+        computed = sum((c.key.tokens if c.key is not None else self._real_tokens(items, c.rows)) for c in plan.chunks)
+        for item, share in zip(items, token_shares(computed, [s.rows for s in states])):
+            if item.first_key is None and item.state.step_index == 1:
+                item.first_key = key if key is not None else item.plan.lookup.key
+                item.first_share = share
+            item.company = max(item.company, len(items))
+        for item in items:
+            if item.state.done:
+                self._finish_denoise(item)
+
+    def _now(self):
+        """A CUDA event recorded on the current stream (CUDA), else the host clock."""
+        if not self._cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(self._device))
+        return event
+
+    def _record_spans(self) -> None:
+        """Record the step milliseconds of every step the GPU has finished (never waits for one): per bucket
+        in the pipeline's metrics, and in each request's ``step_ms``."""
+        done: dict[BucketKey | None, list[float]] = {}
+        while self._spans:
+            a, b, key, states = self._spans[0]
+            if self._cuda:
+                if not b.query():
+                    break
+                ms = float(a.elapsed_time(b))
+            else:
+                ms = (b - a) * 1e3
+            self._spans.popleft()
+            done.setdefault(key, []).append(ms)
+            for state in states:
+                state.step_ms.append(ms)
+        for key, ms in done.items():
+            self.pipeline.metrics.record_steps(key, ms)
+
+    @staticmethod
+    def _real_tokens(items: list[_Request], rows: int) -> int:
+        """Real tokens of ``rows`` rows of these requests (tokens per row of the first; one shape)."""
+        q = items[0].plan.lookup.query
+        return rows * (q.image_tokens + q.text_tokens)
+
+    def _count_step(self, shape: str | None, plan: ForwardPlan, items: list[_Request]) -> None:
+        real = sum(i.rows * (i.plan.lookup.query.image_tokens + i.plan.lookup.query.text_tokens) for i in items)
+        with self._cv:
+            st = self._stat(shape)
+            st.steps += 1
+            st.decisions[plan.decision] += 1
+            split = len(plan.chunks) > 1
+            for c in plan.chunks:
+                if c.key is None:
+                    st.forwards["eager"] += 1
+                    st.computed_tokens += self._real_tokens(items, c.rows)
+                else:
+                    st.forwards["split" if split else "graph"] += 1
+                    st.bucket_rows += c.key.batch
+                    st.bucket_real_rows += c.rows
+                    st.computed_tokens += c.key.tokens
+            st.real_tokens += real
+
+    def _finish_denoise(self, item: _Request) -> None:
+        """A request's last step is queued: record its event and hand it to the decode thread."""
+        item.denoised = time.perf_counter()
+        if self._cuda:
+            ev = torch.cuda.Event()
+            ev.record(torch.cuda.current_stream(self._device))
+            item.done_event = ev
+        with self._cv:
+            group = self._running.get(item.group)
+            if group is not None and item in group:
+                group.remove(item)
+                if not group:
+                    del self._running[item.group]
+            self._rows_in_flight -= item.rows
+            self._cv.notify_all()
+        self._decode_q.put(item)
+
+    # -- decode and encode ----------------------------------------------------------------------------
+
+    @staticmethod
+    def _decode_key(item: _Request) -> tuple:
+        s = item.state
+        r = s.request
+        return (tuple(s.latents.shape[1:]), s.latents.dtype, r.width, r.height, s.extras.get("size"))
+
+    def _decode_loop(self) -> None:
+        pending: deque[_Request] = deque()
+        while True:
+            item = pending.popleft() if pending else self._decode_q.get()
+            if item is None:
+                break
+            batch = [item]
+            key, images = self._decode_key(item), item.state.n
+            while True:  # take every finished request queued now; same size joins this decode
+                try:
+                    nxt = self._decode_q.get_nowait()
+                except queue.Empty:
+                    break
+                if nxt is None:
+                    pending.append(None)  # stop after this batch
+                    break
+                if self._decode_key(nxt) == key and images + nxt.state.n <= self.decode_batch_images:
+                    batch.append(nxt)
+                    images += nxt.state.n
+                else:
+                    pending.append(nxt)
+            self._decode(batch)
+
+    def _decode(self, batch: list[_Request]) -> None:
+        live = []
+        for item in batch:
+            if item.cancel.is_set():
+                self._release_bytes(item)
+                self._retire_done(item, RequestCancelled("the request was cancelled by its caller"), cancelled=True)
+            else:
+                live.append(item)
+        if not live:
+            return
+        try:
+            with torch.inference_mode():
+                if self._cuda:
+                    with torch.cuda.stream(self._decode_stream):
+                        for item in live:
+                            self._decode_stream.wait_event(item.done_event)
+                        images = self._decode_many([i.state for i in live])
+                else:
+                    images = self._decode_many([i.state for i in live])
+        except Exception as e:
+            log.exception("decoding %d requests failed", len(live))
+            for item in live:
+                self._release_bytes(item)
+                self._retire_done(item, e, failed=True)
+            return
+        now = time.perf_counter()
+        for item, imgs in zip(live, images):
+            item.decoded = now
+            self._release_bytes(item)
+            self._encode(item, imgs)
+
+    def _decode_many(self, states: list[RequestState]) -> list[list]:
+        """Decode requests of one image size in one family decode call; the images of each, in order.
+
+        The states are merged into one (their latents concatenated along rows; a family's decode reads only
+        the latents, the requested size and ``extras["size"]``), decoded, and split back by image counts.
+        """
+        if len(states) == 1:
+            return [self.pipeline.model.decode(states[0])]
+        merged = dataclasses.replace(states[0], latents=torch.cat([s.latents for s in states]))
+        images = self.pipeline.model.decode(merged)
+        out, a = [], 0
+        for s in states:
+            out.append(images[a : a + s.n])
+            a += s.n
+        return out
+
+    def _release_bytes(self, item: _Request) -> None:
+        with self._cv:
+            self._bytes_in_flight -= item.nbytes
+            item.nbytes = 0
+            self._cv.notify_all()
+
+    def _retire_done(self, item: _Request, error: BaseException, cancelled: bool = False, failed: bool = False):
+        """A request that finished denoising but will not be answered with images."""
+        with self._cv:
+            st = self._stat(item.shape)
+            st.cancelled += cancelled
+            st.failed += failed
+        self.meter.finish(item, 0)
+        self._resolve(item, error)
+
+    def _encode(self, item: _Request, images: list) -> None:
+        """Encode ``images`` to PNG in the pool; the last one done resolves the caller's future."""
+        pngs: list[bytes | None] = [None] * len(images)
+        remaining = [len(images)]
+        lock = threading.Lock()
+        t0 = time.perf_counter()
+
+        def one(i: int, image) -> None:
+            try:
+                pngs[i] = _png(image)
+            except Exception as e:  # noqa: BLE001
+                pngs[i] = e  # type: ignore[assignment]
+            with lock:
+                remaining[0] -= 1
+                last = remaining[0] == 0
+            if last:
+                self._complete(item, pngs, t0)
+
+        for i, image in enumerate(images):
+            self._pool.submit(one, i, image)
+
+    def _complete(self, item: _Request, pngs: list, png_t0: float) -> None:
+        """Assemble the result, record the request's metrics and resolve its future."""
+        failed = next((p for p in pngs if isinstance(p, BaseException)), None)
+        if failed is not None:
+            self._retire_done(item, failed, failed=True)
+            return
+        t_end = time.perf_counter()
+        plan = item.plan
+        ms = lambda a, b: round((b - a) * 1e3, 2)
+        total_ms = (t_end - item.submitted) * 1e3
+        key = item.first_key
+        lookup = BucketLookup(plan.lookup.query, key, plan.lookup.missed)
+        self.pipeline.metrics.record_request(lookup, total_ms, padded_tokens=item.first_share, batch_size=item.company)
+        result = GenerationResult(
+            images_png=pngs, seed=plan.request.seed, bucket=str(key) if key is not None else None,
+            hit=key is not None, missed=[d.value for d in plan.lookup.missed], real_tokens=plan.lookup.query.tokens,
+            padded_tokens=item.first_share, steps=plan.request.num_inference_steps,
+            timings_ms={"queue": ms(item.submitted, item.admitted), "encode": ms(item.admitted, item.started),
+                        "denoise": ms(item.started, item.denoised), "decode": ms(item.denoised, item.decoded),
+                        "png": ms(png_t0, t_end), "total": round(total_ms, 2)},
+            batch_size=item.company,
+        )
+        with self._cv:
+            self._stat(item.shape).completed += 1
+        self.meter.finish(item, 1)
+        self._resolve(item, result)
+
+    # -- introspection ------------------------------------------------------------------------------
+
+    def queue_lengths(self) -> dict[str, int]:
+        """Requests waiting, running or decoding per bucket shape (misses left out), for routing stats."""
+        with self._cv:
+            counts: Counter[str] = Counter()
+            for i in self._waiting:
+                if i.shape:
+                    counts[i.shape] += 1
+            for g in self._running.values():
+                for i in g:
+                    if i.shape:
+                        counts[i.shape] += 1
+        return dict(sorted(counts.items()))
+
+    def stats(self) -> dict:
+        """``GET /v1/buckets``'s ``scheduler`` section (module docstring, Metrics): settings, totals,
+        ``padded_token_waste`` over every forward, the cost model, and per shape its counters."""
+        with self._cv:
+            in_flight: Counter[str] = Counter()
+            requests: Counter[str] = Counter()
+            waiting: Counter[str] = Counter()
+            for g in self._running.values():
+                for i in g:
+                    in_flight[i.shape or "miss"] += i.rows
+                    requests[i.shape or "miss"] += 1
+            for i in self._waiting:
+                waiting[i.shape or "miss"] += 1
+            shapes = {}
+            for name in sorted(set(self._stats) | set(in_flight) | set(waiting)):
+                st = self._stats.get(name, _ShapeStats())
+                waits = list(st.waits_ms)
+                shapes[name] = {
+                    "rows_in_flight": in_flight.get(name, 0), "requests_in_flight": requests.get(name, 0),
+                    "waiting": waiting.get(name, 0), "steps": st.steps,
+                    "forwards": {k: st.forwards.get(k, 0) for k in FORWARD_KINDS},
+                    "decisions": {k: st.decisions.get(k, 0) for k in DECISIONS},
+                    "fill": round(st.bucket_real_rows / st.bucket_rows, 4) if st.bucket_rows else None,
+                    "real_tokens": st.real_tokens, "computed_tokens": st.computed_tokens,
+                    "padded_token_waste": round(1 - st.real_tokens / st.computed_tokens, 4) if st.computed_tokens else 0.0,
+                    "admitted": st.admitted, "completed": st.completed, "cancelled": st.cancelled, "failed": st.failed,
+                    "queue_wait_ms": {"sum": st.wait_ms_sum,
+                                      "mean": round(st.wait_ms_sum / st.admitted, 2) if st.admitted else None,
+                                      "p50": _percentile(waits, 50), "p99": _percentile(waits, 99),
+                                      "max": round(st.wait_ms_max, 2)},
+                }
+            real = sum(s.real_tokens for s in self._stats.values())
+            computed = sum(s.computed_tokens for s in self._stats.values())
+            forwards = Counter()
+            decisions = Counter()
+            for s in self._stats.values():
+                forwards.update(s.forwards)
+                decisions.update(s.decisions)
+            return {
+                "kind": "step", "max_rows_in_flight": self.max_rows, "rows_in_flight": self._rows_in_flight,
+                "bytes_in_flight": self._bytes_in_flight, "memory_budget_bytes": self.memory_budget_bytes,
+                "waiting": len(self._waiting), "running": sum(len(g) for g in self._running.values()),
+                "iterations": self._iterations, "busy_s": round(self._busy_s, 3),
+                "decode_batch_images": self.decode_batch_images, "fair_wait_s": self.fair_wait_s,
+                "forwards": {k: forwards.get(k, 0) for k in FORWARD_KINDS},
+                "decisions": {k: decisions.get(k, 0) for k in DECISIONS},
+                "real_tokens": real, "computed_tokens": computed,
+                "padded_token_waste": round(1 - real / computed, 4) if computed else 0.0,
+                "costs": self.costs.describe(), "shapes": shapes,
+            }
