@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import enum
 import re
-from dataclasses import dataclass
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -168,7 +168,7 @@ class LimitsConfig(BaseModel):
     max_body_bytes: int = Field(default=65536, ge=1024, description="Largest HTTP request body in bytes.")
 
     @model_validator(mode="after")
-    def _consistent(self) -> "LimitsConfig":
+    def _consistent(self) -> LimitsConfig:
         if self.min_side_px > self.max_side_px:
             raise ValueError(f"min_side_px {self.min_side_px} exceeds max_side_px {self.max_side_px}")
         if self.default_steps > self.max_steps:
@@ -242,11 +242,18 @@ class RunnerConfig(BaseModel):
         description="Step scheduler: threads that encode decoded images to PNG (off the event loop and off "
         "the denoising and decode threads).",
     )
-    measure_costs: bool = Field(
-        default=True,
-        description="Step scheduler: at prepare, time each bucket's forward (replay on CUDA) and the unpadded "
-        "eager forward of each shape against row count; the cost model chooses forwards from these times. "
-        "False: a token-count model stands in (cost proportional to padded tokens).",
+    fair_wait_s: float = Field(
+        default=2.0, ge=0.0, le=600.0,
+        description="Step scheduler: a request that has waited this long for admission holds back every later "
+        "request until it fits, so no request (a large one, a rare shape) waits without bound.",
+    )
+    measure_costs: Literal["auto", "always", "never"] = Field(
+        default="auto",
+        description="Step scheduler: 'always' times, at prepare, each bucket's forward (a replay on CUDA) and "
+        "the unpadded eager forward of each shape against row count, and the cost model chooses forwards from "
+        "these times; 'never' uses the token-count model (milliseconds proportional to the tokens computed "
+        "plus a launch cost per forward); 'auto' measures where graphs are captured (CUDA) and uses the "
+        "token-count model elsewhere (on a CPU a padded row is pure extra work, so padding never pays).",
     )
 
 
@@ -361,7 +368,7 @@ class AutoscalingSettings(BaseModel):
     )
 
     @model_validator(mode="after")
-    def _bounds(self) -> "AutoscalingSettings":
+    def _bounds(self) -> AutoscalingSettings:
         if self.min_replicas > self.max_replicas:
             raise ValueError(f"autoscaling.min_replicas {self.min_replicas} exceeds max_replicas {self.max_replicas}")
         if self.look_back_period_s < self.metrics_interval_s:
@@ -391,7 +398,7 @@ class ServeConfig(BaseModel):
     autoscaling: AutoscalingSettings = Field(default_factory=AutoscalingSettings)
 
     @model_validator(mode="after")
-    def _reachable_buckets(self) -> "ServeConfig":
+    def _reachable_buckets(self) -> ServeConfig:
         """Every bucket must be reachable by some valid request (else it only costs memory and start-up)."""
         lim = self.limits
         for s, (w, h) in zip(self.buckets.resolutions, self.buckets.resolution_pairs()):

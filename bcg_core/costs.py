@@ -11,7 +11,8 @@ guidance), from any requests at any steps. They can run as:
 :meth:`CostModel.plan` chooses the combination of chunks with the least expected milliseconds for the ``R``
 rows (so the least per real row), by dynamic programming over the row count: ``best[r] = min over chunks c
 (best[r - c] + chunk_ms(c))``, where ``chunk_ms(c)`` is the cheapest of the bucket forwards that hold ``c``
-rows and the eager forward of ``c`` rows. No chunk is larger than the shape's largest batch bucket, so an
+rows (a larger bucket only when more than :data:`PAD_MARGIN` faster than the smallest) and the eager
+forward of ``c`` rows. No chunk is larger than the shape's largest batch bucket, so an
 eager chunk never needs more activation memory than the largest captured forward (measured at capture).
 Every row of a step is computed before any request advances, so a split never separates an image's cond
 and uncond rows across steps.
@@ -48,6 +49,12 @@ log = logging.getLogger(__name__)
 DECISIONS = ("fill", "pad", "split", "eager")
 """How a step's rows ran (:attr:`ForwardPlan.decision`): one full bucket forward; one bucket forward with
 padded rows; several forwards; any unpadded eager forward (alone or in a split)."""
+
+
+PAD_MARGIN = 0.05
+"""A larger bucket than the smallest that holds a chunk is chosen only when it is measured more than 5%
+faster: replay times of neighbouring launch-bound buckets are equal within timing noise, and padding for
+noise would only add padded-token waste."""
 
 
 @dataclass(frozen=True)
@@ -200,8 +207,8 @@ class CostModel:
         options: list[Chunk | None] = [None] * (max_chunk + 1)  # cheapest single forward of c rows
         for c in range(1, max_chunk + 1):
             best: Chunk | None = None
-            for k in keys:
-                if k.batch >= c and (best is None or self.bucket_ms[k] < best.ms):
+            for k in keys:  # smallest first: a larger bucket must be cheaper by more than the noise margin
+                if k.batch >= c and (best is None or self.bucket_ms[k] < best.ms * (1 - PAD_MARGIN)):
                     best = Chunk(k, c, self.bucket_ms[k])
             if eager_ok:
                 e = self.eager_cost(shape, c)

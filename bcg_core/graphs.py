@@ -24,8 +24,8 @@ import contextlib
 import logging
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 import torch
 

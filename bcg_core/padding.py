@@ -75,7 +75,7 @@ class DenoiseInputs:
         """Text tokens per row."""
         return self.text.shape[1]
 
-    def select(self, rows: slice | list[int]) -> "DenoiseInputs":
+    def select(self, rows: slice | list[int]) -> DenoiseInputs:
         """The same inputs restricted to some rows (a split step's chunk; tests of batch invariance)."""
         g = None if self.guidance is None else self.guidance[rows]
         m = None if self.text_mask is None else self.text_mask[rows]

@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import enum
 import threading
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Iterable, Protocol
+from typing import Protocol
 
 import torch
 

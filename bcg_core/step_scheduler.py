@@ -209,7 +209,7 @@ class StepScheduler:
     @classmethod
     def from_pipeline(cls, pipeline: DiTPipeline, costs: CostModel | None = None) -> StepScheduler:
         """A scheduler configured by ``pipeline.config.runner`` (``max_rows_in_flight``,
-        ``decode_batch_images``, ``encode_threads``), its load meter's window by
+        ``decode_batch_images``, ``encode_threads``, ``fair_wait_s``), its load meter's window by
         ``autoscaling.look_back_period_s``. On CUDA the memory budget of request tensors in flight is half of
         the device memory free now (after the weights, the graph pool and the cost measurement's forwards,
         whose activation peak the caching allocator keeps reserved)."""
@@ -221,7 +221,7 @@ class StepScheduler:
             budget = int(0.5 * free)
         return cls(pipeline, costs, max_rows=r.max_rows_in_flight, memory_budget_bytes=budget,
                    decode_batch_images=r.decode_batch_images, encode_threads=r.encode_threads,
-                   meter=LoadMeter(window_s=window, snapshot_s=min(0.5, window)))
+                   fair_wait_s=r.fair_wait_s, meter=LoadMeter(window_s=window, snapshot_s=min(0.5, window)))
 
     def set_costs(self, costs: CostModel) -> None:
         """Use ``costs`` from now on (merged over the current model: a shape captured later adds its times)."""

@@ -13,7 +13,8 @@ measured cost model chooses) or the request-level :class:`~bcg_core.batching.Mic
 blocking torch work in worker threads, so the replica's event loop keeps answering ``stats``, health checks
 and ``record_routing_stats``; a cancelled call (its client went away) stops at the next denoising step.
 
-Cost model: with the step scheduler and ``runner.measure_costs``, each shape's buckets are timed right after
+Cost model: with the step scheduler and ``runner.measure_costs`` (``auto``: where graphs are captured), each
+shape's buckets are timed right after
 they are prepared (graph replays on CUDA) together with the shape's unpadded eager forward against row
 count (:meth:`~bcg_core.pipeline.DiTPipeline.measure_costs`); the scheduler's memory budget is then set from
 the device memory left.
@@ -46,14 +47,13 @@ from collections import Counter
 from ray import serve
 
 from bcg_core.batching import MicroBatcher
-from bcg_core.step_scheduler import StepScheduler
 from bcg_core.buckets import BucketKey, shape_of
 from bcg_core.config import ServeConfig
 from bcg_core.errors import RequestError
 from bcg_core.models import load_model
-from bcg_core.pipeline import DiTPipeline, GenerationResult
+from bcg_core.pipeline import DiTPipeline, GenerationResult, runner_mode
 from bcg_core.planner import GenerationRequest, Plan
-
+from bcg_core.step_scheduler import StepScheduler
 from router.autoscaling import replica_metrics
 
 from .metrics import BucketExporter
@@ -149,7 +149,7 @@ class DiTReplica:
         replica whose exporter cannot be made serves without it (logged)."""
         try:
             exporter = BucketExporter.for_replica(self._pipeline, self._batcher)
-        except Exception:  # noqa: BLE001 - metrics must never keep a replica from serving
+        except Exception:
             logger.exception("replica %s: Prometheus metrics export is off", self._id)
             return None, None
         return exporter, asyncio.get_running_loop().create_task(exporter.run())
@@ -187,11 +187,13 @@ class DiTReplica:
     def _measure_costs(self, shape: str, keys: list[BucketKey]) -> None:
         """Time ``shape``'s prepared buckets and its eager forwards for the step scheduler's cost model; a
         failed measurement leaves the shape on the token-count stand-in (logged)."""
-        if not isinstance(self._batcher, StepScheduler) or not self._config.runner.measure_costs:
+        how = self._config.runner.measure_costs
+        graphs = runner_mode(self._config, self._pipeline.model.device) == "graph"
+        if not isinstance(self._batcher, StepScheduler) or how == "never" or (how == "auto" and not graphs):
             return
         try:
             costs = self._pipeline.measure_costs(keys)
-        except Exception:  # noqa: BLE001 - the scheduler can serve on the stand-in model
+        except Exception:
             logger.exception("replica %s: measuring the costs of shape %s failed", self._id, shape)
             return
         self._batcher.set_costs(costs)
@@ -266,7 +268,7 @@ class DiTReplica:
             try:
                 owned = await self._coord.heartbeat.remote(
                     self._id, self._budget, view["owned"], view["ready"], view["queue"], self._served_totals())
-            except Exception:  # noqa: BLE001 - keep serving with the last ownership when the coordinator is away
+            except Exception:
                 logger.exception("ownership heartbeat failed; keeping %d owned shapes", len(self._owned))
                 continue
             if owned is not None:

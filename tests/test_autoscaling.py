@@ -137,7 +137,7 @@ def test_a_downscale_does_not_bounce_back_while_the_survivor_captures():
     # 2 -> 1, then the survivor captures the leaver's shapes for 8 s while light traffic goes on
     policy = BucketLoadPolicy(**{**POLICY, "upscale_delay_s": 3.0, "downscale_delay_s": 10.0})
     light = metrics({HOT: (0.3, 0.25, 0)})
-    ticks = [(float(t), {"a": light, "b": light}) for t in range(0, 11)]
+    ticks = [(float(t), {"a": light, "b": light}) for t in range(11)]
     ticks += [(float(t), {"a": metrics({HOT: (0.3, 0.25, 0)}, capturing=True)}) for t in range(11, 20)]
     ticks += [(float(t), {"a": light}) for t in range(20, 30)]
     counts = [n for _, n, _ in run(policy, ticks, target=2)]
@@ -293,17 +293,20 @@ def test_a_replica_added_for_a_hot_shape_co_owns_it():
 # -- backpressure limits and the autoscaling config ------------------------------------------------------
 
 
-def test_backpressure_limits_follow_the_batch_capacity():
+def test_backpressure_limits_follow_the_scheduler_capacity():
     default = backpressure_limits(ServeConfig())
-    # 20 rows in the largest batch bucket, 2 rows per default request (guidance 3.5 > 1)
-    assert (default.batch_capacity, default.dit_max_ongoing, default.dit_max_queued) == (10, 20, 20)
-    assert default.ingress_max_ongoing == 20 + 20 + 8
+    # step scheduler: 64 rows in flight, 2 rows per default request (guidance 3.5 > 1)
+    assert (default.batch_capacity, default.dit_max_ongoing, default.dit_max_queued) == (32, 64, 64)
+    assert default.ingress_max_ongoing == 64 + 64 + 8
     scaled = backpressure_limits(ServeConfig.model_validate({"autoscaling": {"enabled": True, "max_replicas": 4}}))
-    assert scaled.dit_max_queued == 20 * 4 and scaled.ingress_max_ongoing == 20 * 4 + 80 + 8
+    assert scaled.dit_max_queued == 64 * 4 and scaled.ingress_max_ongoing == 64 * 4 + 256 + 8
     fixed = backpressure_limits(ServeConfig(), dit_replicas=3)
-    assert fixed.dit_max_queued == 60
+    assert fixed.dit_max_queued == 192
     no_cfg = backpressure_limits(ServeConfig.model_validate({"limits": {"default_guidance_scale": 1.0}}))
-    assert no_cfg.batch_capacity == 20
+    assert no_cfg.batch_capacity == 64
+    # request-level micro-batching: 20 rows in the largest batch bucket bound one batch
+    micro = backpressure_limits(ServeConfig.model_validate({"runner": {"scheduler": "request"}}))
+    assert (micro.batch_capacity, micro.dit_max_ongoing, micro.dit_max_queued) == (10, 20, 20)
     explicit = backpressure_limits(ServeConfig.model_validate(
         {"routing": {"max_ongoing_requests": 1, "max_queued_requests": 1}}))
     assert (explicit.dit_max_ongoing, explicit.dit_max_queued, explicit.ingress_max_ongoing) == (1, 1, 10)
@@ -317,10 +320,10 @@ def test_the_deployments_get_the_limits_and_the_policy():
     app = build_app({"config": {"autoscaling": {"enabled": True, "min_replicas": 2, "max_replicas": 5}}})
     built = {d.name: d for d in serve_build_app(app, name="bcg").deployments}
     dit = built["DiTReplica"]._deployment_config
-    assert dit.max_ongoing_requests == 20 and dit.max_queued_requests == 100
+    assert dit.max_ongoing_requests == 64 and dit.max_queued_requests == 64 * 5
     assert (dit.autoscaling_config.min_replicas, dit.autoscaling_config.max_replicas) == (2, 5)
     assert dit.autoscaling_config.policy.policy_function == "router.autoscaling.BucketLoadPolicy"
-    assert built["Ingress"]._deployment_config.max_ongoing_requests == 20 * 5 + 100 + 8
+    assert built["Ingress"]._deployment_config.max_ongoing_requests == 64 * 5 + 320 + 8
     with pytest.raises(ValueError, match="dit_replicas=2 conflicts with autoscaling.enabled"):
         build_app({"dit_replicas": 2, "config": {"autoscaling": {"enabled": True}}})
     fixed = {d.name: d for d in serve_build_app(build_app({"dit_replicas": 3}), name="bcg").deployments}

@@ -84,3 +84,38 @@ def test_joining_a_running_request_in_one_graph_replay_equals_diffusers_on_cuda(
     for ours, req in ((ours_a, a), (ours_b, b)):
         assert_same(ours, diffusers_run(cls, folder, req, device="cuda", **ref), rtol=RTOL_CUDA,
                     pixel_share=PIXELS_CUDA)
+
+
+def test_the_step_scheduler_with_measured_costs_equals_diffusers_on_cuda(family):
+    """Through the step scheduler on CUDA: costs measured on the captured graphs, a request joining another
+    mid-flight, the batched decode on the decode stream and the PNG pool; each image equals diffusers' own."""
+    import asyncio
+
+    from bcg_core.step_scheduler import StepScheduler
+    from reference_gate import pixels
+
+    folder, pipe, cls, fields, ref = family
+    costs = pipe.measure_costs(pipe.table.keys, iters=1)
+    assert costs.source == "measured" and costs.bucket_ms
+    a = pipe.planner.plan(_req(fields, seed=7)).request
+    b = pipe.planner.plan(_req(fields, n=2, seed=40, num_inference_steps=6, prompt="an astronaut riding a horse")).request
+    sched = StepScheduler(pipe, costs=costs)
+
+    async def main():
+        first = asyncio.ensure_future(sched.submit(b))
+        while sched.stats()["iterations"] < 2:
+            await asyncio.sleep(0.001)
+        return await sched.submit(a), await first
+
+    try:
+        ra, rb = asyncio.run(asyncio.wait_for(main(), 300))
+        stats = sched.stats()
+    finally:
+        sched.close()
+    assert stats["costs"]["source"] == "measured" and sum(stats["forwards"].values()) > 0
+    for ours, req in ((ra, a), (rb, b)):
+        theirs = diffusers_run(cls, folder, req, device="cuda", **ref)
+        assert len(ours.images_png) == len(theirs.pngs)
+        for x, y in zip(ours.images_png, theirs.pngs):
+            diff = abs(pixels(x) - pixels(y))
+            assert diff.max() <= 1 and float((diff > 0).mean()) <= PIXELS_CUDA
