@@ -26,6 +26,7 @@ deterministic; so the same request and seed give the same PNG bytes, equal to di
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import threading
 import time
@@ -35,7 +36,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
-from .buckets import BucketKey, BucketLookup, ShapeQuery
+from .buckets import BucketKey, BucketLookup, Dim, ShapeQuery
 from .config import ServeConfig
 from .costs import CostModel, ForwardPlan, measure_costs
 from .errors import RequestCancelled, RequestError
@@ -292,7 +293,19 @@ class DiTPipeline:
             raise result
         return result
 
-    def batch_group(self, plan: Plan) -> tuple | None:
+    def split_home(self, plan: Plan) -> BucketKey | None:
+        """The bucket a request that misses only in the batch dimension (more rows than the largest batch
+        bucket) can be split across: the largest bucket of its shape. None for a hit or any other miss.
+
+        The step scheduler serves such a request in its shape's bucket forwards (its rows split, e.g. 22 rows
+        as 20 + 2), where request-level batching runs it alone, unpadded and eager."""
+        lookup = plan.lookup
+        if lookup.hit or set(lookup.missed) != {Dim.BATCH}:
+            return None
+        largest = self.table.batch_sizes[-1]
+        return self.table.lookup(dataclasses.replace(lookup.query, batch=largest)).key
+
+    def batch_group(self, plan: Plan, split: bool = False) -> tuple | None:
         """The micro-batching key of a planned request: requests may share forwards only if keys are equal.
 
         Returns:
@@ -300,12 +313,15 @@ class DiTPipeline:
             key without its batch dimension (e.g. ``"i1024_m_t256"``, :attr:`BucketKey.shape`), so the image
             and text buckets of every request are the same; ``grid`` is the token grid (positions, latent
             layout). Step counts, guidance, CFG, seeds and (for masked families) real text lengths may differ.
+            With ``split`` (the step scheduler), a request that misses only in the batch dimension gets the
+            group of its shape (:meth:`split_home`).
         """
         lookup = plan.lookup
-        if not lookup.hit:
+        key = lookup.key if lookup.hit else (self.split_home(plan) if split else None)
+        if key is None:
             return None
         r = plan.request
-        return (lookup.key.shape, self.table.rules.grid(*self.model.spec.generation_size(r.width, r.height)))
+        return (key.shape, self.table.rules.grid(*self.model.spec.generation_size(r.width, r.height)))
 
     def generate_batch(
         self, requests: Sequence[Plan | GenerationRequest], cancels: Sequence[threading.Event | None] | None = None,
@@ -442,7 +458,7 @@ class DiTPipeline:
         case = BoundaryCase(key, rows, tuple(grid), key.text_tokens)
         return random_inputs(self.model.adapter, case, self.model.device, self.model.dtype, seed)
 
-    def measure_costs(self, keys: Sequence[BucketKey], iters: int = 3) -> CostModel:
+    def measure_costs(self, keys: Sequence[BucketKey], iters: int = 2) -> CostModel:
         """Time each of ``keys`` (prepared) and each of their shapes' unpadded eager forwards against row
         count (:func:`bcg_core.costs.measure_costs`), for the step scheduler's cost model."""
         return measure_costs(self.runner, self.model.adapter, keys, self.example_inputs, self.model.device, iters)

@@ -11,7 +11,8 @@ Requests join and leave at step boundaries instead of sharing a whole loop. One 
    never blocks the others. A request that has waited longer than ``fair_wait_s`` holds back every later
    request until it fits, so no request (and no rare shape) waits for admission without bound. A request
    larger than the whole row budget is admitted alone, when nothing else runs.
-2. **Steps every group** that has requests in flight, oldest group first: one denoising step of *every*
+2. **Steps every group** that has requests in flight, oldest group first (a request with more rows than the
+   largest batch bucket belongs to its shape's group, :meth:`~bcg_core.pipeline.DiTPipeline.split_home`): one denoising step of *every*
    request of the group (each at its own step and timestep, with its own guidance and scheduler), in the
    forwards the cost model (:class:`~bcg_core.costs.CostModel`) finds cheapest for the group's rows: one full
    bucket (``fill``), one bucket with padded rows (``pad``), several buckets (``split``, e.g. 9 rows as
@@ -247,10 +248,12 @@ class StepScheduler:
             Exception: whatever broke its start or a forward it took part in.
         """
         plan = request if isinstance(request, Plan) else self.pipeline.planner.plan(request)
-        group = self.pipeline.batch_group(plan)
+        group = self.pipeline.batch_group(plan, split=True)  # more rows than the largest bucket: split
         if group is None:  # a miss: unpadded and eager, alone
             group = ("miss", next(self._miss_ids))
-        shape = plan.lookup.key.shape if plan.lookup.hit else None
+            shape = None
+        else:
+            shape = group[0]
         loop = asyncio.get_running_loop()
         item = _Request(plan, plan.lookup.query.batch, group, shape, threading.Event(), loop.create_future(), loop,
                         time.perf_counter())
@@ -658,11 +661,12 @@ class StepScheduler:
         ms = lambda a, b: round((b - a) * 1e3, 2)
         total_ms = (t_end - item.submitted) * 1e3
         key = item.first_key
-        lookup = BucketLookup(plan.lookup.query, key, plan.lookup.missed)
+        missed = () if key is not None else plan.lookup.missed  # a batch-only miss split across buckets hit
+        lookup = BucketLookup(plan.lookup.query, key, missed)
         self.pipeline.metrics.record_request(lookup, total_ms, padded_tokens=item.first_share, batch_size=item.company)
         result = GenerationResult(
             images_png=pngs, seed=plan.request.seed, bucket=str(key) if key is not None else None,
-            hit=key is not None, missed=[d.value for d in plan.lookup.missed], real_tokens=plan.lookup.query.tokens,
+            hit=key is not None, missed=[d.value for d in missed], real_tokens=plan.lookup.query.tokens,
             padded_tokens=item.first_share, steps=plan.request.num_inference_steps,
             timings_ms={"queue": ms(item.submitted, item.admitted), "encode": ms(item.admitted, item.started),
                         "denoise": ms(item.started, item.denoised), "decode": ms(item.denoised, item.decoded),

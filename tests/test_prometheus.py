@@ -256,6 +256,46 @@ def test_pipeline_records_one_step_latency_per_forward_and_the_exporter_matches_
     assert m["bcg_real_tokens"].total(bucket="miss") == stats["misses"]["real_tokens"]
 
 
+def test_the_step_scheduler_metrics_follow_its_stats():
+    """``bcg_sched_*`` from a replica's step scheduler: forwards by kind, decisions, rows in flight, fill,
+    waste and admission waits match ``StepScheduler.stats()`` after real requests; a second push adds nothing."""
+    from bcg_core.step_scheduler import StepScheduler
+
+    cfg = ServeConfig(buckets=BucketConfig(batch_sizes=[1, 2, 4], resolutions=["256x256", "512x512"],
+                                           text_lengths=[T]))
+    pipe = DiTPipeline(cfg, build_tiny())
+    sched = StepScheduler(pipe)
+    backend = FakeBackend()
+    ex = BucketExporter.for_replica(pipe, sched, backend)
+
+    async def serve():
+        # n=3 with guidance is 6 rows, above the largest bucket (4): split across buckets, in the shape's group
+        reqs = [GenerationRequest("a", n=n, width=256, height=256, num_inference_steps=2, seed=n) for n in (1, 3)]
+        return await asyncio.gather(*[sched.submit(r) for r in reqs])
+
+    try:
+        asyncio.run(asyncio.wait_for(serve(), 120))
+        ex.push()
+        stats = sched.stats()
+    finally:
+        sched.close()
+    shape = stats["shapes"]["i256_t256"]
+    m = backend.m
+    for kind, n in shape["forwards"].items():
+        assert m["bcg_sched_forwards"].total(shape="i256_t256", kind=kind) == n
+    assert sum(shape["forwards"].values()) > 0
+    for decision, n in shape["decisions"].items():
+        assert m["bcg_sched_decisions"].total(shape="i256_t256", decision=decision) == n
+    assert m["bcg_sched_admitted"].total(shape="i256_t256") == shape["admitted"] == 2
+    assert m["bcg_sched_queue_wait_ms"].total(shape="i256_t256") == pytest.approx(shape["queue_wait_ms"]["sum"])
+    assert m["bcg_sched_rows_in_flight"].total(shape="i256_t256") == 0
+    assert m["bcg_sched_rows_in_flight"].total(shape="i1024_t256") == 0  # every shape of the table gets its gauge
+    assert m["bcg_sched_padded_token_waste"].total(shape="i256_t256") == shape["padded_token_waste"]
+    before = backend.calls()
+    ex.push()
+    assert backend.calls() == before  # nothing new: no counter moves
+
+
 def test_on_cuda_replays_captures_pool_bytes_and_step_times_are_exported():
     """The graph runner's counters and the CUDA-event step timer (skipped without CUDA)."""
     torch = pytest.importorskip("torch")

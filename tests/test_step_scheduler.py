@@ -536,3 +536,24 @@ def test_close_answers_whatever_is_left(pipe):
 
     results = run(main())
     assert all(isinstance(r, RequestCancelled) for r in results)
+
+
+def test_a_request_above_the_largest_bucket_is_split_across_buckets(pipe, make_sched):
+    """10 rows (5 images with guidance) on a table whose largest bucket is 8: request-level batching runs it
+    alone, unpadded and eager (a batch miss); the step scheduler runs it in its shape's buckets, split."""
+    big = _req(seed=130, n=5, guidance=2.0, steps=2)
+    plan = pipe.planner.plan(big)
+    assert not plan.lookup.hit and [d.value for d in plan.lookup.missed] == ["batch"]
+    assert pipe.split_home(plan) == BucketKey(8, 256, T)
+
+    async def main():
+        sched = make_sched(costs=_scripted({1: 1.0, 2: 1.1, 4: 1.3, 8: 2.0}, {1: 5.0, 8: 40.0}))
+        log = StepLog(pipe)
+        return sched, log, await sched.submit(big)
+
+    sched, log, result = run(main())
+    assert result.hit and result.bucket == "b8_i256_t256" and result.missed == []
+    assert [[(c.key.batch, c.rows) for c in p.chunks] for _, p in log.steps] == [[(8, 8), (2, 2)]] * 2
+    assert sched.stats()["shapes"][SHAPE]["decisions"]["split"] == 2
+    for a, b in zip(result.images_png, pipe.generate(big).images_png):
+        assert same_image(a, b)
