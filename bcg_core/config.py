@@ -297,9 +297,10 @@ class RoutingConfig(BaseModel):
     )
     max_ongoing_requests: int | None = Field(
         default=None, ge=1, le=1024,
-        description="Requests one DiT replica accepts at once (queued for its micro-batcher or running). None: "
-        "derived from the batch capacity, 2 x (largest batch bucket // rows of a default request): one "
-        "micro-batch running and one filling (bcg_core.config.backpressure_limits).",
+        description="Requests one DiT replica accepts at once (waiting in its scheduler or running). None: "
+        "derived from the scheduler's capacity (bcg_core.config.backpressure_limits): runner.max_requests, else "
+        "2 x (runner.max_rows_in_flight // rows of a default request) for the step scheduler; 2 x (largest "
+        "batch bucket // rows) for request-level micro-batching.",
     )
     max_queued_requests: int | None = Field(
         default=None, ge=1, le=100000,

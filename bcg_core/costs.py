@@ -59,11 +59,16 @@ noise would only add padded-token waste."""
 
 @dataclass(frozen=True)
 class Chunk:
-    """One forward of a step: ``rows`` real rows on bucket ``key`` (None: unpadded eager), ``ms`` expected."""
+    """One forward of a step: ``rows`` real rows on bucket ``key`` (None: unpadded eager), ``ms`` expected.
+
+    ``home``: for an eager chunk, the smallest bucket of the shape that holds its rows (the largest when none
+    does): where the forward is counted in the bucket metrics (``forwards_by_mode.eager``).
+    """
 
     key: BucketKey | None
     rows: int
     ms: float
+    home: BucketKey | None = None
 
     @property
     def kind(self) -> str:
@@ -75,8 +80,8 @@ class Chunk:
 class ForwardPlan:
     """The forwards one step of ``rows`` rows runs as, in row order, and their expected milliseconds.
 
-    ``home``: the shape's bucket that eager chunks are counted under in the bucket metrics (its largest);
-    None for a miss (counted as a miss forward).
+    ``home``: the shape's largest bucket (eager chunks without their own ``home`` are counted under it in the
+    bucket metrics); None for a miss (counted as a miss forward).
     """
 
     chunks: tuple[Chunk, ...]
@@ -213,7 +218,8 @@ class CostModel:
             if eager_ok:
                 e = self.eager_cost(shape, c)
                 if e is not None and (best is None or e < best.ms):
-                    best = Chunk(None, c, e)
+                    home = next((k for k in keys if k.batch >= c), keys[-1] if keys else None)
+                    best = Chunk(None, c, e, home)
             options[c] = best
         # best[r] = (ms, forwards, chunks): fewest ms, then fewest forwards
         inf = (float("inf"), 0, ())

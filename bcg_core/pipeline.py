@@ -253,7 +253,7 @@ class DiTPipeline:
             outs, a = [], 0
             for chunk in plan.chunks:
                 rows = inputs.select(slice(a, a + chunk.rows)) if len(plan.chunks) > 1 else inputs
-                outs.append(self.runner.run(chunk.key or plan.home, rows, eager=chunk.key is None))
+                outs.append(self.runner.run(chunk.key or chunk.home or plan.home, rows, eager=chunk.key is None))
                 a += chunk.rows
             out = torch.cat(outs) if len(outs) > 1 else outs[0]
         offset = 0

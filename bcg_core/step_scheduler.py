@@ -122,6 +122,7 @@ class _ShapeStats:
     admitted: int = 0
     completed: int = 0
     cancelled: int = 0
+    cancelled_waiting: int = 0
     failed: int = 0
     waits_ms: deque = dataclasses.field(default_factory=lambda: deque(maxlen=_WAITS_KEPT))
     wait_ms_sum: float = 0.0
@@ -134,7 +135,8 @@ def _tensor_bytes(state: RequestState) -> int:
     for rows in (state.cond, state.uncond):
         if rows is None:
             continue
-        for t in dataclasses.astuple(rows):
+        for f in dataclasses.fields(rows):  # not astuple: it would deep-copy the tensors
+            t = getattr(rows, f.name)
             if isinstance(t, torch.Tensor):
                 total += t.numel() * t.element_size()
     return total
@@ -188,7 +190,12 @@ class StepScheduler:
             self._by_shape.setdefault(k.shape, []).append(k)
         self._cv = threading.Condition()
         self._waiting: deque[_Request] = deque()
+        self._starting: deque[_Request] = deque()  # admitted (rows counted), not started yet
         self._running: dict[tuple, list[_Request]] = {}
+        self._finishing: set[_Request] = set()  # denoised, being decoded and encoded
+        self._live: set[_Request] = set()  # every request submitted and not answered yet
+        self._unmeasured: set[tuple] = set()  # groups with a request admitted before their bytes are known
+        self._last_steps_s = 0.0  # seconds the last iteration's steps took (bounds the starts of the next)
         self._rows_in_flight = 0
         self._bytes_in_flight = 0
         self._bytes_per_row: dict[tuple, float] = {}
@@ -263,6 +270,7 @@ class StepScheduler:
             if self._closed:
                 raise RuntimeError("the step scheduler is closed")
             self._waiting.append(item)
+            self._live.add(item)
             self._cv.notify_all()
         try:
             return await item.future
@@ -274,6 +282,10 @@ class StepScheduler:
 
     def _resolve(self, item: _Request, value: GenerationResult | BaseException) -> None:
         """Hand ``value`` to the caller's future on its event loop (unless the caller has gone)."""
+        with self._cv:
+            self._live.discard(item)
+            self._finishing.discard(item)
+
         def set_it():
             if item.future.done():
                 return
@@ -300,7 +312,8 @@ class StepScheduler:
                 self._threads.append(t)
 
     def close(self, timeout_s: float = 10.0) -> None:
-        """Stop the threads (requests still queued or running get :class:`RequestCancelled`)."""
+        """Stop the threads; every request not answered yet (waiting, running, decoding or encoding) gets
+        :class:`RequestCancelled`."""
         with self._cv:
             self._closed = True
             self._cv.notify_all()
@@ -308,26 +321,52 @@ class StepScheduler:
         for t in self._threads:
             t.join(timeout_s)
         self._pool.shutdown(wait=False, cancel_futures=True)
+        with self._cv:
+            left = list(self._live)
+            self._rows_in_flight = self._bytes_in_flight = 0
+        for item in left:
+            self._resolve(item, RequestCancelled("the replica is shutting down"))
 
     def _step_loop(self) -> None:
         while True:
             with self._cv:
-                while not self._closed and not self._waiting and not self._running:
+                while not self._closed and not self._waiting and not self._starting and not self._running:
                     self._cv.wait()
                 if self._closed:
-                    leftover = list(self._waiting) + [i for g in self._running.values() for i in g]
+                    leftover = [*self._waiting, *self._starting, *(i for g in self._running.values() for i in g)]
                     self._waiting.clear()
+                    self._starting.clear()
                     self._running.clear()
                     break
-                admitted = self._admit_locked()
+                self._starting.extend(self._admit_locked())
             t0 = time.perf_counter()
             with torch.inference_mode():
-                for item in admitted:
-                    self._start(item)
+                self._start_some()
+                t1 = time.perf_counter()
                 self._iterate()
-            self._busy_s += time.perf_counter() - t0
+            t2 = time.perf_counter()
+            self._last_steps_s = t2 - t1
+            self._busy_s += t2 - t0
         for item in leftover:
             self._resolve(item, RequestCancelled("the replica is shutting down"))
+
+    def _start_some(self) -> None:
+        """Start admitted requests (text encoding, noise). With nothing running, all of them; else while the
+        starts of this boundary took less than the last iteration's steps (at least one), so a burst of
+        arrivals delays the requests in flight by about one iteration, not by every start at once."""
+        t0 = time.perf_counter()
+        first = True
+        with self._cv:
+            busy = bool(self._running)  # requests in flight before these starts: they must not wait long
+        while True:
+            with self._cv:
+                if not self._starting:
+                    return
+                if busy and not first and time.perf_counter() - t0 >= self._last_steps_s:
+                    return
+                item = self._starting.popleft()
+            first = False
+            self._start(item)
 
     def _admit_locked(self) -> list[_Request]:
         """Pop the waiting requests to admit now (module docstring, step 1); called with the lock held."""
@@ -338,17 +377,23 @@ class StepScheduler:
         for item in list(self._waiting):
             if item.cancel.is_set():
                 self._waiting.remove(item)
+                self._stat(item.shape).cancelled_waiting += 1
                 self._resolve(item, RequestCancelled("the request was cancelled by its caller"))
                 continue
             if item.group in held:
                 continue
+            known = item.group in self._bytes_per_row
+            if self.memory_budget_bytes is not None and not known and item.group in self._unmeasured:
+                held.add(item.group)  # one request of a new group first: its tensors give the estimate
+                continue
             estimate = int(self._bytes_per_row.get(item.group, 0.0) * item.rows)
-            alone = rows == 0 and not out
+            alone = rows == 0 and nbytes == 0 and not out  # nothing in flight, nothing being decoded
             fits = rows + item.rows <= self.max_rows and (
                 self.memory_budget_bytes is None or nbytes + estimate <= self.memory_budget_bytes)
             if fits or alone:
                 self._waiting.remove(item)
-                item.admitted = now
+                if not known:
+                    self._unmeasured.add(item.group)
                 out.append(item)
                 rows += item.rows
                 nbytes += estimate
@@ -367,7 +412,9 @@ class StepScheduler:
         return s
 
     def _start(self, item: _Request) -> None:
-        """Start an admitted request (text, noise, its scheduler); a failure is its own error."""
+        """Start an admitted request (text, noise, its scheduler); a failure is its own error. Its queue wait
+        ends here (submission to start)."""
+        item.admitted = time.perf_counter()
         wait_ms = (item.admitted - item.submitted) * 1e3
         with self._cv:
             st = self._stat(item.shape)
@@ -381,6 +428,8 @@ class StepScheduler:
         try:
             item.state = self.pipeline.start(item.plan, item.cancel)
         except Exception as e:  # noqa: BLE001 - this request's own error
+            with self._cv:
+                self._unmeasured.discard(item.group)
             self._retire(item, e, failed=True)
             return
         item.started = time.perf_counter()
@@ -388,6 +437,7 @@ class StepScheduler:
         with self._cv:
             self._bytes_in_flight += item.nbytes
             self._bytes_per_row[item.group] = item.nbytes / max(1, item.rows)
+            self._unmeasured.discard(item.group)
             self._running.setdefault(item.group, []).append(item)
         self.meter.start(item, item.shape)
 
@@ -454,8 +504,9 @@ class StepScheduler:
                 self._retire(item, e, failed=True)
             return
         self._count_step(shape, plan, items)
-        # the bucket the step is counted under: its first bucket forward's; all eager: the shape's bucket
-        key = next((c.key for c in plan.chunks if c.key is not None), None) or plan.home or lookup.key
+        # the bucket the step is counted under: its first bucket forward's; all eager: the smallest bucket that
+        # holds the first chunk (where its rows would have run)
+        key = next((c.key for c in plan.chunks if c.key is not None), None) or plan.chunks[0].home or lookup.key
         self._spans.append((begin, self._now(), key, states))
         self._record_spans()
         computed = sum((c.key.tokens if c.key is not None else self._real_tokens(items, c.rows)) for c in plan.chunks)
@@ -533,6 +584,7 @@ class StepScheduler:
                 if not group:
                     del self._running[item.group]
             self._rows_in_flight -= item.rows
+            self._finishing.add(item)
             self._cv.notify_all()
         self._decode_q.put(item)
 
@@ -656,6 +708,9 @@ class StepScheduler:
         if failed is not None:
             self._retire_done(item, failed, failed=True)
             return
+        if item.cancel.is_set():  # its caller left while the images were decoded or encoded
+            self._retire_done(item, RequestCancelled("the request was cancelled by its caller"), cancelled=True)
+            return
         t_end = time.perf_counter()
         plan = item.plan
         ms = lambda a, b: round((b - a) * 1e3, 2)
@@ -663,7 +718,8 @@ class StepScheduler:
         key = item.first_key
         missed = () if key is not None else plan.lookup.missed  # a batch-only miss split across buckets hit
         lookup = BucketLookup(plan.lookup.query, key, missed)
-        self.pipeline.metrics.record_request(lookup, total_ms, padded_tokens=item.first_share, batch_size=item.company)
+        # batch_size 1: the step scheduler has no shared loops (``batches``); sharing shows in its own stats
+        self.pipeline.metrics.record_request(lookup, total_ms, padded_tokens=item.first_share, batch_size=1)
         result = GenerationResult(
             images_png=pngs, seed=plan.request.seed, bucket=str(key) if key is not None else None,
             hit=key is not None, missed=[d.value for d in missed], real_tokens=plan.lookup.query.tokens,
@@ -681,16 +737,16 @@ class StepScheduler:
     # -- introspection ------------------------------------------------------------------------------
 
     def queue_lengths(self) -> dict[str, int]:
-        """Requests waiting, running or decoding per bucket shape (misses left out), for routing stats."""
+        """Requests waiting, starting, running, decoding or encoding per bucket shape (misses left out), for
+        routing stats, the ``bcg_queue_length`` gauge and autoscaling's in-flight count."""
         with self._cv:
             counts: Counter[str] = Counter()
             for i in self._waiting:
                 if i.shape:
                     counts[i.shape] += 1
-            for g in self._running.values():
-                for i in g:
-                    if i.shape:
-                        counts[i.shape] += 1
+            for i in [*self._starting, *(i for g in self._running.values() for i in g), *self._finishing]:
+                if i.shape:
+                    counts[i.shape] += 1
         return dict(sorted(counts.items()))
 
     def stats(self) -> dict:
@@ -700,10 +756,9 @@ class StepScheduler:
             in_flight: Counter[str] = Counter()
             requests: Counter[str] = Counter()
             waiting: Counter[str] = Counter()
-            for g in self._running.values():
-                for i in g:
-                    in_flight[i.shape or "miss"] += i.rows
-                    requests[i.shape or "miss"] += 1
+            for i in [*self._starting, *(i for g in self._running.values() for i in g)]:
+                in_flight[i.shape or "miss"] += i.rows
+                requests[i.shape or "miss"] += 1
             for i in self._waiting:
                 waiting[i.shape or "miss"] += 1
             shapes = {}
@@ -719,6 +774,7 @@ class StepScheduler:
                     "real_tokens": st.real_tokens, "computed_tokens": st.computed_tokens,
                     "padded_token_waste": round(1 - st.real_tokens / st.computed_tokens, 4) if st.computed_tokens else 0.0,
                     "admitted": st.admitted, "completed": st.completed, "cancelled": st.cancelled, "failed": st.failed,
+                    "cancelled_waiting": st.cancelled_waiting,
                     "queue_wait_ms": {"sum": st.wait_ms_sum,
                                       "mean": round(st.wait_ms_sum / st.admitted, 2) if st.admitted else None,
                                       "p50": _percentile(waits, 50), "p99": _percentile(waits, 99),
@@ -734,7 +790,8 @@ class StepScheduler:
             return {
                 "kind": "step", "max_rows_in_flight": self.max_rows, "rows_in_flight": self._rows_in_flight,
                 "bytes_in_flight": self._bytes_in_flight, "memory_budget_bytes": self.memory_budget_bytes,
-                "waiting": len(self._waiting), "running": sum(len(g) for g in self._running.values()),
+                "waiting": len(self._waiting), "starting": len(self._starting),
+                "running": sum(len(g) for g in self._running.values()), "finishing": len(self._finishing),
                 "iterations": self._iterations, "busy_s": round(self._busy_s, 3),
                 "decode_batch_images": self.decode_batch_images, "fair_wait_s": self.fair_wait_s,
                 "forwards": {k: forwards.get(k, 0) for k in FORWARD_KINDS},

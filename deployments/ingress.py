@@ -39,6 +39,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from ray import serve
+from ray.serve.exceptions import BackPressureError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from bcg_core.config import MissPolicy, ServeConfig
@@ -223,11 +224,18 @@ class Ingress:
         """Liveness: ``{"status": "ok"}``."""
         return {"status": "ok"}
 
-    @app.get("/v1/buckets", responses={500: {"model": ErrorBody}})
-    async def buckets(self) -> dict:
+    @app.get("/v1/buckets", responses={500: {"model": ErrorBody}, 503: {"model": ErrorBody}})
+    async def buckets(self):
         """Per-bucket counters of the DiT replica (``DiTPipeline.stats()``), plus the misses this ingress
-        rejected under the reject policy (``misses.rejected``, ``misses.rejected_by_dim``)."""
-        stats = await self._dit.stats.remote()
+        rejected under the reject policy (``misses.rejected``, ``misses.rejected_by_dim``). When every DiT slot
+        and queue place is taken the call is answered 503 with ``Retry-After`` in OpenAI's error shape, like a
+        generation request."""
+        try:
+            stats = await self._dit.stats.remote()
+        except BackPressureError as exc:
+            retry = self._config.routing.retry_after_s
+            return unavailable_response(f"the server is at capacity (every DiT replica busy and the queue full: "
+                                        f"{exc}); retry after {retry:g} s", retry, param="request")
         misses = stats.setdefault("misses", {})
         misses["rejected"] = self._rejected_requests
         misses["rejected_by_dim"] = {d: self._rejected.get(d, 0) for d in ("batch", "image_tokens", "text_tokens")}

@@ -126,6 +126,9 @@ METRICS: tuple[MetricSpec, ...] = (
                "Step scheduler: total milliseconds admitted requests waited for admission (divide by "
                "bcg_sched_admitted for the mean)."),
     MetricSpec("bcg_sched_admitted", "counter", ("shape",), "requests", "Step scheduler: requests admitted."),
+    MetricSpec("bcg_sched_requests", "counter", ("shape", "outcome"), "requests",
+               "Step scheduler: requests that ended, by outcome: completed, cancelled (after admission), "
+               "cancelled_waiting (before admission), failed."),
     MetricSpec("bcg_sched_queue_wait_p99_ms", "gauge", ("shape",), "milliseconds",
                "Step scheduler: p99 of the last 1024 admission waits."),
 )
@@ -304,6 +307,8 @@ class BucketExporter:
             wait = row.get("queue_wait_ms", {})
             admitted = int(row.get("admitted", 0))
             self._inc("bcg_sched_admitted", tags, admitted)
+            for outcome in ("completed", "cancelled", "cancelled_waiting", "failed"):
+                self._inc("bcg_sched_requests", {**tags, "outcome": outcome}, int(row.get(outcome, 0)))
             self._inc("bcg_sched_queue_wait_ms", tags, float(wait.get("sum", 0.0)))
             if wait.get("p99") is not None:
                 self._m["bcg_sched_queue_wait_p99_ms"].set(float(wait["p99"]), tags=tags)

@@ -557,3 +557,116 @@ def test_a_request_above_the_largest_bucket_is_split_across_buckets(pipe, make_s
     assert sched.stats()["shapes"][SHAPE]["decisions"]["split"] == 2
     for a, b in zip(result.images_png, pipe.generate(big).images_png):
         assert same_image(a, b)
+
+
+def _slow_decode(pipe, monkeypatch, seconds: float) -> threading.Event:
+    decode, entered = pipe.model.decode, threading.Event()
+
+    def slow(state):
+        entered.set()
+        time.sleep(seconds)
+        return decode(state)
+
+    monkeypatch.setattr(pipe.model, "decode", slow)
+    return entered
+
+
+def test_close_during_decode_answers_every_caller(pipe, monkeypatch):
+    sched = StepScheduler(pipe, encode_threads=1)
+    entered = _slow_decode(pipe, monkeypatch, 1.0)
+
+    async def main():
+        tasks = [asyncio.ensure_future(sched.submit(_req(seed=140 + i, steps=1, n=3))) for i in range(2)]
+        while not entered.is_set():
+            await asyncio.sleep(0.01)
+        await asyncio.to_thread(sched.close, 5.0)
+        done, pending = await asyncio.wait(tasks, timeout=10)
+        return [t.exception() for t in done], pending
+
+    errors, pending = run(main())
+    assert not pending and all(isinstance(e, RequestCancelled) for e in errors)
+    assert sched.stats()["rows_in_flight"] == 0 and sched.stats()["bytes_in_flight"] == 0
+
+
+def test_queue_lengths_count_requests_being_decoded(pipe, make_sched, monkeypatch):
+    sched = make_sched()
+    entered = _slow_decode(pipe, monkeypatch, 1.0)
+
+    async def main():
+        task = asyncio.ensure_future(sched.submit(_req(seed=150, steps=1, n=2)))
+        while not entered.is_set():
+            await asyncio.sleep(0.01)
+        during = sched.queue_lengths()
+        await task
+        return during, sched.queue_lengths()
+
+    during, after = run(main())
+    assert during == {SHAPE: 1} and after == {}
+
+
+def test_the_memory_budget_holds_for_the_first_burst_of_a_group(pipe, make_sched, monkeypatch):
+    from bcg_core.step_scheduler import _tensor_bytes
+
+    with torch.inference_mode():
+        one = _tensor_bytes(pipe.start(pipe.planner.plan(_req(seed=0))))
+    sched = make_sched(memory_budget_bytes=int(1.5 * one))
+    _slow_decode(pipe, monkeypatch, 0.2)  # decoded requests still hold their tensors for a while
+    peak = [0]
+    step = pipe.step
+
+    def watched(states, plan=None):
+        peak[0] = max(peak[0], sched._bytes_in_flight)
+        return step(states, plan)
+
+    monkeypatch.setattr(pipe, "step", watched)
+
+    async def main():
+        return await asyncio.gather(*await submit_together(sched, [_req(seed=160 + i, steps=2) for i in range(6)]))
+
+    assert len(run(main())) == 6
+    assert 0 < peak[0] <= 1.5 * one
+
+
+def test_a_burst_of_arrivals_does_not_stall_the_requests_in_flight(pipe, make_sched, monkeypatch):
+    """Starts (text encoding, noise) of a burst are spread over step boundaries: a request in flight waits
+    about one iteration per boundary, not for every start at once."""
+    sched = make_sched()
+    stamps = []
+    step = pipe.step
+
+    def watched(states, plan=None):
+        if any(s.request.seed == 999 for s in states):
+            stamps.append(time.perf_counter())
+        return step(states, plan)
+
+    monkeypatch.setattr(pipe, "step", watched)
+
+    async def main():
+        long = asyncio.ensure_future(sched.submit(_req(seed=999, steps=10, width=256, height=512)))
+        while len(stamps) < 3:
+            await asyncio.sleep(0.01)
+        burst = [asyncio.ensure_future(sched.submit(_req(prompt=f"b{i}", seed=i, steps=1))) for i in range(40)]
+        await asyncio.gather(long, *burst)
+
+    run(main())
+    gaps = sorted(b - a for a, b in zip(stamps, stamps[1:]))
+    assert gaps[-1] < 10 * gaps[len(gaps) // 2], f"largest gap {gaps[-1] * 1e3:.0f} ms, median {gaps[len(gaps) // 2] * 1e3:.0f} ms"
+
+
+def test_counters_stay_consistent_with_cancellations_everywhere(pipe, make_sched):
+    async def main():
+        sched = make_sched(max_rows=4)
+        tasks = await submit_together(sched, [_req(seed=170 + i, steps=3, n=2) for i in range(6)])
+        await asyncio.sleep(0.15)
+        for t in tasks[1::2]:
+            t.cancel()  # some running, some waiting
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        return sched.stats(), results
+
+    stats, results = run(main())
+    shape = stats["shapes"][SHAPE]
+    served = sum(1 for r in results if not isinstance(r, BaseException))
+    assert shape["completed"] == served and served >= 3
+    assert shape["admitted"] == shape["completed"] + shape["cancelled"] + shape["failed"]
+    assert shape["cancelled"] + shape["cancelled_waiting"] == 6 - served
+    assert pipe.stats()["batch_totals"] == {"batches": 0, "batched_requests": 0}
