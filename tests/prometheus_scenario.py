@@ -30,8 +30,8 @@ REQUESTS = [
     {"prompt": "a red fox", "size": "256x256", "n": 1, "num_inference_steps": 1, "seed": 1},
     {"prompt": "a blue fox", "size": "256x256", "n": 1, "num_inference_steps": 1, "seed": 2},
     {"prompt": "a tall fox", "size": "256x272", "n": 1, "num_inference_steps": 1, "seed": 3},  # masked bucket
-    {"prompt": "three foxes", "size": "256x256", "n": 3, "guidance_scale": 2.0, "num_inference_steps": 1,
-     "seed": 4},  # 6 rows > 4: a batch miss, run unpadded
+    {"prompt": "a wide fox", "size": "768x512", "n": 1, "guidance_scale": 2.0, "num_inference_steps": 1,
+     "seed": 4},  # 1536 image tokens > the largest tier (1024): an image miss, run unpadded
 ]
 
 

@@ -413,7 +413,7 @@ def test_prometheus_endpoint_shows_the_bucket_metrics(tmp_path):
         assert _sum(series, "ray_bcg_padded_token_ratio", **tags) == pytest.approx(b["padded_token_ratio"])
     assert _sum(series, "ray_bcg_padded_token_ratio", bucket="b2_i1024_m_t256") > 1  # 272 image tokens padded
     misses = stats["misses"]
-    assert _sum(series, "ray_bcg_misses_total", dim="batch") == misses["by_dim"]["batch"] == 1
+    assert _sum(series, "ray_bcg_misses_total", dim="image_tokens") == misses["by_dim"]["image_tokens"] == 1
     assert _sum(series, "ray_bcg_requests_total", bucket="miss", shape="miss") == misses["requests"] == 1
     assert _sum(series, "ray_bcg_forwards_total", bucket="miss", mode="eager") == misses["forwards"] > 0
     assert not [s for s in series if s[0] == "ray_bcg_forwards_total" and s[1]["mode"] == "graph"]  # CPU: no replays
