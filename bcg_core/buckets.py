@@ -255,6 +255,15 @@ class BucketTable:
             return BucketLookup(query, None, tuple(missed))
         return BucketLookup(query, BucketKey(b, t, s, hw, masked))
 
+    def split_home(self, lookup: BucketLookup) -> BucketKey | None:
+        """For a lookup that missed only in the batch dimension (more rows than the largest batch bucket): the
+        largest bucket of its shape, across whose batch sizes the step scheduler splits its rows. None for a
+        hit or any other miss."""
+        if lookup.hit or set(lookup.missed) != {Dim.BATCH}:
+            return None
+        q = lookup.query
+        return self.lookup(ShapeQuery(self.batch_sizes[-1], q.image_tokens, q.text_tokens, q.latent_hw)).key
+
     @staticmethod
     def _up(arr: tuple[int, ...], v: int, dim: Dim, missed: list[Dim]) -> int:
         if 0 < v < len(arr):

@@ -26,7 +26,6 @@ deterministic; so the same request and seed give the same PNG bytes, equal to di
 
 from __future__ import annotations
 
-import dataclasses
 import io
 import threading
 import time
@@ -36,7 +35,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
-from .buckets import BucketKey, BucketLookup, Dim, ShapeQuery
+from .buckets import BucketKey, BucketLookup, ShapeQuery
 from .config import ServeConfig
 from .costs import CostModel, ForwardPlan, measure_costs
 from .errors import RequestCancelled, RequestError
@@ -299,11 +298,7 @@ class DiTPipeline:
 
         The step scheduler serves such a request in its shape's bucket forwards (its rows split, e.g. 22 rows
         as 20 + 2), where request-level batching runs it alone, unpadded and eager."""
-        lookup = plan.lookup
-        if lookup.hit or set(lookup.missed) != {Dim.BATCH}:
-            return None
-        largest = self.table.batch_sizes[-1]
-        return self.table.lookup(dataclasses.replace(lookup.query, batch=largest)).key
+        return plan.home if plan.home is not None else self.table.split_home(plan.lookup)
 
     def batch_group(self, plan: Plan, split: bool = False) -> tuple | None:
         """The micro-batching key of a planned request: requests may share forwards only if keys are equal.

@@ -14,7 +14,7 @@ import random
 from dataclasses import dataclass, replace
 from typing import Callable
 
-from .buckets import BucketLookup, BucketTable, Dim, ShapeQuery, ShapeRules
+from .buckets import BucketKey, BucketLookup, BucketTable, Dim, ShapeQuery, ShapeRules
 from .config import MissPolicy, ServeConfig
 from .errors import BucketMissError, RequestError
 from .families.base import ModelSpec
@@ -63,6 +63,10 @@ class Plan:
     request: GenerationRequest
     lookup: BucketLookup
     prompt_tokens: int
+    home: BucketKey | None = None
+    """With the step scheduler, for a request with more rows than the largest batch bucket (a miss in the
+    batch dimension only): the largest bucket of its shape, across which its rows are split. It routes to the
+    shape's owners and is not refused under the reject policy."""
 
 
 def _is_int(v) -> bool:
@@ -99,6 +103,7 @@ class Planner:
         min_side = -(-config.limits.min_side_px // rules.pixels_per_token)
         self.table = BucketTable(config.buckets, rules, min_image_tokens=min_side * min_side)
         self.count_tokens = count_tokens
+        self._splits = config.runner.scheduler == "step"  # rows above the largest bucket are split, not missed
 
     @classmethod
     def from_config(cls, config: ServeConfig) -> "Planner":
@@ -183,9 +188,10 @@ class Planner:
         if neg_tokens > limit:
             raise RequestError("negative_prompt", f"negative_prompt is {self._too_long(neg_tokens)}; {self._limit_reason}")
         lookup = self.table.lookup(self.query(filled, tokens, neg_tokens))
-        if not lookup.hit and self.table.miss_policy is MissPolicy.REJECT:
+        home = self.table.split_home(lookup) if self._splits else None
+        if not lookup.hit and home is None and self.table.miss_policy is MissPolicy.REJECT:
             raise self._miss_error(filled, lookup)
-        return Plan(filled, lookup, tokens)
+        return Plan(filled, lookup, tokens, home)
 
     def _too_long(self, tokens: int) -> str:
         """``"N tokens long"``, or ``"at least N tokens long"`` where N is the family's cut (the encoder keeps no

@@ -309,7 +309,7 @@ class Ingress:
                 self._rejected_requests += 1
                 self._rejected.update(exc.missed)
             return error_response(exc.status, exc.message, param=exc.field)
-        if not plan.lookup.hit and self._planner.table.miss_policy is MissPolicy.REJECT:
+        if not plan.lookup.hit and plan.home is None and self._planner.table.miss_policy is MissPolicy.REJECT:
             # The planner is expected to reject this itself; kept so a reject policy can never run eager.
             missed = [d.value for d in plan.lookup.missed]
             param = {"image_tokens": "size", "batch": "n", "text_tokens": "prompt"}[missed[0]]

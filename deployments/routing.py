@@ -58,8 +58,9 @@ class ReplicaUnavailable(RequestError):
 
 def bucket_shape(plan: Plan) -> str:
     """The routing key of a planned request: its bucket's shape (``BucketKey.shape``, e.g.
-    ``"i1024_t256"``), or ``""`` for a miss (no owner: any replica, eagerly)."""
-    key = plan.lookup.key
+    ``"i1024_t256"``; for rows above the largest bucket that the step scheduler splits, the shape of
+    ``plan.home``), or ``""`` for a miss (no owner: any replica, eagerly)."""
+    key = plan.lookup.key or plan.home
     return key.shape if key is not None else ""
 
 

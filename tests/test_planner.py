@@ -7,9 +7,11 @@ from bcg_core import BucketConfig, Dim, GenerationRequest, MissPolicy, Planner, 
 RULES = ShapeRules(pixels_per_token=16, grid_keyed=False, native_text_tokens=32)
 
 
-def _planner(policy=MissPolicy.EAGER) -> Planner:
+def _planner(policy=MissPolicy.EAGER, scheduler: str = "request") -> Planner:
+    """The request-level scheduler by default: there a batch above the largest bucket is a miss (the step
+    scheduler splits it instead: tests/test_step_scheduler.py)."""
     cfg = ServeConfig(buckets=BucketConfig(batch_sizes=[1, 2, 4, 8], resolutions=["256x256", "512x512"],
-                                           text_lengths=[32], miss_policy=policy))
+                                           text_lengths=[32], miss_policy=policy), runner={"scheduler": scheduler})
     return Planner(cfg, RULES, count_tokens=lambda s, negative=False: len(s.split()) + 2)
 
 
@@ -65,6 +67,8 @@ def test_eager_policy_returns_a_counted_miss_and_reject_policy_an_error_naming_t
     with pytest.raises(RequestError) as e:
         _planner(MissPolicy.REJECT).plan(GenerationRequest("a cat", width=768, height=768))
     assert e.value.field == "size" and "256x256, 512x512" in e.value.message
+    split = _planner(MissPolicy.REJECT, scheduler="step").plan(GenerationRequest("a cat", n=5))
+    assert not split.lookup.hit and split.home is not None and split.home.batch == 8  # split, not refused
 
 
 def test_sizes_between_tiers_round_up():

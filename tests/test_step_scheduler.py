@@ -670,3 +670,25 @@ def test_counters_stay_consistent_with_cancellations_everywhere(pipe, make_sched
     assert shape["admitted"] == shape["completed"] + shape["cancelled"] + shape["failed"]
     assert shape["cancelled"] + shape["cancelled_waiting"] == 6 - served
     assert pipe.stats()["batch_totals"] == {"batches": 0, "batched_requests": 0}
+
+
+def test_the_planner_routes_and_accepts_rows_above_the_largest_bucket_under_the_step_scheduler(tiny):
+    """Under ``miss_policy: reject`` a request above the largest batch bucket is refused by request-level
+    batching (a batch miss) but planned with its ``home`` bucket for the step scheduler, which routes it to
+    its shape's owners."""
+    from bcg_core.errors import BucketMissError
+    from bcg_core.planner import Planner
+    from deployments.routing import bucket_shape
+
+    buckets = {"batch_sizes": [1, 2, 4, 8], "resolutions": ["256x256"], "text_lengths": [T], "miss_policy": "reject"}
+    big = _req(n=5, guidance=2.0)  # 10 rows
+    step = Planner(ServeConfig.model_validate({"buckets": buckets}), tiny.spec, tiny.count_tokens)
+    plan = step.plan(big)
+    assert not plan.lookup.hit and plan.home == BucketKey(8, 256, T) and bucket_shape(plan) == SHAPE
+    request_level = Planner(ServeConfig.model_validate({"buckets": buckets, "runner": {"scheduler": "request"}}),
+                            tiny.spec, tiny.count_tokens)
+    with pytest.raises(BucketMissError, match="batch"):
+        request_level.plan(big)
+    wide = _req(width=512, height=512)  # an image miss is refused by both
+    with pytest.raises(BucketMissError):
+        step.plan(wide)
