@@ -4,13 +4,16 @@ Requests join and leave at step boundaries instead of sharing a whole loop. One 
 *iterations*; each iteration:
 
 1. **Admits** waiting requests (at a step boundary), oldest first, while the rows in flight stay within
-   ``runner.max_rows_in_flight`` (and, on CUDA, their tensors within the measured memory budget); each
-   admitted request is started (:meth:`~bcg_core.pipeline.DiTPipeline.start`: text encoded, noise drawn,
-   its own scheduler set up). Admission is FIFO within a batch group (bucket shape and token grid): a request
+   ``runner.max_rows_in_flight`` (and, on CUDA, their tensors within the measured memory budget; a group's
+   first request is admitted alone until its tensors are measured), and starts them
+   (:meth:`~bcg_core.pipeline.DiTPipeline.start`: text encoded, noise drawn, its own scheduler set up). With
+   requests in flight, the starts of one boundary stop once they took as long as the last iteration's steps
+   (at least one starts; the rest start at the next boundaries), so a burst of arrivals delays the requests
+   in flight by about one iteration per boundary. A request's queue wait runs from submission to its start. Admission is FIFO within a batch group (bucket shape and token grid): a request
    that does not fit holds back the later requests of its group only, so an incompatible request at the head
    never blocks the others. A request that has waited longer than ``fair_wait_s`` holds back every later
    request until it fits, so no request (and no rare shape) waits for admission without bound. A request
-   larger than the whole row budget is admitted alone, when nothing else runs.
+   larger than the whole budget is admitted alone, when nothing else runs or is being decoded.
 2. **Steps every group** that has requests in flight, oldest group first (a request with more rows than the
    largest batch bucket belongs to its shape's group, :meth:`~bcg_core.pipeline.DiTPipeline.split_home`): one denoising step of *every*
    request of the group (each at its own step and timestep, with its own guidance and scheduler), in the

@@ -101,18 +101,21 @@ def test_bucket_counters_go_up_for_the_expected_key(client):
     assert after["real_tokens"] > before["real_tokens"]
 
 
-def test_cfg_doubles_rows_and_a_batch_miss_runs_eager_under_the_eager_policy(client):
+def test_cfg_doubles_rows_and_rows_above_the_largest_bucket_are_split_across_buckets(client):
     stats = client.get("/v1/buckets").json()
-    misses_before = stats["misses"]["by_dim"]["batch"]
-    # 3 images with CFG = 6 transformer rows > largest batch bucket 4: a miss on "batch".
+    misses_before = stats["misses"]["by_dim"].get("batch", 0)
+    # 3 images with CFG = 6 transformer rows > largest batch bucket 4: the step scheduler runs the request in
+    # its shape's buckets, split (e.g. 4 + 2), instead of alone as a batch miss
     r = client.post(GEN, json=_good(n=3, guidance_scale=2.0))
     assert r.status_code == 200, r.text
     payload = r.json()
     assert len(_pngs(payload)) == 3
-    assert payload["bcg"]["hit"] is False
-    assert payload["bcg"]["bucket"] is None
-    assert payload["bcg"]["missed"] == ["batch"]
-    assert client.get("/v1/buckets").json()["misses"]["by_dim"]["batch"] == misses_before + 1
+    assert payload["bcg"]["hit"] is True and payload["bcg"]["missed"] == []
+    assert payload["bcg"]["bucket"].endswith("_i256_t256")
+    after = client.get("/v1/buckets").json()
+    assert after["misses"]["by_dim"].get("batch", 0) == misses_before
+    shape = after["scheduler"]["shapes"]["i256_t256"]
+    assert shape["decisions"]["split"] + shape["decisions"]["eager"] >= 1
 
 
 def test_buckets_endpoint_describes_the_table(client):
