@@ -229,11 +229,14 @@ class BcgInfo(BaseModel):
     hit: bool = Field(description="True when a bucket held the request.")
     missed: list[str] = Field(description="Key dimensions that missed: 'batch', 'image_tokens', 'text_tokens'.")
     seed: int = Field(description="Seed used (the request's, or the random one drawn for it).")
-    timings_ms: dict[str, float] = Field(description="'encode', 'denoise', 'decode' and 'total' in milliseconds.")
+    timings_ms: dict[str, float] = Field(description="Milliseconds on the replica: 'queue', 'encode', 'denoise', "
+                                         "'decode', 'png' and 'total' (step scheduler; request-level batching "
+                                         "gives 'queue', 'encode', 'denoise', 'decode' and 'total').")
     replica: str | None = Field(default=None, description="Id of the DiT replica that served the request.")
     owner: bool | None = Field(default=None, description="True when that replica owns the request's bucket shape "
                                "(shape-aware routing); null for a miss.")
-    batch_size: int = Field(default=1, description="Requests that shared the transformer forward (micro-batching).")
+    batch_size: int = Field(default=1, description="Most requests that shared one denoising step's forwards with "
+                            "this one (step scheduler), or its micro-batch's requests (request-level batching).")
     retries: int = Field(default=0, description="Times the request was resent because its replica died.")
 
 
