@@ -224,10 +224,12 @@ class Planner:
         return ShapeQuery(self.rows(request), grid[0] * grid[1], text, grid if self.rules.grid_keyed else None)
 
     def _miss_error(self, request: GenerationRequest, lookup: BucketLookup) -> BucketMissError:
-        """One error naming every dimension that missed; ``field`` is the first one's request field."""
+        """One error naming every dimension that missed; ``field`` is the first one's request field. Under the
+        step scheduler the batch dimension is left out: rows above the largest bucket are split, not missed."""
         t = self.table
         parts: list[tuple[str, str]] = []
-        for dim in lookup.missed:
+        missed = tuple(d for d in lookup.missed if not (self._splits and d is Dim.BATCH))
+        for dim in missed:
             if dim is Dim.BATCH:
                 per = 2 if self.spec.uses_cfg(request) else 1
                 why = " (cond + uncond rows for guidance_scale > 1)" if per == 2 else ""
@@ -245,5 +247,4 @@ class Planner:
             else:
                 parts.append(("prompt", f"prompt needs {lookup.query.text_tokens} text tokens, above the largest "
                                         f"text bucket {t.text_lengths[-1]}"))
-        return BucketMissError(parts[0][0], "; and ".join(m for _, m in parts),
-                               tuple(d.value for d in lookup.missed))
+        return BucketMissError(parts[0][0], "; and ".join(m for _, m in parts), tuple(d.value for d in missed))

@@ -66,7 +66,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from .buckets import BucketKey, BucketLookup
+from .buckets import BucketKey, BucketLookup, Dim
 from .costs import DECISIONS, Chunk, CostModel, ForwardPlan
 from .errors import RequestCancelled
 from .families import RequestState
@@ -719,7 +719,9 @@ class StepScheduler:
         ms = lambda a, b: round((b - a) * 1e3, 2)
         total_ms = (t_end - item.submitted) * 1e3
         key = item.first_key
-        missed = () if key is not None else plan.lookup.missed  # a batch-only miss split across buckets hit
+        # a batch-only miss split across buckets is a hit; a miss in another dimension does not count the
+        # batch dimension (rows are split, never missed, under the step scheduler)
+        missed = () if key is not None else tuple(d for d in plan.lookup.missed if d is not Dim.BATCH)
         lookup = BucketLookup(plan.lookup.query, key, missed)
         # batch_size 1: the step scheduler has no shared loops (``batches``); sharing shows in its own stats
         self.pipeline.metrics.record_request(lookup, total_ms, padded_tokens=item.first_share, batch_size=1)

@@ -214,19 +214,20 @@ def test_size_the_table_cannot_hold_is_rejected_under_the_reject_policy(reject_c
     assert "size" in err["message"] and "512x512" in err["message"]
 
 
-def test_batch_the_table_cannot_hold_is_rejected_under_the_reject_policy(reject_client):
-    r = reject_client.post(GEN, json=_good(n=3, guidance_scale=2.0))  # 6 rows > 4
-    assert r.status_code == 422, r.text
-    assert r.json()["error"]["param"] == "n"
+def test_a_batch_above_the_table_is_split_not_rejected_under_the_reject_policy(reject_client):
+    r = reject_client.post(GEN, json=_good(n=3, guidance_scale=2.0))  # 6 rows > 4: split across buckets
+    assert r.status_code == 200, r.text
+    assert r.json()["bcg"]["hit"] is True and r.json()["bcg"]["missed"] == []
 
 
 def test_rejected_misses_are_counted_by_dimension(reject_client):
     before = reject_client.get("/v1/buckets").json()["misses"]
-    assert reject_client.post(GEN, json=_good(n=3, guidance_scale=2.0)).status_code == 422
+    r = reject_client.post(GEN, json=_good(n=3, guidance_scale=2.0, size="1024x1024"))  # above the largest tier
+    assert r.status_code == 422 and r.json()["error"]["param"] == "size", r.text
     after = reject_client.get("/v1/buckets").json()["misses"]
     assert after["rejected"] == before["rejected"] + 1
-    assert after["rejected_by_dim"]["batch"] == before["rejected_by_dim"]["batch"] + 1
-    assert after["rejected_by_dim"]["image_tokens"] == before["rejected_by_dim"]["image_tokens"]
+    assert after["rejected_by_dim"]["image_tokens"] == before["rejected_by_dim"]["image_tokens"] + 1
+    assert after["rejected_by_dim"]["batch"] == before["rejected_by_dim"]["batch"]  # the rows would be split
 
 
 def test_reject_app_still_serves_what_its_table_holds(reject_client):
