@@ -37,7 +37,7 @@ import torch
 
 from .buckets import BucketKey, BucketLookup, ShapeQuery
 from .config import ServeConfig
-from .costs import CostModel, ForwardPlan, measure_costs
+from .costs import Chunk, CostModel, ForwardPlan, measure_costs
 from .errors import RequestCancelled, RequestError
 from .families import Family, RequestState, concat_rows
 from .metrics import BucketMetrics, token_shares
@@ -244,6 +244,10 @@ class DiTPipeline:
         parts = [self.model.model_rows(s) for s in states]
         inputs = concat_rows(parts)
         lookup = self.table.lookup(self._query(inputs, states))
+        if plan is None and not lookup.hit:
+            plan = self._split_plan(lookup)  # rows above the largest bucket, planned to be split: split them
+            if plan is not None:  # counted as a hit of its first bucket
+                lookup = BucketLookup(lookup.query, plan.chunks[0].key)
         if plan is None:
             out = self.runner.run(lookup.key, inputs)
         else:
@@ -260,6 +264,24 @@ class DiTPipeline:
             self.model.advance(state, out[offset : offset + part.rows])
             offset += part.rows
         return lookup
+
+    def _split_plan(self, lookup: BucketLookup) -> ForwardPlan | None:
+        """Without a cost model (``step`` called with no plan): rows that miss only in the batch dimension, for a
+        planner that splits them (``runner.scheduler: step``), as full forwards of the shape's largest bucket and
+        the rest in the smallest bucket that holds it. None otherwise (the forward runs as a miss)."""
+        if not self.planner._splits:
+            return None
+        home = self.table.split_home(lookup)
+        if home is None:
+            return None
+        keys = {k.batch: k for k in self.table.keys if k.shape == home.shape}
+        rows, chunks = lookup.query.batch, []
+        while rows > 0:
+            take = min(rows, home.batch)
+            b = min(x for x in keys if x >= take)
+            chunks.append(Chunk(keys[b], take, 0.0))
+            rows -= take
+        return ForwardPlan(tuple(chunks), home)
 
     def _query(self, inputs: DenoiseInputs, states: Sequence[RequestState]) -> ShapeQuery:
         """The exact shape of a forward: its rows, the grid's tokens, and the text length its plans keyed on."""
@@ -419,11 +441,12 @@ class DiTPipeline:
             total_ms = (t3 - t0) * 1e3
             lookup = first[i]
             share = shares[i]
-            mine = BucketLookup(plan.lookup.query, lookup.key, plan.lookup.missed)
+            missed = () if lookup.hit else plan.lookup.missed  # rows split across buckets: a hit
+            mine = BucketLookup(plan.lookup.query, lookup.key, missed)
             self.metrics.record_request(mine, total_ms, padded_tokens=share, batch_size=len(plans))
             results.append(GenerationResult(
                 images_png=images, seed=plan.request.seed, bucket=str(lookup.key) if lookup.hit else None,
-                hit=lookup.hit, missed=[d.value for d in plan.lookup.missed], real_tokens=plan.lookup.query.tokens,
+                hit=lookup.hit, missed=[d.value for d in missed], real_tokens=plan.lookup.query.tokens,
                 padded_tokens=share, steps=plan.request.num_inference_steps,
                 timings_ms={"encode": round((t1 - t0) * 1e3, 2), "denoise": round((t2 - t1) * 1e3, 2),
                             "decode": round((t3 - t_dec) * 1e3, 2), "total": round(total_ms, 2)},

@@ -69,7 +69,8 @@ def test_padded_denoise_equals_the_unpadded_eager_denoise(pipe):
 
 
 def test_counters_follow_hits_and_misses(tiny):
-    p = DiTPipeline(SMALL, tiny)
+    # request-level batching: rows above the largest bucket are a miss (the step scheduler splits them)
+    p = DiTPipeline(ServeConfig(buckets=SMALL.buckets, runner={"scheduler": "request"}), tiny)
     p.generate(GenerationRequest("a", n=1, width=256, height=256, num_inference_steps=1, seed=0))
     p.generate(GenerationRequest("a", n=5, width=256, height=256, num_inference_steps=1, seed=0))  # 10 rows: miss
     p.generate(GenerationRequest("a", n=1, width=256, height=256, num_inference_steps=1, guidance_scale=1.0, seed=0))
@@ -172,11 +173,29 @@ def test_tiny_weights_are_seeded(tiny):
 
 
 def test_reject_policy_turns_a_miss_into_a_request_error(tiny):
-    cfg = ServeConfig(buckets=BucketConfig(**{**SMALL.buckets.model_dump(), "miss_policy": "reject"}))
-    p = DiTPipeline(cfg, tiny)
+    buckets = BucketConfig(**{**SMALL.buckets.model_dump(), "miss_policy": "reject"})
+    p = DiTPipeline(ServeConfig(buckets=buckets, runner={"scheduler": "request"}), tiny)
     with pytest.raises(RequestError) as e:
         p.generate(GenerationRequest("a", n=5, width=256, height=256, num_inference_steps=1))
     assert e.value.field == "n" and "use n <= 4" in e.value.message
+    with pytest.raises(RequestError) as e:  # an image miss, whichever scheduler
+        DiTPipeline(ServeConfig(buckets=buckets), tiny).generate(GenerationRequest("a", width=1024, height=1024))
+    assert e.value.field == "size"
+
+
+def test_rows_above_the_largest_bucket_run_split_in_buckets_when_the_step_scheduler_plans(tiny):
+    """With ``runner.scheduler: step`` (the default) the planner splits rows above the largest batch bucket
+    instead of missing them; DiTPipeline.step without a cost model runs them as full largest buckets plus the
+    smallest bucket that holds the rest, never eager, even under the reject policy."""
+    buckets = BucketConfig(**{**SMALL.buckets.model_dump(), "miss_policy": "reject"})
+    p = DiTPipeline(ServeConfig(buckets=buckets), tiny)
+    r = GenerationRequest("a", n=5, width=256, height=256, num_inference_steps=1, guidance_scale=2.0, seed=3)
+    result = p.generate(r)  # 10 rows > 8: 8 + 2
+    assert len(result.images_png) == 5
+    modes = {b["key"]: b["forwards_by_mode"] for b in p.stats()["buckets"]}
+    assert modes["b8_i256_t256"]["static_eager"] == 1 and modes["b2_i256_t256"]["static_eager"] == 1
+    assert p.stats()["misses"]["forwards"] == 0 and p.stats()["misses"]["requests"] == 0
+    assert result.hit and result.bucket == "b8_i256_t256" and result.missed == []
 
 
 def test_a_cancelled_request_stops_before_its_next_step_and_is_not_counted(tiny):
