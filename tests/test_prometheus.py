@@ -233,8 +233,9 @@ def test_exporter_never_decreases_a_counter_and_survives_errors(caplog):
 
 
 def test_pipeline_records_one_step_latency_per_forward_and_the_exporter_matches_its_stats():
+    # request-level batching: the 6-row request below is a miss (the step scheduler would split it)
     cfg = ServeConfig(buckets=BucketConfig(batch_sizes=[1, 2, 4], resolutions=["256x256", "512x512"],
-                                           text_lengths=[T]))
+                                           text_lengths=[T]), runner={"scheduler": "request"})
     pipe = DiTPipeline(cfg, build_tiny())
     backend = FakeBackend()
     ex = BucketExporter(pipe.stats, pipe.metrics, lambda: {}, {k.shape for k in pipe.table.keys}, backend)
