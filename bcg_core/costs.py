@@ -259,29 +259,25 @@ class CostModel:
 
 
 def _timer(device) -> Callable[[Callable[[], object], int], float]:
-    """``time(fn, iters) -> median ms`` on ``device``: CUDA events on CUDA, the host clock elsewhere."""
+    """``time(fn, iters) -> median ms`` on ``device`` after one warm-up call: CUDA events on CUDA
+    (:func:`bcg_core.profile.cuda_ms`), the host clock elsewhere."""
     import torch
 
-    cuda = torch.device(device).type == "cuda"
+    if torch.device(device).type == "cuda":
+        from .profile import cuda_ms
 
-    def run(fn: Callable[[], object], iters: int) -> float:
+        return lambda fn, iters: cuda_ms(fn, iters, warmup=1)
+
+    def host_ms(fn: Callable[[], object], iters: int) -> float:
         fn()  # warm-up (allocator, kernels selected)
         times = []
         for _ in range(iters):
-            if cuda:
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                fn()
-                b.record()
-                b.synchronize()
-                times.append(a.elapsed_time(b))
-            else:
-                t0 = time.perf_counter()
-                fn()
-                times.append((time.perf_counter() - t0) * 1e3)
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
         return float(statistics.median(times))
 
-    return run
+    return host_ms
 
 
 def eager_row_counts(batch_sizes: Sequence[int]) -> list[int]:

@@ -89,6 +89,21 @@ class GenerationResult:
         return asdict(self)
 
 
+def timing_mark(device: torch.device) -> float | torch.cuda.Event:
+    """A point in time of work on ``device``: on CUDA an event recorded on the current stream (the GPU's time
+    when it gets there, read later without a host sync), elsewhere the host clock in seconds."""
+    if torch.device(device).type != "cuda":
+        return time.perf_counter()
+    event = torch.cuda.Event(enable_timing=True)
+    event.record(torch.cuda.current_stream(device))
+    return event
+
+
+def elapsed_ms(a: float | torch.cuda.Event, b: float | torch.cuda.Event) -> float:
+    """Milliseconds between two :func:`timing_mark` points (CUDA events: ``b`` must have completed)."""
+    return float(a.elapsed_time(b)) if isinstance(a, torch.cuda.Event) else (b - a) * 1e3
+
+
 class _StepTimer:
     """Milliseconds of each denoising step (the forward on its bucket, the guidance combinations and the
     scheduler updates). On a CUDA device, CUDA events on the current stream measure the GPU's time between a
@@ -100,21 +115,14 @@ class _StepTimer:
         self._spans: list[tuple] = []
         self._begin = None
 
-    def _now(self):
-        if not self._cuda:
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record(torch.cuda.current_stream(self._device))
-        return event
-
     def start(self) -> None:
         """A step begins."""
-        self._begin = self._now()
+        self._begin = timing_mark(self._device)
 
     def stop(self, key: BucketKey | None, states: Sequence[RequestState]) -> None:
         """The step that began last ends; it ran on bucket ``key`` (None: a miss) for ``states``."""
         if self._begin is not None:
-            self._spans.append((self._begin, self._now(), key, list(states)))
+            self._spans.append((self._begin, timing_mark(self._device), key, list(states)))
             self._begin = None
 
     def by_key(self) -> dict[BucketKey | None, list[float]]:
@@ -126,7 +134,7 @@ class _StepTimer:
             self._spans[-1][1].synchronize()
         out: dict[BucketKey | None, list[float]] = {}
         for a, b, key, states in self._spans:
-            ms = float(a.elapsed_time(b)) if self._cuda else (b - a) * 1e3
+            ms = elapsed_ms(a, b)
             out.setdefault(key, []).append(ms)
             for state in states:
                 state.step_ms.append(ms)
@@ -269,7 +277,7 @@ class DiTPipeline:
         """Without a cost model (``step`` called with no plan): rows that miss only in the batch dimension, for a
         planner that splits them (``runner.scheduler: step``), as full forwards of the shape's largest bucket and
         the rest in the smallest bucket that holds it. None otherwise (the forward runs as a miss)."""
-        if not self.planner._splits:
+        if not self.planner.splits_batches:
             return None
         home = self.table.split_home(lookup)
         if home is None:

@@ -103,7 +103,8 @@ class Planner:
         min_side = -(-config.limits.min_side_px // rules.pixels_per_token)
         self.table = BucketTable(config.buckets, rules, min_image_tokens=min_side * min_side)
         self.count_tokens = count_tokens
-        self._splits = config.runner.scheduler == "step"  # rows above the largest bucket are split, not missed
+        self.splits_batches = config.runner.scheduler == "step"
+        """Rows above the largest batch bucket are split across buckets (the step scheduler), not missed."""
 
     @classmethod
     def from_config(cls, config: ServeConfig) -> "Planner":
@@ -188,7 +189,7 @@ class Planner:
         if neg_tokens > limit:
             raise RequestError("negative_prompt", f"negative_prompt is {self._too_long(neg_tokens)}; {self._limit_reason}")
         lookup = self.table.lookup(self.query(filled, tokens, neg_tokens))
-        home = self.table.split_home(lookup) if self._splits else None
+        home = self.table.split_home(lookup) if self.splits_batches else None
         if not lookup.hit and home is None and self.table.miss_policy is MissPolicy.REJECT:
             raise self._miss_error(filled, lookup)
         return Plan(filled, lookup, tokens, home)
@@ -228,7 +229,7 @@ class Planner:
         step scheduler the batch dimension is left out: rows above the largest bucket are split, not missed."""
         t = self.table
         parts: list[tuple[str, str]] = []
-        missed = tuple(d for d in lookup.missed if not (self._splits and d is Dim.BATCH))
+        missed = tuple(d for d in lookup.missed if not (self.splits_batches and d is Dim.BATCH))
         for dim in missed:
             if dim is Dim.BATCH:
                 per = 2 if self.spec.uses_cfg(request) else 1

@@ -72,7 +72,7 @@ from .errors import RequestCancelled
 from .families import RequestState
 from .load import LoadMeter
 from .metrics import token_shares
-from .pipeline import DiTPipeline, GenerationResult, _png
+from .pipeline import DiTPipeline, GenerationResult, _png, elapsed_ms, timing_mark
 from .planner import GenerationRequest, Plan
 
 __all__ = ["FORWARD_KINDS", "StepScheduler"]
@@ -226,13 +226,20 @@ class StepScheduler:
         whose activation peak the caching allocator keeps reserved)."""
         r = pipeline.config.runner
         window = pipeline.config.autoscaling.look_back_period_s
-        budget = None
-        if torch.device(pipeline.model.device).type == "cuda":
-            free, _ = torch.cuda.mem_get_info(pipeline.model.device)
-            budget = int(0.5 * free)
-        return cls(pipeline, costs, max_rows=r.max_rows_in_flight, memory_budget_bytes=budget,
-                   decode_batch_images=r.decode_batch_images, encode_threads=r.encode_threads,
-                   fair_wait_s=r.fair_wait_s, meter=LoadMeter(window_s=window, snapshot_s=min(0.5, window)))
+        sched = cls(pipeline, costs, max_rows=r.max_rows_in_flight, decode_batch_images=r.decode_batch_images,
+                    encode_threads=r.encode_threads, fair_wait_s=r.fair_wait_s,
+                    meter=LoadMeter(window_s=window, snapshot_s=min(0.5, window)))
+        sched.measure_memory_budget()
+        return sched
+
+    def measure_memory_budget(self) -> None:
+        """On CUDA, set the memory budget of request tensors in flight to half of the device memory free now
+        (call it again after capture and cost measurement, whose activation peak the caching allocator keeps
+        reserved); elsewhere leave it as it is."""
+        if self._cuda:
+            free, _ = torch.cuda.mem_get_info(self._device)
+            with self._cv:
+                self.memory_budget_bytes = int(0.5 * free)
 
     def set_costs(self, costs: CostModel) -> None:
         """Use ``costs`` from now on (merged over the current model: a shape captured later adds its times)."""
@@ -448,12 +455,7 @@ class StepScheduler:
                 failed: bool = False) -> None:
         """Take ``item`` out of flight (its rows and bytes freed); with ``error``, hand it to the caller."""
         with self._cv:
-            group = self._running.get(item.group)
-            if group is not None and item in group:
-                group.remove(item)
-                if not group:
-                    del self._running[item.group]
-            self._rows_in_flight -= item.rows
+            self._leave_running(item)
             self._bytes_in_flight -= item.nbytes
             item.nbytes = 0
             st = self._stat(item.shape)
@@ -465,6 +467,15 @@ class StepScheduler:
         self.meter.finish(item, 0)
         if error is not None:
             self._resolve(item, error)
+
+    def _leave_running(self, item: _Request) -> None:
+        """Take ``item`` out of its running group and free its rows; called with the lock held."""
+        group = self._running.get(item.group)
+        if group is not None and item in group:
+            group.remove(item)
+            if not group:
+                del self._running[item.group]
+        self._rows_in_flight -= item.rows
 
     def _plan_for(self, group: tuple, shape: str | None, rows: int) -> ForwardPlan:
         """The step's forwards: the cost model's cheapest plan over the shape's prepared buckets; a miss runs
@@ -498,7 +509,7 @@ class StepScheduler:
         shape = items[0].shape
         rows = sum(s.rows for s in states)
         plan = self._plan_for(group, shape, rows)
-        begin = self._now()
+        begin = timing_mark(self._device)
         try:
             lookup = self.pipeline.step(states, plan)
         except Exception as e:
@@ -506,13 +517,12 @@ class StepScheduler:
             for item in items:
                 self._retire(item, e, failed=True)
             return
-        self._count_step(shape, plan, items)
+        computed = self._count_step(shape, plan, items)
         # the bucket the step is counted under: its first bucket forward's; all eager: the smallest bucket that
         # holds the first chunk (where its rows would have run)
         key = next((c.key for c in plan.chunks if c.key is not None), None) or plan.chunks[0].home or lookup.key
-        self._spans.append((begin, self._now(), key, states))
+        self._spans.append((begin, timing_mark(self._device), key, states))
         self._record_spans()
-        computed = sum((c.key.tokens if c.key is not None else self._real_tokens(items, c.rows)) for c in plan.chunks)
         for item, share in zip(items, token_shares(computed, [s.rows for s in states])):
             if item.first_key is None and item.state.step_index == 1:
                 item.first_key = key if key is not None else item.plan.lookup.key
@@ -522,26 +532,15 @@ class StepScheduler:
             if item.state.done:
                 self._finish_denoise(item)
 
-    def _now(self):
-        """A CUDA event recorded on the current stream (CUDA), else the host clock."""
-        if not self._cuda:
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record(torch.cuda.current_stream(self._device))
-        return event
-
     def _record_spans(self) -> None:
         """Record the step milliseconds of every step the GPU has finished (never waits for one): per bucket
         in the pipeline's metrics, and in each request's ``step_ms``."""
         done: dict[BucketKey | None, list[float]] = {}
         while self._spans:
             a, b, key, states = self._spans[0]
-            if self._cuda:
-                if not b.query():
-                    break
-                ms = float(a.elapsed_time(b))
-            else:
-                ms = (b - a) * 1e3
+            if self._cuda and not b.query():
+                break
+            ms = elapsed_ms(a, b)
             self._spans.popleft()
             done.setdefault(key, []).append(ms)
             for state in states:
@@ -555,8 +554,11 @@ class StepScheduler:
         q = items[0].plan.lookup.query
         return rows * (q.image_tokens + q.text_tokens)
 
-    def _count_step(self, shape: str | None, plan: ForwardPlan, items: list[_Request]) -> None:
+    def _count_step(self, shape: str | None, plan: ForwardPlan, items: list[_Request]) -> int:
+        """Count one step of ``items`` run as ``plan`` in the shape's stats; returns the tokens it computed
+        (a bucket forward's padded tokens, an eager chunk's real ones)."""
         real = sum(i.rows * (i.plan.lookup.query.image_tokens + i.plan.lookup.query.text_tokens) for i in items)
+        computed = 0
         with self._cv:
             st = self._stat(shape)
             st.steps += 1
@@ -565,13 +567,15 @@ class StepScheduler:
             for c in plan.chunks:
                 if c.key is None:
                     st.forwards["eager"] += 1
-                    st.computed_tokens += self._real_tokens(items, c.rows)
+                    computed += self._real_tokens(items, c.rows)
                 else:
                     st.forwards["split" if split else "graph"] += 1
                     st.bucket_rows += c.key.batch
                     st.bucket_real_rows += c.rows
-                    st.computed_tokens += c.key.tokens
+                    computed += c.key.tokens
+            st.computed_tokens += computed
             st.real_tokens += real
+        return computed
 
     def _finish_denoise(self, item: _Request) -> None:
         """A request's last step is queued: record its event and hand it to the decode thread."""
@@ -581,12 +585,7 @@ class StepScheduler:
             ev.record(torch.cuda.current_stream(self._device))
             item.done_event = ev
         with self._cv:
-            group = self._running.get(item.group)
-            if group is not None and item in group:
-                group.remove(item)
-                if not group:
-                    del self._running[item.group]
-            self._rows_in_flight -= item.rows
+            self._leave_running(item)
             self._finishing.add(item)
             self._cv.notify_all()
         self._decode_q.put(item)

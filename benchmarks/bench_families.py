@@ -423,8 +423,9 @@ def _save(args, result: dict) -> None:
         Path(args.out).write_text(json.dumps(result, indent=2))
 
 
-def _table(header: list[str], rows: list[list]) -> None:
-    """Print ``rows`` under ``header``, columns as wide as their widest cell (None as "-")."""
+def format_table(header: list[str], rows: list[list]) -> str:
+    """``rows`` under ``header`` as text, columns as wide as their widest cell (None as "-"; floats with one
+    decimal from 10 up, else 3 significant digits)."""
     def fmt(c) -> str:
         if isinstance(c, float):
             return f"{c:.1f}" if abs(c) >= 10 else f"{c:.3g}"
@@ -432,7 +433,12 @@ def _table(header: list[str], rows: list[list]) -> None:
 
     cells = [header] + [[fmt(c) for c in r] for r in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
-    print("\n" + "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in cells))
+    return "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in cells)
+
+
+def _table(header: list[str], rows: list[list]) -> None:
+    """Print :func:`format_table` after a blank line."""
+    print("\n" + format_table(header, rows))
 
 
 def run_verify(args, device: torch.device) -> dict:

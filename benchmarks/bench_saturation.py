@@ -747,14 +747,8 @@ def _round(x, d):
 
 
 def _table(header: list[str], rows: list[list]) -> str:
-    def fmt(c) -> str:
-        if isinstance(c, float):
-            return f"{c:.1f}" if abs(c) >= 10 else f"{c:.3g}"
-        return "-" if c is None else str(c)
-
-    cells = [header] + [[fmt(c) for c in r] for r in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
-    return "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in cells)
+    """``bench_families.format_table``: the same column layout as the other GPU benchmarks."""
+    return _bench_families().format_table(header, rows)
 
 
 def render(result: dict) -> str:

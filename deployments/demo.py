@@ -308,6 +308,16 @@ def _post_kwargs(json: Any, timeout: float | None) -> dict[str, Any]:
     return {"json": json} if timeout is None else {"json": json, "timeout": timeout}
 
 
+def _resend_delay(response: Any, retries: int, elapsed_s: float, max_retries: int, deadline_s: float) -> float | None:
+    """Seconds to wait before resending after ``response``, or None to return it: not a 503 with
+    ``Retry-After``, ``max_retries`` resends made, or the wait would end past ``deadline_s`` from the first
+    send (``elapsed_s`` ago)."""
+    delay = retry_after_delay(response)
+    if delay is None or retries >= max_retries or elapsed_s + delay > deadline_s:
+        return None
+    return delay
+
+
 def _give_up(exc: BaseException, retries: int, waited_s: float) -> None:
     """Record the resends made so far on a transport error before it propagates."""
     try:
@@ -358,8 +368,8 @@ def post_honouring_retry_after(client: Any, url: str, json: Any, *, timeout: flo
         except Exception as exc:
             _give_up(exc, retries, waited)
             raise
-        delay = retry_after_delay(response)
-        if delay is None or retries >= max_retries or clock() - start + delay > deadline_s:
+        delay = _resend_delay(response, retries, clock() - start, max_retries, deadline_s)
+        if delay is None:
             return response, retries, waited
         response.close()
         sleep(delay)
@@ -397,8 +407,8 @@ async def apost_honouring_retry_after(client: Any, url: str, json: Any, *, timeo
         except Exception as exc:
             _give_up(exc, retries, waited)
             raise
-        delay = retry_after_delay(response)
-        if delay is None or retries >= max_retries or clock() - start + delay > deadline_s:
+        delay = _resend_delay(response, retries, clock() - start, max_retries, deadline_s)
+        if delay is None:
             return response, retries, waited
         await response.aclose()
         await wait(delay)

@@ -178,11 +178,8 @@ class DiTReplica:
                 self._pipeline.runner.prepare(keys)
                 self._measure_costs(s, keys)
                 self._ready.add(s)
-            if isinstance(self._batcher, StepScheduler) and self._pipeline.model.device.type == "cuda":
-                import torch
-
-                free, _ = torch.cuda.mem_get_info(self._pipeline.model.device)
-                self._batcher.memory_budget_bytes = int(0.5 * free)
+            if isinstance(self._batcher, StepScheduler):
+                self._batcher.measure_memory_budget()  # after capture and cost measurement
 
     def _measure_costs(self, shape: str, keys: list[BucketKey]) -> None:
         """Time ``shape``'s prepared buckets and its eager forwards for the step scheduler's cost model; a

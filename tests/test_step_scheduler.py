@@ -12,7 +12,6 @@ event loop submits, so the denoising thread admits every request of the call at 
 from __future__ import annotations
 
 import asyncio
-import io
 import threading
 import time
 
@@ -20,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 from closeness import assert_close
-from PIL import Image
+from reference_gate import pixels
 
 from bcg_core import (
     BucketConfig,
@@ -71,13 +70,9 @@ def _req(prompt="a red cube", n=1, width=256, height=256, steps=2, guidance=1.0,
                              guidance_scale=guidance, seed=seed, **kw)
 
 
-def _pixels(png: bytes) -> np.ndarray:
-    return np.asarray(Image.open(io.BytesIO(png)).convert("RGB")).astype(np.int16)
-
-
 def same_image(a: bytes, b: bytes) -> bool:
     """At most one level apart, on at most 0.1% of the pixel values."""
-    d = np.abs(_pixels(a) - _pixels(b))
+    d = np.abs(pixels(a) - pixels(b))
     return int(d.max()) <= 1 and float((d > 0).mean()) <= 1e-3
 
 
