@@ -135,6 +135,8 @@ class CostModel:
     eager_ms: dict[str, dict[int, float]] = field(default_factory=dict)
     source: str = "scripted"
     eager: bool = True
+    _plans: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    """Plans already chosen, by (shape, rows, buckets): the times do not change, and every step asks."""
 
     def __post_init__(self):
         if any(v < 0 for v in self.bucket_ms.values()):
@@ -203,6 +205,14 @@ class CostModel:
         """
         if rows < 1:
             raise ValueError(f"a step needs at least 1 row, got {rows}")
+        memo = (shape, rows, frozenset(buckets))
+        plan = self._plans.get(memo)
+        if plan is None:
+            plan = self._plans[memo] = self._cheapest(shape, rows, buckets)
+        return plan
+
+    def _cheapest(self, shape: str, rows: int, buckets: Sequence[BucketKey]) -> ForwardPlan:
+        """The dynamic program of :meth:`plan` (module docstring)."""
         keys = sorted((k for k in buckets if k in self.bucket_ms), key=lambda k: (k.batch, self.bucket_ms[k]))
         largest = max((k.batch for k in keys), default=0)
         eager_ok = self.eager and shape in self.eager_ms
