@@ -255,6 +255,15 @@ class RunnerConfig(BaseModel):
         "plus a launch cost per forward); 'auto' measures where graphs are captured (CUDA) and uses the "
         "token-count model elsewhere (on a CPU a padded row is pure extra work, so padding never pays).",
     )
+    fused_step: Literal["auto", "always", "never"] = Field(
+        default="auto",
+        description="Capture each image's classifier-free guidance combination and its flow-match Euler update "
+        "in the bucket graph after the transformer, so one replay is one whole denoising step (bcg_core/fused.py; "
+        "FLUX.1 and SD3 with FlowMatchEulerDiscreteScheduler). 'auto': where graphs are captured; 'always': also "
+        "on the eager runner (CPU), computed on the static buffers; 'never': the transformer alone in the graph, "
+        "guidance and scheduler step on the host. At start one step is run both ways and compared bit for bit; "
+        "on any difference the fused step stays off (reported in /v1/buckets under fused_step).",
+    )
 
 
 class RoutingConfig(BaseModel):

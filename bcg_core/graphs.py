@@ -32,7 +32,7 @@ import torch
 from .buckets import BucketKey
 from .metrics import BucketMetrics
 from .padding import DenoiseInputs, DiTAdapter
-from .runner import BucketEntry, RunMode, static_forward
+from .runner import BucketEntry, RunMode, fill_fused, fused_buffers, static_forward
 
 __all__ = ["CaptureStats", "CudaGraphRunner", "budget_allows", "capture_order"]
 
@@ -91,6 +91,9 @@ class CudaGraphRunner:
         lazy: capture a bucket on its first request instead of in :meth:`prepare`.
         warmup_iters: warm-up forwards on a side stream before each capture.
         sync_debug: run the first capture under ``torch.cuda.set_sync_debug_mode("error")``.
+        fused: capture each bucket's fused step (:mod:`bcg_core.fused`) in its graph after the forward: one
+            replay gives both the transformer output (:meth:`run`) and every image's next latents
+            (:meth:`run_fused`).
 
     Raises:
         ValueError: if ``device`` is not a CUDA device.
@@ -98,7 +101,7 @@ class CudaGraphRunner:
 
     def __init__(self, adapter: DiTAdapter, keys: list[BucketKey], metrics: BucketMetrics, device: torch.device,
                  dtype: torch.dtype, budget_bytes: int | None = None, lazy: bool = False, warmup_iters: int = 2,
-                 sync_debug: bool = True):
+                 sync_debug: bool = True, fused: bool = False):
         if torch.device(device).type != "cuda":
             raise ValueError(f"CudaGraphRunner needs a CUDA device, got {device}; use EagerBucketRunner on CPU")
         self.adapter = adapter
@@ -110,6 +113,7 @@ class CudaGraphRunner:
         self.lazy = lazy
         self.warmup_iters = warmup_iters
         self.sync_debug = sync_debug
+        self.fused = fused
         self.entries: dict[BucketKey, BucketEntry] = {}
         self.stats = CaptureStats()
         self.pool = None
@@ -161,7 +165,16 @@ class CudaGraphRunner:
                 self.metrics.record_capture(key, entry.capture_s)
             return entry
 
-    def _warmup(self, buffers: dict[str, torch.Tensor]) -> int:
+    def _forward(self, buffers: dict[str, torch.Tensor], fused: dict[str, torch.Tensor] | None):
+        """The work a bucket's graph holds: the forward, then with ``fused`` the fused step's update."""
+        out = self.adapter.forward(buffers)
+        if fused is None:
+            return out, None
+        from .fused import fused_update
+
+        return out, fused_update(out, buffers["latents"], fused["meta"], fused["dt"])
+
+    def _warmup(self, buffers: dict[str, torch.Tensor], fused: dict[str, torch.Tensor] | None = None) -> int:
         """Warm-up forwards on a side stream; returns their peak memory above the starting allocation."""
         torch.cuda.synchronize(self.device)
         base = torch.cuda.memory_allocated(self.device)
@@ -173,7 +186,7 @@ class CudaGraphRunner:
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side), torch.inference_mode():
             for _ in range(self.warmup_iters):
-                self.adapter.forward(buffers)
+                self._forward(buffers, fused)
         torch.cuda.current_stream(self.device).wait_stream(side)
         torch.cuda.synchronize(self.device)
         return torch.cuda.max_memory_allocated(self.device) - base
@@ -183,7 +196,9 @@ class CudaGraphRunner:
         try:
             buffers = self.adapter.allocate(key, self.device, self.dtype)
             entry = BucketEntry(key, buffers)
-            estimate = self._warmup(buffers)
+            if self.fused:
+                entry.fused = fused_buffers(key.batch, self.device)
+            estimate = self._warmup(buffers, entry.fused)
         except torch.cuda.OutOfMemoryError as e:
             return self._dropped(key, f"out of memory while warming up: {e}".splitlines()[0])
         if not budget_allows(self.stats.pool_bytes, estimate, self.budget_bytes):
@@ -199,7 +214,7 @@ class CudaGraphRunner:
         first = self.stats.captured == 0 and self.sync_debug
         try:
             with self._sync_debug(first), torch.inference_mode(), torch.cuda.graph(graph, pool=self.pool):
-                output = self.adapter.forward(buffers)
+                output, nxt = self._forward(buffers, entry.fused)
             torch.cuda.synchronize(self.device)
         except torch.cuda.OutOfMemoryError as e:
             graph = None  # drop the partial capture
@@ -214,6 +229,8 @@ class CudaGraphRunner:
         torch.cuda.empty_cache()
         grown = max(0, torch.cuda.memory_reserved(self.device) - reserved)
         entry.mode, entry.graph, entry.output = RunMode.GRAPH, graph, output
+        if nxt is not None:
+            entry.fused["next"] = nxt
         entry.pool_bytes = grown
         entry.capture_s = time.perf_counter() - t0
         entry.note = f"estimate {estimate / MiB:.1f} MiB"
@@ -289,6 +306,34 @@ class CudaGraphRunner:
                     out = self.adapter.forward_eager(inputs).clone()
                 entry.forwards += 1
         self.metrics.record_forward(key, mode)
+        return out
+
+    def fuses(self, key: BucketKey) -> bool:
+        """True when bucket ``key`` holds a captured graph with its fused step."""
+        entry = self.entries.get(key)
+        return entry is not None and entry.mode is RunMode.GRAPH and entry.fused is not None and "next" in entry.fused
+
+    @torch.inference_mode()
+    def run_fused(self, key: BucketKey, inputs: DenoiseInputs, meta: torch.Tensor, dt: torch.Tensor) -> torch.Tensor:
+        """One replay of bucket ``key``'s fused graph (see :meth:`~bcg_core.runner.BucketRunner.run_fused`).
+
+        Returns:
+            (meta.shape[1], ...) the images' next latents, a new tensor.
+
+        Raises:
+            KeyError: ``key`` holds no fused graph (:meth:`fuses`).
+            ValueError: ``inputs`` or ``meta`` do not fit the bucket.
+        """
+        with self._lock:
+            if not self.fuses(key):
+                raise KeyError(f"bucket {key} holds no fused graph")
+            entry = self.entries[key]
+            self.adapter.fill(entry.buffers, inputs)
+            fill_fused(entry.fused, meta, dt)
+            entry.graph.replay()
+            out = self.adapter.unpad(entry.fused["next"], inputs)[: meta.shape[1]].clone()
+            entry.forwards += 1
+        self.metrics.record_forward(key, "graph")
         return out
 
     @property

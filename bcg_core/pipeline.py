@@ -46,7 +46,7 @@ from .padding import DenoiseInputs
 from .planner import GenerationRequest, Plan, Planner
 from .runner import BucketRunner, EagerBucketRunner
 
-__all__ = ["DiTPipeline", "GenerationResult", "build_runner", "runner_mode"]
+__all__ = ["DiTPipeline", "FusedStats", "GenerationResult", "build_runner", "fused_wanted", "runner_mode"]
 
 
 @dataclass
@@ -142,6 +142,42 @@ class _StepTimer:
         return out
 
 
+@dataclass
+class FusedStats:
+    """State and counters of the fused step (:mod:`bcg_core.fused`), shown in ``/v1/buckets`` as ``fused_step``.
+
+    Attributes:
+        wanted: the runner captures fused steps and the family has one (``runner.fused_step``).
+        checked: :meth:`DiTPipeline.check_fused` has compared it with the host path.
+        on: the check passed; steps may run fused.
+        note: the check's outcome in words.
+        steps: steps run fused.
+        host_steps: steps that ran on the host while it was on, by reason: ``no_fused_graph`` (a miss, an
+            unpadded eager chunk, a bucket without a fused graph), ``scheduler`` (a request whose scheduler or
+            latents the fused update does not cover), ``cfg_pair_split`` (a split put an image's cond and uncond
+            rows in different forwards).
+    """
+
+    wanted: bool = False
+    checked: bool = False
+    on: bool = False
+    note: str = ""
+    steps: int = 0
+    host_steps: dict[str, int] | None = None
+
+    def host(self, reason: str) -> bool:
+        """Count a step that runs on the host for ``reason``; returns False (the caller's answer)."""
+        if self.host_steps is None:
+            self.host_steps = {}
+        self.host_steps[reason] = self.host_steps.get(reason, 0) + 1
+        return False
+
+    def describe(self) -> dict:
+        """The JSON of ``/v1/buckets``' ``fused_step``."""
+        note = self.note or ("off: runner.fused_step or the family has no fused step" if not self.wanted else "")
+        return {"enabled": self.on, "note": note, "steps": self.steps, "host_steps": dict(self.host_steps or {})}
+
+
 def _png(image: np.ndarray) -> bytes:
     """PNG bytes of a (height, width, 3) uint8 image (PIL's encoder, its default settings)."""
     from PIL import Image
@@ -176,16 +212,27 @@ def build_runner(config: ServeConfig, model: Family, keys: list, metrics: Bucket
         ValueError: ``mode: graph`` on a model that is not on a CUDA device.
     """
     mode = runner_mode(config, model.device)
+    fused = fused_wanted(config, model)
     if mode == "eager":
-        return EagerBucketRunner(model.adapter, keys, metrics, model.device, model.dtype)
+        return EagerBucketRunner(model.adapter, keys, metrics, model.device, model.dtype, fused=fused)
     from .graphs import CudaGraphRunner
 
     budget = config.runner.graph_memory_budget_mib
     return CudaGraphRunner(
         model.adapter, keys, metrics, model.device, model.dtype,
         budget_bytes=None if budget is None else int(budget * 2**20), lazy=config.runner.lazy_capture,
-        warmup_iters=config.runner.warmup_iters,
+        warmup_iters=config.runner.warmup_iters, fused=fused,
     )
+
+
+def fused_wanted(config: ServeConfig, model: Family) -> bool:
+    """Whether ``config.runner.fused_step`` asks for the fused step on ``model`` (:mod:`bcg_core.fused`):
+    never for a family without ``euler_step`` (multistep solvers, norm-rescaled CFG); ``auto`` where graphs
+    are captured; ``always`` on the eager runner too."""
+    how = config.runner.fused_step
+    if how == "never" or not hasattr(model, "euler_step"):
+        return False
+    return how == "always" or runner_mode(config, model.device) == "graph"
 
 
 class DiTPipeline:
@@ -206,8 +253,16 @@ class DiTPipeline:
         self.table = self.planner.table
         self.metrics = BucketMetrics(self.table.keys)
         self.runner: BucketRunner = runner or build_runner(config, model, self.table.keys, self.metrics)
+        self.fused = FusedStats(wanted=bool(getattr(self.runner, "fused", False)) and hasattr(model, "euler_step"))
         if prepare:
-            self.runner.prepare()
+            self.prepare()
+
+    def prepare(self, keys: Sequence[BucketKey] | None = None) -> None:
+        """Prepare (capture on CUDA) ``keys`` (every bucket when None) through the runner; then, the first time
+        a bucket with a fused step is ready, :meth:`check_fused`."""
+        self.runner.prepare(keys)
+        if self.fused.wanted and not self.fused.checked:
+            self.check_fused()
 
     @classmethod
     def from_config(cls, config: ServeConfig | None = None) -> DiTPipeline:
@@ -222,7 +277,8 @@ class DiTPipeline:
         return self.model.start(plan, cancel)
 
     @torch.inference_mode()
-    def step(self, states: Sequence[RequestState], plan: ForwardPlan | None = None) -> BucketLookup:
+    def step(self, states: Sequence[RequestState], plan: ForwardPlan | None = None,
+             fused: bool = True) -> BucketLookup:
         """One denoising step of each of ``states`` in ONE transformer forward.
 
         The rows of every state (its cond rows and, with CFG, its uncond rows, at its own timestep) are
@@ -236,9 +292,15 @@ class DiTPipeline:
         chunks instead, in row order: each chunk on its bucket (padded) or unpadded and eager; every chunk
         finishes before any request advances, so an image's cond and uncond rows always share a step.
 
+        The fused step (:mod:`bcg_core.fused`, checked at start by :meth:`check_fused`) runs the step as one
+        replay per forward, guidance and scheduler update inside it, when every request's update is a plain
+        flow-match Euler step, every forward is a bucket with a fused graph and every image's cond and uncond
+        rows share a forward; otherwise the host path above (counted in :attr:`fused` by reason).
+
         Args:
             states: requests of one token grid, none finished.
             plan: the forwards to run the rows as; None: one forward on the bucket of all the rows.
+            fused: allow the fused step (False: the host path, as :meth:`check_fused` compares).
 
         Returns:
             The lookup of the forward's shape (``.key`` None on a miss).
@@ -256,6 +318,10 @@ class DiTPipeline:
             plan = self._split_plan(lookup)  # rows above the largest bucket, planned to be split: split them
             if plan is not None:  # counted as a hit of its first bucket
                 lookup = BucketLookup(lookup.query, plan.chunks[0].key)
+        if fused and self.fused.on:
+            spans = [(lookup.key, inputs.rows)] if plan is None else [(c.key, c.rows) for c in plan.chunks]
+            if self._fused_step(states, parts, inputs, spans):
+                return lookup
         if plan is None:
             out = self.runner.run(lookup.key, inputs)
         else:
@@ -272,6 +338,131 @@ class DiTPipeline:
             self.model.advance(state, out[offset : offset + part.rows])
             offset += part.rows
         return lookup
+
+    def _fused_step(self, states: Sequence[RequestState], parts: list[DenoiseInputs], inputs: DenoiseInputs,
+                    spans: list[tuple[BucketKey | None, int]]) -> bool:
+        """Run the step fused when it can (see :meth:`step`); False (counted by reason) when it cannot."""
+        from .fused import META_ROWS, commit_euler
+
+        if any(key is None or not self.runner.fuses(key) for key, _ in spans):
+            return self.fused.host("no_fused_graph")  # a miss, an eager chunk, or a bucket without a fused graph
+        steps = [self.model.euler_step(s) for s in states]
+        if any(e is None for e in steps):
+            return self.fused.host("scheduler")
+        cond, uncond, owner = [], [], []  # per image, in row order of its cond row
+        offset = 0
+        for i, (state, e, part) in enumerate(zip(states, steps, parts)):
+            for j in range(state.n):
+                c = offset + e.cond + j
+                cond.append(c)
+                uncond.append(offset + e.uncond + j if e.uncond is not None else c)
+                owner.append(i)
+            offset += part.rows
+        work, lo, a = [], 0, 0
+        for key, rows in spans:
+            b = a + rows
+            hi = lo
+            while hi < len(cond) and cond[hi] < b:
+                hi += 1
+            if any(not a <= uncond[k] < b for k in range(lo, hi)):
+                return self.fused.host("cfg_pair_split")
+            meta = torch.tensor([[cond[k] - a for k in range(lo, hi)], [uncond[k] - a for k in range(lo, hi)],
+                                 [float(steps[owner[k]].uncond is not None) for k in range(lo, hi)],
+                                 [steps[owner[k]].scale for k in range(lo, hi)]], dtype=torch.float32)
+            assert meta.shape[0] == META_ROWS
+            if self.model.device.type == "cuda":
+                meta = meta.pin_memory()  # copied into the graph's buffer without a host sync
+            work.append((key, a, b, lo, hi, meta))
+            lo, a = hi, b
+        dt = torch.stack([steps[owner[k]].dt for k in range(len(cond))]).to(self.model.device)
+        outs = []
+        for key, a, b, lo, hi, meta in work:
+            rows = inputs if len(work) == 1 else inputs.select(slice(a, b))
+            outs.append(self.runner.run_fused(key, rows, meta, dt[lo:hi]))
+        nxt = torch.cat(outs) if len(outs) > 1 else outs[0]
+        k = 0
+        for state in states:
+            commit_euler(state, nxt[k : k + state.n])
+            k += state.n
+        self.fused.steps += 1
+        return True
+
+    @torch.inference_mode()
+    def check_fused(self) -> bool:
+        """Prove the fused step bitwise equal to the host path on this device, before any request uses it.
+
+        On the smallest prepared bucket with a fused graph, a request without CFG (and, where the family runs
+        CFG, one with it) takes two steps fused and two on the host (transformer replay, then the family's
+        :meth:`advance`: its CFG combination and ``scheduler.step``) from the same state; their latents must be
+        bit for bit equal after each step. On any difference the fused step is turned off for this pipeline
+        (:attr:`fused`, ``note`` says why; logged). Without a prepared bucket that fuses nothing is checked and
+        the fused step stays off until the next :meth:`prepare`.
+
+        Returns:
+            True when the fused step is on.
+        """
+        import copy
+        import dataclasses
+        import logging
+
+        log = logging.getLogger(__name__)
+        keys = sorted((k for k in self.runner.prepared() if self.runner.fuses(k)), key=lambda k: (k.tokens, k.batch))
+        cases = []
+        for cfg in (False, True):
+            for key in keys:
+                try:
+                    plan = self.planner.plan(self._check_request(key, cfg))
+                except RequestError:
+                    continue
+                if self.model.spec.uses_cfg(plan.request) != cfg:
+                    break  # this family never runs that way
+                if plan.lookup.hit and self.runner.fuses(plan.lookup.key):
+                    cases.append(plan)
+                    break
+        if not cases:
+            self.fused.note = "not checked yet: no prepared bucket with a fused graph"
+            return False
+        for plan in cases:
+            host = self.start(plan)
+            mine = dataclasses.replace(host, latents=host.latents.clone(), scheduler=copy.deepcopy(host.scheduler),
+                                       step_ms=[])
+            for _ in range(min(2, len(host.timesteps))):
+                self.step([host], fused=False)
+                before = self.fused.steps
+                self.fused.on = True
+                self.step([mine])
+                self.fused.on = False
+                if self.fused.steps == before or not torch.equal(host.latents, mine.latents):
+                    diff = (host.latents.float() - mine.latents.float()).abs()
+                    self.fused.steps, self.fused.checked = 0, True
+                    self.fused.note = (f"off: the fused step differs from the host step on {plan.lookup.key} "
+                                       f"(cfg {host.cfg}): {int((diff > 0).sum())} of {diff.numel()} latent "
+                                       f"values, max |d| {float(diff.max()):.3g}")
+                    log.warning("fused step %s", self.fused.note)
+                    return False
+        self.fused.steps = 0
+        self.fused.checked = self.fused.on = True
+        self.fused.note = (f"on: bitwise equal to the host step on {', '.join(str(p.lookup.key) for p in cases)} "
+                           f"(cfg {', '.join(str(self.model.spec.uses_cfg(p.request)) for p in cases)})")
+        log.info("fused step %s", self.fused.note)
+        return True
+
+    def _check_request(self, key: BucketKey, cfg: bool) -> GenerationRequest:
+        """A request of one image whose shape is bucket ``key``'s tier, asking for CFG when ``cfg``."""
+        spec = self.model.spec
+        gh, gw = self._example_grid(key)
+        ppt = self.table.rules.pixels_per_token
+        fields = dict(prompt="a lighthouse on a cliff at dusk", n=1, width=gw * ppt, height=gh * ppt,
+                      num_inference_steps=2, seed=0)
+        if cfg:
+            fields["negative_prompt"] = "blurry"
+            if spec.cfg_rule == "true_cfg":
+                fields["true_cfg_scale"] = 4.0
+            else:
+                fields["guidance_scale"] = 4.5
+        elif spec.cfg_rule != "true_cfg":
+            fields["guidance_scale"] = 1.0
+        return GenerationRequest(**fields)
 
     def _split_plan(self, lookup: BucketLookup) -> ForwardPlan | None:
         """Without a cost model (``step`` called with no plan): rows that miss only in the batch dimension, for a
@@ -473,16 +664,19 @@ class DiTPipeline:
         """
         from .verify import BoundaryCase, random_inputs
 
-        grid = key.latent_hw
-        if grid is None:
-            step = self.table.rules.pixels_per_token
-            lim = self.config.limits
-            sides = range(-(-lim.min_side_px // step), lim.max_side_px // step + 1)
-            grids = [(h, w) for h in sides for w in sides if h * w <= key.image_tokens]
-            best = max(h * w for h, w in grids)
-            grid = min((g for g in grids if g[0] * g[1] == best), key=lambda g: abs(g[0] - g[1]))
-        case = BoundaryCase(key, rows, tuple(grid), key.text_tokens)
+        case = BoundaryCase(key, rows, self._example_grid(key), key.text_tokens)
         return random_inputs(self.model.adapter, case, self.model.device, self.model.dtype, seed)
+
+    def _example_grid(self, key: BucketKey) -> tuple[int, int]:
+        """The token grid that fills ``key``'s tier (see :meth:`example_inputs`)."""
+        if key.latent_hw is not None:
+            return tuple(key.latent_hw)
+        step = self.table.rules.pixels_per_token
+        lim = self.config.limits
+        sides = range(-(-lim.min_side_px // step), lim.max_side_px // step + 1)
+        grids = [(h, w) for h in sides for w in sides if h * w <= key.image_tokens]
+        best = max(h * w for h, w in grids)
+        return min((g for g in grids if g[0] * g[1] == best), key=lambda g: abs(g[0] - g[1]))
 
     def measure_costs(self, keys: Sequence[BucketKey], iters: int = 2) -> CostModel:
         """Time each of ``keys`` (prepared) and each of their shapes' unpadded eager forwards against row
@@ -504,4 +698,5 @@ class DiTPipeline:
                          "device": str(m.device), "dtype": str(m.dtype).removeprefix("torch."),
                          "native_text_tokens": m.rules.native_text_tokens}
         snap["table"] = self.table.describe_limits()
+        snap["fused_step"] = self.fused.describe()
         return snap

@@ -28,7 +28,7 @@ from .buckets import BucketKey
 from .metrics import BucketMetrics
 from .padding import DenoiseInputs, DiTAdapter
 
-__all__ = ["BucketEntry", "BucketRunner", "EagerBucketRunner", "RunMode", "static_forward"]
+__all__ = ["BucketEntry", "BucketRunner", "EagerBucketRunner", "RunMode", "fill_fused", "fused_buffers", "static_forward"]
 
 
 class RunMode(enum.Enum):
@@ -69,6 +69,9 @@ class BucketEntry:
     capture_s: float = 0.0
     note: str = ""
     forwards: int = field(default=0)
+    fused: dict[str, torch.Tensor] | None = None
+    """With a fused step (:mod:`bcg_core.fused`): its ``meta`` (4, B) and ``dt`` (B,) fp32 buffers, and under a
+    captured graph its static ``next`` latents output; None otherwise."""
 
 
 class BucketRunner(Protocol):
@@ -90,6 +93,37 @@ class BucketRunner(Protocol):
     def describe(self) -> list[dict]:
         """Per-bucket state for ``/v1/buckets``: key, mode, pool_bytes, capture_s, note."""
         ...
+
+    def fuses(self, key: BucketKey) -> bool:
+        """True when :meth:`run_fused` runs ``key`` as one fused step (a captured fused graph under CUDA graphs;
+        any prepared bucket of a runner built with ``fused=True`` on the eager runner)."""
+        ...
+
+    def run_fused(self, key: BucketKey, inputs: DenoiseInputs, meta: torch.Tensor, dt: torch.Tensor) -> torch.Tensor:
+        """One fused step on bucket ``key`` (:func:`bcg_core.fused.fused_update`): ``meta`` (4, m) and ``dt``
+        (m,) for the forward's ``m`` images; returns their next latents, (m, ...), a new tensor."""
+        ...
+
+
+def fused_buffers(batch: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """The fused step's static buffers of a ``batch``-row bucket: ``meta`` (4, B) and ``dt`` (B,), fp32."""
+    from .fused import META_ROWS
+
+    return {"meta": torch.zeros(META_ROWS, batch, device=device), "dt": torch.zeros(batch, device=device)}
+
+
+def fill_fused(fused: dict[str, torch.Tensor], meta: torch.Tensor, dt: torch.Tensor) -> None:
+    """Write a forward's ``meta`` (4, m) and ``dt`` (m,) into a bucket's fused buffers, pad entries zeroed
+    (cond and uncond row 0, no CFG, dt 0). ``meta`` may be a pinned CPU tensor (copied without a host sync)."""
+    m = meta.shape[1]
+    buf_meta, buf_dt = fused["meta"], fused["dt"]
+    if m > buf_meta.shape[1] or dt.shape != (m,):
+        raise ValueError(f"a fused step of {m} images (dt {tuple(dt.shape)}) does not fit a bucket of "
+                         f"{buf_meta.shape[1]} rows")
+    buf_meta[:, :m].copy_(meta, non_blocking=True)
+    buf_meta[:, m:].zero_()
+    buf_dt[:m].copy_(dt)
+    buf_dt[m:].zero_()
 
 
 def static_forward(adapter: DiTAdapter, buffers: dict[str, torch.Tensor], inputs: DenoiseInputs) -> torch.Tensor:
@@ -113,11 +147,14 @@ class EagerBucketRunner:
         keys: the buckets to serve.
         metrics: counters to record forwards into.
         device, dtype: where the static buffers live (the model's device and dtype).
+        fused: serve :meth:`run_fused` (the fused step computed eagerly on the static buffers, as the CUDA
+            graph runner replays it).
     """
 
     def __init__(self, adapter: DiTAdapter, keys: list[BucketKey], metrics: BucketMetrics,
-                 device: torch.device, dtype: torch.dtype):
+                 device: torch.device, dtype: torch.dtype, fused: bool = False):
         self.adapter = adapter
+        self.fused = fused
         self.keys = sorted(keys, key=lambda k: (-k.tokens, -k.batch, k.image_mask))  # largest first, as capture
         self._key_set = frozenset(self.keys)
         self.lazy_prepares = 0
@@ -177,6 +214,35 @@ class EagerBucketRunner:
                 entry.forwards += 1
         self.metrics.record_forward(key, "eager" if key is None or eager else "static_eager")
         return out
+
+    def fuses(self, key: BucketKey) -> bool:
+        """True for a prepared bucket of a runner built with ``fused=True``."""
+        return self.fused and key in self.entries
+
+    @torch.inference_mode()
+    def run_fused(self, key: BucketKey, inputs: DenoiseInputs, meta: torch.Tensor, dt: torch.Tensor) -> torch.Tensor:
+        """One fused step on bucket ``key``'s static buffers, eagerly (see :meth:`BucketRunner.run_fused`).
+
+        Raises:
+            KeyError: ``key`` is not prepared (or the runner was built without ``fused``).
+            ValueError: ``inputs`` or ``meta`` do not fit the bucket.
+        """
+        from .fused import fused_update
+
+        with self._lock:
+            entry = self.entries.get(key) if self.fused else None
+            if entry is None:
+                raise KeyError(f"bucket {key} has no fused step here")
+            if entry.fused is None:
+                entry.fused = fused_buffers(key.batch, self.device)
+            self.adapter.fill(entry.buffers, inputs)
+            fill_fused(entry.fused, meta, dt)
+            out = self.adapter.forward(entry.buffers)
+            nxt = fused_update(out, entry.buffers["latents"], entry.fused["meta"], entry.fused["dt"])
+            result = self.adapter.unpad(nxt, inputs)[: meta.shape[1]].clone()
+            entry.forwards += 1
+        self.metrics.record_forward(key, "static_eager")
+        return result
 
     def describe(self) -> list[dict]:
         """Per-bucket state, largest bucket first."""

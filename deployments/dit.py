@@ -175,7 +175,7 @@ class DiTReplica:
                 if not keys:
                     logger.warning("replica %s was assigned unknown shape %r; ignored", self._id, s)
                     continue
-                self._pipeline.runner.prepare(keys)
+                self._pipeline.prepare(keys)
                 self._measure_costs(s, keys)
                 self._ready.add(s)
             if isinstance(self._batcher, StepScheduler):

@@ -34,12 +34,12 @@ class GateRun:
     pngs: list[bytes] = field(default_factory=list)
 
 
-def bcg_pipeline(folder, buckets: dict, device: str = "cpu", **limits) -> DiTPipeline:
+def bcg_pipeline(folder, buckets: dict, device: str = "cpu", fused_step: str = "auto", **limits) -> DiTPipeline:
     """An fp32 :class:`DiTPipeline` on ``folder`` with bucket table ``buckets`` and small-size limits, on
-    ``device`` (``"cuda"``: the runner captures and replays CUDA graphs)."""
+    ``device`` (``"cuda"``: the runner captures and replays CUDA graphs), ``runner.fused_step`` as given."""
     lim = {"min_side_px": 16, "max_side_px": 1024, "max_steps": 50, **limits}
     cfg = ServeConfig(model=ModelConfig(path=str(folder), device=device, dtype="float32"),
-                      buckets=BucketConfig(**buckets), limits=LimitsConfig(**lim))
+                      buckets=BucketConfig(**buckets), limits=LimitsConfig(**lim), runner={"fused_step": fused_step})
     return DiTPipeline.from_config(cfg)
 
 

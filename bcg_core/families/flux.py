@@ -364,6 +364,14 @@ class FluxFamily:
         state.latents = state.scheduler.step(noise, state.timestep, state.latents, return_dict=False)[0]
         state.step_index += 1
 
+    def euler_step(self, state: RequestState):
+        """The fused form of the next step (:func:`bcg_core.fused.euler_step`): cond rows first, then with
+        true CFG the uncond rows, ``neg + scale * (cond - neg)`` as :meth:`advance`."""
+        from ..fused import euler_step
+
+        scale = self.spec.cfg_scale(state.request) if state.cfg else 1.0
+        return euler_step(state, 0, state.n if state.cfg else None, scale, self.dtype)
+
     @torch.inference_mode()
     def decode(self, state: RequestState) -> list[np.ndarray]:
         """Unpack, unscale (``z / scaling + shift``), VAE decode, ``postprocess`` to uint8 RGB."""

@@ -330,6 +330,15 @@ class SD3Family:
         state.latents = state.scheduler.step(noise_pred, state.timestep, state.latents, return_dict=False)[0]
         state.step_index += 1
 
+    def euler_step(self, state: RequestState):
+        """The fused form of the next step (:func:`bcg_core.fused.euler_step`): with CFG the uncond rows
+        first (pipeline line 998), ``uncond + guidance_scale * (cond - uncond)`` as :meth:`advance`."""
+        from ..fused import euler_step
+
+        if state.cfg:
+            return euler_step(state, state.n, 0, self.spec.cfg_scale(state.request), self.dtype)
+        return euler_step(state, 0, None, 1.0, self.dtype)
+
     @torch.inference_mode()
     def decode(self, state: RequestState) -> list[np.ndarray]:
         """``vae.decode(z / scaling_factor + shift_factor)`` of the ``n`` latents in one call, then

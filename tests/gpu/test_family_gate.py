@@ -76,6 +76,21 @@ def test_alone_at_its_bucket_replayed_as_a_graph_equals_diffusers_on_cuda(family
                 pixel_share=PIXELS_CUDA)
 
 
+def test_flow_match_euler_families_fuse_their_steps_after_the_bitwise_check_on_cuda(family):
+    """FLUX.1 and SD3 (flow-match Euler, plain CFG) run each step as one replay of the fused graph, after the
+    start-up check found it bit for bit equal to the host path; the other families keep the host path."""
+    folder, pipe, cls, fields, ref = family
+    fuses = pipe.model.name in ("flux", "sd3")
+    assert pipe.fused.on == fuses, pipe.fused.note
+    if fuses:
+        req = pipe.planner.plan(_req(fields, seed=11)).request
+        before = pipe.fused.steps
+        ours = bcg_run(pipe, req)
+        assert pipe.fused.steps - before == req.num_inference_steps and not pipe.fused.host_steps
+        assert_same(ours, diffusers_run(cls, folder, req, device="cuda", **ref), rtol=RTOL_CUDA,
+                    pixel_share=PIXELS_CUDA)
+
+
 def test_joining_a_running_request_in_one_graph_replay_equals_diffusers_on_cuda(family):
     folder, pipe, cls, fields, ref = family
     a = pipe.planner.plan(_req(fields, seed=7)).request
