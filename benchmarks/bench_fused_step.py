@@ -14,15 +14,21 @@ forward per step (``DiTPipeline.step``). Both paths start from the same states; 
 at the end); rounds alternate the two paths. Reported per case (medians over ``--rounds``):
 
 - ``wall_ms``: wall milliseconds per step, enqueue to completion;
-- ``host_ms``: host milliseconds per step to enqueue (before the synchronize): where the host path pays its
-  per-request Python and kernel launches;
+- ``host_ms``: host milliseconds of the first step of a round, enqueued on an idle GPU: where the host path
+  pays its per-request Python and kernel launches (later steps of a round may wait on the launch queue);
 - ``ratio``: host ``wall_ms`` / fused ``wall_ms`` (above 1: the fused step is faster);
 - ``bitwise_equal``: both paths' latents identical after the timed steps (``torch.equal``).
 
-Models (``--models``): ``flux-dev-width`` (FLUX.1-dev width 3072, 2 double + 4 single blocks, bf16, 1024x1024
-and 512x512, no CFG: FLUX.1-dev is guidance-distilled), ``sd3-medium`` (SD3-medium transformer, bf16,
-512x512, CFG 7.0 on half the requests) and ``tiny`` (the embedded default, fp32, 256x256, CFG on half), all
-with random weights built by ``benchmarks/bench_families.py``'s ``build_checkpoint`` under ``--scratch``.
+Models (``--models``; CFG on every odd request, so the cases have 1, 6, 12 and 12 rows):
+
+- ``flux-dev-width``: FLUX.1-dev width 3072, 2 double + 4 single blocks, bf16, 1024x1024 and 512x512, guidance
+  embedding 3.5 and true CFG 4.0 with a negative prompt;
+- ``sd3-medium``: the SD3-medium transformer, bf16, 512x512, CFG 7.0;
+  (both with random weights built by ``benchmarks/bench_families.py``'s ``build_checkpoint`` under ``--scratch``)
+- ``tiny-flux`` / ``tiny-sd3``: the tests/tiny checkpoints (fp32, 64x64): launch-bound, where host work per
+  request is the largest share of a step;
+- ``tiny``: the embedded default (fp32, 256x256; needs the embedded MiniLM package, so not on the GPU machine's
+  site pack).
 
 Run on the GPU machine after ``mkdir -p $HOME/site && tar xJf .gpu/site.tar.xz -C $HOME/site && export
 PYTHONPATH=$HOME/site:$PWD``::
@@ -30,7 +36,8 @@ PYTHONPATH=$HOME/site:$PWD``::
     python benchmarks/bench_fused_step.py --scratch /dev/shm --commit <sha>
 
 JSON to ``docs/bench/<date>_fused_step_<gpu>.json`` (``--out``); a table on stdout. ``--device cpu --models
-tiny --steps 2 --rounds 1`` is the CPU smoke (the fused step then runs eagerly on the static buffers).
+tiny-flux,tiny-sd3 --steps 2 --rounds 1`` is the CPU smoke (the fused step then runs eagerly on the static
+buffers). The exit status is 1 if any case's latents differ between the two paths.
 """
 
 from __future__ import annotations
@@ -54,10 +61,15 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks"), str(ROOT / "tests")]
 from bcg_core import BucketConfig, DiTPipeline, GenerationRequest, LimitsConfig, ModelConfig, ServeConfig  # noqa: E402
 from bcg_core.models import load_model  # noqa: E402
 
-MODELS = {  # name: (bench_families model, size, CFG guidance or None, cases as (requests, n))
-    "flux-dev-width": ("flux-dev", [1024, 512], None, [(1, 1), (4, 1), (4, 4), (16, 1)]),
-    "sd3-medium": ("sd3-medium", [512], 7.0, [(1, 1), (4, 1), (8, 1), (4, 2)]),
-    "tiny": (None, [256], 4.0, [(1, 1), (4, 1), (8, 1), (4, 2)]),
+CASES = [(1, 1), (4, 1), (8, 1), (4, 2)]
+"""(requests, images per request) of every model: CFG on the odd requests, so 1, 6, 12 and 12 rows."""
+
+MODELS = {  # name: (bench_families model or tests/tiny module, sizes, CFG scale)
+    "flux-dev-width": ("flux-dev", [1024, 512], 4.0),
+    "sd3-medium": ("sd3-medium", [512], 7.0),
+    "tiny-flux": ("tiny.flux", [64], 4.0),
+    "tiny-sd3": ("tiny.sd3", [64], 7.0),
+    "tiny": (None, [256], 4.0),
 }
 
 
@@ -65,6 +77,13 @@ def build(name: str, scratch: str | None, device: torch.device) -> tuple[ModelCo
     """The model's config (built under ``scratch`` with random weights; the tiny default is embedded)."""
     if name == "tiny":
         return ModelConfig(device=device.type), {"model": "bcg-tiny-flux (embedded)"}
+    if name.startswith("tiny-"):
+        import importlib
+
+        folder = Path(tempfile.mkdtemp(prefix=f"bcg-fused-{name}-", dir=scratch))
+        importlib.import_module(MODELS[name][0]).build(folder / name.removeprefix("tiny-"))
+        return (ModelConfig(path=str(folder / name.removeprefix("tiny-")), device=device.type, dtype="float32"),
+                {"model": f"tests/{MODELS[name][0].replace('.', '/')}.py (fp32)"})
     import bench_families
     from bench_saturation import FLUX_DEV_WIDTH_LAYERS
 
@@ -92,12 +111,15 @@ def bench_case(pipes: dict[str, DiTPipeline], size: int, requests: int, n: int, 
                args) -> dict:
     """One case: ``requests`` requests of ``n`` images (CFG on the odd ones when ``guidance``)."""
     device = pipes["fused"].model.device
-    reqs = [GenerationRequest(f"a lighthouse, study {i}", n=n, width=size, height=size,
-                              num_inference_steps=args.steps * (args.rounds + 1) + 1, seed=i,
-                              guidance_scale=guidance if guidance and i % 2 else 1.0)
-            for i in range(requests)]
-    if pipes["fused"].model.spec.cfg_rule == "true_cfg":  # FLUX.1-dev: guidance embedding, no CFG rows
-        reqs = [dataclasses.replace(r, guidance_scale=3.5) for r in reqs]
+    true_cfg = pipes["fused"].model.spec.cfg_rule == "true_cfg"  # FLUX.1: true CFG with a negative prompt
+    reqs = []
+    for i in range(requests):
+        cfg = bool(guidance and i % 2)
+        extra = (dict(guidance_scale=3.5, true_cfg_scale=guidance if cfg else None,
+                      negative_prompt="blurry" if cfg else None) if true_cfg
+                 else dict(guidance_scale=guidance if cfg else 1.0, negative_prompt="blurry" if cfg else None))
+        reqs.append(GenerationRequest(f"a lighthouse, study {i}", n=n, width=size, height=size,
+                                      num_inference_steps=args.steps * (args.rounds + 1) + 1, seed=i, **extra))
     plans = [pipes["fused"].planner.plan(r) for r in reqs]
     states = {"fused": [pipes["fused"].start(p) for p in plans]}
     states["host"] = [_twin(s) for s in states["fused"]]
@@ -111,13 +133,14 @@ def bench_case(pipes: dict[str, DiTPipeline], size: int, requests: int, n: int, 
         for path in (("fused", "host") if r % 2 == 0 else ("host", "fused")):
             _sync(device)
             t0 = time.perf_counter()
-            for _ in range(args.steps):
+            pipes[path].step(states[path])
+            t1 = time.perf_counter()  # one step's host time, from an idle GPU (no launch queue to wait on)
+            for _ in range(args.steps - 1):
                 pipes[path].step(states[path])
-            t1 = time.perf_counter()
             _sync(device)
             t2 = time.perf_counter()
             walls[path].append((t2 - t0) * 1e3 / args.steps)
-            hosts[path].append((t1 - t0) * 1e3 / args.steps)
+            hosts[path].append((t1 - t0) * 1e3)
     equal = all(torch.equal(a.latents, b.latents) for a, b in zip(states["fused"], states["host"]))
     med = {p: round(statistics.median(walls[p]), 3) for p in walls}
     return dict(size=f"{size}x{size}", requests=requests, n=n, rows=rows, bucket=str(lookup.key),
@@ -134,7 +157,7 @@ def bench_model(name: str, args, device: torch.device) -> dict:
     """Every case of one model; the two pipelines captured over one loaded model."""
     mc, info = build(name, args.scratch, device)
     model = load_model(mc)
-    sizes, guidance, cases = MODELS[name][1], MODELS[name][2], MODELS[name][3]
+    sizes, guidance, cases = MODELS[name][1], MODELS[name][2], CASES
     text = model.rules.native_text_tokens
     out = dict(model=name, build=info, cases=[])
     for size in sizes:
@@ -143,8 +166,8 @@ def bench_model(name: str, args, device: torch.device) -> dict:
         pipes, capture_s = {}, {}
         for path, how in (("fused", "always"), ("host", "never")):
             t0 = time.perf_counter()
-            cfg = ServeConfig(model=mc, buckets=buckets, limits=LimitsConfig(min_side_px=16),
-                              runner={"fused_step": how})
+            limits = LimitsConfig(min_side_px=16, max_steps=max(50, args.steps * (args.rounds + 1) + 1))
+            cfg = ServeConfig(model=mc, buckets=buckets, limits=limits, runner={"fused_step": how})
             pipes[path] = DiTPipeline(cfg, model)
             _sync(device)
             capture_s[path] = round(time.perf_counter() - t0, 2)
@@ -171,13 +194,13 @@ def render(result: dict) -> str:
              "yes" if c["bitwise_equal"] else "NO"]
             for m in result["models"] for c in m["cases"]]
     return format_table(["model", "size", "requests x n", "CFG reqs", "rows", "bucket", "host ms/step",
-                         "fused ms/step", "host / fused", "host enqueue ms", "fused enqueue ms", "bitwise equal"],
+                         "fused ms/step", "host / fused", "host path: host ms", "fused: host ms", "bitwise equal"],
                         rows)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", default="flux-dev-width,sd3-medium,tiny")
+    ap.add_argument("--models", default="flux-dev-width,sd3-medium,tiny-flux,tiny-sd3")
     ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     ap.add_argument("--steps", type=int, default=10, help="steps per timed round")
     ap.add_argument("--rounds", type=int, default=5)
