@@ -78,8 +78,10 @@ def euler_step(state, cond: int, uncond: int | None, scale: float, dtype: torch.
         return None
     if sched.step_index is None:
         sched._init_step_index(state.timestep)  # as step() does on its first call
-    i = sched.step_index
-    return EulerStep(cond, uncond, float(scale), sched.sigmas[i + 1] - sched.sigmas[i])
+    dts = state.extras.get("euler_dt")
+    if dts is None:  # every step's dt at once: elementwise the same fp32 subtraction, one kernel per request
+        dts = state.extras["euler_dt"] = sched.sigmas[1:] - sched.sigmas[:-1]
+    return EulerStep(cond, uncond, float(scale), dts[sched.step_index])
 
 
 def commit_euler(state, latents: torch.Tensor) -> None:

@@ -142,6 +142,10 @@ class _StepTimer:
         return out
 
 
+_META_CACHE = 256
+"""Fused-step meta tensors a pipeline keeps (one per composition of a forward's images)."""
+
+
 @dataclass
 class FusedStats:
     """State and counters of the fused step (:mod:`bcg_core.fused`), shown in ``/v1/buckets`` as ``fused_step``.
@@ -254,6 +258,7 @@ class DiTPipeline:
         self.metrics = BucketMetrics(self.table.keys)
         self.runner: BucketRunner = runner or build_runner(config, model, self.table.keys, self.metrics)
         self.fused = FusedStats(wanted=bool(getattr(self.runner, "fused", False)) and hasattr(model, "euler_step"))
+        self._meta_cache: dict[tuple, torch.Tensor] = {}
         if prepare:
             self.prepare()
 
@@ -342,7 +347,7 @@ class DiTPipeline:
     def _fused_step(self, states: Sequence[RequestState], parts: list[DenoiseInputs], inputs: DenoiseInputs,
                     spans: list[tuple[BucketKey | None, int]]) -> bool:
         """Run the step fused when it can (see :meth:`step`); False (counted by reason) when it cannot."""
-        from .fused import META_ROWS, commit_euler
+        from .fused import commit_euler
 
         if any(key is None or not self.runner.fuses(key) for key, _ in spans):
             return self.fused.host("no_fused_graph")  # a miss, an eager chunk, or a bucket without a fused graph
@@ -366,13 +371,10 @@ class DiTPipeline:
                 hi += 1
             if any(not a <= uncond[k] < b for k in range(lo, hi)):
                 return self.fused.host("cfg_pair_split")
-            meta = torch.tensor([[cond[k] - a for k in range(lo, hi)], [uncond[k] - a for k in range(lo, hi)],
-                                 [float(steps[owner[k]].uncond is not None) for k in range(lo, hi)],
-                                 [steps[owner[k]].scale for k in range(lo, hi)]], dtype=torch.float32)
-            assert meta.shape[0] == META_ROWS
-            if self.model.device.type == "cuda":
-                meta = meta.pin_memory()  # copied into the graph's buffer without a host sync
-            work.append((key, a, b, lo, hi, meta))
+            work.append((key, a, b, lo, hi, self._fused_meta(
+                tuple(cond[k] - a for k in range(lo, hi)), tuple(uncond[k] - a for k in range(lo, hi)),
+                tuple(float(steps[owner[k]].uncond is not None) for k in range(lo, hi)),
+                tuple(steps[owner[k]].scale for k in range(lo, hi)))))
             lo, a = hi, b
         dt = torch.stack([steps[owner[k]].dt for k in range(len(cond))]).to(self.model.device)
         outs = []
@@ -386,6 +388,24 @@ class DiTPipeline:
             k += state.n
         self.fused.steps += 1
         return True
+
+    def _fused_meta(self, *rows: tuple) -> torch.Tensor:
+        """The (4, m) meta tensor of a forward's images on the model's device (:func:`bcg_core.fused.fused_update`),
+        remembered per composition: the same requests step together for many steps, so most steps reuse it
+        (at most :data:`_META_CACHE` kept)."""
+        from .fused import META_ROWS
+
+        cache = self._meta_cache
+        meta = cache.get(rows)
+        if meta is None:
+            host = torch.tensor(rows, dtype=torch.float32)
+            assert host.shape[0] == META_ROWS
+            if self.model.device.type == "cuda":  # pinned: copied to the device without a host sync
+                host = host.pin_memory()
+            meta = cache[rows] = host.to(self.model.device, non_blocking=True)
+            if len(cache) > _META_CACHE:
+                cache.pop(next(iter(cache)))
+        return meta
 
     @torch.inference_mode()
     def check_fused(self) -> bool:
