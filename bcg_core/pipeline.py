@@ -169,12 +169,11 @@ class FusedStats:
     steps: int = 0
     host_steps: dict[str, int] | None = None
 
-    def host(self, reason: str) -> bool:
-        """Count a step that runs on the host for ``reason``; returns False (the caller's answer)."""
+    def host(self, reason: str) -> None:
+        """Count a step that runs on the host for ``reason``."""
         if self.host_steps is None:
             self.host_steps = {}
         self.host_steps[reason] = self.host_steps.get(reason, 0) + 1
-        return False
 
     def describe(self) -> dict:
         """The JSON of ``/v1/buckets``' ``fused_step``."""
@@ -259,6 +258,7 @@ class DiTPipeline:
         self.runner: BucketRunner = runner or build_runner(config, model, self.table.keys, self.metrics)
         self.fused = FusedStats(wanted=bool(getattr(self.runner, "fused", False)) and hasattr(model, "euler_step"))
         self._meta_cache: dict[tuple, torch.Tensor] = {}
+        self._meta_lock = threading.Lock()
         if prepare:
             self.prepare()
 
@@ -283,7 +283,7 @@ class DiTPipeline:
 
     @torch.inference_mode()
     def step(self, states: Sequence[RequestState], plan: ForwardPlan | None = None,
-             fused: bool = True) -> BucketLookup:
+             fused: bool | None = None) -> BucketLookup:
         """One denoising step of each of ``states`` in ONE transformer forward.
 
         The rows of every state (its cond rows and, with CFG, its uncond rows, at its own timestep) are
@@ -305,7 +305,9 @@ class DiTPipeline:
         Args:
             states: requests of one token grid, none finished.
             plan: the forwards to run the rows as; None: one forward on the bucket of all the rows.
-            fused: allow the fused step (False: the host path, as :meth:`check_fused` compares).
+            fused: None: the fused step where it is on and the step allows it; False: the host path; True: the
+                fused step even before :meth:`check_fused` passed, uncounted (the check itself; raises
+                ValueError where the step cannot run fused).
 
         Returns:
             The lookup of the forward's shape (``.key`` None on a miss).
@@ -323,10 +325,16 @@ class DiTPipeline:
             plan = self._split_plan(lookup)  # rows above the largest bucket, planned to be split: split them
             if plan is not None:  # counted as a hit of its first bucket
                 lookup = BucketLookup(lookup.query, plan.chunks[0].key)
-        if fused and self.fused.on:
+        if fused or (fused is None and self.fused.on):
             spans = [(lookup.key, inputs.rows)] if plan is None else [(c.key, c.rows) for c in plan.chunks]
-            if self._fused_step(states, parts, inputs, spans):
+            why = self._fused_step(states, parts, inputs, spans)
+            if why is None:
+                if not fused:
+                    self.fused.steps += 1
                 return lookup
+            if fused:
+                raise ValueError(f"this step cannot run fused: {why}")
+            self.fused.host(why)
         if plan is None:
             out = self.runner.run(lookup.key, inputs)
         else:
@@ -345,15 +353,16 @@ class DiTPipeline:
         return lookup
 
     def _fused_step(self, states: Sequence[RequestState], parts: list[DenoiseInputs], inputs: DenoiseInputs,
-                    spans: list[tuple[BucketKey | None, int]]) -> bool:
-        """Run the step fused when it can (see :meth:`step`); False (counted by reason) when it cannot."""
+                    spans: list[tuple[BucketKey | None, int]]) -> str | None:
+        """Run the step fused when it can (see :meth:`step`): None when it ran, else why it cannot (a
+        :attr:`FusedStats.host_steps` reason; nothing has run then)."""
         from .fused import commit_euler
 
         if any(key is None or not self.runner.fuses(key) for key, _ in spans):
-            return self.fused.host("no_fused_graph")  # a miss, an eager chunk, or a bucket without a fused graph
+            return "no_fused_graph"  # a miss, an eager chunk, or a bucket without a fused graph
         steps = [self.model.euler_step(s) for s in states]
         if any(e is None for e in steps):
-            return self.fused.host("scheduler")
+            return "scheduler"
         cond, uncond, owner = [], [], []  # per image, in row order of its cond row
         offset = 0
         for i, (state, e, part) in enumerate(zip(states, steps, parts)):
@@ -370,7 +379,7 @@ class DiTPipeline:
             while hi < len(cond) and cond[hi] < b:
                 hi += 1
             if any(not a <= uncond[k] < b for k in range(lo, hi)):
-                return self.fused.host("cfg_pair_split")
+                return "cfg_pair_split"
             work.append((key, a, b, lo, hi, self._fused_meta(
                 tuple(cond[k] - a for k in range(lo, hi)), tuple(uncond[k] - a for k in range(lo, hi)),
                 tuple(float(steps[owner[k]].uncond is not None) for k in range(lo, hi)),
@@ -386,8 +395,7 @@ class DiTPipeline:
         for state in states:
             commit_euler(state, nxt[k : k + state.n])
             k += state.n
-        self.fused.steps += 1
-        return True
+        return None
 
     def _fused_meta(self, *rows: tuple) -> torch.Tensor:
         """The (4, m) meta tensor of a forward's images on the model's device (:func:`bcg_core.fused.fused_update`),
@@ -395,17 +403,18 @@ class DiTPipeline:
         (at most :data:`_META_CACHE` kept)."""
         from .fused import META_ROWS
 
-        cache = self._meta_cache
-        meta = cache.get(rows)
-        if meta is None:
-            host = torch.tensor(rows, dtype=torch.float32)
-            assert host.shape[0] == META_ROWS
-            if self.model.device.type == "cuda":  # pinned: copied to the device without a host sync
-                host = host.pin_memory()
-            meta = cache[rows] = host.to(self.model.device, non_blocking=True)
-            if len(cache) > _META_CACHE:
-                cache.pop(next(iter(cache)))
-        return meta
+        with self._meta_lock:  # the denoising thread and a prepare thread's check_fused
+            cache = self._meta_cache
+            meta = cache.get(rows)
+            if meta is None:
+                host = torch.tensor(rows, dtype=torch.float32)
+                assert host.shape[0] == META_ROWS
+                if self.model.device.type == "cuda":  # pinned: copied to the device without a host sync
+                    host = host.pin_memory()
+                meta = cache[rows] = host.to(self.model.device, non_blocking=True)
+                if len(cache) > _META_CACHE:
+                    cache.pop(next(iter(cache)))
+            return meta
 
     @torch.inference_mode()
     def check_fused(self) -> bool:
@@ -448,19 +457,21 @@ class DiTPipeline:
                                        step_ms=[])
             for _ in range(min(2, len(host.timesteps))):
                 self.step([host], fused=False)
-                before = self.fused.steps
-                self.fused.on = True
-                self.step([mine])
-                self.fused.on = False
-                if self.fused.steps == before or not torch.equal(host.latents, mine.latents):
+                try:
+                    self.step([mine], fused=True)  # not counted; serving steps stay on the host until it passes
+                except ValueError as e:
+                    self.fused.checked = True
+                    self.fused.note = f"off: {e}"
+                    log.warning("fused step %s", self.fused.note)
+                    return False
+                if not torch.equal(host.latents, mine.latents):
                     diff = (host.latents.float() - mine.latents.float()).abs()
-                    self.fused.steps, self.fused.checked = 0, True
+                    self.fused.checked = True
                     self.fused.note = (f"off: the fused step differs from the host step on {plan.lookup.key} "
                                        f"(cfg {host.cfg}): {int((diff > 0).sum())} of {diff.numel()} latent "
                                        f"values, max |d| {float(diff.max()):.3g}")
                     log.warning("fused step %s", self.fused.note)
                     return False
-        self.fused.steps = 0
         self.fused.checked = self.fused.on = True
         self.fused.note = (f"on: bitwise equal to the host step on {', '.join(str(p.lookup.key) for p in cases)} "
                            f"(cfg {', '.join(str(self.model.spec.uses_cfg(p.request)) for p in cases)})")

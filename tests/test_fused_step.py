@@ -119,6 +119,9 @@ def test_a_split_that_parts_an_image_from_its_uncond_row_runs_on_the_host(tiny_f
     assert torch.equal(state.latents, twin.latents)
     pipe.step([state], ForwardPlan((Chunk(key4, 4, 0.0), Chunk(None, 2, 0.0)), home=key8))
     assert pipe.fused.host_steps["no_fused_graph"] == 1  # an unpadded eager chunk
+    with pytest.raises(ValueError, match="cannot run fused: cfg_pair_split"):  # forced, as check_fused forces it
+        pipe.step([state], plan, fused=True)
+    assert pipe.fused.host_steps == {"cfg_pair_split": 1, "no_fused_graph": 1} and pipe.fused.steps == 0
 
 
 def test_a_scheduler_the_fused_update_does_not_cover_runs_on_the_host(tiny_fp32):
