@@ -19,6 +19,7 @@ from .padding import DenoiseInputs, DiTAdapter
 from .pipeline import DiTPipeline, GenerationResult
 from .planner import GenerationRequest, Plan, Planner
 from .runner import BucketEntry, BucketRunner, EagerBucketRunner, RunMode
+from .traffic import TrafficHistogram, TrafficKey, load_traffic
 
 _ADAPTERS = {
     "FluxAdapter": "flux", "SD3Adapter": "sd3", "PixArtAdapter": "pixart", "SanaAdapter": "sana",
@@ -38,6 +39,7 @@ __all__ = [
     "BucketRunner", "BucketTable", "CheckpointError", "DenoiseInputs", "DiTAdapter", "DiTPipeline", "Dim",
     "EagerBucketRunner", "Family", "GenerationRequest", "GenerationResult", "LimitsConfig", "LoadedModel",
     "MissPolicy", "ModelConfig", "ModelSpec", "Plan", "Planner", "RequestCancelled", "RequestError", "RequestState",
-    "RunMode", "RunnerConfig", "ServeConfig", "ShapeQuery", "ShapeRules", "TextRows", "build_tiny",
-    "describe_model", "load_config", "load_model", "parse_size", "save_pipeline", *_ADAPTERS,
+    "RunMode", "RunnerConfig", "ServeConfig", "ShapeQuery", "ShapeRules", "TextRows", "TrafficHistogram",
+    "TrafficKey", "build_tiny", "describe_model", "load_config", "load_model", "load_traffic", "parse_size",
+    "save_pipeline", *_ADAPTERS,
 ]

@@ -26,6 +26,7 @@ __all__ = [
     "RoutingConfig",
     "RunnerConfig",
     "ServeConfig",
+    "TrafficConfig",
     "backpressure_limits",
     "load_config",
     "parse_size",
@@ -395,6 +396,24 @@ class AutoscalingSettings(BaseModel):
         return self.initial_replicas if self.initial_replicas is not None else self.min_replicas
 
 
+class TrafficConfig(BaseModel):
+    """The request shapes each DiT replica records (``bcg_core/traffic.py``: the ``traffic`` section of
+    ``GET /v1/buckets`` and ``ray_bcg_traffic_requests_total``), an input of ``bcg plan``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    record: bool = Field(
+        default=True,
+        description="Count every accepted request by (width, height, n, prompt tokens, steps) in a bounded "
+        "histogram; False: no histogram (traffic is null in /v1/buckets).",
+    )
+    max_shapes: int = Field(
+        default=512, ge=1, le=100000,
+        description="Most distinct request shapes one replica keeps (and Prometheus label sets it exports); "
+        "requests of further shapes are counted as dropped.",
+    )
+
+
 class ServeConfig(BaseModel):
     """Everything one replica needs: the embedded default is ``ServeConfig()``."""
 
@@ -406,6 +425,10 @@ class ServeConfig(BaseModel):
     runner: RunnerConfig = Field(default_factory=RunnerConfig)
     routing: RoutingConfig = Field(default_factory=RoutingConfig)
     autoscaling: AutoscalingSettings = Field(default_factory=AutoscalingSettings)
+    traffic: TrafficConfig = Field(
+        default_factory=TrafficConfig,
+        description="Request shapes each replica records for bcg plan (traffic in /v1/buckets).",
+    )
 
     @model_validator(mode="after")
     def _reachable_buckets(self) -> ServeConfig:

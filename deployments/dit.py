@@ -6,7 +6,7 @@ text bucket), then reports ready. Without a coordinator it captures every bucket
 
 Serving: a request arrives as the ingress's :class:`~bcg_core.planner.Plan` (validated, seed filled in,
 bucket looked up) and is trusted as it is: the replica never plans it again. A raw request (a caller holding
-this deployment's handle) is planned once, by the scheduler. Requests go through the replica's scheduler
+this deployment's handle) is planned once, here. Requests go through the replica's scheduler
 (``runner.scheduler``): the :class:`~bcg_core.step_scheduler.StepScheduler` (default: requests join and leave
 at step boundaries; each iteration runs one step of every request in flight, in the bucket forwards its
 measured cost model chooses) or the request-level :class:`~bcg_core.batching.MicroBatcher`. Generation is
@@ -31,6 +31,11 @@ measured replica seconds per request and the requests in flight, plus whether th
 (:func:`router.autoscaling.replica_metrics`). The heartbeat carries the same per-shape load (``offered``:
 arrival rate x service time) to the coordinator, which re-assigns ownership by it on scale events.
 
+Traffic: with ``traffic.record`` (the default) every accepted request is counted by its shape (requested size,
+n, prompt tokens, steps) in a bounded :class:`~bcg_core.traffic.TrafficHistogram`, shown under ``traffic`` in
+``stats()``, sent with each heartbeat (so the ingress can merge every replica's) and exported as
+``ray_bcg_traffic_requests_total``.
+
 Metrics: once ready, a background task pushes the bucket counters, step latencies and queue lengths into
 Ray's metrics every second (:mod:`deployments.metrics`, exported to Prometheus by Ray's metrics agent).
 """
@@ -54,6 +59,7 @@ from bcg_core.models import load_model
 from bcg_core.pipeline import DiTPipeline, GenerationResult, runner_mode
 from bcg_core.planner import GenerationRequest, Plan
 from bcg_core.step_scheduler import StepScheduler
+from bcg_core.traffic import TrafficHistogram
 from router.autoscaling import replica_metrics
 
 from .metrics import BucketExporter
@@ -126,6 +132,8 @@ class DiTReplica:
         self._batcher: StepScheduler | MicroBatcher = (
             StepScheduler.from_pipeline(self._pipeline) if self._config.runner.scheduler == "step"
             else MicroBatcher.from_pipeline(self._pipeline))
+        self._traffic: TrafficHistogram | None = (
+            TrafficHistogram(self._config.traffic.max_shapes) if self._config.traffic.record else None)
         self._heartbeat_task: asyncio.Task | None = None
         self._exporter: BucketExporter | None = None
         self._metrics_task: asyncio.Task | None = None
@@ -148,7 +156,7 @@ class DiTReplica:
         """Start pushing the bucket counters into Ray's metrics every second (:mod:`deployments.metrics`); a
         replica whose exporter cannot be made serves without it (logged)."""
         try:
-            exporter = BucketExporter.for_replica(self._pipeline, self._batcher)
+            exporter = BucketExporter.for_replica(self._pipeline, self._batcher, traffic=self._traffic)
         except Exception:
             logger.exception("replica %s: Prometheus metrics export is off", self._id)
             return None, None
@@ -198,7 +206,8 @@ class DiTReplica:
     # -- serving ------------------------------------------------------------------------------------
 
     async def generate(self, request: Plan | GenerationRequest | dict) -> GenerationResult:
-        """Generate images for one request (micro-batched with concurrent requests of its shape).
+        """Generate images for one request (micro-batched with concurrent requests of its shape); an accepted
+        request (planned) is counted in the traffic histogram, when ``traffic.record`` is on.
 
         Args:
             request: the ingress's :class:`~bcg_core.planner.Plan`, trusted as it is (not planned again); or a
@@ -213,7 +222,12 @@ class DiTReplica:
         Raises:
             RequestError: a field of a raw request out of range, or its bucket miss under the reject policy.
         """
-        planned = request if isinstance(request, Plan) else as_generation_request(request)
+        if isinstance(request, Plan):
+            planned = request
+        else:
+            planned = self._pipeline.planner.plan(as_generation_request(request))  # once: the scheduler trusts it
+        if self._traffic is not None:
+            self._traffic.record(planned)
         shape = serve.get_multiplexed_model_id()
         result = await self._batcher.submit(planned)
         actual = shape_of(result.bucket) if result.bucket else ""
@@ -264,7 +278,7 @@ class DiTReplica:
             view = self._routing_view()
             try:
                 owned = await self._coord.heartbeat.remote(
-                    self._id, self._budget, view["owned"], view["ready"], view["queue"], self._served_totals())
+                    self._id, self._budget, view["owned"], view["ready"], view["queue"], self._heartbeat_stats())
             except Exception:
                 logger.exception("ownership heartbeat failed; keeping %d owned shapes", len(self._owned))
                 continue
@@ -293,6 +307,14 @@ class DiTReplica:
         load = {s: round(v.offered, 6) for s, v in loads.items() if v.offered > 0}
         return {"served": dict(self._served), "by_shape": dict(self._served_by_shape), "load": load}
 
+    def _heartbeat_stats(self) -> dict:
+        """What a heartbeat reports: :meth:`_served_totals` plus, when recorded, the ``traffic`` snapshot (the
+        ingress merges every replica's into ``traffic`` of ``/v1/buckets``)."""
+        out = self._served_totals()
+        if self._traffic is not None:
+            out["traffic"] = self._traffic.snapshot()
+        return out
+
     def __del__(self):
         """Graceful shutdown: tell the coordinator (fire and forget) so the survivors take this replica's
         shapes at once; a replica that dies without it is removed when its lease expires."""
@@ -310,8 +332,9 @@ class DiTReplica:
 
     def stats(self) -> dict:
         """Per-bucket counters (:meth:`DiTPipeline.stats`) plus this replica's id, routing view, owner
-        hits, micro-batching totals and the state of its Prometheus export (``metrics_export``: pushes, errors,
-        ``None`` when the exporter is off)."""
+        hits, micro-batching totals, the state of its Prometheus export (``metrics_export``: pushes, errors,
+        ``None`` when the exporter is off) and the request shapes it accepted (``traffic``: a
+        :meth:`~bcg_core.traffic.TrafficHistogram.snapshot`, ``None`` with ``traffic.record`` off)."""
         out = self._pipeline.stats()
         out["replica"] = self._id
         loads = self._loads()
@@ -324,6 +347,7 @@ class DiTReplica:
                            "busy": round(v.busy, 4), "service_s": round(v.service_s, 4), "offered": round(v.offered, 4)}
                        for s, v in loads.items()}
         out["metrics_export"] = self._exporter.status() if self._exporter is not None else None
+        out["traffic"] = self._traffic.snapshot() if self._traffic is not None else None
         return out
 
     def ping(self) -> str:

@@ -7,7 +7,8 @@ Routes (relative to the application's route prefix):
 - ``GET /v1/buckets``: one DiT replica's ``DiTReplica.stats()`` (its per-bucket counters, routing view,
   micro-batching totals) and, with shape-aware routing, ``ownership``: the coordinator's assignment and
   every replica's last heartbeat (owned and ready shapes, queue, owner hits), at most
-  ``routing.stats_period_s`` old.
+  ``routing.stats_period_s`` old; ``traffic``: the request shapes accepted (with shape-aware routing, every
+  replica's histogram merged: the answering replica's current one and the others' from their last heartbeat).
 - ``GET /healthz``: ``{"status": "ok"}``.
 
 Python handle callers use ``Ingress.images`` (same validation and routing). Each request is planned here
@@ -46,6 +47,7 @@ from bcg_core.config import MissPolicy, ServeConfig
 from bcg_core.errors import BucketMissError, RequestError
 from bcg_core.pipeline import GenerationResult
 from bcg_core.planner import GenerationRequest, Planner
+from bcg_core.traffic import TrafficHistogram
 
 from .routing import Overloaded, ReplicaUnavailable, call_dit
 from .schemas import (
@@ -59,7 +61,8 @@ from .schemas import (
     allowed_values,
 )
 
-__all__ = ["Ingress", "error_response", "find_request_error", "unavailable_response", "validation_error_response"]
+__all__ = ["Ingress", "error_response", "find_request_error", "merged_traffic", "unavailable_response",
+           "validation_error_response"]
 
 logger = logging.getLogger("ray.serve")
 
@@ -153,6 +156,32 @@ def find_request_error(exc: BaseException) -> RequestError | None:
     return None
 
 
+def merged_traffic(stats: dict, ownership: dict) -> dict | None:
+    """Every replica's traffic histogram summed (:meth:`TrafficHistogram.merged`), for ``/v1/buckets``.
+
+    The answering replica's snapshot is ``stats["traffic"]`` (current); the others' come from their last
+    heartbeat (``ownership["replicas"][id]["stats"]["traffic"]``), which this removes from ``ownership`` so the
+    answer holds each histogram once. A snapshot that fails validation is left out (logged).
+
+    Returns:
+        The merged snapshot, or None when no replica records traffic.
+    """
+    here = stats.get("replica")
+    parts = [stats["traffic"]] if stats.get("traffic") is not None else []
+    for replica, view in (ownership.get("replicas") or {}).items():
+        reported = view.get("stats") or {}
+        snap = reported.pop("traffic", None)
+        if snap is not None and replica != here:
+            parts.append(snap)
+    good: list[TrafficHistogram] = []
+    for snap in parts:
+        try:
+            good.append(TrafficHistogram.from_snapshot(snap))
+        except ValueError:
+            logger.exception("a replica's traffic snapshot is invalid; left out of /v1/buckets traffic")
+    return TrafficHistogram.merged(good).snapshot() if good else None
+
+
 @app.exception_handler(RequestValidationError)
 async def _fastapi_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
     errs = exc.errors()
@@ -227,9 +256,10 @@ class Ingress:
     @app.get("/v1/buckets", responses={500: {"model": ErrorBody}, 503: {"model": ErrorBody}})
     async def buckets(self):
         """Per-bucket counters of the DiT replica (``DiTPipeline.stats()``), plus the misses this ingress
-        rejected under the reject policy (``misses.rejected``, ``misses.rejected_by_dim``). When every DiT slot
-        and queue place is taken the call is answered 503 with ``Retry-After`` in OpenAI's error shape, like a
-        generation request."""
+        rejected under the reject policy (``misses.rejected``, ``misses.rejected_by_dim``) and, with a
+        coordinator, ``ownership`` and every replica's ``traffic`` merged (:func:`merged_traffic`). When every
+        DiT slot and queue place is taken the call is answered 503 with ``Retry-After`` in OpenAI's error shape,
+        like a generation request."""
         try:
             stats = await self._dit.stats.remote()
         except BackPressureError as exc:
@@ -241,6 +271,7 @@ class Ingress:
         misses["rejected_by_dim"] = {d: self._rejected.get(d, 0) for d in ("batch", "image_tokens", "text_tokens")}
         if self._coord is not None:
             stats["ownership"] = await self._coord.snapshot.remote()
+            stats["traffic"] = merged_traffic(stats, stats["ownership"])
         return stats
 
     async def images(self, request: GenerationRequest | dict) -> GenerationResult:

@@ -15,7 +15,10 @@ numbers), the step latencies recorded since the last push, and the micro-batcher
 
 Tags: ``bucket`` is the bucket key (``b2_i1024_t256``) and ``shape`` the key without its batch dimension
 (``i1024_t256``); requests no bucket held (run unpadded under the eager miss policy) are tagged
-``bucket="miss", shape="miss"``. Ray adds ``deployment``, ``replica``, ``application`` (Serve) and its own node
+``bucket="miss", shape="miss"``. The traffic counters (``bcg_traffic_*``, from the replica's
+:class:`~bcg_core.traffic.TrafficHistogram`) are tagged by the requested shape instead: ``size`` (``"WxH"``),
+``n``, ``steps`` and ``text`` (the text bucket holding the prompt's tokens, or ``over``); their label sets
+are bounded by ``traffic.max_shapes``. Ray adds ``deployment``, ``replica``, ``application`` (Serve) and its own node
 tags (``SessionName``, ``NodeAddress``, ...). :data:`METRICS` lists every metric; ``README.md`` (section
 "Metrics (Prometheus)") gives the exported names (Ray prefixes ``ray_``; counters end in ``_total``).
 
@@ -33,6 +36,7 @@ from typing import Any, Protocol
 
 from bcg_core.buckets import shape_of
 from bcg_core.metrics import FORWARD_MODES, STEP_MS_BOUNDS, BucketMetrics
+from bcg_core.traffic import text_bucket
 
 __all__ = ["EXPORT_PERIOD_S", "METRICS", "MISS", "BucketExporter", "MetricSpec", "MetricsBackend",
            "RayMetricsBackend"]
@@ -131,6 +135,12 @@ METRICS: tuple[MetricSpec, ...] = (
                "cancelled_waiting (before admission), failed."),
     MetricSpec("bcg_sched_queue_wait_p99_ms", "gauge", ("shape",), "milliseconds",
                "Step scheduler: p99 of the last 1024 admission waits."),
+    MetricSpec("bcg_traffic_requests", "counter", ("size", "n", "steps", "text"), "requests",
+               "Requests accepted, by requested shape: size WxH pixels, n images, steps, and the text bucket "
+               "holding the prompt's tokens (over: above every text bucket); at most traffic.max_shapes label sets."),
+    MetricSpec("bcg_traffic_dropped", "counter", (), "requests",
+               "Requests accepted whose shape was not kept: the traffic histogram already held "
+               "traffic.max_shapes shapes."),
 )
 """Every metric the exporter pushes, in README order."""
 
@@ -192,13 +202,19 @@ class BucketExporter:
         backend: makes the metric objects; default :class:`RayMetricsBackend`.
         scheduler_stats: returns :meth:`bcg_core.step_scheduler.StepScheduler.stats` (the ``bcg_sched_*``
             metrics), or None when the replica batches whole requests.
+        traffic: returns a :meth:`bcg_core.traffic.TrafficHistogram.snapshot` (the ``bcg_traffic_*`` metrics),
+            or None (or returns None) when the replica does not record traffic.
+        text_lengths: the table's text buckets (``buckets.text_lengths``), for the ``text`` tag.
     """
 
     def __init__(self, stats: Callable[[], dict], metrics: BucketMetrics,
                  queue_lengths: Callable[[], dict[str, int]] = dict, shapes: Iterable[str] = (),
-                 backend: MetricsBackend | None = None, scheduler_stats: Callable[[], dict] | None = None):
+                 backend: MetricsBackend | None = None, scheduler_stats: Callable[[], dict] | None = None,
+                 traffic: Callable[[], dict | None] | None = None, text_lengths: Iterable[int] = ()):
         self._stats = stats
         self._scheduler_stats = scheduler_stats
+        self._traffic = traffic
+        self._text_lengths = tuple(sorted(text_lengths))
         self._metrics = metrics
         self._queue_lengths = queue_lengths
         self._shapes = sorted(set(shapes))
@@ -221,14 +237,17 @@ class BucketExporter:
         self.last_error: str | None = None
 
     @classmethod
-    def for_replica(cls, pipeline, batcher, backend: MetricsBackend | None = None) -> "BucketExporter":
-        """The exporter of a DiT replica: ``pipeline.stats``, ``pipeline.metrics``, ``batcher.queue_lengths`` and,
-        for a step scheduler (its stats have ``kind: step``), ``batcher.stats``."""
+    def for_replica(cls, pipeline, batcher, backend: MetricsBackend | None = None,
+                    traffic=None) -> BucketExporter:
+        """The exporter of a DiT replica: ``pipeline.stats``, ``pipeline.metrics``, ``batcher.queue_lengths``,
+        for a step scheduler (its stats have ``kind: step``) ``batcher.stats``, and ``traffic.snapshot`` of the
+        replica's :class:`~bcg_core.traffic.TrafficHistogram` (None: no ``bcg_traffic_*`` increments)."""
         from bcg_core.step_scheduler import StepScheduler
 
         shapes = {k.shape for k in pipeline.table.keys}
         sched = batcher.stats if isinstance(batcher, StepScheduler) else None
-        return cls(pipeline.stats, pipeline.metrics, batcher.queue_lengths, shapes, backend, sched)
+        return cls(pipeline.stats, pipeline.metrics, batcher.queue_lengths, shapes, backend, sched,
+                   traffic.snapshot if traffic is not None else None, pipeline.table.text_lengths)
 
     # -- one push ---------------------------------------------------------------------------------------
 
@@ -276,6 +295,9 @@ class BucketExporter:
             self._m["bcg_queue_length"].set(int(queue.get(shape, 0)), tags={"shape": shape})
         if self._scheduler_stats is not None:
             self._push_scheduler(self._scheduler_stats())
+        traffic = self._traffic() if self._traffic is not None else None
+        if traffic is not None:
+            self._push_traffic(traffic)
         last, samples, lost = self._metrics.step_samples(self._cursor)
         self._cursor = last  # at most once: a failing observe below never observes a step twice
         if lost:
@@ -312,6 +334,18 @@ class BucketExporter:
             self._inc("bcg_sched_queue_wait_ms", tags, float(wait.get("sum", 0.0)))
             if wait.get("p99") is not None:
                 self._m["bcg_sched_queue_wait_p99_ms"].set(float(wait["p99"]), tags=tags)
+
+    def _push_traffic(self, snap: dict) -> None:
+        """``bcg_traffic_requests`` and ``bcg_traffic_dropped`` from one traffic snapshot: the shapes' counts
+        summed per tag set (keys differing only in prompt tokens within one text bucket share a series)."""
+        totals: dict[tuple[str, str, str, str], int] = {}
+        for s in snap.get("shapes", ()):
+            tags = (f"{s['width']}x{s['height']}", str(s["n"]), str(s["steps"]),
+                    text_bucket(s["text_tokens"], self._text_lengths))
+            totals[tags] = totals.get(tags, 0) + int(s["count"])
+        for (size, n, steps, text), count in sorted(totals.items()):
+            self._inc("bcg_traffic_requests", {"size": size, "n": n, "steps": steps, "text": text}, count)
+        self._inc("bcg_traffic_dropped", {}, int(snap.get("dropped", 0)))
 
     # -- the background task ----------------------------------------------------------------------------
 
