@@ -1,10 +1,12 @@
-"""The ``bcg`` command line: ``bcg demo``, ``bcg config``, ``bcg serve``, ``bcg verify``, ``bcg profile``.
+"""The ``bcg`` command line: ``bcg demo``, ``bcg config``, ``bcg serve``, ``bcg verify``, ``bcg profile``,
+``bcg plan``.
 
 The console script of ``pyproject.toml`` (``bcg = "deployments.cli:main"``), also run as
 ``python -m deployments.cli``.
 ``demo`` replays real requests (:mod:`deployments.demo`), ``serve`` runs the local server until stopped
 (:mod:`deployments.local`), ``verify`` and ``profile`` print tables of the engine's correctness gates and
-timings (:mod:`deployments.commands`), ``config`` prints the embedded default ``ServeConfig``.
+timings (:mod:`deployments.commands`), ``plan`` chooses the bucket table from traffic
+(:mod:`bcg_core.bucket_plan`), ``config`` prints the embedded default ``ServeConfig``.
 """
 
 from __future__ import annotations
@@ -158,6 +160,35 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from .commands import plot_plan, run_plan
+
+    source = args.source or ("gentd26" if args.traffic == "gentd26" and not args.trace else
+                             f"gentd26:{args.trace}" if args.traffic == "gentd26" else args.traffic)
+    try:
+        config = _load(args.config)
+        plan, default = run_plan(config, source, args.budget_mib, args.max_graphs, args.profile, args.steps, args.krea)
+    except (ValueError, OSError) as exc:
+        print(f"bcg plan: error: {exc}", file=sys.stderr)
+        return 2
+    if args.write:
+        planned = config.model_copy(update={"buckets": plan.buckets})
+        with open(args.write, "w", encoding="utf-8") as f:
+            f.write(config_text(planned, "json" if args.write.endswith(".json") else "yaml"))
+        print(f"wrote {args.write}")
+    if args.json:
+        report = plan.to_json()
+        report["current"] = {"graphs": default.graphs, "ms_per_image": round(default.ms_per_image, 4),
+                             "waste": round(default.waste, 5), "miss_share": round(default.miss_share, 5)}
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(report, f, indent=1)
+        print(f"wrote {args.json}")
+    if args.plot:
+        plot_plan(plan, args.plot)
+        print(f"wrote {args.plot}")
+    return 0
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="bcg",
@@ -232,6 +263,32 @@ def _parser() -> argparse.ArgumentParser:
     pr.add_argument("--bucket", action="append", metavar="KEY", help="profile only this bucket; repeatable")
     pr.add_argument("--iters", type=_bounded_int(1, 1000), default=10, help="timed iterations (default 10)")
     pr.set_defaults(func=_cmd_profile)
+
+    pl = sub.add_parser("plan", help="choose the bucket table from real traffic under a graph-memory budget",
+                        description="Plan the buckets section (resolution tiers, text lengths, batch rows) for a "
+                        "traffic sample: the packaged krea CSV (default), the packaged GenTD26 burst or a GenTD26-"
+                        "style CSV (image counts joined with krea sizes), or a running server's recorded shape "
+                        "histogram (--from URL) or an exported one (--from FILE). The objective is the expected GPU "
+                        "time per image (bcg_core/bucket_plan.py); costs from a `bcg profile --json` file, else the "
+                        "token-count model. Prints the chosen buckets with their share of requests and waste.")
+    pl.add_argument("--config", default=None, metavar="PATH",
+                    help="ServeConfig YAML/JSON: the model, limits and current table (default: embedded)")
+    pl.add_argument("--traffic", choices=("krea", "gentd26"), default="krea", help="packaged sample (default krea)")
+    pl.add_argument("--trace", default=None, metavar="CSV", help="with --traffic gentd26: a GenTD26-style CSV")
+    pl.add_argument("--krea", default=None, metavar="CSV", help="a krea-format CSV instead of the packaged one")
+    pl.add_argument("--from", dest="source", default=None, metavar="URL|FILE",
+                    help="a server's recorded traffic (http://HOST:PORT) or an exported histogram / /v1/buckets JSON")
+    pl.add_argument("--budget-mib", type=_positive_float, default=None, metavar="MIB",
+                    help="graph-memory budget of one replica's shared pool in MiB (default: none)")
+    pl.add_argument("--max-graphs", type=_bounded_int(1, 4096), default=12, metavar="N",
+                    help="most graphs per replica (default 12)")
+    pl.add_argument("--profile", default=None, metavar="JSON", help="measured bucket costs (`bcg profile --json`)")
+    pl.add_argument("--steps", type=_bounded_int(1), default=None, metavar="S",
+                    help="every request's denoising steps instead of the sample's")
+    pl.add_argument("--write", default=None, metavar="PATH", help="write the config with the planned buckets")
+    pl.add_argument("--json", default=None, metavar="PATH", help="write the machine-readable report")
+    pl.add_argument("--plot", default=None, metavar="PNG", help="plot GPU time and waste against graph count")
+    pl.set_defaults(func=_cmd_plan)
     return p
 
 

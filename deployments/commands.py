@@ -19,7 +19,7 @@ from bcg_core.config import ServeConfig
 from bcg_core.pipeline import DiTPipeline
 from bcg_core.verify import BoundaryCase, boundary_cases, verify_runner
 
-__all__ = ["RTOL", "run_profile", "run_verify"]
+__all__ = ["RTOL", "load_plan_traffic", "plot_plan", "run_plan", "run_profile", "run_verify"]
 
 RTOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 1e-2}
 """Relative tolerance of padded vs unpadded per dtype (docs/DESIGN.md section 4: fp32 ~1e-5, bf16 ~1e-2; bf16 here
@@ -129,3 +129,115 @@ def _square_grid(tokens: int) -> tuple[int, int] | None:
         if tokens % h == 0:
             return (h, tokens // h)
     return None
+
+
+GENTD26_CSV = "alibaba_gentd26_burst_2024-12-06.csv"
+"""The packaged GenTD26 burst (``bcg_core/data/README.md``): image counts, steps and prompt lengths, no sizes."""
+
+
+def load_plan_traffic(config: ServeConfig, source: str, steps: int | None = None, krea: str | None = None):
+    """The traffic sample ``bcg plan`` plans for (:mod:`bcg_core.bucket_plan`).
+
+    Args:
+        config: model and limits.
+        source: ``"krea"`` (the packaged krea CSV), ``"gentd26"`` (the packaged GenTD26 burst, its rows joined in
+            order with the krea requests' sizes) or ``"gentd26:PATH"`` (a GenTD26-style CSV), a recorded shape
+            histogram: a JSON file (a :meth:`~bcg_core.traffic.TrafficHistogram.snapshot` or a saved
+            ``/v1/buckets`` answer) or the ``http://`` URL of a running server.
+        steps: every request's steps instead of the sample's.
+        krea: another krea-format CSV instead of the packaged one.
+
+    Raises:
+        ValueError, OSError: a source that cannot be read or holds nothing to plan for (naming it).
+    """
+    import csv
+    from importlib import resources
+
+    from bcg_core import bucket_plan as bp
+
+    if source == "krea":
+        return bp.traffic_from_rows(config, bp.krea_rows(krea), steps=steps)
+    if source == "gentd26" or source.startswith("gentd26:"):
+        path = source.partition(":")[2]
+        text = (resources.files("bcg_core").joinpath("data", GENTD26_CSV).read_text(encoding="utf-8") if not path
+                else open(path, encoding="utf-8").read())
+        sizes = [(int(r["width"]), int(r["height"])) for r in bp.krea_rows(krea) if r.get("width") and r.get("height")]
+        import io
+
+        return bp.traffic_from_gentd26(config, csv.DictReader(io.StringIO(text)), sizes, steps=steps)
+    from bcg_core.traffic import load_traffic
+
+    traffic = bp.traffic_from_histogram(config, load_traffic(source).snapshot())
+    if steps is not None:
+        traffic.demands = [bp.replace(d, steps=steps) for d in traffic.demands]
+    return traffic
+
+
+def run_plan(config: ServeConfig, source: str = "krea", budget_mib: float | None = None, max_graphs: int = 12,
+             profile: str | None = None, steps: int | None = None, krea: str | None = None, console=None):
+    """Plan the bucket table for a traffic sample and print it (``bcg plan``).
+
+    Returns:
+        The :class:`~bcg_core.bucket_plan.BucketPlan`.
+
+    Raises:
+        ValueError, OSError: see :func:`load_plan_traffic` and :func:`bcg_core.bucket_plan.plan_buckets`.
+    """
+    import json
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from bcg_core import bucket_plan as bp
+
+    console = console or Console()
+    traffic = load_plan_traffic(config, source, steps, krea)
+    costs = bp.PlanCosts.token_count(config)
+    if profile:
+        with open(profile, encoding="utf-8") as f:
+            rows = json.load(f)
+        costs = bp.costs_from_profile(rows.get("buckets", rows) if isinstance(rows, dict) else rows, costs)
+    plan = bp.plan_buckets(config, traffic, costs, budget_mib=budget_mib, max_graphs=max_graphs)
+    default = bp.evaluate(bp.planning_table(config), traffic, costs)
+    s = plan.score
+    table = Table(title=f"bcg plan: {traffic.source} traffic, {traffic.requests:.1f} requests, costs: {costs.source}")
+    for col in ("bucket shape", "share of requests", "padded-token waste"):
+        table.add_column(col, justify="left" if col == "bucket shape" else "right")
+    for shape, v in s.shares.items():
+        table.add_row(shape if shape != "miss" else "miss (unpadded eager)", f"{v['share']:.1%}", f"{v['waste']:.1%}")
+    console.print(table)
+    b = plan.buckets
+    console.print(f"chosen: {s.graphs} graphs, {s.ms_per_image:.2f} ms per image (expected), waste {s.waste:.1%}, "
+                  f"pool ~{s.pool_bytes / 2**20:.0f} MiB, misses {s.miss_share:.1%}")
+    console.print(f"  batch_sizes: {b.batch_sizes}\n  resolutions: {b.resolutions}\n  text_lengths: {b.text_lengths}")
+    console.print(f"current table: {default.graphs} graphs, {default.ms_per_image:.2f} ms per image, waste "
+                  f"{default.waste:.1%}, misses {default.miss_share:.1%}")
+    if traffic.refused:
+        console.print("refused by the limits (requests): "
+                      + ", ".join(f"{k} {v:g}" for k, v in sorted(traffic.refused.items())))
+    return plan, default
+
+
+def plot_plan(plan, path: str) -> None:
+    """One matplotlib figure: expected GPU ms per image and padded-token waste against graph count along the
+    search path, the chosen table marked; written to ``path`` (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    xs = [p.score.graphs for p in plan.curve]
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    ax.plot(xs, [p.score.ms_per_image for p in plan.curve], "o-", color="tab:blue", label="GPU ms per image")
+    ax.set_xlabel("graphs per replica")
+    ax.set_ylabel("expected GPU ms per image", color="tab:blue")
+    twin = ax.twinx()
+    twin.plot(xs, [100 * p.score.waste for p in plan.curve], "s--", color="tab:orange", label="padded-token waste")
+    twin.set_ylabel("padded-token waste (%)", color="tab:orange")
+    c = plan.curve[plan.chosen]
+    ax.axvline(c.score.graphs, color="grey", linestyle=":")
+    ax.annotate("chosen", (c.score.graphs, c.score.ms_per_image), textcoords="offset points", xytext=(5, 8))
+    ax.set_title(f"bcg plan ({plan.traffic['source']}, costs: {plan.costs['source']})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

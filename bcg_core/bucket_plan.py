@@ -1,0 +1,673 @@
+"""The bucket planner: choose the bucket table from real traffic, under a graph-memory budget and a graph cap.
+
+Input: a traffic sample (:class:`Demand` rows: each an exact forward shape with its images, steps and weight in
+requests), from the packaged krea CSV (:func:`traffic_from_rows` over :func:`krea_rows`), a GenTD26-style trace
+(:func:`traffic_from_gentd26`: image counts, steps and prompt lengths, joined with krea sizes) or a replica's
+recorded shape histogram (:func:`traffic_from_histogram`, a :class:`~bcg_core.traffic.TrafficHistogram`
+snapshot). Output: the ``buckets`` section of a ServeConfig (:attr:`BucketPlan.buckets`).
+
+Objective (:func:`evaluate`): the expected GPU milliseconds per real image on that traffic,
+
+    sum_r w_r * steps_r * step_ms(r)  /  sum_r w_r * n_r
+
+where ``step_ms(r)`` is one denoising step of request ``r``'s rows as the step scheduler would run them on the
+table: its shape's bucket (the smallest image tier and text bucket that hold it, :class:`~bcg_core.buckets.
+BucketTable`), its rows split, filled or padded across the shape's batch buckets or run unpadded and eager by the
+cost model's dynamic program (:meth:`~bcg_core.costs.CostModel.plan`, here with the plain minimum so that more
+buckets never cost more), and a request no bucket holds (image or text miss) at its unpadded eager time. Every
+request is costed with its own rows alone, as at light load: under load the scheduler fills buckets with rows
+of several requests, which can only lower the cost of a table whose batch buckets are larger. Padded-token
+waste is the share of the computed tokens that are padding (image tiers, text buckets and pad rows).
+
+Costs (:class:`PlanCosts`): the token-count model of :meth:`~bcg_core.costs.CostModel.token_model` (a forward
+costs ``launch + tokens x ms_per_token``; a graph replay a tenth of the eager launch), or the same line fitted
+by least squares to measured bucket times (:func:`costs_from_profile`: ``bcg profile --json`` output). Graph
+memory: one shared pool, captured largest first, grows to about its largest graph (docs/DESIGN.md section 3),
+so the table's pool is estimated as its largest bucket's :func:`router.ownership.estimate_graph_bytes` (the
+activation factor measured on the H200), or the fitted bytes of a profile.
+
+Search (:func:`plan_buckets`): the best single bucket (one graph), then greedy growth: at each step the tier,
+text bucket or batch size whose addition lowers the expected cost most per graph added, within the graph cap
+and the memory budget, until nothing lowers it. Each table on the way is a point of the curve (graphs against
+cost and waste); the chosen table is the cheapest point. The greedy path only adds buckets, so the cost never
+rises with the graph count.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from importlib import resources
+
+from .buckets import BucketKey, BucketTable, ShapeQuery, ShapeRules
+from .config import BucketConfig, ServeConfig
+from .errors import RequestError
+from .planner import GenerationRequest, Planner
+
+__all__ = ["BucketPlan", "Demand", "PlanCosts", "PlanPoint", "TableScore", "costs_from_profile", "evaluate",
+           "krea_rows", "plan_buckets", "planning_planner", "planning_table", "traffic_from_gentd26", "traffic_from_histogram", "traffic_from_rows"]
+
+KREA_CSV = "krea_open_prompts_1k_flat.csv"
+"""The packaged krea request mix (``bcg_core/data/README.md``): one row per image, ``num_generations`` per request."""
+
+GENTD26_FILLER = ("a detailed photograph of a lighthouse on a rocky coast at dusk, dramatic clouds, warm light, "
+                  "high resolution, sharp focus, ")
+"""Text repeated and cut to a GenTD26 row's ``prompt_length`` characters (the trace has lengths, no text), so the
+model's own tokenizer counts tokens for a prompt of that length."""
+
+
+@dataclass(frozen=True)
+class Demand:
+    """One kind of request in a traffic sample.
+
+    Attributes:
+        query: the exact shape of one denoising step's forward (rows with CFG, image tokens or grid, text tokens),
+            as :meth:`~bcg_core.planner.Planner.query` makes it.
+        images: images per request.
+        steps: denoising steps per request.
+        weight: how many requests of this kind the sample holds (fractions allowed: a krea row is 1/n).
+        size: the requested ``(width, height)`` in pixels.
+    """
+
+    query: ShapeQuery
+    images: int
+    steps: int
+    weight: float
+    size: tuple[int, int]
+
+
+@dataclass
+class Traffic:
+    """A traffic sample: :class:`Demand` rows, what was refused (the limits' reason per row) and its source."""
+
+    demands: list[Demand]
+    source: str
+    refused: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def requests(self) -> float:
+        """Requests in the sample (the weights' sum)."""
+        return sum(d.weight for d in self.demands)
+
+    def merged(self) -> Traffic:
+        """The same sample with equal rows (query, images, steps, size) summed into one."""
+        out: dict[tuple, Demand] = {}
+        for d in self.demands:
+            k = (d.query, d.images, d.steps, d.size)
+            out[k] = replace(d, weight=out[k].weight + d.weight) if k in out else d
+        return Traffic(list(out.values()), self.source, dict(self.refused))
+
+
+def planning_planner(config: ServeConfig) -> Planner:
+    """A :class:`~bcg_core.planner.Planner` of ``config``'s model and limits whose table holds every valid prompt
+    (text bucket: the native length, else the family's encoder limit) and never rejects a miss: traffic is
+    validated and shaped with it, independent of the table being planned.
+
+    Raises:
+        ValueError: the configured checkpoint cannot be described (naming it).
+    """
+    from .models import describe_model, load_tokenizer_counter
+
+    spec = describe_model(config.model)
+    native = spec.rules.native_text_tokens
+    text = native if native is not None else (spec.max_text_tokens or max(config.buckets.text_lengths))
+    wide = replace_buckets(config, text_lengths=[text], miss_policy="eager")
+    return Planner(wide, spec, load_tokenizer_counter(config.model))
+
+
+def planning_table(config: ServeConfig) -> BucketTable:
+    """``config``'s own bucket table, as its replicas build it (to score the current table against a plan)."""
+    return Planner(config, *_spec_and_counter(config)).table
+
+
+def _spec_and_counter(config: ServeConfig):
+    from .models import describe_model, load_tokenizer_counter
+
+    return describe_model(config.model), load_tokenizer_counter(config.model)
+
+
+def replace_buckets(config: ServeConfig, **fields) -> ServeConfig:
+    """``config`` with ``buckets`` fields replaced (validated again)."""
+    return config.model_copy(update={"buckets": BucketConfig(**{**config.buckets.model_dump(), **fields})})
+
+
+def krea_rows(path: str | None = None) -> list[dict[str, str]]:
+    """Rows of the krea CSV: the packaged one (:data:`KREA_CSV`) or ``path``, as strings."""
+    if path is None:
+        text = resources.files("bcg_core").joinpath("data", KREA_CSV).read_text(encoding="utf-8")
+    else:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    return list(csv.DictReader(io.StringIO(text)))
+
+
+def _int(row: Mapping[str, str], name: str) -> int | None:
+    v = (row.get(name) or "").strip()
+    return int(float(v)) if v else None
+
+
+def _float(row: Mapping[str, str], name: str) -> float | None:
+    v = (row.get(name) or "").strip()
+    return float(v) if v else None
+
+
+def _demand(planner: Planner, request: GenerationRequest, weight: float, text_tokens: int | None,
+            refused: dict[str, float]) -> Demand | None:
+    """``request`` planned (validated, defaults filled, shaped); refusals counted by the field the limits name."""
+    try:
+        plan = planner.plan(request)
+    except RequestError as e:
+        refused[e.field] = refused.get(e.field, 0.0) + weight
+        return None
+    query = plan.lookup.query
+    if text_tokens is not None and planner.rules.native_text_tokens is None:
+        query = planner.query(plan.request, text_tokens)
+    r = plan.request
+    return Demand(query, r.n, r.num_inference_steps, weight, (r.width, r.height))
+
+
+def traffic_from_rows(config: ServeConfig, rows: Iterable[Mapping[str, str]], source: str = "krea",
+                      steps: int | None = None) -> Traffic:
+    """Traffic from krea-format rows (``prompt``, ``width``, ``height``, ``num_generations``, ``num_step``,
+    ``cfg_scale``): one row per image, so each weighs ``1 / num_generations`` of a request.
+
+    Args:
+        config: the model and limits (requests outside them are refused and counted, not planned).
+        rows: the CSV rows (:func:`krea_rows`).
+        source: the sample's name in the plan.
+        steps: every request's steps instead of the row's ``num_step`` (krea's are SD 1.x steps).
+
+    Raises:
+        ValueError: a row without width or height, naming it.
+    """
+    planner = planning_planner(config)
+    demands, refused = [], {}
+    for i, row in enumerate(rows):
+        w, h = _int(row, "width"), _int(row, "height")
+        if w is None or h is None:
+            raise ValueError(f"{source} row {i}: width and height are required")
+        n = _int(row, "num_generations") or 1
+        cfg = _float(row, "cfg_scale")
+        prompt = (row.get("prompt") or "").strip() or "x"
+        req = GenerationRequest(prompt, n=n, width=w, height=h, seed=0,
+                                num_inference_steps=steps if steps is not None else _int(row, "num_step"),
+                                guidance_scale=None if cfg is None else min(cfg, config.limits.max_guidance_scale))
+        d = _demand(planner, req, 1.0 / n, None, refused)
+        if d is not None:
+            demands.append(d)
+    return Traffic(demands, source, refused).merged()
+
+
+def traffic_from_gentd26(config: ServeConfig, rows: Iterable[Mapping[str, str]],
+                         sizes: Sequence[tuple[int, int]], steps: int | None = None) -> Traffic:
+    """Traffic from a GenTD26-style trace (``num_images_per_prompt``, ``num_inference_steps``, ``prompt_length``
+    in characters; ``TXT_2_IMG`` rows only when ``predict_type`` is given). The trace has no sizes: row ``i``
+    takes ``sizes[i % len(sizes)]`` (e.g. the krea requests' sizes in file order); its prompt is
+    :data:`GENTD26_FILLER` cut to ``prompt_length`` characters, counted by the model's tokenizer.
+
+    Raises:
+        ValueError: ``sizes`` is empty.
+    """
+    if not sizes:
+        raise ValueError("traffic_from_gentd26 needs at least one (width, height) size to join the trace with")
+    planner = planning_planner(config)
+    demands, refused = [], {}
+    i = 0
+    for row in rows:
+        kind = (row.get("predict_type") or "TXT_2_IMG").strip()
+        if kind != "TXT_2_IMG":
+            continue
+        n = _int(row, "num_images_per_prompt") or 1
+        chars = max(1, _int(row, "prompt_length") or 1)
+        prompt = (GENTD26_FILLER * (chars // len(GENTD26_FILLER) + 1))[:chars].strip() or "x"
+        w, h = sizes[i % len(sizes)]
+        i += 1
+        req = GenerationRequest(prompt, n=n, width=w, height=h, seed=0,
+                                num_inference_steps=steps if steps is not None else _int(row, "num_inference_steps"))
+        d = _demand(planner, req, 1.0, None, refused)
+        if d is not None:
+            demands.append(d)
+    return Traffic(demands, "gentd26", refused).merged()
+
+
+def traffic_from_histogram(config: ServeConfig, snapshot: Mapping) -> Traffic:
+    """Traffic from a replica's recorded shape histogram (:meth:`~bcg_core.traffic.TrafficHistogram.snapshot`):
+    each shape weighs its count; its ``cfg_count`` requests run with classifier-free guidance (where the family
+    adds uncond rows for it), the rest without.
+
+    Raises:
+        ValueError: a snapshot that does not validate (:meth:`TrafficHistogram.from_snapshot`).
+    """
+    from .traffic import TrafficHistogram
+
+    hist = TrafficHistogram.from_snapshot(dict(snapshot))
+    planner = planning_planner(config)
+    spec = planner.spec
+    demands, refused = [], {}
+    for s in hist.snapshot()["shapes"]:
+        cfg_count = int(s.get("cfg_count") or 0)
+        for cfg, count in ((True, cfg_count), (False, int(s["count"]) - cfg_count)):
+            if count <= 0:
+                continue
+            extra = {}
+            if cfg:
+                extra = ({"true_cfg_scale": 4.0, "negative_prompt": " "} if spec.cfg_rule == "true_cfg"
+                         else {"guidance_scale": max(4.5, config.limits.default_guidance_scale)})
+            elif spec.cfg_rule != "true_cfg":
+                extra = {"guidance_scale": 1.0}
+            req = GenerationRequest("x", n=int(s["n"]), width=int(s["width"]), height=int(s["height"]), seed=0,
+                                    num_inference_steps=int(s["steps"]), **extra)
+            d = _demand(planner, req, float(count), int(s["text_tokens"]), refused)
+            if d is not None:
+                demands.append(d)
+    return Traffic(demands, "histogram", refused).merged()
+
+
+# -- costs -------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class PlanCosts:
+    """Milliseconds and graph bytes of forwards, as lines in the tokens of a forward.
+
+    ``graph_ms = graph_launch_ms + tokens * ms_per_token``; ``eager_ms = eager_launch_ms + tokens * ms_per_token``
+    (unpadded tokens); ``graph_bytes = bytes_per_token * tokens``. ``tokens`` is :attr:`BucketKey.tokens`:
+    rows x (image + text tokens).
+
+    Attributes:
+        source: ``"token-count"`` (the stand-in of :meth:`bcg_core.costs.CostModel.token_model`) or
+            ``"profile"`` (fitted to measured times, :func:`costs_from_profile`).
+    """
+
+    graph_launch_ms: float = 0.5
+    eager_launch_ms: float = 5.0
+    ms_per_token: float = 1e-3
+    bytes_per_token: float = 0.0
+    source: str = "token-count"
+
+    @classmethod
+    def token_count(cls, config: ServeConfig) -> PlanCosts:
+        """The token-count stand-in, with graph bytes from the model's width and dtype
+        (:func:`router.ownership.estimate_graph_bytes`: the activation factor measured on the H200)."""
+        from router.ownership import ACTIVATION_FACTOR, _hidden_size
+
+        dtype_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}[config.model.dtype]
+        return cls(bytes_per_token=ACTIVATION_FACTOR * _hidden_size(config.model.path) * dtype_bytes)
+
+    def graph_ms(self, key: BucketKey) -> float:
+        """Expected milliseconds of one replay of bucket ``key``."""
+        return self.graph_launch_ms + key.tokens * self.ms_per_token
+
+    def eager_ms(self, tokens: int) -> float:
+        """Expected milliseconds of one unpadded eager forward of ``tokens`` tokens."""
+        return self.eager_launch_ms + tokens * self.ms_per_token
+
+    def graph_bytes(self, key: BucketKey) -> int:
+        """Expected graph-pool bytes of bucket ``key``'s capture."""
+        return int(self.bytes_per_token * key.tokens)
+
+    def describe(self) -> dict:
+        """JSON of the model, for the plan report."""
+        return {"source": self.source, "graph_launch_ms": self.graph_launch_ms, "eager_launch_ms": self.eager_launch_ms,
+                "ms_per_token": self.ms_per_token, "bytes_per_token": self.bytes_per_token}
+
+
+def costs_from_profile(rows: Sequence[Mapping], fallback: PlanCosts) -> PlanCosts:
+    """Lines fitted by least squares to measured buckets: ``bcg profile --json`` rows with ``key`` (a bucket key
+    string), ``graph_ms``, ``eager_ms`` and optionally ``pool_bytes``.
+
+    Args:
+        rows: at least two buckets of different token counts.
+        fallback: the byte model kept when no row has ``pool_bytes``.
+
+    Raises:
+        ValueError: fewer than two distinct token counts, or a row without its fields (naming it).
+    """
+    pts = []
+    for i, r in enumerate(rows):
+        try:
+            pts.append((_parse_key(str(r["key"])).tokens, float(r["graph_ms"]), float(r["eager_ms"]),
+                        r.get("pool_bytes")))
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"profile row {i}: needs key, graph_ms and eager_ms ({e})") from None
+    if len({p[0] for p in pts}) < 2:
+        raise ValueError("a profile needs buckets of at least two token counts to fit costs to; profile more buckets")
+
+    def fit(xs, ys):
+        n = len(xs)
+        mx, my = sum(xs) / n, sum(ys) / n
+        var = sum((x - mx) ** 2 for x in xs)
+        slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var else 0.0
+        return max(0.0, my - slope * mx), max(0.0, slope)
+
+    xs = [p[0] for p in pts]
+    g0, gs = fit(xs, [p[1] for p in pts])
+    e0, es = fit(xs, [p[2] for p in pts])
+    with_bytes = [(p[0], float(p[3])) for p in pts if p[3]]
+    bpt = sum(b for _, b in with_bytes) / sum(t for t, _ in with_bytes) if with_bytes else fallback.bytes_per_token
+    return PlanCosts(graph_launch_ms=g0, eager_launch_ms=e0, ms_per_token=(gs + es) / 2, bytes_per_token=bpt,
+                     source="profile")
+
+
+def _parse_key(text: str) -> BucketKey:
+    """A :class:`BucketKey` from its string (``b8_i1024_m_t256_g32x32``)."""
+    parts = text.split("_")
+    b, i = int(parts[0][1:]), int(parts[1][1:])
+    rest = parts[2:]
+    mask = bool(rest) and rest[0] == "m"
+    rest = rest[1:] if mask else rest
+    t = int(rest[0][1:])
+    hw = tuple(int(v) for v in rest[1][1:].split("x")) if len(rest) > 1 else None
+    return BucketKey(b, i, t, hw, mask)
+
+
+# -- evaluation --------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class TableScore:
+    """What a table is expected to cost on a traffic sample.
+
+    Attributes:
+        ms_per_image: expected GPU milliseconds of denoising per real image (the objective).
+        waste: padded tokens / computed tokens, 0..1.
+        graphs: buckets of the table (captured graphs).
+        pool_bytes: expected graph-pool bytes (its largest graph).
+        miss_share: share of the requests no bucket holds (run unpadded and eager: planned, counted).
+        shares: per bucket shape, the share of requests it serves and its padded-token waste.
+    """
+
+    ms_per_image: float
+    waste: float
+    graphs: int
+    pool_bytes: int
+    miss_share: float
+    shares: dict[str, dict[str, float]]
+
+
+def _step(costs: PlanCosts, rows: int, keys: Sequence[BucketKey]) -> tuple[float, int]:
+    """``(ms, computed tokens)`` of ``rows`` rows on one shape's ``keys``: the cost model's dynamic program with
+    the plain minimum (fill, pad, split or eager chunks); ``keys`` sorted by batch."""
+    per_row = keys[0].image_tokens + keys[0].text_tokens
+    best: list[tuple[float, int]] = [(0.0, 0)] + [(math.inf, 0)] * rows
+    largest = keys[-1].batch
+    for r in range(1, rows + 1):
+        for c in range(1, min(r, largest) + 1):
+            k = next(k for k in keys if k.batch >= c)
+            ms, tok = best[r - c]
+            for cand in ((ms + costs.graph_ms(k), tok + k.tokens), (ms + costs.eager_ms(c * per_row), tok + c * per_row)):
+                if cand[0] < best[r][0] - 1e-12:
+                    best[r] = cand
+    return best[rows]
+
+
+def evaluate(table: BucketTable, traffic: Traffic, costs: PlanCosts, memo: dict | None = None) -> TableScore:
+    """The expected cost of ``table`` on ``traffic`` (module docstring); ``memo`` keeps step costs across calls
+    with the same ``costs`` (the search evaluates many tables that share shapes)."""
+    by_shape: dict[str, list[BucketKey]] = {}
+    for k in table.keys:
+        by_shape.setdefault(k.shape, []).append(k)
+    for v in by_shape.values():
+        v.sort(key=lambda k: k.batch)
+    total_ms = images = real = computed = miss = 0.0
+    shares: dict[str, dict[str, float]] = {}
+    memo = {} if memo is None else memo
+    for d in traffic.demands:
+        q = d.query
+        probe = table.lookup(replace(q, batch=min(q.batch, table.batch_sizes[-1])))
+        real_tok = q.batch * (q.image_tokens + q.text_tokens)
+        if probe.hit:
+            shape = probe.key.shape
+            keys = by_shape[shape]
+            mk = (tuple(k.batch for k in keys), keys[0].image_tokens, keys[0].text_tokens, q.batch)
+            m = memo.get(mk)
+            if m is None:
+                m = memo[mk] = _step(costs, q.batch, keys)
+            ms, tok = m
+        else:
+            shape = "miss"
+            ms, tok = costs.eager_ms(real_tok), real_tok
+            miss += d.weight
+        total_ms += d.weight * d.steps * ms
+        images += d.weight * d.images
+        real += d.weight * d.steps * real_tok
+        computed += d.weight * d.steps * tok
+        s = shares.setdefault(shape, {"requests": 0.0, "real": 0.0, "computed": 0.0})
+        s["requests"] += d.weight
+        s["real"] += d.weight * d.steps * real_tok
+        s["computed"] += d.weight * d.steps * tok
+    reqs = traffic.requests or 1.0
+    out = {sh: {"share": v["requests"] / reqs, "waste": 1 - v["real"] / v["computed"] if v["computed"] else 0.0}
+           for sh, v in sorted(shares.items())}
+    pool = max((costs.graph_bytes(k) for k in table.keys), default=0)
+    return TableScore(total_ms / images if images else 0.0, 1 - real / computed if computed else 0.0,
+                      len(table), pool, miss / reqs, out)
+
+
+# -- search ------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class PlanPoint:
+    """One table on the search path: its bucket lists and its score."""
+
+    batch_sizes: tuple[int, ...]
+    tiers: tuple[tuple[int, int], ...]
+    text_lengths: tuple[int, ...]
+    score: TableScore
+
+
+@dataclass
+class BucketPlan:
+    """The planner's answer.
+
+    Attributes:
+        buckets: the chosen ``buckets`` section (a :class:`~bcg_core.config.BucketConfig`).
+        score: its expected cost on the traffic.
+        curve: every table of the search path, 1 graph up (the plot's points).
+        chosen: index of the chosen point in ``curve``.
+        traffic: the sample's source, requests, and refusals by field.
+        costs: the cost model used (:meth:`PlanCosts.describe`).
+        budget_mib, max_graphs: the constraints.
+    """
+
+    buckets: BucketConfig
+    score: TableScore
+    curve: list[PlanPoint]
+    chosen: int
+    traffic: dict
+    costs: dict
+    budget_mib: float | None
+    max_graphs: int
+
+    def to_json(self) -> dict:
+        """The machine-readable report (``bcg plan --json``)."""
+        def point(p: PlanPoint) -> dict:
+            return {"graphs": p.score.graphs, "ms_per_image": round(p.score.ms_per_image, 4),
+                    "waste": round(p.score.waste, 5), "pool_mib": round(p.score.pool_bytes / 2**20, 1),
+                    "miss_share": round(p.score.miss_share, 5), "batch_sizes": list(p.batch_sizes),
+                    "resolutions": [f"{w}x{h}" for w, h in p.tiers], "text_lengths": list(p.text_lengths)}
+
+        return {"buckets": self.buckets.model_dump(mode="json"), "chosen": point(self.curve[self.chosen]),
+                "shapes": {k: {"share": round(v["share"], 5), "waste": round(v["waste"], 5)}
+                           for k, v in self.score.shares.items()},
+                "curve": [point(p) for p in self.curve], "traffic": self.traffic, "costs": self.costs,
+                "budget_mib": self.budget_mib, "max_graphs": self.max_graphs}
+
+
+def _candidates(traffic: Traffic, rules: ShapeRules, planner: Planner, max_tiers: int = 16):
+    """Candidate tiers (``(width, height)`` pixels), text buckets and batch sizes from the sample."""
+    ppt = rules.pixels_per_token
+    weights: dict[tuple[int, int], float] = {}
+    for d in traffic.demands:
+        q = d.query
+        if rules.grid_keyed:
+            h, w = q.latent_hw
+        else:  # the most square grid of the request's token count that the limits allow
+            h, w = _square(q.image_tokens, planner)
+        weights[(w * ppt, h * ppt)] = weights.get((w * ppt, h * ppt), 0.0) + d.weight
+    tiers = [t for t, _ in sorted(weights.items(), key=lambda kv: -kv[1])[:max_tiers]]
+    native = rules.native_text_tokens
+    if native is not None:
+        texts = [native]
+    else:
+        toks = sorted(d.query.text_tokens for d in traffic.demands)
+        top = max(toks) if toks else 32
+        texts = sorted({_round_up(top, 8)} | {_round_up(_quantile(toks, q), 8) for q in (0.5, 0.9, 0.99)})
+    rows = sorted({d.query.batch for d in traffic.demands})
+    largest = max(rows) if rows else 1
+    batches = sorted({b for b in (1, 2, 4, 8, 16, 32, 64) if b <= largest} | set(rows))
+    return tiers, texts, batches
+
+
+def _square(tokens: int, planner: Planner) -> tuple[int, int]:
+    """The most square ``(h, w)`` grid with ``tokens`` tokens within the size limits (the grid itself if prime)."""
+    lim = planner.limits
+    ppt = planner.rules.pixels_per_token
+    lo, hi = -(-lim.min_side_px // ppt), lim.max_side_px // ppt
+    best = None
+    for h in range(lo, hi + 1):
+        if tokens % h == 0 and lo <= tokens // h <= hi:
+            g = (h, tokens // h)
+            if best is None or abs(g[0] - g[1]) < abs(best[0] - best[1]):
+                best = g
+    return best or (1, tokens)
+
+
+def _round_up(v: float, m: int) -> int:
+    return max(m, int(math.ceil(v / m)) * m)
+
+
+def _quantile(sorted_values: list[int], q: float) -> float:
+    if not sorted_values:
+        return 0
+    return sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))]
+
+
+def plan_buckets(config: ServeConfig, traffic: Traffic, costs: PlanCosts | None = None,
+                 budget_mib: float | None = None, max_graphs: int = 12) -> BucketPlan:
+    """Choose the bucket table for ``traffic`` (module docstring).
+
+    Args:
+        config: the model, limits and the current ``buckets`` (their ``image_padding`` and ``miss_policy`` are
+            kept).
+        traffic: the sample (:func:`traffic_from_rows`, :func:`traffic_from_gentd26`, :func:`traffic_from_histogram`).
+        costs: the cost model; None: :meth:`PlanCosts.token_count`.
+        budget_mib: graph-memory budget (the shared pool's expected size); None: no budget.
+        max_graphs: most graphs per replica.
+
+    Raises:
+        ValueError: an empty sample (nothing valid to plan for: names what was refused), ``max_graphs`` below 1,
+            or a budget below the smallest graph any request needs (naming that graph's MiB).
+    """
+    if max_graphs < 1:
+        raise ValueError(f"max_graphs must be at least 1, got {max_graphs}")
+    if not traffic.demands:
+        why = ", ".join(f"{k}: {v:g}" for k, v in sorted(traffic.refused.items())) or "no rows"
+        raise ValueError(f"the traffic sample ({traffic.source}) has no request the limits allow ({why}); give it "
+                         f"requests within limits, or widen limits")
+    costs = costs or PlanCosts.token_count(config)
+    planner = planning_planner(config)
+    rules = planner.rules
+    tiers, texts, batches = _candidates(traffic, rules, planner)
+    budget = None if budget_mib is None else budget_mib * 2**20
+    base = config.buckets
+    min_tokens = _min_image_tokens(planner)
+
+    def table(bs, ts, xs) -> BucketTable | None:
+        try:
+            cfg = base.model_copy(update={"batch_sizes": sorted(bs), "text_lengths": sorted(xs),
+                                          "resolutions": [f"{w}x{h}" for w, h in ts]})
+            return BucketTable(BucketConfig(**cfg.model_dump()), rules, min_tokens)
+        except ValueError:
+            return None  # e.g. two tiers of one token count
+
+    memo: dict = {}
+    scores: dict = {}
+
+    def score(bs, ts, xs):
+        """The table's score, None beyond the graph cap (remembered: the search asks for tables again)."""
+        k = (bs, ts, xs)
+        if k not in scores:
+            t = table(bs, ts, xs)
+            scores[k] = None if t is None or len(t) > max_graphs else evaluate(t, traffic, costs, memo)
+        return scores[k]
+
+    def greedy(limit: float | None) -> list[PlanPoint] | None:
+        """The search path with every graph within ``limit`` bytes (None: no limit); None if no table fits."""
+        def ok(bs, ts, xs):
+            sc = score(bs, ts, xs)
+            return sc if sc is not None and (limit is None or sc.pool_bytes <= limit) else None
+
+        best = None
+        for b in batches:  # the best single bucket (with its masked twin where the padding makes one)
+            for t in tiers:
+                for x in texts:
+                    sc = ok((b,), (t,), (x,))
+                    if sc is not None and (best is None or sc.ms_per_image < best[3].ms_per_image):
+                        best = ((b,), (t,), (x,), sc)
+        if best is None:
+            return None
+        bs, ts, xs, sc = best
+        path = [PlanPoint(bs, ts, xs, sc)]
+        while True:
+            options = [(tuple(sorted(bs + (b,))), ts, xs) for b in batches if b not in bs]
+            options += [(bs, tuple(sorted(ts + (t,), key=lambda p: (p[0] * p[1], p))), xs) for t in tiers if t not in ts]
+            options += [(bs, ts, tuple(sorted(xs + (x,)))) for x in texts if x not in xs]
+            step = None
+            cur = path[-1].score
+            for o in options:
+                so = ok(*o)
+                if so is None or so.ms_per_image >= cur.ms_per_image - 1e-12:
+                    continue
+                gain = (cur.ms_per_image - so.ms_per_image) / max(1, so.graphs - cur.graphs)
+                if step is None or gain > step[1]:
+                    step = (o, gain, so)
+            if step is None:
+                return path
+            (bs, ts, xs), _, sc = step
+            path.append(PlanPoint(bs, ts, xs, sc))
+
+    singles = [tb for t in tiers for x in texts for b in batches if (tb := table((b,), (t,), (x,))) is not None]
+    fewest = min(len(tb) for tb in singles)
+    if fewest > max_graphs:
+        raise ValueError(f"max_graphs {max_graphs} is below the {fewest} graphs of the smallest table (one tier "
+                         f"with image_padding 'masked' has a masked twin); allow {fewest} graphs or use "
+                         f"image_padding: exact")
+    smallest = min(max(costs.graph_bytes(k) for k in tb.keys) for tb in singles)
+    if budget is not None and budget < smallest:
+        raise ValueError(f"no table fits the graph-memory budget of {budget_mib} MiB: the smallest graph needs "
+                         f"{smallest / 2**20:.1f} MiB; raise the budget to at least that")
+    if budget is None:
+        curve = greedy(None)
+    else:  # the budget in steps of LADDER from the smallest table up: a larger budget never plans worse
+        paths, seen, limit = [], set(), float(smallest)
+        while limit <= budget * (1 + 1e-12):
+            path = greedy(limit)
+            key = tuple((p.batch_sizes, p.tiers, p.text_lengths) for p in path)
+            if key not in seen:
+                seen.add(key)
+                paths.append(path)
+            limit *= LADDER
+        curve = min(paths, key=lambda path: min(p.score.ms_per_image for p in path))
+    chosen = min(range(len(curve)), key=lambda i: (curve[i].score.ms_per_image, curve[i].score.graphs))
+    p = curve[chosen]
+    buckets = BucketConfig(**{**base.model_dump(), "batch_sizes": list(p.batch_sizes),
+                              "resolutions": [f"{w}x{h}" for w, h in p.tiers], "text_lengths": list(p.text_lengths)})
+    return BucketPlan(buckets, p.score, curve, chosen,
+                      {"source": traffic.source, "requests": round(traffic.requests, 3),
+                       "refused": {k: round(v, 3) for k, v in sorted(traffic.refused.items())}},
+                      costs.describe(), budget_mib, max_graphs)
+
+
+LADDER = 2 ** 0.25
+"""With a graph-memory budget the search runs at limits from the smallest table's pool up to the budget, each
+19% above the last, and keeps the best table found at any of them: greedy growth under a larger limit can take a
+large bucket early and miss a better table that a smaller limit forces, so taking the best over every smaller
+limit makes the plan never worse for a larger budget (a budget between two steps plans as the step below)."""
+
+
+def _min_image_tokens(planner: Planner) -> int:
+    """Fewest image tokens a valid request can have (the smallest side squared), as the replica builds its table."""
+    side = -(-planner.limits.min_side_px // planner.rules.pixels_per_token)
+    return max(1, side * side)

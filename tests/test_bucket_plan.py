@@ -1,0 +1,204 @@
+"""The bucket planner (bcg_core/bucket_plan.py) and ``bcg plan``, on synthetic traffic and the packaged samples.
+
+The tiny default model (FLUX layout, token-count keyed, native text 256), its tokenizer only (no weights). The
+cost model is the token-count stand-in unless a test scripts one.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import pytest
+
+from bcg_core import BucketConfig, GenerationRequest, LimitsConfig, ServeConfig
+from bcg_core.bucket_plan import (
+    PlanCosts,
+    Traffic,
+    costs_from_profile,
+    evaluate,
+    krea_rows,
+    plan_buckets,
+    planning_planner,
+    traffic_from_gentd26,
+    traffic_from_histogram,
+    traffic_from_rows,
+)
+from bcg_core.buckets import BucketTable
+from bcg_core.traffic import TrafficHistogram
+
+EXACT = ServeConfig(buckets=BucketConfig(image_padding="exact"))
+
+
+def _rows(*specs) -> list[dict[str, str]]:
+    """krea-format rows: (width, height, n, count) -> count requests, each as n image rows, no CFG."""
+    out = []
+    for w, h, n, count in specs:
+        for _ in range(count * n):
+            out.append({"prompt": "a red cube on a table", "width": str(w), "height": str(h),
+                        "num_generations": str(n), "num_step": "10", "cfg_scale": "1.0"})
+    return out
+
+
+def _table(config: ServeConfig, batch, tiers, texts) -> BucketTable:
+    planner = planning_planner(config)
+    cfg = BucketConfig(**{**config.buckets.model_dump(), "batch_sizes": list(batch), "resolutions": list(tiers),
+                          "text_lengths": list(texts)})
+    side = -(-config.limits.min_side_px // planner.rules.pixels_per_token)
+    return BucketTable(cfg, planner.rules, side * side)
+
+
+def test_one_exact_size_gets_one_exact_tier_and_no_waste():
+    traffic = traffic_from_rows(EXACT, _rows((512, 512, 1, 10)))
+    plan = plan_buckets(EXACT, traffic)
+    assert plan.buckets.resolutions == ["512x512"] and plan.buckets.batch_sizes == [1]
+    assert plan.score.waste == 0.0 and plan.score.miss_share == 0.0 and plan.score.graphs == 1
+    assert plan.score.shares == {"i1024_t256": {"share": 1.0, "waste": 0.0}}
+
+
+def test_a_budget_of_one_graph_picks_the_best_single_bucket():
+    traffic = traffic_from_rows(EXACT, _rows((512, 512, 1, 6), (512, 768, 2, 3), (768, 768, 4, 1)))
+    costs = PlanCosts.token_count(EXACT)
+    plan = plan_buckets(EXACT, traffic, costs, max_graphs=1)
+    planner = planning_planner(EXACT)
+    tiers = sorted({d.size for d in traffic.demands})
+    brute = min(evaluate(_table(EXACT, [b], [f"{w}x{h}"], [256]), traffic, costs).ms_per_image
+                for b, (w, h) in itertools.product(range(1, 9), tiers))
+    assert plan.score.graphs == 1 and plan.score.ms_per_image == pytest.approx(brute)
+    assert planner.rules.native_text_tokens == 256 and plan.buckets.text_lengths == [256]
+
+
+def test_growing_the_budget_never_makes_the_expected_cost_worse():
+    config = ServeConfig()
+    traffic = traffic_from_rows(config, krea_rows()[:400], steps=20)
+    costs = PlanCosts.token_count(config)
+    by_graphs = [plan_buckets(config, traffic, costs, max_graphs=g).score.ms_per_image for g in range(2, 25, 2)]
+    assert all(b <= a + 1e-9 for a, b in zip(by_graphs, by_graphs[1:])), by_graphs
+    assert by_graphs[-1] < by_graphs[0]
+    first = plan_buckets(config, traffic, costs, max_graphs=2)
+    mib = [first.score.pool_bytes / 2**20 * f for f in (1.0, 1.5, 2, 3, 5, 10)]
+    by_mib = [plan_buckets(config, traffic, costs, budget_mib=m, max_graphs=12).score.ms_per_image for m in mib]
+    assert all(b <= a + 1e-9 for a, b in zip(by_mib, by_mib[1:])), by_mib
+    curve = [p.score.ms_per_image for p in plan_buckets(config, traffic, costs, max_graphs=24).curve]
+    assert curve == sorted(curve, reverse=True)  # the search path only adds buckets
+
+
+def test_every_request_is_served_by_a_bucket_or_a_counted_planned_miss():
+    config = ServeConfig()
+    traffic = traffic_from_rows(config, krea_rows(), steps=20)
+    plan = plan_buckets(config, traffic, max_graphs=12)
+    table = _table(config, plan.buckets.batch_sizes, plan.buckets.resolutions, plan.buckets.text_lengths)
+    missed = sum(d.weight for d in traffic.demands
+                 if not table.lookup(d.query.__class__(min(d.query.batch, table.batch_sizes[-1]), d.query.image_tokens,
+                                                       d.query.text_tokens, d.query.latent_hw)).hit)
+    assert plan.score.miss_share == pytest.approx(missed / traffic.requests)
+    assert plan.score.shares.get("miss", {"share": 0.0})["share"] == pytest.approx(plan.score.miss_share)
+    roomy = plan_buckets(config, traffic, max_graphs=400)  # room for every size: nothing is left to eager
+    assert roomy.score.miss_share == 0.0 and roomy.score.ms_per_image <= plan.score.ms_per_image
+    assert sum(v["share"] for v in plan.score.shares.values()) == pytest.approx(1.0)
+
+
+def test_the_planned_table_beats_a_coarse_batch_bucket():
+    """3-image requests against a 16-row bucket: padding 13 rows costs more than an unpadded eager forward, so
+    that table serves them eager (no waste, no graph); the planner gives them a bucket that holds 3 rows."""
+    traffic = traffic_from_rows(EXACT, _rows((512, 512, 3, 10)))
+    costs = PlanCosts.token_count(EXACT)
+    coarse = evaluate(_table(EXACT, [16], ["512x512"], [256]), traffic, costs)
+    assert coarse.waste == 0.0 and coarse.ms_per_image == pytest.approx(10 * costs.eager_ms(3 * 1280) / 3)
+    plan = plan_buckets(EXACT, traffic, costs, max_graphs=2)
+    assert plan.buckets.batch_sizes == [3] and plan.score.waste == 0.0
+    assert plan.score.ms_per_image == pytest.approx(10 * costs.graph_ms(plan_table_key(3)) / 3)
+    assert plan.score.ms_per_image < coarse.ms_per_image
+
+
+def plan_table_key(rows: int):
+    from bcg_core.buckets import BucketKey
+
+    return BucketKey(rows, 1024, 256)
+
+
+def test_bad_inputs_get_errors_that_name_the_fix():
+    with pytest.raises(ValueError, match="no request the limits allow .*size: 2.*widen limits"):
+        plan_buckets(EXACT, traffic_from_rows(EXACT, _rows((4096, 4096, 1, 2))))
+    with pytest.raises(ValueError, match="no request the limits allow"):
+        plan_buckets(EXACT, Traffic([], "empty"))
+    traffic = traffic_from_rows(EXACT, _rows((512, 512, 1, 4)))
+    with pytest.raises(ValueError, match=r"smallest graph needs [0-9.]+ MiB; raise the budget"):
+        plan_buckets(EXACT, traffic, budget_mib=0.001)
+    with pytest.raises(ValueError, match="max_graphs 1 is below the 2 graphs .* image_padding: exact"):
+        plan_buckets(ServeConfig(), traffic_from_rows(ServeConfig(), _rows((768, 512, 1, 4))), max_graphs=1)
+    with pytest.raises(ValueError, match="max_graphs must be at least 1"):
+        plan_buckets(EXACT, traffic, max_graphs=0)
+    mixed = traffic_from_rows(EXACT, _rows((512, 512, 1, 3), (100, 512, 1, 2)))
+    assert mixed.refused == {"size": pytest.approx(2.0)} and mixed.requests == pytest.approx(3.0)  # counted, not planned
+    with pytest.raises(ValueError, match="row 0: width and height are required"):
+        traffic_from_rows(EXACT, [{"prompt": "x", "width": "", "height": "512"}])
+
+
+def test_costs_fitted_from_a_profile():
+    fallback = PlanCosts.token_count(EXACT)
+    rows = [{"key": "b1_i1024_t256", "graph_ms": 2.0, "eager_ms": 6.0, "pool_bytes": 1280 * 1000},
+            {"key": "b4_i1024_t256", "graph_ms": 6.0, "eager_ms": 9.0, "pool_bytes": 5120 * 1000}]
+    costs = costs_from_profile(rows, fallback)
+    assert costs.source == "profile" and costs.bytes_per_token == pytest.approx(1000)
+    assert costs.graph_launch_ms == pytest.approx(2.0 - 4.0 / 3840 * 1280)
+    with pytest.raises(ValueError, match="at least two token counts"):
+        costs_from_profile(rows[:1], fallback)
+    with pytest.raises(ValueError, match="profile row 0: needs key, graph_ms and eager_ms"):
+        costs_from_profile([{"key": "b1_i1024_t256"}], fallback)
+
+
+def test_gentd26_counts_joined_with_krea_sizes_and_a_recorded_histogram():
+    config = ServeConfig()
+    trace = [{"predict_type": "TXT_2_IMG", "num_images_per_prompt": "4.0", "num_inference_steps": "30.0",
+              "prompt_length": "120.0"},
+             {"predict_type": "IMG_2_IMG", "num_images_per_prompt": "1.0", "num_inference_steps": "30.0",
+              "prompt_length": "10.0"},
+             {"predict_type": "TXT_2_IMG", "num_images_per_prompt": "1.0", "num_inference_steps": "20.0",
+              "prompt_length": "40.0"}]
+    traffic = traffic_from_gentd26(config, trace, [(512, 512), (768, 512)])
+    assert sorted((d.images, d.steps, d.size) for d in traffic.demands) == [(1, 20, (768, 512)), (4, 30, (512, 512))]
+    assert plan_buckets(config, traffic).score.graphs >= 1
+    with pytest.raises(ValueError, match="at least one"):
+        traffic_from_gentd26(config, trace, [])
+    planner = planning_planner(config)
+    hist = TrafficHistogram()
+    for req in (GenerationRequest("a cat", n=2, width=512, height=512, num_inference_steps=8, guidance_scale=1.0,
+                                  seed=0),) * 3 + (GenerationRequest("a dog", n=1, width=768, height=512,
+                                                                      num_inference_steps=8, seed=0),):
+        hist.record(planner.plan(req))
+    traffic = traffic_from_histogram(config, hist.snapshot())
+    rows = sorted((d.query.batch, d.images, d.weight) for d in traffic.demands)
+    assert rows == [(2, 1, 1.0), (2, 2, 3.0)]  # the default guidance 3.5 adds uncond rows to the dog
+    assert plan_buckets(config, traffic).score.miss_share == 0.0
+
+
+def test_bcg_plan_writes_a_config_that_serves_a_report_and_a_plot(tmp_path, capsys):
+    from deployments.cli import main
+
+    out, report, png = tmp_path / "planned.yaml", tmp_path / "plan.json", tmp_path / "plan.png"
+    assert main(["plan", "--steps", "20", "--max-graphs", "8", "--write", str(out), "--json", str(report),
+                 "--plot", str(png)]) == 0
+    text = capsys.readouterr().out
+    assert "bcg plan: krea traffic" in text and "costs: token-count" in text and "current table: 63 graphs" in text
+    from bcg_core.config import load_config
+
+    planned = load_config(config_path=str(out))
+    data = json.loads(report.read_text())
+    assert planned.buckets.model_dump(mode="json") == data["buckets"] and data["chosen"]["graphs"] <= 8
+    assert [p["graphs"] for p in data["curve"]] == sorted(p["graphs"] for p in data["curve"])
+    assert data["costs"]["source"] == "token-count" and data["current"]["graphs"] == 63
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    from bcg_core.bucket_plan import planning_table
+
+    assert len(planning_table(planned)) == data["chosen"]["graphs"]  # the replica builds the planned table
+    with pytest.raises(SystemExit):
+        main(["plan", "--max-graphs", "0"])
+    assert main(["plan", "--from", str(tmp_path / "missing.json")]) == 2
+    assert "bcg plan: error:" in capsys.readouterr().err
+
+
+def test_planner_limits_shape_the_traffic():
+    config = ServeConfig(limits=LimitsConfig(max_images=4), buckets=BucketConfig(batch_sizes=[1, 2, 4, 8]))
+    traffic = traffic_from_rows(config, _rows((512, 512, 9, 2), (512, 512, 1, 1)))
+    assert traffic.refused == {"n": pytest.approx(2.0)} and traffic.requests == pytest.approx(1.0)
