@@ -48,7 +48,8 @@ from .errors import RequestError
 from .planner import GenerationRequest, Planner
 
 __all__ = ["BucketPlan", "Demand", "PlanCosts", "PlanPoint", "TableScore", "costs_from_profile", "evaluate",
-           "krea_rows", "plan_buckets", "planning_planner", "planning_table", "traffic_from_gentd26", "traffic_from_histogram", "traffic_from_rows"]
+           "krea_rows", "plan_buckets", "planning_planner", "planning_table", "traffic_from_gentd26", "traffic_from_histogram", "traffic_from_requests",
+           "traffic_from_rows"]
 
 KREA_CSV = "krea_open_prompts_1k_flat.csv"
 """The packaged krea request mix (``bcg_core/data/README.md``): one row per image, ``num_generations`` per request."""
@@ -201,6 +202,17 @@ def traffic_from_rows(config: ServeConfig, rows: Iterable[Mapping[str, str]], so
     return Traffic(demands, source, refused).merged()
 
 
+def traffic_from_requests(config: ServeConfig, requests: Iterable[GenerationRequest], source: str = "requests") -> Traffic:
+    """Traffic of whole requests (each weighs one), e.g. the ones a replay sends; refusals counted by field."""
+    planner = planning_planner(config)
+    demands, refused = [], {}
+    for r in requests:
+        d = _demand(planner, r, 1.0, None, refused)
+        if d is not None:
+            demands.append(d)
+    return Traffic(demands, source, refused).merged()
+
+
 def traffic_from_gentd26(config: ServeConfig, rows: Iterable[Mapping[str, str]],
                          sizes: Sequence[tuple[int, int]], steps: int | None = None) -> Traffic:
     """Traffic from a GenTD26-style trace (``num_images_per_prompt``, ``num_inference_steps``, ``prompt_length``
@@ -288,13 +300,25 @@ class PlanCosts:
     source: str = "token-count"
 
     @classmethod
-    def token_count(cls, config: ServeConfig) -> PlanCosts:
-        """The token-count stand-in, with graph bytes from the model's width and dtype
-        (:func:`router.ownership.estimate_graph_bytes`: the activation factor measured on the H200)."""
+    def token_count(cls, config: ServeConfig, graphs: bool | None = None) -> PlanCosts:
+        """The token-count stand-in of the replicas' own cost model (:meth:`bcg_core.costs.CostModel.token_model`),
+        with graph bytes from the model's width and dtype (:func:`router.ownership.estimate_graph_bytes`: the
+        activation factor measured on the H200).
+
+        Args:
+            config: the model (width, dtype) and runner.
+            graphs: whether bucket forwards are graph replays (a tenth of the eager launch); None: unless the
+                config runs eager (``runner.mode: eager``, or ``model.device: cpu`` where ``auto`` means eager).
+        """
         from router.ownership import ACTIVATION_FACTOR, _hidden_size
 
+        if graphs is None:
+            graphs = config.runner.mode == "graph" or (config.runner.mode == "auto" and config.model.device != "cpu")
         dtype_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}[config.model.dtype]
-        return cls(bytes_per_token=ACTIVATION_FACTOR * _hidden_size(config.model.path) * dtype_bytes)
+        launch = cls.eager_launch_ms
+        return cls(graph_launch_ms=launch / 10 if graphs else launch,
+                   bytes_per_token=ACTIVATION_FACTOR * _hidden_size(config.model.path) * dtype_bytes,
+                   source="token-count" if graphs else "token-count (eager runner)")
 
     def graph_ms(self, key: BucketKey) -> float:
         """Expected milliseconds of one replay of bucket ``key``."""
@@ -511,9 +535,11 @@ def _candidates(traffic: Traffic, rules: ShapeRules, planner: Planner, max_tiers
     if native is not None:
         texts = [native]
     else:
+        # multiples of 16 (PixArt-Sigma's padded forward stays bit-identical to diffusers' there,
+        # bcg_core/families/pixart.py), at most what the encoder feeds
         toks = sorted(d.query.text_tokens for d in traffic.demands)
-        top = max(toks) if toks else 32
-        texts = sorted({_round_up(top, 8)} | {_round_up(_quantile(toks, q), 8) for q in (0.5, 0.9, 0.99)})
+        cap = planner.spec.max_text_tokens or max(toks)
+        texts = sorted({min(cap, _round_up(v, 16)) for v in [max(toks)] + [_quantile(toks, q) for q in (0.5, 0.9, 0.99)]})
     rows = sorted({d.query.batch for d in traffic.demands})
     largest = max(rows) if rows else 1
     batches = sorted({b for b in (1, 2, 4, 8, 16, 32, 64) if b <= largest} | set(rows))
