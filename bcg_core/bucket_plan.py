@@ -23,7 +23,7 @@ Costs (:class:`PlanCosts`): the token-count model of :meth:`~bcg_core.costs.Cost
 costs ``launch + tokens x ms_per_token``; a graph replay a tenth of the eager launch), or the same line fitted
 by least squares to measured bucket times (:func:`costs_from_profile`: ``bcg profile --json`` output). Graph
 memory: one shared pool, captured largest first, grows to about its largest graph (docs/DESIGN.md section 3),
-so the table's pool is estimated as its largest bucket's :func:`router.ownership.estimate_graph_bytes` (the
+so the table's pool is estimated as its largest bucket's :func:`bcg_core.models.estimate_graph_bytes` (the
 activation factor measured on the H200), or the fitted bytes of a profile.
 
 Search (:func:`plan_buckets`): the best single bucket (one graph), then greedy growth: at each step the tier,
@@ -302,7 +302,7 @@ class PlanCosts:
     @classmethod
     def token_count(cls, config: ServeConfig, graphs: bool | None = None) -> PlanCosts:
         """The token-count stand-in of the replicas' own cost model (:meth:`bcg_core.costs.CostModel.token_model`),
-        with graph bytes from the model's width and dtype (:func:`router.ownership.estimate_graph_bytes`: the
+        with graph bytes from the model's width and dtype (:func:`bcg_core.models.estimate_graph_bytes`: the
         activation factor measured on the H200).
 
         Args:
@@ -310,14 +310,14 @@ class PlanCosts:
             graphs: whether bucket forwards are graph replays (a tenth of the eager launch); None: unless the
                 config runs eager (``runner.mode: eager``, or ``model.device: cpu`` where ``auto`` means eager).
         """
-        from router.ownership import ACTIVATION_FACTOR, _hidden_size
+        from .models import ACTIVATION_FACTOR, transformer_width
 
         if graphs is None:
             graphs = config.runner.mode == "graph" or (config.runner.mode == "auto" and config.model.device != "cpu")
         dtype_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}[config.model.dtype]
         launch = cls.eager_launch_ms
         return cls(graph_launch_ms=launch / 10 if graphs else launch,
-                   bytes_per_token=ACTIVATION_FACTOR * _hidden_size(config.model.path) * dtype_bytes,
+                   bytes_per_token=ACTIVATION_FACTOR * transformer_width(config.model.path) * dtype_bytes,
                    source="token-count" if graphs else "token-count (eager runner)")
 
     def graph_ms(self, key: BucketKey) -> float:

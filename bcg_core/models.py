@@ -28,9 +28,12 @@ from .families.base import tokenizer_counter
 from .text import SentenceTextEncoder, minilm_path
 
 __all__ = [
+    "ACTIVATION_FACTOR",
     "CheckpointError",
     "LoadedModel",
     "ModelSpec",
+    "estimate_graph_bytes",
+    "transformer_width",
     "TINY_NAME",
     "TINY_TEXT_TOKENS",
     "assemble_flux",
@@ -294,3 +297,31 @@ def save_pipeline(model: Family, path: str | Path) -> Path:
     }
     (path / "model_index.json").write_text(json.dumps(index, indent=2))
     return path
+
+
+ACTIVATION_FACTOR = 38.0
+"""Graph pool bytes per ``token x hidden x dtype byte`` of a bucket's forward. Measured on an H200
+(docs/bench/2026-11-30_flux-dev_h200.json): FLUX.1-dev's largest bucket b8_i4096_t512 (36,864 tokens,
+hidden 3,072, bf16) grew the pool by 8,366 MiB = 38.7 x 36,864 x 3,072 x 2 bytes."""
+
+
+def estimate_graph_bytes(key, hidden_size: int, dtype_bytes: int, factor: float = ACTIVATION_FACTOR) -> int:
+    """Estimated graph pool bytes of bucket ``key`` (a :class:`~bcg_core.buckets.BucketKey`) before it is captured.
+
+    ``factor * key.tokens * hidden_size * dtype_bytes`` (see :data:`ACTIVATION_FACTOR` for the measurement
+    behind the factor). Used to place buckets within replica budgets and by the bucket planner; the capture
+    then measures the real bytes (``/v1/buckets`` ``pool_bytes``).
+    """
+    return int(factor * key.tokens * hidden_size * dtype_bytes)
+
+
+def transformer_width(model_path: str | None) -> int:
+    """Transformer width (``num_attention_heads * attention_head_dim``) from the checkpoint's
+    ``transformer/config.json`` (the tiny default's config when ``model_path`` is None).
+
+    Raises:
+        FileNotFoundError: the checkpoint has no ``transformer/config.json``.
+    """
+    cfg = tiny_transformer_config(384) if model_path is None else \
+        json.loads((Path(model_path) / "transformer" / "config.json").read_text())
+    return int(cfg["num_attention_heads"]) * int(cfg["attention_head_dim"])

@@ -27,6 +27,7 @@ from typing import Callable, Iterable, Mapping
 
 from bcg_core.buckets import BucketKey
 from bcg_core.errors import RequestError
+from bcg_core.models import ACTIVATION_FACTOR, estimate_graph_bytes, transformer_width
 from bcg_core.planner import GenerationRequest, Planner
 
 __all__ = [
@@ -154,23 +155,6 @@ def shape_shares(shares: Mapping[BucketKey, float]) -> dict[str, float]:
     return dict(sorted(out.items()))
 
 
-ACTIVATION_FACTOR = 38.0
-"""Graph pool bytes per ``token x hidden x dtype byte`` of a bucket's forward. Measured on an H200
-(docs/bench/2026-11-30_flux-dev_h200.json): FLUX.1-dev's largest bucket b8_i4096_t512 (36,864 tokens,
-hidden 3,072, bf16) grew the pool by 8,366 MiB = 38.7 x 36,864 x 3,072 x 2 bytes."""
-
-
-def estimate_graph_bytes(key: BucketKey, hidden_size: int, dtype_bytes: int,
-                         factor: float = ACTIVATION_FACTOR) -> int:
-    """Estimated graph pool bytes of bucket ``key`` before it is captured.
-
-    ``factor * key.tokens * hidden_size * dtype_bytes`` (see :data:`ACTIVATION_FACTOR` for the
-    measurement behind the factor). Used to place buckets within replica budgets; the capture then measures
-    the real bytes (``/v1/buckets`` ``pool_bytes``).
-    """
-    return int(factor * key.tokens * hidden_size * dtype_bytes)
-
-
 def shape_demands(keys: Iterable[BucketKey], shares: Mapping[BucketKey, float],
                   graph_bytes: Callable[[BucketKey], int]) -> dict[str, BucketDemand]:
     """One :class:`BucketDemand` per bucket shape: the summed share of its batch buckets, and the graph
@@ -190,18 +174,6 @@ def shape_demands(keys: Iterable[BucketKey], shares: Mapping[BucketKey, float],
     return dict(sorted(out.items()))
 
 
-def _hidden_size(model_path: str | None) -> int:
-    """Transformer width (``num_attention_heads * attention_head_dim``) from the checkpoint's config.json."""
-    import json
-    from pathlib import Path
-
-    from bcg_core.models import tiny_transformer_config
-
-    cfg = tiny_transformer_config(384) if model_path is None else \
-        json.loads((Path(model_path) / "transformer" / "config.json").read_text())
-    return int(cfg["num_attention_heads"]) * int(cfg["attention_head_dim"])
-
-
 def demands_for_config(config, planner: Planner | None = None) -> dict[str, BucketDemand]:
     """Per-shape demand of a ``ServeConfig``: shares of the expected work from the krea mix (requests at the
     configured default guidance scale, weighted by padded tokens: :func:`expected_load` ``by="work"``), graph bytes from :func:`estimate_graph_bytes` with the model's width and dtype.
@@ -215,7 +187,7 @@ def demands_for_config(config, planner: Planner | None = None) -> dict[str, Buck
     """
     planner = planner or Planner.from_config(config)
     load = expected_load(planner, krea_rows(), guidance_scale=config.limits.default_guidance_scale, by="work")
-    hidden = _hidden_size(config.model.path)
+    hidden = transformer_width(config.model.path)
     dtype_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}[config.model.dtype]
     return shape_demands(planner.table.keys, load.shares, lambda k: estimate_graph_bytes(k, hidden, dtype_bytes))
 
