@@ -43,11 +43,11 @@ from dataclasses import dataclass, field, replace
 from importlib import resources
 
 from .buckets import BucketKey, BucketTable, ShapeQuery, ShapeRules
-from .config import BucketConfig, ServeConfig
+from .config import BucketConfig, PlannedTraffic, ServeConfig
 from .errors import RequestError
 from .planner import GenerationRequest, Planner
 
-__all__ = ["BucketPlan", "Demand", "PlanCosts", "PlanPoint", "TableScore", "costs_from_profile", "evaluate",
+__all__ = ["BucketPlan", "Demand", "PlanCosts", "PlanPoint", "TableScore", "costs_from_profile", "drift_report", "evaluate",
            "krea_rows", "plan_buckets", "planning_planner", "planning_table", "traffic_from_gentd26", "traffic_from_histogram", "traffic_from_requests",
            "traffic_from_rows"]
 
@@ -399,7 +399,8 @@ class TableScore:
         graphs: buckets of the table (captured graphs).
         pool_bytes: expected graph-pool bytes (its largest graph).
         miss_share: share of the requests no bucket holds (run unpadded and eager: planned, counted).
-        shares: per bucket shape, the share of requests it serves and its padded-token waste.
+        shares: per bucket shape (and ``"miss"``): ``share`` of the requests it serves, its padded-token
+            ``waste`` and ``work``, its share of all computed tokens.
     """
 
     ms_per_image: float
@@ -462,7 +463,8 @@ def evaluate(table: BucketTable, traffic: Traffic, costs: PlanCosts, memo: dict 
         s["real"] += d.weight * d.steps * real_tok
         s["computed"] += d.weight * d.steps * tok
     reqs = traffic.requests or 1.0
-    out = {sh: {"share": v["requests"] / reqs, "waste": 1 - v["real"] / v["computed"] if v["computed"] else 0.0}
+    out = {sh: {"share": v["requests"] / reqs, "waste": 1 - v["real"] / v["computed"] if v["computed"] else 0.0,
+                "work": v["computed"] / computed if computed else 0.0}
            for sh, v in sorted(shares.items())}
     pool = max((costs.graph_bytes(k) for k in table.keys), default=0)
     return TableScore(total_ms / images if images else 0.0, 1 - real / computed if computed else 0.0,
@@ -678,8 +680,12 @@ def plan_buckets(config: ServeConfig, traffic: Traffic, costs: PlanCosts | None 
         curve = min(paths, key=lambda path: min(p.score.ms_per_image for p in path))
     chosen = min(range(len(curve)), key=lambda i: (curve[i].score.ms_per_image, curve[i].score.graphs))
     p = curve[chosen]
+    planned = PlannedTraffic(source=traffic.source, requests=round(traffic.requests, 3), waste=round(p.score.waste, 6),
+                             ms_per_image=round(p.score.ms_per_image, 6), costs=costs.source,
+                             work={k: round(v["work"], 6) for k, v in p.score.shares.items()})
     buckets = BucketConfig(**{**base.model_dump(), "batch_sizes": list(p.batch_sizes),
-                              "resolutions": [f"{w}x{h}" for w, h in p.tiers], "text_lengths": list(p.text_lengths)})
+                              "resolutions": [f"{w}x{h}" for w, h in p.tiers], "text_lengths": list(p.text_lengths),
+                              "plan": planned.model_dump()})
     return BucketPlan(buckets, p.score, curve, chosen,
                       {"source": traffic.source, "requests": round(traffic.requests, 3),
                        "refused": {k: round(v, 3) for k, v in sorted(traffic.refused.items())}},
@@ -697,3 +703,50 @@ def _min_image_tokens(planner: Planner) -> int:
     """Fewest image tokens a valid request can have (the smallest side squared), as the replica builds its table."""
     side = -(-planner.limits.min_side_px // planner.rules.pixels_per_token)
     return max(1, side * side)
+
+
+DRIFT_RATIO = 1.5
+"""Recorded traffic has drifted from the plan when the table would serve it with more than 1.5x the planned
+padded-token waste (the issue's threshold) and at least :data:`DRIFT_POINTS` above it (so a plan of 0% waste does
+not warn on a single padded request)."""
+
+DRIFT_POINTS = 0.01
+
+
+def drift_report(config: ServeConfig, snapshot: Mapping, max_graphs: int | None = None) -> dict:
+    """How recorded traffic (a :meth:`~bcg_core.traffic.TrafficHistogram.snapshot`) fares on ``config``'s table
+    against what ``buckets.plan`` expected, and what a new plan of it would gain. Advice only.
+
+    Returns:
+        ``{"planned_waste", "recorded_waste", "ratio", "drifted", "requests", "gain", "new_buckets", "note"}``:
+        ``gain`` is the expected GPU time per image a plan of the recorded traffic saves, 0..1 (None unless
+        drifted); ``new_buckets`` that plan's buckets section. Without ``buckets.plan`` only the recorded waste.
+
+    Raises:
+        ValueError: a snapshot that does not validate.
+    """
+    traffic = traffic_from_histogram(config, snapshot)
+    plan_info = config.buckets.plan
+    out = {"requests": round(traffic.requests, 3), "planned_waste": None if plan_info is None else plan_info.waste,
+           "recorded_waste": None, "ratio": None, "drifted": False, "gain": None, "new_buckets": None, "note": ""}
+    if not traffic.demands:
+        out["note"] = "no recorded request the limits allow"
+        return out
+    costs = PlanCosts.token_count(config)
+    now = evaluate(planning_table(config), traffic, costs)
+    out["recorded_waste"] = round(now.waste, 6)
+    if plan_info is None:
+        out["note"] = "buckets.plan is not set (the table was not written by bcg plan): nothing to compare with"
+        return out
+    planned = plan_info.waste
+    out["ratio"] = round(now.waste / planned, 3) if planned > 0 else None
+    out["drifted"] = now.waste > DRIFT_RATIO * planned and now.waste - planned > DRIFT_POINTS
+    if out["drifted"]:
+        graphs = max_graphs or max(len(planning_table(config)), 1)
+        fresh = plan_buckets(config, traffic, costs, max_graphs=graphs)
+        out["gain"] = round(max(0.0, 1 - fresh.score.ms_per_image / now.ms_per_image), 4) if now.ms_per_image else 0.0
+        out["new_buckets"] = fresh.buckets.model_dump(mode="json")
+        out["note"] = (f"recorded traffic is served with {now.waste:.1%} padded-token waste against the planned "
+                       f"{planned:.1%}; a plan of it (bcg plan --from this server) would save {out['gain']:.1%} of the "
+                       f"GPU time per image with {fresh.score.graphs} graphs")
+    return out

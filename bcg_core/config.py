@@ -20,6 +20,7 @@ __all__ = [
     "AutoscalingSettings",
     "BackpressureLimits",
     "BucketConfig",
+    "PlannedTraffic",
     "LimitsConfig",
     "MissPolicy",
     "ModelConfig",
@@ -77,6 +78,22 @@ def _check_ascending(name: str, values: list[int]) -> list[int]:
     return values
 
 
+class PlannedTraffic(BaseModel):
+    """What ``bcg plan`` expected of the table it wrote (``buckets.plan``): the replicas' ownership prior and
+    the reference their drift check compares recorded traffic with (``bcg_core/bucket_plan.py``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    source: str = Field(description="The traffic sample the table was planned on (krea, gentd26, histogram ...).")
+    requests: float = Field(ge=0, description="Requests in that sample.")
+    waste: float = Field(ge=0, le=1, description="Expected padded-token waste on it, 0..1.")
+    ms_per_image: float = Field(ge=0, description="Expected GPU milliseconds per image on it.")
+    costs: str = Field(description="The cost model the plan used (token-count, profile ...).")
+    work: dict[str, float] = Field(
+        default_factory=dict,
+        description="Per bucket shape (and 'miss'), its share of the computed tokens: the ownership prior.")
+
+
 class BucketConfig(BaseModel):
     """The bucket table: every combination of the three lists below is one bucket.
 
@@ -111,6 +128,11 @@ class BucketConfig(BaseModel):
         "unmasked graph, whose attention kernels are faster); 'exact' serves only exact tier sizes.",
     )
     miss_policy: MissPolicy = Field(default=MissPolicy.EAGER, description="What to do on a bucket miss.")
+    plan: PlannedTraffic | None = Field(
+        default=None,
+        description="Written by `bcg plan --write`: what the plan expected of this table (ownership uses its "
+        "work shares instead of the krea prior; replicas warn when recorded traffic drifts from it).",
+    )
 
     @field_validator("batch_sizes", "text_lengths")
     @classmethod
@@ -411,6 +433,16 @@ class TrafficConfig(BaseModel):
         default=512, ge=1, le=100000,
         description="Most distinct request shapes one replica keeps (and Prometheus label sets it exports); "
         "requests of further shapes are counted as dropped.",
+    )
+    drift_check_s: float = Field(
+        default=60.0, ge=1.0, le=86400.0,
+        description="Seconds between a replica's drift checks: with buckets.plan set, the recorded traffic is "
+        "scored on the table; over 1.5x the planned padded-token waste (and 1 point above it) logs a warning and "
+        "raises ray_bcg_plan_drift_gain with what a new plan would save. Advice only: the table never changes.",
+    )
+    drift_min_requests: int = Field(
+        default=50, ge=1, le=10**9,
+        description="Recorded requests needed before the first drift check.",
     )
 
 

@@ -34,7 +34,9 @@ arrival rate x service time) to the coordinator, which re-assigns ownership by i
 Traffic: with ``traffic.record`` (the default) every accepted request is counted by its shape (requested size,
 n, prompt tokens, steps) in a bounded :class:`~bcg_core.traffic.TrafficHistogram`, shown under ``traffic`` in
 ``stats()``, sent with each heartbeat (so the ingress can merge every replica's) and exported as
-``ray_bcg_traffic_requests_total``.
+``ray_bcg_traffic_requests_total``. With ``buckets.plan`` (a table written by ``bcg plan``) it is scored on the
+table every ``traffic.drift_check_s`` (``plan_drift`` in ``stats()``, ``ray_bcg_plan_*``): over 1.5x the planned
+padded-token waste logs a warning naming what a new plan would save. Advice only.
 
 Metrics: once ready, a background task pushes the bucket counters, step latencies and queue lengths into
 Ray's metrics every second (:mod:`deployments.metrics`, exported to Prometheus by Ray's metrics agent).
@@ -137,6 +139,8 @@ class DiTReplica:
         self._heartbeat_task: asyncio.Task | None = None
         self._exporter: BucketExporter | None = None
         self._metrics_task: asyncio.Task | None = None
+        self._drift_task: asyncio.Task | None = None
+        self._drift: dict | None = None
         if coordinator is None:
             owned = sorted(self._by_shape)
         else:
@@ -151,12 +155,15 @@ class DiTReplica:
         logger.info("replica %s owns %d of %d shapes %s, prepared in %.1f s", self._id, len(self._owned),
                     len(self._by_shape), sorted(self._owned), time.perf_counter() - t0)
         self._exporter, self._metrics_task = self._start_metrics_export()
+        if self._traffic is not None and self._config.buckets.plan is not None:
+            self._drift_task = asyncio.get_running_loop().create_task(self._drift_loop())
 
     def _start_metrics_export(self) -> tuple[BucketExporter | None, asyncio.Task | None]:
         """Start pushing the bucket counters into Ray's metrics every second (:mod:`deployments.metrics`); a
         replica whose exporter cannot be made serves without it (logged)."""
         try:
-            exporter = BucketExporter.for_replica(self._pipeline, self._batcher, traffic=self._traffic)
+            exporter = BucketExporter.for_replica(self._pipeline, self._batcher, traffic=self._traffic,
+                                                  drift=lambda: self._drift)
         except Exception:
             logger.exception("replica %s: Prometheus metrics export is off", self._id)
             return None, None
@@ -315,15 +322,40 @@ class DiTReplica:
             out["traffic"] = self._traffic.snapshot()
         return out
 
+    async def _drift_loop(self) -> None:
+        """Every ``traffic.drift_check_s``, once ``traffic.drift_min_requests`` are recorded: score the recorded
+        traffic on this table against ``buckets.plan`` (:func:`bcg_core.bucket_plan.drift_report`, in a worker
+        thread). A drift logs one warning (again only after the traffic was back within the plan) and sets
+        ``ray_bcg_plan_drift_gain``; the table is never changed. A failing check is logged and retried."""
+        from bcg_core.bucket_plan import drift_report
+
+        cfg = self._config.traffic
+        warned = False
+        while True:
+            await asyncio.sleep(cfg.drift_check_s)
+            if self._traffic.total < cfg.drift_min_requests:
+                continue
+            try:
+                report = await asyncio.to_thread(drift_report, self._config, self._traffic.snapshot(),
+                                                 len(self._pipeline.table))
+            except Exception:
+                logger.exception("replica %s: the drift check failed", self._id)
+                continue
+            self._drift = report
+            if report["drifted"] and not warned:
+                logger.warning("replica %s: traffic drifted from the bucket plan: %s", self._id, report["note"])
+            warned = report["drifted"]
+
     def __del__(self):
         """Graceful shutdown: tell the coordinator (fire and forget) so the survivors take this replica's
         shapes at once; a replica that dies without it is removed when its lease expires."""
         task, coord = getattr(self, "_heartbeat_task", None), getattr(self, "_coord", None)  # __init__ may have failed
         if task is not None:
             task.cancel()
-        metrics_task = getattr(self, "_metrics_task", None)
-        if metrics_task is not None:
-            metrics_task.cancel()
+        for name in ("_metrics_task", "_drift_task"):
+            other = getattr(self, name, None)
+            if other is not None:
+                other.cancel()
         if coord is not None:
             try:
                 coord.leave.remote(self._id)
@@ -348,6 +380,7 @@ class DiTReplica:
                        for s, v in loads.items()}
         out["metrics_export"] = self._exporter.status() if self._exporter is not None else None
         out["traffic"] = self._traffic.snapshot() if self._traffic is not None else None
+        out["plan_drift"] = self._drift
         return out
 
     def ping(self) -> str:

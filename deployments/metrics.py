@@ -141,6 +141,12 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("bcg_traffic_dropped", "counter", (), "requests",
                "Requests accepted whose shape was not kept: the traffic histogram already held "
                "traffic.max_shapes shapes."),
+    MetricSpec("bcg_plan_recorded_waste", "gauge", (), "fraction",
+               "Padded-token waste the table would serve the recorded traffic with (last drift check; needs "
+               "buckets.plan, written by bcg plan)."),
+    MetricSpec("bcg_plan_drift_gain", "gauge", (), "fraction",
+               "Share of the GPU time per image a new plan of the recorded traffic would save, set when that traffic "
+               "drifted from the plan (over 1.5x its padded-token waste); 0 otherwise. Advice only."),
 )
 """Every metric the exporter pushes, in README order."""
 
@@ -205,13 +211,17 @@ class BucketExporter:
         traffic: returns a :meth:`bcg_core.traffic.TrafficHistogram.snapshot` (the ``bcg_traffic_*`` metrics),
             or None (or returns None) when the replica does not record traffic.
         text_lengths: the table's text buckets (``buckets.text_lengths``), for the ``text`` tag.
+        drift: returns the replica's last :func:`bcg_core.bucket_plan.drift_report` (the ``bcg_plan_*`` gauges),
+            or None before its first drift check.
     """
 
     def __init__(self, stats: Callable[[], dict], metrics: BucketMetrics,
                  queue_lengths: Callable[[], dict[str, int]] = dict, shapes: Iterable[str] = (),
                  backend: MetricsBackend | None = None, scheduler_stats: Callable[[], dict] | None = None,
-                 traffic: Callable[[], dict | None] | None = None, text_lengths: Iterable[int] = ()):
+                 traffic: Callable[[], dict | None] | None = None, text_lengths: Iterable[int] = (),
+                 drift: Callable[[], dict | None] | None = None):
         self._stats = stats
+        self._drift = drift
         self._scheduler_stats = scheduler_stats
         self._traffic = traffic
         self._text_lengths = tuple(sorted(text_lengths))
@@ -238,7 +248,7 @@ class BucketExporter:
 
     @classmethod
     def for_replica(cls, pipeline, batcher, backend: MetricsBackend | None = None,
-                    traffic=None) -> BucketExporter:
+                    traffic=None, drift: Callable[[], dict | None] | None = None) -> BucketExporter:
         """The exporter of a DiT replica: ``pipeline.stats``, ``pipeline.metrics``, ``batcher.queue_lengths``,
         for a step scheduler (its stats have ``kind: step``) ``batcher.stats``, and ``traffic.snapshot`` of the
         replica's :class:`~bcg_core.traffic.TrafficHistogram` (None: no ``bcg_traffic_*`` increments)."""
@@ -247,7 +257,7 @@ class BucketExporter:
         shapes = {k.shape for k in pipeline.table.keys}
         sched = batcher.stats if isinstance(batcher, StepScheduler) else None
         return cls(pipeline.stats, pipeline.metrics, batcher.queue_lengths, shapes, backend, sched,
-                   traffic.snapshot if traffic is not None else None, pipeline.table.text_lengths)
+                   traffic.snapshot if traffic is not None else None, pipeline.table.text_lengths, drift)
 
     # -- one push ---------------------------------------------------------------------------------------
 
@@ -298,6 +308,10 @@ class BucketExporter:
         traffic = self._traffic() if self._traffic is not None else None
         if traffic is not None:
             self._push_traffic(traffic)
+        drift = self._drift() if self._drift is not None else None
+        if drift is not None and drift.get("recorded_waste") is not None:
+            self._m["bcg_plan_recorded_waste"].set(float(drift["recorded_waste"]), tags={})
+            self._m["bcg_plan_drift_gain"].set(float(drift.get("gain") or 0.0), tags={})
         last, samples, lost = self._metrics.step_samples(self._cursor)
         self._cursor = last  # at most once: a failing observe below never observes a step twice
         if lost:

@@ -175,8 +175,11 @@ def shape_demands(keys: Iterable[BucketKey], shares: Mapping[BucketKey, float],
 
 
 def demands_for_config(config, planner: Planner | None = None) -> dict[str, BucketDemand]:
-    """Per-shape demand of a ``ServeConfig``: shares of the expected work from the krea mix (requests at the
-    configured default guidance scale, weighted by padded tokens: :func:`expected_load` ``by="work"``), graph bytes from :func:`estimate_graph_bytes` with the model's width and dtype.
+    """Per-shape demand of a ``ServeConfig``: shares of the expected work, from the table's plan when ``bcg plan``
+    wrote it (``buckets.plan.work``: each shape's share of the computed tokens on the planned traffic), else from
+    the krea mix (requests at the configured default guidance scale, weighted by padded tokens:
+    :func:`expected_load` ``by="work"``); graph bytes from :func:`estimate_graph_bytes` with the model's width and
+    dtype.
 
     Args:
         config: a :class:`bcg_core.config.ServeConfig`.
@@ -186,10 +189,20 @@ def demands_for_config(config, planner: Planner | None = None) -> dict[str, Buck
         FileNotFoundError, ValueError: the configured checkpoint folder is unreadable.
     """
     planner = planner or Planner.from_config(config)
-    load = expected_load(planner, krea_rows(), guidance_scale=config.limits.default_guidance_scale, by="work")
     hidden = transformer_width(config.model.path)
     dtype_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}[config.model.dtype]
-    return shape_demands(planner.table.keys, load.shares, lambda k: estimate_graph_bytes(k, hidden, dtype_bytes))
+    graph_bytes = lambda k: estimate_graph_bytes(k, hidden, dtype_bytes)  # noqa: E731
+    plan = config.buckets.plan
+    if plan is not None and any(v > 0 for s, v in plan.work.items() if s != "miss"):
+        # the plan's expected work per shape (bcg plan wrote it for this very table) replaces the krea prior
+        largest: dict[str, BucketKey] = {}
+        for k in planner.table.keys:
+            if k.shape not in largest or k.batch > largest[k.shape].batch:
+                largest[k.shape] = k
+        whole = sum(v for s, v in plan.work.items() if s in largest)
+        return {s: BucketDemand(plan.work.get(s, 0.0) / whole, int(graph_bytes(k))) for s, k in sorted(largest.items())}
+    load = expected_load(planner, krea_rows(), guidance_scale=config.limits.default_guidance_scale, by="work")
+    return shape_demands(planner.table.keys, load.shares, graph_bytes)
 
 
 # ---------------------------------------------------------------------------------------------------------

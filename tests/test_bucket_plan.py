@@ -13,6 +13,7 @@ import pytest
 
 from bcg_core import BucketConfig, GenerationRequest, LimitsConfig, ServeConfig
 from bcg_core.bucket_plan import (
+    planning_table,
     PlanCosts,
     Traffic,
     costs_from_profile,
@@ -53,7 +54,7 @@ def test_one_exact_size_gets_one_exact_tier_and_no_waste():
     plan = plan_buckets(EXACT, traffic)
     assert plan.buckets.resolutions == ["512x512"] and plan.buckets.batch_sizes == [1]
     assert plan.score.waste == 0.0 and plan.score.miss_share == 0.0 and plan.score.graphs == 1
-    assert plan.score.shares == {"i1024_t256": {"share": 1.0, "waste": 0.0}}
+    assert plan.score.shares == {"i1024_t256": {"share": 1.0, "waste": 0.0, "work": 1.0}}
 
 
 def test_a_budget_of_one_graph_picks_the_best_single_bucket():
@@ -244,3 +245,62 @@ def test_end_to_end_plan_serve_replay_and_the_measured_waste_is_the_predicted_on
     served = {b["key"].split("_", 1)[1]: b["requests"] for b in stats["buckets"] if b["requests"]}
     planned = {k: v["share"] * len(demo) for k, v in plan.score.shares.items() if k != "miss"}
     assert served == pytest.approx(planned)
+
+
+def _histogram(config: ServeConfig, requests) -> dict:
+    planner = planning_planner(config)
+    hist = TrafficHistogram()
+    for r in requests:
+        hist.record(planner.plan(r))
+    return hist.snapshot()
+
+
+def test_drift_from_the_plan_is_reported_with_what_a_new_plan_saves():
+    from bcg_core.bucket_plan import drift_report
+
+    plan = plan_buckets(EXACT, traffic_from_rows(EXACT, _rows((512, 512, 1, 20))), max_graphs=4)
+    planned = EXACT.model_copy(update={"buckets": plan.buckets})
+    assert planned.buckets.plan.waste == 0.0 and planned.buckets.plan.work == {"i1024_t256": 1.0}
+    same = _histogram(planned, [GenerationRequest("a cat", n=1, width=512, height=512, num_inference_steps=10,
+                                                  guidance_scale=1.0, seed=0)] * 30)
+    report = drift_report(planned, same)
+    assert report["recorded_waste"] == 0.0 and not report["drifted"] and report["gain"] is None
+    # 3-image 512x768 requests on a 4-row 768x768 masked table planned (as far as it says) for 0% waste
+    drifted = _histogram(planned, [GenerationRequest("a cat", n=3, width=512, height=768, num_inference_steps=10,
+                                                     guidance_scale=1.0, seed=0)] * 30)
+    wide = EXACT.model_copy(update={"buckets": BucketConfig(image_padding="masked", resolutions=["768x768"],
+                                                            batch_sizes=[4], plan=planned.buckets.plan)})
+    report = drift_report(wide, drifted)
+    assert report["drifted"] and report["recorded_waste"] > 0.3 and 0 < report["gain"] <= 1
+    assert report["new_buckets"]["batch_sizes"] == [3] and "would save" in report["note"]
+    unplanned = drift_report(EXACT, same)
+    assert unplanned["planned_waste"] is None and "buckets.plan is not set" in unplanned["note"]
+
+
+def test_ownership_takes_the_plans_work_shares_over_the_krea_prior():
+    from router.ownership import demands_for_config
+
+    plan = plan_buckets(EXACT, traffic_from_rows(EXACT, _rows((512, 512, 1, 3), (768, 768, 1, 1))), max_graphs=4)
+    planned = EXACT.model_copy(update={"buckets": plan.buckets})
+    demands = demands_for_config(planned)
+    work = {k: v for k, v in plan.buckets.plan.work.items() if k != "miss"}
+    assert set(demands) == {k.shape for k in planning_table(planned).keys}
+    assert {s: d.share for s, d in demands.items()} == pytest.approx({s: work.get(s, 0.0) / sum(work.values())
+                                                                      for s in demands})
+    krea = demands_for_config(EXACT)  # no plan: the krea prior
+    assert {s: d.share for s, d in krea.items()} != {s: d.share for s, d in demands.items()}
+
+
+def test_the_exporter_sets_the_drift_gauges():
+    from test_prometheus import FakeBackend
+
+    from bcg_core import BucketMetrics
+    from deployments.metrics import BucketExporter
+
+    table = planning_table(EXACT)
+    metrics = BucketMetrics(table.keys)
+    backend = FakeBackend()
+    report = {"recorded_waste": 0.42, "gain": 0.25}
+    exporter = BucketExporter(metrics.snapshot, metrics, backend=backend, drift=lambda: report)
+    exporter.push()
+    assert backend.m["bcg_plan_recorded_waste"].total() == 0.42 and backend.m["bcg_plan_drift_gain"].total() == 0.25
