@@ -22,6 +22,9 @@ on 127.0.0.1) and stopped with ``deployments.local.stop_local`` before the next 
   one-row table would derive), so no request is refused with 503; in flight they interleave step by step
   (the runner serialises forwards). ``--naive-max-ongoing 1`` serves them strictly one at a time instead.
 - ``request``: bcg-serve with request-level micro-batching, ``runner: {scheduler: request}``.
+- ``planned`` (only when asked for in ``--servers``): the step scheduler on the table ``bcg plan`` chooses for the
+  same model and limits from the packaged krea sample at ``--steps`` steps, at most ``--plan-max-graphs`` graphs
+  (:func:`planned_buckets`). Each server's entry records its table's graphs, capture seconds and pool MiB.
 - ``step``: bcg-serve with the step scheduler, ``runner: {scheduler: step}`` (``bcg_core/step_scheduler.py``).
   If ``GET /v1/buckets`` then has no top-level ``scheduler`` section, the replica did not report a step
   scheduler: a warning is printed and the JSON says so (``scheduler_reported: false``).
@@ -138,7 +141,7 @@ for _p in (ROOT / "benchmarks", ROOT / "tests", ROOT):
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))
 
-SERVERS = ("naive", "request", "step")
+SERVERS = ("naive", "request", "step", "planned")
 MODELS = ("tiny", "flux-dev-width", "pixart-512")
 FLUX_DEV_WIDTH_LAYERS = (2, 4)
 """(double-stream, single-stream) blocks of the ``flux-dev-width`` stand-in."""
@@ -148,6 +151,7 @@ RUNNER_OVERRIDES = {
     "naive": {"mode": "eager", "scheduler": "request", "micro_batching": False},
     "request": {"scheduler": "request"},
     "step": {"scheduler": "step"},
+    "planned": {"scheduler": "step"},
 }
 """``runner`` overrides of each server (naive also gets its bucket table and admission limits)."""
 
@@ -277,9 +281,11 @@ def ratios(summaries: dict[str, dict]) -> dict:
     ips = {k: (v or {}).get("images_per_s") for k, v in summaries.items()}
     c1 = {k: (v or {}).get("c1_p50_ms") for k, v in summaries.items()}
     return {
-        "images_per_s_vs_naive": {k: _ratio(ips.get(k), ips.get("naive")) for k in ("request", "step")},
+        "images_per_s_vs_naive": {k: _ratio(ips.get(k), ips.get("naive"))
+                                  for k in ("request", "step", "planned") if k != "planned" or k in summaries},
         "low_load_vs_solo": _ratio(c1.get("step"), c1.get("request")),
         "c1_vs_naive": {k: _ratio(c1.get(k), c1.get("naive")) for k in ("request", "step")},
+        **({"planned_vs_step": _ratio(ips.get("planned"), ips.get("step"))} if "planned" in summaries else {}),
     }
 
 
@@ -440,10 +446,24 @@ def base_config(model_config: dict, spec, count_tokens, requests: list, steps: i
     return cfg
 
 
+def planned_buckets(base: dict, steps: int, max_graphs: int) -> dict:
+    """The ``buckets`` that ``bcg plan`` chooses for ``base``'s model and limits on the packaged krea sample at
+    ``steps`` steps with at most ``max_graphs`` graphs (``bcg_core/bucket_plan.py``; token-count costs)."""
+    from bcg_core.bucket_plan import krea_rows, plan_buckets, traffic_from_rows
+    from bcg_core.config import ServeConfig
+
+    config = ServeConfig.model_validate(base)
+    plan = plan_buckets(config, traffic_from_rows(config, krea_rows(), steps=steps), max_graphs=max_graphs)
+    return plan.buckets.model_dump(mode="json")
+
+
 def server_overrides(server: str, base: dict, spec, requests: list, concurrency: int,
-                     naive_max_ongoing: int | None = None) -> dict:
-    """The config overrides of ``server`` on ``base`` (see the module docstring)."""
+                     naive_max_ongoing: int | None = None, planned: dict | None = None) -> dict:
+    """The config overrides of ``server`` on ``base`` (see the module docstring); ``planned``: the ``planned``
+    server's buckets (:func:`planned_buckets`)."""
     over: dict[str, Any] = {"runner": dict(RUNNER_OVERRIDES[server])}
+    if server == "planned" and planned is not None:
+        over["buckets"] = planned
     if server == "naive":
         from bcg_core.config import ServeConfig
 
@@ -720,6 +740,11 @@ def run_server(name: str, config, replay_reqs: list, warmups: list, c1: list, ar
                        gpu_sampler=sampler.source)
         entry["requests"] = rows
         entry["stats"] = trim_stats(after)
+        graphs = [b for b in after.get("buckets") or [] if b.get("mode") == "graph"]
+        entry["graphs"] = {"count": len(after.get("buckets") or []), "captured": len(graphs),
+                           "capture_s": round(sum(float(b.get("capture_s") or 0) for b in after.get("buckets") or []), 2),
+                           "pool_mib": round(sum(int(b.get("pool_bytes") or 0) for b in after.get("buckets") or [])
+                                             / 2**20, 1)}
         entry["scheduler_reported"] = isinstance(after.get("scheduler"), dict)
         if name == "step" and not entry["scheduler_reported"]:
             print("[step] WARNING: GET /v1/buckets has no 'scheduler' section: the replica did not report a step "
@@ -800,7 +825,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--requests", type=int, default=32, help="first N krea requests")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--concurrency", type=int, default=16, help="requests in flight (1..16)")
-    ap.add_argument("--servers", type=parse_servers, default=list(SERVERS), help="subset of naive,request,step")
+    ap.add_argument("--servers", type=parse_servers, default=["naive", "request", "step"],
+                    help="subset of naive,request,step,planned (planned: the step scheduler on the table bcg plan "
+                    "chooses from the packaged krea sample)")
+    ap.add_argument("--plan-max-graphs", type=int, default=12, help="graph cap of the planned table (default 12)")
     ap.add_argument("--port", type=int, default=0, help="HTTP port on 127.0.0.1 (0: a free one)")
     ap.add_argument("--size", help="send every request at this WxH size instead of its own")
     ap.add_argument("--batch-sizes", type=lambda s: [int(x) for x in s.split(",")],
@@ -867,8 +895,10 @@ def main(argv: list[str] | None = None) -> int:
         sent = reqs + warm + c1
         base = base_config(model_cfg, spec, counter, sent, args.steps, args.batch_sizes, args.text_lengths)
         configs, overrides = {}, {}
+        planned = planned_buckets(base, args.steps, args.plan_max_graphs) if "planned" in args.servers else None
         for name in args.servers if "naive" in args.servers else [*args.servers, "naive"]:
-            overrides[name] = server_overrides(name, base, spec, sent, args.concurrency, args.naive_max_ongoing)
+            overrides[name] = server_overrides(name, base, spec, sent, args.concurrency, args.naive_max_ongoing,
+                                               planned)
             configs[name] = ServeConfig.model_validate(merge(base, overrides[name]))
         naive_planner = Planner(configs["naive"], spec, counter)
         hits = check_all_miss(naive_planner, sent, args.steps)

@@ -153,7 +153,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
 def _cmd_profile(args: argparse.Namespace) -> int:
     try:
-        run_profile(_load(args.config), args.bucket, args.iters)
+        run_profile(_load(args.config), args.bucket, args.iters, json_path=args.json)
     except RuntimeError as exc:
         print(f"bcg profile: error: {exc}", file=sys.stderr)
         return 2
@@ -262,6 +262,8 @@ def _parser() -> argparse.ArgumentParser:
     pr.add_argument("--config", default=None, metavar="PATH", help="ServeConfig YAML/JSON (default: embedded)")
     pr.add_argument("--bucket", action="append", metavar="KEY", help="profile only this bucket; repeatable")
     pr.add_argument("--iters", type=_bounded_int(1, 1000), default=10, help="timed iterations (default 10)")
+    pr.add_argument("--json", default=None, metavar="PATH",
+                    help="also write the rows (with each bucket's pool bytes) as JSON, for `bcg plan --profile`")
     pr.set_defaults(func=_cmd_profile)
 
     pl = sub.add_parser("plan", help="choose the bucket table from real traffic under a graph-memory budget",

@@ -84,8 +84,13 @@ def run_verify(config: ServeConfig, buckets: list[str] | None = None, rtol: floa
     return not failed
 
 
-def run_profile(config: ServeConfig, buckets: list[str] | None = None, iters: int = 10, console=None) -> list:
+def run_profile(config: ServeConfig, buckets: list[str] | None = None, iters: int = 10, console=None,
+                json_path: str | None = None) -> list:
     """Time buckets of ``config`` at their exact sizes and print a table with a verdict per bucket.
+
+    With ``json_path`` the rows are also written as JSON (``{"model", "gpu", "buckets": [{"key", "kernels",
+    "eager_ms", "graph_ms", "floor_ms", "pool_bytes"}]}``), the measured costs ``bcg plan --profile`` fits its
+    cost lines to.
 
     Returns:
         The :class:`~bcg_core.profile.ProfileRow` list.
@@ -120,6 +125,16 @@ def run_profile(config: ServeConfig, buckets: list[str] | None = None, iters: in
         table.add_row(r.key, str(r.kernels), f"{r.eager_ms:.2f}", f"{r.graph_ms:.2f}", f"{r.floor_ms:.2f}",
                       f"{r.speedup:.2f}", r.verdict)
     console.print(table)
+    if json_path:
+        import dataclasses
+        import json
+
+        pools = {d["key"]: d.get("pool_bytes", 0) for d in pipe.runner.describe()}
+        out = {"model": model.model_name, "gpu": torch.cuda.get_device_name(),
+               "buckets": [{**dataclasses.asdict(r), "pool_bytes": pools.get(r.key, 0)} for r in rows]}
+        with open(json_path, "w", encoding="utf-8") as f:
+            json.dump(out, f, indent=1)
+        console.print(f"wrote {json_path}")
     return rows
 
 
