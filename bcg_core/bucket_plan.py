@@ -48,7 +48,7 @@ from .errors import RequestError
 from .planner import GenerationRequest, Planner
 
 __all__ = ["BucketPlan", "Demand", "PlanCosts", "PlanPoint", "TableScore", "costs_from_profile", "drift_report", "evaluate",
-           "krea_rows", "plan_buckets", "planning_planner", "planning_table", "traffic_from_gentd26", "traffic_from_histogram", "traffic_from_requests",
+           "krea_rows", "plan_buckets", "plan_matches", "planning_planner", "planning_table", "traffic_from_gentd26", "traffic_from_histogram", "traffic_from_requests",
            "traffic_from_rows"]
 
 KREA_CSV = "krea_open_prompts_1k_flat.csv"
@@ -267,7 +267,8 @@ def traffic_from_histogram(config: ServeConfig, snapshot: Mapping) -> Traffic:
             extra = {}
             if cfg:
                 extra = ({"true_cfg_scale": 4.0, "negative_prompt": " "} if spec.cfg_rule == "true_cfg"
-                         else {"guidance_scale": max(4.5, config.limits.default_guidance_scale)})
+                         else {"guidance_scale": min(config.limits.max_guidance_scale,
+                                                     max(4.5, config.limits.default_guidance_scale))})
             elif spec.cfg_rule != "true_cfg":
                 extra = {"guidance_scale": 1.0}
             req = GenerationRequest("x", n=int(s["n"]), width=int(s["width"]), height=int(s["height"]), seed=0,
@@ -411,10 +412,10 @@ class TableScore:
     shares: dict[str, dict[str, float]]
 
 
-def _step(costs: PlanCosts, rows: int, keys: Sequence[BucketKey]) -> tuple[float, int]:
-    """``(ms, computed tokens)`` of ``rows`` rows on one shape's ``keys``: the cost model's dynamic program with
-    the plain minimum (fill, pad, split or eager chunks); ``keys`` sorted by batch."""
-    per_row = keys[0].image_tokens + keys[0].text_tokens
+def _step(costs: PlanCosts, rows: int, keys: Sequence[BucketKey], per_row: int) -> tuple[float, int]:
+    """``(ms, computed tokens)`` of ``rows`` rows of ``per_row`` real tokens each on one shape's ``keys``: the cost
+    model's dynamic program with the plain minimum (fill, pad, split, or unpadded eager chunks of the real tokens);
+    ``keys`` sorted by batch."""
     best: list[tuple[float, int]] = [(0.0, 0)] + [(math.inf, 0)] * rows
     largest = keys[-1].batch
     for r in range(1, rows + 1):
@@ -427,9 +428,11 @@ def _step(costs: PlanCosts, rows: int, keys: Sequence[BucketKey]) -> tuple[float
     return best[rows]
 
 
-def evaluate(table: BucketTable, traffic: Traffic, costs: PlanCosts, memo: dict | None = None) -> TableScore:
+def evaluate(table: BucketTable, traffic: Traffic, costs: PlanCosts, memo: dict | None = None,
+             miss_penalty: float = 1.0) -> TableScore:
     """The expected cost of ``table`` on ``traffic`` (module docstring); ``memo`` keeps step costs across calls
-    with the same ``costs`` (the search evaluates many tables that share shapes)."""
+    with the same ``costs`` (the search evaluates many tables that share shapes); a miss costs ``miss_penalty``
+    times its eager time (the search under ``miss_policy: reject``, where a miss is a refused request)."""
     by_shape: dict[str, list[BucketKey]] = {}
     for k in table.keys:
         by_shape.setdefault(k.shape, []).append(k)
@@ -445,14 +448,15 @@ def evaluate(table: BucketTable, traffic: Traffic, costs: PlanCosts, memo: dict 
         if probe.hit:
             shape = probe.key.shape
             keys = by_shape[shape]
-            mk = (tuple(k.batch for k in keys), keys[0].image_tokens, keys[0].text_tokens, q.batch)
+            per_row = q.image_tokens + q.text_tokens
+            mk = (tuple(k.batch for k in keys), keys[0].image_tokens, keys[0].text_tokens, q.batch, per_row)
             m = memo.get(mk)
             if m is None:
-                m = memo[mk] = _step(costs, q.batch, keys)
+                m = memo[mk] = _step(costs, q.batch, keys, per_row)
             ms, tok = m
         else:
             shape = "miss"
-            ms, tok = costs.eager_ms(real_tok), real_tok
+            ms, tok = costs.eager_ms(real_tok) * miss_penalty, real_tok
             miss += d.weight
         total_ms += d.weight * d.steps * ms
         images += d.weight * d.images
@@ -521,8 +525,9 @@ class BucketPlan:
                 "budget_mib": self.budget_mib, "max_graphs": self.max_graphs}
 
 
-def _candidates(traffic: Traffic, rules: ShapeRules, planner: Planner, max_tiers: int = 16):
-    """Candidate tiers (``(width, height)`` pixels), text buckets and batch sizes from the sample."""
+def _candidates(traffic: Traffic, rules: ShapeRules, planner: Planner, max_tiers: int | None = 16):
+    """Candidate tiers (``(width, height)`` pixels; the ``max_tiers`` most requested, None: all, and always the
+    largest, which with masked padding holds every smaller size), text buckets and batch sizes from the sample."""
     ppt = rules.pixels_per_token
     weights: dict[tuple[int, int], float] = {}
     for d in traffic.demands:
@@ -533,15 +538,19 @@ def _candidates(traffic: Traffic, rules: ShapeRules, planner: Planner, max_tiers
             h, w = _square(q.image_tokens, planner)
         weights[(w * ppt, h * ppt)] = weights.get((w * ppt, h * ppt), 0.0) + d.weight
     tiers = [t for t, _ in sorted(weights.items(), key=lambda kv: -kv[1])[:max_tiers]]
+    largest = max(weights, key=lambda t: (t[0] * t[1], t))
+    if largest not in tiers:
+        tiers.append(largest)
     native = rules.native_text_tokens
     if native is not None:
         texts = [native]
     else:
         # multiples of 16 (PixArt-Sigma's padded forward stays bit-identical to diffusers' there,
         # bcg_core/families/pixart.py), at most what the encoder feeds
-        toks = sorted(d.query.text_tokens for d in traffic.demands)
-        cap = planner.spec.max_text_tokens or max(toks)
-        texts = sorted({min(cap, _round_up(v, 16)) for v in [max(toks)] + [_quantile(toks, q) for q in (0.5, 0.9, 0.99)]})
+        weighted = sorted((d.query.text_tokens, d.weight) for d in traffic.demands)
+        cap = planner.spec.max_text_tokens or weighted[-1][0]
+        texts = sorted({min(cap, _round_up(v, 16)) for v in
+                        [weighted[-1][0]] + [_quantile(weighted, q) for q in (0.5, 0.9, 0.99)]})
     rows = sorted({d.query.batch for d in traffic.demands})
     largest = max(rows) if rows else 1
     batches = sorted({b for b in (1, 2, 4, 8, 16, 32, 64) if b <= largest} | set(rows))
@@ -566,10 +575,15 @@ def _round_up(v: float, m: int) -> int:
     return max(m, int(math.ceil(v / m)) * m)
 
 
-def _quantile(sorted_values: list[int], q: float) -> float:
-    if not sorted_values:
-        return 0
-    return sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))]
+def _quantile(weighted: list[tuple[int, float]], q: float) -> int:
+    """The ``q`` quantile of sorted ``(value, weight)`` pairs, by weight (requests)."""
+    total = sum(w for _, w in weighted)
+    acc = 0.0
+    for v, w in weighted:
+        acc += w
+        if acc >= q * total:
+            return v
+    return weighted[-1][0]
 
 
 def plan_buckets(config: ServeConfig, traffic: Traffic, costs: PlanCosts | None = None,
@@ -590,6 +604,9 @@ def plan_buckets(config: ServeConfig, traffic: Traffic, costs: PlanCosts | None 
     """
     if max_graphs < 1:
         raise ValueError(f"max_graphs must be at least 1, got {max_graphs}")
+    if budget_mib is not None and not (math.isfinite(budget_mib) and budget_mib > 0):
+        raise ValueError(f"budget_mib must be a positive finite number of MiB, got {budget_mib}; leave it out for no "
+                         f"budget")
     if not traffic.demands:
         why = ", ".join(f"{k}: {v:g}" for k, v in sorted(traffic.refused.items())) or "no rows"
         raise ValueError(f"the traffic sample ({traffic.source}) has no request the limits allow ({why}); give it "
@@ -597,9 +614,11 @@ def plan_buckets(config: ServeConfig, traffic: Traffic, costs: PlanCosts | None 
     costs = costs or PlanCosts.token_count(config)
     planner = planning_planner(config)
     rules = planner.rules
-    tiers, texts, batches = _candidates(traffic, rules, planner)
-    budget = None if budget_mib is None else budget_mib * 2**20
     base = config.buckets
+    reject = str(getattr(base.miss_policy, "value", base.miss_policy)) == "reject"
+    exact = rules.grid_keyed or base.image_padding == "exact"  # every size needs its own tier
+    tiers, texts, batches = _candidates(traffic, rules, planner, None if reject and exact else 16)
+    budget = None if budget_mib is None else budget_mib * 2**20
     min_tokens = _min_image_tokens(planner)
 
     def table(bs, ts, xs) -> BucketTable | None:
@@ -618,7 +637,9 @@ def plan_buckets(config: ServeConfig, traffic: Traffic, costs: PlanCosts | None 
         k = (bs, ts, xs)
         if k not in scores:
             t = table(bs, ts, xs)
-            scores[k] = None if t is None or len(t) > max_graphs else evaluate(t, traffic, costs, memo)
+            # under miss_policy reject a miss is a refused request: the search prices it out (REJECT_PENALTY)
+            scores[k] = None if t is None or len(t) > max_graphs else \
+                evaluate(t, traffic, costs, memo, REJECT_PENALTY if reject else 1.0)
         return scores[k]
 
     def greedy(limit: float | None) -> list[PlanPoint] | None:
@@ -666,10 +687,14 @@ def plan_buckets(config: ServeConfig, traffic: Traffic, costs: PlanCosts | None 
     if budget is not None and budget < smallest:
         raise ValueError(f"no table fits the graph-memory budget of {budget_mib} MiB: the smallest graph needs "
                          f"{smallest / 2**20:.1f} MiB; raise the budget to at least that")
+    free = greedy(None)
     if budget is None:
-        curve = greedy(None)
+        curve = free
     else:  # the budget in steps of LADDER from the smallest table up: a larger budget never plans worse
         paths, seen, limit = [], set(), float(smallest)
+        if max(p.score.pool_bytes for p in free) <= budget:
+            paths.append(free)  # the unbudgeted search fits: it fits every larger budget too
+            seen.add(tuple((p.batch_sizes, p.tiers, p.text_lengths) for p in free))
         while limit <= budget * (1 + 1e-12):
             path = greedy(limit)
             key = tuple((p.batch_sizes, p.tiers, p.text_lengths) for p in path)
@@ -678,10 +703,19 @@ def plan_buckets(config: ServeConfig, traffic: Traffic, costs: PlanCosts | None 
                 paths.append(path)
             limit *= LADDER
         curve = min(paths, key=lambda path: min(p.score.ms_per_image for p in path))
-    chosen = min(range(len(curve)), key=lambda i: (curve[i].score.ms_per_image, curve[i].score.graphs))
+    if reject:  # report what the tables cost (no penalty); only a table that holds every request may be chosen
+        curve = [replace(p, score=evaluate(table(p.batch_sizes, p.tiers, p.text_lengths), traffic, costs, memo))
+                 for p in curve]
+        if all(p.score.miss_share > 0 for p in curve):
+            raise ValueError(f"under miss_policy reject every request of the sample needs a bucket, and no table of at "
+                             f"most {max_graphs} graphs{'' if budget is None else f' within {budget_mib} MiB'} holds "
+                             f"them all; allow more graphs (--max-graphs) or use miss_policy: eager")
+    chosen = min((i for i in range(len(curve)) if not reject or curve[i].score.miss_share == 0),
+                 key=lambda i: (curve[i].score.ms_per_image, curve[i].score.graphs))
     p = curve[chosen]
     planned = PlannedTraffic(source=traffic.source, requests=round(traffic.requests, 3), waste=round(p.score.waste, 6),
                              ms_per_image=round(p.score.ms_per_image, 6), costs=costs.source,
+                             miss_share=round(p.score.miss_share, 6),
                              work={k: round(v["work"], 6) for k, v in p.score.shares.items()})
     buckets = BucketConfig(**{**base.model_dump(), "batch_sizes": list(p.batch_sizes),
                               "resolutions": [f"{w}x{h}" for w, h in p.tiers], "text_lengths": list(p.text_lengths),
@@ -691,6 +725,10 @@ def plan_buckets(config: ServeConfig, traffic: Traffic, costs: PlanCosts | None 
                        "refused": {k: round(v, 3) for k, v in sorted(traffic.refused.items())}},
                       costs.describe(), budget_mib, max_graphs)
 
+
+REJECT_PENALTY = 1000.0
+"""Under ``miss_policy: reject`` the search costs a miss at 1000x its eager time, so that holding every request
+comes first; the chosen table must miss none, and its reported cost has no penalty."""
 
 LADDER = 2 ** 0.25
 """With a graph-memory budget the search runs at limits from the smallest table's pool up to the budget, each
@@ -713,12 +751,23 @@ not warn on a single padded request)."""
 DRIFT_POINTS = 0.01
 
 
+def plan_matches(plan_info: PlannedTraffic, table: BucketTable) -> bool:
+    """Whether ``buckets.plan`` was written for this table: every shape it weighs is one of the table's."""
+    shapes = {k.shape for k in table.keys}
+    planned = {s for s, v in plan_info.work.items() if s != "miss" and v > 0}
+    return bool(planned) and planned <= shapes
+
+
 def drift_report(config: ServeConfig, snapshot: Mapping, max_graphs: int | None = None) -> dict:
     """How recorded traffic (a :meth:`~bcg_core.traffic.TrafficHistogram.snapshot`) fares on ``config``'s table
     against what ``buckets.plan`` expected, and what a new plan of it would gain. Advice only.
 
+    Drifted: over :data:`DRIFT_RATIO` x the planned waste and :data:`DRIFT_POINTS` above it, or over 1.5x the
+    planned share of misses and 5 points above it (requests that moved outside the table).
+
     Returns:
-        ``{"planned_waste", "recorded_waste", "ratio", "drifted", "requests", "gain", "new_buckets", "note"}``:
+        ``{"planned_waste", "recorded_waste", "recorded_miss_share", "ratio", "drifted", "requests", "gain",
+        "new_buckets", "note"}``:
         ``gain`` is the expected GPU time per image a plan of the recorded traffic saves, 0..1 (None unless
         drifted); ``new_buckets`` that plan's buckets section. Without ``buckets.plan`` only the recorded waste.
 
@@ -733,20 +782,30 @@ def drift_report(config: ServeConfig, snapshot: Mapping, max_graphs: int | None 
         out["note"] = "no recorded request the limits allow"
         return out
     costs = PlanCosts.token_count(config)
-    now = evaluate(planning_table(config), traffic, costs)
+    table = planning_table(config)
+    now = evaluate(table, traffic, costs)
     out["recorded_waste"] = round(now.waste, 6)
+    out["recorded_miss_share"] = round(now.miss_share, 6)
     if plan_info is None:
         out["note"] = "buckets.plan is not set (the table was not written by bcg plan): nothing to compare with"
         return out
+    if not plan_matches(plan_info, table):
+        out["note"] = ("buckets.plan does not describe this table (its shapes were edited after bcg plan wrote it): "
+                       "plan again with bcg plan --write, or delete buckets.plan")
+        return out
     planned = plan_info.waste
     out["ratio"] = round(now.waste / planned, 3) if planned > 0 else None
-    out["drifted"] = now.waste > DRIFT_RATIO * planned and now.waste - planned > DRIFT_POINTS
+    waste_drift = now.waste > DRIFT_RATIO * planned and now.waste - planned > DRIFT_POINTS
+    # requests moving outside the table run eager without padding: a drift the waste alone cannot show
+    miss_drift = now.miss_share > DRIFT_RATIO * plan_info.miss_share and now.miss_share - plan_info.miss_share > 0.05
+    out["drifted"] = waste_drift or miss_drift
     if out["drifted"]:
         graphs = max_graphs or max(len(planning_table(config)), 1)
         fresh = plan_buckets(config, traffic, costs, max_graphs=graphs)
         out["gain"] = round(max(0.0, 1 - fresh.score.ms_per_image / now.ms_per_image), 4) if now.ms_per_image else 0.0
         out["new_buckets"] = fresh.buckets.model_dump(mode="json")
         out["note"] = (f"recorded traffic is served with {now.waste:.1%} padded-token waste against the planned "
-                       f"{planned:.1%}; a plan of it (bcg plan --from this server) would save {out['gain']:.1%} of the "
-                       f"GPU time per image with {fresh.score.graphs} graphs")
+                       f"{planned:.1%}, and {now.miss_share:.1%} of it misses every bucket against the planned "
+                       f"{plan_info.miss_share:.1%}; a plan of it (bcg plan --from this server) would save "
+                       f"{out['gain']:.1%} of the GPU time per image with {fresh.score.graphs} graphs")
     return out

@@ -88,6 +88,8 @@ class PlannedTraffic(BaseModel):
     requests: float = Field(ge=0, description="Requests in that sample.")
     waste: float = Field(ge=0, le=1, description="Expected padded-token waste on it, 0..1.")
     ms_per_image: float = Field(ge=0, description="Expected GPU milliseconds per image on it.")
+    miss_share: float = Field(default=0.0, ge=0, le=1,
+                              description="Expected share of its requests that no bucket holds (run eager).")
     costs: str = Field(description="The cost model the plan used (token-count, profile ...).")
     work: dict[str, float] = Field(
         default_factory=dict,

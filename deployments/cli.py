@@ -49,12 +49,14 @@ def _bounded_int(lo: int, hi: int | None = None):
 
 
 def _positive_float(text: str) -> float:
+    import math
+
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"{value} must be positive")
+    if not value > 0 or not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{value} must be a positive finite number")
     return value
 
 
@@ -163,6 +165,12 @@ def _cmd_profile(args: argparse.Namespace) -> int:
 def _cmd_plan(args: argparse.Namespace) -> int:
     from .commands import plot_plan, run_plan
 
+    if args.trace and args.traffic != "gentd26":
+        print("bcg plan: error: --trace is a GenTD26-style trace: give it with --traffic gentd26", file=sys.stderr)
+        return 2
+    if args.source and (args.trace or args.traffic != "krea"):
+        print("bcg plan: error: --from replaces --traffic/--trace: give one traffic source", file=sys.stderr)
+        return 2
     source = args.source or ("gentd26" if args.traffic == "gentd26" and not args.trace else
                              f"gentd26:{args.trace}" if args.traffic == "gentd26" else args.traffic)
     try:

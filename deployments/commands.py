@@ -179,9 +179,20 @@ def load_plan_traffic(config: ServeConfig, source: str, steps: int | None = None
         sizes = [(int(r["width"]), int(r["height"])) for r in bp.krea_rows(krea) if r.get("width") and r.get("height")]
         import io
 
-        return bp.traffic_from_gentd26(config, csv.DictReader(io.StringIO(text)), sizes, steps=steps)
+        reader = csv.DictReader(io.StringIO(text))
+        need = {"num_images_per_prompt", "num_inference_steps", "prompt_length"}
+        missing = sorted(need - set(reader.fieldnames or ()))
+        if missing:
+            raise ValueError(f"{path or GENTD26_CSV}: a GenTD26-style trace needs the columns {sorted(need)}; "
+                             f"missing {missing}")
+        return bp.traffic_from_gentd26(config, reader, sizes, steps=steps)
+    import os
+
     from bcg_core.traffic import load_traffic
 
+    if "://" not in source and not os.path.exists(source):
+        raise ValueError(f"--from {source}: no such file; for a running server give its URL, e.g. http://{source}"
+                         if ":" in source else f"--from {source}: no such file")
     traffic = bp.traffic_from_histogram(config, load_traffic(source).snapshot())
     if steps is not None:
         traffic.demands = [bp.replace(d, steps=steps) for d in traffic.demands]
@@ -209,9 +220,19 @@ def run_plan(config: ServeConfig, source: str = "krea", budget_mib: float | None
     traffic = load_plan_traffic(config, source, steps, krea)
     costs = bp.PlanCosts.token_count(config)
     if profile:
-        with open(profile, encoding="utf-8") as f:
-            rows = json.load(f)
-        costs = bp.costs_from_profile(rows.get("buckets", rows) if isinstance(rows, dict) else rows, costs)
+        try:
+            with open(profile, encoding="utf-8") as f:
+                rows = json.load(f)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"--profile {profile}: cannot read it as JSON ({e})") from None
+        rows = rows.get("buckets") if isinstance(rows, dict) else rows
+        if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+            raise ValueError(f"--profile {profile}: expected `bcg profile --json` output (an object with a "
+                             f"'buckets' list of rows)")
+        try:
+            costs = bp.costs_from_profile(rows, costs)
+        except ValueError as e:
+            raise ValueError(f"--profile {profile}: {e}") from None
     plan = bp.plan_buckets(config, traffic, costs, budget_mib=budget_mib, max_graphs=max_graphs)
     default = bp.evaluate(bp.planning_table(config), traffic, costs)
     s = plan.score

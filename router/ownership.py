@@ -193,14 +193,20 @@ def demands_for_config(config, planner: Planner | None = None) -> dict[str, Buck
     dtype_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}[config.model.dtype]
     graph_bytes = lambda k: estimate_graph_bytes(k, hidden, dtype_bytes)  # noqa: E731
     plan = config.buckets.plan
-    if plan is not None and any(v > 0 for s, v in plan.work.items() if s != "miss"):
-        # the plan's expected work per shape (bcg plan wrote it for this very table) replaces the krea prior
-        largest: dict[str, BucketKey] = {}
-        for k in planner.table.keys:
-            if k.shape not in largest or k.batch > largest[k.shape].batch:
-                largest[k.shape] = k
-        whole = sum(v for s, v in plan.work.items() if s in largest)
-        return {s: BucketDemand(plan.work.get(s, 0.0) / whole, int(graph_bytes(k))) for s, k in sorted(largest.items())}
+    if plan is not None:
+        from bcg_core.bucket_plan import plan_matches
+
+        if plan_matches(plan, planner.table):
+            # the plan's expected work per shape (bcg plan wrote it for this very table) replaces the krea prior
+            largest: dict[str, BucketKey] = {}
+            for k in planner.table.keys:
+                if k.shape not in largest or k.batch > largest[k.shape].batch:
+                    largest[k.shape] = k
+            whole = sum(v for s, v in plan.work.items() if s in largest)
+            return {s: BucketDemand(plan.work.get(s, 0.0) / whole, int(graph_bytes(k)))
+                    for s, k in sorted(largest.items())}
+        log.warning("buckets.plan does not describe this table (edited after bcg plan wrote it): ownership uses "
+                    "the krea prior; plan again with bcg plan --write, or delete buckets.plan")
     load = expected_load(planner, krea_rows(), guidance_scale=config.limits.default_guidance_scale, by="work")
     return shape_demands(planner.table.keys, load.shares, graph_bytes)
 

@@ -265,14 +265,17 @@ def test_drift_from_the_plan_is_reported_with_what_a_new_plan_saves():
                                                   guidance_scale=1.0, seed=0)] * 30)
     report = drift_report(planned, same)
     assert report["recorded_waste"] == 0.0 and not report["drifted"] and report["gain"] is None
-    # 3-image 512x768 requests on a 4-row 768x768 masked table planned (as far as it says) for 0% waste
-    drifted = _histogram(planned, [GenerationRequest("a cat", n=3, width=512, height=768, num_inference_steps=10,
+    # 4-image 512x768 requests on a 4-row 768x768 masked table planned (as far as it says) for 0% waste
+    drifted = _histogram(planned, [GenerationRequest("a cat", n=4, width=512, height=768, num_inference_steps=10,
                                                      guidance_scale=1.0, seed=0)] * 30)
     wide = EXACT.model_copy(update={"buckets": BucketConfig(image_padding="masked", resolutions=["768x768"],
-                                                            batch_sizes=[4], plan=planned.buckets.plan)})
+                                                            batch_sizes=[4])})
+    work = {k.shape: 0.5 for k in planning_table(wide).keys}  # a plan of this very table, expecting 0% waste
+    wide = wide.model_copy(update={"buckets": wide.buckets.model_copy(
+        update={"plan": planned.buckets.plan.model_copy(update={"work": work})})})
     report = drift_report(wide, drifted)
-    assert report["drifted"] and report["recorded_waste"] > 0.3 and 0 < report["gain"] <= 1
-    assert report["new_buckets"]["batch_sizes"] == [3] and "would save" in report["note"]
+    assert report["drifted"] and report["recorded_waste"] == pytest.approx(1 - 1792 / 2560) and 0 < report["gain"] <= 1
+    assert report["new_buckets"]["resolutions"] == ["768x512"] and "would save" in report["note"]
     unplanned = drift_report(EXACT, same)
     assert unplanned["planned_waste"] is None and "buckets.plan is not set" in unplanned["note"]
 
@@ -304,3 +307,58 @@ def test_the_exporter_sets_the_drift_gauges():
     exporter = BucketExporter(metrics.snapshot, metrics, backend=backend, drift=lambda: report)
     exporter.push()
     assert backend.m["bcg_plan_recorded_waste"].total() == 0.42 and backend.m["bcg_plan_drift_gain"].total() == 0.25
+
+
+def test_review_findings_stale_plan_reject_policy_budgets_and_recorded_cfg(tmp_path, capsys):
+    """A plan that no longer matches its table, miss_policy reject, an infinite or generous budget, recorded CFG
+    traffic under a low guidance limit, traffic that moves outside the table, and bad --profile/--trace files."""
+    from bcg_core.bucket_plan import drift_report
+    from deployments.cli import main
+    from router.ownership import demands_for_config
+
+    config = ServeConfig()
+    traffic = traffic_from_rows(config, krea_rows()[:300], steps=20)
+    plan = plan_buckets(config, traffic, max_graphs=12)
+    stale = config.model_copy(update={"buckets": plan.buckets.model_copy(update={"resolutions": ["256x256"]})})
+    assert set(demands_for_config(stale)) == {k.shape for k in planning_table(stale).keys}  # the krea prior, no crash
+    hist = _histogram(config, [GenerationRequest("a cat", n=1, width=512, height=512, num_inference_steps=8,
+                                                 guidance_scale=1.0, seed=0)] * 5)
+    assert "does not describe this table" in drift_report(stale, hist)["note"]
+    # miss_policy reject: a miss would be refused, so the planned table holds every request (or says it cannot)
+    strict = ServeConfig(buckets=BucketConfig(miss_policy="reject"))
+    held = plan_buckets(strict, traffic_from_rows(strict, krea_rows()[:300], steps=20), max_graphs=64)
+    assert held.score.miss_share == 0.0 and held.buckets.miss_policy == "reject"
+    exact = ServeConfig(buckets=BucketConfig(miss_policy="reject", image_padding="exact"))
+    with pytest.raises(ValueError, match=r"under miss_policy reject every request .* \(--max-graphs\)"):
+        plan_buckets(exact, traffic_from_rows(exact, krea_rows()[:300], steps=20), max_graphs=2)
+    # budgets: infinite is refused; one the unbudgeted plan fits in plans as well as no budget
+    with pytest.raises(ValueError, match="positive finite"):
+        plan_buckets(config, traffic, budget_mib=float("inf"))
+    with pytest.raises(SystemExit):
+        main(["plan", "--budget-mib", "inf"])
+    roomy = plan_buckets(config, traffic, budget_mib=plan.score.pool_bytes / 2**20 * 1.01, max_graphs=12)
+    assert roomy.score.ms_per_image <= plan.score.ms_per_image + 1e-9
+    # recorded CFG requests under a guidance limit below 4.5 are still planned
+    low = ServeConfig(limits=LimitsConfig(max_guidance_scale=3.0, default_guidance_scale=3.0))
+    cfg_hist = _histogram(low, [GenerationRequest("a cat", n=1, width=512, height=512, num_inference_steps=8,
+                                                  guidance_scale=3.0, seed=0)] * 4)
+    assert traffic_from_histogram(low, cfg_hist).demands[0].query.batch == 2
+    # traffic that moves outside the table drifts even without padding
+    planned = config.model_copy(update={"buckets": plan.buckets})
+    big = _histogram(config, [GenerationRequest("a cat", n=1, width=2048, height=2048, num_inference_steps=8,
+                                                guidance_scale=1.0, seed=0)] * 60)
+    report = drift_report(planned, big)
+    assert report["recorded_miss_share"] == 1.0 and report["drifted"] and "misses every bucket" in report["note"]
+    # bad files name themselves
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"model": "x"}')
+    assert main(["plan", "--profile", str(bad)]) == 2
+    trace = tmp_path / "trace.csv"
+    trace.write_text("a,b,c\n1,2,3\n")
+    assert main(["plan", "--traffic", "gentd26", "--trace", str(trace)]) == 2
+    assert main(["plan", "--trace", str(trace)]) == 2
+    assert main(["plan", "--from", "127.0.0.1:8011"]) == 2
+    err = capsys.readouterr().err
+    assert f"--profile {bad}: expected `bcg profile --json` output" in err
+    assert "missing ['num_images_per_prompt', 'num_inference_steps', 'prompt_length']" in err
+    assert "give it with --traffic gentd26" in err and "e.g. http://127.0.0.1:8011" in err
