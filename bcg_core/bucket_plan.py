@@ -285,8 +285,9 @@ def traffic_from_histogram(config: ServeConfig, snapshot: Mapping) -> Traffic:
 class PlanCosts:
     """Milliseconds and graph bytes of forwards, as lines in the tokens of a forward.
 
-    ``graph_ms = graph_launch_ms + tokens * ms_per_token``; ``eager_ms = eager_launch_ms + tokens * ms_per_token``
-    (unpadded tokens); ``graph_bytes = bytes_per_token * tokens``. ``tokens`` is :attr:`BucketKey.tokens`:
+    ``graph_ms = graph_launch_ms + tokens * ms_per_token``; ``eager_ms = eager_launch_ms + tokens *
+    eager_ms_per_token`` (unpadded tokens; ``eager_ms_per_token`` None: ``ms_per_token``); ``graph_bytes =
+    bytes_per_token * tokens``. ``tokens`` is :attr:`BucketKey.tokens`:
     rows x (image + text tokens).
 
     Attributes:
@@ -299,6 +300,7 @@ class PlanCosts:
     ms_per_token: float = 1e-3
     bytes_per_token: float = 0.0
     source: str = "token-count"
+    eager_ms_per_token: float | None = None
 
     @classmethod
     def token_count(cls, config: ServeConfig, graphs: bool | None = None) -> PlanCosts:
@@ -327,7 +329,8 @@ class PlanCosts:
 
     def eager_ms(self, tokens: int) -> float:
         """Expected milliseconds of one unpadded eager forward of ``tokens`` tokens."""
-        return self.eager_launch_ms + tokens * self.ms_per_token
+        per = self.ms_per_token if self.eager_ms_per_token is None else self.eager_ms_per_token
+        return self.eager_launch_ms + tokens * per
 
     def graph_bytes(self, key: BucketKey) -> int:
         """Expected graph-pool bytes of bucket ``key``'s capture."""
@@ -336,12 +339,14 @@ class PlanCosts:
     def describe(self) -> dict:
         """JSON of the model, for the plan report."""
         return {"source": self.source, "graph_launch_ms": self.graph_launch_ms, "eager_launch_ms": self.eager_launch_ms,
-                "ms_per_token": self.ms_per_token, "bytes_per_token": self.bytes_per_token}
+                "ms_per_token": self.ms_per_token, "eager_ms_per_token": self.eager_ms_per_token,
+                "bytes_per_token": self.bytes_per_token}
 
 
 def costs_from_profile(rows: Sequence[Mapping], fallback: PlanCosts) -> PlanCosts:
     """Lines fitted by least squares to measured buckets: ``bcg profile --json`` rows with ``key`` (a bucket key
-    string), ``graph_ms``, ``eager_ms`` and optionally ``pool_bytes``.
+    string), ``graph_ms``, ``eager_ms`` and optionally ``pool_bytes``: one line for replays, one for eager
+    forwards (intercepts and slopes clamped at 0), and the largest per-token pool growth for graph bytes.
 
     Args:
         rows: at least two buckets of different token counts.
@@ -370,10 +375,12 @@ def costs_from_profile(rows: Sequence[Mapping], fallback: PlanCosts) -> PlanCost
     xs = [p[0] for p in pts]
     g0, gs = fit(xs, [p[1] for p in pts])
     e0, es = fit(xs, [p[2] for p in pts])
-    with_bytes = [(p[0], float(p[3])) for p in pts if p[3]]
-    bpt = sum(b for _, b in with_bytes) / sum(t for t, _ in with_bytes) if with_bytes else fallback.bytes_per_token
-    return PlanCosts(graph_launch_ms=g0, eager_launch_ms=e0, ms_per_token=(gs + es) / 2, bytes_per_token=bpt,
-                     source="profile")
+    # a capture's pool_bytes is how much it grew the shared pool: the largest bucket (captured first) grew it by
+    # its whole activation peak, smaller ones mostly reuse it, so the largest per-token growth is the estimate
+    with_bytes = [float(p[3]) / p[0] for p in pts if p[3]]
+    bpt = max(with_bytes) if with_bytes else fallback.bytes_per_token
+    return PlanCosts(graph_launch_ms=g0, eager_launch_ms=e0, ms_per_token=gs, eager_ms_per_token=es,
+                     bytes_per_token=bpt, source="profile")
 
 
 def _parse_key(text: str) -> BucketKey:

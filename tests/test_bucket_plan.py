@@ -143,6 +143,10 @@ def test_costs_fitted_from_a_profile():
     costs = costs_from_profile(rows, fallback)
     assert costs.source == "profile" and costs.bytes_per_token == pytest.approx(1000)
     assert costs.graph_launch_ms == pytest.approx(2.0 - 4.0 / 3840 * 1280)
+    assert costs.ms_per_token == pytest.approx(4.0 / 3840) and costs.eager_ms_per_token == pytest.approx(3.0 / 3840)
+    assert costs.eager_ms(1280) == pytest.approx(6.0) and costs.graph_ms(plan_table_key(4)) == pytest.approx(6.0)
+    grown = costs_from_profile([{**rows[0], "pool_bytes": 100}, rows[1]], fallback)  # a small bucket reusing the pool
+    assert grown.bytes_per_token == pytest.approx(1000)
     with pytest.raises(ValueError, match="at least two token counts"):
         costs_from_profile(rows[:1], fallback)
     with pytest.raises(ValueError, match="profile row 0: needs key, graph_ms and eager_ms"):
