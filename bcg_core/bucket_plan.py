@@ -336,6 +336,19 @@ class PlanCosts:
         """Expected graph-pool bytes of bucket ``key``'s capture."""
         return int(self.bytes_per_token * key.tokens)
 
+    def lines(self) -> dict[str, float]:
+        """The numbers of the model (``buckets.plan.cost_lines``; :meth:`from_lines` rebuilds it)."""
+        out = {"graph_launch_ms": self.graph_launch_ms, "eager_launch_ms": self.eager_launch_ms,
+               "ms_per_token": self.ms_per_token, "bytes_per_token": self.bytes_per_token}
+        if self.eager_ms_per_token is not None:
+            out["eager_ms_per_token"] = self.eager_ms_per_token
+        return out
+
+    @classmethod
+    def from_lines(cls, lines: Mapping[str, float], source: str) -> PlanCosts:
+        """The model of :meth:`lines`."""
+        return cls(**{k: float(v) for k, v in lines.items()}, source=source)
+
     def describe(self) -> dict:
         """JSON of the model, for the plan report."""
         return {"source": self.source, "graph_launch_ms": self.graph_launch_ms, "eager_launch_ms": self.eager_launch_ms,
@@ -722,7 +735,7 @@ def plan_buckets(config: ServeConfig, traffic: Traffic, costs: PlanCosts | None 
     p = curve[chosen]
     planned = PlannedTraffic(source=traffic.source, requests=round(traffic.requests, 3), waste=round(p.score.waste, 6),
                              ms_per_image=round(p.score.ms_per_image, 6), costs=costs.source,
-                             miss_share=round(p.score.miss_share, 6),
+                             miss_share=round(p.score.miss_share, 6), cost_lines=costs.lines(),
                              work={k: round(v["work"], 6) for k, v in p.score.shares.items()})
     buckets = BucketConfig(**{**base.model_dump(), "batch_sizes": list(p.batch_sizes),
                               "resolutions": [f"{w}x{h}" for w, h in p.tiers], "text_lengths": list(p.text_lengths),
@@ -788,7 +801,9 @@ def drift_report(config: ServeConfig, snapshot: Mapping, max_graphs: int | None 
     if not traffic.demands:
         out["note"] = "no recorded request the limits allow"
         return out
-    costs = PlanCosts.token_count(config)
+    # the plan's own costs (a profile's lines where it had one), so planned and recorded waste compare alike
+    costs = (PlanCosts.from_lines(plan_info.cost_lines, plan_info.costs) if plan_info is not None and plan_info.cost_lines
+             else PlanCosts.token_count(config))
     table = planning_table(config)
     now = evaluate(table, traffic, costs)
     out["recorded_waste"] = round(now.waste, 6)

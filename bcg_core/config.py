@@ -91,6 +91,10 @@ class PlannedTraffic(BaseModel):
     miss_share: float = Field(default=0.0, ge=0, le=1,
                               description="Expected share of its requests that no bucket holds (run eager).")
     costs: str = Field(description="The cost model the plan used (token-count, profile ...).")
+    cost_lines: dict[str, float] = Field(
+        default_factory=dict,
+        description="That model's lines (graph_launch_ms, eager_launch_ms, ms_per_token, eager_ms_per_token, "
+        "bytes_per_token): the drift check scores recorded traffic with the same costs.")
     work: dict[str, float] = Field(
         default_factory=dict,
         description="Per bucket shape (and 'miss'), its share of the computed tokens: the ownership prior.")

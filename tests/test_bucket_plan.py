@@ -280,6 +280,11 @@ def test_drift_from_the_plan_is_reported_with_what_a_new_plan_saves():
     report = drift_report(wide, drifted)
     assert report["drifted"] and report["recorded_waste"] == pytest.approx(1 - 1792 / 2560) and 0 < report["gain"] <= 1
     assert report["new_buckets"]["resolutions"] == ["768x512"] and "would save" in report["note"]
+    profiled = costs_from_profile([{"key": "b1_i1024_t256", "graph_ms": 2.0, "eager_ms": 6.0},
+                                   {"key": "b4_i1024_t256", "graph_ms": 6.0, "eager_ms": 9.0}], PlanCosts.token_count(EXACT))
+    by_profile = plan_buckets(EXACT, traffic_from_rows(EXACT, _rows((512, 512, 1, 20))), profiled, max_graphs=4)
+    assert by_profile.buckets.plan.costs == "profile"
+    assert PlanCosts.from_lines(by_profile.buckets.plan.cost_lines, "profile") == profiled  # drift scores alike
     unplanned = drift_report(EXACT, same)
     assert unplanned["planned_waste"] is None and "buckets.plan is not set" in unplanned["note"]
 
