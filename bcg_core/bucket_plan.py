@@ -36,6 +36,7 @@ rises with the graph count.
 from __future__ import annotations
 
 import csv
+import functools
 import io
 import math
 from collections.abc import Iterable, Mapping, Sequence
@@ -43,7 +44,7 @@ from dataclasses import dataclass, field, replace
 from importlib import resources
 
 from .buckets import BucketKey, BucketTable, ShapeQuery, ShapeRules
-from .config import BucketConfig, PlannedTraffic, ServeConfig
+from .config import BucketConfig, ModelConfig, PlannedTraffic, ServeConfig
 from .errors import RequestError
 from .planner import GenerationRequest, Planner
 
@@ -110,24 +111,25 @@ def planning_planner(config: ServeConfig) -> Planner:
     Raises:
         ValueError: the configured checkpoint cannot be described (naming it).
     """
-    from .models import describe_model, load_tokenizer_counter
-
-    spec = describe_model(config.model)
+    spec, counter = _spec_and_counter(config.model)
     native = spec.rules.native_text_tokens
     text = native if native is not None else (spec.max_text_tokens or max(config.buckets.text_lengths))
     wide = replace_buckets(config, text_lengths=[text], miss_policy="eager")
-    return Planner(wide, spec, load_tokenizer_counter(config.model))
+    return Planner(wide, spec, counter)
 
 
 def planning_table(config: ServeConfig) -> BucketTable:
     """``config``'s own bucket table, as its replicas build it (to score the current table against a plan)."""
-    return Planner(config, *_spec_and_counter(config)).table
+    return Planner(config, *_spec_and_counter(config.model)).table
 
 
-def _spec_and_counter(config: ServeConfig):
+@functools.lru_cache(maxsize=8)
+def _spec_and_counter(model: ModelConfig):
+    """The model's spec and token counter (JSON configs and tokenizer only), read once per model: planning and
+    each drift check build several planners of one model."""
     from .models import describe_model, load_tokenizer_counter
 
-    return describe_model(config.model), load_tokenizer_counter(config.model)
+    return describe_model(model), load_tokenizer_counter(model)
 
 
 def replace_buckets(config: ServeConfig, **fields) -> ServeConfig:
@@ -639,7 +641,7 @@ def plan_buckets(config: ServeConfig, traffic: Traffic, costs: PlanCosts | None 
     exact = rules.grid_keyed or base.image_padding == "exact"  # every size needs its own tier
     tiers, texts, batches = _candidates(traffic, rules, planner, None if reject and exact else 16)
     budget = None if budget_mib is None else budget_mib * 2**20
-    min_tokens = _min_image_tokens(planner)
+    min_tokens = planner.table.min_image_tokens  # as every replica's table: from the smallest side the limits allow
 
     def table(bs, ts, xs) -> BucketTable | None:
         try:
@@ -755,12 +757,6 @@ LADDER = 2 ** 0.25
 19% above the last, and keeps the best table found at any of them: greedy growth under a larger limit can take a
 large bucket early and miss a better table that a smaller limit forces, so taking the best over every smaller
 limit makes the plan never worse for a larger budget (a budget between two steps plans as the step below)."""
-
-
-def _min_image_tokens(planner: Planner) -> int:
-    """Fewest image tokens a valid request can have (the smallest side squared), as the replica builds its table."""
-    side = -(-planner.limits.min_side_px // planner.rules.pixels_per_token)
-    return max(1, side * side)
 
 
 DRIFT_RATIO = 1.5

@@ -17,14 +17,12 @@ the sum of its per-owner shares (a fraction of all requests).
 
 from __future__ import annotations
 
-import csv
-import io
 import logging
 from dataclasses import dataclass, field
-from importlib import resources
 from types import MappingProxyType
 from typing import Callable, Iterable, Mapping
 
+from bcg_core.bucket_plan import KREA_CSV, krea_rows
 from bcg_core.buckets import BucketKey
 from bcg_core.errors import RequestError
 from bcg_core.models import ACTIVATION_FACTOR, estimate_graph_bytes, transformer_width
@@ -51,8 +49,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-KREA_CSV = "krea_open_prompts_1k_flat.csv"
-"""File name of the real request mix inside ``bcg_core/data`` (see its README)."""
 
 DEFAULT_HOT_SHARE = 0.10
 """A bucket with at least this fraction of requests is hot and gets >= 2 owners (on the krea mix with the
@@ -138,12 +134,6 @@ def expected_load(table_planner: Planner, rows: Iterable[Mapping[str, object]],
     total = sum(weights.values())
     shares = {k: w / total for k, w in sorted(weights.items())} if total > 0 else {}
     return LoadEstimate(MappingProxyType(shares), read, skipped)
-
-
-def krea_rows() -> list[dict[str, str]]:
-    """Rows of the packaged krea request mix (``bcg_core/data/krea_open_prompts_1k_flat.csv``), as strings."""
-    text = resources.files("bcg_core").joinpath("data", KREA_CSV).read_text(encoding="utf-8")
-    return list(csv.DictReader(io.StringIO(text)))
 
 
 def shape_shares(shares: Mapping[BucketKey, float]) -> dict[str, float]:
