@@ -17,17 +17,21 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 __all__ = [
+    "API_KEY_DIGEST",
+    "AuthConfig",
     "AutoscalingSettings",
     "BackpressureLimits",
     "BucketConfig",
     "PlannedTraffic",
     "LimitsConfig",
+    "QualityConfig",
     "MissPolicy",
     "ModelConfig",
     "RoutingConfig",
     "RunnerConfig",
     "ServeConfig",
     "TrafficConfig",
+    "api_key_digest",
     "backpressure_limits",
     "load_config",
     "parse_size",
@@ -452,6 +456,94 @@ class TrafficConfig(BaseModel):
     )
 
 
+# -- The OpenAI Images API options: quality step counts and API keys (issue 13) ------------------------------
+
+
+class QualityConfig(BaseModel):
+    """Denoising steps of OpenAI's ``quality`` values. An unset value takes the family's own
+    (:data:`bcg_core.families.base.QUALITY_STEPS`; ``auto``: ``limits.default_steps``); every count is clipped
+    to ``limits.max_steps``. A request's ``num_inference_steps`` wins over its ``quality``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    low: int | None = Field(default=None, ge=1, le=1000, description="Steps of quality 'low'; None: the family's.")
+    medium: int | None = Field(default=None, ge=1, le=1000, description="Steps of 'medium'; None: the family's.")
+    high: int | None = Field(default=None, ge=1, le=1000, description="Steps of 'high'; None: the family's.")
+    auto: int | None = Field(default=None, ge=1, le=1000, description="Steps of 'auto'; None: limits.default_steps.")
+
+
+API_KEY_DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
+"""An API key stored as its digest: ``sha256:`` and the lowercase hex SHA-256 of the key's UTF-8 bytes."""
+
+
+def api_key_digest(key: str) -> str:
+    """``sha256:<hex>`` of ``key`` (what :class:`AuthConfig` stores instead of the key)."""
+    import hashlib
+
+    return "sha256:" + hashlib.sha256(key.encode("utf-8")).hexdigest()
+
+
+class _BadKey:
+    """Stands in for a bad ``api_keys`` entry during validation; its repr (what pydantic prints) is the reason."""
+
+    def __init__(self, reason: str):
+        self.reason = reason
+
+    def __repr__(self) -> str:
+        return f"<{self.reason}>"
+
+
+class AuthConfig(BaseModel):
+    """API keys the ingress asks for (``Authorization: Bearer <key>``); no keys: the API is open.
+
+    Keys are stored as SHA-256 digests from the moment the config is read: a plain key in ``api_keys`` is
+    replaced by ``sha256:<hex>`` (a value already of that form is kept as a digest), so the config that travels
+    to the deployments, ``bcg config`` and every echo hold digests only. ``api_key_file`` is read by the ingress
+    at start (``deployments/auth.py``): one key a line, blank lines and lines starting with ``#`` skipped.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True, hide_input_in_errors=True)  # errors never echo a key
+
+    api_keys: list[str] = Field(
+        default_factory=list,
+        description="API keys, or their digests 'sha256:<64 hex>'; stored as digests only. Empty (and no "
+        "api_key_file): every request is served without a key.",
+    )
+    api_key_file: str | None = Field(
+        default=None,
+        description="A file of API keys, one a line ('#' comments), read by the ingress at start (on its node).",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _digests(cls, data: Any) -> Any:
+        """Replace every key by its digest before any field check, so that no error message (pydantic echoes a
+        bad field's input) ever holds a key: a bad entry becomes a :class:`_BadKey` that says what is wrong."""
+        if not isinstance(data, Mapping) or "api_keys" not in data:
+            return data
+        keys = data["api_keys"]
+        if not isinstance(keys, list):
+            return {**data, "api_keys": _BadKey("not a list of strings")}
+        out: list[Any] = []
+        for key in keys:
+            if not isinstance(key, str):
+                out.append(_BadKey("not a string"))
+            elif not key or key != key.strip():
+                out.append(_BadKey("empty, or padded with white space"))
+            else:
+                out.append(key if API_KEY_DIGEST.match(key) else api_key_digest(key))
+        return {**data, "api_keys": out}
+
+    def __repr_args__(self):
+        yield "api_keys", f"[{len(self.api_keys)} digests]"
+        yield "api_key_file", self.api_key_file
+
+    @property
+    def enabled(self) -> bool:
+        """True when requests need a key."""
+        return bool(self.api_keys) or self.api_key_file is not None
+
+
 class ServeConfig(BaseModel):
     """Everything one replica needs: the embedded default is ``ServeConfig()``."""
 
@@ -467,6 +559,8 @@ class ServeConfig(BaseModel):
         default_factory=TrafficConfig,
         description="Request shapes each replica records for bcg plan (traffic in /v1/buckets).",
     )
+    quality: QualityConfig = Field(default_factory=QualityConfig, description="Steps of OpenAI's quality values.")
+    auth: AuthConfig = Field(default_factory=AuthConfig, description="API keys (stored as SHA-256 digests).")
 
     @model_validator(mode="after")
     def _reachable_buckets(self) -> ServeConfig:

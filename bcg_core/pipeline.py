@@ -26,13 +26,11 @@ deterministic; so the same request and seed give the same PNG bytes, equal to di
 
 from __future__ import annotations
 
-import io
 import threading
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
-import numpy as np
 import torch
 
 from .buckets import BucketKey, BucketLookup, ShapeQuery
@@ -40,6 +38,7 @@ from .config import ServeConfig
 from .costs import Chunk, CostModel, ForwardPlan, measure_costs
 from .errors import RequestCancelled, RequestError
 from .families import Family, RequestState, concat_rows
+from .images import encode_image
 from .metrics import BucketMetrics, token_shares
 from .models import load_model
 from .padding import DenoiseInputs
@@ -54,7 +53,8 @@ class GenerationResult:
     """What one request produced.
 
     Attributes:
-        images_png: ``n`` PNG files.
+        images_png: ``n`` image files, PNG unless the request asked for another ``output_format``
+            (:attr:`image_format`; the name is kept from when PNG was the only format).
         seed: the seed used (image ``i`` used ``seed + i``).
         bucket: ``str(BucketKey)`` that served the request, None on a miss.
         hit: True when a bucket served the request.
@@ -83,6 +83,7 @@ class GenerationResult:
     replica: str | None = None
     owner: bool | None = None
     retries: int = 0
+    image_format: str = "png"
 
     def to_dict(self) -> dict:
         """A plain dict (PNG bytes kept as bytes)."""
@@ -179,15 +180,6 @@ class FusedStats:
         """The JSON of ``/v1/buckets``' ``fused_step``."""
         note = self.note or ("off: runner.fused_step or the family has no fused step" if not self.wanted else "")
         return {"enabled": self.on, "note": note, "steps": self.steps, "host_steps": dict(self.host_steps or {})}
-
-
-def _png(image: np.ndarray) -> bytes:
-    """PNG bytes of a (height, width, 3) uint8 image (PIL's encoder, its default settings)."""
-    from PIL import Image
-
-    buf = io.BytesIO()
-    Image.fromarray(image).save(buf, format="PNG")
-    return buf.getvalue()
 
 
 def runner_mode(config: ServeConfig, device: torch.device | None = None) -> str:
@@ -520,8 +512,10 @@ class DiTPipeline:
         return ShapeQuery(inputs.rows, inputs.grid[0] * inputs.grid[1], text, hw)
 
     def finish(self, state: RequestState) -> list[bytes]:
-        """PNG files of a finished request's ``n`` images (family decode, then PIL's PNG encoder)."""
-        return [_png(image) for image in self.model.decode(state)]
+        """Image files of a finished request's ``n`` images (family decode, then Pillow's encoder for the
+        request's ``output_format``, :func:`~bcg_core.images.encode_image`)."""
+        r = state.request
+        return [encode_image(image, r.output_format, r.output_compression) for image in self.model.decode(state)]
 
     # -- the request path ---------------------------------------------------------------------------
 
@@ -680,7 +674,7 @@ class DiTPipeline:
                 padded_tokens=share, steps=plan.request.num_inference_steps,
                 timings_ms={"encode": round((t1 - t0) * 1e3, 2), "denoise": round((t2 - t1) * 1e3, 2),
                             "decode": round((t3 - t_dec) * 1e3, 2), "total": round(total_ms, 2)},
-                batch_size=len(plans),
+                batch_size=len(plans), image_format=plan.request.output_format,
             ))
         if any(isinstance(r, GenerationResult) for r in results):
             self.metrics.record_batch(first[joined[0]].key, len(plans))

@@ -19,7 +19,7 @@ from .config import MissPolicy, ServeConfig
 from .errors import BucketMissError, RequestError
 from .families.base import ModelSpec
 
-__all__ = ["GenerationRequest", "Plan", "Planner", "SEED_MAX"]
+__all__ = ["GenerationRequest", "MAX_PARTIAL_IMAGES", "Plan", "Planner", "QUALITIES", "SEED_MAX"]
 
 SEED_MAX = 2**63 - 1
 """Largest seed (``torch.Generator.manual_seed`` takes 64-bit values; JSON clients handle int64)."""
@@ -33,7 +33,7 @@ class GenerationRequest:
         prompt: the text.
         n: images to generate.
         width, height: image size in pixels.
-        num_inference_steps: denoising steps (None: the configured default).
+        num_inference_steps: denoising steps (None: ``quality``'s, else the configured default).
         guidance_scale: guidance scale (None: the configured default). For most families it is the
             classifier-free guidance scale, and above 1 adds one uncond row per image (cond and uncond in one
             forward); for guidance-distilled FLUX.1-dev it feeds the guidance embedding (see the family table
@@ -43,6 +43,13 @@ class GenerationRequest:
         seed: image ``i`` uses noise seeded with ``seed + i`` (None: a random seed, reported back).
         true_cfg_scale: true classifier-free guidance scale of FLUX and Qwen-Image (``true_cfg_scale`` of
             ``FluxPipeline``/``QwenImagePipeline``; None: the pipeline's default); refused by other families.
+        quality: OpenAI's ``quality``, ``"low"``, ``"medium"``, ``"high"`` or ``"auto"``: the step count the config
+            and the family set for it (:meth:`~bcg_core.families.ModelSpec.steps_for_quality`), used when
+            ``num_inference_steps`` is None. None: ``limits.default_steps``.
+        output_format: the image files' format, ``"png"``, ``"jpeg"`` or ``"webp"`` (:mod:`bcg_core.images`).
+        output_compression: 0..100 for jpeg and webp (None: 100); None or 100 for png.
+        partial_images: previews to stream while denoising, 0..3 (:mod:`bcg_core.preview`); 0 for a request
+            that is not streamed.
     """
 
     prompt: str
@@ -54,6 +61,17 @@ class GenerationRequest:
     negative_prompt: str | None = None
     seed: int | None = None
     true_cfg_scale: float | None = None
+    quality: str | None = None
+    output_format: str = "png"
+    output_compression: int | None = None
+    partial_images: int = 0
+
+
+QUALITIES = ("low", "medium", "high", "auto")
+"""OpenAI ``quality`` values served (each a step count, :meth:`~bcg_core.families.ModelSpec.steps_for_quality`)."""
+
+MAX_PARTIAL_IMAGES = 3
+"""Most previews a streamed request may ask for (OpenAI's ``partial_images`` range, 0 to 3)."""
 
 
 @dataclass
@@ -147,7 +165,14 @@ class Planner:
                 self.rules.check_size(r.width, r.height)
             except ValueError as e:
                 raise RequestError("size", str(e)) from None
-        steps = lim.default_steps if r.num_inference_steps is None else r.num_inference_steps
+        if r.quality is not None and r.quality not in QUALITIES:
+            raise RequestError("quality", f"quality must be one of {', '.join(QUALITIES)}, got {r.quality!r}")
+        if r.num_inference_steps is not None:
+            steps = r.num_inference_steps
+        elif r.quality is not None:
+            steps = self.spec.steps_for_quality(r.quality, self.config.quality, lim.default_steps, lim.max_steps)
+        else:
+            steps = lim.default_steps
         if not _is_int(steps) or not 1 <= steps <= lim.max_steps:
             raise RequestError(
                 "num_inference_steps", f"num_inference_steps must be an integer from 1 to {lim.max_steps}, got {steps!r}"
@@ -171,6 +196,7 @@ class Planner:
             raise RequestError(
                 "true_cfg_scale", f"true_cfg_scale must be a number from 0 to {lim.max_guidance_scale}, got {tcfg!r}"
             )
+        self._check_output(r)
         filled = replace(r, num_inference_steps=steps, guidance_scale=float(g), negative_prompt=neg, seed=seed,
                          true_cfg_scale=None if tcfg is None else float(tcfg))
         self.spec.check(filled)
@@ -193,6 +219,25 @@ class Planner:
         if not lookup.hit and home is None and self.table.miss_policy is MissPolicy.REJECT:
             raise self._miss_error(filled, lookup)
         return Plan(filled, lookup, tokens, home)
+
+    @staticmethod
+    def _check_output(r: GenerationRequest) -> None:
+        """Refuse an unknown ``output_format``, an ``output_compression`` out of 0..100 (or below 100 for png) and
+        ``partial_images`` out of 0..:data:`MAX_PARTIAL_IMAGES`."""
+        from .images import IMAGE_FORMATS
+
+        if r.output_format not in IMAGE_FORMATS:
+            raise RequestError("output_format", f"output_format must be one of {', '.join(IMAGE_FORMATS)}, "
+                                                f"got {r.output_format!r}")
+        c = r.output_compression
+        if c is not None and (not _is_int(c) or not 0 <= c <= 100):
+            raise RequestError("output_compression", f"output_compression must be an integer from 0 to 100, got {c!r}")
+        if r.output_format == "png" and c is not None and c != 100:
+            raise RequestError("output_compression", "output_compression applies to jpeg and webp only; omit it "
+                                                     "(or send 100) for png")
+        if not _is_int(r.partial_images) or not 0 <= r.partial_images <= MAX_PARTIAL_IMAGES:
+            raise RequestError("partial_images", f"partial_images must be an integer from 0 to {MAX_PARTIAL_IMAGES}, "
+                                                 f"got {r.partial_images!r}")
 
     def _too_long(self, tokens: int) -> str:
         """``"N tokens long"``, or ``"at least N tokens long"`` where N is the family's cut (the encoder keeps no

@@ -29,7 +29,8 @@ Off the denoising thread's path:
 - a **decode thread** takes finished requests, batches those of one image size (up to
   ``runner.decode_batch_images`` images) into one family decode call, on its own CUDA stream (waiting on an
   event recorded after each request's last step), so decoding overlaps the next denoising steps;
-- a **thread pool** (``runner.encode_threads``) encodes each decoded image to PNG; the caller's future is
+- a **thread pool** (``runner.encode_threads``) encodes each decoded image (PNG, JPEG or WebP, the request's
+  ``output_format``); the caller's future is
   resolved on its event loop when the request's last image is encoded. Each image's PNG bytes go into the
   :class:`~bcg_core.pipeline.GenerationResult` once; the replica returns that object to the ingress.
 
@@ -72,7 +73,8 @@ from .errors import RequestCancelled
 from .families import RequestState
 from .load import LoadMeter
 from .metrics import token_shares
-from .pipeline import DiTPipeline, GenerationResult, _png, elapsed_ms, timing_mark
+from .images import encode_image
+from .pipeline import DiTPipeline, GenerationResult, elapsed_ms, timing_mark
 from .planner import GenerationRequest, Plan
 
 __all__ = ["FORWARD_KINDS", "StepScheduler"]
@@ -253,7 +255,7 @@ class StepScheduler:
 
         ``timings_ms`` of the result: ``queue`` (submission to admission), ``encode`` (text encoding and noise),
         ``denoise`` (its steps, sharing forwards), ``decode`` (waiting for and running the batched VAE decode),
-        ``png`` (image encoding) and ``total``, milliseconds.
+        ``image_encode`` (PNG, JPEG or WebP encoding) and ``total``, milliseconds.
 
         Args:
             request: a :class:`Plan` (trusted as planned), or a raw :class:`GenerationRequest`, planned here.
@@ -684,15 +686,17 @@ class StepScheduler:
         self._resolve(item, error)
 
     def _encode(self, item: _Request, images: list) -> None:
-        """Encode ``images`` to PNG in the pool; the last one done resolves the caller's future."""
+        """Encode ``images`` in the pool (the request's ``output_format``, :func:`~bcg_core.images.encode_image`);
+        the last one done resolves the caller's future."""
         pngs: list[bytes | None] = [None] * len(images)
+        fmt, compression = item.plan.request.output_format, item.plan.request.output_compression
         remaining = [len(images)]
         lock = threading.Lock()
         t0 = time.perf_counter()
 
         def one(i: int, image) -> None:
             try:
-                pngs[i] = _png(image)
+                pngs[i] = encode_image(image, fmt, compression)
             except Exception as e:  # noqa: BLE001
                 pngs[i] = e  # type: ignore[assignment]
             with lock:
@@ -730,8 +734,8 @@ class StepScheduler:
             padded_tokens=item.first_share, steps=plan.request.num_inference_steps,
             timings_ms={"queue": ms(item.submitted, item.admitted), "encode": ms(item.admitted, item.started),
                         "denoise": ms(item.started, item.denoised), "decode": ms(item.denoised, item.decoded),
-                        "png": ms(png_t0, t_end), "total": round(total_ms, 2)},
-            batch_size=item.company,
+                        "image_encode": ms(png_t0, t_end), "total": round(total_ms, 2)},
+            batch_size=item.company, image_format=plan.request.output_format,
         )
         with self._cv:
             self._stat(item.shape).completed += 1

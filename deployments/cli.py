@@ -115,8 +115,25 @@ def _cmd_demo(args: argparse.Namespace) -> int:
                     num_cpus=args.num_cpus, quiet=not args.verbose)
 
 
+def _with_key_file(config: ServeConfig | None, path: str) -> ServeConfig:
+    """``config`` (the default when None) that also accepts the keys of the file ``path``, held as digests.
+
+    Raises:
+        ValueError: the file cannot be read or holds no key (naming the file, never a key).
+    """
+    from bcg_core.config import api_key_digest
+
+    from .auth import read_key_file
+
+    config = config or ServeConfig()
+    digests = [*config.auth.api_keys, *(api_key_digest(k) for k in read_key_file(path))]
+    return config.model_copy(update={"auth": config.auth.model_copy(update={"api_keys": digests})})
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
     config = check_config(args.config) if args.config else None
+    if args.api_key_file is not None:
+        config = _with_key_file(config, args.api_key_file)
     if config is not None:
         conflict = replicas_conflict(config, None if args.replicas is None else f"--replicas {args.replicas}")
         if conflict:
@@ -135,7 +152,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         # process without shutting Serve down.
         previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         print(f"bcg-serve is listening on {url} (Ctrl-C stops it)", flush=True)
-        print(f"  try: curl -s {url}/v1/buckets", flush=True)
+        header = " -H 'Authorization: Bearer <key>'" if config is not None and config.auth.enabled else ""
+        print(f"  try: curl -s{header} {url}/v1/models", flush=True)
         stop.wait(args.stop_after_s)
         print("bcg-serve: shutting down", flush=True)
     finally:
@@ -247,6 +265,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--replicas", type=_bounded_int(1, 64), default=None, metavar="N",
                    help="DiT replicas (one per GPU; default 1); they split the bucket shapes between them. Not with "
                    "autoscaling.enabled in the config, whose min/max_replicas then set the count")
+    s.add_argument("--api-key-file", default=None, metavar="PATH",
+                   help="ask for one of the API keys in this file (one a line, '#' comments) as 'Authorization: "
+                   "Bearer <key>' on every /v1/ route; added to the config's auth.api_keys (held as SHA-256 digests)")
     s.add_argument("--stop-after-s", type=_positive_float, default=None, metavar="T",
                    help="stop by itself after T seconds (default: run until Ctrl-C)")
     s.add_argument("--verbose", action="store_true", help="show Ray's and the replicas' logs")

@@ -9,7 +9,13 @@ Routes (relative to the application's route prefix):
   every replica's last heartbeat (owned and ready shapes, queue, owner hits), at most
   ``routing.stats_period_s`` old; ``traffic``: the request shapes accepted (with shape-aware routing, every
   replica's histogram merged: the answering replica's current one and the others' from their last heartbeat).
-- ``GET /healthz``: ``{"status": "ok"}``.
+- ``GET /v1/models`` (and ``GET /v1/models/{id}``): the served model in OpenAI's list format, with the bucket
+  table, the limits and the step count of each ``quality`` under ``bcg``.
+- ``GET /healthz``: ``{"status": "ok"}``; never asks for a key.
+
+API keys: with ``auth.api_keys`` or ``auth.api_key_file`` set, every ``/v1/`` route asks for
+``Authorization: Bearer <key>`` (:mod:`deployments.auth`: digests only, compared in constant time); a missing or
+unknown key is answered 401 in OpenAI's error shape, naming neither the key nor its digest.
 
 Python handle callers use ``Ingress.images`` (same validation and routing). Each request is planned here
 once (:class:`~bcg_core.planner.Planner`: validation, defaults, the seed, the bucket lookup) and its
@@ -45,10 +51,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from bcg_core.config import MissPolicy, ServeConfig
 from bcg_core.errors import BucketMissError, RequestError
+from bcg_core.images import IMAGE_FORMATS
 from bcg_core.pipeline import GenerationResult
 from bcg_core.planner import GenerationRequest, Planner
 from bcg_core.traffic import TrafficHistogram
 
+from .auth import ApiKeys
 from .routing import Overloaded, ReplicaUnavailable, call_dit
 from .schemas import (
     BcgInfo,
@@ -57,12 +65,15 @@ from .schemas import (
     ImageData,
     ImageGenerationRequest,
     ImageGenerationResponse,
+    ModelCard,
+    ModelList,
     RequestLimits,
+    Usage,
     allowed_values,
 )
 
-__all__ = ["Ingress", "error_response", "find_request_error", "merged_traffic", "unavailable_response",
-           "validation_error_response"]
+__all__ = ["Ingress", "error_response", "find_request_error", "merged_traffic", "unauthorized_response",
+           "unavailable_response", "validation_error_response"]
 
 logger = logging.getLogger("ray.serve")
 
@@ -73,11 +84,12 @@ app = FastAPI(
 )
 
 _ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
-    code: {"model": ErrorBody} for code in (400, 413, 422, 500, 503)
+    code: {"model": ErrorBody} for code in (400, 401, 413, 422, 500, 503)
 }
 
 
-def error_response(status: int, message: str, param: str | None = None, type_: str | None = None) -> JSONResponse:
+def error_response(status: int, message: str, param: str | None = None, type_: str | None = None,
+                   code: str | None = None) -> JSONResponse:
     """An OpenAI-shaped error answer.
 
     Args:
@@ -85,10 +97,28 @@ def error_response(status: int, message: str, param: str | None = None, type_: s
         message: human message naming the field and the values it accepts.
         param: the request field at fault, or None.
         type_: OpenAI error type; default ``"invalid_request_error"`` below 500, ``"server_error"`` above.
+        code: OpenAI's machine-readable code (``"invalid_api_key"``), or None.
     """
     kind = type_ or ("server_error" if status >= 500 else "invalid_request_error")
-    body = ErrorBody(error=ErrorDetail(message=message, type=kind, param=param))
+    body = ErrorBody(error=ErrorDetail(message=message, type=kind, param=param, code=code))
     return JSONResponse(status_code=status, content=body.model_dump())
+
+
+_AUTH_MESSAGES = {
+    "missing": ("You didn't provide an API key. Send it in an Authorization header: 'Authorization: Bearer "
+                "<key>' (the openai client: OpenAI(api_key=...)).", None),
+    "invalid": ("Incorrect API key provided. Use a key this server was configured with (auth.api_keys or "
+                "auth.api_key_file).", "invalid_api_key"),
+}
+
+
+def unauthorized_response(reason: str) -> JSONResponse:
+    """A 401 in OpenAI's error shape for a ``"missing"`` or ``"invalid"`` key (:meth:`ApiKeys.check`), with
+    ``WWW-Authenticate: Bearer``; it never repeats the key."""
+    message, code = _AUTH_MESSAGES[reason]
+    answer = error_response(401, message, code=code)
+    answer.headers["WWW-Authenticate"] = "Bearer"
+    return answer
 
 
 def unavailable_response(message: str, retry_after_s: float, param: str | None = None) -> JSONResponse:
@@ -213,6 +243,29 @@ async def _read_body(request: Request, max_bytes: int) -> bytes:
     return b"".join(chunks)
 
 
+def usage_of(plan) -> Usage:
+    """OpenAI's ``usage`` of a planned request (:class:`~deployments.schemas.Usage`): its prompt tokens in, its
+    images' transformer image tokens out."""
+    return Usage.of(plan.prompt_tokens, plan.request.n, plan.lookup.query.image_tokens)
+
+
+def ingress_timings(result: GenerationResult, sent: float) -> dict[str, float]:
+    """The replica's ``timings_ms`` plus the ingress's: ``ingress`` (``sent``, a ``time.perf_counter()``, to
+    now) and ``route`` (``ingress`` less the replica's ``total``: Ray Serve's queues and the transfers)."""
+    timings = dict(result.timings_ms)
+    ingress_ms = round((time.perf_counter() - sent) * 1e3, 2)
+    timings["ingress"] = ingress_ms
+    timings["route"] = round(max(0.0, ingress_ms - timings.get("total", 0.0)), 2)
+    return timings
+
+
+def bcg_info(result: GenerationResult, timings: dict[str, float], retries: int) -> BcgInfo:
+    """The ``bcg`` extension of an answer."""
+    return BcgInfo(bucket=result.bucket, hit=result.hit, missed=list(result.missed), seed=result.seed,
+                   steps=result.steps, timings_ms=timings, replica=result.replica, owner=result.owner, batch_size=result.batch_size,
+                   retries=retries)
+
+
 @serve.deployment
 @serve.ingress(app)
 class Ingress:
@@ -225,11 +278,14 @@ class Ingress:
             or None.
 
     Raises:
-        pydantic.ValidationError: on a bad config (at replica start).
+        pydantic.ValidationError: on a bad config (at replica start); ValueError: ``auth.api_key_file`` cannot be
+            read or holds no key.
     """
 
     def __init__(self, dit_handle, config: dict, coordinator=None):
         self._config = ServeConfig.model_validate(config)
+        self._keys = ApiKeys.from_config(self._config.auth)
+        self._started = int(time.time())
         self._dit = dit_handle
         self._coord = coordinator
         # The planner's spec is describe_model(config.model): the served name comes from the checkpoint's JSON
@@ -248,18 +304,62 @@ class Ingress:
             resolutions=tuple(self._config.buckets.resolutions),
         )
 
+    def _refused(self, request: Request) -> JSONResponse | None:
+        """The 401 answer for a request without a known API key, or None (accepted, or no keys configured)."""
+        reason = self._keys.check(request.headers.get("authorization"))
+        return None if reason is None else unauthorized_response(reason)
+
     @app.get("/healthz")
     async def healthz(self) -> dict[str, str]:
-        """Liveness: ``{"status": "ok"}``."""
+        """Liveness: ``{"status": "ok"}`` (no key asked for)."""
         return {"status": "ok"}
 
-    @app.get("/v1/buckets", responses={500: {"model": ErrorBody}, 503: {"model": ErrorBody}})
-    async def buckets(self):
+    def _model_card(self) -> ModelCard:
+        spec, table, lim = self._planner.spec, self._planner.table, self._config.limits
+        quality = {q: spec.steps_for_quality(q, self._config.quality, lim.default_steps, lim.max_steps)
+                   for q in ("low", "medium", "high", "auto")}
+        return ModelCard(id=self._model_name, created=self._started, bcg={
+            "family": spec.family, "pipeline_class": spec.pipeline_class,
+            "buckets": {**table.describe_limits(), "count": len(table)},
+            "limits": {"max_images": lim.max_images, "min_side_px": lim.min_side_px, "max_side_px": lim.max_side_px,
+                       "size_multiple": table.rules.pixels_per_token, "max_steps": lim.max_steps,
+                       "default_steps": lim.default_steps},
+            "quality_steps": quality,
+            "output_formats": list(IMAGE_FORMATS),
+        })
+
+    @app.get("/v1/models", response_model=ModelList, responses={401: {"model": ErrorBody}})
+    async def models(self, request: Request):
+        """The served model in OpenAI's list format (``openai`` ``client.models.list()``), its bucket table
+        summarised under ``bcg``."""
+        refused = self._refused(request)
+        if refused is not None:
+            return refused
+        return ModelList(data=[self._model_card()])
+
+    @app.get("/v1/models/{model_id}", response_model=ModelCard, responses={401: {"model": ErrorBody},
+                                                                          404: {"model": ErrorBody}})
+    async def model(self, model_id: str, request: Request):
+        """One model (``client.models.retrieve(id)``): the served one, else 404 naming it."""
+        refused = self._refused(request)
+        if refused is not None:
+            return refused
+        if model_id != self._model_name:
+            return error_response(404, f"model {model_id!r} is not served here; served: {self._model_name!r}",
+                                  param="model", code="model_not_found")
+        return self._model_card()
+
+    @app.get("/v1/buckets", responses={401: {"model": ErrorBody}, 500: {"model": ErrorBody},
+                                       503: {"model": ErrorBody}})
+    async def buckets(self, request: Request):
         """Per-bucket counters of the DiT replica (``DiTPipeline.stats()``), plus the misses this ingress
         rejected under the reject policy (``misses.rejected``, ``misses.rejected_by_dim``) and, with a
         coordinator, ``ownership`` and every replica's ``traffic`` merged (:func:`merged_traffic`). When every
         DiT slot and queue place is taken the call is answered 503 with ``Retry-After`` in OpenAI's error shape,
         like a generation request."""
+        refused = self._refused(request)
+        if refused is not None:
+            return refused
         try:
             stats = await self._dit.stats.remote()
         except BackPressureError as exc:
@@ -309,7 +409,11 @@ class Ingress:
         },
     )
     async def generate(self, request: Request):
-        """Generate ``n`` images for a prompt (OpenAI ``images.generate``)."""
+        """Generate ``n`` images for a prompt (OpenAI ``images.generate``); with ``stream: true`` as Server-Sent
+        Events (:mod:`deployments.streaming`)."""
+        refused = self._refused(request)
+        if refused is not None:
+            return refused
         limits = self._limits
         try:
             body = await _read_body(request, limits.limits.max_body_bytes)
@@ -331,6 +435,10 @@ class Ingress:
                     negative_prompt=req.negative_prompt,
                     seed=req.seed,
                     true_cfg_scale=req.true_cfg_scale,
+                    quality=req.quality,
+                    output_format=req.image_format(),
+                    output_compression=req.output_compression,
+                    partial_images=(req.partial_images or 0) if req.stream else 0,
                 )
             )
         except ValidationError as exc:
@@ -347,6 +455,9 @@ class Ingress:
             return error_response(422, f"no bucket holds this request ({', '.join(missed)} missed; table: "
                                   f"{self._planner.table.describe_limits()}) and the miss policy is reject",
                                   param=param)
+        if req.stream:
+            return error_response(422, "stream: true is not served yet; send stream: false", param="stream")
+        t0 = time.perf_counter()
         try:
             routed = await call_dit(self._dit, plan, self._config.routing.max_retries,
                                 retry_after_s=self._config.routing.retry_after_s)
@@ -359,18 +470,14 @@ class Ingress:
                 return error_response(found.status, found.message, param=found.field)
             logger.exception("generation failed")
             return error_response(500, f"generation failed: {type(exc).__name__}")
+        timings = ingress_timings(result, t0)
         return ImageGenerationResponse(
             created=int(time.time()),
             data=[ImageData(b64_json=b64encode(png).decode("ascii")) for png in result.images_png],
-            bcg=BcgInfo(
-                bucket=result.bucket,
-                hit=result.hit,
-                missed=list(result.missed),
-                seed=result.seed,
-                timings_ms=dict(result.timings_ms),
-                replica=result.replica,
-                owner=result.owner,
-                batch_size=result.batch_size,
-                retries=routed.retries,
-            ),
+            output_format=result.image_format,
+            quality=req.quality if req.quality != "auto" else None,
+            size=f"{width}x{height}",
+            usage=usage_of(plan),
+            bcg=bcg_info(result, timings, routed.retries),
         )
+

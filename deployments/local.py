@@ -77,6 +77,10 @@ def check_config(config_path: str | Path) -> "ServeConfig":
         # The replicas may run in another working directory: pin a relative path to this one.
         model = config.model.model_copy(update={"path": str(Path(config.model.path).resolve())})
         config = config.model_copy(update={"model": model})
+    if config.auth.api_key_file is not None:  # read by the ingress at start: a bad file fails here first
+        from .auth import read_key_file
+
+        read_key_file(config.auth.api_key_file)
     Planner.from_config(config)
     runner_mode(config)  # a CUDA device or graph runner asked for where none is visible fails here, not in Ray
     return config

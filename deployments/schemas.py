@@ -20,7 +20,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from bcg_core.config import LimitsConfig, parse_size
-from bcg_core.planner import SEED_MAX
+from bcg_core.images import IMAGE_FORMATS
+from bcg_core.planner import MAX_PARTIAL_IMAGES, QUALITIES, SEED_MAX
 
 __all__ = [
     "BcgInfo",
@@ -29,9 +30,21 @@ __all__ = [
     "ImageData",
     "ImageGenerationRequest",
     "ImageGenerationResponse",
+    "ModelCard",
+    "ModelList",
     "RequestLimits",
+    "Usage",
     "allowed_values",
 ]
+
+NO_OP_VALUES: dict[str, tuple[str, ...]] = {
+    "background": ("auto", "opaque"),
+    "moderation": ("auto", "low"),
+    "style": ("vivid",),
+}
+"""OpenAI fields accepted only with the values that change nothing here: images are always opaque (no
+transparent background), no content moderation runs (so ``low`` asks for no less than is done), and ``style``
+(a retired DALL-E 3 option) keeps its default ``vivid``, which means nothing to these models."""
 
 @dataclass(frozen=True)
 class RequestLimits:
@@ -81,8 +94,20 @@ def allowed_values(name: str, limits: RequestLimits) -> str:
         )
     if name == "response_format":
         return "'b64_json'"
-    if name == "user":
+    if name in ("user", "safety_identifier"):
         return "a string (ignored)"
+    if name == "output_format":
+        return ", ".join(repr(f) for f in IMAGE_FORMATS) + " ('gif' and 'svg' are not served)"
+    if name == "output_compression":
+        return "an integer from 0 to 100 for output_format 'jpeg' or 'webp' (100 keeps the most detail); omit it for 'png'"
+    if name == "quality":
+        return ", ".join(repr(q) for q in QUALITIES) + " (a step count each; see /v1/models)"
+    if name in NO_OP_VALUES:
+        return ", ".join(repr(v) for v in NO_OP_VALUES[name]) + " (the values that change nothing here)"
+    if name == "stream":
+        return "true or false"
+    if name == "partial_images":
+        return f"an integer from 0 to {MAX_PARTIAL_IMAGES}, with stream: true"
     if name == "seed":
         return f"an integer from 0 to {SEED_MAX - lim.max_images}"
     if name == "num_inference_steps":
@@ -117,6 +142,28 @@ class ImageGenerationRequest(BaseModel):
         default="b64_json", description="Only 'b64_json' (base64 PNG in the response); 'url' is not served."
     )
     user: str | None = Field(default=None, description="End-user id (OpenAI field); accepted and ignored.")
+    safety_identifier: str | None = Field(default=None, description="End-user id (OpenAI field, successor of "
+                                          "user); accepted and ignored.")
+    output_format: Literal["png", "jpeg", "webp"] | None = Field(
+        default="png", description="Image file format: 'png' (default), 'jpeg' or 'webp'; 'gif' and 'svg' are not "
+        "served.")
+    output_compression: int | None = Field(
+        default=None, description="0 to 100 for 'jpeg' and 'webp' (Pillow quality; omitted = 100, the most "
+        "detail); omit it (or send 100) for 'png'.")
+    quality: Literal["low", "medium", "high", "auto"] | None = Field(
+        default=None, description="A denoising step count each, set per family and in the config's quality "
+        "section (GET /v1/models shows them); num_inference_steps wins. Omitted = limits.default_steps.")
+    background: Literal["auto", "opaque"] | None = Field(default=None, description="Only 'auto' or 'opaque': "
+                                                         "images are opaque.")
+    moderation: Literal["auto", "low"] | None = Field(default=None, description="Only 'auto' or 'low': no "
+                                                      "moderation runs here.")
+    style: Literal["vivid"] | None = Field(default=None, description="Only 'vivid' (DALL-E 3's default): no "
+                                           "style option here.")
+    stream: bool | None = Field(default=False, description="true: answer as Server-Sent Events "
+                                "(image_generation.partial_image previews, then image_generation.completed).")
+    partial_images: int | None = Field(
+        default=None, description=f"Previews streamed while denoising, 0 to {MAX_PARTIAL_IMAGES} (with stream: "
+        "true), at evenly spaced steps; a request with fewer steps gets fewer.")
     seed: int | None = Field(default=None, description="Noise seed of image 0 (image i uses seed + i), 0 to 2**63-1-limits.max_images; "
                       "omitted = random, reported back.")
     num_inference_steps: int | None = Field(
@@ -189,6 +236,28 @@ class ImageGenerationRequest(BaseModel):
     def _format(cls, v: str | None) -> str:
         return v or "b64_json"
 
+    @field_validator("output_compression")
+    @classmethod
+    def _compression(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v is None:
+            return v
+        if not 0 <= v <= 100:
+            raise ValueError(f"{v} is out of range")
+        if (info.data.get("output_format") or "png") == "png" and v != 100:
+            raise ValueError("output_compression applies to jpeg and webp only (png is lossless)")
+        return v
+
+    @field_validator("partial_images")
+    @classmethod
+    def _partials(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v is None:
+            return v
+        if not 0 <= v <= MAX_PARTIAL_IMAGES:
+            raise ValueError(f"{v} is out of range")
+        if v and not info.data.get("stream"):
+            raise ValueError("previews are only streamed: send stream: true with it")
+        return v
+
     @field_validator("seed")
     @classmethod
     def _seed(cls, v: int | None, info: ValidationInfo) -> int | None:
@@ -211,6 +280,10 @@ class ImageGenerationRequest(BaseModel):
             raise ValueError(f"{v} is out of range")
         return v
 
+    def image_format(self) -> str:
+        """The output format, ``"png"`` when omitted or null."""
+        return self.output_format or "png"
+
     def width_height(self) -> tuple[int, int]:
         """``(width, height)`` in pixels of :attr:`size`."""
         return parse_size(self.size or "512x512")
@@ -219,7 +292,39 @@ class ImageGenerationRequest(BaseModel):
 class ImageData(BaseModel):
     """One generated image."""
 
-    b64_json: str = Field(description="Base64 of a PNG file.")
+    b64_json: str = Field(description="Base64 of an image file in the answer's output_format.")
+
+
+class UsageDetails(BaseModel):
+    """Tokens of one side of :class:`Usage`, by kind."""
+
+    image_tokens: int = Field(description="Image tokens: the transformer's image tokens (latent patches).")
+    text_tokens: int = Field(description="Text tokens, as the model's tokenizer counts them.")
+
+
+class Usage(BaseModel):
+    """OpenAI's ``usage``, where its fields mean something here.
+
+    ``input_tokens``: the prompt's text tokens (the family's tokenizer, special tokens included; the negative
+    prompt is not counted); no input images. ``output_tokens``: the transformer's image tokens of every image
+    (``n`` x tokens per image, at the generation size). ``images``: the image count (an extension).
+    """
+
+    input_tokens: int = Field(description="Text tokens of the prompt.")
+    input_tokens_details: UsageDetails
+    output_tokens: int = Field(description="Image tokens generated: n x the transformer's image tokens per image.")
+    output_tokens_details: UsageDetails
+    total_tokens: int = Field(description="input_tokens + output_tokens.")
+    images: int = Field(description="Images generated (extension).")
+
+    @classmethod
+    def of(cls, prompt_tokens: int, n: int, image_tokens: int) -> "Usage":
+        """The usage of ``n`` images of ``image_tokens`` tokens each for a prompt of ``prompt_tokens`` tokens."""
+        out = n * image_tokens
+        return cls(input_tokens=prompt_tokens,
+                   input_tokens_details=UsageDetails(image_tokens=0, text_tokens=prompt_tokens),
+                   output_tokens=out, output_tokens_details=UsageDetails(image_tokens=out, text_tokens=0),
+                   total_tokens=prompt_tokens + out, images=n)
 
 
 class BcgInfo(BaseModel):
@@ -229,9 +334,13 @@ class BcgInfo(BaseModel):
     hit: bool = Field(description="True when a bucket held the request.")
     missed: list[str] = Field(description="Key dimensions that missed: 'batch', 'image_tokens', 'text_tokens'.")
     seed: int = Field(description="Seed used (the request's, or the random one drawn for it).")
-    timings_ms: dict[str, float] = Field(description="Milliseconds on the replica: 'queue', 'encode', 'denoise', "
-                                         "'decode', 'png' and 'total' (step scheduler; request-level batching "
-                                         "gives 'queue', 'encode', 'denoise', 'decode' and 'total').")
+    steps: int | None = Field(default=None, description="Denoising steps run (num_inference_steps, or quality's).")
+    timings_ms: dict[str, float] = Field(description="Milliseconds on the replica: 'queue' (waiting for admission "
+                                         "to the step scheduler), 'encode', 'denoise', 'decode', 'image_encode' and "
+                                         "'total' (request-level batching gives 'queue', 'encode', 'denoise', "
+                                         "'decode' and 'total'); at the ingress: 'route' (waiting in Ray Serve's "
+                                         "queues and in transit: 'ingress' - 'total') and 'ingress' (plan sent to "
+                                         "result back).")
     replica: str | None = Field(default=None, description="Id of the DiT replica that served the request.")
     owner: bool | None = Field(default=None, description="True when that replica owns the request's bucket shape "
                                "(shape-aware routing); null for a miss.")
@@ -245,7 +354,32 @@ class ImageGenerationResponse(BaseModel):
 
     created: int = Field(description="Unix time in seconds.")
     data: list[ImageData] = Field(description="n images, in order.")
+    background: Literal["opaque"] = Field(default="opaque", description="Always 'opaque'.")
+    output_format: Literal["png", "jpeg", "webp"] = Field(default="png", description="Format of the images.")
+    quality: Literal["low", "medium", "high"] | None = Field(
+        default=None, description="The request's quality; null when omitted or 'auto'.")
+    size: str = Field(description="'WxH' of the images.")
+    usage: Usage
     bcg: BcgInfo
+
+
+class ModelCard(BaseModel):
+    """One entry of ``GET /v1/models`` (OpenAI's model object, plus ``bcg``)."""
+
+    id: str = Field(description="The served model name (a request's 'model').")
+    object: Literal["model"] = "model"
+    created: int = Field(description="Unix time the ingress started, seconds.")
+    owned_by: str = Field(default="bcg-serve", description="Always 'bcg-serve'.")
+    bcg: dict = Field(description="Extension: family, pipeline class, the bucket table summarised (batch sizes, "
+                      "resolutions, text lengths, bucket count, miss policy), the request limits and the step count "
+                      "of each quality.")
+
+
+class ModelList(BaseModel):
+    """Body of ``GET /v1/models``: OpenAI's list format."""
+
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
 
 
 class ErrorDetail(BaseModel):

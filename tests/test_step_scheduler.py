@@ -411,7 +411,7 @@ def test_decode_batches_finished_requests_of_one_size(pipe, make_sched, monkeypa
     for r, req in zip(results, reqs):
         for a, b in zip(r.images_png, pipe.generate(req).images_png):
             assert same_image(a, b)
-        assert set(r.timings_ms) == {"queue", "encode", "denoise", "decode", "png", "total"}
+        assert set(r.timings_ms) == {"queue", "encode", "denoise", "decode", "image_encode", "total"}
 
 
 def test_a_failing_forward_fails_its_step_only_and_serving_goes_on(pipe, make_sched, monkeypatch):

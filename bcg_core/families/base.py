@@ -37,9 +37,24 @@ from ..buckets import ShapeRules
 from ..padding import DenoiseInputs, DiTAdapter
 
 __all__ = [
-    "Family", "ModelSpec", "RequestState", "TextRows", "concat_rows", "load_pipeline", "pad_text", "read_json",
+    "QUALITY_STEPS", "Family", "ModelSpec", "RequestState", "TextRows", "concat_rows", "load_pipeline", "pad_text", "read_json",
     "tokenizer_counter",
 ]
+
+
+QUALITY_STEPS: dict[str, tuple[int, int, int]] = {
+    "bcg-tiny": (2, 4, 8),
+    "flux-dev": (14, 28, 50),
+    "flux-schnell": (1, 2, 4),
+    "sd3": (14, 28, 40),
+    "pixart": (10, 20, 40),
+    "sana": (10, 20, 40),
+    "qwenimage": (20, 30, 50),
+}
+"""Steps of ``quality`` low / medium / high per family. ``medium``: the diffusers pipeline's default
+``num_inference_steps`` (FluxPipeline and StableDiffusion3Pipeline 28, PixArtSigmaPipeline and SanaPipeline 20);
+FLUX.1-schnell is distilled for 1-4 steps; QwenImagePipeline's default, 50, is its ``high``; the tiny default
+(random weights) takes few steps so a CPU serves it quickly. The README's family table repeats them."""
 
 
 @dataclass(frozen=True)
@@ -68,6 +83,9 @@ class ModelSpec:
             ``pos_embed_max_size``), else None.
         max_text_tokens: most text tokens the pipeline ever feeds a masked-text family (PixArt-Sigma and SANA
             300, Qwen-Image 512): a larger text bucket could never fill and is a start-up error.
+        quality_steps: denoising steps of OpenAI's ``quality`` ``low``, ``medium`` and ``high`` for this family
+            (``medium`` is its diffusers pipeline's default step count where that is below ``high``; see
+            :data:`QUALITY_STEPS`); the config's ``quality`` section overrides them.
     """
 
     name: str
@@ -81,6 +99,25 @@ class ModelSpec:
     max_prompt_tokens: int | None = None
     max_grid_side: int | None = None
     max_text_tokens: int | None = None
+    quality_steps: tuple[int, int, int] = (2, 4, 8)
+
+    def steps_for_quality(self, quality: str, config, default_steps: int, max_steps: int) -> int:
+        """Denoising steps of OpenAI's ``quality`` for this model.
+
+        Args:
+            quality: ``"low"``, ``"medium"``, ``"high"`` or ``"auto"``.
+            config: the :class:`~bcg_core.config.QualityConfig` (its set values win over :attr:`quality_steps`).
+            default_steps: ``limits.default_steps``: ``auto`` when the config leaves it unset.
+            max_steps: ``limits.max_steps``: every count is clipped to it.
+
+        Raises:
+            ValueError: another ``quality``.
+        """
+        family = dict(zip(("low", "medium", "high"), self.quality_steps), auto=default_steps)
+        if quality not in family:
+            raise ValueError(f"quality {quality!r}; allowed: low, medium, high, auto")
+        set_ = getattr(config, quality, None) if config is not None else None
+        return max(1, min(max_steps, set_ if set_ is not None else family[quality]))
 
     def true_cfg_scale(self, request) -> float:
         """The request's ``true_cfg_scale``, or this family's default."""

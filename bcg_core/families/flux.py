@@ -36,7 +36,7 @@ import torch
 
 from ..buckets import BucketKey, ShapeRules
 from ..padding import DenoiseInputs, copy_rows
-from .base import ModelSpec, RequestState, TextRows, load_pipeline, read_json, tokenizer_counter
+from .base import QUALITY_STEPS, ModelSpec, RequestState, TextRows, load_pipeline, read_json, tokenizer_counter
 
 __all__ = ["BCGFluxFamily", "FLUX_SCHEDULER_CONFIG", "FluxAdapter", "FluxFamily", "flux_image_ids"]
 
@@ -269,6 +269,7 @@ class FluxFamily:
             rules=ShapeRules(pixels_per_token=scale * 2 * int(tr.get("patch_size", 1)), grid_keyed=False,
                              native_text_tokens=tokens),
             guidance_embeds=bool(tr.get("guidance_embeds", False)), cfg_rule="true_cfg",
+            quality_steps=QUALITY_STEPS["flux-dev" if tr.get("guidance_embeds", False) else "flux-schnell"],
             default_true_cfg_scale=1.0,
         )
 
@@ -400,7 +401,7 @@ class BCGFluxFamily(FluxFamily):
 
         spec = FluxFamily.describe(path, {"bcg_text_tokens": TINY_TEXT_TOKENS, **index})
         return ModelSpec(spec.name, cls.name, index["_class_name"], spec.rules, guidance_embeds=False,
-                         cfg_rule="guidance_scale")
+                         cfg_rule="guidance_scale", quality_steps=QUALITY_STEPS["bcg-tiny"])
 
     @classmethod
     def token_counter(cls, path: Path, index: dict):

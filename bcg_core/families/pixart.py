@@ -45,7 +45,7 @@ import torch
 
 from ..buckets import ShapeRules
 from ..padding import DenoiseInputs, GridMaskedTextAdapter
-from .base import ModelSpec, RequestState, TextRows, load_pipeline, pad_text, read_json
+from .base import QUALITY_STEPS, ModelSpec, RequestState, TextRows, load_pipeline, pad_text, read_json
 
 __all__ = ["PIXART_SIGMA_MAX_TEXT_TOKENS", "PixArtAdapter", "PixArtSigmaFamily", "aspect_ratio_bins"]
 
@@ -220,7 +220,7 @@ class PixArtSigmaFamily:
         return ModelSpec(name=path.name, family=cls.name, pipeline_class=index["_class_name"], rules=rules,
                          cfg_rule="guidance_scale", default_true_cfg_scale=None,
                          size_bins={k: list(v) for k, v in bins.items()},
-                         max_text_tokens=PIXART_SIGMA_MAX_TEXT_TOKENS)
+                         max_text_tokens=PIXART_SIGMA_MAX_TEXT_TOKENS, quality_steps=QUALITY_STEPS["pixart"])
 
     @classmethod
     def token_counter(cls, path: Path, index: dict):

@@ -46,7 +46,7 @@ from diffusers.models.transformers.transformer_qwenimage import QwenDoubleStream
 
 from ..buckets import BucketKey, ShapeRules
 from ..padding import DenoiseInputs, copy_rows, fill_masked_text
-from .base import ModelSpec, RequestState, TextRows, load_pipeline, pad_text
+from .base import QUALITY_STEPS, ModelSpec, RequestState, TextRows, load_pipeline, pad_text
 
 __all__ = ["QWEN_MAX_TEXT_TOKENS", "QwenImageAdapter", "QwenImageFamily", "TextMaskAttnProcessor"]
 
@@ -273,7 +273,7 @@ class QwenImageFamily:
             name=path.name, family=cls.name, pipeline_class=index["_class_name"],
             rules=ShapeRules(pixels_per_token=scale * 2, grid_keyed=True, native_text_tokens=None),
             guidance_embeds=False, cfg_rule="true_cfg", default_true_cfg_scale=QWEN_DEFAULT_TRUE_CFG_SCALE,
-            max_text_tokens=QWEN_MAX_TEXT_TOKENS,
+            max_text_tokens=QWEN_MAX_TEXT_TOKENS, quality_steps=QUALITY_STEPS["qwenimage"],
         )
 
     @classmethod

@@ -45,7 +45,7 @@ import torch
 
 from ..buckets import ShapeRules
 from ..padding import DenoiseInputs, GridMaskedTextAdapter
-from .base import ModelSpec, RequestState, TextRows, load_pipeline, pad_text, read_json
+from .base import QUALITY_STEPS, ModelSpec, RequestState, TextRows, load_pipeline, pad_text, read_json
 
 __all__ = ["SANA_MAX_TEXT_TOKENS", "SanaAdapter", "SanaFamily", "complex_human_instruction", "sana_bins"]
 
@@ -245,7 +245,7 @@ class SanaFamily:
                              f"{m} px (VAE x patch); this checkpoint cannot be bucketed")
         return ModelSpec(name=path.name, family=cls.name, pipeline_class=index["_class_name"], rules=rules,
                          cfg_rule="guidance_scale", default_true_cfg_scale=None, size_bins=bins,
-                         max_text_tokens=SANA_MAX_TEXT_TOKENS)
+                         max_text_tokens=SANA_MAX_TEXT_TOKENS, quality_steps=QUALITY_STEPS["sana"])
 
     @classmethod
     def token_counter(cls, path: Path, index: dict):

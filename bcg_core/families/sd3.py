@@ -39,7 +39,7 @@ import torch
 
 from ..buckets import BucketKey, ShapeRules
 from ..padding import DenoiseInputs, copy_rows
-from .base import ModelSpec, RequestState, TextRows, load_pipeline, read_json, tokenizer_counter
+from .base import QUALITY_STEPS, ModelSpec, RequestState, TextRows, load_pipeline, read_json, tokenizer_counter
 
 __all__ = ["SD3Adapter", "SD3Family", "SD3_MAX_SEQUENCE_LENGTH", "SD3_NATIVE_TEXT_TOKENS"]
 
@@ -228,7 +228,7 @@ class SD3Family:
         return ModelSpec(name=path.name, family=cls.name, pipeline_class=index["_class_name"], rules=rules,
                          guidance_embeds=False, cfg_rule="guidance_scale", default_true_cfg_scale=None,
                          max_prompt_tokens=SD3_MAX_SEQUENCE_LENGTH if has_t5 else clip,
-                         max_grid_side=int(tr["pos_embed_max_size"]))
+                         max_grid_side=int(tr["pos_embed_max_size"]), quality_steps=QUALITY_STEPS["sd3"])
 
     @classmethod
     def token_counter(cls, path: Path, index: dict) -> Callable[..., int]:

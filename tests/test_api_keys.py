@@ -1,0 +1,182 @@
+"""API keys: digests in the config, the constant-time check, 401 in OpenAI's shape, and no key in any echo.
+
+The end-to-end tests deploy one small application with keys at ``/auth`` on the session's Serve instance
+(``conftest.serve_apps``): one key from the config, one from a key file the way ``bcg serve --api-key-file``
+adds it, and deletes it afterwards.
+"""
+
+from __future__ import annotations
+
+import hmac
+from pathlib import Path
+
+import httpx
+import pytest
+
+from bcg_core.config import ServeConfig, api_key_digest
+from deployments.auth import ApiKeys, read_key_file
+
+CONFIG_KEY = "sk-config-3f9c1a7e5b2d"
+FILE_KEY = "sk-file-8e4b6d0c2a19"
+
+
+def test_config_keeps_digests_only_and_revalidates_them_unchanged():
+    cfg = ServeConfig.model_validate({"auth": {"api_keys": [CONFIG_KEY]}})
+    dumped = cfg.model_dump(mode="json")
+    assert dumped["auth"]["api_keys"] == [api_key_digest(CONFIG_KEY)]
+    assert CONFIG_KEY not in repr(cfg) and CONFIG_KEY not in str(dumped)
+    assert ServeConfig.model_validate(dumped).auth.api_keys == cfg.auth.api_keys  # a digest stays a digest
+
+
+def test_a_bad_key_entry_is_refused_without_echoing_any_key():
+    with pytest.raises(ValueError) as info:
+        ServeConfig.model_validate({"auth": {"api_keys": [CONFIG_KEY, f" {FILE_KEY} ", 7]}})
+    text = str(info.value)
+    assert "auth.api_keys.1" in text and "<empty, or padded with white space>" in text
+    assert "auth.api_keys.2" in text and "<not a string>" in text
+    assert FILE_KEY not in text and CONFIG_KEY not in text
+
+
+def test_key_file_skips_comments_and_blank_lines(tmp_path):
+    path = tmp_path / "keys.txt"
+    path.write_text(f"# team keys\n\n  {FILE_KEY}  \n{CONFIG_KEY}\n")
+    assert read_key_file(path) == [FILE_KEY, CONFIG_KEY]
+    (tmp_path / "empty.txt").write_text("# nothing\n\n")
+    with pytest.raises(ValueError, match="holds no key"):
+        read_key_file(tmp_path / "empty.txt")
+    with pytest.raises(ValueError, match="cannot be read"):
+        read_key_file(tmp_path / "missing.txt")
+
+
+def test_check_accepts_known_keys_and_names_missing_and_wrong_ones():
+    keys = ApiKeys([api_key_digest(CONFIG_KEY), api_key_digest(FILE_KEY)])
+    assert keys.check(f"Bearer {CONFIG_KEY}") is None and keys.check(f"bearer {FILE_KEY}") is None
+    assert keys.check(None) == "missing" and keys.check("Bearer ") == "missing" and keys.check(CONFIG_KEY) == "missing"
+    assert keys.check(f"Basic {CONFIG_KEY}") == "missing"
+    assert keys.check("Bearer sk-wrong") == "invalid" and keys.check(f"Bearer {CONFIG_KEY}x") == "invalid"
+    assert ApiKeys([]).check(None) is None  # no keys: open
+    assert CONFIG_KEY not in repr(keys) and "digests" in repr(keys)
+
+
+def test_check_compares_with_every_digest_whichever_matches(monkeypatch):
+    keys = ApiKeys([api_key_digest(f"k{i}") for i in range(5)])
+    calls = []
+    real = hmac.compare_digest
+    monkeypatch.setattr(hmac, "compare_digest", lambda a, b: calls.append(1) or real(a, b))
+    for presented in ("k0", "k4", "nope"):
+        calls.clear()
+        keys.check(f"Bearer {presented}")
+        assert len(calls) == 5, presented  # no early exit on a match
+
+
+def test_serve_api_key_file_adds_digests_and_a_bad_file_stops_before_ray(tmp_path, capsys):
+    from deployments.cli import _with_key_file, main
+
+    path = tmp_path / "keys.txt"
+    path.write_text(FILE_KEY + "\n")
+    cfg = _with_key_file(ServeConfig.model_validate({"auth": {"api_keys": [CONFIG_KEY]}}), str(path))
+    assert cfg.auth.api_keys == [api_key_digest(CONFIG_KEY), api_key_digest(FILE_KEY)]
+    (tmp_path / "empty.txt").write_text("\n")
+    assert main(["serve", "--api-key-file", str(tmp_path / "empty.txt"), "--port", "0"]) == 2
+    assert "holds no key" in capsys.readouterr().err
+
+
+# -- end to end --------------------------------------------------------------------------------------------
+
+AUTH_CONFIG = {"buckets": {"batch_sizes": [1, 2], "resolutions": ["256x256"], "text_lengths": [256]},
+               "routing": {"shape_aware": False}, "auth": {"api_keys": [CONFIG_KEY]}}
+
+
+@pytest.fixture(scope="module")
+def auth_url(serve_apps, tmp_path_factory):
+    from ray import serve
+
+    from deployments import build_app
+    from deployments.cli import _with_key_file
+
+    path = tmp_path_factory.mktemp("keys") / "keys.txt"
+    path.write_text(f"# bcg serve --api-key-file\n{FILE_KEY}\n")
+    config = _with_key_file(ServeConfig.model_validate(AUTH_CONFIG), str(path))
+    serve.run(build_app({"config": config.model_dump(mode="json")}), name="bcg-auth", route_prefix="/auth")
+    try:
+        yield f"{serve_apps.base_url}/auth"
+    finally:
+        serve.delete("bcg-auth")
+
+
+def _openai(url: str, key: str):
+    from openai import OpenAI
+
+    http = httpx.Client(trust_env=False, timeout=120.0)
+    return OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, http_client=http)
+
+
+GEN_ARGS = dict(prompt="a lighthouse", size="256x256", n=1, extra_body={"num_inference_steps": 1, "seed": 3})
+
+
+@pytest.mark.serve
+@pytest.mark.parametrize("key", [CONFIG_KEY, FILE_KEY], ids=["config-key", "file-key"])
+def test_openai_client_with_a_known_key_generates(auth_url, key):
+    client = _openai(auth_url, key)
+    assert len(client.images.generate(**GEN_ARGS).data) == 1
+    assert [m.id for m in client.models.list()] == ["bcg-tiny-flux"]
+
+
+@pytest.mark.serve
+def test_openai_client_with_a_wrong_key_gets_401_in_openais_shape(auth_url):
+    import openai
+
+    client = _openai(auth_url, "sk-not-a-key")
+    with pytest.raises(openai.AuthenticationError) as info:
+        client.images.generate(**GEN_ARGS)
+    assert info.value.status_code == 401
+    assert info.value.body["code"] == "invalid_api_key" and info.value.body["type"] == "invalid_request_error"
+    assert "sk-not-a-key" not in str(info.value)
+    with pytest.raises(openai.AuthenticationError):
+        client.models.list()
+
+
+@pytest.mark.serve
+def test_missing_key_gets_401_and_healthz_stays_open(auth_url):
+    with httpx.Client(trust_env=False, timeout=60.0) as http:
+        for method, path in (("POST", "/v1/images/generations"), ("GET", "/v1/models"), ("GET", "/v1/buckets"),
+                             ("GET", "/v1/models/bcg-tiny-flux")):
+            r = http.request(method, auth_url + path, json={"prompt": "x"} if method == "POST" else None)
+            assert r.status_code == 401, (path, r.text)
+            assert r.headers["www-authenticate"] == "Bearer"
+            err = r.json()["error"]
+            assert err["type"] == "invalid_request_error" and "API key" in err["message"] and err["param"] is None
+        assert http.get(auth_url + "/healthz").json() == {"status": "ok"}
+    import openai
+
+    client = _openai(auth_url, "sk-unused")
+    with pytest.raises(openai.AuthenticationError) as info:  # the client without its Authorization header
+        client.images.generate(**GEN_ARGS, extra_headers={"Authorization": openai.omit})
+    assert info.value.status_code == 401 and "didn't provide an API key" in str(info.value)
+
+
+def _ray_log_files() -> list[Path]:
+    import ray
+
+    node = getattr(ray._private.worker, "_global_node", None)  # this session's own log folder
+    logs = Path(node.get_logs_dir_path()) if node is not None else Path("/tmp/ray/session_latest/logs")
+    return [p for p in sorted(logs.rglob("*"))[:2000] if p.is_file() and p.stat().st_size < 64 * 2**20]
+
+
+@pytest.mark.serve
+def test_keys_never_show_in_buckets_models_or_logs(auth_url):
+    with httpx.Client(trust_env=False, timeout=120.0) as http:
+        good = {"Authorization": f"Bearer {CONFIG_KEY}"}
+        assert http.post(auth_url + "/v1/images/generations", headers={"Authorization": f"Bearer {FILE_KEY}"},
+                         json={"prompt": "x", "size": "256x256", "num_inference_steps": 1}).status_code == 200
+        assert http.get(auth_url + "/v1/models", headers={"Authorization": "Bearer sk-wrong-key-77"}).status_code == 401
+        texts = [http.get(auth_url + p, headers=good).text for p in ("/v1/buckets", "/v1/models")]
+    secrets = [CONFIG_KEY, FILE_KEY, "sk-wrong-key-77", api_key_digest(CONFIG_KEY).removeprefix("sha256:")]
+    for text in texts:
+        assert not any(s in text for s in secrets)
+    files = _ray_log_files()
+    assert files, "no Ray log files found"
+    for path in files:
+        data = path.read_bytes()
+        for s in secrets[:3]:
+            assert s.encode() not in data, f"a key is in {path}"
