@@ -20,6 +20,8 @@ from .pipeline import DiTPipeline, GenerationResult
 from .planner import GenerationRequest, Plan, Planner
 from .runner import BucketEntry, BucketRunner, EagerBucketRunner, RunMode
 from .traffic import TrafficHistogram, TrafficKey, load_traffic
+from .images import IMAGE_FORMATS, encode_image
+from .preview import LinearPreview, PartialImage, preview_steps
 
 _ADAPTERS = {
     "FluxAdapter": "flux", "SD3Adapter": "sd3", "PixArtAdapter": "pixart", "SanaAdapter": "sana",
@@ -43,3 +45,4 @@ __all__ = [
     "TrafficKey", "build_tiny", "describe_model", "load_config", "load_model", "load_traffic", "parse_size",
     "save_pipeline", *_ADAPTERS,
 ]
+__all__ += ["IMAGE_FORMATS", "LinearPreview", "PartialImage", "encode_image", "preview_steps"]

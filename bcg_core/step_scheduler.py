@@ -30,9 +30,17 @@ Off the denoising thread's path:
   ``runner.decode_batch_images`` images) into one family decode call, on its own CUDA stream (waiting on an
   event recorded after each request's last step), so decoding overlaps the next denoising steps;
 - a **thread pool** (``runner.encode_threads``) encodes each decoded image (PNG, JPEG or WebP, the request's
-  ``output_format``); the caller's future is
-  resolved on its event loop when the request's last image is encoded. Each image's PNG bytes go into the
-  :class:`~bcg_core.pipeline.GenerationResult` once; the replica returns that object to the ingress.
+  ``output_format``); the caller's future is resolved on its event loop when the request's last image is
+  encoded. Each image's file goes into the :class:`~bcg_core.pipeline.GenerationResult` once; the replica
+  returns that object to the ingress.
+- a **preview thread** draws the previews of streamed requests (``partial_images``, :mod:`bcg_core.preview`):
+  after a step :func:`~bcg_core.preview.preview_steps` picks, the denoising thread only copies the request's
+  latents (one device copy; on CUDA an event marks its end) and puts the copy on a bounded queue
+  (:data:`PREVIEW_QUEUE`; full: the preview is dropped and counted, never waited for). The preview thread
+  waits for the copy on its own CUDA stream, calls the family's ``preview`` hook (a linear latent-to-RGB map
+  on the host), resizes, encodes and hands each image to the request's callback; a request's result is held
+  until its queued previews are drawn, so they reach the caller first. What the hand-off costs the denoising
+  thread is measured per preview (``previews`` in :meth:`StepScheduler.stats`).
 
 Cancellation: a caller's ``asyncio.CancelledError`` sets the request's cancel event; a waiting request leaves
 the queue at the next admission, a running one at the next step boundary, a finished one is not decoded.
@@ -55,14 +63,16 @@ Pure threads and asyncio, no Ray: :mod:`deployments.dit` owns one scheduler per 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import itertools
 import logging
+import os
 import queue
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -73,9 +83,10 @@ from .errors import RequestCancelled
 from .families import RequestState
 from .load import LoadMeter
 from .metrics import token_shares
-from .images import encode_image
+from .images import encode_image, resize_image
 from .pipeline import DiTPipeline, GenerationResult, elapsed_ms, timing_mark
 from .planner import GenerationRequest, Plan
+from .preview import PartialImage, preview_steps
 
 __all__ = ["FORWARD_KINDS", "StepScheduler"]
 
@@ -87,6 +98,33 @@ bucket forward of a step split into several; an unpadded eager forward (a miss, 
 
 _WAITS_KEPT = 1024
 """Queue waits kept per shape for the p50 / p99 in :meth:`StepScheduler.stats` (the most recent ones)."""
+
+PREVIEW_NICE = 10
+"""Niceness of the preview thread (Linux): below the denoising and decode threads for the CPU."""
+
+PREVIEW_QUEUE = 16
+"""Latent copies waiting for the preview thread at most; one more is dropped (counted), never waited for."""
+
+
+@dataclasses.dataclass
+class _PreviewStats:
+    """What previews cost and how many were made (``previews`` in :meth:`StepScheduler.stats`)."""
+
+    taken: int = 0
+    dropped: int = 0
+    sent: int = 0
+    failed: int = 0
+    handoff_s: float = 0.0
+    handoff_max_s: float = 0.0
+    draw_s: float = 0.0
+
+    def describe(self) -> dict:
+        return {"taken": self.taken, "dropped": self.dropped, "sent": self.sent, "failed": self.failed,
+                "handoff_ms_total": round(self.handoff_s * 1e3, 3),
+                "handoff_ms_max": round(self.handoff_max_s * 1e3, 3),
+                "handoff_ms_mean": round(self.handoff_s * 1e3 / self.taken, 4) if self.taken else None,
+                "draw_ms_mean": round(self.draw_s * 1e3 / max(1, self.sent + self.failed), 2)
+                if self.sent + self.failed else None}
 
 
 @dataclasses.dataclass(eq=False)
@@ -111,6 +149,10 @@ class _Request:
     company: int = 1  # most requests that shared one step with it
     nbytes: int = 0
     done_event: object | None = None
+    on_preview: Callable[[PartialImage], None] | None = None  # called from the preview thread
+    preview_at: tuple[int, ...] = ()  # steps done after which a preview is taken
+    previews_pending: int = 0  # queued for the preview thread, not drawn yet
+    held: GenerationResult | None = None  # the result, waiting for the request's pending previews
 
 
 @dataclasses.dataclass
@@ -215,6 +257,10 @@ class StepScheduler:
         self._device = pipeline.model.device
         self._cuda = torch.device(self._device).type == "cuda"
         self._decode_stream = torch.cuda.Stream(self._device) if self._cuda else None
+        self._preview_stream = torch.cuda.Stream(self._device) if self._cuda else None
+        self._preview_q: queue.Queue = queue.Queue(maxsize=PREVIEW_QUEUE)
+        self._previews = _PreviewStats()
+        self._can_preview = hasattr(pipeline.model, "preview")
         self._threads: list[threading.Thread] = []
         self._started = False
         self._start_lock = threading.Lock()
@@ -250,8 +296,14 @@ class StepScheduler:
 
     # -- the request path ---------------------------------------------------------------------------
 
-    async def submit(self, request: Plan | GenerationRequest) -> GenerationResult:
+    async def submit(self, request: Plan | GenerationRequest,
+                     on_preview: Callable[[PartialImage], None] | None = None) -> GenerationResult:
         """Queue a request, wait for its images, and return its result.
+
+        With ``on_preview`` and the request's ``partial_images`` > 0, a copy of its latents is taken after each
+        step :func:`~bcg_core.preview.preview_steps` picks and drawn by the preview thread (the family's
+        ``preview`` hook, resized to the requested size, encoded in its ``output_format``); ``on_preview`` is
+        called there, once per image of each preview, with a :class:`~bcg_core.preview.PartialImage`.
 
         ``timings_ms`` of the result: ``queue`` (submission to admission), ``encode`` (text encoding and noise),
         ``denoise`` (its steps, sharing forwards), ``decode`` (waiting for and running the batched VAE decode),
@@ -276,6 +328,9 @@ class StepScheduler:
         loop = asyncio.get_running_loop()
         item = _Request(plan, plan.lookup.query.batch, group, shape, threading.Event(), loop.create_future(), loop,
                         time.perf_counter())
+        if on_preview is not None and self._can_preview and plan.request.partial_images > 0:
+            item.on_preview = on_preview
+            item.preview_at = preview_steps(plan.request.num_inference_steps, plan.request.partial_images)
         self._ensure_started()
         self.meter.arrive(shape)
         with self._cv:
@@ -291,6 +346,38 @@ class StepScheduler:
             with self._cv:
                 self._cv.notify_all()
             raise
+
+    async def submit_stream(self, request: Plan | GenerationRequest) -> AsyncIterator[PartialImage | GenerationResult]:
+        """:meth:`submit` as an async iterator: the request's previews (:class:`~bcg_core.preview.PartialImage`,
+        as they are drawn), then its :class:`GenerationResult`: the result waits for the request's own previews
+        that were queued before its last step (so every preview taken comes first; one dropped because the
+        preview queue was full never comes). Closing the iterator early (its caller went away) cancels the
+        request, as cancelling :meth:`submit` does.
+
+        Raises:
+            As :meth:`submit`.
+        """
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+        task = loop.create_task(self.submit(request, on_preview=lambda p: loop.call_soon_threadsafe(events.put_nowait, p)))
+        try:
+            while True:
+                getter = loop.create_task(events.get())
+                try:
+                    done, _ = await asyncio.wait({getter, task}, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    if not getter.done():
+                        getter.cancel()
+                if getter in done:
+                    yield getter.result()
+                    continue
+                while not events.empty():
+                    yield events.get_nowait()
+                yield task.result()
+                return
+        finally:
+            if not task.done():
+                task.cancel()  # submit's handler sets the request's cancel event
 
     def _resolve(self, item: _Request, value: GenerationResult | BaseException) -> None:
         """Hand ``value`` to the caller's future on its event loop (unless the caller has gone)."""
@@ -318,7 +405,8 @@ class StepScheduler:
             if self._started:
                 return
             self._started = True
-            for target, name in ((self._step_loop, "bcg-step"), (self._decode_loop, "bcg-decode")):
+            for target, name in ((self._step_loop, "bcg-step"), (self._decode_loop, "bcg-decode"),
+                                 (self._preview_loop, "bcg-preview")):
                 t = threading.Thread(target=target, name=name, daemon=True)
                 t.start()
                 self._threads.append(t)
@@ -330,6 +418,8 @@ class StepScheduler:
             self._closed = True
             self._cv.notify_all()
         self._decode_q.put(None)
+        with contextlib.suppress(queue.Full):
+            self._preview_q.put(None, timeout=timeout_s)
         for t in self._threads:
             t.join(timeout_s)
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -531,6 +621,9 @@ class StepScheduler:
                 item.first_share = share
             item.company = max(item.company, len(items))
         for item in items:
+            if item.preview_at and item.state.step_index in item.preview_at:
+                self._take_preview(item)
+        for item in items:
             if item.state.done:
                 self._finish_denoise(item)
 
@@ -591,6 +684,89 @@ class StepScheduler:
             self._finishing.add(item)
             self._cv.notify_all()
         self._decode_q.put(item)
+
+    # -- previews -------------------------------------------------------------------------------------
+
+    def _take_preview(self, item: _Request) -> None:
+        """On the denoising thread: copy the request's latents (on CUDA an event marks when the copy is done) and
+        queue the copy for the preview thread; a full queue drops the preview instead of waiting. Its cost (the
+        copy and the put) is timed: ``previews.handoff_ms_*`` in :meth:`stats`."""
+        t0 = time.perf_counter()
+        state = item.state
+        latents = state.latents.detach().clone()
+        event = None
+        if self._cuda:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self._device))
+        job = (item, item.preview_at.index(state.step_index), state.step_index, latents, event)
+        with self._cv:
+            item.previews_pending += 1
+        try:
+            self._preview_q.put_nowait(job)
+            dropped = False
+        except queue.Full:
+            dropped = True
+            with self._cv:
+                item.previews_pending -= 1
+        spent = time.perf_counter() - t0
+        with self._cv:
+            p = self._previews
+            p.taken += not dropped
+            p.dropped += dropped
+            p.handoff_s += spent
+            p.handoff_max_s = max(p.handoff_max_s, spent)
+
+    def _preview_loop(self) -> None:
+        """The preview thread: draws, resizes and encodes (the encoders' fast settings) each queued preview. On
+        Linux it runs at nice 10 (:data:`PREVIEW_NICE`), so on a host short of cores it yields the CPU to the
+        denoising thread."""
+        with contextlib.suppress(AttributeError, OSError):  # Linux schedules threads apart: best effort
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), PREVIEW_NICE)
+        while True:
+            job = self._preview_q.get()
+            if job is None:
+                break
+            item, index, step, latents, event = job
+            try:
+                if not item.cancel.is_set():
+                    self._draw_preview(item, index, step, latents, event)
+            finally:
+                self._preview_done(item)
+
+    def _preview_done(self, item: _Request) -> None:
+        """One preview of ``item`` left the queue; the last one releases a result held for it."""
+        with self._cv:
+            item.previews_pending -= 1
+            held = item.held if item.previews_pending == 0 else None
+            item.held = None if held is not None else item.held
+        if held is not None:
+            self._resolve(item, held)
+
+    def _draw_preview(self, item: _Request, index: int, step: int, latents: torch.Tensor, event) -> None:
+        """Draw, resize and encode one preview of ``item`` and hand each image to its callback."""
+        t0 = time.perf_counter()
+        try:
+            with torch.inference_mode():
+                if self._cuda:
+                    with torch.cuda.stream(self._preview_stream):
+                        self._preview_stream.wait_event(event)
+                        images = self.pipeline.model.preview(item.state, latents)
+                else:
+                    images = self.pipeline.model.preview(item.state, latents)
+            r = item.plan.request
+            files = [encode_image(resize_image(im, r.width, r.height), r.output_format, r.output_compression,
+                                  fast=True) for im in images]
+        except Exception:  # noqa: BLE001 - a preview that fails is skipped; the request goes on
+            log.exception("a preview of a request of shape %s failed", item.shape)
+            with self._cv:
+                self._previews.failed += 1
+                self._previews.draw_s += time.perf_counter() - t0
+            return
+        for i, data in enumerate(files):
+            item.on_preview(PartialImage(index, i, step, data))
+        with self._cv:
+            self._previews.sent += 1
+            self._previews.draw_s += time.perf_counter() - t0
 
     # -- decode and encode ----------------------------------------------------------------------------
 
@@ -739,8 +915,12 @@ class StepScheduler:
         )
         with self._cv:
             self._stat(item.shape).completed += 1
+            held = item.previews_pending > 0
+            if held:  # its previews are still being drawn: the last one resolves it, so they all come first
+                item.held = result
         self.meter.finish(item, 1)
-        self._resolve(item, result)
+        if not held:
+            self._resolve(item, result)
 
     # -- introspection ------------------------------------------------------------------------------
 
@@ -806,5 +986,5 @@ class StepScheduler:
                 "decisions": {k: decisions.get(k, 0) for k in DECISIONS},
                 "real_tokens": real, "computed_tokens": computed,
                 "padded_token_waste": round(1 - real / computed, 4) if computed else 0.0,
-                "costs": self.costs.describe(), "shapes": shapes,
+                "costs": self.costs.describe(), "shapes": shapes, "previews": self._previews.describe(),
             }

@@ -3,8 +3,11 @@ command line (:mod:`deployments.cli`; the local server in :mod:`deployments.loca
 :mod:`deployments.demo`, the verify and profile tables in :mod:`deployments.commands`)."""
 
 from .app import AppArgs, build_app, load_config
+from .auth import ApiKeys
 from .dit import DiTReplica, as_generation_request
-from .ingress import Ingress, error_response, find_request_error, validation_error_response
+from .ingress import (
+    Ingress, error_response, find_request_error, sse_event, unauthorized_response, validation_error_response,
+)
 from .schemas import (
     BcgInfo,
     ErrorBody,
@@ -12,11 +15,15 @@ from .schemas import (
     ImageData,
     ImageGenerationRequest,
     ImageGenerationResponse,
+    ModelCard,
+    ModelList,
     RequestLimits,
+    Usage,
     allowed_values,
 )
 
 __all__ = [
+    "ApiKeys",
     "AppArgs",
     "BcgInfo",
     "DiTReplica",
@@ -26,12 +33,17 @@ __all__ = [
     "ImageGenerationRequest",
     "ImageGenerationResponse",
     "Ingress",
+    "ModelCard",
+    "ModelList",
     "RequestLimits",
+    "Usage",
     "allowed_values",
     "as_generation_request",
     "build_app",
     "error_response",
     "find_request_error",
     "load_config",
+    "sse_event",
+    "unauthorized_response",
     "validation_error_response",
 ]

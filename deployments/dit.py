@@ -229,14 +229,40 @@ class DiTReplica:
         Raises:
             RequestError: a field of a raw request out of range, or its bucket miss under the reject policy.
         """
+        planned = self._accept(request)
+        shape = serve.get_multiplexed_model_id()
+        return self._served_result(await self._batcher.submit(planned), shape)
+
+    async def generate_stream(self, request: Plan | GenerationRequest | dict):
+        """:meth:`generate` for a streamed request (``handle.options(stream=True)``): yields its previews
+        (:class:`~bcg_core.preview.PartialImage`, ``partial_images`` of them per image at most) as the step
+        scheduler draws them, then its :class:`GenerationResult`. Under request-level batching
+        (``runner.scheduler: request``) no previews are drawn: only the result comes. A caller that stops
+        reading (Ray cancels the generator) cancels the request at its next step.
+
+        Raises:
+            RequestError: as :meth:`generate`.
+        """
+        planned = self._accept(request)
+        shape = serve.get_multiplexed_model_id()
+        if not isinstance(self._batcher, StepScheduler):
+            yield self._served_result(await self._batcher.submit(planned), shape)
+            return
+        async for event in self._batcher.submit_stream(planned):
+            yield self._served_result(event, shape) if isinstance(event, GenerationResult) else event
+
+    def _accept(self, request: Plan | GenerationRequest | dict) -> Plan:
+        """The request's plan (planned here once unless it is one), counted in the traffic histogram."""
         if isinstance(request, Plan):
             planned = request
         else:
             planned = self._pipeline.planner.plan(as_generation_request(request))  # once: the scheduler trusts it
         if self._traffic is not None:
             self._traffic.record(planned)
-        shape = serve.get_multiplexed_model_id()
-        result = await self._batcher.submit(planned)
+        return planned
+
+    def _served_result(self, result: GenerationResult, shape: str) -> GenerationResult:
+        """Count who served ``result`` (owner or not) and name this replica in it."""
         actual = shape_of(result.bucket) if result.bucket else ""
         if actual:
             owner = actual in self._owned

@@ -3,7 +3,9 @@
 Routes (relative to the application's route prefix):
 
 - ``POST /v1/images/generations``: body :class:`~deployments.schemas.ImageGenerationRequest`, answer
-  :class:`~deployments.schemas.ImageGenerationResponse`.
+  :class:`~deployments.schemas.ImageGenerationResponse`; with ``stream: true`` Server-Sent Events instead
+  (``image_generation.partial_image`` per preview and image, then ``image_generation.completed`` per image, the
+  shapes the ``openai`` client parses; the DiT replica streams them through ``DiTReplica.generate_stream``).
 - ``GET /v1/buckets``: one DiT replica's ``DiTReplica.stats()`` (its per-bucket counters, routing view,
   micro-batching totals) and, with shape-aware routing, ``ownership``: the coordinator's assignment and
   every replica's last heartbeat (owned and ready shapes, queue, owner hits), at most
@@ -34,7 +36,9 @@ serve it (under overload at once, with ``Retry-After``: backpressure from ``rout
 # No ``from __future__ import annotations`` here: FastAPI reads the route signatures (``request: Request``)
 # of the class-based view that ``serve.ingress`` builds, and postponed annotations hide them from it.
 
+import contextlib
 import dataclasses
+import json
 import logging
 import time
 from base64 import b64encode
@@ -43,7 +47,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 from ray import serve
 from ray.serve.exceptions import BackPressureError
@@ -53,11 +57,12 @@ from bcg_core.config import MissPolicy, ServeConfig
 from bcg_core.errors import BucketMissError, RequestError
 from bcg_core.images import IMAGE_FORMATS
 from bcg_core.pipeline import GenerationResult
-from bcg_core.planner import GenerationRequest, Planner
+from bcg_core.planner import GenerationRequest, Plan, Planner
+from bcg_core.preview import PartialImage
 from bcg_core.traffic import TrafficHistogram
 
 from .auth import ApiKeys
-from .routing import Overloaded, ReplicaUnavailable, call_dit
+from .routing import Overloaded, ReplicaUnavailable, call_dit, stream_dit
 from .schemas import (
     BcgInfo,
     ErrorBody,
@@ -243,6 +248,12 @@ async def _read_body(request: Request, max_bytes: int) -> bytes:
     return b"".join(chunks)
 
 
+def sse_event(event: str, data: dict) -> bytes:
+    """One Server-Sent Event: ``event: <type>``, one ``data:`` line of compact JSON, a blank line (the framing
+    ``openai``'s ``SSEDecoder`` parses; JSON escapes every newline, so one data line always suffices)."""
+    return f"event: {event}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
+
+
 def usage_of(plan) -> Usage:
     """OpenAI's ``usage`` of a planned request (:class:`~deployments.schemas.Usage`): its prompt tokens in, its
     images' transformer image tokens out."""
@@ -374,6 +385,41 @@ class Ingress:
             stats["traffic"] = merged_traffic(stats, stats["ownership"])
         return stats
 
+    async def _events(self, plan: Plan, req: ImageGenerationRequest):
+        """The Server-Sent Events of a streamed request: ``image_generation.partial_image`` per preview and image,
+        then ``image_generation.completed`` per image, in the shapes of the ``openai`` client's
+        ``ImageGenPartialImageEvent`` and ``ImageGenCompletedEvent`` (plus ``image_index`` and, on completed
+        events, ``bcg``); a failure after the stream began is one ``error`` event in OpenAI's error shape.
+        The client going away closes this generator, which cancels the request on the replica."""
+        r = plan.request
+        common = {"background": "opaque", "output_format": r.output_format, "quality": req.quality or "auto",
+                  "size": f"{r.width}x{r.height}"}
+        t0 = time.perf_counter()
+        try:
+            async with contextlib.aclosing(stream_dit(self._dit, plan, self._config.routing.retry_after_s)) as events:
+                async for event in events:
+                    if isinstance(event, PartialImage):
+                        yield sse_event("image_generation.partial_image", {
+                            "type": "image_generation.partial_image", "b64_json": b64encode(event.data).decode("ascii"),
+                            "created_at": int(time.time()), "partial_image_index": event.index, **common,
+                            "image_index": event.image_index, "step": event.step})
+                        continue
+                    usage = usage_of(plan).model_dump()
+                    bcg = bcg_info(event, ingress_timings(event, t0), 0).model_dump()
+                    for i, data in enumerate(event.images_png):
+                        yield sse_event("image_generation.completed", {
+                            "type": "image_generation.completed", "b64_json": b64encode(data).decode("ascii"),
+                            "created_at": int(time.time()), **common, "usage": usage, "image_index": i, "bcg": bcg})
+        except Exception as exc:  # noqa: BLE001 - answered as an error event; the server keeps serving
+            found = find_request_error(exc)
+            if found is None:
+                logger.exception("streamed generation failed")
+                detail = ErrorDetail(message=f"generation failed: {type(exc).__name__}", type="server_error")
+            else:
+                detail = ErrorDetail(message=found.message, param=found.field,
+                                     type="server_error" if found.status >= 500 else "invalid_request_error")
+            yield sse_event("error", {"type": "error", "error": detail.model_dump()})
+
     async def images(self, request: GenerationRequest | dict) -> GenerationResult:
         """Python handle entry point: ``serve.get_app_handle(name).images.remote({...})``.
 
@@ -456,7 +502,8 @@ class Ingress:
                                   f"{self._planner.table.describe_limits()}) and the miss policy is reject",
                                   param=param)
         if req.stream:
-            return error_response(422, "stream: true is not served yet; send stream: false", param="stream")
+            return StreamingResponse(self._events(plan, req), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         t0 = time.perf_counter()
         try:
             routed = await call_dit(self._dit, plan, self._config.routing.max_retries,

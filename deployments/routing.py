@@ -20,7 +20,7 @@ from bcg_core.errors import RequestError
 from bcg_core.pipeline import GenerationResult
 from bcg_core.planner import Plan
 
-__all__ = ["Overloaded", "ReplicaUnavailable", "Routed", "bucket_shape", "call_dit"]
+__all__ = ["Overloaded", "ReplicaUnavailable", "Routed", "bucket_shape", "call_dit", "stream_dit"]
 
 logger = logging.getLogger("ray.serve")
 
@@ -105,3 +105,33 @@ async def call_dit(handle, plan: Plan, max_retries: int = 2, retry_wait_s: float
     raise ReplicaUnavailable(
         "request", f"the DiT replica serving this request died {max_retries + 1} times in a row "
         f"({type(last).__name__}); retry after {retry_after_s:g} s", retry_after_s=retry_after_s) from last
+
+
+async def stream_dit(handle, plan: Plan, retry_after_s: float = 2.0):
+    """Stream ``plan`` from the DiT deployment (``DiTReplica.generate_stream``), keyed by its bucket shape:
+    yields its previews, then its :class:`GenerationResult`.
+
+    Not resent when the replica dies: previews may already have reached the client, so the failure is the
+    caller's to report. Closing this iterator before the result (the client went away) cancels the call,
+    which cancels the request on the replica at its next step.
+
+    Raises:
+        RequestError: the replica refused the request.
+        Overloaded: the deployment's queue for this caller is full (with ``retry_after_s``).
+        ReplicaUnavailable: the replica died mid-stream.
+    """
+    gen = handle.options(multiplexed_model_id=bucket_shape(plan), stream=True).generate_stream.remote(plan)
+    finished = False
+    try:
+        async for event in gen:
+            yield event
+        finished = True
+    except BackPressureError as exc:
+        raise Overloaded("request", f"the server is at capacity (every DiT replica busy and the queue full: "
+                         f"{exc}); retry after {retry_after_s:g} s", retry_after_s=retry_after_s) from None
+    except RayActorError as exc:
+        raise ReplicaUnavailable("request", f"the DiT replica serving this request died ({type(exc).__name__}); "
+                                 f"retry after {retry_after_s:g} s", retry_after_s=retry_after_s) from exc
+    finally:
+        if not finished:
+            gen.cancel()

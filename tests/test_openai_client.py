@@ -43,3 +43,31 @@ def test_openai_client_raises_its_bad_request_type_on_a_bad_size(client):
         client.images.generate(prompt="x", size="100x100", n=1, response_format="b64_json")
     assert info.value.status_code == 422
     assert "size" in str(info.value)
+
+
+@pytest.mark.parametrize("fmt,pil", [("png", "PNG"), ("jpeg", "JPEG"), ("webp", "WEBP")])
+def test_openai_client_gets_every_output_format(client, fmt, pil):
+    result = client.images.generate(
+        prompt="a lighthouse at dusk", size="256x256", n=1, output_format=fmt, quality="low",
+        output_compression=None if fmt == "png" else 60, extra_body={"seed": 1})
+    assert result.output_format == fmt and result.size == "256x256"
+    assert result.usage.input_tokens == result.usage.input_tokens_details.text_tokens > 0
+    assert result.usage.output_tokens == 256 and result.model_extra["bcg"]["steps"] == 2  # quality low: 2 steps
+    with Image.open(io.BytesIO(base64.b64decode(result.data[0].b64_json))) as img:
+        img.load()
+        assert img.format == pil and img.size == (256, 256)
+
+
+def test_openai_client_lists_the_served_model(client):
+    models = list(client.models.list())
+    assert len(models) == 1 and models[0].object == "model"
+    assert models[0].model_extra["bcg"]["buckets"]["resolutions"] == ["256x256", "512x512"]
+    assert client.models.retrieve(models[0].id).id == models[0].id
+
+
+def test_openai_client_refuses_gif_with_the_allowed_values(client):
+    import openai
+
+    with pytest.raises(openai.UnprocessableEntityError) as info:
+        client.images.generate(prompt="x", size="256x256", output_format="gif")
+    assert "output_format" in str(info.value) and "'png', 'jpeg', 'webp'" in str(info.value)

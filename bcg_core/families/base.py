@@ -21,6 +21,7 @@ Step-level contract (docs/DESIGN.md section 10, "The step-level loop"):
    the request's own scheduler step and moves its step index on.
 4. :meth:`Family.decode` turns a finished request's latents into ``n`` RGB images, with the same
    post-processing (and, for PixArt, the same resize back from its aspect-ratio bin) as diffusers.
+5. :meth:`Family.preview` (streamed requests only) turns a copy of mid-denoise latents into cheap previews.
 """
 
 from __future__ import annotations
@@ -344,6 +345,13 @@ class Family(Protocol):
     def decode(self, state: RequestState) -> list[np.ndarray]:
         """``n`` images as (height, width, 3) uint8 arrays at the requested size, as diffusers'
         ``output_type="pil"`` gives them (``VaeImageProcessor.postprocess``)."""
+        ...
+
+    def preview(self, state: RequestState, latents: torch.Tensor) -> list[np.ndarray]:
+        """``n`` streamed previews of ``latents``, a copy of ``state.latents`` taken mid-denoise: (h, w, 3) uint8
+        arrays of any size (the caller resizes them to the requested size). Called on the replica's preview
+        thread, never the denoising thread; each family here uses its VAE's fitted linear latent-to-RGB map
+        (:class:`~bcg_core.preview.LinearPreview`) rather than a decode."""
         ...
 
 

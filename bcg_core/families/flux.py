@@ -27,6 +27,7 @@ It has no diffusers pipeline to compare with; its images are noise (random weigh
 
 from __future__ import annotations
 
+import functools
 import copy
 import threading
 from pathlib import Path
@@ -372,6 +373,23 @@ class FluxFamily:
 
         scale = self.spec.cfg_scale(state.request) if state.cfg else 1.0
         return euler_step(state, 0, state.n if state.cfg else None, scale, self.dtype)
+
+    @functools.cached_property
+    def _preview(self):
+        from ..preview import LazyPreview, vae_latents
+
+        return LazyPreview(lambda x: vae_latents(self.vae, x), self.vae_scale_factor)
+
+    @torch.inference_mode()
+    def preview(self, state: RequestState, latents: torch.Tensor) -> list[np.ndarray]:
+        """``n`` previews of mid-denoise ``latents`` (a copy of ``state.latents``, packed tokens): unpacked and
+        unscaled as :meth:`decode` does, then the VAE's fitted linear latent-to-RGB map
+        (:class:`~bcg_core.preview.LinearPreview`): (h, w, 3) uint8 at latent resolution (1/8 of the size)."""
+        from diffusers.pipelines.flux.pipeline_flux import FluxPipeline
+
+        req = state.request
+        z = FluxPipeline._unpack_latents(latents, req.height, req.width, self.vae_scale_factor)
+        return self._preview(z / self.vae.config.scaling_factor + self.vae.config.shift_factor)
 
     @torch.inference_mode()
     def decode(self, state: RequestState) -> list[np.ndarray]:

@@ -35,6 +35,7 @@ scheduler with ``stochastic_sampling`` (its noise comes from the global RNG).
 
 from __future__ import annotations
 
+import functools
 import copy
 import json
 import threading
@@ -370,6 +371,27 @@ class QwenImageFamily:
             noise_pred = comb_pred * (cond_norm / noise_norm)
         state.latents = state.scheduler.step(noise_pred, state.timestep, state.latents, return_dict=False)[0]
         state.step_index += 1
+
+    @functools.cached_property
+    def _preview(self):
+        from ..preview import LazyPreview, vae_latents
+
+        def encode(x: torch.Tensor) -> torch.Tensor:  # a video VAE: one frame in, one latent frame out
+            return vae_latents(self.pipe.vae, x[:, :, None])[:, :, 0]
+
+        return LazyPreview(encode, self.pipe.vae_scale_factor)
+
+    @torch.inference_mode()
+    def preview(self, state: RequestState, latents: torch.Tensor) -> list[np.ndarray]:
+        """``n`` previews of mid-denoise ``latents`` (a copy of ``state.latents``, packed tokens): unpacked and
+        un-normalised per channel as :meth:`decode`, then the VAE's fitted linear latent-to-RGB map
+        (:class:`~bcg_core.preview.LinearPreview`): (h, w, 3) uint8 at latent resolution (1/8 of the size)."""
+        pipe, vae, req = self.pipe, self.pipe.vae, state.request
+        z = pipe._unpack_latents(latents, req.height, req.width, pipe.vae_scale_factor).float()
+        c = vae.config.z_dim
+        mean = torch.tensor(vae.config.latents_mean).view(1, c, 1, 1, 1).to(z.device)
+        std = torch.tensor(vae.config.latents_std).view(1, c, 1, 1, 1).to(z.device)
+        return self._preview((z * std + mean)[:, :, 0])
 
     @torch.inference_mode()
     def decode(self, state: RequestState) -> list[np.ndarray]:

@@ -35,6 +35,7 @@ otherwise), and how this module does the same:
 
 from __future__ import annotations
 
+import functools
 import copy
 import inspect
 import threading
@@ -327,6 +328,19 @@ class SanaFamily:
         state.latents = state.scheduler.step(noise, state.timestep, state.latents, **state.extras["step_kwargs"],
                                              return_dict=False)[0]
         state.step_index += 1
+
+    @functools.cached_property
+    def _preview(self):
+        from ..preview import LazyPreview, vae_latents
+
+        return LazyPreview(lambda x: vae_latents(self.pipe.vae, x), self.pipe.vae_scale_factor)
+
+    @torch.inference_mode()
+    def preview(self, state: RequestState, latents: torch.Tensor) -> list[np.ndarray]:
+        """``n`` previews of mid-denoise ``latents`` (a copy of ``state.latents``): ``z / scaling_factor`` as
+        :meth:`decode`, then the VAE's fitted linear latent-to-RGB map (:class:`~bcg_core.preview.LinearPreview`):
+        (h, w, 3) uint8 at latent resolution (1/32 of the aspect-ratio bin's size; the caller resizes)."""
+        return self._preview(latents / self.pipe.vae.config.scaling_factor)
 
     @torch.inference_mode()
     def decode(self, state: RequestState) -> list[np.ndarray]:

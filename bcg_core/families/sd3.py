@@ -29,6 +29,7 @@ Everything below reproduces ``diffusers/pipelines/stable_diffusion_3/pipeline_st
 
 from __future__ import annotations
 
+import functools
 import copy
 import threading
 from pathlib import Path
@@ -338,6 +339,20 @@ class SD3Family:
         if state.cfg:
             return euler_step(state, state.n, 0, self.spec.cfg_scale(state.request), self.dtype)
         return euler_step(state, 0, None, 1.0, self.dtype)
+
+    @functools.cached_property
+    def _preview(self):
+        from ..preview import LazyPreview, vae_latents
+
+        return LazyPreview(lambda x: vae_latents(self.pipe.vae, x), self.pipe.vae_scale_factor)
+
+    @torch.inference_mode()
+    def preview(self, state: RequestState, latents: torch.Tensor) -> list[np.ndarray]:
+        """``n`` previews of mid-denoise ``latents`` (a copy of ``state.latents``): ``z / scaling + shift`` as
+        :meth:`decode`, then the VAE's fitted linear latent-to-RGB map (:class:`~bcg_core.preview.LinearPreview`):
+        (h, w, 3) uint8 at latent resolution (1/8 of the size)."""
+        vae = self.pipe.vae
+        return self._preview(latents / vae.config.scaling_factor + vae.config.shift_factor)
 
     @torch.inference_mode()
     def decode(self, state: RequestState) -> list[np.ndarray]:

@@ -1,0 +1,90 @@
+"""What streamed previews cost the requests that share their steps, on the step scheduler (no Ray, no HTTP).
+
+Two requests of one shape run together, step for step: A streams ``partial_images`` previews per image, B
+streams none. B's denoising wall time (``timings_ms["denoise"]``) with A's previews on is compared with the
+same pair with A's previews off, interleaved, ``--trials`` times each (medians). Also reported: the
+denoising thread's own share of each preview (``previews.handoff_ms_*``: the latent copy and the queue put)
+and the preview thread's time per preview (linear latent-to-RGB map, resize, encode).
+
+Usage::
+
+    python benchmarks/bench_previews.py --sizes 512,1024 --steps 8 --trials 5 --json out.json
+
+On a CPU it serves the tiny default model; with ``--device cuda`` the same on a GPU (graphs captured).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import platform
+import statistics
+import time
+
+from bcg_core.config import ServeConfig
+from bcg_core.pipeline import DiTPipeline
+from bcg_core.planner import GenerationRequest
+from bcg_core.step_scheduler import StepScheduler
+
+
+def run_size(size: int, steps: int, trials: int, previews: int, n: int, device: str) -> dict:
+    """Median denoise ms of B with A's previews off and on, the ratio, and the preview counters."""
+    cfg = ServeConfig.model_validate({"model": {"device": device},
+                                      "buckets": {"batch_sizes": [1, 2, 4], "resolutions": [f"{size}x{size}"],
+                                                  "text_lengths": [256]}})
+    pipe = DiTPipeline.from_config(cfg)
+    sched = StepScheduler(pipe)
+
+    def req(seed: int, k: int) -> GenerationRequest:
+        return GenerationRequest("a lighthouse at dusk", n=n, width=size, height=size, num_inference_steps=steps,
+                                 guidance_scale=0.0, seed=seed, partial_images=k)
+
+    async def pair(k: int) -> float:
+        async def drain():
+            return [e async for e in sched.submit_stream(req(1, k))]
+
+        _, b = await asyncio.gather(drain(), sched.submit(req(2, 0)))
+        return b.timings_ms["denoise"]
+
+    try:
+        asyncio.run(pair(previews))  # warm-up (the linear map's fit, allocator)
+        off, on = [], []
+        for _ in range(trials):
+            off.append(asyncio.run(pair(0)))
+            on.append(asyncio.run(pair(previews)))
+        stats = sched.stats()["previews"]
+    finally:
+        sched.close()
+    return {"size": f"{size}x{size}", "n": n, "steps": steps, "partial_images": previews,
+            "b_denoise_ms_off": round(statistics.median(off), 1), "b_denoise_ms_on": round(statistics.median(on), 1),
+            "ratio": round(statistics.median(on) / statistics.median(off), 3), "previews": stats}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", default="512,1024", help="square sizes, comma-separated (default 512,1024)")
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--trials", type=int, default=5)
+    parser.add_argument("--partial-images", type=int, default=3)
+    parser.add_argument("--n", type=int, default=2, help="images of each request (default 2)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    rows = [run_size(int(s), args.steps, args.trials, args.partial_images, args.n, args.device)
+            for s in args.sizes.split(",")]
+    print("| size | B denoise ms, A without previews | with A's previews | ratio | hand-off ms per preview "
+          "(mean / max) | preview thread ms per preview |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        p = r["previews"]
+        print(f"| {r['size']} | {r['b_denoise_ms_off']} | {r['b_denoise_ms_on']} | {r['ratio']} | "
+              f"{p['handoff_ms_mean']} / {p['handoff_ms_max']} | {p['draw_ms_mean']} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"date": time.strftime("%Y-%m-%d"), "machine": platform.processor() or platform.machine(),
+                       "args": vars(args), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
