@@ -12,6 +12,8 @@ at step boundaries; each iteration runs one step of every request in flight, in 
 measured cost model chooses) or the request-level :class:`~bcg_core.batching.MicroBatcher`. Generation is
 blocking torch work in worker threads, so the replica's event loop keeps answering ``stats``, health checks
 and ``record_routing_stats``; a cancelled call (its client went away) stops at the next denoising step.
+A streamed request (``stream: true`` at the ingress) comes through ``generate_stream``, an async generator
+called with ``handle.options(stream=True)``: its previews, then its result (:meth:`StepScheduler.submit_stream`).
 
 Cost model: with the step scheduler and ``runner.measure_costs`` (``auto``: where graphs are captured), each
 shape's buckets are timed right after
