@@ -127,6 +127,13 @@ class BucketConfig(BaseModel):
         description="Text-token buckets, ascending. Models trained on unmasked fixed-length text "
         "(FLUX, SD3) accept only their native length here.",
     )
+    text_lengths_by_resolution: dict[str, list[int]] = Field(
+        default_factory=dict,
+        description="Per-tier text buckets, ascending, for models trained with a text mask: a tier listed here "
+        "(its 'WxH' exactly as in resolutions) has these text buckets instead of text_lengths, so a common tier "
+        "can have fine text buckets while rare tiers keep one (`bcg plan` writes it). Tiers not listed use "
+        "text_lengths.",
+    )
     image_padding: Literal["masked", "exact"] = Field(
         default="masked",
         description="For models keyed on the image-token count (FLUX): 'masked' serves a size between "
@@ -157,6 +164,30 @@ class BucketConfig(BaseModel):
                 raise ValueError(f"resolution {s!r} is listed twice")
             seen.add(wh)
         return v
+
+    @field_validator("text_lengths_by_resolution")
+    @classmethod
+    def _tier_texts(cls, v: dict[str, list[int]]) -> dict[str, list[int]]:
+        for size, texts in v.items():
+            parse_size(size)
+            _check_ascending(f"text_lengths_by_resolution[{size!r}]", texts)
+        return v
+
+    @model_validator(mode="after")
+    def _tier_texts_known(self) -> "BucketConfig":
+        unknown = [s for s in self.text_lengths_by_resolution if s not in self.resolutions]
+        if unknown:
+            raise ValueError(f"text_lengths_by_resolution names {unknown}, which are not in resolutions "
+                             f"{self.resolutions}; use a tier of resolutions, written the same way")
+        return self
+
+    def texts_of(self, size: str) -> list[int]:
+        """Text buckets of the tier ``size`` (a ``resolutions`` entry): its own list, else ``text_lengths``."""
+        return self.text_lengths_by_resolution.get(size, self.text_lengths)
+
+    def all_text_lengths(self) -> list[int]:
+        """Every text bucket of any tier, ascending (the largest is the table's text limit)."""
+        return sorted({t for s in self.resolutions for t in self.texts_of(s)})
 
     def resolution_pairs(self) -> list[tuple[int, int]]:
         """The tiers as ``(width, height)`` pixel pairs, in config order."""

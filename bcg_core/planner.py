@@ -246,6 +246,9 @@ class Planner:
                 parts.append(("size", f"size {request.width}x{request.height} fits no resolution bucket; served "
                                       f"tiers: {', '.join(t.config.resolutions)} ({rule})"))
             else:
-                parts.append(("prompt", f"prompt needs {lookup.query.text_tokens} text tokens, above the largest "
-                                        f"text bucket {t.text_lengths[-1]}"))
+                q = lookup.query
+                texts = t.texts_for(q.image_tokens, q.latent_hw)
+                where = "" if texts == t.text_lengths else f" of its resolution tier ({list(texts)})"
+                parts.append(("prompt", f"prompt needs {q.text_tokens} text tokens, above the largest "
+                                        f"text bucket{where} {texts[-1]}"))
         return BucketMissError(parts[0][0], "; and ".join(m for _, m in parts), tuple(d.value for d in missed))

@@ -246,6 +246,8 @@ def run_plan(config: ServeConfig, source: str = "krea", budget_mib: float | None
     console.print(f"chosen: {s.graphs} graphs, {s.ms_per_image:.2f} ms per image (expected), waste {s.waste:.1%}, "
                   f"pool ~{s.pool_bytes / 2**20:.0f} MiB, misses {s.miss_share:.1%}")
     console.print(f"  batch_sizes: {b.batch_sizes}\n  resolutions: {b.resolutions}\n  text_lengths: {b.text_lengths}")
+    if b.text_lengths_by_resolution:
+        console.print(f"  text_lengths_by_resolution: {b.text_lengths_by_resolution}")
     console.print(f"current table: {default.graphs} graphs, {default.ms_per_image:.2f} ms per image, waste "
                   f"{default.waste:.1%}, misses {default.miss_share:.1%}")
     if traffic.refused:
