@@ -49,7 +49,7 @@ from .errors import RequestError
 from .planner import GenerationRequest, Planner
 
 __all__ = ["BucketPlan", "Demand", "PlanCosts", "PlanPoint", "TableScore", "costs_from_profile", "drift_report", "evaluate",
-           "krea_rows", "plan_buckets", "plan_matches", "planning_planner", "planning_table", "traffic_from_gentd26", "traffic_from_histogram", "traffic_from_requests",
+           "krea_rows", "plan_buckets", "plan_matches", "profile_buckets", "planning_planner", "planning_table", "traffic_from_gentd26", "traffic_from_histogram", "traffic_from_requests",
            "traffic_from_rows"]
 
 KREA_CSV = "krea_open_prompts_1k_flat.csv"
@@ -396,6 +396,33 @@ def costs_from_profile(rows: Sequence[Mapping], fallback: PlanCosts) -> PlanCost
     bpt = max(with_bytes) if with_bytes else fallback.bytes_per_token
     return PlanCosts(graph_launch_ms=g0, eager_launch_ms=e0, ms_per_token=gs, eager_ms_per_token=es,
                      bytes_per_token=bpt, source="profile")
+
+
+def profile_buckets(config: ServeConfig, traffic: Traffic) -> BucketConfig:
+    """The buckets ``bcg plan --measure`` profiles to fit its cost lines to (:func:`costs_from_profile`): the
+    sample's smallest, most requested and largest resolution tiers, its median text bucket (the native length
+    for fixed-length text), and 1 row and the most rows of any request, so that the fitted lines span the token
+    counts the plan will price. ``image_padding: exact`` (a masked twin times the same forward).
+
+    Raises:
+        ValueError: an empty sample.
+    """
+    if not traffic.demands:
+        raise ValueError(f"the traffic sample ({traffic.source}) has no request to profile buckets for")
+    planner = planning_planner(config)
+    tiers, texts, _ = _candidates(traffic, planner.rules, planner, None)
+    by_tokens = sorted(tiers, key=lambda t: (t[0] * t[1], t))
+    picked: list[tuple[int, int]] = []
+    for t in (by_tokens[0], tiers[0], by_tokens[-1]):  # tiers[0]: the most requested
+        if t not in picked and all(t[0] * t[1] != p[0] * p[1] or planner.rules.grid_keyed for p in picked):
+            picked.append(t)
+    native = planner.rules.native_text_tokens
+    text = native if native is not None else _round_up(
+        _quantile(sorted((d.query.text_tokens, d.weight) for d in traffic.demands), 0.5), 16)
+    rows = sorted({1, max(d.query.batch for d in traffic.demands)})
+    return BucketConfig(**{**config.buckets.model_dump(), "batch_sizes": rows, "text_lengths": [text],
+                           "resolutions": [f"{w}x{h}" for w, h in sorted(picked, key=lambda t: (t[0] * t[1], t))],
+                           "text_lengths_by_resolution": {}, "image_padding": "exact", "plan": None})
 
 
 def _parse_key(text: str) -> BucketKey:

@@ -175,8 +175,9 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                              f"gentd26:{args.trace}" if args.traffic == "gentd26" else args.traffic)
     try:
         config = _load(args.config)
-        plan, default = run_plan(config, source, args.budget_mib, args.max_graphs, args.profile, args.steps, args.krea)
-    except (ValueError, OSError) as exc:
+        plan, default = run_plan(config, source, args.budget_mib, args.max_graphs, args.profile, args.steps, args.krea,
+                                 measure=args.measure)
+    except (ValueError, OSError, RuntimeError) as exc:
         print(f"bcg plan: error: {exc}", file=sys.stderr)
         return 2
     if args.write:
@@ -279,8 +280,8 @@ def _parser() -> argparse.ArgumentParser:
                         "traffic sample: the packaged krea CSV (default), the packaged GenTD26 burst or a GenTD26-"
                         "style CSV (image counts joined with krea sizes), or a running server's recorded shape "
                         "histogram (--from URL) or an exported one (--from FILE). The objective is the expected GPU "
-                        "time per image (bcg_core/bucket_plan.py); costs from a `bcg profile --json` file, else the "
-                        "token-count model. Prints the chosen buckets with their share of requests and waste.")
+                        "time per image (bcg_core/bucket_plan.py); costs measured on this GPU (--measure), from a `bcg "
+                        "profile --json` file, else the token-count model. Prints the chosen buckets with their share of requests and waste.")
     pl.add_argument("--config", default=None, metavar="PATH",
                     help="ServeConfig YAML/JSON: the model, limits and current table (default: embedded)")
     pl.add_argument("--traffic", choices=("krea", "gentd26"), default="krea", help="packaged sample (default krea)")
@@ -293,6 +294,9 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--max-graphs", type=_bounded_int(1, 4096), default=12, metavar="N",
                     help="most graphs per replica (default 12)")
     pl.add_argument("--profile", default=None, metavar="JSON", help="measured bucket costs (`bcg profile --json`)")
+    pl.add_argument("--measure", action="store_true",
+                    help="profile a few buckets of the sample on this machine's CUDA GPU and plan with the fitted "
+                    "costs (needs the model's weights and a GPU)")
     pl.add_argument("--steps", type=_bounded_int(1), default=None, metavar="S",
                     help="every request's denoising steps instead of the sample's")
     pl.add_argument("--write", default=None, metavar="PATH", help="write the config with the planned buckets")

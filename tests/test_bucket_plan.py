@@ -403,3 +403,28 @@ def test_a_masked_text_family_gets_fine_text_buckets_on_its_common_tier_within_t
     # every tier's buckets as the replica builds them: the common tier's text rounds among its own buckets
     fine = table.texts_for(1024, (32, 32))
     assert fine == tuple(by_res["512x512"]) and table.texts_for(988, (38, 26)) == tuple(plan.buckets.text_lengths)
+
+
+def test_the_planners_own_profile_spans_the_sample_and_needs_a_gpu(tmp_path, capsys):
+    """``bcg plan --measure``'s buckets: the smallest, most requested and largest tier at 1 row and the most rows,
+    so that the fitted lines cover every token count the plan prices. Without CUDA it says what to do instead."""
+    import torch
+
+    from bcg_core.bucket_plan import profile_buckets
+    from deployments.cli import main
+
+    config = ServeConfig()
+    traffic = traffic_from_rows(config, krea_rows(), steps=20)
+    b = profile_buckets(config, traffic)
+    table = _table(config, b.batch_sizes, b.resolutions, b.text_lengths)
+    tokens = [d.query.image_tokens for d in traffic.demands]
+    assert b.batch_sizes == [1, max(d.query.batch for d in traffic.demands)]
+    assert table.image_tiers[0] == min(tokens) and table.image_tiers[-1] == max(tokens) and "512x512" in b.resolutions
+    assert b.image_padding == "exact" and b.text_lengths == [256] and b.plan is None
+    if not torch.cuda.is_available():
+        assert main(["plan", "--measure"]) == 2
+        assert "needs a CUDA GPU" in capsys.readouterr().err
+    profile = tmp_path / "p.json"
+    profile.write_text("{}")
+    assert main(["plan", "--measure", "--profile", str(profile)]) == 2
+    assert "not both" in capsys.readouterr().err
