@@ -145,6 +145,20 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def error_text(exc: BaseException) -> str:
+    """One line for an error: a pydantic ``ValidationError`` (a bad configuration) as ``field.path: message``
+    per error joined with ``;``, without pydantic's type names and documentation links; anything else as it is."""
+    from pydantic import ValidationError
+
+    if isinstance(exc, ValidationError):
+        parts = []
+        for e in exc.errors():
+            where = ".".join(str(x) for x in e.get("loc", ())) or "config"
+            parts.append(f"{where}: {str(e.get('msg', '')).removeprefix('Value error, ')}")
+        return f"invalid configuration: {'; '.join(parts)}"
+    return str(exc)
+
+
 def _load(path: str | None) -> ServeConfig:
     return load_config(config_path=path) if path else ServeConfig()
 
@@ -178,7 +192,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         plan, default = run_plan(config, source, args.budget_mib, args.max_graphs, args.profile, args.steps, args.krea,
                                  measure=args.measure)
     except (ValueError, OSError, RuntimeError) as exc:
-        print(f"bcg plan: error: {exc}", file=sys.stderr)
+        print(f"bcg plan: error: {error_text(exc)}", file=sys.stderr)
         return 2
     if args.write:
         planned = config.model_copy(update={"buckets": plan.buckets})
@@ -320,7 +334,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return args.func(args)
     except (ValueError, OSError, TimeoutError) as exc:
-        print(f"bcg {args.command}: error: {exc}", file=sys.stderr)
+        print(f"bcg {args.command}: error: {error_text(exc)}", file=sys.stderr)
         return 2
     except RuntimeError as exc:  # e.g. Ray cannot bind the port, or a replica failed to start
         print(f"bcg {args.command}: error: {str(exc).strip().splitlines()[-1]}", file=sys.stderr)
