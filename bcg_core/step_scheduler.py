@@ -68,10 +68,11 @@ import torch
 
 from .buckets import BucketKey, BucketLookup, Dim
 from .costs import DECISIONS, Chunk, CostModel, ForwardPlan
-from .errors import RequestCancelled
+from .errors import RequestCancelled, ServiceUnavailable
 from .families import RequestState
 from .load import LoadMeter
 from .metrics import token_shares
+from .runner import is_out_of_memory
 from .pipeline import DiTPipeline, GenerationResult, _png, elapsed_ms, timing_mark
 from .planner import GenerationRequest, Plan
 
@@ -204,6 +205,7 @@ class StepScheduler:
         self._bytes_per_row: dict[tuple, float] = {}
         self._stats: dict[str, _ShapeStats] = {}
         self._iterations = 0
+        self._oom_steps = 0
         self._spans: deque = deque()  # (start, end, key, states) of steps not yet recorded
         self._busy_s = 0.0
         self._closed = False
@@ -513,7 +515,18 @@ class StepScheduler:
         try:
             lookup = self.pipeline.step(states, plan)
         except Exception as e:
-            log.exception("a step of %d requests (shape %s) failed", len(items), shape)
+            if is_out_of_memory(e):
+                # the requests of this step are answered 503 with Retry-After; the replica goes on serving
+                self._oom_steps += 1
+                log.warning("a step of %d requests (shape %s) ran out of GPU memory; answering them 503: %s",
+                            len(items), shape, str(e).splitlines()[0] if str(e) else type(e).__name__)
+                if self._cuda:
+                    torch.cuda.empty_cache()
+                retry = self.pipeline.config.routing.retry_after_s
+                e = ServiceUnavailable("request", f"the GPU ran out of memory during this request's denoising step; "
+                                       f"retry after {retry:g} s", retry_after_s=retry)
+            else:
+                log.exception("a step of %d requests (shape %s) failed", len(items), shape)
             for item in items:
                 self._retire(item, e, failed=True)
             return
@@ -796,7 +809,7 @@ class StepScheduler:
                 "bytes_in_flight": self._bytes_in_flight, "memory_budget_bytes": self.memory_budget_bytes,
                 "waiting": len(self._waiting), "starting": len(self._starting),
                 "running": sum(len(g) for g in self._running.values()), "finishing": len(self._finishing),
-                "iterations": self._iterations, "busy_s": round(self._busy_s, 3),
+                "iterations": self._iterations, "busy_s": round(self._busy_s, 3), "oom_steps": self._oom_steps,
                 "decode_batch_images": self.decode_batch_images, "fair_wait_s": self.fair_wait_s,
                 "forwards": {k: forwards.get(k, 0) for k in FORWARD_KINDS},
                 "decisions": {k: decisions.get(k, 0) for k in DECISIONS},

@@ -44,12 +44,12 @@ from ray.serve.exceptions import BackPressureError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from bcg_core.config import MissPolicy, ServeConfig
-from bcg_core.errors import BucketMissError, RequestError
+from bcg_core.errors import BucketMissError, RequestError, ServiceUnavailable
 from bcg_core.pipeline import GenerationResult
 from bcg_core.planner import GenerationRequest, Planner
 from bcg_core.traffic import TrafficHistogram
 
-from .routing import Overloaded, ReplicaUnavailable, call_dit
+from .routing import call_dit
 from .schemas import (
     BcgInfo,
     ErrorBody,
@@ -354,7 +354,7 @@ class Ingress:
         except Exception as exc:  # noqa: BLE001 - every failure is answered, the server keeps serving
             found = find_request_error(exc)
             if found is not None:
-                if isinstance(found, (Overloaded, ReplicaUnavailable)):
+                if isinstance(found, ServiceUnavailable):
                     return unavailable_response(found.message, found.retry_after_s, param=found.field)
                 return error_response(found.status, found.message, param=found.field)
             logger.exception("generation failed")
