@@ -226,6 +226,12 @@ class LimitsConfig(BaseModel):
     max_guidance_scale: float = Field(default=30.0, gt=0.0, description="Largest guidance_scale.")
     max_prompt_chars: int = Field(default=4000, ge=1, description="Longest prompt in characters.")
     max_body_bytes: int = Field(default=65536, ge=1024, description="Largest HTTP request body in bytes.")
+    max_megapixel_steps: float | None = Field(
+        default=1000.0, gt=0.0,
+        description="Most work one request may ask for: width x height x n x num_inference_steps, in millions of "
+        "pixel-steps (the default admits 10 images at 1024x1024 and 50 steps, 524; refuses 10 at 2048x2048 and 50 "
+        "steps, 2097), so that one request cannot hold a replica for minutes. None: no limit.",
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> LimitsConfig:
@@ -306,6 +312,12 @@ class RunnerConfig(BaseModel):
         default=2.0, ge=0.0, le=600.0,
         description="Step scheduler: a request that has waited this long for admission holds back every later "
         "request until it fits, so no request (a large one, a rare shape) waits without bound.",
+    )
+    max_queue_wait_s: float | None = Field(
+        default=300.0, gt=0.0,
+        description="Step scheduler: a request that has waited this many seconds in the replica's queue without "
+        "being admitted is answered 503 with Retry-After instead of waiting on (counted as expired). None: no "
+        "deadline.",
     )
     measure_costs: Literal["auto", "always", "never"] = Field(
         default="auto",

@@ -127,6 +127,7 @@ class _ShapeStats:
     completed: int = 0
     cancelled: int = 0
     cancelled_waiting: int = 0
+    expired: int = 0
     failed: int = 0
     waits_ms: deque = dataclasses.field(default_factory=lambda: deque(maxlen=_WAITS_KEPT))
     wait_ms_sum: float = 0.0
@@ -167,6 +168,9 @@ class StepScheduler:
         decode_batch_images: most images of one decode call.
         encode_threads: PNG encoder threads.
         fair_wait_s: a request waiting longer than this for admission holds back every later request.
+        max_queue_wait_s: a request not admitted within this many seconds is answered
+            :class:`~bcg_core.errors.ServiceUnavailable` (503 with Retry-After) and counted as ``expired``; None: no
+            deadline.
         meter: load meter (arrivals, running requests and completions per shape) for autoscaling.
 
     Raises:
@@ -175,7 +179,7 @@ class StepScheduler:
 
     def __init__(self, pipeline: DiTPipeline, costs: CostModel | None = None, max_rows: int = 64,
                  memory_budget_bytes: int | None = None, decode_batch_images: int = 8, encode_threads: int = 4,
-                 fair_wait_s: float = 2.0, meter: LoadMeter | None = None):
+                 fair_wait_s: float = 2.0, meter: LoadMeter | None = None, max_queue_wait_s: float | None = None):
         if max_rows < 1 or decode_batch_images < 1 or encode_threads < 1:
             raise ValueError("max_rows, decode_batch_images and encode_threads must be at least 1")
         if fair_wait_s < 0:
@@ -185,6 +189,7 @@ class StepScheduler:
         self.memory_budget_bytes = memory_budget_bytes
         self.decode_batch_images = int(decode_batch_images)
         self.fair_wait_s = float(fair_wait_s)
+        self.max_queue_wait_s = None if max_queue_wait_s is None else float(max_queue_wait_s)
         self.meter = meter if meter is not None else LoadMeter()
         graphs = getattr(pipeline.runner, "graph_count", None) is not None
         self._fallback = CostModel.token_model(pipeline.table.keys, graphs=graphs)
@@ -229,7 +234,7 @@ class StepScheduler:
         r = pipeline.config.runner
         window = pipeline.config.autoscaling.look_back_period_s
         sched = cls(pipeline, costs, max_rows=r.max_rows_in_flight, decode_batch_images=r.decode_batch_images,
-                    encode_threads=r.encode_threads, fair_wait_s=r.fair_wait_s,
+                    encode_threads=r.encode_threads, fair_wait_s=r.fair_wait_s, max_queue_wait_s=r.max_queue_wait_s,
                     meter=LoadMeter(window_s=window, snapshot_s=min(0.5, window)))
         sched.measure_memory_budget()
         return sched
@@ -391,6 +396,15 @@ class StepScheduler:
                 self._waiting.remove(item)
                 self._stat(item.shape).cancelled_waiting += 1
                 self._resolve(item, RequestCancelled("the request was cancelled by its caller"))
+                continue
+            if self.max_queue_wait_s is not None and now - item.submitted > self.max_queue_wait_s:
+                self._waiting.remove(item)
+                self._stat(item.shape).expired += 1
+                retry = self.pipeline.config.routing.retry_after_s
+                self._resolve(item, ServiceUnavailable(
+                    "request", f"the request waited {now - item.submitted:.0f} s in the replica's queue without "
+                    f"starting, past runner.max_queue_wait_s {self.max_queue_wait_s:g}; retry after {retry:g} s",
+                    retry_after_s=retry))
                 continue
             if item.group in held:
                 continue
@@ -791,7 +805,7 @@ class StepScheduler:
                     "real_tokens": st.real_tokens, "computed_tokens": st.computed_tokens,
                     "padded_token_waste": round(1 - st.real_tokens / st.computed_tokens, 4) if st.computed_tokens else 0.0,
                     "admitted": st.admitted, "completed": st.completed, "cancelled": st.cancelled, "failed": st.failed,
-                    "cancelled_waiting": st.cancelled_waiting,
+                    "cancelled_waiting": st.cancelled_waiting, "expired": st.expired,
                     "queue_wait_ms": {"sum": st.wait_ms_sum,
                                       "mean": round(st.wait_ms_sum / st.admitted, 2) if st.admitted else None,
                                       "p50": _percentile(waits, 50), "p99": _percentile(waits, 99),

@@ -131,3 +131,51 @@ def test_a_step_that_runs_out_of_memory_is_answered_503_and_the_replica_keeps_se
     assert "ran out of memory" in first.message and first.field == "request"
     assert len(after.images_png) == 1
     assert stats["oom_steps"] == 1 and stats["rows_in_flight"] == 0 and stats["running"] == 0
+
+
+def test_a_request_that_waits_past_its_deadline_is_answered_503_not_left_hanging(tiny):
+    """``runner.max_queue_wait_s``: with one row in flight allowed and a slow first request, the second waits in
+    the replica's queue past the deadline and is answered 503 with Retry-After; the first is served."""
+    pipe = DiTPipeline(ServeConfig(buckets=BUCKETS), tiny)
+    real = pipe.step
+
+    def slow(states, plan=None):
+        import time
+
+        time.sleep(0.4)
+        return real(states, plan)
+
+    pipe.step = slow
+
+    async def main():
+        sched = StepScheduler(pipe, max_rows=2, max_queue_wait_s=0.2)
+        try:
+            first = asyncio.ensure_future(sched.submit(_req(n=1, steps=2, seed=1)))
+            await asyncio.sleep(0.1)  # the first is admitted and holds the rows
+            second = await asyncio.gather(sched.submit(_req(n=1, steps=2, seed=2)), return_exceptions=True)
+            return await first, second[0], sched.stats()
+        finally:
+            sched.close()
+
+    first, second, stats = asyncio.run(asyncio.wait_for(main(), 120))
+    assert len(first.images_png) == 1
+    assert isinstance(second, ServiceUnavailable) and second.status == 503 and second.retry_after_s > 0
+    assert "past runner.max_queue_wait_s 0.2" in second.message
+    assert sum(s["expired"] for s in stats["shapes"].values()) == 1 and stats["waiting"] == 0
+
+
+def test_work_per_request_is_bounded_with_an_error_naming_the_limit():
+    from bcg_core import LimitsConfig, RequestError
+    from bcg_core.planner import Planner
+
+    planner = Planner.from_config(ServeConfig(limits=LimitsConfig(max_megapixel_steps=10.0)))
+    planner.plan(GenerationRequest("x", n=2, width=512, height=512, num_inference_steps=19))  # 9.96: allowed
+    with pytest.raises(RequestError) as e:
+        planner.plan(GenerationRequest("x", n=2, width=512, height=512, num_inference_steps=20))
+    assert e.value.field == "n" and e.value.status == 422
+    assert "= 10 megapixel-steps, above limits.max_megapixel_steps 10" in e.value.message
+    with pytest.raises(RequestError) as e:
+        planner.plan(GenerationRequest("x", n=1, width=1024, height=1024, num_inference_steps=20))
+    assert e.value.field == "num_inference_steps"
+    unbounded = Planner.from_config(ServeConfig(limits=LimitsConfig(max_megapixel_steps=None)))
+    assert unbounded.plan(GenerationRequest("x", n=10, width=2048, height=2048, num_inference_steps=50)).request.n == 10
