@@ -49,7 +49,7 @@ from .errors import RequestError
 from .planner import GenerationRequest, Planner
 
 __all__ = ["BucketPlan", "Demand", "PlanCosts", "PlanPoint", "TableScore", "costs_from_profile", "drift_report", "evaluate",
-           "krea_rows", "plan_buckets", "plan_matches", "planning_planner", "planning_table", "traffic_from_gentd26", "traffic_from_histogram", "traffic_from_requests",
+           "krea_rows", "plan_buckets", "plan_matches", "profile_buckets", "planning_planner", "planning_table", "traffic_from_gentd26", "traffic_from_histogram", "traffic_from_requests",
            "traffic_from_rows"]
 
 KREA_CSV = "krea_open_prompts_1k_flat.csv"
@@ -398,6 +398,33 @@ def costs_from_profile(rows: Sequence[Mapping], fallback: PlanCosts) -> PlanCost
                      bytes_per_token=bpt, source="profile")
 
 
+def profile_buckets(config: ServeConfig, traffic: Traffic) -> BucketConfig:
+    """The buckets ``bcg plan --measure`` profiles to fit its cost lines to (:func:`costs_from_profile`): the
+    sample's smallest, most requested and largest resolution tiers, its median text bucket (the native length
+    for fixed-length text), and 1 row and the most rows of any request, so that the fitted lines span the token
+    counts the plan will price. ``image_padding: exact`` (a masked twin times the same forward).
+
+    Raises:
+        ValueError: an empty sample.
+    """
+    if not traffic.demands:
+        raise ValueError(f"the traffic sample ({traffic.source}) has no request to profile buckets for")
+    planner = planning_planner(config)
+    tiers, texts, _ = _candidates(traffic, planner.rules, planner, None)
+    by_tokens = sorted(tiers, key=lambda t: (t[0] * t[1], t))
+    picked: list[tuple[int, int]] = []
+    for t in (by_tokens[0], tiers[0], by_tokens[-1]):  # tiers[0]: the most requested
+        if t not in picked and all(t[0] * t[1] != p[0] * p[1] or planner.rules.grid_keyed for p in picked):
+            picked.append(t)
+    native = planner.rules.native_text_tokens
+    text = native if native is not None else _round_up(
+        _quantile(sorted((d.query.text_tokens, d.weight) for d in traffic.demands), 0.5), 16)
+    rows = sorted({1, max(d.query.batch for d in traffic.demands)})
+    return BucketConfig(**{**config.buckets.model_dump(), "batch_sizes": rows, "text_lengths": [text],
+                           "resolutions": [f"{w}x{h}" for w, h in sorted(picked, key=lambda t: (t[0] * t[1], t))],
+                           "text_lengths_by_resolution": {}, "image_padding": "exact", "plan": None})
+
+
 def _parse_key(text: str) -> BucketKey:
     """A :class:`BucketKey` from its string (``b8_i1024_m_t256_g32x32``)."""
     parts = text.split("_")
@@ -507,6 +534,12 @@ class PlanPoint:
     tiers: tuple[tuple[int, int], ...]
     text_lengths: tuple[int, ...]
     score: TableScore
+    tier_texts: tuple[tuple[tuple[int, int], int], ...] = ()
+    """Text buckets only some tiers have, as ``((width, height), text)`` pairs (``text_lengths_by_resolution``)."""
+
+    def texts_by_resolution(self) -> dict[str, list[int]]:
+        """The ``text_lengths_by_resolution`` section of this table (tiers with their own text buckets)."""
+        return _by_resolution(self.text_lengths, self.tier_texts)
 
 
 @dataclass
@@ -538,7 +571,8 @@ class BucketPlan:
             return {"graphs": p.score.graphs, "ms_per_image": round(p.score.ms_per_image, 4),
                     "waste": round(p.score.waste, 5), "pool_mib": round(p.score.pool_bytes / 2**20, 1),
                     "miss_share": round(p.score.miss_share, 5), "batch_sizes": list(p.batch_sizes),
-                    "resolutions": [f"{w}x{h}" for w, h in p.tiers], "text_lengths": list(p.text_lengths)}
+                    "resolutions": [f"{w}x{h}" for w, h in p.tiers], "text_lengths": list(p.text_lengths),
+                    "text_lengths_by_resolution": p.texts_by_resolution()}
 
         return {"buckets": self.buckets.model_dump(mode="json"), "chosen": point(self.curve[self.chosen]),
                 "shapes": {k: {"share": round(v["share"], 5), "waste": round(v["waste"], 5)}
@@ -577,6 +611,15 @@ def _candidates(traffic: Traffic, rules: ShapeRules, planner: Planner, max_tiers
     largest = max(rows) if rows else 1
     batches = sorted({b for b in (1, 2, 4, 8, 16, 32, 64) if b <= largest} | set(rows))
     return tiers, texts, batches
+
+
+def _by_resolution(texts: Sequence[int], extra: Sequence[tuple[tuple[int, int], int]]) -> dict[str, list[int]]:
+    """``text_lengths_by_resolution`` of a table with the text buckets ``texts`` on every tier and the ``extra``
+    ``((width, height), text)`` pairs on single tiers."""
+    out: dict[str, set[int]] = {}
+    for (w, h), x in extra:
+        out.setdefault(f"{w}x{h}", set(texts)).add(x)
+    return {k: sorted(v) for k, v in out.items()}
 
 
 def _square(tokens: int, planner: Planner) -> tuple[int, int]:
@@ -643,10 +686,11 @@ def plan_buckets(config: ServeConfig, traffic: Traffic, costs: PlanCosts | None 
     budget = None if budget_mib is None else budget_mib * 2**20
     min_tokens = planner.table.min_image_tokens  # as every replica's table: from the smallest side the limits allow
 
-    def table(bs, ts, xs) -> BucketTable | None:
+    def table(bs, ts, xs, ex=()) -> BucketTable | None:
         try:
             cfg = base.model_copy(update={"batch_sizes": sorted(bs), "text_lengths": sorted(xs),
-                                          "resolutions": [f"{w}x{h}" for w, h in ts]})
+                                          "resolutions": [f"{w}x{h}" for w, h in ts],
+                                          "text_lengths_by_resolution": _by_resolution(xs, ex)})
             return BucketTable(BucketConfig(**cfg.model_dump()), rules, min_tokens)
         except ValueError:
             return None  # e.g. two tiers of one token count
@@ -654,11 +698,11 @@ def plan_buckets(config: ServeConfig, traffic: Traffic, costs: PlanCosts | None 
     memo: dict = {}
     scores: dict = {}
 
-    def score(bs, ts, xs):
+    def score(bs, ts, xs, ex=()):
         """The table's score, None beyond the graph cap (remembered: the search asks for tables again)."""
-        k = (bs, ts, xs)
+        k = (bs, ts, xs, ex)
         if k not in scores:
-            t = table(bs, ts, xs)
+            t = table(bs, ts, xs, ex)
             # under miss_policy reject a miss is a refused request: the search prices it out (REJECT_PENALTY)
             scores[k] = None if t is None or len(t) > max_graphs else \
                 evaluate(t, traffic, costs, memo, REJECT_PENALTY if reject else 1.0)
@@ -666,8 +710,8 @@ def plan_buckets(config: ServeConfig, traffic: Traffic, costs: PlanCosts | None 
 
     def greedy(limit: float | None) -> list[PlanPoint] | None:
         """The search path with every graph within ``limit`` bytes (None: no limit); None if no table fits."""
-        def ok(bs, ts, xs):
-            sc = score(bs, ts, xs)
+        def ok(bs, ts, xs, ex=()):
+            sc = score(bs, ts, xs, ex)
             return sc if sc is not None and (limit is None or sc.pool_bytes <= limit) else None
 
         best = None
@@ -680,11 +724,19 @@ def plan_buckets(config: ServeConfig, traffic: Traffic, costs: PlanCosts | None 
         if best is None:
             return None
         bs, ts, xs, sc = best
+        ex: tuple = ()
         path = [PlanPoint(bs, ts, xs, sc)]
         while True:
-            options = [(tuple(sorted(bs + (b,))), ts, xs) for b in batches if b not in bs]
-            options += [(bs, tuple(sorted(ts + (t,), key=lambda p: (p[0] * p[1], p))), xs) for t in tiers if t not in ts]
-            options += [(bs, ts, tuple(sorted(xs + (x,)))) for x in texts if x not in xs]
+            options = [(tuple(sorted(bs + (b,))), ts, xs, ex) for b in batches if b not in bs]
+            options += [(bs, tuple(sorted(ts + (t,), key=lambda p: (p[0] * p[1], p))), xs, ex)
+                        for t in tiers if t not in ts]
+            # a text bucket for every tier, or for one tier only (a common tier's fine text buckets cost its
+            # batch sizes' graphs, not every tier's)
+            options += [(bs, ts, tuple(sorted(xs + (x,))), tuple(e for e in ex if e[1] != x))
+                        for x in texts if x not in xs]
+            if len(ts) > 1:
+                options += [(bs, ts, xs, tuple(sorted(ex + ((t, x),)))) for t in ts for x in texts
+                            if x not in xs and (t, x) not in ex]
             step = None
             cur = path[-1].score
             for o in options:
@@ -696,8 +748,8 @@ def plan_buckets(config: ServeConfig, traffic: Traffic, costs: PlanCosts | None 
                     step = (o, gain, so)
             if step is None:
                 return path
-            (bs, ts, xs), _, sc = step
-            path.append(PlanPoint(bs, ts, xs, sc))
+            (bs, ts, xs, ex), _, sc = step
+            path.append(PlanPoint(bs, ts, xs, sc, ex))
 
     singles = [tb for t in tiers for x in texts for b in batches if (tb := table((b,), (t,), (x,))) is not None]
     fewest = min(len(tb) for tb in singles)
@@ -716,17 +768,18 @@ def plan_buckets(config: ServeConfig, traffic: Traffic, costs: PlanCosts | None 
         paths, seen, limit = [], set(), float(smallest)
         if max(p.score.pool_bytes for p in free) <= budget:
             paths.append(free)  # the unbudgeted search fits: it fits every larger budget too
-            seen.add(tuple((p.batch_sizes, p.tiers, p.text_lengths) for p in free))
+            seen.add(tuple((p.batch_sizes, p.tiers, p.text_lengths, p.tier_texts) for p in free))
         while limit <= budget * (1 + 1e-12):
             path = greedy(limit)
-            key = tuple((p.batch_sizes, p.tiers, p.text_lengths) for p in path)
+            key = tuple((p.batch_sizes, p.tiers, p.text_lengths, p.tier_texts) for p in path)
             if key not in seen:
                 seen.add(key)
                 paths.append(path)
             limit *= LADDER
         curve = min(paths, key=lambda path: min(p.score.ms_per_image for p in path))
     if reject:  # report what the tables cost (no penalty); only a table that holds every request may be chosen
-        curve = [replace(p, score=evaluate(table(p.batch_sizes, p.tiers, p.text_lengths), traffic, costs, memo))
+        curve = [replace(p, score=evaluate(table(p.batch_sizes, p.tiers, p.text_lengths, p.tier_texts), traffic, costs,
+                                            memo))
                  for p in curve]
         if all(p.score.miss_share > 0 for p in curve):
             raise ValueError(f"under miss_policy reject every request of the sample needs a bucket, and no table of at "
@@ -741,7 +794,7 @@ def plan_buckets(config: ServeConfig, traffic: Traffic, costs: PlanCosts | None 
                              work={k: round(v["work"], 6) for k, v in p.score.shares.items()})
     buckets = BucketConfig(**{**base.model_dump(), "batch_sizes": list(p.batch_sizes),
                               "resolutions": [f"{w}x{h}" for w, h in p.tiers], "text_lengths": list(p.text_lengths),
-                              "plan": planned.model_dump()})
+                              "text_lengths_by_resolution": p.texts_by_resolution(), "plan": planned.model_dump()})
     return BucketPlan(buckets, p.score, curve, chosen,
                       {"source": traffic.source, "requests": round(traffic.requests, 3),
                        "refused": {k: round(v, 3) for k, v in sorted(traffic.refused.items())}},

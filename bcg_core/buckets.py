@@ -164,18 +164,24 @@ class BucketTable:
         self.rules = rules
         self.miss_policy = MissPolicy(config.miss_policy)
         self.batch_sizes: tuple[int, ...] = tuple(config.batch_sizes)
-        self.text_lengths: tuple[int, ...] = tuple(config.text_lengths)
+        self.text_lengths: tuple[int, ...] = tuple(config.all_text_lengths())
+        """Every text bucket of any tier, ascending (``text_lengths`` and ``text_lengths_by_resolution``)."""
         native = rules.native_text_tokens
         if native is not None and self.text_lengths != (native,):
             raise ValueError(
                 f"text_lengths {list(self.text_lengths)} do not match the model: it was trained on unmasked "
                 f"fixed-length text of {native} tokens, and padding or masking its text changes the output; "
-                f"use text_lengths: [{native}]"
+                f"use text_lengths: [{native}] and no text_lengths_by_resolution"
             )
         grids: list[tuple[int, int]] = []
-        for w, h in config.resolution_pairs():
+        tier_texts: dict[object, set[int]] = {}
+        for s, (w, h) in zip(config.resolutions, config.resolution_pairs()):
             rules.check_size(w, h, where="bucket resolution")
-            grids.append(rules.grid(w, h))
+            g = rules.grid(w, h)
+            grids.append(g)
+            tier_texts.setdefault(g if rules.grid_keyed else g[0] * g[1], set()).update(config.texts_of(s))
+        self._tier_texts: dict[object, tuple[int, ...]] = {k: tuple(sorted(v)) for k, v in tier_texts.items()}
+        self._tier_text_up = {k: self._round_up_array(v) for k, v in self._tier_texts.items()}
         if rules.grid_keyed:
             self.grids: tuple[tuple[int, int], ...] = tuple(sorted(set(grids)))
             self.image_tiers: tuple[int, ...] = tuple(sorted({h * w for h, w in self.grids}))
@@ -221,8 +227,19 @@ class BucketTable:
                 images += [(t, None, True) for t, prev in zip(self.image_tiers, below)
                            if max(prev + 1, self.min_image_tokens) < t]
         return tuple(sorted(
-            BucketKey(b, t, s, hw, m) for b in self.batch_sizes for t, hw, m in images for s in self.text_lengths
+            BucketKey(b, t, s, hw, m) for b in self.batch_sizes for t, hw, m in images
+            for s in self._tier_texts[hw if hw is not None else t]
         ))
+
+    def texts_for(self, image_tokens: int, latent_hw: tuple[int, int] | None = None) -> tuple[int, ...]:
+        """Text buckets of the tier that serves ``image_tokens`` (or the grid ``latent_hw`` of a grid-keyed family),
+        ascending: its ``text_lengths_by_resolution`` entry, else ``text_lengths``; every text bucket of the table
+        when no tier holds the image."""
+        if self.rules.grid_keyed:
+            return self._tier_texts.get(latent_hw, self.text_lengths)
+        if image_tokens not in self._tier_set and self.pad_images and 0 < image_tokens < len(self._image_up):
+            image_tokens = self._image_up[image_tokens]
+        return self._tier_texts.get(image_tokens, self.text_lengths)
 
     def __len__(self) -> int:
         return len(self._keys)
@@ -237,20 +254,24 @@ class BucketTable:
             A hit with the key, or a miss listing every dimension that exceeds the largest bucket (or, for
             grid-keyed families, whose grid is not a tier).
         """
-        missed: list[Dim] = []
-        b = self._up(self._batch_up, query.batch, Dim.BATCH, missed)
-        s = self._up(self._text_up, query.text_tokens, Dim.TEXT, missed)
+        image_missed: list[Dim] = []
         hw, masked = None, False
         t = query.image_tokens
         if self.rules.grid_keyed:
             hw = query.latent_hw
             if hw not in self._grid_set:
-                missed.append(Dim.IMAGE)
+                image_missed.append(Dim.IMAGE)
         elif t not in self._tier_set:
             if self.pad_images:
-                t, masked = self._up(self._image_up, t, Dim.IMAGE, missed), True
+                t, masked = self._up(self._image_up, t, Dim.IMAGE, image_missed), True
             else:
-                missed.append(Dim.IMAGE)
+                image_missed.append(Dim.IMAGE)
+        # the text rounds up among its tier's text buckets (every bucket of the table when the image missed)
+        text_up = self._text_up if image_missed else self._tier_text_up[hw if hw is not None else t]
+        missed: list[Dim] = []
+        b = self._up(self._batch_up, query.batch, Dim.BATCH, missed)
+        s = self._up(text_up, query.text_tokens, Dim.TEXT, missed)
+        missed += image_missed
         if missed:
             return BucketLookup(query, None, tuple(missed))
         return BucketLookup(query, BucketKey(b, t, s, hw, masked))
@@ -278,6 +299,8 @@ class BucketTable:
             "image_tokens": list(self.image_tiers),
             "grids": [list(g) for g in self.grids] or None,
             "text_tokens": list(self.text_lengths),
+            "text_tokens_by_resolution": {k: list(v) for k, v in self.config.text_lengths_by_resolution.items()}
+            or None,
             "resolutions": list(self.config.resolutions),
             "image_padding": "masked" if self.pad_images else "exact",
             "miss_policy": self.miss_policy.value,

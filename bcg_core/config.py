@@ -131,6 +131,13 @@ class BucketConfig(BaseModel):
         description="Text-token buckets, ascending. Models trained on unmasked fixed-length text "
         "(FLUX, SD3) accept only their native length here.",
     )
+    text_lengths_by_resolution: dict[str, list[int]] = Field(
+        default_factory=dict,
+        description="Per-tier text buckets, ascending, for models trained with a text mask: a tier listed here "
+        "(its 'WxH' exactly as in resolutions) has these text buckets instead of text_lengths, so a common tier "
+        "can have fine text buckets while rare tiers keep one (`bcg plan` writes it). Tiers not listed use "
+        "text_lengths.",
+    )
     image_padding: Literal["masked", "exact"] = Field(
         default="masked",
         description="For models keyed on the image-token count (FLUX): 'masked' serves a size between "
@@ -161,6 +168,30 @@ class BucketConfig(BaseModel):
                 raise ValueError(f"resolution {s!r} is listed twice")
             seen.add(wh)
         return v
+
+    @field_validator("text_lengths_by_resolution")
+    @classmethod
+    def _tier_texts(cls, v: dict[str, list[int]]) -> dict[str, list[int]]:
+        for size, texts in v.items():
+            parse_size(size)
+            _check_ascending(f"text_lengths_by_resolution[{size!r}]", texts)
+        return v
+
+    @model_validator(mode="after")
+    def _tier_texts_known(self) -> "BucketConfig":
+        unknown = [s for s in self.text_lengths_by_resolution if s not in self.resolutions]
+        if unknown:
+            raise ValueError(f"text_lengths_by_resolution names {unknown}, which are not in resolutions "
+                             f"{self.resolutions}; use a tier of resolutions, written the same way")
+        return self
+
+    def texts_of(self, size: str) -> list[int]:
+        """Text buckets of the tier ``size`` (a ``resolutions`` entry): its own list, else ``text_lengths``."""
+        return self.text_lengths_by_resolution.get(size, self.text_lengths)
+
+    def all_text_lengths(self) -> list[int]:
+        """Every text bucket of any tier, ascending (the largest is the table's text limit)."""
+        return sorted({t for s in self.resolutions for t in self.texts_of(s)})
 
     def resolution_pairs(self) -> list[tuple[int, int]]:
         """The tiers as ``(width, height)`` pixel pairs, in config order."""
@@ -199,6 +230,12 @@ class LimitsConfig(BaseModel):
     max_guidance_scale: float = Field(default=30.0, gt=0.0, description="Largest guidance_scale.")
     max_prompt_chars: int = Field(default=4000, ge=1, description="Longest prompt in characters.")
     max_body_bytes: int = Field(default=65536, ge=1024, description="Largest HTTP request body in bytes.")
+    max_megapixel_steps: float | None = Field(
+        default=1000.0, gt=0.0,
+        description="Most work one request may ask for: width x height x n x num_inference_steps, in millions of "
+        "pixel-steps (the default admits 10 images at 1024x1024 and 50 steps, 524; refuses 10 at 2048x2048 and 50 "
+        "steps, 2097), so that one request cannot hold a replica for minutes. None: no limit.",
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> LimitsConfig:
@@ -279,6 +316,12 @@ class RunnerConfig(BaseModel):
         default=2.0, ge=0.0, le=600.0,
         description="Step scheduler: a request that has waited this long for admission holds back every later "
         "request until it fits, so no request (a large one, a rare shape) waits without bound.",
+    )
+    max_queue_wait_s: float | None = Field(
+        default=300.0, gt=0.0,
+        description="Step scheduler: a request that has waited this many seconds in the replica's queue without "
+        "being admitted is answered 503 with Retry-After instead of waiting on (counted as expired). None: no "
+        "deadline.",
     )
     measure_costs: Literal["auto", "always", "never"] = Field(
         default="auto",

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["BucketMissError", "RequestCancelled", "RequestError"]
+__all__ = ["BucketMissError", "RequestCancelled", "RequestError", "ServiceUnavailable"]
 
 
 class RequestError(ValueError):
@@ -44,3 +44,19 @@ class BucketMissError(RequestError):
 
 class RequestCancelled(Exception):
     """The caller gave up on a request (its client went away); raised between denoising steps."""
+
+
+class ServiceUnavailable(RequestError):
+    """The request was accepted but cannot be served now; the client may retry (HTTP 503 with ``Retry-After``):
+    the GPU ran out of memory during its step, every replica is busy, or its replica died.
+
+    Attributes:
+        retry_after_s: seconds the client should wait before retrying.
+    """
+
+    def __init__(self, field: str, message: str, status: int = 503, retry_after_s: float = 2.0):
+        super().__init__(field, message, status)
+        self.retry_after_s = retry_after_s
+
+    def __reduce__(self):
+        return (type(self), (self.field, self.message, self.status, self.retry_after_s))

@@ -32,7 +32,7 @@ import torch
 from .buckets import BucketKey
 from .metrics import BucketMetrics
 from .padding import DenoiseInputs, DiTAdapter
-from .runner import BucketEntry, RunMode, fill_fused, fused_buffers, static_forward
+from .runner import BucketEntry, BucketFault, RunMode, demote, fill_fused, fused_buffers, is_out_of_memory, static_forward
 
 __all__ = ["CaptureStats", "CudaGraphRunner", "budget_allows", "capture_order"]
 
@@ -75,6 +75,8 @@ class CaptureStats:
     over_budget: int = 0
     lazy_captures: int = 0
     unprepared_forwards: int = 0
+    replay_errors: int = 0
+    """Forwards whose replay raised at run time (not out of memory): the bucket was demoted to unpadded eager."""
     capture_s: float = 0.0
     pool_bytes: int = 0
 
@@ -294,16 +296,23 @@ class CudaGraphRunner:
                     entry = self.capture(key)
                     self.stats.lazy_captures += 1
                     log.info("lazy capture of bucket %s (%d so far): %s", key, self.stats.lazy_captures, entry.mode.value)
-                if entry.mode is RunMode.GRAPH:
-                    self.adapter.fill(entry.buffers, inputs)
-                    entry.graph.replay()
-                    out = self.adapter.unpad(entry.output, inputs).clone()
-                    mode = "graph"
-                elif entry.buffers:  # eager-only: capture failed or over budget
-                    out = static_forward(self.adapter, entry.buffers, inputs)
-                    mode = "static_eager"
-                else:  # dropped after OOM: unpadded eager
-                    out = self.adapter.forward_eager(inputs).clone()
+                try:
+                    if entry.mode is RunMode.GRAPH:
+                        self.adapter.fill(entry.buffers, inputs)
+                        entry.graph.replay()
+                        out = self.adapter.unpad(entry.output, inputs).clone()
+                        mode = "graph"
+                    elif entry.buffers:  # eager-only: capture failed or over budget
+                        out = static_forward(self.adapter, entry.buffers, inputs)
+                        mode = "static_eager"
+                    else:  # dropped after OOM, or demoted after a runtime error: unpadded eager
+                        out = self.adapter.forward_eager(inputs).clone()
+                except RuntimeError as e:
+                    if is_out_of_memory(e) or not (entry.mode is RunMode.GRAPH or entry.buffers):
+                        raise
+                    demote(entry, e, self.metrics)  # e.g. a CUDA error mid-replay: this bucket runs eager from now
+                    self.stats.replay_errors += 1
+                    out, mode = self.adapter.forward_eager(inputs).clone(), "eager"
                 entry.forwards += 1
         self.metrics.record_forward(key, mode)
         return out
@@ -328,9 +337,16 @@ class CudaGraphRunner:
             if not self.fuses(key):
                 raise KeyError(f"bucket {key} holds no fused graph")
             entry = self.entries[key]
-            self.adapter.fill(entry.buffers, inputs)
-            fill_fused(entry.fused, meta, dt)
-            entry.graph.replay()
+            try:
+                self.adapter.fill(entry.buffers, inputs)
+                fill_fused(entry.fused, meta, dt)
+                entry.graph.replay()
+            except RuntimeError as e:
+                if is_out_of_memory(e):
+                    raise
+                demote(entry, e, self.metrics)
+                self.stats.replay_errors += 1
+                raise BucketFault(f"bucket {key}: {entry.note}") from e
             out = self.adapter.unpad(entry.fused["next"], inputs)[: meta.shape[1]].clone()
             entry.forwards += 1
         self.metrics.record_forward(key, "graph")

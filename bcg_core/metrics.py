@@ -50,7 +50,8 @@ class BucketCounters:
     requests served by such a loop (so ``requests - batched_requests`` ran alone).
     ``forwards`` counts every transformer forward; ``replays`` those that replayed a CUDA graph and
     ``unpadded_forwards`` those that ran unpadded and eager (the rest ran eagerly on static buffers).
-    ``captures`` counts CUDA graph captures and ``capture_s`` their seconds. ``steps``, ``step_ms_sum``
+    ``captures`` counts CUDA graph captures and ``capture_s`` their seconds. ``faults`` counts runtime errors
+    of the bucket's padded forward after which it runs unpadded and eager (:func:`bcg_core.runner.demote`). ``steps``, ``step_ms_sum``
     (milliseconds) and ``step_ms_bins`` (non-cumulative counts per bin of :data:`STEP_MS_BOUNDS`, then ``+Inf``)
     describe the latency of the denoising steps run on the bucket.
     """
@@ -67,6 +68,7 @@ class BucketCounters:
     unpadded_forwards: int = 0
     captures: int = 0
     capture_s: float = 0.0
+    faults: int = 0
     steps: int = 0
     step_ms_sum: float = 0.0
     step_ms_bins: list[int] = field(default_factory=lambda: [0] * (len(STEP_MS_BOUNDS) + 1))
@@ -227,6 +229,11 @@ class BucketMetrics:
             c.captures += 1
             c.capture_s += seconds
 
+    def record_fault(self, key: BucketKey) -> None:
+        """Count one runtime error of bucket ``key``'s padded forward (:func:`bcg_core.runner.demote`)."""
+        with self._lock:
+            self._of(key).faults += 1
+
     def record_steps(self, key: BucketKey | None, step_ms: list[float]) -> None:
         """Count denoising steps run on bucket ``key`` (None: a miss), each taking ``step_ms[i]`` milliseconds."""
         if not step_ms:
@@ -276,7 +283,7 @@ class BucketMetrics:
 
         Per bucket: its key and dimensions, ``shape`` (the key without its batch dimension), ``requests``,
         ``hits``, ``forwards``, ``replays`` (forwards that replayed a CUDA graph), ``forwards_by_mode``
-        (:data:`FORWARD_MODES`), ``captures``, ``batches``, ``batched_requests``, ``real_tokens``, ``padded_tokens``,
+        (:data:`FORWARD_MODES`), ``captures``, ``faults`` (runtime errors after which the bucket runs eager), ``batches``, ``batched_requests``, ``real_tokens``, ``padded_tokens``,
         ``padding_waste_pct`` (percent), ``padded_token_ratio`` (padded / real tokens, None with no traffic),
         ``mean_latency_ms`` (per request) and ``step_latency_ms`` (per denoising step,
         :meth:`BucketCounters.step_latency`). ``misses`` holds the same request, token, forward and step
@@ -292,6 +299,7 @@ class BucketMetrics:
                     "latent_hw": list(k.latent_hw) if k.latent_hw else None, "shape": k.shape,
                     "requests": c.requests, "hits": c.hits, "forwards": c.forwards,
                     "replays": c.replays, "forwards_by_mode": c.forwards_by_mode, "captures": c.captures,
+                    "faults": c.faults,
                     "batches": c.batches, "batched_requests": c.batched_requests,
                     "real_tokens": c.real_tokens, "padded_tokens": c.padded_tokens,
                     "padding_waste_pct": round(c.padding_waste_pct, 2),

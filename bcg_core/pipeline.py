@@ -43,7 +43,7 @@ from .metrics import BucketMetrics, token_shares
 from .models import load_model
 from .padding import DenoiseInputs
 from .planner import GenerationRequest, Plan, Planner
-from .runner import BucketRunner, EagerBucketRunner
+from .runner import BucketFault, BucketRunner, EagerBucketRunner
 
 __all__ = ["DiTPipeline", "FusedStats", "GenerationResult", "build_runner", "fused_wanted", "runner_mode"]
 
@@ -160,7 +160,8 @@ class FusedStats:
         host_steps: steps that ran on the host while it was on, by reason: ``no_fused_graph`` (a miss, an
             unpadded eager chunk, a bucket without a fused graph), ``scheduler`` (a request whose scheduler or
             latents the fused update does not cover), ``cfg_pair_split`` (a split put an image's cond and uncond
-            rows in different forwards).
+            rows in different forwards), ``bucket_fault`` (a fused replay raised and its bucket now runs eager,
+            :class:`~bcg_core.runner.BucketFault`).
     """
 
     wanted: bool = False
@@ -319,7 +320,12 @@ class DiTPipeline:
                 lookup = BucketLookup(lookup.query, plan.chunks[0].key)
         if fused or (fused is None and self.fused.on):
             spans = [(lookup.key, inputs.rows)] if plan is None else [(c.key, c.rows) for c in plan.chunks]
-            why = self._fused_step(states, parts, inputs, spans)
+            try:
+                why = self._fused_step(states, parts, inputs, spans)
+            except BucketFault:  # its bucket now runs eager (logged and counted); no request has advanced
+                if fused:
+                    raise
+                why = "bucket_fault"
             if why is None:
                 if not fused:
                     self.fused.steps += 1

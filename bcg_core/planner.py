@@ -177,6 +177,12 @@ class Planner:
             raise RequestError(
                 "num_inference_steps", f"num_inference_steps must be an integer from 1 to {lim.max_steps}, got {steps!r}"
             )
+        work = r.width * r.height * r.n * steps / 1e6
+        if lim.max_megapixel_steps is not None and work > lim.max_megapixel_steps:
+            field = "n" if r.n > 1 else "num_inference_steps" if steps > 1 else "size"
+            raise RequestError(field, f"the request asks for {r.width}x{r.height} x {r.n} images x {steps} steps = "
+                                      f"{work:.0f} megapixel-steps, above limits.max_megapixel_steps "
+                                      f"{lim.max_megapixel_steps:g}; lower n, num_inference_steps or size")
         g = lim.default_guidance_scale if r.guidance_scale is None else r.guidance_scale
         if isinstance(g, bool) or not isinstance(g, (int, float)) or not 0.0 <= g <= lim.max_guidance_scale:
             raise RequestError(
@@ -291,6 +297,9 @@ class Planner:
                 parts.append(("size", f"size {request.width}x{request.height} fits no resolution bucket; served "
                                       f"tiers: {', '.join(t.config.resolutions)} ({rule})"))
             else:
-                parts.append(("prompt", f"prompt needs {lookup.query.text_tokens} text tokens, above the largest "
-                                        f"text bucket {t.text_lengths[-1]}"))
+                q = lookup.query
+                texts = t.texts_for(q.image_tokens, q.latent_hw)
+                where = "" if texts == t.text_lengths else f" of its resolution tier ({list(texts)})"
+                parts.append(("prompt", f"prompt needs {q.text_tokens} text tokens, above the largest "
+                                        f"text bucket{where} {texts[-1]}"))
         return BucketMissError(parts[0][0], "; and ".join(m for _, m in parts), tuple(d.value for d in missed))

@@ -61,6 +61,8 @@ class ProfileRow:
     eager_ms: float
     graph_ms: float
     floor_ms: float
+    pool_bytes: int = 0
+    """Bytes the bucket's capture added to the shared graph pool (0: not captured, or nothing added)."""
 
     @property
     def speedup(self) -> float:

@@ -20,6 +20,7 @@ import enum
 import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+import logging
 from typing import Protocol
 
 import torch
@@ -28,7 +29,41 @@ from .buckets import BucketKey
 from .metrics import BucketMetrics
 from .padding import DenoiseInputs, DiTAdapter
 
-__all__ = ["BucketEntry", "BucketRunner", "EagerBucketRunner", "RunMode", "fill_fused", "fused_buffers", "static_forward"]
+__all__ = ["BucketEntry", "BucketFault", "BucketRunner", "EagerBucketRunner", "RunMode", "demote", "fill_fused",
+           "fused_buffers", "is_out_of_memory", "static_forward"]
+
+
+log = logging.getLogger(__name__)
+
+
+class BucketFault(RuntimeError):
+    """A bucket's padded forward (a graph replay, or the static-buffer forward) raised at run time, other than
+    running out of memory; the bucket now runs unpadded and eager (:func:`demote`). Raised by ``run_fused``, whose
+    caller then runs the step on the host path; ``run`` recovers by itself."""
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """True for a device out-of-memory error (``torch.OutOfMemoryError``, or a ``RuntimeError`` whose message
+    says so, as some allocators raise), which :func:`demote` must not swallow: it is the request's to answer."""
+    return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
+
+
+def demote(entry: "BucketEntry", exc: BaseException, metrics: BucketMetrics) -> None:
+    """After a runtime error in bucket ``entry.key``'s padded forward (a CUDA error mid-replay, say): drop its
+    graph and static buffers, so that every later forward of the bucket runs unpadded and eager, note why (shown in
+    ``/v1/buckets``), count the fault (:meth:`BucketMetrics.record_fault`, ``ray_bcg_bucket_faults_total``) and log
+    it. A sticky CUDA error (the context is lost) fails the eager forward too; that request then fails and the
+    replica's health check restarts it."""
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    entry.mode = RunMode.STATIC_EAGER
+    entry.graph = None
+    entry.output = None
+    entry.buffers = {}
+    entry.fused = None
+    entry.note = f"runs unpadded and eager after a runtime error: {type(exc).__name__}: {first}"[:300]
+    metrics.record_fault(entry.key)
+    log.error("bucket %s: its padded forward raised %s; the bucket now runs unpadded and eager", entry.key,
+              f"{type(exc).__name__}: {first}")
 
 
 class RunMode(enum.Enum):
@@ -210,14 +245,25 @@ class EagerBucketRunner:
                     # Not owned here (routed to a non-owner after the fallback wait): allocate now, counted.
                     entry = self.entries[key] = BucketEntry(key, self.adapter.allocate(key, self.device, self.dtype))
                     self.lazy_prepares += 1
-                out = static_forward(self.adapter, entry.buffers, inputs)
+                mode = "static_eager"
+                try:
+                    if not entry.buffers:
+                        raise LookupError  # demoted after a fault: unpadded
+                    out = static_forward(self.adapter, entry.buffers, inputs)
+                except LookupError:
+                    out, mode = self.adapter.forward_eager(inputs).clone(), "eager"
+                except RuntimeError as e:
+                    if is_out_of_memory(e):
+                        raise
+                    demote(entry, e, self.metrics)
+                    out, mode = self.adapter.forward_eager(inputs).clone(), "eager"
                 entry.forwards += 1
-        self.metrics.record_forward(key, "eager" if key is None or eager else "static_eager")
+        self.metrics.record_forward(key, "eager" if key is None or eager else mode)
         return out
 
     def fuses(self, key: BucketKey) -> bool:
         """True for a prepared bucket of a runner built with ``fused=True``."""
-        return self.fused and key in self.entries
+        return self.fused and key in self.entries and bool(self.entries[key].buffers)
 
     @torch.inference_mode()
     def run_fused(self, key: BucketKey, inputs: DenoiseInputs, meta: torch.Tensor, dt: torch.Tensor) -> torch.Tensor:
@@ -233,12 +279,20 @@ class EagerBucketRunner:
             entry = self.entries.get(key) if self.fused else None
             if entry is None:
                 raise KeyError(f"bucket {key} has no fused step here")
+            if not entry.buffers:
+                raise KeyError(f"bucket {key} has no fused step here: {entry.note}")
             if entry.fused is None:
                 entry.fused = fused_buffers(key.batch, self.device)
-            self.adapter.fill(entry.buffers, inputs)
-            fill_fused(entry.fused, meta, dt)
-            out = self.adapter.forward(entry.buffers)
-            nxt = fused_update(out, entry.buffers["latents"], entry.fused["meta"], entry.fused["dt"])
+            try:
+                self.adapter.fill(entry.buffers, inputs)
+                fill_fused(entry.fused, meta, dt)
+                out = self.adapter.forward(entry.buffers)
+                nxt = fused_update(out, entry.buffers["latents"], entry.fused["meta"], entry.fused["dt"])
+            except RuntimeError as e:
+                if is_out_of_memory(e):
+                    raise
+                demote(entry, e, self.metrics)
+                raise BucketFault(f"bucket {key}: {entry.note}") from e
             result = self.adapter.unpad(nxt, inputs)[: meta.shape[1]].clone()
             entry.forwards += 1
         self.metrics.record_forward(key, "static_eager")

@@ -79,12 +79,13 @@ import torch
 
 from .buckets import BucketKey, BucketLookup, Dim
 from .costs import DECISIONS, Chunk, CostModel, ForwardPlan
-from .errors import RequestCancelled
+from .errors import RequestCancelled, ServiceUnavailable
 from .families import RequestState
 from .load import LoadMeter
 from .metrics import token_shares
 from .images import encode_image, resize_image
 from .pipeline import DiTPipeline, GenerationResult, elapsed_ms, timing_mark
+from .runner import is_out_of_memory
 from .planner import GenerationRequest, Plan
 from .preview import PartialImage, preview_steps
 
@@ -170,6 +171,7 @@ class _ShapeStats:
     completed: int = 0
     cancelled: int = 0
     cancelled_waiting: int = 0
+    expired: int = 0
     failed: int = 0
     waits_ms: deque = dataclasses.field(default_factory=lambda: deque(maxlen=_WAITS_KEPT))
     wait_ms_sum: float = 0.0
@@ -210,6 +212,9 @@ class StepScheduler:
         decode_batch_images: most images of one decode call.
         encode_threads: PNG encoder threads.
         fair_wait_s: a request waiting longer than this for admission holds back every later request.
+        max_queue_wait_s: a request not admitted within this many seconds is answered
+            :class:`~bcg_core.errors.ServiceUnavailable` (503 with Retry-After) and counted as ``expired``; None: no
+            deadline.
         meter: load meter (arrivals, running requests and completions per shape) for autoscaling.
 
     Raises:
@@ -218,7 +223,7 @@ class StepScheduler:
 
     def __init__(self, pipeline: DiTPipeline, costs: CostModel | None = None, max_rows: int = 64,
                  memory_budget_bytes: int | None = None, decode_batch_images: int = 8, encode_threads: int = 4,
-                 fair_wait_s: float = 2.0, meter: LoadMeter | None = None):
+                 fair_wait_s: float = 2.0, meter: LoadMeter | None = None, max_queue_wait_s: float | None = None):
         if max_rows < 1 or decode_batch_images < 1 or encode_threads < 1:
             raise ValueError("max_rows, decode_batch_images and encode_threads must be at least 1")
         if fair_wait_s < 0:
@@ -228,6 +233,7 @@ class StepScheduler:
         self.memory_budget_bytes = memory_budget_bytes
         self.decode_batch_images = int(decode_batch_images)
         self.fair_wait_s = float(fair_wait_s)
+        self.max_queue_wait_s = None if max_queue_wait_s is None else float(max_queue_wait_s)
         self.meter = meter if meter is not None else LoadMeter()
         graphs = getattr(pipeline.runner, "graph_count", None) is not None
         self._fallback = CostModel.token_model(pipeline.table.keys, graphs=graphs)
@@ -248,6 +254,7 @@ class StepScheduler:
         self._bytes_per_row: dict[tuple, float] = {}
         self._stats: dict[str, _ShapeStats] = {}
         self._iterations = 0
+        self._oom_steps = 0
         self._spans: deque = deque()  # (start, end, key, states) of steps not yet recorded
         self._busy_s = 0.0
         self._closed = False
@@ -275,7 +282,7 @@ class StepScheduler:
         r = pipeline.config.runner
         window = pipeline.config.autoscaling.look_back_period_s
         sched = cls(pipeline, costs, max_rows=r.max_rows_in_flight, decode_batch_images=r.decode_batch_images,
-                    encode_threads=r.encode_threads, fair_wait_s=r.fair_wait_s,
+                    encode_threads=r.encode_threads, fair_wait_s=r.fair_wait_s, max_queue_wait_s=r.max_queue_wait_s,
                     meter=LoadMeter(window_s=window, snapshot_s=min(0.5, window)))
         sched.measure_memory_budget()
         return sched
@@ -482,6 +489,15 @@ class StepScheduler:
                 self._stat(item.shape).cancelled_waiting += 1
                 self._resolve(item, RequestCancelled("the request was cancelled by its caller"))
                 continue
+            if self.max_queue_wait_s is not None and now - item.submitted > self.max_queue_wait_s:
+                self._waiting.remove(item)
+                self._stat(item.shape).expired += 1
+                retry = self.pipeline.config.routing.retry_after_s
+                self._resolve(item, ServiceUnavailable(
+                    "request", f"the request waited {now - item.submitted:.0f} s in the replica's queue without "
+                    f"starting, past runner.max_queue_wait_s {self.max_queue_wait_s:g}; retry after {retry:g} s",
+                    retry_after_s=retry))
+                continue
             if item.group in held:
                 continue
             known = item.group in self._bytes_per_row
@@ -605,7 +621,18 @@ class StepScheduler:
         try:
             lookup = self.pipeline.step(states, plan)
         except Exception as e:
-            log.exception("a step of %d requests (shape %s) failed", len(items), shape)
+            if is_out_of_memory(e):
+                # the requests of this step are answered 503 with Retry-After; the replica goes on serving
+                self._oom_steps += 1
+                log.warning("a step of %d requests (shape %s) ran out of GPU memory; answering them 503: %s",
+                            len(items), shape, str(e).splitlines()[0] if str(e) else type(e).__name__)
+                if self._cuda:
+                    torch.cuda.empty_cache()
+                retry = self.pipeline.config.routing.retry_after_s
+                e = ServiceUnavailable("request", f"the GPU ran out of memory during this request's denoising step; "
+                                       f"retry after {retry:g} s", retry_after_s=retry)
+            else:
+                log.exception("a step of %d requests (shape %s) failed", len(items), shape)
             for item in items:
                 self._retire(item, e, failed=True)
             return
@@ -962,7 +989,7 @@ class StepScheduler:
                     "real_tokens": st.real_tokens, "computed_tokens": st.computed_tokens,
                     "padded_token_waste": round(1 - st.real_tokens / st.computed_tokens, 4) if st.computed_tokens else 0.0,
                     "admitted": st.admitted, "completed": st.completed, "cancelled": st.cancelled, "failed": st.failed,
-                    "cancelled_waiting": st.cancelled_waiting,
+                    "cancelled_waiting": st.cancelled_waiting, "expired": st.expired,
                     "queue_wait_ms": {"sum": st.wait_ms_sum,
                                       "mean": round(st.wait_ms_sum / st.admitted, 2) if st.admitted else None,
                                       "p50": _percentile(waits, 50), "p99": _percentile(waits, 99),
@@ -980,7 +1007,7 @@ class StepScheduler:
                 "bytes_in_flight": self._bytes_in_flight, "memory_budget_bytes": self.memory_budget_bytes,
                 "waiting": len(self._waiting), "starting": len(self._starting),
                 "running": sum(len(g) for g in self._running.values()), "finishing": len(self._finishing),
-                "iterations": self._iterations, "busy_s": round(self._busy_s, 3),
+                "iterations": self._iterations, "busy_s": round(self._busy_s, 3), "oom_steps": self._oom_steps,
                 "decode_batch_images": self.decode_batch_images, "fair_wait_s": self.fair_wait_s,
                 "forwards": {k: forwards.get(k, 0) for k in FORWARD_KINDS},
                 "decisions": {k: decisions.get(k, 0) for k in DECISIONS},

@@ -79,7 +79,7 @@ def boundary_cases(table: BucketTable, limits: LimitsConfig) -> list[BoundaryCas
             below = [max(under, key=lambda g: g[0] * g[1])] if under else []
             smallest = [min(mapped, key=lambda g: g[0] * g[1])]
             image = sorted({*exact, *below, *smallest})
-        prev_s = max([s for s in table.text_lengths if s < key.text_tokens], default=0)
+        prev_s = max([s for s in table.texts_for(key.image_tokens, key.latent_hw) if s < key.text_tokens], default=0)
         texts = sorted({key.text_tokens} if table.rules.native_text_tokens else
                        {key.text_tokens, key.text_tokens - 1, prev_s + 1} - {0})
         for r, g, s in itertools.product(rows, image, texts):

@@ -24,7 +24,8 @@ on 127.0.0.1) and stopped with ``deployments.local.stop_local`` before the next 
 - ``request``: bcg-serve with request-level micro-batching, ``runner: {scheduler: request}``.
 - ``planned`` (only when asked for in ``--servers``): the step scheduler on the table ``bcg plan`` chooses for the
   same model and limits from the packaged krea sample at ``--steps`` steps, at most ``--plan-max-graphs`` graphs
-  (:func:`planned_buckets`). Each server's entry records its table's graphs, capture seconds and pool MiB.
+  (:func:`planned_buckets`; ``--plan-costs measure``: on costs the planner measures on this GPU itself, ``bcg plan
+  --measure``). Each server's entry records its table's graphs, capture seconds and pool MiB.
 - ``step``: bcg-serve with the step scheduler, ``runner: {scheduler: step}`` (``bcg_core/step_scheduler.py``).
   If ``GET /v1/buckets`` then has no top-level ``scheduler`` section, the replica did not report a step
   scheduler: a warning is printed and the JSON says so (``scheduler_reported: false``).
@@ -446,14 +447,19 @@ def base_config(model_config: dict, spec, count_tokens, requests: list, steps: i
     return cfg
 
 
-def planned_buckets(base: dict, steps: int, max_graphs: int) -> dict:
+def planned_buckets(base: dict, steps: int, max_graphs: int, measure: bool = False) -> dict:
     """The ``buckets`` that ``bcg plan`` chooses for ``base``'s model and limits on the packaged krea sample at
-    ``steps`` steps with at most ``max_graphs`` graphs (``bcg_core/bucket_plan.py``; token-count costs)."""
+    ``steps`` steps with at most ``max_graphs`` graphs (``bcg_core/bucket_plan.py``): with ``measure`` on costs
+    the planner measures on this GPU (``bcg plan --measure``), else on the token-count model. The plan's cost
+    source is in ``buckets.plan.costs``."""
     from bcg_core.bucket_plan import krea_rows, plan_buckets, traffic_from_rows
     from bcg_core.config import ServeConfig
+    from deployments.commands import measure_plan_costs
 
     config = ServeConfig.model_validate(base)
-    plan = plan_buckets(config, traffic_from_rows(config, krea_rows(), steps=steps), max_graphs=max_graphs)
+    traffic = traffic_from_rows(config, krea_rows(), steps=steps)
+    costs = measure_plan_costs(config, traffic) if measure else None
+    plan = plan_buckets(config, traffic, costs, max_graphs=max_graphs)
     return plan.buckets.model_dump(mode="json")
 
 
@@ -829,6 +835,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="subset of naive,request,step,planned (planned: the step scheduler on the table bcg plan "
                     "chooses from the packaged krea sample)")
     ap.add_argument("--plan-max-graphs", type=int, default=12, help="graph cap of the planned table (default 12)")
+    ap.add_argument("--plan-costs", choices=("measure", "token-count"), default="token-count",
+                    help="costs of the planned table: measured on this GPU (bcg plan --measure) or the token-count "
+                    "model (default)")
     ap.add_argument("--port", type=int, default=0, help="HTTP port on 127.0.0.1 (0: a free one)")
     ap.add_argument("--size", help="send every request at this WxH size instead of its own")
     ap.add_argument("--batch-sizes", type=lambda s: [int(x) for x in s.split(",")],
@@ -895,7 +904,8 @@ def main(argv: list[str] | None = None) -> int:
         sent = reqs + warm + c1
         base = base_config(model_cfg, spec, counter, sent, args.steps, args.batch_sizes, args.text_lengths)
         configs, overrides = {}, {}
-        planned = planned_buckets(base, args.steps, args.plan_max_graphs) if "planned" in args.servers else None
+        planned = (planned_buckets(base, args.steps, args.plan_max_graphs, args.plan_costs == "measure")
+                   if "planned" in args.servers else None)
         for name in args.servers if "naive" in args.servers else [*args.servers, "naive"]:
             overrides[name] = server_overrides(name, base, spec, sent, args.concurrency, args.naive_max_ongoing,
                                                planned)

@@ -13,7 +13,10 @@ a graph-replaying replica unless a ``bcg profile --json`` file is given). Models
 - ``tiny``: the embedded default (FLUX layout: token-count keyed, unmasked 256-token text);
 - ``pixart``: the tests/tiny PixArt-Sigma checkpoint (aspect-ratio bins of its 256 px size, masked text up to
   300 tokens; its stand-in T5 tokenizer counts more tokens than the real one), against the table the tests
-  give it (bins 256x256, 304x208, 208x304; text 16, 32, 64, 300).
+  give it (bins 256x256, 304x208, 208x304; text 16, 32, 64, 300);
+- ``pixart-512``: the same tiny checkpoint with ``sample_size`` 64, so that its aspect-ratio bins are those of
+  PixArt-Sigma-XL-2-512-MS (what ``bench_saturation.py --model pixart-512`` serves), against the GPU benchmark's
+  table: the default tiers at their bins (512x512, 416x608, 608x416), one 256-token text bucket.
 
 Run: ``python benchmarks/plan_heldout.py --out docs/bench/<date>_plan_heldout_cpu.json`` (a few seconds).
 """
@@ -42,6 +45,11 @@ def _config(name: str, folder: Path) -> ServeConfig:
         return ServeConfig.model_validate({"model": {"device": "cuda"}})  # planned for a GPU replica
     from tiny.pixart import build
 
+    if name == "pixart-512":  # the 512 px aspect-ratio bins of PixArt-Sigma-XL-2-512-MS; the GPU benchmark's table
+        path = build(folder / name, sample_size=64)
+        return ServeConfig.model_validate({"model": {"path": str(path), "device": "cuda"},
+                                           "buckets": {"resolutions": ["512x512", "416x608", "608x416"],
+                                                       "text_lengths": [256]}})
     path = build(folder / "pixart")
     return ServeConfig.model_validate({"model": {"path": str(path), "device": "cuda"}, "limits": {"min_side_px": 128},
                                        "buckets": {"resolutions": ["256x256", "304x208", "208x304"],
@@ -101,7 +109,7 @@ def render(result: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", default="tiny,pixart")
+    ap.add_argument("--models", default="tiny,pixart,pixart-512")
     ap.add_argument("--max-graphs", type=int, default=12)
     ap.add_argument("--steps", type=int, default=20, help="every request's steps (krea's are SD 1.x steps)")
     ap.add_argument("--trace", help="a GenTD26-style CSV (default: the packaged burst)")

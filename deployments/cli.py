@@ -163,6 +163,20 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def error_text(exc: BaseException) -> str:
+    """One line for an error: a pydantic ``ValidationError`` (a bad configuration) as ``field.path: message``
+    per error joined with ``;``, without pydantic's type names and documentation links; anything else as it is."""
+    from pydantic import ValidationError
+
+    if isinstance(exc, ValidationError):
+        parts = []
+        for e in exc.errors():
+            where = ".".join(str(x) for x in e.get("loc", ())) or "config"
+            parts.append(f"{where}: {str(e.get('msg', '')).removeprefix('Value error, ')}")
+        return f"invalid configuration: {'; '.join(parts)}"
+    return str(exc)
+
+
 def _load(path: str | None) -> ServeConfig:
     return load_config(config_path=path) if path else ServeConfig()
 
@@ -193,9 +207,10 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                              f"gentd26:{args.trace}" if args.traffic == "gentd26" else args.traffic)
     try:
         config = _load(args.config)
-        plan, default = run_plan(config, source, args.budget_mib, args.max_graphs, args.profile, args.steps, args.krea)
-    except (ValueError, OSError) as exc:
-        print(f"bcg plan: error: {exc}", file=sys.stderr)
+        plan, default = run_plan(config, source, args.budget_mib, args.max_graphs, args.profile, args.steps, args.krea,
+                                 measure=args.measure)
+    except (ValueError, OSError, RuntimeError) as exc:
+        print(f"bcg plan: error: {error_text(exc)}", file=sys.stderr)
         return 2
     if args.write:
         planned = config.model_copy(update={"buckets": plan.buckets})
@@ -300,8 +315,8 @@ def _parser() -> argparse.ArgumentParser:
                         "traffic sample: the packaged krea CSV (default), the packaged GenTD26 burst or a GenTD26-"
                         "style CSV (image counts joined with krea sizes), or a running server's recorded shape "
                         "histogram (--from URL) or an exported one (--from FILE). The objective is the expected GPU "
-                        "time per image (bcg_core/bucket_plan.py); costs from a `bcg profile --json` file, else the "
-                        "token-count model. Prints the chosen buckets with their share of requests and waste.")
+                        "time per image (bcg_core/bucket_plan.py); costs measured on this GPU (--measure), from a `bcg "
+                        "profile --json` file, else the token-count model. Prints the chosen buckets with their share of requests and waste.")
     pl.add_argument("--config", default=None, metavar="PATH",
                     help="ServeConfig YAML/JSON: the model, limits and current table (default: embedded)")
     pl.add_argument("--traffic", choices=("krea", "gentd26"), default="krea", help="packaged sample (default krea)")
@@ -314,6 +329,9 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--max-graphs", type=_bounded_int(1, 4096), default=12, metavar="N",
                     help="most graphs per replica (default 12)")
     pl.add_argument("--profile", default=None, metavar="JSON", help="measured bucket costs (`bcg profile --json`)")
+    pl.add_argument("--measure", action="store_true",
+                    help="profile a few buckets of the sample on this machine's CUDA GPU and plan with the fitted "
+                    "costs (needs the model's weights and a GPU)")
     pl.add_argument("--steps", type=_bounded_int(1), default=None, metavar="S",
                     help="every request's denoising steps instead of the sample's")
     pl.add_argument("--write", default=None, metavar="PATH", help="write the config with the planned buckets")
@@ -337,7 +355,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return args.func(args)
     except (ValueError, OSError, TimeoutError) as exc:
-        print(f"bcg {args.command}: error: {exc}", file=sys.stderr)
+        print(f"bcg {args.command}: error: {error_text(exc)}", file=sys.stderr)
         return 2
     except RuntimeError as exc:  # e.g. Ray cannot bind the port, or a replica failed to start
         print(f"bcg {args.command}: error: {str(exc).strip().splitlines()[-1]}", file=sys.stderr)

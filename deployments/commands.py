@@ -19,7 +19,7 @@ from bcg_core.config import ServeConfig
 from bcg_core.pipeline import DiTPipeline
 from bcg_core.verify import BoundaryCase, boundary_cases, verify_runner
 
-__all__ = ["RTOL", "load_plan_traffic", "plot_plan", "run_plan", "run_profile", "run_verify"]
+__all__ = ["RTOL", "load_plan_traffic", "measure_plan_costs", "plot_plan", "run_plan", "run_profile", "run_verify"]
 
 RTOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 1e-2}
 """Relative tolerance of padded vs unpadded per dtype (docs/DESIGN.md section 4: fp32 ~1e-5, bf16 ~1e-2; bf16 here
@@ -125,13 +125,15 @@ def run_profile(config: ServeConfig, buckets: list[str] | None = None, iters: in
         table.add_row(r.key, str(r.kernels), f"{r.eager_ms:.2f}", f"{r.graph_ms:.2f}", f"{r.floor_ms:.2f}",
                       f"{r.speedup:.2f}", r.verdict)
     console.print(table)
+    pools = {d["key"]: d.get("pool_bytes", 0) for d in pipe.runner.describe()}
+    for r in rows:
+        r.pool_bytes = int(pools.get(r.key) or 0)
     if json_path:
         import dataclasses
         import json
 
-        pools = {d["key"]: d.get("pool_bytes", 0) for d in pipe.runner.describe()}
         out = {"model": model.model_name, "gpu": torch.cuda.get_device_name(),
-               "buckets": [{**dataclasses.asdict(r), "pool_bytes": pools.get(r.key, 0)} for r in rows]}
+               "buckets": [dataclasses.asdict(r) for r in rows]}
         with open(json_path, "w", encoding="utf-8") as f:
             json.dump(out, f, indent=1)
         console.print(f"wrote {json_path}")
@@ -199,9 +201,44 @@ def load_plan_traffic(config: ServeConfig, source: str, steps: int | None = None
     return traffic
 
 
+def measure_plan_costs(config: ServeConfig, traffic, iters: int = 5, console=None):
+    """The planner's own profile on a GPU (``bcg plan --measure``): capture and time the few buckets of
+    :func:`bcg_core.bucket_plan.profile_buckets` (the sample's smallest, most requested and largest tier, its
+    median text, 1 row and the most rows), then fit the plan's cost lines to them
+    (:func:`bcg_core.bucket_plan.costs_from_profile`: replay and eager milliseconds per token, pool bytes per token).
+
+    Returns:
+        A :class:`~bcg_core.bucket_plan.PlanCosts` whose ``source`` names the GPU.
+
+    Raises:
+        RuntimeError: without CUDA (the plan then uses the token-count model, or ``--profile`` output measured
+            elsewhere).
+    """
+    import dataclasses
+    import gc
+
+    from bcg_core import bucket_plan as bp
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("bcg plan --measure needs a CUDA GPU to time bucket replays; without one leave --measure "
+                           "out (the token-count model stands in) or give --profile with `bcg profile --json` output "
+                           "measured on the serving GPU")
+    measured = config.model_copy(update={"buckets": bp.profile_buckets(config, traffic)})
+    rows = run_profile(measured, iters=iters, console=console)
+    gc.collect()
+    torch.cuda.empty_cache()  # the profile's pipeline and pool are gone: give the memory back
+    costs = bp.costs_from_profile([dataclasses.asdict(r) for r in rows], bp.PlanCosts.token_count(config))
+    return bp.replace(costs, source=f"profile (measured by bcg plan --measure on {torch.cuda.get_device_name()}, "
+                                    f"{len(rows)} buckets)")
+
+
 def run_plan(config: ServeConfig, source: str = "krea", budget_mib: float | None = None, max_graphs: int = 12,
-             profile: str | None = None, steps: int | None = None, krea: str | None = None, console=None):
+             profile: str | None = None, steps: int | None = None, krea: str | None = None, console=None,
+             measure: bool = False):
     """Plan the bucket table for a traffic sample and print it (``bcg plan``).
+
+    Costs: ``measure`` profiles buckets on this machine's GPU (:func:`measure_plan_costs`); ``profile`` reads
+    ``bcg profile --json`` output; otherwise the token-count model stands in. The report names which.
 
     Returns:
         The :class:`~bcg_core.bucket_plan.BucketPlan`.
@@ -219,6 +256,10 @@ def run_plan(config: ServeConfig, source: str = "krea", budget_mib: float | None
     console = console or Console()
     traffic = load_plan_traffic(config, source, steps, krea)
     costs = bp.PlanCosts.token_count(config)
+    if measure and profile:
+        raise ValueError("--measure profiles buckets itself: give it or --profile, not both")
+    if measure:
+        costs = measure_plan_costs(config, traffic, console=console)
     if profile:
         try:
             with open(profile, encoding="utf-8") as f:
@@ -246,6 +287,8 @@ def run_plan(config: ServeConfig, source: str = "krea", budget_mib: float | None
     console.print(f"chosen: {s.graphs} graphs, {s.ms_per_image:.2f} ms per image (expected), waste {s.waste:.1%}, "
                   f"pool ~{s.pool_bytes / 2**20:.0f} MiB, misses {s.miss_share:.1%}")
     console.print(f"  batch_sizes: {b.batch_sizes}\n  resolutions: {b.resolutions}\n  text_lengths: {b.text_lengths}")
+    if b.text_lengths_by_resolution:
+        console.print(f"  text_lengths_by_resolution: {b.text_lengths_by_resolution}")
     console.print(f"current table: {default.graphs} graphs, {default.ms_per_image:.2f} ms per image, waste "
                   f"{default.waste:.1%}, misses {default.miss_share:.1%}")
     if traffic.refused:

@@ -54,7 +54,7 @@ from ray.serve.exceptions import BackPressureError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from bcg_core.config import MissPolicy, ServeConfig
-from bcg_core.errors import BucketMissError, RequestError
+from bcg_core.errors import BucketMissError, RequestError, ServiceUnavailable
 from bcg_core.images import IMAGE_FORMATS
 from bcg_core.pipeline import GenerationResult
 from bcg_core.planner import GenerationRequest, Plan, Planner
@@ -62,7 +62,7 @@ from bcg_core.preview import PartialImage
 from bcg_core.traffic import TrafficHistogram
 
 from .auth import ApiKeys
-from .routing import Overloaded, ReplicaUnavailable, call_dit, stream_dit
+from .routing import call_dit, stream_dit
 from .schemas import (
     BcgInfo,
     ErrorBody,
@@ -512,7 +512,7 @@ class Ingress:
         except Exception as exc:  # noqa: BLE001 - every failure is answered, the server keeps serving
             found = find_request_error(exc)
             if found is not None:
-                if isinstance(found, (Overloaded, ReplicaUnavailable)):
+                if isinstance(found, ServiceUnavailable):
                     return unavailable_response(found.message, found.retry_after_s, param=found.field)
                 return error_response(found.status, found.message, param=found.field)
             logger.exception("generation failed")

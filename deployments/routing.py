@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from ray.exceptions import RayActorError
 from ray.serve.exceptions import BackPressureError
 
-from bcg_core.errors import RequestError
+from bcg_core.errors import RequestError, ServiceUnavailable
 from bcg_core.pipeline import GenerationResult
 from bcg_core.planner import Plan
 
@@ -25,35 +25,13 @@ __all__ = ["Overloaded", "ReplicaUnavailable", "Routed", "bucket_shape", "call_d
 logger = logging.getLogger("ray.serve")
 
 
-class Overloaded(RequestError):
-    """Every DiT replica is busy and the caller's queue is full (HTTP 503 with ``Retry-After``).
-
-    Attributes:
-        retry_after_s: seconds the client should wait before retrying.
-    """
-
-    def __init__(self, field: str, message: str, status: int = 503, retry_after_s: float = 2.0):
-        super().__init__(field, message, status)
-        self.retry_after_s = retry_after_s
-
-    def __reduce__(self):
-        return (type(self), (self.field, self.message, self.status, self.retry_after_s))
+class Overloaded(ServiceUnavailable):
+    """Every DiT replica is busy and the caller's queue is full (HTTP 503 with ``Retry-After``)."""
 
 
-class ReplicaUnavailable(RequestError):
+class ReplicaUnavailable(ServiceUnavailable):
     """Every attempt hit a replica that died before answering (HTTP 503 with ``Retry-After``: the client may
-    retry once a replacement is up).
-
-    Attributes:
-        retry_after_s: seconds the client should wait before retrying.
-    """
-
-    def __init__(self, field: str, message: str, status: int = 503, retry_after_s: float = 2.0):
-        super().__init__(field, message, status)
-        self.retry_after_s = retry_after_s
-
-    def __reduce__(self):
-        return (type(self), (self.field, self.message, self.status, self.retry_after_s))
+    retry once a replacement is up)."""
 
 
 def bucket_shape(plan: Plan) -> str:

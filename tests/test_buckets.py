@@ -145,3 +145,45 @@ def test_parse_size_and_policy_defaults():
     with pytest.raises(ValueError):
         parse_size("512")
     assert BucketConfig().miss_policy is MissPolicy.EAGER
+
+
+def test_a_tier_with_its_own_text_buckets_rounds_its_text_among_them():
+    """``text_lengths_by_resolution``: 512x512 has fine text buckets, the other tiers the coarse ``text_lengths``;
+    every lookup agrees with a brute-force round-up among its tier's own buckets."""
+    t = _table(text_lengths=[128], text_lengths_by_resolution={"512x512": [32, 64, 128]}, image_padding="exact")
+    assert t.text_lengths == (32, 64, 128)
+    assert t.texts_for(1024) == (32, 64, 128) and t.texts_for(1536) == (128,) and t.texts_for(256) == (128,)
+    assert len(t) == 4 * (1 + 3 + 1) and len(set(t.keys)) == len(t)
+    for tokens, texts in ((256, (128,)), (1024, (32, 64, 128)), (1536, (128,))):
+        for text in (1, 31, 32, 33, 64, 65, 128, 129):
+            lk = t.lookup(ShapeQuery(2, tokens, text))
+            want = _brute_up(texts, text)
+            if want is None:
+                assert lk.missed == (Dim.TEXT,)
+            else:
+                assert lk.key == BucketKey(2, tokens, want), (tokens, text)
+    # a masked size between tiers takes the text buckets of the tier it pads into
+    m = _table(text_lengths=[128], text_lengths_by_resolution={"512x512": [32, 128]})
+    assert m.lookup(ShapeQuery(1, 900, 20)).key == BucketKey(1, 1024, 32, image_mask=True)
+    assert m.lookup(ShapeQuery(1, 1100, 20)).key == BucketKey(1, 1536, 128, image_mask=True)
+    assert m.describe_limits()["text_tokens_by_resolution"] == {"512x512": [32, 128]}
+    g = _table(GRID_RULES, text_lengths=[128], text_lengths_by_resolution={"512x768": [64, 128]})
+    assert g.lookup(ShapeQuery(1, 1536, 50, (48, 32))).key == BucketKey(1, 1536, 64, (48, 32))
+    assert g.lookup(ShapeQuery(1, 1024, 50, (32, 32))).key == BucketKey(1, 1024, 128, (32, 32))
+
+
+@pytest.mark.parametrize("by_res,needle", [
+    ({"640x640": [32]}, "not in resolutions"),
+    ({"512x512": [64, 32]}, "strictly ascending"),
+    ({"512x512": []}, "at least one value"),
+    ({"big": [32]}, "big"),
+])
+def test_bad_per_tier_text_buckets_are_rejected_naming_the_fix(by_res, needle):
+    with pytest.raises(ValidationError, match=needle):
+        BucketConfig(resolutions=["256x256", "512x512"], text_lengths=[128], text_lengths_by_resolution=by_res)
+
+
+def test_fixed_length_text_model_rejects_per_tier_text_buckets():
+    native = ShapeRules(pixels_per_token=16, grid_keyed=False, native_text_tokens=256)
+    with pytest.raises(ValueError, match=r"use text_lengths: \[256\] and no text_lengths_by_resolution"):
+        _table(native, text_lengths=[256], text_lengths_by_resolution={"512x512": [64, 256]})

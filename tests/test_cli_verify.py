@@ -36,3 +36,20 @@ def test_verify_rejects_an_unknown_bucket(small_config, capsys):
 def test_profile_without_cuda_says_it_needs_a_gpu(small_config, capsys):
     assert main(["profile", "--config", small_config]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_a_bad_configuration_is_one_line_per_field_with_the_fix(tmp_path, capsys):
+    """Config errors name each field by its path and say what is allowed, on one line, without pydantic's type
+    names and links."""
+    from deployments.cli import main
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("buckets: {batch_sizes: [2, 1], text_lengths_by_resolution: {'640x640': [32]}}\n"
+                   "model: {dtype: int8}\n")
+    for command in (["plan"], ["verify"]):
+        assert main([*command, "--config", str(bad)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and "errors.pydantic.dev" not in err and "type=" not in err
+        assert err.startswith(f"bcg {command[0]}: error: invalid configuration: ")
+        assert "model.dtype: Input should be 'float32', 'bfloat16' or 'float16'" in err
+        assert "buckets.batch_sizes: batch_sizes [2, 1] must be strictly ascending without repeats; use [1, 2]" in err

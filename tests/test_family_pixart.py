@@ -200,3 +200,20 @@ def test_a_prompt_longer_than_the_largest_text_bucket_names_the_bucket_and_the_f
     assert e.value.field == "prompt"
     assert "largest text bucket (buckets.text_lengths) holds 64 tokens" in e.value.message
     assert "add a larger text bucket (up to 300)" in e.value.message
+
+
+def test_per_tier_text_buckets_pad_each_tier_to_its_own_buckets_and_equal_diffusers(folder):
+    """``text_lengths_by_resolution``: the 256x256 bin has text buckets 16, 32 and 64, the other bins only 64. A
+    short prompt pads to 16 at 256x256 and to 64 at the 304x208 bin; both images equal diffusers', and every
+    bucket of the table passes ``bcg verify`` (padded against unpadded forwards, CPU static eager)."""
+    from deployments.commands import run_verify
+
+    pipe = bcg_pipeline(folder, {**BUCKETS, "batch_sizes": [2], "text_lengths": [64],
+                                 "text_lengths_by_resolution": {"256x256": [16, 32, 64]}})
+    assert len(pipe.table) == 3 + 1 + 1
+    for (w, h), want in (((256, 256), 16), ((300, 200), 64)):
+        req = GenerationRequest(prompt="a red cube", n=1, width=w, height=h, num_inference_steps=2,
+                                guidance_scale=4.5, seed=3)
+        assert pipe.planner.plan(req).lookup.key.text_tokens == want
+        assert_same(bcg_run(pipe, req), diffusers_run(PixArtSigmaPipeline, folder, req))
+    assert run_verify(pipe.config)

@@ -158,6 +158,8 @@ BAD_INPUTS = [
     ("prompt-too-many-chars", {"prompt": LONG_CHARS}, 422, "prompt", ["'prompt'", "4000 characters"]),
     ("steps-zero", {"prompt": "x", "num_inference_steps": 0}, 422, "num_inference_steps", ["1 to 50"]),
     ("steps-over", {"prompt": "x", "num_inference_steps": 51}, 422, "num_inference_steps", ["1 to 50"]),
+    ("work-over", {"prompt": "x", "size": "2048x2048", "n": 10, "num_inference_steps": 50}, 422, "n",
+     ["2097 megapixel-steps", "limits.max_megapixel_steps 1000", "lower n, num_inference_steps or size"]),
     ("guidance-negative", {"prompt": "x", "guidance_scale": -1}, 422, "guidance_scale", ["0 to 30"]),
     ("guidance-over", {"prompt": "x", "guidance_scale": 30.5}, 422, "guidance_scale", ["0 to 30"]),
     ("guidance-string", {"prompt": "x", "guidance_scale": "high"}, 422, "guidance_scale", ["0 to 30"]),

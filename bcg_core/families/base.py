@@ -146,8 +146,8 @@ class ModelSpec:
             ValueError: a text bucket above :attr:`max_text_tokens`, or a resolution whose token grid exceeds
                 :attr:`max_grid_side`; the message names the values allowed.
         """
-        if self.max_text_tokens is not None and config.text_lengths[-1] > self.max_text_tokens:
-            raise ValueError(f"text_lengths {list(config.text_lengths)}: {self.pipeline_class} feeds at most "
+        if self.max_text_tokens is not None and config.all_text_lengths()[-1] > self.max_text_tokens:
+            raise ValueError(f"text_lengths {config.all_text_lengths()}: {self.pipeline_class} feeds at most "
                              f"{self.max_text_tokens} text tokens, so a larger bucket never fills; use text_lengths "
                              f"up to {self.max_text_tokens}")
         if self.max_grid_side is not None:

@@ -147,7 +147,11 @@ def _caption_pipeline(tokenizer):
 def _kept_tokens(pipe, prompt: str) -> int:
     """T5 tokens of ``prompt`` that ``encode_prompt`` keeps unmasked: the same preprocessing
     (``_text_preprocessing(clean_caption=True)``) and tokenizer call, the mask's count."""
-    text = pipe._text_preprocessing(prompt, clean_caption=True)
+    from diffusers.utils import is_bs4_available, is_ftfy_available
+
+    # what clean_caption=True does, without the two warnings diffusers logs for every prompt when bs4 or ftfy is
+    # missing (it then falls back to clean_caption=False, as asked for here)
+    text = pipe._text_preprocessing(prompt, clean_caption=is_bs4_available() and is_ftfy_available())
     ids = pipe.tokenizer(text, padding="max_length", max_length=PIXART_SIGMA_MAX_TEXT_TOKENS, truncation=True,
                          add_special_tokens=True, return_tensors="pt")
     return int(ids.attention_mask.sum())
