@@ -8,6 +8,7 @@ adds it, and deletes it afterwards.
 from __future__ import annotations
 
 import hmac
+import time
 from pathlib import Path
 
 import httpx
@@ -163,8 +164,26 @@ def _ray_log_files() -> list[Path]:
     return [p for p in sorted(logs.rglob("*"))[:2000] if p.is_file() and p.stat().st_size < 64 * 2**20]
 
 
+def _scrape_bcg_metrics(timeout_s: float = 30.0) -> str:
+    """The Prometheus text of this Ray node's metrics agent, once it holds ``ray_bcg_`` series (bounded wait)."""
+    import urllib.request
+
+    import ray
+
+    port = next(n["MetricsExportPort"] for n in ray.nodes() if n["Alive"])
+    deadline = time.monotonic() + timeout_s
+    text = ""
+    while time.monotonic() < deadline:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+            text = r.read().decode("utf-8", "replace")
+        if "ray_bcg_" in text:
+            break
+        time.sleep(1.0)
+    return text
+
+
 @pytest.mark.serve
-def test_keys_never_show_in_buckets_models_or_logs(auth_url):
+def test_keys_never_show_in_buckets_models_metrics_or_logs(auth_url):
     with httpx.Client(trust_env=False, timeout=120.0) as http:
         good = {"Authorization": f"Bearer {CONFIG_KEY}"}
         assert http.post(auth_url + "/v1/images/generations", headers={"Authorization": f"Bearer {FILE_KEY}"},
@@ -174,6 +193,9 @@ def test_keys_never_show_in_buckets_models_or_logs(auth_url):
     secrets = [CONFIG_KEY, FILE_KEY, "sk-wrong-key-77", api_key_digest(CONFIG_KEY).removeprefix("sha256:")]
     for text in texts:
         assert not any(s in text for s in secrets)
+    metrics = _scrape_bcg_metrics()
+    assert "ray_bcg_" in metrics
+    assert not any(secret in metrics for secret in secrets)
     files = _ray_log_files()
     assert files, "no Ray log files found"
     for path in files:
