@@ -236,7 +236,8 @@ class DiTReplica:
         return self._served_result(await self._batcher.submit(planned), shape)
 
     async def generate_stream(self, request: Plan | GenerationRequest | dict):
-        """:meth:`generate` for a streamed request (``handle.options(stream=True)``): yields its previews
+        """:meth:`generate` for a streamed request (``handle.options(stream=True)``): yields
+        :data:`~deployments.routing.ACCEPTED` once the request is planned and counted, then its previews
         (:class:`~bcg_core.preview.PartialImage`, ``partial_images`` of them per image at most) as the step
         scheduler draws them, then its :class:`GenerationResult`. Under request-level batching
         (``runner.scheduler: request``) no previews are drawn: only the result comes. A caller that stops
@@ -245,8 +246,11 @@ class DiTReplica:
         Raises:
             RequestError: as :meth:`generate`.
         """
+        from .routing import ACCEPTED
+
         planned = self._accept(request)
         shape = serve.get_multiplexed_model_id()
+        yield ACCEPTED
         if not isinstance(self._batcher, StepScheduler):
             yield self._served_result(await self._batcher.submit(planned), shape)
             return

@@ -62,7 +62,7 @@ from bcg_core.preview import PartialImage
 from bcg_core.traffic import TrafficHistogram
 
 from .auth import ApiKeys
-from .routing import call_dit, stream_dit
+from .routing import ACCEPTED, call_dit, stream_dit
 from .schemas import (
     BcgInfo,
     ErrorBody,
@@ -385,18 +385,35 @@ class Ingress:
             stats["traffic"] = merged_traffic(stats, stats["ownership"])
         return stats
 
-    async def _events(self, plan: Plan, req: ImageGenerationRequest):
+    @staticmethod
+    def _failure(exc: BaseException) -> JSONResponse:
+        """The answer to a request the DiT deployment failed: its :class:`RequestError` (503 with Retry-After for
+        :class:`ServiceUnavailable`), else 500 (logged)."""
+        found = find_request_error(exc)
+        if found is not None:
+            if isinstance(found, ServiceUnavailable):
+                return unavailable_response(found.message, found.retry_after_s, param=found.field)
+            return error_response(found.status, found.message, param=found.field)
+        logger.exception("generation failed")
+        return error_response(500, f"generation failed: {type(exc).__name__}")
+
+    async def _events(self, plan: Plan, req: ImageGenerationRequest, events, t0: float):
         """The Server-Sent Events of a streamed request: ``image_generation.partial_image`` per preview and image,
         then ``image_generation.completed`` per image, in the shapes of the ``openai`` client's
         ``ImageGenPartialImageEvent`` and ``ImageGenCompletedEvent`` (plus ``image_index`` and, on completed
         events, ``bcg``); a failure after the stream began is one ``error`` event in OpenAI's error shape.
-        The client going away closes this generator, which cancels the request on the replica."""
+        The client going away closes this generator, which cancels the request on the replica.
+
+        Args:
+            plan, req: the request, planned and as sent.
+            events: :func:`~deployments.routing.stream_dit` of it, past :data:`~deployments.routing.ACCEPTED`.
+            t0: ``time.perf_counter()`` when the plan was sent.
+        """
         r = plan.request
         common = {"background": "opaque", "output_format": r.output_format, "quality": req.quality or "auto",
                   "size": f"{r.width}x{r.height}"}
-        t0 = time.perf_counter()
         try:
-            async with contextlib.aclosing(stream_dit(self._dit, plan, self._config.routing.retry_after_s)) as events:
+            async with contextlib.aclosing(events):
                 async for event in events:
                     if isinstance(event, PartialImage):
                         yield sse_event("image_generation.partial_image", {
@@ -501,22 +518,25 @@ class Ingress:
             return error_response(422, f"no bucket holds this request ({', '.join(missed)} missed; table: "
                                   f"{self._planner.table.describe_limits()}) and the miss policy is reject",
                                   param=param)
-        if req.stream:
-            return StreamingResponse(self._events(plan, req), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         t0 = time.perf_counter()
+        if req.stream:
+            events = stream_dit(self._dit, plan, self._config.routing.retry_after_s)
+            try:  # answer 200 only once a replica took the request: a refusal stays a plain 4xx or 503
+                first = await anext(events)
+                if first != ACCEPTED:
+                    raise RuntimeError(f"the DiT replica's stream began with {type(first).__name__}, not its "
+                                       f"acceptance")
+            except Exception as exc:  # noqa: BLE001 - every failure is answered, the server keeps serving
+                await events.aclose()
+                return self._failure(exc)
+            return StreamingResponse(self._events(plan, req, events, t0), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         try:
             routed = await call_dit(self._dit, plan, self._config.routing.max_retries,
                                 retry_after_s=self._config.routing.retry_after_s)
             result = routed.result
         except Exception as exc:  # noqa: BLE001 - every failure is answered, the server keeps serving
-            found = find_request_error(exc)
-            if found is not None:
-                if isinstance(found, ServiceUnavailable):
-                    return unavailable_response(found.message, found.retry_after_s, param=found.field)
-                return error_response(found.status, found.message, param=found.field)
-            logger.exception("generation failed")
-            return error_response(500, f"generation failed: {type(exc).__name__}")
+            return self._failure(exc)
         timings = ingress_timings(result, t0)
         return ImageGenerationResponse(
             created=int(time.time()),

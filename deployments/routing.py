@@ -20,7 +20,11 @@ from bcg_core.errors import RequestError, ServiceUnavailable
 from bcg_core.pipeline import GenerationResult
 from bcg_core.planner import Plan
 
-__all__ = ["Overloaded", "ReplicaUnavailable", "Routed", "bucket_shape", "call_dit", "stream_dit"]
+__all__ = ["ACCEPTED", "Overloaded", "ReplicaUnavailable", "Routed", "bucket_shape", "call_dit", "stream_dit"]
+
+ACCEPTED = "bcg:accepted"
+"""The first item of every ``DiTReplica.generate_stream``: the replica took the request. The ingress waits for it
+before it answers 200, so a refusal (a bad field, a full queue, a dead replica) is still a plain 4xx or 503."""
 
 logger = logging.getLogger("ray.serve")
 
@@ -87,7 +91,7 @@ async def call_dit(handle, plan: Plan, max_retries: int = 2, retry_wait_s: float
 
 async def stream_dit(handle, plan: Plan, retry_after_s: float = 2.0):
     """Stream ``plan`` from the DiT deployment (``DiTReplica.generate_stream``), keyed by its bucket shape:
-    yields its previews, then its :class:`GenerationResult`.
+    yields :data:`ACCEPTED` once the replica took it, then its previews, then its :class:`GenerationResult`.
 
     Not resent when the replica dies: previews may already have reached the client, so the failure is the
     caller's to report. Closing this iterator before the result (the client went away) cancels the call,

@@ -148,10 +148,12 @@ def test_a_client_that_disconnects_mid_stream_cancels_the_request(serve_apps):
 # -- without Ray: a failure mid-stream, as the official client sees it ---------------------------------------
 
 class _FailingStreamDit:
-    """A DiT handle whose stream yields one preview, then fails as a replica refusing the request would."""
+    """A DiT handle whose stream yields its acceptance and one preview, then fails as a replica giving up on
+    the request would; with ``refuse``, it fails before accepting (a full queue)."""
 
-    def __init__(self):
+    def __init__(self, refuse: bool = False):
         self.cancelled = False
+        self.refuse = refuse
 
     def options(self, **kwargs):
         assert kwargs.get("stream") is True
@@ -170,7 +172,11 @@ class _FailingStreamDit:
     async def _events(self):
         from bcg_core.errors import RequestError
         from bcg_core.preview import PartialImage
+        from deployments.routing import ACCEPTED, Overloaded
 
+        if self.refuse:
+            raise Overloaded("request", "the server is at capacity; retry after 3 s", retry_after_s=3.0)
+        yield ACCEPTED
         yield PartialImage(0, 0, 1, b"not-an-image")
         raise RequestError("request", "the replica gave up on this request", status=503)
 
@@ -197,7 +203,11 @@ def test_a_failure_mid_stream_is_one_error_event_the_official_client_raises():
     plan = ingress._planner.plan(GenerationRequest("x", width=256, height=256, partial_images=1))
 
     async def body() -> bytes:
-        return b"".join([chunk async for chunk in ingress._events(plan, req)])
+        from deployments.routing import stream_dit
+
+        events = stream_dit(dit, plan)
+        assert await anext(events) == "bcg:accepted"
+        return b"".join([chunk async for chunk in ingress._events(plan, req, events, 0.0)])
 
     raw = asyncio.run(body())
     events = _parse(raw)
@@ -215,3 +225,32 @@ def test_a_failure_mid_stream_is_one_error_event_the_official_client_raises():
     assert first.type == "image_generation.partial_image" and first.partial_image_index == 0
     with pytest.raises(openai.APIError, match="gave up"):
         list(stream)
+
+
+def test_a_stream_refused_before_acceptance_is_a_plain_503_with_retry_after():
+    import asyncio
+
+    from starlette.requests import Request
+
+    from bcg_core.config import ServeConfig
+    from deployments.ingress import Ingress
+
+    config = ServeConfig.model_validate({"buckets": {"batch_sizes": [1], "resolutions": ["256x256"],
+                                                     "text_lengths": [256]}, "routing": {"shape_aware": False}})
+    dit = _FailingStreamDit(refuse=True)
+    ingress = Ingress.func_or_class.__mro__[1](dit, config.model_dump(mode="json"))
+    raw = json.dumps({"prompt": "x", "size": "256x256", "stream": True, "partial_images": 1}).encode()
+    sent = False
+
+    async def receive():
+        nonlocal sent
+        if sent:
+            return {"type": "http.disconnect"}
+        sent = True
+        return {"type": "http.request", "body": raw, "more_body": False}
+
+    scope = {"type": "http", "method": "POST", "path": GEN, "headers": [
+        (b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())]}
+    answer = asyncio.run(ingress.generate(Request(scope, receive)))
+    assert answer.status_code == 503 and answer.headers["retry-after"] == "3"
+    assert json.loads(answer.body)["error"]["message"] == "the server is at capacity; retry after 3 s"
