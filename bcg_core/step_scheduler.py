@@ -36,7 +36,8 @@ Off the denoising thread's path:
 - a **preview thread** draws the previews of streamed requests (``partial_images``, :mod:`bcg_core.preview`):
   after a step :func:`~bcg_core.preview.preview_steps` picks, the denoising thread only copies the request's
   latents (one device copy; on CUDA an event marks its end) and puts the copy on a bounded queue
-  (:data:`PREVIEW_QUEUE`; full: the preview is dropped and counted, never waited for). The preview thread
+  (:data:`~bcg_core.preview_worker.PREVIEW_QUEUE`; full: the preview is dropped and counted, never waited
+  for; :class:`~bcg_core.preview_worker.PreviewWorker`). The preview thread
   waits for the copy on its own CUDA stream, calls the family's ``preview`` hook (a linear latent-to-RGB map
   on the host), resizes, encodes and hands each image to the request's callback; a request's result is held
   until its queued previews are drawn, so they reach the caller first. What the hand-off costs the denoising
@@ -63,11 +64,9 @@ Pure threads and asyncio, no Ray: :mod:`deployments.dit` owns one scheduler per 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import itertools
 import logging
-import os
 import queue
 import threading
 import time
@@ -83,11 +82,12 @@ from .errors import RequestCancelled, ServiceUnavailable
 from .families import RequestState
 from .load import LoadMeter
 from .metrics import token_shares
-from .images import encode_image, resize_image
+from .images import encode_image
 from .pipeline import DiTPipeline, GenerationResult, elapsed_ms, timing_mark
 from .runner import is_out_of_memory
 from .planner import GenerationRequest, Plan
 from .preview import PartialImage, preview_steps
+from .preview_worker import PreviewWorker
 
 __all__ = ["FORWARD_KINDS", "StepScheduler"]
 
@@ -99,34 +99,6 @@ bucket forward of a step split into several; an unpadded eager forward (a miss, 
 
 _WAITS_KEPT = 1024
 """Queue waits kept per shape for the p50 / p99 in :meth:`StepScheduler.stats` (the most recent ones)."""
-
-PREVIEW_NICE = 10
-"""Niceness of the preview thread (Linux): below the denoising and decode threads for the CPU."""
-
-PREVIEW_QUEUE = 16
-"""Latent copies waiting for the preview thread at most; one more is dropped (counted), never waited for."""
-
-
-@dataclasses.dataclass
-class _PreviewStats:
-    """What previews cost and how many were made (``previews`` in :meth:`StepScheduler.stats`)."""
-
-    taken: int = 0
-    dropped: int = 0
-    sent: int = 0
-    failed: int = 0
-    handoff_s: float = 0.0
-    handoff_max_s: float = 0.0
-    draw_s: float = 0.0
-
-    def describe(self) -> dict:
-        return {"taken": self.taken, "dropped": self.dropped, "sent": self.sent, "failed": self.failed,
-                "handoff_ms_total": round(self.handoff_s * 1e3, 3),
-                "handoff_ms_max": round(self.handoff_max_s * 1e3, 3),
-                "handoff_ms_mean": round(self.handoff_s * 1e3 / self.taken, 4) if self.taken else None,
-                "draw_ms_mean": round(self.draw_s * 1e3 / max(1, self.sent + self.failed), 2)
-                if self.sent + self.failed else None}
-
 
 @dataclasses.dataclass(eq=False)
 class _Request:
@@ -264,10 +236,7 @@ class StepScheduler:
         self._device = pipeline.model.device
         self._cuda = torch.device(self._device).type == "cuda"
         self._decode_stream = torch.cuda.Stream(self._device) if self._cuda else None
-        self._preview_stream = torch.cuda.Stream(self._device) if self._cuda else None
-        self._preview_q: queue.Queue = queue.Queue(maxsize=PREVIEW_QUEUE)
-        self._previews = _PreviewStats()
-        self._can_preview = hasattr(pipeline.model, "preview")
+        self._previews = PreviewWorker(pipeline.model, self._device, self._preview_left)
         self._threads: list[threading.Thread] = []
         self._started = False
         self._start_lock = threading.Lock()
@@ -335,7 +304,7 @@ class StepScheduler:
         loop = asyncio.get_running_loop()
         item = _Request(plan, plan.lookup.query.batch, group, shape, threading.Event(), loop.create_future(), loop,
                         time.perf_counter())
-        if on_preview is not None and self._can_preview and plan.request.partial_images > 0:
+        if on_preview is not None and self._previews.available and plan.request.partial_images > 0:
             item.on_preview = on_preview
             item.preview_at = preview_steps(plan.request.num_inference_steps, plan.request.partial_images)
         self._ensure_started()
@@ -412,8 +381,8 @@ class StepScheduler:
             if self._started:
                 return
             self._started = True
-            for target, name in ((self._step_loop, "bcg-step"), (self._decode_loop, "bcg-decode"),
-                                 (self._preview_loop, "bcg-preview")):
+            self._previews.start()
+            for target, name in ((self._step_loop, "bcg-step"), (self._decode_loop, "bcg-decode")):
                 t = threading.Thread(target=target, name=name, daemon=True)
                 t.start()
                 self._threads.append(t)
@@ -425,8 +394,7 @@ class StepScheduler:
             self._closed = True
             self._cv.notify_all()
         self._decode_q.put(None)
-        with contextlib.suppress(queue.Full):
-            self._preview_q.put(None, timeout=timeout_s)
+        self._previews.close(timeout_s)
         for t in self._threads:
             t.join(timeout_s)
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -715,85 +683,22 @@ class StepScheduler:
     # -- previews -------------------------------------------------------------------------------------
 
     def _take_preview(self, item: _Request) -> None:
-        """On the denoising thread: copy the request's latents (on CUDA an event marks when the copy is done) and
-        queue the copy for the preview thread; a full queue drops the preview instead of waiting. Its cost (the
-        copy and the put) is timed: ``previews.handoff_ms_*`` in :meth:`stats`."""
-        t0 = time.perf_counter()
-        state = item.state
-        latents = state.latents.detach().clone()
-        event = None
-        if self._cuda:
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(self._device))
-        job = (item, item.preview_at.index(state.step_index), state.step_index, latents, event)
+        """On the denoising thread: hand a copy of the request's latents to the preview worker (a latent copy and
+        a queue put, timed there); counted pending until it leaves the worker's queue."""
         with self._cv:
             item.previews_pending += 1
-        try:
-            self._preview_q.put_nowait(job)
-            dropped = False
-        except queue.Full:
-            dropped = True
+        if not self._previews.take(item):
             with self._cv:
                 item.previews_pending -= 1
-        spent = time.perf_counter() - t0
-        with self._cv:
-            p = self._previews
-            p.taken += not dropped
-            p.dropped += dropped
-            p.handoff_s += spent
-            p.handoff_max_s = max(p.handoff_max_s, spent)
 
-    def _preview_loop(self) -> None:
-        """The preview thread: draws, resizes and encodes (the encoders' fast settings) each queued preview. On
-        Linux it runs at nice 10 (:data:`PREVIEW_NICE`), so on a host short of cores it yields the CPU to the
-        denoising thread."""
-        with contextlib.suppress(AttributeError, OSError):  # Linux schedules threads apart: best effort
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), PREVIEW_NICE)
-        while True:
-            job = self._preview_q.get()
-            if job is None:
-                break
-            item, index, step, latents, event = job
-            try:
-                if not item.cancel.is_set():
-                    self._draw_preview(item, index, step, latents, event)
-            finally:
-                self._preview_done(item)
-
-    def _preview_done(self, item: _Request) -> None:
-        """One preview of ``item`` left the queue; the last one releases a result held for it."""
+    def _preview_left(self, item: _Request) -> None:
+        """One preview of ``item`` left the worker's queue; the last one releases a result held for it."""
         with self._cv:
             item.previews_pending -= 1
             held = item.held if item.previews_pending == 0 else None
             item.held = None if held is not None else item.held
         if held is not None:
             self._resolve(item, held)
-
-    def _draw_preview(self, item: _Request, index: int, step: int, latents: torch.Tensor, event) -> None:
-        """Draw, resize and encode one preview of ``item`` and hand each image to its callback."""
-        t0 = time.perf_counter()
-        try:
-            with torch.inference_mode():
-                if self._cuda:
-                    with torch.cuda.stream(self._preview_stream):
-                        self._preview_stream.wait_event(event)
-                        images = self.pipeline.model.preview(item.state, latents)
-                else:
-                    images = self.pipeline.model.preview(item.state, latents)
-            r = item.plan.request
-            files = [encode_image(resize_image(im, r.width, r.height), r.output_format, r.output_compression,
-                                  fast=True) for im in images]
-        except Exception:  # noqa: BLE001 - a preview that fails is skipped; the request goes on
-            log.exception("a preview of a request of shape %s failed", item.shape)
-            with self._cv:
-                self._previews.failed += 1
-                self._previews.draw_s += time.perf_counter() - t0
-            return
-        for i, data in enumerate(files):
-            item.on_preview(PartialImage(index, i, step, data))
-        with self._cv:
-            self._previews.sent += 1
-            self._previews.draw_s += time.perf_counter() - t0
 
     # -- decode and encode ----------------------------------------------------------------------------
 
