@@ -125,11 +125,23 @@ class LinearPreview:
         return cls(sol[:-1].T.float(), sol[-1].float())
 
     def __call__(self, latents: torch.Tensor) -> list[np.ndarray]:
-        """``n`` previews of raw latents (n, C, h, w), as (h, w, 3) uint8 arrays."""
-        z = latents.detach().float().cpu()
-        rgb = torch.einsum("nchw,kc->nhwk", z, self.weight) + self.bias
-        arr = ((rgb.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).numpy()
+        """``n`` previews of raw latents (n, C, h, w), as (h, w, 3) uint8 arrays.
+
+        The map runs where the latents are (on a GPU only the uint8 result crosses to the host): on the host, torch's
+        intra-op thread pool would take every core for a moment and slow the replica's denoising thread."""
+        z = latents.detach().float()
+        weight, bias = self._on(z.device)
+        rgb = torch.einsum("nchw,kc->nhwk", z, weight) + bias
+        arr = ((rgb.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).cpu().numpy()
         return [np.ascontiguousarray(a) for a in arr]
+
+    def _on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The weight and bias on ``device`` (copied once per device)."""
+        cached = getattr(self, "_device_copy", None)
+        if cached is None or cached[0] != device:
+            cached = (device, self.weight.to(device), self.bias.to(device))
+            self._device_copy = cached
+        return cached[1], cached[2]
 
 
 class LazyPreview:

@@ -10,7 +10,10 @@ Usage::
 
     python benchmarks/bench_previews.py --sizes 512,1024 --steps 8 --trials 5 --json out.json
 
-On a CPU it serves the tiny default model; with ``--device cuda`` the same on a GPU (graphs captured).
+On a CPU it serves the tiny default model; with ``--device cuda`` the same on a GPU (graphs captured), or with
+``--model flux-dev-width`` / ``pixart-512`` a published-width model with random weights (bf16)::
+
+    python benchmarks/bench_previews.py --device cuda --model flux-dev-width --scratch /dev/shm --sizes 512,1024
 """
 
 from __future__ import annotations
@@ -28,11 +31,22 @@ from bcg_core.planner import GenerationRequest
 from bcg_core.step_scheduler import StepScheduler
 
 
-def run_size(size: int, steps: int, trials: int, previews: int, n: int, device: str) -> dict:
-    """Median denoise ms of B with A's previews off and on, the ratio, and the preview counters."""
-    cfg = ServeConfig.model_validate({"model": {"device": device},
-                                      "buckets": {"batch_sizes": [1, 2, 4], "resolutions": [f"{size}x{size}"],
-                                                  "text_lengths": [256]}})
+def run_size(size: int, steps: int, trials: int, previews: int, n: int, device: str,
+             model: dict | None = None) -> dict:
+    """Median denoise ms of B with A's previews off and on, the ratio, and the preview counters.
+
+    ``model``: the ``model`` section (a checkpoint built by ``--model``); None: the tiny default on ``device``."""
+    from bcg_core.models import describe_model
+
+    model = model or {"device": device}
+    mc = ServeConfig.model_validate({"model": model}).model
+    spec = describe_model(mc)
+    native = spec.rules.native_text_tokens
+    tier = f"{size}x{size}" if not spec.size_bins else "x".join(map(str, spec.generation_size(size, size)))
+    text = [native] if native is not None else [min(256, spec.max_text_tokens or 256)]
+    cfg = ServeConfig.model_validate({"model": model,
+                                      "buckets": {"batch_sizes": [1, 2, 4], "resolutions": [tier],
+                                                  "text_lengths": text}})
     pipe = DiTPipeline.from_config(cfg)
     sched = StepScheduler(pipe)
 
@@ -69,10 +83,28 @@ def main() -> None:
     parser.add_argument("--partial-images", type=int, default=3)
     parser.add_argument("--n", type=int, default=2, help="images of each request (default 2)")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--model", default="tiny", choices=("tiny", "flux-dev-width", "pixart-512"),
+                        help="tiny: the embedded default; flux-dev-width / pixart-512: published widths with random "
+                        "weights, bf16, built as benchmarks/bench_saturation.py builds them (needs --device cuda)")
+    parser.add_argument("--scratch", default=None, help="folder for a built checkpoint (default: a temp dir)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    rows = [run_size(int(s), args.steps, args.trials, args.partial_images, args.n, args.device)
-            for s in args.sizes.split(",")]
+    model, folder = None, None
+    if args.model != "tiny":
+        import shutil
+        import sys
+        from pathlib import Path
+
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from bench_saturation import build_model
+
+        model, folder, _ = build_model(args.model, False, args.scratch, args.device)
+    try:
+        rows = [run_size(int(s), args.steps, args.trials, args.partial_images, args.n, args.device, model)
+                for s in args.sizes.split(",")]
+    finally:
+        if folder is not None:
+            shutil.rmtree(folder, ignore_errors=True)
     print("| size | B denoise ms, A without previews | with A's previews | ratio | hand-off ms per preview "
           "(mean / max) | preview thread ms per preview |")
     print("|---|---|---|---|---|---|")
