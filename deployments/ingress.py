@@ -463,7 +463,10 @@ class Ingress:
     @app.post(
         "/v1/images/generations",
         response_model=ImageGenerationResponse,
-        responses=_ERROR_RESPONSES,
+        responses={**_ERROR_RESPONSES, 200: {
+            "description": "The images as JSON; with `stream: true` Server-Sent Events instead "
+                           "(`image_generation.partial_image`, then `image_generation.completed` per image).",
+            "content": {"text/event-stream": {"schema": {"type": "string"}}}}},
         openapi_extra={
             "requestBody": {
                 "required": True,
