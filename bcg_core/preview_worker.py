@@ -140,6 +140,9 @@ class PreviewWorker:
         try:
             with torch.inference_mode():
                 if self._cuda:
+                    # wait on the host (the GIL released) until the latent copy is done, so that no CUDA call of this
+                    # thread waits inside the driver for the denoising stream's queued steps
+                    event.synchronize()
                     with torch.cuda.stream(self._stream):
                         self._stream.wait_event(event)
                         images = self.model.preview(item.state, latents)
