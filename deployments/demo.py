@@ -657,7 +657,11 @@ def run_demo(*, requests: int = 8, steps: int = 4, concurrency: int = 1, out: st
             console.print("starting Ray and the bcg-serve application (takes ~30-60 s) ...")
             url = start_local(served, port, num_cpus, quiet=quiet)
         url = url.rstrip("/")
-        wait_healthy(url)
+        if not started and not url.startswith(("http://", "https://")):
+            raise ValueError(f"--url {url!r} is not an http:// or https:// address; give the server's base URL, e.g. "
+                             f"http://127.0.0.1:8000")
+        # a server started here may take a while to answer; one given with --url is expected to be up
+        wait_healthy(url, timeout_s=60.0 if started else min(10.0, timeout_s))
         n_images = sum(r.n for r in todo)
         console.print(f"server {url}: sending {len(todo)} requests ({n_images} images, {steps} steps, "
                       f"concurrency {concurrency}) from {Path(data).name if data else DATA_FILE}", highlight=False)

@@ -51,6 +51,25 @@ def wait_healthy(url: str, timeout_s: float = _HEALTH_WAIT_S) -> None:
     raise TimeoutError(f"{url}/healthz did not answer 200 within {timeout_s:.0f} s (last: {last})")
 
 
+def check_port_free(port: int) -> None:
+    """Refuse a port something already listens on (127.0.0.1 or every address).
+
+    Serve's HTTP proxy binds with ``SO_REUSEPORT``, so a second server on a busy port would start and share the
+    port with the first: the kernel would split connections between them, and a server with API keys would have
+    its clients answered by one without. Binding here without that option fails on any port in use.
+
+    Raises:
+        OSError: the port is in use, naming it and the fix.
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a just-stopped server's TIME_WAIT is no listener
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError as exc:
+            raise OSError(f"port {port} on 127.0.0.1 is already in use ({exc.strerror}); stop what listens there or "
+                          f"pick another with --port (0: a free one)") from None
+
+
 def free_loopback_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -108,6 +127,8 @@ def start_local(config: "ServeConfig | None" = None, port: int = 8000, num_cpus:
 
     if port == 0:
         port = free_loopback_port()
+    else:
+        check_port_free(port)
     level = logging.WARNING if quiet else logging.INFO
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=not quiet,
              logging_level=level)

@@ -243,6 +243,8 @@ class ImageGenerationRequest(BaseModel):
             return v
         if not 0 <= v <= 100:
             raise ValueError(f"{v} is out of range")
+        if "output_format" not in info.data:
+            return v  # output_format itself was refused: its error is the one to read
         if (info.data.get("output_format") or "png") == "png" and v != 100:
             raise ValueError("output_compression applies to jpeg and webp only (png is lossless)")
         return v

@@ -53,3 +53,20 @@ def test_a_bad_configuration_is_one_line_per_field_with_the_fix(tmp_path, capsys
         assert err.startswith(f"bcg {command[0]}: error: invalid configuration: ")
         assert "model.dtype: Input should be 'float32', 'bfloat16' or 'float16'" in err
         assert "buckets.batch_sizes: batch_sizes [2, 1] must be strictly ascending without repeats; use [1, 2]" in err
+
+
+def test_a_port_something_listens_on_is_refused_before_ray_starts():
+    """Serve's proxy binds with SO_REUSEPORT: a second server on a busy port would share it with the first (and a
+    keyed server's clients could be answered by an unkeyed one). ``bcg serve``/``bcg demo`` refuse the port first."""
+    import socket
+
+    from deployments.local import check_port_free, start_local
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as busy:
+        busy.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)  # as Serve's proxy binds
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(OSError, match=rf"port {port} on 127.0.0.1 is already in use.*--port"):
+            start_local(None, port=port)
+    check_port_free(port)  # free again once the listener is gone
