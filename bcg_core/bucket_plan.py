@@ -144,7 +144,12 @@ def krea_rows(path: str | None = None) -> list[dict[str, str]]:
     else:
         with open(path, encoding="utf-8") as f:
             text = f.read()
-    return list(csv.DictReader(io.StringIO(text)))
+    reader = csv.DictReader(io.StringIO(text))
+    missing = [c for c in ("width", "height") if c not in (reader.fieldnames or [])]
+    if missing:
+        raise ValueError(f"{path or KREA_CSV} is not a krea-format CSV: its header {reader.fieldnames or []} lacks "
+                         f"{missing}; give a CSV with the columns prompt, width, height, num_generations, num_step")
+    return list(reader)
 
 
 def _int(row: Mapping[str, str], name: str) -> int | None:

@@ -151,6 +151,9 @@ class Planner:
         r = request
         if not isinstance(r.prompt, str) or not r.prompt.strip():
             raise RequestError("prompt", "prompt must be a non-empty string")
+        if not any(ch.isprintable() and not ch.isspace() for ch in r.prompt):
+            raise RequestError("prompt", "prompt must contain visible text (it holds only control, format or "
+                                         "zero-width characters)")
         if len(r.prompt) > lim.max_prompt_chars:
             raise RequestError("prompt", f"prompt has {len(r.prompt)} characters; at most {lim.max_prompt_chars} allowed")
         if not _is_int(r.n) or not 1 <= r.n <= lim.max_images:

@@ -650,6 +650,13 @@ def run_demo(*, requests: int = 8, steps: int = 4, concurrency: int = 1, out: st
     console = Console()
     todo = load_requests(requests, data)
     served = check_config(config) if config is not None else None
+    if url is None:  # a server started here has these limits: refuse before starting Ray
+        from bcg_core.config import ServeConfig
+
+        limit = (served or ServeConfig()).limits.max_steps
+        if steps > limit:
+            raise ValueError(f"--steps {steps} is above the server's limits.max_steps {limit}; use --steps 1 to "
+                             f"{limit}")
     out_dir = Path(out)
     started = url is None
     try:

@@ -70,3 +70,14 @@ def test_a_port_something_listens_on_is_refused_before_ray_starts():
         with pytest.raises(OSError, match=rf"port {port} on 127.0.0.1 is already in use.*--port"):
             start_local(None, port=port)
     check_port_free(port)  # free again once the listener is gone
+
+
+def test_demo_steps_above_the_limit_and_a_non_krea_csv_are_refused_before_anything_starts(tmp_path, capsys):
+    from deployments.cli import main
+
+    assert main(["demo", "--steps", "51"]) == 2
+    assert "--steps 51 is above the server's limits.max_steps 50; use --steps 1 to 50" in capsys.readouterr().err
+    other = tmp_path / "other.csv"
+    other.write_text("foo,bar\n1,2\n")
+    assert main(["plan", "--krea", str(other)]) == 2
+    assert "is not a krea-format CSV: its header ['foo', 'bar'] lacks ['width', 'height']" in capsys.readouterr().err

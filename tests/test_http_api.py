@@ -154,6 +154,7 @@ BAD_INPUTS = [
     ("size-above", {"prompt": "x", "size": "4096x256"}, 422, "size", ["'size'", "256 to 2048"]),
     ("prompt-empty", {"prompt": ""}, 422, "prompt", ["'prompt'", "non-empty"]),
     ("prompt-blank", {"prompt": "   "}, 422, "prompt", ["'prompt'", "non-empty"]),
+    ("prompt-invisible", {"prompt": "\u202e\u200b\u0000"}, 422, "prompt", ["visible text"]),
     ("prompt-missing", {"n": 1}, 422, "prompt", ["'prompt'", "required"]),
     ("prompt-too-many-chars", {"prompt": LONG_CHARS}, 422, "prompt", ["'prompt'", "4000 characters"]),
     ("steps-zero", {"prompt": "x", "num_inference_steps": 0}, 422, "num_inference_steps", ["1 to 50"]),
