@@ -311,7 +311,7 @@ def _from_document(data: Any, source: str) -> TrafficHistogram:
         raise ValueError(f"{source}: {e}") from None
 
 
-def load_traffic(source: str, timeout_s: float = 10.0) -> TrafficHistogram:
+def load_traffic(source: str, timeout_s: float = 10.0, api_key: str | None = None) -> TrafficHistogram:
     """The traffic histogram of a running server or of a JSON file.
 
     Args:
@@ -319,6 +319,7 @@ def load_traffic(source: str, timeout_s: float = 10.0) -> TrafficHistogram:
             ``GET /v1/buckets`` answer is read, unless the URL already ends in ``/v1/buckets``), or the path of
             a JSON file (a :meth:`TrafficHistogram.save` file or a saved ``/v1/buckets`` answer).
         timeout_s: seconds to wait for the server.
+        api_key: sent as ``Authorization: Bearer`` to a server with API keys (never logged or echoed).
 
     Raises:
         ConnectionError: the server could not be reached or answered an HTTP error (the message names the URL).
@@ -331,11 +332,13 @@ def load_traffic(source: str, timeout_s: float = 10.0) -> TrafficHistogram:
     base = source.rstrip("/")
     url = base if base.endswith("/v1/buckets") else base + "/v1/buckets"
     try:
-        with urllib.request.urlopen(urllib.request.Request(url, headers={"Accept": "application/json"}),
-                                    timeout=timeout_s) as answer:
+        headers = {"Accept": "application/json", **({"Authorization": f"Bearer {api_key}"} if api_key else {})}
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=timeout_s) as answer:
             body = answer.read()
     except urllib.error.HTTPError as e:
-        raise ConnectionError(f"GET {url} answered HTTP {e.code}: {e.read()[:300].decode(errors='replace')}") from None
+        hint = (" (the server wants an API key: give it with --api-key-file)" if e.code == 401 and not api_key else "")
+        raise ConnectionError(f"GET {url} answered HTTP {e.code}{hint}: "
+                              f"{e.read()[:300].decode(errors='replace')}") from None
     except (urllib.error.URLError, OSError) as e:  # refused, unresolvable, timed out
         reason = getattr(e, "reason", e)
         raise ConnectionError(f"could not read {url} within {timeout_s:g} s: {reason}") from None

@@ -207,8 +207,13 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                              f"gentd26:{args.trace}" if args.traffic == "gentd26" else args.traffic)
     try:
         config = _load(args.config)
+        key = None
+        if args.api_key_file:
+            from .auth import read_key_file
+
+            key = read_key_file(args.api_key_file)[0]
         plan, default = run_plan(config, source, args.budget_mib, args.max_graphs, args.profile, args.steps, args.krea,
-                                 measure=args.measure)
+                                 measure=args.measure, api_key=key)
     except (ValueError, OSError, RuntimeError) as exc:
         print(f"bcg plan: error: {error_text(exc)}", file=sys.stderr)
         return 2
@@ -329,6 +334,8 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--max-graphs", type=_bounded_int(1, 4096), default=12, metavar="N",
                     help="most graphs per replica (default 12)")
     pl.add_argument("--profile", default=None, metavar="JSON", help="measured bucket costs (`bcg profile --json`)")
+    pl.add_argument("--api-key-file", default=None, metavar="PATH",
+                    help="with --from URL: a file whose first key is sent to a server with API keys")
     pl.add_argument("--measure", action="store_true",
                     help="profile a few buckets of the sample on this machine's CUDA GPU and plan with the fitted "
                     "costs (needs the model's weights and a GPU)")

@@ -152,7 +152,8 @@ GENTD26_CSV = "alibaba_gentd26_burst_2024-12-06.csv"
 """The packaged GenTD26 burst (``bcg_core/data/README.md``): image counts, steps and prompt lengths, no sizes."""
 
 
-def load_plan_traffic(config: ServeConfig, source: str, steps: int | None = None, krea: str | None = None):
+def load_plan_traffic(config: ServeConfig, source: str, steps: int | None = None, krea: str | None = None,
+                      api_key: str | None = None):
     """The traffic sample ``bcg plan`` plans for (:mod:`bcg_core.bucket_plan`).
 
     Args:
@@ -163,6 +164,7 @@ def load_plan_traffic(config: ServeConfig, source: str, steps: int | None = None
             ``/v1/buckets`` answer) or the ``http://`` URL of a running server.
         steps: every request's steps instead of the sample's.
         krea: another krea-format CSV instead of the packaged one.
+        api_key: the key of a server with API keys (``source`` a URL).
 
     Raises:
         ValueError, OSError: a source that cannot be read or holds nothing to plan for (naming it).
@@ -195,7 +197,7 @@ def load_plan_traffic(config: ServeConfig, source: str, steps: int | None = None
     if "://" not in source and not os.path.exists(source):
         raise ValueError(f"--from {source}: no such file; for a running server give its URL, e.g. http://{source}"
                          if ":" in source else f"--from {source}: no such file")
-    traffic = bp.traffic_from_histogram(config, load_traffic(source).snapshot())
+    traffic = bp.traffic_from_histogram(config, load_traffic(source, api_key=api_key).snapshot())
     if steps is not None:
         traffic.demands = [bp.replace(d, steps=steps) for d in traffic.demands]
     return traffic
@@ -234,7 +236,7 @@ def measure_plan_costs(config: ServeConfig, traffic, iters: int = 5, console=Non
 
 def run_plan(config: ServeConfig, source: str = "krea", budget_mib: float | None = None, max_graphs: int = 12,
              profile: str | None = None, steps: int | None = None, krea: str | None = None, console=None,
-             measure: bool = False):
+             measure: bool = False, api_key: str | None = None):
     """Plan the bucket table for a traffic sample and print it (``bcg plan``).
 
     Costs: ``measure`` profiles buckets on this machine's GPU (:func:`measure_plan_costs`); ``profile`` reads
@@ -254,7 +256,7 @@ def run_plan(config: ServeConfig, source: str = "krea", budget_mib: float | None
     from bcg_core import bucket_plan as bp
 
     console = console or Console()
-    traffic = load_plan_traffic(config, source, steps, krea)
+    traffic = load_plan_traffic(config, source, steps, krea, api_key)
     costs = bp.PlanCosts.token_count(config)
     if measure and profile:
         raise ValueError("--measure profiles buckets itself: give it or --profile, not both")

@@ -202,3 +202,22 @@ def test_keys_never_show_in_buckets_models_metrics_or_logs(auth_url):
         data = path.read_bytes()
         for s in secrets[:3]:
             assert s.encode() not in data, f"a key is in {path}"
+
+
+@pytest.mark.serve
+def test_bcg_plan_reads_a_keyed_servers_traffic_with_its_key(auth_url, tmp_path, capsys):
+    from deployments.cli import main
+
+    client = _openai(auth_url, CONFIG_KEY)
+    client.images.generate(**GEN_ARGS)  # some recorded traffic
+    assert main(["plan", "--from", auth_url, "--max-graphs", "4"]) == 2
+    err = capsys.readouterr().err
+    assert "HTTP 401 (the server wants an API key: give it with --api-key-file)" in err
+    keys = tmp_path / "keys.txt"
+    keys.write_text(f"# the first key is sent\n{FILE_KEY}\n")
+    config = tmp_path / "config.yaml"
+    config.write_text("buckets: {batch_sizes: [1, 2], resolutions: ['256x256'], text_lengths: [256]}\n")
+    assert main(["plan", "--config", str(config), "--from", auth_url, "--api-key-file", str(keys),
+                 "--max-graphs", "4"]) == 0
+    out = capsys.readouterr()
+    assert "bcg plan:" in out.out and FILE_KEY not in out.out + out.err
