@@ -1,0 +1,223 @@
+"""A bounded soak of one local bcg-serve application on this machine (loopback only), for docs/RELIABILITY.md.
+
+For ``--duration-s`` seconds, ``--concurrency`` clients send the packaged krea requests in order (their own sizes
+and image counts, cycling), each with a step count drawn from ``--steps`` (seeded), streamed with probability
+``--stream-share`` (``partial_images`` 1-2) and abandoned mid-request with probability ``--disconnect-share``
+(the client closes the connection after a random 0.2-2 s). A poller reads ``GET /v1/buckets`` every second
+meanwhile. Every request is bounded by ``--request-timeout-s``.
+
+Reported (JSON, ``--out``):
+
+- requests sent, answered 200, 4xx, 503, other 5xx, disconnected by the client on purpose, **lost** (an error
+  without an HTTP answer that the client did not cause) and **hung** (no answer within the request timeout);
+- the DiT replica's resident memory (``/proc/<pid>/status`` VmRSS of the process Ray titles ``DiTReplica``) every poll,
+  and its change between the median of the first tenth of the run after warm-up (the first ``--warmup-share``) and
+  the median of the last tenth (it swings with the requests in flight; a leak is a baseline that grows);
+- the bucket count and the runner's modes at the start and the end (the graph count on a GPU);
+- the replica's counters at the end (``totals``, scheduler ``cancelled``, ``expired``, ``failed``).
+
+Targets (issue: reliability): no lost or hung request, no 5xx, resident memory flat after warm-up within 5%, the
+bucket (graph) count constant.
+
+Run (about ``--duration-s`` plus a minute of start-up)::
+
+    python benchmarks/soak.py --duration-s 600 --out docs/bench/<date>_soak_cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from deployments.demo import load_requests  # noqa: E402
+
+
+def replica_rss_bytes() -> dict[int, int]:
+    """VmRSS of every DiT replica process on this machine, by pid: the processes Ray titles
+    ``ray::ServeReplica:<app>:DiTReplica`` (Linux ``/proc``; Ray's state API needs the dashboard, which
+    ``bcg serve`` does not start)."""
+    out = {}
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            if b"DiTReplica" not in (proc / "cmdline").read_bytes():
+                continue
+            status = (proc / "status").read_text()
+        except OSError:
+            continue
+        kb = next((int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:")), None)
+        if kb is not None:
+            out[int(proc.name)] = kb * 1024
+    return out
+
+
+async def one(client, url: str, body: dict, stream: bool, disconnect_after: float | None, timeout_s: float,
+              details: list) -> str:
+    """Send one request; the outcome: ``ok``, ``4xx``, ``503``, ``5xx``, ``disconnected``, ``lost`` or ``hung``."""
+    import httpx
+
+    async def send() -> str:
+        if stream:
+            async with client.stream("POST", f"{url}/v1/images/generations", json=body) as r:
+                if r.status_code != 200:
+                    await r.aread()
+                    return _status(r.status_code)
+                text = ""
+                async for chunk in r.aiter_text():
+                    text += chunk
+                done = text.count("event: image_generation.completed")
+                if done == body["n"] and "event: error" not in text:
+                    return "ok"
+                details.append({"body": body, "stream_tail": text[-300:], "completed": done})
+                return "5xx"
+        r = await client.post(f"{url}/v1/images/generations", json=body)
+        if r.status_code == 200:
+            return "ok" if len(r.json()["data"]) == body["n"] else "5xx"
+        if r.status_code >= 500 and r.status_code != 503:
+            details.append({"body": body, "status": r.status_code, "answer": r.text[:300]})
+        return _status(r.status_code)
+
+    try:
+        if disconnect_after is not None:
+            try:
+                return await asyncio.wait_for(send(), disconnect_after)
+            except asyncio.TimeoutError:
+                return "disconnected"
+        return await asyncio.wait_for(send(), timeout_s)
+    except asyncio.TimeoutError:
+        return "hung"
+    except httpx.HTTPError:
+        return "lost"
+
+
+def _status(code: int) -> str:
+    if code == 503:
+        return "503"
+    return "4xx" if 400 <= code < 500 else "5xx"
+
+
+async def soak(url: str, args) -> dict:
+    import httpx
+
+    rng = random.Random(args.seed)
+    rows = load_requests(args.requests)
+    steps = [int(s) for s in args.steps.split(",")]
+    outcomes: dict[str, int] = {}
+    details: list[dict] = []
+    memory: list[tuple[float, int]] = []
+    polls = {"ok": 0, "failed": 0}
+    first_stats: dict = {}
+    t0 = time.monotonic()
+    deadline = t0 + args.duration_s
+    next_row = iter(range(10**9))
+
+    async def client_loop() -> None:
+        async with httpx.AsyncClient(timeout=args.request_timeout_s, trust_env=False) as client:
+            while time.monotonic() < deadline:
+                d = rows[next(next_row) % len(rows)]
+                stream = rng.random() < args.stream_share
+                body = {"prompt": d.prompt, "size": f"{d.width}x{d.height}", "n": d.n,
+                        "num_inference_steps": rng.choice(steps), "seed": rng.randrange(2**31)}
+                if stream:
+                    body.update(stream=True, partial_images=rng.choice((1, 2)))
+                gone = rng.uniform(0.2, 2.0) if rng.random() < args.disconnect_share else None
+                out = await one(client, url, body, stream, gone, args.request_timeout_s, details)
+                outcomes[out] = outcomes.get(out, 0) + 1
+
+    async def poller() -> None:
+        async with httpx.AsyncClient(timeout=30, trust_env=False) as client:
+            while time.monotonic() < deadline:
+                try:
+                    r = await client.get(f"{url}/v1/buckets")
+                    polls["ok" if r.status_code == 200 else "failed"] += 1
+                    if r.status_code == 200 and not first_stats:
+                        first_stats.update(r.json())
+                except httpx.HTTPError:
+                    polls["failed"] += 1
+                rss = await asyncio.to_thread(replica_rss_bytes)
+                if rss:
+                    memory.append((time.monotonic() - t0, sum(rss.values())))
+                await asyncio.sleep(1.0)
+
+    await asyncio.gather(poller(), *(client_loop() for _ in range(args.concurrency)))
+    async with httpx.AsyncClient(timeout=60, trust_env=False) as client:
+        end_stats = (await client.get(f"{url}/v1/buckets")).json()
+    # resident memory swings with the requests in flight (activations, decoded images); a leak is a baseline that
+    # grows: compare the median of the first tenth of the run after warm-up with the median of its last tenth
+    warm = [m for t, m in memory if t >= args.warmup_share * args.duration_s]
+    k = max(1, len(warm) // 10)
+    after_warmup = statistics.median(warm[:k]) if warm else None
+    at_end = statistics.median(warm[-k:]) if warm else None
+    drift = abs(at_end - after_warmup) / after_warmup if warm else None
+
+    def shape(stats: dict) -> dict:
+        modes: dict[str, int] = {}
+        for b in stats.get("buckets", []):
+            modes[str(b.get("mode"))] = modes.get(str(b.get("mode")), 0) + 1
+        return {"buckets": len(stats.get("buckets", [])), "modes": modes}
+
+    sched = end_stats.get("scheduler") or {}
+    shapes = sched.get("shapes") or {}
+    return {
+        "duration_s": args.duration_s, "sent": sum(outcomes.values()), "outcomes": outcomes, "failures": details[:20],
+        "polls": polls,
+        "memory": {"samples": len(memory), "after_warmup_bytes": after_warmup, "end_bytes": at_end,
+                   "max_change_after_warmup": round(drift, 4) if drift is not None else None,
+                   "series": [(round(t, 1), m) for t, m in memory[:: max(1, len(memory) // 60)]]},
+        "table_start": shape(first_stats), "table_end": shape(end_stats),
+        "replica": {"totals": end_stats.get("totals"),
+                    "cancelled": sum(s.get("cancelled", 0) + s.get("cancelled_waiting", 0) for s in shapes.values()),
+                    "expired": sum(s.get("expired", 0) for s in shapes.values()),
+                    "failed": sum(s.get("failed", 0) for s in shapes.values())},
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the soak; exit 0 when it met its targets."""
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--duration-s", type=float, default=600.0)
+    ap.add_argument("--concurrency", type=int, default=4)
+    ap.add_argument("--requests", type=int, default=64, help="krea requests cycled through")
+    ap.add_argument("--steps", default="1,2,4", help="step counts drawn from (comma-separated)")
+    ap.add_argument("--stream-share", type=float, default=0.3)
+    ap.add_argument("--disconnect-share", type=float, default=0.1)
+    ap.add_argument("--request-timeout-s", type=float, default=300.0)
+    ap.add_argument("--warmup-share", type=float, default=0.2)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", help="JSON result")
+    args = ap.parse_args(argv)
+    if args.duration_s <= 0 or not 1 <= args.concurrency <= 16:
+        ap.error("--duration-s must be positive and --concurrency from 1 to 16")
+
+    from deployments.local import start_local, stop_local
+
+    url = start_local(None, port=0, quiet=True)
+    try:
+        result = asyncio.run(soak(url, args))
+    finally:
+        stop_local()
+    result.update(date=time.strftime("%Y-%m-%d"), args=vars(args))
+    o = result["outcomes"]
+    bad = o.get("lost", 0) + o.get("hung", 0) + o.get("5xx", 0)
+    flat = result["memory"]["max_change_after_warmup"] is not None and result["memory"]["max_change_after_warmup"] <= 0.05
+    same = result["table_start"] == result["table_end"]
+    result["targets_met"] = {"none_lost_hung_or_5xx": bad == 0, "memory_flat_5pct": flat, "table_constant": same}
+    text = json.dumps(result, indent=1)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    return 0 if bad == 0 and flat and same else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
