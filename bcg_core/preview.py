@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-__all__ = ["LazyPreview", "LinearPreview", "PartialImage", "preview_steps", "vae_latents"]
+__all__ = ["LazyPreview", "LinearPreview", "PartialImage", "preview_steps", "vae_latents", "vae_preview"]
 
 
 def preview_steps(steps: int, partial_images: int) -> tuple[int, ...]:
@@ -165,3 +165,9 @@ class LazyPreview:
 
     def __call__(self, latents: torch.Tensor) -> list[np.ndarray]:
         return self.get()(latents)
+
+
+def vae_preview(vae: torch.nn.Module, factor: int) -> LazyPreview:
+    """The :class:`LazyPreview` of a family whose VAE's ``encode`` takes (n, 3, H, W) pictures
+    (:func:`vae_latents`), ``factor`` pixels per latent pixel (the pipeline's ``vae_scale_factor``)."""
+    return LazyPreview(lambda x: vae_latents(vae, x), factor)

@@ -246,17 +246,16 @@ class EagerBucketRunner:
                     entry = self.entries[key] = BucketEntry(key, self.adapter.allocate(key, self.device, self.dtype))
                     self.lazy_prepares += 1
                 mode = "static_eager"
-                try:
-                    if not entry.buffers:
-                        raise LookupError  # demoted after a fault: unpadded
-                    out = static_forward(self.adapter, entry.buffers, inputs)
-                except LookupError:
+                if not entry.buffers:  # demoted after a fault: unpadded
                     out, mode = self.adapter.forward_eager(inputs).clone(), "eager"
-                except RuntimeError as e:
-                    if is_out_of_memory(e):
-                        raise
-                    demote(entry, e, self.metrics)
-                    out, mode = self.adapter.forward_eager(inputs).clone(), "eager"
+                else:
+                    try:
+                        out = static_forward(self.adapter, entry.buffers, inputs)
+                    except RuntimeError as e:
+                        if is_out_of_memory(e):
+                            raise
+                        demote(entry, e, self.metrics)
+                        out, mode = self.adapter.forward_eager(inputs).clone(), "eager"
                 entry.forwards += 1
         self.metrics.record_forward(key, "eager" if key is None or eager else mode)
         return out

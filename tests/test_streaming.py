@@ -230,27 +230,15 @@ def test_a_failure_mid_stream_is_one_error_event_the_official_client_raises():
 def test_a_stream_refused_before_acceptance_is_a_plain_503_with_retry_after():
     import asyncio
 
-    from starlette.requests import Request
-
     from bcg_core.config import ServeConfig
     from deployments.ingress import Ingress
+    from test_plan_once import _http
 
     config = ServeConfig.model_validate({"buckets": {"batch_sizes": [1], "resolutions": ["256x256"],
                                                      "text_lengths": [256]}, "routing": {"shape_aware": False}})
     dit = _FailingStreamDit(refuse=True)
     ingress = Ingress.func_or_class.__mro__[1](dit, config.model_dump(mode="json"))
-    raw = json.dumps({"prompt": "x", "size": "256x256", "stream": True, "partial_images": 1}).encode()
-    sent = False
-
-    async def receive():
-        nonlocal sent
-        if sent:
-            return {"type": "http.disconnect"}
-        sent = True
-        return {"type": "http.request", "body": raw, "more_body": False}
-
-    scope = {"type": "http", "method": "POST", "path": GEN, "headers": [
-        (b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())]}
-    answer = asyncio.run(ingress.generate(Request(scope, receive)))
+    request = _http({"prompt": "x", "size": "256x256", "stream": True, "partial_images": 1})
+    answer = asyncio.run(ingress.generate(request))
     assert answer.status_code == 503 and answer.headers["retry-after"] == "3"
     assert json.loads(answer.body)["error"]["message"] == "the server is at capacity; retry after 3 s"

@@ -376,9 +376,9 @@ class FluxFamily:
 
     @functools.cached_property
     def _preview(self):
-        from ..preview import LazyPreview, vae_latents
+        from ..preview import vae_preview
 
-        return LazyPreview(lambda x: vae_latents(self.vae, x), self.vae_scale_factor)
+        return vae_preview(self.vae, self.vae_scale_factor)
 
     @torch.inference_mode()
     def preview(self, state: RequestState, latents: torch.Tensor) -> list[np.ndarray]:

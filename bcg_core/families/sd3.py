@@ -342,9 +342,9 @@ class SD3Family:
 
     @functools.cached_property
     def _preview(self):
-        from ..preview import LazyPreview, vae_latents
+        from ..preview import vae_preview
 
-        return LazyPreview(lambda x: vae_latents(self.pipe.vae, x), self.pipe.vae_scale_factor)
+        return vae_preview(self.pipe.vae, self.pipe.vae_scale_factor)
 
     @torch.inference_mode()
     def preview(self, state: RequestState, latents: torch.Tensor) -> list[np.ndarray]:
