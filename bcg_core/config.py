@@ -366,6 +366,13 @@ class RoutingConfig(BaseModel):
         default=5.0, gt=0.0, le=600.0,
         description="A replica silent this long has left: its shapes move to the survivors.",
     )
+    capture_stall_s: float | None = Field(
+        default=600.0, gt=0.0, le=86400.0,
+        description="A replica whose one capture has run this many seconds is stalled: the coordinator takes it "
+        "out of the ownership assignment (its shapes move to the others, which capture them) until it reports "
+        "the capture ended. None: never. Captures take seconds (docs/BENCHMARKS.md); the default leaves room "
+        "for a slow first model load on a busy GPU.",
+    )
     join_window_s: float = Field(
         default=60.0, ge=0.0, le=3600.0,
         description="At start, the first assignment waits up to this long for all expected replicas to join, "

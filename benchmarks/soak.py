@@ -10,9 +10,13 @@ Reported (JSON, ``--out``):
 
 - requests sent, answered 200, 4xx, 503, other 5xx, disconnected by the client on purpose, **lost** (an error
   without an HTTP answer that the client did not cause) and **hung** (no answer within the request timeout);
-- the DiT replica's resident memory (``/proc/<pid>/status`` VmRSS of the process Ray titles ``DiTReplica``) every poll,
-  and its change between the median of the first tenth of the run after warm-up (the first ``--warmup-share``) and
-  the median of the last tenth (it swings with the requests in flight; a leak is a baseline that grows);
+- the DiT replica's resident memory (``/proc/<pid>/status`` VmRSS of the process Ray titles ``DiTReplica``):
+  **at rest** after warm-up and at the end, the target's measure. At the end of warm-up (the first
+  ``--warmup-share`` of the run) the clients pause: once no request is in flight and ``--quiet-s`` have passed,
+  the median of 5 samples 0.2 s apart is the baseline; then the load resumes. After the run the same is taken
+  again. Under load the memory swings with the requests in flight (activations, decoded images of 9-image
+  requests, previews), so the series sampled every poll and the medians of its first and last tenth after
+  warm-up are reported too, but not judged;
 - the bucket count and the runner's modes at the start and the end (the graph count on a GPU);
 - the replica's counters at the end (``totals``, scheduler ``cancelled``, ``expired``, ``failed``).
 
@@ -115,15 +119,21 @@ async def soak(url: str, args) -> dict:
     outcomes: dict[str, int] = {}
     details: list[dict] = []
     memory: list[tuple[float, int]] = []
+    at_rest: dict[str, int | None] = {}
     polls = {"ok": 0, "failed": 0}
+    go = asyncio.Event()
+    go.set()
+    in_flight = 0
     first_stats: dict = {}
     t0 = time.monotonic()
     deadline = t0 + args.duration_s
     next_row = iter(range(10**9))
 
     async def client_loop() -> None:
+        nonlocal in_flight
         async with httpx.AsyncClient(timeout=args.request_timeout_s, trust_env=False) as client:
             while time.monotonic() < deadline:
+                await go.wait()
                 d = rows[next(next_row) % len(rows)]
                 stream = rng.random() < args.stream_share
                 body = {"prompt": d.prompt, "size": f"{d.width}x{d.height}", "n": d.n,
@@ -131,8 +141,33 @@ async def soak(url: str, args) -> dict:
                 if stream:
                     body.update(stream=True, partial_images=rng.choice((1, 2)))
                 gone = rng.uniform(0.2, 2.0) if rng.random() < args.disconnect_share else None
-                out = await one(client, url, body, stream, gone, args.request_timeout_s, details)
+                in_flight += 1
+                try:
+                    out = await one(client, url, body, stream, gone, args.request_timeout_s, details)
+                finally:
+                    in_flight -= 1
                 outcomes[out] = outcomes.get(out, 0) + 1
+
+    async def rest_rss() -> int | None:
+        """The replica's memory at rest: no request in flight (bounded wait), ``--quiet-s`` later, the median of 5
+        samples."""
+        limit = time.monotonic() + args.request_timeout_s
+        while in_flight and time.monotonic() < limit:
+            await asyncio.sleep(0.1)
+        await asyncio.sleep(args.quiet_s)
+        samples = []
+        for _ in range(5):
+            samples.append(sum((await asyncio.to_thread(replica_rss_bytes)).values()))
+            await asyncio.sleep(0.2)
+        return int(statistics.median(samples)) if any(samples) else None
+
+    async def pause_after_warmup() -> None:
+        await asyncio.sleep(args.warmup_share * args.duration_s)
+        go.clear()
+        try:
+            at_rest["after_warmup"] = await rest_rss()
+        finally:
+            go.set()
 
     async def poller() -> None:
         async with httpx.AsyncClient(timeout=30, trust_env=False) as client:
@@ -149,16 +184,17 @@ async def soak(url: str, args) -> dict:
                     memory.append((time.monotonic() - t0, sum(rss.values())))
                 await asyncio.sleep(1.0)
 
-    await asyncio.gather(poller(), *(client_loop() for _ in range(args.concurrency)))
+    await asyncio.gather(poller(), pause_after_warmup(), *(client_loop() for _ in range(args.concurrency)))
+    at_rest["end"] = await rest_rss()
     async with httpx.AsyncClient(timeout=60, trust_env=False) as client:
         end_stats = (await client.get(f"{url}/v1/buckets")).json()
-    # resident memory swings with the requests in flight (activations, decoded images); a leak is a baseline that
-    # grows: compare the median of the first tenth of the run after warm-up with the median of its last tenth
+    # under load, for reference: the medians of the first and last tenth of the series after warm-up
     warm = [m for t, m in memory if t >= args.warmup_share * args.duration_s]
     k = max(1, len(warm) // 10)
     after_warmup = statistics.median(warm[:k]) if warm else None
     at_end = statistics.median(warm[-k:]) if warm else None
-    drift = abs(at_end - after_warmup) / after_warmup if warm else None
+    base, end = at_rest.get("after_warmup"), at_rest.get("end")
+    change = (end - base) / base if base and end else None
 
     def shape(stats: dict) -> dict:
         modes: dict[str, int] = {}
@@ -171,8 +207,10 @@ async def soak(url: str, args) -> dict:
     return {
         "duration_s": args.duration_s, "sent": sum(outcomes.values()), "outcomes": outcomes, "failures": details[:20],
         "polls": polls,
-        "memory": {"samples": len(memory), "after_warmup_bytes": after_warmup, "end_bytes": at_end,
-                   "max_change_after_warmup": round(drift, 4) if drift is not None else None,
+        "memory": {"at_rest_after_warmup_bytes": base, "at_rest_end_bytes": end,
+                   "change_at_rest": round(change, 4) if change is not None else None,
+                   "samples": len(memory), "under_load_first_tenth_median_bytes": after_warmup,
+                   "under_load_last_tenth_median_bytes": at_end,
                    "series": [(round(t, 1), m) for t, m in memory[:: max(1, len(memory) // 60)]]},
         "table_start": shape(first_stats), "table_end": shape(end_stats),
         "replica": {"totals": end_stats.get("totals"),
@@ -193,6 +231,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--disconnect-share", type=float, default=0.1)
     ap.add_argument("--request-timeout-s", type=float, default=300.0)
     ap.add_argument("--warmup-share", type=float, default=0.2)
+    ap.add_argument("--quiet-s", type=float, default=3.0, help="seconds without a request in flight before the "
+                    "memory at rest is sampled (cancelled requests stop at their next step)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", help="JSON result")
     args = ap.parse_args(argv)
@@ -209,7 +249,8 @@ def main(argv: list[str] | None = None) -> int:
     result.update(date=time.strftime("%Y-%m-%d"), args=vars(args))
     o = result["outcomes"]
     bad = o.get("lost", 0) + o.get("hung", 0) + o.get("5xx", 0)
-    flat = result["memory"]["max_change_after_warmup"] is not None and result["memory"]["max_change_after_warmup"] <= 0.05
+    change = result["memory"]["change_at_rest"]
+    flat = change is not None and abs(change) <= 0.05
     same = result["table_start"] == result["table_end"]
     result["targets_met"] = {"none_lost_hung_or_5xx": bad == 0, "memory_flat_5pct": flat, "table_constant": same}
     text = json.dumps(result, indent=1)

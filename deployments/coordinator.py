@@ -3,7 +3,10 @@
 DiT replicas join it at start (and capture only the shapes it assigns them), heartbeat it from their
 ``record_routing_stats`` (every ``routing.stats_period_s``), and leave it on shutdown. A replica that stops
 heartbeating for ``routing.lease_s`` is removed and its shapes move to the survivors, which capture them in
-the background and report them as warming, then ready. The state machine is
+the background and report them as warming, then ready. A replica whose capture has run longer than
+``routing.capture_stall_s`` is taken out of the assignment the same way until it reports the capture ended.
+A restarted coordinator rebuilds the assignment from the replicas' heartbeats, which carry the shapes each
+holds. The state machine is
 :class:`router.membership.OwnershipTable`; this deployment adds the join window wait, lease expiry on a
 timer, and the Serve plumbing.
 """
@@ -42,7 +45,8 @@ class BucketCoordinator:
         cfg = ServeConfig.model_validate(config)
         r = cfg.routing
         self.table = OwnershipTable(demands_for_config(cfg), expected=expected_replicas,
-                                    join_window_s=r.join_window_s, lease_s=r.lease_s, hot_share=r.hot_share)
+                                    join_window_s=r.join_window_s, lease_s=r.lease_s, hot_share=r.hot_share,
+                                    capture_stall_s=r.capture_stall_s)
         self._changed = asyncio.Event()
         self._reaper = asyncio.get_running_loop().create_task(self._expire_loop(r.lease_s))
 
@@ -97,10 +101,16 @@ class BucketCoordinator:
 
     def heartbeat(self, replica_id: str, budget_bytes: int, owned: list[str], ready: list[str],
                   queue: dict[str, int] | None = None, stats: dict | None = None) -> list[str] | None:
-        """Renew a replica's lease; returns its owned shapes (None while the first assignment waits)."""
+        """Renew a replica's lease; returns its owned shapes (None while the first assignment waits, or while
+        the replica is stalled in a capture)."""
         before = self.table.version
         owned_now = self.table.heartbeat(replica_id, budget_bytes, tuple(owned), tuple(ready), queue, stats)
         if self.table.version != before:
+            if replica_id in self.table.stalled:
+                logger.warning("replica %s has been capturing for %.0f s (routing.capture_stall_s %.0f): its shapes "
+                               "moved to %d other replicas (assignment v%d)", replica_id,
+                               (stats or {}).get("capturing_s") or 0.0, self.table.capture_stall_s or 0.0,
+                               len(self.table.members), self.table.version)
             self._wake()
         return None if owned_now is None else list(owned_now)
 

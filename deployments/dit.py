@@ -55,6 +55,7 @@ from collections import Counter
 
 from ray import serve
 
+from bcg_core import failpoints
 from bcg_core.batching import MicroBatcher
 from bcg_core.buckets import BucketKey, shape_of
 from bcg_core.config import ServeConfig
@@ -131,6 +132,7 @@ class DiTReplica:
         self._ready: set[str] = set()
         self._capture_lock = threading.Lock()
         self._capture_task: asyncio.Task | None = None
+        self._capturing_since: float | None = None  # time.monotonic() when the running capture began
         self._served: Counter[str] = Counter()  # "owner", "non_owner", "unkeyed"
         self._served_by_shape: Counter[str] = Counter()
         self._batcher: StepScheduler | MicroBatcher = (
@@ -153,7 +155,7 @@ class DiTReplica:
             period = self._config.routing.stats_period_s
             self._heartbeat_task = asyncio.get_running_loop().create_task(self._heartbeat_loop(period))
         t0 = time.perf_counter()
-        await asyncio.to_thread(self._prepare_shapes, sorted(self._owned))
+        await asyncio.to_thread(self._prepare_shapes, sorted(self._owned), True)
         logger.info("replica %s owns %d of %d shapes %s, prepared in %.1f s", self._id, len(self._owned),
                     len(self._by_shape), sorted(self._owned), time.perf_counter() - t0)
         self._exporter, self._metrics_task = self._start_metrics_export()
@@ -182,21 +184,29 @@ class DiTReplica:
             return int(0.9 * free)
         return _NO_BUDGET
 
-    def _prepare_shapes(self, shapes: list[str]) -> None:
+    def _prepare_shapes(self, shapes: list[str], initial: bool = False) -> None:
         """Prepare (capture on CUDA) every batch bucket of ``shapes``, largest shape first; each shape is
-        ready as soon as its buckets are. Runs in a worker thread."""
+        ready as soon as its buckets are. Runs in a worker thread. ``initial``: the capture at start (where the
+        ``capture_stall`` failpoint of :mod:`bcg_core.failpoints` can fire)."""
         with self._capture_lock:
-            order = sorted(shapes, key=lambda s: -max(k.tokens for k in self._by_shape.get(s, [BucketKey(0, 0, 0)])))
-            for s in order:
-                keys = self._by_shape.get(s)
-                if not keys:
-                    logger.warning("replica %s was assigned unknown shape %r; ignored", self._id, s)
-                    continue
-                self._pipeline.prepare(keys)
-                self._measure_costs(s, keys)
-                self._ready.add(s)
-            if isinstance(self._batcher, StepScheduler):
-                self._batcher.measure_memory_budget()  # after capture and cost measurement
+            self._capturing_since = time.monotonic()
+            try:
+                if initial:
+                    failpoints.capture_stall()
+                order = sorted(shapes,
+                               key=lambda s: -max(k.tokens for k in self._by_shape.get(s, [BucketKey(0, 0, 0)])))
+                for s in order:
+                    keys = self._by_shape.get(s)
+                    if not keys:
+                        logger.warning("replica %s was assigned unknown shape %r; ignored", self._id, s)
+                        continue
+                    self._pipeline.prepare(keys)
+                    self._measure_costs(s, keys)
+                    self._ready.add(s)
+                if isinstance(self._batcher, StepScheduler):
+                    self._batcher.measure_memory_budget()  # after capture and cost measurement
+            finally:
+                self._capturing_since = None
 
     def _measure_costs(self, shape: str, keys: list[BucketKey]) -> None:
         """Time ``shape``'s prepared buckets and its eager forwards for the step scheduler's cost model; a
@@ -347,9 +357,13 @@ class DiTReplica:
         return {"served": dict(self._served), "by_shape": dict(self._served_by_shape), "load": load}
 
     def _heartbeat_stats(self) -> dict:
-        """What a heartbeat reports: :meth:`_served_totals` plus, when recorded, the ``traffic`` snapshot (the
-        ingress merges every replica's into ``traffic`` of ``/v1/buckets``)."""
+        """What a heartbeat reports: :meth:`_served_totals`, ``capturing_s`` (seconds the running capture has
+        taken, None when none runs: the coordinator takes a replica stalled past ``routing.capture_stall_s`` out
+        of the assignment) and, when recorded, the ``traffic`` snapshot (the ingress merges every replica's into
+        ``traffic`` of ``/v1/buckets``)."""
         out = self._served_totals()
+        since = self._capturing_since
+        out["capturing_s"] = None if since is None else round(time.monotonic() - since, 3)
         if self._traffic is not None:
             out["traffic"] = self._traffic.snapshot()
         return out

@@ -36,6 +36,7 @@ serve it (under overload at once, with ``Retry-After``: backpressure from ``rout
 # No ``from __future__ import annotations`` here: FastAPI reads the route signatures (``request: Request``)
 # of the class-based view that ``serve.ingress`` builds, and postponed annotations hide them from it.
 
+import asyncio
 import contextlib
 import dataclasses
 import json
@@ -108,6 +109,10 @@ def error_response(status: int, message: str, param: str | None = None, type_: s
     body = ErrorBody(error=ErrorDetail(message=message, type=kind, param=param, code=code))
     return JSONResponse(status_code=status, content=body.model_dump())
 
+
+COORDINATOR_TIMEOUT_S = 2.0
+"""Seconds ``/v1/buckets`` waits for the ownership coordinator's snapshot; past it ``ownership`` is an error note
+(the coordinator is being restarted) and the rest of the stats are answered."""
 
 _AUTH_MESSAGES = {
     "missing": ("You didn't provide an API key. Send it in an Authorization header: 'Authorization: Bearer "
@@ -381,7 +386,13 @@ class Ingress:
         misses["rejected"] = self._rejected_requests
         misses["rejected_by_dim"] = {d: self._rejected.get(d, 0) for d in ("batch", "image_tokens", "text_tokens")}
         if self._coord is not None:
-            stats["ownership"] = await self._coord.snapshot.remote()
+            try:
+                stats["ownership"] = await asyncio.wait_for(self._coord.snapshot.remote(), COORDINATOR_TIMEOUT_S)
+            except Exception as exc:  # noqa: BLE001 - a coordinator being restarted must not fail the stats
+                stats["ownership"] = {"error": f"the ownership coordinator did not answer within "
+                                               f"{COORDINATOR_TIMEOUT_S:g} s ({type(exc).__name__}); it is "
+                                               f"restarted by Serve and rebuilds ownership from the replicas' "
+                                               f"heartbeats"}
             stats["traffic"] = merged_traffic(stats, stats["ownership"])
         return stats
 

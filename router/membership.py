@@ -14,9 +14,16 @@ Life of a replica:
    the replica's lease, reports its ready shapes, queue and counters, and returns its owned shapes (which
    grow when a peer leaves). A heartbeat from an unknown replica (the coordinator restarted, or its lease
    had expired) re-joins it, adopting the shapes it reports as owned.
+   Before the first assignment such re-joins are remembered, and the first assignment keeps what they hold
+   (a restarted coordinator rebuilds the ownership the replicas still serve, and fills in only the gaps).
 3. ``leave`` (graceful shutdown) or lease expiry (``lease_s`` without a heartbeat: the replica died): its
    shapes move to the survivors (``assign`` with the previous assignment: only the leaver's ownerships are
    re-homed).
+4. A **stalled capture**: a replica whose heartbeat says it has been capturing for longer than
+   ``capture_stall_s`` (``stats["capturing_s"]``) is alive but not serving what it owns. It is taken out of
+   the assignment as if it had left (event ``stalled``; its shapes move to the survivors, which capture them),
+   as long as another replica remains. Its later heartbeats are answered None (it keeps its own shapes) until
+   one says the capture ended; then it re-joins, adopting the shapes it holds (event ``recovered``).
 
 Scale events (a join after the first assignment, a leave) re-assign by the **measured** load: each
 heartbeat's ``stats["load"]`` is ``{shape: replicas' worth of work}`` (arrival rate x measured service time,
@@ -69,19 +76,21 @@ class OwnershipTable:
         lease_s: seconds without a heartbeat after which a replica counts as gone.
         hot_share: shapes with at least this share get >= 2 owners (see :func:`router.ownership.assign`).
         graph_overhead_bytes: bytes each owned graph adds beyond the largest (ownership memory model).
+        capture_stall_s: seconds of one capture after which a replica counts as stalled (module docstring, 4);
+            None: never.
         clock: monotonic seconds (``time.monotonic`` by default; tests pass a fake).
 
     Raises:
-        ValueError: ``expected`` < 1 or a negative window or lease.
+        ValueError: ``expected`` < 1, a negative window, or a lease or stall time that is not positive.
     """
 
     def __init__(self, demands: Mapping[str, BucketDemand], expected: int = 1, join_window_s: float = 60.0,
                  lease_s: float = 5.0, hot_share: float = 0.10,
-                 graph_overhead_bytes: int = DEFAULT_GRAPH_OVERHEAD_BYTES,
+                 graph_overhead_bytes: int = DEFAULT_GRAPH_OVERHEAD_BYTES, capture_stall_s: float | None = None,
                  clock: Callable[[], float] = time.monotonic):
-        if expected < 1 or join_window_s < 0 or lease_s <= 0:
-            raise ValueError(f"need expected >= 1, join_window_s >= 0 and lease_s > 0; got {expected}, "
-                             f"{join_window_s}, {lease_s}")
+        if expected < 1 or join_window_s < 0 or lease_s <= 0 or (capture_stall_s is not None and capture_stall_s <= 0):
+            raise ValueError(f"need expected >= 1, join_window_s >= 0, lease_s > 0 and capture_stall_s > 0 or None; "
+                             f"got {expected}, {join_window_s}, {lease_s}, {capture_stall_s}")
         self.prior = dict(demands)
         self.demands = dict(demands)
         self.demand_source = "prior"
@@ -90,8 +99,11 @@ class OwnershipTable:
         self.lease_s = lease_s
         self.hot_share = hot_share
         self.overhead = graph_overhead_bytes
+        self.capture_stall_s = capture_stall_s
         self.clock = clock
         self.members: dict[str, MemberState] = {}
+        self.stalled: dict[str, float] = {}  # stalled replica -> clock time of its last heartbeat
+        self._held: dict[str, tuple[str, ...]] = {}  # before the first assignment: shapes re-joiners hold
         self.assignment: Assignment | None = None
         self.version = 0
         self.first_join: float | None = None
@@ -131,8 +143,11 @@ class OwnershipTable:
         if self.assignment is not None and not known:
             self._refresh_demands()
             self._reassign(adopt={replica_id: tuple(owned)})
-        elif self.assignment is None and self.window_closed():
-            self._reassign()
+        elif self.assignment is None:
+            if owned:
+                self._held[replica_id] = tuple(owned)
+            if self.window_closed():
+                self._reassign(adopt=self._held)
 
     def leave(self, replica_id: str, why: str = "leave") -> bool:
         """Remove a replica (graceful shutdown or expired lease); its shapes move to the survivors.
@@ -144,6 +159,7 @@ class OwnershipTable:
             return False
         self._refresh_demands()  # the leaver's last load still counts: its traffic moves to the survivors
         self.members.pop(replica_id)
+        self._held.pop(replica_id, None)
         self._event(why, replica_id)
         if self.assignment is not None:
             self._reassign()
@@ -153,9 +169,20 @@ class OwnershipTable:
                   queue: Mapping[str, int] | None = None, stats: Mapping | None = None) -> tuple[str, ...] | None:
         """Renew a replica's lease and record what it reports.
 
+        ``stats["capturing_s"]``: seconds the replica's current capture has run (None or absent: not capturing);
+        past ``capture_stall_s`` the replica is taken out of the assignment (module docstring, 4).
+
         Returns:
-            Its owned shapes, or None while the first assignment is still waiting for replicas.
+            Its owned shapes, or None while the first assignment is still waiting for replicas, or while it is
+            stalled (it keeps the shapes it has).
         """
+        capturing = (stats or {}).get("capturing_s")
+        if replica_id in self.stalled:
+            if capturing is not None:
+                self.stalled[replica_id] = self.clock()  # its lease while out: heard from now
+                return None  # still stuck: stays out of the assignment
+            self.stalled.pop(replica_id)
+            self._event("recovered", replica_id)
         member = self.members.get(replica_id)
         if member is None:
             self.join(replica_id, budget_bytes, owned, ready)
@@ -164,8 +191,13 @@ class OwnershipTable:
         member.ready = tuple(ready)
         member.queue = dict(queue or {})
         member.stats = dict(stats or {})
+        if (self.capture_stall_s is not None and isinstance(capturing, (int, float))
+                and capturing > self.capture_stall_s and len(self.members) > 1):
+            self.stalled[replica_id] = self.clock()
+            self.leave(replica_id, why="stalled")
+            return None
         if self.assignment is None and self.window_closed():
-            self._reassign()
+            self._reassign(adopt=self._held)
         return self.owned(replica_id)
 
     def touch(self, replica_id: str) -> None:
@@ -180,8 +212,9 @@ class OwnershipTable:
         gone = sorted(r for r, m in self.members.items() if now - m.last_seen > self.lease_s)
         for r in gone:
             self.leave(r, why="expired")
+        self.stalled = {r: t for r, t in self.stalled.items() if now - t <= self.lease_s}  # died while stalled
         if self.assignment is None and self.members and self.window_closed():
-            self._reassign()
+            self._reassign(adopt=self._held)
         return gone
 
     def owned(self, replica_id: str) -> tuple[str, ...] | None:
@@ -213,11 +246,14 @@ class OwnershipTable:
         self.demand_source = "measured"
 
     def _reassign(self, adopt: Mapping[str, tuple[str, ...]] | None = None) -> None:
+        """Assign again, keeping the previous assignment and adding ``adopt`` (replica -> shapes it holds) to it;
+        with no previous assignment the adopted shapes alone are kept."""
         replicas = [ReplicaCapacity(r, m.budget_bytes) for r, m in sorted(self.members.items())]
         previous = self.assignment
-        if previous is not None and adopt:
-            owners = {b: set(rs) for b, rs in previous.owners.items()}
-            buckets = {r: set(bs) for r, bs in previous.buckets.items()}
+        adopt = {r: shapes for r, shapes in (adopt or {}).items() if r in self.members and shapes}
+        if adopt:
+            owners = {b: set(rs) for b, rs in previous.owners.items()} if previous else {}
+            buckets = {r: set(bs) for r, bs in previous.buckets.items()} if previous else {}
             for r, shapes in adopt.items():
                 for b in shapes:
                     if b in self.demands:
@@ -229,6 +265,7 @@ class OwnershipTable:
                      graph_overhead_bytes=self.overhead)
         self.moves += new.moved_from(self.assignment)
         self.assignment = new
+        self._held.clear()
         self.version += 1
 
     def _event(self, kind: str, replica_id: str) -> None:
@@ -263,6 +300,7 @@ class OwnershipTable:
             "moves": self.moves,
             "owners": {b: list(rs) for b, rs in a.owners.items()} if a else {},
             "unplaceable": list(a.unplaceable) if a else [],
+            "stalled": sorted(self.stalled),
             "under_replicated": list(a.under_replicated) if a else [],
             "replicas": replicas,
             "events": list(self.events),

@@ -133,3 +133,92 @@ def test_budget_is_respected_and_unplaceable_reported(demands):
 def test_bad_arguments():
     with pytest.raises(ValueError, match="expected >= 1"):
         OwnershipTable({}, expected=0)
+
+
+def test_a_restarted_coordinator_rebuilds_the_assignment_the_replicas_hold(demands):
+    clock = Clock()
+    first = OwnershipTable(demands, expected=3, clock=clock)
+    for r in "abc":
+        first.join(r, 10 * GiB)
+    held = {r: first.owned(r) for r in "abc"}
+    # a new coordinator (expected 3, nothing assigned) hears the replicas' heartbeats one by one; a fresh
+    # assignment for "c" and "b" alone would differ, so the first one must wait and then keep what each holds
+    second = OwnershipTable(demands, expected=3, clock=clock)
+    assert second.heartbeat("c", 10 * GiB, owned=held["c"], ready=held["c"]) is None
+    assert second.heartbeat("b", 10 * GiB, owned=held["b"], ready=held["b"]) is None
+    assert second.heartbeat("a", 10 * GiB, owned=held["a"], ready=held["a"]) == held["a"]
+    assert {r: second.owned(r) for r in "abc"} == held
+    assert second.moves == sum(map(len, held.values()))  # counted against nothing: no capture is asked for
+
+
+def test_a_restarted_coordinator_fills_only_the_gaps_when_a_replica_is_gone(demands):
+    clock = Clock()
+    first = OwnershipTable(demands, expected=3, clock=clock)
+    for r in "abc":
+        first.join(r, 10 * GiB)
+    held = {r: set(first.owned(r)) for r in "abc"}
+    second = OwnershipTable(demands, expected=3, join_window_s=3, clock=clock)
+    for r in "ab":  # "c" died with the coordinator
+        assert second.heartbeat(r, 10 * GiB, owned=tuple(held[r]), ready=tuple(held[r])) is None
+    clock.t += 4  # the join window closes without "c"
+    for r in "ab":
+        second.heartbeat(r, 10 * GiB, owned=tuple(held[r]), ready=tuple(held[r]))
+    assert covered(second) == set(demands)
+    for r in "ab":
+        assert held[r] <= set(second.owned(r))
+
+
+def test_a_replica_stalled_in_capture_gives_its_shapes_away_until_it_recovers(demands):
+    clock = Clock()
+    t = OwnershipTable(demands, expected=3, capture_stall_s=30, clock=clock)
+    for r in "abc":
+        t.join(r, 10 * GiB)
+    before = {r: set(t.owned(r)) for r in "abc"}
+    # capturing for 20 s: still fine
+    assert set(t.heartbeat("c", 10 * GiB, owned=tuple(before["c"]), stats={"capturing_s": 20.0})) == before["c"]
+    assert t.heartbeat("c", 10 * GiB, owned=tuple(before["c"]), stats={"capturing_s": 31.0}) is None
+    assert t.stalled.keys() == {"c"} and "c" not in t.members and t.events[-1]["event"] == "stalled"
+    assert covered(t) == set(demands)  # the survivors own c's shapes now
+    for r in "ab":
+        assert before[r] <= set(t.owned(r))
+    assert t.snapshot()["stalled"] == ["c"]
+    # still stuck: its heartbeats keep it out, however long it takes
+    for _ in range(20):
+        clock.t += 3
+        t.heartbeat("a", 10 * GiB)
+        t.heartbeat("b", 10 * GiB)
+        assert t.heartbeat("c", 10 * GiB, owned=tuple(before["c"]), stats={"capturing_s": 91.0}) is None
+        t.expire()
+    assert "c" not in t.members and [e["event"] for e in t.events].count("stalled") == 1
+    # the capture ended: it re-joins with what it holds
+    owned = t.heartbeat("c", 10 * GiB, owned=tuple(before["c"]), ready=tuple(before["c"]), stats={"capturing_s": None})
+    assert set(owned) >= before["c"] and not t.stalled
+    assert [e["event"] for e in t.events][-2:] == ["recovered", "join"]
+
+
+def test_a_replica_that_dies_while_stalled_is_forgotten(demands):
+    clock = Clock()
+    t = OwnershipTable(demands, expected=2, lease_s=5, capture_stall_s=30, clock=clock)
+    t.join("a", 10 * GiB)
+    t.join("b", 10 * GiB)
+    assert t.heartbeat("b", 10 * GiB, stats={"capturing_s": 40.0}) is None and "b" in t.stalled
+    clock.t += 4
+    t.heartbeat("a", 10 * GiB)
+    t.expire()
+    assert "b" in t.stalled
+    clock.t += 2  # b silent for 6 s > lease
+    t.heartbeat("a", 10 * GiB)
+    t.expire()
+    assert not t.stalled
+
+
+def test_the_only_replica_is_never_stalled_out(demands):
+    t = OwnershipTable(demands, expected=1, capture_stall_s=30, clock=Clock())
+    t.join("a", 10 * GiB)
+    assert set(t.heartbeat("a", 10 * GiB, stats={"capturing_s": 99.0})) == set(demands)
+    assert not t.stalled
+
+
+def test_a_stall_time_must_be_positive(demands):
+    with pytest.raises(ValueError, match="capture_stall_s"):
+        OwnershipTable(demands, capture_stall_s=0)

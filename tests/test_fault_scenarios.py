@@ -1,0 +1,96 @@
+"""Faults on a Ray cluster under load (issue: reliability), counted by ``benchmarks/faults.py``.
+
+The script runs in a subprocess with its own ``ray.cluster_utils.Cluster`` (a CPU head and three worker nodes
+that each declare one GPU; 3 DiT replicas of the tiny model on the CPU, 2 ingress replicas, the ownership
+coordinator). Each scenario sends its own bounded load over HTTP; the client honours 503 + Retry-After and
+resends once after a dropped connection or another 5xx, as the OpenAI client does. For every scenario: every
+request answered 200, none lost, none hung. And per scenario:
+
+- ``capture_stalled``: one replica sleeps in its first capture past ``routing.capture_stall_s``; the coordinator
+  takes it out, the others capture its shapes, every request is served by an owner meanwhile, and the replica
+  comes back once its capture ends.
+- ``dit_killed``: a replica holding >= 2 requests of one shape is killed mid-denoise; the ingress resends them,
+  the coordinator expires it and its shapes are owned by live replicas.
+- ``coordinator_killed``: Serve restarts it and the replicas' heartbeats rebuild the same ownership;
+  ``GET /v1/buckets`` answers 200 throughout.
+- ``ingress_killed``: the requests in the killed ingress replica are resent by the client and answered.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bcg_core import failpoints
+
+ROOT = Path(__file__).resolve().parents[1]
+REQUESTS = 10
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("faults") / "report.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "faults.py"), "--requests", str(REQUESTS), "--stall-s", "20",
+           "--json", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return json.loads(out.read_text())["scenarios"]
+
+
+@pytest.mark.parametrize("scenario", ["capture_stalled", "dit_killed", "coordinator_killed", "ingress_killed"])
+def test_no_request_is_lost_or_hung(report, scenario):
+    r = report[scenario]
+    assert r["sent"] >= REQUESTS and r["ok"] == r["sent"], r
+    assert r["lost"] == 0 and r["hung"] == 0 and r["4xx"] == 0, r
+
+
+def test_a_replica_stalled_in_capture_gives_its_shapes_to_the_others_until_it_recovers(report):
+    r = report["capture_stalled"]
+    (stalled,) = r["stalled"]
+    assert stalled not in r["owners_while_stalled"]
+    assert r["owner_served"] == r["ok"]  # the others captured its shapes: no request waited for a fallback
+    assert r["stalled_events"][-3:] == ["stalled", "recovered", "join"]
+
+
+def test_a_replica_killed_mid_step_has_its_requests_resent_and_its_shapes_moved(report):
+    r = report["dit_killed"]
+    assert max(r["victim_queue_at_kill"].values()) >= 2  # rows of several requests in its steps
+    assert r["ingress_resent"] >= 1, r
+    assert "expired" in r["victim_events"] or "leave" in r["victim_events"]
+    assert all(r["victim"] not in owners for owners in r["owners_after"].values())
+
+
+def test_a_killed_coordinator_is_restarted_and_rebuilds_the_same_ownership(report):
+    r = report["coordinator_killed"]
+    assert r["restarted"] and r["ownership_rebuilt_same"], r
+    assert set(r["buckets_polls"]) == {"200"}, r["buckets_polls"]
+
+
+def test_a_killed_ingress_replica_is_replaced_and_its_requests_answered(report):
+    r = report["ingress_killed"]
+    assert r["in_flight_at_kill"] >= 4 and r["ingress_replicas_after"] == 2, r
+
+
+# -- the failpoint itself -------------------------------------------------------------------------------------
+
+
+def test_the_capture_stall_failpoint_fires_in_one_process_once_armed(tmp_path, monkeypatch):
+    armed = tmp_path / "armed"
+    monkeypatch.setenv(failpoints.CAPTURE_STALL_ENV, f"0.05:{armed / 'claim'}")
+    assert failpoints.capture_stall() == 0.0  # not armed: the folder does not exist
+    armed.mkdir()
+    assert failpoints.capture_stall() == 0.05
+    assert failpoints.capture_stall() == 0.0  # claimed already
+    monkeypatch.delenv(failpoints.CAPTURE_STALL_ENV)
+    assert failpoints.capture_stall() == 0.0
+
+
+@pytest.mark.parametrize("spec", ["5", "x:/tmp/a", "-1:/tmp/a", "5:"])
+def test_a_bad_failpoint_spec_is_refused(monkeypatch, spec):
+    monkeypatch.setenv(failpoints.CAPTURE_STALL_ENV, spec)
+    with pytest.raises(ValueError, match=failpoints.CAPTURE_STALL_ENV):
+        failpoints.capture_stall()
