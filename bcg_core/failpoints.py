@@ -8,6 +8,14 @@ for the whole cluster at start and creates the folder when the fault should happ
 - ``BCG_FAILPOINT_CAPTURE_STALL="<seconds>:<claim file>"``: the replica that claims the file sleeps that long at
   the start of its first capture (:meth:`deployments.dit.DiTReplica._prepare_shapes` from ``__init__``): a
   replica stuck in capture.
+- ``BCG_FAILPOINT_FORWARD_ERROR="<claim file>"``: the next padded bucket forward of the process that claims it
+  (a replay on CUDA, the static-buffer forward on a CPU) raises ``RuntimeError("CUDA error: ... (simulated)")``:
+  a CUDA error mid-replay (the runner demotes the bucket, :func:`bcg_core.runner.demote`).
+- ``BCG_FAILPOINT_STEP_OOM="<claim file>"``: the next denoising step of the step scheduler in the process that
+  claims it raises ``torch.OutOfMemoryError``: the GPU out of memory at run time.
+
+A failpoint costs one dictionary lookup per call while its variable is unset, and nothing more once this
+process has seen its claim file taken.
 """
 
 from __future__ import annotations
@@ -16,11 +24,17 @@ import logging
 import os
 import time
 
-__all__ = ["CAPTURE_STALL_ENV", "capture_stall", "claim"]
+__all__ = ["CAPTURE_STALL_ENV", "FORWARD_ERROR_ENV", "SIMULATED_CUDA_ERROR", "STEP_OOM_ENV", "capture_stall", "claim",
+           "forward_error", "step_oom"]
 
 log = logging.getLogger(__name__)
 
 CAPTURE_STALL_ENV = "BCG_FAILPOINT_CAPTURE_STALL"
+FORWARD_ERROR_ENV = "BCG_FAILPOINT_FORWARD_ERROR"
+STEP_OOM_ENV = "BCG_FAILPOINT_STEP_OOM"
+SIMULATED_CUDA_ERROR = "CUDA error: an illegal memory access was encountered (simulated by a failpoint)"
+
+_spent: set[str] = set()  # claim files this process found taken (by itself or another): never tried again
 
 
 def claim(path: str) -> bool:
@@ -58,3 +72,31 @@ def capture_stall() -> float:
                 stall)
     time.sleep(stall)
     return stall
+
+
+def _fires(env: str) -> bool:
+    """True once, in the process that claims ``env``'s claim file (see the module docstring)."""
+    path = os.environ.get(env)
+    if not path or path in _spent:
+        return False
+    if not os.path.isdir(os.path.dirname(path) or "."):
+        return False  # not armed yet
+    won = claim(path)
+    _spent.add(path)
+    if won:
+        log.warning("failpoint %s fires in this process (pid %d)", env, os.getpid())
+    return won
+
+
+def forward_error() -> None:
+    """Raise :data:`SIMULATED_CUDA_ERROR` as a ``RuntimeError`` when ``BCG_FAILPOINT_FORWARD_ERROR`` fires here."""
+    if _fires(FORWARD_ERROR_ENV):
+        raise RuntimeError(SIMULATED_CUDA_ERROR)
+
+
+def step_oom() -> None:
+    """Raise ``torch.OutOfMemoryError`` when ``BCG_FAILPOINT_STEP_OOM`` fires here."""
+    if _fires(STEP_OOM_ENV):
+        import torch
+
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB (simulated by a failpoint)")

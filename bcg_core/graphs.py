@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import failpoints
 from .buckets import BucketKey
 from .metrics import BucketMetrics
 from .padding import DenoiseInputs, DiTAdapter
@@ -298,6 +299,7 @@ class CudaGraphRunner:
                     log.info("lazy capture of bucket %s (%d so far): %s", key, self.stats.lazy_captures, entry.mode.value)
                 try:
                     if entry.mode is RunMode.GRAPH:
+                        failpoints.forward_error()
                         self.adapter.fill(entry.buffers, inputs)
                         entry.graph.replay()
                         out = self.adapter.unpad(entry.output, inputs).clone()
@@ -338,6 +340,7 @@ class CudaGraphRunner:
                 raise KeyError(f"bucket {key} holds no fused graph")
             entry = self.entries[key]
             try:
+                failpoints.forward_error()
                 self.adapter.fill(entry.buffers, inputs)
                 fill_fused(entry.fused, meta, dt)
                 entry.graph.replay()

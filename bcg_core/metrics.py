@@ -272,6 +272,11 @@ class BucketMetrics:
         with self._lock:
             self._of(key).batches += 1
 
+    def faults(self) -> dict[str, int]:
+        """``{bucket key: runtime errors}`` of the buckets that had any (what a replica's heartbeat reports)."""
+        with self._lock:
+            return {str(k): c.faults for k, c in self._buckets.items() if c.faults}
+
     def counters(self, key: BucketKey | None) -> BucketCounters:
         """A copy of the counters of ``key`` (None: the miss path)."""
         with self._lock:

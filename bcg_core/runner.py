@@ -25,6 +25,7 @@ from typing import Protocol
 
 import torch
 
+from . import failpoints
 from .buckets import BucketKey
 from .metrics import BucketMetrics
 from .padding import DenoiseInputs, DiTAdapter
@@ -167,6 +168,7 @@ def static_forward(adapter: DiTAdapter, buffers: dict[str, torch.Tensor], inputs
     Returns:
         (inputs.rows, inputs.image_tokens, out_channels), a new tensor (never a view of a buffer).
     """
+    failpoints.forward_error()
     adapter.fill(buffers, inputs)
     return adapter.unpad(adapter.forward(buffers), inputs).clone()
 

@@ -76,6 +76,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from . import failpoints
 from .buckets import BucketKey, BucketLookup, Dim
 from .costs import DECISIONS, Chunk, CostModel, ForwardPlan
 from .errors import RequestCancelled, ServiceUnavailable
@@ -587,6 +588,7 @@ class StepScheduler:
         plan = self._plan_for(group, shape, rows)
         begin = timing_mark(self._device)
         try:
+            failpoints.step_oom()
             lookup = self.pipeline.step(states, plan)
         except Exception as e:
             if is_out_of_memory(e):

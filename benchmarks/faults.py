@@ -18,6 +18,12 @@ this order, each under its own bounded load of HTTP requests (exact sizes of the
 - ``ingress_killed``: one of the 2 ingress replicas is killed after the first answers. Requests that were in it
   fail at Ray's HTTP proxy; the client resends each once (as the OpenAI client does on a 5xx or a dropped
   connection: ``max_retries`` 2 by default).
+- ``forward_error``: the ``forward_error`` failpoint is armed: one padded bucket forward in one replica raises a
+  (simulated) CUDA error. The bucket is demoted to unpadded eager (``bucket_faults`` in that replica's
+  heartbeat) and every request is answered 200.
+- ``step_oom``: the ``step_oom`` failpoint is armed: one denoising step in one replica raises
+  ``torch.OutOfMemoryError``. That step's requests are answered 503 with ``Retry-After``; the client waits and
+  resends them (``answered_503_then_resent``), the replica counts the step (``oom_steps``) and serves on.
 
 The client honours 503 with ``Retry-After`` (:func:`deployments.demo.apost_honouring_retry_after`) and resends a
 request once after a dropped connection or a 5xx other than 503 (``client_resent``). Per scenario: requests sent,
@@ -49,10 +55,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_router import bench_ray, wait_ready  # noqa: E402
 
-from bcg_core.failpoints import CAPTURE_STALL_ENV  # noqa: E402
+from bcg_core.failpoints import CAPTURE_STALL_ENV, FORWARD_ERROR_ENV, STEP_OOM_ENV  # noqa: E402
 from deployments.demo import apost_honouring_retry_after  # noqa: E402
 
-SCENARIOS = ("capture_stalled", "dit_killed", "coordinator_killed", "ingress_killed")
+SCENARIOS = ("capture_stalled", "dit_killed", "coordinator_killed", "ingress_killed", "forward_error", "step_oom")
 APP = "bcg-faults"
 SIZES = ((512, 512), (384, 384), (256, 256))
 DIT_REPLICAS, INGRESS_REPLICAS = 3, 2
@@ -222,6 +228,7 @@ def counts(records: list[dict]) -> dict:
         "ok": len(ok),
         "4xx": sum(1 for r in records if r.get("status") and 400 <= r["status"] < 500),
         "503": sum(1 for r in records if r.get("status") == 503),
+        "answered_503_then_resent": sum(1 for r in records if r.get("retry_after_resends")),
         "lost": sum(1 for r in records if not r.get("hung") and (r.get("status") is None
                                                                   or (r["status"] >= 500 and r["status"] != 503))),
         "hung": sum(1 for r in records if r.get("hung")),
@@ -374,6 +381,32 @@ async def ingress_killed(args, base: str) -> dict:
             "ingress_replicas_after": len(after or []), "records": records + more}
 
 
+async def forward_error(args, base: str) -> dict:
+    await all_ready(args.start_timeout_s)
+    await warm_up(base, args)
+    before = dit_rss_mb()
+    os.makedirs(args.forward_dir, exist_ok=True)  # arms it: one padded forward somewhere raises
+    records = await load(base, requests_for(args.requests, args.steps), args.concurrency, args.timeout_s)
+    await asyncio.sleep(1.5)  # a heartbeat or two: the replicas' fault counters reach the coordinator
+    snap = await coordinator_snapshot()
+    faults = {r: v["stats"].get("bucket_faults") for r, v in snap.get("replicas", {}).items()
+              if v["stats"].get("bucket_faults")}
+    return {**counts(records), "rss_mb_before": before, "rss_mb_after": dit_rss_mb(), "bucket_faults": faults,
+            "records": records}
+
+
+async def step_oom(args, base: str) -> dict:
+    await all_ready(args.start_timeout_s)
+    before = dit_rss_mb()
+    os.makedirs(args.oom_dir, exist_ok=True)  # arms it: one denoising step somewhere runs out of memory
+    records = await load(base, requests_for(args.requests, args.steps), args.concurrency, args.timeout_s)
+    await asyncio.sleep(1.5)
+    snap = await coordinator_snapshot()
+    ooms = {r: v["stats"].get("oom_steps") for r, v in snap.get("replicas", {}).items() if v["stats"].get("oom_steps")}
+    return {**counts(records), "rss_mb_before": before, "rss_mb_after": dit_rss_mb(), "oom_steps": ooms,
+            "records": records}
+
+
 async def _ingress_back():
     got = serve_actors("Ingress")
     return got if len(got) == INGRESS_REPLICAS else None
@@ -421,6 +454,20 @@ async def run(args) -> dict:
     return report
 
 
+def _commit() -> str | None:
+    """The checkout's commit (``+changes`` when the tree differs from it), or None outside git."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
+                              check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=root, capture_output=True, text=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return head + ("+changes" if dirty.strip() else "")
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--scenarios", default=",".join(SCENARIOS), help=f"comma-separated, of {', '.join(SCENARIOS)}")
@@ -448,16 +495,20 @@ def main(argv: list[str] | None = None) -> dict:
         args.port = s.getsockname()[1]
     scratch = tempfile.mkdtemp(prefix="bcg-faults-")
     args.claim_dir = os.path.join(scratch, "armed")
-    # every Ray process of the cluster inherits the failpoint; it stays disarmed until claim_dir exists
+    args.forward_dir = os.path.join(scratch, "forward")
+    args.oom_dir = os.path.join(scratch, "oom")
+    # every Ray process of the cluster inherits the failpoints; each stays disarmed until its folder exists
     os.environ[CAPTURE_STALL_ENV] = f"{args.stall_s}:{os.path.join(args.claim_dir, 'capture_stall')}"
+    os.environ[FORWARD_ERROR_ENV] = os.path.join(args.forward_dir, "claim")
+    os.environ[STEP_OOM_ENV] = os.path.join(args.oom_dir, "claim")
     t0 = time.perf_counter()
     try:
         with bench_ray(DIT_REPLICAS, args.node_cpus):
             report = asyncio.run(run(args))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    report.update(wall_s=round(time.perf_counter() - t0, 1), args={k: v for k, v in vars(args).items()
-                                                                     if k not in ("claim_dir", "port")})
+    report.update(wall_s=round(time.perf_counter() - t0, 1), commit=_commit(),
+                  args={k: v for k, v in vars(args).items() if k not in ("claim_dir", "forward_dir", "oom_dir", "port")})
     text = json.dumps(report, indent=1, default=str)
     if args.json:
         Path(args.json).write_text(text)

@@ -46,15 +46,16 @@ from deployments.demo import load_requests  # noqa: E402
 
 
 def replica_rss_bytes() -> dict[int, int]:
-    """VmRSS of every DiT replica process on this machine, by pid: the processes Ray titles
-    ``ray::ServeReplica:<app>:DiTReplica`` (Linux ``/proc``; Ray's state API needs the dashboard, which
-    ``bcg serve`` does not start)."""
+    """VmRSS of every DiT replica process of the local application on this machine, by pid: the processes Ray
+    titles ``ray::ServeReplica:bcg:DiTReplica`` (Linux ``/proc``; Ray's state API needs the dashboard, which
+    ``bcg serve`` does not start). Other applications' replicas (another test's, ``benchmarks/faults.py``'s) are
+    left out."""
     out = {}
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
             continue
         try:
-            if b"DiTReplica" not in (proc / "cmdline").read_bytes():
+            if not (proc / "cmdline").read_bytes().startswith(b"ray::ServeReplica:bcg:DiTReplica"):
                 continue
             status = (proc / "status").read_text()
         except OSError:

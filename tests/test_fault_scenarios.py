@@ -14,6 +14,10 @@ request answered 200, none lost, none hung. And per scenario:
 - ``coordinator_killed``: Serve restarts it and the replicas' heartbeats rebuild the same ownership;
   ``GET /v1/buckets`` answers 200 throughout.
 - ``ingress_killed``: the requests in the killed ingress replica are resent by the client and answered.
+- ``forward_error``: one padded forward raises a simulated CUDA error (a failpoint); one bucket of one replica is
+  demoted to eager, counted, and every request answered 200.
+- ``step_oom``: one denoising step raises ``torch.OutOfMemoryError`` (a failpoint); its requests are answered 503
+  with Retry-After, resent by the client, and served; the replica counts one OOM step.
 """
 
 from __future__ import annotations
@@ -41,7 +45,8 @@ def report(tmp_path_factory) -> dict:
     return json.loads(out.read_text())["scenarios"]
 
 
-@pytest.mark.parametrize("scenario", ["capture_stalled", "dit_killed", "coordinator_killed", "ingress_killed"])
+@pytest.mark.parametrize("scenario", ["capture_stalled", "dit_killed", "coordinator_killed", "ingress_killed",
+                                      "forward_error", "step_oom"])
 def test_no_request_is_lost_or_hung(report, scenario):
     r = report[scenario]
     assert r["sent"] >= REQUESTS and r["ok"] == r["sent"], r
@@ -75,6 +80,19 @@ def test_a_killed_ingress_replica_is_replaced_and_its_requests_answered(report):
     assert r["in_flight_at_kill"] >= 4 and r["ingress_replicas_after"] == 2, r
 
 
+def test_a_cuda_error_mid_forward_demotes_one_bucket_and_serving_goes_on(report):
+    r = report["forward_error"]
+    (faults,) = r["bucket_faults"].values()
+    assert list(faults.values()) == [1], r["bucket_faults"]
+    assert r["503"] == 0 and r["answered_503_then_resent"] == 0
+
+
+def test_an_out_of_memory_step_is_answered_503_and_its_requests_served_on_resend(report):
+    r = report["step_oom"]
+    assert list(r["oom_steps"].values()) == [1], r
+    assert r["answered_503_then_resent"] >= 1 and r["ok"] == r["sent"]
+
+
 # -- the failpoint itself -------------------------------------------------------------------------------------
 
 
@@ -87,6 +105,24 @@ def test_the_capture_stall_failpoint_fires_in_one_process_once_armed(tmp_path, m
     assert failpoints.capture_stall() == 0.0  # claimed already
     monkeypatch.delenv(failpoints.CAPTURE_STALL_ENV)
     assert failpoints.capture_stall() == 0.0
+
+
+def test_the_forward_and_oom_failpoints_fire_once_per_cluster(tmp_path, monkeypatch):
+    import torch
+
+    failpoints._spent.clear()
+    armed = tmp_path / "armed"
+    monkeypatch.setenv(failpoints.FORWARD_ERROR_ENV, str(armed / "forward"))
+    monkeypatch.setenv(failpoints.STEP_OOM_ENV, str(armed / "oom"))
+    failpoints.forward_error()  # not armed
+    failpoints.step_oom()
+    armed.mkdir()
+    with pytest.raises(RuntimeError, match="CUDA error"):
+        failpoints.forward_error()
+    with pytest.raises(torch.OutOfMemoryError):
+        failpoints.step_oom()
+    failpoints.forward_error()  # fired already: never again
+    failpoints.step_oom()
 
 
 @pytest.mark.parametrize("spec", ["5", "x:/tmp/a", "-1:/tmp/a", "5:"])
