@@ -23,9 +23,15 @@ Reported (JSON, ``--out``):
 Targets (issue: reliability): no lost or hung request, no 5xx, resident memory flat after warm-up within 5%, the
 bucket (graph) count constant.
 
+On a GPU (``--device cuda --model pixart-512`` or ``flux-dev-width``: random weights at published widths, bf16,
+built as ``benchmarks/bench_saturation.py`` builds them, with its bucket table for the krea requests) the
+replica's CUDA memory (``device_memory`` of ``GET /v1/buckets``: allocated and reserved bytes) is sampled at
+each poll and at rest too, and judged by the same 5%.
+
 Run (about ``--duration-s`` plus a minute of start-up)::
 
     python benchmarks/soak.py --duration-s 600 --out docs/bench/<date>_soak_cpu.json
+    python benchmarks/soak.py --device cuda --model pixart-512 --scratch /dev/shm --duration-s 300 --out soak_gpu.json
 """
 
 from __future__ import annotations
@@ -120,7 +126,9 @@ async def soak(url: str, args) -> dict:
     outcomes: dict[str, int] = {}
     details: list[dict] = []
     memory: list[tuple[float, int]] = []
+    device_memory: list[tuple[float, int, int]] = []  # (t, allocated, reserved) on CUDA
     at_rest: dict[str, int | None] = {}
+    device_at_rest: dict[str, dict | None] = {}
     polls = {"ok": 0, "failed": 0}
     go = asyncio.Event()
     go.set()
@@ -162,11 +170,18 @@ async def soak(url: str, args) -> dict:
             await asyncio.sleep(0.2)
         return int(statistics.median(samples)) if any(samples) else None
 
+    async def rest_device() -> dict | None:
+        """The replica's CUDA memory at rest (after :func:`rest_rss`), None on a CPU."""
+        async with httpx.AsyncClient(timeout=30, trust_env=False) as client:
+            r = await client.get(f"{url}/v1/buckets")
+        return r.json().get("device_memory") if r.status_code == 200 else None
+
     async def pause_after_warmup() -> None:
         await asyncio.sleep(args.warmup_share * args.duration_s)
         go.clear()
         try:
             at_rest["after_warmup"] = await rest_rss()
+            device_at_rest["after_warmup"] = await rest_device()
         finally:
             go.set()
 
@@ -178,6 +193,9 @@ async def soak(url: str, args) -> dict:
                     polls["ok" if r.status_code == 200 else "failed"] += 1
                     if r.status_code == 200 and not first_stats:
                         first_stats.update(r.json())
+                    dm = r.json().get("device_memory") if r.status_code == 200 else None
+                    if dm:
+                        device_memory.append((time.monotonic() - t0, dm["allocated_bytes"], dm["reserved_bytes"]))
                 except httpx.HTTPError:
                     polls["failed"] += 1
                 rss = await asyncio.to_thread(replica_rss_bytes)
@@ -187,6 +205,7 @@ async def soak(url: str, args) -> dict:
 
     await asyncio.gather(poller(), pause_after_warmup(), *(client_loop() for _ in range(args.concurrency)))
     at_rest["end"] = await rest_rss()
+    device_at_rest["end"] = await rest_device()
     async with httpx.AsyncClient(timeout=60, trust_env=False) as client:
         end_stats = (await client.get(f"{url}/v1/buckets")).json()
     # under load, for reference: the medians of the first and last tenth of the series after warm-up
@@ -196,6 +215,14 @@ async def soak(url: str, args) -> dict:
     at_end = statistics.median(warm[-k:]) if warm else None
     base, end = at_rest.get("after_warmup"), at_rest.get("end")
     change = (end - base) / base if base and end else None
+    dev = None
+    d0, d1 = device_at_rest.get("after_warmup"), device_at_rest.get("end")
+    if d0 and d1:
+        dev = {"at_rest_after_warmup": d0, "at_rest_end": d1,
+               "change_at_rest_reserved": round((d1["reserved_bytes"] - d0["reserved_bytes"]) / d0["reserved_bytes"], 4),
+               "change_at_rest_allocated": round((d1["allocated_bytes"] - d0["allocated_bytes"])
+                                                 / d0["allocated_bytes"], 4),
+               "series": [(round(t, 1), a, r) for t, a, r in device_memory[:: max(1, len(device_memory) // 60)]]}
 
     def shape(stats: dict) -> dict:
         modes: dict[str, int] = {}
@@ -213,12 +240,32 @@ async def soak(url: str, args) -> dict:
                    "samples": len(memory), "under_load_first_tenth_median_bytes": after_warmup,
                    "under_load_last_tenth_median_bytes": at_end,
                    "series": [(round(t, 1), m) for t, m in memory[:: max(1, len(memory) // 60)]]},
+        "device_memory": dev,
         "table_start": shape(first_stats), "table_end": shape(end_stats),
         "replica": {"totals": end_stats.get("totals"),
                     "cancelled": sum(s.get("cancelled", 0) + s.get("cancelled_waiting", 0) for s in shapes.values()),
                     "expired": sum(s.get("expired", 0) for s in shapes.values()),
                     "failed": sum(s.get("failed", 0) for s in shapes.values())},
     }
+
+
+def model_config(args):
+    """``(ServeConfig or None, built checkpoint folder or None)``: None for the tiny default; else the model
+    built by ``benchmarks/bench_saturation.py`` (``build_model``) with its bucket table for the soak's requests
+    (``base_config``)."""
+    if args.model == "tiny":
+        return None, None
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import bench_saturation as bs
+
+    from bcg_core.config import ServeConfig
+    from bcg_core.models import describe_model, load_tokenizer_counter
+
+    model, folder, _ = bs.build_model(args.model, False, args.scratch, args.device)
+    mc = ServeConfig.model_validate({"model": model}).model
+    base = bs.base_config(model, describe_model(mc), load_tokenizer_counter(mc), load_requests(args.requests),
+                          max(int(s) for s in args.steps.split(",")))
+    return ServeConfig.model_validate(base), folder
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -235,6 +282,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quiet-s", type=float, default=3.0, help="seconds without a request in flight before the "
                     "memory at rest is sampled (cancelled requests stop at their next step)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--model", default="tiny", choices=("tiny", "flux-dev-width", "pixart-512"),
+                    help="tiny: the embedded default; flux-dev-width / pixart-512: published widths, random weights "
+                    "(needs --device cuda)")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--scratch", default=None, help="folder for a built checkpoint (default: a temp dir)")
     ap.add_argument("--out", help="JSON result")
     args = ap.parse_args(argv)
     if args.duration_s <= 0 or not 1 <= args.concurrency <= 16:
@@ -242,16 +294,26 @@ def main(argv: list[str] | None = None) -> int:
 
     from deployments.local import start_local, stop_local
 
-    url = start_local(None, port=0, quiet=True)
+    config, folder = model_config(args)
     try:
-        result = asyncio.run(soak(url, args))
+        url = start_local(config, port=0, quiet=True)
+        try:
+            result = asyncio.run(soak(url, args))
+        finally:
+            stop_local()
     finally:
-        stop_local()
+        if folder is not None:
+            import shutil
+
+            shutil.rmtree(folder, ignore_errors=True)
     result.update(date=time.strftime("%Y-%m-%d"), args=vars(args))
     o = result["outcomes"]
     bad = o.get("lost", 0) + o.get("hung", 0) + o.get("5xx", 0)
     change = result["memory"]["change_at_rest"]
     flat = change is not None and abs(change) <= 0.05
+    dev = result["device_memory"]
+    if dev is not None:
+        flat = flat and abs(dev["change_at_rest_reserved"]) <= 0.05
     same = result["table_start"] == result["table_end"]
     result["targets_met"] = {"none_lost_hung_or_5xx": bad == 0, "memory_flat_5pct": flat, "table_constant": same}
     text = json.dumps(result, indent=1)

@@ -415,7 +415,7 @@ class DiTReplica:
     def stats(self) -> dict:
         """Per-bucket counters (:meth:`DiTPipeline.stats`) plus this replica's id, routing view, owner
         hits, micro-batching totals, the state of its Prometheus export (``metrics_export``: pushes, errors,
-        ``None`` when the exporter is off) and the request shapes it accepted (``traffic``: a
+        ``None`` when the exporter is off), ``device_memory`` (CUDA bytes allocated and reserved, None on a CPU) and the request shapes it accepted (``traffic``: a
         :meth:`~bcg_core.traffic.TrafficHistogram.snapshot`, ``None`` with ``traffic.record`` off)."""
         out = self._pipeline.stats()
         out["replica"] = self._id
@@ -429,9 +429,21 @@ class DiTReplica:
                            "busy": round(v.busy, 4), "service_s": round(v.service_s, 4), "offered": round(v.offered, 4)}
                        for s, v in loads.items()}
         out["metrics_export"] = self._exporter.status() if self._exporter is not None else None
+        out["device_memory"] = self._device_memory()
         out["traffic"] = self._traffic.snapshot() if self._traffic is not None else None
         out["plan_drift"] = self._drift
         return out
+
+    def _device_memory(self) -> dict | None:
+        """``{"allocated_bytes", "reserved_bytes"}`` of the model's CUDA device (torch's caching allocator: tensors
+        alive, and what the allocator holds, graph pools included); None on a CPU."""
+        device = self._pipeline.model.device
+        if device.type != "cuda":
+            return None
+        import torch
+
+        return {"allocated_bytes": torch.cuda.memory_allocated(device),
+                "reserved_bytes": torch.cuda.memory_reserved(device)}
 
     def ping(self) -> str:
         """This replica's id: a no-op for measuring routing overhead (``benchmarks/bench_router.py``)."""
