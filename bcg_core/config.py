@@ -323,6 +323,12 @@ class RunnerConfig(BaseModel):
         "being admitted is answered 503 with Retry-After instead of waiting on (counted as expired). None: no "
         "deadline.",
     )
+    trim_idle_s: float | None = Field(
+        default=1.0, ge=0.0, le=600.0,
+        description="Step scheduler: once no request has been in flight for this many seconds, hand the C heap's "
+        "free memory back to the OS (glibc malloc_trim; bcg_core/memtrim.py says why: without it a CPU replica's "
+        "memory at rest follows the largest requests served together). None: never.",
+    )
     measure_costs: Literal["auto", "always", "never"] = Field(
         default="auto",
         description="Step scheduler: 'always' times, at prepare, each bucket's forward (a replay on CUDA) and "

@@ -82,6 +82,7 @@ from .costs import DECISIONS, Chunk, CostModel, ForwardPlan
 from .errors import RequestCancelled, ServiceUnavailable
 from .families import RequestState
 from .load import LoadMeter
+from .memtrim import IdleTrimmer
 from .metrics import token_shares
 from .images import encode_image
 from .pipeline import DiTPipeline, GenerationResult, elapsed_ms, timing_mark
@@ -189,6 +190,9 @@ class StepScheduler:
             :class:`~bcg_core.errors.ServiceUnavailable` (503 with Retry-After) and counted as ``expired``; None: no
             deadline.
         meter: load meter (arrivals, running requests and completions per shape) for autoscaling.
+        trim_idle_s: once no request has been submitted and not answered for this many seconds, give the C heap's
+            free memory back to the OS (:class:`~bcg_core.memtrim.IdleTrimmer`: glibc ``malloc_trim``; without it the
+            resident memory at rest follows the largest requests served together). None: never.
 
     Raises:
         ValueError: ``max_rows``, ``decode_batch_images`` or ``encode_threads`` below 1, ``fair_wait_s`` < 0.
@@ -196,7 +200,8 @@ class StepScheduler:
 
     def __init__(self, pipeline: DiTPipeline, costs: CostModel | None = None, max_rows: int = 64,
                  memory_budget_bytes: int | None = None, decode_batch_images: int = 8, encode_threads: int = 4,
-                 fair_wait_s: float = 2.0, meter: LoadMeter | None = None, max_queue_wait_s: float | None = None):
+                 fair_wait_s: float = 2.0, meter: LoadMeter | None = None, max_queue_wait_s: float | None = None,
+                 trim_idle_s: float | None = 1.0):
         if max_rows < 1 or decode_batch_images < 1 or encode_threads < 1:
             raise ValueError("max_rows, decode_batch_images and encode_threads must be at least 1")
         if fair_wait_s < 0:
@@ -238,6 +243,7 @@ class StepScheduler:
         self._cuda = torch.device(self._device).type == "cuda"
         self._decode_stream = torch.cuda.Stream(self._device) if self._cuda else None
         self._previews = PreviewWorker(pipeline.model, self._device, self._preview_left)
+        self._trimmer = None if trim_idle_s is None else IdleTrimmer(self._idle, trim_idle_s)
         self._threads: list[threading.Thread] = []
         self._started = False
         self._start_lock = threading.Lock()
@@ -253,6 +259,7 @@ class StepScheduler:
         window = pipeline.config.autoscaling.look_back_period_s
         sched = cls(pipeline, costs, max_rows=r.max_rows_in_flight, decode_batch_images=r.decode_batch_images,
                     encode_threads=r.encode_threads, fair_wait_s=r.fair_wait_s, max_queue_wait_s=r.max_queue_wait_s,
+                    trim_idle_s=r.trim_idle_s,
                     meter=LoadMeter(window_s=window, snapshot_s=min(0.5, window)))
         sched.measure_memory_budget()
         return sched
@@ -361,6 +368,9 @@ class StepScheduler:
         with self._cv:
             self._live.discard(item)
             self._finishing.discard(item)
+            idle = not self._live
+        if idle and self._trimmer is not None:
+            self._trimmer.notify()
 
         def set_it():
             if item.future.done():
@@ -374,6 +384,11 @@ class StepScheduler:
             item.loop.call_soon_threadsafe(set_it)
         except RuntimeError:  # the caller's loop has closed
             pass
+
+    def _idle(self) -> bool:
+        """No request submitted and not answered yet (the idle trimmer's test)."""
+        with self._cv:
+            return not self._live and not self._closed
 
     # -- threads ------------------------------------------------------------------------------------
 
@@ -399,6 +414,8 @@ class StepScheduler:
         for t in self._threads:
             t.join(timeout_s)
         self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._trimmer is not None:
+            self._trimmer.close(timeout_s)
         with self._cv:
             left = list(self._live)
             self._rows_in_flight = self._bytes_in_flight = 0
@@ -921,4 +938,5 @@ class StepScheduler:
                 "real_tokens": real, "computed_tokens": computed,
                 "padded_token_waste": round(1 - real / computed, 4) if computed else 0.0,
                 "costs": self.costs.describe(), "shapes": shapes, "previews": self._previews.describe(),
+                "memory_trim": self._trimmer.describe() if self._trimmer is not None else None,
             }

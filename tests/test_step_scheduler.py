@@ -687,3 +687,21 @@ def test_the_planner_routes_and_accepts_rows_above_the_largest_bucket_under_the_
     wide = _req(width=512, height=512)  # an image miss is refused by both
     with pytest.raises(BucketMissError):
         step.plan(wide)
+
+
+def test_the_scheduler_trims_the_heap_once_idle(make_sched):
+    """Once its last request is answered the scheduler hands the C heap's free memory back (bcg_core/memtrim.py:
+    without it a CPU replica's memory at rest follows its largest requests); None turns it off."""
+    async def main(sched):
+        await sched.submit(_req(seed=3, steps=1))
+
+    sched = make_sched(trim_idle_s=0.05)
+    run(main(sched))
+    for _ in range(200):
+        if sched.stats()["memory_trim"]["trims"] >= 1:
+            break
+        time.sleep(0.02)
+    assert sched.stats()["memory_trim"]["trims"] == 1
+    off = make_sched(trim_idle_s=None)
+    run(main(off))
+    assert off.stats()["memory_trim"] is None
