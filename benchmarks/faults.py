@@ -306,7 +306,7 @@ async def dit_killed(args, base: str) -> dict:
             snap = await coordinator_snapshot()
             for rid, view in snap.get("replicas", {}).items():
                 busy = {s: n for s, n in (view.get("queue") or {}).items() if n >= 2}
-                if busy:
+                if busy and view.get("seen_s_ago", 1e9) <= 0.6:  # a fresh heartbeat: its requests still run
                     victim = next((a for a in serve_actors("DiTReplica") if a["id"] == rid), None)
                     if victim is not None:
                         kill(victim["name"])
@@ -474,7 +474,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--requests", type=int, default=12, help="requests of each scenario's load")
     p.add_argument("--concurrency", type=int, default=6)
     p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--kill-steps", type=int, default=12, help="steps of dit_killed's requests (long enough to be "
+    p.add_argument("--kill-steps", type=int, default=24, help="steps of dit_killed's requests (long enough to be "
                    "killed mid-denoise)")
     p.add_argument("--fault-after", type=int, default=2, help="answers before the coordinator or ingress is killed")
     p.add_argument("--stall-s", type=float, default=40.0, help="seconds the stalled replica sleeps in its capture")

@@ -32,13 +32,13 @@ import pytest
 from bcg_core import failpoints
 
 ROOT = Path(__file__).resolve().parents[1]
-REQUESTS = 10
+REQUESTS = 8
 
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("faults") / "report.json"
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "faults.py"), "--requests", str(REQUESTS), "--stall-s", "20",
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "faults.py"), "--requests", str(REQUESTS), "--stall-s", "12",
            "--json", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
