@@ -888,6 +888,11 @@ class StepScheduler:
                     counts[i.shape] += 1
         return dict(sorted(counts.items()))
 
+    @property
+    def oom_steps(self) -> int:
+        """Steps that ran out of device memory since start (their requests were answered 503)."""
+        return self._oom_steps
+
     def stats(self) -> dict:
         """``GET /v1/buckets``'s ``scheduler`` section (module docstring, Metrics): settings, totals,
         ``padded_token_waste`` over every forward, the cost model, and per shape its counters."""

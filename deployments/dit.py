@@ -360,14 +360,14 @@ class DiTReplica:
         """What a heartbeat reports: :meth:`_served_totals`, ``capturing_s`` (seconds the running capture has
         taken, None when none runs: the coordinator takes a replica stalled past ``routing.capture_stall_s`` out
         of the assignment), ``bucket_faults`` (``{bucket: runtime errors}``, buckets demoted to eager),
-        ``oom_steps`` (step scheduler: steps that ran out of device memory) and, when recorded, the ``traffic`` snapshot (the ingress merges every replica's into
-        ``traffic`` of ``/v1/buckets``)."""
+        ``oom_steps`` (step scheduler: steps that ran out of device memory) and, when recorded, the ``traffic``
+        snapshot (the ingress merges every replica's into ``traffic`` of ``/v1/buckets``)."""
         out = self._served_totals()
         since = self._capturing_since
         out["capturing_s"] = None if since is None else round(time.monotonic() - since, 3)
         out["bucket_faults"] = self._pipeline.metrics.faults()
         if isinstance(self._batcher, StepScheduler):
-            out["oom_steps"] = self._batcher.stats().get("oom_steps", 0)
+            out["oom_steps"] = self._batcher.oom_steps
         if self._traffic is not None:
             out["traffic"] = self._traffic.snapshot()
         return out
