@@ -147,7 +147,7 @@ class OwnershipTable:
             if owned:
                 self._held[replica_id] = tuple(owned)
             if self.window_closed():
-                self._reassign(adopt=self._held)
+                self._reassign()
 
     def leave(self, replica_id: str, why: str = "leave") -> bool:
         """Remove a replica (graceful shutdown or expired lease); its shapes move to the survivors.
@@ -197,7 +197,7 @@ class OwnershipTable:
             self.leave(replica_id, why="stalled")
             return None
         if self.assignment is None and self.window_closed():
-            self._reassign(adopt=self._held)
+            self._reassign()
         return self.owned(replica_id)
 
     def touch(self, replica_id: str) -> None:
@@ -214,7 +214,7 @@ class OwnershipTable:
             self.leave(r, why="expired")
         self.stalled = {r: t for r, t in self.stalled.items() if now - t <= self.lease_s}  # died while stalled
         if self.assignment is None and self.members and self.window_closed():
-            self._reassign(adopt=self._held)
+            self._reassign()
         return gone
 
     def owned(self, replica_id: str) -> tuple[str, ...] | None:
@@ -246,11 +246,12 @@ class OwnershipTable:
         self.demand_source = "measured"
 
     def _reassign(self, adopt: Mapping[str, tuple[str, ...]] | None = None) -> None:
-        """Assign again, keeping the previous assignment and adding ``adopt`` (replica -> shapes it holds) to it;
-        with no previous assignment the adopted shapes alone are kept."""
+        """Assign again, keeping the previous assignment and adding ``adopt`` (replica -> shapes it holds) and the
+        shapes re-joiners reported before the first assignment to it; with no previous assignment the adopted
+        shapes alone are kept."""
         replicas = [ReplicaCapacity(r, m.budget_bytes) for r, m in sorted(self.members.items())]
         previous = self.assignment
-        adopt = {r: shapes for r, shapes in (adopt or {}).items() if r in self.members and shapes}
+        adopt = {r: shapes for r, shapes in {**self._held, **(adopt or {})}.items() if r in self.members and shapes}
         if adopt:
             owners = {b: set(rs) for b, rs in previous.owners.items()} if previous else {}
             buckets = {r: set(bs) for r, bs in previous.buckets.items()} if previous else {}
