@@ -53,7 +53,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_router import bench_ray, wait_ready  # noqa: E402
+from bench_router import bench_ray  # noqa: E402
+from soak import replica_rss_bytes  # noqa: E402
 
 from bcg_core.failpoints import CAPTURE_STALL_ENV, FORWARD_ERROR_ENV, STEP_OOM_ENV  # noqa: E402
 from deployments.demo import apost_honouring_retry_after  # noqa: E402
@@ -101,22 +102,9 @@ def serve_actors(kind: str) -> list[dict]:
 
 
 def dit_rss_mb() -> float:
-    """Resident memory (MB) summed over this machine's DiT replica processes of the application: those whose
-    title Ray set to ``ray::ServeReplica:<app>:DiTReplica...`` (``/proc/<pid>/cmdline``, VmRSS)."""
-    total = 0
-    mark = f"ray::ServeReplica:{APP}:DiTReplica".encode()
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            if not (proc / "cmdline").read_bytes().startswith(mark):
-                continue
-            for line in (proc / "status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    total += int(line.split()[1])
-        except OSError:
-            continue
-    return round(total / 1024, 1)
+    """Resident memory (MB) summed over this machine's DiT replica processes of the application
+    (:func:`soak.replica_rss_bytes`)."""
+    return round(sum(replica_rss_bytes(APP).values()) / 2**20, 1)
 
 
 def kill(name: str) -> None:
@@ -296,17 +284,20 @@ async def dit_killed(args, base: str) -> dict:
     await warm_up(base, args)
     before = dit_rss_mb()
     size = SIZES[0]
-    shape_owner: dict = {}
     killed: dict = {}
 
     async def watch():
-        """Kill the replica whose last heartbeat shows >= 2 requests of one shape (bounded wait)."""
+        """Kill the replica whose last heartbeat shows >= 2 requests of one shape (bounded wait). Only a heartbeat
+        sent after the load began counts (one from before could still list the warm-up's requests), and only one
+        at most 0.6 s old (its requests still run)."""
         deadline = time.monotonic() + args.timeout_s
         while time.monotonic() < deadline and not killed:
+            asked = time.monotonic()  # the snapshot is taken after this: a heartbeat seen_s_ago before it is later
             snap = await coordinator_snapshot()
             for rid, view in snap.get("replicas", {}).items():
                 busy = {s: n for s, n in (view.get("queue") or {}).items() if n >= 2}
-                if busy and view.get("seen_s_ago", 1e9) <= 0.6:  # a fresh heartbeat: its requests still run
+                seen = view.get("seen_s_ago", 1e9)
+                if busy and seen <= 0.6 and asked - seen > load_began:
                     victim = next((a for a in serve_actors("DiTReplica") if a["id"] == rid), None)
                     if victim is not None:
                         kill(victim["name"])
@@ -314,6 +305,7 @@ async def dit_killed(args, base: str) -> dict:
                         return
             await asyncio.sleep(0.2)
 
+    load_began = time.monotonic()
     watcher = asyncio.ensure_future(watch())
     bodies = requests_for(args.requests, args.kill_steps, size)
     records = await load(base, bodies, args.concurrency, args.timeout_s)
@@ -321,11 +313,10 @@ async def dit_killed(args, base: str) -> dict:
     if not killed:
         raise RuntimeError("no replica ever held 2 requests of one shape: nothing was killed")
     after = await all_ready(args.start_timeout_s)
-    shape_owner = after.get("owners", {})
     return {**counts(records), "rss_mb_before": before, "rss_mb_after": dit_rss_mb(),
             "victim": killed["replica"], "victim_queue_at_kill": killed["queue_at_kill"],
             "victim_events": [e["event"] for e in after.get("events", []) if e["replica"] == killed["replica"]],
-            "owners_after": shape_owner, "records": records}
+            "owners_after": after.get("owners", {}), "records": records}
 
 
 async def coordinator_killed(args, base: str) -> dict:

@@ -51,17 +51,18 @@ sys.path.insert(0, str(ROOT))
 from deployments.demo import load_requests  # noqa: E402
 
 
-def replica_rss_bytes() -> dict[int, int]:
-    """VmRSS of every DiT replica process of the local application on this machine, by pid: the processes Ray
-    titles ``ray::ServeReplica:bcg:DiTReplica`` (Linux ``/proc``; Ray's state API needs the dashboard, which
+def replica_rss_bytes(app: str = "bcg") -> dict[int, int]:
+    """VmRSS of every DiT replica process of application ``app`` on this machine, by pid: the processes Ray
+    titles ``ray::ServeReplica:<app>:DiTReplica`` (Linux ``/proc``; Ray's state API needs the dashboard, which
     ``bcg serve`` does not start). Other applications' replicas (another test's, ``benchmarks/faults.py``'s) are
-    left out."""
+    left out. ``"bcg"``: the application of ``bcg serve``'s ``start_local``."""
+    mark = f"ray::ServeReplica:{app}:DiTReplica".encode()
     out = {}
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
             continue
         try:
-            if not (proc / "cmdline").read_bytes().startswith(b"ray::ServeReplica:bcg:DiTReplica"):
+            if not (proc / "cmdline").read_bytes().startswith(mark):
                 continue
             status = (proc / "status").read_text()
         except OSError:
