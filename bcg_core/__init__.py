@@ -1,48 +1,53 @@
-"""bcg-serve's torch-only engine: bucket keys and table, model families, bucket runners, the pipeline.
+"""bcg-serve's torch-only engine: bucket keys and table, the planner, model families, runners, the step scheduler.
 
-Never imports Ray (the Ray Serve layer lives in ``deployments/`` and ``router/``). The family adapters
-(``FluxAdapter``, ``SD3Adapter``, ``PixArtAdapter``, ``SanaAdapter``, ``QwenImageAdapter``) are exported lazily:
-each pulls in its diffusers pipeline module on first use.
+Never imports Ray or ``deployments/`` (the Ray Serve layer lives in ``deployments/`` and ``router/``). The family
+adapters (``FluxAdapter``, ``SD3Adapter``, ``PixArtAdapter``, ``SanaAdapter``, ``QwenImageAdapter``) and the
+step scheduler are exported lazily: each pulls in heavier modules on first use. The layout is in README.md.
 """
 
 import importlib
 
-from .buckets import BucketKey, BucketLookup, BucketTable, Dim, ShapeQuery, ShapeRules
-from .config import (
+from bcg_core.config import (
     BucketConfig, LimitsConfig, MissPolicy, ModelConfig, RunnerConfig, ServeConfig, load_config, parse_size,
 )
-from .errors import BucketMissError, RequestCancelled, RequestError
-from .families import Family, ModelSpec, RequestState, TextRows
-from .metrics import BucketCounters, BucketMetrics
-from .models import CheckpointError, LoadedModel, build_tiny, describe_model, load_model, save_pipeline
-from .padding import DenoiseInputs, DiTAdapter
-from .pipeline import DiTPipeline, GenerationResult
-from .planner import GenerationRequest, Plan, Planner
-from .runner import BucketEntry, BucketRunner, EagerBucketRunner, RunMode
-from .traffic import TrafficHistogram, TrafficKey, load_traffic
-from .images import IMAGE_FORMATS, encode_image
-from .preview import LinearPreview, PartialImage, preview_steps
+from bcg_core.errors import BucketMissError, RequestCancelled, RequestError
+from bcg_core.families import Family, ModelSpec, RequestState, TextRows
+from bcg_core.families.tiny import build_tiny
+from bcg_core.images import IMAGE_FORMATS, encode_image
+from bcg_core.keys import BucketKey, BucketShape, Dim, ShapeQuery
+from bcg_core.metrics import BucketCounters, BucketMetrics
+from bcg_core.models import CheckpointError, LoadedModel, describe_model, load_model, save_pipeline
+from bcg_core.padding import DenoiseInputs, DiTAdapter
+from bcg_core.pipeline import DiTPipeline
+from bcg_core.planner import Planner
+from bcg_core.planning.traffic import TrafficHistogram, TrafficKey, load_traffic
+from bcg_core.preview import LinearPreview, PartialImage, preview_steps
+from bcg_core.request import GenerationRequest, GenerationResult, PlannedRequest
+from bcg_core.runners import BucketEntry, BucketRunner, EagerBucketRunner, RunMode
+from bcg_core.table import BucketLookup, BucketTable, ShapeRules
 
-_ADAPTERS = {
-    "FluxAdapter": "flux", "SD3Adapter": "sd3", "PixArtAdapter": "pixart", "SanaAdapter": "sana",
-    "QwenImageAdapter": "qwenimage",
+_LAZY = {
+    "FluxAdapter": "bcg_core.families.flux", "SD3Adapter": "bcg_core.families.sd3",
+    "PixArtAdapter": "bcg_core.families.pixart", "SanaAdapter": "bcg_core.families.sana",
+    "QwenImageAdapter": "bcg_core.families.qwenimage", "StepScheduler": "bcg_core.scheduler",
+    "CostModel": "bcg_core.scheduler", "StepForwards": "bcg_core.scheduler",
 }
 
 
 def __getattr__(name: str):
-    """The family adapters, imported from :mod:`bcg_core.families` on first use."""
-    if name in _ADAPTERS:
-        return getattr(importlib.import_module(f".families.{_ADAPTERS[name]}", __name__), name)
+    """The family adapters and the step scheduler, imported on first use."""
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'bcg_core' has no attribute {name!r}")
 
 
 __all__ = [
     "BucketConfig", "BucketCounters", "BucketEntry", "BucketKey", "BucketLookup", "BucketMetrics", "BucketMissError",
-    "BucketRunner", "BucketTable", "CheckpointError", "DenoiseInputs", "DiTAdapter", "DiTPipeline", "Dim",
-    "EagerBucketRunner", "Family", "GenerationRequest", "GenerationResult", "LimitsConfig", "LoadedModel",
-    "MissPolicy", "ModelConfig", "ModelSpec", "Plan", "Planner", "RequestCancelled", "RequestError", "RequestState",
-    "RunMode", "RunnerConfig", "ServeConfig", "ShapeQuery", "ShapeRules", "TextRows", "TrafficHistogram",
-    "TrafficKey", "build_tiny", "describe_model", "load_config", "load_model", "load_traffic", "parse_size",
-    "save_pipeline", *_ADAPTERS,
+    "BucketRunner", "BucketShape", "BucketTable", "CheckpointError", "DenoiseInputs", "DiTAdapter", "DiTPipeline",
+    "Dim", "EagerBucketRunner", "Family", "GenerationRequest", "GenerationResult", "IMAGE_FORMATS", "LimitsConfig",
+    "LinearPreview", "LoadedModel", "MissPolicy", "ModelConfig", "ModelSpec", "PartialImage", "PlannedRequest",
+    "Planner", "RequestCancelled", "RequestError", "RequestState", "RunMode", "RunnerConfig", "ServeConfig",
+    "ShapeQuery", "ShapeRules", "TextRows", "TrafficHistogram", "TrafficKey", "build_tiny", "describe_model",
+    "encode_image", "load_config", "load_model", "load_traffic", "parse_size", "preview_steps", "save_pipeline",
+    *_LAZY,
 ]
-__all__ += ["IMAGE_FORMATS", "LinearPreview", "PartialImage", "encode_image", "preview_steps"]

@@ -84,7 +84,7 @@ def _check_ascending(name: str, values: list[int]) -> list[int]:
 
 class PlannedTraffic(BaseModel):
     """What ``bcg plan`` expected of the table it wrote (``buckets.plan``): the replicas' ownership prior and
-    the reference their drift check compares recorded traffic with (``bcg_core/bucket_plan.py``)."""
+    the reference their drift check compares recorded traffic with (``bcg_core/planning/drift.py``)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -271,25 +271,6 @@ class RunnerConfig(BaseModel):
         "counted and logged). Off by default: serving never captures.",
     )
     warmup_iters: int = Field(default=2, ge=1, le=10, description="Warm-up forwards on a side stream before capture.")
-    micro_batching: bool = Field(
-        default=True,
-        description="Batch concurrent requests of the same bucket shape and token grid (steps, guidance and "
-        "seeds may differ) inside a replica into one transformer forward per step, up to the largest batch "
-        "bucket; each request leaves when its own steps are done. Misses never batch.",
-    )
-    batch_wait_ms: float = Field(
-        default=10.0, ge=0, le=1000,
-        description="Micro-batching window in milliseconds: concurrent requests of the same bucket shape wait "
-        "up to this long to share one forward (0: only requests that arrive together share).",
-    )
-    scheduler: Literal["step", "request"] = Field(
-        default="step",
-        description="'step': the step scheduler (bcg_core/step_scheduler.py): requests join and leave at "
-        "step boundaries, every iteration runs one denoising step of each request in flight, rows of "
-        "different requests (at their own steps) share bucket forwards chosen by the measured cost model "
-        "(fill, split, or unpadded eager). 'request': request-level micro-batching (bcg_core/batching.py, "
-        "micro_batching and batch_wait_ms): requests join only while a batch's window is open.",
-    )
     max_rows_in_flight: int = Field(
         default=64, ge=1, le=4096,
         description="Step scheduler: most transformer rows (images, x2 with classifier-free guidance) in flight "
@@ -326,7 +307,7 @@ class RunnerConfig(BaseModel):
     trim_idle_s: float | None = Field(
         default=1.0, ge=0.0, le=600.0,
         description="Step scheduler: once no request has been in flight for this many seconds, hand the C heap's "
-        "free memory back to the OS (glibc malloc_trim; bcg_core/memtrim.py says why: without it a CPU replica's "
+        "free memory back to the OS (glibc malloc_trim; bcg_core/scheduler/memtrim.py says why: without it a CPU replica's "
         "memory at rest follows the largest requests served together). None: never.",
     )
     measure_costs: Literal["auto", "always", "never"] = Field(
@@ -340,7 +321,7 @@ class RunnerConfig(BaseModel):
     fused_step: Literal["auto", "always", "never"] = Field(
         default="auto",
         description="Capture each image's classifier-free guidance combination and its flow-match Euler update "
-        "in the bucket graph after the transformer, so one replay is one whole denoising step (bcg_core/fused.py; "
+        "in the bucket graph after the transformer, so one replay is one whole denoising step (bcg_core/runners/fused.py; "
         "FLUX.1 and SD3 with FlowMatchEulerDiscreteScheduler). 'auto': where graphs are captured; 'always': also "
         "on the eager runner (CPU), computed on the static buffers; 'never': the transformer alone in the graph, "
         "guidance and scheduler step on the host. At start one step is run both ways and compared bit for bit; "
@@ -485,7 +466,7 @@ class AutoscalingSettings(BaseModel):
 
 
 class TrafficConfig(BaseModel):
-    """The request shapes each DiT replica records (``bcg_core/traffic.py``: the ``traffic`` section of
+    """The request shapes each DiT replica records (``bcg_core/planning/traffic.py``: the ``traffic`` section of
     ``GET /v1/buckets`` and ``ray_bcg_traffic_requests_total``), an input of ``bcg plan``."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -664,7 +645,7 @@ class BackpressureLimits:
     """Request limits of the deployments (:func:`backpressure_limits`).
 
     Attributes:
-        batch_capacity: requests of the default shape (n=1, default guidance) one micro-batch holds.
+        batch_capacity: requests of the default shape (n=1, default guidance) a replica runs at once.
         dit_max_ongoing: ``max_ongoing_requests`` of each DiT replica.
         dit_max_queued: ``max_queued_requests`` of the DiT deployment, per caller (ingress replica).
         ingress_max_ongoing: ``max_ongoing_requests`` of each ingress replica: enough to hold every DiT slot
@@ -682,14 +663,12 @@ def backpressure_limits(config: ServeConfig, dit_replicas: int = 1) -> Backpress
     """The backpressure limits of an application, from the scheduler's capacity unless the config sets them.
 
     ``rows`` of a default request: 2 with classifier-free guidance (``limits.default_guidance_scale > 1``),
-    else 1. ``batch_capacity`` (the requests a replica runs at once):
+    else 1. ``batch_capacity`` (the requests a replica runs at once) is ``runner.max_rows_in_flight // rows``:
+    the step scheduler splits forwards across buckets (or runs them eager), so the largest batch bucket does
+    not bound it.
 
-    - step scheduler (``runner.scheduler: step``): ``runner.max_rows_in_flight // rows``. Forwards are
-      split across buckets (or run eager), so the largest batch bucket does not bound it;
-    - request-level micro-batching: ``largest batch bucket // rows`` (the requests one shared forward serves).
-
-    ``max_ongoing_requests``: ``runner.max_requests`` for the step scheduler when set, else
-    ``2 x batch_capacity`` (one set running, one waiting for admission or filling its window).
+    ``max_ongoing_requests``: ``runner.max_requests`` when set, else ``2 x batch_capacity`` (one set running, one
+    waiting for admission).
     ``max_queued_requests = max_ongoing_requests x most replicas`` (``autoscaling.max_replicas`` when
     autoscaling is on, else ``dit_replicas``): each ingress replica may hold one full deployment's worth of
     requests waiting, enough for a burst to wait while replicas are added. Explicit
@@ -705,12 +684,8 @@ def backpressure_limits(config: ServeConfig, dit_replicas: int = 1) -> Backpress
     """
     rows = 2 if config.limits.default_guidance_scale > 1 else 1
     runner = config.runner
-    if runner.scheduler == "step":
-        capacity = max(1, runner.max_rows_in_flight // rows)
-        default_ongoing = runner.max_requests or 2 * capacity
-    else:
-        capacity = max(1, config.buckets.batch_sizes[-1] // rows)
-        default_ongoing = 2 * capacity
+    capacity = max(1, runner.max_rows_in_flight // rows)
+    default_ongoing = runner.max_requests or 2 * capacity
     most = config.autoscaling.max_replicas if config.autoscaling.enabled else max(1, int(dit_replicas))
     ongoing = config.routing.max_ongoing_requests or default_ongoing
     queued = config.routing.max_queued_requests or ongoing * most

@@ -10,7 +10,7 @@ for the whole cluster at start and creates the folder when the fault should happ
   replica stuck in capture.
 - ``BCG_FAILPOINT_FORWARD_ERROR="<claim file>"``: the next padded bucket forward of the process that claims it
   (a replay on CUDA, the static-buffer forward on a CPU) raises ``RuntimeError("CUDA error: ... (simulated)")``:
-  a CUDA error mid-replay (the runner demotes the bucket, :func:`bcg_core.runner.demote`).
+  a CUDA error mid-replay (the runner demotes the bucket, :func:`bcg_core.runners.base.demote`).
 - ``BCG_FAILPOINT_STEP_OOM="<claim file>"``: the next denoising step of the step scheduler in the process that
   claims it raises ``torch.OutOfMemoryError``: the GPU out of memory at run time.
 

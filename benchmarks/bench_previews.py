@@ -31,8 +31,8 @@ import torch
 
 from bcg_core.config import ServeConfig
 from bcg_core.pipeline import DiTPipeline
-from bcg_core.planner import GenerationRequest
-from bcg_core.step_scheduler import StepScheduler
+from bcg_core.request import GenerationRequest
+from bcg_core.scheduler.loop import StepScheduler
 
 
 def run_size(size: int, steps: int, trials: int, previews: int, n: int, device: str,
@@ -54,9 +54,10 @@ def run_size(size: int, steps: int, trials: int, previews: int, n: int, device: 
     pipe = DiTPipeline.from_config(cfg)
     sched = StepScheduler(pipe)
 
-    def req(seed: int, k: int) -> GenerationRequest:
-        return GenerationRequest("a lighthouse at dusk", n=n, width=size, height=size, num_inference_steps=steps,
-                                 guidance_scale=0.0, seed=seed, partial_images=k)
+    def req(seed: int, k: int):
+        return pipe.planner.plan(GenerationRequest("a lighthouse at dusk", n=n, width=size, height=size,
+                                                   num_inference_steps=steps, guidance_scale=0.0, seed=seed,
+                                                   partial_images=k))
 
     async def pair(k: int) -> dict:
         async def drain():

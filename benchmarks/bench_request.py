@@ -33,7 +33,7 @@ import torch
 
 from bcg_core import BucketConfig, DiTPipeline, GenerationRequest, ServeConfig, parse_size, save_pipeline
 from bcg_core.config import LimitsConfig, ModelConfig, RunnerConfig
-from bcg_core.models import assemble_flux, tiny_transformer_config, tiny_vae_config
+from bcg_core.families.tiny import assemble_flux, tiny_transformer_config, tiny_vae_config
 from bcg_core.text import SentenceTextEncoder
 
 FLUX_VAE = dict(
@@ -137,7 +137,7 @@ def main() -> None:
             totals.append(out.timings_ms["total"])
             parts.append(out.timings_ms)
         images[mode] = out.images_png
-        result[mode] = dict(prepare_s=round(prepare_s, 2), bucket=out.bucket, total_ms=round(statistics.median(totals[1:]), 1),
+        result[mode] = dict(prepare_s=round(prepare_s, 2), bucket=None if out.bucket is None else str(out.bucket), total_ms=round(statistics.median(totals[1:]), 1),
                             **{k + "_ms": round(statistics.median(p[k] for p in parts[1:]), 1)
                                for k in ("encode", "denoise", "decode")})
         print(mode, json.dumps(result[mode]))

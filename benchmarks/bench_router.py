@@ -19,8 +19,7 @@ What it measures (one JSON report, ``--json``):
   (``routing.shape_aware`` flipped) and the calls alternate between the two, so the added routing latency
   of ShapeAwareRouter over Ray's default router (p50, p99 of the per-call difference) is measured under
   the same load.
-- ``padding``: padded-token waste summed over the replicas, with micro-batching on or off
-  (``--no-batching``).
+- ``padding``: padded-token waste summed over the replicas (the step scheduler's forwards).
 
 Cluster: ``--fake-gpu-nodes N`` starts a ``ray.cluster_utils.Cluster`` on this machine with N worker nodes
 that each declare one GPU; the DiT replicas ask for ``num_gpus=1`` and run on the CPU. Without it, Ray
@@ -122,7 +121,7 @@ async def _one(i: int, req: dict, via: str, handle, base_url: str, client, timeo
                 rec["error"] = data.get("error", {}).get("message", "")[:200]
         else:
             res = await asyncio.wait_for(handle.images.remote(req), timeout=timeout_s)
-            rec.update(status=200, bucket=res.bucket, replica=res.replica, owner=res.owner, batch_size=res.batch_size,
+            rec.update(status=200, bucket=None if res.bucket is None else str(res.bucket), replica=res.replica, owner=res.owner, batch_size=res.batch_size,
                        retries=res.retries, images=len(res.images_png), server_ms=res.timings_ms)
     except Exception as exc:  # noqa: BLE001 - every outcome is recorded
         status = getattr(exc, "status", None)
@@ -316,7 +315,6 @@ def build(args) -> tuple[object, dict]:
         "model": {"device": args.device, **({"path": args.model_path} if args.model_path else {}),
                   **({"dtype": args.dtype} if args.dtype else {})},
         "buckets": dict(SMALL_TABLE, miss_policy="eager"),
-        "runner": {"micro_batching": not args.no_batching, "batch_wait_ms": args.batch_wait_ms},
         "routing": {"shape_aware": args.router == "shape", "hot_share": args.hot_share,
                     "lease_s": args.lease_s, "fallback_wait_s": args.fallback_wait_s,
                     "join_window_s": args.start_timeout_s},
@@ -400,7 +398,7 @@ async def run(args) -> dict:
                 stats.append(s)
         report["padding"] = padding_totals(stats)
         report["replica_stats"] = {
-            s["replica"]: {"routing": s["routing"], "batching": s.get("batching"), "scheduler": s.get("scheduler"), "totals": s["totals"],
+            s["replica"]: {"routing": s["routing"], "scheduler": s.get("scheduler"), "totals": s["totals"],
                            "graphs": sorted(b["key"] for b in s["buckets"] if b.get("mode") == "graph"),
                            "prepared": sum(1 for b in s["buckets"] if b.get("mode")),
                            "pool_mib": round(sum(b.get("pool_bytes") or 0 for b in s["buckets"]) / 2**20, 1),
@@ -430,8 +428,6 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--dit-gpus", type=float, default=1, help="GPUs per DiT replica (0.5 fits two apps per GPU)")
     p.add_argument("--compare-routers", action="store_true",
                    help="with --ping: also deploy the app with the other router and ping both, interleaved")
-    p.add_argument("--no-batching", action="store_true")
-    p.add_argument("--batch-wait-ms", type=float, default=10.0)
     p.add_argument("--hot-share", type=float, default=0.10)
     p.add_argument("--lease-s", type=float, default=3.0)
     p.add_argument("--fallback-wait-s", type=float, default=2.0)

@@ -7,26 +7,25 @@ HTTP (``deployments.demo.replay``, ``--concurrency`` in flight, ``--steps`` deno
 three servers, started one after another in this process with ``deployments.local.start_local`` (Ray and Serve
 on 127.0.0.1) and stopped with ``deployments.local.stop_local`` before the next one starts:
 
-- ``naive``: unpadded per-request eager, no batching across requests. The same application with the config
-  overrides ``runner: {mode: eager, scheduler: request, micro_batching: false}`` and a bucket table that
+- ``naive``: unpadded per-request eager, no batching across requests. The same application (the step
+  scheduler) with the config override ``runner: {mode: eager}`` and a bucket table that
   every request misses: ``buckets: {batch_sizes: [1], resolutions: [T], image_padding: exact,
   miss_policy: eager}`` (text buckets as the other servers'), where the one tier ``T`` is a size no request of
   the run (warm-up, replay, concurrency-1 phase) is generated at: for token-count keyed models (FLUX, the tiny
   default) the smallest size whose token count no request has (``exact`` padding, so a smaller request does
   not fit it either); for PixArt-Sigma an aspect-ratio bin no request is binned to. The miss policy ``eager``
   runs every miss unpadded and eagerly (``bcg_core.pipeline.DiTPipeline.step``: ``runner.run(None, ...)``),
-  alone (the micro-batcher never batches a miss, and batching is off). Before anything starts, every request
+  alone (the step scheduler never shares a miss's forward with another request). Before anything starts, every request
   is planned with the real ``bcg_core.planner.Planner`` of that config, and the run stops if one would hit a
   bucket. Its replica admits as many requests as the others (``routing.max_ongoing_requests`` and
   ``max_queued_requests`` = ``--naive-max-ongoing``, default ``--concurrency``, instead of the 2 that a
   one-row table would derive), so no request is refused with 503; in flight they interleave step by step
   (the runner serialises forwards). ``--naive-max-ongoing 1`` serves them strictly one at a time instead.
-- ``request``: bcg-serve with request-level micro-batching, ``runner: {scheduler: request}``.
 - ``planned`` (only when asked for in ``--servers``): the step scheduler on the table ``bcg plan`` chooses for the
   same model and limits from the packaged krea sample at ``--steps`` steps, at most ``--plan-max-graphs`` graphs
   (:func:`planned_buckets`; ``--plan-costs measure``: on costs the planner measures on this GPU itself, ``bcg plan
   --measure``). Each server's entry records its table's graphs, capture seconds and pool MiB.
-- ``step``: bcg-serve with the step scheduler, ``runner: {scheduler: step}`` (``bcg_core/step_scheduler.py``).
+- ``step``: bcg-serve as configured, the step scheduler on the default table (``bcg_core/scheduler/loop.py``).
   If ``GET /v1/buckets`` then has no top-level ``scheduler`` section, the replica did not report a step
   scheduler: a warning is printed and the JSON says so (``scheduler_reported: false``).
 
@@ -109,9 +108,8 @@ counted: ``--warmup shapes`` sends one request of each distinct (size, n) of the
   GPU time and no launch gaps); ``floor_share`` = its inverse.
 - ``c1_p50_ms``: the concurrency-1 phase: ``--c1-requests`` (default 5) copies of the first krea request
   (its size, n and seed), sent one after another at concurrency 1; p50 of their latencies (ms).
-- ratios: ``images_per_s_vs_naive`` (request and step images/s over naive's), ``low_load_vs_solo`` = step's
-  ``c1_p50_ms`` / request's ``c1_p50_ms`` (what the step scheduler costs a lone request, against request-level
-  batching), ``c1_vs_naive`` (each server's ``c1_p50_ms`` / naive's).
+- ratios: ``images_per_s_vs_naive`` (step and planned images/s over naive's), ``c1_vs_naive`` (each server's
+  ``c1_p50_ms`` / naive's).
 
 The JSON (``--out``) holds: date (UTC), GPU name (``torch.cuda.get_device_name``), torch version, the
 ``--commit`` value, the full command line, each server's config overrides and full config, per-request raw
@@ -142,17 +140,16 @@ for _p in (ROOT / "benchmarks", ROOT / "tests", ROOT):
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))
 
-SERVERS = ("naive", "request", "step", "planned")
+SERVERS = ("naive", "step", "planned")
 MODELS = ("tiny", "flux-dev-width", "pixart-512")
 FLUX_DEV_WIDTH_LAYERS = (2, 4)
 """(double-stream, single-stream) blocks of the ``flux-dev-width`` stand-in."""
 TEXT_BUCKETS = (32, 64, 128, 256, 300)
 """Candidate single text buckets for masked-text families (PixArt-Sigma: at most 300)."""
 RUNNER_OVERRIDES = {
-    "naive": {"mode": "eager", "scheduler": "request", "micro_batching": False},
-    "request": {"scheduler": "request"},
-    "step": {"scheduler": "step"},
-    "planned": {"scheduler": "step"},
+    "naive": {"mode": "eager"},
+    "step": {},
+    "planned": {},
 }
 """``runner`` overrides of each server (naive also gets its bucket table and admission limits)."""
 
@@ -276,16 +273,14 @@ def _ratio(a, b) -> float | None:
 
 def ratios(summaries: dict[str, dict]) -> dict:
     """Cross-server ratios of the per-server summaries (``{server: summary}``; a summary may lack fields when
-    its server failed): ``images_per_s_vs_naive`` (request, step), ``low_load_vs_solo`` (step's
-    ``c1_p50_ms`` / request's), ``c1_vs_naive`` (each server's ``c1_p50_ms`` / naive's). None where a side
-    is missing."""
+    its server failed): ``images_per_s_vs_naive`` (step, planned), ``c1_vs_naive`` (each server's
+    ``c1_p50_ms`` / naive's). None where a side is missing."""
     ips = {k: (v or {}).get("images_per_s") for k, v in summaries.items()}
     c1 = {k: (v or {}).get("c1_p50_ms") for k, v in summaries.items()}
     return {
         "images_per_s_vs_naive": {k: _ratio(ips.get(k), ips.get("naive"))
-                                  for k in ("request", "step", "planned") if k != "planned" or k in summaries},
-        "low_load_vs_solo": _ratio(c1.get("step"), c1.get("request")),
-        "c1_vs_naive": {k: _ratio(c1.get(k), c1.get("naive")) for k in ("request", "step")},
+                                  for k in ("step", "planned") if k != "planned" or k in summaries},
+        "c1_vs_naive": {k: _ratio(c1.get(k), c1.get("naive")) for k in ("step", "planned") if k in summaries},
         **({"planned_vs_step": _ratio(ips.get("planned"), ips.get("step"))} if "planned" in summaries else {}),
     }
 
@@ -299,7 +294,7 @@ def merge(base: dict, over: dict) -> dict:
 
 
 def parse_servers(text: str) -> list[str]:
-    """``"naive,request"`` -> ``["naive", "request"]`` (in the given order, no repeats).
+    """``"naive,step"`` -> ``["naive", "step"]`` (in the given order, no repeats).
 
     Raises:
         ValueError: an unknown server name or an empty list.
@@ -356,8 +351,8 @@ def c1_requests(requests: list, count: int) -> list:
 
 
 def generation_request(demo_request, steps: int):
-    """The :class:`bcg_core.planner.GenerationRequest` the ingress makes of a replayed request's body."""
-    from bcg_core.planner import GenerationRequest
+    """The :class:`bcg_core.request.GenerationRequest` the ingress makes of a replayed request's body."""
+    from bcg_core.request import GenerationRequest
 
     r = demo_request
     return GenerationRequest(r.prompt, n=r.n, width=r.width, height=r.height, num_inference_steps=steps, seed=r.seed)
@@ -449,17 +444,18 @@ def base_config(model_config: dict, spec, count_tokens, requests: list, steps: i
 
 def planned_buckets(base: dict, steps: int, max_graphs: int, measure: bool = False) -> dict:
     """The ``buckets`` that ``bcg plan`` chooses for ``base``'s model and limits on the packaged krea sample at
-    ``steps`` steps with at most ``max_graphs`` graphs (``bcg_core/bucket_plan.py``): with ``measure`` on costs
+    ``steps`` steps with at most ``max_graphs`` graphs (``bcg_core/planning/table_search.py``): with ``measure`` on costs
     the planner measures on this GPU (``bcg plan --measure``), else on the token-count model. The plan's cost
     source is in ``buckets.plan.costs``."""
-    from bcg_core.bucket_plan import krea_rows, plan_buckets, traffic_from_rows
+    from bcg_core.planning.samples import krea_rows, traffic_from_rows
+    from bcg_core.planning.table_search import search_table
     from bcg_core.config import ServeConfig
     from deployments.commands import measure_plan_costs
 
     config = ServeConfig.model_validate(base)
     traffic = traffic_from_rows(config, krea_rows(), steps=steps)
     costs = measure_plan_costs(config, traffic) if measure else None
-    plan = plan_buckets(config, traffic, costs, max_graphs=max_graphs)
+    plan = search_table(config, traffic, costs, max_graphs=max_graphs)
     return plan.buckets.model_dump(mode="json")
 
 
@@ -702,7 +698,7 @@ def trim_stats(stats: dict) -> dict:
     keep = ("key", "requests", "hits", "forwards", "forwards_by_mode", "batches", "batched_requests", "real_tokens",
             "padded_tokens", "padding_waste_pct", "mean_latency_ms")
     misses = {k: v for k, v in (stats.get("misses") or {}).items() if k != "step_latency_ms"}
-    return {"totals": stats.get("totals"), "batch_totals": stats.get("batch_totals"), "batching": stats.get("batching"),
+    return {"totals": stats.get("totals"), "batch_totals": stats.get("batch_totals"),
             "scheduler": stats.get("scheduler"), "fused_step": stats.get("fused_step"), "misses": misses,
             "buckets": [{k: b.get(k) for k in keep} for b in stats.get("buckets") or [] if b.get("requests")]}
 
@@ -753,8 +749,8 @@ def run_server(name: str, config, replay_reqs: list, warmups: list, c1: list, ar
                                              / 2**20, 1)}
         entry["scheduler_reported"] = isinstance(after.get("scheduler"), dict)
         if name == "step" and not entry["scheduler_reported"]:
-            print("[step] WARNING: GET /v1/buckets has no 'scheduler' section: the replica did not report a step "
-                  "scheduler (it may have run request-level batching)", flush=True)
+            print("[step] WARNING: GET /v1/buckets has no 'scheduler' section: the replica did not report its step "
+                  "scheduler", flush=True)
         if c1:
             c = replay(url, c1, steps=args.steps, concurrency=1, **kw)
             entry["c1_requests"] = [result_row(r) for r in c]
@@ -796,8 +792,7 @@ def render(result: dict) -> str:
     table = _table(["server", "ok/req", "4xx", "wall s", "img/s", "p50 ms", "p99 ms", "c1 p50 ms", "waste %",
                     "GPU busy %", "wall/floor", "error"], rows)
     r = result["ratios"]
-    return (f"{table}\nimages/s vs naive: {r['images_per_s_vs_naive']}; low_load_vs_solo (step c1 p50 / request "
-            f"c1 p50): {r['low_load_vs_solo']}; c1 vs naive: {r['c1_vs_naive']}; floor: "
+    return (f"{table}\nimages/s vs naive: {r['images_per_s_vs_naive']}; c1 vs naive: {r['c1_vs_naive']}; floor: "
             f"{(result.get('floor') or {}).get('floor_s')} s")
 
 
@@ -831,7 +826,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--requests", type=int, default=32, help="first N krea requests")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--concurrency", type=int, default=16, help="requests in flight (1..16)")
-    ap.add_argument("--servers", type=parse_servers, default=["naive", "request", "step"],
+    ap.add_argument("--servers", type=parse_servers, default=["naive", "step"],
                     help="subset of naive,request,step,planned (planned: the step scheduler on the table bcg plan "
                     "chooses from the packaged krea sample)")
     ap.add_argument("--plan-max-graphs", type=int, default=12, help="graph cap of the planned table (default 12)")

@@ -1,4 +1,4 @@
-"""Held-out evaluation of the bucket planner (bcg_core/bucket_plan.py) on real traffic, on the CPU.
+"""Held-out evaluation of the bucket planner (bcg_core/planning/table_search.py) on real traffic, on the CPU.
 
 Two evaluations per model, each against the model's default table (``bcg_core.config.BucketConfig``):
 
@@ -36,7 +36,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 from bcg_core import ServeConfig  # noqa: E402
-from bcg_core import bucket_plan as bp  # noqa: E402
+from bcg_core.planning.costs import PlanCosts, TableScore, evaluate  # noqa: E402
+from bcg_core.planning.samples import (Traffic, krea_rows, planning_table, traffic_from_gentd26,  # noqa: E402
+                                       traffic_from_rows)
+from bcg_core.planning.table_search import search_table  # noqa: E402
 from deployments.commands import GENTD26_CSV  # noqa: E402
 
 
@@ -56,21 +59,21 @@ def _config(name: str, folder: Path) -> ServeConfig:
                                                    "text_lengths": [16, 32, 64, 300]}})
 
 
-def _row(score: bp.TableScore) -> dict:
+def _row(score: TableScore) -> dict:
     return {"graphs": score.graphs, "ms_per_image": round(score.ms_per_image, 3), "waste": round(score.waste, 4),
             "miss_share": round(score.miss_share, 4), "pool_mib": round(score.pool_bytes / 2**20, 1)}
 
 
-def evaluate_pair(config: ServeConfig, train: bp.Traffic, test: bp.Traffic, costs: bp.PlanCosts,
+def evaluate_pair(config: ServeConfig, train: Traffic, test: Traffic, costs: PlanCosts,
                   max_graphs: int) -> dict:
     """Plan on ``train``; score the plan and the default table on ``test``."""
-    plan = bp.plan_buckets(config, train, costs, max_graphs=max_graphs)
-    planned = bp.planning_table(config.model_copy(update={"buckets": plan.buckets}))
-    default = bp.planning_table(config)
+    plan = search_table(config, train, costs, max_graphs=max_graphs)
+    planned = planning_table(config.model_copy(update={"buckets": plan.buckets}))
+    default = planning_table(config)
     return {"train": {"source": train.source, "requests": round(train.requests, 1), "score": _row(plan.score)},
             "test": {"source": test.source, "requests": round(test.requests, 1),
-                     "planned": _row(bp.evaluate(planned, test, costs)),
-                     "default": _row(bp.evaluate(default, test, costs))},
+                     "planned": _row(evaluate(planned, test, costs)),
+                     "default": _row(evaluate(default, test, costs))},
             "buckets": plan.buckets.model_dump(mode="json")}
 
 
@@ -79,16 +82,16 @@ def run(models: list[str], max_graphs: int, steps: int, trace: str | None) -> di
     with tempfile.TemporaryDirectory() as tmp:
         for name in models:
             config = _config(name, Path(tmp))
-            costs = bp.PlanCosts.token_count(config)
-            rows = bp.krea_rows()
+            costs = PlanCosts.token_count(config)
+            rows = krea_rows()
             half = len(rows) // 2
-            first = bp.traffic_from_rows(config, rows[:half], source="krea first half", steps=steps)
-            second = bp.traffic_from_rows(config, rows[half:], source="krea second half", steps=steps)
+            first = traffic_from_rows(config, rows[:half], source="krea first half", steps=steps)
+            second = traffic_from_rows(config, rows[half:], source="krea second half", steps=steps)
             text = (resources.files("bcg_core").joinpath("data", GENTD26_CSV).read_text(encoding="utf-8")
                     if trace is None else Path(trace).read_text(encoding="utf-8"))
             sizes = [(int(r["width"]), int(r["height"])) for r in rows]
-            gentd = bp.traffic_from_gentd26(config, csv.DictReader(io.StringIO(text)), sizes, steps=steps)
-            everything = bp.traffic_from_rows(config, rows, source="krea", steps=steps)
+            gentd = traffic_from_gentd26(config, csv.DictReader(io.StringIO(text)), sizes, steps=steps)
+            everything = traffic_from_rows(config, rows, source="krea", steps=steps)
             out["models"][name] = {"costs": costs.describe(),
                                    "krea-halves": evaluate_pair(config, first, second, costs, max_graphs),
                                    "krea-to-gentd26": evaluate_pair(config, everything, gentd, costs, max_graphs)}

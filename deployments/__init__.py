@@ -5,9 +5,9 @@ command line (:mod:`deployments.cli`; the local server in :mod:`deployments.loca
 from .app import AppArgs, build_app, load_config
 from .auth import ApiKeys
 from .dit import DiTReplica, as_generation_request
-from .ingress import (
-    Ingress, error_response, find_request_error, sse_event, unauthorized_response, validation_error_response,
-)
+from .answers import sse_event
+from .http_errors import error_response, find_request_error, unauthorized_response, validation_error_response
+from .ingress import Ingress
 from .schemas import (
     BcgInfo,
     ErrorBody,

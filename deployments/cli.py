@@ -6,7 +6,7 @@ The console script of ``pyproject.toml`` (``bcg = "deployments.cli:main"``), als
 ``demo`` replays real requests (:mod:`deployments.demo`), ``serve`` runs the local server until stopped
 (:mod:`deployments.local`), ``verify`` and ``profile`` print tables of the engine's correctness gates and
 timings (:mod:`deployments.commands`), ``plan`` chooses the bucket table from traffic
-(:mod:`bcg_core.bucket_plan`), ``config`` prints the embedded default ``ServeConfig``.
+(:mod:`bcg_core.planning.table_search`), ``config`` prints the embedded default ``ServeConfig``.
 """
 
 from __future__ import annotations
@@ -320,7 +320,7 @@ def _parser() -> argparse.ArgumentParser:
                         "traffic sample: the packaged krea CSV (default), the packaged GenTD26 burst or a GenTD26-"
                         "style CSV (image counts joined with krea sizes), or a running server's recorded shape "
                         "histogram (--from URL) or an exported one (--from FILE). The objective is the expected GPU "
-                        "time per image (bcg_core/bucket_plan.py); costs measured on this GPU (--measure), from a `bcg "
+                        "time per image (bcg_core/planning/table_search.py); costs measured on this GPU (--measure), from a `bcg "
                         "profile --json` file, else the token-count model. Prints the chosen buckets with their share of requests and waste.")
     pl.add_argument("--config", default=None, metavar="PATH",
                     help="ServeConfig YAML/JSON: the model, limits and current table (default: embedded)")

@@ -7,14 +7,14 @@ eager buffers on a CPU), exactly as a replica does, then:
   through the runner and unpadded through the adapter's eager forward, and prints the worst relative
   error and pass or fail per bucket (tolerance from the dtype: docs/DESIGN.md section 4);
 - ``profile`` times each bucket at its exact size: kernels per step, eager ms, graph ms, kernel-busy ms,
-  and a verdict on whether graphs pay (:mod:`bcg_core.profile`). It needs CUDA.
+  and a verdict on whether graphs pay (:mod:`bcg_core.planning.profile`). It needs CUDA.
 """
 
 from __future__ import annotations
 
 import torch
 
-from bcg_core.buckets import BucketKey
+from bcg_core.keys import BucketKey
 from bcg_core.config import ServeConfig
 from bcg_core.pipeline import DiTPipeline
 from bcg_core.verify import BoundaryCase, boundary_cases, verify_runner
@@ -93,7 +93,7 @@ def run_profile(config: ServeConfig, buckets: list[str] | None = None, iters: in
     cost lines to.
 
     Returns:
-        The :class:`~bcg_core.profile.ProfileRow` list.
+        The :class:`~bcg_core.planning.profile.ProfileRow` list.
 
     Raises:
         RuntimeError: without CUDA.
@@ -102,7 +102,7 @@ def run_profile(config: ServeConfig, buckets: list[str] | None = None, iters: in
     from rich.console import Console
     from rich.table import Table
 
-    from bcg_core.profile import profile_case
+    from bcg_core.planning.profile import profile_case
 
     if not torch.cuda.is_available():
         raise RuntimeError("bcg profile needs a CUDA GPU: it times CUDA kernels and graph replay")
@@ -154,13 +154,13 @@ GENTD26_CSV = "alibaba_gentd26_burst_2024-12-06.csv"
 
 def load_plan_traffic(config: ServeConfig, source: str, steps: int | None = None, krea: str | None = None,
                       api_key: str | None = None):
-    """The traffic sample ``bcg plan`` plans for (:mod:`bcg_core.bucket_plan`).
+    """The traffic sample ``bcg plan`` plans for (:mod:`bcg_core.planning.samples`).
 
     Args:
         config: model and limits.
         source: ``"krea"`` (the packaged krea CSV), ``"gentd26"`` (the packaged GenTD26 burst, its rows joined in
             order with the krea requests' sizes) or ``"gentd26:PATH"`` (a GenTD26-style CSV), a recorded shape
-            histogram: a JSON file (a :meth:`~bcg_core.traffic.TrafficHistogram.snapshot` or a saved
+            histogram: a JSON file (a :meth:`~bcg_core.planning.traffic.TrafficHistogram.snapshot` or a saved
             ``/v1/buckets`` answer) or the ``http://`` URL of a running server.
         steps: every request's steps instead of the sample's.
         krea: another krea-format CSV instead of the packaged one.
@@ -172,15 +172,16 @@ def load_plan_traffic(config: ServeConfig, source: str, steps: int | None = None
     import csv
     from importlib import resources
 
-    from bcg_core import bucket_plan as bp
+    from bcg_core.planning.samples import (krea_rows, traffic_from_gentd26, traffic_from_histogram,
+                                           traffic_from_rows)
 
     if source == "krea":
-        return bp.traffic_from_rows(config, bp.krea_rows(krea), steps=steps)
+        return traffic_from_rows(config, krea_rows(krea), steps=steps)
     if source == "gentd26" or source.startswith("gentd26:"):
         path = source.partition(":")[2]
         text = (resources.files("bcg_core").joinpath("data", GENTD26_CSV).read_text(encoding="utf-8") if not path
                 else open(path, encoding="utf-8").read())
-        sizes = [(int(r["width"]), int(r["height"])) for r in bp.krea_rows(krea) if r.get("width") and r.get("height")]
+        sizes = [(int(r["width"]), int(r["height"])) for r in krea_rows(krea) if r.get("width") and r.get("height")]
         import io
 
         reader = csv.DictReader(io.StringIO(text))
@@ -189,28 +190,29 @@ def load_plan_traffic(config: ServeConfig, source: str, steps: int | None = None
         if missing:
             raise ValueError(f"{path or GENTD26_CSV}: a GenTD26-style trace needs the columns {sorted(need)}; "
                              f"missing {missing}")
-        return bp.traffic_from_gentd26(config, reader, sizes, steps=steps)
+        return traffic_from_gentd26(config, reader, sizes, steps=steps)
+    import dataclasses
     import os
 
-    from bcg_core.traffic import load_traffic
+    from bcg_core.planning.traffic import load_traffic
 
     if "://" not in source and not os.path.exists(source):
         raise ValueError(f"--from {source}: no such file; for a running server give its URL, e.g. http://{source}"
                          if ":" in source else f"--from {source}: no such file")
-    traffic = bp.traffic_from_histogram(config, load_traffic(source, api_key=api_key).snapshot())
+    traffic = traffic_from_histogram(config, load_traffic(source, api_key=api_key).snapshot())
     if steps is not None:
-        traffic.demands = [bp.replace(d, steps=steps) for d in traffic.demands]
+        traffic.demands = [dataclasses.replace(d, steps=steps) for d in traffic.demands]
     return traffic
 
 
 def measure_plan_costs(config: ServeConfig, traffic, iters: int = 5, console=None):
     """The planner's own profile on a GPU (``bcg plan --measure``): capture and time the few buckets of
-    :func:`bcg_core.bucket_plan.profile_buckets` (the sample's smallest, most requested and largest tier, its
+    :func:`bcg_core.planning.table_search.profile_buckets` (the sample's smallest, most requested and largest tier, its
     median text, 1 row and the most rows), then fit the plan's cost lines to them
-    (:func:`bcg_core.bucket_plan.costs_from_profile`: replay and eager milliseconds per token, pool bytes per token).
+    (:func:`bcg_core.planning.costs.costs_from_profile`: replay and eager milliseconds per token, pool bytes per token).
 
     Returns:
-        A :class:`~bcg_core.bucket_plan.PlanCosts` whose ``source`` names the GPU.
+        A :class:`~bcg_core.planning.costs.PlanCosts` whose ``source`` names the GPU.
 
     Raises:
         RuntimeError: without CUDA (the plan then uses the token-count model, or ``--profile`` output measured
@@ -219,19 +221,20 @@ def measure_plan_costs(config: ServeConfig, traffic, iters: int = 5, console=Non
     import dataclasses
     import gc
 
-    from bcg_core import bucket_plan as bp
+    from bcg_core.planning.costs import PlanCosts, costs_from_profile
+    from bcg_core.planning.table_search import profile_buckets
 
     if not torch.cuda.is_available():
         raise RuntimeError("bcg plan --measure needs a CUDA GPU to time bucket replays; without one leave --measure "
                            "out (the token-count model stands in) or give --profile with `bcg profile --json` output "
                            "measured on the serving GPU")
-    measured = config.model_copy(update={"buckets": bp.profile_buckets(config, traffic)})
+    measured = config.model_copy(update={"buckets": profile_buckets(config, traffic)})
     rows = run_profile(measured, iters=iters, console=console)
     gc.collect()
     torch.cuda.empty_cache()  # the profile's pipeline and pool are gone: give the memory back
-    costs = bp.costs_from_profile([dataclasses.asdict(r) for r in rows], bp.PlanCosts.token_count(config))
-    return bp.replace(costs, source=f"profile (measured by bcg plan --measure on {torch.cuda.get_device_name()}, "
-                                    f"{len(rows)} buckets)")
+    costs = costs_from_profile([dataclasses.asdict(r) for r in rows], PlanCosts.token_count(config))
+    gpu = torch.cuda.get_device_name()
+    return dataclasses.replace(costs, source=f"profile (measured by bcg plan --measure on {gpu}, {len(rows)} buckets)")
 
 
 def run_plan(config: ServeConfig, source: str = "krea", budget_mib: float | None = None, max_graphs: int = 12,
@@ -243,21 +246,23 @@ def run_plan(config: ServeConfig, source: str = "krea", budget_mib: float | None
     ``bcg profile --json`` output; otherwise the token-count model stands in. The report names which.
 
     Returns:
-        The :class:`~bcg_core.bucket_plan.BucketPlan`.
+        The :class:`~bcg_core.planning.table_search.TableChoice`.
 
     Raises:
-        ValueError, OSError: see :func:`load_plan_traffic` and :func:`bcg_core.bucket_plan.plan_buckets`.
+        ValueError, OSError: see :func:`load_plan_traffic` and :func:`bcg_core.planning.table_search.search_table`.
     """
     import json
 
     from rich.console import Console
     from rich.table import Table
 
-    from bcg_core import bucket_plan as bp
+    from bcg_core.planning.costs import PlanCosts, costs_from_profile, evaluate
+    from bcg_core.planning.samples import planning_table
+    from bcg_core.planning.table_search import search_table
 
     console = console or Console()
     traffic = load_plan_traffic(config, source, steps, krea, api_key)
-    costs = bp.PlanCosts.token_count(config)
+    costs = PlanCosts.token_count(config)
     if measure and profile:
         raise ValueError("--measure profiles buckets itself: give it or --profile, not both")
     if measure:
@@ -273,11 +278,11 @@ def run_plan(config: ServeConfig, source: str = "krea", budget_mib: float | None
             raise ValueError(f"--profile {profile}: expected `bcg profile --json` output (an object with a "
                              f"'buckets' list of rows)")
         try:
-            costs = bp.costs_from_profile(rows, costs)
+            costs = costs_from_profile(rows, costs)
         except ValueError as e:
             raise ValueError(f"--profile {profile}: {e}") from None
-    plan = bp.plan_buckets(config, traffic, costs, budget_mib=budget_mib, max_graphs=max_graphs)
-    default = bp.evaluate(bp.planning_table(config), traffic, costs)
+    plan = search_table(config, traffic, costs, budget_mib=budget_mib, max_graphs=max_graphs)
+    default = evaluate(planning_table(config), traffic, costs)
     s = plan.score
     table = Table(title=f"bcg plan: {traffic.source} traffic, {traffic.requests:.1f} requests, costs: {costs.source}")
     for col in ("bucket shape", "share of requests", "padded-token waste"):

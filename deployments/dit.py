@@ -4,18 +4,16 @@ Start-up: the model is loaded, the replica joins the ownership coordinator (when
 by shape) and captures only the bucket shapes it owns (every batch bucket of each owned resolution tier and
 text bucket), then reports ready. Without a coordinator it captures every bucket.
 
-Serving: a request arrives as the ingress's :class:`~bcg_core.planner.Plan` (validated, seed filled in,
-bucket looked up) and is trusted as it is: the replica never plans it again. A raw request (a caller holding
-this deployment's handle) is planned once, here. Requests go through the replica's scheduler
-(``runner.scheduler``): the :class:`~bcg_core.step_scheduler.StepScheduler` (default: requests join and leave
-at step boundaries; each iteration runs one step of every request in flight, in the bucket forwards its
-measured cost model chooses) or the request-level :class:`~bcg_core.batching.MicroBatcher`. Generation is
-blocking torch work in worker threads, so the replica's event loop keeps answering ``stats``, health checks
+Serving: a request arrives as the ingress's :class:`~bcg_core.request.PlannedRequest` (validated, seed filled in,
+bucket looked up) and is trusted as it is: the replica accepts nothing else and never plans it again. Requests
+go through the replica's :class:`~bcg_core.scheduler.loop.StepScheduler` (requests join and leave at step
+boundaries; each iteration runs one step of every request in flight, in the bucket forwards its measured cost
+model chooses). Generation is blocking torch work in worker threads, so the replica's event loop keeps answering ``stats``, health checks
 and ``record_routing_stats``; a cancelled call (its client went away) stops at the next denoising step.
 A streamed request (``stream: true`` at the ingress) comes through ``generate_stream``, an async generator
 called with ``handle.options(stream=True)``: its previews, then its result (:meth:`StepScheduler.submit_stream`).
 
-Cost model: with the step scheduler and ``runner.measure_costs`` (``auto``: where graphs are captured), each
+Cost model: with ``runner.measure_costs`` (``auto``: where graphs are captured), each
 shape's buckets are timed right after
 they are prepared (graph replays on CUDA) together with the shape's unpadded eager forward against row
 count (:meth:`~bcg_core.pipeline.DiTPipeline.measure_costs`); the scheduler's memory budget is then set from
@@ -34,7 +32,7 @@ measured replica seconds per request and the requests in flight, plus whether th
 arrival rate x service time) to the coordinator, which re-assigns ownership by it on scale events.
 
 Traffic: with ``traffic.record`` (the default) every accepted request is counted by its shape (requested size,
-n, prompt tokens, steps) in a bounded :class:`~bcg_core.traffic.TrafficHistogram`, shown under ``traffic`` in
+n, prompt tokens, steps) in a bounded :class:`~bcg_core.planning.traffic.TrafficHistogram`, shown under ``traffic`` in
 ``stats()``, sent with each heartbeat (so the ingress can merge every replica's) and exported as
 ``ray_bcg_traffic_requests_total``. With ``buckets.plan`` (a table written by ``bcg plan``) it is scored on the
 table every ``traffic.drift_check_s`` (``plan_drift`` in ``stats()``, ``ray_bcg_plan_*``): over 1.5x the planned
@@ -56,15 +54,14 @@ from collections import Counter
 from ray import serve
 
 from bcg_core import failpoints
-from bcg_core.batching import MicroBatcher
-from bcg_core.buckets import BucketKey, shape_of
+from bcg_core.keys import BucketKey
 from bcg_core.config import ServeConfig
 from bcg_core.errors import RequestError
 from bcg_core.models import load_model
-from bcg_core.pipeline import DiTPipeline, GenerationResult, runner_mode
-from bcg_core.planner import GenerationRequest, Plan
-from bcg_core.step_scheduler import StepScheduler
-from bcg_core.traffic import TrafficHistogram
+from bcg_core.pipeline import DiTPipeline, runner_mode
+from bcg_core.request import GenerationRequest, GenerationResult, PlannedRequest
+from bcg_core.scheduler.loop import StepScheduler
+from bcg_core.planning.traffic import TrafficHistogram
 from router.autoscaling import replica_metrics
 
 from .metrics import BucketExporter
@@ -135,9 +132,9 @@ class DiTReplica:
         self._capturing_since: float | None = None  # time.monotonic() when the running capture began
         self._served: Counter[str] = Counter()  # "owner", "non_owner", "unkeyed"
         self._served_by_shape: Counter[str] = Counter()
-        self._batcher: StepScheduler | MicroBatcher = (
-            StepScheduler.from_pipeline(self._pipeline) if self._config.runner.scheduler == "step"
-            else MicroBatcher.from_pipeline(self._pipeline))
+        self._scheduler = StepScheduler.from_pipeline(
+            self._pipeline, load_window_s=self._config.autoscaling.look_back_period_s,
+            retry_after_s=self._config.routing.retry_after_s)
         self._traffic: TrafficHistogram | None = (
             TrafficHistogram(self._config.traffic.max_shapes) if self._config.traffic.record else None)
         self._heartbeat_task: asyncio.Task | None = None
@@ -166,7 +163,7 @@ class DiTReplica:
         """Start pushing the bucket counters into Ray's metrics every second (:mod:`deployments.metrics`); a
         replica whose exporter cannot be made serves without it (logged)."""
         try:
-            exporter = BucketExporter.for_replica(self._pipeline, self._batcher, traffic=self._traffic,
+            exporter = BucketExporter.for_replica(self._pipeline, self._scheduler, traffic=self._traffic,
                                                   drift=lambda: self._drift)
         except Exception:
             logger.exception("replica %s: Prometheus metrics export is off", self._id)
@@ -203,8 +200,7 @@ class DiTReplica:
                     self._pipeline.prepare(keys)
                     self._measure_costs(s, keys)
                     self._ready.add(s)
-                if isinstance(self._batcher, StepScheduler):
-                    self._batcher.measure_memory_budget()  # after capture and cost measurement
+                self._scheduler.measure_memory_budget()  # after capture and cost measurement
             finally:
                 self._capturing_since = None
 
@@ -213,73 +209,69 @@ class DiTReplica:
         failed measurement leaves the shape on the token-count stand-in (logged)."""
         how = self._config.runner.measure_costs
         graphs = runner_mode(self._config, self._pipeline.model.device) == "graph"
-        if not isinstance(self._batcher, StepScheduler) or how == "never" or (how == "auto" and not graphs):
+        if how == "never" or (how == "auto" and not graphs):
             return
         try:
             costs = self._pipeline.measure_costs(keys)
         except Exception:
             logger.exception("replica %s: measuring the costs of shape %s failed", self._id, shape)
             return
-        self._batcher.set_costs(costs)
+        self._scheduler.set_costs(costs)
 
     # -- serving ------------------------------------------------------------------------------------
 
-    async def generate(self, request: Plan | GenerationRequest | dict) -> GenerationResult:
-        """Generate images for one request (micro-batched with concurrent requests of its shape); an accepted
-        request (planned) is counted in the traffic histogram, when ``traffic.record`` is on.
+    async def generate(self, request: PlannedRequest) -> GenerationResult:
+        """Generate images for one planned request (its steps share forwards with concurrent requests of its
+        shape); it is counted in the traffic histogram, when ``traffic.record`` is on.
 
         Args:
-            request: the ingress's :class:`~bcg_core.planner.Plan`, trusted as it is (not planned again); or a
-                raw :class:`GenerationRequest` or a dict of its fields, planned once here. The caller should
-                route it with ``handle.options(multiplexed_model_id=<bucket shape>)`` (see
-                :mod:`deployments.routing`).
+            request: the ingress's :class:`~bcg_core.request.PlannedRequest`, trusted as it is (not planned
+                again). The caller should route it with ``handle.options(multiplexed_model_id=<bucket shape>)``
+                (see :mod:`deployments.routing`); a caller with a raw request sends it to the ingress instead,
+                or plans it first (``Planner.from_config(config).plan(request)``).
 
         Returns:
             The :class:`GenerationResult`; ``replica`` names this replica and ``owner`` says whether it
             owns the request's shape (None for requests that have no bucket).
 
         Raises:
-            RequestError: a field of a raw request out of range, or its bucket miss under the reject policy.
+            TypeError: ``request`` is not a planned request.
         """
         planned = self._accept(request)
         shape = serve.get_multiplexed_model_id()
-        return self._served_result(await self._batcher.submit(planned), shape)
+        return self._served_result(await self._scheduler.submit(planned), shape)
 
-    async def generate_stream(self, request: Plan | GenerationRequest | dict):
+    async def generate_stream(self, request: PlannedRequest):
         """:meth:`generate` for a streamed request (``handle.options(stream=True)``): yields
         :data:`~deployments.routing.ACCEPTED` once the request is planned and counted, then its previews
         (:class:`~bcg_core.preview.PartialImage`, ``partial_images`` of them per image at most) as the step
-        scheduler draws them, then its :class:`GenerationResult`. Under request-level batching
-        (``runner.scheduler: request``) no previews are drawn: only the result comes. A caller that stops
-        reading (Ray cancels the generator) cancels the request at its next step.
+        scheduler draws them, then its :class:`GenerationResult`. A caller that stops reading (Ray cancels the
+        generator) cancels the request at its next step.
 
         Raises:
-            RequestError: as :meth:`generate`.
+            TypeError: as :meth:`generate`.
         """
         from .routing import ACCEPTED
 
         planned = self._accept(request)
         shape = serve.get_multiplexed_model_id()
         yield ACCEPTED
-        if not isinstance(self._batcher, StepScheduler):
-            yield self._served_result(await self._batcher.submit(planned), shape)
-            return
-        async for event in self._batcher.submit_stream(planned):
+        async for event in self._scheduler.submit_stream(planned):
             yield self._served_result(event, shape) if isinstance(event, GenerationResult) else event
 
-    def _accept(self, request: Plan | GenerationRequest | dict) -> Plan:
-        """The request's plan (planned here once unless it is one), counted in the traffic histogram."""
-        if isinstance(request, Plan):
-            planned = request
-        else:
-            planned = self._pipeline.planner.plan(as_generation_request(request))  # once: the scheduler trusts it
+    def _accept(self, planned: PlannedRequest) -> PlannedRequest:
+        """``planned``, counted in the traffic histogram; anything else is refused (validated once, at the
+        ingress: the replica and its scheduler trust the plan)."""
+        if not isinstance(planned, PlannedRequest):
+            raise TypeError(f"the DiT replica takes a PlannedRequest, got {type(planned).__name__}: send requests "
+                            f"to the ingress, or plan them first (Planner.from_config(config).plan(request))")
         if self._traffic is not None:
             self._traffic.record(planned)
         return planned
 
     def _served_result(self, result: GenerationResult, shape: str) -> GenerationResult:
         """Count who served ``result`` (owner or not) and name this replica in it."""
-        actual = shape_of(result.bucket) if result.bucket else ""
+        actual = result.bucket.shape if result.bucket is not None else ""
         if actual:
             owner = actual in self._owned
             self._served["owner" if owner else "non_owner"] += 1
@@ -297,13 +289,13 @@ class DiTReplica:
         return {
             "owned": sorted(self._owned),
             "ready": sorted(self._ready & self._owned),
-            "queue": self._batcher.queue_lengths(),
+            "queue": self._scheduler.queue_lengths(),
             "capturing": self._capture_task is not None and not self._capture_task.done(),
         }
 
     def _loads(self) -> dict:
         """``{shape: ShapeLoad}`` over the load meter's window, every shape of the table included."""
-        return self._batcher.meter.loads(sorted(self._by_shape))
+        return self._scheduler.meter.loads(sorted(self._by_shape))
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """Called by Serve every ``autoscaling.metrics_interval_s`` when the deployment autoscales: per bucket
@@ -366,18 +358,17 @@ class DiTReplica:
         since = self._capturing_since
         out["capturing_s"] = None if since is None else round(time.monotonic() - since, 3)
         out["bucket_faults"] = self._pipeline.metrics.faults()
-        if isinstance(self._batcher, StepScheduler):
-            out["oom_steps"] = self._batcher.oom_steps
+        out["oom_steps"] = self._scheduler.oom_steps
         if self._traffic is not None:
             out["traffic"] = self._traffic.snapshot()
         return out
 
     async def _drift_loop(self) -> None:
         """Every ``traffic.drift_check_s``, once ``traffic.drift_min_requests`` are recorded: score the recorded
-        traffic on this table against ``buckets.plan`` (:func:`bcg_core.bucket_plan.drift_report`, in a worker
+        traffic on this table against ``buckets.plan`` (:func:`bcg_core.planning.drift.drift_report`, in a worker
         thread). A drift logs one warning (again only after the traffic was back within the plan) and sets
         ``ray_bcg_plan_drift_gain``; the table is never changed. A failing check is logged and retried."""
-        from bcg_core.bucket_plan import drift_report
+        from bcg_core.planning.drift import drift_report
 
         cfg = self._config.traffic
         warned = False
@@ -416,15 +407,12 @@ class DiTReplica:
         """Per-bucket counters (:meth:`DiTPipeline.stats`) plus this replica's id, routing view, owner
         hits, micro-batching totals, the state of its Prometheus export (``metrics_export``: pushes, errors,
         ``None`` when the exporter is off), ``device_memory`` (CUDA bytes allocated and reserved, None on a CPU) and the request shapes it accepted (``traffic``: a
-        :meth:`~bcg_core.traffic.TrafficHistogram.snapshot`, ``None`` with ``traffic.record`` off)."""
+        :meth:`~bcg_core.planning.traffic.TrafficHistogram.snapshot`, ``None`` with ``traffic.record`` off)."""
         out = self._pipeline.stats()
         out["replica"] = self._id
         loads = self._loads()
         out["routing"] = {**self._routing_view(), **self._served_totals(loads)}
-        if isinstance(self._batcher, StepScheduler):
-            out["scheduler"] = self._batcher.stats()
-        else:
-            out["batching"] = self._batcher.stats()
+        out["scheduler"] = self._scheduler.stats()
         out["load"] = {s: {"arrival_rps": round(v.arrival_rps, 4), "completion_rps": round(v.completion_rps, 4),
                            "busy": round(v.busy, 4), "service_s": round(v.service_s, 4), "offered": round(v.offered, 4)}
                        for s, v in loads.items()}

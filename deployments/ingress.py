@@ -21,7 +21,7 @@ unknown key is answered 401 in OpenAI's error shape, naming neither the key nor 
 
 Python handle callers use ``Ingress.images`` (same validation and routing). Each request is planned here
 once (:class:`~bcg_core.planner.Planner`: validation, defaults, the seed, the bucket lookup) and its
-:class:`~bcg_core.planner.Plan` travels to the DiT deployment, which trusts it, with its bucket shape in the
+:class:`~bcg_core.request.PlannedRequest` travels to the DiT deployment, which trusts it, with its bucket shape in the
 request metadata (:mod:`deployments.routing`); the same plan (the same seed) is resent when its replica dies
 mid-request (answered 503 only if that keeps happening). The served model name (a request's ``model``) comes
 from the model's spec (``describe_model``: the checkpoint's JSON configs), known at start.
@@ -30,16 +30,15 @@ Every error is answered in OpenAI's shape ``{"error": {"message", "type", "param
 body over ``limits.max_body_bytes``, 400 for a body that is not JSON, 422 for a field that fails
 validation or planning (the message names the field and the values it accepts), 503 when no replica could
 serve it (under overload at once, with ``Retry-After``: backpressure from ``routing.max_queued_requests``),
-500 for a server fault.
+500 for a server fault (the answers: :mod:`deployments.http_errors`; usage, ``bcg`` and the event stream:
+:mod:`deployments.answers`).
 """
 
 # No ``from __future__ import annotations`` here: FastAPI reads the route signatures (``request: Request``)
 # of the class-based view that ``serve.ingress`` builds, and postponed annotations hide them from it.
 
 import asyncio
-import contextlib
 import dataclasses
-import json
 import logging
 import time
 from base64 import b64encode
@@ -54,32 +53,35 @@ from ray import serve
 from ray.serve.exceptions import BackPressureError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from bcg_core.config import MissPolicy, ServeConfig
+from bcg_core.config import ServeConfig
 from bcg_core.errors import BucketMissError, RequestError, ServiceUnavailable
 from bcg_core.images import IMAGE_FORMATS
 from bcg_core.pipeline import GenerationResult
-from bcg_core.planner import GenerationRequest, Plan, Planner
-from bcg_core.preview import PartialImage
-from bcg_core.traffic import TrafficHistogram
+from bcg_core.request import GenerationRequest
+from bcg_core.planner import Planner
+from bcg_core.planning.traffic import TrafficHistogram
 
+from .answers import bcg_info, image_events, ingress_timings, usage_of
 from .auth import ApiKeys
+from .http_errors import (
+    error_response,
+    find_request_error,
+    unauthorized_response,
+    unavailable_response,
+    validation_error_response,
+)
 from .routing import ACCEPTED, call_dit, stream_dit
 from .schemas import (
-    BcgInfo,
     ErrorBody,
-    ErrorDetail,
     ImageData,
     ImageGenerationRequest,
     ImageGenerationResponse,
     ModelCard,
     ModelList,
     RequestLimits,
-    Usage,
-    allowed_values,
 )
 
-__all__ = ["Ingress", "error_response", "find_request_error", "merged_traffic", "unauthorized_response",
-           "unavailable_response", "validation_error_response"]
+__all__ = ["Ingress", "merged_traffic"]
 
 logger = logging.getLogger("ray.serve")
 
@@ -94,106 +96,9 @@ _ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
 }
 
 
-def error_response(status: int, message: str, param: str | None = None, type_: str | None = None,
-                   code: str | None = None) -> JSONResponse:
-    """An OpenAI-shaped error answer.
-
-    Args:
-        status: HTTP status code.
-        message: human message naming the field and the values it accepts.
-        param: the request field at fault, or None.
-        type_: OpenAI error type; default ``"invalid_request_error"`` below 500, ``"server_error"`` above.
-        code: OpenAI's machine-readable code (``"invalid_api_key"``), or None.
-    """
-    kind = type_ or ("server_error" if status >= 500 else "invalid_request_error")
-    body = ErrorBody(error=ErrorDetail(message=message, type=kind, param=param, code=code))
-    return JSONResponse(status_code=status, content=body.model_dump())
-
-
 COORDINATOR_TIMEOUT_S = 2.0
 """Seconds ``/v1/buckets`` waits for the ownership coordinator's snapshot; past it ``ownership`` is an error note
 (the coordinator is being restarted) and the rest of the stats are answered."""
-
-_AUTH_MESSAGES = {
-    "missing": ("You didn't provide an API key. Send it in an Authorization header: 'Authorization: Bearer "
-                "<key>' (the openai client: OpenAI(api_key=...)).", None),
-    "invalid": ("Incorrect API key provided. Use a key this server was configured with (auth.api_keys or "
-                "auth.api_key_file).", "invalid_api_key"),
-}
-
-
-def unauthorized_response(reason: str) -> JSONResponse:
-    """A 401 in OpenAI's error shape for a ``"missing"`` or ``"invalid"`` key (:meth:`ApiKeys.check`), with
-    ``WWW-Authenticate: Bearer``; it never repeats the key."""
-    message, code = _AUTH_MESSAGES[reason]
-    answer = error_response(401, message, code=code)
-    answer.headers["WWW-Authenticate"] = "Bearer"
-    return answer
-
-
-def unavailable_response(message: str, retry_after_s: float, param: str | None = None) -> JSONResponse:
-    """A 503 answer with ``Retry-After`` in whole seconds (at least 1), for overload and a replica not ready."""
-    answer = error_response(503, message, param=param)
-    answer.headers["Retry-After"] = str(max(1, round(retry_after_s)))
-    return answer
-
-
-def _short(value: Any, limit: int = 40) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def validation_error_response(exc: ValidationError, limits: RequestLimits) -> JSONResponse:
-    """Turn a pydantic error of :class:`ImageGenerationRequest` into an OpenAI error answer.
-
-    Returns:
-        400 when the body is not JSON, else 422; ``param`` is the first field at fault and the message
-        lists every fault, each with the values its field accepts.
-    """
-    fields = ", ".join(ImageGenerationRequest.model_fields)
-    messages: list[str] = []
-    param: str | None = None
-    status = 422
-    for err in exc.errors(include_url=False):
-        loc = [str(p) for p in err.get("loc", ())]
-        name = loc[0] if loc else None
-        kind = err.get("type", "")
-        msg = str(err.get("msg", "")).removeprefix("Value error, ")
-        if kind == "json_invalid":
-            status = 400
-            messages.append(f"request body is not valid JSON ({err.get('ctx', {}).get('error', msg)}); "
-                            f"send a JSON object with the fields {fields}")
-            continue
-        if name is None:
-            messages.append(f"request body must be a JSON object with the fields {fields} ({msg})")
-            continue
-        param = param or name
-        if kind == "extra_forbidden":
-            messages.append(f"unknown field '{name}'; allowed fields: {fields}")
-        elif kind == "missing":
-            messages.append(f"'{name}' is required: {allowed_values(name, limits)}")
-        else:
-            got = f" (got {_short(err['input'])})" if "input" in err else ""
-            messages.append(f"invalid '{name}'{got}: {msg}; allowed: {allowed_values(name, limits)}")
-    return error_response(status, "; ".join(messages) or str(exc), param=param)
-
-
-def find_request_error(exc: BaseException) -> RequestError | None:
-    """The :class:`RequestError` inside ``exc``, however Ray wrapped it, or None.
-
-    Ray re-raises a replica's exception as a ``RayTaskError`` that usually also subclasses the original
-    class (so ``isinstance`` works) and keeps the original in ``.cause``; both are checked, plus the
-    ``__cause__`` chain, a bounded number of levels deep.
-    """
-    seen: BaseException | None = exc
-    for _ in range(8):
-        if seen is None:
-            return None
-        if isinstance(seen, RequestError):
-            cause = getattr(seen, "cause", None)
-            return cause if isinstance(cause, RequestError) else seen
-        seen = getattr(seen, "cause", None) or seen.__cause__
-    return None
 
 
 def merged_traffic(stats: dict, ownership: dict) -> dict | None:
@@ -252,34 +157,6 @@ async def _read_body(request: Request, max_bytes: int) -> bytes:
         chunks.append(chunk)
     return b"".join(chunks)
 
-
-def sse_event(event: str, data: dict) -> bytes:
-    """One Server-Sent Event: ``event: <type>``, one ``data:`` line of compact JSON, a blank line (the framing
-    ``openai``'s ``SSEDecoder`` parses; JSON escapes every newline, so one data line always suffices)."""
-    return f"event: {event}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
-
-
-def usage_of(plan) -> Usage:
-    """OpenAI's ``usage`` of a planned request (:class:`~deployments.schemas.Usage`): its prompt tokens in, its
-    images' transformer image tokens out."""
-    return Usage.of(plan.prompt_tokens, plan.request.n, plan.lookup.query.image_tokens)
-
-
-def ingress_timings(result: GenerationResult, sent: float) -> dict[str, float]:
-    """The replica's ``timings_ms`` plus the ingress's: ``ingress`` (``sent``, a ``time.perf_counter()``, to
-    now) and ``route`` (``ingress`` less the replica's ``total``: Ray Serve's queues and the transfers)."""
-    timings = dict(result.timings_ms)
-    ingress_ms = round((time.perf_counter() - sent) * 1e3, 2)
-    timings["ingress"] = ingress_ms
-    timings["route"] = round(max(0.0, ingress_ms - timings.get("total", 0.0)), 2)
-    return timings
-
-
-def bcg_info(result: GenerationResult, timings: dict[str, float], retries: int) -> BcgInfo:
-    """The ``bcg`` extension of an answer."""
-    return BcgInfo(bucket=result.bucket, hit=result.hit, missed=list(result.missed), seed=result.seed,
-                   steps=result.steps, timings_ms=timings, replica=result.replica, owner=result.owner, batch_size=result.batch_size,
-                   retries=retries)
 
 
 @serve.deployment
@@ -408,45 +285,7 @@ class Ingress:
         logger.exception("generation failed")
         return error_response(500, f"generation failed: {type(exc).__name__}")
 
-    async def _events(self, plan: Plan, req: ImageGenerationRequest, events, t0: float):
-        """The Server-Sent Events of a streamed request: ``image_generation.partial_image`` per preview and image,
-        then ``image_generation.completed`` per image, in the shapes of the ``openai`` client's
-        ``ImageGenPartialImageEvent`` and ``ImageGenCompletedEvent`` (plus ``image_index`` and, on completed
-        events, ``bcg``); a failure after the stream began is one ``error`` event in OpenAI's error shape.
-        The client going away closes this generator, which cancels the request on the replica.
-
-        Args:
-            plan, req: the request, planned and as sent.
-            events: :func:`~deployments.routing.stream_dit` of it, past :data:`~deployments.routing.ACCEPTED`.
-            t0: ``time.perf_counter()`` when the plan was sent.
-        """
-        r = plan.request
-        common = {"background": "opaque", "output_format": r.output_format, "quality": req.quality or "auto",
-                  "size": f"{r.width}x{r.height}"}
-        try:
-            async with contextlib.aclosing(events):
-                async for event in events:
-                    if isinstance(event, PartialImage):
-                        yield sse_event("image_generation.partial_image", {
-                            "type": "image_generation.partial_image", "b64_json": b64encode(event.data).decode("ascii"),
-                            "created_at": int(time.time()), "partial_image_index": event.index, **common,
-                            "image_index": event.image_index, "step": event.step})
-                        continue
-                    usage = usage_of(plan).model_dump()
-                    bcg = bcg_info(event, ingress_timings(event, t0), 0).model_dump()
-                    for i, data in enumerate(event.images_png):
-                        yield sse_event("image_generation.completed", {
-                            "type": "image_generation.completed", "b64_json": b64encode(data).decode("ascii"),
-                            "created_at": int(time.time()), **common, "usage": usage, "image_index": i, "bcg": bcg})
-        except Exception as exc:  # noqa: BLE001 - answered as an error event; the server keeps serving
-            found = find_request_error(exc)
-            if found is None:
-                logger.exception("streamed generation failed")
-                detail = ErrorDetail(message=f"generation failed: {type(exc).__name__}", type="server_error")
-            else:
-                detail = ErrorDetail(message=found.message, param=found.field,
-                                     type="server_error" if found.status >= 500 else "invalid_request_error")
-            yield sse_event("error", {"type": "error", "error": detail.model_dump()})
+    _events = staticmethod(image_events)  # the SSE frames of a streamed request (deployments.answers)
 
     async def images(self, request: GenerationRequest | dict) -> GenerationResult:
         """Python handle entry point: ``serve.get_app_handle(name).images.remote({...})``.
@@ -487,7 +326,7 @@ class Ingress:
     )
     async def generate(self, request: Request):
         """Generate ``n`` images for a prompt (OpenAI ``images.generate``); with ``stream: true`` as Server-Sent
-        Events (:mod:`deployments.streaming`)."""
+        Events (:func:`deployments.answers.image_events`)."""
         refused = self._refused(request)
         if refused is not None:
             return refused
@@ -525,13 +364,6 @@ class Ingress:
                 self._rejected_requests += 1
                 self._rejected.update(exc.missed)
             return error_response(exc.status, exc.message, param=exc.field)
-        if not plan.lookup.hit and plan.home is None and self._planner.table.miss_policy is MissPolicy.REJECT:
-            # The planner is expected to reject this itself; kept so a reject policy can never run eager.
-            missed = [d.value for d in plan.lookup.missed]
-            param = {"image_tokens": "size", "batch": "n", "text_tokens": "prompt"}[missed[0]]
-            return error_response(422, f"no bucket holds this request ({', '.join(missed)} missed; table: "
-                                  f"{self._planner.table.describe_limits()}) and the miss policy is reject",
-                                  param=param)
         t0 = time.perf_counter()
         if req.stream:
             events = stream_dit(self._dit, plan, self._config.routing.retry_after_s)

@@ -16,7 +16,7 @@ numbers), the step latencies recorded since the last push, and the micro-batcher
 Tags: ``bucket`` is the bucket key (``b2_i1024_t256``) and ``shape`` the key without its batch dimension
 (``i1024_t256``); requests no bucket held (run unpadded under the eager miss policy) are tagged
 ``bucket="miss", shape="miss"``. The traffic counters (``bcg_traffic_*``, from the replica's
-:class:`~bcg_core.traffic.TrafficHistogram`) are tagged by the requested shape instead: ``size`` (``"WxH"``),
+:class:`~bcg_core.planning.traffic.TrafficHistogram`) are tagged by the requested shape instead: ``size`` (``"WxH"``),
 ``n``, ``steps`` and ``text`` (the text bucket holding the prompt's tokens, or ``over``); their label sets
 are bounded by ``traffic.max_shapes``. Ray adds ``deployment``, ``replica``, ``application`` (Serve) and its own node
 tags (``SessionName``, ``NodeAddress``, ...). :data:`METRICS` lists every metric; ``README.md`` (section
@@ -34,9 +34,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from bcg_core.buckets import shape_of
+from bcg_core.keys import BucketKey
 from bcg_core.metrics import FORWARD_MODES, STEP_MS_BOUNDS, BucketMetrics
-from bcg_core.traffic import text_bucket
+from bcg_core.planning.traffic import text_bucket
 
 __all__ = ["EXPORT_PERIOD_S", "METRICS", "MISS", "BucketExporter", "MetricSpec", "MetricsBackend",
            "RayMetricsBackend"]
@@ -195,7 +195,7 @@ class RayMetricsBackend:
 
 
 def _shape_of(key: str) -> str:
-    return MISS if key == MISS else shape_of(key)
+    return MISS if key == MISS else BucketKey.parse(key).shape
 
 
 class BucketExporter:
@@ -209,12 +209,12 @@ class BucketExporter:
         queue_lengths: returns requests waiting or running per bucket shape.
         shapes: every bucket shape of the table (a queue gauge is set for each, 0 when empty).
         backend: makes the metric objects; default :class:`RayMetricsBackend`.
-        scheduler_stats: returns :meth:`bcg_core.step_scheduler.StepScheduler.stats` (the ``bcg_sched_*``
+        scheduler_stats: returns :meth:`bcg_core.scheduler.loop.StepScheduler.stats` (the ``bcg_sched_*``
             metrics), or None when the replica batches whole requests.
-        traffic: returns a :meth:`bcg_core.traffic.TrafficHistogram.snapshot` (the ``bcg_traffic_*`` metrics),
+        traffic: returns a :meth:`bcg_core.planning.traffic.TrafficHistogram.snapshot` (the ``bcg_traffic_*`` metrics),
             or None (or returns None) when the replica does not record traffic.
         text_lengths: the table's text buckets (``buckets.text_lengths``), for the ``text`` tag.
-        drift: returns the replica's last :func:`bcg_core.bucket_plan.drift_report` (the ``bcg_plan_*`` gauges),
+        drift: returns the replica's last :func:`bcg_core.planning.drift.drift_report` (the ``bcg_plan_*`` gauges),
             or None before its first drift check.
     """
 
@@ -250,16 +250,13 @@ class BucketExporter:
         self.last_error: str | None = None
 
     @classmethod
-    def for_replica(cls, pipeline, batcher, backend: MetricsBackend | None = None,
+    def for_replica(cls, pipeline, scheduler, backend: MetricsBackend | None = None,
                     traffic=None, drift: Callable[[], dict | None] | None = None) -> BucketExporter:
-        """The exporter of a DiT replica: ``pipeline.stats``, ``pipeline.metrics``, ``batcher.queue_lengths``,
-        for a step scheduler (its stats have ``kind: step``) ``batcher.stats``, and ``traffic.snapshot`` of the
-        replica's :class:`~bcg_core.traffic.TrafficHistogram` (None: no ``bcg_traffic_*`` increments)."""
-        from bcg_core.step_scheduler import StepScheduler
-
+        """The exporter of a DiT replica: ``pipeline.stats``, ``pipeline.metrics``, the step scheduler's
+        ``queue_lengths`` and ``stats``, and ``traffic.snapshot`` of the replica's
+        :class:`~bcg_core.planning.traffic.TrafficHistogram` (None: no ``bcg_traffic_*`` increments)."""
         shapes = {k.shape for k in pipeline.table.keys}
-        sched = batcher.stats if isinstance(batcher, StepScheduler) else None
-        return cls(pipeline.stats, pipeline.metrics, batcher.queue_lengths, shapes, backend, sched,
+        return cls(pipeline.stats, pipeline.metrics, scheduler.queue_lengths, shapes, backend, scheduler.stats,
                    traffic.snapshot if traffic is not None else None, pipeline.table.text_lengths, drift)
 
     # -- one push ---------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Sending a planned request (its :class:`~bcg_core.planner.Plan`) to the DiT deployment, with its bucket
+"""Sending a planned request (its :class:`~bcg_core.request.PlannedRequest`) to the DiT deployment, with its bucket
 shape in the request metadata.
 
 On the HTTP path the router sees a request's arguments only as opaque bytes, so the bucket shape travels in
@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from ray.exceptions import RayActorError
 from ray.serve.exceptions import BackPressureError
 
-from bcg_core.errors import RequestError, ServiceUnavailable
+from bcg_core.errors import ServiceUnavailable
 from bcg_core.pipeline import GenerationResult
-from bcg_core.planner import Plan
+from bcg_core.request import PlannedRequest
 
 __all__ = ["ACCEPTED", "Overloaded", "ReplicaUnavailable", "Routed", "bucket_shape", "call_dit", "stream_dit"]
 
@@ -38,12 +38,10 @@ class ReplicaUnavailable(ServiceUnavailable):
     retry once a replacement is up)."""
 
 
-def bucket_shape(plan: Plan) -> str:
-    """The routing key of a planned request: its bucket's shape (``BucketKey.shape``, e.g.
-    ``"i1024_t256"``; for rows above the largest bucket that the step scheduler splits, the shape of
-    ``plan.home``), or ``""`` for a miss (no owner: any replica, eagerly)."""
-    key = plan.lookup.key or plan.home
-    return key.shape if key is not None else ""
+def bucket_shape(plan: PlannedRequest) -> str:
+    """The routing key of a planned request: its bucket shape (:attr:`PlannedRequest.shape`, e.g.
+    ``"i1024_t256"``), or ``""`` for a miss (no owner: any replica, eagerly)."""
+    return plan.shape if plan.shape is not None else ""
 
 
 @dataclass
@@ -54,7 +52,7 @@ class Routed:
     retries: int
 
 
-async def call_dit(handle, plan: Plan, max_retries: int = 2, retry_wait_s: float = 0.5,
+async def call_dit(handle, plan: PlannedRequest, max_retries: int = 2, retry_wait_s: float = 0.5,
                    retry_after_s: float = 2.0) -> Routed:
     """Send ``plan`` to the DiT deployment, keyed by its bucket shape; resend when the replica dies.
 
@@ -89,7 +87,7 @@ async def call_dit(handle, plan: Plan, max_retries: int = 2, retry_wait_s: float
         f"({type(last).__name__}); retry after {retry_after_s:g} s", retry_after_s=retry_after_s) from last
 
 
-async def stream_dit(handle, plan: Plan, retry_after_s: float = 2.0):
+async def stream_dit(handle, plan: PlannedRequest, retry_after_s: float = 2.0):
     """Stream ``plan`` from the DiT deployment (``DiTReplica.generate_stream``), keyed by its bucket shape:
     yields :data:`ACCEPTED` once the replica took it, then its previews, then its :class:`GenerationResult`.
 

@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from bcg_core.config import LimitsConfig, parse_size
 from bcg_core.images import IMAGE_FORMATS
-from bcg_core.planner import MAX_PARTIAL_IMAGES, QUALITIES, SEED_MAX
+from bcg_core.request import MAX_PARTIAL_IMAGES, QUALITIES, SEED_MAX
 
 __all__ = [
     "BcgInfo",

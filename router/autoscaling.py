@@ -4,7 +4,7 @@ Ray's default policy counts requests: ``replicas = ongoing requests / target_ong
 that is the wrong unit: a 1024x1024 request costs about four 512x512 ones, a request of 8 images eight of
 one, and micro-batching makes same-shape requests cheaper together. So each replica measures, per bucket
 shape (``BucketKey.shape``, the unit of ownership), its arrivals and its replica-seconds per request
-(:mod:`bcg_core.load`), and reports them through ``record_autoscaling_stats`` every
+(:mod:`bcg_core.scheduler.load`), and reports them through ``record_autoscaling_stats`` every
 ``autoscaling.metrics_interval_s`` (1 s). The policy turns them into replicas:
 
 For each shape ``s``, summed over the running replicas (``lambda_s`` requests per second arriving, ``T_s``
@@ -82,7 +82,7 @@ def replica_metrics(loads: Mapping[str, Any], inflight: Mapping[str, int], captu
     """What a DiT replica returns from ``record_autoscaling_stats``: a flat ``{name: float}`` (Ray's format).
 
     Args:
-        loads: ``{shape: ShapeLoad}`` from :meth:`bcg_core.load.LoadMeter.loads` (every shape of the table,
+        loads: ``{shape: ShapeLoad}`` from :meth:`bcg_core.scheduler.load.LoadMeter.loads` (every shape of the table,
             so an idle shape reports zeros instead of its last busy value).
         inflight: requests waiting or running per shape (the micro-batcher's queue).
         capturing: the replica is capturing graphs now.

@@ -27,7 +27,7 @@ Life of a replica:
 
 Scale events (a join after the first assignment, a leave) re-assign by the **measured** load: each
 heartbeat's ``stats["load"]`` is ``{shape: replicas' worth of work}`` (arrival rate x measured service time,
-:mod:`bcg_core.load`); summed over the replicas (a leaver's last report included) it replaces the krea prior's
+:mod:`bcg_core.scheduler.load`); summed over the replicas (a leaver's last report included) it replaces the krea prior's
 shares for that re-assignment, so a replica added because one shape is hot becomes a co-owner of that shape.
 With no measured load yet the prior is used. ``snapshot()["demand"]`` shows the shares and their source.
 """

@@ -22,11 +22,12 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Callable, Iterable, Mapping
 
-from bcg_core.bucket_plan import KREA_CSV, krea_rows
-from bcg_core.buckets import BucketKey
+from bcg_core.planning.samples import KREA_CSV, krea_rows
+from bcg_core.keys import BucketKey
 from bcg_core.errors import RequestError
 from bcg_core.models import ACTIVATION_FACTOR, estimate_graph_bytes, transformer_width
-from bcg_core.planner import GenerationRequest, Planner
+from bcg_core.request import GenerationRequest
+from bcg_core.planner import Planner
 
 __all__ = [
     "Assignment",
@@ -184,7 +185,7 @@ def demands_for_config(config, planner: Planner | None = None) -> dict[str, Buck
     graph_bytes = lambda k: estimate_graph_bytes(k, hidden, dtype_bytes)  # noqa: E731
     plan = config.buckets.plan
     if plan is not None:
-        from bcg_core.bucket_plan import plan_matches
+        from bcg_core.planning.drift import plan_matches
 
         if plan_matches(plan, planner.table):
             # the plan's expected work per shape (bcg plan wrote it for this very table) replaces the krea prior

@@ -13,7 +13,7 @@ from ray.serve.autoscaling_policy import _apply_autoscaling_config
 from ray.serve.config import AutoscalingConfig, AutoscalingContext
 
 from bcg_core.config import ServeConfig, backpressure_limits
-from bcg_core.load import LoadMeter
+from bcg_core.scheduler.load import LoadMeter
 from deployments.app import autoscaling_config
 from router.autoscaling import BucketLoadPolicy, decide, parse_reports, replica_metrics
 from router.membership import OwnershipTable
@@ -32,7 +32,7 @@ class Clock:
 
 def metrics(shapes: dict[str, tuple[float, float, float]], capturing: bool = False) -> dict[str, float]:
     """A replica's record_autoscaling_stats answer: ``{shape: (arrival_rps, service_s, inflight)}``."""
-    from bcg_core.load import ShapeLoad
+    from bcg_core.scheduler.load import ShapeLoad
 
     loads = {s: ShapeLoad(a, a, min(1.0, a * t), t) for s, (a, t, _) in shapes.items()}
     return replica_metrics(loads, {s: int(q) for s, (_, _, q) in shapes.items()}, capturing, len(shapes))
@@ -304,9 +304,6 @@ def test_backpressure_limits_follow_the_scheduler_capacity():
     assert fixed.dit_max_queued == 192
     no_cfg = backpressure_limits(ServeConfig.model_validate({"limits": {"default_guidance_scale": 1.0}}))
     assert no_cfg.batch_capacity == 64
-    # request-level micro-batching: 20 rows in the largest batch bucket bound one batch
-    micro = backpressure_limits(ServeConfig.model_validate({"runner": {"scheduler": "request"}}))
-    assert (micro.batch_capacity, micro.dit_max_ongoing, micro.dit_max_queued) == (10, 20, 20)
     explicit = backpressure_limits(ServeConfig.model_validate(
         {"routing": {"max_ongoing_requests": 1, "max_queued_requests": 1}}))
     assert (explicit.dit_max_ongoing, explicit.dit_max_queued, explicit.ingress_max_ongoing) == (1, 1, 10)

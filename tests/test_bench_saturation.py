@@ -97,7 +97,7 @@ def test_naive_config_makes_every_one_of_the_first_32_krea_requests_miss(tiny):
     sent = reqs + bench.warmup_requests(reqs, "shapes") + bench.c1_requests(reqs, 5)
     _, over, cfgs = _configs(mc.model_dump(mode="json"), spec, counter, sent)
     naive = cfgs["naive"]
-    assert naive.runner.mode == "eager" and naive.runner.scheduler == "request" and naive.runner.micro_batching is False
+    assert naive.runner.mode == "eager"  # the step scheduler on the eager runner, every request a miss
     assert naive.buckets.miss_policy.value == "eager" and naive.buckets.batch_sizes == [1]
     assert naive.buckets.image_padding == "exact" and len(naive.buckets.resolutions) == 1
     assert naive.routing.max_ongoing_requests == 16  # admits the whole replay's concurrency: no 503
@@ -107,16 +107,16 @@ def test_naive_config_makes_every_one_of_the_first_32_krea_requests_miss(tiny):
     assert all(not p.lookup.hit for p in plans)
     assert all("image_tokens" in [d.value for d in p.lookup.missed] for p in plans)
     assert bench.check_all_miss(planner, sent, 20) == []
-    # the other servers differ only in the runner's scheduler, and their table holds every request
-    assert over["request"] == {"runner": {"scheduler": "request"}} and over["step"] == {"runner": {"scheduler": "step"}}
-    plans, refused = bench.plan_all(Planner(cfgs["request"], spec, counter), reqs, 20)
+    # the step server is the configured one, and its table holds every request
+    assert over["step"] == {"runner": {}}
+    plans, refused = bench.plan_all(Planner(cfgs["step"], spec, counter), reqs, 20)
     assert refused == [] and all(p.lookup.hit for p in plans)
 
 
 def test_naive_tier_of_a_binned_family_is_a_bin_no_request_is_binned_to():
     """PixArt-Sigma 512 (its spec as the family describes it: grid-keyed, masked text, the 512 bins): the
-    request/step table is the replay's bins, the naive tier an unused bin; the real planner checks both."""
-    from bcg_core.buckets import ShapeRules
+    step table is the replay's bins, the naive tier an unused bin; the real planner checks both."""
+    from bcg_core.table import ShapeRules
     from bcg_core.config import ServeConfig
     from bcg_core.families.base import ModelSpec
     from bcg_core.families.pixart import aspect_ratio_bins
@@ -137,7 +137,7 @@ def test_naive_tier_of_a_binned_family_is_a_bin_no_request_is_binned_to():
     tier = cfgs["naive"].buckets.resolutions[0]
     assert tier not in base["buckets"]["resolutions"]
     assert bench.check_all_miss(Planner(cfgs["naive"], spec, count), reqs, 20) == []
-    plans, refused = bench.plan_all(Planner(cfgs["request"], spec, count), reqs, 20)
+    plans, refused = bench.plan_all(Planner(cfgs["step"], spec, count), reqs, 20)
     assert refused == [] and all(p.lookup.hit for p in plans)
     forced = bench.replay_requests(4, size="512x512")  # --size: one bin for every request
     assert {(r.width, r.height) for r in forced} == {(512, 512)}
@@ -167,22 +167,21 @@ def test_summary_counts_failures_and_computes_throughput_latency_and_floor_ratio
     assert s["retries"] is None and s["floor_s"] is None and s["wall_over_floor"] is None
 
 
-def test_ratios_against_naive_and_the_low_load_ratio():
+def test_ratios_against_naive():
     r = bench.ratios({"naive": {"images_per_s": 2.0, "c1_p50_ms": 1000.0},
-                      "request": {"images_per_s": 5.0, "c1_p50_ms": 800.0},
-                      "step": {"images_per_s": 7.0, "c1_p50_ms": 880.0}})
-    assert r["images_per_s_vs_naive"] == {"request": 2.5, "step": 3.5}
-    assert r["low_load_vs_solo"] == 1.1  # step's c1 p50 / request's
-    assert r["c1_vs_naive"] == {"request": 0.8, "step": 0.88}
-    r = bench.ratios({"naive": {"images_per_s": 2.0}, "request": None})  # a failed server, step not run
-    assert r["images_per_s_vs_naive"] == {"request": None, "step": None} and r["low_load_vs_solo"] is None
+                      "step": {"images_per_s": 7.0, "c1_p50_ms": 880.0},
+                      "planned": {"images_per_s": 8.4, "c1_p50_ms": 800.0}})
+    assert r["images_per_s_vs_naive"] == {"step": 3.5, "planned": 4.2}
+    assert r["c1_vs_naive"] == {"step": 0.88, "planned": 0.8} and r["planned_vs_step"] == 1.2
+    r = bench.ratios({"naive": {"images_per_s": 2.0}, "step": None})  # a failed server, planned not run
+    assert r["images_per_s_vs_naive"] == {"step": None} and r["c1_vs_naive"] == {"step": None}
 
 
 def test_small_helpers():
     assert bench.busy_fraction([(0.0, 100.0), (1.0, 50.0), (2.0, 0.0), (9.0, 100.0)], 0.5, 2.5) == 0.25
     assert bench.busy_fraction([(0.0, 100.0)], 1.0, 2.0) is None
     assert bench.merge({"a": {"x": 1, "y": 2}, "b": 1}, {"a": {"y": 3}, "c": 4}) == {"a": {"x": 1, "y": 3}, "b": 1, "c": 4}
-    assert bench.parse_servers("request, naive,request") == ["request", "naive"]
+    assert bench.parse_servers("step, naive,step") == ["step", "naive"]
     with pytest.raises(ValueError, match="subset"):
         bench.parse_servers("naive,fast")
     assert bench.gpu_label("NVIDIA H200") == "h200" and bench.gpu_label("NVIDIA H100 80GB HBM3") == "h100"
@@ -201,28 +200,27 @@ def test_small_helpers():
 
 
 @pytest.mark.serve
-def test_end_to_end_tiny_naive_and_request_on_the_cpu(tmp_path):
+def test_end_to_end_tiny_naive_and_step_on_the_cpu(tmp_path):
     """The brief's smoke command, with the concurrency-1 phase cut to 2 requests and no warm-up (CI time)."""
     out = tmp_path / "sat.json"
     cmd = [sys.executable, str(_PATH), "--model", "tiny", "--requests", "2", "--steps", "1", "--concurrency", "2",
-           "--servers", "naive,request", "--c1-requests", "2", "--warmup", "none", "--out", str(out),
+           "--servers", "naive,step", "--c1-requests", "2", "--warmup", "none", "--out", str(out),
            "--scratch", str(tmp_path), "--commit", "abc1234"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, check=False,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     data = json.loads(out.read_text())
     assert data["commit"] == "abc1234" and data["device"] == "cpu" and data["gpu"] is None and data["torch"]
-    assert "--servers naive,request" in data["command"] and data["errors"] == []
-    assert [s["server"] for s in data["servers"]] == ["naive", "request"]
-    naive, request = (s["summary"] for s in data["servers"])
-    for s in (naive, request):
+    assert "--servers naive,step" in data["command"] and data["errors"] == []
+    assert [s["server"] for s in data["servers"]] == ["naive", "step"]
+    naive, step = (s["summary"] for s in data["servers"])
+    for s in (naive, step):
         assert s["ok"] == s["requests"] == 2 and s["failures"] == 0 and s["images"] == 18
         assert s["images_per_s"] > 0 and s["latency_ms"]["p50"] > 0 and s["c1_p50_ms"] > 0
         assert s["gpu_busy"] is None and s["floor_s"] is None
     assert naive["misses"] == 2 and naive["padded_token_waste"] == 0.0
-    assert request["hits"] == 2 and request["waste_source"] == "buckets" and request["waste_window"] == "replay"
-    assert data["servers"][0]["overrides"]["runner"] == {"mode": "eager", "scheduler": "request",
-                                                         "micro_batching": False}
+    assert step["hits"] == 2 and step["waste_source"] == "scheduler"
+    assert data["servers"][0]["overrides"]["runner"] == {"mode": "eager"}
     assert len(data["servers"][0]["requests"]) == 2 and len(data["servers"][0]["c1_requests"]) == 2
-    assert data["ratios"]["images_per_s_vs_naive"]["request"] == pytest.approx(
-        request["images_per_s"] / naive["images_per_s"], rel=1e-2)
+    assert data["ratios"]["images_per_s_vs_naive"]["step"] == pytest.approx(
+        step["images_per_s"] / naive["images_per_s"], rel=1e-2)

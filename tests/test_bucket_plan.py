@@ -1,4 +1,4 @@
-"""The bucket planner (bcg_core/bucket_plan.py) and ``bcg plan``, on synthetic traffic and the packaged samples.
+"""The bucket planner (bcg_core/planning/table_search.py) and ``bcg plan``, on synthetic traffic and the packaged samples.
 
 The tiny default model (FLUX layout, token-count keyed, native text 256), its tokenizer only (no weights). The
 cost model is the token-count stand-in unless a test scripts one.
@@ -12,21 +12,19 @@ import json
 import pytest
 
 from bcg_core import BucketConfig, GenerationRequest, LimitsConfig, ServeConfig
-from bcg_core.bucket_plan import (
+from bcg_core.planning.costs import PlanCosts, costs_from_profile, evaluate
+from bcg_core.planning.samples import (
     planning_table,
-    PlanCosts,
     Traffic,
-    costs_from_profile,
-    evaluate,
     krea_rows,
-    plan_buckets,
     planning_planner,
     traffic_from_gentd26,
     traffic_from_histogram,
     traffic_from_rows,
 )
-from bcg_core.buckets import BucketTable
-from bcg_core.traffic import TrafficHistogram
+from bcg_core.planning.table_search import search_table
+from bcg_core.table import BucketTable
+from bcg_core.planning.traffic import TrafficHistogram
 
 EXACT = ServeConfig(buckets=BucketConfig(image_padding="exact"))
 
@@ -51,7 +49,7 @@ def _table(config: ServeConfig, batch, tiers, texts) -> BucketTable:
 
 def test_one_exact_size_gets_one_exact_tier_and_no_waste():
     traffic = traffic_from_rows(EXACT, _rows((512, 512, 1, 10)))
-    plan = plan_buckets(EXACT, traffic)
+    plan = search_table(EXACT, traffic)
     assert plan.buckets.resolutions == ["512x512"] and plan.buckets.batch_sizes == [1]
     assert plan.score.waste == 0.0 and plan.score.miss_share == 0.0 and plan.score.graphs == 1
     assert plan.score.shares == {"i1024_t256": {"share": 1.0, "waste": 0.0, "work": 1.0}}
@@ -60,7 +58,7 @@ def test_one_exact_size_gets_one_exact_tier_and_no_waste():
 def test_a_budget_of_one_graph_picks_the_best_single_bucket():
     traffic = traffic_from_rows(EXACT, _rows((512, 512, 1, 6), (512, 768, 2, 3), (768, 768, 4, 1)))
     costs = PlanCosts.token_count(EXACT)
-    plan = plan_buckets(EXACT, traffic, costs, max_graphs=1)
+    plan = search_table(EXACT, traffic, costs, max_graphs=1)
     planner = planning_planner(EXACT)
     tiers = sorted({d.size for d in traffic.demands})
     brute = min(evaluate(_table(EXACT, [b], [f"{w}x{h}"], [256]), traffic, costs).ms_per_image
@@ -73,28 +71,28 @@ def test_growing_the_budget_never_makes_the_expected_cost_worse():
     config = ServeConfig()
     traffic = traffic_from_rows(config, krea_rows()[:400], steps=20)
     costs = PlanCosts.token_count(config)
-    by_graphs = [plan_buckets(config, traffic, costs, max_graphs=g).score.ms_per_image for g in range(2, 25, 2)]
+    by_graphs = [search_table(config, traffic, costs, max_graphs=g).score.ms_per_image for g in range(2, 25, 2)]
     assert all(b <= a + 1e-9 for a, b in zip(by_graphs, by_graphs[1:])), by_graphs
     assert by_graphs[-1] < by_graphs[0]
-    first = plan_buckets(config, traffic, costs, max_graphs=2)
+    first = search_table(config, traffic, costs, max_graphs=2)
     mib = [first.score.pool_bytes / 2**20 * f for f in (1.0, 1.5, 2, 3, 5, 10)]
-    by_mib = [plan_buckets(config, traffic, costs, budget_mib=m, max_graphs=12).score.ms_per_image for m in mib]
+    by_mib = [search_table(config, traffic, costs, budget_mib=m, max_graphs=12).score.ms_per_image for m in mib]
     assert all(b <= a + 1e-9 for a, b in zip(by_mib, by_mib[1:])), by_mib
-    curve = [p.score.ms_per_image for p in plan_buckets(config, traffic, costs, max_graphs=24).curve]
+    curve = [p.score.ms_per_image for p in search_table(config, traffic, costs, max_graphs=24).curve]
     assert curve == sorted(curve, reverse=True)  # the search path only adds buckets
 
 
 def test_every_request_is_served_by_a_bucket_or_a_counted_planned_miss():
     config = ServeConfig()
     traffic = traffic_from_rows(config, krea_rows(), steps=20)
-    plan = plan_buckets(config, traffic, max_graphs=12)
+    plan = search_table(config, traffic, max_graphs=12)
     table = _table(config, plan.buckets.batch_sizes, plan.buckets.resolutions, plan.buckets.text_lengths)
     missed = sum(d.weight for d in traffic.demands
                  if not table.lookup(d.query.__class__(min(d.query.batch, table.batch_sizes[-1]), d.query.image_tokens,
                                                        d.query.text_tokens, d.query.latent_hw)).hit)
     assert plan.score.miss_share == pytest.approx(missed / traffic.requests)
     assert plan.score.shares.get("miss", {"share": 0.0})["share"] == pytest.approx(plan.score.miss_share)
-    roomy = plan_buckets(config, traffic, max_graphs=400)  # room for every size: nothing is left to eager
+    roomy = search_table(config, traffic, max_graphs=400)  # room for every size: nothing is left to eager
     assert roomy.score.miss_share == 0.0 and roomy.score.ms_per_image <= plan.score.ms_per_image
     assert sum(v["share"] for v in plan.score.shares.values()) == pytest.approx(1.0)
 
@@ -106,30 +104,30 @@ def test_the_planned_table_beats_a_coarse_batch_bucket():
     costs = PlanCosts.token_count(EXACT)
     coarse = evaluate(_table(EXACT, [16], ["512x512"], [256]), traffic, costs)
     assert coarse.waste == 0.0 and coarse.ms_per_image == pytest.approx(10 * costs.eager_ms(3 * 1280) / 3)
-    plan = plan_buckets(EXACT, traffic, costs, max_graphs=2)
+    plan = search_table(EXACT, traffic, costs, max_graphs=2)
     assert plan.buckets.batch_sizes == [3] and plan.score.waste == 0.0
     assert plan.score.ms_per_image == pytest.approx(10 * costs.graph_ms(plan_table_key(3)) / 3)
     assert plan.score.ms_per_image < coarse.ms_per_image
 
 
 def plan_table_key(rows: int):
-    from bcg_core.buckets import BucketKey
+    from bcg_core.keys import BucketKey
 
     return BucketKey(rows, 1024, 256)
 
 
 def test_bad_inputs_get_errors_that_name_the_fix():
     with pytest.raises(ValueError, match="no request the limits allow .*size: 2.*widen limits"):
-        plan_buckets(EXACT, traffic_from_rows(EXACT, _rows((4096, 4096, 1, 2))))
+        search_table(EXACT, traffic_from_rows(EXACT, _rows((4096, 4096, 1, 2))))
     with pytest.raises(ValueError, match="no request the limits allow"):
-        plan_buckets(EXACT, Traffic([], "empty"))
+        search_table(EXACT, Traffic([], "empty"))
     traffic = traffic_from_rows(EXACT, _rows((512, 512, 1, 4)))
     with pytest.raises(ValueError, match=r"smallest graph needs [0-9.]+ MiB; raise the budget"):
-        plan_buckets(EXACT, traffic, budget_mib=0.001)
+        search_table(EXACT, traffic, budget_mib=0.001)
     with pytest.raises(ValueError, match="max_graphs 1 is below the 2 graphs .* image_padding: exact"):
-        plan_buckets(ServeConfig(), traffic_from_rows(ServeConfig(), _rows((768, 512, 1, 4))), max_graphs=1)
+        search_table(ServeConfig(), traffic_from_rows(ServeConfig(), _rows((768, 512, 1, 4))), max_graphs=1)
     with pytest.raises(ValueError, match="max_graphs must be at least 1"):
-        plan_buckets(EXACT, traffic, max_graphs=0)
+        search_table(EXACT, traffic, max_graphs=0)
     mixed = traffic_from_rows(EXACT, _rows((512, 512, 1, 3), (100, 512, 1, 2)))
     assert mixed.refused == {"size": pytest.approx(2.0)} and mixed.requests == pytest.approx(3.0)  # counted, not planned
     with pytest.raises(ValueError, match="row 0: width and height are required"):
@@ -163,7 +161,7 @@ def test_gentd26_counts_joined_with_krea_sizes_and_a_recorded_histogram():
               "prompt_length": "40.0"}]
     traffic = traffic_from_gentd26(config, trace, [(512, 512), (768, 512)])
     assert sorted((d.images, d.steps, d.size) for d in traffic.demands) == [(1, 20, (768, 512)), (4, 30, (512, 512))]
-    assert plan_buckets(config, traffic).score.graphs >= 1
+    assert search_table(config, traffic).score.graphs >= 1
     with pytest.raises(ValueError, match="at least one"):
         traffic_from_gentd26(config, trace, [])
     planner = planning_planner(config)
@@ -175,7 +173,7 @@ def test_gentd26_counts_joined_with_krea_sizes_and_a_recorded_histogram():
     traffic = traffic_from_histogram(config, hist.snapshot())
     rows = sorted((d.query.batch, d.images, d.weight) for d in traffic.demands)
     assert rows == [(2, 1, 1.0), (2, 2, 3.0)]  # the default guidance 3.5 adds uncond rows to the dog
-    assert plan_buckets(config, traffic).score.miss_share == 0.0
+    assert search_table(config, traffic).score.miss_share == 0.0
 
 
 def test_bcg_plan_writes_a_config_that_serves_a_report_and_a_plot(tmp_path, capsys):
@@ -194,7 +192,7 @@ def test_bcg_plan_writes_a_config_that_serves_a_report_and_a_plot(tmp_path, caps
     assert [p["graphs"] for p in data["curve"]] == sorted(p["graphs"] for p in data["curve"])
     assert data["costs"]["source"] == "token-count" and data["current"]["graphs"] == 63
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    from bcg_core.bucket_plan import planning_table
+    from bcg_core.planning.samples import planning_table
 
     assert len(planning_table(planned)) == data["chosen"]["graphs"]  # the replica builds the planned table
     with pytest.raises(SystemExit):
@@ -221,7 +219,7 @@ def test_end_to_end_plan_serve_replay_and_the_measured_waste_is_the_predicted_on
     import httpx
     from ray import serve
 
-    from bcg_core.bucket_plan import traffic_from_requests
+    from bcg_core.planning.samples import traffic_from_requests
     from deployments import build_app
     from deployments.demo import load_requests, replay
 
@@ -229,7 +227,7 @@ def test_end_to_end_plan_serve_replay_and_the_measured_waste_is_the_predicted_on
     demo = load_requests(6)
     requests = [GenerationRequest(d.prompt, n=d.n, width=d.width, height=d.height, num_inference_steps=1, seed=0)
                 for d in demo]
-    plan = plan_buckets(config, traffic_from_requests(config, requests), max_graphs=6)
+    plan = search_table(config, traffic_from_requests(config, requests), max_graphs=6)
     assert plan.costs["source"] == "token-count (eager runner)"
     planned = ServeConfig.model_validate({**config.model_dump(mode="json"), "buckets": plan.buckets.model_dump(mode="json")})
     serve.run(build_app({"config": planned.model_dump(mode="json")}), name="bcg-planned", route_prefix="/planned")
@@ -260,9 +258,9 @@ def _histogram(config: ServeConfig, requests) -> dict:
 
 
 def test_drift_from_the_plan_is_reported_with_what_a_new_plan_saves():
-    from bcg_core.bucket_plan import drift_report
+    from bcg_core.planning.drift import drift_report
 
-    plan = plan_buckets(EXACT, traffic_from_rows(EXACT, _rows((512, 512, 1, 20))), max_graphs=4)
+    plan = search_table(EXACT, traffic_from_rows(EXACT, _rows((512, 512, 1, 20))), max_graphs=4)
     planned = EXACT.model_copy(update={"buckets": plan.buckets})
     assert planned.buckets.plan.waste == 0.0 and planned.buckets.plan.work == {"i1024_t256": 1.0}
     same = _histogram(planned, [GenerationRequest("a cat", n=1, width=512, height=512, num_inference_steps=10,
@@ -282,7 +280,7 @@ def test_drift_from_the_plan_is_reported_with_what_a_new_plan_saves():
     assert report["new_buckets"]["resolutions"] == ["768x512"] and "would save" in report["note"]
     profiled = costs_from_profile([{"key": "b1_i1024_t256", "graph_ms": 2.0, "eager_ms": 6.0},
                                    {"key": "b4_i1024_t256", "graph_ms": 6.0, "eager_ms": 9.0}], PlanCosts.token_count(EXACT))
-    by_profile = plan_buckets(EXACT, traffic_from_rows(EXACT, _rows((512, 512, 1, 20))), profiled, max_graphs=4)
+    by_profile = search_table(EXACT, traffic_from_rows(EXACT, _rows((512, 512, 1, 20))), profiled, max_graphs=4)
     assert by_profile.buckets.plan.costs == "profile"
     assert PlanCosts.from_lines(by_profile.buckets.plan.cost_lines, "profile") == profiled  # drift scores alike
     unplanned = drift_report(EXACT, same)
@@ -292,7 +290,7 @@ def test_drift_from_the_plan_is_reported_with_what_a_new_plan_saves():
 def test_ownership_takes_the_plans_work_shares_over_the_krea_prior():
     from router.ownership import demands_for_config
 
-    plan = plan_buckets(EXACT, traffic_from_rows(EXACT, _rows((512, 512, 1, 3), (768, 768, 1, 1))), max_graphs=4)
+    plan = search_table(EXACT, traffic_from_rows(EXACT, _rows((512, 512, 1, 3), (768, 768, 1, 1))), max_graphs=4)
     planned = EXACT.model_copy(update={"buckets": plan.buckets})
     demands = demands_for_config(planned)
     work = {k: v for k, v in plan.buckets.plan.work.items() if k != "miss"}
@@ -321,13 +319,13 @@ def test_the_exporter_sets_the_drift_gauges():
 def test_review_findings_stale_plan_reject_policy_budgets_and_recorded_cfg(tmp_path, capsys):
     """A plan that no longer matches its table, miss_policy reject, an infinite or generous budget, recorded CFG
     traffic under a low guidance limit, traffic that moves outside the table, and bad --profile/--trace files."""
-    from bcg_core.bucket_plan import drift_report
+    from bcg_core.planning.drift import drift_report
     from deployments.cli import main
     from router.ownership import demands_for_config
 
     config = ServeConfig()
     traffic = traffic_from_rows(config, krea_rows()[:300], steps=20)
-    plan = plan_buckets(config, traffic, max_graphs=12)
+    plan = search_table(config, traffic, max_graphs=12)
     stale = config.model_copy(update={"buckets": plan.buckets.model_copy(update={"resolutions": ["256x256"]})})
     assert set(demands_for_config(stale)) == {k.shape for k in planning_table(stale).keys}  # the krea prior, no crash
     hist = _histogram(config, [GenerationRequest("a cat", n=1, width=512, height=512, num_inference_steps=8,
@@ -335,17 +333,17 @@ def test_review_findings_stale_plan_reject_policy_budgets_and_recorded_cfg(tmp_p
     assert "does not describe this table" in drift_report(stale, hist)["note"]
     # miss_policy reject: a miss would be refused, so the planned table holds every request (or says it cannot)
     strict = ServeConfig(buckets=BucketConfig(miss_policy="reject"))
-    held = plan_buckets(strict, traffic_from_rows(strict, krea_rows()[:300], steps=20), max_graphs=64)
+    held = search_table(strict, traffic_from_rows(strict, krea_rows()[:300], steps=20), max_graphs=64)
     assert held.score.miss_share == 0.0 and held.buckets.miss_policy == "reject"
     exact = ServeConfig(buckets=BucketConfig(miss_policy="reject", image_padding="exact"))
     with pytest.raises(ValueError, match=r"under miss_policy reject every request .* \(--max-graphs\)"):
-        plan_buckets(exact, traffic_from_rows(exact, krea_rows()[:300], steps=20), max_graphs=2)
+        search_table(exact, traffic_from_rows(exact, krea_rows()[:300], steps=20), max_graphs=2)
     # budgets: infinite is refused; one the unbudgeted plan fits in plans as well as no budget
     with pytest.raises(ValueError, match="positive finite"):
-        plan_buckets(config, traffic, budget_mib=float("inf"))
+        search_table(config, traffic, budget_mib=float("inf"))
     with pytest.raises(SystemExit):
         main(["plan", "--budget-mib", "inf"])
-    roomy = plan_buckets(config, traffic, budget_mib=plan.score.pool_bytes / 2**20 * 1.01, max_graphs=12)
+    roomy = search_table(config, traffic, budget_mib=plan.score.pool_bytes / 2**20 * 1.01, max_graphs=12)
     assert roomy.score.ms_per_image <= plan.score.ms_per_image + 1e-9
     # recorded CFG requests under a guidance limit below 4.5 are still planned
     low = ServeConfig(limits=LimitsConfig(max_guidance_scale=3.0, default_guidance_scale=3.0))
@@ -389,7 +387,7 @@ def test_a_masked_text_family_gets_fine_text_buckets_on_its_common_tier_within_t
     first = traffic_from_rows(config, rows[:len(rows) // 2], steps=20)
     second = traffic_from_rows(config, rows[len(rows) // 2:], steps=20)
     costs = PlanCosts.token_count(config)
-    plan = plan_buckets(config, first, costs, max_graphs=12)
+    plan = search_table(config, first, costs, max_graphs=12)
     by_res = plan.buckets.text_lengths_by_resolution
     assert set(by_res) == {"512x512"} and len(by_res["512x512"]) > len(plan.buckets.text_lengths)
     table = planning_table(config.model_copy(update={"buckets": plan.buckets}))
@@ -410,7 +408,7 @@ def test_the_planners_own_profile_spans_the_sample_and_needs_a_gpu(tmp_path, cap
     so that the fitted lines cover every token count the plan prices. Without CUDA it says what to do instead."""
     import torch
 
-    from bcg_core.bucket_plan import profile_buckets
+    from bcg_core.planning.table_search import profile_buckets
     from deployments.cli import main
 
     config = ServeConfig()

@@ -2,7 +2,7 @@
 mid-replay, simulated through the runner) falls back to unpadded eager, logged and counted, and its request is
 served; a step that runs out of device memory answers its requests 503 with Retry-After and the replica goes on.
 
-The CUDA graph runner shares the code paths tested here (:func:`bcg_core.runner.demote`); ``tests/gpu`` replays.
+The CUDA graph runner shares the code paths tested here (:func:`bcg_core.runners.base.demote`); ``tests/gpu`` replays.
 """
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ import logging
 
 import pytest
 import torch
+from scheduling import PlanningScheduler
 
 from bcg_core import BucketConfig, DiTPipeline, GenerationRequest, ServeConfig, build_tiny
-from bcg_core import runner as runner_mod
+from bcg_core.runners import eager as runner_mod
 from bcg_core.errors import ServiceUnavailable
-from bcg_core.models import TINY_TEXT_TOKENS
-from bcg_core.step_scheduler import StepScheduler
+from bcg_core.families.tiny import TINY_TEXT_TOKENS
 from test_step_scheduler import same_image
 
 T = TINY_TEXT_TOKENS
@@ -35,7 +35,7 @@ def _req(n=1, steps=2, seed=0) -> GenerationRequest:
 
 
 def _fail_once(monkeypatch, name: str):
-    """Make ``bcg_core.runner.<name>`` raise :data:`SIMULATED` on its first call; returns the call counter."""
+    """Make ``<name>`` as the eager runner calls it (``bcg_core.runners.eager``) raise :data:`SIMULATED` on its first call; returns the call counter."""
     real = getattr(runner_mod, name)
     calls = {"n": 0}
 
@@ -55,16 +55,16 @@ def test_a_runtime_error_in_a_padded_forward_demotes_the_bucket_to_eager_and_the
     pipe = DiTPipeline(ServeConfig(buckets=BUCKETS), tiny)
     pipe.runner.prepare()
     _fail_once(monkeypatch, "static_forward")
-    with caplog.at_level(logging.ERROR, logger="bcg_core.runner"):
+    with caplog.at_level(logging.ERROR, logger="bcg_core.runners.base"):
         got = pipe.generate(_req(seed=5))
     assert same_image(got.images_png[0], clean.images_png[0])  # the faulted step ran unpadded: same image
-    assert any(got.bucket in r.getMessage() and "unpadded and eager" in r.getMessage() for r in caplog.records)
-    row = next(b for b in pipe.metrics.snapshot()["buckets"] if b["key"] == got.bucket)
+    assert any(str(got.bucket) in r.getMessage() and "unpadded and eager" in r.getMessage() for r in caplog.records)
+    row = next(b for b in pipe.metrics.snapshot()["buckets"] if b["key"] == str(got.bucket))
     assert row["faults"] == 1 and row["forwards_by_mode"]["eager"] == 2  # both steps: the fault, then demoted
-    note = next(d["note"] for d in pipe.runner.describe() if d["key"] == got.bucket)
+    note = next(d["note"] for d in pipe.runner.describe() if d["key"] == str(got.bucket))
     assert note.startswith("runs unpadded and eager after a runtime error: RuntimeError: CUDA error")
     again = pipe.generate(_req(seed=6))  # no new fault: the bucket stays eager, serving goes on
-    row = next(b for b in pipe.metrics.snapshot()["buckets"] if b["key"] == got.bucket)
+    row = next(b for b in pipe.metrics.snapshot()["buckets"] if b["key"] == str(got.bucket))
     assert len(again.images_png) == 1 and row["faults"] == 1 and row["forwards_by_mode"]["eager"] == 4
 
 
@@ -118,7 +118,7 @@ def test_a_step_that_runs_out_of_memory_is_answered_503_and_the_replica_keeps_se
     pipe.step = oom_once
 
     async def main():
-        sched = StepScheduler(pipe)
+        sched = PlanningScheduler(pipe)
         try:
             first = await asyncio.gather(sched.submit(_req(seed=1)), return_exceptions=True)
             after = await sched.submit(_req(seed=2))
@@ -148,7 +148,7 @@ def test_a_request_that_waits_past_its_deadline_is_answered_503_not_left_hanging
     pipe.step = slow
 
     async def main():
-        sched = StepScheduler(pipe, max_rows=2, max_queue_wait_s=0.2)
+        sched = PlanningScheduler(pipe, max_rows=2, max_queue_wait_s=0.2)
         try:
             first = asyncio.ensure_future(sched.submit(_req(n=1, steps=2, seed=1)))
             await asyncio.sleep(0.1)  # the first is admitted and holds the rows

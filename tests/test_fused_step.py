@@ -1,4 +1,4 @@
-"""The fused step (bcg_core/fused.py): CFG combination and flow-match Euler update in the bucket's forward.
+"""The fused step (bcg_core/runners/fused.py): CFG combination and flow-match Euler update in the bucket's forward.
 
 On the CPU the eager runner computes the fused step on the static buffers exactly as a CUDA graph replays it
 (``runner.fused_step: always``), so everything but the capture is exercised here; ``tests/gpu`` replays it.
@@ -16,13 +16,13 @@ import pytest
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, StableDiffusion3Pipeline
 
-import bcg_core.fused as fused_mod
+import bcg_core.runners.fused as fused_mod
 from bcg_core import BucketConfig, BucketKey, DiTPipeline, GenerationRequest, ModelConfig, ServeConfig, build_tiny
-from bcg_core.costs import Chunk, ForwardPlan
-from bcg_core.fused import fused_update
-from bcg_core.models import TINY_TEXT_TOKENS
-from bcg_core.step_scheduler import StepScheduler
+from bcg_core.scheduler.costs import Chunk, StepForwards
+from bcg_core.runners.fused import fused_update
+from bcg_core.families.tiny import TINY_TEXT_TOKENS
 from reference_gate import assert_same, bcg_pipeline, bcg_run, diffusers_run
+from scheduling import PlanningScheduler
 from tiny.sd3 import build as build_sd3
 
 T = TINY_TEXT_TOKENS
@@ -94,7 +94,7 @@ def test_fused_steps_equal_host_steps_bit_for_bit(dtype, bf16, tiny_fp32):
     fused.step(a[:1])
     host.step(b[:1])  # the first request is one step ahead: later forwards mix steps
     key4, key8 = (BucketKey(k, 256, T) for k in (4, 8))
-    split = ForwardPlan((Chunk(key4, 4, 0.0), Chunk(key4, 1, 0.0)), home=key8)  # 2 + 2 | 1 rows: pairs intact
+    split = StepForwards((Chunk(key4, 4, 0.0), Chunk(key4, 1, 0.0)), home=key8)  # 2 + 2 | 1 rows: pairs intact
     while not all(s.done for s in a):
         live = [i for i, s in enumerate(a) if not s.done]
         plan = split if sum(a[i].rows for i in live) == 5 else None
@@ -112,12 +112,12 @@ def test_a_split_that_parts_an_image_from_its_uncond_row_runs_on_the_host(tiny_f
     state = pipe.start(pipe.planner.plan(_req(n=3, guidance=2.0)))  # rows c0 c1 c2 u0 | u1 u2
     twin = _twin(state)
     key4, key8 = BucketKey(4, 256, T), BucketKey(8, 256, T)
-    plan = ForwardPlan((Chunk(key4, 4, 0.0), Chunk(BucketKey(2, 256, T), 2, 0.0)), home=key8)
+    plan = StepForwards((Chunk(key4, 4, 0.0), Chunk(BucketKey(2, 256, T), 2, 0.0)), home=key8)
     pipe.step([state], plan)
     pipe.step([twin], plan, fused=False)
     assert pipe.fused.host_steps == {"cfg_pair_split": 1} and pipe.fused.steps == 0
     assert torch.equal(state.latents, twin.latents)
-    pipe.step([state], ForwardPlan((Chunk(key4, 4, 0.0), Chunk(None, 2, 0.0)), home=key8))
+    pipe.step([state], StepForwards((Chunk(key4, 4, 0.0), Chunk(None, 2, 0.0)), home=key8))
     assert pipe.fused.host_steps["no_fused_graph"] == 1  # an unpadded eager chunk
     with pytest.raises(ValueError, match="cannot run fused: cfg_pair_split"):  # forced, as check_fused forces it
         pipe.step([state], plan, fused=True)
@@ -157,7 +157,7 @@ def test_the_step_scheduler_serves_fused_steps_with_the_host_paths_images(tiny_f
     reqs = [_req(n=2, seed=7), _req(guidance=4.0, seed=8, steps=2)]
 
     async def serve(pipe):
-        sched = StepScheduler(pipe)
+        sched = PlanningScheduler(pipe)
         try:
             return [await sched.submit(r) for r in reqs], sched.stats()
         finally:

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from bcg_core import BucketConfig, BucketKey, BucketTable, ShapeRules
-from bcg_core.graphs import CudaGraphRunner, budget_allows, capture_order
+from bcg_core.runners.cuda_graph import CudaGraphRunner, budget_allows, capture_order
 
 MiB = 1 << 20
 

@@ -281,7 +281,7 @@ def test_python_handle_returns_a_generation_result(serve_apps):
 
     from bcg_core.errors import RequestError
     from bcg_core.pipeline import GenerationResult
-    from bcg_core.planner import GenerationRequest
+    from bcg_core.request import GenerationRequest
 
     handle = serve.get_deployment_handle("DiTReplica", app_name=serve_apps.app_name)
     request = GenerationRequest(prompt="a red cube", n=1, width=256, height=256, num_inference_steps=1,

@@ -1,4 +1,4 @@
-"""The idle trimmer (bcg_core/memtrim.py): the C heap's free memory goes back to the OS once the step scheduler
+"""The idle trimmer (bcg_core/scheduler/memtrim.py): the C heap's free memory goes back to the OS once the step scheduler
 has no request in flight, never while one is."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 import time
 
-from bcg_core.memtrim import IdleTrimmer, malloc_trim, resident_bytes
+from bcg_core.scheduler.memtrim import IdleTrimmer, malloc_trim, resident_bytes
 
 
 def _wait_for(cond, timeout_s: float = 5.0) -> bool:

@@ -12,7 +12,9 @@ import pytest
 
 import router
 
-from bcg_core.buckets import BucketKey, ShapeRules
+from bcg_core.keys import BucketKey
+
+from bcg_core.table import ShapeRules
 from bcg_core.config import ServeConfig
 from bcg_core.planner import Planner
 from router import (

@@ -13,7 +13,9 @@ from bcg_core import (
     load_model,
     save_pipeline,
 )
-from bcg_core.models import TINY_TEXT_TOKENS, describe_model
+from bcg_core.families.tiny import TINY_TEXT_TOKENS
+from bcg_core.scheduler import CostModel
+from bcg_core.models import describe_model
 
 SMALL = ServeConfig(buckets=BucketConfig(batch_sizes=[1, 2, 4, 8], resolutions=["256x256", "512x512"],
                                          text_lengths=[TINY_TEXT_TOKENS]))
@@ -24,9 +26,17 @@ def tiny():
     return build_tiny()
 
 
+def padded(p: DiTPipeline) -> DiTPipeline:
+    """``p`` with costs under which every bucket forward costs the same and eager forwards are off: each step runs
+    in the fewest bucket forwards, padded, as where launches dominate (on a CPU the token-count stand-in would
+    run padded rows unpadded instead: there a padded row is pure extra work)."""
+    p.decider.set_costs(CostModel({k: 1.0 for k in p.table.keys}, eager=False), merge=False)
+    return p
+
+
 @pytest.fixture(scope="module")
 def pipe(tiny):
-    return DiTPipeline(SMALL, tiny)
+    return padded(DiTPipeline(SMALL, tiny))
 
 
 def _pixels(png: bytes) -> np.ndarray:
@@ -46,7 +56,7 @@ def test_same_request_and_seed_give_the_same_png(pipe):
 def test_image_does_not_depend_on_how_many_images_share_its_forward(pipe):
     one = pipe.generate(GenerationRequest("p. cubensis", n=1, width=256, height=272, num_inference_steps=2, seed=9))
     three = pipe.generate(GenerationRequest("p. cubensis", n=3, width=256, height=272, num_inference_steps=2, seed=9))
-    assert one.bucket == "b2_i1024_m_t256" and three.bucket == "b8_i1024_m_t256"  # 2 and 6 rows with CFG
+    assert str(one.bucket) == "b2_i1024_m_t256" and str(three.bucket) == "b8_i1024_m_t256"  # 2 and 6 rows with CFG
     assert np.abs(_pixels(one.images_png[0]) - _pixels(three.images_png[0])).max() <= 1
     assert np.abs(_pixels(three.images_png[0]) - _pixels(three.images_png[1])).max() > 10  # other noise
 
@@ -69,23 +79,22 @@ def test_padded_denoise_equals_the_unpadded_eager_denoise(pipe):
 
 
 def test_counters_follow_hits_and_misses(tiny):
-    # request-level batching: rows above the largest bucket are a miss (the step scheduler splits them)
-    p = DiTPipeline(ServeConfig(buckets=SMALL.buckets, runner={"scheduler": "request"}), tiny)
+    p = padded(DiTPipeline(SMALL, tiny))
     p.generate(GenerationRequest("a", n=1, width=256, height=256, num_inference_steps=1, seed=0))
-    p.generate(GenerationRequest("a", n=5, width=256, height=256, num_inference_steps=1, seed=0))  # 10 rows: miss
+    p.generate(GenerationRequest("a", n=1, width=768, height=768, num_inference_steps=1, seed=0))  # no tier: miss
     p.generate(GenerationRequest("a", n=1, width=256, height=256, num_inference_steps=1, guidance_scale=1.0, seed=0))
     s = p.stats()
     by_key = {b["key"]: b for b in s["buckets"]}
     assert by_key["b2_i256_t256"]["requests"] == 1 and by_key["b2_i256_t256"]["hits"] == 1
     assert by_key["b2_i256_t256"]["forwards"] == 1
     assert by_key["b1_i256_t256"]["requests"] == 1  # guidance 1: no uncond rows
-    assert s["misses"]["requests"] == 1 and s["misses"]["by_dim"]["batch"] == 1
+    assert s["misses"]["requests"] == 1 and s["misses"]["by_dim"]["image_tokens"] == 1
     assert s["totals"] == {"requests": 3, "hits": 2, "misses": 1}
     assert s["model"]["name"] == "bcg-tiny-flux"
 
 
 def test_padding_waste_is_measured_in_tokens(tiny):
-    p = DiTPipeline(SMALL, tiny)
+    p = padded(DiTPipeline(SMALL, tiny))
     p.generate(GenerationRequest("a", n=3, width=256, height=256, num_inference_steps=1, seed=0))  # 6 -> 8 rows
     b = {b["key"]: b for b in p.stats()["buckets"]}["b8_i256_t256"]
     assert b["real_tokens"] == 6 * (256 + 256) and b["padded_tokens"] == 8 * (256 + 256)
@@ -174,28 +183,24 @@ def test_tiny_weights_are_seeded(tiny):
 
 def test_reject_policy_turns_a_miss_into_a_request_error(tiny):
     buckets = BucketConfig(**{**SMALL.buckets.model_dump(), "miss_policy": "reject"})
-    p = DiTPipeline(ServeConfig(buckets=buckets, runner={"scheduler": "request"}), tiny)
-    with pytest.raises(RequestError) as e:
-        p.generate(GenerationRequest("a", n=5, width=256, height=256, num_inference_steps=1))
-    assert e.value.field == "n" and "use n <= 4" in e.value.message
-    with pytest.raises(RequestError) as e:  # an image miss, whichever scheduler
+    with pytest.raises(RequestError) as e:  # an image miss (rows above the largest bucket are split, never missed)
         DiTPipeline(ServeConfig(buckets=buckets), tiny).generate(GenerationRequest("a", width=1024, height=1024))
     assert e.value.field == "size"
 
 
-def test_rows_above_the_largest_bucket_run_split_in_buckets_when_the_step_scheduler_plans(tiny):
-    """With ``runner.scheduler: step`` (the default) the planner splits rows above the largest batch bucket
-    instead of missing them; DiTPipeline.step without a cost model runs them as full largest buckets plus the
-    smallest bucket that holds the rest, never eager, even under the reject policy."""
+def test_rows_above_the_largest_bucket_run_split_in_buckets(tiny):
+    """The planner splits rows above the largest batch bucket instead of missing them; with bucket forwards
+    cheapest the decider runs them as the largest bucket plus the smallest bucket that holds the rest, never
+    eager, even under the reject policy."""
     buckets = BucketConfig(**{**SMALL.buckets.model_dump(), "miss_policy": "reject"})
-    p = DiTPipeline(ServeConfig(buckets=buckets), tiny)
+    p = padded(DiTPipeline(ServeConfig(buckets=buckets), tiny))
     r = GenerationRequest("a", n=5, width=256, height=256, num_inference_steps=1, guidance_scale=2.0, seed=3)
     result = p.generate(r)  # 10 rows > 8: 8 + 2
     assert len(result.images_png) == 5
     modes = {b["key"]: b["forwards_by_mode"] for b in p.stats()["buckets"]}
     assert modes["b8_i256_t256"]["static_eager"] == 1 and modes["b2_i256_t256"]["static_eager"] == 1
     assert p.stats()["misses"]["forwards"] == 0 and p.stats()["misses"]["requests"] == 0
-    assert result.hit and result.bucket == "b8_i256_t256" and result.missed == []
+    assert result.hit and str(result.bucket) == "b8_i256_t256" and result.missed == []
 
 
 def test_a_cancelled_request_stops_before_its_next_step_and_is_not_counted(tiny):

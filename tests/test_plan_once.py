@@ -1,4 +1,4 @@
-"""Plan once: the ingress plans a request, its Plan travels to the DiT replica, and the replica trusts it.
+"""Planned once: the ingress plans a request, its PlannedRequest travels to the DiT replica, and the replica trusts it.
 
 No Ray cluster: the DiT replica and the ingress classes are built outside Serve, the DiT handle is a fake, and
 ``Planner.plan`` is wrapped to count who plans what.
@@ -15,7 +15,7 @@ import pytest
 from ray.exceptions import RayActorError
 from starlette.requests import Request
 
-from bcg_core import BucketConfig, GenerationRequest, Plan, Planner, ServeConfig
+from bcg_core import BucketConfig, GenerationRequest, PlannedRequest, Planner, ServeConfig
 from bcg_core.pipeline import GenerationResult
 from deployments.dit import DiTReplica
 from deployments.ingress import Ingress
@@ -88,7 +88,7 @@ async def _make_replica(config: dict):
     return replica
 
 
-def test_the_replica_does_not_plan_a_planned_request_again(monkeypatch):
+def test_the_replica_trusts_a_planned_request_and_refuses_a_raw_one(monkeypatch):
     ingress_planner = Planner.from_config(CONFIG)
     plan = ingress_planner.plan(GenerationRequest("a red cube", width=256, height=256, num_inference_steps=1,
                                                   guidance_scale=0.0))  # seed drawn by the ingress
@@ -97,17 +97,15 @@ def test_the_replica_does_not_plan_a_planned_request_again(monkeypatch):
     async def serve_both():
         replica = await _make_replica(CONFIG.model_dump(mode="json"))
         planned = await replica.generate(pickle.loads(pickle.dumps(plan)))  # as it arrives through Ray
-        assert counter.calls == []  # neither the batcher nor the pipeline planned it
-        raw = await replica.generate({"prompt": "a red cube", "width": 256, "height": 256,
-                                      "num_inference_steps": 1, "guidance_scale": 0.0,
-                                      "seed": plan.request.seed})
-        return planned, raw
+        assert counter.calls == []  # neither the scheduler nor the pipeline planned it
+        with pytest.raises(TypeError, match="PlannedRequest"):  # validated once, at the ingress
+            await replica.generate({"prompt": "a red cube", "width": 256, "height": 256,
+                                    "num_inference_steps": 1, "guidance_scale": 0.0, "seed": plan.request.seed})
+        return planned
 
-    planned, raw = asyncio.run(serve_both())
-    # the raw dict only, once, on the replica
-    assert len(counter.calls) == 1 and counter.calls[0] is not ingress_planner
-    assert planned.seed == plan.request.seed and planned.bucket == str(plan.lookup.key) == "b1_i256_t256"
-    assert planned.images_png == raw.images_png  # the same request, planned here or by the ingress
+    planned = asyncio.run(serve_both())
+    assert counter.calls == []
+    assert planned.seed == plan.request.seed and str(planned.bucket) == str(plan.lookup.key) == "b1_i256_t256"
 
 
 def test_the_ingress_plans_once_sends_the_plan_and_names_the_model_from_its_spec(monkeypatch):
@@ -118,7 +116,7 @@ def test_the_ingress_plans_once_sends_the_plan_and_names_the_model_from_its_spec
     assert answer.bcg.bucket == "b1_i256_t256" and answer.bcg.retries == 0
     assert len(counter.calls) == 1
     (shape, sent), = dit.sent
-    assert isinstance(sent, Plan) and shape == "i256_t256" == sent.lookup.key.shape
+    assert isinstance(sent, PlannedRequest) and shape == "i256_t256" == sent.lookup.key.shape
     assert sent.request.seed is not None and answer.bcg.seed == sent.request.seed  # drawn by the ingress
     wrong = asyncio.run(ingress.generate(_http({**BODY, "model": "dall-e-3"})))
     assert wrong.status_code == 422 and json.loads(wrong.body)["error"]["param"] == "model"
@@ -133,7 +131,7 @@ def test_the_python_handle_path_sends_the_plan_too():
     request = {"prompt": "a red cube", "width": 256, "height": 256, "seed": 5}
     result = asyncio.run(_ingress(dit).images(request))
     (_, sent), = dit.sent
-    assert isinstance(sent, Plan) and sent.request.seed == 5 and result.seed == 5
+    assert isinstance(sent, PlannedRequest) and sent.request.seed == 5 and result.seed == 5
 
 
 def test_a_resend_after_replica_death_carries_the_same_plan_and_seed():

@@ -7,11 +7,9 @@ from bcg_core import BucketConfig, Dim, GenerationRequest, MissPolicy, Planner, 
 RULES = ShapeRules(pixels_per_token=16, grid_keyed=False, native_text_tokens=32)
 
 
-def _planner(policy=MissPolicy.EAGER, scheduler: str = "request") -> Planner:
-    """The request-level scheduler by default: there a batch above the largest bucket is a miss (the step
-    scheduler splits it instead: tests/test_step_scheduler.py)."""
+def _planner(policy=MissPolicy.EAGER) -> Planner:
     cfg = ServeConfig(buckets=BucketConfig(batch_sizes=[1, 2, 4, 8], resolutions=["256x256", "512x512"],
-                                           text_lengths=[32], miss_policy=policy), runner={"scheduler": scheduler})
+                                           text_lengths=[32], miss_policy=policy))
     return Planner(cfg, RULES, count_tokens=lambda s, negative=False: len(s.split()) + 2)
 
 
@@ -59,16 +57,13 @@ def test_defaults_are_filled_and_cfg_doubles_the_rows():
 
 
 def test_eager_policy_returns_a_counted_miss_and_reject_policy_an_error_naming_the_field():
-    miss = _planner().plan(GenerationRequest("a cat", n=5))
-    assert not miss.lookup.hit and miss.lookup.missed == (Dim.BATCH,)
-    with pytest.raises(RequestError) as e:
-        _planner(MissPolicy.REJECT).plan(GenerationRequest("a cat", n=5))
-    assert e.value.field == "n" and "10 transformer rows" in e.value.message and "use n <= 4" in e.value.message
+    miss = _planner().plan(GenerationRequest("a cat", width=768, height=768))
+    assert not miss.lookup.hit and miss.lookup.missed == (Dim.IMAGE,) and miss.shape is None
     with pytest.raises(RequestError) as e:
         _planner(MissPolicy.REJECT).plan(GenerationRequest("a cat", width=768, height=768))
     assert e.value.field == "size" and "256x256, 512x512" in e.value.message
-    split = _planner(MissPolicy.REJECT, scheduler="step").plan(GenerationRequest("a cat", n=5))
-    assert not split.lookup.hit and split.home is not None and split.home.batch == 8  # split, not refused
+    split = _planner(MissPolicy.REJECT).plan(GenerationRequest("a cat", n=5))  # 10 rows: split, never refused
+    assert not split.lookup.hit and split.lookup.missed == (Dim.BATCH,) and split.shape == "i1024_t32"
 
 
 def test_sizes_between_tiers_round_up():
@@ -79,8 +74,8 @@ def test_sizes_between_tiers_round_up():
 def test_a_miss_in_several_dimensions_names_them_all():
     with pytest.raises(RequestError) as e:
         _planner(MissPolicy.REJECT).plan(GenerationRequest("a cat", n=5, width=768, height=768))
-    assert e.value.field == "n" and "use n <= 4" in e.value.message and "fits no resolution bucket" in e.value.message
-    assert e.value.missed == ("batch", "image_tokens")
+    assert e.value.field == "size" and "fits no resolution bucket" in e.value.message and "n=" not in e.value.message
+    assert e.value.missed == ("image_tokens",)  # the rows of n=5 would be split: the batch never misses
 
 
 def test_exact_padding_miss_explains_the_exact_rule():

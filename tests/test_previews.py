@@ -20,12 +20,13 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from scheduling import PlanningScheduler
 
 from bcg_core.config import ServeConfig
 from bcg_core.pipeline import DiTPipeline
-from bcg_core.planner import GenerationRequest
+from bcg_core.request import GenerationRequest
 from bcg_core.preview import LinearPreview, PartialImage, preview_steps
-from bcg_core.step_scheduler import StepScheduler
+from bcg_core.scheduler.loop import StepScheduler
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -129,7 +130,7 @@ async def _collect(sched: StepScheduler, request: GenerationRequest) -> list:
 
 
 def test_scheduler_streams_each_preview_of_each_image_then_the_result(pipe):
-    sched = StepScheduler(pipe)
+    sched = PlanningScheduler(pipe)
     try:
         events = asyncio.run(_collect(sched, _request(n=2, width=512, height=256, partial_images=3,
                                                       output_format="webp")))
@@ -154,7 +155,7 @@ def test_scheduler_streams_each_preview_of_each_image_then_the_result(pipe):
 def test_previews_do_not_slow_the_request_sharing_the_step_beyond_the_bound(pipe):
     """B (no previews) runs beside A (3 previews per image, 2 images) in the same steps; B's latency (submitted
     to answered) with A's previews on is compared with A's previews off, interleaved, median of 3 each."""
-    sched = StepScheduler(pipe)
+    sched = PlanningScheduler(pipe)
 
     async def pair(previews: int) -> float:
         a = sched.submit_stream(_request(n=2, width=512, height=512, num_inference_steps=8, partial_images=previews,
@@ -192,7 +193,7 @@ def test_a_slow_preview_holds_only_its_own_result_and_all_previews_come_first(pi
         return real(state, latents)
 
     monkeypatch.setattr(pipe.model, "preview", slow)
-    sched = StepScheduler(pipe)
+    sched = PlanningScheduler(pipe)
 
     async def run():
         a = asyncio.ensure_future(_collect(sched, _request(num_inference_steps=3, partial_images=2)))

@@ -15,11 +15,12 @@ from collections import deque
 from pathlib import Path
 
 import pytest
+from scheduling import PlanningScheduler
 
 from bcg_core import BucketConfig, DiTPipeline, GenerationRequest, ServeConfig, build_tiny
-from bcg_core.buckets import BucketKey
+from bcg_core.keys import BucketKey
 from bcg_core.metrics import STEP_MS_BOUNDS, BucketMetrics, histogram_quantile
-from bcg_core.models import TINY_TEXT_TOKENS
+from bcg_core.families.tiny import TINY_TEXT_TOKENS
 from deployments.metrics import METRICS, BucketExporter
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -75,7 +76,8 @@ class FakeBackend:
 
 
 def _lookup(key: BucketKey | None, rows: int = 1):
-    from bcg_core.buckets import BucketLookup, Dim, ShapeQuery
+    from bcg_core.table import BucketLookup
+    from bcg_core.keys import Dim, ShapeQuery
 
     q = ShapeQuery(rows, 256, T)
     return BucketLookup(q, key, () if key is not None else (Dim.BATCH,))
@@ -233,14 +235,13 @@ def test_exporter_never_decreases_a_counter_and_survives_errors(caplog):
 
 
 def test_pipeline_records_one_step_latency_per_forward_and_the_exporter_matches_its_stats():
-    # request-level batching: the 6-row request below is a miss (the step scheduler would split it)
     cfg = ServeConfig(buckets=BucketConfig(batch_sizes=[1, 2, 4], resolutions=["256x256", "512x512"],
-                                           text_lengths=[T]), runner={"scheduler": "request"})
+                                           text_lengths=[T]))
     pipe = DiTPipeline(cfg, build_tiny())
     backend = FakeBackend()
     ex = BucketExporter(pipe.stats, pipe.metrics, lambda: {}, {k.shape for k in pipe.table.keys}, backend)
     pipe.generate(GenerationRequest("a", n=1, width=256, height=256, num_inference_steps=2, seed=0))
-    pipe.generate(GenerationRequest("a", n=3, width=256, height=256, num_inference_steps=1, seed=0))  # 6 rows: miss
+    pipe.generate(GenerationRequest("a", n=1, width=768, height=768, num_inference_steps=1, seed=0))  # no tier: miss
     ex.push()
     stats = pipe.stats()
     b = {x["key"]: x for x in stats["buckets"]}["b2_i256_t256"]
@@ -253,19 +254,19 @@ def test_pipeline_records_one_step_latency_per_forward_and_the_exporter_matches_
     assert m["bcg_forwards"].total(bucket="b2_i256_t256") == b["forwards"]
     assert m["bcg_step_time_ms"].total(bucket="b2_i256_t256") == pytest.approx(b["step_latency_ms"]["sum"])
     assert len(m["bcg_step_latency_ms"].calls) == 3
-    assert m["bcg_misses"].total(dim="batch") == stats["misses"]["by_dim"]["batch"] == 1
+    assert m["bcg_misses"].total(dim="image_tokens") == stats["misses"]["by_dim"]["image_tokens"] == 1
     assert m["bcg_real_tokens"].total(bucket="miss") == stats["misses"]["real_tokens"]
 
 
 def test_the_step_scheduler_metrics_follow_its_stats():
     """``bcg_sched_*`` from a replica's step scheduler: forwards by kind, decisions, rows in flight, fill,
     waste and admission waits match ``StepScheduler.stats()`` after real requests; a second push adds nothing."""
-    from bcg_core.step_scheduler import StepScheduler
+    from bcg_core.scheduler.loop import StepScheduler
 
     cfg = ServeConfig(buckets=BucketConfig(batch_sizes=[1, 2, 4], resolutions=["256x256", "512x512"],
                                            text_lengths=[T]))
     pipe = DiTPipeline(cfg, build_tiny())
-    sched = StepScheduler(pipe)
+    sched = PlanningScheduler(pipe)
     backend = FakeBackend()
     ex = BucketExporter.for_replica(pipe, sched, backend)
 
@@ -305,7 +306,7 @@ def test_on_cuda_replays_captures_pool_bytes_and_step_times_are_exported():
     from diffusers import FluxTransformer2DModel
 
     from bcg_core import BucketTable, FluxAdapter
-    from bcg_core.graphs import CudaGraphRunner
+    from bcg_core.runners.cuda_graph import CudaGraphRunner
     from bcg_core.pipeline import _StepTimer
     from bcg_core.verify import BoundaryCase, random_inputs
 

@@ -113,7 +113,7 @@ def test_503_with_retry_after_is_waited_out_resent_and_counted(tmp_path):
     assert len(server.bodies) == 4 and all(b == REQ.body(3) for b in server.bodies)  # the same body resent
     assert [p.name for p in result.files] == ["req007_img1.png", "req007_img2.png"]
     assert all(p.read_bytes() == PNG for p in result.files)
-    assert (result.bucket, result.hit) == ("b2_i256_t256", True)
+    assert (str(result.bucket), result.hit) == ("b2_i256_t256", True)
     assert result.latency_ms > 0
 
 

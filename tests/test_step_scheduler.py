@@ -1,4 +1,4 @@
-"""The step scheduler (bcg_core/step_scheduler.py) and its cost model (bcg_core/costs.py), on the CPU.
+"""The step scheduler (bcg_core/scheduler/loop.py) and its cost model (bcg_core/scheduler/costs.py), on the CPU.
 
 Tiny default model, fp32. Closeness: rows that share a forward differ from the same rows run alone only in the
 reduction order of batched kernels (``tests/closeness.py``: latents within RTOL 1e-5); after the VAE and the
@@ -20,6 +20,7 @@ import pytest
 import torch
 from closeness import assert_close
 from reference_gate import pixels
+from scheduling import PlanningScheduler
 
 from bcg_core import (
     BucketConfig,
@@ -31,9 +32,9 @@ from bcg_core import (
     build_tiny,
 )
 from bcg_core.config import backpressure_limits
-from bcg_core.costs import Chunk, CostModel, ForwardPlan, eager_row_counts
-from bcg_core.models import TINY_TEXT_TOKENS
-from bcg_core.step_scheduler import FORWARD_KINDS, StepScheduler
+from bcg_core.scheduler.costs import Chunk, CostModel, StepForwards, eager_row_counts
+from bcg_core.families.tiny import TINY_TEXT_TOKENS
+from bcg_core.scheduler.loop import FORWARD_KINDS, StepScheduler
 
 T = TINY_TEXT_TOKENS
 CONFIG = ServeConfig(buckets=BucketConfig(batch_sizes=[1, 2, 4, 8], resolutions=["256x256", "256x512"],
@@ -56,7 +57,7 @@ def make_sched(pipe):
     made: list[StepScheduler] = []
 
     def make(**kw) -> StepScheduler:
-        s = StepScheduler(pipe, **kw)
+        s = PlanningScheduler(pipe, **kw)
         made.append(s)
         return s
 
@@ -80,7 +81,7 @@ class StepLog:
     """Wraps ``pipe.step`` to record, per forward step: ``[(request seed, step index, rows)]`` and the plan."""
 
     def __init__(self, pipe: DiTPipeline):
-        self.steps: list[tuple[list[tuple[int, int, int]], ForwardPlan | None]] = []
+        self.steps: list[tuple[list[tuple[int, int, int]], StepForwards | None]] = []
         self.step_ms: list[float] = []
         self._step = pipe.step
         self.lock = threading.Lock()
@@ -124,7 +125,7 @@ def _scripted(bucket: dict[int, float], eager: dict[int, float] | None = None) -
 def test_cost_model_splits_instead_of_padding():
     # launch-bound graphs: 9 rows as 8 + 1 (2.0 + 1.0) beats padding to 16 (3.5) and eager (5.5)
     costs = _scripted({1: 1.0, 2: 1.1, 4: 1.3, 8: 2.0, 16: 3.5}, {1: 2.0, 2: 2.5, 4: 3.0, 8: 5.0, 16: 9.0})
-    plan = costs.plan(SHAPE, 9, KEYS)
+    plan = costs.choose(SHAPE, 9, KEYS)
     assert plan.decision == "split"
     assert [(c.key.batch, c.rows) for c in plan.chunks] == [(8, 8), (1, 1)]
     assert plan.ms == pytest.approx(3.0) and plan.padded_rows == 0
@@ -133,28 +134,28 @@ def test_cost_model_splits_instead_of_padding():
 
 def test_cost_model_pads_when_padding_is_cheaper():
     costs = _scripted({1: 1.0, 2: 1.1, 4: 1.3, 8: 2.0, 16: 3.5}, {1: 2.0, 16: 9.0})
-    plan = costs.plan(SHAPE, 15, KEYS)  # 8 + 4 + 2 + 1 = 5.4 ms; b16 = 3.5 ms
+    plan = costs.choose(SHAPE, 15, KEYS)  # 8 + 4 + 2 + 1 = 5.4 ms; b16 = 3.5 ms
     assert plan.decision == "pad"
     assert [(c.key.batch, c.rows) for c in plan.chunks] == [(16, 15)]
     assert plan.padded_rows == 1
-    full = costs.plan(SHAPE, 16, KEYS)
+    full = costs.choose(SHAPE, 16, KEYS)
     assert full.decision == "fill" and full.padded_rows == 0
 
 
 def test_cost_model_runs_eager_where_no_graph_pays():
     # compute-bound: a bucket costs its padded rows; eager costs only the real rows
     costs = _scripted({1: 10.0, 2: 20.0, 4: 40.0, 8: 80.0, 16: 160.0}, {1: 9.0, 8: 72.0, 16: 144.0})
-    plan = costs.plan(SHAPE, 9, KEYS)
+    plan = costs.choose(SHAPE, 9, KEYS)
     assert plan.decision == "eager"
     assert all(c.key is None for c in plan.chunks) and plan.rows == 9
     assert plan.ms == pytest.approx(81.0)
-    no_eager = CostModel(costs.bucket_ms, costs.eager_ms, eager=False).plan(SHAPE, 9, KEYS)
+    no_eager = CostModel(costs.bucket_ms, costs.eager_ms, eager=False).choose(SHAPE, 9, KEYS)
     assert no_eager.decision == "split" and no_eager.ms == pytest.approx(90.0)  # 8 + 1 rather than 16
 
 
 def test_cost_model_chunks_never_exceed_the_largest_bucket_and_ties_take_fewer_forwards():
     costs = _scripted({1: 1.0, 2: 2.0, 4: 4.0, 8: 8.0, 16: 16.0})
-    plan = costs.plan(SHAPE, 40, KEYS)
+    plan = costs.choose(SHAPE, 40, KEYS)
     assert max(c.rows for c in plan.chunks) <= 16 and plan.rows == 40
     assert [c.rows for c in plan.chunks] == [16, 16, 8]  # every split costs 40 ms: the fewest forwards win
     assert plan.home == KEYS[-1]
@@ -163,9 +164,9 @@ def test_cost_model_chunks_never_exceed_the_largest_bucket_and_ties_take_fewer_f
 def test_cost_model_errors_and_interpolation():
     costs = _scripted({1: 1.0}, {1: 2.0, 4: 5.0})
     with pytest.raises(ValueError, match="at least 1 row"):
-        costs.plan(SHAPE, 0, KEYS)
+        costs.choose(SHAPE, 0, KEYS)
     with pytest.raises(ValueError, match="no cost is known"):
-        CostModel({}, {}).plan(SHAPE, 3, KEYS)
+        CostModel({}, {}).choose(SHAPE, 3, KEYS)
     with pytest.raises(ValueError, match="row counts >= 1"):
         CostModel({}, {SHAPE: {0: 1.0}})
     assert costs.eager_cost(SHAPE, 2) == pytest.approx(3.0)  # between 1 and 4 rows
@@ -178,9 +179,9 @@ def test_token_model_prefers_the_fewest_padded_tokens_and_says_so(pipe):
     graphs = CostModel.token_model(pipe.table.keys, graphs=True)
     assert graphs.source == "token-count"
     keys = [k for k in pipe.table.keys if k.shape == SHAPE]
-    assert graphs.plan(SHAPE, 5, keys).decision in ("split", "pad")
+    assert graphs.choose(SHAPE, 5, keys).decision in ("split", "pad")
     eager = CostModel.token_model(pipe.table.keys, graphs=False)  # bucket == eager cost at equal rows
-    plan = eager.plan(SHAPE, 5, keys)
+    plan = eager.choose(SHAPE, 5, keys)
     assert plan.padded_rows == 0  # no padded token is ever worth it when a bucket forward is not cheaper
 
 
@@ -211,7 +212,7 @@ def test_split_plan_equals_one_forward(pipe):
     reqs = [_req(seed=3, n=3), _req(seed=4, n=2, guidance=2.0)]  # 3 + 4 rows
     key8 = pipe.table.lookup(pipe.planner.plan(_req(n=8)).lookup.query).key
     key4 = BucketKey(4, key8.image_tokens, key8.text_tokens)
-    split = ForwardPlan((Chunk(key4, 4, 0.0), Chunk(None, 3, 0.0)), home=key8)
+    split = StepForwards((Chunk(key4, 4, 0.0), Chunk(None, 3, 0.0)), home=key8)
     one = [pipe.start(pipe.planner.plan(r)) for r in reqs]
     two = [pipe.start(pipe.planner.plan(r)) for r in reqs]
     while not all(s.done for s in one):
@@ -219,8 +220,8 @@ def test_split_plan_equals_one_forward(pipe):
         pipe.step(two, split)
     for x, y in zip(one, two):
         assert_close(x.latents, y.latents)
-    with pytest.raises(ValueError, match="the plan runs 4 rows"):
-        pipe.step([pipe.start(pipe.planner.plan(reqs[0]))], ForwardPlan((Chunk(key4, 4, 0.0),)))
+    with pytest.raises(ValueError, match="the forwards run 4 rows"):
+        pipe.step([pipe.start(pipe.planner.plan(reqs[0]))], StepForwards((Chunk(key4, 4, 0.0),)))
     modes = {b["key"]: b["forwards_by_mode"] for b in pipe.metrics.snapshot()["buckets"]}
     assert modes[str(key4)]["static_eager"] >= 2 and modes[str(key8)]["eager"] >= 2  # eager chunks counted
 
@@ -466,7 +467,7 @@ def test_burst_of_real_size_requests_all_answered_same_seed_same_image(tiny, mak
                               guidance_scale=1.0, seed=d.seed) for d in demo]
 
     async def main():
-        sched = StepScheduler(pipe, max_rows=12)
+        sched = PlanningScheduler(pipe, max_rows=12)
         try:
             results = await asyncio.gather(*[sched.submit(r) for r in reqs])
             again = [await sched.submit(reqs[i]) for i in (0, len(reqs) - 1)]
@@ -507,7 +508,7 @@ def test_measured_costs_on_the_cpu(pipe):
     assert costs.source == "measured"
     assert set(costs.bucket_ms) == set(keys) and all(v > 0 for v in costs.bucket_ms.values())
     assert sorted(costs.eager_ms[SHAPE]) == [1, 2, 4, 8]
-    assert costs.plan(SHAPE, 3, keys).rows == 3
+    assert costs.choose(SHAPE, 3, keys).rows == 3
 
 
 def test_backpressure_follows_the_scheduler_capacity():
@@ -517,13 +518,13 @@ def test_backpressure_follows_the_scheduler_capacity():
     assert backpressure_limits(one_row_table).dit_max_ongoing == 64  # no longer 2: the table does not bound it
     set_requests = ServeConfig.model_validate({"runner": {"max_requests": 10}})
     assert backpressure_limits(set_requests).dit_max_ongoing == 10
-    request_level = ServeConfig.model_validate({"runner": {"scheduler": "request"}})
-    assert backpressure_limits(request_level).dit_max_ongoing == 20  # 2 x (20 rows // 2)
+    with pytest.raises(ValueError, match="scheduler"):  # the request-level scheduler is gone: a clear config error
+        ServeConfig.model_validate({"runner": {"scheduler": "request"}})
 
 
 def test_close_answers_whatever_is_left(pipe):
     async def main():
-        sched = StepScheduler(pipe, max_rows=2)
+        sched = PlanningScheduler(pipe, max_rows=2)
         tasks = await submit_together(sched, [_req(seed=120, steps=30, n=2), _req(seed=121, steps=1, n=2)])
         await asyncio.sleep(0.1)
         await asyncio.to_thread(sched.close)
@@ -534,12 +535,12 @@ def test_close_answers_whatever_is_left(pipe):
 
 
 def test_a_request_above_the_largest_bucket_is_split_across_buckets(pipe, make_sched):
-    """10 rows (5 images with guidance) on a table whose largest bucket is 8: request-level batching runs it
-    alone, unpadded and eager (a batch miss); the step scheduler runs it in its shape's buckets, split."""
+    """10 rows (5 images with guidance) on a table whose largest bucket is 8 (a miss in the batch dimension only):
+    the step scheduler runs it in its shape's buckets, split."""
     big = _req(seed=130, n=5, guidance=2.0, steps=2)
     plan = pipe.planner.plan(big)
     assert not plan.lookup.hit and [d.value for d in plan.lookup.missed] == ["batch"]
-    assert pipe.split_home(plan) == BucketKey(8, 256, T)
+    assert plan.shape == BucketKey(8, 256, T).shape
 
     async def main():
         sched = make_sched(costs=_scripted({1: 1.0, 2: 1.1, 4: 1.3, 8: 2.0}, {1: 5.0, 8: 40.0}))
@@ -547,7 +548,7 @@ def test_a_request_above_the_largest_bucket_is_split_across_buckets(pipe, make_s
         return sched, log, await sched.submit(big)
 
     sched, log, result = run(main())
-    assert result.hit and result.bucket == "b8_i256_t256" and result.missed == []
+    assert result.hit and str(result.bucket) == "b8_i256_t256" and result.missed == []
     assert [[(c.key.batch, c.rows) for c in p.chunks] for _, p in log.steps] == [[(8, 8), (2, 2)]] * 2
     assert sched.stats()["shapes"][SHAPE]["decisions"]["split"] == 2
     for a, b in zip(result.images_png, pipe.generate(big).images_png):
@@ -567,7 +568,7 @@ def _slow_decode(pipe, monkeypatch, seconds: float) -> threading.Event:
 
 
 def test_close_during_decode_answers_every_caller(pipe, monkeypatch):
-    sched = StepScheduler(pipe, encode_threads=1)
+    sched = PlanningScheduler(pipe, encode_threads=1)
     entered = _slow_decode(pipe, monkeypatch, 1.0)
 
     async def main():
@@ -600,7 +601,7 @@ def test_queue_lengths_count_requests_being_decoded(pipe, make_sched, monkeypatc
 
 
 def test_the_memory_budget_holds_for_the_first_burst_of_a_group(pipe, make_sched, monkeypatch):
-    from bcg_core.step_scheduler import _tensor_bytes
+    from bcg_core.scheduler.loop import _tensor_bytes
 
     with torch.inference_mode():
         one = _tensor_bytes(pipe.start(pipe.planner.plan(_req(seed=0))))
@@ -667,10 +668,9 @@ def test_counters_stay_consistent_with_cancellations_everywhere(pipe, make_sched
     assert pipe.stats()["batch_totals"] == {"batches": 0, "batched_requests": 0}
 
 
-def test_the_planner_routes_and_accepts_rows_above_the_largest_bucket_under_the_step_scheduler(tiny):
-    """Under ``miss_policy: reject`` a request above the largest batch bucket is refused by request-level
-    batching (a batch miss) but planned with its ``home`` bucket for the step scheduler, which routes it to
-    its shape's owners."""
+def test_the_planner_routes_and_accepts_rows_above_the_largest_bucket(tiny):
+    """Under ``miss_policy: reject`` a request above the largest batch bucket is planned with its shape (the step
+    scheduler splits its rows), which routes it to its shape's owners; an image miss is refused."""
     from bcg_core.errors import BucketMissError
     from bcg_core.planner import Planner
     from deployments.routing import bucket_shape
@@ -679,18 +679,14 @@ def test_the_planner_routes_and_accepts_rows_above_the_largest_bucket_under_the_
     big = _req(n=5, guidance=2.0)  # 10 rows
     step = Planner(ServeConfig.model_validate({"buckets": buckets}), tiny.spec, tiny.count_tokens)
     plan = step.plan(big)
-    assert not plan.lookup.hit and plan.home == BucketKey(8, 256, T) and bucket_shape(plan) == SHAPE
-    request_level = Planner(ServeConfig.model_validate({"buckets": buckets, "runner": {"scheduler": "request"}}),
-                            tiny.spec, tiny.count_tokens)
-    with pytest.raises(BucketMissError, match="batch"):
-        request_level.plan(big)
+    assert not plan.lookup.hit and plan.shape == BucketKey(8, 256, T).shape and bucket_shape(plan) == SHAPE
     wide = _req(width=512, height=512)  # an image miss is refused by both
     with pytest.raises(BucketMissError):
         step.plan(wide)
 
 
 def test_the_scheduler_trims_the_heap_once_idle(make_sched):
-    """Once its last request is answered the scheduler hands the C heap's free memory back (bcg_core/memtrim.py:
+    """Once its last request is answered the scheduler hands the C heap's free memory back (bcg_core/scheduler/memtrim.py:
     without it a CPU replica's memory at rest follows its largest requests); None turns it off."""
     async def main(sched):
         await sched.submit(_req(seed=3, steps=1))

@@ -191,7 +191,7 @@ def test_a_failure_mid_stream_is_one_error_event_the_official_client_raises():
     from openai import OpenAI
 
     from bcg_core.config import ServeConfig
-    from bcg_core.planner import GenerationRequest
+    from bcg_core.request import GenerationRequest
     from deployments.ingress import Ingress
     from deployments.schemas import ImageGenerationRequest
 

@@ -10,20 +10,21 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 from test_prometheus import FakeBackend
 
-from bcg_core import GenerationRequest, Plan, Planner, ServeConfig, TrafficHistogram, load_traffic
-from bcg_core.buckets import BucketLookup, ShapeQuery
+from bcg_core import GenerationRequest, PlannedRequest, Planner, ServeConfig, TrafficHistogram, load_traffic
+from bcg_core.table import BucketLookup
+from bcg_core.keys import ShapeQuery
 from bcg_core.metrics import BucketMetrics
-from bcg_core.traffic import TrafficKey, text_bucket
+from bcg_core.planning.traffic import TrafficKey, text_bucket
 from deployments.ingress import merged_traffic
 from deployments.metrics import METRICS, BucketExporter
 
 
-def _plan(width=256, height=256, n=1, tokens=7, steps=1, cfg=False) -> Plan:
+def _plan(width=256, height=256, n=1, tokens=7, steps=1, cfg=False) -> PlannedRequest:
     """A plan of the given shape, built by hand (the histogram reads only the request and the query rows)."""
     request = GenerationRequest("p", n=n, width=width, height=height, num_inference_steps=steps,
                                 guidance_scale=2.0 if cfg else 0.0, seed=0)
     query = ShapeQuery(n * (2 if cfg else 1), (width // 16) * (height // 16), 256)
-    return Plan(request, BucketLookup(query, None), tokens)
+    return PlannedRequest(request, BucketLookup(query, None), tokens, (height // 16, width // 16), None)
 
 
 def _shapes(snap: dict) -> dict[tuple, int]:
@@ -334,10 +335,13 @@ def test_the_replica_records_what_it_accepts_and_buckets_shows_it(serve_apps):
         assert client.post("/v1/images/generations", json={**body, "n": 2}).status_code == 200
         bad = client.post("/v1/images/generations", json={**body, "n": 99})  # refused: never reaches a replica
         assert bad.status_code == 422
-        # a raw request sent straight to the DiT deployment is planned (once) by the replica and counted too
+        # a request a Python caller planned and sent straight to the DiT deployment is counted too
+        from conftest import EAGER_CONFIG
+
+        plan = Planner.from_config(ServeConfig.model_validate(EAGER_CONFIG)).plan(GenerationRequest(
+            prompt, n=1, width=256, height=256, num_inference_steps=1, guidance_scale=0.0, seed=6))
         dit = serve.get_deployment_handle("DiTReplica", app_name=serve_apps.app_name)
-        dit.generate.remote({"prompt": prompt, "n": 1, "width": 256, "height": 256, "num_inference_steps": 1,
-                             "guidance_scale": 0.0, "seed": 6}).result(timeout_s=120)
+        dit.generate.remote(plan).result(timeout_s=120)
         answer = client.get("/v1/buckets").json()
     after = answer["traffic"]
     assert _count(after, one) == _count(before, one) + 2 and _count(after, two) == _count(before, two) + 1

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib
 
-from .base import Family, ModelSpec, RequestState, TextRows, concat_rows, pad_text, read_json
+from bcg_core.families.base import Family, ModelSpec, RequestState, TextRows, concat_rows, pad_text, read_json
 
 __all__ = [
     "Family", "ModelSpec", "PIPELINE_CLASSES", "RequestState", "TextRows", "UnknownPipelineClass",
@@ -18,7 +18,7 @@ __all__ = [
 
 PIPELINE_CLASSES: dict[str, tuple[str, str]] = {
     "FluxPipeline": ("flux", "FluxFamily"),
-    "BCGFluxPipeline": ("flux", "BCGFluxFamily"),
+    "BCGFluxPipeline": ("tiny", "BCGFluxFamily"),
     "StableDiffusion3Pipeline": ("sd3", "SD3Family"),
     "PixArtSigmaPipeline": ("pixart", "PixArtSigmaFamily"),
     "SanaPipeline": ("sana", "SanaFamily"),

@@ -34,8 +34,8 @@ from typing import Any, Callable, ClassVar, Protocol
 import numpy as np
 import torch
 
-from ..buckets import ShapeRules
-from ..padding import DenoiseInputs, DiTAdapter
+from bcg_core.table import ShapeRules
+from bcg_core.padding import DenoiseInputs, DiTAdapter
 
 __all__ = [
     "QUALITY_STEPS", "Family", "ModelSpec", "RequestState", "TextRows", "concat_rows", "load_pipeline", "pad_text", "read_json",
@@ -165,7 +165,7 @@ class ModelSpec:
             RequestError: ``true_cfg_scale`` set on a family without true CFG (field ``true_cfg_scale``); a size
                 whose token grid exceeds :attr:`max_grid_side` (field ``size``; diffusers raises there too).
         """
-        from ..errors import RequestError
+        from bcg_core.errors import RequestError
 
         if self.default_true_cfg_scale is None and getattr(request, "true_cfg_scale", None) is not None:
             raise RequestError(
@@ -218,7 +218,7 @@ class RequestState:
     """One request in flight at the step level: everything its denoising loop carries between steps.
 
     Attributes:
-        plan: the validated request with its bucket lookup (:class:`~bcg_core.planner.Plan`).
+        plan: the validated request with its bucket lookup (:class:`~bcg_core.request.PlannedRequest`).
         cond: the prompt's text rows.
         uncond: the negative prompt's text rows when the request runs classifier-free guidance with uncond
             rows, else None (the *CFG pairing*: every image has one cond row and, with CFG, one uncond row,
@@ -248,7 +248,7 @@ class RequestState:
 
     @property
     def request(self):
-        """The validated :class:`~bcg_core.planner.GenerationRequest`."""
+        """The validated :class:`~bcg_core.request.GenerationRequest`."""
         return self.plan.request
 
     @property

@@ -35,11 +35,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..buckets import BucketKey, ShapeRules
-from ..padding import DenoiseInputs, copy_rows
-from .base import QUALITY_STEPS, ModelSpec, RequestState, TextRows, load_pipeline, read_json, tokenizer_counter
+from bcg_core.keys import BucketKey
 
-__all__ = ["BCGFluxFamily", "FLUX_SCHEDULER_CONFIG", "FluxAdapter", "FluxFamily", "flux_image_ids"]
+from bcg_core.table import ShapeRules
+from bcg_core.padding import DenoiseInputs, copy_rows
+from bcg_core.families.base import QUALITY_STEPS, ModelSpec, RequestState, TextRows, load_pipeline, read_json, tokenizer_counter
+
+__all__ = ["FLUX_SCHEDULER_CONFIG", "FluxAdapter", "FluxFamily", "flux_image_ids"]
 
 FLUX_DEFAULT_TEXT_TOKENS = 512
 """FLUX.1's T5 length (``FluxPipeline.__call__(max_sequence_length=512)``)."""
@@ -367,16 +369,16 @@ class FluxFamily:
         state.step_index += 1
 
     def euler_step(self, state: RequestState):
-        """The fused form of the next step (:func:`bcg_core.fused.euler_step`): cond rows first, then with
+        """The fused form of the next step (:func:`bcg_core.runners.fused.euler_step`): cond rows first, then with
         true CFG the uncond rows, ``neg + scale * (cond - neg)`` as :meth:`advance`."""
-        from ..fused import euler_step
+        from bcg_core.runners.fused import euler_step
 
         scale = self.spec.cfg_scale(state.request) if state.cfg else 1.0
         return euler_step(state, 0, state.n if state.cfg else None, scale, self.dtype)
 
     @functools.cached_property
     def _preview(self):
-        from ..preview import vae_preview
+        from bcg_core.preview import vae_preview
 
         return vae_preview(self.vae, self.vae_scale_factor)
 
@@ -401,62 +403,3 @@ class FluxFamily:
         z = z / self.vae.config.scaling_factor + self.vae.config.shift_factor
         image = self.vae.decode(z.to(self.vae.dtype), return_dict=False)[0]
         return [np.asarray(im) for im in self.image_processor.postprocess(image, output_type="pil")]
-
-
-class BCGFluxFamily(FluxFamily):
-    """The bcg-serve tiny layout (``BCGFluxPipeline``): FLUX transformer and VAE, one sentence encoder.
-
-    Classifier-free guidance runs with uncond rows when ``guidance_scale > 1`` (its transformer has no
-    guidance embedding), ``uncond + g * (cond - uncond)``.
-    """
-
-    pipeline_classes = ("BCGFluxPipeline",)
-
-    @classmethod
-    def describe(cls, path: Path, index: dict) -> ModelSpec:
-        """As :meth:`FluxFamily.describe`, CFG by ``guidance_scale``, native text from ``bcg_text_tokens``."""
-        from ..models import TINY_TEXT_TOKENS
-
-        spec = FluxFamily.describe(path, {"bcg_text_tokens": TINY_TEXT_TOKENS, **index})
-        return ModelSpec(spec.name, cls.name, index["_class_name"], spec.rules, guidance_embeds=False,
-                         cfg_rule="guidance_scale", quality_steps=QUALITY_STEPS["bcg-tiny"])
-
-    @classmethod
-    def token_counter(cls, path: Path, index: dict):
-        """Tokens of the sentence encoder's tokenizer, with [CLS] and [SEP]."""
-        from transformers import AutoTokenizer
-
-        return tokenizer_counter(AutoTokenizer.from_pretrained(str(path / "tokenizer"), local_files_only=True))
-
-    @classmethod
-    def load(cls, path: Path, index: dict, device: torch.device, dtype: torch.dtype) -> "BCGFluxFamily":
-        """Load the transformer, VAE, scheduler and sentence encoder folders."""
-        from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
-
-        from transformers import AutoModel, AutoTokenizer
-
-        from ..text import SentenceTextEncoder
-
-        transformer = FluxTransformer2DModel.from_pretrained(path / "transformer", torch_dtype=dtype).to(device)
-        vae = AutoencoderKL.from_pretrained(path / "vae", torch_dtype=dtype).to(device)
-        sched = FlowMatchEulerDiscreteScheduler.from_pretrained(path / "scheduler")
-        text = SentenceTextEncoder(AutoTokenizer.from_pretrained(str(path / "tokenizer"), local_files_only=True),
-                                   AutoModel.from_pretrained(path / "text_encoder").to(device))
-        return cls.assemble(path.name, cls.describe(path, index), transformer, vae, sched, text, device, dtype)
-
-    @classmethod
-    def assemble(cls, name: str, spec: ModelSpec, transformer, vae, scheduler, text, device, dtype) -> "BCGFluxFamily":
-        """A family from parts already on ``device`` (the tiny default is built this way)."""
-        from diffusers.image_processor import VaeImageProcessor
-
-        tokens = spec.rules.native_text_tokens
-
-        def encode(prompt: str) -> TextRows:
-            seq, pooled = text.encode([prompt], tokens)
-            return TextRows(seq.to(dtype), pooled.to(dtype))
-
-        scale = 2 ** (len(vae.config.block_out_channels) - 1)
-        fam = cls(name, spec, transformer.eval(), vae.eval(), scheduler, VaeImageProcessor(vae_scale_factor=scale * 2),
-                  encode, text.count_tokens, device, dtype)
-        fam.text_encoder = text
-        return fam

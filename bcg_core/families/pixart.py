@@ -44,9 +44,9 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from ..buckets import ShapeRules
-from ..padding import DenoiseInputs, GridMaskedTextAdapter
-from .base import QUALITY_STEPS, ModelSpec, RequestState, TextRows, load_pipeline, pad_text, read_json
+from bcg_core.table import ShapeRules
+from bcg_core.padding import DenoiseInputs, GridMaskedTextAdapter
+from bcg_core.families.base import QUALITY_STEPS, ModelSpec, RequestState, TextRows, load_pipeline, pad_text, read_json
 
 __all__ = ["PIXART_SIGMA_MAX_TEXT_TOKENS", "PixArtAdapter", "PixArtSigmaFamily", "aspect_ratio_bins"]
 
@@ -323,7 +323,7 @@ class PixArtSigmaFamily:
 
     @functools.cached_property
     def _preview(self):
-        from ..preview import vae_preview
+        from bcg_core.preview import vae_preview
 
         return vae_preview(self.pipe.vae, self.pipe.vae_scale_factor)
 

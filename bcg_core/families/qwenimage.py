@@ -45,9 +45,11 @@ import numpy as np
 import torch
 from diffusers.models.transformers.transformer_qwenimage import QwenDoubleStreamAttnProcessor2_0
 
-from ..buckets import BucketKey, ShapeRules
-from ..padding import DenoiseInputs, copy_rows, fill_masked_text
-from .base import QUALITY_STEPS, ModelSpec, RequestState, TextRows, load_pipeline, pad_text
+from bcg_core.keys import BucketKey
+
+from bcg_core.table import ShapeRules
+from bcg_core.padding import DenoiseInputs, copy_rows, fill_masked_text
+from bcg_core.families.base import QUALITY_STEPS, ModelSpec, RequestState, TextRows, load_pipeline, pad_text
 
 __all__ = ["QWEN_MAX_TEXT_TOKENS", "QwenImageAdapter", "QwenImageFamily", "TextMaskAttnProcessor"]
 
@@ -374,7 +376,7 @@ class QwenImageFamily:
 
     @functools.cached_property
     def _preview(self):
-        from ..preview import LazyPreview, vae_latents
+        from bcg_core.preview import LazyPreview, vae_latents
 
         def encode(x: torch.Tensor) -> torch.Tensor:  # a video VAE: one frame in, one latent frame out
             return vae_latents(self.pipe.vae, x[:, :, None])[:, :, 0]

@@ -44,9 +44,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..buckets import ShapeRules
-from ..padding import DenoiseInputs, GridMaskedTextAdapter
-from .base import QUALITY_STEPS, ModelSpec, RequestState, TextRows, load_pipeline, pad_text, read_json
+from bcg_core.table import ShapeRules
+from bcg_core.padding import DenoiseInputs, GridMaskedTextAdapter
+from bcg_core.families.base import QUALITY_STEPS, ModelSpec, RequestState, TextRows, load_pipeline, pad_text, read_json
 
 __all__ = ["SANA_MAX_TEXT_TOKENS", "SanaAdapter", "SanaFamily", "complex_human_instruction", "sana_bins"]
 
@@ -331,7 +331,7 @@ class SanaFamily:
 
     @functools.cached_property
     def _preview(self):
-        from ..preview import vae_preview
+        from bcg_core.preview import vae_preview
 
         return vae_preview(self.pipe.vae, self.pipe.vae_scale_factor)
 

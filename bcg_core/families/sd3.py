@@ -38,9 +38,11 @@ from typing import Callable, ClassVar
 import numpy as np
 import torch
 
-from ..buckets import BucketKey, ShapeRules
-from ..padding import DenoiseInputs, copy_rows
-from .base import QUALITY_STEPS, ModelSpec, RequestState, TextRows, load_pipeline, read_json, tokenizer_counter
+from bcg_core.keys import BucketKey
+
+from bcg_core.table import ShapeRules
+from bcg_core.padding import DenoiseInputs, copy_rows
+from bcg_core.families.base import QUALITY_STEPS, ModelSpec, RequestState, TextRows, load_pipeline, read_json, tokenizer_counter
 
 __all__ = ["SD3Adapter", "SD3Family", "SD3_MAX_SEQUENCE_LENGTH", "SD3_NATIVE_TEXT_TOKENS"]
 
@@ -332,9 +334,9 @@ class SD3Family:
         state.step_index += 1
 
     def euler_step(self, state: RequestState):
-        """The fused form of the next step (:func:`bcg_core.fused.euler_step`): with CFG the uncond rows
+        """The fused form of the next step (:func:`bcg_core.runners.fused.euler_step`): with CFG the uncond rows
         first (pipeline line 998), ``uncond + guidance_scale * (cond - uncond)`` as :meth:`advance`."""
-        from ..fused import euler_step
+        from bcg_core.runners.fused import euler_step
 
         if state.cfg:
             return euler_step(state, state.n, 0, self.spec.cfg_scale(state.request), self.dtype)
@@ -342,7 +344,7 @@ class SD3Family:
 
     @functools.cached_property
     def _preview(self):
-        from ..preview import vae_preview
+        from bcg_core.preview import vae_preview
 
         return vae_preview(self.pipe.vae, self.pipe.vae_scale_factor)
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from bcg_core import BucketConfig, BucketMetrics, BucketTable, LimitsConfig
-from bcg_core.graphs import CudaGraphRunner
+from bcg_core.runners.cuda_graph import CudaGraphRunner
 from bcg_core.verify import BoundaryCase, boundary_cases, random_inputs, verify_runner
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from bcg_core import LimitsConfig, RunMode, ShapeQuery
-from bcg_core.graphs import CudaGraphRunner, capture_order
+from bcg_core.runners.cuda_graph import CudaGraphRunner, capture_order
 from bcg_core.verify import BoundaryCase, boundary_cases, random_inputs, verify_runner
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

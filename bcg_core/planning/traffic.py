@@ -13,7 +13,7 @@ The snapshot (``version`` 1), JSON-safe::
                  "cfg_count": 9}, ...]}
 
 ``shapes`` is sorted by ``count``, largest first (ties by key). ``text_tokens`` is the prompt's token count
-as the planner counted it (:attr:`bcg_core.planner.Plan.prompt_tokens`: the family's own tokenizer count, before
+as the planner counted it (:attr:`bcg_core.request.PlannedRequest.prompt_tokens`: the family's own tokenizer count, before
 any padding to a text bucket or to a fixed native length); the negative prompt's count is not part of the
 key (a plan does not keep it), so for masked-text families a long negative prompt can make a request's text
 dimension larger than ``text_tokens``. ``cfg_count`` is how many of ``count`` ran classifier-free guidance with
@@ -49,7 +49,7 @@ class TrafficKey(NamedTuple):
         width: requested width in pixels (not the bucket's, nor the aspect-ratio bin's).
         height: requested height in pixels.
         n: images requested.
-        text_tokens: the prompt's counted tokens (:attr:`~bcg_core.planner.Plan.prompt_tokens`).
+        text_tokens: the prompt's counted tokens (:attr:`~bcg_core.request.PlannedRequest.prompt_tokens`).
         steps: ``num_inference_steps`` (the configured default filled in).
     """
 
@@ -129,7 +129,7 @@ class TrafficHistogram:
 
     @staticmethod
     def key_of(plan) -> TrafficKey:
-        """The :class:`TrafficKey` of a :class:`~bcg_core.planner.Plan` (defaults already filled in)."""
+        """The :class:`TrafficKey` of a :class:`~bcg_core.request.PlannedRequest` (defaults already filled in)."""
         r = plan.request
         return TrafficKey(int(r.width), int(r.height), int(r.n), int(plan.prompt_tokens), int(r.num_inference_steps))
 
@@ -137,7 +137,7 @@ class TrafficHistogram:
         """Count one accepted request.
 
         Args:
-            plan: its :class:`~bcg_core.planner.Plan`; whether it ran CFG is read from its rows
+            plan: its :class:`~bcg_core.request.PlannedRequest`; whether it ran CFG is read from its rows
                 (``lookup.query.batch`` above ``n``: uncond rows were added).
         """
         key = self.key_of(plan)

@@ -17,7 +17,7 @@ Requests join and leave at step boundaries instead of sharing a whole loop. One 
 2. **Steps every group** that has requests in flight, oldest group first (a request with more rows than the
    largest batch bucket belongs to its shape's group, :meth:`~bcg_core.pipeline.DiTPipeline.split_home`): one denoising step of *every*
    request of the group (each at its own step and timestep, with its own guidance and scheduler), in the
-   forwards the cost model (:class:`~bcg_core.costs.CostModel`) finds cheapest for the group's rows: one full
+   forwards the cost model (:class:`~bcg_core.scheduler.costs.CostModel`) finds cheapest for the group's rows: one full
    bucket (``fill``), one bucket with padded rows (``pad``), several buckets (``split``, e.g. 9 rows as
    8 + 1), or unpadded eager chunks where no graph pays (``eager``). Every group steps once per iteration,
    so a rare shape is never starved: it waits at most one step of each other group.
@@ -31,13 +31,13 @@ Off the denoising thread's path:
   event recorded after each request's last step), so decoding overlaps the next denoising steps;
 - a **thread pool** (``runner.encode_threads``) encodes each decoded image (PNG, JPEG or WebP, the request's
   ``output_format``); the caller's future is resolved on its event loop when the request's last image is
-  encoded. Each image's file goes into the :class:`~bcg_core.pipeline.GenerationResult` once; the replica
+  encoded. Each image's file goes into the :class:`~bcg_core.request.GenerationResult` once; the replica
   returns that object to the ingress.
 - a **preview thread** draws the previews of streamed requests (``partial_images``, :mod:`bcg_core.preview`):
   after a step :func:`~bcg_core.preview.preview_steps` picks, the denoising thread only copies the request's
   latents (one device copy; on CUDA an event marks its end) and puts the copy on a bounded queue
-  (:data:`~bcg_core.preview_worker.PREVIEW_QUEUE`; full: the preview is dropped and counted, never waited
-  for; :class:`~bcg_core.preview_worker.PreviewWorker`). The preview thread
+  (:data:`~bcg_core.scheduler.previews.PREVIEW_QUEUE`; full: the preview is dropped and counted, never waited
+  for; :class:`~bcg_core.scheduler.previews.PreviewWorker`). The preview thread
   waits for the copy on its own CUDA stream, calls the family's ``preview`` hook (a linear latent-to-RGB map
   on the host), resizes, encodes and hands each image to the request's callback; a request's result is held
   until its queued previews are drawn, so they reach the caller first. What the hand-off costs the denoising
@@ -76,20 +76,21 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from . import failpoints
-from .buckets import BucketKey, BucketLookup, Dim
-from .costs import DECISIONS, Chunk, CostModel, ForwardPlan
-from .errors import RequestCancelled, ServiceUnavailable
-from .families import RequestState
-from .load import LoadMeter
-from .memtrim import IdleTrimmer
-from .metrics import token_shares
-from .images import encode_image
-from .pipeline import DiTPipeline, GenerationResult, elapsed_ms, timing_mark
-from .runner import is_out_of_memory
-from .planner import GenerationRequest, Plan
-from .preview import PartialImage, preview_steps
-from .preview_worker import PreviewWorker
+from bcg_core import failpoints
+from bcg_core.errors import RequestCancelled, ServiceUnavailable
+from bcg_core.families import RequestState
+from bcg_core.images import encode_image
+from bcg_core.keys import BucketKey, BucketShape
+from bcg_core.metrics import token_shares
+from bcg_core.pipeline import DiTPipeline, elapsed_ms, timing_mark
+from bcg_core.preview import PartialImage, preview_steps
+from bcg_core.request import GenerationResult, PlannedRequest
+from bcg_core.runners.base import is_out_of_memory
+from bcg_core.scheduler.costs import DECISIONS, CostModel, StepForwards
+from bcg_core.scheduler.finish import build_result
+from bcg_core.scheduler.load import LoadMeter
+from bcg_core.scheduler.memtrim import IdleTrimmer
+from bcg_core.scheduler.previews import PreviewWorker
 
 __all__ = ["FORWARD_KINDS", "StepScheduler"]
 
@@ -106,10 +107,10 @@ _WAITS_KEPT = 1024
 class _Request:
     """One submitted request and what the scheduler tracks of it."""
 
-    plan: Plan
+    plan: PlannedRequest
     rows: int
     group: tuple
-    shape: str | None
+    shape: BucketShape | None
     cancel: threading.Event
     future: asyncio.Future
     loop: asyncio.AbstractEventLoop
@@ -178,8 +179,8 @@ class StepScheduler:
 
     Args:
         pipeline: the replica's pipeline (planner, table, runner, family).
-        costs: the cost model; None: the token-count stand-in over the table
-            (:meth:`CostModel.token_model`). Shapes missing from it fall back to that stand-in too.
+        costs: the cost model, given to the pipeline's decider (:class:`~bcg_core.scheduler.costs.StepDecider`);
+            None: the decider's own (the token-count stand-in until measured costs are set).
         max_rows: most transformer rows in flight (``runner.max_rows_in_flight``).
         memory_budget_bytes: most bytes of request tensors in flight (None: unbounded); see
             :meth:`from_pipeline` for how a replica measures it on CUDA.
@@ -190,8 +191,10 @@ class StepScheduler:
             :class:`~bcg_core.errors.ServiceUnavailable` (503 with Retry-After) and counted as ``expired``; None: no
             deadline.
         meter: load meter (arrivals, running requests and completions per shape) for autoscaling.
+        retry_after_s: the ``Retry-After`` seconds of a 503 it answers (a request expired in the queue, a step
+            out of memory); the serving layer passes its ``routing.retry_after_s``.
         trim_idle_s: once no request has been submitted and not answered for this many seconds, give the C heap's
-            free memory back to the OS (:class:`~bcg_core.memtrim.IdleTrimmer`: glibc ``malloc_trim``; without it the
+            free memory back to the OS (:class:`~bcg_core.scheduler.memtrim.IdleTrimmer`: glibc ``malloc_trim``; without it the
             resident memory at rest follows the largest requests served together). None: never.
 
     Raises:
@@ -201,7 +204,7 @@ class StepScheduler:
     def __init__(self, pipeline: DiTPipeline, costs: CostModel | None = None, max_rows: int = 64,
                  memory_budget_bytes: int | None = None, decode_batch_images: int = 8, encode_threads: int = 4,
                  fair_wait_s: float = 2.0, meter: LoadMeter | None = None, max_queue_wait_s: float | None = None,
-                 trim_idle_s: float | None = 1.0):
+                 trim_idle_s: float | None = 1.0, retry_after_s: float = 1.0):
         if max_rows < 1 or decode_batch_images < 1 or encode_threads < 1:
             raise ValueError("max_rows, decode_batch_images and encode_threads must be at least 1")
         if fair_wait_s < 0:
@@ -213,12 +216,10 @@ class StepScheduler:
         self.fair_wait_s = float(fair_wait_s)
         self.max_queue_wait_s = None if max_queue_wait_s is None else float(max_queue_wait_s)
         self.meter = meter if meter is not None else LoadMeter()
-        graphs = getattr(pipeline.runner, "graph_count", None) is not None
-        self._fallback = CostModel.token_model(pipeline.table.keys, graphs=graphs)
-        self.costs = self._fallback if costs is None else costs
-        self._by_shape: dict[str, list[BucketKey]] = {}
-        for k in pipeline.table.keys:
-            self._by_shape.setdefault(k.shape, []).append(k)
+        self.retry_after_s = float(retry_after_s)
+        self.decider = pipeline.decider
+        if costs is not None:
+            self.decider.set_costs(costs, merge=False)
         self._cv = threading.Condition()
         self._waiting: deque[_Request] = deque()
         self._starting: deque[_Request] = deque()  # admitted (rows counted), not started yet
@@ -249,18 +250,18 @@ class StepScheduler:
         self._start_lock = threading.Lock()
 
     @classmethod
-    def from_pipeline(cls, pipeline: DiTPipeline, costs: CostModel | None = None) -> StepScheduler:
-        """A scheduler configured by ``pipeline.config.runner`` (``max_rows_in_flight``,
-        ``decode_batch_images``, ``encode_threads``, ``fair_wait_s``), its load meter's window by
-        ``autoscaling.look_back_period_s``. On CUDA the memory budget of request tensors in flight is half of
-        the device memory free now (after the weights, the graph pool and the cost measurement's forwards,
-        whose activation peak the caching allocator keeps reserved)."""
+    def from_pipeline(cls, pipeline: DiTPipeline, costs: CostModel | None = None, load_window_s: float = 10.0,
+                      retry_after_s: float = 1.0) -> StepScheduler:
+        """A scheduler configured by ``pipeline.config.runner`` (``max_rows_in_flight``, ``decode_batch_images``,
+        ``encode_threads``, ``fair_wait_s``, ``max_queue_wait_s``, ``trim_idle_s``), its load meter's window
+        ``load_window_s`` (the serving layer passes ``autoscaling.look_back_period_s``). On CUDA the memory budget
+        of request tensors in flight is half of the device memory free now (after the weights, the graph pool and
+        the cost measurement's forwards, whose activation peak the caching allocator keeps reserved)."""
         r = pipeline.config.runner
-        window = pipeline.config.autoscaling.look_back_period_s
         sched = cls(pipeline, costs, max_rows=r.max_rows_in_flight, decode_batch_images=r.decode_batch_images,
                     encode_threads=r.encode_threads, fair_wait_s=r.fair_wait_s, max_queue_wait_s=r.max_queue_wait_s,
-                    trim_idle_s=r.trim_idle_s,
-                    meter=LoadMeter(window_s=window, snapshot_s=min(0.5, window)))
+                    trim_idle_s=r.trim_idle_s, retry_after_s=retry_after_s,
+                    meter=LoadMeter(window_s=load_window_s, snapshot_s=min(0.5, load_window_s)))
         sched.measure_memory_budget()
         return sched
 
@@ -273,14 +274,18 @@ class StepScheduler:
             with self._cv:
                 self.memory_budget_bytes = int(0.5 * free)
 
+    @property
+    def costs(self) -> CostModel:
+        """The cost model the pipeline's decider uses now."""
+        return self.decider.costs
+
     def set_costs(self, costs: CostModel) -> None:
         """Use ``costs`` from now on (merged over the current model: a shape captured later adds its times)."""
-        with self._cv:
-            self.costs = costs if self.costs is self._fallback else self.costs.merged(costs)
+        self.decider.set_costs(costs)
 
     # -- the request path ---------------------------------------------------------------------------
 
-    async def submit(self, request: Plan | GenerationRequest,
+    async def submit(self, plan: PlannedRequest,
                      on_preview: Callable[[PartialImage], None] | None = None) -> GenerationResult:
         """Queue a request, wait for its images, and return its result.
 
@@ -294,21 +299,19 @@ class StepScheduler:
         ``image_encode`` (PNG, JPEG or WebP encoding) and ``total``, milliseconds.
 
         Args:
-            request: a :class:`Plan` (trusted as planned), or a raw :class:`GenerationRequest`, planned here.
+            plan: the request as the planner made it (trusted: it is not validated again).
 
         Raises:
-            RequestError: a raw request fails validation (nothing is queued).
+            TypeError: ``plan`` is not a :class:`~bcg_core.request.PlannedRequest` (nothing is queued).
             RequestCancelled: its cancel event was set.
             asyncio.CancelledError: the caller was cancelled; the request leaves at the next step boundary.
             Exception: whatever broke its start or a forward it took part in.
         """
-        plan = request if isinstance(request, Plan) else self.pipeline.planner.plan(request)
-        group = self.pipeline.batch_group(plan, split=True)  # more rows than the largest bucket: split
-        if group is None:  # a miss: unpadded and eager, alone
-            group = ("miss", next(self._miss_ids))
-            shape = None
-        else:
-            shape = group[0]
+        if not isinstance(plan, PlannedRequest):
+            raise TypeError(f"the step scheduler takes a PlannedRequest (Planner.plan), got {type(plan).__name__}")
+        shape = plan.shape
+        # requests share forwards only within one bucket shape and token grid; a miss runs alone
+        group = (shape, plan.grid) if shape is not None else ("miss", next(self._miss_ids))
         loop = asyncio.get_running_loop()
         item = _Request(plan, plan.lookup.query.batch, group, shape, threading.Event(), loop.create_future(), loop,
                         time.perf_counter())
@@ -331,7 +334,7 @@ class StepScheduler:
                 self._cv.notify_all()
             raise
 
-    async def submit_stream(self, request: Plan | GenerationRequest) -> AsyncIterator[PartialImage | GenerationResult]:
+    async def submit_stream(self, plan: PlannedRequest) -> AsyncIterator[PartialImage | GenerationResult]:
         """:meth:`submit` as an async iterator: the request's previews (:class:`~bcg_core.preview.PartialImage`,
         as they are drawn), then its :class:`GenerationResult`: the result waits for the request's own previews
         that were queued before its last step (so every preview taken comes first; one dropped because the
@@ -343,7 +346,7 @@ class StepScheduler:
         """
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
-        task = loop.create_task(self.submit(request, on_preview=lambda p: loop.call_soon_threadsafe(events.put_nowait, p)))
+        task = loop.create_task(self.submit(plan, on_preview=lambda p: loop.call_soon_threadsafe(events.put_nowait, p)))
         try:
             while True:
                 getter = loop.create_task(events.get())
@@ -478,7 +481,7 @@ class StepScheduler:
             if self.max_queue_wait_s is not None and now - item.submitted > self.max_queue_wait_s:
                 self._waiting.remove(item)
                 self._stat(item.shape).expired += 1
-                retry = self.pipeline.config.routing.retry_after_s
+                retry = self.retry_after_s
                 self._resolve(item, ServiceUnavailable(
                     "request", f"the request waited {now - item.submitted:.0f} s in the replica's queue without "
                     f"starting, past runner.max_queue_wait_s {self.max_queue_wait_s:g}; retry after {retry:g} s",
@@ -571,18 +574,6 @@ class StepScheduler:
                 del self._running[item.group]
         self._rows_in_flight -= item.rows
 
-    def _plan_for(self, group: tuple, shape: str | None, rows: int) -> ForwardPlan:
-        """The step's forwards: the cost model's cheapest plan over the shape's prepared buckets; a miss runs
-        unpadded and eager in one forward."""
-        if shape is None or group[0] == "miss":
-            return ForwardPlan((Chunk(None, rows, 0.0),))
-        prepared = self.pipeline.runner.prepared()
-        keys = [k for k in self._by_shape.get(shape, []) if k in prepared] or self._by_shape.get(shape, [])
-        costs = self.costs
-        if not any(k in costs.bucket_ms for k in keys):
-            costs = self._fallback
-        return costs.plan(shape, rows, keys)
-
     def _iterate(self) -> None:
         """Step every group in flight once (oldest group first), then retire what finished or left."""
         with self._cv:
@@ -602,11 +593,11 @@ class StepScheduler:
         states = [i.state for i in items]
         shape = items[0].shape
         rows = sum(s.rows for s in states)
-        plan = self._plan_for(group, shape, rows)
+        forwards = self.decider.decide(shape, rows)
         begin = timing_mark(self._device)
         try:
             failpoints.step_oom()
-            lookup = self.pipeline.step(states, plan)
+            self.pipeline.step(states, forwards)
         except Exception as e:
             if is_out_of_memory(e):
                 # the requests of this step are answered 503 with Retry-After; the replica goes on serving
@@ -615,7 +606,7 @@ class StepScheduler:
                             len(items), shape, str(e).splitlines()[0] if str(e) else type(e).__name__)
                 if self._cuda:
                     torch.cuda.empty_cache()
-                retry = self.pipeline.config.routing.retry_after_s
+                retry = self.retry_after_s
                 e = ServiceUnavailable("request", f"the GPU ran out of memory during this request's denoising step; "
                                        f"retry after {retry:g} s", retry_after_s=retry)
             else:
@@ -623,10 +614,8 @@ class StepScheduler:
             for item in items:
                 self._retire(item, e, failed=True)
             return
-        computed = self._count_step(shape, plan, items)
-        # the bucket the step is counted under: its first bucket forward's; all eager: the smallest bucket that
-        # holds the first chunk (where its rows would have run)
-        key = next((c.key for c in plan.chunks if c.key is not None), None) or plan.chunks[0].home or lookup.key
+        computed = self._count_step(shape, forwards, items)
+        key = forwards.counted_key
         self._spans.append((begin, timing_mark(self._device), key, states))
         self._record_spans()
         for item, share in zip(items, token_shares(computed, [s.rows for s in states])):
@@ -663,7 +652,7 @@ class StepScheduler:
         q = items[0].plan.lookup.query
         return rows * (q.image_tokens + q.text_tokens)
 
-    def _count_step(self, shape: str | None, plan: ForwardPlan, items: list[_Request]) -> int:
+    def _count_step(self, shape: BucketShape | None, plan: StepForwards, items: list[_Request]) -> int:
         """Count one step of ``items`` run as ``plan`` in the shape's stats; returns the tokens it computed
         (a bucket forward's padded tokens, an eager chunk's real ones)."""
         real = sum(i.rows * (i.plan.lookup.query.image_tokens + i.plan.lookup.query.text_tokens) for i in items)
@@ -671,7 +660,7 @@ class StepScheduler:
         with self._cv:
             st = self._stat(shape)
             st.steps += 1
-            st.decisions[plan.decision] += 1
+            st.decisions[plan.decision.value] += 1
             split = len(plan.chunks) > 1
             for c in plan.chunks:
                 if c.key is None:
@@ -845,25 +834,11 @@ class StepScheduler:
             self._retire_done(item, RequestCancelled("the request was cancelled by its caller"), cancelled=True)
             return
         t_end = time.perf_counter()
-        plan = item.plan
-        ms = lambda a, b: round((b - a) * 1e3, 2)
-        total_ms = (t_end - item.submitted) * 1e3
-        key = item.first_key
-        # a batch-only miss split across buckets is a hit; a miss in another dimension does not count the
-        # batch dimension (rows are split, never missed, under the step scheduler)
-        missed = () if key is not None else tuple(d for d in plan.lookup.missed if d is not Dim.BATCH)
-        lookup = BucketLookup(plan.lookup.query, key, missed)
-        # batch_size 1: the step scheduler has no shared loops (``batches``); sharing shows in its own stats
-        self.pipeline.metrics.record_request(lookup, total_ms, padded_tokens=item.first_share, batch_size=1)
-        result = GenerationResult(
-            images_png=pngs, seed=plan.request.seed, bucket=str(key) if key is not None else None,
-            hit=key is not None, missed=[d.value for d in missed], real_tokens=plan.lookup.query.tokens,
-            padded_tokens=item.first_share, steps=plan.request.num_inference_steps,
-            timings_ms={"queue": ms(item.submitted, item.admitted), "encode": ms(item.admitted, item.started),
-                        "denoise": ms(item.started, item.denoised), "decode": ms(item.denoised, item.decoded),
-                        "image_encode": ms(png_t0, t_end), "total": round(total_ms, 2)},
-            batch_size=item.company, image_format=plan.request.output_format,
-        )
+        ms = lambda a, b: round((b - a) * 1e3, 2)  # noqa: E731
+        result = build_result(item.plan, pngs, item.first_key, item.first_share, item.company, self.pipeline.metrics, {
+            "queue": ms(item.submitted, item.admitted), "encode": ms(item.admitted, item.started),
+            "denoise": ms(item.started, item.denoised), "decode": ms(item.denoised, item.decoded),
+            "image_encode": ms(png_t0, t_end), "total": ms(item.submitted, t_end)})
         with self._cv:
             self._stat(item.shape).completed += 1
             held = item.previews_pending > 0

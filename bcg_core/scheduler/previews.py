@@ -27,8 +27,8 @@ from collections.abc import Callable
 
 import torch
 
-from .images import encode_image, resize_image
-from .preview import PartialImage
+from bcg_core.images import encode_image, resize_image
+from bcg_core.preview import PartialImage
 
 __all__ = ["PREVIEW_NICE", "PREVIEW_QUEUE", "PreviewWorker"]
 

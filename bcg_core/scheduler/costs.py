@@ -8,7 +8,7 @@ guidance), from any requests at any steps. They can run as:
 - **split**: several bucket forwards whose rows add up to ``R`` (9 rows as 8 + 1 instead of padding to 16);
 - **eager**: the unpadded eager forward of ``R`` rows (or a chunk of them), where no graph pays.
 
-:meth:`CostModel.plan` chooses the combination of chunks with the least expected milliseconds for the ``R``
+:meth:`CostModel.choose` chooses the combination of chunks with the least expected milliseconds for the ``R``
 rows (so the least per real row), by dynamic programming over the row count: ``best[r] = min over chunks c
 (best[r - c] + chunk_ms(c))``, where ``chunk_ms(c)`` is the cheapest of the bucket forwards that hold ``c``
 rows (a larger bucket only when more than :data:`PAD_MARGIN` faster than the smallest) and the eager
@@ -34,21 +34,34 @@ Pure Python and torch, no Ray; the scripted-cost tests build :class:`CostModel` 
 
 from __future__ import annotations
 
+import enum
 import logging
 import statistics
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from .buckets import BucketKey
+from bcg_core.keys import BucketKey, BucketShape
 
-__all__ = ["Chunk", "CostModel", "ForwardPlan", "measure_costs"]
+__all__ = ["Chunk", "CostModel", "Decision", "StepDecider", "StepForwards", "measure_costs"]
 
 log = logging.getLogger(__name__)
 
-DECISIONS = ("fill", "pad", "split", "eager")
-"""How a step's rows ran (:attr:`ForwardPlan.decision`): one full bucket forward; one bucket forward with
-padded rows; several forwards; any unpadded eager forward (alone or in a split)."""
+class Decision(str, enum.Enum):
+    """How a step's rows ran (:attr:`StepForwards.decision`)."""
+
+    FILL = "fill"
+    """One bucket forward, every row real."""
+    PAD = "pad"
+    """One bucket forward with padded rows."""
+    SPLIT = "split"
+    """Several bucket forwards."""
+    EAGER = "eager"
+    """Any unpadded eager forward (alone or in a split)."""
+
+
+DECISIONS = tuple(d.value for d in Decision)
+"""The :class:`Decision` values, in order (counter keys of ``/v1/buckets``)."""
 
 
 PAD_MARGIN = 0.05
@@ -77,7 +90,7 @@ class Chunk:
 
 
 @dataclass(frozen=True)
-class ForwardPlan:
+class StepForwards:
     """The forwards one step of ``rows`` rows runs as, in row order, and their expected milliseconds.
 
     ``home``: the shape's largest bucket (eager chunks without their own ``home`` are counted under it in the
@@ -108,13 +121,23 @@ class ForwardPlan:
         return sum(c.key.batch - c.rows for c in self.chunks if c.key is not None)
 
     @property
-    def decision(self) -> str:
-        """One of :data:`DECISIONS` (``eager`` wins over ``split``: any eager chunk)."""
+    def decision(self) -> Decision:
+        """How the rows run (``eager`` wins over ``split``: any eager chunk)."""
         if any(c.key is None for c in self.chunks):
-            return "eager"
+            return Decision.EAGER
         if len(self.chunks) > 1:
-            return "split"
-        return "pad" if self.padded_rows else "fill"
+            return Decision.SPLIT
+        return Decision.PAD if self.padded_rows else Decision.FILL
+
+    @property
+    def counted_key(self) -> BucketKey | None:
+        """The bucket the step is counted under: its first bucket forward's; all eager, the smallest bucket that
+        holds the first chunk (its ``home``, else the shape's ``home``); None for a miss."""
+        return next((c.key for c in self.chunks if c.key is not None), None) or self.chunks[0].home or self.home
+
+    def computed_tokens(self, tokens_per_row: int) -> int:
+        """Tokens the step computes: a bucket forward's padded tokens, an eager chunk's real rows x ``tokens_per_row``."""
+        return sum(c.key.tokens if c.key is not None else c.rows * tokens_per_row for c in self.chunks)
 
 
 @dataclass
@@ -135,7 +158,7 @@ class CostModel:
     eager_ms: dict[str, dict[int, float]] = field(default_factory=dict)
     source: str = "scripted"
     eager: bool = True
-    _plans: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    _chosen: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     """Plans already chosen, by (shape, rows, buckets): the times do not change, and every step asks."""
 
     def __post_init__(self):
@@ -189,7 +212,7 @@ class CostModel:
         slope = (points[b] - points[a]) / (b - a)
         return max(0.0, points[a] + slope * (rows - a))
 
-    def plan(self, shape: str, rows: int, buckets: Sequence[BucketKey]) -> ForwardPlan:
+    def choose(self, shape: str, rows: int, buckets: Sequence[BucketKey]) -> StepForwards:
         """The cheapest forwards for ``rows`` real rows of ``shape`` on its ``buckets`` (module docstring).
 
         Args:
@@ -206,13 +229,13 @@ class CostModel:
         if rows < 1:
             raise ValueError(f"a step needs at least 1 row, got {rows}")
         memo = (shape, rows, frozenset(buckets))
-        plan = self._plans.get(memo)
-        if plan is None:
-            plan = self._plans[memo] = self._cheapest(shape, rows, buckets)
-        return plan
+        chosen = self._chosen.get(memo)
+        if chosen is None:
+            chosen = self._chosen[memo] = self._cheapest(shape, rows, buckets)
+        return chosen
 
-    def _cheapest(self, shape: str, rows: int, buckets: Sequence[BucketKey]) -> ForwardPlan:
-        """The dynamic program of :meth:`plan` (module docstring)."""
+    def _cheapest(self, shape: str, rows: int, buckets: Sequence[BucketKey]) -> StepForwards:
+        """The dynamic program of :meth:`choose` (module docstring)."""
         keys = sorted((k for k in buckets if k in self.bucket_ms), key=lambda k: (k.batch, self.bucket_ms[k]))
         largest = max((k.batch for k in keys), default=0)
         eager_ok = self.eager and shape in self.eager_ms
@@ -249,7 +272,7 @@ class CostModel:
             raise ValueError(f"shape {shape} cannot run {rows} rows")
         # largest chunks first: the bucket forwards in a stable order
         home = max(keys, key=lambda k: k.batch) if keys else None
-        return ForwardPlan(tuple(sorted(chunks, key=lambda c: (-c.rows, c.key is None))), home)
+        return StepForwards(tuple(sorted(chunks, key=lambda c: (-c.rows, c.key is None))), home)
 
     def describe(self) -> dict:
         """JSON-ready view for ``/v1/buckets``: the source, bucket milliseconds, eager milliseconds by rows."""
@@ -270,11 +293,11 @@ class CostModel:
 
 def _timer(device) -> Callable[[Callable[[], object], int], float]:
     """``time(fn, iters) -> median ms`` on ``device`` after one warm-up call: CUDA events on CUDA
-    (:func:`bcg_core.profile.cuda_ms`), the host clock elsewhere."""
+    (:func:`bcg_core.planning.profile.cuda_ms`), the host clock elsewhere."""
     import torch
 
     if torch.device(device).type == "cuda":
-        from .profile import cuda_ms
+        from bcg_core.planning.profile import cuda_ms
 
         return lambda fn, iters: cuda_ms(fn, iters, warmup=1)
 
@@ -344,3 +367,50 @@ def measure_costs(runner, adapter, keys: Sequence[BucketKey], inputs_for: Callab
     log.info("measured %d bucket forwards and %d eager points in %.1f s", len(bucket),
              sum(len(p) for p in eager.values()), time.perf_counter() - t0)
     return CostModel(bucket, eager, source="measured")
+
+
+class StepDecider:
+    """Decides each step's forwards: the cost model's cheapest over the shape's prepared buckets.
+
+    The one decider of a replica (the pipeline holds it): the step scheduler and :meth:`DiTPipeline.generate` ask
+    it, the pipeline and the runners trust what it returns.
+
+    Args:
+        keys: the table's buckets.
+        prepared: returns the buckets prepared now (captured on CUDA); only those are chosen, unless a shape has
+            none prepared yet.
+        graphs: bucket forwards are graph replays (for the token-count stand-in, :meth:`CostModel.token_model`).
+    """
+
+    def __init__(self, keys: Iterable[BucketKey], prepared: Callable[[], set], graphs: bool):
+        keys = list(keys)
+        self._prepared = prepared
+        self.fallback = CostModel.token_model(keys, graphs=graphs)
+        """The token-count stand-in: used for shapes the cost model has no time of."""
+        self.costs = self.fallback
+        """The cost model (measured at prepare on CUDA, else the stand-in)."""
+        self._by_shape: dict[BucketShape, list[BucketKey]] = {}
+        for k in keys:
+            self._by_shape.setdefault(k.shape, []).append(k)
+
+    def set_costs(self, costs: CostModel, merge: bool = True) -> None:
+        """Use ``costs`` from now on: merged over the current model (a shape captured later adds its times), or
+        in its place when ``merge`` is False or nothing was measured before."""
+        self.costs = costs if not merge or self.costs is self.fallback else self.costs.merged(costs)
+
+    def decide(self, shape: BucketShape | None, rows: int) -> StepForwards:
+        """The forwards of one step of ``rows`` rows of ``shape``; a miss (``shape`` None) runs unpadded and eager
+        in one forward.
+
+        Raises:
+            ValueError: ``rows`` below 1.
+        """
+        if shape is None:
+            if rows < 1:
+                raise ValueError(f"a step needs at least 1 row, got {rows}")
+            return StepForwards((Chunk(None, rows, 0.0),))
+        prepared = self._prepared()
+        every = self._by_shape.get(shape, [])
+        keys = [k for k in every if k in prepared] or every
+        costs = self.costs if any(k in self.costs.bucket_ms for k in keys) else self.fallback
+        return costs.choose(shape, rows, keys)

@@ -1,96 +1,21 @@
-"""Bucket keys and the bucket table: which padded shape serves a request.
+"""The bucket table: which padded shape serves a request, decided once per request.
 
-The table *decides*; the runner (:mod:`bcg_core.runner`) trusts the key it is handed. A request's exact
-shape (:class:`ShapeQuery`) is rounded up, per dimension, to the smallest bucket that holds it. A request
-that fits no bucket is a *miss*, a normal return value that names the dimensions that missed.
-
-Dimensions (docs/DESIGN.md section 2):
-
-- ``batch``: transformer rows, i.e. images x 2 when classifier-free guidance puts cond and uncond rows
-  into one forward. Pad rows are copies of a real row.
-- ``image_tokens``: tokens of the image stream. Families whose forward depends only on the count (FLUX
-  takes positions as ``img_ids`` tensors) serve a tier's exact token count with an unmasked graph, and
-  (with ``image_padding: masked``) round sizes between tiers up with a key-padding mask, in a second
-  graph of that tier (``image_mask=True``): a mask makes attention leave its fastest kernels, so exact
-  fits never pay for it. Families that crop a position table by the latent grid (SD3) key on the exact
-  grid (``latent_hw``) instead.
-- ``text_tokens``: tokens of the text stream. Families trained on unmasked fixed-length text keep their
-  native length (one text bucket); families trained with masks round up with a key-padding mask.
+The table *decides*; the runners (:mod:`bcg_core.runners`) trust the key they are handed. A request's exact
+shape (:class:`~bcg_core.keys.ShapeQuery`) is rounded up, per dimension, to the smallest bucket that holds it,
+in O(1) (a precomputed round-up array per dimension). A request that fits no bucket is a *miss*, a normal
+return value that names the dimensions that missed. docs/DESIGN.md section 2 says which dimensions round up
+and why; :mod:`bcg_core.keys` defines the key.
 """
 
 from __future__ import annotations
 
 import bisect
-import enum
 from dataclasses import dataclass
 
-from .config import BucketConfig, MissPolicy
+from bcg_core.config import BucketConfig, MissPolicy
+from bcg_core.keys import BucketKey, Dim, ShapeQuery
 
-__all__ = ["BucketKey", "BucketLookup", "BucketTable", "Dim", "ShapeQuery", "ShapeRules", "shape_of"]
-
-
-def shape_of(key: str) -> str:
-    """A bucket key string without its batch dimension: ``"b8_i1024_m_t256"`` -> ``"i1024_m_t256"``
-    (:attr:`BucketKey.shape` of the key; for callers that hold the string, e.g. ``GenerationResult.bucket``)."""
-    return key.split("_", 1)[1]
-
-
-class Dim(str, enum.Enum):
-    """A dimension of a bucket key."""
-
-    BATCH = "batch"
-    IMAGE = "image_tokens"
-    TEXT = "text_tokens"
-
-
-@dataclass(frozen=True, slots=True, order=True)
-class BucketKey:
-    """The padded shape a captured graph (or a static-buffer eager run) is bound to.
-
-    Attributes:
-        batch: transformer rows of the bucket (real rows + pad rows).
-        image_tokens: image-stream tokens of the bucket (real tokens + masked pad tokens).
-        text_tokens: text-stream tokens of the bucket.
-        latent_hw: ``(h, w)`` of the token grid for families whose forward depends on it, else None.
-        image_mask: the forward masks padded image tokens (requests with fewer tokens than the tier).
-    """
-
-    batch: int
-    image_tokens: int
-    text_tokens: int
-    latent_hw: tuple[int, int] | None = None
-    image_mask: bool = False
-
-    def __str__(self) -> str:
-        grid = f"_g{self.latent_hw[0]}x{self.latent_hw[1]}" if self.latent_hw else ""
-        mask = "_m" if self.image_mask else ""
-        return f"b{self.batch}_i{self.image_tokens}{mask}_t{self.text_tokens}{grid}"
-
-    @property
-    def tokens(self) -> int:
-        """Padded tokens in one forward: ``batch * (image_tokens + text_tokens)``."""
-        return self.batch * (self.image_tokens + self.text_tokens)
-
-    @property
-    def shape(self) -> str:
-        """The bucket's shape without its batch dimension, e.g. ``"i1024_m_t256"``: the unit of ownership,
-        routing and micro-batching (every batch bucket of one resolution tier and text bucket)."""
-        return shape_of(str(self))
-
-
-@dataclass(frozen=True, slots=True)
-class ShapeQuery:
-    """A request's exact (unpadded) shape, in the same units as :class:`BucketKey`."""
-
-    batch: int
-    image_tokens: int
-    text_tokens: int
-    latent_hw: tuple[int, int] | None = None
-
-    @property
-    def tokens(self) -> int:
-        """Real tokens in one forward: ``batch * (image_tokens + text_tokens)``."""
-        return self.batch * (self.image_tokens + self.text_tokens)
+__all__ = ["BucketLookup", "BucketTable", "ShapeRules"]
 
 
 @dataclass(frozen=True, slots=True)

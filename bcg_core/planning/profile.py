@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .padding import DiTAdapter
-from .runner import BucketRunner
-from .verify import BoundaryCase, random_inputs
+from bcg_core.padding import DiTAdapter
+from bcg_core.runners.base import BucketRunner
+from bcg_core.verify import BoundaryCase, random_inputs
 
 __all__ = ["ProfileRow", "cuda_ms", "kernel_floor", "profile_case"]
 

@@ -1,6 +1,6 @@
 """CUDA graph bucket runner: capture every bucket at start into one shared memory pool, then replay.
 
-Lifecycle (the contract of :class:`~bcg_core.runner.BucketRunner`):
+Lifecycle (the contract of :class:`~bcg_core.runners.base.BucketRunner`):
 
 - :meth:`CudaGraphRunner.prepare` runs before the replica reports ready. Buckets are captured largest
   first (by padded tokens) into one shared memory pool (``torch.cuda.graph_pool_handle``), so smaller
@@ -29,11 +29,13 @@ from dataclasses import dataclass
 
 import torch
 
-from . import failpoints
-from .buckets import BucketKey
-from .metrics import BucketMetrics
-from .padding import DenoiseInputs, DiTAdapter
-from .runner import BucketEntry, BucketFault, RunMode, demote, fill_fused, fused_buffers, is_out_of_memory, static_forward
+from bcg_core import failpoints
+from bcg_core.keys import BucketKey
+from bcg_core.metrics import BucketMetrics
+from bcg_core.padding import DenoiseInputs, DiTAdapter
+from bcg_core.runners.base import (
+    BucketEntry, BucketFault, RunMode, demote, fill_fused, fused_buffers, is_out_of_memory, static_forward,
+)
 
 __all__ = ["CaptureStats", "CudaGraphRunner", "budget_allows", "capture_order"]
 
@@ -94,7 +96,7 @@ class CudaGraphRunner:
         lazy: capture a bucket on its first request instead of in :meth:`prepare`.
         warmup_iters: warm-up forwards on a side stream before each capture.
         sync_debug: run the first capture under ``torch.cuda.set_sync_debug_mode("error")``.
-        fused: capture each bucket's fused step (:mod:`bcg_core.fused`) in its graph after the forward: one
+        fused: capture each bucket's fused step (:mod:`bcg_core.runners.fused`) in its graph after the forward: one
             replay gives both the transformer output (:meth:`run`) and every image's next latents
             (:meth:`run_fused`).
 
@@ -173,7 +175,7 @@ class CudaGraphRunner:
         out = self.adapter.forward(buffers)
         if fused is None:
             return out, None
-        from .fused import fused_update
+        from bcg_core.runners.fused import fused_update
 
         return out, fused_update(out, buffers["latents"], fused["meta"], fused["dt"])
 
@@ -326,7 +328,7 @@ class CudaGraphRunner:
 
     @torch.inference_mode()
     def run_fused(self, key: BucketKey, inputs: DenoiseInputs, meta: torch.Tensor, dt: torch.Tensor) -> torch.Tensor:
-        """One replay of bucket ``key``'s fused graph (see :meth:`~bcg_core.runner.BucketRunner.run_fused`).
+        """One replay of bucket ``key``'s fused graph (see :meth:`~bcg_core.runners.base.BucketRunner.run_fused`).
 
         Returns:
             (meta.shape[1], ...) the images' next latents, a new tensor.

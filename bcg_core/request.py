@@ -1,0 +1,145 @@
+"""The engine's request, the planned request and the result: validated once (by the planner), trusted below.
+
+:class:`GenerationRequest` is what a caller asks for (``deployments/schemas.py`` maps OpenAI's fields onto it);
+:class:`PlannedRequest` is what :meth:`bcg_core.planner.Planner.plan` makes of it: every field validated, the
+defaults filled in, the exact shape looked up in the bucket table once. Replicas, the step scheduler and the
+pipeline accept only a :class:`PlannedRequest`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from bcg_core.keys import BucketKey, BucketShape
+from bcg_core.table import BucketLookup
+
+__all__ = ["GenerationRequest", "GenerationResult", "MAX_PARTIAL_IMAGES", "PlannedRequest", "QUALITIES", "SEED_MAX"]
+
+SEED_MAX = 2**63 - 1
+"""Largest seed (``torch.Generator.manual_seed`` takes 64-bit values; JSON clients handle int64)."""
+
+
+@dataclass
+class GenerationRequest:
+    """One text-to-image request.
+
+    Attributes:
+        prompt: the text.
+        n: images to generate.
+        width, height: image size in pixels.
+        num_inference_steps: denoising steps (None: ``quality``'s, else the configured default).
+        guidance_scale: guidance scale (None: the configured default). For most families it is the
+            classifier-free guidance scale, and above 1 adds one uncond row per image (cond and uncond in one
+            forward); for guidance-distilled FLUX.1-dev it feeds the guidance embedding (see the family table
+            in the README).
+        negative_prompt: text of the uncond rows (None: the family's default, "" for most; FLUX and Qwen-Image
+            run true CFG only when one is given, as their diffusers pipelines).
+        seed: image ``i`` uses noise seeded with ``seed + i`` (None: a random seed, reported back).
+        true_cfg_scale: true classifier-free guidance scale of FLUX and Qwen-Image (``true_cfg_scale`` of
+            ``FluxPipeline``/``QwenImagePipeline``; None: the pipeline's default); refused by other families.
+        quality: OpenAI's ``quality``, ``"low"``, ``"medium"``, ``"high"`` or ``"auto"``: the step count the config
+            and the family set for it (:meth:`~bcg_core.families.ModelSpec.steps_for_quality`), used when
+            ``num_inference_steps`` is None. None: ``limits.default_steps``.
+        output_format: the image files' format, ``"png"``, ``"jpeg"`` or ``"webp"`` (:mod:`bcg_core.images`).
+        output_compression: 0..100 for jpeg and webp (None: 100); None or 100 for png.
+        partial_images: previews to stream while denoising, 0..3 (:mod:`bcg_core.preview`); 0 for a request
+            that is not streamed.
+    """
+
+    prompt: str
+    n: int = 1
+    width: int = 512
+    height: int = 512
+    num_inference_steps: int | None = None
+    guidance_scale: float | None = None
+    negative_prompt: str | None = None
+    seed: int | None = None
+    true_cfg_scale: float | None = None
+    quality: str | None = None
+    output_format: str = "png"
+    output_compression: int | None = None
+    partial_images: int = 0
+
+
+QUALITIES = ("low", "medium", "high", "auto")
+"""OpenAI ``quality`` values served (each a step count, :meth:`~bcg_core.families.ModelSpec.steps_for_quality`)."""
+
+MAX_PARTIAL_IMAGES = 3
+"""Most previews a streamed request may ask for (OpenAI's ``partial_images`` range, 0 to 3)."""
+
+
+@dataclass(frozen=True)
+class PlannedRequest:
+    """A request validated once by :meth:`~bcg_core.planner.Planner.plan`: defaults filled in, shape looked up.
+
+    Attributes:
+        request: the request with every default filled in (steps, guidance, negative prompt, seed).
+        lookup: the bucket table's answer for its exact forward shape (``lookup.query``: rows, image and text
+            tokens; ``lookup.key`` on a hit; ``lookup.missed`` on a miss).
+        prompt_tokens: tokens of its prompt, counted as its family encodes it.
+        grid: its token grid ``(h, w)`` at its generation size (the aspect-ratio bin of binning families).
+        shape: the bucket shape whose buckets run its rows: the hit's, or, for a request with more rows than
+            the largest batch bucket (a miss in the batch dimension only), its shape's, across whose batch
+            buckets the step scheduler splits its rows (it routes to that shape's owners and is never refused
+            for its rows). None for a miss in another dimension: its rows run unpadded and eager, alone.
+    """
+
+    request: GenerationRequest
+    lookup: BucketLookup
+    prompt_tokens: int
+    grid: tuple[int, int]
+    shape: BucketShape | None
+
+    @property
+    def rows(self) -> int:
+        """Transformer rows of one forward of it: images, x2 when classifier-free guidance adds uncond rows."""
+        return self.lookup.query.batch
+
+    @property
+    def key(self) -> BucketKey | None:
+        """The bucket that holds all its rows (None: a miss, or rows split across its shape's buckets)."""
+        return self.lookup.key
+
+
+@dataclass
+class GenerationResult:
+    """What one request produced.
+
+    Attributes:
+        images_png: ``n`` image files, PNG unless the request asked for another ``output_format``
+            (:attr:`image_format`; the name is kept from when PNG was the only format).
+        seed: the seed used (image ``i`` used ``seed + i``).
+        bucket: the bucket that served the request (of its first step), None on a miss.
+        hit: True when a bucket served the request.
+        missed: the key dimensions that missed (empty on a hit).
+        real_tokens, padded_tokens: tokens per forward, unpadded and as computed; for a request that shared
+            its forward, its own real tokens and its share (by rows) of the forward's padded tokens.
+        steps: denoising steps run.
+        timings_ms: ``encode``, ``denoise``, ``decode`` and ``total`` milliseconds (encode and denoise are
+            the whole step's when the forward was shared); the step scheduler adds ``queue`` and ``image_encode``.
+        batch_size: most requests that shared one step with it (1 when it ran alone).
+        replica, owner, retries: filled in by the Ray Serve layer (``deployments/``): the DiT replica that
+            served the request, whether it owns the request's bucket shape (None for a miss), and how many
+            times the request was resent; the pipeline leaves them at None, None and 0.
+    """
+
+    images_png: list[bytes]
+    seed: int
+    bucket: BucketKey | None
+    hit: bool
+    missed: list[str]
+    real_tokens: int
+    padded_tokens: int
+    steps: int
+    timings_ms: dict[str, float]
+    batch_size: int = 1
+    replica: str | None = None
+    owner: bool | None = None
+    retries: int = 0
+    image_format: str = "png"
+
+    def to_dict(self) -> dict:
+        """A plain dict (PNG bytes kept as bytes; the bucket as its string)."""
+        d = asdict(self)
+        d["bucket"] = None if self.bucket is None else str(self.bucket)
+        return d

@@ -1,0 +1,156 @@
+"""The eager bucket runner: each bucket's forward on its static padded buffers, no graph (CPU, CI, lazy capture).
+
+It keeps the contract of :mod:`bcg_core.runners.base` (padding, masking and unpadding exactly as a graph replay
+does them), so every bucket is exercised on a CPU; only capture and replay themselves need a GPU.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+
+import torch
+
+from bcg_core.keys import BucketKey
+from bcg_core.metrics import BucketMetrics
+from bcg_core.padding import DenoiseInputs, DiTAdapter
+from bcg_core.runners.base import (
+    BucketEntry, BucketFault, demote, fill_fused, fused_buffers, is_out_of_memory, static_forward,
+)
+
+__all__ = ["EagerBucketRunner"]
+
+
+class EagerBucketRunner:
+    """Runs each bucket eagerly on its static padded buffers (CPU development and CI).
+
+    Padding, masking and unpadding are exercised exactly as under CUDA graph replay; only capture and
+    replay themselves need a GPU.
+
+    Args:
+        adapter: the model family's adapter.
+        keys: the buckets to serve.
+        metrics: counters to record forwards into.
+        device, dtype: where the static buffers live (the model's device and dtype).
+        fused: serve :meth:`run_fused` (the fused step computed eagerly on the static buffers, as the CUDA
+            graph runner replays it).
+    """
+
+    def __init__(self, adapter: DiTAdapter, keys: list[BucketKey], metrics: BucketMetrics,
+                 device: torch.device, dtype: torch.dtype, fused: bool = False):
+        self.adapter = adapter
+        self.fused = fused
+        self.keys = sorted(keys, key=lambda k: (-k.tokens, -k.batch, k.image_mask))  # largest first, as capture
+        self._key_set = frozenset(self.keys)
+        self.lazy_prepares = 0
+        self.metrics = metrics
+        self.device, self.dtype = device, dtype
+        self.entries: dict[BucketKey, BucketEntry] = {}
+        self._lock = threading.Lock()
+
+    def prepare(self, keys: Iterable[BucketKey] | None = None) -> None:
+        """Allocate the static buffers of ``keys`` (every bucket when None), largest first. Idempotent.
+
+        Raises:
+            KeyError: a key that is not one of this runner's buckets.
+        """
+        with self._lock:
+            todo = self.keys if keys is None else sorted(keys, key=lambda k: (-k.tokens, -k.batch, k.image_mask))
+            unknown = [str(k) for k in todo if k not in self._key_set]
+            if unknown:
+                raise KeyError(f"buckets {unknown} are not served by this runner")
+            for key in todo:
+                if key not in self.entries:
+                    self.entries[key] = BucketEntry(key, self.adapter.allocate(key, self.device, self.dtype))
+
+    def prepared(self) -> set[BucketKey]:
+        """Buckets whose static buffers exist."""
+        with self._lock:
+            return set(self.entries)
+
+    @torch.inference_mode()
+    def run(self, key: BucketKey | None, inputs: DenoiseInputs, eager: bool = False) -> torch.Tensor:
+        """One forward on bucket ``key`` (padded) or, for ``key=None`` or ``eager``, unpadded.
+
+        Args:
+            key: the bucket, None for a miss.
+            inputs: the forward's real rows.
+            eager: run unpadded even though ``key`` holds the shape (the step scheduler's cost model chose
+                eager); counted as an ``eager`` forward of ``key``.
+
+        Raises:
+            KeyError: if ``key`` is not one of this runner's buckets.
+            ValueError: if ``inputs`` do not fit the bucket.
+        """
+        with self._lock:
+            if key is None or eager:
+                if key is not None and key not in self._key_set:
+                    raise KeyError(f"bucket {key} is not one of this runner's {len(self.keys)} buckets")
+                out = self.adapter.forward_eager(inputs).clone()
+            else:
+                entry = self.entries.get(key)
+                if entry is None:
+                    if key not in self._key_set:
+                        raise KeyError(f"bucket {key} is not one of this runner's {len(self.keys)} buckets")
+                    # Not owned here (routed to a non-owner after the fallback wait): allocate now, counted.
+                    entry = self.entries[key] = BucketEntry(key, self.adapter.allocate(key, self.device, self.dtype))
+                    self.lazy_prepares += 1
+                mode = "static_eager"
+                if not entry.buffers:  # demoted after a fault: unpadded
+                    out, mode = self.adapter.forward_eager(inputs).clone(), "eager"
+                else:
+                    try:
+                        out = static_forward(self.adapter, entry.buffers, inputs)
+                    except RuntimeError as e:
+                        if is_out_of_memory(e):
+                            raise
+                        demote(entry, e, self.metrics)
+                        out, mode = self.adapter.forward_eager(inputs).clone(), "eager"
+                entry.forwards += 1
+        self.metrics.record_forward(key, "eager" if key is None or eager else mode)
+        return out
+
+    def fuses(self, key: BucketKey) -> bool:
+        """True for a prepared bucket of a runner built with ``fused=True``."""
+        return self.fused and key in self.entries and bool(self.entries[key].buffers)
+
+    @torch.inference_mode()
+    def run_fused(self, key: BucketKey, inputs: DenoiseInputs, meta: torch.Tensor, dt: torch.Tensor) -> torch.Tensor:
+        """One fused step on bucket ``key``'s static buffers, eagerly (see :meth:`BucketRunner.run_fused`).
+
+        Raises:
+            KeyError: ``key`` is not prepared (or the runner was built without ``fused``).
+            ValueError: ``inputs`` or ``meta`` do not fit the bucket.
+        """
+        from bcg_core.runners.fused import fused_update
+
+        with self._lock:
+            entry = self.entries.get(key) if self.fused else None
+            if entry is None:
+                raise KeyError(f"bucket {key} has no fused step here")
+            if not entry.buffers:
+                raise KeyError(f"bucket {key} has no fused step here: {entry.note}")
+            if entry.fused is None:
+                entry.fused = fused_buffers(key.batch, self.device)
+            try:
+                self.adapter.fill(entry.buffers, inputs)
+                fill_fused(entry.fused, meta, dt)
+                out = self.adapter.forward(entry.buffers)
+                nxt = fused_update(out, entry.buffers["latents"], entry.fused["meta"], entry.fused["dt"])
+            except RuntimeError as e:
+                if is_out_of_memory(e):
+                    raise
+                demote(entry, e, self.metrics)
+                raise BucketFault(f"bucket {key}: {entry.note}") from e
+            result = self.adapter.unpad(nxt, inputs)[: meta.shape[1]].clone()
+            entry.forwards += 1
+        self.metrics.record_forward(key, "static_eager")
+        return result
+
+    def describe(self) -> list[dict]:
+        """Per-bucket state, largest bucket first."""
+        return [
+            {"key": str(e.key), "mode": e.mode.value, "pool_bytes": e.pool_bytes, "capture_s": e.capture_s,
+             "forwards": e.forwards, "note": e.note}
+            for e in self.entries.values()
+        ]

@@ -1,0 +1,118 @@
+"""OpenAI-shaped error answers of the HTTP API: ``{"error": {"message", "type", "param", "code"}}``.
+
+:func:`error_response` builds any of them; :func:`unauthorized_response` is the 401 of a missing or unknown
+API key (never repeating it), :func:`unavailable_response` the 503 with ``Retry-After`` of overload,
+:func:`validation_error_response` the 400/422 of a body that fails :class:`~deployments.schemas.
+ImageGenerationRequest` (naming each field and the values it accepts), and :func:`find_request_error` digs a
+replica's :class:`~bcg_core.errors.RequestError` out of Ray's wrapping.
+"""
+
+from typing import Any
+
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+
+from bcg_core.errors import RequestError
+
+from .schemas import ErrorBody, ErrorDetail, ImageGenerationRequest, RequestLimits, allowed_values
+
+__all__ = ["error_response", "find_request_error", "unauthorized_response", "unavailable_response",
+           "validation_error_response"]
+
+
+def error_response(status: int, message: str, param: str | None = None, type_: str | None = None,
+                   code: str | None = None) -> JSONResponse:
+    """An OpenAI-shaped error answer.
+
+    Args:
+        status: HTTP status code.
+        message: human message naming the field and the values it accepts.
+        param: the request field at fault, or None.
+        type_: OpenAI error type; default ``"invalid_request_error"`` below 500, ``"server_error"`` above.
+        code: OpenAI's machine-readable code (``"invalid_api_key"``), or None.
+    """
+    kind = type_ or ("server_error" if status >= 500 else "invalid_request_error")
+    body = ErrorBody(error=ErrorDetail(message=message, type=kind, param=param, code=code))
+    return JSONResponse(status_code=status, content=body.model_dump())
+
+
+_AUTH_MESSAGES = {
+    "missing": ("You didn't provide an API key. Send it in an Authorization header: 'Authorization: Bearer "
+                "<key>' (the openai client: OpenAI(api_key=...)).", None),
+    "invalid": ("Incorrect API key provided. Use a key this server was configured with (auth.api_keys or "
+                "auth.api_key_file).", "invalid_api_key"),
+}
+
+
+def unauthorized_response(reason: str) -> JSONResponse:
+    """A 401 in OpenAI's error shape for a ``"missing"`` or ``"invalid"`` key (:meth:`ApiKeys.check`), with
+    ``WWW-Authenticate: Bearer``; it never repeats the key."""
+    message, code = _AUTH_MESSAGES[reason]
+    answer = error_response(401, message, code=code)
+    answer.headers["WWW-Authenticate"] = "Bearer"
+    return answer
+
+
+def unavailable_response(message: str, retry_after_s: float, param: str | None = None) -> JSONResponse:
+    """A 503 answer with ``Retry-After`` in whole seconds (at least 1), for overload and a replica not ready."""
+    answer = error_response(503, message, param=param)
+    answer.headers["Retry-After"] = str(max(1, round(retry_after_s)))
+    return answer
+
+
+def _short(value: Any, limit: int = 40) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def validation_error_response(exc: ValidationError, limits: RequestLimits) -> JSONResponse:
+    """Turn a pydantic error of :class:`ImageGenerationRequest` into an OpenAI error answer.
+
+    Returns:
+        400 when the body is not JSON, else 422; ``param`` is the first field at fault and the message
+        lists every fault, each with the values its field accepts.
+    """
+    fields = ", ".join(ImageGenerationRequest.model_fields)
+    messages: list[str] = []
+    param: str | None = None
+    status = 422
+    for err in exc.errors(include_url=False):
+        loc = [str(p) for p in err.get("loc", ())]
+        name = loc[0] if loc else None
+        kind = err.get("type", "")
+        msg = str(err.get("msg", "")).removeprefix("Value error, ")
+        if kind == "json_invalid":
+            status = 400
+            messages.append(f"request body is not valid JSON ({err.get('ctx', {}).get('error', msg)}); "
+                            f"send a JSON object with the fields {fields}")
+            continue
+        if name is None:
+            messages.append(f"request body must be a JSON object with the fields {fields} ({msg})")
+            continue
+        param = param or name
+        if kind == "extra_forbidden":
+            messages.append(f"unknown field '{name}'; allowed fields: {fields}")
+        elif kind == "missing":
+            messages.append(f"'{name}' is required: {allowed_values(name, limits)}")
+        else:
+            got = f" (got {_short(err['input'])})" if "input" in err else ""
+            messages.append(f"invalid '{name}'{got}: {msg}; allowed: {allowed_values(name, limits)}")
+    return error_response(status, "; ".join(messages) or str(exc), param=param)
+
+
+def find_request_error(exc: BaseException) -> RequestError | None:
+    """The :class:`RequestError` inside ``exc``, however Ray wrapped it, or None.
+
+    Ray re-raises a replica's exception as a ``RayTaskError`` that usually also subclasses the original
+    class (so ``isinstance`` works) and keeps the original in ``.cause``; both are checked, plus the
+    ``__cause__`` chain, a bounded number of levels deep.
+    """
+    seen: BaseException | None = exc
+    for _ in range(8):
+        if seen is None:
+            return None
+        if isinstance(seen, RequestError):
+            cause = getattr(seen, "cause", None)
+            return cause if isinstance(cause, RequestError) else seen
+        seen = getattr(seen, "cause", None) or seen.__cause__
+    return None
