@@ -37,7 +37,7 @@ import pytest
 import yaml
 from PIL import Image
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CPU_CONFIG = ROOT / "deploy" / "serve_config_cpu.yaml"
 BIN = Path(sys.executable).parent
 RAY, SERVE = BIN / "ray", BIN / "serve"

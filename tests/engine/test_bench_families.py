@@ -15,7 +15,7 @@ import diffusers
 import pytest
 import torch
 
-_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_families.py"
+_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_families.py"
 _spec = importlib.util.spec_from_file_location("bench_families", _PATH)
 bench = sys.modules.setdefault("bench_families", importlib.util.module_from_spec(_spec))
 _spec.loader.exec_module(bench)

@@ -33,7 +33,7 @@ from deployments.demo import (
     send_request,
 )
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 import autoscale_replay  # from benchmarks/, put on the path just above
 import bench_router

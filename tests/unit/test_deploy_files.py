@@ -26,7 +26,7 @@ from ray.serve._private.build_app import build_app as serve_build_app
 from ray.serve._private.deploy_utils import deploy_args_to_deployment_info
 from ray.serve.schema import ServeDeploySchema
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CLUSTER = ROOT / "cluster.yaml"
 SERVE_GPU = ROOT / "deploy" / "serve_config.yaml"
 SERVE_CPU = ROOT / "deploy" / "serve_config_cpu.yaml"

@@ -10,7 +10,7 @@ import torch
 
 from bcg_core import FluxAdapter, PixArtAdapter, SD3Adapter
 
-_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_graphs.py"
+_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_graphs.py"
 _spec = importlib.util.spec_from_file_location("bench_graphs", _PATH)
 bench = sys.modules.setdefault("bench_graphs", importlib.util.module_from_spec(_spec))
 _spec.loader.exec_module(bench)

@@ -1,5 +1,6 @@
 """The traffic histogram: bounded counting of request shapes, its JSON snapshot, reading it back from a file or
-a server, the replica recording what it accepts (``/v1/buckets`` ``traffic``), and its Prometheus counters."""
+a server, and its Prometheus counters. The replica recording what it accepts (``/v1/buckets`` ``traffic``) is
+``tests/serve/test_traffic_serve.py``."""
 
 from __future__ import annotations
 
@@ -302,49 +303,11 @@ def test_an_exporter_without_traffic_pushes_no_traffic_series():
 def test_the_readme_documents_the_traffic_counters_and_section():
     from pathlib import Path
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     metrics = readme.split("## Metrics (Prometheus)", 1)[1].split("\n## ", 1)[0]
     assert "`ray_bcg_traffic_requests_total`" in metrics and "`ray_bcg_traffic_dropped_total`" in metrics
     buckets = readme.split("### `GET /v1/buckets` and `GET /healthz`", 1)[1].split("\n## ", 1)[0]
     assert "`traffic`" in buckets and "traffic.max_shapes" in readme
-
-
-# -- the replica, over HTTP ---------------------------------------------------------------------------------
-
-
-def _count(snap: dict, key: tuple) -> int:
-    return _shapes(snap).get(key, 0)
-
-
-@pytest.mark.serve
-def test_the_replica_records_what_it_accepts_and_buckets_shows_it(serve_apps):
-    import httpx
-    from ray import serve
-
-    planner = Planner.from_config(ServeConfig.model_validate({"buckets": {"batch_sizes": [1, 2, 4],
-                                                                          "resolutions": ["256x256", "512x512"],
-                                                                          "text_lengths": [256]}}))
-    prompt = "a traffic histogram test prompt"
-    tokens = planner.count_tokens(prompt)
-    one, two = (256, 256, 1, tokens, 1), (256, 256, 2, tokens, 1)
-    body = {"prompt": prompt, "size": "256x256", "num_inference_steps": 1, "guidance_scale": 0.0, "seed": 5}
-    with httpx.Client(base_url=serve_apps.base_url, timeout=120.0, trust_env=False) as client:
-        before = client.get("/v1/buckets").json()["traffic"]
-        assert client.post("/v1/images/generations", json={**body, "n": 1}).status_code == 200
-        assert client.post("/v1/images/generations", json={**body, "n": 2}).status_code == 200
-        bad = client.post("/v1/images/generations", json={**body, "n": 99})  # refused: never reaches a replica
-        assert bad.status_code == 422
-        # a raw request sent straight to the DiT deployment is planned (once) by the replica and counted too
-        dit = serve.get_deployment_handle("DiTReplica", app_name=serve_apps.app_name)
-        dit.generate.remote({"prompt": prompt, "n": 1, "width": 256, "height": 256, "num_inference_steps": 1,
-                             "guidance_scale": 0.0, "seed": 6}).result(timeout_s=120)
-        answer = client.get("/v1/buckets").json()
-    after = answer["traffic"]
-    assert _count(after, one) == _count(before, one) + 2 and _count(after, two) == _count(before, two) + 1
-    assert after["total"] == before["total"] + 3 and after["dropped"] == 0
-    assert TrafficHistogram.from_snapshot(after).total == after["total"]  # a valid snapshot
-    for replica in answer["ownership"]["replicas"].values():  # merged once, not repeated per replica
-        assert "traffic" not in replica["stats"]
 
 
 def test_the_traffic_config_section_is_bounded_and_typed():

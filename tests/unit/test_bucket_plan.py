@@ -1,7 +1,8 @@
 """The bucket planner (bcg_core/bucket_plan.py) and ``bcg plan``, on synthetic traffic and the packaged samples.
 
 The tiny default model (FLUX layout, token-count keyed, native text 256), its tokenizer only (no weights). The
-cost model is the token-count stand-in unless a test scripts one.
+cost model is the token-count stand-in unless a test scripts one. The searches over the whole krea sample (seconds
+each) are ``tests/engine/test_bucket_plan_krea.py``; the end-to-end run ``tests/serve/test_bucket_plan_serve.py``.
 """
 
 from __future__ import annotations
@@ -67,36 +68,6 @@ def test_a_budget_of_one_graph_picks_the_best_single_bucket():
                 for b, (w, h) in itertools.product(range(1, 9), tiers))
     assert plan.score.graphs == 1 and plan.score.ms_per_image == pytest.approx(brute)
     assert planner.rules.native_text_tokens == 256 and plan.buckets.text_lengths == [256]
-
-
-def test_growing_the_budget_never_makes_the_expected_cost_worse():
-    config = ServeConfig()
-    traffic = traffic_from_rows(config, krea_rows()[:400], steps=20)
-    costs = PlanCosts.token_count(config)
-    by_graphs = [plan_buckets(config, traffic, costs, max_graphs=g).score.ms_per_image for g in range(2, 25, 2)]
-    assert all(b <= a + 1e-9 for a, b in zip(by_graphs, by_graphs[1:])), by_graphs
-    assert by_graphs[-1] < by_graphs[0]
-    first = plan_buckets(config, traffic, costs, max_graphs=2)
-    mib = [first.score.pool_bytes / 2**20 * f for f in (1.0, 1.5, 2, 3, 5, 10)]
-    by_mib = [plan_buckets(config, traffic, costs, budget_mib=m, max_graphs=12).score.ms_per_image for m in mib]
-    assert all(b <= a + 1e-9 for a, b in zip(by_mib, by_mib[1:])), by_mib
-    curve = [p.score.ms_per_image for p in plan_buckets(config, traffic, costs, max_graphs=24).curve]
-    assert curve == sorted(curve, reverse=True)  # the search path only adds buckets
-
-
-def test_every_request_is_served_by_a_bucket_or_a_counted_planned_miss():
-    config = ServeConfig()
-    traffic = traffic_from_rows(config, krea_rows(), steps=20)
-    plan = plan_buckets(config, traffic, max_graphs=12)
-    table = _table(config, plan.buckets.batch_sizes, plan.buckets.resolutions, plan.buckets.text_lengths)
-    missed = sum(d.weight for d in traffic.demands
-                 if not table.lookup(d.query.__class__(min(d.query.batch, table.batch_sizes[-1]), d.query.image_tokens,
-                                                       d.query.text_tokens, d.query.latent_hw)).hit)
-    assert plan.score.miss_share == pytest.approx(missed / traffic.requests)
-    assert plan.score.shares.get("miss", {"share": 0.0})["share"] == pytest.approx(plan.score.miss_share)
-    roomy = plan_buckets(config, traffic, max_graphs=400)  # room for every size: nothing is left to eager
-    assert roomy.score.miss_share == 0.0 and roomy.score.ms_per_image <= plan.score.ms_per_image
-    assert sum(v["share"] for v in plan.score.shares.values()) == pytest.approx(1.0)
 
 
 def test_the_planned_table_beats_a_coarse_batch_bucket():
@@ -207,48 +178,6 @@ def test_planner_limits_shape_the_traffic():
     config = ServeConfig(limits=LimitsConfig(max_images=4), buckets=BucketConfig(batch_sizes=[1, 2, 4, 8]))
     traffic = traffic_from_rows(config, _rows((512, 512, 9, 2), (512, 512, 1, 1)))
     assert traffic.refused == {"n": pytest.approx(2.0)} and traffic.requests == pytest.approx(1.0)
-
-
-@pytest.mark.serve
-def test_end_to_end_plan_serve_replay_and_the_measured_waste_is_the_predicted_one(serve_apps, tmp_path):
-    """Plan a table for the first krea requests, serve it, replay them: the step scheduler's measured padded-token
-    waste is within 2 points of the planner's prediction, the replica holds the planned number of buckets and
-    the requests it served without a bucket are the planned misses.
-
-    On a CPU the replica's cost model never pads (a padded forward is pure extra work on the eager runner), and
-    the planner's eager-runner costs say so: both waste figures are 0 here, and the check that discriminates is
-    which requests hit which shape."""
-    import httpx
-    from ray import serve
-
-    from bcg_core.bucket_plan import traffic_from_requests
-    from deployments import build_app
-    from deployments.demo import load_requests, replay
-
-    config = ServeConfig.model_validate({"model": {"device": "cpu"}})
-    demo = load_requests(6)
-    requests = [GenerationRequest(d.prompt, n=d.n, width=d.width, height=d.height, num_inference_steps=1, seed=0)
-                for d in demo]
-    plan = plan_buckets(config, traffic_from_requests(config, requests), max_graphs=6)
-    assert plan.costs["source"] == "token-count (eager runner)"
-    planned = ServeConfig.model_validate({**config.model_dump(mode="json"), "buckets": plan.buckets.model_dump(mode="json")})
-    serve.run(build_app({"config": planned.model_dump(mode="json")}), name="bcg-planned", route_prefix="/planned")
-    try:
-        url = f"{serve_apps.base_url}/planned"
-        results = replay(url, demo, steps=1, concurrency=1, out_dir=tmp_path, timeout_s=300)
-        assert all(r.ok for r in results), [r.error for r in results]
-        stats = httpx.get(f"{url}/v1/buckets", timeout=60).json()
-    finally:
-        serve.delete("bcg-planned")
-    sched = stats["scheduler"]
-    assert sched["computed_tokens"] > 0
-    assert abs(sched["padded_token_waste"] - plan.score.waste) <= 0.02, (sched["padded_token_waste"], plan.score.waste)
-    assert len(stats["buckets"]) == plan.score.graphs
-    misses = stats["totals"]["misses"] / stats["totals"]["requests"]
-    assert 0 < plan.score.miss_share < 1 and misses == pytest.approx(plan.score.miss_share)
-    served = {b["key"].split("_", 1)[1]: b["requests"] for b in stats["buckets"] if b["requests"]}
-    planned = {k: v["share"] * len(demo) for k, v in plan.score.shares.items() if k != "miss"}
-    assert served == pytest.approx(planned)
 
 
 def _histogram(config: ServeConfig, requests) -> dict:
@@ -371,38 +300,6 @@ def test_review_findings_stale_plan_reject_policy_budgets_and_recorded_cfg(tmp_p
     assert f"--profile {bad}: expected `bcg profile --json` output" in err
     assert "missing ['num_images_per_prompt', 'num_inference_steps', 'prompt_length']" in err
     assert "give it with --traffic gentd26" in err and "e.g. http://127.0.0.1:8011" in err
-
-
-def test_a_masked_text_family_gets_fine_text_buckets_on_its_common_tier_within_the_cap(tmp_path):
-    """PixArt-Sigma at its 512 px bins (the tests/tiny checkpoint with ``sample_size`` 64), planned on the first
-    half of the krea rows and scored on the second: text padding is most of the waste of a one-text table, and
-    a text bucket on every tier costs a graph per tier and batch size, so the plan gives the common 512x512 bin
-    its own finer text buckets (``text_lengths_by_resolution``) and stays within 5% waste and 12 graphs on the
-    held-out half (the issue's target; docs/PLANNER.md)."""
-    from tiny.pixart import build
-
-    path = build(tmp_path / "pixart-512", sample_size=64)
-    config = ServeConfig.model_validate({"model": {"path": str(path), "device": "cuda"},
-                                         "buckets": {"resolutions": ["512x512", "416x608", "608x416"],
-                                                     "text_lengths": [256]}})
-    rows = krea_rows()
-    first = traffic_from_rows(config, rows[:len(rows) // 2], steps=20)
-    second = traffic_from_rows(config, rows[len(rows) // 2:], steps=20)
-    costs = PlanCosts.token_count(config)
-    plan = plan_buckets(config, first, costs, max_graphs=12)
-    by_res = plan.buckets.text_lengths_by_resolution
-    assert set(by_res) == {"512x512"} and len(by_res["512x512"]) > len(plan.buckets.text_lengths)
-    table = planning_table(config.model_copy(update={"buckets": plan.buckets}))
-    assert len(table) == plan.score.graphs <= 12
-    held_out = evaluate(table, second, costs)
-    assert held_out.waste <= 0.05, held_out.waste
-    # a table without the per-tier buckets (the common tier's coarse text only) pads more on the same traffic
-    coarse = planning_table(config.model_copy(update={"buckets": plan.buckets.model_copy(
-        update={"text_lengths_by_resolution": {}})}))
-    assert evaluate(coarse, second, costs).waste > held_out.waste
-    # every tier's buckets as the replica builds them: the common tier's text rounds among its own buckets
-    fine = table.texts_for(1024, (32, 32))
-    assert fine == tuple(by_res["512x512"]) and table.texts_for(988, (38, 26)) == tuple(plan.buckets.text_lengths)
 
 
 def test_the_planners_own_profile_spans_the_sample_and_needs_a_gpu(tmp_path, capsys):

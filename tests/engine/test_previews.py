@@ -27,7 +27,7 @@ from bcg_core.planner import GenerationRequest
 from bcg_core.preview import LinearPreview, PartialImage, preview_steps
 from bcg_core.step_scheduler import StepScheduler
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parents[1]))
 
 HANDOFF_BOUND_MS = 2.0
 """Most milliseconds of the denoising thread one preview may take (measured: about 0.05 ms at 256x256 and
