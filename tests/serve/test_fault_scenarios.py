@@ -18,6 +18,23 @@ request answered 200, none lost, none hung. And per scenario:
   demoted to eager, counted, and every request answered 200.
 - ``step_oom``: one denoising step raises ``torch.OutOfMemoryError`` (a failpoint); its requests are answered 503
   with Retry-After, resent by the client, and served; the replica counts one OOM step.
+
+On a busy 2-core machine, what is timed and how it is kept deterministic:
+
+- The stall is a fixed sleep in the stalled replica (``--stall-s``, from its first capture at start-up), and
+  ``capture_stalled`` judges the ownership while the replica is still stalled: after the others have taken its
+  shapes and the whole load has been answered. With 12 s (this test before) that left about 4 s of margin on an
+  idle machine (the 40 s run of docs/RELIABILITY.md, 12 requests, recovered 31.9 s after its load ended: the load
+  ended about 8 s into the stall), so a machine 1.5 times slower let the replica recover mid-load and failed the
+  ownership checks without any fault of the code. The test now stalls 40 s, as that run: room for a machine 5
+  times slower, at the cost of about 28 s more wall time (the scenario waits for the recovery either way), and
+  asserts ``stalled_through_load`` so that a machine slower still says so instead of failing an ownership check.
+- The fault counters (``bucket_faults``, ``oom_steps``) reach the coordinator by heartbeat: ``faults.py`` waits
+  for them (bounded, 30 s) instead of a fixed 1.5 s.
+- After a kill, "every replica ready" requires the coordinator's replicas to be the live ones, not only their
+  count: a killed replica stays listed until its lease expires, and its replacement may already be alive.
+
+What the test protects is unchanged: every request answered 200 in every scenario, none lost, none hung.
 """
 
 from __future__ import annotations
@@ -36,7 +53,7 @@ REQUESTS = 8
 @pytest.fixture(scope="module")
 def report(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("faults") / "report.json"
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "faults.py"), "--requests", str(REQUESTS), "--stall-s", "12",
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "faults.py"), "--requests", str(REQUESTS), "--stall-s", "40",
            "--json", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
@@ -54,6 +71,7 @@ def test_no_request_is_lost_or_hung(report, scenario):
 def test_a_replica_stalled_in_capture_gives_its_shapes_to_the_others_until_it_recovers(report):
     r = report["capture_stalled"]
     (stalled,) = r["stalled"]
+    assert r["stalled_through_load"], "the load outlasted the --stall-s stall: this machine is too slow for it"
     assert stalled not in r["owners_while_stalled"]
     assert r["owner_served"] == r["ok"]  # the others captured its shapes: no request waited for a fallback
     assert r["stalled_events"][-3:] == ["stalled", "recovered", "join"]
