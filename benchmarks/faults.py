@@ -256,7 +256,7 @@ async def capture_stalled(args, base: str) -> dict:
     before = dit_rss_mb()
     records = await load(base, requests_for(args.requests, args.steps), args.concurrency, args.timeout_s)
     during = await coordinator_snapshot()
-    # the stall must outlast the load for the load to test it (the CI test's --stall-s leaves room for a slow machine)
+    # the stall must outlast the load for the load to test it (the CI test's --stall-s leaves room for that)
     still = sorted(set(stalled) & set(during.get("stalled", [])))
     t0 = time.monotonic()
     after = await all_ready(args.stall_s + args.start_timeout_s)

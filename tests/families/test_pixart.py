@@ -1,4 +1,5 @@
-"""PixArt-Sigma family against ``PixArtSigmaPipeline`` itself (the reference gate, fp32 on CPU), and its bucket adapter.
+"""PixArt-Sigma family against ``PixArtSigmaPipeline`` itself (the reference gate, fp32 on CPU), and its
+bucket adapter.
 
 A tiny random-weight PixArt-Sigma (``tests/tiny/pixart.py``, ``sample_size`` 32 -> ``ASPECT_RATIO_256_BIN``)
 is served through :class:`~bcg_core.DiTPipeline` and compared with diffusers on the same folder, request and

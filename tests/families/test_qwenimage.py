@@ -9,7 +9,7 @@ level). Gate cases: an exact bucket alone (no CFG: no negative prompt, although 
 4.0; bit-identical, byte-equal PNG); rows and text padded with true CFG (norm-rescaled) at an odd grid, with
 the decode alone byte-exact on diffusers' own latents; a request joining another that started steps earlier.
 
-Bucket equivalence (``QwenImageAdapter``, as ``tests/test_pixart.py``): every bucket's padded, masked forward
+Bucket equivalence (``QwenImageAdapter``, as ``families/test_pixart.py``): every bucket's padded, masked forward
 equals the unpadded forward at its boundary shapes; text RoPE positions do not depend on the padded length;
 the mask is what makes text padding exact; the grid (not the token count) is what the RoPE depends on.
 """

@@ -1,4 +1,5 @@
-"""SD3 / SD3.5 family: bcg-serve's step-level loop against ``StableDiffusion3Pipeline`` itself, and its bucket adapter.
+"""SD3 / SD3.5 family: bcg-serve's step-level loop against ``StableDiffusion3Pipeline`` itself, and its bucket
+adapter.
 
 Tiny pipelines in the real layout (``tests/tiny/sd3.py``: SD3 and SD3.5 with RMS qk-norm and dual attention,
 and one with ``use_dynamic_shifting``), fp32 on CPU. The reference gate (``tests/reference_gate.py``): same

@@ -6,7 +6,7 @@ and the body match the schema, errors included; every 4xx is OpenAI's error shap
 (``param``) or, for a body-level error (malformed JSON, a missing or wrong key), says what to send. The app under
 test has small limits (256 px sides, 2 images, 2 steps) so that the bodies the fuzzer makes valid generate quickly
 on a CPU; ``max_examples`` bounds the run (a few minutes on 2 cores). Inputs it found that broke something are
-regression cases in ``tests/test_http_api.py`` and here.
+regression cases in ``tests/serve/test_http_api.py`` and here.
 """
 
 from __future__ import annotations

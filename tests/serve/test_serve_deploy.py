@@ -6,7 +6,7 @@ dashboard's REST API), deploy the config file, wait until the application is RUN
 over HTTP, shut Serve down.
 
 The cluster is isolated from every other Ray instance on this machine (the session's
-``ray.init(address="local")`` of ``tests/conftest.py``, anybody else's):
+``ray.init(address="local")`` of ``tests/serve/conftest.py``, anybody else's):
 
 - each of its ports is a free one (GCS, dashboard, dashboard agent HTTP and gRPC, metrics export, runtime
   env agent, Ray client server) and Ray's temp dir is a fresh folder;

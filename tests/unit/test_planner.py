@@ -9,7 +9,7 @@ RULES = ShapeRules(pixels_per_token=16, grid_keyed=False, native_text_tokens=32)
 
 def _planner(policy=MissPolicy.EAGER, scheduler: str = "request") -> Planner:
     """The request-level scheduler by default: there a batch above the largest bucket is a miss (the step
-    scheduler splits it instead: tests/test_step_scheduler.py)."""
+    scheduler splits it instead: tests/engine/test_step_scheduler.py)."""
     cfg = ServeConfig(buckets=BucketConfig(batch_sizes=[1, 2, 4, 8], resolutions=["256x256", "512x512"],
                                            text_lengths=[32], miss_policy=policy), runner={"scheduler": scheduler})
     return Planner(cfg, RULES, count_tokens=lambda s, negative=False: len(s.split()) + 2)
