@@ -21,7 +21,7 @@ export PYTHONPATH=$HOME/site:$PWD`` (scratch needs ~25 GB free for flux-dev, ~5 
         --cases pixart-512,pixart-1024,sd3-512,sd3-1024,sana-1024
     python benchmarks/bench_families.py bench --scratch /dev/shm --out bench_flux.json --cases flux-dev-1024
 
-CPU smoke (tests/test_bench_families.py; tiny configs and tables, fp32, eager only)::
+CPU smoke (tests/engine/test_bench_families.py; tiny configs and tables, fp32, eager only)::
 
     python benchmarks/bench_families.py verify --device cpu --tiny --out verify.json
     python benchmarks/bench_families.py bench --device cpu --tiny --repeats 1 --out bench.json

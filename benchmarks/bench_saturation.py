@@ -63,7 +63,7 @@ export PYTHONPATH=$HOME/site:$PWD`` (``--scratch`` needs ~3 GB free for flux-dev
 (defaults: 32 requests, 20 steps, concurrency 16, servers naive,request,step; JSON to
 ``docs/bench/<date>_saturation_<model>_<gpu>.json``; roughly 10 minutes each: a server's start with its graph
 captures takes 0.5-2 minutes, the step server's cost measurement included). CPU smoke
-(tests/test_bench_saturation.py runs it with ``--c1-requests 2 --warmup none``)::
+(tests/serve/test_bench_saturation_serve.py runs it with ``--c1-requests 2 --warmup none``)::
 
     OMP_NUM_THREADS=1 python benchmarks/bench_saturation.py --model tiny --requests 2 --steps 1 \\
         --concurrency 2 --servers naive,request --out /tmp/saturation.json

@@ -8,8 +8,9 @@ this order, each under its own bounded load of HTTP requests (exact sizes of the
 - ``capture_stalled``: the application starts with the ``capture_stall`` failpoint armed
   (:mod:`bcg_core.failpoints`): one DiT replica sleeps ``--stall-s`` in its first capture. With
   ``routing.capture_stall_s`` = ``--capture-stall-s`` the coordinator takes it out of the assignment; the
-  others capture its shapes and serve them as owners. The load runs while it is stuck; then the scenario waits
-  for it to recover (its event ``recovered``) and for every replica to be ready.
+  others capture its shapes and serve them as owners. The load runs while it is stuck (``stalled_through_load``:
+  it still was when the load's last answer came); then the scenario waits for it to recover (its event
+  ``recovered``) and for every replica to be ready.
 - ``dit_killed``: a DiT replica is killed (``ray.kill``) once the coordinator's last heartbeat from it shows at
   least 2 requests of one shape in its step scheduler (rows of several requests in one batch). The ingress
   resends its requests in flight (``bcg.retries`` in their answers); Serve starts a replacement.
@@ -135,13 +136,16 @@ async def wait_until(predicate, timeout_s: float, period_s: float = 0.5):
 
 
 async def all_ready(timeout_s: float) -> dict:
-    """Wait until the coordinator has every DiT replica with every owned shape ready and none stalled."""
+    """Wait until the coordinator has every DiT replica with every owned shape ready and none stalled, and the
+    replicas it lists are the live ones (a killed replica stays listed until its lease expires: with its
+    replacement already alive the count alone would match too early)."""
     async def ok():
         snap = await coordinator_snapshot()
         reps = snap.get("replicas", {})
+        live = {a["id"] for a in serve_actors("DiTReplica")}
         good = (snap.get("assigned") and len(reps) == DIT_REPLICAS and not snap.get("stalled")
                 and all(set(r["owned"]) <= set(r["ready"]) for r in reps.values())
-                and len(serve_actors("DiTReplica")) == DIT_REPLICAS)
+                and len(live) == DIT_REPLICAS and set(reps) <= live)
         return snap if good else None
     return await wait_until(ok, timeout_s) or await coordinator_snapshot()
 
@@ -252,11 +256,14 @@ async def capture_stalled(args, base: str) -> dict:
     before = dit_rss_mb()
     records = await load(base, requests_for(args.requests, args.steps), args.concurrency, args.timeout_s)
     during = await coordinator_snapshot()
+    # the stall must outlast the load for the load to test it (the CI test's --stall-s leaves room for that)
+    still = sorted(set(stalled) & set(during.get("stalled", [])))
     t0 = time.monotonic()
     after = await all_ready(args.stall_s + args.start_timeout_s)
     events = [e for e in after.get("events", []) if e["replica"] in stalled]
     return {**counts(records), "rss_mb_before": before, "rss_mb_after": dit_rss_mb(),
-            "stalled": stalled, "owners_while_stalled": {r: v["owned"] for r, v in during.get("replicas", {}).items()},
+            "stalled": stalled, "stalled_through_load": still == sorted(stalled),
+            "owners_while_stalled": {r: v["owned"] for r, v in during.get("replicas", {}).items()},
             "recovered_after_s": round(time.monotonic() - t0, 1),
             "stalled_events": [e["event"] for e in events], "records": records}
 
@@ -378,10 +385,7 @@ async def forward_error(args, base: str) -> dict:
     before = dit_rss_mb()
     os.makedirs(args.forward_dir, exist_ok=True)  # arms it: one padded forward somewhere raises
     records = await load(base, requests_for(args.requests, args.steps), args.concurrency, args.timeout_s)
-    await asyncio.sleep(1.5)  # a heartbeat or two: the replicas' fault counters reach the coordinator
-    snap = await coordinator_snapshot()
-    faults = {r: v["stats"].get("bucket_faults") for r, v in snap.get("replicas", {}).items()
-              if v["stats"].get("bucket_faults")}
+    faults = await replica_counters("bucket_faults")
     return {**counts(records), "rss_mb_before": before, "rss_mb_after": dit_rss_mb(), "bucket_faults": faults,
             "records": records}
 
@@ -391,11 +395,19 @@ async def step_oom(args, base: str) -> dict:
     before = dit_rss_mb()
     os.makedirs(args.oom_dir, exist_ok=True)  # arms it: one denoising step somewhere runs out of memory
     records = await load(base, requests_for(args.requests, args.steps), args.concurrency, args.timeout_s)
-    await asyncio.sleep(1.5)
-    snap = await coordinator_snapshot()
-    ooms = {r: v["stats"].get("oom_steps") for r, v in snap.get("replicas", {}).items() if v["stats"].get("oom_steps")}
+    ooms = await replica_counters("oom_steps")
     return {**counts(records), "rss_mb_before": before, "rss_mb_after": dit_rss_mb(), "oom_steps": ooms,
             "records": records}
+
+
+async def replica_counters(name: str, timeout_s: float = 30.0) -> dict:
+    """``{replica: stats[name]}`` of the replicas whose heartbeat shows a nonzero ``name`` (``bucket_faults``,
+    ``oom_steps``), once one does (bounded wait): a heartbeat every ``stats_period_s``, later on a busy machine."""
+    async def seen():
+        snap = await coordinator_snapshot()
+        found = {r: v.get("stats", {}).get(name) for r, v in snap.get("replicas", {}).items()}
+        return {r: c for r, c in found.items() if c} or None
+    return await wait_until(seen, timeout_s) or {}
 
 
 async def _ingress_back():

@@ -3,8 +3,11 @@
 For ``--duration-s`` seconds, ``--concurrency`` clients send the packaged krea requests in order (their own sizes
 and image counts, cycling), each with a step count drawn from ``--steps`` (seeded), streamed with probability
 ``--stream-share`` (``partial_images`` 1-2) and abandoned mid-request with probability ``--disconnect-share``
-(the client closes the connection after a random 0.2-2 s). A poller reads ``GET /v1/buckets`` every second
-meanwhile. Every request is bounded by ``--request-timeout-s``.
+(the client closes the connection after a random 0.2-2 s). The first request is streamed with 2 previews at the
+most steps and the second abandoned after 1 s, whatever the draws: every kind of request (the preview thread
+and its fitted decoder are made on first use) has run before the warm-up's memory baseline, however few
+requests a slow machine gets through in warm-up. A poller reads ``GET /v1/buckets`` every second meanwhile (a
+poll starts each second, however long the last one took). Every request is bounded by ``--request-timeout-s``.
 
 Reported (JSON, ``--out``):
 
@@ -12,11 +15,19 @@ Reported (JSON, ``--out``):
   without an HTTP answer that the client did not cause) and **hung** (no answer within the request timeout);
 - the DiT replica's resident memory (``/proc/<pid>/status`` VmRSS of the process Ray titles ``DiTReplica``):
   **at rest** after warm-up and at the end, the target's measure. At the end of warm-up (the first
-  ``--warmup-share`` of the run) the clients pause: once no request is in flight and ``--quiet-s`` have passed,
-  the median of 5 samples 0.2 s apart is the baseline; then the load resumes. After the run the same is taken
-  again. Under load the memory swings with the requests in flight (activations, decoded images of 9-image
-  requests, previews), so the series sampled every poll and the medians of its first and last tenth after
-  warm-up are reported too, but not judged;
+  ``--warmup-share`` of the run) the clients pause; the memory at rest is taken once the replica itself is at
+  rest, not after a fixed wait (:func:`memory_at_rest`): no request left in the client, none in the replica's
+  step scheduler (``GET /v1/buckets``: waiting, starting, running and finishing all 0: an abandoned request runs
+  until its next step), and the scheduler's idle trim (``bcg_core/memtrim.py``, ``runner.trim_idle_s``) done
+  since the replica went idle; then ``--quiet-s`` later the median of 5 samples 0.2 s apart, kept only if no
+  request ran on the replica meanwhile (its step and request counters unchanged; else the wait starts over). That
+  is the baseline, and the load resumes. After the run the same is taken again (``memory.rest``: whether rest was
+  reached, the wait, the trims, restarts, and ``memory_mb``: the resident set split into private heap
+  ``RssAnon``, mapped files and shared memory). On a busy machine a fixed wait could sample a replica still
+  running an abandoned request, or before its trim: memory that is about to be given back. Under load the
+  memory swings with the requests in flight (activations, decoded images of 9-image requests, previews), so the
+  series sampled every poll and the medians of its first and last tenth after warm-up are reported too, but not
+  judged;
 - the bucket count and the runner's modes at the start and the end (the graph count on a GPU);
 - the replica's counters at the end (``totals``, scheduler ``cancelled``, ``expired``, ``failed``).
 
@@ -51,26 +62,111 @@ sys.path.insert(0, str(ROOT))
 from deployments.demo import load_requests  # noqa: E402
 
 
-def replica_rss_bytes(app: str = "bcg") -> dict[int, int]:
-    """VmRSS of every DiT replica process of application ``app`` on this machine, by pid: the processes Ray
-    titles ``ray::ServeReplica:<app>:DiTReplica`` (Linux ``/proc``; Ray's state API needs the dashboard, which
-    ``bcg serve`` does not start). Other applications' replicas (another test's, ``benchmarks/faults.py``'s) are
-    left out. ``"bcg"``: the application of ``bcg serve``'s ``start_local``."""
+def _replica_status(app: str):
+    """``(pid, /proc/<pid>/status text)`` of every DiT replica process of application ``app`` on this machine."""
     mark = f"ray::ServeReplica:{app}:DiTReplica".encode()
-    out = {}
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
             continue
         try:
             if not (proc / "cmdline").read_bytes().startswith(mark):
                 continue
-            status = (proc / "status").read_text()
+            yield int(proc.name), (proc / "status").read_text()
         except OSError:
             continue
+
+
+def replica_rss_bytes(app: str = "bcg") -> dict[int, int]:
+    """VmRSS of every DiT replica process of application ``app`` on this machine, by pid: the processes Ray
+    titles ``ray::ServeReplica:<app>:DiTReplica`` (Linux ``/proc``; Ray's state API needs the dashboard, which
+    ``bcg serve`` does not start). Other applications' replicas (another test's, ``benchmarks/faults.py``'s) are
+    left out. ``"bcg"``: the application of ``bcg serve``'s ``start_local``."""
+    out = {}
+    for pid, status in _replica_status(app):
         kb = next((int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:")), None)
         if kb is not None:
-            out[int(proc.name)] = kb * 1024
+            out[pid] = kb * 1024
     return out
+
+
+def replica_memory(app: str = "bcg") -> dict[str, int]:
+    """``VmRSS``, ``RssAnon``, ``RssFile`` and ``RssShmem`` (bytes) summed over the processes of
+    :func:`replica_rss_bytes`: private heap, mapped files and shared memory (Ray's object store)."""
+    out = dict.fromkeys(("VmRSS", "RssAnon", "RssFile", "RssShmem"), 0)
+    for _, status in _replica_status(app):
+        for line in status.splitlines():
+            key = line.split(":", 1)[0]
+            if key in out:
+                out[key] += int(line.split()[1]) * 1024
+    return out
+
+
+BUSY = ("waiting", "starting", "running", "finishing")
+"""Step scheduler counts (``GET /v1/buckets`` ``scheduler``) of requests it still holds."""
+ACTIVITY = ("admitted", "completed", "cancelled", "cancelled_waiting", "expired", "failed")
+"""Per-shape scheduler counters that move when a request enters or leaves it."""
+
+
+def _activity(state: dict) -> tuple:
+    shapes = state.get("shapes") or {}
+    return (state.get("iterations"), *(sum(v.get(k, 0) for v in shapes.values()) for k in ACTIVITY))
+
+
+async def memory_at_rest(state, client_busy, rss, quiet_s: float, timeout_s: float,
+                         poll_s: float = 0.25) -> tuple[int | None, dict]:
+    """The replica's resident memory at rest and how the wait went (module docstring).
+
+    At rest: ``client_busy()`` false, none of :data:`BUSY` in the replica's step scheduler (``await state()``:
+    its ``GET /v1/buckets`` section, None without one), and its idle trim done since it went idle (its
+    ``memory_trim.trims`` grew, or it has been idle a second longer than the trim's delay). Then, ``quiet_s``
+    later, the median of 5 ``rss()`` samples 0.2 s apart; if a request ran on the replica meanwhile (it is busy
+    again, or its step count or request counters moved: an abandoned request that started late), the wait starts
+    over. Bounded by ``timeout_s``: ``settled`` says whether rest was reached.
+    """
+    t0 = time.monotonic()
+    limit = t0 + timeout_s
+    note: dict = {"settled": False, "restarts": 0}
+    first = await state()
+    trim = (first or {}).get("memory_trim") or None
+    trims0 = trim["trims"] if trim else None
+    samples: list[int] = []
+    while True:
+        settled_state, idle_since, idle_trims = None, None, None
+        while time.monotonic() < limit:
+            current = await state()
+            now = time.monotonic()
+            if current is None and first is not None:  # no answer this time: ask again
+                await asyncio.sleep(poll_s)
+                continue
+            busy = client_busy() or (current is not None and any(current.get(k, 0) for k in BUSY))
+            trim = (current or {}).get("memory_trim") or None
+            if busy:
+                idle_since = None
+            elif idle_since is None:  # idle from now on: its trim comes trim_idle_s later
+                idle_since, idle_trims = now, (trim or {}).get("trims")
+            if idle_since is not None and (trim is None or trims0 is None  # no trim to wait for
+                                           or trim["trims"] > idle_trims or now - idle_since >= trim["delay_s"] + 1.0):
+                settled_state = current
+                break
+            await asyncio.sleep(poll_s)
+        await asyncio.sleep(quiet_s)
+        samples = []
+        for _ in range(5):
+            samples.append(await asyncio.to_thread(rss))
+            await asyncio.sleep(0.2)
+        after = await state() if settled_state is not None else None
+        if settled_state is None or after is None or time.monotonic() >= limit:
+            note["settled"] = settled_state is not None and first is not None and after is not None
+            break
+        if not client_busy() and not any(after.get(k, 0) for k in BUSY) \
+                and _activity(after) == _activity(settled_state):
+            note["settled"] = True
+            break
+        note["restarts"] += 1  # a request ran while the memory was sampled: wait for rest again
+    if trims0 is not None and trim is not None:
+        note["trims"] = trim["trims"] - trims0
+    note["waited_s"] = round(time.monotonic() - t0, 2)
+    return (int(statistics.median(samples)) if any(samples) else None), note
 
 
 async def one(client, url: str, body: dict, stream: bool, disconnect_after: float | None, timeout_s: float,
@@ -129,6 +225,7 @@ async def soak(url: str, args) -> dict:
     memory: list[tuple[float, int]] = []
     device_memory: list[tuple[float, int, int]] = []  # (t, allocated, reserved) on CUDA
     at_rest: dict[str, int | None] = {}
+    rest: dict[str, dict] = {}
     device_at_rest: dict[str, dict | None] = {}
     polls = {"ok": 0, "failed": 0}
     go = asyncio.Event()
@@ -144,13 +241,19 @@ async def soak(url: str, args) -> dict:
         async with httpx.AsyncClient(timeout=args.request_timeout_s, trust_env=False) as client:
             while time.monotonic() < deadline:
                 await go.wait()
-                d = rows[next(next_row) % len(rows)]
+                i = next(next_row)
+                d = rows[i % len(rows)]
                 stream = rng.random() < args.stream_share
                 body = {"prompt": d.prompt, "size": f"{d.width}x{d.height}", "n": d.n,
                         "num_inference_steps": rng.choice(steps), "seed": rng.randrange(2**31)}
                 if stream:
                     body.update(stream=True, partial_images=rng.choice((1, 2)))
                 gone = rng.uniform(0.2, 2.0) if rng.random() < args.disconnect_share else None
+                if i == 0:  # every kind runs before the baseline (module docstring); the draws stay as they were
+                    stream, gone = True, None
+                    body.update(stream=True, partial_images=2, num_inference_steps=max(steps))
+                elif i == 1:
+                    gone = 1.0
                 in_flight += 1
                 try:
                     out = await one(client, url, body, stream, gone, args.request_timeout_s, details)
@@ -158,18 +261,25 @@ async def soak(url: str, args) -> dict:
                     in_flight -= 1
                 outcomes[out] = outcomes.get(out, 0) + 1
 
-    async def rest_rss() -> int | None:
-        """The replica's memory at rest: no request in flight (bounded wait), ``--quiet-s`` later, the median of 5
-        samples."""
-        limit = time.monotonic() + args.request_timeout_s
-        while in_flight and time.monotonic() < limit:
-            await asyncio.sleep(0.1)
-        await asyncio.sleep(args.quiet_s)
-        samples = []
-        for _ in range(5):
-            samples.append(sum((await asyncio.to_thread(replica_rss_bytes)).values()))
-            await asyncio.sleep(0.2)
-        return int(statistics.median(samples)) if any(samples) else None
+    async def scheduler_state(client) -> dict | None:
+        """The replica's step scheduler as ``GET /v1/buckets`` shows it; None without an answer or a step
+        scheduler."""
+        try:
+            r = await client.get(f"{url}/v1/buckets")
+        except httpx.HTTPError:
+            return None
+        sched = r.json().get("scheduler") if r.status_code == 200 else None
+        return sched if isinstance(sched, dict) and sched.get("kind") == "step" else None
+
+    async def rest_rss(name: str) -> int | None:
+        """The replica's memory at rest (:func:`memory_at_rest`); how the wait went is kept in ``rest[name]``."""
+        async with httpx.AsyncClient(timeout=30, trust_env=False) as client:
+            rss, rest[name] = await memory_at_rest(lambda: scheduler_state(client), lambda: in_flight > 0,
+                                                   lambda: sum(replica_rss_bytes().values()), args.quiet_s,
+                                                   args.request_timeout_s)
+        parts = await asyncio.to_thread(replica_memory)
+        rest[name]["memory_mb"] = {k: round(v / 2**20, 1) for k, v in parts.items()}
+        return rss
 
     async def rest_device() -> dict | None:
         """The replica's CUDA memory at rest (after :func:`rest_rss`), None on a CPU."""
@@ -181,7 +291,7 @@ async def soak(url: str, args) -> dict:
         await asyncio.sleep(args.warmup_share * args.duration_s)
         go.clear()
         try:
-            at_rest["after_warmup"] = await rest_rss()
+            at_rest["after_warmup"] = await rest_rss("after_warmup")
             device_at_rest["after_warmup"] = await rest_device()
         finally:
             go.set()
@@ -189,6 +299,7 @@ async def soak(url: str, args) -> dict:
     async def poller() -> None:
         async with httpx.AsyncClient(timeout=30, trust_env=False) as client:
             while time.monotonic() < deadline:
+                began = time.monotonic()
                 try:
                     r = await client.get(f"{url}/v1/buckets")
                     polls["ok" if r.status_code == 200 else "failed"] += 1
@@ -202,10 +313,10 @@ async def soak(url: str, args) -> dict:
                 rss = await asyncio.to_thread(replica_rss_bytes)
                 if rss:
                     memory.append((time.monotonic() - t0, sum(rss.values())))
-                await asyncio.sleep(1.0)
+                await asyncio.sleep(max(0.0, 1.0 - (time.monotonic() - began)))  # a poll each second
 
     await asyncio.gather(poller(), pause_after_warmup(), *(client_loop() for _ in range(args.concurrency)))
-    at_rest["end"] = await rest_rss()
+    at_rest["end"] = await rest_rss("end")
     device_at_rest["end"] = await rest_device()
     async with httpx.AsyncClient(timeout=60, trust_env=False) as client:
         end_stats = (await client.get(f"{url}/v1/buckets")).json()
@@ -237,7 +348,7 @@ async def soak(url: str, args) -> dict:
         "duration_s": args.duration_s, "sent": sum(outcomes.values()), "outcomes": outcomes, "failures": details[:20],
         "polls": polls,
         "memory": {"at_rest_after_warmup_bytes": base, "at_rest_end_bytes": end,
-                   "change_at_rest": round(change, 4) if change is not None else None,
+                   "change_at_rest": round(change, 4) if change is not None else None, "rest": rest,
                    "samples": len(memory), "under_load_first_tenth_median_bytes": after_warmup,
                    "under_load_last_tenth_median_bytes": at_end,
                    "series": [(round(t, 1), m) for t, m in memory[:: max(1, len(memory) // 60)]]},

@@ -1,7 +1,7 @@
-"""Scenario of ``tests/test_prometheus.py``, run in its own process with its own Ray instance.
+"""Scenario of ``tests/serve/test_prometheus_serve.py``, run in its own process with its own Ray instance.
 
 Starts Ray on this machine with Prometheus export on a given port (``_metrics_export_port``) and a short metrics
-report interval, serves the small eager-miss application of ``tests/conftest.py`` on 127.0.0.1, sends four small
+report interval, serves the small eager-miss application of ``tests/serve/conftest.py`` on 127.0.0.1, sends four small
 requests over HTTP (two exact 256x256 hits, one 256x272 hit in a masked bucket, one image miss), reads
 ``GET /v1/buckets``, then scrapes ``http://127.0.0.1:PORT/metrics`` until the ``ray_bcg_*`` series show the same
 request counts (bounded wait), and writes a JSON report:
@@ -25,6 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "tests" / "serve"))  # its conftest.py: EAGER_CONFIG
 
 REQUESTS = [
     {"prompt": "a red fox", "size": "256x256", "n": 1, "num_inference_steps": 1, "seed": 1},

@@ -19,7 +19,7 @@ import torch
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 SLOWDOWN_BOUND = 1.25
-"""The README's bound, the same as tests/test_previews.py's on the CPU."""
+"""The README's bound, the same as tests/engine/test_previews.py's on the CPU."""
 
 _BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 

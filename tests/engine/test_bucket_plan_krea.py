@@ -1,0 +1,85 @@
+"""The bucket planner (bcg_core/planning/table_search.py) on the whole krea sample: the searches that take seconds each on
+2 cores, and a masked-text family planned on the tests/tiny PixArt-Sigma checkpoint. The tiny default model, its
+tokenizer only (no weights); the cost model is the token-count stand-in. The fast planner checks are
+``tests/unit/test_bucket_plan.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from bcg_core import BucketConfig, ServeConfig
+from bcg_core.planning.costs import PlanCosts, evaluate
+from bcg_core.planning.samples import krea_rows, planning_planner, planning_table, traffic_from_rows
+from bcg_core.planning.table_search import search_table
+from bcg_core.table import BucketTable
+
+
+def _table(config: ServeConfig, batch, tiers, texts) -> BucketTable:
+    planner = planning_planner(config)
+    cfg = BucketConfig(**{**config.buckets.model_dump(), "batch_sizes": list(batch), "resolutions": list(tiers),
+                          "text_lengths": list(texts)})
+    side = -(-config.limits.min_side_px // planner.rules.pixels_per_token)
+    return BucketTable(cfg, planner.rules, side * side)
+
+
+def test_growing_the_budget_never_makes_the_expected_cost_worse():
+    config = ServeConfig()
+    traffic = traffic_from_rows(config, krea_rows()[:400], steps=20)
+    costs = PlanCosts.token_count(config)
+    by_graphs = [search_table(config, traffic, costs, max_graphs=g).score.ms_per_image for g in range(2, 25, 2)]
+    assert all(b <= a + 1e-9 for a, b in zip(by_graphs, by_graphs[1:])), by_graphs
+    assert by_graphs[-1] < by_graphs[0]
+    first = search_table(config, traffic, costs, max_graphs=2)
+    mib = [first.score.pool_bytes / 2**20 * f for f in (1.0, 1.5, 2, 3, 5, 10)]
+    by_mib = [search_table(config, traffic, costs, budget_mib=m, max_graphs=12).score.ms_per_image for m in mib]
+    assert all(b <= a + 1e-9 for a, b in zip(by_mib, by_mib[1:])), by_mib
+    curve = [p.score.ms_per_image for p in search_table(config, traffic, costs, max_graphs=24).curve]
+    assert curve == sorted(curve, reverse=True)  # the search path only adds buckets
+
+
+def test_every_request_is_served_by_a_bucket_or_a_counted_planned_miss():
+    config = ServeConfig()
+    traffic = traffic_from_rows(config, krea_rows(), steps=20)
+    plan = search_table(config, traffic, max_graphs=12)
+    table = _table(config, plan.buckets.batch_sizes, plan.buckets.resolutions, plan.buckets.text_lengths)
+    missed = sum(d.weight for d in traffic.demands
+                 if not table.lookup(d.query.__class__(min(d.query.batch, table.batch_sizes[-1]), d.query.image_tokens,
+                                                       d.query.text_tokens, d.query.latent_hw)).hit)
+    assert plan.score.miss_share == pytest.approx(missed / traffic.requests)
+    assert plan.score.shares.get("miss", {"share": 0.0})["share"] == pytest.approx(plan.score.miss_share)
+    roomy = search_table(config, traffic, max_graphs=400)  # room for every size: nothing is left to eager
+    assert roomy.score.miss_share == 0.0 and roomy.score.ms_per_image <= plan.score.ms_per_image
+    assert sum(v["share"] for v in plan.score.shares.values()) == pytest.approx(1.0)
+
+
+def test_a_masked_text_family_gets_fine_text_buckets_on_its_common_tier_within_the_cap(tmp_path):
+    """PixArt-Sigma at its 512 px bins (the tests/tiny checkpoint with ``sample_size`` 64), planned on the first
+    half of the krea rows and scored on the second: text padding is most of the waste of a one-text table, and
+    a text bucket on every tier costs a graph per tier and batch size, so the plan gives the common 512x512 bin
+    its own finer text buckets (``text_lengths_by_resolution``) and stays within 5% waste and 12 graphs on the
+    held-out half (the issue's target; docs/PLANNER.md)."""
+    from tiny.pixart import build
+
+    path = build(tmp_path / "pixart-512", sample_size=64)
+    config = ServeConfig.model_validate({"model": {"path": str(path), "device": "cuda"},
+                                         "buckets": {"resolutions": ["512x512", "416x608", "608x416"],
+                                                     "text_lengths": [256]}})
+    rows = krea_rows()
+    first = traffic_from_rows(config, rows[:len(rows) // 2], steps=20)
+    second = traffic_from_rows(config, rows[len(rows) // 2:], steps=20)
+    costs = PlanCosts.token_count(config)
+    plan = search_table(config, first, costs, max_graphs=12)
+    by_res = plan.buckets.text_lengths_by_resolution
+    assert set(by_res) == {"512x512"} and len(by_res["512x512"]) > len(plan.buckets.text_lengths)
+    table = planning_table(config.model_copy(update={"buckets": plan.buckets}))
+    assert len(table) == plan.score.graphs <= 12
+    held_out = evaluate(table, second, costs)
+    assert held_out.waste <= 0.05, held_out.waste
+    # a table without the per-tier buckets (the common tier's coarse text only) pads more on the same traffic
+    coarse = planning_table(config.model_copy(update={"buckets": plan.buckets.model_copy(
+        update={"text_lengths_by_resolution": {}})}))
+    assert evaluate(coarse, second, costs).waste > held_out.waste
+    # every tier's buckets as the replica builds them: the common tier's text rounds among its own buckets
+    fine = table.texts_for(1024, (32, 32))
+    assert fine == tuple(by_res["512x512"]) and table.texts_for(988, (38, 26)) == tuple(plan.buckets.text_lengths)

@@ -1,0 +1,193 @@
+"""``benchmarks/bench_saturation.py`` on the CPU: its pure parts and the naive table against the real planner (the
+tiny default's tokenizer, no weights). The end-to-end run is ``tests/serve/test_bench_saturation_serve.py``."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+_PATH = ROOT / "benchmarks" / "bench_saturation.py"
+_spec = importlib.util.spec_from_file_location("bench_saturation", _PATH)
+bench = sys.modules.setdefault("bench_saturation", importlib.util.module_from_spec(_spec))
+_spec.loader.exec_module(bench)
+
+
+# -- percentiles -----------------------------------------------------------------------------------------------
+
+
+def test_percentile_is_linear_between_order_statistics_as_numpy():
+    np = pytest.importorskip("numpy")
+    values = [120.0, 5.0, 33.0, 7.5, 61.0, 2.0, 90.0]
+    for q in (0, 1, 25, 50, 75, 99, 100):
+        assert bench.percentile(values, q) == pytest.approx(float(np.percentile(values, q)))
+    assert bench.percentile([3.0, 1.0], 50) == 2.0
+    assert bench.percentile([4.0], 99) == 4.0
+    assert bench.percentile([], 50) is None
+    with pytest.raises(ValueError, match="from 0 to 100"):
+        bench.percentile([1.0], 101)
+
+
+# -- padded-token waste from GET /v1/buckets -------------------------------------------------------------------
+
+
+def _stats(bucket_tokens, miss_tokens, scheduler=None):
+    out = {"buckets": [{"key": f"b{i}", "real_tokens": r, "padded_tokens": p} for i, (r, p) in enumerate(bucket_tokens)],
+           "misses": {"requests": 1, "real_tokens": miss_tokens[0], "padded_tokens": miss_tokens[1]}}
+    if scheduler is not None:
+        out["scheduler"] = scheduler
+    return out
+
+
+def test_waste_without_scheduler_sums_buckets_and_misses_over_the_replay_window():
+    after = _stats([(900, 1000), (0, 0), (300, 500)], (100, 100))
+    w = bench.padded_token_waste(after)
+    assert w["source"] == "buckets" and w["window"] == "since_start"
+    assert (w["real_tokens"], w["padded_tokens"]) == (1300, 1600)
+    assert w["waste"] == pytest.approx(1 - 1300 / 1600) == w["buckets_replay"]
+    before = _stats([(400, 400), (0, 0), (300, 500)], (0, 0))  # the warm-up's counts are subtracted
+    w = bench.padded_token_waste(after, before)
+    assert w["window"] == "replay" and (w["real_tokens"], w["padded_tokens"]) == (600, 700)
+    assert w["waste"] == pytest.approx(1 - 600 / 700)
+    assert bench.padded_token_waste(_stats([(0, 0)], (0, 0)))["waste"] is None  # nothing computed
+
+
+def test_waste_with_a_scheduler_section_uses_its_fraction_or_its_token_counters():
+    sched = {"kind": "step", "padded_token_waste": 0.25}
+    w = bench.padded_token_waste(_stats([(900, 1000)], (0, 0), sched), _stats([(0, 0)], (0, 0)))
+    assert w["source"] == "scheduler" and w["waste"] == 0.25 and w["window"] == "since_start"
+    assert w["buckets_replay"] == pytest.approx(0.1)  # the bucket counters are still reported beside it
+    after = _stats([], (0, 0), {"padded_token_waste": 0.3, "real_tokens": 1000, "computed_tokens": 1500})
+    before = _stats([], (0, 0), {"padded_token_waste": 0.0, "real_tokens": 200, "computed_tokens": 200})
+    w = bench.padded_token_waste(after, before)
+    assert w["source"] == "scheduler" and w["window"] == "replay"
+    assert w["waste"] == pytest.approx(1 - 800 / 1300)
+
+
+# -- the naive table against the real planner ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from bcg_core.config import ModelConfig
+    from bcg_core.models import describe_model, load_tokenizer_counter
+
+    mc = ModelConfig(device="cpu")
+    return mc, describe_model(mc), load_tokenizer_counter(mc)
+
+
+def _configs(model_cfg: dict, spec, counter, reqs, steps=20):
+    from bcg_core.config import ServeConfig
+
+    base = bench.base_config(model_cfg, spec, counter, reqs, steps)
+    over = {s: bench.server_overrides(s, base, spec, reqs, 16) for s in bench.SERVERS}
+    return base, over, {s: ServeConfig.model_validate(bench.merge(base, o)) for s, o in over.items()}
+
+
+def test_naive_config_makes_every_one_of_the_first_32_krea_requests_miss(tiny):
+    from bcg_core.planner import Planner
+
+    mc, spec, counter = tiny
+    reqs = bench.replay_requests(32)
+    assert len(reqs) == 32 and all(r.seed is not None for r in reqs)
+    sent = reqs + bench.warmup_requests(reqs, "shapes") + bench.c1_requests(reqs, 5)
+    _, over, cfgs = _configs(mc.model_dump(mode="json"), spec, counter, sent)
+    naive = cfgs["naive"]
+    assert naive.runner.mode == "eager"  # the step scheduler on the eager runner, every request a miss
+    assert naive.buckets.miss_policy.value == "eager" and naive.buckets.batch_sizes == [1]
+    assert naive.buckets.image_padding == "exact" and len(naive.buckets.resolutions) == 1
+    assert naive.routing.max_ongoing_requests == 16  # admits the whole replay's concurrency: no 503
+    planner = Planner(naive, spec, counter)
+    plans, refused = bench.plan_all(planner, reqs, 20)
+    assert refused == [] and len(plans) == 32
+    assert all(not p.lookup.hit for p in plans)
+    assert all("image_tokens" in [d.value for d in p.lookup.missed] for p in plans)
+    assert bench.check_all_miss(planner, sent, 20) == []
+    # the step server is the configured one, and its table holds every request
+    assert over["step"] == {"runner": {}}
+    plans, refused = bench.plan_all(Planner(cfgs["step"], spec, counter), reqs, 20)
+    assert refused == [] and all(p.lookup.hit for p in plans)
+
+
+def test_naive_tier_of_a_binned_family_is_a_bin_no_request_is_binned_to():
+    """PixArt-Sigma 512 (its spec as the family describes it: grid-keyed, masked text, the 512 bins): the
+    step table is the replay's bins, the naive tier an unused bin; the real planner checks both."""
+    from bcg_core.table import ShapeRules
+    from bcg_core.config import ServeConfig
+    from bcg_core.families.base import ModelSpec
+    from bcg_core.families.pixart import aspect_ratio_bins
+    from bcg_core.planner import Planner
+
+    spec = ModelSpec("pixart-512", "pixart", "PixArtSigmaPipeline", ShapeRules(16, True, None),
+                     size_bins=aspect_ratio_bins(64), max_text_tokens=300)
+
+    def count(prompt, negative=False):
+        return len(prompt.split()) + 1
+
+    reqs = bench.replay_requests(32)
+    base, _, cfgs = _configs({"path": None}, spec, count, reqs)
+    assert set(base["buckets"]["resolutions"]) == {"512x512", "416x608", "608x416", "576x416", "448x544",
+                                                   "704x352", "800x320"}
+    need = max(count(r.prompt) for r in reqs)
+    assert base["buckets"]["text_lengths"] == [min(t for t in bench.TEXT_BUCKETS if t >= need)]
+    tier = cfgs["naive"].buckets.resolutions[0]
+    assert tier not in base["buckets"]["resolutions"]
+    assert bench.check_all_miss(Planner(cfgs["naive"], spec, count), reqs, 20) == []
+    plans, refused = bench.plan_all(Planner(cfgs["step"], spec, count), reqs, 20)
+    assert refused == [] and all(p.lookup.hit for p in plans)
+    forced = bench.replay_requests(4, size="512x512")  # --size: one bin for every request
+    assert {(r.width, r.height) for r in forced} == {(512, 512)}
+    assert bench.base_config({"path": None}, spec, count, forced, 20)["buckets"]["resolutions"] == ["512x512"]
+    ServeConfig.model_validate(base)
+
+
+# -- summary and ratios ----------------------------------------------------------------------------------------
+
+
+def _row(ok=True, status=200, ms=100.0, images=2, hit=True, retries=0):
+    return {"ok": ok, "status": status, "latency_ms": ms, "images": images if ok else 0, "hit": hit if ok else None,
+            "retries": retries}
+
+
+def test_summary_counts_failures_and_computes_throughput_latency_and_floor_ratios():
+    rows = [_row(ms=100), _row(ms=200, retries=2), _row(ms=300, hit=False), _row(ms=400),
+            _row(False, 422, 5), _row(False, 503, 9), _row(False, None, 10)]
+    s = bench.summarize(rows, wall_s=2.0, floor_s=0.5)
+    assert (s["requests"], s["ok"], s["failures"]) == (7, 4, 3)
+    assert (s["http_4xx"], s["http_5xx"], s["no_answer"], s["retries"]) == (1, 1, 1, 2)
+    assert s["images"] == 8 and s["images_per_s"] == 4.0 and s["requests_per_s"] == 2.0
+    assert s["latency_ms"] == {"p50": 250.0, "p99": 397.0, "mean": 250.0, "max": 400.0}  # ok requests only
+    assert (s["hits"], s["misses"]) == (3, 1)
+    assert s["wall_over_floor"] == 4.0 and s["floor_share"] == 0.25
+    s = bench.summarize([_row(retries=None)], wall_s=1.0)
+    assert s["retries"] is None and s["floor_s"] is None and s["wall_over_floor"] is None
+
+
+def test_ratios_against_naive():
+    r = bench.ratios({"naive": {"images_per_s": 2.0, "c1_p50_ms": 1000.0},
+                      "step": {"images_per_s": 7.0, "c1_p50_ms": 880.0},
+                      "planned": {"images_per_s": 8.4, "c1_p50_ms": 800.0}})
+    assert r["images_per_s_vs_naive"] == {"step": 3.5, "planned": 4.2}
+    assert r["c1_vs_naive"] == {"step": 0.88, "planned": 0.8} and r["planned_vs_step"] == 1.2
+    r = bench.ratios({"naive": {"images_per_s": 2.0}, "step": None})  # a failed server, planned not run
+    assert r["images_per_s_vs_naive"] == {"step": None} and r["c1_vs_naive"] == {"step": None}
+
+
+def test_small_helpers():
+    assert bench.busy_fraction([(0.0, 100.0), (1.0, 50.0), (2.0, 0.0), (9.0, 100.0)], 0.5, 2.5) == 0.25
+    assert bench.busy_fraction([(0.0, 100.0)], 1.0, 2.0) is None
+    assert bench.merge({"a": {"x": 1, "y": 2}, "b": 1}, {"a": {"y": 3}, "c": 4}) == {"a": {"x": 1, "y": 3}, "b": 1, "c": 4}
+    assert bench.parse_servers("step, naive,step") == ["step", "naive"]
+    with pytest.raises(ValueError, match="subset"):
+        bench.parse_servers("naive,fast")
+    assert bench.gpu_label("NVIDIA H200") == "h200" and bench.gpu_label("NVIDIA H100 80GB HBM3") == "h100"
+    assert bench.gpu_label(None) == "cpu"
+    reqs = bench.replay_requests(4)
+    warm = bench.warmup_requests(reqs, "shapes")
+    assert len({(r.width, r.height, r.n) for r in warm}) == len(warm) and warm[0].number == 10001
+    assert bench.warmup_requests(reqs, "none") == [] and len(bench.warmup_requests(reqs, "first")) == 1
+    c1 = bench.c1_requests(reqs, 3)
+    assert [r.number for r in c1] == [20001, 20002, 20003] and {(r.prompt, r.seed) for r in c1} == {
+        (reqs[0].prompt, reqs[0].seed)}
+    assert bench.GpuSampler().active is (bench.GpuSampler().source is not None)

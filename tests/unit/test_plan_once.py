@@ -1,0 +1,152 @@
+"""Planned once: the ingress plans a request, its PlannedRequest travels to the DiT replica, and the replica trusts it.
+
+No Ray cluster: the DiT replica and the ingress classes are built outside Serve, the DiT handle is a fake, and
+``Planner.plan`` is wrapped to count who plans what.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import pickle
+
+import pytest
+from ray.exceptions import RayActorError
+from starlette.requests import Request
+
+from bcg_core import BucketConfig, GenerationRequest, PlannedRequest, Planner, ServeConfig
+from bcg_core.request import GenerationResult
+from deployments.dit import DiTReplica
+from deployments.ingress import Ingress
+from deployments.routing import ReplicaUnavailable, call_dit
+from plan_counting import PlanCounter
+
+CONFIG = ServeConfig(buckets=BucketConfig(batch_sizes=[1, 2], resolutions=["256x256"]))
+BODY = {"prompt": "a lighthouse at dusk", "n": 1, "size": "256x256", "num_inference_steps": 1,
+        "guidance_scale": 0.0}
+
+
+class FakeDiT:
+    """A DiT deployment handle: records what ``options(...).generate.remote`` was sent; ``fail`` first calls
+    raise RayActorError (the replica died), then it answers; ``stats`` must never be called."""
+
+    def __init__(self, fail: int = 0):
+        self.fail = fail
+        self.sent: list[tuple[str, object]] = []
+        self._shape = ""
+
+    def options(self, multiplexed_model_id: str = ""):
+        self._shape = multiplexed_model_id
+        return self
+
+    @property
+    def generate(self):
+        return self
+
+    @property
+    def stats(self):
+        raise AssertionError("the ingress asked a DiT replica for its stats")
+
+    async def remote(self, plan):
+        plan = pickle.loads(pickle.dumps(plan))  # what Ray does to it on the way
+        self.sent.append((self._shape, plan))
+        if len(self.sent) <= self.fail:
+            raise RayActorError()
+        return GenerationResult(images_png=[b"\x89PNG\r\n\x1a\n"], seed=plan.request.seed,
+                                bucket=str(plan.lookup.key), hit=True, missed=[], real_tokens=1,
+                                padded_tokens=1, steps=1, timings_ms={})
+
+
+def _ingress(dit) -> Ingress:
+    """The class under ``serve.ingress``'s ASGI wrapper (its routes as plain methods), without Serve."""
+    user_class = Ingress.func_or_class.__mro__[1]
+    assert user_class.__module__ == "deployments.ingress" and "generate" in vars(user_class)
+    return user_class(dit, CONFIG.model_dump(mode="json"))
+
+
+def _http(body: dict) -> Request:
+    raw = json.dumps(body).encode()
+    sent = False
+
+    async def receive():
+        nonlocal sent
+        if sent:
+            return {"type": "http.disconnect"}
+        sent = True
+        return {"type": "http.request", "body": raw, "more_body": False}
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/images/generations", "headers": [
+        (b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())]}
+    return Request(scope, receive)
+
+
+async def _make_replica(config: dict):
+    cls = DiTReplica.func_or_class
+    replica = cls.__new__(cls)
+    await replica.__init__(config)
+    return replica
+
+
+def test_the_replica_trusts_a_planned_request_and_refuses_a_raw_one(monkeypatch):
+    ingress_planner = Planner.from_config(CONFIG)
+    plan = ingress_planner.plan(GenerationRequest("a red cube", width=256, height=256, num_inference_steps=1,
+                                                  guidance_scale=0.0))  # seed drawn by the ingress
+    counter = PlanCounter(monkeypatch)
+
+    async def serve_both():
+        replica = await _make_replica(CONFIG.model_dump(mode="json"))
+        planned = await replica.generate(pickle.loads(pickle.dumps(plan)))  # as it arrives through Ray
+        assert counter.calls == []  # neither the scheduler nor the pipeline planned it
+        with pytest.raises(TypeError, match="PlannedRequest"):  # validated once, at the ingress
+            await replica.generate({"prompt": "a red cube", "width": 256, "height": 256,
+                                    "num_inference_steps": 1, "guidance_scale": 0.0, "seed": plan.request.seed})
+        return planned
+
+    planned = asyncio.run(serve_both())
+    assert counter.calls == []
+    assert planned.seed == plan.request.seed and str(planned.bucket) == str(plan.lookup.key) == "b1_i256_t256"
+
+
+def test_the_ingress_plans_once_sends_the_plan_and_names_the_model_from_its_spec(monkeypatch):
+    dit = FakeDiT()
+    ingress = _ingress(dit)  # FakeDiT.stats raises: the model name must not come from a replica
+    counter = PlanCounter(monkeypatch)
+    answer = asyncio.run(ingress.generate(_http({**BODY, "model": "bcg-tiny-flux"})))
+    assert answer.bcg.bucket == "b1_i256_t256" and answer.bcg.retries == 0
+    assert len(counter.calls) == 1
+    (shape, sent), = dit.sent
+    assert isinstance(sent, PlannedRequest) and shape == "i256_t256" == sent.lookup.key.shape
+    assert sent.request.seed is not None and answer.bcg.seed == sent.request.seed  # drawn by the ingress
+    wrong = asyncio.run(ingress.generate(_http({**BODY, "model": "dall-e-3"})))
+    assert wrong.status_code == 422 and json.loads(wrong.body)["error"]["param"] == "model"
+    assert "'bcg-tiny-flux'" in json.loads(wrong.body)["error"]["message"]
+    bad = asyncio.run(ingress.generate(_http({**BODY, "num_inference_steps": 0})))
+    assert bad.status_code == 422 and json.loads(bad.body)["error"]["param"] == "num_inference_steps"
+    assert len(dit.sent) == 1  # bad input never reached a replica
+
+
+def test_the_python_handle_path_sends_the_plan_too():
+    dit = FakeDiT()
+    request = {"prompt": "a red cube", "width": 256, "height": 256, "seed": 5}
+    result = asyncio.run(_ingress(dit).images(request))
+    (_, sent), = dit.sent
+    assert isinstance(sent, PlannedRequest) and sent.request.seed == 5 and result.seed == 5
+
+
+def test_a_resend_after_replica_death_carries_the_same_plan_and_seed():
+    planner = Planner.from_config(CONFIG)
+    plan = planner.plan(GenerationRequest("a red cube", width=256, height=256))  # seed drawn here, once
+    dit = FakeDiT(fail=2)
+    routed = asyncio.run(call_dit(dit, plan, max_retries=2, retry_wait_s=0.0))
+    assert routed.retries == 2 and routed.result.seed == plan.request.seed
+    assert [s for s, _ in dit.sent] == ["i256_t256"] * 3
+    assert all(p == plan for _, p in dit.sent)  # the same plan each time: same seed, same bucket
+    with pytest.raises(ReplicaUnavailable):
+        asyncio.run(call_dit(FakeDiT(fail=5), plan, max_retries=1, retry_wait_s=0.0))
+
+
+def test_a_plan_survives_pickling_unchanged():
+    plan = Planner.from_config(CONFIG).plan(GenerationRequest("a red cube", n=2, width=256, height=256))
+    again = pickle.loads(pickle.dumps(plan))
+    assert again == plan and dataclasses.asdict(again) == dataclasses.asdict(plan)

@@ -1,0 +1,122 @@
+"""Streaming without Ray: the ingress's Server-Sent Events when the replica fails mid-stream (one ``error`` event
+the official client raises) or refuses before accepting (a plain 503 with ``Retry-After``), with a fake DiT handle.
+Streaming over HTTP on the session's Serve instance is ``tests/serve/test_streaming.py``."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+
+def _parse(raw: bytes) -> list[tuple[str, dict]]:
+    """Strict SSE framing: blocks of exactly ``event: <type>`` and one ``data: <json>`` line, each ended by a
+    blank line; the event name equals the data's ``type``."""
+    text = raw.decode("utf-8")
+    assert text.endswith("\n\n"), text[-80:]
+    out = []
+    for block in text[:-2].split("\n\n"):
+        lines = block.split("\n")
+        assert len(lines) == 2 and lines[0].startswith("event: ") and lines[1].startswith("data: "), block[:200]
+        name, data = lines[0][len("event: "):], json.loads(lines[1][len("data: "):])
+        assert data["type"] == name
+        out.append((name, data))
+    return out
+
+
+class _FailingStreamDit:
+    """A DiT handle whose stream yields its acceptance and one preview, then fails as a replica giving up on
+    the request would; with ``refuse``, it fails before accepting (a full queue)."""
+
+    def __init__(self, refuse: bool = False):
+        self.cancelled = False
+        self.refuse = refuse
+
+    def options(self, **kwargs):
+        assert kwargs.get("stream") is True
+        return self
+
+    @property
+    def generate_stream(self):
+        return self
+
+    def remote(self, plan):
+        return self
+
+    def __aiter__(self):
+        return self._events()
+
+    async def _events(self):
+        from bcg_core.errors import RequestError
+        from bcg_core.preview import PartialImage
+        from deployments.routing import ACCEPTED, Overloaded
+
+        if self.refuse:
+            raise Overloaded("request", "the server is at capacity; retry after 3 s", retry_after_s=3.0)
+        yield ACCEPTED
+        yield PartialImage(0, 0, 1, b"not-an-image")
+        raise RequestError("request", "the replica gave up on this request", status=503)
+
+    def cancel(self):
+        self.cancelled = True
+
+
+def test_a_failure_mid_stream_is_one_error_event_the_official_client_raises():
+    import asyncio
+
+    import openai
+    from openai import OpenAI
+
+    from bcg_core.config import ServeConfig
+    from bcg_core.request import GenerationRequest
+    from deployments.ingress import Ingress
+    from deployments.schemas import ImageGenerationRequest
+
+    config = ServeConfig.model_validate({"buckets": {"batch_sizes": [1], "resolutions": ["256x256"],
+                                                     "text_lengths": [256]}, "routing": {"shape_aware": False}})
+    dit = _FailingStreamDit()
+    ingress = Ingress.func_or_class.__mro__[1](dit, config.model_dump(mode="json"))
+    req = ImageGenerationRequest(prompt="x", size="256x256", stream=True, partial_images=1)
+    plan = ingress._planner.plan(GenerationRequest("x", width=256, height=256, partial_images=1))
+
+    async def body() -> bytes:
+        from deployments.routing import stream_dit
+
+        events = stream_dit(dit, plan)
+        assert await anext(events) == "bcg:accepted"
+        return b"".join([chunk async for chunk in ingress._events(plan, req, events, 0.0)])
+
+    raw = asyncio.run(body())
+    events = _parse(raw)
+    assert [name for name, _ in events] == ["image_generation.partial_image", "error"]
+    assert events[1][1]["error"] == {"message": "the replica gave up on this request", "type": "server_error",
+                                     "param": "request", "code": None}
+    assert dit.cancelled  # the stream did not finish: the replica call is cancelled
+
+    transport = httpx.MockTransport(lambda request: httpx.Response(
+        200, content=raw, headers={"content-type": "text/event-stream"}))
+    client = OpenAI(base_url="http://bcg.test/v1", api_key="unused", max_retries=0,
+                    http_client=httpx.Client(transport=transport))
+    stream = client.images.generate(prompt="x", stream=True, partial_images=1)
+    first = next(iter(stream))
+    assert first.type == "image_generation.partial_image" and first.partial_image_index == 0
+    with pytest.raises(openai.APIError, match="gave up"):
+        list(stream)
+
+
+def test_a_stream_refused_before_acceptance_is_a_plain_503_with_retry_after():
+    import asyncio
+
+    from bcg_core.config import ServeConfig
+    from deployments.ingress import Ingress
+    from test_plan_once import _http
+
+    config = ServeConfig.model_validate({"buckets": {"batch_sizes": [1], "resolutions": ["256x256"],
+                                                     "text_lengths": [256]}, "routing": {"shape_aware": False}})
+    dit = _FailingStreamDit(refuse=True)
+    ingress = Ingress.func_or_class.__mro__[1](dit, config.model_dump(mode="json"))
+    request = _http({"prompt": "x", "size": "256x256", "stream": True, "partial_images": 1})
+    answer = asyncio.run(ingress.generate(request))
+    assert answer.status_code == 503 and answer.headers["retry-after"] == "3"
+    assert json.loads(answer.body)["error"]["message"] == "the server is at capacity; retry after 3 s"
