@@ -353,7 +353,7 @@ def test_on_cuda_replays_captures_pool_bytes_and_step_times_are_exported():
 
 
 def test_readme_lists_every_exported_metric():
-    readme = (ROOT / "README.md").read_text()
+    readme = (ROOT / "docs" / "OPERATIONS.md").read_text()
     section = readme.split("## Metrics (Prometheus)", 1)[1].split("\n## ", 1)[0]
     for spec in METRICS:
         assert f"`{spec.exported}`" in section, spec.exported
