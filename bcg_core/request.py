@@ -31,7 +31,7 @@ class GenerationRequest:
         guidance_scale: guidance scale (None: the configured default). For most families it is the
             classifier-free guidance scale, and above 1 adds one uncond row per image (cond and uncond in one
             forward); for guidance-distilled FLUX.1-dev it feeds the guidance embedding (see the family table
-            in the README).
+            in docs/OPERATIONS.md).
         negative_prompt: text of the uncond rows (None: the family's default, "" for most; FLUX and Qwen-Image
             run true CFG only when one is given, as their diffusers pipelines).
         seed: image ``i`` uses noise seeded with ``seed + i`` (None: a random seed, reported back).

@@ -13,7 +13,7 @@ Usage::
 
     python benchmarks/bench_image_formats.py --json docs/bench/image_formats_cpu.json
 
-Prints a Markdown table (the README's) and writes every figure to ``--json``.
+Prints a Markdown table (docs/API.md's) and writes every figure to ``--json``.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ Tags: ``bucket`` is the bucket key (``b2_i1024_t256``) and ``shape`` the key wit
 :class:`~bcg_core.planning.traffic.TrafficHistogram`) are tagged by the requested shape instead: ``size`` (``"WxH"``),
 ``n``, ``steps`` and ``text`` (the text bucket holding the prompt's tokens, or ``over``); their label sets
 are bounded by ``traffic.max_shapes``. Ray adds ``deployment``, ``replica``, ``application`` (Serve) and its own node
-tags (``SessionName``, ``NodeAddress``, ...). :data:`METRICS` lists every metric; ``README.md`` (section
+tags (``SessionName``, ``NodeAddress``, ...). :data:`METRICS` lists every metric; ``docs/OPERATIONS.md`` (section
 "Metrics (Prometheus)") gives the exported names (Ray prefixes ``ray_``; counters end in ``_total``).
 
 An exception while pushing is logged (the first few, then one in 60) and the next push retries: the exporter
@@ -151,7 +151,7 @@ METRICS: tuple[MetricSpec, ...] = (
                "Share of the GPU time per image a new plan of the recorded traffic would save, set when that traffic "
                "drifted from the plan (over 1.5x its padded-token waste); 0 otherwise. Advice only."),
 )
-"""Every metric the exporter pushes, in README order."""
+"""Every metric the exporter pushes, in the order of docs/OPERATIONS.md's table."""
 
 
 class MetricsBackend(Protocol):

@@ -55,7 +55,7 @@ QUALITY_STEPS: dict[str, tuple[int, int, int]] = {
 """Steps of ``quality`` low / medium / high per family. ``medium``: the diffusers pipeline's default
 ``num_inference_steps`` (FluxPipeline and StableDiffusion3Pipeline 28, PixArtSigmaPipeline and SanaPipeline 20);
 FLUX.1-schnell is distilled for 1-4 steps; QwenImagePipeline's default, 50, is its ``high``; the tiny default
-(random weights) takes few steps so a CPU serves it quickly. The README's family table repeats them."""
+(random weights) takes few steps so a CPU serves it quickly. docs/API.md's quality table repeats them."""
 
 
 @dataclass(frozen=True)

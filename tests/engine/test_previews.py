@@ -1,7 +1,7 @@
 """Streamed previews without Ray: which steps, the linear latent-to-RGB fit, every family's ``preview`` hook,
 the step scheduler's preview thread, and the bound on what previews cost the requests that share a step.
 
-The bound (README, "Streaming"): the denoising thread's whole share of a preview is one latent copy and a
+The bound (docs/API.md, "Streaming"): the denoising thread's whole share of a preview is one latent copy and a
 queue put, measured per preview (``previews.handoff_ms_*``); it must stay under :data:`HANDOFF_BOUND_MS` per
 preview, and another request running beside a request with 3 previews per image must see its latency
 (submitted to answered) grow by at most :data:`SLOWDOWN_BOUND` (median of interleaved trials, on a shared 2-core

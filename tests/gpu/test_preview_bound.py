@@ -1,4 +1,4 @@
-"""The streamed-preview bound on a GPU (README, "Streaming"): a request whose steps are shared with a request
+"""The streamed-preview bound on a GPU (docs/API.md, "Streaming"): a request whose steps are shared with a request
 streaming 3 previews of each of its 2 images answers at most :data:`SLOWDOWN_BOUND` times later than beside the
 same request without previews.
 
@@ -19,7 +19,7 @@ import torch
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 SLOWDOWN_BOUND = 1.25
-"""The README's bound, the same as tests/engine/test_previews.py's on the CPU."""
+"""The bound of docs/API.md, the same as tests/engine/test_previews.py's on the CPU."""
 
 _BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 

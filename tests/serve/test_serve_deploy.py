@@ -1,6 +1,6 @@
 """``serve deploy`` of ``deploy/serve_config_cpu.yaml`` onto a Ray cluster started with ``ray start --head``.
 
-This is README's "Deploy onto a Ray cluster" flow, run for real with the ``ray`` and ``serve`` CLIs in
+This is docs/DEPLOY.md's "On this machine" flow, run for real with the ``ray`` and ``serve`` CLIs in
 subprocesses: start a head node with its dashboard (``serve deploy``/``status``/``shutdown`` talk to the
 dashboard's REST API), deploy the config file, wait until the application is RUNNING, generate one image
 over HTTP, shut Serve down.
@@ -13,7 +13,7 @@ The cluster is isolated from every other Ray instance on this machine (the sessi
 - token authentication with its own token (``RAY_AUTH_MODE=token``, ``RAY_AUTH_TOKEN_PATH`` in that folder),
   never ``~/.ray/auth_token``;
 - it runs under ``ray start --block``, and SIGTERM to that process stops exactly this node's processes.
-  ``ray stop`` (README's last step) is not used: it kills every Ray process on the machine, conftest's too.
+  ``ray stop`` (that flow's last step) is not used: it kills every Ray process on the machine, conftest's too.
 """
 
 from __future__ import annotations

@@ -179,7 +179,7 @@ def test_exporter_never_decreases_a_counter_and_survives_errors(caplog):
 
 
 def test_readme_lists_every_exported_metric():
-    readme = (ROOT / "README.md").read_text()
+    readme = (ROOT / "docs" / "OPERATIONS.md").read_text()
     section = readme.split("## Metrics (Prometheus)", 1)[1].split("\n## ", 1)[0]
     for spec in METRICS:
         assert f"`{spec.exported}`" in section, spec.exported

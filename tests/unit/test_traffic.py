@@ -304,11 +304,12 @@ def test_an_exporter_without_traffic_pushes_no_traffic_series():
 def test_the_readme_documents_the_traffic_counters_and_section():
     from pathlib import Path
 
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    metrics = readme.split("## Metrics (Prometheus)", 1)[1].split("\n## ", 1)[0]
+    docs = Path(__file__).resolve().parents[2] / "docs"
+    operations, api = (docs / "OPERATIONS.md").read_text(), (docs / "API.md").read_text()
+    metrics = operations.split("## Metrics (Prometheus)", 1)[1].split("\n## ", 1)[0]
     assert "`ray_bcg_traffic_requests_total`" in metrics and "`ray_bcg_traffic_dropped_total`" in metrics
-    buckets = readme.split("### `GET /v1/buckets` and `GET /healthz`", 1)[1].split("\n## ", 1)[0]
-    assert "`traffic`" in buckets and "traffic.max_shapes" in readme
+    buckets = api.split("### `GET /v1/buckets` and `GET /healthz`", 1)[1].split("\n## ", 1)[0]
+    assert "`traffic`" in buckets and "traffic.max_shapes" in api
 
 
 def test_the_traffic_config_section_is_bounded_and_typed():
