@@ -1,4 +1,4 @@
-"""Fault injection for the fault scenarios (``benchmarks/faults.py``, ``tests/test_fault_scenarios.py``).
+"""Fault injection for the fault scenarios (``benchmarks/faults.py``, ``tests/serve/test_fault_scenarios.py``).
 
 Off unless its environment variable is set; a deployment never sets it. Each failpoint fires in one process
 only: the first process to create its claim file (``O_CREAT | O_EXCL``), so that on a cluster of several

@@ -2,7 +2,8 @@
 
 A family's decode gives (height, width, 3) uint8 RGB arrays; :func:`encode_image` turns one into the bytes of
 an image file. The replica's encoder threads call it (never the denoising thread, never an event loop): the
-step scheduler's ``runner.encode_threads`` pool, or the request-level batcher's worker thread.
+step scheduler's ``runner.encode_threads`` pool (:mod:`bcg_core.scheduler.finish`), or the calling thread of
+:meth:`~bcg_core.pipeline.DiTPipeline.generate`.
 
 ``compression`` follows OpenAI's ``output_compression``: 0 to 100, 100 (the default) keeps the most detail.
 It is Pillow's ``quality`` of the JPEG and WebP encoders (lossy WebP; 100 is its best quality, not lossless).

@@ -2,7 +2,7 @@
 
 ``verify``: each family's tiny checkpoint (tests/tiny) loaded through ``model.path`` with ``runner.mode: auto`` (CUDA
 graphs on a GPU, static eager buffers on a CPU), fp32 and bf16; every bucket's boundary cases through the runner vs
-the unpadded eager forward (``bcg_core.verify``, ``RTOL`` of commands.py, the tables of tests/test_family_*.py).
+the unpadded eager forward (``bcg_core.verify``, ``RTOL`` of commands.py, the tables of tests/families/test_*.py).
 Exit status 1 if any bucket fails.
 
 ``bench``: each family's diffusers pipeline assembled in memory (published transformer config, random weights N(0,
@@ -71,7 +71,7 @@ def _rtol() -> dict:
 RTOL = _rtol()
 PROMPT = "a photo of a cat sitting on a red chair"
 
-# -- verify: tiny checkpoints (tests/tiny) and the bucket tables of tests/test_family_*.py ---------------------
+# -- verify: tiny checkpoints (tests/tiny) and the bucket tables of tests/families/test_*.py ---------------------
 
 
 def _t(resolutions: list[str], text: list[int], batch=(1, 2, 4, 8)) -> dict:

@@ -2,10 +2,10 @@
 
 Ray's default policy counts requests: ``replicas = ongoing requests / target_ongoing_requests``. For a DiT
 that is the wrong unit: a 1024x1024 request costs about four 512x512 ones, a request of 8 images eight of
-one, and micro-batching makes same-shape requests cheaper together. So each replica measures, per bucket
-shape (``BucketKey.shape``, the unit of ownership), its arrivals and its replica-seconds per request
-(:mod:`bcg_core.scheduler.load`), and reports them through ``record_autoscaling_stats`` every
-``autoscaling.metrics_interval_s`` (1 s). The policy turns them into replicas:
+one, and the step scheduler makes same-shape requests cheaper together (their rows share forwards). So each
+replica measures, per bucket shape (``BucketKey.shape``, the unit of ownership), its arrivals and its
+replica-seconds per request (:mod:`bcg_core.scheduler.load`), and reports them through
+``record_autoscaling_stats`` every ``autoscaling.metrics_interval_s`` (1 s). The policy turns them into replicas:
 
 For each shape ``s``, summed over the running replicas (``lambda_s`` requests per second arriving, ``T_s``
 measured replica seconds per request, the inverse of the shape's measured capacity; ``L_s`` requests in
@@ -19,7 +19,7 @@ flight at the replicas)::
 
 ``lambda_s * T_s`` is the offered load (Little's law: the replicas kept busy by the arrivals); the backlog
 term makes a queue at the replicas that builds up faster than the rate estimate count at once. A shape with
-traffic but no measured service time yet (its first micro-batches are still running) borrows one from the
+traffic but no measured service time yet (its first requests are still running) borrows one from the
 measured shapes, scaled by tokens per row (``image + text`` tokens of the shape name), or, with nothing
 measured at all, counts ``L_s / max_ongoing_per_replica`` replicas (a replica at its ``max_ongoing_requests``
 is one replica's worth). ``Q`` is Ray's ``total_queued_requests``, an average over ``look_back_period_s``;
@@ -84,7 +84,7 @@ def replica_metrics(loads: Mapping[str, Any], inflight: Mapping[str, int], captu
     Args:
         loads: ``{shape: ShapeLoad}`` from :meth:`bcg_core.scheduler.load.LoadMeter.loads` (every shape of the table,
             so an idle shape reports zeros instead of its last busy value).
-        inflight: requests waiting or running per shape (the micro-batcher's queue).
+        inflight: requests waiting or running per shape (the step scheduler's queue).
         capturing: the replica is capturing graphs now.
         ready_shapes: shapes captured and served.
 

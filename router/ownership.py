@@ -139,7 +139,7 @@ def expected_load(table_planner: Planner, rows: Iterable[Mapping[str, object]],
 
 def shape_shares(shares: Mapping[BucketKey, float]) -> dict[str, float]:
     """Sum per-bucket shares into per-shape shares (:attr:`BucketKey.shape`: every batch bucket of one
-    resolution tier and text bucket, the unit replicas own, route by and micro-batch within)."""
+    resolution tier and text bucket, the unit replicas own, route by and share steps within)."""
     out: dict[str, float] = {}
     for k, v in shares.items():
         out[k.shape] = out.get(k.shape, 0.0) + float(v)

@@ -61,9 +61,9 @@ class SD3Adapter:
     position table around the centre by those Python ints (``cropped_pos_embed``); the unpatchify reshapes by
     them. A captured graph bakes in one (h, w), so the key carries ``latent_hw`` (``grid_keyed=True``) and
     image tokens are never rounded up. The model was trained on fixed-length unmasked text (333 tokens);
-    padding it changes the output (tests/test_sd3.py). Pad rows are copies of row 0, dropped after the forward
-    (every op is per row). The timestep buffer is fp32 whatever the model dtype (bf16 would round 999 to
-    1000).
+    padding it changes the output (tests/families/test_sd3.py). Pad rows are copies of row 0, dropped after
+    the forward (every op is per row). The timestep buffer is fp32 whatever the model dtype (bf16 would
+    round 999 to 1000).
 
     Layout:
 

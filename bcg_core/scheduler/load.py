@@ -7,21 +7,21 @@ This is what a DiT replica reports to the autoscaling policy (``record_autoscali
 - ``arrival_rps``: requests submitted per second over the window;
 - ``completion_rps``: requests whose denoising loop finished, per second;
 - ``busy``: fraction of the replica's time spent on the shape (0..1; summed over shapes it is the replica's
-  utilisation). While k micro-batches run at once (their forwards share one runner lock, so one GPU or one
-  CPU pool) each is charged 1/k of the elapsed time: processor-sharing accounting, so busy time is never
-  counted twice. The split among shapes is an approximation (a batch waiting for the lock is charged like
-  one computing), the total is exact;
+  utilisation). While k requests run at once (the step scheduler's requests in flight, whose steps share one
+  denoising thread, so one GPU or one CPU pool) each is charged 1/k of the elapsed time: processor-sharing
+  accounting, so busy time is never counted twice. The split among shapes is an approximation (a request
+  waiting for its group's next step is charged like one computing), the total is exact;
 - ``service_s``: measured replica seconds per request, ``busy seconds / completions`` over the window (the
-  inverse of the shape's measured capacity in requests per second). The first micro-batch of each shape is
+  inverse of the shape's measured capacity in requests per second). The first request of each shape to run is
   left out of it (its busy time still counts in ``busy``): the first forward at a new size pays one-time
   costs (on an H200 a first 768x768 request took 2.2 s, the next ones 0.4-0.9 s: the VAE's cuDNN algorithm
   search, allocator growth). It keeps its last measured value when the window has no completion, and is
-  0.0 until the shape's second micro-batch completed;
+  0.0 until the shape's second request completed;
 - ``offered``: ``arrival_rps x service_s``, the replicas' worth of work arriving (1.0 = one replica busy all
   the time).
 
-Pure Python with an injectable monotonic clock; thread-safe (the micro-batcher updates it from the event
-loop and worker threads, the stats calls read it).
+Pure Python with an injectable monotonic clock; thread-safe (the step scheduler updates it from the event
+loop and its threads, the stats calls read it).
 """
 
 from __future__ import annotations
@@ -122,14 +122,14 @@ class LoadMeter:
             self._totals.setdefault(shape or MISS_SHAPE, _Totals()).arrivals += count
 
     def start(self, batch: object, shape: str | None) -> None:
-        """A micro-batch (any hashable token, e.g. the batch object) of ``shape`` starts running."""
+        """A run (any hashable token; the step scheduler passes the request it starts) of ``shape`` starts."""
         with self._lock:
             self._advance(self._clock())
             self._active[batch] = shape or MISS_SHAPE
 
     def finish(self, batch: object, completed: int) -> None:
-        """The micro-batch ``batch`` ended; ``completed`` requests of it were served (cancelled ones count:
-        their loop ran)."""
+        """The run ``batch`` ended; ``completed`` requests of it were served (the step scheduler passes 1 for a
+        request answered with images, 0 for one cancelled or failed)."""
         with self._lock:
             self._advance(self._clock())
             shape = self._active.pop(batch, None)

@@ -16,6 +16,7 @@ Pure threads and torch, no Ray. The requests it handles are the step scheduler's
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import logging
@@ -23,14 +24,14 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import torch
 
 from bcg_core.images import encode_image, resize_image
 from bcg_core.preview import PartialImage
 
-__all__ = ["PREVIEW_NICE", "PREVIEW_QUEUE", "PreviewWorker"]
+__all__ = ["PREVIEW_NICE", "PREVIEW_QUEUE", "PreviewWorker", "stream_events"]
 
 log = logging.getLogger(__name__)
 
@@ -174,3 +175,34 @@ class PreviewWorker:
                 "handoff_ms_total": round(s.handoff_s * 1e3, 3), "handoff_ms_max": round(s.handoff_max_s * 1e3, 3),
                 "handoff_ms_mean": round(s.handoff_s * 1e3 / s.taken, 4) if s.taken else None,
                 "draw_ms_mean": round(s.draw_s * 1e3 / drawn, 2) if drawn else None}
+
+
+async def stream_events(submit: Callable[[Callable], Awaitable]) -> AsyncIterator:
+    """A request's previews as they are drawn, then its result, as an async iterator.
+
+    ``submit(on_preview)`` submits the request with the callback the preview thread calls for each
+    :class:`~bcg_core.preview.PartialImage` and returns its awaitable result; the result comes after every preview
+    queued before it (the scheduler holds it until they are drawn). Closing the iterator early (its caller went
+    away) cancels the submission, so the request leaves at its next step boundary.
+    """
+    loop = asyncio.get_running_loop()
+    events: asyncio.Queue = asyncio.Queue()
+    task = loop.create_task(submit(lambda p: loop.call_soon_threadsafe(events.put_nowait, p)))
+    try:
+        while True:
+            getter = loop.create_task(events.get())
+            try:
+                done, _ = await asyncio.wait({getter, task}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                if not getter.done():
+                    getter.cancel()
+            if getter in done:
+                yield getter.result()
+                continue
+            while not events.empty():
+                yield events.get_nowait()
+            yield task.result()
+            return
+    finally:
+        if not task.done():
+            task.cancel()  # the submission's handler sets the request's cancel event

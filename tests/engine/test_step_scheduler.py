@@ -34,7 +34,8 @@ from bcg_core import (
 from bcg_core.config import backpressure_limits
 from bcg_core.scheduler.costs import Chunk, CostModel, StepForwards, eager_row_counts
 from bcg_core.families.tiny import TINY_TEXT_TOKENS
-from bcg_core.scheduler.loop import FORWARD_KINDS, StepScheduler
+from bcg_core.scheduler.loop import StepScheduler
+from bcg_core.scheduler.stats import FORWARD_KINDS
 
 T = TINY_TEXT_TOKENS
 CONFIG = ServeConfig(buckets=BucketConfig(batch_sizes=[1, 2, 4, 8], resolutions=["256x256", "256x512"],
@@ -601,7 +602,7 @@ def test_queue_lengths_count_requests_being_decoded(pipe, make_sched, monkeypatc
 
 
 def test_the_memory_budget_holds_for_the_first_burst_of_a_group(pipe, make_sched, monkeypatch):
-    from bcg_core.scheduler.loop import _tensor_bytes
+    from bcg_core.scheduler.admission import tensor_bytes as _tensor_bytes
 
     with torch.inference_mode():
         one = _tensor_bytes(pipe.start(pipe.planner.plan(_req(seed=0))))

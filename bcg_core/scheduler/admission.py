@@ -1,0 +1,154 @@
+"""Admission: which waiting requests the step scheduler starts at a step boundary.
+
+Oldest first, while the rows in flight stay within ``max_rows`` and, on CUDA, their tensors within the measured
+memory budget (a group's first request is admitted alone until its tensors are measured). Admission is FIFO
+within a batch group (bucket shape and token grid): a request that does not fit holds back the later requests of
+its group only, so an incompatible request at the head never blocks the others. A request that has waited longer
+than ``fair_wait_s`` holds back every later request until it fits, so no request (and no rare shape) waits
+without bound. A request larger than the whole budget is admitted alone, when nothing else is in flight.
+Cancelled requests leave the queue here; one waiting past ``max_queue_wait_s`` expires (its caller gets 503).
+
+:class:`InFlight` is what the scheduler tracks of one request from submission to answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import threading
+from collections import deque
+from collections.abc import Callable
+
+import torch
+
+from bcg_core.families import RequestState
+from bcg_core.keys import BucketKey, BucketShape
+from bcg_core.preview import PartialImage
+from bcg_core.request import GenerationResult, PlannedRequest
+
+__all__ = ["Admission", "Admitted", "InFlight", "tensor_bytes"]
+
+
+@dataclasses.dataclass(eq=False)
+class InFlight:
+    """One submitted request and what the step scheduler tracks of it (times are ``time.perf_counter()``)."""
+
+    plan: PlannedRequest
+    rows: int
+    group: tuple
+    shape: BucketShape | None
+    cancel: threading.Event
+    future: asyncio.Future
+    loop: asyncio.AbstractEventLoop
+    submitted: float
+    admitted: float = 0.0
+    started: float = 0.0
+    denoised: float = 0.0
+    decoded: float = 0.0
+    state: RequestState | None = None
+    first_key: BucketKey | None = None
+    first_share: int = 0
+    company: int = 1  # most requests that shared one step with it
+    nbytes: int = 0
+    done_event: object | None = None
+    on_preview: Callable[[PartialImage], None] | None = None  # called from the preview thread
+    preview_at: tuple[int, ...] = ()  # steps done after which a preview is taken
+    previews_pending: int = 0  # queued for the preview thread, not drawn yet
+    held: GenerationResult | None = None  # the result, waiting for the request's pending previews
+
+
+def tensor_bytes(state: RequestState) -> int:
+    """Bytes of a request state's tensors (latents and text rows) held while it is in flight."""
+    total = state.latents.numel() * state.latents.element_size()
+    for rows in (state.cond, state.uncond):
+        if rows is None:
+            continue
+        for f in dataclasses.fields(rows):  # not astuple: it would deep-copy the tensors
+            t = getattr(rows, f.name)
+            if isinstance(t, torch.Tensor):
+                total += t.numel() * t.element_size()
+    return total
+
+
+@dataclasses.dataclass
+class Admitted:
+    """What one admission pass decided (:meth:`Admission.admit`).
+
+    Attributes:
+        start: requests to start now, in order.
+        cancelled: requests whose caller cancelled while they waited (they leave the queue).
+        expired: requests that waited past ``max_queue_wait_s`` (their callers get 503).
+        rows: rows in flight once ``start`` is counted.
+    """
+
+    start: list[InFlight]
+    cancelled: list[InFlight]
+    expired: list[InFlight]
+    rows: int
+
+
+class Admission:
+    """The waiting queue and the admission policy (module docstring). Not thread-safe: the step scheduler calls
+    it with its lock held.
+
+    Args:
+        max_rows: most transformer rows in flight.
+        memory_budget_bytes: most bytes of request tensors in flight (None: unbounded).
+        fair_wait_s: a request waiting longer than this holds back every later request.
+        max_queue_wait_s: a request not admitted within this many seconds expires; None: no deadline.
+    """
+
+    def __init__(self, max_rows: int, memory_budget_bytes: int | None, fair_wait_s: float,
+                 max_queue_wait_s: float | None):
+        self.max_rows = int(max_rows)
+        self.memory_budget_bytes = memory_budget_bytes
+        self.fair_wait_s = float(fair_wait_s)
+        self.max_queue_wait_s = None if max_queue_wait_s is None else float(max_queue_wait_s)
+        self.waiting: deque[InFlight] = deque()
+        self._bytes_per_row: dict[tuple, float] = {}
+        self._unmeasured: set[tuple] = set()  # groups with a request admitted before their bytes are known
+
+    def admit(self, rows: int, nbytes: int, now: float) -> Admitted:
+        """Pop the waiting requests to start now, given ``rows`` and ``nbytes`` in flight at time ``now``."""
+        out = Admitted([], [], [], rows)
+        held: set[tuple] = set()
+        for item in list(self.waiting):
+            if item.cancel.is_set():
+                self.waiting.remove(item)
+                out.cancelled.append(item)
+                continue
+            if self.max_queue_wait_s is not None and now - item.submitted > self.max_queue_wait_s:
+                self.waiting.remove(item)
+                out.expired.append(item)
+                continue
+            if item.group in held:
+                continue
+            known = item.group in self._bytes_per_row
+            if self.memory_budget_bytes is not None and not known and item.group in self._unmeasured:
+                held.add(item.group)  # one request of a new group first: its tensors give the estimate
+                continue
+            estimate = int(self._bytes_per_row.get(item.group, 0.0) * item.rows)
+            alone = out.rows == 0 and nbytes == 0 and not out.start  # nothing in flight, nothing being decoded
+            fits = out.rows + item.rows <= self.max_rows and (
+                self.memory_budget_bytes is None or nbytes + estimate <= self.memory_budget_bytes)
+            if fits or alone:
+                self.waiting.remove(item)
+                if not known:
+                    self._unmeasured.add(item.group)
+                out.start.append(item)
+                out.rows += item.rows
+                nbytes += estimate
+                continue
+            held.add(item.group)
+            if now - item.submitted > self.fair_wait_s:
+                break  # it has waited past the bound: nothing later jumps ahead of it
+        return out
+
+    def measured(self, item: InFlight) -> None:
+        """``item`` started: its tensors (``item.nbytes``) give its group's bytes per row."""
+        self._bytes_per_row[item.group] = item.nbytes / max(1, item.rows)
+        self._unmeasured.discard(item.group)
+
+    def failed(self, item: InFlight) -> None:
+        """``item``'s start failed: its group's next request may go first again."""
+        self._unmeasured.discard(item.group)
