@@ -8,7 +8,7 @@ step scheduler are exported lazily: each pulls in heavier modules on first use. 
 import importlib
 
 from bcg_core.config import (
-    BucketConfig, LimitsConfig, MissPolicy, ModelConfig, RunnerConfig, ServeConfig, load_config, parse_size,
+    BucketConfig, LimitsConfig, MissPolicy, ModelConfig, RunnerConfig, parse_size, EngineConfig,
 )
 from bcg_core.errors import BucketMissError, RequestCancelled, RequestError
 from bcg_core.families import Family, ModelSpec, RequestState, TextRows
@@ -46,8 +46,8 @@ __all__ = [
     "BucketRunner", "BucketShape", "BucketTable", "CheckpointError", "DenoiseInputs", "DiTAdapter", "DiTPipeline",
     "Dim", "EagerBucketRunner", "Family", "GenerationRequest", "GenerationResult", "IMAGE_FORMATS", "LimitsConfig",
     "LinearPreview", "LoadedModel", "MissPolicy", "ModelConfig", "ModelSpec", "PartialImage", "PlannedRequest",
-    "Planner", "RequestCancelled", "RequestError", "RequestState", "RunMode", "RunnerConfig", "ServeConfig",
+    "Planner", "RequestCancelled", "RequestError", "RequestState", "RunMode", "RunnerConfig", "EngineConfig",
     "ShapeQuery", "ShapeRules", "TextRows", "TrafficHistogram", "TrafficKey", "build_tiny", "describe_model",
-    "encode_image", "load_config", "load_model", "load_traffic", "parse_size", "preview_steps", "save_pipeline",
+    "encode_image", "load_model", "load_traffic", "parse_size", "preview_steps", "save_pipeline",
     *_LAZY,
 ]

@@ -1,40 +1,21 @@
-"""Typed configuration for a bcg-serve replica: model, bucket table and request limits.
+"""Typed configuration of the engine: model, bucket table, request limits, runner, quality steps, traffic.
 
-Every field is documented; every check raises a ``ValueError`` (surfaced by pydantic as a
-``ValidationError``) whose message names the bad value and the fix. Configuration is read from a
-YAML/JSON mapping or built in code; environment variables are read only in :mod:`bcg_core.settings`.
+Every field is documented; every check raises a ``ValueError`` (surfaced by pydantic as a ``ValidationError``)
+whose message names the bad value and the fix. :class:`EngineConfig` is what the engine reads; the serving layer's
+settings (routing, autoscaling, API keys) and the whole ``ServeConfig`` live in ``deployments/settings.py``.
 """
 
 from __future__ import annotations
 
 import enum
 import re
-from collections.abc import Mapping
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 __all__ = [
-    "API_KEY_DIGEST",
-    "AuthConfig",
-    "AutoscalingSettings",
-    "BackpressureLimits",
-    "BucketConfig",
-    "PlannedTraffic",
-    "LimitsConfig",
-    "QualityConfig",
-    "MissPolicy",
-    "ModelConfig",
-    "RoutingConfig",
-    "RunnerConfig",
-    "ServeConfig",
-    "TrafficConfig",
-    "api_key_digest",
-    "backpressure_limits",
-    "load_config",
-    "parse_size",
+    "BucketConfig", "EngineConfig", "LimitsConfig", "MissPolicy", "ModelConfig", "PlannedTraffic", "QualityConfig",
+    "RunnerConfig", "TrafficConfig", "parse_size",
 ]
 
 _SIZE_RE = re.compile(r"^([1-9][0-9]{0,5})x([1-9][0-9]{0,5})$")  # ASCII digits, no sign, space or leading 0
@@ -329,142 +310,6 @@ class RunnerConfig(BaseModel):
     )
 
 
-class RoutingConfig(BaseModel):
-    """Bucket ownership and shape-aware routing across DiT replicas (``router/``, docs/DESIGN.md section 5)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    shape_aware: bool = Field(
-        default=True,
-        description="Replicas own bucket shapes (assigned by the ownership coordinator) and capture only "
-        "those; ShapeAwareRouter sends each request to an owner. False: Ray's default router, every "
-        "replica captures every bucket.",
-    )
-    fallback_wait_s: float = Field(
-        default=2.0, ge=0.0, le=600.0,
-        description="Seconds a request waits for an owner of its shape before any replica may take it "
-        "(eagerly, or by lazy capture there; counted).",
-    )
-    stats_period_s: float = Field(
-        default=1.0, gt=0.0, le=60.0,
-        description="Period of each replica's routing stats and ownership heartbeat in seconds.",
-    )
-    lease_s: float = Field(
-        default=5.0, gt=0.0, le=600.0,
-        description="A replica silent this long has left: its shapes move to the survivors.",
-    )
-    capture_stall_s: float | None = Field(
-        default=600.0, gt=0.0, le=86400.0,
-        description="A replica whose one capture has run this many seconds is stalled: the coordinator takes it "
-        "out of the ownership assignment (its shapes move to the others, which capture them) until it reports "
-        "the capture ended. None: never. Captures take seconds (docs/BENCHMARKS.md); the default leaves room "
-        "for a slow first model load on a busy GPU.",
-    )
-    join_window_s: float = Field(
-        default=60.0, ge=0.0, le=3600.0,
-        description="At start, the first assignment waits up to this long for all expected replicas to join, "
-        "so each captures only its own shapes.",
-    )
-    hot_share: float = Field(
-        default=0.10, gt=0.0, le=1.0,
-        description="A shape with at least this fraction of the expected requests (krea mix) gets >= 2 owners "
-        "when >= 2 replicas exist; 1.0 gives every shape one owner (disjoint sets).",
-    )
-    max_retries: int = Field(
-        default=2, ge=0, le=10,
-        description="Times the ingress resends a request whose replica died before answering.",
-    )
-    max_ongoing_requests: int | None = Field(
-        default=None, ge=1, le=1024,
-        description="Requests one DiT replica accepts at once (waiting in its scheduler or running). None: "
-        "derived from the scheduler's capacity (bcg_core.config.backpressure_limits): runner.max_requests, else "
-        "2 x (runner.max_rows_in_flight // rows of a default request) for the step scheduler; 2 x (largest "
-        "batch bucket // rows) for request-level micro-batching.",
-    )
-    max_queued_requests: int | None = Field(
-        default=None, ge=1, le=100000,
-        description="Requests each caller of the DiT deployment (each ingress replica) may hold waiting for a "
-        "replica slot; beyond it a request is answered 503 with Retry-After at once (backpressure). None: "
-        "max_ongoing_requests x the most DiT replicas (autoscaling.max_replicas, or the fixed replica count).",
-    )
-    retry_after_s: float = Field(
-        default=2.0, gt=0.0, le=3600.0,
-        description="Seconds sent in the Retry-After header of a 503 answered under overload.",
-    )
-
-
-class AutoscalingSettings(BaseModel):
-    """Autoscaling of the DiT replicas by bucket load (``router/autoscaling.py``, docs/DESIGN.md section 5).
-
-    Off by default: the replica count is then fixed (``dit_replicas``). On, :func:`deployments.build_app`
-    gives the DiT deployment a Ray Serve ``autoscaling_config`` whose policy is
-    :class:`router.autoscaling.BucketLoadPolicy`; the delays below are applied by that policy (Ray's own
-    ``upscale_delay_s`` and ``downscale_delay_s`` are set to 0 so that they do not stack).
-    """
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    enabled: bool = Field(default=False, description="Scale the DiT replicas by bucket load (else a fixed count).")
-    min_replicas: int = Field(default=1, ge=1, le=1024, description="Fewest DiT replicas.")
-    max_replicas: int = Field(default=4, ge=1, le=1024, description="Most DiT replicas (one GPU each).")
-    initial_replicas: int | None = Field(
-        default=None, ge=1, le=1024,
-        description="DiT replicas at deploy time (None: min_replicas); the first ownership assignment waits "
-        "for this many.",
-    )
-    target_utilization: float = Field(
-        default=0.75, gt=0.0, le=1.0,
-        description="Fraction of each ready replica's measured capacity the policy plans to use: replicas = "
-        "ceil(bucket load / target_utilization) + replicas still capturing.",
-    )
-    backlog_drain_s: float = Field(
-        default=10.0, gt=0.0, le=3600.0,
-        description="Seconds in which the requests in flight (at replicas and queued at the ingress) should be "
-        "served: a backlog counts as (its measured work in seconds) / backlog_drain_s replicas.",
-    )
-    upscale_delay_s: float = Field(
-        default=3.0, ge=0.0, le=3600.0,
-        description="Seconds the policy must want more replicas without a break before it adds them.",
-    )
-    downscale_delay_s: float = Field(
-        default=30.0, ge=0.0, le=3600.0,
-        description="Seconds the policy must want fewer replicas without a break before it removes them (to the "
-        "most it wanted during that time).",
-    )
-    capture_grace_s: float = Field(
-        default=30.0, ge=0.0, le=3600.0,
-        description="A replica that is capturing graphs (shapes gained when a peer left) or has not reported yet is "
-        "not capacity; after this many seconds of warming without a break it is added on top of what the load "
-        "needs. Captures normally end sooner, so a downscale (which makes the survivors capture) does not bounce.",
-    )
-    look_back_period_s: float = Field(
-        default=10.0, gt=0.0, le=600.0,
-        description="Window in seconds of each replica's arrival rate and measured service time per bucket "
-        "shape, and of Ray's metric aggregation.",
-    )
-    metrics_interval_s: float = Field(
-        default=1.0, gt=0.0, le=60.0,
-        description="Seconds between a replica's record_autoscaling_stats reports (Ray's metrics_interval_s).",
-    )
-
-    @model_validator(mode="after")
-    def _bounds(self) -> AutoscalingSettings:
-        if self.min_replicas > self.max_replicas:
-            raise ValueError(f"autoscaling.min_replicas {self.min_replicas} exceeds max_replicas {self.max_replicas}")
-        if self.look_back_period_s < self.metrics_interval_s:
-            raise ValueError(f"autoscaling.look_back_period_s {self.look_back_period_s} is shorter than "
-                             f"metrics_interval_s {self.metrics_interval_s}: a rate needs reports within its window")
-        if self.initial_replicas is not None and not self.min_replicas <= self.initial_replicas <= self.max_replicas:
-            raise ValueError(f"autoscaling.initial_replicas {self.initial_replicas} must be from min_replicas "
-                             f"{self.min_replicas} to max_replicas {self.max_replicas}")
-        return self
-
-    @property
-    def start_replicas(self) -> int:
-        """Replicas at deploy time: ``initial_replicas``, else ``min_replicas``."""
-        return self.initial_replicas if self.initial_replicas is not None else self.min_replicas
-
-
 class TrafficConfig(BaseModel):
     """The request shapes each DiT replica records (``bcg_core/planning/traffic.py``: the ``traffic`` section of
     ``GET /v1/buckets`` and ``ray_bcg_traffic_requests_total``), an input of ``bcg plan``."""
@@ -509,80 +354,12 @@ class QualityConfig(BaseModel):
     auto: int | None = Field(default=None, ge=1, le=1000, description="Steps of 'auto'; None: limits.default_steps.")
 
 
-API_KEY_DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
-"""An API key stored as its digest: ``sha256:`` and the lowercase hex SHA-256 of the key's UTF-8 bytes."""
+class EngineConfig(BaseModel):
+    """What the engine reads: model, bucket table, request limits, runner, quality steps, traffic recording.
 
-
-def api_key_digest(key: str) -> str:
-    """``sha256:<hex>`` of ``key`` (what :class:`AuthConfig` stores instead of the key)."""
-    import hashlib
-
-    return "sha256:" + hashlib.sha256(key.encode("utf-8")).hexdigest()
-
-
-class _BadKey:
-    """Stands in for a bad ``api_keys`` entry during validation; its repr (what pydantic prints) is the reason."""
-
-    def __init__(self, reason: str):
-        self.reason = reason
-
-    def __repr__(self) -> str:
-        return f"<{self.reason}>"
-
-
-class AuthConfig(BaseModel):
-    """API keys the ingress asks for (``Authorization: Bearer <key>``); no keys: the API is open.
-
-    Keys are stored as SHA-256 digests from the moment the config is read: a plain key in ``api_keys`` is
-    replaced by ``sha256:<hex>`` (a value already of that form is kept as a digest), so the config that travels
-    to the deployments, ``bcg config`` and every echo hold digests only. ``api_key_file`` is read by the ingress
-    at start (``deployments/auth.py``): one key a line, blank lines and lines starting with ``#`` skipped.
+    The serving layer's :class:`deployments.settings.ServeConfig` adds routing, autoscaling and API keys; the
+    engine takes either (it reads only these sections).
     """
-
-    model_config = ConfigDict(extra="forbid", frozen=True, hide_input_in_errors=True)  # errors never echo a key
-
-    api_keys: list[str] = Field(
-        default_factory=list,
-        description="API keys, or their digests 'sha256:<64 hex>'; stored as digests only. Empty (and no "
-        "api_key_file): every request is served without a key.",
-    )
-    api_key_file: str | None = Field(
-        default=None,
-        description="A file of API keys, one a line ('#' comments), read by the ingress at start (on its node).",
-    )
-
-    @model_validator(mode="before")
-    @classmethod
-    def _digests(cls, data: Any) -> Any:
-        """Replace every key by its digest before any field check, so that no error message (pydantic echoes a
-        bad field's input) ever holds a key: a bad entry becomes a :class:`_BadKey` that says what is wrong."""
-        if not isinstance(data, Mapping) or "api_keys" not in data:
-            return data
-        keys = data["api_keys"]
-        if not isinstance(keys, list):
-            return {**data, "api_keys": _BadKey("not a list of strings")}
-        out: list[Any] = []
-        for key in keys:
-            if not isinstance(key, str):
-                out.append(_BadKey("not a string"))
-            elif not key or key != key.strip():
-                out.append(_BadKey("empty, or padded with white space"))
-            else:
-                out.append(key if API_KEY_DIGEST.match(key) else api_key_digest(key))
-        return {**data, "api_keys": out}
-
-    def __repr_args__(self):
-        yield "api_keys", f"[{len(self.api_keys)} digests]"
-        yield "api_key_file", self.api_key_file
-
-    @property
-    def enabled(self) -> bool:
-        """True when requests need a key."""
-        return bool(self.api_keys) or self.api_key_file is not None
-
-
-class ServeConfig(BaseModel):
-    """Everything one replica needs: the embedded default is ``ServeConfig()``."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -590,17 +367,14 @@ class ServeConfig(BaseModel):
     buckets: BucketConfig = Field(default_factory=BucketConfig)
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
     runner: RunnerConfig = Field(default_factory=RunnerConfig)
-    routing: RoutingConfig = Field(default_factory=RoutingConfig)
-    autoscaling: AutoscalingSettings = Field(default_factory=AutoscalingSettings)
     traffic: TrafficConfig = Field(
         default_factory=TrafficConfig,
         description="Request shapes each replica records for bcg plan (traffic in /v1/buckets).",
     )
     quality: QualityConfig = Field(default_factory=QualityConfig, description="Steps of OpenAI's quality values.")
-    auth: AuthConfig = Field(default_factory=AuthConfig, description="API keys (stored as SHA-256 digests).")
 
     @model_validator(mode="after")
-    def _reachable_buckets(self) -> ServeConfig:
+    def _reachable_buckets(self) -> EngineConfig:
         """Every bucket must be reachable by some valid request (else it only costs memory and start-up)."""
         lim = self.limits
         for s, (w, h) in zip(self.buckets.resolutions, self.buckets.resolution_pairs()):
@@ -612,81 +386,3 @@ class ServeConfig(BaseModel):
             raise ValueError(f"batch size {self.buckets.batch_sizes[-1]} exceeds the most transformer rows a "
                              f"request can need, {most_rows} (2 x limits.max_images with guidance)")
         return self
-
-
-def load_config(config: Mapping[str, Any] | None = None, config_path: str | Path | None = None) -> ServeConfig:
-    """Build a ``ServeConfig`` from a mapping or a YAML/JSON file (what ``bcg config`` prints).
-
-    Raises:
-        ValueError: both given, or a file that does not hold a mapping; pydantic.ValidationError (a
-            ValueError) for a bad value, naming the field.
-        FileNotFoundError: ``config_path`` does not exist.
-    """
-    import yaml
-
-    if config is not None and config_path is not None:
-        raise ValueError("give either config or config_path, not both")
-    if config_path is not None:
-        path = Path(config_path)
-        if path.is_dir():
-            raise ValueError(f"config file {str(path)!r} is a directory; give a YAML or JSON file (see `bcg config`)")
-        try:
-            data = yaml.safe_load(path.read_text())  # YAML is a superset of JSON
-        except yaml.YAMLError as e:
-            raise ValueError(f"config file {str(path)!r} is not valid YAML/JSON: {e}") from None
-        if not isinstance(data, dict):
-            raise ValueError(f"config_path {str(config_path)!r} must hold a mapping with model/buckets/limits")
-        config = data
-    return ServeConfig.model_validate(dict(config or {}))
-
-
-@dataclass(frozen=True)
-class BackpressureLimits:
-    """Request limits of the deployments (:func:`backpressure_limits`).
-
-    Attributes:
-        batch_capacity: requests of the default shape (n=1, default guidance) a replica runs at once.
-        dit_max_ongoing: ``max_ongoing_requests`` of each DiT replica.
-        dit_max_queued: ``max_queued_requests`` of the DiT deployment, per caller (ingress replica).
-        ingress_max_ongoing: ``max_ongoing_requests`` of each ingress replica: enough to hold every DiT slot
-            and the DiT queue, plus 8 for ``/v1/buckets`` and ``/healthz``, so the DiT deployment's queue,
-            not the ingress, is what answers 503 under overload.
-    """
-
-    batch_capacity: int
-    dit_max_ongoing: int
-    dit_max_queued: int
-    ingress_max_ongoing: int
-
-
-def backpressure_limits(config: ServeConfig, dit_replicas: int = 1) -> BackpressureLimits:
-    """The backpressure limits of an application, from the scheduler's capacity unless the config sets them.
-
-    ``rows`` of a default request: 2 with classifier-free guidance (``limits.default_guidance_scale > 1``),
-    else 1. ``batch_capacity`` (the requests a replica runs at once) is ``runner.max_rows_in_flight // rows``:
-    the step scheduler splits forwards across buckets (or runs them eager), so the largest batch bucket does
-    not bound it.
-
-    ``max_ongoing_requests``: ``runner.max_requests`` when set, else ``2 x batch_capacity`` (one set running, one
-    waiting for admission).
-    ``max_queued_requests = max_ongoing_requests x most replicas`` (``autoscaling.max_replicas`` when
-    autoscaling is on, else ``dit_replicas``): each ingress replica may hold one full deployment's worth of
-    requests waiting, enough for a burst to wait while replicas are added. Explicit
-    ``routing.max_ongoing_requests`` / ``max_queued_requests`` win.
-
-    Args:
-        config: the application's config.
-        dit_replicas: the fixed DiT replica count (ignored when autoscaling is on).
-
-    Returns:
-        The limits. Default config (step scheduler, 64 rows, guidance 3.5): batch capacity 32, 64 ongoing
-        per replica, 256 queued with 4 replicas at most.
-    """
-    rows = 2 if config.limits.default_guidance_scale > 1 else 1
-    runner = config.runner
-    capacity = max(1, runner.max_rows_in_flight // rows)
-    default_ongoing = runner.max_requests or 2 * capacity
-    most = config.autoscaling.max_replicas if config.autoscaling.enabled else max(1, int(dit_replicas))
-    ongoing = config.routing.max_ongoing_requests or default_ongoing
-    queued = config.routing.max_queued_requests or ongoing * most
-    return BackpressureLimits(capacity, ongoing, queued, ongoing * most + queued + 8)

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 
 import torch
 
-from bcg_core.config import ServeConfig
+from bcg_core.config import EngineConfig
 from bcg_core.errors import RequestCancelled
 from bcg_core.families import Family, RequestState, concat_rows
 from bcg_core.images import encode_image
@@ -58,7 +58,7 @@ def elapsed_ms(a: float | torch.cuda.Event, b: float | torch.cuda.Event) -> floa
     return float(a.elapsed_time(b)) if isinstance(a, torch.cuda.Event) else (b - a) * 1e3
 
 
-def runner_mode(config: ServeConfig, device: torch.device | None = None) -> str:
+def runner_mode(config: EngineConfig, device: torch.device | None = None) -> str:
     """``"graph"`` or ``"eager"``: what ``config.runner.mode`` means on ``device`` (the configured one if None).
 
     Raises:
@@ -76,7 +76,7 @@ def runner_mode(config: ServeConfig, device: torch.device | None = None) -> str:
     return mode
 
 
-def build_runner(config: ServeConfig, model: Family, keys: list, metrics: BucketMetrics) -> BucketRunner:
+def build_runner(config: EngineConfig, model: Family, keys: list, metrics: BucketMetrics) -> BucketRunner:
     """The runner ``config.runner.mode`` asks for: CUDA graphs (``graph``, or ``auto`` on CUDA) or eager.
 
     Raises:
@@ -96,7 +96,7 @@ def build_runner(config: ServeConfig, model: Family, keys: list, metrics: Bucket
     )
 
 
-def fused_wanted(config: ServeConfig, model: Family) -> bool:
+def fused_wanted(config: EngineConfig, model: Family) -> bool:
     """Whether ``config.runner.fused_step`` asks for the fused step on ``model`` (:mod:`bcg_core.runners.fused`):
     never for a family without ``euler_step`` (multistep solvers, norm-rescaled CFG); ``auto`` where graphs
     are captured; ``always`` on the eager runner too."""
@@ -120,7 +120,7 @@ class DiTPipeline:
         prepare: prepare (allocate / capture) every bucket now.
     """
 
-    def __init__(self, config: ServeConfig, model: Family, runner: BucketRunner | None = None,
+    def __init__(self, config: EngineConfig, model: Family, runner: BucketRunner | None = None,
                  prepare: bool = True):
         self.config = config
         self.model = model
@@ -145,9 +145,9 @@ class DiTPipeline:
             self.check_fused()
 
     @classmethod
-    def from_config(cls, config: ServeConfig | None = None) -> DiTPipeline:
+    def from_config(cls, config: EngineConfig | None = None) -> DiTPipeline:
         """Load the configured model (the tiny default when ``config.model.path`` is None) and prepare."""
-        config = config or ServeConfig()
+        config = config or EngineConfig()
         return cls(config, load_model(config.model))
 
     # -- the step-level interface -------------------------------------------------------------------

@@ -16,7 +16,7 @@ from typing import Callable
 from bcg_core.keys import Dim, ShapeQuery
 from bcg_core.request import MAX_PARTIAL_IMAGES, QUALITIES, SEED_MAX, GenerationRequest, PlannedRequest
 from bcg_core.table import BucketLookup, BucketTable, ShapeRules
-from bcg_core.config import MissPolicy, ServeConfig
+from bcg_core.config import MissPolicy, EngineConfig
 from bcg_core.errors import BucketMissError, RequestError
 from bcg_core.families.base import ModelSpec
 
@@ -38,7 +38,7 @@ class Planner:
             encodes a prompt or a negative prompt (:meth:`~bcg_core.families.Family.count_tokens`).
     """
 
-    def __init__(self, config: ServeConfig, spec: ModelSpec | ShapeRules, count_tokens: Callable[[str], int]):
+    def __init__(self, config: EngineConfig, spec: ModelSpec | ShapeRules, count_tokens: Callable[[str], int]):
         if isinstance(spec, ShapeRules):
             spec = ModelSpec("model", "generic", "", spec)
         self.config = config
@@ -59,7 +59,7 @@ class Planner:
         self.count_tokens = count_tokens
 
     @classmethod
-    def from_config(cls, config: ServeConfig) -> "Planner":
+    def from_config(cls, config: EngineConfig) -> "Planner":
         """A planner that loads only the model's tokenizer and JSON configs (cheap; for the ingress)."""
         from bcg_core.models import describe_model, load_tokenizer_counter
 

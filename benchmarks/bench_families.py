@@ -54,7 +54,8 @@ for _p in (ROOT / "benchmarks", ROOT / "tests", ROOT):
         sys.path.insert(0, str(_p))
 
 from bcg_core import DiTPipeline, GenerationRequest, Planner, describe_model, load_model
-from bcg_core.config import BucketConfig, LimitsConfig, ModelConfig, RunnerConfig, ServeConfig
+from bcg_core.config import BucketConfig, LimitsConfig, ModelConfig, RunnerConfig
+from deployments.settings import ServeConfig
 from bcg_core.verify import boundary_cases, verify_runner
 
 

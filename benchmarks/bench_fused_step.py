@@ -58,7 +58,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks"), str(ROOT / "tests")]
 
-from bcg_core import BucketConfig, DiTPipeline, GenerationRequest, LimitsConfig, ModelConfig, ServeConfig  # noqa: E402
+from bcg_core import BucketConfig, DiTPipeline, GenerationRequest, LimitsConfig, ModelConfig
+
+from deployments.settings import ServeConfig
 from bcg_core.models import load_model
 
 CASES = [(1, 1), (4, 1), (8, 1), (4, 2)]

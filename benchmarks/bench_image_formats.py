@@ -52,7 +52,7 @@ def smooth_scene(size: int, seed: int = 0) -> np.ndarray:
 
 def served_image(size: int) -> np.ndarray:
     """The tiny default model's first image of a 4-step request at ``size`` x ``size`` (seed 0), decoded."""
-    from bcg_core.config import ServeConfig
+    from deployments.settings import ServeConfig
     from bcg_core.pipeline import DiTPipeline
     from bcg_core.request import GenerationRequest
 

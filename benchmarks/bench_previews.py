@@ -29,7 +29,7 @@ import time
 
 import torch
 
-from bcg_core.config import ServeConfig
+from deployments.settings import ServeConfig
 from bcg_core.pipeline import DiTPipeline
 from bcg_core.request import GenerationRequest
 from bcg_core.scheduler.loop import StepScheduler

@@ -31,7 +31,9 @@ import time
 
 import torch
 
-from bcg_core import BucketConfig, DiTPipeline, GenerationRequest, ServeConfig, parse_size, save_pipeline
+from bcg_core import BucketConfig, DiTPipeline, GenerationRequest, parse_size, save_pipeline
+
+from deployments.settings import ServeConfig
 from bcg_core.config import LimitsConfig, ModelConfig, RunnerConfig
 from bcg_core.families.tiny import assemble_flux, tiny_transformer_config, tiny_vae_config
 from bcg_core.text import SentenceTextEncoder

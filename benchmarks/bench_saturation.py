@@ -418,7 +418,7 @@ def base_config(model_config: dict, spec, count_tokens, requests: list, steps: i
                 batch_sizes: list[int] | None = None, text_lengths: list[int] | None = None) -> dict:
     """The config mapping shared by the request and step servers (naive starts from it too).
 
-    Defaults of :class:`bcg_core.config.ServeConfig`, ``limits.max_steps`` raised to ``steps`` if needed, the
+    Defaults of :class:`deployments.settings.ServeConfig`, ``limits.max_steps`` raised to ``steps`` if needed, the
     model's text bucket (:func:`text_bucket`); for models with resolution binning the table's resolutions are
     the bins the requests are generated at, and ``limits.min_side_px`` is lowered to the smallest of their sides
     if needed (tiny bins). ``batch_sizes`` / ``text_lengths`` replace the table's batch and text buckets.
@@ -449,7 +449,7 @@ def planned_buckets(base: dict, steps: int, max_graphs: int, measure: bool = Fal
     source is in ``buckets.plan.costs``."""
     from bcg_core.planning.samples import krea_rows, traffic_from_rows
     from bcg_core.planning.table_search import search_table
-    from bcg_core.config import ServeConfig
+    from deployments.settings import ServeConfig
     from deployments.commands import measure_plan_costs
 
     config = ServeConfig.model_validate(base)
@@ -467,7 +467,7 @@ def server_overrides(server: str, base: dict, spec, requests: list, concurrency:
     if server == "planned" and planned is not None:
         over["buckets"] = planned
     if server == "naive":
-        from bcg_core.config import ServeConfig
+        from deployments.settings import ServeConfig
 
         limits = ServeConfig.model_validate(base).limits
         tier = naive_tier(spec, limits, [(r.width, r.height) for r in requests])
@@ -633,7 +633,7 @@ def gpu_floor(config, requests: list, steps: int, floor_steps: int | None = None
     """The replay's GPU floor (see the module docstring), profiled in this process on CUDA.
 
     Args:
-        config: the naive :class:`~bcg_core.config.ServeConfig` (eager runner, a table every request misses).
+        config: the naive :class:`~deployments.settings.ServeConfig` (eager runner, a table every request misses).
         requests: the replay's requests.
         steps: their denoising steps.
         floor_steps: profile at 1 and this many steps and extrapolate to ``steps`` (None or >= ``steps``:
@@ -865,7 +865,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(raw)
     import torch
 
-    from bcg_core.config import ServeConfig
+    from deployments.settings import ServeConfig
     from bcg_core.models import describe_model, load_tokenizer_counter
     from bcg_core.planner import Planner
 

@@ -370,7 +370,7 @@ def model_config(args):
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import bench_saturation as bs
 
-    from bcg_core.config import ServeConfig
+    from deployments.settings import ServeConfig
     from bcg_core.models import describe_model, load_tokenizer_counter
 
     model, folder, _ = bs.build_model(args.model, False, args.scratch, args.device)

@@ -16,7 +16,7 @@ With ``routing.shape_aware`` (the default) the application has three deployments
 ``BucketCoordinator`` (ownership) and the DiT replicas, routed by :class:`router.shape_router.ShapeAwareRouter`.
 
 Backpressure: ``max_ongoing_requests`` and ``max_queued_requests`` of the DiT deployment, and the ingress's
-``max_ongoing_requests``, come from :func:`bcg_core.config.backpressure_limits` (the batch capacity, unless the
+``max_ongoing_requests``, come from :func:`deployments.settings.backpressure_limits` (the batch capacity, unless the
 config's ``routing`` section sets them).
 
 Without ``config`` or ``config_path`` the embedded default ``ServeConfig()`` is served. ``app`` is that
@@ -31,7 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
-from bcg_core.config import ServeConfig, backpressure_limits, load_config
+from .settings import ServeConfig, backpressure_limits, load_config
 from router.autoscaling import BucketLoadPolicy
 from router.shape_router import ShapeAwareRouter
 
@@ -87,7 +87,7 @@ def autoscaling_config(config: ServeConfig) -> dict[str, Any]:
     The policy is :class:`router.autoscaling.BucketLoadPolicy` with the config's utilisation, drain time,
     delays and capture grace as ``policy_kwargs``; Ray's own ``upscale_delay_s``/``downscale_delay_s`` are 0
     (the policy applies the delays, so they do not stack); ``max_ongoing_per_replica`` is the DiT replica's
-    ``max_ongoing_requests`` (:func:`bcg_core.config.backpressure_limits`).
+    ``max_ongoing_requests`` (:func:`deployments.settings.backpressure_limits`).
     """
     a = config.autoscaling
     limits = backpressure_limits(config)

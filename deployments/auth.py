@@ -13,7 +13,7 @@ from __future__ import annotations
 import hmac
 from pathlib import Path
 
-from bcg_core.config import AuthConfig, api_key_digest
+from .settings import AuthConfig, api_key_digest
 
 __all__ = ["ApiKeys", "read_key_file"]
 

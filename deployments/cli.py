@@ -22,7 +22,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from bcg_core.config import ServeConfig, load_config
+from .settings import ServeConfig, load_config
 
 from .app import replicas_conflict
 from .commands import run_profile, run_verify
@@ -121,7 +121,7 @@ def _with_key_file(config: ServeConfig | None, path: str) -> ServeConfig:
     Raises:
         ValueError: the file cannot be read or holds no key (naming the file, never a key).
     """
-    from bcg_core.config import api_key_digest
+    from .settings import api_key_digest
 
     from .auth import read_key_file
 

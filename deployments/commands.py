@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from bcg_core.keys import BucketKey
-from bcg_core.config import ServeConfig
+from .settings import ServeConfig
 from bcg_core.pipeline import DiTPipeline
 from bcg_core.verify import BoundaryCase, boundary_cases, verify_runner
 

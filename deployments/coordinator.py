@@ -18,7 +18,7 @@ import logging
 
 from ray import serve
 
-from bcg_core.config import ServeConfig
+from .settings import ServeConfig
 from router.membership import OwnershipTable
 from router.ownership import demands_for_config
 

@@ -102,7 +102,7 @@ def run_demo(*, requests: int = 8, steps: int = 4, concurrency: int = 1, out: st
     todo = load_requests(requests, data)
     served = check_config(config) if config is not None else None
     if url is None:  # a server started here has these limits: refuse before starting Ray
-        from bcg_core.config import ServeConfig
+        from .settings import ServeConfig
 
         limit = (served or ServeConfig()).limits.max_steps
         if steps > limit:

@@ -55,7 +55,7 @@ from ray import serve
 
 from bcg_core import failpoints
 from bcg_core.keys import BucketKey
-from bcg_core.config import ServeConfig
+from .settings import ServeConfig
 from bcg_core.errors import RequestError
 from bcg_core.models import load_model
 from bcg_core.pipeline import DiTPipeline, runner_mode

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from bcg_core.config import ServeConfig
+    from .settings import ServeConfig
 
 __all__ = [
     "check_config", "deploy_failure", "free_loopback_port", "start_local", "stop_local", "wait_healthy",
@@ -87,7 +87,7 @@ def check_config(config_path: str | Path) -> "ServeConfig":
         ValueError: a bad file, config value or bucket table (pydantic's ValidationError is a ValueError).
         FileNotFoundError: ``config_path`` or the config's ``model.path`` does not exist.
     """
-    from bcg_core.config import load_config
+    from .settings import load_config
     from bcg_core.pipeline import runner_mode
     from bcg_core.planner import Planner
 

@@ -354,7 +354,7 @@ class BucketLoadPolicy:
     ``autoscaling_config.policy``; Ray instantiates it once with ``policy_kwargs`` and calls it every
     control-loop tick with the deployment's :class:`~ray.serve.config.AutoscalingContext`.
 
-    Args (``policy_kwargs``, JSON values; defaults are those of ``bcg_core.config.AutoscalingSettings``):
+    Args (``policy_kwargs``, JSON values; defaults are those of ``deployments.settings.AutoscalingSettings``):
         target_utilization: planned fraction of each replica's measured capacity.
         backlog_drain_s: seconds in which in-flight work should be served.
         upscale_delay_s, downscale_delay_s: seconds a wish to scale must hold.

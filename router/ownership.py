@@ -173,7 +173,7 @@ def demands_for_config(config, planner: Planner | None = None) -> dict[str, Buck
     dtype.
 
     Args:
-        config: a :class:`bcg_core.config.ServeConfig`.
+        config: a :class:`deployments.settings.ServeConfig`.
         planner: its planner (built with :meth:`Planner.from_config`, tokenizer only, when None).
 
     Raises:

@@ -18,7 +18,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from bcg_core import BucketConfig, DiTPipeline, GenerationRequest, LimitsConfig, ModelConfig, ServeConfig
+from bcg_core import BucketConfig, DiTPipeline, GenerationRequest, LimitsConfig, ModelConfig
+
+from deployments.settings import ServeConfig
 
 __all__ = ["GateRun", "PIXEL_SHARE", "RTOL", "assert_same", "bcg_pipeline", "bcg_run", "bcg_run_joined", "diffusers_run", "pixels"]
 

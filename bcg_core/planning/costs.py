@@ -29,7 +29,7 @@ from dataclasses import dataclass, replace
 
 from bcg_core.keys import BucketKey
 from bcg_core.table import BucketTable
-from bcg_core.config import ServeConfig
+from bcg_core.config import EngineConfig
 from bcg_core.planning.samples import Traffic
 
 __all__ = ["PlanCosts", "TableScore", "costs_from_profile", "evaluate"]
@@ -57,7 +57,7 @@ class PlanCosts:
     eager_ms_per_token: float | None = None
 
     @classmethod
-    def token_count(cls, config: ServeConfig, graphs: bool | None = None) -> PlanCosts:
+    def token_count(cls, config: EngineConfig, graphs: bool | None = None) -> PlanCosts:
         """The token-count stand-in of the replicas' own cost model (:meth:`bcg_core.scheduler.costs.CostModel.token_model`),
         with graph bytes from the model's width and dtype (:func:`bcg_core.models.estimate_graph_bytes`: the
         activation factor measured on the H200).

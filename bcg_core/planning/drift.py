@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from bcg_core.table import BucketTable
-from bcg_core.config import PlannedTraffic, ServeConfig
+from bcg_core.config import PlannedTraffic, EngineConfig
 from bcg_core.planning.costs import PlanCosts, evaluate
 from bcg_core.planning.samples import planning_table, traffic_from_histogram
 from bcg_core.planning.table_search import search_table
@@ -34,7 +34,7 @@ def plan_matches(plan_info: PlannedTraffic, table: BucketTable) -> bool:
     return bool(planned) and planned <= shapes
 
 
-def drift_report(config: ServeConfig, snapshot: Mapping, max_graphs: int | None = None) -> dict:
+def drift_report(config: EngineConfig, snapshot: Mapping, max_graphs: int | None = None) -> dict:
     """How recorded traffic (a :meth:`~bcg_core.planning.traffic.TrafficHistogram.snapshot`) fares on ``config``'s table
     against what ``buckets.plan`` expected, and what a new plan of it would gain. Advice only.
 

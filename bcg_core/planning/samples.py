@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 from importlib import resources
 
 from bcg_core.table import BucketTable
-from bcg_core.config import BucketConfig, ModelConfig, ServeConfig
+from bcg_core.config import BucketConfig, ModelConfig, EngineConfig
 from bcg_core.errors import RequestError
 from bcg_core.keys import ShapeQuery
 from bcg_core.request import GenerationRequest
@@ -79,7 +79,7 @@ class Traffic:
         return Traffic(list(out.values()), self.source, dict(self.refused))
 
 
-def planning_planner(config: ServeConfig) -> Planner:
+def planning_planner(config: EngineConfig) -> Planner:
     """A :class:`~bcg_core.planner.Planner` of ``config``'s model and limits whose table holds every valid prompt
     (text bucket: the native length, else the family's encoder limit) and never rejects a miss: traffic is
     validated and shaped with it, independent of the table being planned.
@@ -94,7 +94,7 @@ def planning_planner(config: ServeConfig) -> Planner:
     return Planner(wide, spec, counter)
 
 
-def planning_table(config: ServeConfig) -> BucketTable:
+def planning_table(config: EngineConfig) -> BucketTable:
     """``config``'s own bucket table, as its replicas build it (to score the current table against a plan)."""
     return Planner(config, *_spec_and_counter(config.model)).table
 
@@ -108,7 +108,7 @@ def _spec_and_counter(model: ModelConfig):
     return describe_model(model), load_tokenizer_counter(model)
 
 
-def replace_buckets(config: ServeConfig, **fields) -> ServeConfig:
+def replace_buckets(config: EngineConfig, **fields) -> EngineConfig:
     """``config`` with ``buckets`` fields replaced (validated again)."""
     return config.model_copy(update={"buckets": BucketConfig(**{**config.buckets.model_dump(), **fields})})
 
@@ -153,7 +153,7 @@ def _demand(planner: Planner, request: GenerationRequest, weight: float, text_to
     return Demand(query, r.n, r.num_inference_steps, weight, (r.width, r.height))
 
 
-def traffic_from_rows(config: ServeConfig, rows: Iterable[Mapping[str, str]], source: str = "krea",
+def traffic_from_rows(config: EngineConfig, rows: Iterable[Mapping[str, str]], source: str = "krea",
                       steps: int | None = None) -> Traffic:
     """Traffic from krea-format rows (``prompt``, ``width``, ``height``, ``num_generations``, ``num_step``,
     ``cfg_scale``): one row per image, so each weighs ``1 / num_generations`` of a request.
@@ -185,7 +185,7 @@ def traffic_from_rows(config: ServeConfig, rows: Iterable[Mapping[str, str]], so
     return Traffic(demands, source, refused).merged()
 
 
-def traffic_from_requests(config: ServeConfig, requests: Iterable[GenerationRequest], source: str = "requests") -> Traffic:
+def traffic_from_requests(config: EngineConfig, requests: Iterable[GenerationRequest], source: str = "requests") -> Traffic:
     """Traffic of whole requests (each weighs one), e.g. the ones a replay sends; refusals counted by field."""
     planner = planning_planner(config)
     demands, refused = [], {}
@@ -196,7 +196,7 @@ def traffic_from_requests(config: ServeConfig, requests: Iterable[GenerationRequ
     return Traffic(demands, source, refused).merged()
 
 
-def traffic_from_gentd26(config: ServeConfig, rows: Iterable[Mapping[str, str]],
+def traffic_from_gentd26(config: EngineConfig, rows: Iterable[Mapping[str, str]],
                          sizes: Sequence[tuple[int, int]], steps: int | None = None) -> Traffic:
     """Traffic from a GenTD26-style trace (``num_images_per_prompt``, ``num_inference_steps``, ``prompt_length``
     in characters; ``TXT_2_IMG`` rows only when ``predict_type`` is given). The trace has no sizes: row ``i``
@@ -228,7 +228,7 @@ def traffic_from_gentd26(config: ServeConfig, rows: Iterable[Mapping[str, str]],
     return Traffic(demands, "gentd26", refused).merged()
 
 
-def traffic_from_histogram(config: ServeConfig, snapshot: Mapping) -> Traffic:
+def traffic_from_histogram(config: EngineConfig, snapshot: Mapping) -> Traffic:
     """Traffic from a replica's recorded shape histogram (:meth:`~bcg_core.planning.traffic.TrafficHistogram.snapshot`):
     each shape weighs its count; its ``cfg_count`` requests run with classifier-free guidance (where the family
     adds uncond rows for it), the rest without.

@@ -3,7 +3,7 @@ budget and a graph cap.
 
 Input: a :class:`~bcg_core.planning.samples.Traffic` sample and a :class:`~bcg_core.planning.costs.PlanCosts`
 cost model. Output: a :class:`TableChoice` whose :attr:`TableChoice.buckets` is the ``buckets`` section of a
-ServeConfig, chosen to minimise the expected GPU milliseconds per image (:func:`~bcg_core.planning.costs.evaluate`).
+EngineConfig, chosen to minimise the expected GPU milliseconds per image (:func:`~bcg_core.planning.costs.evaluate`).
 
 Search (:func:`search_table`): the best single bucket (one graph), then greedy growth: at each step the tier,
 text bucket or batch size whose addition lowers the expected cost most per graph added, within the graph cap
@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from bcg_core.table import BucketTable, ShapeRules
-from bcg_core.config import BucketConfig, PlannedTraffic, ServeConfig
+from bcg_core.config import BucketConfig, PlannedTraffic, EngineConfig
 from bcg_core.planner import Planner
 from bcg_core.planning.costs import PlanCosts, TableScore, evaluate
 from bcg_core.planning.samples import Traffic, planning_planner
@@ -152,7 +152,7 @@ def _quantile(weighted: list[tuple[int, float]], q: float) -> int:
     return weighted[-1][0]
 
 
-def search_table(config: ServeConfig, traffic: Traffic, costs: PlanCosts | None = None,
+def search_table(config: EngineConfig, traffic: Traffic, costs: PlanCosts | None = None,
                  budget_mib: float | None = None, max_graphs: int = 12) -> TableChoice:
     """Choose the bucket table for ``traffic`` (module docstring).
 
@@ -314,7 +314,7 @@ large bucket early and miss a better table that a smaller limit forces, so takin
 limit makes the plan never worse for a larger budget (a budget between two steps plans as the step below)."""
 
 
-def profile_buckets(config: ServeConfig, traffic: Traffic) -> BucketConfig:
+def profile_buckets(config: EngineConfig, traffic: Traffic) -> BucketConfig:
     """The buckets ``bcg plan --measure`` profiles to fit its cost lines to
     (:func:`~bcg_core.planning.costs.costs_from_profile`): the sample's smallest, most requested and largest
     resolution tiers, its median text bucket (the native length for fixed-length text), and 1 row and the most

@@ -8,14 +8,16 @@ from __future__ import annotations
 
 import pytest
 
-from bcg_core import BucketConfig, ServeConfig
+from bcg_core import BucketConfig
+
+from bcg_core.config import EngineConfig
 from bcg_core.planning.costs import PlanCosts, evaluate
 from bcg_core.planning.samples import krea_rows, planning_planner, planning_table, traffic_from_rows
 from bcg_core.planning.table_search import search_table
 from bcg_core.table import BucketTable
 
 
-def _table(config: ServeConfig, batch, tiers, texts) -> BucketTable:
+def _table(config: EngineConfig, batch, tiers, texts) -> BucketTable:
     planner = planning_planner(config)
     cfg = BucketConfig(**{**config.buckets.model_dump(), "batch_sizes": list(batch), "resolutions": list(tiers),
                           "text_lengths": list(texts)})
@@ -24,7 +26,7 @@ def _table(config: ServeConfig, batch, tiers, texts) -> BucketTable:
 
 
 def test_growing_the_budget_never_makes_the_expected_cost_worse():
-    config = ServeConfig()
+    config = EngineConfig()
     traffic = traffic_from_rows(config, krea_rows()[:400], steps=20)
     costs = PlanCosts.token_count(config)
     by_graphs = [search_table(config, traffic, costs, max_graphs=g).score.ms_per_image for g in range(2, 25, 2)]
@@ -39,7 +41,7 @@ def test_growing_the_budget_never_makes_the_expected_cost_worse():
 
 
 def test_every_request_is_served_by_a_bucket_or_a_counted_planned_miss():
-    config = ServeConfig()
+    config = EngineConfig()
     traffic = traffic_from_rows(config, krea_rows(), steps=20)
     plan = search_table(config, traffic, max_graphs=12)
     table = _table(config, plan.buckets.batch_sizes, plan.buckets.resolutions, plan.buckets.text_lengths)
@@ -62,7 +64,7 @@ def test_a_masked_text_family_gets_fine_text_buckets_on_its_common_tier_within_t
     from tiny.pixart import build
 
     path = build(tmp_path / "pixart-512", sample_size=64)
-    config = ServeConfig.model_validate({"model": {"path": str(path), "device": "cuda"},
+    config = EngineConfig.model_validate({"model": {"path": str(path), "device": "cuda"},
                                          "buckets": {"resolutions": ["512x512", "416x608", "608x416"],
                                                      "text_lengths": [256]}})
     rows = krea_rows()

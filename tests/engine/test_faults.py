@@ -14,7 +14,9 @@ import pytest
 import torch
 from scheduling import PlanningScheduler
 
-from bcg_core import BucketConfig, DiTPipeline, GenerationRequest, ServeConfig, build_tiny
+from bcg_core import BucketConfig, DiTPipeline, GenerationRequest, build_tiny
+
+from bcg_core.config import EngineConfig
 from bcg_core.runners import eager as runner_mod
 from bcg_core.errors import ServiceUnavailable
 from bcg_core.families.tiny import TINY_TEXT_TOKENS
@@ -51,8 +53,8 @@ def _fail_once(monkeypatch, name: str):
 
 def test_a_runtime_error_in_a_padded_forward_demotes_the_bucket_to_eager_and_the_request_is_served(
         tiny, monkeypatch, caplog):
-    clean = DiTPipeline(ServeConfig(buckets=BUCKETS), tiny).generate(_req(seed=5))
-    pipe = DiTPipeline(ServeConfig(buckets=BUCKETS), tiny)
+    clean = DiTPipeline(EngineConfig(buckets=BUCKETS), tiny).generate(_req(seed=5))
+    pipe = DiTPipeline(EngineConfig(buckets=BUCKETS), tiny)
     pipe.runner.prepare()
     _fail_once(monkeypatch, "static_forward")
     with caplog.at_level(logging.ERROR, logger="bcg_core.runners.base"):
@@ -69,7 +71,7 @@ def test_a_runtime_error_in_a_padded_forward_demotes_the_bucket_to_eager_and_the
 
 
 def test_an_out_of_memory_error_is_not_swallowed_by_the_fallback(tiny, monkeypatch):
-    pipe = DiTPipeline(ServeConfig(buckets=BUCKETS), tiny)
+    pipe = DiTPipeline(EngineConfig(buckets=BUCKETS), tiny)
 
     def oom(*a, **kw):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (simulated)")
@@ -81,7 +83,7 @@ def test_an_out_of_memory_error_is_not_swallowed_by_the_fallback(tiny, monkeypat
 
 
 def test_a_fused_replay_that_raises_runs_its_step_on_the_host_with_the_same_image(tiny, monkeypatch):
-    config = ServeConfig(buckets=BUCKETS, runner={"fused_step": "always"})
+    config = EngineConfig(buckets=BUCKETS, runner={"fused_step": "always"})
     clean = DiTPipeline(config, tiny)
     clean.prepare()
     want = clean.generate(_req(steps=3, seed=8))
@@ -105,7 +107,7 @@ def test_a_fused_replay_that_raises_runs_its_step_on_the_host_with_the_same_imag
 
 
 def test_a_step_that_runs_out_of_memory_is_answered_503_and_the_replica_keeps_serving(tiny, monkeypatch):
-    pipe = DiTPipeline(ServeConfig(buckets=BUCKETS), tiny)
+    pipe = DiTPipeline(EngineConfig(buckets=BUCKETS), tiny)
     real = pipe.step
     calls = {"n": 0}
 
@@ -136,7 +138,7 @@ def test_a_step_that_runs_out_of_memory_is_answered_503_and_the_replica_keeps_se
 def test_a_request_that_waits_past_its_deadline_is_answered_503_not_left_hanging(tiny):
     """``runner.max_queue_wait_s``: with one row in flight allowed and a slow first request, the second waits in
     the replica's queue past the deadline and is answered 503 with Retry-After; the first is served."""
-    pipe = DiTPipeline(ServeConfig(buckets=BUCKETS), tiny)
+    pipe = DiTPipeline(EngineConfig(buckets=BUCKETS), tiny)
     real = pipe.step
 
     def slow(states, plan=None):
@@ -168,7 +170,7 @@ def test_work_per_request_is_bounded_with_an_error_naming_the_limit():
     from bcg_core import LimitsConfig, RequestError
     from bcg_core.planner import Planner
 
-    planner = Planner.from_config(ServeConfig(limits=LimitsConfig(max_megapixel_steps=10.0)))
+    planner = Planner.from_config(EngineConfig(limits=LimitsConfig(max_megapixel_steps=10.0)))
     planner.plan(GenerationRequest("x", n=2, width=512, height=512, num_inference_steps=19))  # 9.96: allowed
     with pytest.raises(RequestError) as e:
         planner.plan(GenerationRequest("x", n=2, width=512, height=512, num_inference_steps=20))
@@ -177,5 +179,5 @@ def test_work_per_request_is_bounded_with_an_error_naming_the_limit():
     with pytest.raises(RequestError) as e:
         planner.plan(GenerationRequest("x", n=1, width=1024, height=1024, num_inference_steps=20))
     assert e.value.field == "num_inference_steps"
-    unbounded = Planner.from_config(ServeConfig(limits=LimitsConfig(max_megapixel_steps=None)))
+    unbounded = Planner.from_config(EngineConfig(limits=LimitsConfig(max_megapixel_steps=None)))
     assert unbounded.plan(GenerationRequest("x", n=10, width=2048, height=2048, num_inference_steps=50)).request.n == 10

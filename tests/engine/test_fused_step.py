@@ -17,7 +17,8 @@ import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, StableDiffusion3Pipeline
 
 import bcg_core.runners.fused as fused_mod
-from bcg_core import BucketConfig, BucketKey, DiTPipeline, GenerationRequest, ModelConfig, ServeConfig, build_tiny
+from bcg_core import BucketConfig, BucketKey, DiTPipeline, GenerationRequest, ModelConfig, build_tiny
+from bcg_core.config import EngineConfig
 from bcg_core.scheduler.costs import Chunk, StepForwards
 from bcg_core.runners.fused import fused_update
 from bcg_core.families.tiny import TINY_TEXT_TOKENS
@@ -29,8 +30,8 @@ T = TINY_TEXT_TOKENS
 BUCKETS = BucketConfig(batch_sizes=[1, 2, 4, 8], resolutions=["256x256"], text_lengths=[T])
 
 
-def _config(fused: str) -> ServeConfig:
-    return ServeConfig(buckets=BUCKETS, runner={"fused_step": fused})
+def _config(fused: str) -> EngineConfig:
+    return EngineConfig(buckets=BUCKETS, runner={"fused_step": fused})
 
 
 @pytest.fixture(scope="module")

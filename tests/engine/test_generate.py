@@ -13,13 +13,15 @@ import pytest
 import torch
 
 from bcg_core import (
-    BucketConfig, BucketKey, DiTPipeline, GenerationRequest, RequestError, ServeConfig, StepScheduler, build_tiny,
+    BucketConfig, BucketKey, DiTPipeline, GenerationRequest, RequestError, StepScheduler, build_tiny,
 )
+
+from bcg_core.config import EngineConfig
 from bcg_core.families.tiny import TINY_TEXT_TOKENS
 from bcg_core.metrics import token_shares
 
 T = TINY_TEXT_TOKENS
-CONFIG = ServeConfig(buckets=BucketConfig(batch_sizes=[1, 2, 4, 8], resolutions=["256x256", "256x512"],
+CONFIG = EngineConfig(buckets=BucketConfig(batch_sizes=[1, 2, 4, 8], resolutions=["256x256", "256x512"],
                                           text_lengths=[T]))
 
 

@@ -8,16 +8,15 @@ import torch
 from PIL import Image
 
 from bcg_core import (
-    BucketConfig, CheckpointError, DiTPipeline, GenerationRequest, ModelConfig, RequestCancelled, RequestError,
-    ServeConfig, build_tiny,
-    load_model,
-    save_pipeline,
+    BucketConfig, CheckpointError, DiTPipeline, GenerationRequest, ModelConfig, RequestCancelled, RequestError, build_tiny, load_model, save_pipeline,
 )
+
+from bcg_core.config import EngineConfig
 from bcg_core.families.tiny import TINY_TEXT_TOKENS
 from bcg_core.scheduler import CostModel
 from bcg_core.models import describe_model
 
-SMALL = ServeConfig(buckets=BucketConfig(batch_sizes=[1, 2, 4, 8], resolutions=["256x256", "512x512"],
+SMALL = EngineConfig(buckets=BucketConfig(batch_sizes=[1, 2, 4, 8], resolutions=["256x256", "512x512"],
                                          text_lengths=[TINY_TEXT_TOKENS]))
 
 
@@ -184,7 +183,7 @@ def test_tiny_weights_are_seeded(tiny):
 def test_reject_policy_turns_a_miss_into_a_request_error(tiny):
     buckets = BucketConfig(**{**SMALL.buckets.model_dump(), "miss_policy": "reject"})
     with pytest.raises(RequestError) as e:  # an image miss (rows above the largest bucket are split, never missed)
-        DiTPipeline(ServeConfig(buckets=buckets), tiny).generate(GenerationRequest("a", width=1024, height=1024))
+        DiTPipeline(EngineConfig(buckets=buckets), tiny).generate(GenerationRequest("a", width=1024, height=1024))
     assert e.value.field == "size"
 
 
@@ -193,7 +192,7 @@ def test_rows_above_the_largest_bucket_run_split_in_buckets(tiny):
     cheapest the decider runs them as the largest bucket plus the smallest bucket that holds the rest, never
     eager, even under the reject policy."""
     buckets = BucketConfig(**{**SMALL.buckets.model_dump(), "miss_policy": "reject"})
-    p = padded(DiTPipeline(ServeConfig(buckets=buckets), tiny))
+    p = padded(DiTPipeline(EngineConfig(buckets=buckets), tiny))
     r = GenerationRequest("a", n=5, width=256, height=256, num_inference_steps=1, guidance_scale=2.0, seed=3)
     result = p.generate(r)  # 10 rows > 8: 8 + 2
     assert len(result.images_png) == 5

@@ -22,7 +22,7 @@ import torch
 from PIL import Image
 from scheduling import PlanningScheduler
 
-from bcg_core.config import ServeConfig
+from bcg_core.config import EngineConfig
 from bcg_core.pipeline import DiTPipeline
 from bcg_core.request import GenerationRequest
 from bcg_core.preview import LinearPreview, PartialImage, preview_steps
@@ -113,7 +113,7 @@ def test_each_family_previews_mid_denoise_latents(family, tmp_path):
 
 @pytest.fixture(scope="module")
 def pipe() -> DiTPipeline:
-    cfg = ServeConfig.model_validate({"buckets": {"batch_sizes": [1, 2, 4], "resolutions": ["256x256", "512x512"],
+    cfg = EngineConfig.model_validate({"buckets": {"batch_sizes": [1, 2, 4], "resolutions": ["256x256", "512x512"],
                                                   "text_lengths": [256]}})
     return DiTPipeline.from_config(cfg)
 

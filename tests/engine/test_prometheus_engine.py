@@ -8,7 +8,9 @@ import asyncio
 
 import pytest
 
-from bcg_core import BucketConfig, DiTPipeline, GenerationRequest, ServeConfig, build_tiny
+from bcg_core import BucketConfig, DiTPipeline, GenerationRequest, build_tiny
+
+from bcg_core.config import EngineConfig
 from bcg_core.keys import BucketKey
 from bcg_core.metrics import BucketMetrics
 from bcg_core.families.tiny import TINY_TEXT_TOKENS
@@ -19,7 +21,7 @@ T = TINY_TEXT_TOKENS
 
 
 def test_pipeline_records_one_step_latency_per_forward_and_the_exporter_matches_its_stats():
-    cfg = ServeConfig(buckets=BucketConfig(batch_sizes=[1, 2, 4], resolutions=["256x256", "512x512"],
+    cfg = EngineConfig(buckets=BucketConfig(batch_sizes=[1, 2, 4], resolutions=["256x256", "512x512"],
                                            text_lengths=[T]))
     pipe = DiTPipeline(cfg, build_tiny())
     backend = FakeBackend()
@@ -47,7 +49,7 @@ def test_the_step_scheduler_metrics_follow_its_stats():
     waste and admission waits match ``StepScheduler.stats()`` after real requests; a second push adds nothing."""
     from scheduling import PlanningScheduler
 
-    cfg = ServeConfig(buckets=BucketConfig(batch_sizes=[1, 2, 4], resolutions=["256x256", "512x512"],
+    cfg = EngineConfig(buckets=BucketConfig(batch_sizes=[1, 2, 4], resolutions=["256x256", "512x512"],
                                            text_lengths=[T]))
     pipe = DiTPipeline(cfg, build_tiny())
     sched = PlanningScheduler(pipe)

@@ -3,10 +3,12 @@
 import asyncio
 import time
 
-from bcg_core import BucketConfig, ServeConfig
+from bcg_core import BucketConfig
+
+from bcg_core.config import EngineConfig
 from deployments.dit import DiTReplica
 
-CONFIG = ServeConfig(buckets=BucketConfig(batch_sizes=[1, 2], resolutions=["256x256", "512x512"]))
+CONFIG = EngineConfig(buckets=BucketConfig(batch_sizes=[1, 2], resolutions=["256x256", "512x512"]))
 
 
 async def make_replica(config: dict):

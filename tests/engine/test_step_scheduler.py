@@ -22,16 +22,10 @@ from closeness import assert_close
 from reference_gate import pixels
 from scheduling import PlanningScheduler
 
-from bcg_core import (
-    BucketConfig,
-    BucketKey,
-    DiTPipeline,
-    GenerationRequest,
-    RequestCancelled,
-    ServeConfig,
-    build_tiny,
-)
-from bcg_core.config import backpressure_limits
+from bcg_core import BucketConfig, BucketKey, DiTPipeline, GenerationRequest, RequestCancelled, build_tiny
+
+from deployments.settings import ServeConfig
+from deployments.settings import backpressure_limits
 from bcg_core.scheduler.costs import Chunk, CostModel, StepForwards, eager_row_counts
 from bcg_core.families.tiny import TINY_TEXT_TOKENS
 from bcg_core.scheduler.loop import StepScheduler

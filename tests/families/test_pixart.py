@@ -199,9 +199,10 @@ def test_checkpoints_without_text_encoder_micro_conditions_or_a_bin_table_are_re
 
 
 def test_a_text_bucket_above_what_the_pipeline_feeds_is_refused_before_loading(folder):
-    from bcg_core import BucketConfig, ModelConfig, Planner, ServeConfig
+    from bcg_core import BucketConfig, ModelConfig, Planner
+    from bcg_core.config import EngineConfig
 
-    cfg = ServeConfig(model=ModelConfig(path=str(folder)), limits={"min_side_px": 16},
+    cfg = EngineConfig(model=ModelConfig(path=str(folder)), limits={"min_side_px": 16},
                       buckets=BucketConfig(**{**BUCKETS, "text_lengths": [16, 512]}))
     with pytest.raises(ValueError, match=r"feeds at most 300 text tokens, .* use text_lengths up to 300"):
         Planner.from_config(cfg)  # the ingress's planner: tokenizer and JSON configs only

@@ -213,18 +213,20 @@ def test_a_scheduler_the_family_cannot_reproduce_is_a_load_error(folders, tmp_pa
 
 
 def test_a_resolution_beyond_the_position_table_is_refused_before_loading(folders):
-    from bcg_core import BucketConfig, ModelConfig, Planner, ServeConfig
+    from bcg_core import BucketConfig, ModelConfig, Planner
+    from bcg_core.config import EngineConfig
 
-    cfg = ServeConfig(model=ModelConfig(path=str(folders["sd3"])), limits={"min_side_px": 16},
+    cfg = EngineConfig(model=ModelConfig(path=str(folders["sd3"])), limits={"min_side_px": 16},
                       buckets=BucketConfig(**{**BUCKETS, "resolutions": ["64x64", "1024x1024"]}))
     with pytest.raises(ValueError, match=r"bucket resolution 1024x1024 exceeds .* \(32 tokens a side\): sides up to 512"):
         Planner.from_config(cfg)
 
 
 def test_an_fp32_checkpoint_served_in_bf16_runs_every_component_in_bf16(folders):
-    from bcg_core import BucketConfig, DiTPipeline, LimitsConfig, ModelConfig, ServeConfig
+    from bcg_core import BucketConfig, DiTPipeline, LimitsConfig, ModelConfig
+    from deployments.settings import EngineConfig
 
-    pipe = DiTPipeline.from_config(ServeConfig(
+    pipe = DiTPipeline.from_config(EngineConfig(
         model=ModelConfig(path=str(folders["sd3"]), device="cpu", dtype="bfloat16"),
         buckets=BucketConfig(batch_sizes=[2], resolutions=["64x64"], text_lengths=[333]), limits=LimitsConfig(min_side_px=16)))
     p = pipe.model.pipe

@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from bcg_core.config import ServeConfig, api_key_digest
+from deployments.settings import ServeConfig, api_key_digest
 
 CONFIG_KEY = "sk-config-3f9c1a7e5b2d"
 FILE_KEY = "sk-file-8e4b6d0c2a19"

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from bcg_core import GenerationRequest, ServeConfig
+from bcg_core import GenerationRequest
+
+from deployments.settings import ServeConfig
 from bcg_core.planning.table_search import search_table
 
 

@@ -54,7 +54,9 @@ def test_each_family_is_served_over_http_and_answers_what_the_pipeline_gives(ser
 
     from ray import serve
 
-    from bcg_core import DiTPipeline, GenerationRequest, load_config
+    from bcg_core import DiTPipeline, GenerationRequest
+
+    from deployments.settings import load_config
     from deployments import build_app
 
     module, kwargs, buckets, body, bucket = CASES[family]

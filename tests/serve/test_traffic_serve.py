@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from bcg_core import GenerationRequest, Planner, ServeConfig, TrafficHistogram
+from bcg_core import GenerationRequest, Planner, TrafficHistogram
+
+from deployments.settings import ServeConfig
 from bcg_core.planning.traffic import TrafficKey
 
 

@@ -9,7 +9,7 @@ import hmac
 
 import pytest
 
-from bcg_core.config import ServeConfig, api_key_digest
+from deployments.settings import ServeConfig, api_key_digest
 from deployments.auth import ApiKeys, read_key_file
 
 CONFIG_KEY = "sk-config-3f9c1a7e5b2d"

@@ -78,7 +78,7 @@ def tiny():
 
 
 def _configs(model_cfg: dict, spec, counter, reqs, steps=20):
-    from bcg_core.config import ServeConfig
+    from deployments.settings import ServeConfig
 
     base = bench.base_config(model_cfg, spec, counter, reqs, steps)
     over = {s: bench.server_overrides(s, base, spec, reqs, 16) for s in bench.SERVERS}
@@ -114,7 +114,7 @@ def test_naive_tier_of_a_binned_family_is_a_bin_no_request_is_binned_to():
     """PixArt-Sigma 512 (its spec as the family describes it: grid-keyed, masked text, the 512 bins): the
     step table is the replay's bins, the naive tier an unused bin; the real planner checks both."""
     from bcg_core.table import ShapeRules
-    from bcg_core.config import ServeConfig
+    from deployments.settings import ServeConfig
     from bcg_core.families.base import ModelSpec
     from bcg_core.families.pixart import aspect_ratio_bins
     from bcg_core.planner import Planner

@@ -12,7 +12,9 @@ import json
 
 import pytest
 
-from bcg_core import BucketConfig, GenerationRequest, LimitsConfig, ServeConfig
+from bcg_core import BucketConfig, GenerationRequest, LimitsConfig
+
+from deployments.settings import ServeConfig
 from bcg_core.planning.costs import PlanCosts, costs_from_profile, evaluate
 from bcg_core.planning.samples import (
     planning_table,
@@ -155,7 +157,7 @@ def test_bcg_plan_writes_a_config_that_serves_a_report_and_a_plot(tmp_path, caps
                  "--plot", str(png)]) == 0
     text = capsys.readouterr().out
     assert "bcg plan: krea traffic" in text and "costs: token-count" in text and "current table: 63 graphs" in text
-    from bcg_core.config import load_config
+    from deployments.settings import load_config
 
     planned = load_config(config_path=str(out))
     data = json.loads(report.read_text())

@@ -9,7 +9,7 @@ import json
 import pytest
 import yaml
 
-from bcg_core.config import ServeConfig
+from deployments.settings import ServeConfig
 from deployments.cli import config_text, main
 from deployments.demo import SEED_MODULUS, DemoRequest, load_requests, read_requests
 

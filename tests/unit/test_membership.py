@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bcg_core.config import ServeConfig
+from bcg_core.config import EngineConfig
 from router.membership import OwnershipTable
 from router.ownership import BucketDemand, demands_for_config, expected_load, krea_rows, shape_shares
 
@@ -21,7 +21,7 @@ class Clock:
 
 @pytest.fixture(scope="module")
 def demands() -> dict[str, BucketDemand]:
-    return demands_for_config(ServeConfig())
+    return demands_for_config(EngineConfig())
 
 
 def covered(table: OwnershipTable) -> set[str]:
@@ -31,11 +31,11 @@ def covered(table: OwnershipTable) -> set[str]:
 def test_demands_from_config_cover_every_shape_with_krea_shares(demands):
     from bcg_core.planner import Planner
 
-    assert set(demands) == {k.shape for k in Planner.from_config(ServeConfig()).table.keys}
+    assert set(demands) == {k.shape for k in Planner.from_config(EngineConfig()).table.keys}
     assert sum(d.share for d in demands.values()) == pytest.approx(1.0)
     # 512x512 is about half of the krea requests (docs/DESIGN.md section 8) but a third of the work: shares are
     # weighted by padded tokens, so a 1024x1024 request counts ~4x
-    planner = Planner.from_config(ServeConfig())
+    planner = Planner.from_config(EngineConfig())
     by_requests = shape_shares(expected_load(planner, krea_rows(), by="requests").shares)
     assert by_requests["i1024_t256"] == pytest.approx(0.49, abs=0.03)
     assert demands["i1024_t256"].share == pytest.approx(0.34, abs=0.03)

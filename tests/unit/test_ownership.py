@@ -1,6 +1,6 @@
 """Bucket ownership (router/ownership.py): coverage, hot replication, budgets, balance and stability.
 
-Properties run on the real krea request mix keyed by the default ``ServeConfig()`` table (FLUX-like rules,
+Properties run on the real krea request mix keyed by the default ``EngineConfig()`` table (FLUX-like rules,
 no model loaded); graph bytes are modelled as 100 kB per padded token (the largest default bucket,
 b20_i4096_t256, is ~8.7 GB). Hand-made cases pin exact outputs.
 """
@@ -15,7 +15,7 @@ import router
 from bcg_core.keys import BucketKey
 
 from bcg_core.table import ShapeRules
-from bcg_core.config import ServeConfig
+from bcg_core.config import EngineConfig
 from bcg_core.planner import Planner
 from router import (
     Assignment,
@@ -39,7 +39,7 @@ def _bytes(key: BucketKey) -> int:
 
 @pytest.fixture(scope="module")
 def planner() -> Planner:
-    return Planner(ServeConfig(), ShapeRules(16, False, 256), count_tokens=lambda s, negative=False: 3)
+    return Planner(EngineConfig(), ShapeRules(16, False, 256), count_tokens=lambda s, negative=False: 3)
 
 
 @pytest.fixture(scope="module")

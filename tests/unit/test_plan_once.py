@@ -15,7 +15,9 @@ import pytest
 from ray.exceptions import RayActorError
 from starlette.requests import Request
 
-from bcg_core import BucketConfig, GenerationRequest, PlannedRequest, Planner, ServeConfig
+from bcg_core import BucketConfig, GenerationRequest, PlannedRequest, Planner
+
+from deployments.settings import ServeConfig
 from bcg_core.request import GenerationResult
 from deployments.dit import DiTReplica
 from deployments.ingress import Ingress

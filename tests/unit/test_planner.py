@@ -2,13 +2,15 @@
 
 import pytest
 
-from bcg_core import BucketConfig, Dim, GenerationRequest, MissPolicy, Planner, RequestError, ServeConfig, ShapeRules
+from bcg_core import BucketConfig, Dim, GenerationRequest, MissPolicy, Planner, RequestError, ShapeRules
+
+from bcg_core.config import EngineConfig
 
 RULES = ShapeRules(pixels_per_token=16, grid_keyed=False, native_text_tokens=32)
 
 
 def _planner(policy=MissPolicy.EAGER) -> Planner:
-    cfg = ServeConfig(buckets=BucketConfig(batch_sizes=[1, 2, 4, 8], resolutions=["256x256", "512x512"],
+    cfg = EngineConfig(buckets=BucketConfig(batch_sizes=[1, 2, 4, 8], resolutions=["256x256", "512x512"],
                                            text_lengths=[32], miss_policy=policy))
     return Planner(cfg, RULES, count_tokens=lambda s, negative=False: len(s.split()) + 2)
 
@@ -79,7 +81,7 @@ def test_a_miss_in_several_dimensions_names_them_all():
 
 
 def test_exact_padding_miss_explains_the_exact_rule():
-    cfg = ServeConfig(buckets=BucketConfig(batch_sizes=[1, 2], resolutions=["256x256", "512x512"], text_lengths=[32],
+    cfg = EngineConfig(buckets=BucketConfig(batch_sizes=[1, 2], resolutions=["256x256", "512x512"], text_lengths=[32],
                                            miss_policy="reject", image_padding="exact"))
     with pytest.raises(RequestError) as e:
         Planner(cfg, RULES, count_tokens=lambda s, negative=False: 3).plan(GenerationRequest("a", width=384, height=512))

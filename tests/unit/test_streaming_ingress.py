@@ -68,7 +68,7 @@ def test_a_failure_mid_stream_is_one_error_event_the_official_client_raises():
     import openai
     from openai import OpenAI
 
-    from bcg_core.config import ServeConfig
+    from deployments.settings import ServeConfig
     from bcg_core.request import GenerationRequest
     from deployments.ingress import Ingress
     from deployments.schemas import ImageGenerationRequest
@@ -108,7 +108,7 @@ def test_a_failure_mid_stream_is_one_error_event_the_official_client_raises():
 def test_a_stream_refused_before_acceptance_is_a_plain_503_with_retry_after():
     import asyncio
 
-    from bcg_core.config import ServeConfig
+    from deployments.settings import ServeConfig
     from deployments.ingress import Ingress
     from test_plan_once import _http
 

@@ -11,7 +11,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 from test_prometheus import FakeBackend
 
-from bcg_core import GenerationRequest, PlannedRequest, Planner, ServeConfig, TrafficHistogram, load_traffic
+from bcg_core import GenerationRequest, PlannedRequest, Planner, TrafficHistogram, load_traffic
+
+from bcg_core.config import EngineConfig
 from bcg_core.table import BucketLookup
 from bcg_core.keys import ShapeQuery
 from bcg_core.metrics import BucketMetrics
@@ -50,7 +52,7 @@ def test_requests_are_counted_by_size_n_prompt_tokens_and_steps():
 
 
 def test_the_planner_count_is_recorded_not_the_padded_text_length():
-    cfg = ServeConfig.model_validate({"buckets": {"batch_sizes": [1, 2, 4], "resolutions": ["256x256"],
+    cfg = EngineConfig.model_validate({"buckets": {"batch_sizes": [1, 2, 4], "resolutions": ["256x256"],
                                                   "text_lengths": [256]}})
     planner = Planner.from_config(cfg)
     plan = planner.plan(GenerationRequest("a lighthouse at dusk", n=2, width=256, height=256, num_inference_steps=1,
@@ -315,8 +317,8 @@ def test_the_readme_documents_the_traffic_counters_and_section():
 def test_the_traffic_config_section_is_bounded_and_typed():
     from pydantic import ValidationError
 
-    assert ServeConfig().traffic.record is True and ServeConfig().traffic.max_shapes == 512
-    assert ServeConfig.model_validate({"traffic": {"record": False, "max_shapes": 1}}).traffic.max_shapes == 1
+    assert EngineConfig().traffic.record is True and EngineConfig().traffic.max_shapes == 512
+    assert EngineConfig.model_validate({"traffic": {"record": False, "max_shapes": 1}}).traffic.max_shapes == 1
     for bad in ({"max_shapes": 0}, {"max_shapes": 100001}, {"shapes": 3}):
         with pytest.raises(ValidationError, match="traffic"):
-            ServeConfig.model_validate({"traffic": bad})
+            EngineConfig.model_validate({"traffic": bad})
