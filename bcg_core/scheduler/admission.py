@@ -56,6 +56,22 @@ class InFlight:
     previews_pending: int = 0  # queued for the preview thread, not drawn yet
     held: GenerationResult | None = None  # the result, waiting for the request's pending previews
 
+    def answer(self, value: GenerationResult | BaseException) -> None:
+        """Hand ``value`` to the caller's future, on the caller's event loop (thread-safe; nothing happens if the
+        future is already done or the caller's loop has closed)."""
+        def set_it():
+            if self.future.done():
+                return
+            if isinstance(value, BaseException):
+                self.future.set_exception(value)
+            else:
+                self.future.set_result(value)
+
+        try:
+            self.loop.call_soon_threadsafe(set_it)
+        except RuntimeError:  # the caller's loop has closed
+            pass
+
 
 def tensor_bytes(state: RequestState) -> int:
     """Bytes of a request state's tensors (latents and text rows) held while it is in flight."""

@@ -33,7 +33,7 @@ import itertools
 import logging
 import threading
 import time
-from collections import Counter, deque
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 
 import torch
@@ -52,7 +52,7 @@ from bcg_core.scheduler.finish import Finisher
 from bcg_core.scheduler.load import LoadMeter
 from bcg_core.scheduler.memtrim import IdleTrimmer
 from bcg_core.scheduler.previews import PreviewWorker, stream_events
-from bcg_core.scheduler.stats import SchedulerStats, StepTimes
+from bcg_core.scheduler.stats import SchedulerStats, StepTimes, queue_lengths
 
 __all__ = ["StepScheduler"]
 
@@ -124,26 +124,6 @@ class StepScheduler:
         self._threads: list[threading.Thread] = []
         self._started = False
         self._start_lock = threading.Lock()
-
-    @property
-    def max_rows(self) -> int:
-        """Most transformer rows in flight."""
-        return self._admission.max_rows
-
-    @property
-    def memory_budget_bytes(self) -> int | None:
-        """Most bytes of request tensors in flight (None: unbounded)."""
-        return self._admission.memory_budget_bytes
-
-    @property
-    def fair_wait_s(self) -> float:
-        """A request waiting longer than this for admission holds back every later request."""
-        return self._admission.fair_wait_s
-
-    @property
-    def decode_batch_images(self) -> int:
-        """Most images of one decode call."""
-        return self._finisher.decode_batch_images
 
     @classmethod
     def from_pipeline(cls, pipeline: DiTPipeline, costs: CostModel | None = None, load_window_s: float = 10.0,
@@ -252,18 +232,7 @@ class StepScheduler:
         if idle and self._trimmer is not None:
             self._trimmer.notify()
 
-        def set_it():
-            if item.future.done():
-                return
-            if isinstance(value, BaseException):
-                item.future.set_exception(value)
-            else:
-                item.future.set_result(value)
-
-        try:
-            item.loop.call_soon_threadsafe(set_it)
-        except RuntimeError:  # the caller's loop has closed
-            pass
+        item.answer(value)
 
     def _idle(self) -> bool:
         """No request submitted and not answered yet (the idle trimmer's test)."""
@@ -504,8 +473,6 @@ class StepScheduler:
         if held is not None:
             self._resolve(item, held)
 
-    # -- decode and encode ----------------------------------------------------------------------------
-
     # -- finishing (the decode thread and the encoding pool call these) ---------------------------------
 
     def _release_bytes(self, item: InFlight) -> None:
@@ -545,14 +512,8 @@ class StepScheduler:
         """Requests waiting, starting, running, decoding or encoding per bucket shape (misses left out), for
         routing stats, the ``bcg_queue_length`` gauge and autoscaling's in-flight count."""
         with self._cv:
-            counts: Counter[str] = Counter()
-            for i in self._admission.waiting:
-                if i.shape:
-                    counts[i.shape] += 1
-            for i in [*self._starting, *(i for g in self._running.values() for i in g), *self._finishing]:
-                if i.shape:
-                    counts[i.shape] += 1
-        return dict(sorted(counts.items()))
+            return queue_lengths([*self._admission.waiting, *self._starting,
+                                  *(i for g in self._running.values() for i in g), *self._finishing])
 
     @property
     def oom_steps(self) -> int:
@@ -566,12 +527,12 @@ class StepScheduler:
             in_flight = [*self._starting, *(i for g in self._running.values() for i in g)]
             out = self._stats.describe(in_flight, list(self._admission.waiting))
             return {
-                "kind": "step", "max_rows_in_flight": self.max_rows, "rows_in_flight": self._rows_in_flight,
-                "bytes_in_flight": self._bytes_in_flight, "memory_budget_bytes": self.memory_budget_bytes,
+                "kind": "step", "max_rows_in_flight": self._admission.max_rows, "rows_in_flight": self._rows_in_flight,
+                "bytes_in_flight": self._bytes_in_flight, "memory_budget_bytes": self._admission.memory_budget_bytes,
                 "waiting": len(self._admission.waiting), "starting": len(self._starting),
                 "running": sum(len(g) for g in self._running.values()), "finishing": len(self._finishing),
                 "iterations": self._iterations, "busy_s": round(self._busy_s, 3), "oom_steps": self._oom_steps,
-                "decode_batch_images": self.decode_batch_images, "fair_wait_s": self.fair_wait_s,
+                "decode_batch_images": self._finisher.decode_batch_images, "fair_wait_s": self._admission.fair_wait_s,
                 **out, "costs": self.costs.describe(), "previews": self._previews.describe(),
                 "memory_trim": self._trimmer.describe() if self._trimmer is not None else None,
             }

@@ -21,7 +21,7 @@ from bcg_core.metrics import BucketMetrics
 from bcg_core.pipeline import elapsed_ms
 from bcg_core.scheduler.costs import DECISIONS, StepForwards
 
-__all__ = ["FORWARD_KINDS", "SchedulerStats", "ShapeStats", "StepTimes", "WAITS_KEPT"]
+__all__ = ["FORWARD_KINDS", "SchedulerStats", "ShapeStats", "StepTimes", "WAITS_KEPT", "queue_lengths"]
 
 FORWARD_KINDS = ("graph", "split", "eager")
 """Forwards counted by the step scheduler: a step's only forward, on a bucket (a graph replay on CUDA); a
@@ -171,3 +171,9 @@ class StepTimes:
                 state.step_ms.append(ms)
         for k, ms in done.items():
             self._metrics.record_steps(k, ms)
+
+
+def queue_lengths(items: Sequence) -> dict[str, int]:
+    """Requests per bucket shape among ``items`` (each with ``shape``; misses left out), sorted by shape."""
+    counts: Counter[str] = Counter(i.shape for i in items if i.shape)
+    return dict(sorted(counts.items()))
