@@ -3,7 +3,7 @@
 A request streamed with ``partial_images`` k (0..3) gets a preview after each of the steps
 :func:`preview_steps` picks: evenly spaced, never the last (the final image follows it). The step scheduler
 copies the request's latents at that step and hands the copy to its preview thread, so the denoising thread
-only pays for one device copy and a queue put (:mod:`bcg_core.scheduler.loop`); the family's
+only pays for one device copy and a queue put (:mod:`bcg_core.scheduler.step_scheduler`); the family's
 ``preview(state, latents)`` hook turns the copy into images.
 
 Every family here previews with :class:`LinearPreview`: RGB = A z + b per latent pixel, a 3 x C matrix and a bias

@@ -32,7 +32,7 @@ import torch
 from deployments.settings import ServeConfig
 from bcg_core.pipeline import DiTPipeline
 from bcg_core.request import GenerationRequest
-from bcg_core.scheduler.loop import StepScheduler
+from bcg_core.scheduler.step_scheduler import StepScheduler
 
 
 def run_size(size: int, steps: int, trials: int, previews: int, n: int, device: str,

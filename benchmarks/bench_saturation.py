@@ -25,7 +25,7 @@ on 127.0.0.1) and stopped with ``deployments.local.stop_local`` before the next 
   same model and limits from the packaged krea sample at ``--steps`` steps, at most ``--plan-max-graphs`` graphs
   (:func:`planned_buckets`; ``--plan-costs measure``: on costs the planner measures on this GPU itself, ``bcg plan
   --measure``). Each server's entry records its table's graphs, capture seconds and pool MiB.
-- ``step``: bcg-serve as configured, the step scheduler on the default table (``bcg_core/scheduler/loop.py``).
+- ``step``: bcg-serve as configured, the step scheduler on the default table (``bcg_core/scheduler/step_scheduler.py``).
   If ``GET /v1/buckets`` then has no top-level ``scheduler`` section, the replica did not report a step
   scheduler: a warning is printed and the JSON says so (``scheduler_reported: false``).
 

@@ -6,7 +6,7 @@ text bucket), then reports ready. Without a coordinator it captures every bucket
 
 Serving: a request arrives as the ingress's :class:`~bcg_core.request.PlannedRequest` (validated, seed filled in,
 bucket looked up) and is trusted as it is: the replica accepts nothing else and never plans it again. Requests
-go through the replica's :class:`~bcg_core.scheduler.loop.StepScheduler` (requests join and leave at step
+go through the replica's :class:`~bcg_core.scheduler.step_scheduler.StepScheduler` (requests join and leave at step
 boundaries; each iteration runs one step of every request in flight, in the bucket forwards its measured cost
 model chooses). Generation is blocking torch work in worker threads, so the replica's event loop keeps answering ``stats``, health checks
 and ``record_routing_stats``; a cancelled call (its client went away) stops at the next denoising step.
@@ -60,7 +60,7 @@ from bcg_core.errors import RequestError
 from bcg_core.models import load_model
 from bcg_core.pipeline import DiTPipeline, runner_mode
 from bcg_core.request import GenerationRequest, GenerationResult, PlannedRequest
-from bcg_core.scheduler.loop import StepScheduler
+from bcg_core.scheduler.step_scheduler import StepScheduler
 from bcg_core.planning.traffic import TrafficHistogram
 from router.autoscaling import replica_metrics
 
@@ -389,7 +389,8 @@ class DiTReplica:
 
     def __del__(self):
         """Graceful shutdown: tell the coordinator (fire and forget) so the survivors take this replica's
-        shapes at once; a replica that dies without it is removed when its lease expires."""
+        shapes at once (a replica that dies without it is removed when its lease expires), and close the step
+        scheduler, whose threads would otherwise outlive the replica."""
         task, coord = getattr(self, "_heartbeat_task", None), getattr(self, "_coord", None)  # __init__ may have failed
         if task is not None:
             task.cancel()
@@ -402,10 +403,13 @@ class DiTReplica:
                 coord.leave.remote(self._id)
             except Exception:  # noqa: BLE001 - the lease expiry covers a failed leave
                 pass
+        scheduler = getattr(self, "_scheduler", None)
+        if scheduler is not None:  # its threads stop; a request still in flight gets RequestCancelled
+            scheduler.close(timeout_s=5.0)
 
     def stats(self) -> dict:
         """Per-bucket counters (:meth:`DiTPipeline.stats`) plus this replica's id, routing view, owner
-        hits, micro-batching totals, the state of its Prometheus export (``metrics_export``: pushes, errors,
+        hits, the step scheduler's counters, the state of its Prometheus export (``metrics_export``: pushes, errors,
         ``None`` when the exporter is off), ``device_memory`` (CUDA bytes allocated and reserved, None on a CPU) and the request shapes it accepted (``traffic``: a
         :meth:`~bcg_core.planning.traffic.TrafficHistogram.snapshot`, ``None`` with ``traffic.record`` off)."""
         out = self._pipeline.stats()

@@ -209,7 +209,7 @@ class BucketExporter:
         queue_lengths: returns requests waiting or running per bucket shape.
         shapes: every bucket shape of the table (a queue gauge is set for each, 0 when empty).
         backend: makes the metric objects; default :class:`RayMetricsBackend`.
-        scheduler_stats: returns :meth:`bcg_core.scheduler.loop.StepScheduler.stats` (the ``bcg_sched_*``
+        scheduler_stats: returns :meth:`bcg_core.scheduler.step_scheduler.StepScheduler.stats` (the ``bcg_sched_*``
             metrics), or None when the replica batches whole requests.
         traffic: returns a :meth:`bcg_core.planning.traffic.TrafficHistogram.snapshot` (the ``bcg_traffic_*`` metrics),
             or None (or returns None) when the replica does not record traffic.

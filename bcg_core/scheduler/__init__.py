@@ -1,6 +1,7 @@
 """The step scheduler: continuous batching of denoising steps of many requests into bucket forwards.
 
-``loop.py`` is the denoising thread (admit, step every group, retire), ``admission.py`` which waiting requests
+``step_scheduler.py`` is the asyncio front (submit, stream, close, stats), ``loop.py`` the denoising thread (admit,
+step every group, retire), ``flight.py`` the requests in flight, ``admission.py`` which waiting requests
 start, ``costs.py`` the cost model that decides each step's forwards, ``finish.py`` the decode thread, the
 image-encoding pool and the one place a result is built, ``previews.py`` the preview thread, ``load.py`` the load
 meter autoscaling reads, ``memtrim.py`` the idle trim. docs/DESIGN.md section 12.
@@ -14,7 +15,7 @@ __all__ = ["Chunk", "CostModel", "Decision", "StepDecider", "StepForwards", "Ste
 def __getattr__(name: str):
     """:class:`StepScheduler`, imported on first use (its loop imports the pipeline, which imports the costs)."""
     if name == "StepScheduler":
-        from bcg_core.scheduler.loop import StepScheduler
+        from bcg_core.scheduler.step_scheduler import StepScheduler
 
         return StepScheduler
     raise AttributeError(f"module 'bcg_core.scheduler' has no attribute {name!r}")

@@ -26,7 +26,7 @@ from bcg_core.config import EngineConfig
 from bcg_core.pipeline import DiTPipeline
 from bcg_core.request import GenerationRequest
 from bcg_core.preview import LinearPreview, PartialImage, preview_steps
-from bcg_core.scheduler.loop import StepScheduler
+from bcg_core.scheduler.step_scheduler import StepScheduler
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
 

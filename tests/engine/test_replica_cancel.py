@@ -3,8 +3,7 @@
 import asyncio
 import time
 
-from bcg_core import BucketConfig
-
+from bcg_core import BucketConfig, GenerationRequest, Planner
 from bcg_core.config import EngineConfig
 from deployments.dit import DiTReplica
 
@@ -20,7 +19,8 @@ async def make_replica(config: dict):
 
 
 def test_cancelling_a_generate_call_stops_its_worker_thread_early():
-    request = {"prompt": "a lighthouse", "n": 1, "width": 512, "height": 512, "num_inference_steps": 50, "seed": 1}
+    request = Planner.from_config(CONFIG).plan(GenerationRequest("a lighthouse", n=1, width=512, height=512,
+                                                                 num_inference_steps=50, seed=1))
     replica = None
 
     async def cancel_soon():

@@ -1,4 +1,4 @@
-"""The step scheduler (bcg_core/scheduler/loop.py) and its cost model (bcg_core/scheduler/costs.py), on the CPU.
+"""The step scheduler (bcg_core/scheduler/: step_scheduler.py, loop.py, admission.py, flight.py) and its cost model (bcg_core/scheduler/costs.py), on the CPU.
 
 Tiny default model, fp32. Closeness: rows that share a forward differ from the same rows run alone only in the
 reduction order of batched kernels (``tests/closeness.py``: latents within RTOL 1e-5); after the VAE and the
@@ -28,7 +28,7 @@ from deployments.settings import ServeConfig
 from deployments.settings import backpressure_limits
 from bcg_core.scheduler.costs import Chunk, CostModel, StepForwards, eager_row_counts
 from bcg_core.families.tiny import TINY_TEXT_TOKENS
-from bcg_core.scheduler.loop import StepScheduler
+from bcg_core.scheduler.step_scheduler import StepScheduler
 from bcg_core.scheduler.stats import FORWARD_KINDS
 
 T = TINY_TEXT_TOKENS
@@ -97,7 +97,7 @@ class StepLog:
 
 async def submit_together(sched: StepScheduler, requests: list[GenerationRequest]) -> list[asyncio.Task]:
     """Submit ``requests`` so that they reach the queue before the denoising thread admits any of them."""
-    with sched._cv:
+    with sched.flight.cv:
         tasks = [asyncio.ensure_future(sched.submit(r)) for r in requests]
         await asyncio.sleep(0)  # every submit runs up to its await while the lock is held
     return tasks
@@ -606,7 +606,7 @@ def test_the_memory_budget_holds_for_the_first_burst_of_a_group(pipe, make_sched
     step = pipe.step
 
     def watched(states, plan=None):
-        peak[0] = max(peak[0], sched._bytes_in_flight)
+        peak[0] = max(peak[0], sched.flight.bytes)
         return step(states, plan)
 
     monkeypatch.setattr(pipe, "step", watched)

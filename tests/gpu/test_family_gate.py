@@ -106,7 +106,7 @@ def test_the_step_scheduler_with_measured_costs_equals_diffusers_on_cuda(family)
     mid-flight, the batched decode on the decode stream and the PNG pool; each image equals diffusers' own."""
     import asyncio
 
-    from bcg_core.scheduler.loop import StepScheduler
+    from bcg_core.scheduler.step_scheduler import StepScheduler
     from reference_gate import pixels
 
     folder, pipe, cls, fields, ref = family

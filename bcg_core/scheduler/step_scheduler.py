@@ -1,0 +1,247 @@
+"""The step scheduler's asyncio front: submit, stream, close, stats (one per replica, no Ray).
+
+:meth:`StepScheduler.submit` queues a planned request and awaits its answer; the work happens on threads: the
+denoising loop (:mod:`bcg_core.scheduler.step_scheduler`: admission, steps, retirement), the decode thread and encoding pool
+(:mod:`bcg_core.scheduler.finish`) and the preview thread (:mod:`bcg_core.scheduler.previews`), all sharing the
+requests in flight (:mod:`bcg_core.scheduler.flight`). Cancellation: a caller's ``asyncio.CancelledError`` sets
+the request's cancel event; a waiting request leaves the queue at the next admission, a running one at the next
+step boundary, a finished one is not decoded. :mod:`deployments.dit` owns one scheduler per replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+
+import torch
+
+from bcg_core.errors import RequestCancelled
+from bcg_core.pipeline import DiTPipeline
+from bcg_core.preview import PartialImage, preview_steps
+from bcg_core.request import GenerationResult, PlannedRequest
+from bcg_core.scheduler.admission import Admission, InFlight
+from bcg_core.scheduler.costs import CostModel
+from bcg_core.scheduler.finish import Finisher
+from bcg_core.scheduler.flight import Flight
+from bcg_core.scheduler.load import LoadMeter
+from bcg_core.scheduler.loop import DenoisingLoop
+from bcg_core.scheduler.memtrim import IdleTrimmer
+from bcg_core.scheduler.previews import PreviewWorker, stream_events
+
+__all__ = ["StepScheduler"]
+
+
+class StepScheduler:
+    """Continuous step-level batching for one replica's pipeline (see the module docstring).
+
+    Args:
+        pipeline: the replica's pipeline (planner, table, runner, family).
+        costs: the cost model, given to the pipeline's decider (:class:`~bcg_core.scheduler.costs.StepDecider`);
+            None: the decider's own (the token-count stand-in until measured costs are set).
+        max_rows: most transformer rows in flight (``runner.max_rows_in_flight``).
+        memory_budget_bytes: most bytes of request tensors in flight (None: unbounded); see
+            :meth:`from_pipeline` for how a replica measures it on CUDA.
+        decode_batch_images: most images of one decode call.
+        encode_threads: PNG encoder threads.
+        fair_wait_s: a request waiting longer than this for admission holds back every later request.
+        max_queue_wait_s: a request not admitted within this many seconds is answered
+            :class:`~bcg_core.errors.ServiceUnavailable` (503 with Retry-After) and counted as ``expired``; None: no
+            deadline.
+        meter: load meter (arrivals, running requests and completions per shape) for autoscaling.
+        retry_after_s: the ``Retry-After`` seconds of a 503 it answers (a request expired in the queue, a step
+            out of memory); the serving layer passes its ``routing.retry_after_s``.
+        trim_idle_s: once no request has been submitted and not answered for this many seconds, give the C heap's
+            free memory back to the OS (:class:`~bcg_core.scheduler.memtrim.IdleTrimmer`: glibc ``malloc_trim``; without it the
+            resident memory at rest follows the largest requests served together). None: never.
+
+    Raises:
+        ValueError: ``max_rows``, ``decode_batch_images`` or ``encode_threads`` below 1, ``fair_wait_s`` < 0.
+    """
+
+    def __init__(self, pipeline: DiTPipeline, costs: CostModel | None = None, max_rows: int = 64,
+                 memory_budget_bytes: int | None = None, decode_batch_images: int = 8, encode_threads: int = 4,
+                 fair_wait_s: float = 2.0, meter: LoadMeter | None = None, max_queue_wait_s: float | None = None,
+                 trim_idle_s: float | None = 1.0, retry_after_s: float = 1.0):
+        if max_rows < 1 or decode_batch_images < 1 or encode_threads < 1:
+            raise ValueError("max_rows, decode_batch_images and encode_threads must be at least 1")
+        if fair_wait_s < 0:
+            raise ValueError(f"fair_wait_s must be >= 0, got {fair_wait_s}")
+        self.pipeline = pipeline
+        self.meter = meter if meter is not None else LoadMeter()
+        self.retry_after_s = float(retry_after_s)
+        self.decider = pipeline.decider
+        if costs is not None:
+            self.decider.set_costs(costs, merge=False)
+        self._trimmer = None if trim_idle_s is None else IdleTrimmer(lambda: self.flight.idle(), trim_idle_s)
+        self.flight = Flight(Admission(max_rows, memory_budget_bytes, fair_wait_s, max_queue_wait_s), self.meter,
+                             on_idle=self._trimmer.notify if self._trimmer is not None else None)
+        """The requests in flight and their counters."""
+        self._device = pipeline.model.device
+        self._cuda = torch.device(self._device).type == "cuda"
+        self._finisher = Finisher(pipeline, decode_batch_images, encode_threads, self.flight.release_bytes,
+                                  self.flight.retire_done, self.flight.answer)
+        self._previews = PreviewWorker(pipeline.model, self._device, self.flight.preview_left)
+        self._loop = DenoisingLoop(self.flight, pipeline, self._finisher, self._previews, retry_after_s)
+        self._miss_ids = itertools.count()
+        self._threads: list[threading.Thread] = []
+        self._started = False
+        self._start_lock = threading.Lock()
+
+    @classmethod
+    def from_pipeline(cls, pipeline: DiTPipeline, costs: CostModel | None = None, load_window_s: float = 10.0,
+                      retry_after_s: float = 1.0) -> StepScheduler:
+        """A scheduler configured by ``pipeline.config.runner`` (``max_rows_in_flight``, ``decode_batch_images``,
+        ``encode_threads``, ``fair_wait_s``, ``max_queue_wait_s``, ``trim_idle_s``), its load meter's window
+        ``load_window_s`` (the serving layer passes ``autoscaling.look_back_period_s``). On CUDA the memory budget
+        of request tensors in flight is half of the device memory free now (after the weights, the graph pool and
+        the cost measurement's forwards, whose activation peak the caching allocator keeps reserved)."""
+        r = pipeline.config.runner
+        sched = cls(pipeline, costs, max_rows=r.max_rows_in_flight, decode_batch_images=r.decode_batch_images,
+                    encode_threads=r.encode_threads, fair_wait_s=r.fair_wait_s, max_queue_wait_s=r.max_queue_wait_s,
+                    trim_idle_s=r.trim_idle_s, retry_after_s=retry_after_s,
+                    meter=LoadMeter(window_s=load_window_s, snapshot_s=min(0.5, load_window_s)))
+        sched.measure_memory_budget()
+        return sched
+
+    def measure_memory_budget(self) -> None:
+        """On CUDA, set the memory budget of request tensors in flight to half of the device memory free now
+        (call it again after capture and cost measurement, whose activation peak the caching allocator keeps
+        reserved); elsewhere leave it as it is."""
+        if self._cuda:
+            free, _ = torch.cuda.mem_get_info(self._device)
+            with self.flight.cv:
+                self.flight.admission.memory_budget_bytes = int(0.5 * free)
+
+    @property
+    def costs(self) -> CostModel:
+        """The cost model the pipeline's decider uses now."""
+        return self.decider.costs
+
+    def set_costs(self, costs: CostModel) -> None:
+        """Use ``costs`` from now on (merged over the current model: a shape captured later adds its times)."""
+        self.decider.set_costs(costs)
+
+    # -- the request path ---------------------------------------------------------------------------
+
+    async def submit(self, plan: PlannedRequest,
+                     on_preview: Callable[[PartialImage], None] | None = None) -> GenerationResult:
+        """Queue a request, wait for its images, and return its result.
+
+        With ``on_preview`` and the request's ``partial_images`` > 0, a copy of its latents is taken after each
+        step :func:`~bcg_core.preview.preview_steps` picks and drawn by the preview thread (the family's
+        ``preview`` hook, resized to the requested size, encoded in its ``output_format``); ``on_preview`` is
+        called there, once per image of each preview, with a :class:`~bcg_core.preview.PartialImage`.
+
+        ``timings_ms`` of the result: ``queue`` (submission to admission), ``encode`` (text encoding and noise),
+        ``denoise`` (its steps, sharing forwards), ``decode`` (waiting for and running the batched VAE decode),
+        ``image_encode`` (PNG, JPEG or WebP encoding) and ``total``, milliseconds.
+
+        Args:
+            plan: the request as the planner made it (trusted: it is not validated again).
+
+        Raises:
+            TypeError: ``plan`` is not a :class:`~bcg_core.request.PlannedRequest` (nothing is queued).
+            RequestCancelled: its cancel event was set.
+            asyncio.CancelledError: the caller was cancelled; the request leaves at the next step boundary.
+            Exception: whatever broke its start or a forward it took part in.
+        """
+        if not isinstance(plan, PlannedRequest):
+            raise TypeError(f"the step scheduler takes a PlannedRequest (Planner.plan), got {type(plan).__name__}")
+        shape = plan.shape
+        # requests share forwards only within one bucket shape and token grid; a miss runs alone
+        group = (shape, plan.grid) if shape is not None else ("miss", next(self._miss_ids))
+        loop = asyncio.get_running_loop()
+        item = InFlight(plan, plan.lookup.query.batch, group, shape, threading.Event(), loop.create_future(), loop,
+                        time.perf_counter())
+        if on_preview is not None and self._previews.available and plan.request.partial_images > 0:
+            item.on_preview = on_preview
+            item.preview_at = preview_steps(plan.request.num_inference_steps, plan.request.partial_images)
+        self._ensure_started()
+        self.meter.arrive(shape)
+        with self.flight.cv:
+            if self.flight.closed:
+                raise RuntimeError("the step scheduler is closed")
+            self.flight.admission.waiting.append(item)
+            self.flight.live.add(item)
+            self.flight.cv.notify_all()
+        try:
+            return await item.future
+        except asyncio.CancelledError:
+            item.cancel.set()
+            with self.flight.cv:
+                self.flight.cv.notify_all()
+            raise
+
+    async def submit_stream(self, plan: PlannedRequest) -> AsyncIterator[PartialImage | GenerationResult]:
+        """:meth:`submit` as an async iterator: the request's previews (:class:`~bcg_core.preview.PartialImage`,
+        as they are drawn), then its :class:`GenerationResult`: the result waits for the request's own previews
+        that were queued before its last step (so every preview taken comes first; one dropped because the
+        preview queue was full never comes). Closing the iterator early (its caller went away) cancels the
+        request, as cancelling :meth:`submit` does.
+
+        Raises:
+            As :meth:`submit`.
+        """
+        async for event in stream_events(lambda on_preview: self.submit(plan, on_preview=on_preview)):
+            yield event
+
+    def _ensure_started(self) -> None:
+        with self._start_lock:
+            if self._started:
+                return
+            self._started = True
+            self._previews.start()
+            self._finisher.start()
+            t = threading.Thread(target=self._loop.run, name="bcg-step", daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Stop the threads; every request not answered yet (waiting, running, decoding or encoding) gets
+        :class:`RequestCancelled`."""
+        with self.flight.cv:
+            self.flight.closed = True
+            self.flight.cv.notify_all()
+        self._previews.close(timeout_s)
+        for t in self._threads:
+            t.join(timeout_s)
+        self._finisher.close(timeout_s)
+        if self._trimmer is not None:
+            self._trimmer.close(timeout_s)
+        with self.flight.cv:
+            left = list(self.flight.live)
+            self.flight.rows = self.flight.bytes = 0
+        for item in left:
+            self.flight.resolve(item, RequestCancelled("the replica is shutting down"))
+
+    # -- introspection ------------------------------------------------------------------------------
+
+    def queue_lengths(self) -> dict[str, int]:
+        """Requests waiting, starting, running, decoding or encoding per bucket shape (misses left out), for
+        routing stats, the ``bcg_queue_length`` gauge and autoscaling's in-flight count."""
+        return self.flight.queue_lengths()
+
+    @property
+    def oom_steps(self) -> int:
+        """Steps that ran out of device memory since start (their requests were answered 503)."""
+        return self._loop.oom_steps
+
+    def stats(self) -> dict:
+        """``GET /v1/buckets``'s ``scheduler`` section (:mod:`bcg_core.scheduler.stats`): settings, totals,
+        ``padded_token_waste`` over every forward, the cost model, and per shape its counters."""
+        with self.flight.cv:
+            in_flight = self.flight.in_flight()
+            out = self.flight.stats.describe(in_flight, list(self.flight.admission.waiting))
+            return {
+                "kind": "step", "max_rows_in_flight": self.flight.admission.max_rows, "rows_in_flight": self.flight.rows,
+                "bytes_in_flight": self.flight.bytes, "memory_budget_bytes": self.flight.admission.memory_budget_bytes,
+                "waiting": len(self.flight.admission.waiting), "starting": len(self.flight.starting),
+                "running": sum(len(g) for g in self.flight.running.values()), "finishing": len(self.flight.finishing),
+                "iterations": self._loop.iterations, "busy_s": round(self._loop.busy_s, 3), "oom_steps": self._loop.oom_steps,
+                "decode_batch_images": self._finisher.decode_batch_images, "fair_wait_s": self.flight.admission.fair_wait_s,
+                **out, "costs": self.costs.describe(), "previews": self._previews.describe(),
+                "memory_trim": self._trimmer.describe() if self._trimmer is not None else None,
+            }
