@@ -6,11 +6,9 @@ forward: forwards by how they ran (:data:`FORWARD_MODES`: ``graph`` replays, ``s
 boundaries :data:`STEP_MS_BOUNDS`. Counted per CUDA graph capture: captures and capture seconds. Misses
 are counted by the key dimension that missed.
 
-Micro-batching (:meth:`bcg_core.pipeline.DiTPipeline.generate_batch`) runs several requests of one bucket
-shape in one forward per step. Each request then counts its own real tokens and a share of the batch
-forward's padded tokens proportional to its rows (:func:`token_shares`), so a bucket's ``real_tokens`` and
-``padded_tokens`` still sum to what its forwards computed; ``batches`` counts denoising loops shared by two
-or more requests and ``batched_requests`` the requests served by them.
+The step scheduler runs rows of several requests of one bucket shape in one forward per step. Each request
+counts its own real tokens and a share of its first step's padded tokens proportional to its rows
+(:func:`token_shares`).
 """
 
 from __future__ import annotations
@@ -48,8 +46,6 @@ class BucketCounters:
     ``real_tokens`` and ``padded_tokens`` are per transformer forward, summed over requests:
     ``rows * (image_tokens + text_tokens)`` of the request and of its bucket (for a request that shared
     its forward with others, its share of the bucket's tokens, see :func:`token_shares`).
-    ``batches`` counts denoising loops shared by two or more requests; ``batched_requests`` counts the
-    requests served by such a loop (so ``requests - batched_requests`` ran alone).
     ``forwards`` counts every transformer forward; ``replays`` those that replayed a CUDA graph and
     ``unpadded_forwards`` those that ran unpadded and eager (the rest ran eagerly on static buffers).
     ``captures`` counts CUDA graph captures and ``capture_s`` their seconds. ``faults`` counts runtime errors
@@ -64,8 +60,6 @@ class BucketCounters:
     real_tokens: int = 0
     padded_tokens: int = 0
     latency_ms_sum: float = 0.0
-    batches: int = 0
-    batched_requests: int = 0
     replays: int = 0
     unpadded_forwards: int = 0
     captures: int = 0
@@ -182,17 +176,14 @@ class BucketMetrics:
         """The counters of ``key`` (None: the miss path); call with the lock held."""
         return self._buckets.setdefault(key, BucketCounters()) if key is not None else self._miss
 
-    def record_request(self, lookup: BucketLookup, latency_ms: float, padded_tokens: int | None = None,
-                       batch_size: int = 1) -> None:
+    def record_request(self, lookup: BucketLookup, latency_ms: float, padded_tokens: int | None = None) -> None:
         """Count one served request that went through ``lookup``.
 
         Args:
-            lookup: the request's own query and the bucket that served it (for a batched request: the
-                batch's bucket).
+            lookup: the request's own query and the bucket its first step was counted under.
             latency_ms: end-to-end latency of the request.
             padded_tokens: the request's share of the forward's padded tokens (:func:`token_shares`);
                 None: the whole forward's (``lookup.padded_tokens``), for a request that ran alone.
-            batch_size: requests that shared the forward (above 1 counts a batched request).
         """
         with self._lock:
             c = self._buckets.setdefault(lookup.key, BucketCounters()) if lookup.hit else self._miss
@@ -201,7 +192,6 @@ class BucketMetrics:
             c.real_tokens += lookup.query.tokens
             c.padded_tokens += lookup.padded_tokens if padded_tokens is None else padded_tokens
             c.latency_ms_sum += latency_ms
-            c.batched_requests += int(batch_size > 1)
             for d in lookup.missed:
                 self._miss_by_dim[d.value] += 1
 
@@ -267,13 +257,6 @@ class BucketMetrics:
             samples = [(k, ms) for _, k, ms in list(self._samples)[start:]]
         return last, samples, lost
 
-    def record_batch(self, key: BucketKey | None, requests: int) -> None:
-        """Count one denoising loop on bucket ``key`` shared by ``requests`` requests (ignored below 2)."""
-        if requests < 2:
-            return
-        with self._lock:
-            self._of(key).batches += 1
-
     def faults(self) -> dict[str, int]:
         """``{bucket key: runtime errors}`` of the buckets that had any (what a replica's heartbeat reports)."""
         with self._lock:
@@ -286,18 +269,15 @@ class BucketMetrics:
             return replace(c, step_ms_bins=list(c.step_ms_bins))
 
     def snapshot(self) -> dict:
-        """JSON-ready view: ``{"buckets": [...], "misses": {...}, "totals": {...}, "batch_totals": {...}}``.
+        """JSON-ready view: ``{"buckets": [...], "misses": {...}, "totals": {...}}``.
 
         Per bucket: its key and dimensions, ``shape`` (the key without its batch dimension), ``requests``,
         ``hits``, ``forwards``, ``replays`` (forwards that replayed a CUDA graph), ``forwards_by_mode``
-        (:data:`FORWARD_MODES`), ``captures``, ``faults`` (runtime errors after which the bucket runs eager), ``batches``, ``batched_requests``, ``real_tokens``, ``padded_tokens``,
+        (:data:`FORWARD_MODES`), ``captures``, ``faults`` (runtime errors after which the bucket runs eager), ``real_tokens``, ``padded_tokens``,
         ``padding_waste_pct`` (percent), ``padded_token_ratio`` (padded / real tokens, None with no traffic),
         ``mean_latency_ms`` (per request) and ``step_latency_ms`` (per denoising step,
         :meth:`BucketCounters.step_latency`). ``misses`` holds the same request, token, forward and step
         counters for requests no bucket held (run unpadded), plus ``by_dim``.
-
-        ``batch_totals`` sums the batch counters (``batches``, ``batched_requests``) over every bucket; it is
-        kept apart from ``totals``, whose keys (requests, hits, misses) clients compare whole.
         """
         with self._lock:
             buckets = [
@@ -307,7 +287,6 @@ class BucketMetrics:
                     "requests": c.requests, "hits": c.hits, "forwards": c.forwards,
                     "replays": c.replays, "forwards_by_mode": c.forwards_by_mode, "captures": c.captures,
                     "faults": c.faults,
-                    "batches": c.batches, "batched_requests": c.batched_requests,
                     "real_tokens": c.real_tokens, "padded_tokens": c.padded_tokens,
                     "padding_waste_pct": round(c.padding_waste_pct, 2),
                     "padded_token_ratio": _round(c.padded_token_ratio, 4),
@@ -325,7 +304,4 @@ class BucketMetrics:
                 "step_latency_ms": m.step_latency(),
             }
             totals = {"requests": hits + self._miss.requests, "hits": hits, "misses": self._miss.requests}
-            every = [*self._buckets.values(), self._miss]
-            batch_totals = {"batches": sum(c.batches for c in every),
-                            "batched_requests": sum(c.batched_requests for c in every)}
-        return {"buckets": buckets, "misses": misses, "totals": totals, "batch_totals": batch_totals}
+        return {"buckets": buckets, "misses": misses, "totals": totals}

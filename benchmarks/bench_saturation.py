@@ -693,12 +693,12 @@ def _get_stats(url: str) -> dict:
 
 
 def trim_stats(stats: dict) -> dict:
-    """The parts of a ``GET /v1/buckets`` answer kept in the JSON: totals, batching, scheduler, fused step, misses
+    """The parts of a ``GET /v1/buckets`` answer kept in the JSON: totals, scheduler, fused step, misses
     and the buckets that served requests (without their step-latency histograms)."""
-    keep = ("key", "requests", "hits", "forwards", "forwards_by_mode", "batches", "batched_requests", "real_tokens",
+    keep = ("key", "requests", "hits", "forwards", "forwards_by_mode", "real_tokens",
             "padded_tokens", "padding_waste_pct", "mean_latency_ms")
     misses = {k: v for k, v in (stats.get("misses") or {}).items() if k != "step_latency_ms"}
-    return {"totals": stats.get("totals"), "batch_totals": stats.get("batch_totals"),
+    return {"totals": stats.get("totals"),
             "scheduler": stats.get("scheduler"), "fused_step": stats.get("fused_step"), "misses": misses,
             "buckets": [{k: b.get(k) for k in keep} for b in stats.get("buckets") or [] if b.get("requests")]}
 

@@ -7,7 +7,7 @@ Routes (relative to the application's route prefix):
   (``image_generation.partial_image`` per preview and image, then ``image_generation.completed`` per image, the
   shapes the ``openai`` client parses; the DiT replica streams them through ``DiTReplica.generate_stream``).
 - ``GET /v1/buckets``: one DiT replica's ``DiTReplica.stats()`` (its per-bucket counters, routing view,
-  micro-batching totals) and, with shape-aware routing, ``ownership``: the coordinator's assignment and
+  step scheduler counters) and, with shape-aware routing, ``ownership``: the coordinator's assignment and
   every replica's last heartbeat (owned and ready shapes, queue, owner hits), at most
   ``routing.stats_period_s`` old; ``traffic``: the request shapes accepted (with shape-aware routing, every
   replica's histogram merged: the answering replica's current one and the others' from their last heartbeat).

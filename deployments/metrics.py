@@ -4,7 +4,7 @@ The engine counts (:class:`bcg_core.metrics.BucketMetrics`, no Ray); this module
 metrics (``ray.serve.metrics``: ``ray.util.metrics`` with the Serve tags ``deployment``, ``replica`` and
 ``application`` added inside a replica), which Ray's per-node metrics agent serves to Prometheus. Every push reads
 :meth:`bcg_core.pipeline.DiTPipeline.stats` (the very dict ``GET /v1/buckets`` answers, so both show the same
-numbers), the step latencies recorded since the last push, and the micro-batcher's queue lengths, then:
+numbers), the step latencies recorded since the last push, and the step scheduler's queue lengths, then:
 
 - counters are increased by the difference to what was pushed last (never decreased: a counter that went down,
   which cannot happen within one replica, only resets the baseline);
@@ -100,10 +100,6 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("bcg_padded_tokens", "counter", _BUCKET, "tokens",
                "Computed (padded) tokens per forward, summed over requests (a batched request counts its share).",
                "padded_tokens"),
-    MetricSpec("bcg_batches", "counter", _BUCKET, "loops",
-               "Denoising loops shared by two or more micro-batched requests.", "batches"),
-    MetricSpec("bcg_batched_requests", "counter", _BUCKET, "requests",
-               "Requests served by a shared (micro-batched) denoising loop.", "batched_requests"),
     MetricSpec("bcg_step_time_ms", "counter", _BUCKET, "milliseconds",
                "Total milliseconds of denoising steps (exact; the histogram's _sum is approximated by Ray)."),
     MetricSpec("bcg_step_latency_ms", "histogram", _BUCKET, "milliseconds",
@@ -210,7 +206,7 @@ class BucketExporter:
         shapes: every bucket shape of the table (a queue gauge is set for each, 0 when empty).
         backend: makes the metric objects; default :class:`RayMetricsBackend`.
         scheduler_stats: returns :meth:`bcg_core.scheduler.step_scheduler.StepScheduler.stats` (the ``bcg_sched_*``
-            metrics), or None when the replica batches whole requests.
+            metrics), or None (no ``bcg_sched_*`` metrics).
         traffic: returns a :meth:`bcg_core.planning.traffic.TrafficHistogram.snapshot` (the ``bcg_traffic_*`` metrics),
             or None (or returns None) when the replica does not record traffic.
         text_lengths: the table's text buckets (``buckets.text_lengths``), for the ``text`` tag.

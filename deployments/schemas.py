@@ -347,7 +347,7 @@ class BcgInfo(BaseModel):
     owner: bool | None = Field(default=None, description="True when that replica owns the request's bucket shape "
                                "(shape-aware routing); null for a miss.")
     batch_size: int = Field(default=1, description="Most requests that shared one denoising step's forwards with "
-                            "this one (step scheduler), or its micro-batch's requests (request-level batching).")
+                            "this one (1: it ran alone).")
     retries: int = Field(default=0, description="Times the request was resent because its replica died.")
 
 

@@ -76,8 +76,7 @@ class RoutingConfig(BaseModel):
         default=None, ge=1, le=1024,
         description="Requests one DiT replica accepts at once (waiting in its scheduler or running). None: "
         "derived from the scheduler's capacity (deployments.settings.backpressure_limits): runner.max_requests, else "
-        "2 x (runner.max_rows_in_flight // rows of a default request) for the step scheduler; 2 x (largest "
-        "batch bucket // rows) for request-level micro-batching.",
+        "2 x (runner.max_rows_in_flight // rows of a default request).",
     )
     max_queued_requests: int | None = Field(
         default=None, ge=1, le=100000,

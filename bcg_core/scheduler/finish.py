@@ -54,7 +54,7 @@ def build_result(plan: PlannedRequest, files: list[bytes], key: BucketKey | None
     """
     missed = () if key is not None else tuple(d for d in plan.lookup.missed if d is not Dim.BATCH)
     metrics.record_request(BucketLookup(plan.lookup.query, key, missed), timings_ms["total"],
-                           padded_tokens=padded_tokens, batch_size=1)
+                           padded_tokens=padded_tokens)
     r = plan.request
     return GenerationResult(
         images_png=files, seed=r.seed, bucket=key, hit=key is not None, missed=[d.value for d in missed],

@@ -660,7 +660,7 @@ def test_counters_stay_consistent_with_cancellations_everywhere(pipe, make_sched
     assert shape["completed"] == served and served >= 3
     assert shape["admitted"] == shape["completed"] + shape["cancelled"] + shape["failed"]
     assert shape["cancelled"] + shape["cancelled_waiting"] == 6 - served
-    assert pipe.stats()["batch_totals"] == {"batches": 0, "batched_requests": 0}
+    assert "batch_totals" not in pipe.stats()  # the request-level batcher's counters are gone
 
 
 def test_the_planner_routes_and_accepts_rows_above_the_largest_bucket(tiny):
