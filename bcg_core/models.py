@@ -16,9 +16,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import torch
-
 from bcg_core.config import ModelConfig
+from bcg_core.devices import resolve_device, torch_dtype
 from bcg_core.families import Family, ModelSpec, PIPELINE_CLASSES, family_class
 from bcg_core.families.base import tokenizer_counter
 from bcg_core.text import SentenceTextEncoder, minilm_path
@@ -34,9 +33,7 @@ __all__ = [
     "load_model",
     "load_tokenizer_counter",
     "read_checkpoint",
-    "resolve_device",
     "save_pipeline",
-    "torch_dtype",
 ]
 
 LoadedModel = Family
@@ -46,23 +43,6 @@ LoadedModel = Family
 class CheckpointError(ValueError):
     """A checkpoint folder that cannot be served; the message names the cause and the fix."""
 
-
-def resolve_device(device: str) -> torch.device:
-    """``"auto"`` -> CUDA when available, else CPU.
-
-    Raises:
-        ValueError: ``"cuda"`` asked for where no CUDA device is visible.
-    """
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("model.device is 'cuda' but no CUDA device is visible here; use 'auto' or 'cpu'")
-    return torch.device(device)
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    """The torch dtype of a config name (``"float32"``, ``"bfloat16"``, ``"float16"``)."""
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt", "spiece.model",

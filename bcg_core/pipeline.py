@@ -26,6 +26,7 @@ from collections.abc import Sequence
 import torch
 
 from bcg_core.config import EngineConfig
+from bcg_core.devices import elapsed_ms, resolve_device, timing_mark
 from bcg_core.errors import RequestCancelled
 from bcg_core.families import Family, RequestState, concat_rows
 from bcg_core.images import encode_image
@@ -40,22 +41,7 @@ from bcg_core.runners.eager import EagerBucketRunner
 from bcg_core.scheduler.costs import CostModel, StepDecider, StepForwards, measure_costs
 from bcg_core.verify import FusedStats
 
-__all__ = ["DiTPipeline", "GenerationResult", "build_runner", "elapsed_ms", "fused_wanted", "runner_mode", "timing_mark"]
-
-
-def timing_mark(device: torch.device) -> float | torch.cuda.Event:
-    """A point in time of work on ``device``: on CUDA an event recorded on the current stream (the GPU's time
-    when it gets there, read later without a host sync), elsewhere the host clock in seconds."""
-    if torch.device(device).type != "cuda":
-        return time.perf_counter()
-    event = torch.cuda.Event(enable_timing=True)
-    event.record(torch.cuda.current_stream(device))
-    return event
-
-
-def elapsed_ms(a: float | torch.cuda.Event, b: float | torch.cuda.Event) -> float:
-    """Milliseconds between two :func:`timing_mark` points (CUDA events: ``b`` must have completed)."""
-    return float(a.elapsed_time(b)) if isinstance(a, torch.cuda.Event) else (b - a) * 1e3
+__all__ = ["DiTPipeline", "GenerationResult", "build_runner", "fused_wanted", "runner_mode"]
 
 
 def runner_mode(config: EngineConfig, device: torch.device | None = None) -> str:
@@ -64,8 +50,6 @@ def runner_mode(config: EngineConfig, device: torch.device | None = None) -> str
     Raises:
         ValueError: ``runner.mode: graph`` without CUDA, or ``model.device: cuda`` where none is visible.
     """
-    from bcg_core.models import resolve_device
-
     device = device or resolve_device(config.model.device)
     mode = config.runner.mode
     if mode == "auto":

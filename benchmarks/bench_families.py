@@ -54,22 +54,9 @@ for _p in (ROOT / "benchmarks", ROOT / "tests", ROOT):
         sys.path.insert(0, str(_p))
 
 from bcg_core import DiTPipeline, GenerationRequest, Planner, describe_model, load_model
-from bcg_core.config import BucketConfig, LimitsConfig, ModelConfig, RunnerConfig
-from deployments.settings import ServeConfig
-from bcg_core.verify import boundary_cases, verify_runner
+from bcg_core.config import BucketConfig, EngineConfig, LimitsConfig, ModelConfig, RunnerConfig
+from bcg_core.verify import RTOL, boundary_cases, verify_runner
 
-
-def _rtol() -> dict:
-    """``RTOL`` of commands.py (bcg_core/ or deployments/; loaded by path, so Ray is never imported)."""
-    for path in (ROOT / "bcg_core" / "commands.py", ROOT / "deployments" / "commands.py"):
-        if path.exists():
-            spec = importlib.util.spec_from_file_location("_bcg_commands", path)
-            spec.loader.exec_module(mod := importlib.util.module_from_spec(spec))
-            return mod.RTOL
-    return {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 1e-2}
-
-
-RTOL = _rtol()
 PROMPT = "a photo of a cat sitting on a red chair"
 
 # -- verify: tiny checkpoints (tests/tiny) and the bucket tables of tests/families/test_*.py ---------------------
@@ -298,7 +285,7 @@ def exact_buckets(folder: Path, request: GenerationRequest, limits: LimitsConfig
     size = "{}x{}".format(*spec.generation_size(request.width, request.height))
     probe = BucketConfig(batch_sizes=[2 * limits.max_images], resolutions=[size],
                          text_lengths=[spec.rules.native_text_tokens or 300])
-    q = Planner.from_config(ServeConfig(model=mc, limits=limits, buckets=probe)).plan(request).lookup.query
+    q = Planner.from_config(EngineConfig(model=mc, limits=limits, buckets=probe)).plan(request).lookup.query
     return BucketConfig(batch_sizes=[q.batch], resolutions=[size], text_lengths=[q.text_tokens], miss_policy="reject")
 
 
@@ -321,7 +308,7 @@ def bench_case(model, folder: Path, case: str, n: int, args, device: torch.devic
     pipes, prepare_s = {}, {}
     for mode in modes:
         t0 = time.perf_counter()
-        cfg = ServeConfig(model=mc, buckets=buckets, limits=limits, runner=RunnerConfig(mode=mode))
+        cfg = EngineConfig(model=mc, buckets=buckets, limits=limits, runner=RunnerConfig(mode=mode))
         pipes[mode] = DiTPipeline(cfg, model)  # graph: captures its one bucket here
         _sync()
         prepare_s[mode] = round(time.perf_counter() - t0, 2)
@@ -470,7 +457,7 @@ def run_verify(args, device: torch.device) -> dict:
 def _verify_one(name: str, folder: Path, dtype: str, table: dict, limits: LimitsConfig, device) -> dict:
     """Every bucket of ``table`` on the tiny checkpoint ``folder`` in ``dtype``: runner vs unpadded eager."""
     t0 = time.perf_counter()
-    pipe = DiTPipeline.from_config(ServeConfig(
+    pipe = DiTPipeline.from_config(EngineConfig(
         model=ModelConfig(path=str(folder), device=device.type, dtype=dtype), buckets=BucketConfig(**table),
         limits=limits, runner=RunnerConfig(mode="auto")))
     m = pipe.model

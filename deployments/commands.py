@@ -15,16 +15,11 @@ from __future__ import annotations
 import torch
 
 from bcg_core.keys import BucketKey
-from .settings import ServeConfig
+from deployments.settings import ServeConfig
 from bcg_core.pipeline import DiTPipeline
-from bcg_core.verify import BoundaryCase, boundary_cases, verify_runner
+from bcg_core.verify import RTOL, BoundaryCase, boundary_cases, verify_runner
 
 __all__ = ["RTOL", "load_plan_traffic", "measure_plan_costs", "plot_plan", "run_plan", "run_profile", "run_verify"]
-
-RTOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 1e-2}
-"""Relative tolerance of padded vs unpadded per dtype (docs/DESIGN.md section 4: fp32 ~1e-5, bf16 ~1e-2; bf16 here
-is 2e-2 because a masked bucket's attention kernel differs from the unmasked eager one, docs/BENCHMARKS.md)."""
-
 
 def _select(keys: list[BucketKey], wanted: list[str] | None) -> list[BucketKey]:
     if not wanted:

@@ -137,7 +137,7 @@ def build_tiny(config: ModelConfig | None = None) -> BCGFluxFamily:
     """
     from diffusers import AutoencoderKL, FluxTransformer2DModel
 
-    from bcg_core.models import resolve_device, torch_dtype
+    from bcg_core.devices import resolve_device, torch_dtype
 
     config = config or ModelConfig()
     device, dtype = resolve_device(config.device), torch_dtype(config.dtype)

@@ -9,11 +9,11 @@ PixArt 512x512 ~4.4x, FLUX.1-dev 1024x1024 ~1.03x). ``bcg profile`` prints these
 
 from __future__ import annotations
 
-import statistics
 from dataclasses import dataclass
 
 import torch
 
+from bcg_core.devices import cuda_ms
 from bcg_core.padding import DiTAdapter
 from bcg_core.runners.base import BucketRunner
 from bcg_core.verify import BoundaryCase, random_inputs
@@ -22,21 +22,6 @@ __all__ = ["ProfileRow", "cuda_ms", "kernel_floor", "profile_case"]
 
 PAYS_RATIO = 1.10
 """Eager / graph ratio above which graphs are said to pay (10%: beyond eager's run-to-run swing)."""
-
-
-def cuda_ms(fn, iters: int = 10, warmup: int = 2) -> float:
-    """Median milliseconds of ``fn()`` over ``iters`` calls, timed with CUDA events after ``warmup`` calls."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
 
 
 def kernel_floor(fn) -> tuple[float, int]:

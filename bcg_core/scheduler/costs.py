@@ -297,7 +297,7 @@ def _timer(device) -> Callable[[Callable[[], object], int], float]:
     import torch
 
     if torch.device(device).type == "cuda":
-        from bcg_core.planning.profile import cuda_ms
+        from bcg_core.devices import cuda_ms
 
         return lambda fn, iters: cuda_ms(fn, iters, warmup=1)
 

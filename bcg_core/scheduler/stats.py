@@ -18,7 +18,7 @@ import torch
 
 from bcg_core.keys import BucketKey, ShapeQuery
 from bcg_core.metrics import BucketMetrics
-from bcg_core.pipeline import elapsed_ms
+from bcg_core.devices import elapsed_ms
 from bcg_core.scheduler.costs import DECISIONS, StepForwards
 
 __all__ = ["FORWARD_KINDS", "SchedulerStats", "ShapeStats", "StepTimes", "WAITS_KEPT", "queue_lengths"]

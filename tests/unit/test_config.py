@@ -7,7 +7,7 @@ from pydantic import ValidationError
 from bcg_core import BucketConfig, ModelConfig, RunnerConfig
 
 from deployments.settings import ServeConfig, load_config
-from bcg_core.models import resolve_device
+from bcg_core.devices import resolve_device
 from bcg_core.pipeline import runner_mode
 
 
