@@ -1,7 +1,7 @@
 """API keys: ``Authorization: Bearer <key>`` checked by the ingress against SHA-256 digests.
 
 The ingress holds only digests (:class:`ApiKeys`): those of ``auth.api_keys`` (the config stores digests from
-the moment it is read, :class:`~bcg_core.config.AuthConfig`) and of the keys in ``auth.api_key_file``, read
+the moment it is read, :class:`~deployments.settings.AuthConfig`) and of the keys in ``auth.api_key_file``, read
 and hashed here at start. A presented key is hashed once and compared with *every* stored digest by
 :func:`hmac.compare_digest` (no early exit), so the time taken depends on neither which key matched nor how
 much of a digest agreed; a key's length shows only in the SHA-256 of the presented key. Nothing here logs a
@@ -41,7 +41,7 @@ class ApiKeys:
     """The digests of the keys a request may present.
 
     Args:
-        digests: ``sha256:<hex>`` digests (:func:`bcg_core.config.api_key_digest`).
+        digests: ``sha256:<hex>`` digests (:func:`deployments.settings.api_key_digest`).
     """
 
     def __init__(self, digests: list[str]):
