@@ -16,15 +16,70 @@ from typing import Callable
 from bcg_core.keys import Dim, ShapeQuery
 from bcg_core.request import MAX_PARTIAL_IMAGES, QUALITIES, SEED_MAX, GenerationRequest, PlannedRequest
 from bcg_core.table import BucketLookup, BucketTable, ShapeRules
-from bcg_core.config import MissPolicy, EngineConfig
+from bcg_core.config import EngineConfig, LimitsConfig, MissPolicy
 from bcg_core.errors import BucketMissError, RequestError
 from bcg_core.families.base import ModelSpec
 
-__all__ = ["Planner"]
+__all__ = ["Planner", "allowed_values", "invalid"]
 
 
 def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
+
+
+def allowed_values(name: str, limits: LimitsConfig, size_multiple: int | None = 16,
+                   resolutions: tuple[str, ...] = ()) -> str | None:
+    """What request field ``name`` accepts under ``limits``: the one wording of every limit message (the planner's
+    errors and the HTTP schema's type errors both use it). None for a field the engine does not validate.
+
+    Args:
+        name: a field of :class:`~bcg_core.request.GenerationRequest` (``size`` for width and height).
+        limits: the served limits.
+        size_multiple: width and height must be multiples of it (the model's pixels per token side); None for
+            a family with resolution binning (any size: generated at its aspect-ratio bin, resized back).
+        resolutions: the bucket resolution tiers, named in the ``size`` phrase.
+    """
+    from bcg_core.images import IMAGE_FORMATS
+
+    lim = limits
+    if name == "prompt":
+        return f"a non-empty string of at most {lim.max_prompt_chars} characters"
+    if name == "negative_prompt":
+        return f"a string of at most {lim.max_prompt_chars} characters"
+    if name == "n":
+        return f"an integer from 1 to {lim.max_images}"
+    if name == "size":
+        each = "" if size_multiple is None else f", each a multiple of {size_multiple}"
+        tiers = f"; bucketed sizes: {', '.join(resolutions)}" if resolutions else ""
+        return (f"a string 'WxH' with width and height from {lim.min_side_px} to {lim.max_side_px} pixels{each}"
+                f"{tiers}")
+    if name == "seed":
+        return f"an integer from 0 to {SEED_MAX - lim.max_images}"
+    if name == "num_inference_steps":
+        return f"an integer from 1 to {lim.max_steps}"
+    if name == "guidance_scale":
+        return f"a number from 0 to {lim.max_guidance_scale:g} (above 1 enables classifier-free guidance)"
+    if name == "true_cfg_scale":
+        return (f"a number from 0 to {lim.max_guidance_scale:g} (FLUX and Qwen-Image only: true CFG with a "
+                f"negative_prompt)")
+    if name == "output_format":
+        return ", ".join(repr(f) for f in IMAGE_FORMATS) + " ('gif' and 'svg' are not served)"
+    if name == "output_compression":
+        return ("an integer from 0 to 100 for output_format 'jpeg' or 'webp' (100 keeps the most detail); omit it "
+                "for 'png'")
+    if name == "quality":
+        return ", ".join(repr(q) for q in QUALITIES) + " (a step count each; see /v1/models)"
+    if name == "partial_images":
+        return f"an integer from 0 to {MAX_PARTIAL_IMAGES}, with stream: true"
+    return None
+
+
+def invalid(name: str, got: object, reason: str, allowed: str | None) -> str:
+    """The message of a refused field: ``invalid 'n' (got 11): 11 is out of range; allowed: an integer from 1 to
+    10`` (the HTTP schema's type errors read the same)."""
+    text = repr(got)
+    text = text if len(text) <= 60 else text[:57] + "..."
+    return f"invalid '{name}' (got {text}): {reason}" + (f"; allowed: {allowed}" if allowed else "")
 
 
 class Planner:
@@ -83,27 +138,27 @@ class Planner:
         """
         lim = self.limits
         r = request
+        bad = self._bad
         if not isinstance(r.prompt, str) or not r.prompt.strip():
-            raise RequestError("prompt", "prompt must be a non-empty string")
+            raise bad("prompt", r.prompt, "it is empty" if isinstance(r.prompt, str) else "not a string")
         if not any(ch.isprintable() and not ch.isspace() for ch in r.prompt):
-            raise RequestError("prompt", "prompt must contain visible text (it holds only control, format or "
-                                         "zero-width characters)")
+            raise bad("prompt", r.prompt, "it must contain visible text (it holds only control, format or zero-width "
+                                          "characters)")
         if len(r.prompt) > lim.max_prompt_chars:
-            raise RequestError("prompt", f"prompt has {len(r.prompt)} characters; at most {lim.max_prompt_chars} allowed")
+            raise bad("prompt", f"{len(r.prompt)} characters", f"it has {len(r.prompt)} characters")
         if not _is_int(r.n) or not 1 <= r.n <= lim.max_images:
-            raise RequestError("n", f"n must be an integer from 1 to {lim.max_images}, got {r.n!r}")
+            raise bad("n", r.n, "out of range")
+        size = f"{r.width}x{r.height}"
         for name, v in (("width", r.width), ("height", r.height)):
             if not _is_int(v) or not lim.min_side_px <= v <= lim.max_side_px:
-                raise RequestError(
-                    "size", f"size {r.width}x{r.height}: {name} must be from {lim.min_side_px} to {lim.max_side_px} pixels"
-                )
+                raise bad("size", size, f"{name} {v} is out of range")
         if not self.spec.size_bins:  # with binning any size is served (generated at its bin, resized back)
             try:
                 self.rules.check_size(r.width, r.height)
             except ValueError as e:
-                raise RequestError("size", str(e)) from None
+                raise bad("size", size, str(e)) from None
         if r.quality is not None and r.quality not in QUALITIES:
-            raise RequestError("quality", f"quality must be one of {', '.join(QUALITIES)}, got {r.quality!r}")
+            raise bad("quality", r.quality, "not a served quality")
         if r.num_inference_steps is not None:
             steps = r.num_inference_steps
         elif r.quality is not None:
@@ -111,9 +166,7 @@ class Planner:
         else:
             steps = lim.default_steps
         if not _is_int(steps) or not 1 <= steps <= lim.max_steps:
-            raise RequestError(
-                "num_inference_steps", f"num_inference_steps must be an integer from 1 to {lim.max_steps}, got {steps!r}"
-            )
+            raise bad("num_inference_steps", steps, "out of range")
         work = r.width * r.height * r.n * steps / 1e6
         if lim.max_megapixel_steps is not None and work > lim.max_megapixel_steps:
             field = "n" if r.n > 1 else "num_inference_steps" if steps > 1 else "size"
@@ -122,23 +175,18 @@ class Planner:
                                       f"{lim.max_megapixel_steps:g}; lower n, num_inference_steps or size")
         g = lim.default_guidance_scale if r.guidance_scale is None else r.guidance_scale
         if isinstance(g, bool) or not isinstance(g, (int, float)) or not 0.0 <= g <= lim.max_guidance_scale:
-            raise RequestError(
-                "guidance_scale", f"guidance_scale must be a number from 0 to {lim.max_guidance_scale}, got {g!r}"
-            )
+            raise bad("guidance_scale", g, "out of range")
         neg = r.negative_prompt
         if neg is not None and (not isinstance(neg, str) or len(neg) > lim.max_prompt_chars):
-            raise RequestError(
-                "negative_prompt", f"negative_prompt must be a string of at most {lim.max_prompt_chars} characters"
-            )
+            raise bad("negative_prompt", f"{len(neg)} characters" if isinstance(neg, str) else neg, "too long"
+                      if isinstance(neg, str) else "not a string")
         seed = r.seed if r.seed is not None else random.randint(0, 2**31 - 1)
         if not _is_int(seed) or not 0 <= seed <= SEED_MAX - lim.max_images:
-            raise RequestError("seed", f"seed must be an integer from 0 to {SEED_MAX - lim.max_images}, got {seed!r}")
+            raise bad("seed", seed, "out of range (image i uses seed + i)")
         tcfg = r.true_cfg_scale
         if tcfg is not None and (isinstance(tcfg, bool) or not isinstance(tcfg, (int, float))
                                  or not 0.0 <= tcfg <= lim.max_guidance_scale):
-            raise RequestError(
-                "true_cfg_scale", f"true_cfg_scale must be a number from 0 to {lim.max_guidance_scale}, got {tcfg!r}"
-            )
+            raise bad("true_cfg_scale", tcfg, "out of range")
         self._check_output(r)
         filled = replace(r, num_inference_steps=steps, guidance_scale=float(g), negative_prompt=neg, seed=seed,
                          true_cfg_scale=None if tcfg is None else float(tcfg))
@@ -164,24 +212,26 @@ class Planner:
         grid = self.rules.grid(*self.spec.generation_size(filled.width, filled.height))
         return PlannedRequest(filled, lookup, tokens, grid, None if home is None else home.shape)
 
-    @staticmethod
-    def _check_output(r: GenerationRequest) -> None:
+    def _bad(self, name: str, got: object, reason: str) -> RequestError:
+        """The error of a refused field, in the one wording of limit messages (:func:`invalid`, :func:`allowed_values`)."""
+        multiple = None if self.spec.size_bins else self.rules.pixels_per_token
+        return RequestError(name, invalid(name, got, reason, allowed_values(name, self.limits, multiple,
+                                                                          tuple(self.config.buckets.resolutions))))
+
+    def _check_output(self, r: GenerationRequest) -> None:
         """Refuse an unknown ``output_format``, an ``output_compression`` out of 0..100 (or below 100 for png) and
         ``partial_images`` out of 0..:data:`MAX_PARTIAL_IMAGES`."""
         from bcg_core.images import IMAGE_FORMATS
 
         if r.output_format not in IMAGE_FORMATS:
-            raise RequestError("output_format", f"output_format must be one of {', '.join(IMAGE_FORMATS)}, "
-                                                f"got {r.output_format!r}")
+            raise self._bad("output_format", r.output_format, "not a served format")
         c = r.output_compression
         if c is not None and (not _is_int(c) or not 0 <= c <= 100):
-            raise RequestError("output_compression", f"output_compression must be an integer from 0 to 100, got {c!r}")
+            raise self._bad("output_compression", c, "out of range")
         if r.output_format == "png" and c is not None and c != 100:
-            raise RequestError("output_compression", "output_compression applies to jpeg and webp only; omit it "
-                                                     "(or send 100) for png")
+            raise self._bad("output_compression", c, "it applies to jpeg and webp only (png is lossless)")
         if not _is_int(r.partial_images) or not 0 <= r.partial_images <= MAX_PARTIAL_IMAGES:
-            raise RequestError("partial_images", f"partial_images must be an integer from 0 to {MAX_PARTIAL_IMAGES}, "
-                                                 f"got {r.partial_images!r}")
+            raise self._bad("partial_images", r.partial_images, "out of range")
 
     def _too_long(self, tokens: int) -> str:
         """``"N tokens long"``, or ``"at least N tokens long"`` where N is the family's cut (the encoder keeps no

@@ -192,7 +192,7 @@ class Ingress:
     def _request_limits(self) -> RequestLimits:
         return RequestLimits(
             limits=self._config.limits,
-            size_multiple=self._planner.table.rules.pixels_per_token,
+            size_multiple=None if self._planner.spec.size_bins else self._planner.table.rules.pixels_per_token,
             model_name=self._model_name,
             resolutions=tuple(self._config.buckets.resolutions),
         )
@@ -343,7 +343,7 @@ class Ingress:
             plan = self._planner.plan(
                 GenerationRequest(
                     prompt=req.prompt,
-                    n=req.n or 1,
+                    n=req.n,
                     width=width,
                     height=height,
                     num_inference_steps=req.num_inference_steps,

@@ -1,27 +1,27 @@
 """Request and response bodies of the HTTP API (OpenAI Images API compatible, plus BCG extensions).
 
-Validation is strict (no ``"2"`` for an integer, no ``true`` for a number) and rejects unknown fields.
-The limits that depend on the served configuration (largest ``n``, step count, side lengths, the size
-multiple of the model, the served model name) come in through pydantic's validation context as a
-:class:`RequestLimits`::
+This module checks the *shape* of OpenAI's request: types (strict: no ``"2"`` for an integer, no ``true`` for a
+number), the values OpenAI's enumerations allow, ``WxH`` sizes, the served model name, previews only when
+streamed, and no unknown fields. Limits (``n``, sizes, steps, guidance, seeds, text length, output options) are
+the planner's to check, once, with the model (:meth:`bcg_core.planner.Planner.plan`); the phrase of what each
+field accepts comes from :func:`bcg_core.planner.allowed_values` on both paths. The served configuration comes in
+through pydantic's validation context as a :class:`RequestLimits`::
 
     ImageGenerationRequest.model_validate_json(body, context={"limits": RequestLimits(...)})
 
-Without a context the defaults of :class:`bcg_core.config.LimitsConfig` apply. Every error message
-names the field and the values it accepts (:func:`allowed_values`).
+Without a context the defaults of :class:`bcg_core.config.LimitsConfig` apply.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from bcg_core.config import LimitsConfig, parse_size
-from bcg_core.images import IMAGE_FORMATS
-from bcg_core.request import MAX_PARTIAL_IMAGES, QUALITIES, SEED_MAX
+from bcg_core.planner import allowed_values as engine_allowed
+from bcg_core.request import MAX_PARTIAL_IMAGES
 
 __all__ = [
     "BcgInfo",
@@ -53,13 +53,13 @@ class RequestLimits:
     Attributes:
         limits: the ``limits`` section of the served ``ServeConfig``.
         size_multiple: width and height must be multiples of this many pixels (the model's pixels per
-            token side, e.g. 16 = VAE factor 8 x patch size 2).
+            token side, e.g. 16 = VAE factor 8 x patch size 2); None for a family with resolution binning.
         model_name: name of the served model; a request's ``model`` must equal it. None skips the check.
         resolutions: the bucket resolution tiers (for messages only).
     """
 
     limits: LimitsConfig = field(default_factory=LimitsConfig)
-    size_multiple: int = 16
+    size_multiple: int | None = 16
     model_name: str | None = None
     resolutions: tuple[str, ...] = ()
 
@@ -79,45 +79,19 @@ def allowed_values(name: str, limits: RequestLimits) -> str:
     Returns:
         A short phrase such as ``"an integer from 1 to 10"``.
     """
-    lim = limits.limits
-    if name == "prompt":
-        return f"a non-empty string of at most {lim.max_prompt_chars} characters"
+    engine = engine_allowed(name, limits.limits, limits.size_multiple, limits.resolutions)
+    if engine is not None:
+        return engine
     if name == "model":
         return f"{limits.model_name!r} (or omit it)" if limits.model_name else "the served model name (or omit it)"
-    if name == "n":
-        return f"an integer from 1 to {lim.max_images}"
-    if name == "size":
-        tiers = f"; bucketed sizes: {', '.join(limits.resolutions)}" if limits.resolutions else ""
-        return (
-            f"a string 'WxH' with width and height from {lim.min_side_px} to {lim.max_side_px} pixels, "
-            f"each a multiple of {limits.size_multiple}{tiers}"
-        )
     if name == "response_format":
         return "'b64_json'"
     if name in ("user", "safety_identifier"):
         return "a string (ignored)"
-    if name == "output_format":
-        return ", ".join(repr(f) for f in IMAGE_FORMATS) + " ('gif' and 'svg' are not served)"
-    if name == "output_compression":
-        return "an integer from 0 to 100 for output_format 'jpeg' or 'webp' (100 keeps the most detail); omit it for 'png'"
-    if name == "quality":
-        return ", ".join(repr(q) for q in QUALITIES) + " (a step count each; see /v1/models)"
     if name in NO_OP_VALUES:
         return ", ".join(repr(v) for v in NO_OP_VALUES[name]) + " (the values that change nothing here)"
     if name == "stream":
         return "true or false"
-    if name == "partial_images":
-        return f"an integer from 0 to {MAX_PARTIAL_IMAGES}, with stream: true"
-    if name == "seed":
-        return f"an integer from 0 to {SEED_MAX - lim.max_images}"
-    if name == "num_inference_steps":
-        return f"an integer from 1 to {lim.max_steps}"
-    if name == "guidance_scale":
-        return f"a number from 0 to {lim.max_guidance_scale:g} (above 1 enables classifier-free guidance)"
-    if name == "negative_prompt":
-        return f"a string of at most {lim.max_prompt_chars} characters"
-    if name == "true_cfg_scale":
-        return f"a number from 0 to {lim.max_guidance_scale:g} (FLUX and Qwen-Image only: true CFG with a negative_prompt)"
     return "one of the fields " + ", ".join(ImageGenerationRequest.model_fields)
 
 
@@ -186,18 +160,6 @@ class ImageGenerationRequest(BaseModel):
         "pipeline's default (1.0 FLUX, 4.0 Qwen-Image). Other families answer 422 when it is set.",
     )
 
-    @field_validator("prompt", "negative_prompt")
-    @classmethod
-    def _text(cls, v: str | None, info: ValidationInfo) -> str | None:
-        if v is None:
-            return v
-        lim = _limits(info).limits
-        if info.field_name == "prompt" and not v.strip():
-            raise ValueError("it is empty")
-        if len(v) > lim.max_prompt_chars:
-            raise ValueError(f"it has {len(v)} characters")
-        return v
-
     @field_validator("model")
     @classmethod
     def _model(cls, v: str | None, info: ValidationInfo) -> str | None:
@@ -208,27 +170,15 @@ class ImageGenerationRequest(BaseModel):
 
     @field_validator("n")
     @classmethod
-    def _n(cls, v: int | None, info: ValidationInfo) -> int:
-        if v is None:
-            return 1
-        if not 1 <= v <= _limits(info).limits.max_images:
-            raise ValueError(f"{v} is out of range")
-        return v
+    def _n(cls, v: int | None) -> int:
+        return 1 if v is None else v
 
     @field_validator("size")
     @classmethod
-    def _size(cls, v: str | None, info: ValidationInfo) -> str:
+    def _size(cls, v: str | None) -> str:
         if v is None:
             return "512x512"
-        lim = _limits(info)
-        w, h = parse_size(v)  # ValueError names the expected form
-        for side, px in (("width", w), ("height", h)):
-            if not lim.limits.min_side_px <= px <= lim.limits.max_side_px:
-                raise ValueError(f"{side} {px} is out of range")
-            if px % lim.size_multiple:
-                lo = max(lim.size_multiple, px - px % lim.size_multiple)
-                raise ValueError(f"{side} {px} is not a multiple of {lim.size_multiple} (use {lo} or "
-                                 f"{px - px % lim.size_multiple + lim.size_multiple})")
+        w, h = parse_size(v)  # ValueError names the expected form; ranges are the planner's
         return f"{w}x{h}"
 
     @field_validator("response_format")
@@ -236,50 +186,13 @@ class ImageGenerationRequest(BaseModel):
     def _format(cls, v: str | None) -> str:
         return v or "b64_json"
 
-    @field_validator("output_compression")
-    @classmethod
-    def _compression(cls, v: int | None, info: ValidationInfo) -> int | None:
-        if v is None:
-            return v
-        if not 0 <= v <= 100:
-            raise ValueError(f"{v} is out of range")
-        if "output_format" not in info.data:
-            return v  # output_format itself was refused: its error is the one to read
-        if (info.data.get("output_format") or "png") == "png" and v != 100:
-            raise ValueError("output_compression applies to jpeg and webp only (png is lossless)")
-        return v
-
     @field_validator("partial_images")
     @classmethod
     def _partials(cls, v: int | None, info: ValidationInfo) -> int | None:
         if v is None:
             return v
-        if not 0 <= v <= MAX_PARTIAL_IMAGES:
-            raise ValueError(f"{v} is out of range")
         if v and not info.data.get("stream"):
             raise ValueError("previews are only streamed: send stream: true with it")
-        return v
-
-    @field_validator("seed")
-    @classmethod
-    def _seed(cls, v: int | None, info: ValidationInfo) -> int | None:
-        # image i uses seed + i, so the top of the range leaves room for n images
-        if v is not None and not 0 <= v <= SEED_MAX - _limits(info).limits.max_images:
-            raise ValueError(f"{v} is out of range")
-        return v
-
-    @field_validator("num_inference_steps")
-    @classmethod
-    def _steps(cls, v: int | None, info: ValidationInfo) -> int | None:
-        if v is not None and not 1 <= v <= _limits(info).limits.max_steps:
-            raise ValueError(f"{v} is out of range")
-        return v
-
-    @field_validator("guidance_scale", "true_cfg_scale")
-    @classmethod
-    def _guidance(cls, v: float | None, info: ValidationInfo) -> float | None:
-        if v is not None and not (math.isfinite(v) and 0.0 <= v <= _limits(info).limits.max_guidance_scale):
-            raise ValueError(f"{v} is out of range")
         return v
 
     def image_format(self) -> str:

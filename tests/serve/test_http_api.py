@@ -277,28 +277,32 @@ def test_server_keeps_serving_after_every_bad_input(client):
 
 
 def test_python_handle_returns_a_generation_result(serve_apps):
+    """The application's handle (the ingress) plans a request or a dict of its fields, as HTTP does; the DiT
+    deployment's own handle takes only a planned request."""
     from ray import serve
 
     from bcg_core.errors import RequestError
-    from bcg_core.request import GenerationResult
-    from bcg_core.request import GenerationRequest
+    from bcg_core.request import GenerationRequest, GenerationResult
 
-    handle = serve.get_deployment_handle("DiTReplica", app_name=serve_apps.app_name)
+    handle = serve.get_app_handle(serve_apps.app_name)
     request = GenerationRequest(prompt="a red cube", n=1, width=256, height=256, num_inference_steps=1,
                                 guidance_scale=0.0, seed=3)
-    result = handle.generate.remote(request).result(timeout_s=120)
+    result = handle.images.remote(request).result(timeout_s=120)
     assert isinstance(result, GenerationResult)
     assert len(result.images_png) == 1 and result.seed == 3 and result.hit
     with Image.open(io.BytesIO(result.images_png[0])) as img:
         assert img.size == (256, 256)
-    as_dict = handle.generate.remote(
+    as_dict = handle.images.remote(
         {"prompt": "a red cube", "width": 256, "height": 256, "num_inference_steps": 1, "guidance_scale": 0.0,
          "seed": 3}
     ).result(timeout_s=120)
     assert as_dict.images_png == result.images_png
     with pytest.raises(RequestError) as info:
-        handle.generate.remote(GenerationRequest(prompt="x", n=0, width=256, height=256)).result(timeout_s=120)
+        handle.images.remote(GenerationRequest(prompt="x", n=0, width=256, height=256)).result(timeout_s=120)
     assert info.value.field == "n"
+    dit = serve.get_deployment_handle("DiTReplica", app_name=serve_apps.app_name)
+    with pytest.raises(TypeError, match="PlannedRequest"):
+        dit.generate.remote(request).result(timeout_s=120)
     assert json.dumps(result.to_dict()["timings_ms"])  # JSON-friendly apart from the PNG bytes
 
 
