@@ -159,7 +159,7 @@ class DiTPipeline:
         Args:
             states: requests of one token grid, none finished.
             forwards: the step's forwards (:meth:`StepDecider.decide` for the states' shape and rows); None: asks
-                :attr:`decider` for them (the first state's planned shape, the states' rows).
+                :attr:`decider` for them (the states' planned shape, :meth:`_step_shape`, and their rows).
             fused: None: the fused step where it is on and the step allows it; False: the host path; True: the
                 fused step even before :meth:`check_fused` passed, uncounted (the check itself; raises ValueError
                 where the step cannot run fused).
@@ -176,7 +176,7 @@ class DiTPipeline:
         parts = [self.model.model_rows(s) for s in states]
         inputs = concat_rows(parts)
         if forwards is None:
-            forwards = self.decider.decide(states[0].plan.shape, inputs.rows)
+            forwards = self.decider.decide(self._step_shape(states), inputs.rows)
         if forwards.rows != inputs.rows:
             raise ValueError(f"the forwards run {forwards.rows} rows, the step has {inputs.rows}")
         if fused or (fused is None and self.fused.on):
@@ -205,6 +205,16 @@ class DiTPipeline:
             self.model.advance(state, out[offset : offset + part.rows])
             offset += part.rows
         return forwards
+
+    @staticmethod
+    def _step_shape(states: Sequence[RequestState]):
+        """The bucket shape a step of ``states`` runs on: their planned shape; for states of several shapes (a direct
+        caller's mix: the step scheduler groups by shape) the one with the most image and text tokens, whose
+        buckets hold every row (masked text pads up); None (unpadded and eager) if any of them is a miss."""
+        shapes = {s.plan.shape for s in states}
+        if None in shapes:
+            return None
+        return max(shapes, key=lambda sh: (sh.image_tokens, sh.text_tokens))
 
     def _fused_step(self, states: Sequence[RequestState], parts: list[DenoiseInputs], inputs: DenoiseInputs,
                     spans: list[tuple[BucketKey | None, int]]) -> str | None:

@@ -19,10 +19,10 @@ import numpy as np
 import torch
 
 from bcg_core import BucketConfig, DiTPipeline, GenerationRequest, LimitsConfig, ModelConfig
+from bcg_core.config import EngineConfig
+from bcg_core.scheduler import CostModel
 
-from deployments.settings import ServeConfig
-
-__all__ = ["GateRun", "PIXEL_SHARE", "RTOL", "assert_same", "bcg_pipeline", "bcg_run", "bcg_run_joined", "diffusers_run", "pixels"]
+__all__ = ["GateRun", "PIXEL_SHARE", "RTOL", "assert_same", "bcg_pipeline", "bcg_run", "bucket_costs", "padded", "bcg_run_joined", "diffusers_run", "pixels"]
 
 RTOL = 1e-5
 """Relative tolerance on the final latents (fp32 on CPU, docs/DESIGN.md section 4)."""
@@ -38,11 +38,26 @@ class GateRun:
 
 def bcg_pipeline(folder, buckets: dict, device: str = "cpu", fused_step: str = "auto", **limits) -> DiTPipeline:
     """An fp32 :class:`DiTPipeline` on ``folder`` with bucket table ``buckets`` and small-size limits, on
-    ``device`` (``"cuda"``: the runner captures and replays CUDA graphs), ``runner.fused_step`` as given."""
+    ``device`` (``"cuda"``: the runner captures and replays CUDA graphs), ``runner.fused_step`` as given, and
+    :func:`bucket_costs` (every step on buckets, padded), which is what the gate checks."""
     lim = {"min_side_px": 16, "max_side_px": 1024, "max_steps": 50, **limits}
-    cfg = ServeConfig(model=ModelConfig(path=str(folder), device=device, dtype="float32"),
-                      buckets=BucketConfig(**buckets), limits=LimitsConfig(**lim), runner={"fused_step": fused_step})
-    return DiTPipeline.from_config(cfg)
+    cfg = EngineConfig(model=ModelConfig(path=str(folder), device=device, dtype="float32"),
+                       buckets=BucketConfig(**buckets), limits=LimitsConfig(**lim), runner={"fused_step": fused_step})
+    return padded(DiTPipeline.from_config(cfg))
+
+
+def bucket_costs(pipe: DiTPipeline) -> CostModel:
+    """Costs under which every bucket forward costs the same and eager forwards are off: a step runs in the fewest
+    bucket forwards, each the smallest bucket that holds its rows (padded), as the bucket table alone places
+    them. On a CPU the token-count stand-in would run padded rows unpadded (there a padded row is pure extra
+    work), and the gates would no longer check padding."""
+    return CostModel({k: 1.0 for k in pipe.table.keys}, eager=False)
+
+
+def padded(pipe: DiTPipeline) -> DiTPipeline:
+    """``pipe`` with :func:`bucket_costs` in its decider."""
+    pipe.decider.set_costs(bucket_costs(pipe), merge=False)
+    return pipe
 
 
 def _png(image) -> bytes:

@@ -13,7 +13,7 @@ from bcg_core import (
 
 from bcg_core.config import EngineConfig
 from bcg_core.families.tiny import TINY_TEXT_TOKENS
-from bcg_core.scheduler import CostModel
+from reference_gate import padded
 from bcg_core.models import describe_model
 
 SMALL = EngineConfig(buckets=BucketConfig(batch_sizes=[1, 2, 4, 8], resolutions=["256x256", "512x512"],
@@ -23,14 +23,6 @@ SMALL = EngineConfig(buckets=BucketConfig(batch_sizes=[1, 2, 4, 8], resolutions=
 @pytest.fixture(scope="module")
 def tiny():
     return build_tiny()
-
-
-def padded(p: DiTPipeline) -> DiTPipeline:
-    """``p`` with costs under which every bucket forward costs the same and eager forwards are off: each step runs
-    in the fewest bucket forwards, padded, as where launches dominate (on a CPU the token-count stand-in would
-    run padded rows unpadded instead: there a padded row is pure extra work)."""
-    p.decider.set_costs(CostModel({k: 1.0 for k in p.table.keys}, eager=False), merge=False)
-    return p
 
 
 @pytest.fixture(scope="module")

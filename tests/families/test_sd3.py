@@ -107,7 +107,7 @@ def test_no_cfg_at_guidance_one_runs_cond_rows_only_and_equals_diffusers(folders
                             num_inference_steps=2, guidance_scale=1.0, negative_prompt="ignored without CFG",
                             seed=3)
     state, lookups = _run_alone(pipes["sd3"], req)
-    assert state.uncond is None and lookups[0].query.batch == 2
+    assert state.uncond is None and lookups[0].rows == 2
     assert_same(bcg_run(pipes["sd3"], req), _ref(folders["sd3"], req))
 
 
@@ -117,7 +117,7 @@ def test_rows_padded_up_to_the_batch_bucket_equal_diffusers(folders, pipes, n, g
                             num_inference_steps=2, guidance_scale=guidance,
                             negative_prompt="blurry, low quality", seed=2)
     _, lookups = _run_alone(pipes["sd35"], req)
-    assert {(lk.query.batch, lk.key.batch) for lk in lookups} == {(rows, bucket)}
+    assert {(f.rows, f.chunks[0].key.batch) for f in lookups} == {(rows, bucket)}
     _assert_batched(bcg_run(pipes["sd35"], req), _ref(folders["sd35"], req))
 
 
