@@ -53,9 +53,10 @@ from __future__ import annotations
 
 import logging
 import math
-import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping
+
+from bcg_core.keys import BucketShape
 
 __all__ = ["BucketLoadPolicy", "Decision", "ReplicaReport", "ShapeDemand", "decide", "metric_name", "parse_reports",
            "replica_metrics"]
@@ -161,13 +162,13 @@ def parse_reports(running: list, raw: Mapping[str, Mapping[Any, Any]] | None,
     return out
 
 
-_TOKENS = re.compile(r"^i(\d+)(?:_m)?_t(\d+)")
-
-
 def _tokens_per_row(shape: str) -> int | None:
-    """Image + text tokens of one row of ``shape`` (``"i1024_m_t256"`` -> 1280); None when not parseable."""
-    m = _TOKENS.match(shape)
-    return int(m.group(1)) + int(m.group(2)) if m else None
+    """Image + text tokens of one row of ``shape`` (``"i1024_m_t256"`` -> 1280, :class:`~bcg_core.keys.BucketShape`);
+    None when it is not a shape."""
+    try:
+        return BucketShape.parse(shape).tokens_per_row
+    except ValueError:
+        return None
 
 
 @dataclass(frozen=True)
