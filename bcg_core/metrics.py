@@ -14,6 +14,7 @@ counts its own real tokens and a share of its first step's padded tokens proport
 from __future__ import annotations
 
 import bisect
+import enum
 import threading
 from collections import Counter, deque
 from dataclasses import dataclass, field, replace
@@ -22,13 +23,29 @@ from bcg_core.keys import BucketKey, Dim
 
 from bcg_core.table import BucketLookup
 
-__all__ = ["BucketCounters", "BucketMetrics", "FORWARD_MODES", "STEP_MS_BOUNDS", "STEP_SAMPLE_LIMIT",
+__all__ = ["BucketCounters", "BucketMetrics", "FORWARD_MODES", "ForwardMode", "STEP_MS_BOUNDS", "STEP_SAMPLE_LIMIT",
            "histogram_quantile", "token_shares"]
 
-FORWARD_MODES = ("graph", "static_eager", "eager")
-"""How a transformer forward ran: ``graph`` replayed the bucket's CUDA graph; ``static_eager`` ran eagerly on the
-bucket's static padded buffers (every bucket on a CPU, a bucket whose capture failed or was over budget);
-``eager`` ran unpadded (a miss, a bucket dropped after an out-of-memory capture, or an unprepared bucket)."""
+class ForwardMode(str, enum.Enum):
+    """How a transformer forward ran (a ``str``: its value is the ``forwards_by_mode`` key and the Prometheus tag)."""
+
+    GRAPH = "graph"
+    """Replayed the bucket's CUDA graph."""
+    STATIC_EAGER = "static_eager"
+    """Ran eagerly on the bucket's static padded buffers (every bucket on a CPU, a bucket whose capture failed or
+    was over budget)."""
+    EAGER = "eager"
+    """Ran unpadded (a miss, a bucket dropped after an out-of-memory capture, an unprepared bucket, or the cost
+    model's choice)."""
+
+    @property
+    def padded(self) -> bool:
+        """True when the forward ran on a bucket's padded buffers."""
+        return self is not ForwardMode.EAGER
+
+
+FORWARD_MODES = tuple(m.value for m in ForwardMode)
+""":class:`ForwardMode` values, in order."""
 
 STEP_MS_BOUNDS: tuple[float, ...] = (0.5, 1, 2, 3, 5, 7.5, 10, 15, 20, 30, 50, 75, 100, 150, 200, 300, 500, 750,
                                      1000, 2000, 5000, 10000)
@@ -88,8 +105,9 @@ class BucketCounters:
     @property
     def forwards_by_mode(self) -> dict[str, int]:
         """Forwards by :data:`FORWARD_MODES`: ``graph`` (replays), ``static_eager``, ``eager`` (unpadded)."""
-        return {"graph": self.replays, "static_eager": self.forwards - self.replays - self.unpadded_forwards,
-                "eager": self.unpadded_forwards}
+        return {ForwardMode.GRAPH.value: self.replays,
+                ForwardMode.STATIC_EAGER.value: self.forwards - self.replays - self.unpadded_forwards,
+                ForwardMode.EAGER.value: self.unpadded_forwards}
 
     def step_latency(self) -> dict:
         """JSON-ready step latency: ``count``, ``sum`` and ``mean`` (milliseconds), ``p50`` and ``p95``
@@ -195,7 +213,7 @@ class BucketMetrics:
             for d in lookup.missed:
                 self._miss_by_dim[d.value] += 1
 
-    def record_forward(self, key: BucketKey | None, mode: str | None = None) -> None:
+    def record_forward(self, key: BucketKey | None, mode: ForwardMode | str | None = None) -> None:
         """Count one transformer forward on bucket ``key`` (None: an eager miss forward).
 
         Args:
@@ -205,14 +223,15 @@ class BucketMetrics:
         Raises:
             ValueError: an unknown ``mode``.
         """
-        mode = mode or ("eager" if key is None else "static_eager")
+        mode = mode or (ForwardMode.EAGER if key is None else ForwardMode.STATIC_EAGER)
         if mode not in FORWARD_MODES:
             raise ValueError(f"forward mode must be one of {FORWARD_MODES}, got {mode!r}")
+        mode = ForwardMode(mode)
         with self._lock:
             c = self._of(key)
             c.forwards += 1
-            c.replays += int(mode == "graph")
-            c.unpadded_forwards += int(mode == "eager")
+            c.replays += int(mode is ForwardMode.GRAPH)
+            c.unpadded_forwards += int(not mode.padded)
 
     def record_capture(self, key: BucketKey, seconds: float) -> None:
         """Count one CUDA graph capture of bucket ``key`` that took ``seconds`` (warm-up included)."""

@@ -31,7 +31,7 @@ import torch
 
 from bcg_core import failpoints
 from bcg_core.keys import BucketKey
-from bcg_core.metrics import BucketMetrics
+from bcg_core.metrics import BucketMetrics, ForwardMode
 from bcg_core.padding import DenoiseInputs, DiTAdapter
 from bcg_core.runners.base import (
     BucketEntry, BucketFault, RunMode, demote, fill_fused, fused_buffers, is_out_of_memory, static_forward,
@@ -279,7 +279,7 @@ class CudaGraphRunner:
             ValueError: ``inputs`` do not fit the bucket.
         """
         with self._lock:
-            mode = "eager"  # a miss, an unprepared bucket or a dropped one: unpadded
+            mode = ForwardMode.EAGER  # a miss, an unprepared bucket or a dropped one: unpadded
             if key is None or eager:
                 if key is not None and key not in self._key_set:
                     raise KeyError(f"bucket {key} is not served by this runner")
@@ -305,10 +305,10 @@ class CudaGraphRunner:
                         self.adapter.fill(entry.buffers, inputs)
                         entry.graph.replay()
                         out = self.adapter.unpad(entry.output, inputs).clone()
-                        mode = "graph"
+                        mode = ForwardMode.GRAPH
                     elif entry.buffers:  # eager-only: capture failed or over budget
                         out = static_forward(self.adapter, entry.buffers, inputs)
-                        mode = "static_eager"
+                        mode = ForwardMode.STATIC_EAGER
                     else:  # dropped after OOM, or demoted after a runtime error: unpadded eager
                         out = self.adapter.forward_eager(inputs).clone()
                 except RuntimeError as e:
@@ -316,7 +316,7 @@ class CudaGraphRunner:
                         raise
                     demote(entry, e, self.metrics)  # e.g. a CUDA error mid-replay: this bucket runs eager from now
                     self.stats.replay_errors += 1
-                    out, mode = self.adapter.forward_eager(inputs).clone(), "eager"
+                    out, mode = self.adapter.forward_eager(inputs).clone(), ForwardMode.EAGER
                 entry.forwards += 1
         self.metrics.record_forward(key, mode)
         return out
@@ -354,7 +354,7 @@ class CudaGraphRunner:
                 raise BucketFault(f"bucket {key}: {entry.note}") from e
             out = self.adapter.unpad(entry.fused["next"], inputs)[: meta.shape[1]].clone()
             entry.forwards += 1
-        self.metrics.record_forward(key, "graph")
+        self.metrics.record_forward(key, ForwardMode.GRAPH)
         return out
 
     @property

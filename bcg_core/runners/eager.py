@@ -12,7 +12,7 @@ from collections.abc import Iterable
 import torch
 
 from bcg_core.keys import BucketKey
-from bcg_core.metrics import BucketMetrics
+from bcg_core.metrics import BucketMetrics, ForwardMode
 from bcg_core.padding import DenoiseInputs, DiTAdapter
 from bcg_core.runners.base import (
     BucketEntry, BucketFault, demote, fill_fused, fused_buffers, is_out_of_memory, static_forward,
@@ -95,9 +95,9 @@ class EagerBucketRunner:
                     # Not owned here (routed to a non-owner after the fallback wait): allocate now, counted.
                     entry = self.entries[key] = BucketEntry(key, self.adapter.allocate(key, self.device, self.dtype))
                     self.lazy_prepares += 1
-                mode = "static_eager"
+                mode = ForwardMode.STATIC_EAGER
                 if not entry.buffers:  # demoted after a fault: unpadded
-                    out, mode = self.adapter.forward_eager(inputs).clone(), "eager"
+                    out, mode = self.adapter.forward_eager(inputs).clone(), ForwardMode.EAGER
                 else:
                     try:
                         out = static_forward(self.adapter, entry.buffers, inputs)
@@ -105,9 +105,9 @@ class EagerBucketRunner:
                         if is_out_of_memory(e):
                             raise
                         demote(entry, e, self.metrics)
-                        out, mode = self.adapter.forward_eager(inputs).clone(), "eager"
+                        out, mode = self.adapter.forward_eager(inputs).clone(), ForwardMode.EAGER
                 entry.forwards += 1
-        self.metrics.record_forward(key, "eager" if key is None or eager else mode)
+        self.metrics.record_forward(key, ForwardMode.EAGER if key is None or eager else mode)
         return out
 
     def fuses(self, key: BucketKey) -> bool:
@@ -144,7 +144,7 @@ class EagerBucketRunner:
                 raise BucketFault(f"bucket {key}: {entry.note}") from e
             result = self.adapter.unpad(nxt, inputs)[: meta.shape[1]].clone()
             entry.forwards += 1
-        self.metrics.record_forward(key, "static_eager")
+        self.metrics.record_forward(key, ForwardMode.STATIC_EAGER)
         return result
 
     def describe(self) -> list[dict]:

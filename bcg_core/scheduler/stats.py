@@ -11,6 +11,7 @@ sum, mean, p50, p99 over the last :data:`WAITS_KEPT`, max). Prometheus reads the
 from __future__ import annotations
 
 import dataclasses
+import enum
 from collections import Counter, deque
 from collections.abc import Sequence
 
@@ -21,9 +22,25 @@ from bcg_core.metrics import BucketMetrics
 from bcg_core.devices import elapsed_ms
 from bcg_core.scheduler.costs import DECISIONS, StepForwards
 
-__all__ = ["FORWARD_KINDS", "SchedulerStats", "ShapeStats", "StepTimes", "WAITS_KEPT", "queue_lengths"]
+__all__ = ["FORWARD_KINDS", "ForwardKind", "SchedulerStats", "ShapeStats", "StepTimes", "WAITS_KEPT", "queue_lengths"]
 
-FORWARD_KINDS = ("graph", "split", "eager")
+class ForwardKind(str, enum.Enum):
+    """A forward as the step scheduler counts it (a ``str``: its value is the counter key)."""
+
+    GRAPH = "graph"
+    """A step's only forward, on a bucket (a graph replay on CUDA)."""
+    SPLIT = "split"
+    """A bucket forward of a step split into several."""
+    EAGER = "eager"
+    """An unpadded eager forward (a miss, or the cost model's choice)."""
+
+    @classmethod
+    def of(cls, bucket: bool, split: bool) -> ForwardKind:
+        """The kind of a forward on a bucket (``bucket``) or unpadded, in a step of several forwards (``split``)."""
+        return cls.EAGER if not bucket else cls.SPLIT if split else cls.GRAPH
+
+
+FORWARD_KINDS = tuple(k.value for k in ForwardKind)
 """Forwards counted by the step scheduler: a step's only forward, on a bucket (a graph replay on CUDA); a
 bucket forward of a step split into several; an unpadded eager forward (a miss, or the cost model's choice)."""
 
@@ -87,10 +104,10 @@ class SchedulerStats:
         split = len(forwards.chunks) > 1
         for c in forwards.chunks:
             if c.key is None:
-                st.forwards["eager"] += 1
+                st.forwards[ForwardKind.EAGER.value] += 1
                 computed += c.rows * per_row
             else:
-                st.forwards["split" if split else "graph"] += 1
+                st.forwards[ForwardKind.of(True, split).value] += 1
                 st.bucket_rows += c.key.batch
                 st.bucket_real_rows += c.rows
                 computed += c.key.tokens
