@@ -112,8 +112,8 @@ def test_the_step_scheduler_with_measured_costs_equals_diffusers_on_cuda(family)
     folder, pipe, cls, fields, ref = family
     costs = pipe.measure_costs(pipe.table.keys, iters=1)
     assert costs.source == "measured" and costs.bucket_ms
-    a = pipe.planner.plan(_req(fields, seed=7)).request
-    b = pipe.planner.plan(_req(fields, n=2, seed=40, num_inference_steps=6, prompt="an astronaut riding a horse")).request
+    a = pipe.planner.plan(_req(fields, seed=7))
+    b = pipe.planner.plan(_req(fields, n=2, seed=40, num_inference_steps=6, prompt="an astronaut riding a horse"))
     sched = StepScheduler(pipe, costs=costs)
 
     async def main():
@@ -128,8 +128,8 @@ def test_the_step_scheduler_with_measured_costs_equals_diffusers_on_cuda(family)
     finally:
         sched.close()
     assert stats["costs"]["source"] == "measured" and sum(stats["forwards"].values()) > 0
-    for ours, req in ((ra, a), (rb, b)):
-        theirs = diffusers_run(cls, folder, req, device="cuda", **ref)
+    for ours, plan in ((ra, a), (rb, b)):
+        theirs = diffusers_run(cls, folder, plan.request, device="cuda", **ref)
         assert len(ours.images_png) == len(theirs.pngs)
         for x, y in zip(ours.images_png, theirs.pngs):
             diff = abs(pixels(x) - pixels(y))
