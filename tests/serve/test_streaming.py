@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import base64
 import io
-import json
 import time
 
 import httpx
 import pytest
+from sse import parse_sse
 from PIL import Image
 
 pytestmark = pytest.mark.serve
@@ -63,23 +63,8 @@ def test_streamed_final_image_equals_the_unstreamed_one(serve_apps):
     body = {"prompt": "a red cube", "size": "256x256", "num_inference_steps": 3, "seed": 4, "guidance_scale": 0.0}
     with httpx.Client(base_url=serve_apps.base_url, trust_env=False, timeout=120.0) as c:
         plain = c.post(GEN, json=body).json()["data"][0]["b64_json"]
-        events = _parse(c.post(GEN, json={**body, "stream": True, "partial_images": 2}).content)
+        events = parse_sse(c.post(GEN, json={**body, "stream": True, "partial_images": 2}).content)
     assert events[-1][1]["b64_json"] == plain and [e for e, _ in events].count("image_generation.partial_image") == 2
-
-
-def _parse(raw: bytes) -> list[tuple[str, dict]]:
-    """Strict SSE framing: blocks of exactly ``event: <type>`` and one ``data: <json>`` line, each ended by a
-    blank line; the event name equals the data's ``type``."""
-    text = raw.decode("utf-8")
-    assert text.endswith("\n\n"), text[-80:]
-    out = []
-    for block in text[:-2].split("\n\n"):
-        lines = block.split("\n")
-        assert len(lines) == 2 and lines[0].startswith("event: ") and lines[1].startswith("data: "), block[:200]
-        name, data = lines[0][len("event: "):], json.loads(lines[1][len("data: "):])
-        assert data["type"] == name
-        out.append((name, data))
-    return out
 
 
 def test_sse_framing_holds_for_a_slow_reader(serve_apps):
@@ -99,7 +84,7 @@ def test_sse_framing_holds_for_a_slow_reader(serve_apps):
                     time.sleep(0.01)
                 assert time.monotonic() < deadline
     assert len(chunks) > 20  # really read piecewise
-    events = _parse(b"".join(chunks))
+    events = parse_sse(b"".join(chunks))
     names = [n for n, _ in events]
     assert names == ["image_generation.partial_image"] * 6 + ["image_generation.completed"] * 2
     assert sorted((d["partial_image_index"], d["image_index"]) for n, d in events if n.endswith("partial_image")) \

@@ -8,21 +8,7 @@ import json
 
 import httpx
 import pytest
-
-
-def _parse(raw: bytes) -> list[tuple[str, dict]]:
-    """Strict SSE framing: blocks of exactly ``event: <type>`` and one ``data: <json>`` line, each ended by a
-    blank line; the event name equals the data's ``type``."""
-    text = raw.decode("utf-8")
-    assert text.endswith("\n\n"), text[-80:]
-    out = []
-    for block in text[:-2].split("\n\n"):
-        lines = block.split("\n")
-        assert len(lines) == 2 and lines[0].startswith("event: ") and lines[1].startswith("data: "), block[:200]
-        name, data = lines[0][len("event: "):], json.loads(lines[1][len("data: "):])
-        assert data["type"] == name
-        out.append((name, data))
-    return out
+from sse import parse_sse
 
 
 class _FailingStreamDit:
@@ -88,7 +74,7 @@ def test_a_failure_mid_stream_is_one_error_event_the_official_client_raises():
         return b"".join([chunk async for chunk in ingress._events(plan, req, events, 0.0)])
 
     raw = asyncio.run(body())
-    events = _parse(raw)
+    events = parse_sse(raw)
     assert [name for name, _ in events] == ["image_generation.partial_image", "error"]
     assert events[1][1]["error"] == {"message": "the replica gave up on this request", "type": "server_error",
                                      "param": "request", "code": None}
