@@ -130,7 +130,24 @@ def _with_key_file(config: ServeConfig | None, path: str) -> ServeConfig:
     return config.model_copy(update={"auth": config.auth.model_copy(update={"api_keys": digests})})
 
 
+def ready_text(url: str, model: str, metrics: str | None, auth: bool) -> str:
+    """The lines ``bcg serve`` prints once, when the server is ready: the model, the API's URL, the Prometheus
+    URL (Ray's exporter, or a note when it does not run), that no dashboard runs, and a first command to try."""
+    header = " -H 'Authorization: Bearer <key>'" if auth else ""
+    return "\n".join([
+        f"bcg-serve is ready: model {model} (Ctrl-C stops it)",
+        f"  API        {url}  (OpenAI Images API: POST /v1/images/generations, GET /v1/models)",
+        f"  metrics    {metrics}  (Prometheus, Ray's exporter)" if metrics else
+        "  metrics    not exported (Ray's metrics agent is not running)",
+        "  dashboard  not started (bcg serve runs Ray without its dashboard)",
+        f"  try: curl -s{header} {url}/v1/models",
+    ])
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
+    from .local import metrics_url
+    from bcg_core.models import describe_model
+
     config = check_config(args.config) if args.config else None
     if args.api_key_file is not None:
         config = _with_key_file(config, args.api_key_file)
@@ -139,6 +156,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         if conflict:
             print(f"bcg serve: error: {conflict} (in {args.config})", file=sys.stderr)
             return 2
+    config = config or ServeConfig()
+    if args.metrics_host is not None:
+        config = config.model_copy(update={"metrics": config.metrics.model_copy(update={"host": args.metrics_host})})
+    metrics_port = config.metrics.port if args.metrics_port is None else args.metrics_port
+    model = describe_model(config.model).name
 
     stop = threading.Event()
 
@@ -147,13 +169,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     previous: dict[int, Any] = {}
     try:
-        url = start_local(config, args.port, args.num_cpus, quiet=not args.verbose, replicas=args.replicas)
+        url = start_local(config, args.port, args.num_cpus, quiet=not args.verbose, replicas=args.replicas,
+                          metrics_port=metrics_port)
         # After ray.init: Ray's core worker installs its own SIGTERM handler, which would kill the
         # process without shutting Serve down.
         previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-        print(f"bcg-serve is listening on {url} (Ctrl-C stops it)", flush=True)
-        header = " -H 'Authorization: Bearer <key>'" if config is not None and config.auth.enabled else ""
-        print(f"  try: curl -s{header} {url}/v1/models", flush=True)
+        print(ready_text(url, model, metrics_url(), config.auth.enabled), flush=True)
         stop.wait(args.stop_after_s)
         print("bcg-serve: shutting down", flush=True)
     finally:
@@ -288,6 +309,12 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--api-key-file", default=None, metavar="PATH",
                    help="ask for one of the API keys in this file (one a line, '#' comments) as 'Authorization: "
                    "Bearer <key>' on every /v1/ route; added to the config's auth.api_keys (held as SHA-256 digests)")
+    s.add_argument("--metrics-port", type=_bounded_int(0, 65535), default=None, metavar="P",
+                   help="Prometheus port of Ray's metrics exporter (default: the config's metrics.port, 8080; 0 picks "
+                   "a free one); its URL is printed when the server is ready")
+    s.add_argument("--metrics-host", choices=("127.0.0.1", "0.0.0.0"), default=None,
+                   help="where the local Ray node and its metrics exporter listen (default: the config's "
+                   "metrics.host, 127.0.0.1: loopback only; 0.0.0.0: Ray's Linux default, every interface)")
     s.add_argument("--stop-after-s", type=_positive_float, default=None, metavar="T",
                    help="stop by itself after T seconds (default: run until Ctrl-C)")
     s.add_argument("--verbose", action="store_true", help="show Ray's and the replicas' logs")

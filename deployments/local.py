@@ -23,7 +23,8 @@ if TYPE_CHECKING:
     from .settings import ServeConfig
 
 __all__ = [
-    "check_config", "deploy_failure", "free_loopback_port", "start_local", "stop_local", "wait_healthy",
+    "bind_ray_to", "check_config", "check_port_free", "deploy_failure", "free_loopback_port", "metrics_url",
+    "start_local", "stop_local", "wait_healthy",
 ]
 
 _HEALTH_WAIT_S = 60.0
@@ -51,12 +52,18 @@ def wait_healthy(url: str, timeout_s: float = _HEALTH_WAIT_S) -> None:
     raise TimeoutError(f"{url}/healthz did not answer 200 within {timeout_s:.0f} s (last: {last})")
 
 
-def check_port_free(port: int) -> None:
-    """Refuse a port something already listens on (127.0.0.1 or every address).
+def check_port_free(port: int, option: str = "--port", host: str = "127.0.0.1") -> None:
+    """Refuse a port something already listens on (``host``, and so every address).
 
     Serve's HTTP proxy binds with ``SO_REUSEPORT``, so a second server on a busy port would start and share the
     port with the first: the kernel would split connections between them, and a server with API keys would have
-    its clients answered by one without. Binding here without that option fails on any port in use.
+    its clients answered by one without. Binding here without that option fails on any port in use. Ray's
+    metrics exporter on a port in use would fail inside Ray, after a minute of start-up.
+
+    Args:
+        port: the TCP port (1..65535).
+        option: the command-line option (or config field) that sets it, for the message.
+        host: the address to try (127.0.0.1 or 0.0.0.0).
 
     Raises:
         OSError: the port is in use, naming it and the fix.
@@ -64,10 +71,10 @@ def check_port_free(port: int) -> None:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a just-stopped server's TIME_WAIT is no listener
         try:
-            s.bind(("127.0.0.1", port))
+            s.bind((host, port))
         except OSError as exc:
-            raise OSError(f"port {port} on 127.0.0.1 is already in use ({exc.strerror}); stop what listens there or "
-                          f"pick another with --port (0: a free one)") from None
+            raise OSError(f"port {port} on {host} is already in use ({exc.strerror}); stop what listens there or "
+                          f"pick another with {option} (0: a free one)") from None
 
 
 def free_loopback_port() -> int:
@@ -105,12 +112,38 @@ def check_config(config_path: str | Path) -> "ServeConfig":
     return config
 
 
+def bind_ray_to(host: str) -> None:
+    """Make the next local ``ray.init`` start its node on ``host``: ``127.0.0.1`` (loopback) or ``0.0.0.0``.
+
+    On Linux Ray replaces a loopback ``_node_ip_address`` by the machine's routable address
+    (``ray._private.services.resolve_ip_for_localhost``: by design, ray-project/ray#26293) unless
+    ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER`` is off, the opt-out Ray added for single-machine use
+    (ray-project/ray#31166; it is Ray's default on macOS and Windows). With it off, ``get_node_ip_address``
+    answers 127.0.0.1 and every Ray service binds there: the GCS, the raylet, the workers' gRPC servers, the
+    object manager, the runtime-env agent and the metrics exporter (measured by
+    ``tests/serve/test_local_server.py``). Ray reads the variable at import, so an already imported Ray also
+    gets its module constant set; the variable stays in the environment for the processes Ray starts.
+
+    ``0.0.0.0`` restores Ray's Linux default: the node IP is the machine's address.
+    """
+    import os
+
+    loopback = host != "0.0.0.0"
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0" if loopback else "1"
+    from ray._private import ray_constants
+
+    ray_constants.ENABLE_RAY_CLUSTER = not loopback
+
+
 def start_local(config: "ServeConfig | None" = None, port: int = 8000, num_cpus: int = 4,
-                quiet: bool = True, replicas: int | None = None) -> str:
+                quiet: bool = True, replicas: int | None = None, metrics_port: int = 0) -> str:
     """Start Ray and the bcg-serve application on ``127.0.0.1:port``; returns the base URL.
 
     A new local Ray instance is always started (``address="local"``), never a cluster found on the
-    machine. ``serve.run`` returns once the replicas are ready (the DiT replica has built its pipeline).
+    machine, bound where ``config.metrics.host`` says (default 127.0.0.1: every Ray service on loopback, see
+    :func:`bind_ray_to`), with Ray's metrics exporter on ``metrics_port`` (read it back with
+    :func:`metrics_url`). ``serve.run`` returns once the replicas are ready (the DiT replica has built its
+    pipeline) and this function once ``/healthz`` answers too, so the caller can print readiness.
 
     Args:
         config: the configuration (see :func:`check_config`), or None for the embedded default.
@@ -119,21 +152,37 @@ def start_local(config: "ServeConfig | None" = None, port: int = 8000, num_cpus:
         quiet: keep Ray's and the replicas' logs out of the terminal (they stay in Ray's log folder).
         replicas: DiT replicas (one per GPU); with more than one they split the bucket shapes. None: 1, or the
             config's ``autoscaling`` bounds when it autoscales.
+        metrics_port: Prometheus port of Ray's exporter (0 picks a free one; ``bcg serve`` passes
+            ``config.metrics.port``).
+
+    Raises:
+        OSError: ``port`` or ``metrics_port`` is already in use (naming it and the option to change).
+        RuntimeError: the application failed to deploy (each failing deployment's last error line).
     """
+    from .settings import LOOPBACK
+
+    host = config.metrics.host if config is not None else LOOPBACK
+    if port == 0:
+        port = free_loopback_port()
+    else:
+        check_port_free(port)
+    if metrics_port == 0:
+        metrics_port = free_loopback_port()
+    else:
+        check_port_free(metrics_port, "--metrics-port (or metrics.port in the config)", host)
+    bind_ray_to(host)
+
     import ray
     from ray import serve
 
     from .app import build_app
 
-    if port == 0:
-        port = free_loopback_port()
-    else:
-        check_port_free(port)
     level = logging.WARNING if quiet else logging.INFO
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=not quiet,
-             logging_level=level)
+             logging_level=level, _metrics_export_port=metrics_port,
+             _node_ip_address=LOOPBACK if host == LOOPBACK else None)
     logging.getLogger("ray.serve").setLevel(level)
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.start(http_options={"host": LOOPBACK, "port": port})
     args: dict = {"config": config.model_dump(mode="json")} if config is not None else {}
     if replicas is not None:
         args["dit_replicas"] = replicas
@@ -141,7 +190,25 @@ def start_local(config: "ServeConfig | None" = None, port: int = 8000, num_cpus:
         serve.run(build_app(args), name="bcg", route_prefix="/")
     except RuntimeError as exc:
         raise RuntimeError(f"the bcg application failed to start: {deploy_failure('bcg')}") from exc
-    return f"http://127.0.0.1:{port}"
+    url = f"http://{LOOPBACK}:{port}"
+    wait_healthy(url)
+    return url
+
+
+def metrics_url() -> str | None:
+    """``http://ADDRESS:PORT/metrics`` of this machine's Ray node (started by :func:`start_local`), or None
+    when its exporter is not running (``MetricsExportPort`` of ``ray.nodes()`` unset or -1).
+
+    The address is the node IP: 127.0.0.1 on a loopback node; with ``metrics.host: 0.0.0.0`` the machine's
+    address (the exporter then listens on every interface).
+    """
+    import ray
+
+    node = next((n for n in ray.nodes() if n.get("Alive")), None)
+    port = (node or {}).get("MetricsExportPort")
+    if not port or port < 0:
+        return None
+    return f"http://{node['NodeManagerAddress']}:{port}/metrics"
 
 
 def deploy_failure(app_name: str) -> str:

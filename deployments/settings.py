@@ -12,15 +12,15 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from bcg_core.config import EngineConfig
 
 __all__ = [
-    "AuthConfig", "AutoscalingSettings", "BackpressureLimits", "RoutingConfig", "ServeConfig", "api_key_digest",
-    "backpressure_limits", "load_config",
+    "AuthConfig", "AutoscalingSettings", "BackpressureLimits", "LOOPBACK", "MetricsConfig", "RoutingConfig",
+    "ServeConfig", "api_key_digest", "backpressure_limits", "load_config",
 ]
 
 API_KEY_DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
@@ -230,6 +230,36 @@ class AuthConfig(BaseModel):
         return bool(self.api_keys) or self.api_key_file is not None
 
 
+LOOPBACK = "127.0.0.1"
+"""The address a local server (``bcg serve``, ``bcg demo``) binds unless the operator says otherwise."""
+
+
+class MetricsConfig(BaseModel):
+    """Where a local server's Prometheus metrics are served (``bcg serve``, ``bcg demo``).
+
+    The source is Ray's own metrics exporter (each node's metrics agent, ``ray_`` prefix), started by
+    :func:`deployments.local.start_local` with ``ray.init(_metrics_export_port=port)``; there is no second
+    metrics stack. On a cluster started with ``ray start`` (``cluster.yaml``, ``serve deploy``) this section is
+    not read: the port is ``ray start --metrics-export-port``.
+
+    ``host`` is where Ray's node, and with it the exporter, listens. ``127.0.0.1`` (the default) starts the
+    local Ray bound to loopback: its node IP is 127.0.0.1, so the GCS, raylet, workers, object manager and the
+    exporter listen on loopback only. ``0.0.0.0`` starts Ray as Ray does by default on Linux: its node IP is
+    the machine's address, the exporter listens on every interface (Ray's choice for a non-loopback node,
+    ``ray/dashboard/modules/reporter/reporter_agent.py``) and so do Ray's other services, on that address.
+    Ray offers no bind address between the two. The API's HTTP port stays on 127.0.0.1 either way.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    port: int = Field(default=8080, ge=0, le=65535,
+                      description="Prometheus port of the local Ray node (0: a free one; bcg demo always takes a "
+                      "free one). 8080 is the port Ray's own metrics documentation uses.")
+    host: Literal["127.0.0.1", "0.0.0.0"] = Field(
+        default=LOOPBACK, description="127.0.0.1: the local Ray and its exporter on loopback only; 0.0.0.0: Ray's "
+        "Linux default (node IP = this machine's address; the exporter on every interface).")
+
+
 class ServeConfig(EngineConfig):
     """Everything one application needs: the embedded default is ``ServeConfig()``."""
 
@@ -238,6 +268,8 @@ class ServeConfig(EngineConfig):
     routing: RoutingConfig = Field(default_factory=RoutingConfig)
     autoscaling: AutoscalingSettings = Field(default_factory=AutoscalingSettings)
     auth: AuthConfig = Field(default_factory=AuthConfig, description="API keys (stored as SHA-256 digests).")
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig,
+                                   description="Prometheus port and bind address of a local server (bcg serve).")
 
 
 def load_config(config: Mapping[str, Any] | None = None, config_path: str | Path | None = None) -> ServeConfig:

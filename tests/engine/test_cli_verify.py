@@ -72,6 +72,20 @@ def test_a_port_something_listens_on_is_refused_before_ray_starts():
     check_port_free(port)  # free again once the listener is gone
 
 
+def test_a_busy_metrics_port_is_refused_before_ray_starts(capsys):
+    import socket
+
+    from deployments.cli import main
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert main(["serve", "--port", "0", "--metrics-port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert f"port {port} on 127.0.0.1 is already in use" in err and "--metrics-port" in err, err
+
+
 def test_demo_steps_above_the_limit_and_a_non_krea_csv_are_refused_before_anything_starts(tmp_path, capsys):
     from deployments.cli import main
 

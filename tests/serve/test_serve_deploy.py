@@ -34,6 +34,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from listeners import listening, outside_loopback
 import yaml
 from PIL import Image
 
@@ -147,8 +148,11 @@ def ray_head():
     gcs, dash, agent_http, agent_grpc, metrics, runtime_env, client, http = _free_ports(8)
     # nothing of the session's Ray (conftest's ray.init sets RAY_AUTH_MODE in this process, for one)
     base_env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
-    base_env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(temp_dir / "auth_token"))
-    cmd = [str(RAY), "start", "--head", "--block", "--port", str(gcs), "--num-cpus", "4", "--num-gpus", "0",
+    # as docs/DEPLOY.md starts it: a node on loopback only (deployments/local.py bind_ray_to says why both)
+    base_env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(temp_dir / "auth_token"),
+                    RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
+    cmd = [str(RAY), "start", "--head", "--block", "--node-ip-address", "127.0.0.1", "--port", str(gcs),
+           "--num-cpus", "4", "--num-gpus", "0",
            "--include-dashboard=true", "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dash),
            "--dashboard-agent-listen-port", str(agent_http), "--dashboard-agent-grpc-port", str(agent_grpc),
            "--metrics-export-port", str(metrics), "--runtime-env-agent-port", str(runtime_env),
@@ -237,6 +241,9 @@ def test_serve_deploy_of_the_cpu_config_serves_an_image_over_http(ray_head: Head
     # the replica serves the config file's bucket table, not the embedded default
     table = httpx.get(f"{base}/v1/buckets", timeout=30).json()["table"]
     assert table["batch_sizes"] == [1, 2, 4] and table["resolutions"] == ["256x256", "512x512"]
+    # the node started as docs/DEPLOY.md says listens on loopback only, but for Serve's hard-coded gRPC servers
+    unexpected, _ = outside_loopback(listening(head.proc.pid))
+    assert not unexpected, f"listening outside loopback: {unexpected}"
 
     stopped = head.cli(SERVE, "shutdown", "-y", "--address", head.dashboard_url)
     assert stopped.returncode == 0, stopped.stderr[-3000:]

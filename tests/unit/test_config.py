@@ -16,6 +16,8 @@ from bcg_core.pipeline import runner_mode
     (dict(buckets=dict(resolutions=["512x512", "4096x4096"])), "outside the request limits"),
     (dict(buckets=dict(resolutions=["128x128"])), "outside the request limits"),
     (dict(buckets=dict(batch_sizes=[1, 100000])), "2 x limits.max_images"),
+    (dict(metrics=dict(host="10.0.0.1")), "'127.0.0.1' or '0.0.0.0'"),
+    (dict(metrics=dict(port=70000)), "less than or equal to 65535"),
 ])
 def test_configs_with_unusable_values_are_refused(kw, needle):
     with pytest.raises(ValidationError) as e:
