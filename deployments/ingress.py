@@ -57,7 +57,7 @@ from .settings import ServeConfig
 from bcg_core.errors import BucketMissError, RequestError, ServiceUnavailable
 from bcg_core.images import IMAGE_FORMATS
 from bcg_core.pipeline import GenerationResult
-from bcg_core.request import GenerationRequest
+from bcg_core.request import DEFAULT_SIZE, QUALITY_ALIASES, GenerationRequest
 from bcg_core.planner import Planner
 from bcg_core.planning.traffic import TrafficHistogram
 
@@ -216,8 +216,9 @@ class Ingress:
             "buckets": {**table.describe_limits(), "count": len(table)},
             "limits": {"max_images": lim.max_images, "min_side_px": lim.min_side_px, "max_side_px": lim.max_side_px,
                        "size_multiple": table.rules.pixels_per_token, "max_steps": lim.max_steps,
-                       "default_steps": lim.default_steps},
+                       "default_steps": lim.default_steps, "default_size": "{}x{}".format(*DEFAULT_SIZE)},
             "quality_steps": quality,
+            "quality_aliases": dict(QUALITY_ALIASES),
             "output_formats": list(IMAGE_FORMATS),
         })
 
@@ -363,7 +364,10 @@ class Ingress:
             if isinstance(exc, BucketMissError):
                 self._rejected_requests += 1
                 self._rejected.update(exc.missed)
-            return error_response(exc.status, exc.message, param=exc.field)
+            message = exc.message
+            if exc.field == "size" and req.size == "auto":
+                message += f" (size 'auto', or omitted, is the default size {width}x{height})"
+            return error_response(exc.status, message, param=exc.field)
         t0 = time.perf_counter()
         if req.stream:
             events = stream_dit(self._dit, plan, self._config.routing.retry_after_s)
@@ -388,9 +392,8 @@ class Ingress:
             created=int(time.time()),
             data=[ImageData(b64_json=b64encode(png).decode("ascii")) for png in result.images_png],
             output_format=result.image_format,
-            quality=req.quality if req.quality != "auto" else None,
+            quality=plan.request.quality if plan.request.quality != "auto" else None,  # standard, hd: mapped
             size=f"{width}x{height}",
             usage=usage_of(plan),
             bcg=bcg_info(result, timings, routed.retries),
         )
-

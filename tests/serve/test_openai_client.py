@@ -71,3 +71,16 @@ def test_openai_client_refuses_gif_with_the_allowed_values(client):
     with pytest.raises(openai.UnprocessableEntityError) as info:
         client.images.generate(prompt="x", size="256x256", output_format="gif")
     assert "output_format" in str(info.value) and "'png', 'jpeg', 'webp'" in str(info.value)
+
+
+def test_openai_client_size_auto_is_the_default_size(client):
+    result = client.images.generate(prompt="a lighthouse at dusk", size="auto", extra_body={"num_inference_steps": 1})
+    assert result.size == "512x512" and "_i1024_" in result.model_extra["bcg"]["bucket"]
+    with Image.open(io.BytesIO(base64.b64decode(result.data[0].b64_json))) as img:
+        assert img.size == (512, 512)
+
+
+@pytest.mark.parametrize("quality,served,steps", [("standard", "medium", 4), ("hd", "high", 8)])
+def test_openai_client_dall_e_qualities_are_served_as_medium_and_high(client, quality, served, steps):
+    result = client.images.generate(prompt="a lighthouse at dusk", size="256x256", quality=quality)
+    assert result.quality == served and result.model_extra["bcg"]["steps"] == steps  # the tiny default's steps
