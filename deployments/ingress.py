@@ -14,6 +14,9 @@ Routes (relative to the application's route prefix):
 - ``GET /v1/models`` (and ``GET /v1/models/{id}``): the served model in OpenAI's list format, with the bucket
   table, the limits and the step count of each ``quality`` under ``bcg``.
 - ``GET /healthz``: ``{"status": "ok"}``; never asks for a key.
+- ``POST /v1/images/edits`` and ``POST /v1/images/variations``: not served; answered 404 in OpenAI's error shape
+  (code ``unsupported_endpoint``) saying to use ``/v1/images/generations``, without reading the body (no multipart
+  parser), after the API key check (:func:`~deployments.http_errors.unsupported_response`).
 
 API keys: with ``auth.api_keys`` or ``auth.api_key_file`` set, every ``/v1/`` route asks for
 ``Authorization: Bearer <key>`` (:mod:`deployments.auth`: digests only, compared in constant time); a missing or
@@ -64,10 +67,12 @@ from bcg_core.planning.traffic import TrafficHistogram
 from .answers import bcg_info, image_events, ingress_timings, usage_of
 from .auth import ApiKeys
 from .http_errors import (
+    UNSUPPORTED_STATUS,
     error_response,
     find_request_error,
     unauthorized_response,
     unavailable_response,
+    unsupported_response,
     validation_error_response,
 )
 from .routing import ACCEPTED, call_dit, stream_dit
@@ -157,6 +162,18 @@ async def _read_body(request: Request, max_bytes: int) -> bytes:
         chunks.append(chunk)
     return b"".join(chunks)
 
+
+
+def _unsupported_route(fields: dict[str, dict]) -> dict[str, Any]:
+    """The route options of an OpenAI route not served: its documented answers (404, 401) and OpenAI's multipart
+    request body (``required: false``: it is never read)."""
+    return dict(
+        status_code=UNSUPPORTED_STATUS, response_model=ErrorBody,
+        response_description="Always: the route is not served (OpenAI's error shape, code unsupported_endpoint).",
+        responses={401: {"model": ErrorBody}},
+        openapi_extra={"requestBody": {"required": False, "content": {"multipart/form-data": {
+            "schema": {"type": "object", "properties": fields}}}}},
+    )
 
 
 @serve.deployment
@@ -397,3 +414,17 @@ class Ingress:
             usage=usage_of(plan),
             bcg=bcg_info(result, timings, routed.retries),
         )
+
+    @app.post("/v1/images/edits", **_unsupported_route({
+        "image": {"type": "string", "format": "binary"}, "prompt": {"type": "string"},
+        "mask": {"type": "string", "format": "binary"}}))
+    async def edits(self, request: Request):
+        """OpenAI ``images.edit``: not supported yet; a 404 saying to use ``/v1/images/generations``."""
+        return self._refused(request) or unsupported_response("/v1/images/edits")
+
+    @app.post("/v1/images/variations", **_unsupported_route({
+        "image": {"type": "string", "format": "binary"}}))
+    async def variations(self, request: Request):
+        """OpenAI ``images.create_variation``: not supported; a 404 saying to use ``/v1/images/generations``."""
+        return self._refused(request) or unsupported_response("/v1/images/variations")
+

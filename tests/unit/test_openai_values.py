@@ -1,6 +1,7 @@
 """OpenAI's edge values without Ray: ``size: "auto"`` (the default size), ``quality: "standard"`` and ``"hd"``
-(served as ``medium`` and ``high``) and the allowed-values wording that names them. The same through the official
-client on a running server: ``tests/serve/test_openai_client.py``."""
+(served as ``medium`` and ``high``), the allowed-values wording that names them, and ``POST /v1/images/edits`` and
+``/v1/images/variations`` answered 404 in OpenAI's error shape (after the key check, the body never read). The
+same through the official client on a running server: ``tests/serve/test_openai_client.py``."""
 
 from __future__ import annotations
 
@@ -9,17 +10,19 @@ import json
 
 import pytest
 from pydantic import ValidationError
+from starlette.requests import Request
 
 from bcg_core import BucketConfig, GenerationRequest, Planner, RequestError, ShapeRules
 from bcg_core.config import EngineConfig
 from bcg_core.request import DEFAULT_SIZE
 from deployments.http_errors import validation_error_response
-from deployments.ingress import Ingress
+from deployments.ingress import Ingress, app
 from deployments.schemas import ImageGenerationRequest, RequestLimits
 from deployments.settings import ServeConfig
 from test_plan_once import FakeDiT, _http
 
 RULES = ShapeRules(pixels_per_token=16, grid_keyed=False, native_text_tokens=32)
+KEY = "sk-edits-5d1e7a90c3b2"
 
 
 def _planner() -> Planner:
@@ -119,3 +122,51 @@ def test_the_model_card_shows_the_default_size_and_the_aliases():
     card = _ingress()._model_card().bcg
     assert card["limits"]["default_size"] == "512x512"
     assert card["quality_aliases"] == {"standard": "medium", "hd": "high"}
+
+
+# -- POST /v1/images/edits and /v1/images/variations -----------------------------------------------------------
+
+
+def _unread(path: str, headers: list[tuple[bytes, bytes]]) -> Request:
+    """A request whose body must never be read (a multipart upload the route has no parser for)."""
+
+    async def receive():
+        raise AssertionError("the route read the body")
+
+    scope = {"type": "http", "method": "POST", "path": path, "headers": [
+        (b"content-type", b"multipart/form-data; boundary=x"), (b"content-length", b"99999999"), *headers]}
+    return Request(scope, receive)
+
+
+ROUTES = [("edits", "/v1/images/edits", "image edits are not supported yet"),
+          ("variations", "/v1/images/variations", "image variations are not supported")]
+
+
+@pytest.mark.parametrize("method,path,says", ROUTES)
+def test_edits_and_variations_answer_404_saying_what_is_supported(method, path, says):
+    ingress = _ingress()
+    status, err = _error(asyncio.run(getattr(ingress, method)(_unread(path, []))))
+    assert status == 404 and err["type"] == "invalid_request_error" and err["code"] == "unsupported_endpoint"
+    assert err["param"] is None and says in err["message"] and "POST /v1/images/generations" in err["message"]
+    assert err["message"].startswith(f"POST {path}: ")
+
+
+@pytest.mark.parametrize("method,path,says", ROUTES)
+def test_edits_and_variations_ask_for_the_key_first(method, path, says):
+    ingress = _ingress(config={"buckets": {"batch_sizes": [1], "resolutions": ["256x256"]},
+                               "auth": {"api_keys": [KEY]}})
+    route = getattr(ingress, method)
+    status, err = _error(asyncio.run(route(_unread(path, []))))
+    assert status == 401 and "API key" in err["message"]
+    status, err = _error(asyncio.run(route(_unread(path, [(b"authorization", b"Bearer sk-wrong")]))))
+    assert status == 401 and err["code"] == "invalid_api_key"
+    status, err = _error(asyncio.run(route(_unread(path, [(b"authorization", f"Bearer {KEY}".encode())]))))
+    assert status == 404 and says in err["message"]
+
+
+def test_the_openapi_schema_documents_both_routes_as_404():
+    paths = app.openapi()["paths"]
+    for path in ("/v1/images/edits", "/v1/images/variations"):
+        op = paths[path]["post"]
+        assert set(op["responses"]) == {"401", "404"}
+        assert op["requestBody"]["required"] is False and "multipart/form-data" in op["requestBody"]["content"]
