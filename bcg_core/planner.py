@@ -14,7 +14,9 @@ from dataclasses import replace
 from typing import Callable
 
 from bcg_core.keys import Dim, ShapeQuery
-from bcg_core.request import MAX_PARTIAL_IMAGES, QUALITIES, SEED_MAX, GenerationRequest, PlannedRequest
+from bcg_core.request import (
+    DEFAULT_SIZE, MAX_PARTIAL_IMAGES, QUALITIES, QUALITY_ALIASES, SEED_MAX, GenerationRequest, PlannedRequest,
+)
 from bcg_core.table import BucketLookup, BucketTable, ShapeRules
 from bcg_core.config import EngineConfig, LimitsConfig, MissPolicy
 from bcg_core.errors import BucketMissError, RequestError
@@ -51,8 +53,8 @@ def allowed_values(name: str, limits: LimitsConfig, size_multiple: int | None = 
     if name == "size":
         each = "" if size_multiple is None else f", each a multiple of {size_multiple}"
         tiers = f"; bucketed sizes: {', '.join(resolutions)}" if resolutions else ""
-        return (f"a string 'WxH' with width and height from {lim.min_side_px} to {lim.max_side_px} pixels{each}"
-                f"{tiers}")
+        return (f"'auto' ({DEFAULT_SIZE[0]}x{DEFAULT_SIZE[1]}) or a string 'WxH' with width and height from "
+                f"{lim.min_side_px} to {lim.max_side_px} pixels{each}{tiers}")
     if name == "seed":
         return f"an integer from 0 to {SEED_MAX - lim.max_images}"
     if name == "num_inference_steps":
@@ -68,7 +70,8 @@ def allowed_values(name: str, limits: LimitsConfig, size_multiple: int | None = 
         return ("an integer from 0 to 100 for output_format 'jpeg' or 'webp' (100 keeps the most detail); omit it "
                 "for 'png'")
     if name == "quality":
-        return ", ".join(repr(q) for q in QUALITIES) + " (a step count each; see /v1/models)"
+        aliases = ", ".join(f"{a!r} (= {q!r})" for a, q in QUALITY_ALIASES.items())
+        return ", ".join(repr(q) for q in QUALITIES) + f", {aliases} (a step count each; see /v1/models)"
     if name == "partial_images":
         return f"an integer from 0 to {MAX_PARTIAL_IMAGES}, with stream: true"
     return None
@@ -157,12 +160,14 @@ class Planner:
                 self.rules.check_size(r.width, r.height)
             except ValueError as e:
                 raise bad("size", size, str(e)) from None
-        if r.quality is not None and r.quality not in QUALITIES:
+        if r.quality is not None and (not isinstance(r.quality, str)
+                                      or (r.quality not in QUALITIES and r.quality not in QUALITY_ALIASES)):
             raise bad("quality", r.quality, "not a served quality")
+        quality = QUALITY_ALIASES.get(r.quality, r.quality)  # DALL-E 3's 'standard' and 'hd': medium and high
         if r.num_inference_steps is not None:
             steps = r.num_inference_steps
-        elif r.quality is not None:
-            steps = self.spec.steps_for_quality(r.quality, self.config.quality, lim.default_steps, lim.max_steps)
+        elif quality is not None:
+            steps = self.spec.steps_for_quality(quality, self.config.quality, lim.default_steps, lim.max_steps)
         else:
             steps = lim.default_steps
         if not _is_int(steps) or not 1 <= steps <= lim.max_steps:
@@ -189,7 +194,7 @@ class Planner:
             raise bad("true_cfg_scale", tcfg, "out of range")
         self._check_output(r)
         filled = replace(r, num_inference_steps=steps, guidance_scale=float(g), negative_prompt=neg, seed=seed,
-                         true_cfg_scale=None if tcfg is None else float(tcfg))
+                         true_cfg_scale=None if tcfg is None else float(tcfg), quality=quality)
         self.spec.check(filled)
         if self.spec.size_bins:
             gen_w, gen_h = self.spec.generation_size(r.width, r.height)

@@ -13,10 +13,15 @@ from dataclasses import asdict, dataclass
 from bcg_core.keys import BucketKey, BucketShape
 from bcg_core.table import BucketLookup
 
-__all__ = ["GenerationRequest", "GenerationResult", "MAX_PARTIAL_IMAGES", "PlannedRequest", "QUALITIES", "SEED_MAX"]
+__all__ = ["DEFAULT_SIZE", "GenerationRequest", "GenerationResult", "MAX_PARTIAL_IMAGES", "PlannedRequest", "QUALITIES",
+           "QUALITY_ALIASES", "SEED_MAX"]
 
 SEED_MAX = 2**63 - 1
 """Largest seed (``torch.Generator.manual_seed`` takes 64-bit values; JSON clients handle int64)."""
+
+DEFAULT_SIZE = (512, 512)
+"""``(width, height)`` of a request that omits its size, or sends OpenAI's ``size: "auto"``: the one default size of
+every model served here (the most common size of the krea request mix, ``bcg_core/data``)."""
 
 
 @dataclass
@@ -37,8 +42,9 @@ class GenerationRequest:
         seed: image ``i`` uses noise seeded with ``seed + i`` (None: a random seed, reported back).
         true_cfg_scale: true classifier-free guidance scale of FLUX and Qwen-Image (``true_cfg_scale`` of
             ``FluxPipeline``/``QwenImagePipeline``; None: the pipeline's default); refused by other families.
-        quality: OpenAI's ``quality``, ``"low"``, ``"medium"``, ``"high"`` or ``"auto"``: the step count the config
-            and the family set for it (:meth:`~bcg_core.families.ModelSpec.steps_for_quality`), used when
+        quality: OpenAI's ``quality``, ``"low"``, ``"medium"``, ``"high"`` or ``"auto"`` (or DALL-E 3's
+            ``"standard"`` and ``"hd"``, planned as ``"medium"`` and ``"high"``: :data:`QUALITY_ALIASES`): the step
+            count the config and the family set for it (:meth:`~bcg_core.families.ModelSpec.steps_for_quality`), used when
             ``num_inference_steps`` is None. None: ``limits.default_steps``.
         output_format: the image files' format, ``"png"``, ``"jpeg"`` or ``"webp"`` (:mod:`bcg_core.images`).
         output_compression: 0..100 for jpeg and webp (None: 100); None or 100 for png.
@@ -48,8 +54,8 @@ class GenerationRequest:
 
     prompt: str
     n: int = 1
-    width: int = 512
-    height: int = 512
+    width: int = DEFAULT_SIZE[0]
+    height: int = DEFAULT_SIZE[1]
     num_inference_steps: int | None = None
     guidance_scale: float | None = None
     negative_prompt: str | None = None
@@ -63,6 +69,10 @@ class GenerationRequest:
 
 QUALITIES = ("low", "medium", "high", "auto")
 """OpenAI ``quality`` values served (each a step count, :meth:`~bcg_core.families.ModelSpec.steps_for_quality`)."""
+
+QUALITY_ALIASES = {"standard": "medium", "hd": "high"}
+"""DALL-E 3's ``quality`` values (which clients and gateways still send), served as the value each maps to; the
+planner replaces them, so a planned request holds one of :data:`QUALITIES`."""
 
 MAX_PARTIAL_IMAGES = 3
 """Most previews a streamed request may ask for (OpenAI's ``partial_images`` range, 0 to 3)."""

@@ -67,7 +67,7 @@ async def image_events(plan: PlannedRequest, req: ImageGenerationRequest, events
         t0: ``time.perf_counter()`` when the plan was sent.
     """
     r = plan.request
-    common = {"background": "opaque", "output_format": r.output_format, "quality": req.quality or "auto",
+    common = {"background": "opaque", "output_format": r.output_format, "quality": r.quality or "auto",
               "size": f"{r.width}x{r.height}"}
     try:
         async with contextlib.aclosing(events):

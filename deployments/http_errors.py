@@ -2,6 +2,7 @@
 
 :func:`error_response` builds any of them; :func:`unauthorized_response` is the 401 of a missing or unknown
 API key (never repeating it), :func:`unavailable_response` the 503 with ``Retry-After`` of overload,
+:func:`unsupported_response` the 404 of an OpenAI route not served (image edits and variations),
 :func:`validation_error_response` the 400/422 of a body that fails :class:`~deployments.schemas.
 ImageGenerationRequest` (naming each field and the values it accepts), and :func:`find_request_error` digs a
 replica's :class:`~bcg_core.errors.RequestError` out of Ray's wrapping.
@@ -16,8 +17,8 @@ from bcg_core.errors import RequestError
 
 from .schemas import ErrorBody, ErrorDetail, ImageGenerationRequest, RequestLimits, allowed_values
 
-__all__ = ["error_response", "find_request_error", "unauthorized_response", "unavailable_response",
-           "validation_error_response"]
+__all__ = ["UNSUPPORTED_ROUTES", "error_response", "find_request_error", "unauthorized_response",
+           "unavailable_response", "unsupported_response", "validation_error_response"]
 
 
 def error_response(status: int, message: str, param: str | None = None, type_: str | None = None,
@@ -51,6 +52,27 @@ def unauthorized_response(reason: str) -> JSONResponse:
     answer = error_response(401, message, code=code)
     answer.headers["WWW-Authenticate"] = "Bearer"
     return answer
+
+
+UNSUPPORTED_ROUTES: dict[str, str] = {
+    "/v1/images/edits": "image edits are not supported yet (bcg-serve generates images from a text prompt); "
+                        "generate images with POST /v1/images/generations (the openai client's images.generate)",
+    "/v1/images/variations": "image variations are not supported (bcg-serve generates images from a text prompt); "
+                             "use POST /v1/images/generations (the openai client's images.generate) with a prompt "
+                             "that describes the image",
+}
+"""OpenAI Images API routes answered with :func:`unsupported_response`, and what each answer says to use instead."""
+
+UNSUPPORTED_STATUS = 404
+"""Status of :func:`unsupported_response`: 404, as OpenAI answers a route it does not serve, and a status clients do
+not retry (the ``openai`` client retries 5xx, so 501 would send every call three times)."""
+
+
+def unsupported_response(route: str) -> JSONResponse:
+    """The answer to an OpenAI route that is not served (:data:`UNSUPPORTED_ROUTES`): 404 in OpenAI's error shape,
+    code ``unsupported_endpoint``, saying what is supported instead. The body is never read."""
+    return error_response(UNSUPPORTED_STATUS, f"POST {route}: {UNSUPPORTED_ROUTES[route]}",
+                          code="unsupported_endpoint")
 
 
 def unavailable_response(message: str, retry_after_s: float, param: str | None = None) -> JSONResponse:

@@ -14,6 +14,9 @@ Routes (relative to the application's route prefix):
 - ``GET /v1/models`` (and ``GET /v1/models/{id}``): the served model in OpenAI's list format, with the bucket
   table, the limits and the step count of each ``quality`` under ``bcg``.
 - ``GET /healthz``: ``{"status": "ok"}``; never asks for a key.
+- ``POST /v1/images/edits`` and ``POST /v1/images/variations``: not served; answered 404 in OpenAI's error shape
+  (code ``unsupported_endpoint``) saying to use ``/v1/images/generations``, without reading the body (no multipart
+  parser), after the API key check (:func:`~deployments.http_errors.unsupported_response`).
 
 API keys: with ``auth.api_keys`` or ``auth.api_key_file`` set, every ``/v1/`` route asks for
 ``Authorization: Bearer <key>`` (:mod:`deployments.auth`: digests only, compared in constant time); a missing or
@@ -57,17 +60,19 @@ from .settings import ServeConfig
 from bcg_core.errors import BucketMissError, RequestError, ServiceUnavailable
 from bcg_core.images import IMAGE_FORMATS
 from bcg_core.pipeline import GenerationResult
-from bcg_core.request import GenerationRequest
+from bcg_core.request import DEFAULT_SIZE, QUALITY_ALIASES, GenerationRequest
 from bcg_core.planner import Planner
 from bcg_core.planning.traffic import TrafficHistogram
 
 from .answers import bcg_info, image_events, ingress_timings, usage_of
 from .auth import ApiKeys
 from .http_errors import (
+    UNSUPPORTED_STATUS,
     error_response,
     find_request_error,
     unauthorized_response,
     unavailable_response,
+    unsupported_response,
     validation_error_response,
 )
 from .routing import ACCEPTED, call_dit, stream_dit
@@ -159,6 +164,18 @@ async def _read_body(request: Request, max_bytes: int) -> bytes:
 
 
 
+def _unsupported_route(fields: dict[str, dict]) -> dict[str, Any]:
+    """The route options of an OpenAI route not served: its documented answers (404, 401) and OpenAI's multipart
+    request body (``required: false``: it is never read)."""
+    return dict(
+        status_code=UNSUPPORTED_STATUS, response_model=ErrorBody,
+        response_description="Always: the route is not served (OpenAI's error shape, code unsupported_endpoint).",
+        responses={401: {"model": ErrorBody}},
+        openapi_extra={"requestBody": {"required": False, "content": {"multipart/form-data": {
+            "schema": {"type": "object", "properties": fields}}}}},
+    )
+
+
 @serve.deployment
 @serve.ingress(app)
 class Ingress:
@@ -216,8 +233,9 @@ class Ingress:
             "buckets": {**table.describe_limits(), "count": len(table)},
             "limits": {"max_images": lim.max_images, "min_side_px": lim.min_side_px, "max_side_px": lim.max_side_px,
                        "size_multiple": table.rules.pixels_per_token, "max_steps": lim.max_steps,
-                       "default_steps": lim.default_steps},
+                       "default_steps": lim.default_steps, "default_size": "{}x{}".format(*DEFAULT_SIZE)},
             "quality_steps": quality,
+            "quality_aliases": dict(QUALITY_ALIASES),
             "output_formats": list(IMAGE_FORMATS),
         })
 
@@ -363,7 +381,10 @@ class Ingress:
             if isinstance(exc, BucketMissError):
                 self._rejected_requests += 1
                 self._rejected.update(exc.missed)
-            return error_response(exc.status, exc.message, param=exc.field)
+            message = exc.message
+            if exc.field == "size" and req.size == "auto":
+                message += f" (size 'auto', or omitted, is the default size {width}x{height})"
+            return error_response(exc.status, message, param=exc.field)
         t0 = time.perf_counter()
         if req.stream:
             events = stream_dit(self._dit, plan, self._config.routing.retry_after_s)
@@ -388,9 +409,22 @@ class Ingress:
             created=int(time.time()),
             data=[ImageData(b64_json=b64encode(png).decode("ascii")) for png in result.images_png],
             output_format=result.image_format,
-            quality=req.quality if req.quality != "auto" else None,
+            quality=plan.request.quality if plan.request.quality != "auto" else None,  # standard, hd: mapped
             size=f"{width}x{height}",
             usage=usage_of(plan),
             bcg=bcg_info(result, timings, routed.retries),
         )
+
+    @app.post("/v1/images/edits", **_unsupported_route({
+        "image": {"type": "string", "format": "binary"}, "prompt": {"type": "string"},
+        "mask": {"type": "string", "format": "binary"}}))
+    async def edits(self, request: Request):
+        """OpenAI ``images.edit``: not supported yet; a 404 saying to use ``/v1/images/generations``."""
+        return self._refused(request) or unsupported_response("/v1/images/edits")
+
+    @app.post("/v1/images/variations", **_unsupported_route({
+        "image": {"type": "string", "format": "binary"}}))
+    async def variations(self, request: Request):
+        """OpenAI ``images.create_variation``: not supported; a 404 saying to use ``/v1/images/generations``."""
+        return self._refused(request) or unsupported_response("/v1/images/variations")
 

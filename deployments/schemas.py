@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from bcg_core.config import LimitsConfig, parse_size
 from bcg_core.planner import allowed_values as engine_allowed
-from bcg_core.request import MAX_PARTIAL_IMAGES
+from bcg_core.request import DEFAULT_SIZE, MAX_PARTIAL_IMAGES
 
 __all__ = [
     "BcgInfo",
@@ -108,9 +108,9 @@ class ImageGenerationRequest(BaseModel):
     model: str | None = Field(default=None, description="Served model name; omit it or send exactly that name.")
     n: int | None = Field(default=1, description="Number of images, 1 to limits.max_images.")
     size: str | None = Field(
-        default="512x512",
-        description="'WxH' in pixels; each side from limits.min_side_px to limits.max_side_px and a multiple "
-        "of the model's pixels per token (16 for the default model).",
+        default="auto",
+        description="'auto' (the default size, 512x512) or 'WxH' in pixels; each side from limits.min_side_px to "
+        "limits.max_side_px and a multiple of the model's pixels per token (16 for the default model).",
     )
     response_format: Literal["b64_json"] | None = Field(
         default="b64_json", description="Only 'b64_json' (base64 PNG in the response); 'url' is not served."
@@ -124,9 +124,10 @@ class ImageGenerationRequest(BaseModel):
     output_compression: int | None = Field(
         default=None, description="0 to 100 for 'jpeg' and 'webp' (Pillow quality; omitted = 100, the most "
         "detail); omit it (or send 100) for 'png'.")
-    quality: Literal["low", "medium", "high", "auto"] | None = Field(
+    quality: Literal["low", "medium", "high", "auto", "standard", "hd"] | None = Field(
         default=None, description="A denoising step count each, set per family and in the config's quality "
-        "section (GET /v1/models shows them); num_inference_steps wins. Omitted = limits.default_steps.")
+        "section (GET /v1/models shows them); DALL-E 3's 'standard' and 'hd' are served as 'medium' and 'high'; "
+        "num_inference_steps wins. Omitted = limits.default_steps.")
     background: Literal["auto", "opaque"] | None = Field(default=None, description="Only 'auto' or 'opaque': "
                                                          "images are opaque.")
     moderation: Literal["auto", "low"] | None = Field(default=None, description="Only 'auto' or 'low': no "
@@ -176,8 +177,8 @@ class ImageGenerationRequest(BaseModel):
     @field_validator("size")
     @classmethod
     def _size(cls, v: str | None) -> str:
-        if v is None:
-            return "512x512"
+        if v is None or v == "auto":  # OpenAI's "auto": the default size (width_height), checked by the planner
+            return "auto"
         w, h = parse_size(v)  # ValueError names the expected form; ranges are the planner's
         return f"{w}x{h}"
 
@@ -200,8 +201,9 @@ class ImageGenerationRequest(BaseModel):
         return self.output_format or "png"
 
     def width_height(self) -> tuple[int, int]:
-        """``(width, height)`` in pixels of :attr:`size`."""
-        return parse_size(self.size or "512x512")
+        """``(width, height)`` in pixels of :attr:`size`; :data:`~bcg_core.request.DEFAULT_SIZE` for ``"auto"``
+        (or omitted)."""
+        return DEFAULT_SIZE if self.size in (None, "auto") else parse_size(self.size)
 
 
 class ImageData(BaseModel):
@@ -272,7 +274,8 @@ class ImageGenerationResponse(BaseModel):
     background: Literal["opaque"] = Field(default="opaque", description="Always 'opaque'.")
     output_format: Literal["png", "jpeg", "webp"] = Field(default="png", description="Format of the images.")
     quality: Literal["low", "medium", "high"] | None = Field(
-        default=None, description="The request's quality; null when omitted or 'auto'.")
+        default=None, description="The request's quality ('standard' reads 'medium', 'hd' 'high'); null when "
+        "omitted or 'auto'.")
     size: str = Field(description="'WxH' of the images.")
     usage: Usage
     bcg: BcgInfo

@@ -32,8 +32,10 @@ FUZZ_CONFIG = {
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
 MAX_EXAMPLES = 15
 """Generated cases per operation (each sent twice): the bound on the run's length."""
-FIELD_FREE = ("JSON", "API key", "Authorization", "body", "not found", "Not Found", "Method Not Allowed")
-"""Words of a 4xx without ``param`` that still says what to send: the body as a whole, the key, or the route."""
+FIELD_FREE = ("JSON", "API key", "Authorization", "body", "not found", "Not Found", "Method Not Allowed",
+              "not supported")
+"""Words of a 4xx without ``param`` that still says what to send: the body as a whole, the key, or the route (an
+OpenAI route not served, image edits and variations, says which one to use instead)."""
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +73,8 @@ def test_every_route_answers_within_its_schema_with_and_without_a_key(fuzz_schem
     without it (then 401, but ``/healthz``)."""
     operations = [result.ok() for result in fuzz_schema.get_all_operations()]
     assert {op.label for op in operations} >= {"GET /healthz", "GET /v1/models", "GET /v1/models/{model_id}",
-                                               "GET /v1/buckets", "POST /v1/images/generations"}
+                                               "GET /v1/buckets", "POST /v1/images/generations",
+                                               "POST /v1/images/edits", "POST /v1/images/variations"}
     seen: dict[str, set[int]] = {}
     for op in operations:
         @settings(max_examples=MAX_EXAMPLES, deadline=None, database=None, phases=[Phase.explicit, Phase.generate],
@@ -90,6 +93,8 @@ def test_every_route_answers_within_its_schema_with_and_without_a_key(fuzz_schem
     # the fuzzer got past the key check to the field checks (its random bodies are almost never valid: the
     # test below sends valid ones, streamed and not, to the same server afterwards)
     assert {401, 422} <= seen["POST /v1/images/generations"], seen
+    # whatever multipart body the fuzzer sends, edits and variations answer the key check, then 404 (never read)
+    assert seen["POST /v1/images/edits"] == seen["POST /v1/images/variations"] == {401, 404}, seen
 
 
 @pytest.mark.serve

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import io
+import os
 
 import httpx
 import pytest
@@ -71,3 +72,45 @@ def test_openai_client_refuses_gif_with_the_allowed_values(client):
     with pytest.raises(openai.UnprocessableEntityError) as info:
         client.images.generate(prompt="x", size="256x256", output_format="gif")
     assert "output_format" in str(info.value) and "'png', 'jpeg', 'webp'" in str(info.value)
+
+
+def test_openai_client_size_auto_is_the_default_size(client):
+    result = client.images.generate(prompt="a lighthouse at dusk", size="auto", extra_body={"num_inference_steps": 1})
+    assert result.size == "512x512" and "_i1024_" in result.model_extra["bcg"]["bucket"]
+    with Image.open(io.BytesIO(base64.b64decode(result.data[0].b64_json))) as img:
+        assert img.size == (512, 512)
+
+
+@pytest.mark.parametrize("quality,served,steps", [("standard", "medium", 4), ("hd", "high", 8)])
+def test_openai_client_dall_e_qualities_are_served_as_medium_and_high(client, quality, served, steps):
+    result = client.images.generate(prompt="a lighthouse at dusk", size="256x256", quality=quality)
+    assert result.quality == served and result.model_extra["bcg"]["steps"] == steps  # the tiny default's steps
+
+
+def _png(side: int = 256) -> bytes:
+    """A PNG of noise (incompressible: ~3 MiB at 1024 px)."""
+    buf = io.BytesIO()
+    Image.frombytes("RGB", (side, side), os.urandom(3 * side * side)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def test_openai_client_edit_gets_the_clear_not_supported_error(client):
+    import openai
+
+    with pytest.raises(openai.NotFoundError) as info:
+        client.images.edit(image=("red.png", _png(), "image/png"), prompt="make it blue", size="256x256")
+    err = info.value.body
+    assert info.value.status_code == 404 and err["code"] == "unsupported_endpoint"
+    assert err["message"].startswith("POST /v1/images/edits: image edits are not supported yet")
+    assert "POST /v1/images/generations" in err["message"]
+
+
+def test_openai_client_create_variation_gets_the_clear_not_supported_error(client):
+    import openai
+
+    with pytest.raises(openai.NotFoundError) as info:
+        client.images.create_variation(image=("noise.png", _png(1024), "image/png"), n=1)  # the body is not read
+    err = info.value.body
+    assert info.value.status_code == 404 and err["code"] == "unsupported_endpoint"
+    assert err["message"].startswith("POST /v1/images/variations: image variations are not supported")
+    assert "use POST /v1/images/generations" in err["message"]

@@ -1,0 +1,172 @@
+"""OpenAI's edge values without Ray: ``size: "auto"`` (the default size), ``quality: "standard"`` and ``"hd"``
+(served as ``medium`` and ``high``), the allowed-values wording that names them, and ``POST /v1/images/edits`` and
+``/v1/images/variations`` answered 404 in OpenAI's error shape (after the key check, the body never read). The
+same through the official client on a running server: ``tests/serve/test_openai_client.py``."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from pydantic import ValidationError
+from starlette.requests import Request
+
+from bcg_core import BucketConfig, GenerationRequest, Planner, RequestError, ShapeRules
+from bcg_core.config import EngineConfig
+from bcg_core.request import DEFAULT_SIZE
+from deployments.http_errors import validation_error_response
+from deployments.ingress import Ingress, app
+from deployments.schemas import ImageGenerationRequest, RequestLimits
+from deployments.settings import ServeConfig
+from test_plan_once import FakeDiT, _http
+
+RULES = ShapeRules(pixels_per_token=16, grid_keyed=False, native_text_tokens=32)
+KEY = "sk-edits-5d1e7a90c3b2"
+
+
+def _planner() -> Planner:
+    cfg = EngineConfig(buckets=BucketConfig(batch_sizes=[1, 2], resolutions=["256x256", "512x512"],
+                                           text_lengths=[32]))
+    return Planner(cfg, RULES, count_tokens=lambda s, negative=False: 3)
+
+
+def _ingress(dit=None, config: dict | None = None):
+    config = ServeConfig.model_validate(config or {"buckets": {"batch_sizes": [1, 2], "resolutions": ["256x256",
+                                                                                                     "512x512"]}})
+    return Ingress.func_or_class.__mro__[1](dit or FakeDiT(), config.model_dump(mode="json"))
+
+
+def _error(answer) -> tuple[int, dict]:
+    return answer.status_code, json.loads(answer.body)["error"]
+
+
+# -- size: "auto" ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("body", [{"size": "auto"}, {}, {"size": None}])
+def test_size_auto_omitted_and_null_are_the_default_size(body):
+    req = ImageGenerationRequest.model_validate({"prompt": "x", **body})
+    assert req.size == "auto" and req.width_height() == DEFAULT_SIZE == (512, 512)
+
+
+@pytest.mark.parametrize("size", ["AUTO", "Auto", "auto ", "512"])
+def test_other_words_are_still_refused_naming_auto_and_wxh(size):
+    with pytest.raises(ValidationError) as e:
+        ImageGenerationRequest.model_validate({"prompt": "x", "size": size})
+    status, err = _error(validation_error_response(e.value, RequestLimits()))
+    assert status == 422 and err["param"] == "size"
+    assert "allowed: 'auto' (512x512) or a string 'WxH' with width and height from 256 to 2048" in err["message"]
+
+
+def test_size_auto_is_planned_and_checked_by_the_planner_at_the_default_size():
+    dit = FakeDiT()
+    answer = asyncio.run(_ingress(dit).generate(_http({"prompt": "x", "size": "auto", "num_inference_steps": 1})))
+    (_, plan), = dit.sent
+    assert (plan.request.width, plan.request.height) == DEFAULT_SIZE and answer.size == "512x512"
+    assert plan.lookup.key.image_tokens == 1024  # the 512x512 bucket: planned like any size
+
+    # the planner checks the default size like any other: a server whose sides stop at 256 refuses it, saying why
+    small = _ingress(FakeDiT(), {"buckets": {"batch_sizes": [1], "resolutions": ["256x256"]},
+                                 "limits": {"min_side_px": 256, "max_side_px": 256}})
+    status, err = _error(asyncio.run(small.generate(_http({"prompt": "x", "size": "auto"}))))
+    assert status == 422 and err["param"] == "size"
+    assert "width 512 is out of range" in err["message"] and "size 'auto', or omitted, is the default size 512x512" \
+        in err["message"]
+    status, err = _error(asyncio.run(small.generate(_http({"prompt": "x", "size": "512x512"}))))
+    assert status == 422 and "'auto'" not in err["message"].split("allowed:")[0]  # the note is for 'auto' only
+
+
+# -- quality: "standard" and "hd" ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("alias,served", [("standard", "medium"), ("hd", "high")])
+def test_quality_aliases_are_planned_as_medium_and_high(alias, served):
+    assert ImageGenerationRequest.model_validate({"prompt": "x", "quality": alias}).quality == alias
+    planner = _planner()
+    plan = planner.plan(GenerationRequest("a cat", quality=alias))
+    same = planner.plan(GenerationRequest("a cat", quality=served))
+    assert plan.request.quality == served  # a planned request holds a served value
+    assert plan.request.num_inference_steps == same.request.num_inference_steps == {"medium": 4, "high": 8}[served]
+    # the config's quality section sets them too (standard follows medium)
+    cfg = EngineConfig(buckets=BucketConfig(batch_sizes=[1], resolutions=["256x256"], text_lengths=[32]),
+                       quality={served: 7})
+    planned = Planner(cfg, RULES, count_tokens=lambda s, negative=False: 3).plan(
+        GenerationRequest("a cat", width=256, height=256, quality=alias))
+    assert planned.request.num_inference_steps == 7
+
+
+@pytest.mark.parametrize("alias,served,steps", [("standard", "medium", 4), ("hd", "high", 8)])
+def test_the_answer_reports_the_quality_served(alias, served, steps):
+    dit = FakeDiT()
+    answer = asyncio.run(_ingress(dit).generate(_http({"prompt": "x", "size": "256x256", "quality": alias})))
+    (_, plan), = dit.sent
+    assert answer.quality == served and plan.request.num_inference_steps == steps
+
+
+ALLOWED_QUALITY = "'low', 'medium', 'high', 'auto', 'standard' (= 'medium'), 'hd' (= 'high')"
+
+
+@pytest.mark.parametrize("quality", ["HD", "ultra", "xhigh", 3])
+def test_a_bad_quality_names_every_allowed_value_on_both_paths(quality):
+    with pytest.raises(ValidationError) as e:
+        ImageGenerationRequest.model_validate({"prompt": "x", "quality": quality})
+    status, err = _error(validation_error_response(e.value, RequestLimits()))
+    assert status == 422 and err["param"] == "quality" and ALLOWED_QUALITY in err["message"]
+    with pytest.raises(RequestError) as e:
+        _planner().plan(GenerationRequest("a cat", quality=quality))
+    assert e.value.field == "quality" and ALLOWED_QUALITY in e.value.message
+
+
+def test_the_model_card_shows_the_default_size_and_the_aliases():
+    card = _ingress()._model_card().bcg
+    assert card["limits"]["default_size"] == "512x512"
+    assert card["quality_aliases"] == {"standard": "medium", "hd": "high"}
+
+
+# -- POST /v1/images/edits and /v1/images/variations -----------------------------------------------------------
+
+
+def _unread(path: str, headers: list[tuple[bytes, bytes]]) -> Request:
+    """A request whose body must never be read (a multipart upload the route has no parser for)."""
+
+    async def receive():
+        raise AssertionError("the route read the body")
+
+    scope = {"type": "http", "method": "POST", "path": path, "headers": [
+        (b"content-type", b"multipart/form-data; boundary=x"), (b"content-length", b"99999999"), *headers]}
+    return Request(scope, receive)
+
+
+ROUTES = [("edits", "/v1/images/edits", "image edits are not supported yet"),
+          ("variations", "/v1/images/variations", "image variations are not supported")]
+
+
+@pytest.mark.parametrize("method,path,says", ROUTES)
+def test_edits_and_variations_answer_404_saying_what_is_supported(method, path, says):
+    ingress = _ingress()
+    status, err = _error(asyncio.run(getattr(ingress, method)(_unread(path, []))))
+    assert status == 404 and err["type"] == "invalid_request_error" and err["code"] == "unsupported_endpoint"
+    assert err["param"] is None and says in err["message"] and "POST /v1/images/generations" in err["message"]
+    assert err["message"].startswith(f"POST {path}: ")
+
+
+@pytest.mark.parametrize("method,path,says", ROUTES)
+def test_edits_and_variations_ask_for_the_key_first(method, path, says):
+    ingress = _ingress(config={"buckets": {"batch_sizes": [1], "resolutions": ["256x256"]},
+                               "auth": {"api_keys": [KEY]}})
+    route = getattr(ingress, method)
+    status, err = _error(asyncio.run(route(_unread(path, []))))
+    assert status == 401 and "API key" in err["message"]
+    status, err = _error(asyncio.run(route(_unread(path, [(b"authorization", b"Bearer sk-wrong")]))))
+    assert status == 401 and err["code"] == "invalid_api_key"
+    status, err = _error(asyncio.run(route(_unread(path, [(b"authorization", f"Bearer {KEY}".encode())]))))
+    assert status == 404 and says in err["message"]
+
+
+def test_the_openapi_schema_documents_both_routes_as_404():
+    paths = app.openapi()["paths"]
+    for path in ("/v1/images/edits", "/v1/images/variations"):
+        op = paths[path]["post"]
+        assert set(op["responses"]) == {"401", "404"}
+        assert op["requestBody"]["required"] is False and "multipart/form-data" in op["requestBody"]["content"]
