@@ -415,6 +415,24 @@ class Ingress:
             bcg=bcg_info(result, timings, routed.retries),
         )
 
+    @app.get("/metrics", include_in_schema=False)
+    async def metrics_elsewhere(self) -> JSONResponse:
+        """Not on the API port: a 404 in OpenAI's error shape naming the URL of Ray's Prometheus exporter on this
+        replica's node (the one metrics source, docs/OPERATIONS.md "Metrics"). No key asked for: it reveals
+        only the address."""
+        import ray
+
+        from .local import metrics_url
+
+        try:
+            url = await asyncio.to_thread(metrics_url, ray.get_runtime_context().get_node_id())
+        except Exception:  # noqa: BLE001 - the pointer is best effort; the answer stays a 404
+            url = None
+        where = (f"at {url} (this node's exporter; every Ray node serves its own)" if url else
+                 "at http://<node>:<metrics export port>/metrics on each Ray node")
+        return error_response(404, f"GET /metrics: Prometheus metrics are served by Ray's exporter, not on the API "
+                              f"port: {where}; see docs/OPERATIONS.md#metrics-prometheus", code="not_found")
+
     @app.post("/v1/images/edits", **_unsupported_route({
         "image": {"type": "string", "format": "binary"}, "prompt": {"type": "string"},
         "mask": {"type": "string", "format": "binary"}}))

@@ -195,16 +195,20 @@ def start_local(config: "ServeConfig | None" = None, port: int = 8000, num_cpus:
     return url
 
 
-def metrics_url() -> str | None:
-    """``http://ADDRESS:PORT/metrics`` of this machine's Ray node (started by :func:`start_local`), or None
-    when its exporter is not running (``MetricsExportPort`` of ``ray.nodes()`` unset or -1).
+def metrics_url(node_id: str | None = None) -> str | None:
+    """``http://ADDRESS:PORT/metrics`` of a Ray node's Prometheus exporter, or None when it does not run
+    (``MetricsExportPort`` of ``ray.nodes()`` unset or -1) or the node is not known.
+
+    Args:
+        node_id: the node (hex id, as ``ray.get_runtime_context().get_node_id()``); None: the first alive node,
+            which is the only one of a server started by :func:`start_local`.
 
     The address is the node IP: 127.0.0.1 on a loopback node; with ``metrics.host: 0.0.0.0`` the machine's
     address (the exporter then listens on every interface).
     """
     import ray
 
-    node = next((n for n in ray.nodes() if n.get("Alive")), None)
+    node = next((n for n in ray.nodes() if n.get("Alive") and node_id in (None, n.get("NodeID"))), None)
     port = (node or {}).get("MetricsExportPort")
     if not port or port < 0:
         return None

@@ -132,6 +132,16 @@ def test_healthz(client, reject_client):
     assert reject_client.get("/healthz").json() == {"status": "ok"}
 
 
+def test_metrics_on_the_api_port_answer_where_rays_exporter_is(client):
+    import ray
+
+    r = client.get("/metrics")
+    assert r.status_code == 404
+    message = r.json()["error"]["message"]
+    port = next(n["MetricsExportPort"] for n in ray.nodes() if n["Alive"])
+    assert "served by Ray's exporter, not on the API port" in message and f":{port}/metrics" in message, message
+
+
 def test_served_model_name_is_accepted(client):
     name = client.get("/v1/buckets").json()["model"]["name"]
     r = client.post(GEN, json=_good(model=name))
