@@ -145,7 +145,7 @@ def ready_text(url: str, model: str, metrics: str | None, auth: bool) -> str:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from .local import metrics_url
+    from .metrics import metrics_url
     from bcg_core.models import describe_model
 
     config = check_config(args.config) if args.config else None

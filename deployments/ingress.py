@@ -422,7 +422,7 @@ class Ingress:
         only the address."""
         import ray
 
-        from .local import metrics_url
+        from .metrics import metrics_url
 
         try:
             url = await asyncio.to_thread(metrics_url, ray.get_runtime_context().get_node_id())

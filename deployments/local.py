@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from .settings import ServeConfig
 
 __all__ = [
-    "bind_ray_to", "check_config", "check_port_free", "deploy_failure", "free_loopback_port", "metrics_url",
+    "bind_ray_to", "check_config", "check_port_free", "deploy_failure", "free_loopback_port",
     "start_local", "stop_local", "wait_healthy",
 ]
 
@@ -142,7 +142,7 @@ def start_local(config: "ServeConfig | None" = None, port: int = 8000, num_cpus:
     A new local Ray instance is always started (``address="local"``), never a cluster found on the
     machine, bound where ``config.metrics.host`` says (default 127.0.0.1: every Ray service on loopback, see
     :func:`bind_ray_to`), with Ray's metrics exporter on ``metrics_port`` (read it back with
-    :func:`metrics_url`). ``serve.run`` returns once the replicas are ready (the DiT replica has built its
+    :func:`deployments.metrics.metrics_url`). ``serve.run`` returns once the replicas are ready (the DiT replica has built its
     pipeline) and this function once ``/healthz`` answers too, so the caller can print readiness.
 
     Args:
@@ -193,26 +193,6 @@ def start_local(config: "ServeConfig | None" = None, port: int = 8000, num_cpus:
     url = f"http://{LOOPBACK}:{port}"
     wait_healthy(url)
     return url
-
-
-def metrics_url(node_id: str | None = None) -> str | None:
-    """``http://ADDRESS:PORT/metrics`` of a Ray node's Prometheus exporter, or None when it does not run
-    (``MetricsExportPort`` of ``ray.nodes()`` unset or -1) or the node is not known.
-
-    Args:
-        node_id: the node (hex id, as ``ray.get_runtime_context().get_node_id()``); None: the first alive node,
-            which is the only one of a server started by :func:`start_local`.
-
-    The address is the node IP: 127.0.0.1 on a loopback node; with ``metrics.host: 0.0.0.0`` the machine's
-    address (the exporter then listens on every interface).
-    """
-    import ray
-
-    node = next((n for n in ray.nodes() if n.get("Alive") and node_id in (None, n.get("NodeID"))), None)
-    port = (node or {}).get("MetricsExportPort")
-    if not port or port < 0:
-        return None
-    return f"http://{node['NodeManagerAddress']}:{port}/metrics"
 
 
 def deploy_failure(app_name: str) -> str:

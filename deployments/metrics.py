@@ -39,7 +39,7 @@ from bcg_core.metrics import FORWARD_MODES, STEP_MS_BOUNDS, BucketMetrics
 from bcg_core.planning.traffic import text_bucket
 
 __all__ = ["EXPORT_PERIOD_S", "METRICS", "MISS", "BucketExporter", "MetricSpec", "MetricsBackend",
-           "RayMetricsBackend"]
+           "RayMetricsBackend", "metrics_url"]
 
 logger = logging.getLogger("ray.serve")
 
@@ -387,3 +387,23 @@ class BucketExporter:
         ``period_s`` (seconds between pushes)."""
         return {"pushes": self.pushes, "errors": self.errors, "last_error": self.last_error,
                 "lost_samples": self.lost_samples, "period_s": self.period_s}
+
+
+def metrics_url(node_id: str | None = None) -> str | None:
+    """``http://ADDRESS:PORT/metrics`` of a Ray node's Prometheus exporter, or None when it does not run
+    (``MetricsExportPort`` of ``ray.nodes()`` unset or -1) or the node is not known.
+
+    Args:
+        node_id: the node (hex id, as ``ray.get_runtime_context().get_node_id()``); None: the first alive node,
+            which is the only one of a server started by :func:`deployments.local.start_local`.
+
+    The address is the node IP: 127.0.0.1 on a loopback node; with ``metrics.host: 0.0.0.0`` the machine's
+    address (the exporter then listens on every interface).
+    """
+    import ray
+
+    node = next((n for n in ray.nodes() if n.get("Alive") and node_id in (None, n.get("NodeID"))), None)
+    port = (node or {}).get("MetricsExportPort")
+    if not port or port < 0:
+        return None
+    return f"http://{node['NodeManagerAddress']}:{port}/metrics"
