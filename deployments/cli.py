@@ -112,7 +112,7 @@ def _cmd_config(args: argparse.Namespace) -> int:
 def _cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(requests=args.requests, steps=args.steps, concurrency=args.concurrency, out=args.out,
                     port=args.port, url=args.url, config=args.config, timeout_s=args.timeout_s,
-                    num_cpus=args.num_cpus, quiet=not args.verbose)
+                    num_cpus=args.num_cpus, quiet=not args.verbose, api_key_file=args.api_key_file)
 
 
 def _with_key_file(config: ServeConfig | None, path: str) -> ServeConfig:
@@ -265,6 +265,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="bound on each HTTP request in seconds (default 600)")
     d.add_argument("--num-cpus", type=_bounded_int(2), default=4, metavar="K",
                    help="logical CPUs of the local Ray instance (default 4)")
+    d.add_argument("--api-key-file", default=None, metavar="PATH",
+                   help="for a server with API keys: send the file's first key as 'Authorization: Bearer <key>' "
+                   "(default: the OPENAI_API_KEY environment variable when set, as the openai client reads it; "
+                   "this flag wins over it)")
     d.add_argument("--verbose", action="store_true", help="show Ray's and the replicas' logs")
     d.set_defaults(func=_cmd_demo)
 

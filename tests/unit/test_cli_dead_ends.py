@@ -79,3 +79,131 @@ def test_verify_estimate_waits_for_enough_cases_then_adds_the_rate_per_token_tim
     assert commands.verify_estimate([(2, 0.1), (2, 20.0), (2, 20.0)], few) is not None  # 40 s measured
     slow = commands.verify_estimate([(1, 0.0), (10, 20.0), (10, 20.0)], [1, 10, 10, 2700])
     assert "~1.5 h for all 4 cases" in slow[1]
+
+
+# -- bcg demo --url with an API key ----------------------------------------------------------------------------
+
+DEMO_KEY = "sk-demo-5c1e9a7f3b"
+_PNG = (b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR\x00\x00\x00\x01\x00\x00\x00\x01\x08\x06\x00\x00\x00\x1f\x15\xc4\x89"
+        b"\x00\x00\x00\rIDATx\x9cc\xf8\x0f\x00\x00\x01\x01\x00\x05\x18\xd8N\x00\x00\x00\x00IEND\xaeB`\x82")
+
+
+@pytest.fixture()
+def keyed_server():
+    """A fake bcg-serve on 127.0.0.1 whose /v1/ routes ask for ``Bearer DEMO_KEY`` (401 in OpenAI's shape
+    otherwise) and whose /healthz asks for nothing; yields its URL and the Authorization headers it saw."""
+    import base64
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    seen: list[tuple[str, str | None]] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def _answer(self, status: int, body: dict) -> None:
+            data = json.dumps(body).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def _keyed(self) -> bool:
+            seen.append((self.path, self.headers.get("Authorization")))
+            if self.headers.get("Authorization") == f"Bearer {DEMO_KEY}":
+                return True
+            self._answer(401, {"error": {"message": "Incorrect API key provided.", "type": "invalid_request_error",
+                                         "param": None, "code": "invalid_api_key"}})
+            return False
+
+        def do_GET(self):
+            if self.path == "/healthz":
+                self._answer(200, {"status": "ok"})
+            elif self._keyed():
+                self._answer(200, {"object": "list", "data": []} if self.path == "/v1/models" else
+                             {"model": {"name": "fake"}, "table": {"miss_policy": "eager"},
+                              "buckets": [{"key": "b1_i256_t256", "requests": 1, "hits": 1, "mode": "graph"}],
+                              "misses": {"requests": 0, "by_dim": {}}})
+
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            if self._keyed():
+                self._answer(200, {"data": [{"b64_json": base64.b64encode(_PNG).decode()}] * body["n"],
+                                   "bcg": {"bucket": "b1_i256_t256", "hit": True}})
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", seen
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
+
+
+def _demo(url: str, tmp_path, *extra: str) -> int:
+    return main(["demo", "--url", url, "--requests", "1", "--out", str(tmp_path / "out"), *extra])
+
+
+def test_demo_sends_the_first_key_of_the_key_file_on_every_keyed_request(keyed_server, tmp_path, capsys,
+                                                                        monkeypatch):
+    url, seen = keyed_server
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-wrong-from-env")  # the flag wins over the variable
+    keys = tmp_path / "keys.txt"
+    keys.write_text(f"# demo keys\n\n  {DEMO_KEY}  \nsk-second-one\n")
+    assert _demo(url, tmp_path, "--api-key-file", str(keys)) == 0
+    captured = capsys.readouterr()
+    assert {path for path, _ in seen} == {"/v1/models", "/v1/images/generations", "/v1/buckets"}
+    assert all(auth == f"Bearer {DEMO_KEY}" for _, auth in seen)
+    assert len(list((tmp_path / "out").glob("req001_img*.png"))) == 9  # the first data row asks for 9 images
+    assert DEMO_KEY not in captured.out + captured.err
+
+
+def test_demo_reads_openai_api_key_from_the_environment(keyed_server, tmp_path, capsys, monkeypatch):
+    url, seen = keyed_server
+    monkeypatch.setenv("OPENAI_API_KEY", f" {DEMO_KEY}\n")
+    assert _demo(url, tmp_path) == 0
+    assert seen and all(auth == f"Bearer {DEMO_KEY}" for _, auth in seen)
+    captured = capsys.readouterr()
+    assert DEMO_KEY not in captured.out + captured.err
+
+
+def test_demo_without_a_key_or_with_a_wrong_one_stops_with_one_line_naming_both_ways(keyed_server, tmp_path, capsys,
+                                                                                    monkeypatch):
+    url, seen = keyed_server
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    assert _demo(url, tmp_path) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"bcg demo: error: the server at {url} asks for an API key (HTTP 401): give one with "
+                   f"--api-key-file PATH (its first key) or the OPENAI_API_KEY environment variable")
+    assert [path for path, _ in seen] == ["/v1/models"]  # stopped before sending any request
+    assert not (tmp_path / "out").exists()
+
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-not-the-servers-key")
+    assert _demo(url, tmp_path) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "sk-not-the-servers-key" not in err
+    assert err.startswith(f"bcg demo: error: the server at {url} refused the API key from the OPENAI_API_KEY "
+                          f"environment variable (HTTP 401)")
+    assert "--api-key-file PATH" in err and "OPENAI_API_KEY environment variable" in err
+
+
+def test_demo_refuses_a_key_file_without_a_key_or_a_key_no_header_can_carry_before_sending(tmp_path, capsys,
+                                                                                          monkeypatch):
+    from deployments.demo import demo_api_key
+
+    empty = tmp_path / "empty.txt"
+    empty.write_text("# nothing here\n")
+    assert main(["demo", "--url", "http://127.0.0.1:9", "--api-key-file", str(empty)]) == 2
+    assert "holds no key" in capsys.readouterr().err
+    assert main(["demo", "--url", "http://127.0.0.1:9", "--api-key-file", str(tmp_path / "missing.txt")]) == 2
+    assert "cannot be read" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="the OPENAI_API_KEY environment variable holds white space") as info:
+        demo_api_key(None, {"OPENAI_API_KEY": "sk-bad key"})
+    assert "sk-bad" not in str(info.value)
+    assert demo_api_key(None, {"OPENAI_API_KEY": "  "}) == (None, None)
+    assert demo_api_key(None, {}) == (None, None)
