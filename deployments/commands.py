@@ -20,7 +20,7 @@ from bcg_core.pipeline import DiTPipeline
 from bcg_core.verify import RTOL, BoundaryCase, boundary_cases, verify_runner
 
 __all__ = ["RTOL", "load_plan_traffic", "measure_plan_costs", "plot_plan", "run_plan", "run_profile", "run_verify",
-           "verify_case_tokens", "verify_estimate"]
+           "verify_case_tokens", "verify_estimate", "current_is_better", "whole_count"]
 
 
 def _select(keys: list[BucketKey], wanted: list[str] | None) -> list[BucketKey]:
@@ -335,6 +335,28 @@ def measure_plan_costs(config: ServeConfig, traffic, iters: int = 5, console=Non
     return dataclasses.replace(costs, source=f"profile (measured by bcg plan --measure on {gpu}, {len(rows)} buckets)")
 
 
+def whole_count(value: float) -> str:
+    """A request count of a traffic sample as a whole number: rounded half up (``182.9`` -> ``"183"``), and
+    ``"<1"`` for a count between 0 and one half. Samples weigh requests in fractions (a krea row is ``1 /
+    num_generations`` of a request, and a sample cut mid-request leaves a part), so ``bcg plan`` prints them so."""
+    if value != value or value < 0:
+        raise ValueError(f"a request count must be a number >= 0, not {value}")
+    if 0 < value < 0.5:
+        return "<1"
+    return str(int(value + 0.5))
+
+
+def current_is_better(plan, current) -> bool:
+    """True when the current table's expected cost per image is lower than or equal to the planned table's
+    (``bcg plan`` then says so and ``--write`` needs ``--force``).
+
+    Args:
+        plan: the search's :class:`~bcg_core.planning.table_search.TableChoice` (its ``score``).
+        current: the current table's :class:`~bcg_core.planning.costs.TableScore` on the same traffic and costs.
+    """
+    return current.ms_per_image <= plan.score.ms_per_image * (1 + 1e-9)
+
+
 def run_plan(config: ServeConfig, source: str = "krea", budget_mib: float | None = None, max_graphs: int = 12,
              profile: str | None = None, steps: int | None = None, krea: str | None = None, console=None,
              measure: bool = False, api_key: str | None = None):
@@ -343,8 +365,13 @@ def run_plan(config: ServeConfig, source: str = "krea", budget_mib: float | None
     Costs: ``measure`` profiles buckets on this machine's GPU (:func:`measure_plan_costs`); ``profile`` reads
     ``bcg profile --json`` output; otherwise the token-count model stands in. The report names which.
 
+    The report prints request counts whole (:func:`whole_count`) and compares the chosen table's expected cost per
+    image with the current table's; when the current one is as good or better (:func:`current_is_better`) it
+    says so.
+
     Returns:
-        The :class:`~bcg_core.planning.table_search.TableChoice`.
+        ``(plan, current)``: the :class:`~bcg_core.planning.table_search.TableChoice` and the current table's
+        :class:`~bcg_core.planning.costs.TableScore` on the same traffic and costs.
 
     Raises:
         ValueError, OSError: see :func:`load_plan_traffic` and :func:`bcg_core.planning.table_search.search_table`.
@@ -382,7 +409,8 @@ def run_plan(config: ServeConfig, source: str = "krea", budget_mib: float | None
     plan = search_table(config, traffic, costs, budget_mib=budget_mib, max_graphs=max_graphs)
     default = evaluate(planning_table(config), traffic, costs)
     s = plan.score
-    table = Table(title=f"bcg plan: {traffic.source} traffic, {traffic.requests:.1f} requests, costs: {costs.source}")
+    table = Table(title=f"bcg plan: {traffic.source} traffic, {whole_count(traffic.requests)} requests, costs: "
+                        f"{costs.source}")
     for col in ("bucket shape", "share of requests", "padded-token waste"):
         table.add_column(col, justify="left" if col == "bucket shape" else "right")
     for shape, v in s.shares.items():
@@ -396,9 +424,19 @@ def run_plan(config: ServeConfig, source: str = "krea", budget_mib: float | None
         console.print(f"  text_lengths_by_resolution: {b.text_lengths_by_resolution}")
     console.print(f"current table: {default.graphs} graphs, {default.ms_per_image:.2f} ms per image, waste "
                   f"{default.waste:.1%}, misses {default.miss_share:.1%}")
+    if current_is_better(plan, default):
+        fewer = (f"; the planned table has fewer graphs ({s.graphs} against {default.graphs})"
+                 if s.graphs < default.graphs else "")
+        same = default.ms_per_image >= s.ms_per_image * (1 - 1e-9)
+        console.print(f"[bold]the current table is already {'as good' if same else 'better'}: "
+                      f"{default.ms_per_image:.2f} ms per image expected against {s.ms_per_image:.2f} for the "
+                      f"planned one{fewer}. Keep it; --write writes the planned table only with --force[/bold]")
+    else:
+        console.print(f"the planned table is expected {1 - s.ms_per_image / default.ms_per_image:.1%} faster than the "
+                      f"current one ({s.ms_per_image:.2f} against {default.ms_per_image:.2f} ms per image)")
     if traffic.refused:
         console.print("refused by the limits (requests): "
-                      + ", ".join(f"{k} {v:g}" for k, v in sorted(traffic.refused.items())))
+                      + ", ".join(f"{k} {whole_count(v)}" for k, v in sorted(traffic.refused.items())))
     return plan, default
 
 

@@ -207,3 +207,63 @@ def test_demo_refuses_a_key_file_without_a_key_or_a_key_no_header_can_carry_befo
     assert "sk-bad" not in str(info.value)
     assert demo_api_key(None, {"OPENAI_API_KEY": "  "}) == (None, None)
     assert demo_api_key(None, {}) == (None, None)
+
+
+# -- bcg plan: whole counts, and a current table that is already better -----------------------------------------
+
+def _flat(text: str) -> str:
+    return " ".join(text.split())  # rich wraps long lines at the console's width
+
+
+def test_plan_says_the_current_table_is_better_and_writes_the_planned_one_only_with_force(tmp_path, capsys):
+    import json
+    import re
+
+    out, report = tmp_path / "planned.yaml", tmp_path / "plan.json"
+    # the packaged krea sample on the default table: the 12-graph plan is expected to cost more per image
+    assert main(["plan", "--write", str(out), "--json", str(report)]) == 1
+    captured = capsys.readouterr()
+    text = _flat(captured.out)
+    assert "bcg plan: krea traffic, 183 requests, costs: token-count" in text  # 182.9 requests, rounded
+    assert not re.search(r"\d\.\d+ requests", text)
+    assert "refused by the limits (requests): num_inference_steps 26" in text  # 25.76, rounded
+    assert ("the current table is already better: 157.27 ms per image expected against 159.55 for the planned one; "
+            "the planned table has fewer graphs (12 against 63). Keep it; --write writes the planned table only "
+            "with --force") in text
+    assert not out.exists()
+    assert captured.err.strip() == (f"bcg plan: not writing {out}: the current table is expected to cost 157.27 ms "
+                                    f"per image, the planned one 159.55; add --force to write the planned table "
+                                    f"anyway")
+    current = json.loads(report.read_text())["current"]  # the reports are still written
+    assert current["at_least_as_good"] is True and current["graphs"] == 63
+
+    assert main(["plan", "--write", str(out), "--force"]) == 0
+    assert "(--force: the current table is expected to be as good or better)" in capsys.readouterr().out
+    from deployments.settings import load_config
+
+    assert load_config(config_path=str(out)).buckets.batch_sizes != [1, 2, 4, 8, 16, 18, 20]
+
+
+def test_plan_writes_a_better_table_without_force_and_force_needs_write(tmp_path, capsys):
+    import json
+
+    poor = tmp_path / "poor.yaml"
+    poor.write_text('buckets:\n  batch_sizes: [1]\n  resolutions: ["256x256"]\n')
+    out, report = tmp_path / "planned.yaml", tmp_path / "plan.json"
+    assert main(["plan", "--config", str(poor), "--write", str(out), "--json", str(report)]) == 0
+    text = _flat(capsys.readouterr().out)
+    assert "the planned table is expected" in text and "faster than the current one" in text
+    assert "already" not in text and f"wrote {out}" in text and "--force" not in text
+    assert out.exists() and json.loads(report.read_text())["current"]["at_least_as_good"] is False
+
+    assert main(["plan", "--force"]) == 2
+    assert capsys.readouterr().err.startswith("bcg plan: error: --force goes with --write")
+
+
+def test_whole_count_rounds_half_up_and_shows_a_sliver_as_under_one():
+    from deployments.commands import whole_count
+
+    assert [whole_count(v) for v in (0, 0.2, 0.5, 2.5, 182.9, 25.7635, 7)] == ["0", "<1", "1", "3", "183", "26", "7"]
+    for bad in (-1.0, float("nan")):
+        with pytest.raises(ValueError, match="a request count must be a number >= 0"):
+            whole_count(bad)
