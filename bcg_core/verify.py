@@ -16,7 +16,10 @@ import copy
 import dataclasses
 import itertools
 import logging
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -125,16 +128,20 @@ def random_inputs(adapter: DiTAdapter, case: BoundaryCase, device, dtype, seed: 
 
 
 def verify_runner(adapter: DiTAdapter, runner: BucketRunner, cases: list[BoundaryCase], device, dtype,
-                  rtol: float) -> list[BucketVerdict]:
+                  rtol: float, on_case: Callable[[BoundaryCase, float], Any] | None = None) -> list[BucketVerdict]:
     """Run every case padded (through ``runner``) and unpadded (``adapter.forward_eager``); compare.
 
     Relative error is ``max|padded - eager| / max|eager|`` over the real rows and tokens.
+
+    Args:
+        on_case: called after each case with the case and the seconds it took (both runs), e.g. for progress.
 
     Returns:
         One verdict per bucket that has cases, in bucket order.
     """
     verdicts: dict[BucketKey, BucketVerdict] = {}
     for i, case in enumerate(cases):
+        start = time.perf_counter()
         x = random_inputs(adapter, case, device, dtype, seed=i)
         with torch.inference_mode():
             ref = adapter.forward_eager(x).float()
@@ -145,6 +152,8 @@ def verify_runner(adapter: DiTAdapter, runner: BucketRunner, cases: list[Boundar
         err = ((out - ref).abs().max() / ref.abs().max().clamp_min(1e-12)).item()
         v.max_rel_err = max(v.max_rel_err, err)
         v.shapes.append(f"{case.rows}x{case.grid[0]}x{case.grid[1]}+{case.text_tokens}")
+        if on_case is not None:
+            on_case(case, time.perf_counter() - start)
     return [verdicts[k] for k in sorted(verdicts)]
 
 

@@ -112,7 +112,7 @@ def _cmd_config(args: argparse.Namespace) -> int:
 def _cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(requests=args.requests, steps=args.steps, concurrency=args.concurrency, out=args.out,
                     port=args.port, url=args.url, config=args.config, timeout_s=args.timeout_s,
-                    num_cpus=args.num_cpus, quiet=not args.verbose)
+                    num_cpus=args.num_cpus, quiet=not args.verbose, api_key_file=args.api_key_file)
 
 
 def _with_key_file(config: ServeConfig | None, path: str) -> ServeConfig:
@@ -216,8 +216,12 @@ def _cmd_profile(args: argparse.Namespace) -> int:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from .commands import plot_plan, run_plan
+    from .commands import current_is_better, plot_plan, run_plan
 
+    if args.force and not args.write:
+        print("bcg plan: error: --force goes with --write (it writes a planned table that is expected to cost no "
+              "less than the current one)", file=sys.stderr)
+        return 2
     if args.trace and args.traffic != "gentd26":
         print("bcg plan: error: --trace is a GenTD26-style trace: give it with --traffic gentd26", file=sys.stderr)
         return 2
@@ -238,22 +242,31 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     except (ValueError, OSError, RuntimeError) as exc:
         print(f"bcg plan: error: {error_text(exc)}", file=sys.stderr)
         return 2
-    if args.write:
+    keep = current_is_better(plan, default)
+    status = 0
+    if args.write and keep and not args.force:
+        print(f"bcg plan: not writing {args.write}: the current table is expected to cost {default.ms_per_image:.2f} "
+              f"ms per image, the planned one {plan.score.ms_per_image:.2f}; add --force to write the planned table "
+              f"anyway", file=sys.stderr)
+        status = 1
+    elif args.write:
         planned = config.model_copy(update={"buckets": plan.buckets})
         with open(args.write, "w", encoding="utf-8") as f:
             f.write(config_text(planned, "json" if args.write.endswith(".json") else "yaml"))
-        print(f"wrote {args.write}")
+        print(f"wrote {args.write}" + (" (--force: the current table is expected to be as good or better)"
+                                       if keep else ""))
     if args.json:
         report = plan.to_json()
         report["current"] = {"graphs": default.graphs, "ms_per_image": round(default.ms_per_image, 4),
-                             "waste": round(default.waste, 5), "miss_share": round(default.miss_share, 5)}
+                             "waste": round(default.waste, 5), "miss_share": round(default.miss_share, 5),
+                             "at_least_as_good": keep}
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(report, f, indent=1)
         print(f"wrote {args.json}")
     if args.plot:
         plot_plan(plan, args.plot)
         print(f"wrote {args.plot}")
-    return 0
+    return status
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -286,6 +299,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="bound on each HTTP request in seconds (default 600)")
     d.add_argument("--num-cpus", type=_bounded_int(2), default=4, metavar="K",
                    help="logical CPUs of the local Ray instance (default 4)")
+    d.add_argument("--api-key-file", default=None, metavar="PATH",
+                   help="for a server with API keys: send the file's first key as 'Authorization: Bearer <key>' "
+                   "(default: the OPENAI_API_KEY environment variable when set, as the openai client reads it; "
+                   "this flag wins over it)")
     d.add_argument("--verbose", action="store_true", help="show Ray's and the replicas' logs")
     d.set_defaults(func=_cmd_demo)
 
@@ -324,10 +341,13 @@ def _parser() -> argparse.ArgumentParser:
                        description="Load the model, build the runner the config asks for (CUDA graphs on a "
                        "GPU), run each bucket's boundary shapes (the bucket size, one below, the smallest "
                        "request that maps to it) padded and unpadded, and print the max relative error and "
-                       "pass or fail per bucket. Exit status 1 if any bucket fails.")
+                       "pass or fail per bucket. Exit status 1 if any bucket fails. On stderr: a progress bar per "
+                       "bucket and, after the first few buckets, an estimate of the total time (measured seconds "
+                       "per token times the tokens left); the whole table on a CPU takes minutes, one bucket "
+                       "(--bucket KEY) seconds.")
     v.add_argument("--config", default=None, metavar="PATH", help="ServeConfig YAML/JSON (default: embedded)")
     v.add_argument("--bucket", action="append", metavar="KEY",
-                   help="check only this bucket (e.g. b2_i1024_t256); repeatable; default: all")
+                   help="check only this bucket (e.g. b2_i1024_t256; a quick check); repeatable; default: all")
     v.add_argument("--rtol", type=_positive_float, default=None,
                    help="relative tolerance (default: 1e-5 for float32, 2e-2 for bfloat16)")
     v.set_defaults(func=_cmd_verify)
@@ -348,7 +368,9 @@ def _parser() -> argparse.ArgumentParser:
                         "style CSV (image counts joined with krea sizes), or a running server's recorded shape "
                         "histogram (--from URL) or an exported one (--from FILE). The objective is the expected GPU "
                         "time per image (bcg_core/planning/table_search.py); costs measured on this GPU (--measure), from a `bcg "
-                        "profile --json` file, else the token-count model. Prints the chosen buckets with their share of requests and waste.")
+                        "profile --json` file, else the token-count model. Prints the chosen buckets with their share of requests and waste, "
+                        "request counts rounded to whole requests, and whether the current table is already as good or "
+                        "better (then --write needs --force).")
     pl.add_argument("--config", default=None, metavar="PATH",
                     help="ServeConfig YAML/JSON: the model, limits and current table (default: embedded)")
     pl.add_argument("--traffic", choices=("krea", "gentd26"), default="krea", help="packaged sample (default krea)")
@@ -368,7 +390,12 @@ def _parser() -> argparse.ArgumentParser:
                     "costs (needs the model's weights and a GPU)")
     pl.add_argument("--steps", type=_bounded_int(1), default=None, metavar="S",
                     help="every request's denoising steps instead of the sample's")
-    pl.add_argument("--write", default=None, metavar="PATH", help="write the config with the planned buckets")
+    pl.add_argument("--write", default=None, metavar="PATH",
+                    help="write the config with the planned buckets; not when the current table is expected to cost "
+                    "as little or less per image (then exit status 1) unless --force")
+    pl.add_argument("--force", action="store_true",
+                    help="with --write: write the planned table even when the current one is expected to be as good "
+                    "or better (e.g. for its fewer graphs)")
     pl.add_argument("--json", default=None, metavar="PATH", help="write the machine-readable report")
     pl.add_argument("--plot", default=None, metavar="PNG", help="plot GPU time and waste against graph count")
     pl.set_defaults(func=_cmd_plan)

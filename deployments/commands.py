@@ -19,7 +19,9 @@ from deployments.settings import ServeConfig
 from bcg_core.pipeline import DiTPipeline
 from bcg_core.verify import RTOL, BoundaryCase, boundary_cases, verify_runner
 
-__all__ = ["RTOL", "load_plan_traffic", "measure_plan_costs", "plot_plan", "run_plan", "run_profile", "run_verify"]
+__all__ = ["RTOL", "load_plan_traffic", "measure_plan_costs", "plot_plan", "run_plan", "run_profile", "run_verify",
+           "verify_case_tokens", "verify_estimate", "current_is_better", "whole_count"]
+
 
 def _select(keys: list[BucketKey], wanted: list[str] | None) -> list[BucketKey]:
     if not wanted:
@@ -35,15 +37,73 @@ def _pipeline(config: ServeConfig) -> DiTPipeline:
     return DiTPipeline.from_config(config)
 
 
+def verify_case_tokens(case: BoundaryCase) -> int:
+    """Tokens one ``bcg verify`` case computes: its bucket's padded forward (:attr:`BucketKey.tokens`) plus the
+    unpadded eager forward of its rows (``rows x (image + text tokens)``). ``bcg verify`` weighs its progress and
+    time estimate by this count, as the token-count cost model does (a forward's time grows with its tokens)."""
+    return case.key.tokens + case.rows * (case.grid[0] * case.grid[1] + case.text_tokens)
+
+
+VERIFY_ESTIMATE_SHARE = 0.05
+"""``bcg verify`` prints its estimate once the cases run (after the first) hold this share of all the tokens..."""
+VERIFY_ESTIMATE_AFTER_S = 30.0
+"""... or took this many seconds, whichever comes first (at the end of a bucket, with at least 2 such cases)."""
+
+
+def verify_estimate(samples: list[tuple[int, float]], tokens: list[int]) -> tuple[float, str] | None:
+    """The seconds ``bcg verify`` will take in all, from the cases measured so far, and a line saying how; None
+    until the measurements allow it.
+
+    The rate is the seconds per token (:func:`verify_case_tokens`) of the cases run so far after the first (the
+    first carries one-time costs: kernel selection, allocations), as the token-count cost model prices a forward
+    by its tokens; the estimate is the seconds spent so far plus that rate times the tokens left. It is rough: small
+    cases pay more fixed cost per token, large ones more attention, which grows with the square of the tokens.
+
+    Args:
+        samples: ``(tokens, seconds)`` of the cases run so far, in the order they ran.
+        tokens: tokens of every case to check, those already run included.
+
+    Returns:
+        ``(seconds, text)``, or None while fewer than 2 cases ran after the first, or they hold less than
+        :data:`VERIFY_ESTIMATE_SHARE` of the tokens and took less than :data:`VERIFY_ESTIMATE_AFTER_S` seconds.
+    """
+    fit = samples[1:]
+    fit_tokens, fit_s = sum(t for t, _ in fit), sum(s for _, s in fit)
+    if len(fit) < 2 or fit_tokens <= 0 or (fit_tokens < VERIFY_ESTIMATE_SHARE * sum(tokens)
+                                           and fit_s < VERIFY_ESTIMATE_AFTER_S):
+        return None
+    rate = fit_s / fit_tokens
+    spent = sum(s for _, s in samples)
+    left = rate * sum(tokens[len(samples):])
+    text = (f"estimate: ~{_duration(spent + left)} for all {len(tokens)} cases, ~{_duration(left)} left (measured: "
+            f"{rate * 1e6:.1f} us per token over the {len(fit)} cases run after the first, which warms up; "
+            f"{sum(tokens):,} tokens in all; the bar's remaining time updates as buckets finish)")
+    return spent + left, text
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 90:
+        return f"{seconds:.0f} s" if seconds >= 1 else f"{seconds:.1f} s"
+    if seconds < 5400:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
 def run_verify(config: ServeConfig, buckets: list[str] | None = None, rtol: float | None = None,
-               console=None) -> bool:
+               console=None, progress=None) -> bool:
     """Verify buckets of ``config`` against unpadded eager runs and print a table.
+
+    While it runs it shows a tqdm bar per bucket (``bucket i/N: KEY``, weighted by each case's tokens, with the
+    remaining time) on ``progress``. Buckets run in table order (fewest rows first); as soon as the cases run so
+    far allow it (:func:`verify_estimate`, after the first few buckets) and buckets remain, it prints an estimate
+    of the total time. Checking the whole table, it first names ``--bucket KEY`` for a quick check.
 
     Args:
         config: the serve config (model, table, runner).
         buckets: bucket keys to check (as ``str(BucketKey)``); None checks every bucket.
         rtol: relative tolerance; None picks it from the model dtype (:data:`RTOL`).
-        console: a ``rich.console.Console`` (a new one when None).
+        console: a ``rich.console.Console`` for the table (a new one when None).
+        progress: a text file for the progress bar and the estimate (``sys.stderr`` when None).
 
     Returns:
         True when every checked bucket passed.
@@ -51,16 +111,59 @@ def run_verify(config: ServeConfig, buckets: list[str] | None = None, rtol: floa
     Raises:
         ValueError: an unknown bucket key.
     """
+    import sys
+    import time
+
     from rich.console import Console
     from rich.table import Table
+    from tqdm import tqdm
 
     console = console or Console()
+    progress = progress or sys.stderr
+    print("bcg verify: loading the model and building the runner (on a GPU: capturing every bucket's graph) ...",
+          file=progress, flush=True)
     pipe = _pipeline(config)
     model = pipe.model
     keys = set(_select(pipe.table.keys, buckets))
     cases = [c for c in boundary_cases(pipe.table, config.limits) if c.key in keys]
     tol = rtol if rtol is not None else RTOL[model.dtype]
-    verdicts = verify_runner(model.adapter, pipe.runner, cases, model.device, model.dtype, rtol=tol)
+    order = list(dict.fromkeys(c.key for c in cases))  # buckets in the order they run (table order)
+    last_case = {c.key: i for i, c in enumerate(cases)}
+    if not buckets and len(order) > 1:
+        print(f"checking all {len(order)} buckets ({len(cases)} cases); for a quick check give one or more: "
+              f"bcg verify --bucket {order[0]}", file=progress, flush=True)
+    case_tokens = [verify_case_tokens(c) for c in cases]
+    samples: list[tuple[int, float]] = []
+    done = {"buckets": 0, "estimated": False}
+    started = time.perf_counter()
+    bar_format = "{desc}: {percentage:3.0f}%|{bar}| {postfix} [{elapsed}<{remaining}]"
+    with tqdm(total=sum(case_tokens), file=progress, unit="tok", unit_scale=True, desc="bcg verify",
+              disable=not cases, bar_format=bar_format) as bar:
+        if order:
+            bar.set_postfix_str(f"bucket 1/{len(order)}: {order[0]}")
+
+        def on_case(case: BoundaryCase, seconds: float) -> None:
+            samples.append((case_tokens[len(samples)], seconds))
+            bar.update(samples[-1][0])
+            if last_case[case.key] != len(samples) - 1:
+                return
+            done["buckets"] += 1
+            finished = done["buckets"]
+            if finished < len(order):
+                if not done["estimated"]:
+                    estimate = verify_estimate(samples, case_tokens)
+                    if estimate is not None:
+                        done["estimated"] = True
+                        bar.write(estimate[1], file=progress)
+                bar.set_postfix_str(f"bucket {finished + 1}/{len(order)}: {order[finished]}")
+            else:
+                bar.set_postfix_str(f"{len(order)} buckets checked")
+
+        verdicts = verify_runner(model.adapter, pipe.runner, cases, model.device, model.dtype, rtol=tol,
+                                 on_case=on_case)
+    if cases:
+        print(f"checked {len(order)} buckets ({len(cases)} cases) in {_duration(time.perf_counter() - started)}",
+              file=progress, flush=True)
     modes = {d["key"]: d["mode"] for d in pipe.runner.describe()}
     table = Table(title=f"bcg verify: {model.model_name} on {model.device} ({str(model.dtype).removeprefix('torch.')}), "
                         f"rtol {tol:g}")
@@ -232,6 +335,28 @@ def measure_plan_costs(config: ServeConfig, traffic, iters: int = 5, console=Non
     return dataclasses.replace(costs, source=f"profile (measured by bcg plan --measure on {gpu}, {len(rows)} buckets)")
 
 
+def whole_count(value: float) -> str:
+    """A request count of a traffic sample as a whole number: rounded half up (``182.9`` -> ``"183"``), and
+    ``"<1"`` for a count between 0 and one half. Samples weigh requests in fractions (a krea row is ``1 /
+    num_generations`` of a request, and a sample cut mid-request leaves a part), so ``bcg plan`` prints them so."""
+    if value != value or value < 0:
+        raise ValueError(f"a request count must be a number >= 0, not {value}")
+    if 0 < value < 0.5:
+        return "<1"
+    return str(int(value + 0.5))
+
+
+def current_is_better(plan, current) -> bool:
+    """True when the current table's expected cost per image is lower than or equal to the planned table's
+    (``bcg plan`` then says so and ``--write`` needs ``--force``).
+
+    Args:
+        plan: the search's :class:`~bcg_core.planning.table_search.TableChoice` (its ``score``).
+        current: the current table's :class:`~bcg_core.planning.costs.TableScore` on the same traffic and costs.
+    """
+    return current.ms_per_image <= plan.score.ms_per_image * (1 + 1e-9)
+
+
 def run_plan(config: ServeConfig, source: str = "krea", budget_mib: float | None = None, max_graphs: int = 12,
              profile: str | None = None, steps: int | None = None, krea: str | None = None, console=None,
              measure: bool = False, api_key: str | None = None):
@@ -240,8 +365,13 @@ def run_plan(config: ServeConfig, source: str = "krea", budget_mib: float | None
     Costs: ``measure`` profiles buckets on this machine's GPU (:func:`measure_plan_costs`); ``profile`` reads
     ``bcg profile --json`` output; otherwise the token-count model stands in. The report names which.
 
+    The report prints request counts whole (:func:`whole_count`) and compares the chosen table's expected cost per
+    image with the current table's; when the current one is as good or better (:func:`current_is_better`) it
+    says so.
+
     Returns:
-        The :class:`~bcg_core.planning.table_search.TableChoice`.
+        ``(plan, current)``: the :class:`~bcg_core.planning.table_search.TableChoice` and the current table's
+        :class:`~bcg_core.planning.costs.TableScore` on the same traffic and costs.
 
     Raises:
         ValueError, OSError: see :func:`load_plan_traffic` and :func:`bcg_core.planning.table_search.search_table`.
@@ -279,7 +409,8 @@ def run_plan(config: ServeConfig, source: str = "krea", budget_mib: float | None
     plan = search_table(config, traffic, costs, budget_mib=budget_mib, max_graphs=max_graphs)
     default = evaluate(planning_table(config), traffic, costs)
     s = plan.score
-    table = Table(title=f"bcg plan: {traffic.source} traffic, {traffic.requests:.1f} requests, costs: {costs.source}")
+    table = Table(title=f"bcg plan: {traffic.source} traffic, {whole_count(traffic.requests)} requests, costs: "
+                        f"{costs.source}")
     for col in ("bucket shape", "share of requests", "padded-token waste"):
         table.add_column(col, justify="left" if col == "bucket shape" else "right")
     for shape, v in s.shares.items():
@@ -293,9 +424,19 @@ def run_plan(config: ServeConfig, source: str = "krea", budget_mib: float | None
         console.print(f"  text_lengths_by_resolution: {b.text_lengths_by_resolution}")
     console.print(f"current table: {default.graphs} graphs, {default.ms_per_image:.2f} ms per image, waste "
                   f"{default.waste:.1%}, misses {default.miss_share:.1%}")
+    if current_is_better(plan, default):
+        fewer = (f"; the planned table has fewer graphs ({s.graphs} against {default.graphs})"
+                 if s.graphs < default.graphs else "")
+        same = default.ms_per_image >= s.ms_per_image * (1 - 1e-9)
+        console.print(f"[bold]the current table is already {'as good' if same else 'better'}: "
+                      f"{default.ms_per_image:.2f} ms per image expected against {s.ms_per_image:.2f} for the "
+                      f"planned one{fewer}. Keep it; --write writes the planned table only with --force[/bold]")
+    else:
+        console.print(f"the planned table is expected {1 - s.ms_per_image / default.ms_per_image:.1%} faster than the "
+                      f"current one ({s.ms_per_image:.2f} against {default.ms_per_image:.2f} ms per image)")
     if traffic.refused:
         console.print("refused by the limits (requests): "
-                      + ", ".join(f"{k} {v:g}" for k, v in sorted(traffic.refused.items())))
+                      + ", ".join(f"{k} {whole_count(v)}" for k, v in sorted(traffic.refused.items())))
     return plan, default
 
 

@@ -10,7 +10,9 @@ are importable from here too; Ray, httpx, rich and tqdm are imported only by the
 
 from __future__ import annotations
 
+import os
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 from .demo_replay import (
@@ -38,6 +40,7 @@ from .retry_client import (
 )
 
 __all__ = [
+    "API_KEY_ENV",
     "DATA_FILE",
     "MAX_CONCURRENCY",
     "RETRY_AFTER_MAX_S",
@@ -48,6 +51,8 @@ __all__ = [
     "DemoRequest",
     "DemoResult",
     "apost_honouring_retry_after",
+    "check_access",
+    "demo_api_key",
     "load_requests",
     "parse_retry_after",
     "post_honouring_retry_after",
@@ -60,10 +65,78 @@ __all__ = [
 ]
 
 
+API_KEY_ENV = "OPENAI_API_KEY"
+"""The environment variable ``bcg demo`` reads an API key from, as the official ``openai`` client does."""
+_KEY_WAYS = f"--api-key-file PATH (its first key) or the {API_KEY_ENV} environment variable"
+
+
+def demo_api_key(api_key_file: str | Path | None = None,
+                 environ: Mapping[str, str] | None = None) -> tuple[str | None, str | None]:
+    """The API key ``bcg demo`` sends, and where it came from (for messages; the key itself is never printed).
+
+    ``api_key_file`` wins: its first key (:func:`deployments.auth.read_key_file`); otherwise the
+    :data:`API_KEY_ENV` variable, as the official ``openai`` client reads it (surrounding white space dropped;
+    empty means unset).
+
+    Args:
+        api_key_file: a key file (one key a line, ``#`` comments), or None.
+        environ: the environment; None reads ``os.environ``.
+
+    Returns:
+        ``(key, source)``: ``source`` is ``"--api-key-file PATH"`` or ``"the OPENAI_API_KEY environment
+        variable"``; ``(None, None)`` when neither gives a key.
+
+    Raises:
+        ValueError: the file cannot be read or holds no key, or the key holds characters an HTTP header cannot
+            carry (white space, control or non-ASCII characters); the message names the source, never the key.
+    """
+    from .auth import read_key_file
+
+    if api_key_file is not None:
+        key, source = read_key_file(api_key_file)[0], f"--api-key-file {api_key_file}"
+    else:
+        key = (os.environ if environ is None else environ).get(API_KEY_ENV, "").strip() or None
+        source = None if key is None else f"the {API_KEY_ENV} environment variable"
+    if key is not None and not all(33 <= ord(c) <= 126 for c in key):
+        raise ValueError(f"the API key from {source} holds white space, control or non-ASCII characters, which an "
+                         f"'Authorization: Bearer <key>' header cannot carry")
+    return key, source
+
+
+def check_access(url: str, api_key: str | None = None, source: str | None = None, timeout_s: float = 30.0) -> None:
+    """Ask ``GET {url}/v1/models`` (a keyed route) whether the server accepts ``api_key``; refuse with one line
+    naming both ways to pass a key when it answers 401. Any other answer or a failed connection passes (the
+    replay reports those per request).
+
+    Args:
+        url: the server's base URL.
+        api_key: sent as ``Authorization: Bearer <key>``; None sends none.
+        source: where the key came from (:func:`demo_api_key`), for the message.
+        timeout_s: bound on the request, seconds.
+
+    Raises:
+        PermissionError: the server answered 401 (the message names the key's source, never the key).
+    """
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        r = httpx.get(f"{url}/v1/models", headers=headers, timeout=timeout_s, trust_env=False)
+    except httpx.HTTPError:
+        return
+    if r.status_code != 401:
+        return
+    if api_key is None:
+        raise PermissionError(f"the server at {url} asks for an API key (HTTP 401): give one with {_KEY_WAYS}")
+    raise PermissionError(f"the server at {url} refused the API key from {source} (HTTP 401): give a key it was "
+                          f"configured with, with {_KEY_WAYS}")
+
+
 def run_demo(*, requests: int = 8, steps: int = 4, concurrency: int = 1, out: str | Path = "out/demo",
              port: int = 0, url: str | None = None, config: str | None = None, timeout_s: float = 600.0,
              num_cpus: int = 4, quiet: bool = True, data: str | Path | None = None,
-             max_retries: int = RETRY_MAX_RETRIES) -> int:
+             max_retries: int = RETRY_MAX_RETRIES, api_key_file: str | Path | None = None,
+             environ: Mapping[str, str] | None = None) -> int:
     """The whole demo: start the server (unless ``url``), replay, report, shut down.
 
     Args:
@@ -79,6 +152,9 @@ def run_demo(*, requests: int = 8, steps: int = 4, concurrency: int = 1, out: st
         quiet: keep Ray's logs out of the terminal.
         data: a CSV file with the data file's columns instead of :data:`DATA_FILE`.
         max_retries: most resends of one request answered 503 with ``Retry-After`` (see :func:`replay`).
+        api_key_file: a file whose first key is sent as ``Authorization: Bearer <key>`` (to a server with API
+            keys); None: the ``OPENAI_API_KEY`` environment variable when set (:func:`demo_api_key`).
+        environ: the environment read for ``OPENAI_API_KEY``; None reads ``os.environ``.
 
     Returns:
         Process exit status: 0 when every request succeeded, 1 otherwise.
@@ -88,6 +164,7 @@ def run_demo(*, requests: int = 8, steps: int = 4, concurrency: int = 1, out: st
             (pydantic's ValidationError is a ValueError).
         FileNotFoundError: ``config`` or ``data`` does not exist.
         TimeoutError: the server did not answer ``GET /healthz``.
+        PermissionError: the server answered 401: no key, or one it does not accept (:func:`check_access`).
     """
     import httpx
     from rich.console import Console
@@ -99,6 +176,7 @@ def run_demo(*, requests: int = 8, steps: int = 4, concurrency: int = 1, out: st
     if max_retries < 0:
         raise ValueError(f"max_retries {max_retries} must be at least 0")
     console = Console()
+    api_key, key_source = demo_api_key(api_key_file, environ)
     todo = load_requests(requests, data)
     served = check_config(config) if config is not None else None
     if url is None:  # a server started here has these limits: refuse before starting Ray
@@ -120,16 +198,18 @@ def run_demo(*, requests: int = 8, steps: int = 4, concurrency: int = 1, out: st
                              f"http://127.0.0.1:8000")
         # a server started here may take a while to answer; one given with --url is expected to be up
         wait_healthy(url, timeout_s=60.0 if started else min(10.0, timeout_s))
+        check_access(url, api_key, key_source, timeout_s=min(30.0, timeout_s))
         n_images = sum(r.n for r in todo)
         console.print(f"server {url}: sending {len(todo)} requests ({n_images} images, {steps} steps, "
                       f"concurrency {concurrency}) from {Path(data).name if data else DATA_FILE}", highlight=False)
         t0 = time.perf_counter()
         results = replay(url, todo, steps=steps, concurrency=concurrency, out_dir=out_dir, timeout_s=timeout_s,
-                         max_retries=max_retries)
+                         max_retries=max_retries, api_key=api_key)
         wall_s = time.perf_counter() - t0
         stats = None
         try:
-            r = httpx.get(f"{url}/v1/buckets", timeout=30.0, trust_env=False)
+            r = httpx.get(f"{url}/v1/buckets", timeout=30.0, trust_env=False,
+                          headers={"Authorization": f"Bearer {api_key}"} if api_key else None)
             r.raise_for_status()
             stats = r.json()
         except (httpx.HTTPError, ValueError) as exc:

@@ -289,7 +289,7 @@ def send_request(client: Any, url: str, request: DemoRequest, steps: int, out_di
 
 
 def replay(url: str, requests: list[DemoRequest], *, steps: int, concurrency: int, out_dir: Path,
-           timeout_s: float, max_retries: int = RETRY_MAX_RETRIES) -> list[DemoResult]:
+           timeout_s: float, max_retries: int = RETRY_MAX_RETRIES, api_key: str | None = None) -> list[DemoResult]:
     """Send every request with at most ``concurrency`` in flight, showing a tqdm progress bar.
 
     Args:
@@ -301,6 +301,8 @@ def replay(url: str, requests: list[DemoRequest], *, steps: int, concurrency: in
         timeout_s: bound on each send of a request, seconds.
         max_retries: most resends of one request answered 503 with ``Retry-After`` (>= 0; see
             :func:`send_request`; the deadline of its resends is :data:`RETRY_DEADLINE_S`).
+        api_key: sent as ``Authorization: Bearer <key>`` with every request (a server with API keys); None: no
+            header.
 
     Returns:
         One result per request, in request order.
@@ -323,7 +325,8 @@ def replay(url: str, requests: list[DemoRequest], *, steps: int, concurrency: in
     limits = httpx.Limits(max_connections=concurrency)
     pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="demo")
     try:
-        with httpx.Client(timeout=timeout, limits=limits, trust_env=False) as client, \
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+        with httpx.Client(timeout=timeout, limits=limits, trust_env=False, headers=headers) as client, \
                 tqdm(total=len(requests), unit="req", desc="generating", dynamic_ncols=True) as bar:
             futures = [pool.submit(send_request, client, url, r, steps, out_dir, max_retries=max_retries)
                        for r in requests]

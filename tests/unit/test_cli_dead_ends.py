@@ -1,0 +1,269 @@
+"""No dead ends in the ``bcg`` command line (issue 23, point 3): ``bcg verify`` shows progress, an estimate and
+the ``--bucket`` quick check; ``bcg demo --url`` sends an API key; ``bcg plan`` prints whole request counts and
+says (and does not write without ``--force``) when the current table is already better.
+
+Fast and without Ray: verify runs the tiny model on a 6-bucket table (the pipeline built once per module), the
+demo talks to a fake server on 127.0.0.1, the plan uses the token-count cost model on the packaged krea sample.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from deployments import commands
+from deployments.cli import main
+
+# -- bcg verify ----------------------------------------------------------------------------------------------
+
+SMALL_TABLE = 'buckets:\n  batch_sizes: [1, 2]\n  resolutions: ["256x256", "320x256"]\n'
+SMALL_KEYS = ("b1_i256_t256", "b1_i320_t256", "b1_i320_m_t256", "b2_i256_t256", "b2_i320_t256", "b2_i320_m_t256")
+
+
+@pytest.fixture(scope="module")
+def _small_pipeline(tmp_path_factory):
+    from deployments.settings import load_config
+
+    path = tmp_path_factory.mktemp("verify") / "small.yaml"
+    path.write_text(SMALL_TABLE)
+    return str(path), commands._pipeline(load_config(config_path=str(path)))
+
+
+@pytest.fixture()
+def small_config(_small_pipeline, monkeypatch):
+    """The small table's config file; ``bcg verify`` gets the pipeline built once (the model loads in seconds)."""
+    path, pipe = _small_pipeline
+    monkeypatch.setattr(commands, "_pipeline", lambda config: pipe)
+    return path
+
+
+def test_verify_of_the_whole_table_shows_the_bucket_hint_progress_per_bucket_and_an_estimate(small_config, capsys):
+    assert main(["verify", "--config", small_config]) == 0
+    captured = capsys.readouterr()
+    err = captured.err.replace("\r", "\n")
+    assert "checking all 6 buckets (8 cases); for a quick check give one or more: bcg verify --bucket b1_i256_t256" \
+        in err
+    for i, key in enumerate(SMALL_KEYS, start=1):
+        assert f"bucket {i}/6: {key}" in err  # the bar names each bucket as it runs
+    assert "6 buckets checked" in err and "checked 6 buckets (8 cases) in " in err
+    estimate = [line for line in err.splitlines() if line.startswith("estimate: ~")]
+    assert len(estimate) == 1 and "us per token over the 3 cases run after the first" in estimate[0]
+    # the estimate comes before the last buckets run
+    assert err.index("estimate: ~") < err.index("bucket 4/6: b2_i256_t256")
+    assert "6 of 6 buckets passed" in captured.out  # the table stays on stdout
+
+
+def test_verify_of_chosen_buckets_has_no_hint_and_keeps_the_exit_status(small_config, capsys):
+    assert main(["verify", "--config", small_config, "--bucket", "b1_i320_m_t256", "--bucket", "b2_i256_t256"]) == 0
+    err = capsys.readouterr().err.replace("\r", "\n")
+    assert "for a quick check" not in err
+    assert "bucket 1/2: b1_i320_m_t256" in err and "bucket 2/2: b2_i256_t256" in err
+    # a tolerance no masked bucket meets still fails with exit status 1
+    assert main(["verify", "--config", small_config, "--rtol", "1e-30", "--bucket", "b2_i320_m_t256"]) == 1
+    assert "FAIL" in capsys.readouterr().out
+    assert main(["verify", "--config", small_config, "--bucket", "b9_i1_t1"]) == 2
+    assert "is not in the table; buckets: b1_i256_t256" in capsys.readouterr().err
+
+
+def test_verify_estimate_waits_for_enough_cases_then_adds_the_rate_per_token_times_the_tokens_left():
+    tokens = [100, 1000, 1000, 2000, 4000, 12000]  # 20,100 tokens in all
+    # the first case warms up (its seconds count as spent, its rate not); one case after it is too few
+    assert commands.verify_estimate([(100, 5.0), (1000, 1.0)], tokens) is None
+    seconds, text = commands.verify_estimate([(100, 5.0), (1000, 1.0), (1000, 1.0)], tokens)
+    # 2000 tokens in 2 s after the first: 1 ms per token; spent 7 s; left 18,000 tokens -> 18 s
+    assert seconds == pytest.approx(25.0)
+    assert text.startswith("estimate: ~25 s for all 6 cases, ~18 s left (measured: 1000.0 us per token over the 2 "
+                           "cases run after the first")
+    # under 5% of the tokens and under 30 s measured: not yet
+    few = [2] * 3 + [10_000]
+    assert commands.verify_estimate([(2, 0.1), (2, 0.1), (2, 0.1)], few) is None
+    assert commands.verify_estimate([(2, 0.1), (2, 20.0), (2, 20.0)], few) is not None  # 40 s measured
+    slow = commands.verify_estimate([(1, 0.0), (10, 20.0), (10, 20.0)], [1, 10, 10, 2700])
+    assert "~1.5 h for all 4 cases" in slow[1]
+
+
+# -- bcg demo --url with an API key ----------------------------------------------------------------------------
+
+DEMO_KEY = "sk-demo-5c1e9a7f3b"
+_PNG = (b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR\x00\x00\x00\x01\x00\x00\x00\x01\x08\x06\x00\x00\x00\x1f\x15\xc4\x89"
+        b"\x00\x00\x00\rIDATx\x9cc\xf8\x0f\x00\x00\x01\x01\x00\x05\x18\xd8N\x00\x00\x00\x00IEND\xaeB`\x82")
+
+
+@pytest.fixture()
+def keyed_server():
+    """A fake bcg-serve on 127.0.0.1 whose /v1/ routes ask for ``Bearer DEMO_KEY`` (401 in OpenAI's shape
+    otherwise) and whose /healthz asks for nothing; yields its URL and the Authorization headers it saw."""
+    import base64
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    seen: list[tuple[str, str | None]] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def _answer(self, status: int, body: dict) -> None:
+            data = json.dumps(body).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def _keyed(self) -> bool:
+            seen.append((self.path, self.headers.get("Authorization")))
+            if self.headers.get("Authorization") == f"Bearer {DEMO_KEY}":
+                return True
+            self._answer(401, {"error": {"message": "Incorrect API key provided.", "type": "invalid_request_error",
+                                         "param": None, "code": "invalid_api_key"}})
+            return False
+
+        def do_GET(self):
+            if self.path == "/healthz":
+                self._answer(200, {"status": "ok"})
+            elif self._keyed():
+                self._answer(200, {"object": "list", "data": []} if self.path == "/v1/models" else
+                             {"model": {"name": "fake"}, "table": {"miss_policy": "eager"},
+                              "buckets": [{"key": "b1_i256_t256", "requests": 1, "hits": 1, "mode": "graph"}],
+                              "misses": {"requests": 0, "by_dim": {}}})
+
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            if self._keyed():
+                self._answer(200, {"data": [{"b64_json": base64.b64encode(_PNG).decode()}] * body["n"],
+                                   "bcg": {"bucket": "b1_i256_t256", "hit": True}})
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", seen
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
+
+
+def _demo(url: str, tmp_path, *extra: str) -> int:
+    return main(["demo", "--url", url, "--requests", "1", "--out", str(tmp_path / "out"), *extra])
+
+
+def test_demo_sends_the_first_key_of_the_key_file_on_every_keyed_request(keyed_server, tmp_path, capsys,
+                                                                        monkeypatch):
+    url, seen = keyed_server
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-wrong-from-env")  # the flag wins over the variable
+    keys = tmp_path / "keys.txt"
+    keys.write_text(f"# demo keys\n\n  {DEMO_KEY}  \nsk-second-one\n")
+    assert _demo(url, tmp_path, "--api-key-file", str(keys)) == 0
+    captured = capsys.readouterr()
+    assert {path for path, _ in seen} == {"/v1/models", "/v1/images/generations", "/v1/buckets"}
+    assert all(auth == f"Bearer {DEMO_KEY}" for _, auth in seen)
+    assert len(list((tmp_path / "out").glob("req001_img*.png"))) == 9  # the first data row asks for 9 images
+    assert DEMO_KEY not in captured.out + captured.err
+
+
+def test_demo_reads_openai_api_key_from_the_environment(keyed_server, tmp_path, capsys, monkeypatch):
+    url, seen = keyed_server
+    monkeypatch.setenv("OPENAI_API_KEY", f" {DEMO_KEY}\n")
+    assert _demo(url, tmp_path) == 0
+    assert seen and all(auth == f"Bearer {DEMO_KEY}" for _, auth in seen)
+    captured = capsys.readouterr()
+    assert DEMO_KEY not in captured.out + captured.err
+
+
+def test_demo_without_a_key_or_with_a_wrong_one_stops_with_one_line_naming_both_ways(keyed_server, tmp_path, capsys,
+                                                                                    monkeypatch):
+    url, seen = keyed_server
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    assert _demo(url, tmp_path) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"bcg demo: error: the server at {url} asks for an API key (HTTP 401): give one with "
+                   f"--api-key-file PATH (its first key) or the OPENAI_API_KEY environment variable")
+    assert [path for path, _ in seen] == ["/v1/models"]  # stopped before sending any request
+    assert not (tmp_path / "out").exists()
+
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-not-the-servers-key")
+    assert _demo(url, tmp_path) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "sk-not-the-servers-key" not in err
+    assert err.startswith(f"bcg demo: error: the server at {url} refused the API key from the OPENAI_API_KEY "
+                          f"environment variable (HTTP 401)")
+    assert "--api-key-file PATH" in err and "OPENAI_API_KEY environment variable" in err
+
+
+def test_demo_refuses_a_key_file_without_a_key_or_a_key_no_header_can_carry_before_sending(tmp_path, capsys,
+                                                                                          monkeypatch):
+    from deployments.demo import demo_api_key
+
+    empty = tmp_path / "empty.txt"
+    empty.write_text("# nothing here\n")
+    assert main(["demo", "--url", "http://127.0.0.1:9", "--api-key-file", str(empty)]) == 2
+    assert "holds no key" in capsys.readouterr().err
+    assert main(["demo", "--url", "http://127.0.0.1:9", "--api-key-file", str(tmp_path / "missing.txt")]) == 2
+    assert "cannot be read" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="the OPENAI_API_KEY environment variable holds white space") as info:
+        demo_api_key(None, {"OPENAI_API_KEY": "sk-bad key"})
+    assert "sk-bad" not in str(info.value)
+    assert demo_api_key(None, {"OPENAI_API_KEY": "  "}) == (None, None)
+    assert demo_api_key(None, {}) == (None, None)
+
+
+# -- bcg plan: whole counts, and a current table that is already better -----------------------------------------
+
+def _flat(text: str) -> str:
+    return " ".join(text.split())  # rich wraps long lines at the console's width
+
+
+def test_plan_says_the_current_table_is_better_and_writes_the_planned_one_only_with_force(tmp_path, capsys):
+    import json
+    import re
+
+    out, report = tmp_path / "planned.yaml", tmp_path / "plan.json"
+    # the packaged krea sample on the default table: the 12-graph plan is expected to cost more per image
+    assert main(["plan", "--write", str(out), "--json", str(report)]) == 1
+    captured = capsys.readouterr()
+    text = _flat(captured.out)
+    assert "bcg plan: krea traffic, 183 requests, costs: token-count" in text  # 182.9 requests, rounded
+    assert not re.search(r"\d\.\d+ requests", text)
+    assert "refused by the limits (requests): num_inference_steps 26" in text  # 25.76, rounded
+    assert ("the current table is already better: 157.27 ms per image expected against 159.55 for the planned one; "
+            "the planned table has fewer graphs (12 against 63). Keep it; --write writes the planned table only "
+            "with --force") in text
+    assert not out.exists()
+    assert captured.err.strip() == (f"bcg plan: not writing {out}: the current table is expected to cost 157.27 ms "
+                                    f"per image, the planned one 159.55; add --force to write the planned table "
+                                    f"anyway")
+    current = json.loads(report.read_text())["current"]  # the reports are still written
+    assert current["at_least_as_good"] is True and current["graphs"] == 63
+
+    assert main(["plan", "--write", str(out), "--force"]) == 0
+    assert "(--force: the current table is expected to be as good or better)" in capsys.readouterr().out
+    from deployments.settings import load_config
+
+    assert load_config(config_path=str(out)).buckets.batch_sizes != [1, 2, 4, 8, 16, 18, 20]
+
+
+def test_plan_writes_a_better_table_without_force_and_force_needs_write(tmp_path, capsys):
+    import json
+
+    poor = tmp_path / "poor.yaml"
+    poor.write_text('buckets:\n  batch_sizes: [1]\n  resolutions: ["256x256"]\n')
+    out, report = tmp_path / "planned.yaml", tmp_path / "plan.json"
+    assert main(["plan", "--config", str(poor), "--write", str(out), "--json", str(report)]) == 0
+    text = _flat(capsys.readouterr().out)
+    assert "the planned table is expected" in text and "faster than the current one" in text
+    assert "already" not in text and f"wrote {out}" in text and "--force" not in text
+    assert out.exists() and json.loads(report.read_text())["current"]["at_least_as_good"] is False
+
+    assert main(["plan", "--force"]) == 2
+    assert capsys.readouterr().err.startswith("bcg plan: error: --force goes with --write")
+
+
+def test_whole_count_rounds_half_up_and_shows_a_sliver_as_under_one():
+    from deployments.commands import whole_count
+
+    assert [whole_count(v) for v in (0, 0.2, 0.5, 2.5, 182.9, 25.7635, 7)] == ["0", "<1", "1", "3", "183", "26", "7"]
+    for bad in (-1.0, float("nan")):
+        with pytest.raises(ValueError, match="a request count must be a number >= 0"):
+            whole_count(bad)
