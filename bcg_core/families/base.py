@@ -371,15 +371,16 @@ def read_json(path: Path, optional: bool = False) -> dict:
     return json.loads(path.read_text())
 
 
-def load_pipeline(pipeline_cls, path: Path, device: torch.device, dtype: torch.dtype):
+def load_pipeline(pipeline_cls, path: Path, device: torch.device, dtype: torch.dtype, **components):
     """A diffusers pipeline from a local checkpoint folder, every model component in eval mode on ``device``.
 
     ``from_pretrained(torch_dtype=dtype, local_files_only=True)``, as a user of diffusers loads it. Without
     ``accelerate``, diffusers 0.42.1 leaves an fp32-saved ``SD3Transformer2DModel`` in fp32 although the other
     components get ``torch_dtype``; a transformer left in another dtype is cast alone, so no component's own
-    fp32 modules are touched. The progress bar is off (a replica logs no per-step bars).
+    fp32 modules are touched. The progress bar is off (a replica logs no per-step bars). ``components`` are passed
+    to ``from_pretrained`` (e.g. ``text_encoder_3=None`` for an SD3 checkpoint saved without T5).
     """
-    pipe = pipeline_cls.from_pretrained(str(path), torch_dtype=dtype, local_files_only=True)
+    pipe = pipeline_cls.from_pretrained(str(path), torch_dtype=dtype, local_files_only=True, **components)
     if pipe.transformer.dtype != dtype:
         pipe.transformer.to(dtype=dtype)
     pipe.to(device)
