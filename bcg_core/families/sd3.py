@@ -49,6 +49,7 @@ from bcg_core.keys import BucketKey
 from bcg_core.table import ShapeRules
 from bcg_core.padding import DenoiseInputs, copy_rows
 from bcg_core.families.base import QUALITY_STEPS, ModelSpec, RequestState, TextRows, load_pipeline, read_json, tokenizer_counter
+from bcg_core.families.defaults import pipeline_defaults
 
 __all__ = ["SD3Adapter", "SD3Family", "SD3_MAX_SEQUENCE_LENGTH", "SD3_NATIVE_TEXT_TOKENS"]
 
@@ -256,9 +257,10 @@ class SD3Family:
                            native_text_tokens=clip + SD3_MAX_SEQUENCE_LENGTH)
         has_t5 = _has_t5(path, index)
         return ModelSpec(name=path.name, family=cls.name, pipeline_class=index["_class_name"], rules=rules,
-                         guidance_embeds=False, cfg_rule="guidance_scale", default_true_cfg_scale=None,
+                         guidance_embeds=False, cfg_rule="guidance_scale",
                          max_prompt_tokens=SD3_MAX_SEQUENCE_LENGTH if has_t5 else clip,
-                         max_grid_side=int(tr["pos_embed_max_size"]), quality_steps=QUALITY_STEPS["sd3"])
+                         max_grid_side=int(tr["pos_embed_max_size"]), quality_steps=QUALITY_STEPS["sd3"],
+                         **pipeline_defaults(index["_class_name"]))
 
     @classmethod
     def token_counter(cls, path: Path, index: dict) -> Callable[..., int]:
