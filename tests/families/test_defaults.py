@@ -87,6 +87,9 @@ def test_the_family_defaults_are_its_pipelines_signature_defaults(folders, case)
         f"{pipeline_cls.__name__}'s defaults changed: update the docs and DOCUMENTED")
     spec = describe_model(ModelConfig(path=str(folders[case])))
     assert (spec.default_steps, spec.default_guidance_scale, spec.default_true_cfg_scale) == (steps, guidance, true_cfg)
+    # quality's table names the pipeline's default: medium (high for Qwen-Image; schnell is distilled for 1-4)
+    if case != "flux-schnell":
+        assert steps == spec.quality_steps[2 if case == "qwenimage" else 1]
     config = _config(folders[case], case)
     planner = Planner.from_config(config)  # the ingress's: tokenizer and JSON configs only
     size = CASES[case][3]
