@@ -206,8 +206,16 @@ class LimitsConfig(BaseModel):
     min_side_px: int = Field(default=256, ge=16, description="Smallest width or height in pixels.")
     max_side_px: int = Field(default=2048, ge=16, description="Largest width or height in pixels.")
     max_steps: int = Field(default=50, ge=1, le=1000, description="Largest num_inference_steps.")
-    default_steps: int = Field(default=4, ge=1, description="num_inference_steps when a request omits it.")
-    default_guidance_scale: float = Field(default=3.5, ge=0.0, description="CFG scale when omitted.")
+    default_steps: int | None = Field(
+        default=None, ge=1,
+        description="num_inference_steps when a request omits it (and quality). None: the family's, its diffusers "
+        "pipeline's __call__ default (FLUX.1 and SD3 28, PixArt-Sigma and SANA 20, Qwen-Image 50; the tiny default "
+        "4), clipped to max_steps; GET /v1/models shows it.")
+    default_guidance_scale: float | None = Field(
+        default=None, ge=0.0,
+        description="guidance_scale when a request omits it. None: the family's, its diffusers pipeline's __call__ "
+        "default (FLUX.1 3.5, SD3 7.0, PixArt-Sigma and SANA 4.5, Qwen-Image none: it has no guidance input; the "
+        "tiny default 3.5), clipped to max_guidance_scale; GET /v1/models shows it.")
     max_guidance_scale: float = Field(default=30.0, gt=0.0, description="Largest guidance_scale.")
     max_prompt_chars: int = Field(default=4000, ge=1, description="Longest prompt in characters.")
     max_body_bytes: int = Field(default=65536, ge=1024, description="Largest HTTP request body in bytes.")
@@ -222,9 +230,9 @@ class LimitsConfig(BaseModel):
     def _consistent(self) -> LimitsConfig:
         if self.min_side_px > self.max_side_px:
             raise ValueError(f"min_side_px {self.min_side_px} exceeds max_side_px {self.max_side_px}")
-        if self.default_steps > self.max_steps:
+        if self.default_steps is not None and self.default_steps > self.max_steps:
             raise ValueError(f"default_steps {self.default_steps} exceeds max_steps {self.max_steps}")
-        if self.default_guidance_scale > self.max_guidance_scale:
+        if self.default_guidance_scale is not None and self.default_guidance_scale > self.max_guidance_scale:
             raise ValueError(f"default_guidance_scale {self.default_guidance_scale} exceeds max_guidance_scale "
                              f"{self.max_guidance_scale}")
         return self
@@ -343,7 +351,8 @@ class TrafficConfig(BaseModel):
 
 class QualityConfig(BaseModel):
     """Denoising steps of OpenAI's ``quality`` values. An unset value takes the family's own
-    (:data:`bcg_core.families.base.QUALITY_STEPS`; ``auto``: ``limits.default_steps``); every count is clipped
+    (:data:`bcg_core.families.base.QUALITY_STEPS`; ``auto``: the default steps, ``limits.default_steps`` or the
+    family's); every count is clipped
     to ``limits.max_steps``. A request's ``num_inference_steps`` wins over its ``quality``."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -351,7 +360,9 @@ class QualityConfig(BaseModel):
     low: int | None = Field(default=None, ge=1, le=1000, description="Steps of quality 'low'; None: the family's.")
     medium: int | None = Field(default=None, ge=1, le=1000, description="Steps of 'medium'; None: the family's.")
     high: int | None = Field(default=None, ge=1, le=1000, description="Steps of 'high'; None: the family's.")
-    auto: int | None = Field(default=None, ge=1, le=1000, description="Steps of 'auto'; None: limits.default_steps.")
+    auto: int | None = Field(default=None, ge=1, le=1000,
+                             description="Steps of 'auto'; None: the default steps (limits.default_steps, else the "
+                             "family's).")
 
 
 class EngineConfig(BaseModel):

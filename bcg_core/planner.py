@@ -9,6 +9,7 @@ docs/DESIGN.md section 2 says how a shape rounds up to its bucket.
 
 from __future__ import annotations
 
+import logging
 import random
 from dataclasses import replace
 from typing import Callable
@@ -23,6 +24,8 @@ from bcg_core.errors import BucketMissError, RequestError
 from bcg_core.families.base import ModelSpec
 
 __all__ = ["Planner", "allowed_values", "invalid"]
+
+log = logging.getLogger(__name__)
 
 
 def _is_int(v) -> bool:
@@ -115,6 +118,38 @@ class Planner:
         min_side = -(-config.limits.min_side_px // rules.pixels_per_token)
         self.table = BucketTable(config.buckets, rules, min_image_tokens=min_side * min_side)
         self.count_tokens = count_tokens
+        self.default_steps, self.default_guidance_scale = self._defaults(config.limits, spec)
+
+    @staticmethod
+    def _defaults(lim: LimitsConfig, spec: ModelSpec) -> tuple[int, float | None]:
+        """``(steps, guidance_scale)`` of a request that omits them: the config's where set, else the family's
+        (:attr:`ModelSpec.default_steps`, :attr:`ModelSpec.default_guidance_scale`: its diffusers pipeline's
+        ``__call__`` defaults), clipped to ``limits.max_steps`` and ``limits.max_guidance_scale`` (logged: the
+        images then differ from diffusers' defaults)."""
+        steps, guidance = lim.default_steps, lim.default_guidance_scale
+        if steps is None:
+            steps = min(spec.default_steps, lim.max_steps)
+            if steps < spec.default_steps:
+                log.warning("the family's default of %d steps (%s) is above limits.max_steps %d: requests that omit "
+                            "num_inference_steps get %d; raise max_steps or set limits.default_steps",
+                            spec.default_steps, spec.pipeline_class, lim.max_steps, steps)
+        if guidance is None and spec.default_guidance_scale is not None:
+            guidance = min(spec.default_guidance_scale, lim.max_guidance_scale)
+            if guidance < spec.default_guidance_scale:
+                log.warning("the family's default guidance_scale %g (%s) is above limits.max_guidance_scale %g: "
+                            "requests that omit it get %g", spec.default_guidance_scale, spec.pipeline_class,
+                            lim.max_guidance_scale, guidance)
+        return steps, guidance
+
+    @property
+    def defaults(self) -> dict[str, float | int | None]:
+        """What a request that omits them gets: ``num_inference_steps``, ``guidance_scale`` (None: left unset, as
+        Qwen-Image's pipeline) and, for families with true CFG, ``true_cfg_scale`` (``GET /v1/models`` shows them)."""
+        d: dict[str, float | int | None] = {"num_inference_steps": self.default_steps,
+                                            "guidance_scale": self.default_guidance_scale}
+        if self.spec.default_true_cfg_scale is not None:
+            d["true_cfg_scale"] = self.spec.default_true_cfg_scale
+        return d
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "Planner":
@@ -167,9 +202,9 @@ class Planner:
         if r.num_inference_steps is not None:
             steps = r.num_inference_steps
         elif quality is not None:
-            steps = self.spec.steps_for_quality(quality, self.config.quality, lim.default_steps, lim.max_steps)
+            steps = self.spec.steps_for_quality(quality, self.config.quality, self.default_steps, lim.max_steps)
         else:
-            steps = lim.default_steps
+            steps = self.default_steps
         if not _is_int(steps) or not 1 <= steps <= lim.max_steps:
             raise bad("num_inference_steps", steps, "out of range")
         work = r.width * r.height * r.n * steps / 1e6
@@ -178,8 +213,9 @@ class Planner:
             raise RequestError(field, f"the request asks for {r.width}x{r.height} x {r.n} images x {steps} steps = "
                                       f"{work:.0f} megapixel-steps, above limits.max_megapixel_steps "
                                       f"{lim.max_megapixel_steps:g}; lower n, num_inference_steps or size")
-        g = lim.default_guidance_scale if r.guidance_scale is None else r.guidance_scale
-        if isinstance(g, bool) or not isinstance(g, (int, float)) or not 0.0 <= g <= lim.max_guidance_scale:
+        g = self.default_guidance_scale if r.guidance_scale is None else r.guidance_scale
+        if g is not None and (isinstance(g, bool) or not isinstance(g, (int, float))
+                              or not 0.0 <= g <= lim.max_guidance_scale):
             raise bad("guidance_scale", g, "out of range")
         neg = r.negative_prompt
         if neg is not None and (not isinstance(neg, str) or len(neg) > lim.max_prompt_chars):
@@ -193,8 +229,9 @@ class Planner:
                                  or not 0.0 <= tcfg <= lim.max_guidance_scale):
             raise bad("true_cfg_scale", tcfg, "out of range")
         self._check_output(r)
-        filled = replace(r, num_inference_steps=steps, guidance_scale=float(g), negative_prompt=neg, seed=seed,
-                         true_cfg_scale=None if tcfg is None else float(tcfg), quality=quality)
+        filled = replace(r, num_inference_steps=steps, guidance_scale=None if g is None else float(g),
+                         negative_prompt=neg, seed=seed, true_cfg_scale=None if tcfg is None else float(tcfg),
+                         quality=quality)
         self.spec.check(filled)
         if self.spec.size_bins:
             gen_w, gen_h = self.spec.generation_size(r.width, r.height)

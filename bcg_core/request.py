@@ -32,8 +32,10 @@ class GenerationRequest:
         prompt: the text.
         n: images to generate.
         width, height: image size in pixels.
-        num_inference_steps: denoising steps (None: ``quality``'s, else the configured default).
-        guidance_scale: guidance scale (None: the configured default). For most families it is the
+        num_inference_steps: denoising steps (None: ``quality``'s, else the default: ``limits.default_steps``
+            where set, else the family's diffusers pipeline's ``__call__`` default).
+        guidance_scale: guidance scale (None: ``limits.default_guidance_scale`` where set, else the family's
+            diffusers pipeline's default; Qwen-Image's is None and stays None). For most families it is the
             classifier-free guidance scale, and above 1 adds one uncond row per image (cond and uncond in one
             forward); for guidance-distilled FLUX.1-dev it feeds the guidance embedding (see the family table
             in docs/OPERATIONS.md).
@@ -45,7 +47,7 @@ class GenerationRequest:
         quality: OpenAI's ``quality``, ``"low"``, ``"medium"``, ``"high"`` or ``"auto"`` (or DALL-E 3's
             ``"standard"`` and ``"hd"``, planned as ``"medium"`` and ``"high"``: :data:`QUALITY_ALIASES`): the step
             count the config and the family set for it (:meth:`~bcg_core.families.ModelSpec.steps_for_quality`), used when
-            ``num_inference_steps`` is None. None: ``limits.default_steps``.
+            ``num_inference_steps`` is None. None: the default steps, as ``num_inference_steps``.
         output_format: the image files' format, ``"png"``, ``"jpeg"`` or ``"webp"`` (:mod:`bcg_core.images`).
         output_compression: 0..100 for jpeg and webp (None: 100); None or 100 for png.
         partial_images: previews to stream while denoising, 0..3 (:mod:`bcg_core.preview`); 0 for a request

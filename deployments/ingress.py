@@ -225,15 +225,17 @@ class Ingress:
         return {"status": "ok"}
 
     def _model_card(self) -> ModelCard:
-        spec, table, lim = self._planner.spec, self._planner.table, self._config.limits
-        quality = {q: spec.steps_for_quality(q, self._config.quality, lim.default_steps, lim.max_steps)
+        planner = self._planner
+        spec, table, lim = planner.spec, planner.table, self._config.limits
+        quality = {q: spec.steps_for_quality(q, self._config.quality, planner.default_steps, lim.max_steps)
                    for q in ("low", "medium", "high", "auto")}
         return ModelCard(id=self._model_name, created=self._started, bcg={
             "family": spec.family, "pipeline_class": spec.pipeline_class,
             "buckets": {**table.describe_limits(), "count": len(table)},
             "limits": {"max_images": lim.max_images, "min_side_px": lim.min_side_px, "max_side_px": lim.max_side_px,
                        "size_multiple": table.rules.pixels_per_token, "max_steps": lim.max_steps,
-                       "default_steps": lim.default_steps, "default_size": "{}x{}".format(*DEFAULT_SIZE)},
+                       "default_steps": planner.default_steps, "default_size": "{}x{}".format(*DEFAULT_SIZE)},
+            "defaults": planner.defaults,
             "quality_steps": quality,
             "quality_aliases": dict(QUALITY_ALIASES),
             "output_formats": list(IMAGE_FORMATS),

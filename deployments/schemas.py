@@ -127,7 +127,7 @@ class ImageGenerationRequest(BaseModel):
     quality: Literal["low", "medium", "high", "auto", "standard", "hd"] | None = Field(
         default=None, description="A denoising step count each, set per family and in the config's quality "
         "section (GET /v1/models shows them); DALL-E 3's 'standard' and 'hd' are served as 'medium' and 'high'; "
-        "num_inference_steps wins. Omitted = limits.default_steps.")
+        "num_inference_steps wins. Omitted = the default steps (GET /v1/models: defaults).")
     background: Literal["auto", "opaque"] | None = Field(default=None, description="Only 'auto' or 'opaque': "
                                                          "images are opaque.")
     moderation: Literal["auto", "low"] | None = Field(default=None, description="Only 'auto' or 'low': no "
@@ -142,14 +142,18 @@ class ImageGenerationRequest(BaseModel):
     seed: int | None = Field(default=None, description="Noise seed of image 0 (image i uses seed + i), 0 to 2**63-1-limits.max_images; "
                       "omitted = random, reported back.")
     num_inference_steps: int | None = Field(
-        default=None, description="Denoising steps, 1 to limits.max_steps; omitted = limits.default_steps."
+        default=None, description="Denoising steps, 1 to limits.max_steps; omitted = the family's diffusers pipeline "
+        "default (28 FLUX.1 and SD3, 20 PixArt-Sigma and SANA, 50 Qwen-Image, 4 the tiny default) unless the config "
+        "sets limits.default_steps (GET /v1/models: defaults)."
     )
     guidance_scale: float | None = Field(
         default=None,
         description="Guidance scale, 0 to limits.max_guidance_scale. Classifier-free guidance for SD3, PixArt-Sigma, "
         "SANA and the tiny default: above 1 runs cond + uncond rows (2n transformer rows). FLUX.1-dev: its guidance "
         "embedding (no uncond rows); FLUX.1-schnell and Qwen-Image ignore it, as their diffusers pipelines do. "
-        "Omitted = limits.default_guidance_scale.",
+        "Omitted = the family's diffusers pipeline default (3.5 FLUX.1, 7.0 SD3, 4.5 PixArt-Sigma and SANA, unset "
+        "Qwen-Image, 3.5 the tiny default) unless the config sets limits.default_guidance_scale (GET /v1/models: "
+        "defaults).",
     )
     negative_prompt: str | None = Field(
         default=None, description="Text to guide away from (the uncond rows of CFG). Omitted = the family's default: "
@@ -289,8 +293,10 @@ class ModelCard(BaseModel):
     created: int = Field(description="Unix time the ingress started, seconds.")
     owned_by: str = Field(default="bcg-serve", description="Always 'bcg-serve'.")
     bcg: dict = Field(description="Extension: family, pipeline class, the bucket table summarised (batch sizes, "
-                      "resolutions, text lengths, bucket count, miss policy), the request limits and the step count "
-                      "of each quality.")
+                      "resolutions, text lengths, bucket count, miss policy), the request limits, the defaults of a "
+                      "request that omits them (num_inference_steps, guidance_scale, and true_cfg_scale for FLUX and "
+                      "Qwen-Image: the family's diffusers pipeline's unless the config's limits set them) and the "
+                      "step count of each quality.")
 
 
 class ModelList(BaseModel):

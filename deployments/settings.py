@@ -320,8 +320,10 @@ class BackpressureLimits:
 def backpressure_limits(config: ServeConfig, dit_replicas: int = 1) -> BackpressureLimits:
     """The backpressure limits of an application, from the scheduler's capacity unless the config sets them.
 
-    ``rows`` of a default request: 2 with classifier-free guidance (``limits.default_guidance_scale > 1``),
-    else 1. ``batch_capacity`` (the requests a replica runs at once) is ``runner.max_rows_in_flight // rows``:
+    ``rows`` of a default request: 2 with classifier-free guidance (``limits.default_guidance_scale > 1``, or
+    unset: the family's default, which runs CFG for SD3, PixArt-Sigma, SANA and the tiny default; counted
+    without loading the model, so FLUX.1 and Qwen-Image, whose default requests run one row, are counted at 2
+    too unless it is set to 1), else 1. ``batch_capacity`` (the requests a replica runs at once) is ``runner.max_rows_in_flight // rows``:
     the step scheduler splits forwards across buckets (or runs them eager), so the largest batch bucket does
     not bound it.
 
@@ -340,7 +342,8 @@ def backpressure_limits(config: ServeConfig, dit_replicas: int = 1) -> Backpress
         The limits. Default config (step scheduler, 64 rows, guidance 3.5): batch capacity 32, 64 ongoing
         per replica, 256 queued with 4 replicas at most.
     """
-    rows = 2 if config.limits.default_guidance_scale > 1 else 1
+    guidance = config.limits.default_guidance_scale
+    rows = 2 if guidance is None or guidance > 1 else 1
     runner = config.runner
     capacity = max(1, runner.max_rows_in_flight // rows)
     default_ongoing = runner.max_requests or 2 * capacity

@@ -92,7 +92,7 @@ def _int_field(row: Mapping[str, object], name: str) -> int | None:
 
 
 def expected_load(table_planner: Planner, rows: Iterable[Mapping[str, object]],
-                  guidance_scale: float = 3.5, by: str = "requests") -> LoadEstimate:
+                  guidance_scale: float | None = 3.5, by: str = "requests") -> LoadEstimate:
     """Share of requests per bucket from real data rows.
 
     Each row becomes ``GenerationRequest(prompt="x", n=num_generations or 1, width, height,
@@ -103,7 +103,8 @@ def expected_load(table_planner: Planner, rows: Iterable[Mapping[str, object]],
     Args:
         table_planner: the planner whose bucket table keys the requests.
         rows: mappings with ``width``, ``height`` and (optional, may be empty) ``num_generations``.
-        guidance_scale: CFG scale of every request (above 1 the batch dimension doubles).
+        guidance_scale: CFG scale of every request (above 1 the batch dimension doubles); None: the planner's
+            default (the config's, else the family's).
         by: ``"requests"``: each request weighs 1; ``"work"``: each request weighs the padded tokens of its
             bucket's forward (``BucketKey.tokens``, proportional to its GPU time per denoising step), so a
             1024x1024 request counts ~4x a 512x512 one. Ownership balances work.
@@ -198,7 +199,7 @@ def demands_for_config(config, planner: Planner | None = None) -> dict[str, Buck
                     for s, k in sorted(largest.items())}
         log.warning("buckets.plan does not describe this table (edited after bcg plan wrote it): ownership uses "
                     "the krea prior; plan again with bcg plan --write, or delete buckets.plan")
-    load = expected_load(planner, krea_rows(), guidance_scale=config.limits.default_guidance_scale, by="work")
+    load = expected_load(planner, krea_rows(), guidance_scale=None, by="work")  # the default request's guidance
     return shape_demands(planner.table.keys, load.shares, graph_bytes)
 
 

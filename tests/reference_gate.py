@@ -66,20 +66,24 @@ def _png(image) -> bytes:
     return buf.getvalue()
 
 
-def diffusers_run(pipeline_cls, folder, request: GenerationRequest, device: str = "cpu", **call_kwargs) -> GateRun:
+def diffusers_run(pipeline_cls, folder, request: GenerationRequest, device: str = "cpu",
+                  load_kwargs: dict | None = None, **call_kwargs) -> GateRun:
     """Run the diffusers pipeline itself on ``request`` (its ``seed`` must be set), fp32 on ``device``.
 
-    ``call_kwargs`` are passed on as they are (e.g. ``true_cfg_scale``, ``max_sequence_length``); prompt,
-    negative prompt, n, size, steps, guidance and generators (CPU generators, as bcg-serve's) come from
-    ``request``.
+    ``load_kwargs`` go to ``from_pretrained`` (e.g. ``text_encoder_3=None, tokenizer_3=None`` for an SD3
+    checkpoint saved without T5, as diffusers documents); ``call_kwargs`` are passed on to the call as they are
+    (e.g. ``max_sequence_length``); prompt, n, size, generators (CPU generators, as bcg-serve's) and, where
+    ``request`` sets them, negative prompt, steps, guidance and true CFG scale come from ``request`` (one it leaves
+    unset is left to the pipeline's default, as a diffusers user who omits it).
     """
-    pipe = pipeline_cls.from_pretrained(str(folder), torch_dtype=torch.float32, local_files_only=True).to(device)
+    pipe = pipeline_cls.from_pretrained(str(folder), torch_dtype=torch.float32, local_files_only=True,
+                                        **(load_kwargs or {})).to(device)
     pipe.set_progress_bar_config(disable=True)
     kwargs = dict(prompt=request.prompt, num_images_per_prompt=request.n, width=request.width,
-                  height=request.height, num_inference_steps=request.num_inference_steps,
-                  guidance_scale=request.guidance_scale, **call_kwargs)
-    if request.negative_prompt is not None:
-        kwargs["negative_prompt"] = request.negative_prompt
+                  height=request.height, **call_kwargs)
+    for name in ("num_inference_steps", "guidance_scale", "negative_prompt", "true_cfg_scale"):
+        if getattr(request, name) is not None and name not in kwargs:  # unset: the pipeline's own default
+            kwargs[name] = getattr(request, name)
 
     def gens():
         return [torch.Generator("cpu").manual_seed(request.seed + i) for i in range(request.n)]

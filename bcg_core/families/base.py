@@ -38,8 +38,8 @@ from bcg_core.table import ShapeRules
 from bcg_core.padding import DenoiseInputs, DiTAdapter
 
 __all__ = [
-    "QUALITY_STEPS", "Family", "ModelSpec", "RequestState", "TextRows", "concat_rows", "load_pipeline", "pad_text", "read_json",
-    "tokenizer_counter",
+    "QUALITY_STEPS", "Family", "ModelSpec", "RequestState", "TextRows", "concat_rows", "load_pipeline", "pad_text",
+    "read_json", "tokenizer_counter",
 ]
 
 
@@ -73,9 +73,9 @@ class ModelSpec:
             ``guidance_scale > 1`` (SD3, PixArt, SANA, the tiny default: ``do_classifier_free_guidance`` of
             their pipelines), ``"true_cfg"`` when ``true_cfg_scale > 1`` and a negative prompt is given
             (``FluxPipeline``, ``QwenImagePipeline``).
-        default_true_cfg_scale: ``true_cfg_scale`` when a request omits it (the pipeline's default: 1.0 for
-            FLUX, 4.0 for Qwen-Image); None where the family has no such option (a request that sets it is
-            refused).
+        default_true_cfg_scale: ``true_cfg_scale`` when a request omits it (the pipeline's default, read as
+            ``default_steps``: 1.0 for FLUX, 4.0 for Qwen-Image); None where the family has no such option (a
+            request that sets it is refused).
         size_bins: aspect-ratio bins (``{"ratio": [height, width]}``) of pipelines with resolution binning
             (PixArt-Sigma, SANA), else None.
         max_prompt_tokens: most prompt tokens the text encoder reads, where it is below the key's text length
@@ -87,6 +87,14 @@ class ModelSpec:
         quality_steps: denoising steps of OpenAI's ``quality`` ``low``, ``medium`` and ``high`` for this family
             (``medium`` is its diffusers pipeline's default step count where that is below ``high``; see
             :data:`QUALITY_STEPS`); the config's ``quality`` section overrides them.
+        default_steps: ``num_inference_steps`` of a request that sets neither it nor ``quality``, unless
+            ``limits.default_steps`` is set: the pipeline's ``__call__`` default
+            (:func:`~bcg_core.families.defaults.pipeline_defaults`; the tiny default's 4, few so that a CPU serves
+            it quickly).
+        default_guidance_scale: ``guidance_scale`` of a request that omits it, unless
+            ``limits.default_guidance_scale`` is set: the pipeline's default (as ``default_steps``; the tiny
+            default's 3.5, FluxPipeline's); None where the pipeline's is None (Qwen-Image: no guidance input, the
+            request's guidance_scale stays unset).
     """
 
     name: str
@@ -101,6 +109,8 @@ class ModelSpec:
     max_grid_side: int | None = None
     max_text_tokens: int | None = None
     quality_steps: tuple[int, int, int] = (2, 4, 8)
+    default_steps: int = 4
+    default_guidance_scale: float | None = 3.5
 
     def steps_for_quality(self, quality: str, config, default_steps: int, max_steps: int) -> int:
         """Denoising steps of OpenAI's ``quality`` for this model.
@@ -371,15 +381,16 @@ def read_json(path: Path, optional: bool = False) -> dict:
     return json.loads(path.read_text())
 
 
-def load_pipeline(pipeline_cls, path: Path, device: torch.device, dtype: torch.dtype):
+def load_pipeline(pipeline_cls, path: Path, device: torch.device, dtype: torch.dtype, **components):
     """A diffusers pipeline from a local checkpoint folder, every model component in eval mode on ``device``.
 
     ``from_pretrained(torch_dtype=dtype, local_files_only=True)``, as a user of diffusers loads it. Without
     ``accelerate``, diffusers 0.42.1 leaves an fp32-saved ``SD3Transformer2DModel`` in fp32 although the other
     components get ``torch_dtype``; a transformer left in another dtype is cast alone, so no component's own
-    fp32 modules are touched. The progress bar is off (a replica logs no per-step bars).
+    fp32 modules are touched. The progress bar is off (a replica logs no per-step bars). ``components`` are passed
+    to ``from_pretrained`` (e.g. ``text_encoder_3=None`` for an SD3 checkpoint saved without T5).
     """
-    pipe = pipeline_cls.from_pretrained(str(path), torch_dtype=dtype, local_files_only=True)
+    pipe = pipeline_cls.from_pretrained(str(path), torch_dtype=dtype, local_files_only=True, **components)
     if pipe.transformer.dtype != dtype:
         pipe.transformer.to(dtype=dtype)
     pipe.to(device)

@@ -40,6 +40,7 @@ from bcg_core.keys import BucketKey
 from bcg_core.table import ShapeRules
 from bcg_core.padding import DenoiseInputs, copy_rows
 from bcg_core.families.base import QUALITY_STEPS, ModelSpec, RequestState, TextRows, load_pipeline, read_json, tokenizer_counter
+from bcg_core.families.defaults import pipeline_defaults
 
 __all__ = ["FLUX_SCHEDULER_CONFIG", "FluxAdapter", "FluxFamily", "flux_image_ids"]
 
@@ -252,11 +253,21 @@ class FluxFamily:
 
     @classmethod
     def describe(cls, path: Path, index: dict) -> ModelSpec:
-        """Spec from ``transformer/config.json``, ``vae/config.json`` and ``model_index.json``.
+        """Spec from ``transformer/config.json``, ``vae/config.json`` and ``model_index.json``; request defaults
+        from ``FluxPipeline.__call__``'s signature (:func:`pipeline_defaults`: 28 steps, guidance 3.5, true CFG
+        1.0), FLUX.1-schnell's too: ``FluxPipeline`` defaults to 28 steps whatever the checkpoint (schnell's model
+        card uses 4; set ``limits.default_steps`` or ask for quality ``low``/``medium``/``high``, 1/2/4 steps), and
+        schnell ignores ``guidance_scale`` (no guidance embedding) as diffusers does.
 
         Raises:
             ValueError: the T5 tokenizer holds fewer tokens than the model is served with.
         """
+        return cls.spec_from_configs(path, index, **pipeline_defaults(index["_class_name"]))
+
+    @classmethod
+    def spec_from_configs(cls, path: Path, index: dict, **defaults) -> ModelSpec:
+        """:meth:`describe` with the request ``defaults`` (:class:`ModelSpec` fields) given instead of read from
+        a diffusers pipeline (the tiny layout has none)."""
         tr = read_json(path / "transformer" / "config.json")
         vae = read_json(path / "vae" / "config.json")
         scale = 2 ** (len(vae["block_out_channels"]) - 1)
@@ -273,7 +284,7 @@ class FluxFamily:
                              native_text_tokens=tokens),
             guidance_embeds=bool(tr.get("guidance_embeds", False)), cfg_rule="true_cfg",
             quality_steps=QUALITY_STEPS["flux-dev" if tr.get("guidance_embeds", False) else "flux-schnell"],
-            default_true_cfg_scale=1.0,
+            **defaults,
         )
 
     @classmethod

@@ -47,6 +47,7 @@ import torch
 from bcg_core.table import ShapeRules
 from bcg_core.padding import DenoiseInputs, GridMaskedTextAdapter
 from bcg_core.families.base import QUALITY_STEPS, ModelSpec, RequestState, TextRows, load_pipeline, pad_text, read_json
+from bcg_core.families.defaults import pipeline_defaults
 
 __all__ = ["PIXART_SIGMA_MAX_TEXT_TOKENS", "PixArtAdapter", "PixArtSigmaFamily", "aspect_ratio_bins"]
 
@@ -223,9 +224,9 @@ class PixArtSigmaFamily:
             raise ValueError(f"{path}: aspect-ratio bins {', '.join(bad)} of sample_size {sample} are not multiples "
                              f"of the token size {m} px (VAE x patch); this checkpoint cannot be bucketed")
         return ModelSpec(name=path.name, family=cls.name, pipeline_class=index["_class_name"], rules=rules,
-                         cfg_rule="guidance_scale", default_true_cfg_scale=None,
-                         size_bins={k: list(v) for k, v in bins.items()},
-                         max_text_tokens=PIXART_SIGMA_MAX_TEXT_TOKENS, quality_steps=QUALITY_STEPS["pixart"])
+                         cfg_rule="guidance_scale", size_bins={k: list(v) for k, v in bins.items()},
+                         max_text_tokens=PIXART_SIGMA_MAX_TEXT_TOKENS, quality_steps=QUALITY_STEPS["pixart"],
+                         **pipeline_defaults(index["_class_name"]))
 
     @classmethod
     def token_counter(cls, path: Path, index: dict):

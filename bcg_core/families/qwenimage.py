@@ -50,14 +50,12 @@ from bcg_core.keys import BucketKey
 from bcg_core.table import ShapeRules
 from bcg_core.padding import DenoiseInputs, copy_rows, fill_masked_text
 from bcg_core.families.base import QUALITY_STEPS, ModelSpec, RequestState, TextRows, load_pipeline, pad_text
+from bcg_core.families.defaults import pipeline_defaults
 
 __all__ = ["QWEN_MAX_TEXT_TOKENS", "QwenImageAdapter", "QwenImageFamily", "TextMaskAttnProcessor"]
 
 QWEN_MAX_TEXT_TOKENS = 512
 """``QwenImagePipeline.__call__(max_sequence_length=512)``: text tokens kept after the template is dropped."""
-
-QWEN_DEFAULT_TRUE_CFG_SCALE = 4.0
-"""``QwenImagePipeline.__call__(true_cfg_scale=4.0)``."""
 
 
 class TextMaskAttnProcessor(QwenDoubleStreamAttnProcessor2_0):
@@ -275,8 +273,9 @@ class QwenImageFamily:
         return ModelSpec(
             name=path.name, family=cls.name, pipeline_class=index["_class_name"],
             rules=ShapeRules(pixels_per_token=scale * 2, grid_keyed=True, native_text_tokens=None),
-            guidance_embeds=False, cfg_rule="true_cfg", default_true_cfg_scale=QWEN_DEFAULT_TRUE_CFG_SCALE,
+            guidance_embeds=False, cfg_rule="true_cfg",
             max_text_tokens=QWEN_MAX_TEXT_TOKENS, quality_steps=QUALITY_STEPS["qwenimage"],
+            **pipeline_defaults(index["_class_name"]),
         )
 
     @classmethod

@@ -47,6 +47,7 @@ import torch
 from bcg_core.table import ShapeRules
 from bcg_core.padding import DenoiseInputs, GridMaskedTextAdapter
 from bcg_core.families.base import QUALITY_STEPS, ModelSpec, RequestState, TextRows, load_pipeline, pad_text, read_json
+from bcg_core.families.defaults import pipeline_defaults
 
 __all__ = ["SANA_MAX_TEXT_TOKENS", "SanaAdapter", "SanaFamily", "complex_human_instruction", "sana_bins"]
 
@@ -245,8 +246,9 @@ class SanaFamily:
             raise ValueError(f"{path}: aspect-ratio bins {', '.join(bad)} are not multiples of the token size "
                              f"{m} px (VAE x patch); this checkpoint cannot be bucketed")
         return ModelSpec(name=path.name, family=cls.name, pipeline_class=index["_class_name"], rules=rules,
-                         cfg_rule="guidance_scale", default_true_cfg_scale=None, size_bins=bins,
-                         max_text_tokens=SANA_MAX_TEXT_TOKENS, quality_steps=QUALITY_STEPS["sana"])
+                         cfg_rule="guidance_scale", size_bins=bins,
+                         max_text_tokens=SANA_MAX_TEXT_TOKENS, quality_steps=QUALITY_STEPS["sana"],
+                         **pipeline_defaults(index["_class_name"]))
 
     @classmethod
     def token_counter(cls, path: Path, index: dict):

@@ -23,8 +23,14 @@ Everything below reproduces ``diffusers/pipelines/stable_diffusion_3/pipeline_st
   1.16 there, not FLUX's 1.15; line 1016). The transformer gets ``t.expand(rows)`` undivided (0-1000, fp32).
 - Decode: ``z / scaling_factor + shift_factor`` (1.5305, 0.0609 for SD3's VAE; line 1141), ``vae.decode`` of
   the request's ``n`` latents in one call, ``image_processor.postprocess(output_type="pil")``.
+- Without T5 (``text_encoder_3: [null, null]`` in ``model_index.json``, as SD3 checkpoints saved with
+  ``text_encoder_3=None``): ``StableDiffusion3Pipeline.from_pretrained`` refuses such a folder unless it is given
+  ``text_encoder_3=None, tokenizer_3=None`` (the way diffusers' SD3 docs drop T5), so :meth:`SD3Family.load`
+  passes them; ``encode_prompt`` then uses zeros for the 256 T5 tokens (``_get_t5_prompt_embeds``), the text
+  keeps its 333 tokens, and prompts are counted with CLIP-L's tokenizer and refused above its 77 tokens.
 - Refused at load (:meth:`SD3Family.describe`): a scheduler other than ``FlowMatchEulerDiscreteScheduler``,
-  or one with ``stochastic_sampling`` (the pipeline draws that noise from the global RNG: not reproducible).
+  or one with ``stochastic_sampling`` (the pipeline draws that noise from the global RNG: not reproducible);
+  a T5 encoder without its tokenizer.
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ from bcg_core.keys import BucketKey
 from bcg_core.table import ShapeRules
 from bcg_core.padding import DenoiseInputs, copy_rows
 from bcg_core.families.base import QUALITY_STEPS, ModelSpec, RequestState, TextRows, load_pipeline, read_json, tokenizer_counter
+from bcg_core.families.defaults import pipeline_defaults
 
 __all__ = ["SD3Adapter", "SD3Family", "SD3_MAX_SEQUENCE_LENGTH", "SD3_NATIVE_TEXT_TOKENS"]
 
@@ -173,6 +180,27 @@ class SD3Adapter:
                           inputs.timestep.to(device=p.device, dtype=torch.float32))
 
 
+def _is_null(index: dict, component: str) -> bool:
+    """True when ``model_index.json`` saves ``component`` as ``[null, null]`` (or leaves it out)."""
+    return (index.get(component) or [None])[0] is None
+
+
+def _has_t5(path: Path, index: dict) -> bool:
+    """True when the checkpoint has a T5 encoder (``text_encoder_3``); False for one saved without it.
+
+    Raises:
+        ValueError: a T5 encoder without its tokenizer (``tokenizer_3`` null): the pipeline could not encode.
+    """
+    if _is_null(index, "text_encoder_3"):
+        return False
+    if _is_null(index, "tokenizer_3"):
+        raise ValueError(f"{path}: model_index.json has text_encoder_3 but tokenizer_3 is null: "
+                         f"StableDiffusion3Pipeline cannot encode prompts for T5 without its tokenizer; save the "
+                         f"checkpoint with both, or with neither (text_encoder_3 and tokenizer_3 null: served "
+                         f"without T5, its text zeros, as diffusers does)")
+    return True
+
+
 class SD3Family:
     """SD3 / SD3.5 (``StableDiffusion3Pipeline``); see the module docstring for each diffusers fact.
 
@@ -197,7 +225,7 @@ class SD3Family:
         self.adapter = SD3Adapter(pipe.transformer, native_text_tokens=spec.rules.native_text_tokens,
                                   vae_scale_factor=int(pipe.vae_scale_factor))
         self.rules = self.adapter.rules
-        self._count = tokenizer_counter(pipe.tokenizer_3 if pipe.tokenizer_3 is not None else pipe.tokenizer)
+        self._count = tokenizer_counter(pipe.tokenizer_3 if pipe.text_encoder_3 is not None else pipe.tokenizer)
         self._lock = threading.Lock()  # tokenizers keep mutable padding state: one encode at a time
 
     # -- checkpoint ---------------------------------------------------------------------------------
@@ -207,8 +235,8 @@ class SD3Family:
         """The model's spec from ``model_index.json`` and the component configs (no weights).
 
         Raises:
-            ValueError: a scheduler other than ``FlowMatchEulerDiscreteScheduler``, a stochastic one, or a
-                transformer without ``pos_embed_max_size``.
+            ValueError: a scheduler other than ``FlowMatchEulerDiscreteScheduler``, a stochastic one, a
+                transformer without ``pos_embed_max_size``, or a T5 encoder without its tokenizer.
         """
         path = Path(path)
         sched_cls = (index.get("scheduler") or [None, None])[1]
@@ -227,27 +255,29 @@ class SD3Family:
         clip = int(read_json(path / "tokenizer" / "tokenizer_config.json", optional=True).get("model_max_length", 77))
         rules = ShapeRules(pixels_per_token=scale * int(tr.get("patch_size", 2)), grid_keyed=True,
                            native_text_tokens=clip + SD3_MAX_SEQUENCE_LENGTH)
-        has_t5 = (index.get("tokenizer_3") or [None])[0] is not None
+        has_t5 = _has_t5(path, index)
         return ModelSpec(name=path.name, family=cls.name, pipeline_class=index["_class_name"], rules=rules,
-                         guidance_embeds=False, cfg_rule="guidance_scale", default_true_cfg_scale=None,
+                         guidance_embeds=False, cfg_rule="guidance_scale",
                          max_prompt_tokens=SD3_MAX_SEQUENCE_LENGTH if has_t5 else clip,
-                         max_grid_side=int(tr["pos_embed_max_size"]), quality_steps=QUALITY_STEPS["sd3"])
+                         max_grid_side=int(tr["pos_embed_max_size"]), quality_steps=QUALITY_STEPS["sd3"],
+                         **pipeline_defaults(index["_class_name"]))
 
     @classmethod
     def token_counter(cls, path: Path, index: dict) -> Callable[..., int]:
         """T5 tokens of a prompt with its end-of-sequence token (``tokenizer_3``; CLIP-L's ``tokenizer`` when
-        the checkpoint has no T5)."""
+        the checkpoint has no T5 encoder)."""
         from transformers import AutoTokenizer
 
         path = Path(path)
-        has_t5 = (index.get("tokenizer_3") or [None])[0] is not None
+        has_t5 = _has_t5(path, index)
         tok = AutoTokenizer.from_pretrained(str(path / ("tokenizer_3" if has_t5 else "tokenizer")),
                                             local_files_only=True)
         return tokenizer_counter(tok)
 
     @classmethod
     def load(cls, path: Path, index: dict, device: torch.device, dtype: torch.dtype) -> "SD3Family":
-        """``StableDiffusion3Pipeline.from_pretrained(path)`` (local files only), moved to ``device``.
+        """``StableDiffusion3Pipeline.from_pretrained(path)`` (local files only), moved to ``device``; a checkpoint
+        saved without T5 is loaded with ``text_encoder_3=None, tokenizer_3=None``, as diffusers documents.
 
         Raises:
             ValueError: as :meth:`describe`.
@@ -255,7 +285,8 @@ class SD3Family:
         from diffusers import StableDiffusion3Pipeline
 
         spec = cls.describe(path, index)
-        pipe = load_pipeline(StableDiffusion3Pipeline, path, device, dtype)
+        absent = {c: None for c in ("text_encoder_3", "tokenizer_3") if _is_null(index, c)}
+        pipe = load_pipeline(StableDiffusion3Pipeline, path, device, dtype, **absent)
         return cls(spec, pipe, device, dtype)
 
     # -- planning hooks -----------------------------------------------------------------------------

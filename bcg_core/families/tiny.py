@@ -28,6 +28,14 @@ tokens; median 36)."""
 
 TINY_NAME = "bcg-tiny-flux"
 
+TINY_DEFAULT_STEPS = 4
+"""Steps of a request to the tiny default that sets neither ``num_inference_steps`` nor ``quality`` (it has no
+diffusers pipeline to take a default from): few, so that a CPU serves it in seconds (``quality`` medium's)."""
+
+TINY_DEFAULT_GUIDANCE_SCALE = 3.5
+"""``guidance_scale`` of a request to the tiny default that omits it: ``FluxPipeline``'s default; above 1 it runs
+classifier-free guidance with uncond rows (the tiny transformer has no guidance embedding)."""
+
 
 class BCGFluxFamily(FluxFamily):
     """The bcg-serve tiny layout (``BCGFluxPipeline``): FLUX transformer and VAE, one sentence encoder.
@@ -41,9 +49,10 @@ class BCGFluxFamily(FluxFamily):
     @classmethod
     def describe(cls, path: Path, index: dict) -> ModelSpec:
         """As :meth:`FluxFamily.describe`, CFG by ``guidance_scale``, native text from ``bcg_text_tokens``."""
-        spec = FluxFamily.describe(path, {"bcg_text_tokens": TINY_TEXT_TOKENS, **index})
+        spec = FluxFamily.spec_from_configs(path, {"bcg_text_tokens": TINY_TEXT_TOKENS, **index})
         return ModelSpec(spec.name, cls.name, index["_class_name"], spec.rules, guidance_embeds=False,
-                         cfg_rule="guidance_scale", quality_steps=QUALITY_STEPS["bcg-tiny"])
+                         cfg_rule="guidance_scale", quality_steps=QUALITY_STEPS["bcg-tiny"],
+                         default_steps=TINY_DEFAULT_STEPS, default_guidance_scale=TINY_DEFAULT_GUIDANCE_SCALE)
 
     @classmethod
     def token_counter(cls, path: Path, index: dict):
@@ -110,7 +119,8 @@ def tiny_vae_config() -> dict:
 def tiny_spec(name: str = TINY_NAME, text_tokens: int = TINY_TEXT_TOKENS, pixels_per_token: int = 16) -> ModelSpec:
     return ModelSpec(name, "flux", "BCGFluxPipeline",
                      ShapeRules(pixels_per_token=pixels_per_token, grid_keyed=False, native_text_tokens=text_tokens),
-                     guidance_embeds=False, cfg_rule="guidance_scale")
+                     guidance_embeds=False, cfg_rule="guidance_scale", quality_steps=QUALITY_STEPS["bcg-tiny"],
+                     default_steps=TINY_DEFAULT_STEPS, default_guidance_scale=TINY_DEFAULT_GUIDANCE_SCALE)
 
 
 def assemble_flux(name: str, transformer: torch.nn.Module, vae: torch.nn.Module, text_encoder: SentenceTextEncoder,

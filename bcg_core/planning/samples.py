@@ -251,7 +251,7 @@ def traffic_from_histogram(config: EngineConfig, snapshot: Mapping) -> Traffic:
             if cfg:
                 extra = ({"true_cfg_scale": 4.0, "negative_prompt": " "} if spec.cfg_rule == "true_cfg"
                          else {"guidance_scale": min(config.limits.max_guidance_scale,
-                                                     max(4.5, config.limits.default_guidance_scale))})
+                                                     max(4.5, planner.default_guidance_scale or 0.0))})
             elif spec.cfg_rule != "true_cfg":
                 extra = {"guidance_scale": 1.0}
             req = GenerationRequest("x", n=int(s["n"]), width=int(s["width"]), height=int(s["height"]), seed=0,

@@ -53,6 +53,7 @@ def folders(tmp_path_factory):
         "sd3": build(root / "sd3", variant="sd3"),
         "sd35": build(root / "sd35", variant="sd35"),
         "dynamic": build(root / "dynamic", variant="sd3", dynamic_shifting=True),
+        "no_t5": build(root / "no_t5", variant="sd3", t5=False),
     }
 
 
@@ -233,6 +234,59 @@ def test_an_fp32_checkpoint_served_in_bf16_runs_every_component_in_bf16(folders)
     assert {m.dtype for m in (p.transformer, p.vae, p.text_encoder, p.text_encoder_2, p.text_encoder_3)} == {torch.bfloat16}
     out = pipe.generate(GenerationRequest("a cat", width=64, height=64, num_inference_steps=1, guidance_scale=4.0, seed=1))
     assert str(out.bucket) == "b2_i16_t333_g4x4" and len(out.images_png) == 1
+
+
+# -- a checkpoint saved without T5 (text_encoder_3: null) ------------------------------------------------------
+
+NO_T5 = {"text_encoder_3": None, "tokenizer_3": None}
+"""How diffusers' SD3 docs load a pipeline without T5; its ``from_pretrained`` refuses the folder without them."""
+
+
+def test_a_checkpoint_without_t5_is_served_as_diffusers_serves_it(folders, pipes):
+    folder = folders["no_t5"]
+    index = json.loads((folder / "model_index.json").read_text())
+    assert index["text_encoder_3"] == [None, None] and index["tokenizer_3"] == [None, None]
+    with pytest.raises(ValueError, match="expected"):  # diffusers' own load error without the None components
+        StableDiffusion3Pipeline.from_pretrained(str(folder), local_files_only=True)
+    pipe = pipes["no_t5"]
+    assert pipe.model.pipe.text_encoder_3 is None
+    req = GenerationRequest("a photo of a cat sitting on a red chair", n=1, width=64, height=96,
+                            num_inference_steps=3, guidance_scale=4.5, negative_prompt="blurry", seed=5)
+    state = pipe.start(pipe.planner.plan(req))
+    assert state.cond.text.shape == (1, 77 + 256, 48)
+    assert torch.count_nonzero(state.cond.text[:, 77:]) == 0  # the T5 part: zeros, as the pipeline's
+    ours = bcg_run(pipe, req)
+    ref = diffusers_run(StableDiffusion3Pipeline, folder, req, load_kwargs=NO_T5)
+    assert torch.equal(ours.latents, ref.latents)
+    assert_same(ours, ref, exact=True)
+    batched = GenerationRequest("an astronaut riding a horse", n=3, width=96, height=64, num_inference_steps=2,
+                                guidance_scale=7.0, seed=2)  # 6 rows padded to the bucket of 8
+    _assert_batched(bcg_run(pipe, batched), diffusers_run(StableDiffusion3Pipeline, folder, batched,
+                                                          load_kwargs=NO_T5))
+
+
+def test_without_t5_prompts_are_counted_and_limited_by_clip(folders, pipes):
+    spec = SD3Family.describe(folders["no_t5"], json.loads((folders["no_t5"] / "model_index.json").read_text()))
+    assert spec.max_prompt_tokens == 77 and spec.rules.native_text_tokens == 333
+    pipe = pipes["no_t5"]
+    long = " ".join(["a photo of a cat"] * 40)
+    assert pipe.model.count_tokens(long) > 77
+    from bcg_core import ModelConfig, Planner
+    from bcg_core.config import EngineConfig
+
+    ingress = Planner.from_config(EngineConfig(model=ModelConfig(path=str(folders["no_t5"])),
+                                               limits={"min_side_px": 16}, buckets=BucketConfig(**BUCKETS)))
+    for planner in (pipe.planner, ingress):  # the ingress plans from the tokenizers alone, the same way
+        with pytest.raises(RequestError) as e:  # CLIP would cut it: refused, never truncated
+            planner.plan(GenerationRequest(long, width=64, height=64, guidance_scale=4.0, seed=0))
+        assert e.value.field == "prompt" and "at most 77" in e.value.message
+
+
+def test_a_t5_encoder_without_its_tokenizer_is_a_load_error_naming_both(folders):
+    index = json.loads((folders["sd3"] / "model_index.json").read_text())
+    index["tokenizer_3"] = [None, None]
+    with pytest.raises(ValueError, match="text_encoder_3 but tokenizer_3 is null"):
+        SD3Family.describe(folders["sd3"], index)
 
 
 # -- the bucket adapter on a bare transformer (docs/DESIGN.md section 4) --------------------------------------

@@ -82,6 +82,7 @@ def test_quality_maps_to_the_family_steps_and_steps_win(client):
     card = client.get("/v1/models").json()["data"][0]
     steps = card["bcg"]["quality_steps"]
     assert steps == {"low": 2, "medium": 4, "high": 8, "auto": 4}  # the tiny default's (QUALITY_STEPS["bcg-tiny"])
+    assert card["bcg"]["defaults"] == {"num_inference_steps": 4, "guidance_scale": 3.5}  # the tiny default's own
     for q in ("low", "auto"):
         body = _body(quality=q)
         del body["num_inference_steps"]

@@ -12,7 +12,9 @@ stable-diffusion-3.5-medium / -large):
 - ``text_encoder`` / ``text_encoder_2``: ``CLIPTextModelWithProjection`` (CLIP-L, CLIP-G), hidden 16, 2 layers
   (the pipeline takes the penultimate hidden states, so one layer would give the embeddings only);
   their 16 + 16 = 32 channels are zero-padded to the T5 width 48 by ``encode_prompt``, as 2048 -> 4096.
-- ``text_encoder_3``: ``T5EncoderModel``, d_model 48, one layer.
+- ``text_encoder_3``: ``T5EncoderModel``, d_model 48, one layer; ``t5=False`` saves the pipeline without it
+  (``text_encoder_3`` and ``tokenizer_3`` null in ``model_index.json``, as SD3 checkpoints shipped without T5):
+  ``StableDiffusion3Pipeline`` then uses zeros for the T5 part of the text.
 - ``vae``: ``AutoencoderKL`` with SD3's 16 latent channels, 8x downsampling, ``scaling_factor`` 1.5305,
   ``shift_factor`` 0.0609 and no quant convs (as SD3's VAE), few channels.
 - ``scheduler``: ``FlowMatchEulerDiscreteScheduler(shift=3.0)`` (SD3's config); ``dynamic_shifting=True``
@@ -49,7 +51,7 @@ def _clip(tok, seed: int):
 
 
 def build(folder: Path, variant: str = "sd3", dual_attention: bool = True,
-          dynamic_shifting: bool = False) -> Path:
+          dynamic_shifting: bool = False, t5: bool = True) -> Path:
     """Build and save a tiny SD3 pipeline.
 
     Args:
@@ -57,6 +59,7 @@ def build(folder: Path, variant: str = "sd3", dual_attention: bool = True,
         variant: ``"sd3"`` or ``"sd35"`` (see the module docstring).
         dual_attention: with ``sd35``, give block 0 SD3.5-medium's second self-attention.
         dynamic_shifting: scheduler ``use_dynamic_shifting=True`` (``mu`` from the latent size).
+        t5: with the T5 encoder and tokenizer; False saves them as null.
 
     Returns:
         ``folder``.
@@ -104,7 +107,7 @@ def build(folder: Path, variant: str = "sd3", dual_attention: bool = True,
     pipe = StableDiffusion3Pipeline(
         transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(**sched), vae=vae,
         text_encoder=text_encoder, tokenizer=tok, text_encoder_2=text_encoder_2, tokenizer_2=tok2,
-        text_encoder_3=text_encoder_3, tokenizer_3=tok3,
+        text_encoder_3=text_encoder_3 if t5 else None, tokenizer_3=tok3 if t5 else None,
     )
     folder.mkdir(parents=True, exist_ok=True)
     pipe.save_pretrained(folder)

@@ -25,6 +25,15 @@ def test_configs_with_unusable_values_are_refused(kw, needle):
     assert needle in str(e.value)
 
 
+def test_default_steps_and_guidance_are_unset_meaning_the_familys_and_set_values_stay_valid():
+    lim = ServeConfig().limits
+    assert lim.default_steps is None and lim.default_guidance_scale is None  # the family's (Planner fills them)
+    old = ServeConfig.model_validate({"limits": {"default_steps": 4, "default_guidance_scale": 3.5}}).limits
+    assert (old.default_steps, old.default_guidance_scale) == (4, 3.5)
+    with pytest.raises(ValidationError, match="exceeds max_steps"):
+        ServeConfig.model_validate({"limits": {"default_steps": 60}})
+
+
 def test_default_limits_reach_every_default_bucket_and_n10_with_guidance_is_a_hit():
     cfg = ServeConfig()
     assert cfg.buckets.batch_sizes[-1] == 2 * cfg.limits.max_images

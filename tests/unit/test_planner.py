@@ -58,6 +58,33 @@ def test_defaults_are_filled_and_cfg_doubles_the_rows():
     assert q.lookup.query.batch == 3 and q.lookup.key.batch == 4
 
 
+def test_unset_defaults_are_the_familys_and_set_ones_win():
+    from bcg_core.families import ModelSpec
+    from bcg_core.families.tiny import tiny_spec
+
+    assert (tiny_spec().default_steps, tiny_spec().default_guidance_scale) == (4, 3.5)  # the embedded default's
+    buckets = BucketConfig(batch_sizes=[1, 2], resolutions=["256x256"], text_lengths=[32])
+    sd3_like = ModelSpec("m", "sd3", "StableDiffusion3Pipeline", RULES, default_steps=28, default_guidance_scale=7.0)
+    qwen_like = ModelSpec("m", "qwenimage", "QwenImagePipeline", RULES, cfg_rule="true_cfg",
+                          default_true_cfg_scale=4.0, default_steps=50, default_guidance_scale=None)
+    count = lambda s, negative=False: 3  # noqa: E731
+
+    def filled(spec, **limits):
+        planner = Planner(EngineConfig(buckets=buckets, limits=limits), spec, count)
+        return planner, planner.plan(GenerationRequest("a cat", seed=0)).request
+
+    planner, r = filled(sd3_like)
+    assert (r.num_inference_steps, r.guidance_scale) == (28, 7.0)
+    assert planner.defaults == {"num_inference_steps": 28, "guidance_scale": 7.0}
+    planner, r = filled(qwen_like)
+    assert (r.num_inference_steps, r.guidance_scale) == (50, None)  # QwenImagePipeline's guidance_scale=None
+    assert planner.defaults == {"num_inference_steps": 50, "guidance_scale": None, "true_cfg_scale": 4.0}
+    assert filled(sd3_like, default_steps=6, default_guidance_scale=1.0)[1].num_inference_steps == 6
+    assert filled(sd3_like, default_steps=6, default_guidance_scale=1.0)[1].guidance_scale == 1.0
+    _, r = filled(sd3_like, max_steps=20, max_guidance_scale=5.0)  # the family's above the limits: clipped
+    assert (r.num_inference_steps, r.guidance_scale) == (20, 5.0)
+
+
 def test_eager_policy_returns_a_counted_miss_and_reject_policy_an_error_naming_the_field():
     miss = _planner().plan(GenerationRequest("a cat", width=768, height=768))
     assert not miss.lookup.hit and miss.lookup.missed == (Dim.IMAGE,) and miss.shape is None

@@ -1,0 +1,53 @@
+"""The request defaults of a family: what its diffusers pipeline does for a call that omits them.
+
+A request without ``num_inference_steps`` or ``guidance_scale`` gets what the family's diffusers pipeline gives a
+call without them, read from the signature of the installed pipeline's ``__call__`` when the model is described
+(no table of ours to go stale), unless the config's ``limits`` set them (:meth:`bcg_core.planner.Planner`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+__all__ = ["pipeline_defaults"]
+
+
+@functools.lru_cache(maxsize=None)
+def pipeline_defaults(pipeline_class: str) -> dict[str, float | int | None]:
+    """What the diffusers pipeline ``pipeline_class`` does for a call that omits the request's options: the
+    defaults of ``num_inference_steps``, ``guidance_scale`` and ``true_cfg_scale`` in the signature of its
+    ``__call__``, read from the installed diffusers (no table of ours to go stale), as :class:`ModelSpec` fields.
+
+    Args:
+        pipeline_class: a diffusers pipeline class name, e.g. ``"StableDiffusion3Pipeline"``.
+
+    Returns:
+        ``{"default_steps": ..., "default_guidance_scale": ..., "default_true_cfg_scale": ...}``;
+        ``default_true_cfg_scale`` is None for a pipeline without ``true_cfg_scale``, ``default_guidance_scale``
+        None where the pipeline's default is None (``QwenImagePipeline``: no guidance input). With diffusers
+        0.42.1: FluxPipeline 28 steps, guidance 3.5, true CFG 1.0; StableDiffusion3Pipeline 28, 7.0;
+        PixArtSigmaPipeline and SanaPipeline 20, 4.5; QwenImagePipeline 50, None, true CFG 4.0.
+
+    Raises:
+        ValueError: diffusers has no such pipeline, or its ``__call__`` has no ``num_inference_steps`` default.
+    """
+    import inspect
+
+    import diffusers
+
+    cls = getattr(diffusers, pipeline_class, None)
+    if cls is None:
+        raise ValueError(f"diffusers {diffusers.__version__} has no pipeline {pipeline_class!r}")
+    params = inspect.signature(cls.__call__).parameters
+
+    def default(name: str):
+        p = params.get(name)
+        return None if p is None or p.default is inspect.Parameter.empty else p.default
+
+    steps = default("num_inference_steps")
+    if not isinstance(steps, int):
+        raise ValueError(f"{pipeline_class}.__call__ has no integer num_inference_steps default ({steps!r})")
+    guidance, true_cfg = default("guidance_scale"), default("true_cfg_scale")
+    return {"default_steps": steps,
+            "default_guidance_scale": None if guidance is None else float(guidance),
+            "default_true_cfg_scale": None if true_cfg is None else float(true_cfg)}
