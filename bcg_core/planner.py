@@ -16,7 +16,7 @@ from typing import Callable
 
 from bcg_core.keys import Dim, ShapeQuery
 from bcg_core.request import (
-    DEFAULT_SIZE, MAX_PARTIAL_IMAGES, QUALITIES, QUALITY_ALIASES, SEED_MAX, GenerationRequest, PlannedRequest,
+    MAX_PARTIAL_IMAGES, QUALITIES, QUALITY_ALIASES, SEED_MAX, GenerationRequest, PlannedRequest,
 )
 from bcg_core.table import BucketLookup, BucketTable, ShapeRules
 from bcg_core.config import EngineConfig, LimitsConfig, MissPolicy
@@ -56,7 +56,7 @@ def allowed_values(name: str, limits: LimitsConfig, size_multiple: int | None = 
     if name == "size":
         each = "" if size_multiple is None else f", each a multiple of {size_multiple}"
         tiers = f"; bucketed sizes: {', '.join(resolutions)}" if resolutions else ""
-        return (f"'auto' ({DEFAULT_SIZE[0]}x{DEFAULT_SIZE[1]}) or a string 'WxH' with width and height from "
+        return (f"'auto' (the model's default size, GET /v1/models: limits.default_size) or a string 'WxH' with width and height from "
                 f"{lim.min_side_px} to {lim.max_side_px} pixels{each}{tiers}")
     if name == "seed":
         return f"an integer from 0 to {SEED_MAX - lim.max_images}"
@@ -186,6 +186,9 @@ class Planner:
             raise bad("prompt", f"{len(r.prompt)} characters", f"it has {len(r.prompt)} characters")
         if not _is_int(r.n) or not 1 <= r.n <= lim.max_images:
             raise bad("n", r.n, "out of range")
+        if r.width is None or r.height is None:  # size 'auto' or omitted: the model's (its diffusers pipeline's)
+            w, h = self.spec.default_size
+            r = replace(r, width=w if r.width is None else r.width, height=h if r.height is None else r.height)
         size = f"{r.width}x{r.height}"
         for name, v in (("width", r.width), ("height", r.height)):
             if not _is_int(v) or not lim.min_side_px <= v <= lim.max_side_px:

@@ -13,15 +13,12 @@ from dataclasses import asdict, dataclass
 from bcg_core.keys import BucketKey, BucketShape
 from bcg_core.table import BucketLookup
 
-__all__ = ["DEFAULT_SIZE", "GenerationRequest", "GenerationResult", "MAX_PARTIAL_IMAGES", "PlannedRequest", "QUALITIES",
+__all__ = ["GenerationRequest", "GenerationResult", "MAX_PARTIAL_IMAGES", "PlannedRequest", "QUALITIES",
            "QUALITY_ALIASES", "SEED_MAX"]
 
 SEED_MAX = 2**63 - 1
 """Largest seed (``torch.Generator.manual_seed`` takes 64-bit values; JSON clients handle int64)."""
 
-DEFAULT_SIZE = (512, 512)
-"""``(width, height)`` of a request that omits its size, or sends OpenAI's ``size: "auto"``: the one default size of
-every model served here (the most common size of the krea request mix, ``bcg_core/data``)."""
 
 
 @dataclass
@@ -31,7 +28,10 @@ class GenerationRequest:
     Attributes:
         prompt: the text.
         n: images to generate.
-        width, height: image size in pixels.
+        width, height: image size in pixels; None (OpenAI's ``size: "auto"``, or no size): the model's
+            default size, :attr:`~bcg_core.families.ModelSpec.default_size` (its diffusers pipeline's, e.g.
+            1024x1024 for FLUX.1, SD3, PixArt-Sigma 1024, SANA 1024 and Qwen-Image; 512x512 for the tiny default),
+            filled in by the planner.
         num_inference_steps: denoising steps (None: ``quality``'s, else the default: ``limits.default_steps``
             where set, else the family's diffusers pipeline's ``__call__`` default).
         guidance_scale: guidance scale (None: ``limits.default_guidance_scale`` where set, else the family's
@@ -56,8 +56,8 @@ class GenerationRequest:
 
     prompt: str
     n: int = 1
-    width: int = DEFAULT_SIZE[0]
-    height: int = DEFAULT_SIZE[1]
+    width: int | None = None
+    height: int | None = None
     num_inference_steps: int | None = None
     guidance_scale: float | None = None
     negative_prompt: str | None = None

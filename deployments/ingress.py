@@ -60,7 +60,7 @@ from .settings import ServeConfig
 from bcg_core.errors import BucketMissError, RequestError, ServiceUnavailable
 from bcg_core.images import IMAGE_FORMATS
 from bcg_core.pipeline import GenerationResult
-from bcg_core.request import DEFAULT_SIZE, QUALITY_ALIASES, GenerationRequest
+from bcg_core.request import QUALITY_ALIASES, GenerationRequest
 from bcg_core.planner import Planner
 from bcg_core.planning.traffic import TrafficHistogram
 
@@ -234,7 +234,7 @@ class Ingress:
             "buckets": {**table.describe_limits(), "count": len(table)},
             "limits": {"max_images": lim.max_images, "min_side_px": lim.min_side_px, "max_side_px": lim.max_side_px,
                        "size_multiple": table.rules.pixels_per_token, "max_steps": lim.max_steps,
-                       "default_steps": planner.default_steps, "default_size": "{}x{}".format(*DEFAULT_SIZE)},
+                       "default_steps": planner.default_steps, "default_size": "{}x{}".format(*spec.default_size)},
             "defaults": planner.defaults,
             "quality_steps": quality,
             "quality_aliases": dict(QUALITY_ALIASES),
@@ -385,7 +385,8 @@ class Ingress:
                 self._rejected.update(exc.missed)
             message = exc.message
             if exc.field == "size" and req.size == "auto":
-                message += f" (size 'auto', or omitted, is the default size {width}x{height})"
+                message += " (size 'auto', or omitted, is the model's default size {}x{})".format(
+                    *self._planner.spec.default_size)
             return error_response(exc.status, message, param=exc.field)
         t0 = time.perf_counter()
         if req.stream:
@@ -412,7 +413,7 @@ class Ingress:
             data=[ImageData(b64_json=b64encode(png).decode("ascii")) for png in result.images_png],
             output_format=result.image_format,
             quality=plan.request.quality if plan.request.quality != "auto" else None,  # standard, hd: mapped
-            size=f"{width}x{height}",
+            size=f"{plan.request.width}x{plan.request.height}",
             usage=usage_of(plan),
             bcg=bcg_info(result, timings, routed.retries),
         )

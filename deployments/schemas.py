@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from bcg_core.config import LimitsConfig, parse_size
 from bcg_core.planner import allowed_values as engine_allowed
-from bcg_core.request import DEFAULT_SIZE, MAX_PARTIAL_IMAGES
+from bcg_core.request import MAX_PARTIAL_IMAGES
 
 __all__ = [
     "BcgInfo",
@@ -109,7 +109,7 @@ class ImageGenerationRequest(BaseModel):
     n: int | None = Field(default=1, description="Number of images, 1 to limits.max_images.")
     size: str | None = Field(
         default="auto",
-        description="'auto' (the default size, 512x512) or 'WxH' in pixels; each side from limits.min_side_px to "
+        description="'auto' (the model's default size: its diffusers pipeline's, GET /v1/models limits.default_size; 512x512 for the tiny default) or 'WxH' in pixels; each side from limits.min_side_px to "
         "limits.max_side_px and a multiple of the model's pixels per token (16 for the default model).",
     )
     response_format: Literal["b64_json"] | None = Field(
@@ -204,10 +204,10 @@ class ImageGenerationRequest(BaseModel):
         """The output format, ``"png"`` when omitted or null."""
         return self.output_format or "png"
 
-    def width_height(self) -> tuple[int, int]:
-        """``(width, height)`` in pixels of :attr:`size`; :data:`~bcg_core.request.DEFAULT_SIZE` for ``"auto"``
-        (or omitted)."""
-        return DEFAULT_SIZE if self.size in (None, "auto") else parse_size(self.size)
+    def width_height(self) -> tuple[int, int] | tuple[None, None]:
+        """``(width, height)`` in pixels of :attr:`size`; ``(None, None)`` for ``"auto"`` (or omitted): the
+        planner fills in the model's default size (:attr:`~bcg_core.families.ModelSpec.default_size`)."""
+        return (None, None) if self.size in (None, "auto") else parse_size(self.size)
 
 
 class ImageData(BaseModel):

@@ -91,6 +91,11 @@ class ModelSpec:
             ``limits.default_steps`` is set: the pipeline's ``__call__`` default
             (:func:`~bcg_core.families.defaults.pipeline_defaults`; the tiny default's 4, few so that a CPU serves
             it quickly).
+        default_size: ``(width, height)`` in pixels of a request without a size (or OpenAI's ``size: "auto"``):
+            what the family's diffusers pipeline generates when called without ``height``/``width`` (FLUX.1 and
+            Qwen-Image: their ``default_sample_size`` 128 x the VAE factor 8; SD3 and PixArt-Sigma: the
+            transformer's ``sample_size`` x the VAE factor; SANA: its ``__call__`` default), 512x512 for the tiny
+            default.
         default_guidance_scale: ``guidance_scale`` of a request that omits it, unless
             ``limits.default_guidance_scale`` is set: the pipeline's default (as ``default_steps``; the tiny
             default's 3.5, FluxPipeline's); None where the pipeline's is None (Qwen-Image: no guidance input, the
@@ -111,6 +116,7 @@ class ModelSpec:
     quality_steps: tuple[int, int, int] = (2, 4, 8)
     default_steps: int = 4
     default_guidance_scale: float | None = 3.5
+    default_size: tuple[int, int] = (512, 512)
 
     def steps_for_quality(self, quality: str, config, default_steps: int, max_steps: int) -> int:
         """Denoising steps of OpenAI's ``quality`` for this model.

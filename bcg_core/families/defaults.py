@@ -26,7 +26,9 @@ def pipeline_defaults(pipeline_class: str) -> dict[str, float | int | None]:
         ``default_true_cfg_scale`` is None for a pipeline without ``true_cfg_scale``, ``default_guidance_scale``
         None where the pipeline's default is None (``QwenImagePipeline``: no guidance input). With diffusers
         0.42.1: FluxPipeline 28 steps, guidance 3.5, true CFG 1.0; StableDiffusion3Pipeline 28, 7.0;
-        PixArtSigmaPipeline and SanaPipeline 20, 4.5; QwenImagePipeline 50, None, true CFG 4.0.
+        PixArtSigmaPipeline and SanaPipeline 20, 4.5; QwenImagePipeline 50, None, true CFG 4.0. Also
+        ``"default_size": (width, height)`` where the signature gives both as integers (SanaPipeline: 1024x1024;
+        the other pipelines compute theirs from the checkpoint, see :attr:`ModelSpec.default_size`).
 
     Raises:
         ValueError: diffusers has no such pipeline, or its ``__call__`` has no ``num_inference_steps`` default.
@@ -48,6 +50,10 @@ def pipeline_defaults(pipeline_class: str) -> dict[str, float | int | None]:
     if not isinstance(steps, int):
         raise ValueError(f"{pipeline_class}.__call__ has no integer num_inference_steps default ({steps!r})")
     guidance, true_cfg = default("guidance_scale"), default("true_cfg_scale")
-    return {"default_steps": steps,
-            "default_guidance_scale": None if guidance is None else float(guidance),
-            "default_true_cfg_scale": None if true_cfg is None else float(true_cfg)}
+    out = {"default_steps": steps,
+           "default_guidance_scale": None if guidance is None else float(guidance),
+           "default_true_cfg_scale": None if true_cfg is None else float(true_cfg)}
+    width, height = default("width"), default("height")
+    if isinstance(width, int) and isinstance(height, int):  # SanaPipeline: 1024x1024; the others compute theirs
+        out["default_size"] = (width, height)
+    return out

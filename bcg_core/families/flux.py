@@ -44,6 +44,10 @@ from bcg_core.families.defaults import pipeline_defaults
 
 __all__ = ["FLUX_SCHEDULER_CONFIG", "FluxAdapter", "FluxFamily", "flux_image_ids"]
 
+FLUX_DEFAULT_SAMPLE_SIZE = 128
+"""Latent pixels per side of a ``FluxPipeline`` call without ``height``/``width`` (its ``default_sample_size``, set
+in ``__init__``): x the VAE factor 8, 1024x1024."""
+
 FLUX_DEFAULT_TEXT_TOKENS = 512
 """FLUX.1's T5 length (``FluxPipeline.__call__(max_sequence_length=512)``)."""
 
@@ -284,7 +288,7 @@ class FluxFamily:
                              native_text_tokens=tokens),
             guidance_embeds=bool(tr.get("guidance_embeds", False)), cfg_rule="true_cfg",
             quality_steps=QUALITY_STEPS["flux-dev" if tr.get("guidance_embeds", False) else "flux-schnell"],
-            **defaults,
+            **{"default_size": (FLUX_DEFAULT_SAMPLE_SIZE * scale,) * 2, **defaults},
         )
 
     @classmethod

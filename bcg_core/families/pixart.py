@@ -226,6 +226,7 @@ class PixArtSigmaFamily:
         return ModelSpec(name=path.name, family=cls.name, pipeline_class=index["_class_name"], rules=rules,
                          cfg_rule="guidance_scale", size_bins={k: list(v) for k, v in bins.items()},
                          max_text_tokens=PIXART_SIGMA_MAX_TEXT_TOKENS, quality_steps=QUALITY_STEPS["pixart"],
+                         default_size=(sample * scale,) * 2,  # PixArtSigmaPipeline: sample_size * vae_scale_factor
                          **pipeline_defaults(index["_class_name"]))
 
     @classmethod

@@ -54,6 +54,10 @@ from bcg_core.families.defaults import pipeline_defaults
 
 __all__ = ["QWEN_MAX_TEXT_TOKENS", "QwenImageAdapter", "QwenImageFamily", "TextMaskAttnProcessor"]
 
+QWEN_DEFAULT_SAMPLE_SIZE = 128
+"""Latent pixels per side of a ``QwenImagePipeline`` call without ``height``/``width`` (its ``default_sample_size``,
+set in ``__init__``): x the VAE factor 8, 1024x1024."""
+
 QWEN_MAX_TEXT_TOKENS = 512
 """``QwenImagePipeline.__call__(max_sequence_length=512)``: text tokens kept after the template is dropped."""
 
@@ -275,6 +279,7 @@ class QwenImageFamily:
             rules=ShapeRules(pixels_per_token=scale * 2, grid_keyed=True, native_text_tokens=None),
             guidance_embeds=False, cfg_rule="true_cfg",
             max_text_tokens=QWEN_MAX_TEXT_TOKENS, quality_steps=QUALITY_STEPS["qwenimage"],
+            default_size=(QWEN_DEFAULT_SAMPLE_SIZE * scale,) * 2,
             **pipeline_defaults(index["_class_name"]),
         )
 

@@ -260,6 +260,8 @@ class SD3Family:
                          guidance_embeds=False, cfg_rule="guidance_scale",
                          max_prompt_tokens=SD3_MAX_SEQUENCE_LENGTH if has_t5 else clip,
                          max_grid_side=int(tr["pos_embed_max_size"]), quality_steps=QUALITY_STEPS["sd3"],
+                         # StableDiffusion3Pipeline: default_sample_size = transformer.config.sample_size
+                         default_size=(int(tr.get("sample_size", 128)) * scale,) * 2,
                          **pipeline_defaults(index["_class_name"]))
 
     @classmethod

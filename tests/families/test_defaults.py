@@ -13,6 +13,7 @@ from __future__ import annotations
 import inspect
 
 import pytest
+import torch
 from diffusers import FluxPipeline, PixArtSigmaPipeline, QwenImagePipeline, SanaPipeline, StableDiffusion3Pipeline
 
 from bcg_core import BucketConfig, GenerationRequest, ModelConfig, Planner
@@ -129,3 +130,19 @@ def test_a_request_that_omits_them_equals_the_pipeline_called_without_them(folde
     ours = bcg_run(pipe, req)
     ref = diffusers_run(pipeline_cls, folders[case], req, **call_kwargs)
     assert_same(ours, ref)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_default_size_is_what_the_pipeline_generates_without_a_size(folders, case):
+    """``size: "auto"`` (or none) is served at :attr:`ModelSpec.default_size`: the size the family's diffusers
+    pipeline generates when called without ``height``/``width`` (one step of it, on the tiny checkpoint)."""
+    pipeline_cls = CASES[case][1]
+    spec = describe_model(ModelConfig(path=str(folders[case])))
+    pipe = pipeline_cls.from_pretrained(str(folders[case]), torch_dtype=torch.float32, local_files_only=True)
+    pipe.set_progress_bar_config(disable=True)
+    extra = CASES[case][4]
+    with torch.inference_mode():
+        (image,) = pipe("a cat", num_inference_steps=1, generator=torch.Generator().manual_seed(0), **extra).images
+    assert image.size == spec.default_size
+    planned = Planner.from_config(_config(folders[case], case, min_side_px=16)).plan(GenerationRequest("a cat", seed=1))
+    assert (planned.request.width, planned.request.height) == spec.default_size

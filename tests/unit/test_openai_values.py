@@ -14,7 +14,6 @@ from starlette.requests import Request
 
 from bcg_core import BucketConfig, GenerationRequest, Planner, RequestError, ShapeRules
 from bcg_core.config import EngineConfig
-from bcg_core.request import DEFAULT_SIZE
 from deployments.http_errors import validation_error_response
 from deployments.ingress import Ingress, app
 from deployments.schemas import ImageGenerationRequest, RequestLimits
@@ -45,9 +44,9 @@ def _error(answer) -> tuple[int, dict]:
 
 
 @pytest.mark.parametrize("body", [{"size": "auto"}, {}, {"size": None}])
-def test_size_auto_omitted_and_null_are_the_default_size(body):
+def test_size_auto_omitted_and_null_leave_the_size_to_the_planner(body):
     req = ImageGenerationRequest.model_validate({"prompt": "x", **body})
-    assert req.size == "auto" and req.width_height() == DEFAULT_SIZE == (512, 512)
+    assert req.size == "auto" and req.width_height() == (None, None)
 
 
 @pytest.mark.parametrize("size", ["AUTO", "Auto", "auto ", "512"])
@@ -56,14 +55,15 @@ def test_other_words_are_still_refused_naming_auto_and_wxh(size):
         ImageGenerationRequest.model_validate({"prompt": "x", "size": size})
     status, err = _error(validation_error_response(e.value, RequestLimits()))
     assert status == 422 and err["param"] == "size"
-    assert "allowed: 'auto' (512x512) or a string 'WxH' with width and height from 256 to 2048" in err["message"]
+    assert ("allowed: 'auto' (the model's default size, GET /v1/models: limits.default_size) or a string 'WxH' with "
+            "width and height from 256 to 2048") in err["message"]
 
 
-def test_size_auto_is_planned_and_checked_by_the_planner_at_the_default_size():
+def test_size_auto_is_planned_and_checked_by_the_planner_at_the_models_default_size():
     dit = FakeDiT()
     answer = asyncio.run(_ingress(dit).generate(_http({"prompt": "x", "size": "auto", "num_inference_steps": 1})))
     (_, plan), = dit.sent
-    assert (plan.request.width, plan.request.height) == DEFAULT_SIZE and answer.size == "512x512"
+    assert (plan.request.width, plan.request.height) == (512, 512) and answer.size == "512x512"  # the tiny default's
     assert plan.lookup.key.image_tokens == 1024  # the 512x512 bucket: planned like any size
 
     # the planner checks the default size like any other: a server whose sides stop at 256 refuses it, saying why
@@ -71,7 +71,7 @@ def test_size_auto_is_planned_and_checked_by_the_planner_at_the_default_size():
                                  "limits": {"min_side_px": 256, "max_side_px": 256}})
     status, err = _error(asyncio.run(small.generate(_http({"prompt": "x", "size": "auto"}))))
     assert status == 422 and err["param"] == "size"
-    assert "width 512 is out of range" in err["message"] and "size 'auto', or omitted, is the default size 512x512" \
+    assert "width 512 is out of range" in err["message"] and "size 'auto', or omitted, is the model's default size 512x512" \
         in err["message"]
     status, err = _error(asyncio.run(small.generate(_http({"prompt": "x", "size": "512x512"}))))
     assert status == 422 and "'auto'" not in err["message"].split("allowed:")[0]  # the note is for 'auto' only
