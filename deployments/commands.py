@@ -33,8 +33,12 @@ def _select(keys: list[BucketKey], wanted: list[str] | None) -> list[BucketKey]:
     return [by_name[w] for w in wanted]
 
 
-def _pipeline(config: ServeConfig) -> DiTPipeline:
-    return DiTPipeline.from_config(config)
+def _pipeline(config: ServeConfig, prepare: bool = True) -> DiTPipeline:
+    """The configured pipeline; ``prepare=False`` leaves every bucket unprepared (no graph captured), for a
+    command that prepares only the buckets it was asked for."""
+    from bcg_core.models import load_model
+
+    return DiTPipeline(config, load_model(config.model), prepare=prepare)
 
 
 def verify_case_tokens(case: BoundaryCase) -> int:
@@ -44,41 +48,33 @@ def verify_case_tokens(case: BoundaryCase) -> int:
     return case.key.tokens + case.rows * (case.grid[0] * case.grid[1] + case.text_tokens)
 
 
-VERIFY_ESTIMATE_SHARE = 0.05
-"""``bcg verify`` prints its estimate once the cases run (after the first) hold this share of all the tokens..."""
-VERIFY_ESTIMATE_AFTER_S = 30.0
-"""... or took this many seconds, whichever comes first (at the end of a bucket, with at least 2 such cases)."""
+def verify_estimate(small: tuple[int, float], large: tuple[int, float], tokens: list[int]) -> tuple[float, str]:
+    """The seconds ``bcg verify`` will take for cases of ``tokens``, from two cases timed before it starts, and a
+    line saying how.
 
-
-def verify_estimate(samples: list[tuple[int, float]], tokens: list[int]) -> tuple[float, str] | None:
-    """The seconds ``bcg verify`` will take in all, from the cases measured so far, and a line saying how; None
-    until the measurements allow it.
-
-    The rate is the seconds per token (:func:`verify_case_tokens`) of the cases run so far after the first (the
-    first carries one-time costs: kernel selection, allocations), as the token-count cost model prices a forward
-    by its tokens; the estimate is the seconds spent so far plus that rate times the tokens left. It is rough: small
-    cases pay more fixed cost per token, large ones more attention, which grows with the square of the tokens.
+    ``small`` and ``large`` are ``(tokens, seconds)`` of the smallest and the largest case (the smallest timed after
+    a first run of it, which warms up: kernel selection, allocations). Each case is priced on the line through
+    the two points, ``a + b x tokens`` (:func:`verify_case_tokens`), as the token-count cost model prices a forward
+    by its tokens; a fixed cost per case (``a``) keeps many small cases from being underestimated. Where attention
+    dominates (it grows with the square of the tokens) the line lies above the mid-size cases, so the estimate
+    errs long.
 
     Args:
-        samples: ``(tokens, seconds)`` of the cases run so far, in the order they ran.
-        tokens: tokens of every case to check, those already run included.
+        small, large: ``(tokens, seconds)`` of the smallest and the largest case.
+        tokens: tokens of every case to check.
 
     Returns:
-        ``(seconds, text)``, or None while fewer than 2 cases ran after the first, or they hold less than
-        :data:`VERIFY_ESTIMATE_SHARE` of the tokens and took less than :data:`VERIFY_ESTIMATE_AFTER_S` seconds.
+        ``(seconds, text)``.
     """
-    fit = samples[1:]
-    fit_tokens, fit_s = sum(t for t, _ in fit), sum(s for _, s in fit)
-    if len(fit) < 2 or fit_tokens <= 0 or (fit_tokens < VERIFY_ESTIMATE_SHARE * sum(tokens)
-                                           and fit_s < VERIFY_ESTIMATE_AFTER_S):
-        return None
-    rate = fit_s / fit_tokens
-    spent = sum(s for _, s in samples)
-    left = rate * sum(tokens[len(samples):])
-    text = (f"estimate: ~{_duration(spent + left)} for all {len(tokens)} cases, ~{_duration(left)} left (measured: "
-            f"{rate * 1e6:.1f} us per token over the {len(fit)} cases run after the first, which warms up; "
-            f"{sum(tokens):,} tokens in all; the bar's remaining time updates as buckets finish)")
-    return spent + left, text
+    (t0, s0), (t1, s1) = small, large
+    slope = (s1 - s0) / (t1 - t0) if t1 > t0 else (s1 / t1 if t1 else 0.0)
+    slope = max(slope, 0.0)
+    fixed = max(s0 - slope * t0, 0.0)
+    seconds = sum(fixed + slope * t for t in tokens)
+    text = (f"estimate: ~{_duration(seconds)} for {len(tokens)} cases (measured before starting: the smallest case "
+            f"{s0:.2f} s for {t0:,} tokens, the largest {s1:.2f} s for {t1:,}; the others priced on the line "
+            f"between, which errs long where attention dominates)")
+    return seconds, text
 
 
 def _duration(seconds: float) -> str:
@@ -93,10 +89,10 @@ def run_verify(config: ServeConfig, buckets: list[str] | None = None, rtol: floa
                console=None, progress=None) -> bool:
     """Verify buckets of ``config`` against unpadded eager runs and print a table.
 
-    While it runs it shows a tqdm bar per bucket (``bucket i/N: KEY``, weighted by each case's tokens, with the
-    remaining time) on ``progress``. Buckets run in table order (fewest rows first); as soon as the cases run so
-    far allow it (:func:`verify_estimate`, after the first few buckets) and buckets remain, it prints an estimate
-    of the total time. Checking the whole table, it first names ``--bucket KEY`` for a quick check.
+    Before it starts it times the smallest and the largest case and prints an estimate of the total time
+    (:func:`verify_estimate`); while it runs it shows a tqdm bar per bucket (``bucket i/N: KEY``, weighted by each
+    case's tokens, with the remaining time) on ``progress``. Buckets run in table order (fewest rows first).
+    Checking the whole table, it first names ``--bucket KEY`` for a quick check.
 
     Args:
         config: the serve config (model, table, runner).
@@ -120,11 +116,12 @@ def run_verify(config: ServeConfig, buckets: list[str] | None = None, rtol: floa
 
     console = console or Console()
     progress = progress or sys.stderr
-    print("bcg verify: loading the model and building the runner (on a GPU: capturing every bucket's graph) ...",
-          file=progress, flush=True)
-    pipe = _pipeline(config)
+    print("bcg verify: loading the model and building the runner (on a GPU: capturing "
+          f"{'the graphs of the buckets asked for' if buckets else 'every bucket graph'}) ...", file=progress, flush=True)
+    pipe = _pipeline(config, prepare=False)
     model = pipe.model
     keys = set(_select(pipe.table.keys, buckets))
+    pipe.prepare(sorted(keys))  # --bucket: capture only those (the whole table's capture takes a while on a GPU)
     cases = [c for c in boundary_cases(pipe.table, config.limits) if c.key in keys]
     tol = rtol if rtol is not None else RTOL[model.dtype]
     order = list(dict.fromkeys(c.key for c in cases))  # buckets in the order they run (table order)
@@ -133,9 +130,17 @@ def run_verify(config: ServeConfig, buckets: list[str] | None = None, rtol: floa
         print(f"checking all {len(order)} buckets ({len(cases)} cases); for a quick check give one or more: "
               f"bcg verify --bucket {order[0]}", file=progress, flush=True)
     case_tokens = [verify_case_tokens(c) for c in cases]
-    samples: list[tuple[int, float]] = []
-    done = {"buckets": 0, "estimated": False}
     started = time.perf_counter()
+    if len(cases) > 1:  # time the smallest case (twice: the first run warms up) and the largest, then estimate
+        small = min(range(len(cases)), key=case_tokens.__getitem__)
+        large = max(range(len(cases)), key=case_tokens.__getitem__)
+        timed: list[float] = []
+        verify_runner(model.adapter, pipe.runner, [cases[small], cases[small], cases[large]], model.device,
+                      model.dtype, rtol=tol, on_case=lambda case, seconds: timed.append(seconds))
+        print(verify_estimate((case_tokens[small], timed[1]), (case_tokens[large], timed[2]), case_tokens)[1],
+              file=progress, flush=True)
+    samples: list[tuple[int, float]] = []
+    done = {"buckets": 0}
     bar_format = "{desc}: {percentage:3.0f}%|{bar}| {postfix} [{elapsed}<{remaining}]"
     with tqdm(total=sum(case_tokens), file=progress, unit="tok", unit_scale=True, desc="bcg verify",
               disable=not cases, bar_format=bar_format) as bar:
@@ -150,11 +155,6 @@ def run_verify(config: ServeConfig, buckets: list[str] | None = None, rtol: floa
             done["buckets"] += 1
             finished = done["buckets"]
             if finished < len(order):
-                if not done["estimated"]:
-                    estimate = verify_estimate(samples, case_tokens)
-                    if estimate is not None:
-                        done["estimated"] = True
-                        bar.write(estimate[1], file=progress)
                 bar.set_postfix_str(f"bucket {finished + 1}/{len(order)}: {order[finished]}")
             else:
                 bar.set_postfix_str(f"{len(order)} buckets checked")

@@ -32,7 +32,7 @@ def _small_pipeline(tmp_path_factory):
 def small_config(_small_pipeline, monkeypatch):
     """The small table's config file; ``bcg verify`` gets the pipeline built once (the model loads in seconds)."""
     path, pipe = _small_pipeline
-    monkeypatch.setattr(commands, "_pipeline", lambda config: pipe)
+    monkeypatch.setattr(commands, "_pipeline", lambda config, prepare=True: pipe)
     return path
 
 
@@ -46,9 +46,9 @@ def test_verify_of_the_whole_table_shows_the_bucket_hint_progress_per_bucket_and
         assert f"bucket {i}/6: {key}" in err  # the bar names each bucket as it runs
     assert "6 buckets checked" in err and "checked 6 buckets (8 cases) in " in err
     estimate = [line for line in err.splitlines() if line.startswith("estimate: ~")]
-    assert len(estimate) == 1 and "us per token over the 3 cases run after the first" in estimate[0]
-    # the estimate comes before the last buckets run
-    assert err.index("estimate: ~") < err.index("bucket 4/6: b2_i256_t256")
+    assert len(estimate) == 1 and "for 8 cases (measured before starting: the smallest case" in estimate[0]
+    # the estimate comes before the first bucket runs
+    assert err.index("estimate: ~") < err.index("bucket 1/6: b1_i256_t256")
     assert "6 of 6 buckets passed" in captured.out  # the table stays on stdout
 
 
@@ -64,21 +64,17 @@ def test_verify_of_chosen_buckets_has_no_hint_and_keeps_the_exit_status(small_co
     assert "is not in the table; buckets: b1_i256_t256" in capsys.readouterr().err
 
 
-def test_verify_estimate_waits_for_enough_cases_then_adds_the_rate_per_token_times_the_tokens_left():
-    tokens = [100, 1000, 1000, 2000, 4000, 12000]  # 20,100 tokens in all
-    # the first case warms up (its seconds count as spent, its rate not); one case after it is too few
-    assert commands.verify_estimate([(100, 5.0), (1000, 1.0)], tokens) is None
-    seconds, text = commands.verify_estimate([(100, 5.0), (1000, 1.0), (1000, 1.0)], tokens)
-    # 2000 tokens in 2 s after the first: 1 ms per token; spent 7 s; left 18,000 tokens -> 18 s
-    assert seconds == pytest.approx(25.0)
-    assert text.startswith("estimate: ~25 s for all 6 cases, ~18 s left (measured: 1000.0 us per token over the 2 "
-                           "cases run after the first")
-    # under 5% of the tokens and under 30 s measured: not yet
-    few = [2] * 3 + [10_000]
-    assert commands.verify_estimate([(2, 0.1), (2, 0.1), (2, 0.1)], few) is None
-    assert commands.verify_estimate([(2, 0.1), (2, 20.0), (2, 20.0)], few) is not None  # 40 s measured
-    slow = commands.verify_estimate([(1, 0.0), (10, 20.0), (10, 20.0)], [1, 10, 10, 2700])
-    assert "~1.5 h for all 4 cases" in slow[1]
+def test_verify_estimate_prices_each_case_on_the_line_through_the_smallest_and_the_largest():
+    tokens = [100, 1000, 1000, 2000, 4000, 12100]
+    # 0.2 s at 100 tokens, 1.4 s at 12,100: 0.1 ms per token plus 0.19 s per case
+    seconds, text = commands.verify_estimate((100, 0.2), (12100, 1.4), tokens)
+    assert seconds == pytest.approx(6 * 0.19 + 1e-4 * sum(tokens))
+    assert text.startswith("estimate: ~3 s for 6 cases (measured before starting: the smallest case 0.20 s for 100 "
+                           "tokens, the largest 1.40 s for 12,100")
+    # a negative intercept (the small case fast for its size) is clipped to 0 s per case; one size: s per token
+    assert commands.verify_estimate((100, 0.0), (1000, 9.0), [100, 1000])[0] == pytest.approx(1.0 + 10.0)
+    assert commands.verify_estimate((500, 1.0), (500, 1.0), [500] * 4)[0] == pytest.approx(4.0)
+    assert "~1.5 h for 3 cases" in commands.verify_estimate((10, 20.0), (10, 20.0), [10, 10, 2680])[1]
 
 
 # -- bcg demo --url with an API key ----------------------------------------------------------------------------
