@@ -259,6 +259,21 @@ class RunnerConfig(BaseModel):
         description="Capture a bucket on its first request instead of at start (each lazy capture is "
         "counted and logged). Off by default: serving never captures.",
     )
+    kernels: Literal["eager", "compiled"] = Field(
+        default="eager",
+        description="The kernels of every bucket's padded forward (bcg_core/runners/kernels.py): 'eager' is "
+        "PyTorch's eager kernels (diffusers' exact bits); 'compiled' compiles the transformer's repeated blocks "
+        "with torch.compile (inductor, static shapes, one compile per bucket shape when the bucket is prepared) "
+        "and captures those kernels in the bucket's graph. A bucket whose compile fails keeps eager kernels "
+        "(noted in /v1/buckets). Misses (unpadded forwards) always run eager kernels. Compiling takes seconds "
+        "per bucket shape, at every start: there is no on-disk compile cache yet.",
+    )
+    compile_mode: Literal["default", "max-autotune-no-cudagraphs"] = Field(
+        default="default",
+        description="With kernels 'compiled': inductor's mode. 'max-autotune-no-cudagraphs' searches matmul "
+        "configurations (much longer compiles). Modes that capture inductor's own CUDA graphs are not offered: "
+        "bcg-serve owns the graphs.",
+    )
     warmup_iters: int = Field(default=2, ge=1, le=10, description="Warm-up forwards on a side stream before capture.")
     max_rows_in_flight: int = Field(
         default=64, ge=1, le=4096,

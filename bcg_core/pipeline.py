@@ -38,10 +38,11 @@ from bcg_core.planner import Planner
 from bcg_core.request import GenerationRequest, GenerationResult, PlannedRequest
 from bcg_core.runners.base import BucketFault, BucketRunner
 from bcg_core.runners.eager import EagerBucketRunner
+from bcg_core.runners.kernels import CompiledKernels, KernelTier
 from bcg_core.scheduler.costs import CostModel, StepDecider, StepForwards, measure_costs
 from bcg_core.verify import FusedStats
 
-__all__ = ["DiTPipeline", "GenerationResult", "build_runner", "fused_wanted", "runner_mode"]
+__all__ = ["DiTPipeline", "GenerationResult", "build_runner", "compiled_kernels", "fused_wanted", "runner_mode"]
 
 
 def runner_mode(config: EngineConfig, device: torch.device | None = None) -> str:
@@ -68,16 +69,34 @@ def build_runner(config: EngineConfig, model: Family, keys: list, metrics: Bucke
     """
     mode = runner_mode(config, model.device)
     fused = fused_wanted(config, model)
+    kernels = compiled_kernels(config, model, len(keys))
     if mode == "eager":
-        return EagerBucketRunner(model.adapter, keys, metrics, model.device, model.dtype, fused=fused)
+        return EagerBucketRunner(model.adapter, keys, metrics, model.device, model.dtype, fused=fused,
+                                 kernels=kernels)
     from bcg_core.runners.cuda_graph import CudaGraphRunner
 
     budget = config.runner.graph_memory_budget_mib
     return CudaGraphRunner(
         model.adapter, keys, metrics, model.device, model.dtype,
         budget_bytes=None if budget is None else int(budget * 2**20), lazy=config.runner.lazy_capture,
-        warmup_iters=config.runner.warmup_iters, fused=fused,
+        warmup_iters=config.runner.warmup_iters, fused=fused, kernels=kernels,
     )
+
+
+def compiled_kernels(config: EngineConfig, model: Family, shapes: int) -> CompiledKernels | None:
+    """The compiled kernels ``config.runner.kernels`` asks for on ``model`` (installed on its transformer once and
+    kept on the family object, so a second runner of the same model shares them), or None for eager kernels.
+
+    Args:
+        shapes: bucket shapes the runner serves (each block may hold one static compile per shape).
+    """
+    if KernelTier(config.runner.kernels) is KernelTier.EAGER:
+        return None
+    kernels = getattr(model, "compiled_kernels", None)
+    if kernels is None or kernels.mode != config.runner.compile_mode:
+        kernels = CompiledKernels(model.adapter.model, mode=config.runner.compile_mode, max_shapes=max(64, 2 * shapes))
+        model.compiled_kernels = kernels
+    return kernels
 
 
 def fused_wanted(config: EngineConfig, model: Family) -> bool:
@@ -375,7 +394,7 @@ class DiTPipeline:
         state = {d["key"]: d for d in self.runner.describe()}
         for b in snap["buckets"]:
             s = state.get(b["key"], {})
-            b.update({"mode": s.get("mode"), "pool_bytes": s.get("pool_bytes", 0),
+            b.update({"mode": s.get("mode"), "kernels": s.get("kernels"), "pool_bytes": s.get("pool_bytes", 0),
                       "capture_s": s.get("capture_s", 0.0), "note": s.get("note", "")})
         m = self.model
         snap["model"] = {"name": m.model_name, "family": m.name, "pipeline_class": m.spec.pipeline_class,
@@ -383,4 +402,10 @@ class DiTPipeline:
                          "native_text_tokens": m.rules.native_text_tokens}
         snap["table"] = self.table.describe_limits()
         snap["fused_step"] = self.fused.describe()
+        kernels = getattr(self.runner, "kernels", None)
+        snap["kernels"] = {
+            "tier": self.config.runner.kernels, "mode": None if kernels is None else kernels.mode,
+            "regional": None if kernels is None else kernels.regional,
+            "compile_s": 0.0 if kernels is None else round(kernels.compile_s, 3),
+            "compile_failed": sum(1 for d in state.values() if d.get("kernels") == "eager") if kernels else 0}
         return snap

@@ -28,6 +28,7 @@ from bcg_core import failpoints
 from bcg_core.keys import BucketKey
 from bcg_core.metrics import BucketMetrics
 from bcg_core.padding import DenoiseInputs, DiTAdapter
+from bcg_core.runners.kernels import KernelTier
 
 __all__ = ["BucketEntry", "BucketFault", "BucketRunner", "RunMode", "demote", "fill_fused",
            "fused_buffers", "is_out_of_memory", "static_forward"]
@@ -93,6 +94,8 @@ class BucketEntry:
         pool_bytes: graph memory pool growth measured at capture (0 on CPU).
         capture_s: seconds spent capturing (0 on CPU).
         note: why the bucket runs as it does (e.g. a capture failure), for logs and ``/v1/buckets``.
+        kernels: the kernels of its padded forward (:class:`~bcg_core.runners.kernels.KernelTier`): the runner's
+            tier, or ``eager`` after its compile failed.
     """
 
     key: BucketKey
@@ -104,6 +107,7 @@ class BucketEntry:
     capture_s: float = 0.0
     note: str = ""
     forwards: int = field(default=0)
+    kernels: KernelTier = KernelTier.EAGER
     fused: dict[str, torch.Tensor] | None = None
     """With a fused step (:mod:`bcg_core.runners.fused`): its ``meta`` (4, B) and ``dt`` (B,) fp32 buffers, and under a
     captured graph its static ``next`` latents output; None otherwise."""

@@ -14,6 +14,10 @@ Lifecycle (the contract of :class:`~bcg_core.runners.base.BucketRunner`):
   eager forward; reason logged and counted); an out-of-memory error drops the bucket (its requests run
   unpadded and eager); a bucket whose estimate exceeds the graph-memory budget is not captured.
 - Serving never captures unless ``lazy`` is set; then each lazy capture is counted and logged.
+- With compiled kernels (:class:`~bcg_core.runners.kernels.CompiledKernels`), the warm-up forwards compile the
+  bucket's shapes and the capture records the compiled kernels. A compile that raises, or a capture of compiled
+  kernels that raises, leaves the bucket on eager kernels under its graph (noted and counted in
+  :attr:`CaptureStats.compile_failed`); out of memory while compiling drops the bucket as during capture.
 
 No random numbers are drawn inside a graph: the pipeline draws noise on the CPU before the loop.
 """
@@ -36,6 +40,7 @@ from bcg_core.padding import DenoiseInputs, DiTAdapter
 from bcg_core.runners.base import (
     BucketEntry, BucketFault, RunMode, demote, fill_fused, fused_buffers, is_out_of_memory, static_forward,
 )
+from bcg_core.runners.kernels import CompileFailed, CompiledKernels, KernelTier
 
 __all__ = ["CaptureStats", "CudaGraphRunner", "budget_allows", "capture_order"]
 
@@ -82,6 +87,8 @@ class CaptureStats:
     """Forwards whose replay raised at run time (not out of memory): the bucket was demoted to unpadded eager."""
     capture_s: float = 0.0
     pool_bytes: int = 0
+    compile_failed: int = 0
+    """Buckets that asked for compiled kernels and run eager ones: the compile or the compiled capture raised."""
 
 
 class CudaGraphRunner:
@@ -99,6 +106,7 @@ class CudaGraphRunner:
         fused: capture each bucket's fused step (:mod:`bcg_core.runners.fused`) in its graph after the forward: one
             replay gives both the transformer output (:meth:`run`) and every image's next latents
             (:meth:`run_fused`).
+        kernels: compiled kernels to capture (``runner.kernels: compiled``), or None for eager kernels.
 
     Raises:
         ValueError: if ``device`` is not a CUDA device.
@@ -106,7 +114,7 @@ class CudaGraphRunner:
 
     def __init__(self, adapter: DiTAdapter, keys: list[BucketKey], metrics: BucketMetrics, device: torch.device,
                  dtype: torch.dtype, budget_bytes: int | None = None, lazy: bool = False, warmup_iters: int = 2,
-                 sync_debug: bool = True, fused: bool = False):
+                 sync_debug: bool = True, fused: bool = False, kernels: CompiledKernels | None = None):
         if torch.device(device).type != "cuda":
             raise ValueError(f"CudaGraphRunner needs a CUDA device, got {device}; use EagerBucketRunner on CPU")
         self.adapter = adapter
@@ -119,6 +127,7 @@ class CudaGraphRunner:
         self.warmup_iters = warmup_iters
         self.sync_debug = sync_debug
         self.fused = fused
+        self.kernels = kernels
         self.entries: dict[BucketKey, BucketEntry] = {}
         self.stats = CaptureStats()
         self.pool = None
@@ -196,14 +205,39 @@ class CudaGraphRunner:
         torch.cuda.synchronize(self.device)
         return torch.cuda.max_memory_allocated(self.device) - base
 
+    def _kernels(self, entry: BucketEntry):
+        """The context a forward of ``entry`` runs in: its compiled kernels switched on, or nothing."""
+        if entry.kernels is KernelTier.COMPILED and self.kernels is not None:
+            return self.kernels.active()
+        return contextlib.nullcontext()
+
+    def _eager_kernels(self, entry: BucketEntry, why: str) -> None:
+        """``entry`` keeps eager kernels from now on: noted, counted and logged."""
+        entry.kernels = KernelTier.EAGER
+        entry.note = why[:300]
+        self.stats.compile_failed += 1
+        log.warning("bucket %s runs eager kernels: %s", entry.key, why)
+
+    def _warm(self, entry: BucketEntry) -> int:
+        """Warm-up forwards of ``entry`` (compiling its shapes first with compiled kernels); their peak memory."""
+        if entry.kernels is KernelTier.COMPILED:
+            try:
+                with self.kernels.compiling():
+                    return self._warmup(entry.buffers, entry.fused)
+            except CompileFailed as e:
+                self._eager_kernels(entry, str(e))
+        return self._warmup(entry.buffers, entry.fused)
+
     def _capture(self, key: BucketKey) -> BucketEntry:
         t0 = time.perf_counter()
         try:
             buffers = self.adapter.allocate(key, self.device, self.dtype)
             entry = BucketEntry(key, buffers)
+            if self.kernels is not None:
+                entry.kernels = KernelTier.COMPILED
             if self.fused:
                 entry.fused = fused_buffers(key.batch, self.device)
-            estimate = self._warmup(buffers, entry.fused)
+            estimate = self._warm(entry)
         except torch.cuda.OutOfMemoryError as e:
             return self._dropped(key, f"out of memory while warming up: {e}".splitlines()[0])
         if not budget_allows(self.stats.pool_bytes, estimate, self.budget_bytes):
@@ -218,9 +252,21 @@ class CudaGraphRunner:
         reserved = torch.cuda.memory_reserved(self.device)
         first = self.stats.captured == 0 and self.sync_debug
         try:
-            with self._sync_debug(first), torch.inference_mode(), torch.cuda.graph(graph, pool=self.pool):
-                output, nxt = self._forward(buffers, entry.fused)
-            torch.cuda.synchronize(self.device)
+            try:
+                with (self._sync_debug(first), torch.inference_mode(), self._kernels(entry),
+                      torch.cuda.graph(graph, pool=self.pool)):
+                    output, nxt = self._forward(buffers, entry.fused)
+                torch.cuda.synchronize(self.device)
+            except Exception as e:  # noqa: BLE001 - compiled kernels that do not capture: capture eager ones
+                if entry.kernels is not KernelTier.COMPILED or isinstance(e, torch.cuda.OutOfMemoryError):
+                    raise
+                torch.cuda.synchronize(self.device)
+                self._eager_kernels(entry, f"compiled capture failed: {type(e).__name__}: {e}".splitlines()[0])
+                graph = torch.cuda.CUDAGraph()
+                self._warmup(buffers, entry.fused)
+                with self._sync_debug(first), torch.inference_mode(), torch.cuda.graph(graph, pool=self.pool):
+                    output, nxt = self._forward(buffers, entry.fused)
+                torch.cuda.synchronize(self.device)
         except torch.cuda.OutOfMemoryError as e:
             graph = None  # drop the partial capture
             return self._dropped(key, f"out of memory during capture: {e}".splitlines()[0])
@@ -238,7 +284,7 @@ class CudaGraphRunner:
             entry.fused["next"] = nxt
         entry.pool_bytes = grown
         entry.capture_s = time.perf_counter() - t0
-        entry.note = f"estimate {estimate / MiB:.1f} MiB"
+        entry.note = "; ".join(n for n in (entry.note, f"estimate {estimate / MiB:.1f} MiB") if n)
         self.stats.captured += 1
         self.stats.capture_s += entry.capture_s
         self.stats.pool_bytes += grown
@@ -307,7 +353,8 @@ class CudaGraphRunner:
                         out = self.adapter.unpad(entry.output, inputs).clone()
                         mode = ForwardMode.GRAPH
                     elif entry.buffers:  # eager-only: capture failed or over budget
-                        out = static_forward(self.adapter, entry.buffers, inputs)
+                        with self._kernels(entry):
+                            out = static_forward(self.adapter, entry.buffers, inputs)
                         mode = ForwardMode.STATIC_EAGER
                     else:  # dropped after OOM, or demoted after a runtime error: unpadded eager
                         out = self.adapter.forward_eager(inputs).clone()
@@ -366,6 +413,7 @@ class CudaGraphRunner:
         """Per-bucket state, capture order."""
         return [
             {"key": str(e.key), "mode": e.mode.value if e.buffers or e.mode is RunMode.GRAPH else "dropped",
-             "pool_bytes": e.pool_bytes, "capture_s": round(e.capture_s, 4), "forwards": e.forwards, "note": e.note}
+             "kernels": e.kernels.value, "pool_bytes": e.pool_bytes, "capture_s": round(e.capture_s, 4),
+             "forwards": e.forwards, "note": e.note}
             for e in self.entries.values()
         ]

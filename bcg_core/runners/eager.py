@@ -1,11 +1,15 @@
 """The eager bucket runner: each bucket's forward on its static padded buffers, no graph (CPU, CI, lazy capture).
 
 It keeps the contract of :mod:`bcg_core.runners.base` (padding, masking and unpadding exactly as a graph replay
-does them), so every bucket is exercised on a CPU; only capture and replay themselves need a GPU.
+does them), so every bucket is exercised on a CPU; only capture and replay themselves need a GPU. With compiled
+kernels (:mod:`bcg_core.runners.kernels`) each bucket's shapes are compiled when it is prepared (one forward on
+its buffers) and its padded forwards run them; a compile that raises leaves the bucket on eager kernels (noted).
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import threading
 from collections.abc import Iterable
 
@@ -17,8 +21,11 @@ from bcg_core.padding import DenoiseInputs, DiTAdapter
 from bcg_core.runners.base import (
     BucketEntry, BucketFault, demote, fill_fused, fused_buffers, is_out_of_memory, static_forward,
 )
+from bcg_core.runners.kernels import CompileFailed, CompiledKernels, KernelTier
 
 __all__ = ["EagerBucketRunner"]
+
+log = logging.getLogger(__name__)
 
 
 class EagerBucketRunner:
@@ -34,12 +41,17 @@ class EagerBucketRunner:
         device, dtype: where the static buffers live (the model's device and dtype).
         fused: serve :meth:`run_fused` (the fused step computed eagerly on the static buffers, as the CUDA
             graph runner replays it).
+        kernels: compiled kernels for the padded forwards (``runner.kernels: compiled``), or None: eager ones.
     """
 
     def __init__(self, adapter: DiTAdapter, keys: list[BucketKey], metrics: BucketMetrics,
-                 device: torch.device, dtype: torch.dtype, fused: bool = False):
+                 device: torch.device, dtype: torch.dtype, fused: bool = False,
+                 kernels: CompiledKernels | None = None):
         self.adapter = adapter
         self.fused = fused
+        self.kernels = kernels
+        self.compile_failed = 0
+        """Buckets that asked for compiled kernels and run eager ones (their compile raised)."""
         self.keys = sorted(keys, key=lambda k: (-k.tokens, -k.batch, k.image_mask))  # largest first, as capture
         self._key_set = frozenset(self.keys)
         self.lazy_prepares = 0
@@ -61,7 +73,27 @@ class EagerBucketRunner:
                 raise KeyError(f"buckets {unknown} are not served by this runner")
             for key in todo:
                 if key not in self.entries:
-                    self.entries[key] = BucketEntry(key, self.adapter.allocate(key, self.device, self.dtype))
+                    self.entries[key] = self._entry(key)
+
+    def _entry(self, key: BucketKey) -> BucketEntry:
+        """A new bucket's static buffers; with compiled kernels, its shapes compiled by one forward on them."""
+        entry = BucketEntry(key, self.adapter.allocate(key, self.device, self.dtype))
+        if self.kernels is not None:
+            entry.kernels = KernelTier.COMPILED
+            try:
+                with self.kernels.compiling(), torch.inference_mode():
+                    self.adapter.forward(entry.buffers)
+            except CompileFailed as e:
+                entry.kernels, entry.note = KernelTier.EAGER, str(e)
+                self.compile_failed += 1
+                log.warning("bucket %s runs eager kernels: %s", key, e)
+        return entry
+
+    def _kernels(self, entry: BucketEntry):
+        """The context a padded forward of ``entry`` runs in: its compiled kernels switched on, or nothing."""
+        if entry.kernels is KernelTier.COMPILED and self.kernels is not None:
+            return self.kernels.active()
+        return contextlib.nullcontext()
 
     def prepared(self) -> set[BucketKey]:
         """Buckets whose static buffers exist."""
@@ -93,14 +125,15 @@ class EagerBucketRunner:
                     if key not in self._key_set:
                         raise KeyError(f"bucket {key} is not one of this runner's {len(self.keys)} buckets")
                     # Not owned here (routed to a non-owner after the fallback wait): allocate now, counted.
-                    entry = self.entries[key] = BucketEntry(key, self.adapter.allocate(key, self.device, self.dtype))
+                    entry = self.entries[key] = self._entry(key)
                     self.lazy_prepares += 1
                 mode = ForwardMode.STATIC_EAGER
                 if not entry.buffers:  # demoted after a fault: unpadded
                     out, mode = self.adapter.forward_eager(inputs).clone(), ForwardMode.EAGER
                 else:
                     try:
-                        out = static_forward(self.adapter, entry.buffers, inputs)
+                        with self._kernels(entry):
+                            out = static_forward(self.adapter, entry.buffers, inputs)
                     except RuntimeError as e:
                         if is_out_of_memory(e):
                             raise
@@ -135,7 +168,8 @@ class EagerBucketRunner:
             try:
                 self.adapter.fill(entry.buffers, inputs)
                 fill_fused(entry.fused, meta, dt)
-                out = self.adapter.forward(entry.buffers)
+                with self._kernels(entry):
+                    out = self.adapter.forward(entry.buffers)
                 nxt = fused_update(out, entry.buffers["latents"], entry.fused["meta"], entry.fused["dt"])
             except RuntimeError as e:
                 if is_out_of_memory(e):
@@ -150,7 +184,7 @@ class EagerBucketRunner:
     def describe(self) -> list[dict]:
         """Per-bucket state, largest bucket first."""
         return [
-            {"key": str(e.key), "mode": e.mode.value, "pool_bytes": e.pool_bytes, "capture_s": e.capture_s,
-             "forwards": e.forwards, "note": e.note}
+            {"key": str(e.key), "mode": e.mode.value, "kernels": e.kernels.value, "pool_bytes": e.pool_bytes,
+             "capture_s": e.capture_s, "forwards": e.forwards, "note": e.note}
             for e in self.entries.values()
         ]

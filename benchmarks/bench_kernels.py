@@ -1,0 +1,182 @@
+"""Kernel tiers per bucket: eager kernels in a CUDA graph against compiled kernels in a CUDA graph, side by side.
+
+For each model, two :class:`~bcg_core.pipeline.DiTPipeline` share one loaded model and one bucket table (the
+batch sizes of ``--batches`` at the model's sizes, text at its native length): ``eager`` (``runner.kernels:
+eager``) and ``compiled`` (``runner.kernels: compiled``, ``bcg_core/runners/kernels.py``: the repeated blocks
+compiled by inductor with static shapes, then captured into the bucket's graph). Both capture every bucket at
+prepare. Per bucket, in one process, alternating the two tiers per round:
+
+- ``eager_ms`` / ``compiled_ms``: one graph replay (one transformer forward at the bucket's full shape), the
+  median over ``--rounds`` rounds of ``--iters`` replays timed with CUDA events;
+- ``ratio``: ``compiled_ms / eager_ms`` (below 1: compiled kernels are faster; the target is at most 0.85);
+- ``prepare_s``: the bucket's warm-up and capture seconds (with compiled kernels, its compile);
+- ``rel_err`` of each tier: ``max|padded - unpadded eager| / max|unpadded eager|`` at the bucket's exact shape
+  (``bcg_core.verify.verify_runner``), against the tolerance of the dtype (``bcg_core.verify.RTOL``).
+
+Models (``--models``): ``flux-dev-width`` (FLUX.1-dev width 3072, 2 double + 4 single blocks, bf16; guidance
+embedding), ``sd3-medium`` (the SD3-medium transformer, bf16), ``pixart-512`` (PixArt-Sigma 512, bf16), all with
+random weights built by ``benchmarks/bench_families.py``; ``tiny-flux`` (tests/tiny, fp32) for a CPU smoke.
+
+Run on the GPU machine after ``mkdir -p $HOME/site && tar xJf .gpu/site.tar.xz -C $HOME/site && export
+PYTHONPATH=$HOME/site:$PWD``::
+
+    python benchmarks/bench_kernels.py --models flux-dev-width --scratch /dev/shm --commit <sha>
+
+JSON to ``--out`` (default ``docs/bench/<date>_kernels_<model>_<gpu>.json``); a table on stdout. ``--device cpu
+--models tiny-flux --batches 1,2 --rounds 1 --iters 1`` is the CPU smoke (no graphs: the padded forwards run on
+the static buffers). The exit status is 1 if a bucket of either tier fails its tolerance.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks"), str(ROOT / "tests")]
+
+from bcg_core import BucketConfig, DiTPipeline, LimitsConfig  # noqa: E402
+from bcg_core.config import RunnerConfig  # noqa: E402
+from bcg_core.models import load_model  # noqa: E402
+from bcg_core.verify import RTOL, BoundaryCase, random_inputs, verify_runner  # noqa: E402
+from deployments.settings import ServeConfig  # noqa: E402
+
+MODELS = {  # name: (bench_fused_step model, sizes in pixels)
+    "flux-dev-width": ("flux-dev-width", [1024, 512]),
+    "sd3-medium": ("sd3-medium", [1024, 512]),
+    "pixart-512": ("pixart-512", [512]),
+    "tiny-flux": ("tiny-flux", [64]),
+}
+
+
+def build(name: str, scratch: str | None, device: torch.device):
+    """The model's ``ModelConfig`` and what was built (random weights under ``scratch``)."""
+    if name == "pixart-512":
+        import tempfile
+
+        import bench_families
+
+        spec = bench_families.bench_models(tiny=device.type != "cuda")["pixart-sigma-512"]
+        dtype = "bfloat16" if device.type == "cuda" else "float32"
+        folder = Path(tempfile.mkdtemp(prefix="bcg-kernels-pixart-", dir=scratch))
+        info = bench_families.build_checkpoint(spec, folder, device, getattr(torch, dtype))
+        from bcg_core import ModelConfig
+
+        return ModelConfig(path=str(folder), device=device.type, dtype=dtype), info
+    from bench_fused_step import build as build_fused
+
+    return build_fused(MODELS[name][0], scratch, device)
+
+
+def _replay_ms(entry, iters: int) -> float:
+    """Milliseconds of one replay of ``entry``'s graph (mean of ``iters``, CUDA events)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    entry.graph.replay()
+    start.record()
+    for _ in range(iters):
+        entry.graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def _forward_ms(pipe: DiTPipeline, key, inputs, iters: int) -> float:
+    """Milliseconds of one padded forward through the runner (CPU: no graph)."""
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        pipe.runner.run(key, inputs)
+    return (time.perf_counter() - t0) * 1e3 / iters
+
+
+def bench_model(name: str, args, device: torch.device) -> dict:
+    """Both tiers of one model: the rows of every bucket."""
+    model_cfg, info = build(name, args.scratch, device)
+    sizes = MODELS[name][1]
+    batches = [int(b) for b in args.batches.split(",")]
+    t0 = time.perf_counter()
+    model = load_model(model_cfg)
+    load_s = time.perf_counter() - t0
+    native = model.rules.native_text_tokens
+    text = [native] if native else [args.text_tokens]
+    table = BucketConfig(batch_sizes=batches, resolutions=[f"{s}x{s}" for s in sizes], text_lengths=text)
+    limits = LimitsConfig(min_side_px=min(sizes), max_side_px=max(sizes), max_images=max(batches))
+    pipes, prepare_s = {}, {}
+    for tier in ("eager", "compiled"):
+        config = ServeConfig(model=model_cfg, buckets=table, limits=limits,
+                             runner=RunnerConfig(kernels=tier, fused_step="never", measure_costs="never"))
+        t0 = time.perf_counter()
+        pipes[tier] = DiTPipeline(config, model)
+        prepare_s[tier] = round(time.perf_counter() - t0, 2)
+    graphs = device.type == "cuda"
+    rows = []
+    for key in pipes["eager"].table.keys:
+        case = BoundaryCase(key, key.batch, pipes["eager"]._example_grid(key), key.text_tokens)
+        inputs = random_inputs(model.adapter, case, model.device, model.dtype, seed=0)
+        row = {"bucket": str(key), "rows": key.batch, "tokens": key.tokens}
+        times = {"eager": [], "compiled": []}
+        for _ in range(args.rounds):
+            for tier, pipe in pipes.items():
+                entry = pipe.runner.entries.get(key)
+                if graphs and entry is not None and entry.graph is not None:
+                    pipe.runner.run(key, inputs)  # fills the buffers
+                    times[tier].append(_replay_ms(entry, args.iters))
+                else:
+                    times[tier].append(_forward_ms(pipe, key, inputs, args.iters))
+        for tier, pipe in pipes.items():
+            described = next(d for d in pipe.runner.describe() if d["key"] == str(key))
+            verdict, = verify_runner(model.adapter, pipe.runner, [case], model.device, model.dtype,
+                                     rtol=RTOL[model.dtype])
+            row[f"{tier}_ms"] = round(statistics.median(times[tier]), 4)
+            row[f"{tier}_mode"], row[f"{tier}_kernels"] = described["mode"], described["kernels"]
+            row[f"{tier}_prepare_s"] = described["capture_s"]
+            row[f"{tier}_rel_err"] = float(f"{verdict.max_rel_err:.3e}")
+            row[f"{tier}_passed"] = verdict.passed
+        row["ratio"] = round(row["compiled_ms"] / row["eager_ms"], 4) if row["eager_ms"] else None
+        rows.append(row)
+        print(f"{name} {row['bucket']}: eager {row['eager_ms']:.3f} ms, compiled {row['compiled_ms']:.3f} ms "
+              f"(x{row['ratio']}), rel err {row['eager_rel_err']:.1e} / {row['compiled_rel_err']:.1e}", flush=True)
+    kernels = pipes["compiled"].runner.kernels
+    return {"model": name, "built": info, "dtype": str(model.dtype).removeprefix("torch."), "load_s": round(load_s, 2),
+            "prepare_s": prepare_s, "compile_s": round(kernels.compile_s, 2), "regional": kernels.regional,
+            "compiled_blocks": len(kernels.blocks), "rtol": RTOL[model.dtype], "buckets": rows}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="flux-dev-width")
+    ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    ap.add_argument("--batches", default="1,2,4,8", help="batch sizes (rows) of the table")
+    ap.add_argument("--text-tokens", type=int, default=256, help="text bucket of masked-text families")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--iters", type=int, default=10, help="replays per timed round")
+    ap.add_argument("--scratch", help="folder for the random-weight checkpoints (default: a temp dir)")
+    ap.add_argument("--out", help="JSON result (default docs/bench/<date>_kernels_<models>_<gpu>.json)")
+    ap.add_argument("--commit", help="git commit to record")
+    args = ap.parse_args(argv)
+    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
+                          ("cpu" if args.device == "auto" else args.device))
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    results = [bench_model(m, args, device) for m in args.models.split(",")]
+    report = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "gpu": gpu, "commit": args.commit,
+              "torch": torch.__version__, "command": " ".join(sys.argv), "models": results}
+    out = Path(args.out or ROOT / "docs" / "bench" / (f"{datetime.now(timezone.utc):%Y-%m-%d}_kernels_"
+                                                     f"{args.models.replace(',', '+')}_{gpu.split()[-1].lower()}.json"))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1))
+    print(f"wrote {out}")
+    failed = [(r["model"], b["bucket"]) for r in results for b in r["buckets"]
+              if not (b["eager_passed"] and b["compiled_passed"])]
+    if failed:
+        print(f"over tolerance: {failed}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,95 @@
+"""Compiled kernels (``runner.kernels: compiled``, ``bcg_core/runners/kernels.py``) on the CPU: the same code path
+as on a GPU but for the capture (inductor's C++ backend compiles the tiny default's repeated blocks).
+
+A two-bucket table keeps the compiles to two shapes (seconds each on 2 cores)."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from bcg_core import BucketConfig, EngineConfig, GenerationRequest
+from bcg_core.config import RunnerConfig
+from bcg_core.pipeline import DiTPipeline
+from bcg_core.runners.kernels import CompiledKernels, KernelTier, repeated_blocks
+from bcg_core.verify import RTOL, boundary_cases, verify_runner
+
+TABLE = BucketConfig(batch_sizes=[1, 2], resolutions=["256x256"], text_lengths=[256])
+
+
+def _config(**runner) -> EngineConfig:
+    return EngineConfig(buckets=TABLE, runner=RunnerConfig(**runner))
+
+
+@pytest.fixture(scope="module")
+def compiled() -> DiTPipeline:
+    return DiTPipeline.from_config(_config(kernels="compiled"))
+
+
+def test_every_bucket_compiles_and_matches_the_unpadded_eager_forward(compiled):
+    model = compiled.model
+    kernels = compiled.runner.kernels
+    assert kernels is not None and kernels.regional  # FLUX names its repeated blocks: regional compilation
+    assert {d["kernels"] for d in compiled.runner.describe()} == {"compiled"}
+    cases = boundary_cases(compiled.table, compiled.config.limits)
+    verdicts = verify_runner(model.adapter, compiled.runner, cases, model.device, model.dtype,
+                             rtol=RTOL[model.dtype])
+    assert verdicts and all(v.passed for v in verdicts), [(str(v.key), v.max_rel_err) for v in verdicts]
+    # compiled kernels round differently: close to eager, not necessarily equal
+    assert 0.0 <= max(v.max_rel_err for v in verdicts) < 1e-5
+    stats = compiled.stats()
+    assert stats["kernels"]["tier"] == "compiled" and stats["kernels"]["compile_failed"] == 0
+    assert stats["kernels"]["compile_s"] > 0 and {b["kernels"] for b in stats["buckets"]} == {"compiled"}
+
+
+def test_a_generated_image_with_compiled_kernels_is_close_to_the_eager_one(compiled):
+    eager = DiTPipeline.from_config(_config(kernels="eager"))
+    request = GenerationRequest("a red fox in snow", n=2, width=256, height=256, num_inference_steps=2, seed=5)
+    ours, ref = compiled.generate(request), eager.generate(request)
+    assert ours.bucket == ref.bucket and len(ours.images_png) == len(ref.images_png) == 2
+    for a, b in zip(ours.images_png, ref.images_png):
+        diff = np.abs(_pixels(a) - _pixels(b))
+        # fp32: the blocks' rounding differs by ~1e-7 relative, so at most one level on a few pixel values
+        assert diff.max() <= 1 and (diff > 0).mean() < 0.01, (diff.max(), (diff > 0).mean())
+    assert compiled.runner.kernels.on is False  # switched off again outside the bucket forwards
+
+
+def _pixels(png: bytes) -> np.ndarray:
+    return np.asarray(Image.open(io.BytesIO(png)).convert("RGB"), dtype=np.int16)
+
+
+def test_a_bucket_whose_compile_fails_keeps_eager_kernels_and_serves():
+    """A compile error (dynamo or inductor raising, here a stand-in ``torch.compile``) leaves the bucket on
+    eager kernels, noted in ``/v1/buckets`` and counted; its forwards are the eager ones, exactly."""
+    def broken_compile(fn, **options):
+        def compiled(*args, **kwargs):
+            raise RuntimeError("inductor: C++ compile failed (simulated)\nmore lines")
+        return compiled
+
+    pipe = DiTPipeline(_config(kernels="eager"), DiTPipeline.from_config(_config()).model, prepare=False)
+    kernels = CompiledKernels(pipe.model.adapter.model, compile_fn=broken_compile)
+    from bcg_core.runners.eager import EagerBucketRunner
+
+    runner = EagerBucketRunner(pipe.model.adapter, pipe.table.keys, pipe.metrics, pipe.model.device, pipe.model.dtype,
+                               kernels=kernels)
+    runner.prepare()
+    described = runner.describe()
+    assert {d["kernels"] for d in described} == {"eager"} and runner.compile_failed == len(pipe.table.keys)
+    assert all(d["note"] == "compile_failed: RuntimeError: inductor: C++ compile failed (simulated)"
+               for d in described)
+    case = boundary_cases(pipe.table, pipe.config.limits)[0]
+    verdict, = verify_runner(pipe.model.adapter, runner, [case], pipe.model.device, pipe.model.dtype, rtol=0.0)
+    assert verdict.passed and verdict.max_rel_err == 0.0  # eager kernels: the padded forward is exact
+
+
+def test_inductor_modes_that_capture_their_own_graphs_are_refused():
+    with pytest.raises(ValueError, match="bcg-serve owns the graphs"):
+        CompiledKernels(torch.nn.Linear(2, 2), compile_fn=lambda fn, **o: fn, mode="reduce-overhead")
+    # a module without repeated blocks is compiled whole
+    whole = CompiledKernels(torch.nn.Linear(2, 2), compile_fn=lambda fn, **o: fn)
+    assert not whole.regional and repeated_blocks(torch.nn.Linear(2, 2)) == []
+    assert KernelTier("compiled") is KernelTier.COMPILED
