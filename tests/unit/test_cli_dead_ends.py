@@ -227,9 +227,9 @@ def test_plan_says_the_current_table_is_better_and_writes_the_planned_one_only_w
             "the planned table has fewer graphs (12 against 63). Keep it; --write writes the planned table only "
             "with --force") in text
     assert not out.exists()
-    assert captured.err.strip() == (f"bcg plan: not writing {out}: the current table is expected to cost 157.27 ms "
-                                    f"per image, the planned one 159.55; add --force to write the planned table "
-                                    f"anyway")
+    # one line on stderr (in the full suite a Ray session of other tests may log there too)
+    assert (f"bcg plan: not writing {out}: the current table is expected to cost 157.27 ms per image, the planned one "
+            f"159.55; add --force to write the planned table anyway") in captured.err.splitlines()
     current = json.loads(report.read_text())["current"]  # the reports are still written
     assert current["at_least_as_good"] is True and current["graphs"] == 63
 
