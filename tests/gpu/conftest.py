@@ -24,6 +24,12 @@ def adapter():
     return make_flux_adapter()
 
 
+@pytest.fixture()
+def new_adapter():
+    """:func:`make_flux_adapter`, for a test that changes its model (compiled blocks, say)."""
+    return make_flux_adapter
+
+
 @pytest.fixture(scope="module")
 def table(adapter):
     cfg = BucketConfig(batch_sizes=[1, 2, 4], resolutions=["256x256", "512x512"], text_lengths=[64])

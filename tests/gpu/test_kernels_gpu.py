@@ -1,0 +1,47 @@
+"""Compiled kernels captured in the bucket graphs (``runner.kernels: compiled``) on a real GPU: every bucket is
+captured with its compiled blocks, replays within the bf16 tolerance of the unpadded eager forward, and a compile
+that fails leaves its bucket on eager kernels under its graph."""
+
+import pytest
+import torch
+
+from bcg_core import BucketMetrics, LimitsConfig
+from bcg_core.runners.cuda_graph import CudaGraphRunner
+from bcg_core.runners.kernels import CompiledKernels, KernelTier
+from bcg_core.verify import boundary_cases, verify_runner
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+BF16_RTOL = 2e-2
+CUDA = torch.device("cuda")
+
+
+def test_compiled_kernels_are_captured_in_every_bucket_graph_and_replay_within_tolerance(table, new_adapter):
+    adapter = new_adapter()
+    kernels = CompiledKernels(adapter.model)
+    runner = CudaGraphRunner(adapter, table.keys, BucketMetrics(table.keys), CUDA, torch.bfloat16, kernels=kernels)
+    runner.prepare()
+    assert runner.graph_count == len(table.keys) and runner.stats.compile_failed == 0
+    assert {d["kernels"] for d in runner.describe()} == {"compiled"} and kernels.compile_s > 0
+    verdicts = verify_runner(adapter, runner, boundary_cases(table, LimitsConfig()), CUDA, torch.bfloat16,
+                             rtol=BF16_RTOL)
+    assert all(v.passed for v in verdicts), [(str(v.key), v.max_rel_err) for v in verdicts if not v.passed]
+    assert not kernels.on  # the compiled blocks are switched on only inside bucket forwards
+
+
+def test_a_failed_compile_keeps_eager_kernels_under_the_graph(table, new_adapter):
+    def broken(fn, **options):
+        def compiled(*args, **kwargs):
+            raise RuntimeError("inductor: triton compile failed (simulated)")
+        return compiled
+
+    adapter = new_adapter()
+    runner = CudaGraphRunner(adapter, table.keys, BucketMetrics(table.keys), CUDA, torch.bfloat16,
+                             kernels=CompiledKernels(adapter.model, compile_fn=broken))
+    runner.prepare()
+    assert runner.graph_count == len(table.keys) and runner.stats.compile_failed == len(table.keys)
+    assert all(e.kernels is KernelTier.EAGER and e.note.startswith("compile_failed: RuntimeError")
+               for e in runner.entries.values())
+    verdicts = verify_runner(adapter, runner, boundary_cases(table, LimitsConfig()), CUDA, torch.bfloat16,
+                             rtol=BF16_RTOL)
+    assert all(v.passed for v in verdicts)
