@@ -259,12 +259,15 @@ class RunnerConfig(BaseModel):
         description="Capture a bucket on its first request instead of at start (each lazy capture is "
         "counted and logged). Off by default: serving never captures.",
     )
-    kernels: Literal["eager", "compiled"] = Field(
+    kernels: Literal["eager", "compiled", "fp8"] = Field(
         default="eager",
         description="The kernels of every bucket's padded forward (bcg_core/runners/kernels.py): 'eager' is "
         "PyTorch's eager kernels (diffusers' exact bits); 'compiled' compiles the transformer's repeated blocks "
         "with torch.compile (inductor, static shapes, one compile per bucket shape when the bucket is prepared) "
-        "and captures those kernels in the bucket's graph. A bucket whose compile fails keeps eager kernels "
+        "and captures those kernels in the bucket's graph; 'fp8' is 'compiled' with the repeated blocks' linear "
+        "layers in float8 through torchao (per-row scales; modulation, embedders and the final projection stay "
+        "bf16; needs a GPU of compute capability 8.9 or newer, refused at start elsewhere). A bucket whose "
+        "compile fails keeps eager kernels "
         "(noted in /v1/buckets). Misses (unpadded forwards) always run eager kernels. Compiling takes seconds "
         "per bucket shape, at every start: there is no on-disk compile cache yet.",
     )

@@ -38,7 +38,7 @@ from bcg_core.planner import Planner
 from bcg_core.request import GenerationRequest, GenerationResult, PlannedRequest
 from bcg_core.runners.base import BucketFault, BucketRunner
 from bcg_core.runners.eager import EagerBucketRunner
-from bcg_core.runners.kernels import CompiledKernels, KernelTier
+from bcg_core.runners.kernels import CompiledKernels, KernelTier, check_fp8, quantize_fp8
 from bcg_core.scheduler.costs import CostModel, StepDecider, StepForwards, measure_costs
 from bcg_core.verify import FusedStats
 
@@ -49,10 +49,13 @@ def runner_mode(config: EngineConfig, device: torch.device | None = None) -> str
     """``"graph"`` or ``"eager"``: what ``config.runner.mode`` means on ``device`` (the configured one if None).
 
     Raises:
-        ValueError: ``runner.mode: graph`` without CUDA, or ``model.device: cuda`` where none is visible.
+        ValueError: ``runner.mode: graph`` without CUDA, ``model.device: cuda`` where none is visible, or
+            ``runner.kernels: fp8`` where float8 cannot run (:func:`~bcg_core.runners.kernels.check_fp8`).
     """
     device = device or resolve_device(config.model.device)
     mode = config.runner.mode
+    if KernelTier(config.runner.kernels) is KernelTier.FP8:
+        check_fp8(device)
     if mode == "auto":
         return "graph" if device.type == "cuda" else "eager"
     if mode == "graph" and device.type != "cuda":
@@ -86,12 +89,18 @@ def build_runner(config: EngineConfig, model: Family, keys: list, metrics: Bucke
 def compiled_kernels(config: EngineConfig, model: Family, shapes: int) -> CompiledKernels | None:
     """The compiled kernels ``config.runner.kernels`` asks for on ``model`` (installed on its transformer once and
     kept on the family object, so a second runner of the same model shares them), or None for eager kernels.
+    For ``fp8`` the repeated blocks' linear layers are turned to float8 first, in place, once
+    (:func:`~bcg_core.runners.kernels.quantize_fp8`; the count is kept as ``model.fp8_layers``).
 
     Args:
         shapes: bucket shapes the runner serves (each block may hold one static compile per shape).
     """
-    if KernelTier(config.runner.kernels) is KernelTier.EAGER:
+    tier = KernelTier(config.runner.kernels)
+    if tier is KernelTier.EAGER:
         return None
+    if tier is KernelTier.FP8 and not getattr(model, "fp8_layers", 0):
+        check_fp8(model.device)
+        model.fp8_layers = quantize_fp8(model.adapter.model)  # in place: every forward of this model, misses too
     kernels = getattr(model, "compiled_kernels", None)
     if kernels is None or kernels.mode != config.runner.compile_mode:
         kernels = CompiledKernels(model.adapter.model, mode=config.runner.compile_mode, max_shapes=max(64, 2 * shapes))
@@ -407,5 +416,6 @@ class DiTPipeline:
             "tier": self.config.runner.kernels, "mode": None if kernels is None else kernels.mode,
             "regional": None if kernels is None else kernels.regional,
             "compile_s": 0.0 if kernels is None else round(kernels.compile_s, 3),
-            "compile_failed": sum(1 for d in state.values() if d.get("kernels") == "eager") if kernels else 0}
+            "compile_failed": sum(1 for d in state.values() if d.get("kernels") == "eager") if kernels else 0,
+            "fp8_layers": getattr(self.model, "fp8_layers", 0)}
         return snap

@@ -3,12 +3,13 @@
 For each model, two :class:`~bcg_core.pipeline.DiTPipeline` share one loaded model and one bucket table (the
 batch sizes of ``--batches`` at the model's sizes, text at its native length): ``eager`` (``runner.kernels:
 eager``) and ``compiled`` (``runner.kernels: compiled``, ``bcg_core/runners/kernels.py``: the repeated blocks
-compiled by inductor with static shapes, then captured into the bucket's graph). Both capture every bucket at
-prepare. Per bucket, in one process, alternating the two tiers per round:
+compiled by inductor with static shapes, then captured into the bucket's graph), and with ``--tiers
+eager,compiled,fp8`` a third over a model of its own (``fp8``: compiled, with the repeated blocks' linear layers in
+float8 through torchao). Each captures every bucket at prepare. Per bucket, in one process, alternating the two tiers per round:
 
 - ``eager_ms`` / ``compiled_ms``: one graph replay (one transformer forward at the bucket's full shape), the
   median over ``--rounds`` rounds of ``--iters`` replays timed with CUDA events;
-- ``ratio``: ``compiled_ms / eager_ms`` (below 1: compiled kernels are faster; the target is at most 0.85);
+- ``ratio`` (and ``<tier>_ratio``): ``compiled_ms / eager_ms`` (below 1: compiled kernels are faster; the target is at most 0.85);
 - ``prepare_s``: the bucket's warm-up and capture seconds (with compiled kernels, its compile);
 - ``rel_err`` of each tier: ``max|padded - unpadded eager| / max|unpadded eager|`` at the bucket's exact shape
   (``bcg_core.verify.verify_runner``), against the tolerance of the dtype (``bcg_core.verify.RTOL``).
@@ -108,11 +109,12 @@ def bench_model(name: str, args, device: torch.device) -> dict:
     table = BucketConfig(batch_sizes=batches, resolutions=[f"{s}x{s}" for s in sizes], text_lengths=text)
     limits = LimitsConfig(min_side_px=min(sizes), max_side_px=max(sizes), max_images=max(batches))
     pipes, prepare_s = {}, {}
-    for tier in ("eager", "compiled"):
+    for tier in args.tiers.split(","):
         config = ServeConfig(model=model_cfg, buckets=table, limits=limits,
                              runner=RunnerConfig(kernels=tier, fused_step="never", measure_costs="never"))
         t0 = time.perf_counter()
-        pipes[tier] = DiTPipeline(config, model)
+        # fp8 turns the model's linear layers to float8 in place: it gets a model of its own
+        pipes[tier] = DiTPipeline(config, load_model(model_cfg) if tier == "fp8" else model)
         prepare_s[tier] = round(time.perf_counter() - t0, 2)
     graphs = device.type == "cuda"
     rows = []
@@ -120,7 +122,7 @@ def bench_model(name: str, args, device: torch.device) -> dict:
         case = BoundaryCase(key, key.batch, pipes["eager"]._example_grid(key), key.text_tokens)
         inputs = random_inputs(model.adapter, case, model.device, model.dtype, seed=0)
         row = {"bucket": str(key), "rows": key.batch, "tokens": key.tokens}
-        times = {"eager": [], "compiled": []}
+        times = {tier: [] for tier in pipes}
         for _ in range(args.rounds):
             for tier, pipe in pipes.items():
                 entry = pipe.runner.entries.get(key)
@@ -131,21 +133,28 @@ def bench_model(name: str, args, device: torch.device) -> dict:
                     times[tier].append(_forward_ms(pipe, key, inputs, args.iters))
         for tier, pipe in pipes.items():
             described = next(d for d in pipe.runner.describe() if d["key"] == str(key))
-            verdict, = verify_runner(model.adapter, pipe.runner, [case], model.device, model.dtype,
+            verdict, = verify_runner(pipe.model.adapter, pipe.runner, [case], model.device, model.dtype,
                                      rtol=RTOL[model.dtype])
             row[f"{tier}_ms"] = round(statistics.median(times[tier]), 4)
             row[f"{tier}_mode"], row[f"{tier}_kernels"] = described["mode"], described["kernels"]
             row[f"{tier}_prepare_s"] = described["capture_s"]
             row[f"{tier}_rel_err"] = float(f"{verdict.max_rel_err:.3e}")
             row[f"{tier}_passed"] = verdict.passed
-        row["ratio"] = round(row["compiled_ms"] / row["eager_ms"], 4) if row["eager_ms"] else None
+        for tier in pipes:
+            if tier != "eager" and row.get("eager_ms"):
+                row[f"{tier}_ratio"] = round(row[f"{tier}_ms"] / row["eager_ms"], 4)
+        row["ratio"] = row.get("compiled_ratio")
         rows.append(row)
-        print(f"{name} {row['bucket']}: eager {row['eager_ms']:.3f} ms, compiled {row['compiled_ms']:.3f} ms "
-              f"(x{row['ratio']}), rel err {row['eager_rel_err']:.1e} / {row['compiled_rel_err']:.1e}", flush=True)
-    kernels = pipes["compiled"].runner.kernels
+        print(f"{name} {row['bucket']}: " + ", ".join(
+            f"{t} {row[f'{t}_ms']:.3f} ms (x{row.get(f'{t}_ratio', 1.0)}, rel err {row[f'{t}_rel_err']:.1e})"
+            for t in pipes), flush=True)
+    kernels = next((p.runner.kernels for p in pipes.values() if p.runner.kernels is not None), None)
     return {"model": name, "built": info, "dtype": str(model.dtype).removeprefix("torch."), "load_s": round(load_s, 2),
-            "prepare_s": prepare_s, "compile_s": round(kernels.compile_s, 2), "regional": kernels.regional,
-            "compiled_blocks": len(kernels.blocks), "rtol": RTOL[model.dtype], "buckets": rows}
+            "tiers": list(pipes), "prepare_s": prepare_s,
+            "compile_s": {t: round(p.runner.kernels.compile_s, 2) for t, p in pipes.items() if p.runner.kernels},
+            "regional": kernels.regional if kernels else None, "compiled_blocks": len(kernels.blocks) if kernels else 0,
+            "fp8_layers": getattr(pipes["fp8"].model, "fp8_layers", 0) if "fp8" in pipes else 0,
+            "rtol": RTOL[model.dtype], "buckets": rows}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -153,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--models", default="flux-dev-width")
     ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     ap.add_argument("--batches", default="1,2,4,8", help="batch sizes (rows) of the table")
+    ap.add_argument("--tiers", default="eager,compiled", help="kernel tiers, eager first (eager,compiled,fp8)")
     ap.add_argument("--text-tokens", type=int, default=256, help="text bucket of masked-text families")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--iters", type=int, default=10, help="replays per timed round")
@@ -171,8 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1))
     print(f"wrote {out}")
-    failed = [(r["model"], b["bucket"]) for r in results for b in r["buckets"]
-              if not (b["eager_passed"] and b["compiled_passed"])]
+    failed = [(r["model"], b["bucket"], t) for r in results for b in r["buckets"] for t in r["tiers"]
+              if not b[f"{t}_passed"]]
     if failed:
         print(f"over tolerance: {failed}", file=sys.stderr)
     return 1 if failed else 0

@@ -8,6 +8,11 @@
   blocks (:data:`REPEATED_BLOCKS`: SD3, PixArt-Sigma, SANA); a transformer with neither is compiled whole.
   bcg-serve owns the CUDA graphs: inductor's own (``mode="reduce-overhead"``) stay off, and its kernels are
   captured into the bucket's graph in the shared pool like eager ones.
+- ``fp8`` (:attr:`KernelTier.FP8`): ``compiled``, with the linear layers of the repeated blocks in float8
+  (:func:`quantize_fp8`: torchao's ``Float8DynamicActivationFloat8WeightConfig``, per-row scales: each
+  activation row and each weight output channel scaled on its own). Modulation (the adaptive norms' linear
+  layers), the embedders and the final projection stay in bf16. Needs a GPU with float8 matmuls (compute
+  capability 8.9 or newer: Ada, Hopper) and torchao; anything else is a start-up error (:func:`check_fp8`).
 
 :class:`CompiledKernels` installs the compiled blocks beside the eager ones and switches per forward
 (:meth:`CompiledKernels.active`): a bucket whose compile failed, an unpadded eager forward (a miss, whose shapes
@@ -27,7 +32,8 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-__all__ = ["REPEATED_BLOCKS", "CompileFailed", "CompiledKernels", "KernelTier", "repeated_blocks"]
+__all__ = ["FP8_MIN_CAPABILITY", "REPEATED_BLOCKS", "CompileFailed", "CompiledKernels", "KernelTier", "check_fp8",
+           "fp8_layers", "quantize_fp8", "repeated_blocks"]
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +45,57 @@ class KernelTier(str, enum.Enum):
     """PyTorch's eager kernels: diffusers' exact bits."""
     COMPILED = "compiled"
     """Regional ``torch.compile`` of the repeated transformer blocks (this module's docstring)."""
+    FP8 = "fp8"
+    """``compiled`` with the repeated blocks' linear layers in float8 (:func:`quantize_fp8`)."""
+
+
+FP8_MIN_CAPABILITY = (8, 9)
+"""CUDA compute capability of the first GPUs with float8 tensor cores (Ada Lovelace 8.9; Hopper is 9.0)."""
+
+
+def check_fp8(device: torch.device) -> None:
+    """Refuse the ``fp8`` tier where it cannot run.
+
+    Raises:
+        ValueError: ``device`` is not a CUDA GPU of compute capability :data:`FP8_MIN_CAPABILITY` or newer, or
+            torchao is not installed; the message names the device and the fix.
+    """
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise ValueError(f"runner.kernels 'fp8' needs a CUDA GPU with float8 matmuls (compute capability "
+                         f"{FP8_MIN_CAPABILITY[0]}.{FP8_MIN_CAPABILITY[1]} or newer: Ada, Hopper); the model runs on "
+                         f"{device.type}: use 'compiled' or 'eager'")
+    cap = torch.cuda.get_device_capability(device)
+    if cap < FP8_MIN_CAPABILITY:
+        raise ValueError(f"runner.kernels 'fp8' needs compute capability {FP8_MIN_CAPABILITY[0]}."
+                         f"{FP8_MIN_CAPABILITY[1]} or newer (float8 matmuls); {torch.cuda.get_device_name(device)} "
+                         f"has {cap[0]}.{cap[1]}: use 'compiled' or 'eager'")
+    import importlib.util
+
+    if importlib.util.find_spec("torchao") is None:
+        raise ValueError("runner.kernels 'fp8' needs torchao (pip install torchao): its float8 linear layers "
+                         "are what the tier runs")
+
+
+def fp8_layers(transformer: torch.nn.Module) -> list[str]:
+    """Names of the linear layers :func:`quantize_fp8` turns to float8: those inside the repeated blocks
+    (:func:`repeated_blocks`), except the adaptive norms' modulation layers (a name with ``norm``)."""
+    blocks = {id(b) for b in repeated_blocks(transformer)}
+    prefixes = [name + "." for name, m in transformer.named_modules() if id(m) in blocks]
+    return [name for name, m in transformer.named_modules()
+            if isinstance(m, torch.nn.Linear) and any(name.startswith(p) for p in prefixes) and "norm" not in name]
+
+
+def quantize_fp8(transformer: torch.nn.Module) -> int:
+    """Turn :func:`fp8_layers` of ``transformer`` to float8, in place (torchao ``quantize_`` with
+    ``Float8DynamicActivationFloat8WeightConfig(granularity=PerRow())``: weights stored in float8_e4m3fn with one
+    scale per output channel, activations quantized per row at run time). Returns the layers changed."""
+    from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
+
+    names = set(fp8_layers(transformer))
+    quantize_(transformer, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()),
+              filter_fn=lambda module, fqn: fqn in names)
+    return len(names)
 
 
 REPEATED_BLOCKS: dict[str, tuple[str, ...]] = {

@@ -86,6 +86,25 @@ def test_a_bucket_whose_compile_fails_keeps_eager_kernels_and_serves():
     assert verdict.passed and verdict.max_rel_err == 0.0  # eager kernels: the padded forward is exact
 
 
+def test_fp8_is_refused_at_start_where_float8_cannot_run_and_names_its_layers():
+    """On a CPU (CI) the fp8 tier is a start-up error naming the requirement, before any model loads; the layers it
+    would turn to float8 are the repeated blocks' linear layers without the adaptive norms' modulation."""
+    from bcg_core.pipeline import runner_mode
+    from bcg_core.runners.kernels import fp8_layers
+
+    with pytest.raises(ValueError, match=r"runner.kernels 'fp8' needs a CUDA GPU with float8 matmuls \(compute "
+                                         r"capability 8.9 or newer: Ada, Hopper\); the model runs on cpu"):
+        runner_mode(_config(kernels="fp8"), torch.device("cpu"))
+    from bcg_core.config import ModelConfig
+    from bcg_core.models import load_model
+
+    transformer = load_model(ModelConfig()).adapter.model
+    names = fp8_layers(transformer)
+    assert "transformer_blocks.0.attn.to_q" in names and "single_transformer_blocks.0.proj_mlp" in names
+    assert not [n for n in names if "norm" in n or n.startswith(("x_embedder", "context_embedder", "proj_out",
+                                                                 "time_text_embed"))]
+
+
 def test_inductor_modes_that_capture_their_own_graphs_are_refused():
     with pytest.raises(ValueError, match="bcg-serve owns the graphs"):
         CompiledKernels(torch.nn.Linear(2, 2), compile_fn=lambda fn, **o: fn, mode="reduce-overhead")
