@@ -116,6 +116,7 @@ def bench_model(name: str, args, device: torch.device) -> dict:
         # fp8 turns the model's linear layers to float8 in place: it gets a model of its own
         pipes[tier] = DiTPipeline(config, load_model(model_cfg) if tier == "fp8" else model)
         prepare_s[tier] = round(time.perf_counter() - t0, 2)
+        print(f"{name}: {tier} prepared ({len(pipes[tier].table.keys)} buckets) in {prepare_s[tier]} s", flush=True)
     graphs = device.type == "cuda"
     rows = []
     for key in pipes["eager"].table.keys:
