@@ -118,6 +118,9 @@ def run_verify(config: ServeConfig, buckets: list[str] | None = None, rtol: floa
     progress = progress or sys.stderr
     print("bcg verify: loading the model and building the runner (on a GPU: capturing "
           f"{'the graphs of the buckets asked for' if buckets else 'every bucket graph'}) ...", file=progress, flush=True)
+    from bcg_core.planner import Planner
+
+    _select(Planner.from_config(config).table.keys, buckets)  # an unknown key fails before the model loads
     pipe = _pipeline(config, prepare=False)
     model = pipe.model
     keys = set(_select(pipe.table.keys, buckets))
@@ -162,8 +165,9 @@ def run_verify(config: ServeConfig, buckets: list[str] | None = None, rtol: floa
         verdicts = verify_runner(model.adapter, pipe.runner, cases, model.device, model.dtype, rtol=tol,
                                  on_case=on_case)
     if cases:
-        print(f"checked {len(order)} buckets ({len(cases)} cases) in {_duration(time.perf_counter() - started)}",
-              file=progress, flush=True)
+        plural = "s" if len(order) != 1 else "", "s" if len(cases) != 1 else ""
+        print(f"checked {len(order)} bucket{plural[0]} ({len(cases)} case{plural[1]}) in "
+              f"{_duration(time.perf_counter() - started)}", file=progress, flush=True)
     modes = {d["key"]: d["mode"] for d in pipe.runner.describe()}
     table = Table(title=f"bcg verify: {model.model_name} on {model.device} ({str(model.dtype).removeprefix('torch.')}), "
                         f"rtol {tol:g}")

@@ -200,8 +200,10 @@ def run_demo(*, requests: int = 8, steps: int = 4, concurrency: int = 1, out: st
         wait_healthy(url, timeout_s=60.0 if started else min(10.0, timeout_s))
         check_access(url, api_key, key_source, timeout_s=min(30.0, timeout_s))
         n_images = sum(r.n for r in todo)
-        console.print(f"server {url}: sending {len(todo)} requests ({n_images} images, {steps} steps, "
-                      f"concurrency {concurrency}) from {Path(data).name if data else DATA_FILE}", highlight=False)
+        plural = {k: "s" if v != 1 else "" for k, v in (("r", len(todo)), ("i", n_images), ("s", steps))}
+        console.print(f"server {url}: sending {len(todo)} request{plural['r']} ({n_images} image{plural['i']}, {steps} "
+                      f"step{plural['s']}, concurrency {concurrency}) from {Path(data).name if data else DATA_FILE}",
+                      highlight=False)
         t0 = time.perf_counter()
         results = replay(url, todo, steps=steps, concurrency=concurrency, out_dir=out_dir, timeout_s=timeout_s,
                          max_retries=max_retries, api_key=api_key)

@@ -156,12 +156,16 @@ def start_local(config: "ServeConfig | None" = None, port: int = 8000, num_cpus:
             ``config.metrics.port``).
 
     Raises:
-        OSError: ``port`` or ``metrics_port`` is already in use (naming it and the option to change).
+        OSError: ``port`` or ``metrics_port`` is already in use, or both are the same port (naming the option to
+            change).
         RuntimeError: the application failed to deploy (each failing deployment's last error line).
     """
     from .settings import LOOPBACK
 
     host = config.metrics.host if config is not None else LOOPBACK
+    if port and port == metrics_port:
+        raise OSError(f"--port and --metrics-port are both {port}: the API and Ray's metrics exporter need a port "
+                      f"each; pick another for one of them (0: a free one)")
     if port == 0:
         port = free_loopback_port()
     else:

@@ -84,6 +84,9 @@ def test_a_busy_metrics_port_is_refused_before_ray_starts(capsys):
         assert main(["serve", "--port", "0", "--metrics-port", str(port)]) == 2
     err = capsys.readouterr().err
     assert f"port {port} on 127.0.0.1 is already in use" in err and "--metrics-port" in err, err
+    # one port for both is refused before Ray starts too (nothing listens on it yet)
+    assert main(["serve", "--port", str(port), "--metrics-port", str(port)]) == 2
+    assert f"--port and --metrics-port are both {port}" in capsys.readouterr().err
 
 
 def test_demo_steps_above_the_limit_and_a_non_krea_csv_are_refused_before_anything_starts(tmp_path, capsys):
