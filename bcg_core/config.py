@@ -271,6 +271,13 @@ class RunnerConfig(BaseModel):
         "(noted in /v1/buckets). Misses (unpadded forwards) always run eager kernels. Compiling takes seconds "
         "per bucket shape, at every start: there is no on-disk compile cache yet.",
     )
+    compile_cache_dir: str | None = Field(
+        default=None,
+        description="With kernels 'compiled' or 'fp8': the folder of torch.compile's on-disk caches (inductor's FX "
+        "graph cache and Triton's kernels; bcg_core/runners/kernels.py use_cache_dir). Inductor keys every entry by "
+        "graph, torch version, device and options, so a restart with the same model and table reads its kernels "
+        "back instead of compiling them. None: inductor's default folder (/tmp/torchinductor_<user>).",
+    )
     compile_mode: Literal["default", "max-autotune-no-cudagraphs"] = Field(
         default="default",
         description="With kernels 'compiled': inductor's mode. 'max-autotune-no-cudagraphs' searches matmul "

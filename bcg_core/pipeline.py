@@ -103,7 +103,8 @@ def compiled_kernels(config: EngineConfig, model: Family, shapes: int) -> Compil
         model.fp8_layers = quantize_fp8(model.adapter.model)  # in place: every forward of this model, misses too
     kernels = getattr(model, "compiled_kernels", None)
     if kernels is None or kernels.mode != config.runner.compile_mode:
-        kernels = CompiledKernels(model.adapter.model, mode=config.runner.compile_mode, max_shapes=max(64, 2 * shapes))
+        kernels = CompiledKernels(model.adapter.model, mode=config.runner.compile_mode, max_shapes=max(64, 2 * shapes),
+                                  cache_dir=config.runner.compile_cache_dir)
         model.compiled_kernels = kernels
     return kernels
 
@@ -417,5 +418,8 @@ class DiTPipeline:
             "regional": None if kernels is None else kernels.regional,
             "compile_s": 0.0 if kernels is None else round(kernels.compile_s, 3),
             "compile_failed": sum(1 for d in state.values() if d.get("kernels") == "eager") if kernels else 0,
-            "fp8_layers": getattr(self.model, "fp8_layers", 0)}
+            "fp8_layers": getattr(self.model, "fp8_layers", 0),
+            "cache_dir": None if kernels is None else kernels.cache_dir,
+            "cache_hits": 0 if kernels is None else kernels.cache_hits,
+            "cache_misses": 0 if kernels is None else kernels.cache_misses}
         return snap

@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 __all__ = ["FP8_MIN_CAPABILITY", "REPEATED_BLOCKS", "CompileFailed", "CompiledKernels", "KernelTier", "check_fp8",
-           "fp8_layers", "quantize_fp8", "repeated_blocks"]
+           "fp8_layers", "quantize_fp8", "repeated_blocks", "use_cache_dir"]
 
 log = logging.getLogger(__name__)
 
@@ -134,17 +134,21 @@ class CompiledKernels:
             graphs of its own).
         max_shapes: compiles each block may hold (one per bucket shape it serves; raises dynamo's
             ``recompile_limit`` and ``accumulated_recompile_limit`` to at least this).
+        cache_dir: folder of torch.compile's on-disk caches (:func:`use_cache_dir`), or None for inductor's default.
 
     Raises:
         ValueError: a mode that would capture inductor's own CUDA graphs.
     """
 
     def __init__(self, transformer: torch.nn.Module, compile_fn: Callable = torch.compile, mode: str = "default",
-                 max_shapes: int = 256):
+                 max_shapes: int = 256, cache_dir: str | None = None):
         if "cudagraphs" not in mode and mode != "default":
             raise ValueError(f"inductor mode {mode!r} captures CUDA graphs of its own; bcg-serve owns the graphs: "
                              f"use 'default' or 'max-autotune-no-cudagraphs'")
         self.mode = mode
+        self.cache_dir = use_cache_dir(cache_dir) if cache_dir else None
+        self.cache_hits = self.cache_misses = 0
+        """Inductor FX graph cache hits and misses of the compiles run under :meth:`compiling`."""
         self.blocks = repeated_blocks(transformer) or [transformer]
         self.regional = self.blocks[0] is not transformer
         self._local = threading.local()
@@ -197,6 +201,7 @@ class CompiledKernels:
             torch.OutOfMemoryError: out of memory while compiling.
         """
         t0 = time.perf_counter()
+        hits, misses = _fx_cache_counts()
         try:
             with self.active():
                 yield
@@ -207,3 +212,29 @@ class CompiledKernels:
             raise CompileFailed(f"compile_failed: {type(e).__name__}: {first}"[:300]) from e
         finally:
             self.compile_s += time.perf_counter() - t0
+            now_hits, now_misses = _fx_cache_counts()
+            self.cache_hits += now_hits - hits
+            self.cache_misses += now_misses - misses
+
+
+def _fx_cache_counts() -> tuple[int, int]:
+    """Inductor's FX graph cache hits and misses so far in this process (``torch._dynamo.utils.counters``)."""
+    from torch._dynamo.utils import counters
+
+    return counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"]
+
+
+def use_cache_dir(path: str) -> str:
+    """Keep torch.compile's on-disk caches in ``path`` (created if absent): inductor's (``TORCHINDUCTOR_CACHE_DIR``:
+    its FX graph and AOT autograd caches) and Triton's kernels (``TRITON_CACHE_DIR``, ``path/triton``). Inductor
+    keys each entry by the traced graph, the torch version, the device and the compile options, so a different
+    model, torch, GPU or bucket shape never loads another's entry; a restart with the same ones reads its kernels
+    back instead of compiling them. Process-wide (environment variables, read when a compile needs them).
+    Returns the absolute path."""
+    import os
+
+    path = os.path.abspath(path)
+    os.makedirs(os.path.join(path, "triton"), exist_ok=True)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = path
+    os.environ["TRITON_CACHE_DIR"] = os.path.join(path, "triton")
+    return path

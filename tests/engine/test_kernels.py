@@ -112,3 +112,24 @@ def test_inductor_modes_that_capture_their_own_graphs_are_refused():
     whole = CompiledKernels(torch.nn.Linear(2, 2), compile_fn=lambda fn, **o: fn)
     assert not whole.regional and repeated_blocks(torch.nn.Linear(2, 2)) == []
     assert KernelTier("compiled") is KernelTier.COMPILED
+
+
+def test_a_restart_reads_its_compiled_kernels_back_from_the_cache_dir(tmp_path):
+    """``runner.compile_cache_dir``: the first start compiles (inductor FX graph cache misses, written there); a
+    second start with the same model and table (dynamo's in-process state reset, as in a new process) reads every
+    kernel back: hits, no misses, and the same outputs."""
+    config = EngineConfig(buckets=BucketConfig(batch_sizes=[1], resolutions=["256x256"], text_lengths=[256]),
+                          runner=RunnerConfig(kernels="compiled", compile_cache_dir=str(tmp_path / "cache")))
+    first = DiTPipeline.from_config(config)
+    cold = first.stats()["kernels"]
+    assert cold["cache_dir"] == str(tmp_path / "cache") and cold["cache_misses"] > 0 and cold["cache_hits"] == 0
+    assert any((tmp_path / "cache").iterdir())
+    torch._dynamo.reset()
+    second = DiTPipeline.from_config(config)
+    warm = second.stats()["kernels"]
+    assert warm["cache_hits"] >= cold["cache_misses"] and warm["cache_misses"] == 0, (cold, warm)
+    case = boundary_cases(second.table, second.config.limits)[0]
+    for pipe in (first, second):
+        verdict, = verify_runner(pipe.model.adapter, pipe.runner, [case], pipe.model.device, pipe.model.dtype,
+                                 rtol=RTOL[pipe.model.dtype])
+        assert verdict.passed
