@@ -73,11 +73,10 @@ def _config(folder, case: str, **limits) -> EngineConfig:
 
 def _ingress(config: EngineConfig):
     """The ingress class outside Serve (its routes as plain methods); no DiT handle is used."""
-    from deployments.ingress import Ingress
     from deployments.settings import ServeConfig
+    from ingress_fakes import bare_ingress
 
-    serve = ServeConfig.model_validate(config.model_dump(mode="json"))
-    return Ingress.func_or_class.__mro__[1](object(), serve.model_dump(mode="json"))
+    return bare_ingress(object(), ServeConfig.model_validate(config.model_dump(mode="json")))
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -12,14 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import pickle
 
 import pytest
-from starlette.requests import Request
 
 from bcg_core import GenerationRequest, Planner, RequestError
-from bcg_core.request import GenerationResult
 from deployments.settings import ServeConfig
+from ingress_fakes import FakeDiT, bare_ingress, http_request
 from tiny import pixart, sd3
 
 CASES = {
@@ -31,53 +29,15 @@ CASES = {
 }
 
 
-class FakeDiT:
-    """A DiT deployment handle that records the plans sent and answers each with one image."""
-
-    def __init__(self):
-        self.sent = []
-
-    def options(self, multiplexed_model_id: str = ""):
-        return self
-
-    @property
-    def generate(self):
-        return self
-
-    async def remote(self, plan):
-        plan = pickle.loads(pickle.dumps(plan))
-        self.sent.append(plan)
-        return GenerationResult(images_png=[b"\x89PNG\r\n\x1a\n"], seed=plan.request.seed, bucket=None, hit=False,
-                                missed=[], real_tokens=1, padded_tokens=1, steps=1, timings_ms={})
-
-
-def _http(body: dict) -> Request:
-    raw = json.dumps(body).encode()
-    sent = False
-
-    async def receive():
-        nonlocal sent
-        if sent:
-            return {"type": "http.disconnect"}
-        sent = True
-        return {"type": "http.request", "body": raw, "more_body": False}
-
-    scope = {"type": "http", "method": "POST", "path": "/v1/images/generations", "headers": [
-        (b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())]}
-    return Request(scope, receive)
-
-
 @pytest.fixture(scope="module", params=sorted(CASES))
 def served(request, tmp_path_factory):
-    from deployments.ingress import Ingress
-
     family = request.param
     build, buckets, _, _ = CASES[family]
     folder = build(tmp_path_factory.mktemp(family) / family)
     config = ServeConfig.model_validate({"model": {"path": str(folder)}, "buckets": buckets,
                                          "limits": {"min_side_px": 16, "max_side_px": 1024}})
     dit = FakeDiT()
-    ingress = Ingress.func_or_class.__mro__[1](dit, config.model_dump(mode="json"))
+    ingress = bare_ingress(dit, config)
     return family, config, ingress, dit
 
 
@@ -93,11 +53,11 @@ def _outcome(call):
 def _over_http(ingress, dit, size: str):
     body = {"prompt": "a photo of a cat", "size": size, "n": 1, "seed": 1, "num_inference_steps": 1}
     before = len(dit.sent)
-    answer = asyncio.run(ingress.generate(_http(body)))
+    answer = asyncio.run(ingress.generate(http_request(body)))
     if getattr(answer, "status_code", 200) != 200:
         error = json.loads(answer.body)["error"]
         return "refused", error["param"], error["message"]
-    plan, = dit.sent[before:]
+    (_, plan), = dit.sent[before:]
     return "ok", plan.request.width, plan.request.height, plan.grid
 
 
@@ -108,7 +68,7 @@ def _from_the_handle(ingress, dit, w: int, h: int):
                                     "num_inference_steps": 1}))
     except RequestError as e:
         return "refused", e.field, e.message
-    plan, = dit.sent[before:]
+    (_, plan), = dit.sent[before:]
     return "ok", plan.request.width, plan.request.height, plan.grid
 
 

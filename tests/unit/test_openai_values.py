@@ -15,10 +15,10 @@ from starlette.requests import Request
 from bcg_core import BucketConfig, GenerationRequest, Planner, RequestError, ShapeRules
 from bcg_core.config import EngineConfig
 from deployments.http_errors import validation_error_response
-from deployments.ingress import Ingress, app
+from deployments.ingress import app
 from deployments.schemas import ImageGenerationRequest, RequestLimits
 from deployments.settings import ServeConfig
-from test_plan_once import FakeDiT, _http
+from ingress_fakes import FakeDiT, bare_ingress, http_request as _http
 
 RULES = ShapeRules(pixels_per_token=16, grid_keyed=False, native_text_tokens=32)
 KEY = "sk-edits-5d1e7a90c3b2"
@@ -33,7 +33,7 @@ def _planner() -> Planner:
 def _ingress(dit=None, config: dict | None = None):
     config = ServeConfig.model_validate(config or {"buckets": {"batch_sizes": [1, 2], "resolutions": ["256x256",
                                                                                                      "512x512"]}})
-    return Ingress.func_or_class.__mro__[1](dit or FakeDiT(), config.model_dump(mode="json"))
+    return bare_ingress(dit or FakeDiT(), config)
 
 
 def _error(answer) -> tuple[int, dict]:

@@ -12,16 +12,13 @@ import json
 import pickle
 
 import pytest
-from ray.exceptions import RayActorError
-from starlette.requests import Request
 
 from bcg_core import BucketConfig, GenerationRequest, PlannedRequest, Planner
 
 from deployments.settings import ServeConfig
-from bcg_core.request import GenerationResult
 from deployments.dit import DiTReplica
-from deployments.ingress import Ingress
 from deployments.routing import ReplicaUnavailable, call_dit
+from ingress_fakes import FakeDiT, bare_ingress, http_request as _http
 from plan_counting import PlanCounter
 
 CONFIG = ServeConfig(buckets=BucketConfig(batch_sizes=[1, 2], resolutions=["256x256"]))
@@ -29,58 +26,8 @@ BODY = {"prompt": "a lighthouse at dusk", "n": 1, "size": "256x256", "num_infere
         "guidance_scale": 0.0}
 
 
-class FakeDiT:
-    """A DiT deployment handle: records what ``options(...).generate.remote`` was sent; ``fail`` first calls
-    raise RayActorError (the replica died), then it answers; ``stats`` must never be called."""
-
-    def __init__(self, fail: int = 0):
-        self.fail = fail
-        self.sent: list[tuple[str, object]] = []
-        self._shape = ""
-
-    def options(self, multiplexed_model_id: str = ""):
-        self._shape = multiplexed_model_id
-        return self
-
-    @property
-    def generate(self):
-        return self
-
-    @property
-    def stats(self):
-        raise AssertionError("the ingress asked a DiT replica for its stats")
-
-    async def remote(self, plan):
-        plan = pickle.loads(pickle.dumps(plan))  # what Ray does to it on the way
-        self.sent.append((self._shape, plan))
-        if len(self.sent) <= self.fail:
-            raise RayActorError()
-        return GenerationResult(images_png=[b"\x89PNG\r\n\x1a\n"], seed=plan.request.seed,
-                                bucket=str(plan.lookup.key), hit=True, missed=[], real_tokens=1,
-                                padded_tokens=1, steps=1, timings_ms={})
-
-
-def _ingress(dit) -> Ingress:
-    """The class under ``serve.ingress``'s ASGI wrapper (its routes as plain methods), without Serve."""
-    user_class = Ingress.func_or_class.__mro__[1]
-    assert user_class.__module__ == "deployments.ingress" and "generate" in vars(user_class)
-    return user_class(dit, CONFIG.model_dump(mode="json"))
-
-
-def _http(body: dict) -> Request:
-    raw = json.dumps(body).encode()
-    sent = False
-
-    async def receive():
-        nonlocal sent
-        if sent:
-            return {"type": "http.disconnect"}
-        sent = True
-        return {"type": "http.request", "body": raw, "more_body": False}
-
-    scope = {"type": "http", "method": "POST", "path": "/v1/images/generations", "headers": [
-        (b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())]}
-    return Request(scope, receive)
+def _ingress(dit):
+    return bare_ingress(dit, CONFIG)
 
 
 async def _make_replica(config: dict):

@@ -56,13 +56,13 @@ def test_a_failure_mid_stream_is_one_error_event_the_official_client_raises():
 
     from deployments.settings import ServeConfig
     from bcg_core.request import GenerationRequest
-    from deployments.ingress import Ingress
+    from ingress_fakes import bare_ingress
     from deployments.schemas import ImageGenerationRequest
 
     config = ServeConfig.model_validate({"buckets": {"batch_sizes": [1], "resolutions": ["256x256"],
                                                      "text_lengths": [256]}, "routing": {"shape_aware": False}})
     dit = _FailingStreamDit()
-    ingress = Ingress.func_or_class.__mro__[1](dit, config.model_dump(mode="json"))
+    ingress = bare_ingress(dit, config)
     req = ImageGenerationRequest(prompt="x", size="256x256", stream=True, partial_images=1)
     plan = ingress._planner.plan(GenerationRequest("x", width=256, height=256, partial_images=1))
 
@@ -95,14 +95,14 @@ def test_a_stream_refused_before_acceptance_is_a_plain_503_with_retry_after():
     import asyncio
 
     from deployments.settings import ServeConfig
-    from deployments.ingress import Ingress
-    from test_plan_once import _http
+    from ingress_fakes import bare_ingress
+    from ingress_fakes import http_request
 
     config = ServeConfig.model_validate({"buckets": {"batch_sizes": [1], "resolutions": ["256x256"],
                                                      "text_lengths": [256]}, "routing": {"shape_aware": False}})
     dit = _FailingStreamDit(refuse=True)
-    ingress = Ingress.func_or_class.__mro__[1](dit, config.model_dump(mode="json"))
-    request = _http({"prompt": "x", "size": "256x256", "stream": True, "partial_images": 1})
+    ingress = bare_ingress(dit, config)
+    request = http_request({"prompt": "x", "size": "256x256", "stream": True, "partial_images": 1})
     answer = asyncio.run(ingress.generate(request))
     assert answer.status_code == 503 and answer.headers["retry-after"] == "3"
     assert json.loads(answer.body)["error"]["message"] == "the server is at capacity; retry after 3 s"
