@@ -16,6 +16,7 @@ The bucket table decides the key; the runner trusts it.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -30,7 +31,7 @@ from bcg_core.metrics import BucketMetrics
 from bcg_core.padding import DenoiseInputs, DiTAdapter
 from bcg_core.runners.kernels import KernelTier
 
-__all__ = ["BucketEntry", "BucketFault", "BucketRunner", "RunMode", "demote", "fill_fused",
+__all__ = ["BucketEntry", "BucketFault", "BucketRunner", "RunMode", "demote", "entry_kernels", "fill_fused",
            "fused_buffers", "is_out_of_memory", "static_forward"]
 
 
@@ -163,6 +164,15 @@ def fill_fused(fused: dict[str, torch.Tensor], meta: torch.Tensor, dt: torch.Ten
     buf_meta[:, m:].zero_()
     buf_dt[:m].copy_(dt)
     buf_dt[m:].zero_()
+
+
+def entry_kernels(kernels, entry: BucketEntry):
+    """The context a padded forward of ``entry`` runs in: ``kernels`` (a
+    :class:`~bcg_core.runners.kernels.CompiledKernels`) switched on when the bucket runs compiled kernels, else
+    nothing."""
+    if entry.kernels is KernelTier.COMPILED and kernels is not None:
+        return kernels.active()
+    return contextlib.nullcontext()
 
 
 def static_forward(adapter: DiTAdapter, buffers: dict[str, torch.Tensor], inputs: DenoiseInputs) -> torch.Tensor:

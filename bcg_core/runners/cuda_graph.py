@@ -38,7 +38,8 @@ from bcg_core.keys import BucketKey
 from bcg_core.metrics import BucketMetrics, ForwardMode
 from bcg_core.padding import DenoiseInputs, DiTAdapter
 from bcg_core.runners.base import (
-    BucketEntry, BucketFault, RunMode, demote, fill_fused, fused_buffers, is_out_of_memory, static_forward,
+    BucketEntry, BucketFault, RunMode, demote, entry_kernels, fill_fused, fused_buffers, is_out_of_memory,
+    static_forward,
 )
 from bcg_core.runners.kernels import CompileFailed, CompiledKernels, KernelTier
 
@@ -205,12 +206,6 @@ class CudaGraphRunner:
         torch.cuda.synchronize(self.device)
         return torch.cuda.max_memory_allocated(self.device) - base
 
-    def _kernels(self, entry: BucketEntry):
-        """The context a forward of ``entry`` runs in: its compiled kernels switched on, or nothing."""
-        if entry.kernels is KernelTier.COMPILED and self.kernels is not None:
-            return self.kernels.active()
-        return contextlib.nullcontext()
-
     def _eager_kernels(self, entry: BucketEntry, why: str) -> None:
         """``entry`` keeps eager kernels from now on: noted, counted and logged."""
         entry.kernels = KernelTier.EAGER
@@ -253,10 +248,7 @@ class CudaGraphRunner:
         first = self.stats.captured == 0 and self.sync_debug
         try:
             try:
-                with (self._sync_debug(first), torch.inference_mode(), self._kernels(entry),
-                      torch.cuda.graph(graph, pool=self.pool)):
-                    output, nxt = self._forward(buffers, entry.fused)
-                torch.cuda.synchronize(self.device)
+                output, nxt = self._record(graph, entry, first)
             except Exception as e:  # noqa: BLE001 - compiled kernels that do not capture: capture eager ones
                 if entry.kernels is not KernelTier.COMPILED or isinstance(e, torch.cuda.OutOfMemoryError):
                     raise
@@ -264,9 +256,7 @@ class CudaGraphRunner:
                 self._eager_kernels(entry, f"compiled capture failed: {type(e).__name__}: {e}".splitlines()[0])
                 graph = torch.cuda.CUDAGraph()
                 self._warmup(buffers, entry.fused)
-                with self._sync_debug(first), torch.inference_mode(), torch.cuda.graph(graph, pool=self.pool):
-                    output, nxt = self._forward(buffers, entry.fused)
-                torch.cuda.synchronize(self.device)
+                output, nxt = self._record(graph, entry, first)
         except torch.cuda.OutOfMemoryError as e:
             graph = None  # drop the partial capture
             return self._dropped(key, f"out of memory during capture: {e}".splitlines()[0])
@@ -289,6 +279,14 @@ class CudaGraphRunner:
         self.stats.capture_s += entry.capture_s
         self.stats.pool_bytes += grown
         return entry
+
+    def _record(self, graph, entry: BucketEntry, sync_debug: bool):
+        """Capture ``entry``'s forward (with its kernels) into ``graph`` in the shared pool; its static outputs."""
+        with (self._sync_debug(sync_debug), torch.inference_mode(), entry_kernels(self.kernels, entry),
+              torch.cuda.graph(graph, pool=self.pool)):
+            output, nxt = self._forward(entry.buffers, entry.fused)
+        torch.cuda.synchronize(self.device)
+        return output, nxt
 
     @contextlib.contextmanager
     def _sync_debug(self, on: bool):
@@ -353,7 +351,7 @@ class CudaGraphRunner:
                         out = self.adapter.unpad(entry.output, inputs).clone()
                         mode = ForwardMode.GRAPH
                     elif entry.buffers:  # eager-only: capture failed or over budget
-                        with self._kernels(entry):
+                        with entry_kernels(self.kernels, entry):
                             out = static_forward(self.adapter, entry.buffers, inputs)
                         mode = ForwardMode.STATIC_EAGER
                     else:  # dropped after OOM, or demoted after a runtime error: unpadded eager

@@ -8,7 +8,6 @@ its buffers) and its padded forwards run them; a compile that raises leaves the 
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 from collections.abc import Iterable
@@ -19,7 +18,7 @@ from bcg_core.keys import BucketKey
 from bcg_core.metrics import BucketMetrics, ForwardMode
 from bcg_core.padding import DenoiseInputs, DiTAdapter
 from bcg_core.runners.base import (
-    BucketEntry, BucketFault, demote, fill_fused, fused_buffers, is_out_of_memory, static_forward,
+    BucketEntry, BucketFault, demote, entry_kernels, fill_fused, fused_buffers, is_out_of_memory, static_forward,
 )
 from bcg_core.runners.kernels import CompileFailed, CompiledKernels, KernelTier
 
@@ -89,11 +88,6 @@ class EagerBucketRunner:
                 log.warning("bucket %s runs eager kernels: %s", key, e)
         return entry
 
-    def _kernels(self, entry: BucketEntry):
-        """The context a padded forward of ``entry`` runs in: its compiled kernels switched on, or nothing."""
-        if entry.kernels is KernelTier.COMPILED and self.kernels is not None:
-            return self.kernels.active()
-        return contextlib.nullcontext()
 
     def prepared(self) -> set[BucketKey]:
         """Buckets whose static buffers exist."""
@@ -132,7 +126,7 @@ class EagerBucketRunner:
                     out, mode = self.adapter.forward_eager(inputs).clone(), ForwardMode.EAGER
                 else:
                     try:
-                        with self._kernels(entry):
+                        with entry_kernels(self.kernels, entry):
                             out = static_forward(self.adapter, entry.buffers, inputs)
                     except RuntimeError as e:
                         if is_out_of_memory(e):
@@ -168,7 +162,7 @@ class EagerBucketRunner:
             try:
                 self.adapter.fill(entry.buffers, inputs)
                 fill_fused(entry.fused, meta, dt)
-                with self._kernels(entry):
+                with entry_kernels(self.kernels, entry):
                     out = self.adapter.forward(entry.buffers)
                 nxt = fused_update(out, entry.buffers["latents"], entry.fused["meta"], entry.fused["dt"])
             except RuntimeError as e:
