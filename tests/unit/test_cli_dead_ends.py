@@ -8,6 +8,8 @@ demo talks to a fake server on 127.0.0.1, the plan uses the token-count cost mod
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from deployments import commands
@@ -168,12 +170,18 @@ def test_demo_reads_openai_api_key_from_the_environment(keyed_server, tmp_path, 
     assert DEMO_KEY not in captured.out + captured.err
 
 
+def _own(err: str) -> str:
+    """Our lines of stderr, without the log lines a Ray session of other tests in this process may print there
+    (``(ServeReplica...)``, ``(raylet)``, ANSI-coloured)."""
+    return "\n".join(line for line in err.strip().splitlines() if not re.match(r"(\x1b\[[0-9;]*m)?\(", line))
+
+
 def test_demo_without_a_key_or_with_a_wrong_one_stops_with_one_line_naming_both_ways(keyed_server, tmp_path, capsys,
                                                                                     monkeypatch):
     url, seen = keyed_server
     monkeypatch.delenv("OPENAI_API_KEY", raising=False)
     assert _demo(url, tmp_path) == 2
-    err = capsys.readouterr().err.strip()
+    err = _own(capsys.readouterr().err)
     assert err == (f"bcg demo: error: the server at {url} asks for an API key (HTTP 401): give one with "
                    f"--api-key-file PATH (its first key) or the OPENAI_API_KEY environment variable")
     assert [path for path, _ in seen] == ["/v1/models"]  # stopped before sending any request
@@ -181,7 +189,7 @@ def test_demo_without_a_key_or_with_a_wrong_one_stops_with_one_line_naming_both_
 
     monkeypatch.setenv("OPENAI_API_KEY", "sk-not-the-servers-key")
     assert _demo(url, tmp_path) == 2
-    err = capsys.readouterr().err.strip()
+    err = _own(capsys.readouterr().err)
     assert len(err.splitlines()) == 1 and "sk-not-the-servers-key" not in err
     assert err.startswith(f"bcg demo: error: the server at {url} refused the API key from the OPENAI_API_KEY "
                           f"environment variable (HTTP 401)")
