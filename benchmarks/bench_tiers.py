@@ -9,9 +9,9 @@ weights, bf16, the real VAE config, random stand-in text encoders), one checkpoi
 - ``diffusers-compiled``: a second copy of it with ``transformer.compile_repeated_blocks(fullgraph=True)`` (FLUX.1,
   Qwen-Image: diffusers' documented one line), or ``torch.compile(transformer, fullgraph=True)`` where the
   transformer names no repeated blocks;
-- ``bcg-eager`` / ``bcg-compiled``: :class:`~bcg_core.pipeline.DiTPipeline` over one loaded model with the one
-  bucket that holds the request exactly (nothing padded), ``runner.mode: graph``, ``runner.kernels`` eager or
-  compiled.
+- ``bcg-eager`` / ``bcg-compiled`` / ``bcg-fp8``: :class:`~bcg_core.pipeline.DiTPipeline` with the one bucket that
+  holds the request exactly (nothing padded), ``runner.mode: graph``, ``runner.kernels`` eager, compiled or fp8
+  (eager and compiled share one loaded model; fp8 turns its linear layers to float8 in place, so it loads its own).
 
 A warm-up request per mode (its wall is reported as ``first_ms``: compile and capture for the compiled modes),
 then ``--repeats`` requests per mode, the modes alternating. Reported per mode: median wall ms and, for bcg,
@@ -47,7 +47,7 @@ import bench_families  # noqa: E402
 from bcg_core import DiTPipeline, GenerationRequest, load_model  # noqa: E402
 from bcg_core.config import EngineConfig, LimitsConfig, ModelConfig, RunnerConfig  # noqa: E402
 
-MODES = ("diffusers", "diffusers-compiled", "bcg-eager", "bcg-compiled")
+MODES = ("diffusers", "diffusers-compiled", "bcg-eager", "bcg-compiled", "bcg-fp8")
 
 
 def _sync() -> None:
@@ -89,7 +89,7 @@ def bench_case(case: str, folder: Path, model, args, device: torch.device, dtype
             kernels = mode.removeprefix("bcg-")
             pipe = DiTPipeline(EngineConfig(model=mc, buckets=buckets, limits=limits,
                                             runner=RunnerConfig(mode=graph, kernels=kernels, fused_step="never")),
-                               model)
+                               load_model(mc) if kernels == "fp8" else model)
 
             def call(pipe=pipe):
                 return pipe.generate(req).timings_ms

@@ -93,7 +93,10 @@ def quantize_fp8(transformer: torch.nn.Module) -> int:
     from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
 
     names = set(fp8_layers(transformer))
-    quantize_(transformer, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()),
+    # set_inductor_config=False: torchao's default turns on inductor's coordinate-descent tuning process-wide
+    # (torchao.quantization.utils.recommended_inductor_config_setter), which changes every other compile in the
+    # process and, on an H200 with torch 2.11, crashed Triton while tuning FLUX blocks (docs/BENCHMARKS.md).
+    quantize_(transformer, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow(), set_inductor_config=False),
               filter_fn=lambda module, fqn: fqn in names)
     return len(names)
 

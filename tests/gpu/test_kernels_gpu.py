@@ -45,3 +45,24 @@ def test_a_failed_compile_keeps_eager_kernels_under_the_graph(table, new_adapter
     verdicts = verify_runner(adapter, runner, boundary_cases(table, LimitsConfig()), CUDA, torch.bfloat16,
                              rtol=BF16_RTOL)
     assert all(v.passed for v in verdicts)
+
+
+def test_fp8_kernels_capture_and_leave_inductor_settings_alone(table, new_adapter):
+    """The fp8 tier turns the repeated blocks' linear layers to float8 (torchao), compiles and captures them; it
+    does not switch on torchao's process-wide inductor tuning (coordinate descent crashed Triton on FLUX blocks)."""
+    pytest.importorskip("torchao")
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("float8 matmuls need compute capability 8.9")
+    from bcg_core.runners.kernels import quantize_fp8
+
+    before = torch._inductor.config.coordinate_descent_tuning
+    adapter = new_adapter()
+    assert quantize_fp8(adapter.model) > 0
+    assert torch._inductor.config.coordinate_descent_tuning == before
+    kernels = CompiledKernels(adapter.model)
+    runner = CudaGraphRunner(adapter, table.keys, BucketMetrics(table.keys), CUDA, torch.bfloat16, kernels=kernels)
+    runner.prepare()
+    assert runner.graph_count == len(table.keys) and runner.stats.compile_failed == 0
+    verdicts = verify_runner(adapter, runner, boundary_cases(table, LimitsConfig()), CUDA, torch.bfloat16, rtol=0.1)
+    print({str(v.key): round(v.max_rel_err, 4) for v in verdicts})
+    assert all(v.passed for v in verdicts), [(str(v.key), v.max_rel_err) for v in verdicts if not v.passed]
