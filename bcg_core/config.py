@@ -259,17 +259,31 @@ class RunnerConfig(BaseModel):
         description="Capture a bucket on its first request instead of at start (each lazy capture is "
         "counted and logged). Off by default: serving never captures.",
     )
-    kernels: Literal["eager", "compiled", "fp8"] = Field(
-        default="eager",
+    kernels: Literal["auto", "eager", "compiled", "fp8"] = Field(
+        default="auto",
         description="The kernels of every bucket's padded forward (bcg_core/runners/kernels.py): 'eager' is "
         "PyTorch's eager kernels (diffusers' exact bits); 'compiled' compiles the transformer's repeated blocks "
         "with torch.compile (inductor, static shapes, one compile per bucket shape when the bucket is prepared) "
         "and captures those kernels in the bucket's graph; 'fp8' is 'compiled' with the repeated blocks' linear "
         "layers in float8 through torchao (per-row scales; modulation, embedders and the final projection stay "
-        "bf16; needs a GPU of compute capability 8.9 or newer, refused at start elsewhere). A bucket whose "
-        "compile fails keeps eager kernels "
-        "(noted in /v1/buckets). Misses (unpadded forwards) always run eager kernels. Compiling takes seconds "
-        "per bucket shape, at every start: there is no on-disk compile cache yet.",
+        "bf16; needs a GPU of compute capability 8.9 or newer, refused at start elsewhere). 'auto': 'compiled' on "
+        "CUDA, 'eager' on a CPU. Every compiled bucket's forward is checked against its eager forward when it is "
+        "prepared (runner.compile_rtol); a bucket whose compile fails, passes runner.compile_timeout_s or fails "
+        "that check keeps eager kernels (noted and counted in /v1/buckets). Misses (unpadded forwards) always run "
+        "eager kernels.",
+    )
+    compile_timeout_s: float | None = Field(
+        default=300.0, gt=0, le=86400,
+        description="With compiled kernels: seconds one bucket's compile (its warm-up forwards and the check) may "
+        "take; a bucket past it keeps eager kernels. None: no bound.",
+    )
+    compile_rtol: float | None = Field(
+        default=None, gt=0, le=1,
+        description="With compiled kernels: the largest deviation of a bucket's compiled forward from its eager "
+        "forward, relative to the eager forward's largest value, checked when the bucket is prepared. None: "
+        "derived at start (bcg_core/verify.py kernel_tolerance): for 'compiled' max(the dtype's padding tolerance, "
+        "2 x the eager forward's own rounding error against float32, measured on the smallest bucket); for 'fp8' "
+        "the stated bound 0.1.",
     )
     compile_cache_dir: str | None = Field(
         default=None,

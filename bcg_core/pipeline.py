@@ -19,6 +19,7 @@ family's diffusers pipeline draws it; so the same request and seed give the same
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Sequence
@@ -40,9 +41,12 @@ from bcg_core.runners.base import BucketFault, BucketRunner
 from bcg_core.runners.eager import EagerBucketRunner
 from bcg_core.runners.kernels import CompiledKernels, KernelTier, check_fp8, quantize_fp8
 from bcg_core.scheduler.costs import CostModel, StepDecider, StepForwards, measure_costs
-from bcg_core.verify import FusedStats
+from bcg_core.verify import FusedStats, kernel_tolerance, precision_deviation
 
-__all__ = ["DiTPipeline", "GenerationResult", "build_runner", "compiled_kernels", "fused_wanted", "runner_mode"]
+log = logging.getLogger(__name__)
+
+__all__ = ["DiTPipeline", "GenerationResult", "build_runner", "compiled_kernels", "fused_wanted", "kernel_tier",
+           "runner_mode"]
 
 
 def runner_mode(config: EngineConfig, device: torch.device | None = None) -> str:
@@ -54,7 +58,7 @@ def runner_mode(config: EngineConfig, device: torch.device | None = None) -> str
     """
     device = device or resolve_device(config.model.device)
     mode = config.runner.mode
-    if KernelTier(config.runner.kernels) is KernelTier.FP8:
+    if kernel_tier(config, device) is KernelTier.FP8:
         check_fp8(device)
     if mode == "auto":
         return "graph" if device.type == "cuda" else "eager"
@@ -72,7 +76,7 @@ def build_runner(config: EngineConfig, model: Family, keys: list, metrics: Bucke
     """
     mode = runner_mode(config, model.device)
     fused = fused_wanted(config, model)
-    kernels = compiled_kernels(config, model, len(keys))
+    kernels = compiled_kernels(config, model, keys)
     if mode == "eager":
         return EagerBucketRunner(model.adapter, keys, metrics, model.device, model.dtype, fused=fused,
                                  kernels=kernels)
@@ -86,25 +90,46 @@ def build_runner(config: EngineConfig, model: Family, keys: list, metrics: Bucke
     )
 
 
-def compiled_kernels(config: EngineConfig, model: Family, shapes: int) -> CompiledKernels | None:
+def kernel_tier(config: EngineConfig, device: torch.device) -> KernelTier:
+    """The tier ``config.runner.kernels`` means on ``device``: ``auto`` is ``compiled`` on CUDA, ``eager`` elsewhere."""
+    if config.runner.kernels == "auto":
+        return KernelTier.COMPILED if torch.device(device).type == "cuda" else KernelTier.EAGER
+    return KernelTier(config.runner.kernels)
+
+
+def compiled_kernels(config: EngineConfig, model: Family, keys: list) -> CompiledKernels | None:
     """The compiled kernels ``config.runner.kernels`` asks for on ``model`` (installed on its transformer once and
     kept on the family object, so a second runner of the same model shares them), or None for eager kernels.
-    For ``fp8`` the repeated blocks' linear layers are turned to float8 first, in place, once
+
+    Before anything is compiled, the tolerance of the check of each bucket's compiled forward is set: the
+    configured ``runner.compile_rtol``, or :func:`~bcg_core.verify.kernel_tolerance` from the eager forward's own
+    rounding error on the smallest bucket of ``keys`` (:func:`~bcg_core.verify.precision_deviation`). For ``fp8``
+    the repeated blocks' linear layers are then turned to float8, in place, once
     (:func:`~bcg_core.runners.kernels.quantize_fp8`; the count is kept as ``model.fp8_layers``).
 
     Args:
-        shapes: bucket shapes the runner serves (each block may hold one static compile per shape).
+        keys: the buckets the runner serves (each block may hold one static compile per shape).
     """
-    tier = KernelTier(config.runner.kernels)
+    tier = kernel_tier(config, model.device)
     if tier is KernelTier.EAGER:
         return None
-    if tier is KernelTier.FP8 and not getattr(model, "fp8_layers", 0):
-        check_fp8(model.device)
-        model.fp8_layers = quantize_fp8(model.adapter.model)  # in place: every forward of this model, misses too
     kernels = getattr(model, "compiled_kernels", None)
     if kernels is None or kernels.mode != config.runner.compile_mode:
-        kernels = CompiledKernels(model.adapter.model, mode=config.runner.compile_mode, max_shapes=max(64, 2 * shapes),
-                                  cache_dir=config.runner.compile_cache_dir)
+        if config.runner.compile_rtol is not None:
+            rtol, note = config.runner.compile_rtol, "runner.compile_rtol"
+        else:
+            smallest = min(keys, key=lambda k: (k.tokens, k.batch)) if keys else None
+            deviation = None if smallest is None else precision_deviation(model.adapter, smallest, model.device,
+                                                                          model.dtype)
+            rtol, note = kernel_tolerance(tier.value, model.dtype, deviation)
+        if tier is KernelTier.FP8 and not getattr(model, "fp8_layers", 0):
+            check_fp8(model.device)
+            model.fp8_layers = quantize_fp8(model.adapter.model)  # in place: every forward of this model, misses too
+        kernels = CompiledKernels(model.adapter.model, mode=config.runner.compile_mode,
+                                  max_shapes=max(64, 2 * len(keys)), cache_dir=config.runner.compile_cache_dir,
+                                  timeout_s=config.runner.compile_timeout_s, rtol=rtol)
+        kernels.rtol_note = note
+        log.info("compiled kernels (%s): each bucket checked against eager within %.3g (%s)", tier.value, rtol, note)
         model.compiled_kernels = kernels
     return kernels
 
@@ -147,13 +172,17 @@ class DiTPipeline:
         self.fused = FusedStats(wanted=bool(getattr(self.runner, "fused", False)) and hasattr(model, "euler_step"))
         self._meta_cache: dict[tuple, torch.Tensor] = {}
         self._meta_lock = threading.Lock()
+        self.prepare_s = 0.0
+        """Seconds :meth:`prepare` took (compiles, checks and captures), summed over calls."""
         if prepare:
             self.prepare()
 
     def prepare(self, keys: Sequence[BucketKey] | None = None) -> None:
         """Prepare (capture on CUDA) ``keys`` (every bucket when None) through the runner; then, the first time
-        a bucket with a fused step is ready, :meth:`check_fused`."""
+        a bucket with a fused step is ready, :meth:`check_fused`. Adds its seconds to :attr:`prepare_s`."""
+        t0 = time.perf_counter()
         self.runner.prepare(keys)
+        self.prepare_s += time.perf_counter() - t0
         if self.fused.wanted and not self.fused.checked:
             self.check_fused()
 
@@ -405,7 +434,8 @@ class DiTPipeline:
         for b in snap["buckets"]:
             s = state.get(b["key"], {})
             b.update({"mode": s.get("mode"), "kernels": s.get("kernels"), "pool_bytes": s.get("pool_bytes", 0),
-                      "capture_s": s.get("capture_s", 0.0), "note": s.get("note", "")})
+                      "capture_s": s.get("capture_s", 0.0), "compile_rel_err": s.get("compile_rel_err"),
+                      "note": s.get("note", "")})
         m = self.model
         snap["model"] = {"name": m.model_name, "family": m.name, "pipeline_class": m.spec.pipeline_class,
                          "device": str(m.device), "dtype": str(m.dtype).removeprefix("torch."),
@@ -413,13 +443,26 @@ class DiTPipeline:
         snap["table"] = self.table.describe_limits()
         snap["fused_step"] = self.fused.describe()
         kernels = getattr(self.runner, "kernels", None)
-        snap["kernels"] = {
-            "tier": self.config.runner.kernels, "mode": None if kernels is None else kernels.mode,
+        snap["kernels"] = self._kernel_stats(kernels, state)
+        return snap
+
+    def _kernel_stats(self, kernels: CompiledKernels | None, state: dict[str, dict]) -> dict:
+        """``/v1/buckets``' ``kernels``: the tier, the check's tolerance, compile time, failures and the cache.
+
+        ``start`` says how the buckets were prepared: ``cold`` (every compile missed inductor's FX graph cache),
+        ``warm`` (every one hit it), ``partial``, or ``eager`` (nothing compiled); ``prepare_s`` is the seconds
+        from the first bucket's preparation to the last one's (compiles, checks and captures)."""
+        hits, misses = (kernels.cache_hits, kernels.cache_misses) if kernels else (0, 0)
+        start = "eager" if kernels is None else "warm" if hits and not misses else "partial" if hits else "cold"
+        return {
+            "tier": kernel_tier(self.config, self.model.device).value, "configured": self.config.runner.kernels,
+            "mode": None if kernels is None else kernels.mode,
             "regional": None if kernels is None else kernels.regional,
+            "rtol": None if kernels is None else kernels.rtol, "rtol_from": None if kernels is None else kernels.rtol_note,
             "compile_s": 0.0 if kernels is None else round(kernels.compile_s, 3),
             "compile_failed": sum(1 for d in state.values() if d.get("kernels") == "eager") if kernels else 0,
+            "compile_timeouts": 0 if kernels is None else kernels.timeouts,
+            "timeout_s": None if kernels is None else kernels.timeout_s,
             "fp8_layers": getattr(self.model, "fp8_layers", 0),
             "cache_dir": None if kernels is None else kernels.cache_dir,
-            "cache_hits": 0 if kernels is None else kernels.cache_hits,
-            "cache_misses": 0 if kernels is None else kernels.cache_misses}
-        return snap
+            "cache_hits": hits, "cache_misses": misses, "start": start, "prepare_s": round(self.prepare_s, 3)}

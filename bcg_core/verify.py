@@ -19,7 +19,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -28,10 +28,12 @@ from bcg_core.errors import RequestError
 from bcg_core.keys import BucketKey, ShapeQuery
 from bcg_core.padding import DenoiseInputs, DiTAdapter
 from bcg_core.request import GenerationRequest
-from bcg_core.runners.base import BucketRunner
+from bcg_core.runners.base import BucketEntry, BucketRunner
+from bcg_core.runners.kernels import CompileFailed
 from bcg_core.table import BucketTable
 
-__all__ = ["RTOL", "BoundaryCase", "BucketVerdict", "FusedStats", "boundary_cases", "check_fused", "random_inputs", "verify_runner"]
+__all__ = ["COMPILED_FACTOR", "RTOL", "BoundaryCase", "BucketVerdict", "FusedStats", "boundary_cases", "bucket_inputs",
+           "check_fused", "compile_entry", "compiled_deviation", "kernel_tolerance", "precision_deviation", "random_inputs", "square_grid", "verify_runner"]
 
 
 RTOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 1e-2}
@@ -125,6 +127,131 @@ def random_inputs(adapter: DiTAdapter, case: BoundaryCase, device, dtype, seed: 
         timestep=(torch.rand(n, generator=g) * adapter.timestep_max).to(device=device, dtype=dtype),
         grid=case.grid, guidance=guidance,
     )
+
+
+def square_grid(tokens: int) -> tuple[int, int]:
+    """A token grid ``(h, w)`` with ``h * w == tokens``, as square as possible (``h <= w``; FLUX-style buckets key on
+    the token count only, so any grid of that count fills them)."""
+    h = max(d for d in range(1, int(tokens ** 0.5) + 1) if tokens % d == 0)
+    return h, tokens // h
+
+
+def bucket_inputs(adapter: DiTAdapter, key: BucketKey, device, dtype, seed: int = 0) -> DenoiseInputs:
+    """Seeded random inputs (:func:`random_inputs`) that fill bucket ``key``: all its rows and text tokens, and its
+    image tokens as a near-square grid (``key.latent_hw`` for grid-keyed families); a masked bucket gets one grid
+    column fewer, so that its padding mask is exercised."""
+    if key.latent_hw is not None:
+        grid = key.latent_hw
+    else:
+        h, w = square_grid(key.image_tokens)
+        grid = (h, w - 1) if key.image_mask and w > 1 else (h, w)
+    return random_inputs(adapter, BoundaryCase(key, key.batch, grid, key.text_tokens), device, dtype, seed)
+
+
+COMPILED_FACTOR = 2.0
+"""The ``compiled`` tier's tolerance is this many times the eager forward's own rounding error
+(:func:`kernel_tolerance`): compiled kernels may round differently, not worse than that."""
+
+
+@torch.no_grad()
+def precision_deviation(adapter: DiTAdapter, key: BucketKey, device, dtype, seed: int = 0) -> float | None:
+    """The rounding error of the eager forward in ``dtype``: ``max|eager(dtype) - eager(wide)| / max|eager(wide)|``
+    on seeded random inputs that fill bucket ``key`` (:func:`bucket_inputs`), where ``wide`` is float32 for a
+    bf16 or fp16 model and float64 for a float32 one.
+
+    Every floating parameter and buffer of ``adapter.model`` is widened for the wide forward and then given back
+    its own tensor (the same storage: nothing captured or compiled loses its addresses, and fp32 modules of a bf16
+    model stay as they were). The widened copies need ``(wide bytes - own bytes)`` of free memory on the device.
+
+    Returns:
+        The relative deviation, or None when the widened copies would not fit in 80% of the device's free memory.
+    """
+    model = adapter.model
+    wide = torch.float64 if dtype == torch.float32 else torch.float32
+    tensors = [t for t in (*model.parameters(), *model.buffers()) if t.is_floating_point() and t.dtype != wide]
+    extra = sum(t.numel() * (wide.itemsize - t.element_size()) for t in tensors)
+    if torch.device(device).type == "cuda" and extra > 0.8 * torch.cuda.mem_get_info(device)[0]:
+        return None
+    inputs = bucket_inputs(adapter, key, device, dtype, seed)
+    narrow = adapter.forward_eager(inputs).to(wide)
+    own = [t.data for t in tensors]
+    try:
+        for t in tensors:
+            t.data = t.data.to(wide)
+        ref = adapter.forward_eager(inputs).to(wide)
+    finally:
+        for t, data in zip(tensors, own):
+            t.data = data
+    return ((narrow - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
+
+
+def kernel_tolerance(tier: str, dtype: torch.dtype, deviation: float | None) -> tuple[float, str]:
+    """The tolerance of a kernel tier's padded forward against the unpadded eager one, and where it comes from.
+
+    - ``eager``: :data:`RTOL` of the dtype (padding and masked attention kernels only).
+    - ``compiled``: ``max(RTOL, COMPILED_FACTOR x deviation)``, ``deviation`` being the eager forward's own rounding
+      error in this dtype (:func:`precision_deviation`); :data:`RTOL` when it could not be measured.
+    - ``fp8``: the stated bound :data:`~bcg_core.runners.kernels.FP8_RTOL`.
+
+    Returns:
+        ``(rtol, note)``, the note saying how it was derived (for logs, ``bcg verify`` and ``/v1/buckets``).
+    """
+    from bcg_core.runners.kernels import FP8_RTOL
+
+    base = RTOL[dtype]
+    if tier == "fp8":
+        return FP8_RTOL, f"fp8 stated bound {FP8_RTOL:g}"
+    if tier != "compiled":
+        return base, f"{str(dtype).removeprefix('torch.')} padding tolerance {base:g}"
+    if deviation is None:
+        return base, f"eager rounding not measured (no memory for a wide copy): {base:g}"
+    rtol = max(base, COMPILED_FACTOR * deviation)
+    return rtol, (f"max({base:g}, {COMPILED_FACTOR:g} x eager rounding {deviation:.2e} measured against "
+                  f"{'float64' if dtype == torch.float32 else 'float32'})")
+
+
+T = TypeVar("T")
+
+
+def compile_entry(kernels, adapter: DiTAdapter, entry: BucketEntry, warm: Callable[[], T]) -> T:
+    """Compile bucket ``entry``'s shapes with ``kernels`` (a :class:`~bcg_core.runners.kernels.CompiledKernels`) and
+    check them, all under :meth:`~bcg_core.runners.kernels.CompiledKernels.compiling` (its timing, its deadline).
+
+    ``warm()`` (the runner's warm-up forwards on the bucket's buffers) compiles each repeated block for the
+    bucket's shape. Then, with ``kernels.rtol`` set, :func:`compiled_deviation` compares the compiled forward with
+    the eager one on seeded random inputs that fill the bucket; the deviation is kept as ``entry.compile_rel_err``.
+
+    Returns:
+        What ``warm()`` returned.
+
+    Raises:
+        CompileFailed: the compile raised, passed ``kernels.timeout_s``, or the deviation is above ``kernels.rtol``
+            (or NaN): the message starts ``compile_failed:``, ``compile_timeout:`` or ``compile_check_failed:``.
+        torch.OutOfMemoryError: out of memory while compiling.
+    """
+    with kernels.compiling():
+        result = warm()
+        if kernels.rtol is not None:
+            err = entry.compile_rel_err = compiled_deviation(kernels, adapter, entry)
+            if not err <= kernels.rtol:
+                raise CompileFailed(f"compile_check_failed: the compiled forward deviates {err:.2e} from the eager "
+                                    f"one (tolerance {kernels.rtol:.2e}, {kernels.rtol_note or 'runner.compile_rtol'})")
+    return result
+
+
+@torch.inference_mode()
+def compiled_deviation(kernels, adapter: DiTAdapter, entry: BucketEntry, seed: int = 0) -> float:
+    """``max|compiled - eager| / max|eager|`` of bucket ``entry``'s padded forward over its real rows and tokens,
+    on seeded random inputs that fill it (:func:`bucket_inputs`), the compiled blocks of
+    ``kernels`` against the eager ones on the same buffers."""
+    latents = entry.buffers["latents"]
+    inputs = bucket_inputs(adapter, entry.key, latents.device, latents.dtype, seed)
+    adapter.fill(entry.buffers, inputs)
+    with kernels.active(True):
+        compiled = adapter.unpad(adapter.forward(entry.buffers), inputs).float().clone()
+    with kernels.active(False):
+        eager = adapter.unpad(adapter.forward(entry.buffers), inputs).float().clone()
+    return ((compiled - eager).abs().max() / eager.abs().max().clamp_min(1e-12)).item()
 
 
 def verify_runner(adapter: DiTAdapter, runner: BucketRunner, cases: list[BoundaryCase], device, dtype,

@@ -308,7 +308,7 @@ def bench_case(model, folder: Path, case: str, n: int, args, device: torch.devic
     pipes, prepare_s = {}, {}
     for mode in modes:
         t0 = time.perf_counter()
-        cfg = EngineConfig(model=mc, buckets=buckets, limits=limits, runner=RunnerConfig(mode=mode))
+        cfg = EngineConfig(model=mc, buckets=buckets, limits=limits, runner=RunnerConfig(mode=mode, kernels="eager"))
         pipes[mode] = DiTPipeline(cfg, model)  # graph: captures its one bucket here
         _sync()
         prepare_s[mode] = round(time.perf_counter() - t0, 2)
@@ -459,7 +459,7 @@ def _verify_one(name: str, folder: Path, dtype: str, table: dict, limits: Limits
     t0 = time.perf_counter()
     pipe = DiTPipeline.from_config(EngineConfig(
         model=ModelConfig(path=str(folder), device=device.type, dtype=dtype), buckets=BucketConfig(**table),
-        limits=limits, runner=RunnerConfig(mode="auto")))
+        limits=limits, runner=RunnerConfig(mode="auto", kernels="eager")))
     m = pipe.model
     cases = boundary_cases(pipe.table, limits)
     verdicts = verify_runner(m.adapter, pipe.runner, cases, m.device, m.dtype, rtol=RTOL[m.dtype])

@@ -169,7 +169,7 @@ def bench_model(name: str, args, device: torch.device) -> dict:
         for path, how in (("fused", "always"), ("host", "never")):
             t0 = time.perf_counter()
             limits = LimitsConfig(min_side_px=16, max_steps=max(50, args.steps * (args.rounds + 1) + 1))
-            cfg = ServeConfig(model=mc, buckets=buckets, limits=limits, runner={"fused_step": how})
+            cfg = ServeConfig(model=mc, buckets=buckets, limits=limits, runner={"fused_step": how, "kernels": "eager"})
             pipes[path] = DiTPipeline(cfg, model)
             _sync(device)
             capture_s[path] = round(time.perf_counter() - t0, 2)

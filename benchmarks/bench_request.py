@@ -129,7 +129,7 @@ def main() -> None:
     images = {}
     for mode in ("eager", "graph") if dev.type == "cuda" else ("eager",):
         cfg = ServeConfig(model=ModelConfig(dtype=str(dtype).removeprefix("torch.")), buckets=buckets, limits=limits,
-                          runner=RunnerConfig(mode=mode))
+                          runner=RunnerConfig(mode=mode, kernels="eager"))
         t0 = time.perf_counter()
         pipe = DiTPipeline(cfg, model)
         prepare_s = time.perf_counter() - t0

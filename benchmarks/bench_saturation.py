@@ -147,11 +147,12 @@ FLUX_DEV_WIDTH_LAYERS = (2, 4)
 TEXT_BUCKETS = (32, 64, 128, 256, 300)
 """Candidate single text buckets for masked-text families (PixArt-Sigma: at most 300)."""
 RUNNER_OVERRIDES = {
-    "naive": {"mode": "eager"},
+    "naive": {"mode": "eager", "kernels": "eager"},
     "step": {},
     "planned": {},
 }
-"""``runner`` overrides of each server (naive also gets its bucket table and admission limits)."""
+"""``runner`` overrides of each server (naive also gets its bucket table and admission limits; ``step`` and
+``planned`` get ``runner.kernels`` from ``--kernels``)."""
 
 
 # -- pure parts ------------------------------------------------------------------------------------------------
@@ -450,7 +451,7 @@ def planned_buckets(base: dict, steps: int, max_graphs: int, measure: bool = Fal
     from bcg_core.planning.samples import krea_rows, traffic_from_rows
     from bcg_core.planning.table_search import search_table
     from deployments.settings import ServeConfig
-    from deployments.commands import measure_plan_costs
+    from deployments.plan_command import measure_plan_costs
 
     config = ServeConfig.model_validate(base)
     traffic = traffic_from_rows(config, krea_rows(), steps=steps)
@@ -460,10 +461,12 @@ def planned_buckets(base: dict, steps: int, max_graphs: int, measure: bool = Fal
 
 
 def server_overrides(server: str, base: dict, spec, requests: list, concurrency: int,
-                     naive_max_ongoing: int | None = None, planned: dict | None = None) -> dict:
+                     naive_max_ongoing: int | None = None, planned: dict | None = None,
+                     kernels: str = "eager") -> dict:
     """The config overrides of ``server`` on ``base`` (see the module docstring); ``planned``: the ``planned``
-    server's buckets (:func:`planned_buckets`)."""
-    over: dict[str, Any] = {"runner": dict(RUNNER_OVERRIDES[server])}
+    server's buckets (:func:`planned_buckets`); ``kernels``: ``runner.kernels`` of the ``step`` and ``planned``
+    servers (the naive server always runs eager kernels: what a user's own server runs)."""
+    over: dict[str, Any] = {"runner": {"kernels": kernels, **RUNNER_OVERRIDES[server]}}
     if server == "planned" and planned is not None:
         over["buckets"] = planned
     if server == "naive":
@@ -833,6 +836,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--plan-costs", choices=("measure", "token-count"), default="token-count",
                     help="costs of the planned table: measured on this GPU (bcg plan --measure) or the token-count "
                     "model (default)")
+    ap.add_argument("--kernels", choices=("eager", "compiled", "fp8"), default="eager",
+                    help="runner.kernels of the step and planned servers (naive: always eager)")
     ap.add_argument("--port", type=int, default=0, help="HTTP port on 127.0.0.1 (0: a free one)")
     ap.add_argument("--size", help="send every request at this WxH size instead of its own")
     ap.add_argument("--batch-sizes", type=lambda s: [int(x) for x in s.split(",")],
@@ -879,7 +884,7 @@ def main(argv: list[str] | None = None) -> int:
     warm, c1 = warmup_requests(reqs, args.warmup), c1_requests(reqs, args.c1_requests)
     result: dict[str, Any] = {
         "benchmark": "saturation", **env, "command": shlex.join(["python", "benchmarks/bench_saturation.py", *raw]),
-        "argv": raw, "model": args.model, "tiny": args.tiny,
+        "argv": raw, "model": args.model, "tiny": args.tiny, "kernels": args.kernels,
         "replay": {"requests": len(reqs), "images": sum(r.n for r in reqs), "steps": args.steps,
                    "concurrency": args.concurrency, "size": args.size or "as in the data", "warmup": args.warmup,
                    "warmup_requests": len(warm), "warmup_steps": args.warmup_steps, "c1_requests": len(c1)},
@@ -903,7 +908,7 @@ def main(argv: list[str] | None = None) -> int:
                    if "planned" in args.servers else None)
         for name in args.servers if "naive" in args.servers else [*args.servers, "naive"]:
             overrides[name] = server_overrides(name, base, spec, sent, args.concurrency, args.naive_max_ongoing,
-                                               planned)
+                                               planned, args.kernels)
             configs[name] = ServeConfig.model_validate(merge(base, overrides[name]))
         naive_planner = Planner(configs["naive"], spec, counter)
         hits = check_all_miss(naive_planner, sent, args.steps)

@@ -203,7 +203,21 @@ def _load(path: str | None) -> ServeConfig:
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
-    return 0 if run_verify(_load(args.config), args.bucket, args.rtol) else 1
+    config = _load(args.config)
+    if args.kernels:
+        config = config.model_copy(update={"runner": config.runner.model_copy(update={"kernels": args.kernels})})
+    return 0 if run_verify(config, args.bucket, args.rtol) else 1
+
+
+def _cmd_warm(args: argparse.Namespace) -> int:
+    from .commands import run_warm
+
+    config = _load(args.config)
+    update = {k: v for k, v in (("kernels", args.kernels), ("compile_cache_dir", args.cache_dir)) if v}
+    if update:
+        config = config.model_copy(update={"runner": config.runner.model_copy(update=update)})
+    k = run_warm(config)
+    return 0 if k["compile_failed"] == 0 else 1
 
 
 def _cmd_profile(args: argparse.Namespace) -> int:
@@ -216,7 +230,7 @@ def _cmd_profile(args: argparse.Namespace) -> int:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from .commands import current_is_better, plot_plan, run_plan
+    from .plan_command import current_is_better, plot_plan, run_plan
 
     if args.force and not args.write:
         print("bcg plan: error: --force goes with --write (it writes a planned table that is expected to cost no "
@@ -349,8 +363,24 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("--bucket", action="append", metavar="KEY",
                    help="check only this bucket (e.g. b2_i1024_t256; a quick check); repeatable; default: all")
     v.add_argument("--rtol", type=_positive_float, default=None,
-                   help="relative tolerance (default: 1e-5 for float32, 2e-2 for bfloat16)")
+                   help="relative tolerance (default: the dtype's padding tolerance, 1e-5 for float32 and 2e-2 for "
+                   "bfloat16, plus with compiled kernels the tier's own, runner.compile_rtol or derived at start)")
+    v.add_argument("--kernels", choices=("eager", "compiled", "fp8"), default=None,
+                   help="check this kernel tier instead of the config's runner.kernels")
     v.set_defaults(func=_cmd_verify)
+
+    w = sub.add_parser("warm", help="compile every bucket ahead and fill the on-disk compile cache",
+                       description="Load the model and prepare every bucket of the config's table with its compiled "
+                       "kernels (runner.kernels 'compiled', 'fp8', or 'auto' on a GPU; --kernels overrides), as a "
+                       "replica does at start: compile, check against eager kernels, capture on a GPU. The kernels "
+                       "land in runner.compile_cache_dir (--cache-dir overrides; default inductor's folder), so that a "
+                       "replica started later with the same model, table, torch and GPU reads them back. Prints "
+                       "what each bucket got and the cache hits and misses.")
+    w.add_argument("--config", default=None, metavar="PATH", help="ServeConfig YAML/JSON (default: embedded)")
+    w.add_argument("--cache-dir", default=None, metavar="DIR", help="the compile cache folder to fill")
+    w.add_argument("--kernels", choices=("compiled", "fp8"), default=None,
+                   help="the tier to compile instead of the config's runner.kernels")
+    w.set_defaults(func=_cmd_warm)
 
     pr = sub.add_parser("profile", help="per bucket: kernels, eager ms, graph ms, kernel-busy ms, verdict (CUDA)",
                         description="Time each bucket at its exact size on a CUDA GPU: kernels per step, eager "

@@ -97,6 +97,8 @@ class BucketEntry:
         note: why the bucket runs as it does (e.g. a capture failure), for logs and ``/v1/buckets``.
         kernels: the kernels of its padded forward (:class:`~bcg_core.runners.kernels.KernelTier`): the runner's
             tier, or ``eager`` after its compile failed.
+        compile_rel_err: with compiled kernels, the deviation of its compiled forward from its eager one
+            (:func:`bcg_core.verify.compile_entry`), else None.
     """
 
     key: BucketKey
@@ -109,9 +111,15 @@ class BucketEntry:
     note: str = ""
     forwards: int = field(default=0)
     kernels: KernelTier = KernelTier.EAGER
+    compile_rel_err: float | None = None
     fused: dict[str, torch.Tensor] | None = None
     """With a fused step (:mod:`bcg_core.runners.fused`): its ``meta`` (4, B) and ``dt`` (B,) fp32 buffers, and under a
     captured graph its static ``next`` latents output; None otherwise."""
+
+    @property
+    def compile_err_json(self) -> float | None:
+        """:attr:`compile_rel_err` to three significant digits, for ``/v1/buckets``."""
+        return None if self.compile_rel_err is None else float(f"{self.compile_rel_err:.3g}")
 
 
 class BucketRunner(Protocol):

@@ -17,7 +17,9 @@ Lifecycle (the contract of :class:`~bcg_core.runners.base.BucketRunner`):
 - With compiled kernels (:class:`~bcg_core.runners.kernels.CompiledKernels`), the warm-up forwards compile the
   bucket's shapes and the capture records the compiled kernels. A compile that raises, or a capture of compiled
   kernels that raises, leaves the bucket on eager kernels under its graph (noted and counted in
-  :attr:`CaptureStats.compile_failed`); out of memory while compiling drops the bucket as during capture.
+  :attr:`CaptureStats.compile_failed`), as does a compile that passes ``runner.compile_timeout_s`` or whose
+  forward deviates from the eager one beyond the tier's tolerance (:func:`~bcg_core.verify.compile_entry`);
+  out of memory while compiling drops the bucket as during capture.
 
 No random numbers are drawn inside a graph: the pipeline draws noise on the CPU before the loop.
 """
@@ -38,10 +40,11 @@ from bcg_core.keys import BucketKey
 from bcg_core.metrics import BucketMetrics, ForwardMode
 from bcg_core.padding import DenoiseInputs, DiTAdapter
 from bcg_core.runners.base import (
-    BucketEntry, BucketFault, RunMode, demote, entry_kernels, fill_fused, fused_buffers, is_out_of_memory,
-    static_forward,
+    BucketEntry, BucketFault, RunMode, demote, entry_kernels, fill_fused, fused_buffers,
+    is_out_of_memory, static_forward,
 )
 from bcg_core.runners.kernels import CompileFailed, CompiledKernels, KernelTier
+from bcg_core.verify import compile_entry
 
 __all__ = ["CaptureStats", "CudaGraphRunner", "budget_allows", "capture_order"]
 
@@ -217,8 +220,8 @@ class CudaGraphRunner:
         """Warm-up forwards of ``entry`` (compiling its shapes first with compiled kernels); their peak memory."""
         if entry.kernels is KernelTier.COMPILED:
             try:
-                with self.kernels.compiling():
-                    return self._warmup(entry.buffers, entry.fused)
+                return compile_entry(self.kernels, self.adapter, entry,
+                                     lambda: self._warmup(entry.buffers, entry.fused))
             except CompileFailed as e:
                 self._eager_kernels(entry, str(e))
         return self._warmup(entry.buffers, entry.fused)
@@ -412,6 +415,6 @@ class CudaGraphRunner:
         return [
             {"key": str(e.key), "mode": e.mode.value if e.buffers or e.mode is RunMode.GRAPH else "dropped",
              "kernels": e.kernels.value, "pool_bytes": e.pool_bytes, "capture_s": round(e.capture_s, 4),
-             "forwards": e.forwards, "note": e.note}
+             "compile_rel_err": e.compile_err_json, "forwards": e.forwards, "note": e.note}
             for e in self.entries.values()
         ]

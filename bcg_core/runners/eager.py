@@ -18,9 +18,11 @@ from bcg_core.keys import BucketKey
 from bcg_core.metrics import BucketMetrics, ForwardMode
 from bcg_core.padding import DenoiseInputs, DiTAdapter
 from bcg_core.runners.base import (
-    BucketEntry, BucketFault, demote, entry_kernels, fill_fused, fused_buffers, is_out_of_memory, static_forward,
+    BucketEntry, BucketFault, demote, entry_kernels, fill_fused, fused_buffers, is_out_of_memory,
+    static_forward,
 )
 from bcg_core.runners.kernels import CompileFailed, CompiledKernels, KernelTier
+from bcg_core.verify import compile_entry
 
 __all__ = ["EagerBucketRunner"]
 
@@ -80,8 +82,8 @@ class EagerBucketRunner:
         if self.kernels is not None:
             entry.kernels = KernelTier.COMPILED
             try:
-                with self.kernels.compiling(), torch.inference_mode():
-                    self.adapter.forward(entry.buffers)
+                with torch.inference_mode():
+                    compile_entry(self.kernels, self.adapter, entry, lambda: self.adapter.forward(entry.buffers))
             except CompileFailed as e:
                 entry.kernels, entry.note = KernelTier.EAGER, str(e)
                 self.compile_failed += 1
@@ -179,6 +181,7 @@ class EagerBucketRunner:
         """Per-bucket state, largest bucket first."""
         return [
             {"key": str(e.key), "mode": e.mode.value, "kernels": e.kernels.value, "pool_bytes": e.pool_bytes,
-             "capture_s": e.capture_s, "forwards": e.forwards, "note": e.note}
+             "capture_s": e.capture_s, "compile_rel_err": e.compile_err_json, "forwards": e.forwards,
+             "note": e.note}
             for e in self.entries.values()
         ]

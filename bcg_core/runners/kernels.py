@@ -24,6 +24,7 @@ the capture into a CUDA graph needs a GPU.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import enum
 import logging
 import threading
@@ -32,8 +33,8 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-__all__ = ["FP8_MIN_CAPABILITY", "REPEATED_BLOCKS", "CompileFailed", "CompiledKernels", "KernelTier", "check_fp8",
-           "fp8_layers", "quantize_fp8", "repeated_blocks", "use_cache_dir"]
+__all__ = ["FP8_MIN_CAPABILITY", "FP8_RTOL", "REPEATED_BLOCKS", "CompileFailed", "CompileTimeout", "CompiledKernels",
+           "KernelTier", "check_fp8", "fp8_layers", "quantize_fp8", "repeated_blocks", "use_cache_dir"]
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +112,19 @@ REPEATED_BLOCKS: dict[str, tuple[str, ...]] = {
 
 
 class CompileFailed(RuntimeError):
-    """A bucket's compile (or its first compiled forward) raised; the bucket keeps eager kernels."""
+    """A bucket's compile (or its first compiled forward) raised, passed ``runner.compile_timeout_s``, or its
+    compiled forward failed the check against the eager one; the bucket keeps eager kernels."""
+
+
+class CompileTimeout(BaseException):
+    """Raised inside a compile that passed its deadline (:meth:`CompiledKernels.compiling`). A ``BaseException``,
+    so that dynamo's and inductor's ``except Exception`` handlers let it through and the compile unwinds."""
+
+
+FP8_RTOL = 0.1
+"""Stated bound of the ``fp8`` tier: a bucket's padded forward may deviate from the unpadded bf16 eager forward by
+this much relative to its largest value (float8 e4m3 keeps 3 mantissa bits; per-row scales keep the deviation of a
+linear layer near 3e-2, and it accumulates over the blocks). Measured values are in docs/BENCHMARKS.md."""
 
 
 def repeated_blocks(transformer: torch.nn.Module) -> list[torch.nn.Module]:
@@ -138,20 +151,33 @@ class CompiledKernels:
         max_shapes: compiles each block may hold (one per bucket shape it serves; raises dynamo's
             ``recompile_limit`` and ``accumulated_recompile_limit`` to at least this).
         cache_dir: folder of torch.compile's on-disk caches (:func:`use_cache_dir`), or None for inductor's default.
+        timeout_s: seconds one bucket's compile may take (:meth:`compiling`), None for no bound.
+        rtol: tolerance of each bucket's compiled forward against its eager one
+            (:func:`~bcg_core.verify.compile_entry`), None for no check.
 
     Raises:
         ValueError: a mode that would capture inductor's own CUDA graphs.
     """
 
     def __init__(self, transformer: torch.nn.Module, compile_fn: Callable = torch.compile, mode: str = "default",
-                 max_shapes: int = 256, cache_dir: str | None = None):
+                 max_shapes: int = 256, cache_dir: str | None = None, timeout_s: float | None = None,
+                 rtol: float | None = None):
         if "cudagraphs" not in mode and mode != "default":
             raise ValueError(f"inductor mode {mode!r} captures CUDA graphs of its own; bcg-serve owns the graphs: "
                              f"use 'default' or 'max-autotune-no-cudagraphs'")
         self.mode = mode
         self.cache_dir = use_cache_dir(cache_dir) if cache_dir else None
+        self.timeout_s = timeout_s
+        """Seconds one bucket's compile may take (``runner.compile_timeout_s``); None: no bound."""
+        self.rtol = rtol
+        """Tolerance of the check of each bucket's compiled forward against its eager one
+        (:func:`~bcg_core.verify.compile_entry`); None: no check."""
+        self.rtol_note = ""
+        """Where :attr:`rtol` comes from, in words (``/v1/buckets``)."""
         self.cache_hits = self.cache_misses = 0
         """Inductor FX graph cache hits and misses of the compiles run under :meth:`compiling`."""
+        self.timeouts = 0
+        """Compiles stopped at :attr:`timeout_s`."""
         self.blocks = repeated_blocks(transformer) or [transformer]
         self.regional = self.blocks[0] is not transformer
         self._local = threading.local()
@@ -196,19 +222,32 @@ class CompiledKernels:
 
     @contextlib.contextmanager
     def compiling(self) -> Iterator[None]:
-        """:meth:`active`, timing the block into :attr:`compile_s` and turning a compile error into
-        :class:`CompileFailed` (out of memory is re-raised as it is: the caller degrades as for a capture).
+        """:meth:`active`, timing the block into :attr:`compile_s`, bounding it by :attr:`timeout_s` and turning a
+        compile error into :class:`CompileFailed` (out of memory is re-raised as it is: the caller degrades as for a
+        capture).
+
+        The deadline: a timer thread raises :class:`CompileTimeout` inside this thread when the block passes
+        :attr:`timeout_s` (CPython's ``PyThreadState_SetAsyncExc``; it arrives at the next Python bytecode, so a long
+        call into C++ ends first). The compile unwinds through its own ``with`` blocks (dynamo's compile lock is
+        released) and nothing of it is kept: the bucket keeps eager kernels.
 
         Raises:
-            CompileFailed: the compile, or the compiled forward, raised (the message names the first line).
+            CompileFailed: the compile, or the compiled forward, raised or passed the deadline (the message starts
+                ``compile_failed:`` or ``compile_timeout:``).
             torch.OutOfMemoryError: out of memory while compiling.
         """
         t0 = time.perf_counter()
         hits, misses = _fx_cache_counts()
         try:
-            with self.active():
+            with self.active(), _deadline(self.timeout_s):
                 yield
         except torch.OutOfMemoryError:
+            raise
+        except CompileTimeout:
+            self.timeouts += 1
+            raise CompileFailed(f"compile_timeout: the compile passed runner.compile_timeout_s "
+                                f"({self.timeout_s:g} s)") from None
+        except CompileFailed:
             raise
         except Exception as e:  # noqa: BLE001 - dynamo and inductor raise many types; the bucket goes eager
             first = str(e).strip().splitlines()[0] if str(e).strip() else ""
@@ -218,6 +257,36 @@ class CompiledKernels:
             now_hits, now_misses = _fx_cache_counts()
             self.cache_hits += now_hits - hits
             self.cache_misses += now_misses - misses
+
+
+@contextlib.contextmanager
+def _deadline(seconds: float | None) -> Iterator[None]:
+    """Raise :class:`CompileTimeout` in this thread if the block is still running after ``seconds`` (None: never).
+
+    A pending exception that the timer set just as the block ended is withdrawn before leaving, so it never lands
+    in the caller's code."""
+    if not seconds:
+        yield
+        return
+    tid, lock, state = threading.get_ident(), threading.Lock(), {"armed": True, "fired": False}
+
+    def fire() -> None:
+        with lock:
+            if state["armed"]:
+                state["fired"] = True
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(tid), ctypes.py_object(CompileTimeout))
+
+    timer = threading.Timer(seconds, fire)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+        with lock:
+            state["armed"] = False
+            if state["fired"]:  # withdraw it if it has not been raised yet
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(tid), None)
 
 
 def _fx_cache_counts() -> tuple[int, int]:

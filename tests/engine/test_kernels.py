@@ -133,7 +133,7 @@ print(json.dumps({**pipe.stats()["kernels"], "passed": verdict.passed}))
 def test_a_restart_reads_its_compiled_kernels_back_from_the_cache_dir(tmp_path):
     """``runner.compile_cache_dir``: the first start (a process of its own) compiles, missing inductor's FX graph
     cache and writing it there; a second start with the same model and table reads every kernel back: hits, no
-    misses, and its buckets still pass."""
+    misses, and its buckets still pass. A third start over a corrupted cache compiles again and passes."""
     import json
     import os
     import subprocess
@@ -154,3 +154,125 @@ def test_a_restart_reads_its_compiled_kernels_back_from_the_cache_dir(tmp_path):
     assert cold["passed"] and any(cache.iterdir())
     warm = start()
     assert warm["cache_hits"] >= cold["cache_misses"] and warm["cache_misses"] == 0 and warm["passed"], (cold, warm)
+    assert (cold["start"], warm["start"]) == ("cold", "warm") and warm["compile_failed"] == 0
+
+    # a corrupt cache (every entry cut in half) is never loaded: the entries miss, are compiled again and pass
+    entries = [p for p in cache.rglob("*") if p.is_file() and "triton" not in p.parts]
+    for p in entries:
+        p.write_bytes(p.read_bytes()[: p.stat().st_size // 2])
+    rebuilt = start()
+    assert rebuilt["cache_misses"] > 0 and rebuilt["compile_failed"] == 0 and rebuilt["passed"], rebuilt
+
+
+def _runner(pipe: DiTPipeline, kernels: CompiledKernels):
+    from bcg_core.runners.eager import EagerBucketRunner
+
+    return EagerBucketRunner(pipe.model.adapter, pipe.table.keys, pipe.metrics, pipe.model.device, pipe.model.dtype,
+                             kernels=kernels)
+
+
+def _outputs(result, scale: float):
+    if isinstance(result, torch.Tensor):
+        return result * scale
+    return tuple(_outputs(r, scale) if r is not None else None for r in result)
+
+
+def test_compiled_kernels_that_deviate_from_eager_are_caught_at_prepare_and_the_bucket_runs_eager():
+    """Each compiled bucket's forward is checked against its eager forward when it is prepared: kernels off by 1%
+    (a stand-in for a wrong compile or a cache entry that loads but computes something else) fail the check and the
+    bucket keeps eager kernels; kernels that agree pass, with their deviation recorded."""
+    pipe = DiTPipeline(_config(kernels="eager"), DiTPipeline.from_config(_config()).model, prepare=False)
+
+    def off_by_one_percent(fn, **options):
+        return lambda *a, **k: _outputs(fn(*a, **k), 1.01)
+
+    bad = CompiledKernels(pipe.model.adapter.model, compile_fn=off_by_one_percent, rtol=1e-3)
+    runner = _runner(pipe, bad)
+    runner.prepare()
+    described = runner.describe()
+    assert {d["kernels"] for d in described} == {"eager"} and runner.compile_failed == len(pipe.table.keys)
+    assert all(d["note"].startswith("compile_check_failed: the compiled forward deviates") and
+               d["compile_rel_err"] > 1e-3 for d in described), described
+    case = boundary_cases(pipe.table, pipe.config.limits)[0]
+    verdict, = verify_runner(pipe.model.adapter, runner, [case], pipe.model.device, pipe.model.dtype, rtol=0.0)
+    assert verdict.passed  # the eager kernels serve: exact
+
+    fresh = DiTPipeline(_config(kernels="eager"), DiTPipeline.from_config(_config()).model, prepare=False)
+    good = CompiledKernels(fresh.model.adapter.model, compile_fn=lambda fn, **o: fn, rtol=1e-3)
+    runner = _runner(fresh, good)
+    runner.prepare()
+    assert {(d["kernels"], d["compile_rel_err"]) for d in runner.describe()} == {("compiled", 0.0)}
+
+
+def test_a_compile_past_compile_timeout_s_is_stopped_and_its_bucket_runs_eager():
+    """``runner.compile_timeout_s``: a compile still running at the deadline is stopped inside (the exception
+    unwinds it) and its bucket keeps eager kernels, counted; start-up goes on at once."""
+    import time
+
+    def endless(fn, **options):
+        def compiled(*a, **k):
+            for _ in range(6000):  # 60 s of "compiling", in short waits the deadline can interrupt
+                time.sleep(0.01)
+            return fn(*a, **k)
+        return compiled
+
+    pipe = DiTPipeline(_config(kernels="eager"), DiTPipeline.from_config(_config()).model, prepare=False)
+    kernels = CompiledKernels(pipe.model.adapter.model, compile_fn=endless, timeout_s=0.3)
+    runner = _runner(pipe, kernels)
+    t0 = time.perf_counter()
+    runner.prepare()
+    assert time.perf_counter() - t0 < 10
+    assert kernels.timeouts == len(pipe.table.keys) and runner.compile_failed == len(pipe.table.keys)
+    assert all(d["note"] == "compile_timeout: the compile passed runner.compile_timeout_s (0.3 s)"
+               for d in runner.describe())
+    time.sleep(0.5)  # no stray exception lands after the deadline was withdrawn
+    case = boundary_cases(pipe.table, pipe.config.limits)[0]
+    verdict, = verify_runner(pipe.model.adapter, runner, [case], pipe.model.device, pipe.model.dtype, rtol=0.0)
+    assert verdict.passed
+
+
+def test_a_real_compile_stopped_at_its_deadline_leaves_torch_compile_usable(tmp_path, monkeypatch):
+    """The deadline stops a real inductor compile part-way (dynamo's compile lock is released as it unwinds); the
+    bucket serves eager kernels, and a later compile of the same shape in the same process works and passes the
+    check. A shape no other test compiles (3 rows; dynamo would reuse another model's compile of the same shape)
+    and an empty cache folder make the first compile a cold one (seconds)."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "")  # restored after the test (use_cache_dir sets both)
+    monkeypatch.setenv("TRITON_CACHE_DIR", "")
+    one = BucketConfig(batch_sizes=[3], resolutions=["256x256"], text_lengths=[256])
+    stopped = DiTPipeline.from_config(EngineConfig(buckets=one, runner=RunnerConfig(
+        kernels="compiled", compile_timeout_s=0.2, compile_cache_dir=str(tmp_path / "cold"))))
+    k = stopped.stats()["kernels"]
+    assert k["compile_timeouts"] == 1 and k["compile_failed"] == 1, k
+    later = DiTPipeline.from_config(EngineConfig(buckets=one, runner=RunnerConfig(kernels="compiled")))
+    k = later.stats()["kernels"]
+    assert k["compile_failed"] == 0 and k["compile_timeouts"] == 0, k
+    assert later.stats()["buckets"][0]["compile_rel_err"] <= k["rtol"]
+
+
+def test_the_compiled_tolerance_comes_from_the_eager_forwards_own_rounding():
+    """``runner.compile_rtol`` None: the check's tolerance is max(dtype tolerance, 2 x the eager forward's rounding
+    error against a wider dtype), measured with the model's own tensors widened and then given back untouched."""
+    from bcg_core.verify import COMPILED_FACTOR, kernel_tolerance, precision_deviation
+
+    model = DiTPipeline.from_config(_config()).model
+    model.adapter.model.to(torch.bfloat16)
+    tensors = [t for t in (*model.adapter.model.parameters(), *model.adapter.model.buffers())]
+    before = [(t.data_ptr(), t.dtype, t.detach().clone()) for t in tensors]
+    key = min(DiTPipeline(_config(), model, prepare=False).table.keys, key=lambda k: k.tokens)
+    deviation = precision_deviation(model.adapter, key, model.device, torch.bfloat16)
+    assert 1e-4 < deviation < 5e-2  # bf16 rounding against float32
+    assert [(t.data_ptr(), t.dtype) for t in tensors] == [(p, d) for p, d, _ in before]
+    assert all(torch.equal(t, v) for t, (_, _, v) in zip(tensors, before))
+    rtol, note = kernel_tolerance("compiled", torch.bfloat16, deviation)
+    assert rtol == max(RTOL[torch.bfloat16], COMPILED_FACTOR * deviation) and "eager rounding" in note
+    assert kernel_tolerance("fp8", torch.bfloat16, deviation)[0] == 0.1
+    assert kernel_tolerance("compiled", torch.bfloat16, None) == (RTOL[torch.bfloat16], note.replace(
+        note, "eager rounding not measured (no memory for a wide copy): 0.02"))
+
+
+def test_kernels_auto_is_eager_on_a_cpu():
+    from bcg_core.pipeline import kernel_tier
+
+    assert kernel_tier(_config(), torch.device("cpu")) is KernelTier.EAGER
+    assert kernel_tier(_config(), torch.device("cuda")) is KernelTier.COMPILED
+    assert kernel_tier(_config(kernels="eager"), torch.device("cuda")) is KernelTier.EAGER

@@ -92,7 +92,7 @@ def test_naive_config_makes_every_one_of_the_first_32_krea_requests_miss(tiny):
     reqs = bench.replay_requests(32)
     assert len(reqs) == 32 and all(r.seed is not None for r in reqs)
     sent = reqs + bench.warmup_requests(reqs, "shapes") + bench.c1_requests(reqs, 5)
-    _, over, cfgs = _configs(mc.model_dump(mode="json"), spec, counter, sent)
+    base, over, cfgs = _configs(mc.model_dump(mode="json"), spec, counter, sent)
     naive = cfgs["naive"]
     assert naive.runner.mode == "eager"  # the step scheduler on the eager runner, every request a miss
     assert naive.buckets.miss_policy.value == "eager" and naive.buckets.batch_sizes == [1]
@@ -104,8 +104,10 @@ def test_naive_config_makes_every_one_of_the_first_32_krea_requests_miss(tiny):
     assert all(not p.lookup.hit for p in plans)
     assert all("image_tokens" in [d.value for d in p.lookup.missed] for p in plans)
     assert bench.check_all_miss(planner, sent, 20) == []
-    # the step server is the configured one, and its table holds every request
-    assert over["step"] == {"runner": {}}
+    # the step server is the configured one on the asked kernels (naive: always eager), its table holds every request
+    assert over["step"] == {"runner": {"kernels": "eager"}} and naive.runner.kernels == "eager"
+    assert bench.server_overrides("step", {}, spec, reqs, 16, kernels="fp8") == {"runner": {"kernels": "fp8"}}
+    assert bench.server_overrides("naive", base, spec, reqs, 16, kernels="fp8")["runner"]["kernels"] == "eager"
     plans, refused = bench.plan_all(Planner(cfgs["step"], spec, counter), reqs, 20)
     assert refused == [] and all(p.lookup.hit for p in plans)
 

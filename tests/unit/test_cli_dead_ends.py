@@ -265,7 +265,7 @@ def test_plan_writes_a_better_table_without_force_and_force_needs_write(tmp_path
 
 
 def test_whole_count_rounds_half_up_and_shows_a_sliver_as_under_one():
-    from deployments.commands import whole_count
+    from deployments.plan_command import whole_count
 
     assert [whole_count(v) for v in (0, 0.2, 0.5, 2.5, 182.9, 25.7635, 7)] == ["0", "<1", "1", "3", "183", "26", "7"]
     for bad in (-1.0, float("nan")):
