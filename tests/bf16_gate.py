@@ -24,7 +24,8 @@ bcg-serve (``runner.kernels`` as given, ``"eager"`` by default) and compares wit
 - ``batched``: a request that shares every forward with a two-image request that started a step earlier
   (:func:`reference_gate.bcg_run_joined`; 3 images' rows in a 4-row bucket, or 6 CFG rows in an 8-row one).
 
-:func:`check` is the gate (see there). Each comparison is a :class:`Deviation`: the largest difference of a pixel
+:func:`check` is the gate (see there): bit-identical latents where diffusers' own are batch-exact, else within
+:data:`MARGIN` times diffusers' own deviations. Each comparison is a :class:`Deviation`: the largest difference of a pixel
 value in levels (0-255, the images as PIL gives them), the share of pixel values that differ, and the relative
 error ``max|a - b| / max|b|`` of the final latents (diffusers' from its step-end callback at the last step: the
 tensor it decodes).
@@ -46,7 +47,7 @@ import torch
 from bcg_core import GenerationRequest
 from reference_gate import bcg_pipeline, bcg_run, bcg_run_joined, pixels
 
-__all__ = ["BOUNDS", "CASES", "Deviation", "FAMILIES", "FamilyCase", "allowance", "bcg_image", "case_requests",
+__all__ = ["BOUNDS", "CASES", "Deviation", "FAMILIES", "FamilyCase", "MARGIN", "allowance", "bcg_image", "case_requests",
            "check", "compare", "diffusers_images", "load_diffusers", "longest_prompt", "measure_family",
            "prompt_with_tokens"]
 
@@ -351,13 +352,22 @@ def measure_family(name: str, device: str = "cpu", kernels: str = "eager", steps
                 "cases": {c: d.to_json() for c, d in worst.items()}, "requests": rows}
 
 
-def allowance(result: dict, case: str) -> tuple[Deviation, bool]:
-    """What :func:`check` allows case ``case`` of a :func:`measure_family` result.
+MARGIN = 2.0
+"""Factor on diffusers' own deviations that :func:`check` allows where it demands no bit-exactness. In bf16 these
+deviations are one rounding flip carried through the steps: the latents' ``max|a - b| / max|b|`` is about one bf16
+unit of the largest latent (2**-7 relative, 7.8e-3, or a few units less), and the level and share figures follow
+from it, so which request and which tiny checkpoint build (its tokenizers are trained at build time) gives the
+largest moves each of them by up to a factor of about 2 from run to run (docs/BENCHMARKS.md, 2026-12-03). A broken
+padding (an unmasked pad token, a wrong position) moves the latents by tenths, far beyond."""
 
-    - ``kernels: eager``, cases ``exact``, ``text_padded`` and ``batched``: diffusers' own deviations (``batch``
-      and ``kernel``); and where diffusers' latents are batch-exact (``batch`` relative error 0), bcg-serve's final
-      latents must be bit-identical (returned flag True): then only the decode may differ, as diffusers' own batched
-      decode does (``batch``'s levels and share).
+
+def allowance(result: dict, case: str) -> tuple[Deviation, bool]:
+    """What :func:`check` allows case ``case`` of a :func:`measure_family` result (before :data:`MARGIN`).
+
+    - ``kernels: eager``, cases ``exact``, ``text_padded`` and ``batched``: where diffusers' latents are batch-exact
+      (``batch`` relative error 0), bcg-serve's final latents must be bit-identical (returned flag True), and then
+      only the decode may differ, as far as diffusers' own batched decode does (``batch``'s levels); elsewhere
+      diffusers' own deviations, ``batch`` and ``kernel`` together.
     - ``kernels: eager``, ``image_padded``: a masked tier runs an attention that no diffusers call runs (a key mask
       over the tier's longer key sequence), so diffusers' batch bound does not cover it; its bound is ``batch`` and
       ``kernel`` together (what diffusers' own image moves by when its attention runs another SDPA backend).
@@ -377,12 +387,13 @@ def allowance(result: dict, case: str) -> tuple[Deviation, bool]:
     return b["batch"].worst(b["kernel"]), False
 
 
-def check(result: dict) -> list[str]:
+def check(result: dict, margin: float = MARGIN) -> list[str]:
     """The gate on a :func:`measure_family` result: for each case, bcg-serve's worst deviation from diffusers alone
-    within :func:`allowance` (largest level difference and latents' relative error; with bit-identical latents
-    demanded, the latents exactly and the pixels by level and share). The share of differing pixel values is not
-    bounded otherwise: once final latents differ at all, about a third of the pixel values move by a level or
-    more in diffusers' own deviations too, whatever their size.
+    against :func:`allowance`. Where bit-identical latents are demanded: the latents exactly, and the largest level
+    difference of the decoded pixels at most ``margin`` times diffusers' batched decode's (0 stays 0). Elsewhere:
+    the largest level difference and the latents' relative error each at most ``margin`` times the allowance's.
+    The share of differing pixel values is reported, not bounded: once final latents differ at all, about a third
+    of the pixel values move by a level or more, in diffusers' own deviations too.
 
     Returns:
         One line per violation (empty: the gate passes).
@@ -396,11 +407,11 @@ def check(result: dict) -> list[str]:
             if dev.latent_rel != 0:
                 out.append(f"{what}: final latents differ from diffusers' ({dev.latent_rel:.2e} relative) although "
                            f"diffusers' own are batch-exact")
-            elif dev.max_levels > allowed.max_levels or dev.share > allowed.share:
-                out.append(f"{what}: identical latents decode to {dev.max_levels} levels on {dev.share:.1%} of the "
-                           f"pixel values, beyond diffusers' batched decode ({allowed.max_levels}, {allowed.share:.1%})")
+            elif dev.max_levels > margin * allowed.max_levels:
+                out.append(f"{what}: identical latents decode {dev.max_levels} levels away, beyond {margin:g} x "
+                           f"diffusers' batched decode ({allowed.max_levels} levels)")
             continue
-        if dev.max_levels > allowed.max_levels or (dev.latent_rel or 0) > (allowed.latent_rel or 0):
-            out.append(f"{what}: {dev.max_levels} levels, latents {dev.latent_rel or 0:.2e} relative, beyond diffusers' "
-                       f"own {allowed.max_levels} levels, {allowed.latent_rel or 0:.2e}")
+        if dev.max_levels > margin * allowed.max_levels or (dev.latent_rel or 0) > margin * (allowed.latent_rel or 0):
+            out.append(f"{what}: {dev.max_levels} levels, latents {dev.latent_rel or 0:.2e} relative, beyond {margin:g} x "
+                       f"diffusers' own {allowed.max_levels} levels, {allowed.latent_rel or 0:.2e}")
     return out
