@@ -1,11 +1,11 @@
 """bcg-serve's bf16 images against diffusers' own bf16 pipeline, per family, beside diffusers' own deviations.
 
 For each family (the tiny random-weight checkpoints of ``tests/tiny/``, built offline), in bf16 on ``--device``,
-``tests/bf16_gate.py`` (:func:`bf16_gate.measure_family`) measures diffusers' own deviations (``batch``: alone
+``tests/reference_gate_bf16.py`` (:func:`reference_gate_bf16.measure_family`) measures diffusers' own deviations (``batch``: alone
 against beside another prompt in a batch of two; ``kernel``: default SDPA backend against the math backend;
 ``fp32``: bf16 against fp32) and bcg-serve's (``runner.kernels`` ``--kernels``) against diffusers alone for an
 exact bucket, image padding into a masked tier, text padding and a batched request, then applies the gate
-(:func:`bf16_gate.check`). Each cell: largest pixel difference in levels / share of pixel values that differ /
+(:func:`reference_gate_bf16.check`). Each cell: largest pixel difference in levels / share of pixel values that differ /
 relative error of the final latents.
 
 Usage::
@@ -36,11 +36,11 @@ for _p in (_ROOT, _ROOT / "tests"):
 
 import torch  # noqa: E402
 
-from bf16_gate import BOUNDS, CASES, FAMILIES, check, measure_family  # noqa: E402
+from reference_gate_bf16 import BOUNDS, CASES, FAMILIES, check, measure_family  # noqa: E402
 
 
 def cell(d: dict | None) -> str:
-    """``levels / share% / latent rel`` of one :class:`bf16_gate.Deviation` as a dict; ``-`` for none."""
+    """``levels / share% / latent rel`` of one :class:`reference_gate_bf16.Deviation` as a dict; ``-`` for none."""
     if d is None:
         return "-"
     rel = d.get("latent_rel")

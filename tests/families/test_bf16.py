@@ -1,4 +1,4 @@
-"""The bf16 gate on the CPU, small: padding cases in bf16 against diffusers' own bf16 pipeline (``tests/bf16_gate.py``).
+"""The bf16 gate on the CPU, small: padding cases in bf16 against diffusers' own bf16 pipeline (``tests/reference_gate_bf16.py``).
 
 The full gate (every family and case, CPU or CUDA) is ``benchmarks/bf16_gate.py`` and ``tests/gpu/test_bf16_gate.py``;
 this module runs the cases where bf16 padding reaches the real tokens through another kernel path on a CPU, with the
@@ -13,12 +13,12 @@ bounds measured in the same run:
   sequence is a computation no diffusers call runs; its bound is diffusers' own batch and attention-backend
   deviations. FLUX's latents are batch-exact in diffusers, so its exact bucket must be bit-identical.
 
-And the gate's rules themselves (:func:`bf16_gate.check`) on made-up results.
+And the gate's rules themselves (:func:`reference_gate_bf16.check`) on made-up results.
 """
 
 import pytest
 
-from bf16_gate import check, measure_family
+from reference_gate_bf16 import check, measure_family
 
 
 def _dev(levels, share, rel):

@@ -1,11 +1,11 @@
 """The bf16 gate on a GPU: every family's bf16 images, served through captured CUDA graphs, against diffusers' own
 bf16 pipeline on the same GPU, within the deviations diffusers shows itself there.
 
-``tests/bf16_gate.py`` measures, per family (tiny checkpoints of ``tests/tiny/``, bf16, 4 steps, on CUDA) and in
+``tests/reference_gate_bf16.py`` measures, per family (tiny checkpoints of ``tests/tiny/``, bf16, 4 steps, on CUDA) and in
 the same run, diffusers' own deviations (``batch``: the same image alone and in a batch of two beside a longer
 prompt; ``kernel``: SDPA's default backend against the math backend; ``fp32``: bf16 against fp32) and bcg-serve's
 deviation from diffusers alone for an exact bucket, image padding into a masked tier (FLUX), text padding (the
-masked-text families) and a request sharing its forwards with another. :func:`bf16_gate.check` is the gate:
+masked-text families) and a request sharing its forwards with another. :func:`reference_gate_bf16.check` is the gate:
 
 - ``runner.kernels: eager`` (kernels captured as they run eagerly): where diffusers' final latents are batch-exact
   on this GPU, bcg-serve's must be bit-identical for the exact, text-padded and batched requests (only the decode
@@ -21,7 +21,7 @@ in this module so that the fp32 reference is fp32.
 import pytest
 import torch
 
-from bf16_gate import FAMILIES, check, measure_family
+from reference_gate_bf16 import FAMILIES, check, measure_family
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
