@@ -36,13 +36,16 @@ class GateRun:
     pngs: list[bytes] = field(default_factory=list)
 
 
-def bcg_pipeline(folder, buckets: dict, device: str = "cpu", fused_step: str = "auto", **limits) -> DiTPipeline:
-    """An fp32 :class:`DiTPipeline` on ``folder`` with bucket table ``buckets`` and small-size limits, on
-    ``device`` (``"cuda"``: the runner captures and replays CUDA graphs), ``runner.fused_step`` as given, and
-    :func:`bucket_costs` (every step on buckets, padded), which is what the gate checks."""
+def bcg_pipeline(folder, buckets: dict, device: str = "cpu", fused_step: str = "auto", dtype: str = "float32",
+                 kernels: str = "eager", **limits) -> DiTPipeline:
+    """A :class:`DiTPipeline` on ``folder`` (weights in ``dtype``, fp32 unless given) with bucket table ``buckets``
+    and small-size limits, on ``device`` (``"cuda"``: the runner captures and replays CUDA graphs),
+    ``runner.fused_step`` and ``runner.kernels`` as given, and :func:`bucket_costs` (every step on buckets,
+    padded), which is what the gate checks."""
     lim = {"min_side_px": 16, "max_side_px": 1024, "max_steps": 50, **limits}
-    cfg = EngineConfig(model=ModelConfig(path=str(folder), device=device, dtype="float32"),
-                       buckets=BucketConfig(**buckets), limits=LimitsConfig(**lim), runner={"fused_step": fused_step})
+    cfg = EngineConfig(model=ModelConfig(path=str(folder), device=device, dtype=dtype),
+                       buckets=BucketConfig(**buckets), limits=LimitsConfig(**lim),
+                       runner={"fused_step": fused_step, "kernels": kernels})
     return padded(DiTPipeline.from_config(cfg))
 
 

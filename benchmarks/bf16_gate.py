@@ -1,0 +1,114 @@
+"""bcg-serve's bf16 images against diffusers' own bf16 pipeline, per family, beside diffusers' own deviations.
+
+For each family (the tiny random-weight checkpoints of ``tests/tiny/``, built offline), in bf16 on ``--device``,
+``tests/reference_gate_bf16.py`` (:func:`reference_gate_bf16.measure_family`) measures diffusers' own deviations (``batch``: alone
+against beside another prompt in a batch of two; ``kernel``: default SDPA backend against the math backend;
+``fp32``: bf16 against fp32) and bcg-serve's (``runner.kernels`` ``--kernels``) against diffusers alone for an
+exact bucket, image padding into a masked tier, text padding and a batched request, then applies the gate
+(:func:`reference_gate_bf16.check`). Each cell: largest pixel difference in levels / share of pixel values that differ /
+relative error of the final latents.
+
+Usage::
+
+    PYTHONPATH=$PWD python benchmarks/bf16_gate.py [--device cpu|cuda] [--kernels eager|compiled]
+        [--families flux sd3 ...] [--steps 4] [--out results.json]
+
+Exits 1 when the gate fails for any family.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+import warnings
+from datetime import datetime, timezone
+from pathlib import Path
+
+_ROOT = Path(__file__).resolve().parents[1]
+for _p in (_ROOT, _ROOT / "tests"):
+    if str(_p) not in sys.path:
+        sys.path.insert(0, str(_p))
+
+import torch  # noqa: E402
+
+from reference_gate_bf16 import BOUNDS, CASES, FAMILIES, check, measure_family  # noqa: E402
+
+
+def cell(d: dict | None) -> str:
+    """``levels / share% / latent rel`` of one :class:`reference_gate_bf16.Deviation` as a dict; ``-`` for none."""
+    if d is None:
+        return "-"
+    rel = d.get("latent_rel")
+    return f"{d['max_levels']} / {d['share']:.1%} / {'-' if rel is None else f'{rel:.1e}'}"
+
+
+def table(results: list[dict]) -> str:
+    """A Markdown table: one row per family, diffusers' bounds then bcg-serve's cases, and the gate's verdict."""
+    head = ["family"] + [f"diffusers {b}" for b in BOUNDS] + [f"bcg {c}" for c in CASES] + ["gate"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in results:
+        verdict = "pass" if not r["violations"] else "FAIL"
+        lines.append("| " + " | ".join([r["family"]] + [cell(r["bounds"].get(b)) for b in BOUNDS]
+                                       + [cell(r["cases"].get(c)) for c in CASES] + [verdict]) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the gate for each family; print the table (and violations); write JSON with ``--out``."""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--kernels", default="eager", choices=["eager", "compiled"])
+    ap.add_argument("--families", nargs="+", default=list(FAMILIES), choices=list(FAMILIES))
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--out", type=Path, default=None, help="write the results (and the environment) as JSON here")
+    args = ap.parse_args(argv)
+    warnings.filterwarnings("ignore")
+    logging.disable(logging.WARNING)
+    try:
+        from diffusers.utils import logging as dlog
+        from transformers.utils import logging as tlog
+
+        dlog.set_verbosity_error(), tlog.set_verbosity_error()
+        dlog.disable_progress_bar(), tlog.disable_progress_bar()
+    except ImportError:
+        pass
+    results = []
+    for name in args.families:
+        t0 = time.perf_counter()
+        r = measure_family(name, device=args.device, kernels=args.kernels, steps=args.steps)
+        r["seconds"] = round(time.perf_counter() - t0, 1)
+        r["violations"] = check(r)
+        results.append(r)
+        print(f"{name}: {r['seconds']} s, {len(r['requests'])} requests", file=sys.stderr, flush=True)
+    print(table(results))
+    for r in results:
+        for v in r["violations"]:
+            print("gate:", v)
+    if args.out:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=_ROOT, capture_output=True, text=True,
+                                    check=True).stdout.strip()
+        except (OSError, subprocess.CalledProcessError):
+            commit = None
+        env = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "commit": commit,
+               "torch": torch.__version__, "device": args.device, "kernels": args.kernels, "steps": args.steps,
+               "threads": torch.get_num_threads(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+               "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None, "cpus": os.cpu_count()}
+        try:
+            import diffusers
+
+            env["diffusers"] = diffusers.__version__
+        except ImportError:
+            pass
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"env": env, "results": results}, indent=1) + "\n")
+    return 1 if any(r["violations"] for r in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
