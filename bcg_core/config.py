@@ -292,6 +292,15 @@ class RunnerConfig(BaseModel):
         "graph, torch version, device and options, so a restart with the same model and table reads its kernels "
         "back instead of compiling them. None: inductor's default folder (/tmp/torchinductor_<user>).",
     )
+    attention: Literal["auto", "default", "cudnn", "flash", "efficient", "math"] = Field(
+        default="auto",
+        description="With compiled kernels: the SDPA backend each bucket's compiled forward runs "
+        "(bcg_core/runners/attention.py). 'auto': measured per bucket when it is prepared, the fastest of cuDNN, "
+        "flash and memory-efficient on a GPU (flash and math on a CPU) on the bucket's own attention calls, and "
+        "kept beside the compile cache so a restart reuses it; 'default': PyTorch's own priority; a name: that "
+        "backend first. Shown per bucket as 'attention' in /v1/buckets. Buckets on eager kernels always keep "
+        "PyTorch's own choice (diffusers' bits).",
+    )
     compile_mode: Literal["default", "max-autotune-no-cudagraphs"] = Field(
         default="default",
         description="With kernels 'compiled': inductor's mode. 'max-autotune-no-cudagraphs' searches matmul "

@@ -127,7 +127,8 @@ def compiled_kernels(config: EngineConfig, model: Family, keys: list) -> Compile
             model.fp8_layers = quantize_fp8(model.adapter.model)  # in place: every forward of this model, misses too
         kernels = CompiledKernels(model.adapter.model, mode=config.runner.compile_mode,
                                   max_shapes=max(64, 2 * len(keys)), cache_dir=config.runner.compile_cache_dir,
-                                  timeout_s=config.runner.compile_timeout_s, rtol=rtol)
+                                  timeout_s=config.runner.compile_timeout_s, rtol=rtol,
+                                  attention=config.runner.attention)
         kernels.rtol_note = note
         log.info("compiled kernels (%s): each bucket checked against eager within %.3g (%s)", tier.value, rtol, note)
         model.compiled_kernels = kernels
@@ -435,7 +436,7 @@ class DiTPipeline:
             s = state.get(b["key"], {})
             b.update({"mode": s.get("mode"), "kernels": s.get("kernels"), "pool_bytes": s.get("pool_bytes", 0),
                       "capture_s": s.get("capture_s", 0.0), "compile_rel_err": s.get("compile_rel_err"),
-                      "note": s.get("note", "")})
+                      "attention": s.get("attention"), "note": s.get("note", "")})
         m = self.model
         snap["model"] = {"name": m.model_name, "family": m.name, "pipeline_class": m.spec.pipeline_class,
                          "device": str(m.device), "dtype": str(m.dtype).removeprefix("torch."),
@@ -465,4 +466,5 @@ class DiTPipeline:
             "timeout_s": None if kernels is None else kernels.timeout_s,
             "fp8_layers": getattr(self.model, "fp8_layers", 0),
             "cache_dir": None if kernels is None else kernels.cache_dir,
-            "cache_hits": hits, "cache_misses": misses, "start": start, "prepare_s": round(self.prepare_s, 3)}
+            "cache_hits": hits, "cache_misses": misses, "start": start, "prepare_s": round(self.prepare_s, 3),
+            "attention": None if kernels is None else kernels.attention}

@@ -217,6 +217,10 @@ def compile_entry(kernels, adapter: DiTAdapter, entry: BucketEntry, warm: Callab
     """Compile bucket ``entry``'s shapes with ``kernels`` (a :class:`~bcg_core.runners.kernels.CompiledKernels`) and
     check them, all under :meth:`~bcg_core.runners.kernels.CompiledKernels.compiling` (its timing, its deadline).
 
+    First the bucket's SDPA backend is chosen (:meth:`~bcg_core.runners.kernels.CompiledKernels.attention_for`:
+    its eager forward on seeded inputs that fill it is recorded, the backends measured on those calls) and kept as
+    ``entry.attention``; the compile traces attention to that backend.
+
     ``warm()`` (the runner's warm-up forwards on the bucket's buffers) compiles each repeated block for the
     bucket's shape. Then, with ``kernels.rtol`` set, :func:`compiled_deviation` compares the compiled forward with
     the eager one on seeded random inputs that fill the bucket; the deviation is kept as ``entry.compile_rel_err``.
@@ -229,7 +233,10 @@ def compile_entry(kernels, adapter: DiTAdapter, entry: BucketEntry, warm: Callab
             (or NaN): the message starts ``compile_failed:``, ``compile_timeout:`` or ``compile_check_failed:``.
         torch.OutOfMemoryError: out of memory while compiling.
     """
-    with kernels.compiling():
+    latents = entry.buffers["latents"]
+    adapter.fill(entry.buffers, bucket_inputs(adapter, entry.key, latents.device, latents.dtype))
+    entry.attention = kernels.attention_for(entry.key, lambda: adapter.forward(entry.buffers), latents.device)
+    with kernels.compiling(entry.attention.backend):
         result = warm()
         if kernels.rtol is not None:
             err = entry.compile_rel_err = compiled_deviation(kernels, adapter, entry)

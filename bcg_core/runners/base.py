@@ -99,6 +99,8 @@ class BucketEntry:
             tier, or ``eager`` after its compile failed.
         compile_rel_err: with compiled kernels, the deviation of its compiled forward from its eager one
             (:func:`bcg_core.verify.compile_entry`), else None.
+        attention: with compiled kernels, the SDPA backend its compiled forward runs
+            (:class:`~bcg_core.runners.attention.AttentionChoice`), else None (eager kernels: PyTorch's own choice).
     """
 
     key: BucketKey
@@ -112,9 +114,19 @@ class BucketEntry:
     forwards: int = field(default=0)
     kernels: KernelTier = KernelTier.EAGER
     compile_rel_err: float | None = None
+    attention: object | None = None
     fused: dict[str, torch.Tensor] | None = None
     """With a fused step (:mod:`bcg_core.runners.fused`): its ``meta`` (4, B) and ``dt`` (B,) fp32 buffers, and under a
     captured graph its static ``next`` latents output; None otherwise."""
+
+    @property
+    def attention_json(self) -> dict:
+        """``/v1/buckets``' ``attention`` of the bucket: :meth:`AttentionChoice.describe
+        <bcg_core.runners.attention.AttentionChoice.describe>` with compiled kernels; with eager kernels
+        ``{"backend": "default", "source": "eager kernels"}``."""
+        if self.kernels is KernelTier.EAGER or self.attention is None:
+            return {"backend": "default", "source": "eager kernels"}
+        return self.attention.describe()
 
     @property
     def compile_err_json(self) -> float | None:

@@ -415,6 +415,7 @@ class CudaGraphRunner:
         return [
             {"key": str(e.key), "mode": e.mode.value if e.buffers or e.mode is RunMode.GRAPH else "dropped",
              "kernels": e.kernels.value, "pool_bytes": e.pool_bytes, "capture_s": round(e.capture_s, 4),
-             "compile_rel_err": e.compile_err_json, "forwards": e.forwards, "note": e.note}
+             "compile_rel_err": e.compile_err_json, "attention": e.attention_json, "forwards": e.forwards,
+             "note": e.note}
             for e in self.entries.values()
         ]

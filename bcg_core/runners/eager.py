@@ -181,7 +181,7 @@ class EagerBucketRunner:
         """Per-bucket state, largest bucket first."""
         return [
             {"key": str(e.key), "mode": e.mode.value, "kernels": e.kernels.value, "pool_bytes": e.pool_bytes,
-             "capture_s": e.capture_s, "compile_rel_err": e.compile_err_json, "forwards": e.forwards,
-             "note": e.note}
+             "capture_s": e.capture_s, "compile_rel_err": e.compile_err_json, "attention": e.attention_json,
+             "forwards": e.forwards, "note": e.note}
             for e in self.entries.values()
         ]

@@ -33,6 +33,8 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from bcg_core.runners.attention import BACKENDS, AttentionChoice, ChoiceStore, choose, compiling_under, record_sdpa_calls
+
 __all__ = ["FP8_MIN_CAPABILITY", "FP8_RTOL", "REPEATED_BLOCKS", "CompileFailed", "CompileTimeout", "CompiledKernels",
            "KernelTier", "check_fp8", "fp8_layers", "quantize_fp8", "repeated_blocks", "use_cache_dir"]
 
@@ -154,6 +156,8 @@ class CompiledKernels:
         timeout_s: seconds one bucket's compile may take (:meth:`compiling`), None for no bound.
         rtol: tolerance of each bucket's compiled forward against its eager one
             (:func:`~bcg_core.verify.compile_entry`), None for no check.
+        attention: ``runner.attention``: ``"auto"`` (each bucket's SDPA backend measured,
+            :mod:`bcg_core.runners.attention`), ``"default"`` (PyTorch's priority) or a backend name.
 
     Raises:
         ValueError: a mode that would capture inductor's own CUDA graphs.
@@ -161,7 +165,7 @@ class CompiledKernels:
 
     def __init__(self, transformer: torch.nn.Module, compile_fn: Callable = torch.compile, mode: str = "default",
                  max_shapes: int = 256, cache_dir: str | None = None, timeout_s: float | None = None,
-                 rtol: float | None = None):
+                 rtol: float | None = None, attention: str = "auto"):
         if "cudagraphs" not in mode and mode != "default":
             raise ValueError(f"inductor mode {mode!r} captures CUDA graphs of its own; bcg-serve owns the graphs: "
                              f"use 'default' or 'max-autotune-no-cudagraphs'")
@@ -178,6 +182,14 @@ class CompiledKernels:
         """Inductor FX graph cache hits and misses of the compiles run under :meth:`compiling`."""
         self.timeouts = 0
         """Compiles stopped at :attr:`timeout_s`."""
+        if attention not in ("auto", "default", *BACKENDS):
+            raise ValueError(f"runner.attention {attention!r}: use 'auto', 'default' or one of {', '.join(BACKENDS)}")
+        self.attention = attention
+        """``runner.attention``: how each bucket's SDPA backend is chosen (:meth:`attention_for`)."""
+        self.choices: dict = {}
+        """Bucket key -> its :class:`~bcg_core.runners.attention.AttentionChoice`, kept for the process: the
+        compiled code of a bucket's shape stays traced for that backend, so a second runner reuses the choice."""
+        self._store: ChoiceStore | None = None
         self.blocks = repeated_blocks(transformer) or [transformer]
         self.regional = self.blocks[0] is not transformer
         self._local = threading.local()
@@ -220,11 +232,32 @@ class CompiledKernels:
         finally:
             self._local.on = before
 
+    def attention_for(self, key, forward: Callable[[], object], device: torch.device) -> AttentionChoice:
+        """The SDPA backend of bucket ``key``'s compiled forward: kept from an earlier call for ``key``; else with
+        ``attention="auto"`` the SDPA calls of ``forward()`` (the bucket's eager forward) are recorded and the
+        backend is read from the choice store beside the compile cache or measured
+        (:func:`~bcg_core.runners.attention.choose`); else the configured one."""
+        if key in self.choices:
+            return self.choices[key]
+        if self.attention != "auto":
+            choice = AttentionChoice(self.attention, source="configured")
+        else:
+            if self._store is None:
+                from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+                self._store = ChoiceStore(self.cache_dir or cache_dir())
+            with self.active(False):
+                calls = record_sdpa_calls(forward)
+            choice = choose(calls, device, "auto", self._store)
+        self.choices[key] = choice
+        return choice
+
     @contextlib.contextmanager
-    def compiling(self) -> Iterator[None]:
+    def compiling(self, attention: str | None = None) -> Iterator[None]:
         """:meth:`active`, timing the block into :attr:`compile_s`, bounding it by :attr:`timeout_s` and turning a
         compile error into :class:`CompileFailed` (out of memory is re-raised as it is: the caller degrades as for a
-        capture).
+        capture). With ``attention`` (a backend name), compiles in the block trace SDPA to that backend and their
+        cache entries are keyed by it (:func:`~bcg_core.runners.attention.compiling_under`).
 
         The deadline: a timer thread raises :class:`CompileTimeout` inside this thread when the block passes
         :attr:`timeout_s` (CPython's ``PyThreadState_SetAsyncExc``; it arrives at the next Python bytecode, so a long
@@ -239,7 +272,7 @@ class CompiledKernels:
         t0 = time.perf_counter()
         hits, misses = _fx_cache_counts()
         try:
-            with self.active(), _deadline(self.timeout_s):
+            with self.active(), compiling_under(attention), _deadline(self.timeout_s):
                 yield
         except torch.OutOfMemoryError:
             raise

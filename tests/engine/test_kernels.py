@@ -126,7 +126,8 @@ pipe = DiTPipeline.from_config(config)
 case = boundary_cases(pipe.table, pipe.config.limits)[0]
 verdict, = verify_runner(pipe.model.adapter, pipe.runner, [case], pipe.model.device, pipe.model.dtype,
                          rtol=RTOL[pipe.model.dtype])
-print(json.dumps({**pipe.stats()["kernels"], "passed": verdict.passed}))
+stats = pipe.stats()
+print(json.dumps({**stats["kernels"], "passed": verdict.passed, "attention": [b["attention"] for b in stats["buckets"]]}))
 """
 
 
@@ -155,6 +156,9 @@ def test_a_restart_reads_its_compiled_kernels_back_from_the_cache_dir(tmp_path):
     warm = start()
     assert warm["cache_hits"] >= cold["cache_misses"] and warm["cache_misses"] == 0 and warm["passed"], (cold, warm)
     assert (cold["start"], warm["start"]) == ("cold", "warm") and warm["compile_failed"] == 0
+    assert [a["source"] for a in cold["attention"]] == ["measured"] and cold["attention"][0]["backend"] in {"flash", "math"}
+    assert set(cold["attention"][0]["times_ms"]) == {"flash", "math"}, cold["attention"]
+    assert [(a["backend"], a["source"]) for a in warm["attention"]] == [(cold["attention"][0]["backend"], "cached")]
 
     # a corrupt cache (every entry cut in half) is never loaded: the entries miss, are compiled again and pass
     entries = [p for p in cache.rglob("*") if p.is_file() and "triton" not in p.parts]
@@ -162,6 +166,7 @@ def test_a_restart_reads_its_compiled_kernels_back_from_the_cache_dir(tmp_path):
         p.write_bytes(p.read_bytes()[: p.stat().st_size // 2])
     rebuilt = start()
     assert rebuilt["cache_misses"] > 0 and rebuilt["compile_failed"] == 0 and rebuilt["passed"], rebuilt
+    assert [a["source"] for a in rebuilt["attention"]] == ["measured"]  # its torn choice file was not trusted
 
 
 def _runner(pipe: DiTPipeline, kernels: CompiledKernels):

@@ -1,0 +1,92 @@
+"""The SDPA backend of each compiled bucket, chosen by measurement (``bcg_core/runners/attention.py``), on the CPU:
+the recording of a forward's attention calls, the choice, the store kept beside the compile cache, and the
+compile-cache key that keeps kernels traced for different backends apart."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from bcg_core.runners.attention import (
+    AttentionChoice, ChoiceStore, choose, choose_backend, compiling_under, record_sdpa_calls)
+from bcg_core.runners.kernels import CompiledKernels
+
+CPU = torch.device("cpu")
+
+
+def _attention_forward():
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 96, 16, generator=g)
+    mask = torch.ones(2, 1, 96, 96, dtype=torch.bool)
+    mask[:, :, :, 80:] = False  # padded keys, as a masked bucket has them
+
+    def forward():
+        return [F.scaled_dot_product_attention(q, q, q), F.scaled_dot_product_attention(q, q, q),
+                F.scaled_dot_product_attention(q, q, q, attn_mask=mask)]
+    return forward, mask
+
+
+def test_a_forwards_attention_calls_are_recorded_and_the_fastest_backend_that_runs_them_is_chosen():
+    forward, mask = _attention_forward()
+    calls = record_sdpa_calls(forward)
+    assert sorted(calls.counts.values()) == [1, 2]  # two distinct calls, one of them twice
+    masked, = [c for c in calls.counts if c.mask is not None]
+    assert masked.mask == (2, 1, 96, 96) and torch.equal(calls.masks[masked], mask)
+    choice = choose_backend(calls, CPU, candidates=("efficient", "flash", "math"), iters=2)
+    assert choice.times_ms["efficient"] is None  # no memory-efficient kernel on a CPU: skipped, not chosen
+    assert choice.times_ms["flash"] > 0 and choice.times_ms["math"] > 0
+    assert choice.backend == min(("flash", "math"), key=choice.times_ms.get) and choice.source == "measured"
+    assert choose_backend(record_sdpa_calls(lambda: torch.ones(3) * 2), CPU).backend == "default"  # no attention
+
+
+def test_choices_are_kept_beside_the_compile_cache_and_a_torn_file_is_not_trusted(tmp_path):
+    forward, _ = _attention_forward()
+    calls = record_sdpa_calls(forward)
+    first = choose(calls, CPU, "auto", ChoiceStore(str(tmp_path)))
+    assert first.source == "measured" and (tmp_path / ChoiceStore.FILE).exists()
+    again = choose(calls, CPU, "auto", ChoiceStore(str(tmp_path)))  # a restart: read back, not measured
+    assert (again.backend, again.source, again.times_ms) == (first.backend, "cached", {})
+    assert choose(calls, CPU, "math", ChoiceStore(str(tmp_path))) == AttentionChoice("math", source="configured")
+    (tmp_path / ChoiceStore.FILE).write_text('{"x": "flash", "y": ')  # torn
+    assert choose(calls, CPU, "auto", ChoiceStore(str(tmp_path))).source == "measured"
+    (tmp_path / ChoiceStore.FILE).write_text(json.dumps({"x": "rm -rf"}))  # not a backend
+    assert ChoiceStore(str(tmp_path)).get(calls) is None
+
+
+def test_kernels_traced_for_one_backend_are_never_loaded_for_another(tmp_path, monkeypatch):
+    """Inductor's cache keys leave the SDPA backend out (pytorch/pytorch 185449): ``compiling_under`` puts it in,
+    so the same graph compiled for flash after math misses the cache (and lowers to flash), and math again hits."""
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    q = torch.randn(1, 2, 64, 16)
+
+    def attention(q):
+        return F.scaled_dot_product_attention(q, q, q) * 2
+
+    def compile_under(backend: str) -> tuple[int, int]:
+        torch._dynamo.reset()
+        hits, misses = counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"]
+        with compiling_under(backend):
+            out = torch.compile(attention, dynamic=False, fullgraph=True)(q)
+        torch.testing.assert_close(out, attention(q))
+        return (counters["inductor"]["fxgraph_cache_hit"] - hits, counters["inductor"]["fxgraph_cache_miss"] - misses)
+
+    assert compile_under("math") == (0, 1)
+    assert compile_under("flash") == (0, 1)  # without the backend in the key this was a hit on math's kernels
+    assert compile_under("math") == (1, 0)
+    torch._dynamo.reset()
+
+
+def test_a_configured_backend_is_used_as_it_is_and_an_unknown_one_is_refused():
+    layer = torch.nn.Linear(4, 4)
+    kernels = CompiledKernels(layer, compile_fn=lambda fn, **options: fn, attention="math")
+
+    def never():
+        raise AssertionError("a configured backend is not measured")
+    assert kernels.attention_for("b1", never, CPU) == AttentionChoice("math", source="configured")
+    with pytest.raises(ValueError, match="runner.attention 'fa9'.*cudnn, flash, efficient, math"):
+        CompiledKernels(torch.nn.Linear(4, 4), compile_fn=lambda fn, **options: fn, attention="fa9")
