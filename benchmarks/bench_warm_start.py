@@ -68,7 +68,8 @@ def child(config_path: str) -> dict:
     return dict(ready_s=round(t_ready - T0, 2), import_s=round(t_import - T0, 2), load_s=round(t_load - t_import, 2),
                 prepare_s=round(t_ready - t_load, 2), kernels=k, graphs=sum(b.get("mode") == "graph" for b in buckets),
                 buckets=len(buckets), on_eager=[b["key"] for b in buckets if b.get("kernels") == "eager"],
-                compile_rel_err={b["key"]: b.get("compile_rel_err") for b in buckets})
+                compile_rel_err={b["key"]: b.get("compile_rel_err") for b in buckets},
+                attention={b["key"]: b.get("attention") for b in buckets})
 
 
 def write_config(folder: Path, scratch: Path, args) -> Path:
