@@ -127,8 +127,9 @@ class GenerationResult:
         real_tokens, padded_tokens: tokens per forward, unpadded and as computed; for a request that shared
             its forward, its own real tokens and its share (by rows) of the forward's padded tokens.
         steps: denoising steps run.
-        timings_ms: ``encode``, ``denoise``, ``decode`` and ``total`` milliseconds (encode and denoise are
-            the whole step's when the forward was shared); the step scheduler adds ``queue`` and ``image_encode``.
+        timings_ms: ``encode`` (text and noise), ``denoise``, ``decode`` (the VAE, to pixels), ``image_encode``
+            (the image files, e.g. PNG) and ``total`` milliseconds (encode and denoise are the whole step's when the
+            forward was shared); the step scheduler adds ``queue``.
         batch_size: most requests that shared one step with it (1 when it ran alone).
         replica, owner, retries: filled in by the Ray Serve layer (``deployments/``): the DiT replica that
             served the request, whether it owns the request's bucket shape (None for a miss), and how many

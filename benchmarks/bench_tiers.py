@@ -15,7 +15,11 @@ weights, bf16, the real VAE config, random stand-in text encoders), one checkpoi
 
 A warm-up request per mode (its wall is reported as ``first_ms``: compile and capture for the compiled modes),
 then ``--repeats`` requests per mode, the modes alternating. Reported per mode: median wall ms and, for bcg,
-its encode / denoise / decode split; ``vs_diffusers``: diffusers' wall / the mode's wall (above 1: faster).
+its encode / denoise / decode / image_encode split; ``vs_diffusers``: diffusers' wall / the mode's wall (above 1:
+faster). diffusers' call ends at PIL images while bcg-serve's wall includes the PNG files it sends, so each
+diffusers call's images are also saved as PNG (Pillow's defaults, as bcg-serve encodes them), timed apart as its
+``image_encode_ms``; ``served_ms`` is the wall plus that for diffusers (the wall itself for bcg-serve), and
+``served_vs_diffusers`` compares those: what a server built on each sends.
 
 On the GPU machine, after ``mkdir -p $HOME/site && tar xJf .gpu/site.tar.xz -C $HOME/site && export
 PYTHONPATH=$HOME/site:$PWD``::
@@ -29,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import io
 import json
 import shutil
 import statistics
@@ -98,9 +103,10 @@ def bench_case(case: str, folder: Path, model, args, device: torch.device, dtype
 
             def call(pipe=pipe):
                 gens = [torch.Generator("cpu").manual_seed(req.seed + i) for i in range(req.n)]
-                pipe(prompt=req.prompt, num_images_per_prompt=req.n, width=req.width, height=req.height,
-                     num_inference_steps=req.num_inference_steps, guidance_scale=req.guidance_scale, generator=gens)
-                return {}
+                images = pipe(prompt=req.prompt, num_images_per_prompt=req.n, width=req.width, height=req.height,
+                              num_inference_steps=req.num_inference_steps, guidance_scale=req.guidance_scale,
+                              generator=gens).images
+                return {"images": images}
         _sync()
         prepare[mode] = round(time.perf_counter() - t0, 2)
         calls[mode] = call
@@ -116,17 +122,29 @@ def bench_case(case: str, folder: Path, model, args, device: torch.device, dtype
             t0 = time.perf_counter()
             timings = calls[mode]()
             _sync()
-            runs[mode].append(((time.perf_counter() - t0) * 1e3, timings or {}))
+            wall = (time.perf_counter() - t0) * 1e3
+            if "images" in timings:  # diffusers: the PNG files a server would send, timed apart from the call
+                t0 = time.perf_counter()
+                for image in timings.pop("images"):
+                    image.save(io.BytesIO(), format="PNG")
+                timings["image_encode"] = (time.perf_counter() - t0) * 1e3
+            runs[mode].append((wall, timings))
     out = {}
     for mode, rs in runs.items():
         out[mode] = dict(wall_ms=round(statistics.median(w for w, _ in rs), 1), walls_ms=[round(w, 1) for w, _ in rs],
                          first_ms=first[mode], prepare_s=prepare[mode])
-        for k in ("encode", "denoise", "decode"):
+        for k in ("encode", "denoise", "decode", "image_encode"):
             vals = [t[k] for _, t in rs if k in t]
             out[mode][f"{k}_ms"] = round(statistics.median(vals), 1) if vals else None
+        # served: what a server sends, the image files included (bcg-serve's wall has them; diffusers' call ends
+        # at PIL images, so its PNG encoding is added)
+        png = out[mode]["image_encode_ms"] or 0.0
+        out[mode]["served_ms"] = round(out[mode]["wall_ms"] + (png if mode.startswith("diffusers") else 0.0), 1)
     base = out.get("diffusers", {}).get("wall_ms")
+    served = out.get("diffusers", {}).get("served_ms")
     for mode, r in out.items():
         r["vs_diffusers"] = round(base / r["wall_ms"], 3) if base else None
+        r["served_vs_diffusers"] = round(served / r["served_ms"], 3) if served else None
     return dict(case=case, n=args.n, size=f"{size}x{size}", steps=steps, guidance_scale=guidance,
                 bucket=buckets.model_dump(), modes=out)
 
@@ -165,8 +183,9 @@ def main(argv: list[str] | None = None) -> int:
             row["built"] = info
             result["cases"].append(row)
             for mode, r in row["modes"].items():
-                print(f"{case} n={args.n} {mode}: {r['wall_ms']} ms (x{r['vs_diffusers']} vs diffusers), first "
-                      f"{r['first_ms']} ms, denoise {r['denoise_ms']} ms", flush=True)
+                print(f"{case} n={args.n} {mode}: {r['wall_ms']} ms (x{r['vs_diffusers']} vs diffusers; served "
+                      f"{r['served_ms']} ms, x{r['served_vs_diffusers']}), first {r['first_ms']} ms, denoise "
+                      f"{r['denoise_ms']} ms, decode {r['decode_ms']} ms, PNG {r['image_encode_ms']} ms", flush=True)
         finally:
             model = None
             gc.collect()
