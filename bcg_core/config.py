@@ -282,7 +282,8 @@ class RunnerConfig(BaseModel):
         description="With compiled kernels: the largest deviation of a bucket's compiled forward from its eager "
         "forward, relative to the eager forward's largest value, checked when the bucket is prepared. None: "
         "derived at start (bcg_core/verify.py kernel_tolerance): for 'compiled' max(the dtype's padding tolerance, "
-        "2 x the eager forward's own rounding error against float32, measured on the smallest bucket); for 'fp8' "
+        "min(2 x the eager forward's own rounding error against float32, measured on the smallest bucket, 0.1)); "
+        "for 'fp8' "
         "the stated bound 0.25 (bcg_core/runners/kernels.py FP8_RTOL).",
     )
     compile_cache_dir: str | None = Field(
