@@ -37,7 +37,8 @@ def test_end_to_end_tiny_naive_and_step_on_the_cpu(tmp_path):
         assert s["gpu_busy"] is None and s["floor_s"] is None
     assert naive["misses"] == 2 and naive["padded_token_waste"] == 0.0
     assert step["hits"] == 2 and step["waste_source"] == "scheduler"
-    assert data["servers"][0]["overrides"]["runner"] == {"mode": "eager"}
+    assert data["servers"][0]["overrides"]["runner"] == {"mode": "eager", "kernels": "eager"}
+    assert data["kernels"] == "eager" and data["servers"][1]["overrides"]["runner"] == {"kernels": "eager"}
     assert len(data["servers"][0]["requests"]) == 2 and len(data["servers"][0]["c1_requests"]) == 2
     assert data["ratios"]["images_per_s_vs_naive"]["step"] == pytest.approx(
         step["images_per_s"] / naive["images_per_s"], rel=1e-2)
