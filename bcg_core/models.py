@@ -154,18 +154,27 @@ def load_tokenizer_counter(config: ModelConfig):
 
 
 def load_model(config: ModelConfig) -> Family:
-    """Load the configured model: the tiny default when ``config.path`` is None, else a local checkpoint.
+    """Load the configured model: the tiny default when ``config.path`` is None, else a local checkpoint. The
+    seconds it took are kept as ``model.load_s`` (``/v1/buckets`` ``model.load_s``: with ``kernels.prepare_s``, the
+    replica's start).
 
     Raises:
         CheckpointError: if ``config.path`` is not a servable checkpoint folder.
     """
+    import time
+
+    t0 = time.perf_counter()
     if config.path is None:
         from bcg_core.families.tiny import build_tiny
 
-        return build_tiny(config)
-    path = Path(config.path)
-    index = read_checkpoint(path)
-    return family_class(index["_class_name"]).load(path, index, resolve_device(config.device), torch_dtype(config.dtype))
+        model = build_tiny(config)
+    else:
+        path = Path(config.path)
+        index = read_checkpoint(path)
+        model = family_class(index["_class_name"]).load(path, index, resolve_device(config.device),
+                                                        torch_dtype(config.dtype))
+    model.load_s = time.perf_counter() - t0
+    return model
 
 
 def save_pipeline(model: Family, path: str | Path) -> Path:

@@ -444,7 +444,8 @@ class DiTPipeline:
         m = self.model
         snap["model"] = {"name": m.model_name, "family": m.name, "pipeline_class": m.spec.pipeline_class,
                          "device": str(m.device), "dtype": str(m.dtype).removeprefix("torch."),
-                         "native_text_tokens": m.rules.native_text_tokens}
+                         "native_text_tokens": m.rules.native_text_tokens,
+                         "load_s": None if getattr(m, "load_s", None) is None else round(m.load_s, 3)}
         snap["table"] = self.table.describe_limits()
         snap["fused_step"] = self.fused.describe()
         kernels = getattr(self.runner, "kernels", None)

@@ -44,6 +44,8 @@ def test_every_bucket_compiles_and_matches_the_unpadded_eager_forward(compiled):
     stats = compiled.stats()
     assert stats["kernels"]["tier"] == "compiled" and stats["kernels"]["compile_failed"] == 0
     assert stats["kernels"]["compile_s"] > 0 and {b["kernels"] for b in stats["buckets"]} == {"compiled"}
+    # the replica's start: weights, then every bucket prepared (its compiles among it)
+    assert stats["model"]["load_s"] > 0 and stats["kernels"]["prepare_s"] >= stats["kernels"]["compile_s"]
 
 
 def test_a_generated_image_with_compiled_kernels_is_close_to_the_eager_one(compiled):
