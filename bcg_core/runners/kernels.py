@@ -113,6 +113,31 @@ REPEATED_BLOCKS: dict[str, tuple[str, ...]] = {
 0.42.1): their ``transformer_blocks`` entries."""
 
 
+def _joint_views(kwargs: dict) -> dict:
+    """FLUX.1's single-stream block (``FluxSingleTransformerBlock``): ``hidden_states`` and
+    ``encoder_hidden_states`` as slices of one ``(batch, text + image tokens, dim)`` tensor, text first.
+
+    Each single block returns its output that way (``hidden_states[:, :text_seq_len]``,
+    ``hidden_states[:, text_seq_len:]``, diffusers' ``transformer_flux.py``), so every single block but the first
+    receives such slices, while the first receives the double blocks' two separate tensors. Static-shape compiles
+    guard on strides, so without this the first single block compiles a graph of its own for every bucket shape (a
+    third of FLUX's compiles: "tensor 'hidden_states' stride mismatch at index 0"). One concatenation per forward
+    gives the first block the same layout; values are unchanged (the block concatenates them itself first)."""
+    hidden, text = kwargs.get("hidden_states"), kwargs.get("encoder_hidden_states")
+    if hidden is None or text is None:
+        return kwargs
+    if (hidden._base is not None and hidden._base is text._base and hidden.stride() == text.stride()
+            and hidden.storage_offset() == text.storage_offset() + text.shape[1] * text.stride(1)):
+        return kwargs  # already the slices of one tensor, text first
+    joint = torch.cat([text, hidden], dim=1)
+    return {**kwargs, "encoder_hidden_states": joint[:, :text.shape[1]], "hidden_states": joint[:, text.shape[1]:]}
+
+
+INPUT_LAYOUTS: dict[str, Callable[[dict], dict]] = {"FluxSingleTransformerBlock": _joint_views}
+"""Per repeated-block class, a rewrite of its keyword inputs into the layout it receives from its predecessor, so
+that one compiled graph per bucket shape serves every block of the class (:func:`_joint_views`)."""
+
+
 class CompileFailed(RuntimeError):
     """A bucket's compile (or its first compiled forward) raised, passed ``runner.compile_timeout_s``, or its
     compiled forward failed the check against the eager one; the bucket keeps eager kernels."""
@@ -209,15 +234,17 @@ class CompiledKernels:
         for block in self.blocks:
             eager = block.forward
             compiled = compile_fn(eager, **options)
-            block.forward = self._switch(eager, compiled)
+            block.forward = self._switch(eager, compiled, INPUT_LAYOUTS.get(type(block).__name__))
         self.compile_s = 0.0
         """Seconds spent in forwards that compiled (first forwards of a shape under :meth:`compiling`)."""
 
-    def _switch(self, eager: Callable, compiled: Callable) -> Callable:
+    def _switch(self, eager: Callable, compiled: Callable, layout: Callable | None = None) -> Callable:
         local = self._local
 
         def forward(*args, **kwargs):
-            return (compiled if getattr(local, "on", False) else eager)(*args, **kwargs)
+            if getattr(local, "on", False):
+                return compiled(*args, **(layout(kwargs) if layout else kwargs))
+            return eager(*args, **kwargs)
 
         return forward
 

@@ -44,6 +44,8 @@ def test_every_bucket_compiles_and_matches_the_unpadded_eager_forward(compiled):
     stats = compiled.stats()
     assert stats["kernels"]["tier"] == "compiled" and stats["kernels"]["compile_failed"] == 0
     assert stats["kernels"]["compile_s"] > 0 and {b["kernels"] for b in stats["buckets"]} == {"compiled"}
+    # one graph per block class and bucket shape: FLUX's first single block gets its successors' input layout
+    assert stats["kernels"]["cache_hits"] + stats["kernels"]["cache_misses"] == 2 * len(compiled.table.keys), stats
     # the replica's start: weights, then every bucket prepared (its compiles among it)
     assert stats["model"]["load_s"] > 0 and stats["kernels"]["prepare_s"] >= stats["kernels"]["compile_s"]
 
@@ -286,3 +288,20 @@ def test_kernels_auto_is_eager_on_a_cpu():
     assert kernel_tier(_config(), torch.device("cpu")) is KernelTier.EAGER
     assert kernel_tier(_config(), torch.device("cuda")) is KernelTier.COMPILED
     assert kernel_tier(_config(kernels="eager"), torch.device("cuda")) is KernelTier.EAGER
+
+
+def test_the_first_flux_single_block_gets_the_layout_its_successors_get():
+    """Single blocks pass their output on as two slices of one tensor; the first one gets the double blocks' two
+    tensors. ``_joint_views`` hands it the same slices (values unchanged), and leaves slices as they are."""
+    from bcg_core.runners.kernels import INPUT_LAYOUTS
+
+    joint_views = INPUT_LAYOUTS["FluxSingleTransformerBlock"]
+    text, image = torch.randn(2, 3, 4), torch.randn(2, 5, 4)
+    out = joint_views({"hidden_states": image, "encoder_hidden_states": text, "temb": None})
+    assert torch.equal(out["hidden_states"], image) and torch.equal(out["encoder_hidden_states"], text)
+    assert out["hidden_states"].stride() == out["encoder_hidden_states"].stride() == (32, 4, 1)
+    assert out["temb"] is None
+    again = joint_views(out)  # what every later single block receives: passed through, no copy
+    assert again is out
+    swapped = joint_views({"hidden_states": out["encoder_hidden_states"], "encoder_hidden_states": out["hidden_states"]})
+    assert torch.equal(swapped["hidden_states"], text)  # not text-first slices: put in that layout
