@@ -228,8 +228,9 @@ def run_warm(config: ServeConfig, console=None) -> dict:
     console = console or Console()
     tier = kernel_tier(config, resolve_device(config.model.device))
     if tier.value == "eager":
-        raise ValueError(f"runner.kernels is {config.runner.kernels!r}, eager kernels on this device: nothing to "
-                         f"compile; set runner.kernels to 'compiled' (or 'fp8' on a GPU) to warm its cache")
+        where = "" if config.runner.kernels == "eager" else ", which means eager kernels on this device"
+        raise ValueError(f"runner.kernels is {config.runner.kernels!r}{where}: nothing to compile; pass "
+                         f"--kernels compiled (or fp8 on a GPU), or set runner.kernels, to warm its cache")
     t0 = time.perf_counter()
     pipe = _pipeline(config)
     stats = pipe.stats()

@@ -33,7 +33,8 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from bcg_core.runners.attention import BACKENDS, AttentionChoice, ChoiceStore, choose, compiling_under, record_sdpa_calls
+from bcg_core.runners.attention import (
+    BACKENDS, AttentionChoice, ChoiceStore, choose, compiling_under, record_sdpa_calls, time_backend)
 
 __all__ = ["FP8_MIN_CAPABILITY", "FP8_RTOL", "REPEATED_BLOCKS", "CompileFailed", "CompileTimeout", "CompiledKernels",
            "KernelTier", "check_fp8", "fp8_layers", "quantize_fp8", "repeated_blocks", "use_cache_dir"]
@@ -267,11 +268,23 @@ class CompiledKernels:
         """The SDPA backend of bucket ``key``'s compiled forward: kept from an earlier call for ``key``; else with
         ``attention="auto"`` the SDPA calls of ``forward()`` (the bucket's eager forward) are recorded and the
         backend is read from the choice store beside the compile cache or measured
-        (:func:`~bcg_core.runners.attention.choose`); else the configured one."""
+        (:func:`~bcg_core.runners.attention.choose`); else the configured one, if it can run the recorded calls on
+        ``device`` (one timed call each), or else PyTorch's default, with ``source`` saying so."""
         if key in self.choices:
             return self.choices[key]
-        if self.attention != "auto":
-            choice = AttentionChoice(self.attention, source="configured")
+        if self.attention == "default":
+            choice = AttentionChoice("default", source="configured")
+        elif self.attention != "auto":
+            with self.active(False):
+                calls = record_sdpa_calls(forward)
+            ms = time_backend(calls, self.attention, torch.device(device), iters=1, warmup=0) if calls.counts else 0.0
+            if ms is None:
+                log.warning("runner.attention %r cannot run bucket %s's attention on %s: PyTorch's default runs it",
+                            self.attention, key, device)
+                choice = AttentionChoice("default", {self.attention: None},
+                                         source=f"configured {self.attention} cannot run here")
+            else:
+                choice = AttentionChoice(self.attention, source="configured")
         else:
             if self._store is None:
                 from torch._inductor.runtime.cache_dir_utils import cache_dir

@@ -81,12 +81,14 @@ def test_kernels_traced_for_one_backend_are_never_loaded_for_another(tmp_path, m
     torch._dynamo.reset()
 
 
-def test_a_configured_backend_is_used_as_it_is_and_an_unknown_one_is_refused():
-    layer = torch.nn.Linear(4, 4)
-    kernels = CompiledKernels(layer, compile_fn=lambda fn, **options: fn, attention="math")
-
-    def never():
-        raise AssertionError("a configured backend is not measured")
-    assert kernels.attention_for("b1", never, CPU) == AttentionChoice("math", source="configured")
+def test_a_configured_backend_is_used_where_it_runs_and_an_unknown_one_is_refused():
+    forward, _ = _attention_forward()
+    kernels = CompiledKernels(torch.nn.Linear(4, 4), compile_fn=lambda fn, **options: fn, attention="math")
+    assert kernels.attention_for("b1", forward, CPU) == AttentionChoice("math", source="configured")
+    # cuDNN has no CPU kernel: the bucket says PyTorch's default runs it, never that cuDNN does
+    cudnn = CompiledKernels(torch.nn.Linear(4, 4), compile_fn=lambda fn, **options: fn, attention="cudnn")
+    choice = cudnn.attention_for("b1", forward, CPU)
+    assert (choice.backend, choice.times_ms, choice.source) == ("default", {"cudnn": None},
+                                                                "configured cudnn cannot run here")
     with pytest.raises(ValueError, match="runner.attention 'fa9'.*cudnn, flash, efficient, math"):
         CompiledKernels(torch.nn.Linear(4, 4), compile_fn=lambda fn, **options: fn, attention="fa9")
