@@ -305,3 +305,25 @@ def test_the_first_flux_single_block_gets_the_layout_its_successors_get():
     assert again is out
     swapped = joint_views({"hidden_states": out["encoder_hidden_states"], "encoder_hidden_states": out["hidden_states"]})
     assert torch.equal(swapped["hidden_states"], text)  # not text-first slices: put in that layout
+
+
+def test_bcg_warm_compiles_the_table_into_the_cache_dir_and_refuses_an_eager_config(tmp_path, monkeypatch, capsys):
+    """``bcg warm``: on an eager config (``auto`` on a CPU) it compiles nothing and names the flag (exit 2); with
+    ``--kernels compiled`` it prepares every bucket into ``--cache-dir``, prints what each got, exits 0."""
+    import yaml
+
+    from deployments.cli import main
+
+    cache = tmp_path / "cache"
+    for var in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):  # bcg warm sets them; restored after the test
+        monkeypatch.setenv(var, str(tmp_path / "before"))
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump({"buckets": {"batch_sizes": [1], "resolutions": ["256x256"],
+                                                  "text_lengths": [256]}}))
+    assert main(["warm", "--config", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert "runner.kernels is 'auto', which means eager kernels on this device" in err and "--kernels compiled" in err
+    assert main(["warm", "--config", str(config), "--kernels", "compiled", "--cache-dir", str(cache)]) == 0
+    out = capsys.readouterr().out
+    assert "b1_i256_t256" in out and "compiled" in out and "0 buckets on eager kernels" in out, out
+    assert (cache / "bcg-attention.json").exists() and any(p.is_file() for p in cache.rglob("*") if "triton" not in p.parts)
