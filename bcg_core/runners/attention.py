@@ -303,10 +303,22 @@ class ChoiceStore:
                 os.replace(tmp, self.path)
 
 
-def choose(calls: RecordedCalls, device: torch.device, configured: str, store: ChoiceStore) -> AttentionChoice:
-    """The backend of one bucket under ``runner.attention: configured``: a fixed name (or ``default``) as it is;
-    ``auto``: the stored choice for these calls if there is one, else :func:`choose_backend`, then stored."""
+def choose(calls: RecordedCalls, device: torch.device, configured: str, store: ChoiceStore | None) -> AttentionChoice:
+    """The backend of one bucket under ``runner.attention: configured``.
+
+    - ``default``: PyTorch's own priority.
+    - A backend name: that backend if it can run ``calls`` on ``device`` (one timed call each), else PyTorch's
+      default, with ``source`` ``"configured <name> cannot run here"`` (logged).
+    - ``auto``: the choice ``store`` keeps for these calls if there is one, else :func:`choose_backend`, then kept.
+    """
+    if configured == "default":
+        return AttentionChoice("default", source="configured")
     if configured != "auto":
+        ms = time_backend(calls, configured, torch.device(device), iters=1, warmup=0) if calls.counts else 0.0
+        if ms is None:
+            log.warning("runner.attention %r cannot run these attention calls on %s: PyTorch's default runs them",
+                        configured, device)
+            return AttentionChoice("default", {configured: None}, source=f"configured {configured} cannot run here")
         return AttentionChoice(configured, source="configured")
     stored = store.get(calls)
     if stored is not None:

@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from bcg_core.runners.attention import (
-    BACKENDS, AttentionChoice, ChoiceStore, choose, compiling_under, record_sdpa_calls, time_backend)
+    BACKENDS, AttentionChoice, ChoiceStore, RecordedCalls, choose, compiling_under, record_sdpa_calls)
 
 __all__ = ["FP8_MIN_CAPABILITY", "FP8_RTOL", "REPEATED_BLOCKS", "CompileFailed", "CompileTimeout", "CompiledKernels",
            "KernelTier", "check_fp8", "fp8_layers", "quantize_fp8", "repeated_blocks", "use_cache_dir"]
@@ -273,26 +273,15 @@ class CompiledKernels:
         if key in self.choices:
             return self.choices[key]
         if self.attention == "default":
-            choice = AttentionChoice("default", source="configured")
-        elif self.attention != "auto":
-            with self.active(False):
-                calls = record_sdpa_calls(forward)
-            ms = time_backend(calls, self.attention, torch.device(device), iters=1, warmup=0) if calls.counts else 0.0
-            if ms is None:
-                log.warning("runner.attention %r cannot run bucket %s's attention on %s: PyTorch's default runs it",
-                            self.attention, key, device)
-                choice = AttentionChoice("default", {self.attention: None},
-                                         source=f"configured {self.attention} cannot run here")
-            else:
-                choice = AttentionChoice(self.attention, source="configured")
+            choice = choose(RecordedCalls(), device, "default", None)
         else:
-            if self._store is None:
+            if self._store is None and self.attention == "auto":
                 from torch._inductor.runtime.cache_dir_utils import cache_dir
 
                 self._store = ChoiceStore(self.cache_dir or cache_dir())
             with self.active(False):
                 calls = record_sdpa_calls(forward)
-            choice = choose(calls, device, "auto", self._store)
+            choice = choose(calls, device, self.attention, self._store)
         self.choices[key] = choice
         return choice
 
