@@ -11,6 +11,11 @@ survives), one after another:
 1. ``cold``: the cache folder is empty; every bucket compiles (what ``bcg warm`` does ahead of a deploy);
 2. ``warm`` (every later start): the cache holds what the first start wrote.
 
+``--cold-by bcg-warm`` fills the cache with ``bcg warm --config`` instead of a first start (what an operator runs
+ahead of a deploy), so every start measured is warm. ``--without-accelerate`` adds one more warm start in which
+diffusers does not use ``accelerate`` (weights built on the host, then moved), to show what reading them straight
+onto the GPU saves.
+
 A start is what a replica does before it reports ready (``deployments/dit.py``): import, load the weights
 (``bcg_core.models.load_model``) and prepare every bucket (``DiTPipeline``: compile, check against eager kernels,
 capture). Ray Serve's own start of the replica's process is not in it. Reported per start: ``ready_s`` (the
@@ -24,7 +29,8 @@ PYTHONPATH=$HOME/site:$PWD``::
 
     python benchmarks/bench_warm_start.py --model flux-dev --scratch /dev/shm --commit <sha> --out warm.json
 
-CPU smoke: ``--device cpu --tiny --max-graphs 2 --steps 2`` (tiny config, fp32, inductor's C++ backend).
+CPU smoke: ``--device cpu --tiny --max-graphs 2`` (tiny config, fp32, inductor's C++ backend, a fixed table of
+batches 1 and 2 at 256x256 instead of the planner's).
 """
 
 from __future__ import annotations
@@ -45,9 +51,16 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks"), str(ROOT / "tests")]
 
 
-def child(config_path: str) -> dict:
-    """One start in this process: load the config, the weights, prepare every bucket; what it took."""
+def child(config_path: str, accelerate: bool = True) -> dict:
+    """One start in this process: load the config, the weights, prepare every bucket; what it took. With
+    ``accelerate=False`` diffusers is told that ``accelerate`` is absent (the weights load onto the host first, then
+    move to the GPU: ``bcg_core.families.base.load_pipeline``)."""
     import torch
+
+    if not accelerate:
+        import diffusers.utils.import_utils
+
+        diffusers.utils.import_utils._accelerate_available = False
 
     from bcg_core import DiTPipeline, load_model
     from deployments.settings import load_config
@@ -80,7 +93,10 @@ def write_config(folder: Path, scratch: Path, args) -> Path:
 
     dtype = "float32" if args.tiny else "bfloat16"
     base = {"model": {"path": str(folder), "device": args.device, "dtype": dtype}}
-    buckets = planned_buckets(base, args.steps, args.max_graphs)
+    # the CPU smoke checks the mechanics on a small table: the planner's krea sizes are 512² and up, which the tiny
+    # model's VAE (4x) turns into 16k-token attention, tens of GB on a CPU
+    buckets = ({"batch_sizes": [1, 2][:args.max_graphs], "resolutions": ["256x256"], "text_lengths": [512]}
+               if args.tiny else planned_buckets(base, args.steps, args.max_graphs))
     cache = scratch / "compile-cache"
     shutil.rmtree(cache, ignore_errors=True)
     config = {**base, "buckets": buckets,
@@ -103,10 +119,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout-s", type=float, default=900.0, help="bound on one start")
     ap.add_argument("--out", help="write the JSON result here")
     ap.add_argument("--commit", help="git commit to record")
+    ap.add_argument("--cold-by", choices=("start", "bcg-warm"), default="start",
+                    help="fill the cache by a first start, or by `bcg warm` ahead (every start then warm)")
+    ap.add_argument("--without-accelerate", action="store_true",
+                    help="one more warm start with diffusers not using accelerate")
     ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--child-no-accelerate", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
-        print("RESULT " + json.dumps(child(args.child)), flush=True)
+        print("RESULT " + json.dumps(child(args.child, not args.child_no_accelerate)), flush=True)
         return 0
 
     import torch
@@ -128,9 +149,18 @@ def main(argv: list[str] | None = None) -> int:
         config = write_config(folder, scratch, args)
         result["buckets"] = __import__("yaml").safe_load(config.read_text())["buckets"]
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-        for i in range(args.starts):
+        if args.cold_by == "bcg-warm":
             t0 = time.perf_counter()
-            proc = subprocess.run([sys.executable, __file__, "--child", str(config)], capture_output=True, text=True,
+            proc = subprocess.run([sys.executable, "-m", "deployments.cli", "warm", "--config", str(config)],
+                                  capture_output=True, text=True, timeout=args.timeout_s, env=env)
+            result["bcg_warm"] = dict(wall_s=round(time.perf_counter() - t0, 2), rc=proc.returncode,
+                                      output=proc.stdout[-4000:], error=proc.stderr[-2000:] if proc.returncode else "")
+            print(f"bcg warm: exit {proc.returncode} in {result['bcg_warm']['wall_s']} s", flush=True)
+        runs = [(i, True) for i in range(args.starts)] + ([(args.starts, False)] if args.without_accelerate else [])
+        for i, accelerate in runs:
+            t0 = time.perf_counter()
+            proc = subprocess.run([sys.executable, __file__, "--child", str(config),
+                                   *([] if accelerate else ["--child-no-accelerate"])], capture_output=True, text=True,
                                   timeout=args.timeout_s, env=env)
             wall = round(time.perf_counter() - t0, 2)
             lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
@@ -138,10 +168,12 @@ def main(argv: list[str] | None = None) -> int:
                 result["starts"].append(dict(start=i, wall_s=wall, error=proc.stderr[-3000:]))
                 print(proc.stderr[-3000:], file=sys.stderr)
                 break
-            row = dict(start=i, phase="cold" if i == 0 else "warm", wall_s=wall, **json.loads(lines[-1][7:]))
+            cold = i == 0 and args.cold_by == "start"
+            row = dict(start=i, phase="cold" if cold else "warm", accelerate=accelerate, wall_s=wall,
+                       **json.loads(lines[-1][7:]))
             result["starts"].append(row)
             k = row["kernels"]
-            print(f"start {i} ({row['phase']}): ready in {row['ready_s']} s (process wall {wall} s; import "
+            print(f"start {i} ({row['phase']}{'' if accelerate else ', without accelerate'}): ready in {row['ready_s']} s (process wall {wall} s; import "
                   f"{row['import_s']} s, weights {row['load_s']} s, {row['graphs']} graphs prepared in "
                   f"{row['prepare_s']} s), cache {k['start']}: {k['cache_hits']} hits, {k['cache_misses']} misses, "
                   f"{len(row['on_eager'])} buckets on eager kernels", flush=True)

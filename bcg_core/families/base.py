@@ -395,7 +395,15 @@ def load_pipeline(pipeline_cls, path: Path, device: torch.device, dtype: torch.d
     components get ``torch_dtype``; a transformer left in another dtype is cast alone, so no component's own
     fp32 modules are touched. The progress bar is off (a replica logs no per-step bars). ``components`` are passed
     to ``from_pretrained`` (e.g. ``text_encoder_3=None`` for an SD3 checkpoint saved without T5).
+
+    On CUDA with ``accelerate`` installed, the weights are read straight onto the GPU (``device_map="cuda"``:
+    no host copy of the model is built first); the tensors are the same as after a load on the CPU and ``to``.
+    ``benchmarks/bench_warm_start.py --without-accelerate`` measures what it saves at a start.
     """
+    from diffusers.utils import is_accelerate_available
+
+    if device.type == "cuda" and device.index in (None, torch.cuda.current_device()) and is_accelerate_available():
+        components = {"device_map": "cuda", **components}
     pipe = pipeline_cls.from_pretrained(str(path), torch_dtype=dtype, local_files_only=True, **components)
     if pipe.transformer.dtype != dtype:
         pipe.transformer.to(dtype=dtype)
