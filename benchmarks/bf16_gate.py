@@ -10,7 +10,7 @@ relative error of the final latents.
 
 Usage::
 
-    PYTHONPATH=$PWD python benchmarks/bf16_gate.py [--device cpu|cuda] [--kernels eager|compiled]
+    PYTHONPATH=$PWD python benchmarks/bf16_gate.py [--device cpu|cuda] [--kernels eager|compiled|fp8]
         [--families flux sd3 ...] [--steps 4] [--out results.json]
 
 Exits 1 when the gate fails for any family.
@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run the gate for each family; print the table (and violations); write JSON with ``--out``."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    ap.add_argument("--kernels", default="eager", choices=["eager", "compiled"])
+    ap.add_argument("--kernels", default="eager", choices=["eager", "compiled", "fp8"])
     ap.add_argument("--families", nargs="+", default=list(FAMILIES), choices=list(FAMILIES))
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--out", type=Path, default=None, help="write the results (and the environment) as JSON here")

@@ -48,7 +48,7 @@ from bcg_core import GenerationRequest
 from reference_gate import bcg_pipeline, bcg_run, bcg_run_joined, pixels
 
 __all__ = ["BOUNDS", "CASES", "Deviation", "FAMILIES", "FamilyCase", "MARGIN", "allowance", "bcg_image", "case_requests",
-           "check", "compare", "diffusers_images", "load_diffusers", "longest_prompt", "measure_family",
+           "FP8_SCALE", "check", "compare", "diffusers_images", "load_diffusers", "longest_prompt", "measure_family",
            "prompt_with_tokens"]
 
 CASES = ("exact", "image_padded", "text_padded", "batched")
@@ -131,11 +131,14 @@ class Deviation:
         max_levels: largest absolute difference of one pixel value, in levels of 0-255.
         share: fraction of pixel values (height x width x 3) that differ at all.
         latent_rel: ``max|a - b| / max|b|`` of the final latents (0.0: bit-identical), None where not compared.
+        psnr_db: peak signal-to-noise ratio of the image against the reference, ``10 log10(255² / MSE)`` in dB over
+            every pixel value (None: identical images, an infinite ratio); reported, not gated.
     """
 
     max_levels: int
     share: float
     latent_rel: float | None = None
+    psnr_db: float | None = None
 
     @property
     def exact(self) -> bool:
@@ -145,11 +148,12 @@ class Deviation:
     def worst(self, other: "Deviation") -> "Deviation":
         """The larger of each field of ``self`` and ``other``."""
         rel = [r for r in (self.latent_rel, other.latent_rel) if r is not None]
+        psnr = [p for p in (self.psnr_db, other.psnr_db) if p is not None]
         return Deviation(max(self.max_levels, other.max_levels), max(self.share, other.share),
-                         max(rel) if rel else None)
+                         max(rel) if rel else None, min(psnr) if psnr else None)
 
     def to_json(self) -> dict:
-        """JSON fields: ``max_levels``, ``share``, ``latent_rel``."""
+        """JSON fields: ``max_levels``, ``share``, ``latent_rel``, ``psnr_db``."""
         return dataclasses.asdict(self)
 
 
@@ -160,12 +164,14 @@ def compare(image: np.ndarray, ref: np.ndarray, latents: torch.Tensor | None = N
     a, b = np.asarray(image).astype(np.int16), np.asarray(ref).astype(np.int16)
     assert a.shape == b.shape, (a.shape, b.shape)
     diff = np.abs(a - b)
+    mse = float((diff.astype(np.float64) ** 2).mean())
+    psnr = round(10 * np.log10(255.0 ** 2 / mse), 2) if mse else None
     rel = None
     if latents is not None and ref_latents is not None:
         assert latents.shape == ref_latents.shape, (latents.shape, ref_latents.shape)
         x, y = latents.float().cpu(), ref_latents.float().cpu()
         rel = ((x - y).abs().max() / y.abs().max()).item()
-    return Deviation(int(diff.max()), float((diff > 0).mean()), rel)
+    return Deviation(int(diff.max()), float((diff > 0).mean()), rel, psnr)
 
 
 def prompt_with_tokens(count, wanted) -> str:
@@ -304,7 +310,7 @@ def measure_family(name: str, device: str = "cpu", kernels: str = "eager", steps
     Args:
         name: a key of :data:`FAMILIES`.
         device: ``"cpu"`` or ``"cuda"`` (there the runner captures CUDA graphs).
-        kernels: ``runner.kernels`` of bcg-serve (``"eager"``, ``"compiled"``).
+        kernels: ``runner.kernels`` of bcg-serve (``"eager"``, ``"compiled"``, ``"fp8"``).
         steps: denoising steps of every request.
         cases: which of :data:`CASES` to run (those the family has requests for).
         per_case: at most this many requests per case (None: all of :func:`case_requests`).
@@ -353,6 +359,11 @@ def measure_family(name: str, device: str = "cpu", kernels: str = "eager", steps
                 "cases": {c: d.to_json() for c, d in worst.items()}, "requests": rows}
 
 
+FP8_SCALE = 16.0
+"""Factor of the ``fp8`` tier's latent bound on diffusers' bf16-against-fp32 deviation: float8 e4m3 keeps 3
+mantissa bits and bf16 7, so one float8 rounding is 2**4 = 16 times one bf16 rounding (unit roundoff 2**-4 against
+2**-8); the fp8 tier rounds its linear layers' inputs and weights so, and the rest as bf16."""
+
 MARGIN = 2.0
 """Factor on diffusers' own deviations that :func:`check` allows where it demands no bit-exactness. In bf16 these
 deviations are one rounding flip carried through the steps: the latents' ``max|a - b| / max|b|`` is about one bf16
@@ -372,13 +383,19 @@ def allowance(result: dict, case: str) -> tuple[Deviation, bool]:
     - ``kernels: eager``, ``image_padded``: a masked tier runs an attention that no diffusers call runs (a key mask
       over the tier's longer key sequence), so diffusers' batch bound does not cover it; its bound is ``batch`` and
       ``kernel`` together (what diffusers' own image moves by when its attention runs another SDPA backend).
-    - ``kernels: compiled`` (or any other tier): ``batch``, ``kernel`` and ``fp32`` together, never bit-exactness
-      (compiled kernels change rounding; the bound is the scale of bf16 itself against fp32).
+    - ``kernels: compiled``: ``batch``, ``kernel`` and ``fp32`` together, never bit-exactness (compiled kernels
+      change rounding; the bound is the scale of bf16 itself against fp32).
+    - ``kernels: fp8``: the final latents within :data:`FP8_SCALE` times the ``fp32`` bound (bf16 against fp32)
+      and the ``batch`` and ``kernel`` bounds; pixels are not bounded (any level, any share), since a float8
+      image is another image at the pixel scale; their largest level difference and PSNR are reported.
 
     Returns:
         ``(allowed deviation, latents must be bit-identical)``.
     """
     b = {k: Deviation(**v) for k, v in result["bounds"].items()}
+    if result["kernels"] == "fp8":
+        scaled = Deviation(255, 1.0, FP8_SCALE * (b["fp32"].latent_rel or 0))
+        return scaled.worst(b["batch"]).worst(b["kernel"]), False
     if result["kernels"] != "eager":
         return b["batch"].worst(b["kernel"]).worst(b["fp32"]), False
     if case == "image_padded":

@@ -18,7 +18,7 @@ And the gate's rules themselves (:func:`reference_gate_bf16.check`) on made-up r
 
 import pytest
 
-from reference_gate_bf16 import check, measure_family
+from reference_gate_bf16 import FP8_SCALE, check, compare, measure_family
 
 
 def _dev(levels, share, rel):
@@ -52,6 +52,20 @@ def test_the_gate_bounds_by_diffusers_own_deviations_where_it_is_not_batch_exact
     assert check(_result(kernels="compiled", exact=_dev(14, 0.6, 4e-2))) == []
     assert len(check(_result(kernels="compiled", exact=_dev(15, 0.6, 4e-2)))) == 1
     assert check(_result(kernels="compiled", exact=_dev(3, 0.1, 1e-2)), margin=1.0) == []
+
+
+def test_fp8_is_bounded_on_latents_by_16_bf16_roundings_and_reports_psnr():
+    import numpy as np
+
+    fp32 = _dev(7, 0.6, 2e-3)  # x 16 x margin 2: 6.4e-2
+    assert FP8_SCALE == 16.0
+    assert check(_result(kernels="fp8", fp32=fp32, exact=_dev(120, 0.99, 6e-2))) == []  # pixels are not bounded
+    bad = check(_result(kernels="fp8", fp32=fp32, exact=_dev(3, 0.1, 7e-2)))
+    assert len(bad) == 1 and "fp8" in bad[0]
+    a = np.zeros((2, 2, 3), np.uint8)
+    b = a.copy()
+    b[0, 0, 0] = 255  # one of 12 values off by 255: MSE 255² / 12, PSNR 10 log10(12)
+    assert compare(b, a).psnr_db == round(10 * np.log10(12), 2) and compare(a, a).psnr_db is None
 
 
 @pytest.mark.parametrize("family,cases,per_case", [

@@ -13,6 +13,8 @@ masked-text families) and a request sharing its forwards with another. :func:`re
   image tier (an attention no diffusers call runs) is bounded by ``batch`` and ``kernel``.
 - ``runner.kernels: compiled``: compiled kernels change rounding, so the stated, looser bound is ``batch``,
   ``kernel`` and ``fp32`` together (the scale of bf16 itself against fp32), never bit-exactness.
+- ``runner.kernels: fp8``: the final latents within ``FP8_SCALE`` (16, float8 e4m3's rounding against bf16's)
+  times the ``fp32`` bound; pixels are reported (levels, PSNR), not bounded.
 
 The bounds are measured, not written down: they are whatever diffusers does on the GPU the test runs on. TF32 is off
 in this module so that the fp32 reference is fp32.
@@ -34,9 +36,21 @@ def _no_tf32():
     torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
 
 
-@pytest.mark.parametrize("kernels", ["eager", "compiled"])
+def _fp8_runs() -> bool:
+    from bcg_core.runners.kernels import check_fp8
+
+    try:
+        check_fp8(torch.device("cuda"))
+    except ValueError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("kernels", ["eager", "compiled", "fp8"])
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_bf16_images_are_within_diffusers_own_deviations_on_cuda(family, kernels, tmp_path):
+    if kernels == "fp8" and not _fp8_runs():
+        pytest.skip("fp8 needs float8 matmuls (compute capability 8.9+) and torchao")
     result = measure_family(family, device="cuda", kernels=kernels, folder=tmp_path)
     assert set(result["cases"]) >= {"exact", "batched"}, result["cases"]
     if FAMILIES[family].masked_text:
