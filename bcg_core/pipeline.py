@@ -456,8 +456,10 @@ class DiTPipeline:
         """``/v1/buckets``' ``kernels``: the tier, the check's tolerance, compile time, failures and the cache.
 
         ``start`` says how the buckets were prepared: ``cold`` (every compile missed inductor's FX graph cache),
-        ``warm`` (every one hit it), ``partial``, or ``eager`` (nothing compiled); ``prepare_s`` is the seconds
-        from the first bucket's preparation to the last one's (compiles, checks and captures)."""
+        ``warm`` (every one hit it or loaded a precompiled block), ``partial``, or ``eager`` (nothing compiled);
+        ``prepare_s`` is the seconds from the first bucket's preparation to the last one's (compiles, checks and
+        captures). ``precompiled``: the ahead-of-time compiled blocks loaded, saved, rebuilt (a file that did not
+        load) and unsaved in this process (:mod:`bcg_core.runners.precompiled`; None where off)."""
         hits, misses = (kernels.cache_hits, kernels.cache_misses) if kernels else (0, 0)
         start = "eager" if kernels is None else "warm" if hits and not misses else "partial" if hits else "cold"
         return {
@@ -472,4 +474,6 @@ class DiTPipeline:
             "fp8_layers": getattr(self.model, "fp8_layers", 0),
             "cache_dir": None if kernels is None else kernels.cache_dir,
             "cache_hits": hits, "cache_misses": misses, "start": start, "prepare_s": round(self.prepare_s, 3),
-            "attention": None if kernels is None else kernels.attention}
+            "attention": None if kernels is None else kernels.attention,
+            "precompiled": None if kernels is None or kernels.precompiled is None else {
+                k: getattr(kernels.precompiled, k) for k in ("loads", "saves", "rebuilt", "unsaved")}}

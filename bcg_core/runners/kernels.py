@@ -27,12 +27,14 @@ import contextlib
 import ctypes
 import enum
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
 
 import torch
 
+from bcg_core.runners.precompiled import PrecompiledBlocks, available
 from bcg_core.runners.attention import (
     BACKENDS, AttentionChoice, ChoiceStore, RecordedCalls, choose, compiling_under, record_sdpa_calls)
 
@@ -188,6 +190,10 @@ class CompiledKernels:
             (:func:`~bcg_core.verify.compile_entry`), None for no check.
         attention: ``runner.attention``: ``"auto"`` (each bucket's SDPA backend measured,
             :mod:`bcg_core.runners.attention`), ``"default"`` (PyTorch's priority) or a backend name.
+        precompile: compile each block ahead of time and keep it in the cache folder
+            (:mod:`bcg_core.runners.precompiled`: a warm start loads it without tracing), where this torch has the
+            API and ``compile_fn`` is ``torch.compile``; a block whose ahead-of-time compile raises is compiled the
+            plain way.
 
     Raises:
         ValueError: a mode that would capture inductor's own CUDA graphs.
@@ -195,7 +201,7 @@ class CompiledKernels:
 
     def __init__(self, transformer: torch.nn.Module, compile_fn: Callable = torch.compile, mode: str = "default",
                  max_shapes: int = 256, cache_dir: str | None = None, timeout_s: float | None = None,
-                 rtol: float | None = None, attention: str = "auto"):
+                 rtol: float | None = None, attention: str = "auto", precompile: bool = True):
         if "cudagraphs" not in mode and mode != "default":
             raise ValueError(f"inductor mode {mode!r} captures CUDA graphs of its own; bcg-serve owns the graphs: "
                              f"use 'default' or 'max-autotune-no-cudagraphs'")
@@ -209,7 +215,8 @@ class CompiledKernels:
         self.rtol_note = ""
         """Where :attr:`rtol` comes from, in words (``/v1/buckets``)."""
         self.cache_hits = self.cache_misses = 0
-        """Inductor FX graph cache hits and misses of the compiles run under :meth:`compiling`."""
+        """Cache hits and misses of the compiles run under :meth:`compiling`: inductor's FX graph cache's, and the
+        precompiled blocks loaded from disk (hits) or compiled (misses)."""
         self.timeouts = 0
         """Compiles stopped at :attr:`timeout_s`."""
         if attention not in ("auto", "default", *BACKENDS):
@@ -232,20 +239,46 @@ class CompiledKernels:
             if hasattr(cfg, name):
                 setattr(cfg, name, max(getattr(cfg, name), max_shapes * (len(self.blocks) if "accumulated" in name
                                                                           else 1)))
+        self.precompiled = None
+        """The ahead-of-time compiled blocks (:class:`~bcg_core.runners.precompiled.PrecompiledBlocks`), or None
+        where they are off or unavailable (every compile is then traced by dynamo)."""
+        if precompile and available(compile_fn):
+            from torch._inductor.runtime.cache_dir_utils import cache_dir as inductor_cache_dir
+
+            device = next(transformer.parameters()).device
+            self.precompiled = PrecompiledBlocks(os.path.join(self.cache_dir or inductor_cache_dir(),
+                                                              "bcg-precompiled"), options, device)
         for block in self.blocks:
             eager = block.forward
             compiled = compile_fn(eager, **options)
-            block.forward = self._switch(eager, compiled, INPUT_LAYOUTS.get(type(block).__name__))
+            block.forward = self._switch(eager, compiled, INPUT_LAYOUTS.get(type(block).__name__), block)
         self.compile_s = 0.0
         """Seconds spent in forwards that compiled (first forwards of a shape under :meth:`compiling`)."""
 
-    def _switch(self, eager: Callable, compiled: Callable, layout: Callable | None = None) -> Callable:
+    def _switch(self, eager: Callable, compiled: Callable, layout: Callable | None = None,
+                block: torch.nn.Module | None = None) -> Callable:
         local = self._local
+        traced: set[str] = set()  # block structures whose ahead-of-time compile raised: traced by dynamo instead
 
         def forward(*args, **kwargs):
-            if getattr(local, "on", False):
-                return compiled(*args, **(layout(kwargs) if layout else kwargs))
-            return eager(*args, **kwargs)
+            if not getattr(local, "on", False):
+                return eager(*args, **kwargs)
+            kwargs = layout(kwargs) if layout else kwargs
+            pre = self.precompiled
+            if pre is not None and type(block).__qualname__ not in traced:
+                try:
+                    fn = pre.function(block, args, kwargs, getattr(local, "attention", None))
+                except (CompileTimeout, torch.OutOfMemoryError):
+                    raise
+                except Exception as e:  # noqa: BLE001 - e.g. a tensor subclass it cannot serialize
+                    traced.add(type(block).__qualname__)
+                    log.debug("ahead-of-time compile failure", exc_info=True)
+                    log.warning("ahead-of-time compile of %s raised (%s: %s); compiling it the plain way",
+                                type(block).__qualname__, type(e).__name__,
+                                str(e).splitlines()[0][:200] if str(e) else "")
+                else:
+                    return fn(block, *args, **kwargs)
+            return compiled(*args, **kwargs)
 
         return forward
 
@@ -304,6 +337,8 @@ class CompiledKernels:
         """
         t0 = time.perf_counter()
         hits, misses = _fx_cache_counts()
+        before = self._precompiled_counts()
+        self._local.attention = attention
         try:
             with self.active(), compiling_under(attention), _deadline(self.timeout_s):
                 yield
@@ -319,10 +354,18 @@ class CompiledKernels:
             first = str(e).strip().splitlines()[0] if str(e).strip() else ""
             raise CompileFailed(f"compile_failed: {type(e).__name__}: {first}"[:300]) from e
         finally:
+            self._local.attention = None
             self.compile_s += time.perf_counter() - t0
             now_hits, now_misses = _fx_cache_counts()
-            self.cache_hits += now_hits - hits
-            self.cache_misses += now_misses - misses
+            loads, compiles = (a - b for a, b in zip(self._precompiled_counts(), before))
+            self.cache_hits += now_hits - hits + loads
+            self.cache_misses += now_misses - misses + compiles
+
+    def _precompiled_counts(self) -> tuple[int, int]:
+        """``(loads, compiles)`` of :attr:`precompiled` so far: artifacts read from disk, and ones compiled (an
+        ahead-of-time compile bypasses inductor's FX graph cache, so it is counted here, not there)."""
+        p = self.precompiled
+        return (p.loads, p.saves + p.unsaved) if p is not None else (0, 0)
 
 
 @contextlib.contextmanager

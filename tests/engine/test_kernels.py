@@ -16,6 +16,7 @@ from bcg_core import BucketConfig, EngineConfig, GenerationRequest
 from bcg_core.config import RunnerConfig
 from bcg_core.pipeline import DiTPipeline
 from bcg_core.runners.kernels import FP8_RTOL, CompiledKernels, KernelTier, repeated_blocks
+from bcg_core.runners.precompiled import available as precompiled_available
 from bcg_core.verify import RTOL, boundary_cases, verify_runner
 
 TABLE = BucketConfig(batch_sizes=[1, 2], resolutions=["256x256"], text_lengths=[256])
@@ -136,9 +137,10 @@ print(json.dumps({**stats["kernels"], "passed": verdict.passed, "attention": [b[
 
 
 def test_a_restart_reads_its_compiled_kernels_back_from_the_cache_dir(tmp_path):
-    """``runner.compile_cache_dir``: the first start (a process of its own) compiles, missing inductor's FX graph
-    cache and writing it there; a second start with the same model and table reads every kernel back: hits, no
-    misses, and its buckets still pass. A third start over a corrupted cache compiles again and passes."""
+    """``runner.compile_cache_dir``: the first start (a process of its own) compiles, missing the caches and
+    writing them there (inductor's and the precompiled blocks of :mod:`bcg_core.runners.precompiled`); a second
+    start with the same model and table reads every block back without tracing it: hits, no misses, and its buckets
+    still pass. A third start over a corrupted cache compiles again and passes."""
     import json
     import os
     import subprocess
@@ -163,6 +165,10 @@ def test_a_restart_reads_its_compiled_kernels_back_from_the_cache_dir(tmp_path):
     assert [a["source"] for a in cold["attention"]] == ["measured"] and cold["attention"][0]["backend"] in {"flash", "math"}
     assert set(cold["attention"][0]["times_ms"]) == {"flash", "math"}, cold["attention"]
     assert [(a["backend"], a["source"]) for a in warm["attention"]] == [(cold["attention"][0]["backend"], "cached")]
+    if precompiled_available(torch.compile):  # torch 2.10+: each block shape is one file, loaded without a trace
+        assert cold["precompiled"]["saves"] == warm["precompiled"]["loads"] > 0, (cold, warm)
+        assert warm["precompiled"]["saves"] == 0 and len(list((cache / "bcg-precompiled").glob("*.aot"))) == \
+            cold["precompiled"]["saves"]
 
     # a corrupt cache (every entry cut in half) is never loaded: the entries miss, are compiled again and pass
     entries = [p for p in cache.rglob("*") if p.is_file() and "triton" not in p.parts]
@@ -171,6 +177,8 @@ def test_a_restart_reads_its_compiled_kernels_back_from_the_cache_dir(tmp_path):
     rebuilt = start()
     assert rebuilt["cache_misses"] > 0 and rebuilt["compile_failed"] == 0 and rebuilt["passed"], rebuilt
     assert [a["source"] for a in rebuilt["attention"]] == ["measured"]  # its torn choice file was not trusted
+    if precompiled_available(torch.compile):  # a torn precompiled block is deleted and compiled again, never called
+        assert rebuilt["precompiled"]["rebuilt"] == cold["precompiled"]["saves"], rebuilt
 
 
 def _runner(pipe: DiTPipeline, kernels: CompiledKernels):

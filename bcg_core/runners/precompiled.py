@@ -1,0 +1,241 @@
+"""Precompiled blocks: a warm start that loads each bucket's compiled block code from disk instead of tracing it.
+
+With ``torch.compile`` alone, a restart with a warm inductor cache still runs dynamo on every repeated block at
+every bucket shape (the FX graph cache is keyed by the traced graph, so the trace comes first): on an H200 that
+was 42 of the 78 s of a warm start of a 12-graph FLUX.1-dev table (docs/BENCHMARKS.md). PyTorch's ahead-of-time
+compile (``torch.compile(fn, fullgraph=True).aot_compile((args, kwargs))``, ``save_compiled_function``,
+``torch.compiler.load_compiled_function``: dynamo's bytecode and inductor's compiled code in one file, the
+mechanism vLLM's ``VLLM_USE_AOT_COMPILE`` uses) removes the trace from a warm start.
+
+The compiled function is ``run(block, *args, **kwargs) = type(block).forward(block, *args, **kwargs)``: the block
+is an input, so its parameters are read at each call and one artifact serves every block of a class with the
+same structure (regional compilation, as with ``torch.compile`` on the blocks). Dynamo's guards are skipped
+(``torch.compiler.skip_all_guards_unsafe``), because they cannot all be serialized (a module's identity) and
+because bcg-serve chooses the artifact itself, by a key (:meth:`PrecompiledBlocks.function`) of everything the
+guards would check and more:
+
+- the block: its class, the code of its ``forward``, and its structure (every submodule's class and plain
+  attributes, every parameter's and buffer's name, shape, stride, dtype and tensor class: a block built with
+  other flags, such as SD3's last joint block with ``context_pre_only``, or a float8 block, gets its own);
+- the inputs: every tensor's shape, stride, dtype, device and which inputs share storage, every other value, and
+  whether autograd records;
+- the compile: inductor's mode, the SDPA backend traced in (:mod:`bcg_core.runners.attention`);
+- the environment: Python, torch (version and commit), diffusers, the GPU and its compute capability.
+
+A file of another environment, block or input layout has another name and is never looked up; a file that does
+not load (torn, truncated, unpickling raises) is deleted and compiled again, never called. Every bucket's compiled forward is also checked against its eager
+one when it is prepared (:func:`bcg_core.verify.compile_entry`), as for a plain compile.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import logging
+import os
+import sys
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+__all__ = ["PrecompiledBlocks", "available", "block_signature", "inputs_signature"]
+
+_PLAIN = (bool, int, float, str, type(None))
+
+
+def available(compile_fn: Callable) -> bool:
+    """Whether this torch has the ahead-of-time compile API (torch 2.10 and newer) and ``compile_fn`` is
+    ``torch.compile`` itself (tests pass stand-ins, which keep the traced path)."""
+    return (compile_fn is torch.compile and hasattr(torch.compiler, "load_compiled_function")
+            and hasattr(torch.compiler, "skip_all_guards_unsafe"))
+
+
+def _plain(value, depth: int = 0):
+    if isinstance(value, _PLAIN):
+        return value
+    if isinstance(value, (tuple, list)) and depth < 2:
+        return tuple(_plain(v, depth + 1) for v in value)
+    if isinstance(value, torch.dtype):
+        return str(value)
+    return None
+
+
+def _attributes(obj) -> list:
+    """``obj``'s plain attributes (numbers, strings, flags, dtypes, short tuples of them), sorted, and for each
+    attribute that is another object (an attention processor, say) its class name and its own plain attributes."""
+    out = []
+    for k, v in sorted(vars(obj).items()):
+        if k in ("training", "_parameters", "_buffers", "_modules", "_non_persistent_buffers_set") or \
+                k.endswith("hooks") or k.startswith("_forward") or k.startswith("_backward") or \
+                k.startswith("_state_dict") or k.startswith("_load_state_dict"):
+            continue
+        p = _plain(v)
+        if p is not None or v is None:
+            out.append((k, p))
+        elif isinstance(v, (torch.nn.Module, torch.Tensor)) or callable(v) and not hasattr(v, "__dict__"):
+            continue
+        elif hasattr(v, "__dict__"):
+            out.append((k, type(v).__qualname__,
+                        tuple((a, _plain(b)) for a, b in sorted(vars(v).items()) if _plain(b) is not None)))
+    return out
+
+
+def _tensor(t: torch.Tensor) -> tuple:
+    return (tuple(t.shape), tuple(t.stride()), str(t.dtype), str(t.device), type(t).__qualname__, t.requires_grad)
+
+
+def block_signature(block: torch.nn.Module) -> str:
+    """A text that differs between two blocks whenever one compiled code may not serve both: per submodule its
+    class and :func:`_attributes`, per parameter and buffer its name, shape, stride, dtype, device, tensor class."""
+    parts = []
+    for name, m in block.named_modules():
+        parts.append((name, type(m).__qualname__, _attributes(m)))
+    for name, t in list(block.named_parameters()) + list(block.named_buffers()):
+        parts.append((name, _tensor(t)))
+    return repr(parts)
+
+
+def inputs_signature(args: tuple, kwargs: dict) -> str:
+    """A text of a call's inputs: each tensor's :func:`_tensor` and the index of the first input sharing its
+    storage, every other value's ``repr`` (None, numbers, flags; a value of another kind by its class name), and
+    whether autograd records."""
+    storages: dict[int, int] = {}
+    index = [0]
+
+    def one(v):
+        if isinstance(v, torch.Tensor):
+            ptr = v.untyped_storage().data_ptr()
+            first = storages.setdefault(ptr, index[0])
+            index[0] += 1
+            return ("T", _tensor(v), first, v.storage_offset())
+        if isinstance(v, (tuple, list)):
+            return (type(v).__name__, tuple(one(x) for x in v))
+        if isinstance(v, dict):
+            return ("dict", tuple((k, one(x)) for k, x in sorted(v.items())))
+        return repr(v) if isinstance(v, _PLAIN) else type(v).__qualname__
+
+    return repr((tuple(one(a) for a in args), tuple((k, one(v)) for k, v in sorted(kwargs.items())),
+                 torch.is_grad_enabled(), torch.is_inference_mode_enabled()))
+
+
+def _environment(device: torch.device) -> str:
+    import diffusers
+
+    gpu = ""
+    if device.type == "cuda":
+        gpu = f"{torch.cuda.get_device_name(device)} {torch.cuda.get_device_capability(device)}"
+    return repr((sys.version, torch.__version__, torch.version.git_version, torch.version.cuda,
+                 diffusers.__version__, gpu))
+
+
+def _code(cls: type) -> str:
+    try:
+        return inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        return repr(cls.forward.__code__.co_code)
+
+
+def _runner(cls: type) -> Callable:
+    """The function compiled for blocks of class ``cls``: its ``forward`` with the block as an input (dynamo traces
+    a plain function that takes a module, not ``type(block).forward``)."""
+    forward = cls.forward
+
+    def run(block, *args, **kwargs):
+        return forward(block, *args, **kwargs)
+
+    return run
+
+
+class PrecompiledBlocks:
+    """The ahead-of-time compiled block functions of a replica, on disk under ``folder`` and in memory.
+
+    Args:
+        folder: where artifacts live (``<runner.compile_cache_dir>/bcg-precompiled``), created if absent.
+        options: ``torch.compile`` keyword options (``fullgraph``, ``dynamic``, ``mode``...) of the blocks.
+        device: the replica's device (for the environment in each key).
+
+    Attributes:
+        loads: artifacts read from disk in this process (warm).
+        saves: artifacts compiled and written in this process (cold).
+        rebuilt: files that failed to load (corrupt, another environment) and were compiled again.
+        unsaved: compiled functions that could not be written (they serve this process only).
+    """
+
+    SUFFIX = ".aot"
+
+    def __init__(self, folder: str | os.PathLike, options: dict, device: torch.device):
+        self.folder = Path(folder)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.options = options
+        self.mode = options.get("mode", "default")
+        self.device = torch.device(device)
+        self._env = _environment(self.device)
+        self._fns: dict[str, Callable] = {}
+        self._blocks: dict[int, tuple[str, str]] = {}
+        self._lock = threading.Lock()
+        self.loads = self.saves = self.rebuilt = self.unsaved = 0
+
+    def _keys(self, block, args, kwargs, attention) -> tuple[str, str]:
+        """``(in-memory key, file key)``: the block's class, code and :func:`block_signature` and the call's
+        :func:`inputs_signature`; the file key adds inductor's mode, the SDPA backend and the environment (a
+        process serves one backend per bucket shape, as dynamo's own guards assume)."""
+        cached = self._blocks.get(id(block))
+        if cached is None:
+            cls = type(block)
+            cached = (cls.__qualname__, repr((f"{cls.__module__}.{cls.__qualname__}", _code(cls),
+                                              block_signature(block))))
+            self._blocks[id(block)] = cached
+        memory = repr((cached[1], inputs_signature(args, kwargs)))
+        disk = hashlib.sha256(repr((memory, self.mode, attention, self._env)).encode()).hexdigest()[:40]
+        return memory, f"{cached[0]}-{disk}"
+
+    def function(self, block: torch.nn.Module, args: tuple, kwargs: dict, attention: str | None) -> Callable:
+        """The compiled ``run(block, *args, **kwargs)`` for this block structure and these inputs: from memory,
+        else from disk, else compiled now (``aot_compile`` with ``args``, ``kwargs`` as the example) and written
+        (atomically: a temp file renamed). Call it inside the bucket's compile context (SDPA backend, cache key,
+        deadline: :meth:`~bcg_core.runners.kernels.CompiledKernels.compiling`).
+
+        Raises:
+            Whatever ``aot_compile`` raises (the caller turns it into a bucket on eager kernels).
+        """
+        key, name = self._keys(block, args, kwargs, attention)
+        fn = self._fns.get(key)
+        if fn is not None:
+            return fn
+        with self._lock:
+            fn = self._fns.get(key)
+            if fn is not None:
+                return fn
+            path = self.folder / (name + self.SUFFIX)
+            if path.is_file():
+                try:
+                    with open(path, "rb") as f:
+                        fn = torch.compiler.load_compiled_function(f)
+                    self.loads += 1
+                except Exception as e:  # noqa: BLE001 - a truncated or foreign file: rebuild, never call it
+                    log.warning("precompiled block %s did not load (%s: %s); compiling it again", path.name,
+                                type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "")
+                    path.unlink(missing_ok=True)
+                    self.rebuilt += 1
+                    fn = None
+            if fn is None:
+                # a fresh options dict per call: torch.compile pops guard_filter_fn out of the one it is given
+                options = {**self.options, "options": {**self.options.get("options", {}),
+                                                       "guard_filter_fn": torch.compiler.skip_all_guards_unsafe}}
+                fn = torch.compile(_runner(type(block)), **options).aot_compile(((block, *args), kwargs))
+                tmp = path.with_suffix(f".{os.getpid()}.tmp")
+                try:
+                    fn.save_compiled_function(str(tmp))
+                    os.replace(tmp, path)
+                    self.saves += 1
+                except Exception as e:  # noqa: BLE001 - the compiled code runs; only the next start compiles again
+                    tmp.unlink(missing_ok=True)
+                    self.unsaved += 1
+                    log.warning("precompiled block %s could not be written (%s: %s); it serves this process only",
+                                path.name, type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "")
+            self._fns[key] = fn
+            return fn

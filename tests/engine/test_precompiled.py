@@ -1,0 +1,78 @@
+"""Precompiled blocks (bcg_core/runners/precompiled.py): which blocks and inputs share one ahead-of-time compiled
+function, that it reads each call's own block weights, and that a file on disk is loaded, or rebuilt when torn."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from diffusers.models.transformers.transformer_flux import FluxTransformerBlock
+from diffusers.models.attention import JointTransformerBlock
+
+from bcg_core.runners.precompiled import PrecompiledBlocks, available, block_signature, inputs_signature
+
+pytestmark = pytest.mark.skipif(not available(torch.compile), reason="torch without ahead-of-time compile")
+
+OPTIONS = dict(fullgraph=True, dynamic=False, backend="inductor")
+
+
+def _flux_block(seed: int) -> FluxTransformerBlock:
+    torch.manual_seed(seed)
+    return FluxTransformerBlock(dim=64, num_attention_heads=2, attention_head_dim=32).eval()
+
+
+def _inputs(tokens: int = 16) -> dict:
+    g = torch.Generator().manual_seed(tokens)
+    return dict(hidden_states=torch.randn(2, tokens, 64, generator=g),
+                encoder_hidden_states=torch.randn(2, 8, 64, generator=g), temb=torch.randn(2, 64, generator=g),
+                image_rotary_emb=(torch.randn(tokens + 8, 32, generator=g), torch.randn(tokens + 8, 32, generator=g)))
+
+
+def test_blocks_of_one_structure_share_a_signature_and_other_flags_or_dtypes_do_not():
+    assert block_signature(_flux_block(0)) == block_signature(_flux_block(1))  # weights are inputs, not the key
+    last = JointTransformerBlock(dim=64, num_attention_heads=2, attention_head_dim=32, context_pre_only=True)
+    other = JointTransformerBlock(dim=64, num_attention_heads=2, attention_head_dim=32, context_pre_only=False)
+    assert block_signature(last) != block_signature(other)  # SD3's last joint block takes another path
+    assert block_signature(_flux_block(0)) != block_signature(_flux_block(0).to(torch.bfloat16))
+
+
+def test_inputs_differing_in_shape_stride_or_aliasing_get_their_own_signature():
+    x = _inputs()
+    assert inputs_signature((), x) == inputs_signature((), _inputs())
+    assert inputs_signature((), x) != inputs_signature((), _inputs(20))
+    strided = dict(x, hidden_states=torch.randn(2, 64, 16).transpose(1, 2))
+    assert inputs_signature((), x) != inputs_signature((), strided)
+    joint = torch.randn(2, 24, 64)
+    views = dict(x, encoder_hidden_states=joint[:, :8], hidden_states=joint[:, 8:])
+    copies = dict(x, encoder_hidden_states=joint[:, :8].clone(), hidden_states=joint[:, 8:].clone())
+    assert inputs_signature((), views) != inputs_signature((), copies)
+    outside = inputs_signature((), x)
+    with torch.inference_mode():
+        assert inputs_signature((), x) != outside
+
+
+def test_one_function_serves_every_block_loads_from_disk_and_rebuilds_a_torn_file(tmp_path):
+    a, b = _flux_block(0), _flux_block(1)
+    x = _inputs()
+    with torch.no_grad():
+        expect = b(**x)
+        store = PrecompiledBlocks(tmp_path, OPTIONS, torch.device("cpu"))
+        fn = store.function(a, (), x, "math")
+        assert store.function(b, (), x, "math") is fn and store.saves == 1
+        for got, ref in zip(fn(b, **x), expect):  # b's own weights, not a's
+            torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
+        (path,) = tmp_path.glob("FluxTransformerBlock-*.aot")
+
+        restart = PrecompiledBlocks(tmp_path, OPTIONS, torch.device("cpu"))
+        again = restart.function(b, (), x, "math")
+        assert (restart.loads, restart.saves) == (1, 0)
+        for got, ref in zip(again(b, **x), expect):
+            torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
+        assert PrecompiledBlocks(tmp_path, OPTIONS, torch.device("cpu")).function(b, (), x, "flash") is not None
+        assert len(list(tmp_path.glob("*.aot"))) == 2  # another SDPA backend is another file
+
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+        torn = PrecompiledBlocks(tmp_path, OPTIONS, torch.device("cpu"))
+        rebuilt = torn.function(b, (), x, "math")
+        assert (torn.loads, torn.rebuilt, torn.saves) == (0, 1, 1)
+        for got, ref in zip(rebuilt(b, **x), expect):
+            torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
