@@ -12,9 +12,7 @@ survives), one after another:
 2. ``warm`` (every later start): the cache holds what the first start wrote.
 
 ``--cold-by bcg-warm`` fills the cache with ``bcg warm --config`` instead of a first start (what an operator runs
-ahead of a deploy), so every start measured is warm. ``--without-accelerate`` adds one more warm start in which
-diffusers does not use ``accelerate`` (weights built on the host, then moved), to show what reading them straight
-onto the GPU saves.
+ahead of a deploy), so every start measured is warm.
 
 A start is what a replica does before it reports ready (``deployments/dit.py``): import, load the weights
 (``bcg_core.models.load_model``) and prepare every bucket (``DiTPipeline``: compile, check against eager kernels,
@@ -51,16 +49,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks"), str(ROOT / "tests")]
 
 
-def child(config_path: str, accelerate: bool = True) -> dict:
-    """One start in this process: load the config, the weights, prepare every bucket; what it took. With
-    ``accelerate=False`` diffusers is told that ``accelerate`` is absent (the weights load onto the host first, then
-    move to the GPU: ``bcg_core.families.base.load_pipeline``)."""
+def child(config_path: str) -> dict:
+    """One start in this process: load the config, the weights, prepare every bucket; what it took."""
     import torch
-
-    if not accelerate:
-        import diffusers.utils.import_utils
-
-        diffusers.utils.import_utils._accelerate_available = False
 
     from bcg_core import DiTPipeline, load_model
     from deployments.settings import load_config
@@ -121,13 +112,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--commit", help="git commit to record")
     ap.add_argument("--cold-by", choices=("start", "bcg-warm"), default="start",
                     help="fill the cache by a first start, or by `bcg warm` ahead (every start then warm)")
-    ap.add_argument("--without-accelerate", action="store_true",
-                    help="one more warm start with diffusers not using accelerate")
     ap.add_argument("--child", help=argparse.SUPPRESS)
-    ap.add_argument("--child-no-accelerate", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
-        print("RESULT " + json.dumps(child(args.child, not args.child_no_accelerate)), flush=True)
+        print("RESULT " + json.dumps(child(args.child)), flush=True)
         return 0
 
     import torch
@@ -156,11 +144,9 @@ def main(argv: list[str] | None = None) -> int:
             result["bcg_warm"] = dict(wall_s=round(time.perf_counter() - t0, 2), rc=proc.returncode,
                                       output=proc.stdout[-4000:], error=proc.stderr[-2000:] if proc.returncode else "")
             print(f"bcg warm: exit {proc.returncode} in {result['bcg_warm']['wall_s']} s", flush=True)
-        runs = [(i, True) for i in range(args.starts)] + ([(args.starts, False)] if args.without_accelerate else [])
-        for i, accelerate in runs:
+        for i in range(args.starts):
             t0 = time.perf_counter()
-            proc = subprocess.run([sys.executable, __file__, "--child", str(config),
-                                   *([] if accelerate else ["--child-no-accelerate"])], capture_output=True, text=True,
+            proc = subprocess.run([sys.executable, __file__, "--child", str(config)], capture_output=True, text=True,
                                   timeout=args.timeout_s, env=env)
             wall = round(time.perf_counter() - t0, 2)
             lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
@@ -169,14 +155,14 @@ def main(argv: list[str] | None = None) -> int:
                 print(proc.stderr[-3000:], file=sys.stderr)
                 break
             cold = i == 0 and args.cold_by == "start"
-            row = dict(start=i, phase="cold" if cold else "warm", accelerate=accelerate, wall_s=wall,
+            row = dict(start=i, phase="cold" if cold else "warm", wall_s=wall,
                        **json.loads(lines[-1][7:]))
             result["starts"].append(row)
             k = row["kernels"]
-            print(f"start {i} ({row['phase']}{'' if accelerate else ', without accelerate'}): ready in {row['ready_s']} s (process wall {wall} s; import "
+            print(f"start {i} ({row['phase']}): ready in {row['ready_s']} s (process wall {wall} s; import "
                   f"{row['import_s']} s, weights {row['load_s']} s, {row['graphs']} graphs prepared in "
                   f"{row['prepare_s']} s), cache {k['start']}: {k['cache_hits']} hits, {k['cache_misses']} misses, "
-                  f"{len(row['on_eager'])} buckets on eager kernels", flush=True)
+                  f"{len(row['on_eager'])} buckets on eager kernels, precompiled blocks {k.get('precompiled')}", flush=True)
             if args.out:
                 Path(args.out).write_text(json.dumps(result, indent=1))
     finally:

@@ -396,14 +396,9 @@ def load_pipeline(pipeline_cls, path: Path, device: torch.device, dtype: torch.d
     fp32 modules are touched. The progress bar is off (a replica logs no per-step bars). ``components`` are passed
     to ``from_pretrained`` (e.g. ``text_encoder_3=None`` for an SD3 checkpoint saved without T5).
 
-    On CUDA with ``accelerate`` installed, the weights are read straight onto the GPU (``device_map="cuda"``:
-    no host copy of the model is built first); the tensors are the same as after a load on the CPU and ``to``.
-    ``benchmarks/bench_warm_start.py --without-accelerate`` measures what it saves at a start.
+    Reading the weights straight onto the GPU (``accelerate`` with ``device_map="cuda"``) did not pay: a FLUX.1-dev
+    start on an H200 loaded in 19.1 s that way and in 17.1 s without (docs/BENCHMARKS.md, 2026-12-03).
     """
-    from diffusers.utils import is_accelerate_available
-
-    if device.type == "cuda" and device.index in (None, torch.cuda.current_device()) and is_accelerate_available():
-        components = {"device_map": "cuda", **components}
     pipe = pipeline_cls.from_pretrained(str(path), torch_dtype=dtype, local_files_only=True, **components)
     if pipe.transformer.dtype != dtype:
         pipe.transformer.to(dtype=dtype)

@@ -51,7 +51,8 @@ def available(compile_fn: Callable) -> bool:
     """Whether this torch has the ahead-of-time compile API (torch 2.10 and newer) and ``compile_fn`` is
     ``torch.compile`` itself (tests pass stand-ins, which keep the traced path)."""
     return (compile_fn is torch.compile and hasattr(torch.compiler, "load_compiled_function")
-            and hasattr(torch.compiler, "skip_all_guards_unsafe"))
+            and hasattr(torch.compiler, "skip_all_guards_unsafe")
+            and hasattr(torch._dynamo.config, "enable_aot_compile"))
 
 
 def _plain(value, depth: int = 0):
@@ -226,7 +227,10 @@ class PrecompiledBlocks:
                 # a fresh options dict per call: torch.compile pops guard_filter_fn out of the one it is given
                 options = {**self.options, "options": {**self.options.get("options", {}),
                                                        "guard_filter_fn": torch.compiler.skip_all_guards_unsafe}}
-                fn = torch.compile(_runner(type(block)), **options).aot_compile(((block, *args), kwargs))
+                # torch 2.10-2.12 attach .aot_compile only under this flag (later ones always do)
+                with torch._dynamo.config.patch(enable_aot_compile=True):
+                    compiled = torch.compile(_runner(type(block)), **options)
+                fn = compiled.aot_compile(((block, *args), kwargs))
                 tmp = path.with_suffix(f".{os.getpid()}.tmp")
                 try:
                     fn.save_compiled_function(str(tmp))
