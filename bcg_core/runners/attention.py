@@ -292,10 +292,22 @@ class ChoiceStore:
         """The stored backend for ``calls`` in this environment, or None."""
         return self._data.get(f"{environment()} | {calls.signature()}")
 
+    def get_bucket(self, name: str) -> str | None:
+        """The stored backend of bucket ``name`` (a model signature and a bucket key: what decides its calls) in
+        this environment, or None: lets a restart skip the forward that records the calls."""
+        return self._data.get(f"{environment()} | bucket {name}")
+
+    def put_bucket(self, name: str, backend: str) -> None:
+        """Keep ``backend`` for bucket ``name`` (:meth:`get_bucket`)."""
+        self._write(f"{environment()} | bucket {name}", backend)
+
     def put(self, calls: RecordedCalls, backend: str) -> None:
         """Keep ``backend`` for ``calls`` (written at once, atomically)."""
+        self._write(f"{environment()} | {calls.signature()}", backend)
+
+    def _write(self, key: str, backend: str) -> None:
         with self._lock:
-            self._data[f"{environment()} | {calls.signature()}"] = backend
+            self._data[key] = backend
             if self.path:
                 tmp = f"{self.path}.{os.getpid()}.tmp"
                 with open(tmp, "w") as f:

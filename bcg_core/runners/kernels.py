@@ -227,6 +227,15 @@ class CompiledKernels:
         """Bucket key -> its :class:`~bcg_core.runners.attention.AttentionChoice`, kept for the process: the
         compiled code of a bucket's shape stays traced for that backend, so a second runner reuses the choice."""
         self._store: ChoiceStore | None = None
+        import hashlib
+
+        import diffusers
+
+        first = next(transformer.parameters(), None)
+        config = dict(getattr(transformer, "config", None) or {})
+        self._model_signature = hashlib.sha256(repr((
+            type(transformer).__qualname__, sorted((k, repr(v)) for k, v in config.items()),
+            None if first is None else str(first.dtype), diffusers.__version__)).encode()).hexdigest()[:16]
         self.blocks = repeated_blocks(transformer) or [transformer]
         self.regional = self.blocks[0] is not transformer
         self._local = threading.local()
@@ -299,10 +308,12 @@ class CompiledKernels:
 
     def attention_for(self, key, forward: Callable[[], object], device: torch.device) -> AttentionChoice:
         """The SDPA backend of bucket ``key``'s compiled forward: kept from an earlier call for ``key``; else with
-        ``attention="auto"`` the SDPA calls of ``forward()`` (the bucket's eager forward) are recorded and the
-        backend is read from the choice store beside the compile cache or measured
+        ``attention="auto"`` the choice store beside the compile cache's entry for this model and bucket (a
+        restart: no forward runs), or else the SDPA calls of ``forward()`` (the bucket's eager forward) are
+        recorded and the backend is read from the store by those calls or measured
         (:func:`~bcg_core.runners.attention.choose`); else the configured one, if it can run the recorded calls on
-        ``device`` (one timed call each), or else PyTorch's default, with ``source`` saying so."""
+        ``device`` (one timed call each), or else PyTorch's default, with ``source`` saying so. The model's part of
+        the bucket entry is :attr:`_model_signature` (its class, config and dtype, and the diffusers version)."""
         if key in self.choices:
             return self.choices[key]
         if self.attention == "default":
@@ -312,9 +323,16 @@ class CompiledKernels:
                 from torch._inductor.runtime.cache_dir_utils import cache_dir
 
                 self._store = ChoiceStore(self.cache_dir or cache_dir())
-            with self.active(False):
-                calls = record_sdpa_calls(forward)
-            choice = choose(calls, device, self.attention, self._store)
+            bucket = f"{self._model_signature} | {key}"
+            stored = self._store.get_bucket(bucket) if self.attention == "auto" else None
+            if stored is not None:  # a restart: the calls this bucket makes were measured before
+                choice = AttentionChoice(stored, source="cached")
+            else:
+                with self.active(False):
+                    calls = record_sdpa_calls(forward)
+                choice = choose(calls, device, self.attention, self._store)
+                if self.attention == "auto":
+                    self._store.put_bucket(bucket, choice.backend)
         self.choices[key] = choice
         return choice
 

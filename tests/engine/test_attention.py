@@ -92,3 +92,27 @@ def test_a_configured_backend_is_used_where_it_runs_and_an_unknown_one_is_refuse
                                                                 "configured cudnn cannot run here")
     with pytest.raises(ValueError, match="runner.attention 'fa9'.*cudnn, flash, efficient, math"):
         CompiledKernels(torch.nn.Linear(4, 4), compile_fn=lambda fn, **options: fn, attention="fa9")
+
+
+def test_a_restart_reads_a_buckets_choice_without_running_its_forward(tmp_path):
+    """With ``runner.attention: auto`` a bucket's choice is also kept under the model and bucket key, so a restart
+    takes it without the eager forward that records the calls; another model (config) records and measures."""
+    forward, _ = _attention_forward()
+    runs = []
+
+    def counted():
+        runs.append(1)
+        return forward()
+
+    def kernels(width: int) -> CompiledKernels:
+        model = torch.nn.Sequential(torch.nn.Linear(width, width))
+        model.config = {"width": width}  # a diffusers model's config: part of the bucket entry's key
+        return CompiledKernels(model, compile_fn=lambda f, **_: f, cache_dir=str(tmp_path))
+
+    first = kernels(8).attention_for("b2_i96_t0", counted, CPU)
+    assert first.source == "measured" and len(runs) == 1
+    again = kernels(8).attention_for("b2_i96_t0", counted, CPU)  # a restart
+    assert (again.backend, again.source, len(runs)) == (first.backend, "cached", 1)
+    assert kernels(8).attention_for("b4_i96_t0", counted, CPU).source in ("measured", "cached") and len(runs) == 2
+    other = kernels(16).attention_for("b2_i96_t0", counted, CPU)  # another model: its calls are recorded
+    assert other.source == "cached" and len(runs) == 3  # same calls, so the calls' entry answers
