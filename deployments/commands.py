@@ -245,7 +245,7 @@ def run_warm(config: ServeConfig, console=None) -> dict:
     console.print(table)
     where = k["cache_dir"] or os.environ.get("TORCHINDUCTOR_CACHE_DIR") or "inductor's default folder"
     console.print(f"{len(stats['buckets'])} buckets prepared in {time.perf_counter() - t0:.1f} s (compiling "
-                  f"{k['compile_s']:.1f} s; FX graph cache {k['cache_hits']} hits, {k['cache_misses']} misses, "
+                  f"{k['compile_s']:.1f} s; compile caches {k['cache_hits']} hits, {k['cache_misses']} misses, "
                   f"{k['compile_failed']} buckets on eager kernels); cache: {where}")
     return k
 

@@ -234,8 +234,10 @@ class CompiledKernels:
         first = next(transformer.parameters(), None)
         config = dict(getattr(transformer, "config", None) or {})
         self._model_signature = hashlib.sha256(repr((
-            type(transformer).__qualname__, sorted((k, repr(v)) for k, v in config.items()),
+            type(transformer).__qualname__, sorted((k, repr(v)) for k, v in config.items() if not k.startswith("_")),
             None if first is None else str(first.dtype), diffusers.__version__)).encode()).hexdigest()[:16]
+        self._traced: set[str] = set()
+        """Block classes whose ahead-of-time compile raised: every block of the class is traced by dynamo."""
         self.blocks = repeated_blocks(transformer) or [transformer]
         self.regional = self.blocks[0] is not transformer
         self._local = threading.local()
@@ -266,8 +268,7 @@ class CompiledKernels:
 
     def _switch(self, eager: Callable, compiled: Callable, layout: Callable | None = None,
                 block: torch.nn.Module | None = None) -> Callable:
-        local = self._local
-        traced: set[str] = set()  # block structures whose ahead-of-time compile raised: traced by dynamo instead
+        local, traced = self._local, self._traced
 
         def forward(*args, **kwargs):
             if not getattr(local, "on", False):

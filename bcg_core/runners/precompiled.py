@@ -1,8 +1,9 @@
 """Precompiled blocks: a warm start that loads each bucket's compiled block code from disk instead of tracing it.
 
 With ``torch.compile`` alone, a restart with a warm inductor cache still runs dynamo on every repeated block at
-every bucket shape (the FX graph cache is keyed by the traced graph, so the trace comes first): on an H200 that
-was 42 of the 78 s of a warm start of a 12-graph FLUX.1-dev table (docs/BENCHMARKS.md). PyTorch's ahead-of-time
+every bucket shape (the FX graph cache is keyed by the traced graph, so the trace comes first). On an H200, a warm
+start of a 12-graph FLUX.1-dev table spent 34.6 s compiling with traced blocks and 22.5 s with precompiled ones,
+the rest being the buckets' warm-up and check forwards (docs/BENCHMARKS.md, 2026-12-03). PyTorch's ahead-of-time
 compile (``torch.compile(fn, fullgraph=True).aot_compile((args, kwargs))``, ``save_compiled_function``,
 ``torch.compiler.load_compiled_function``: dynamo's bytecode and inductor's compiled code in one file, the
 mechanism vLLM's ``VLLM_USE_AOT_COMPILE`` uses) removes the trace from a warm start.
@@ -14,17 +15,21 @@ same structure (regional compilation, as with ``torch.compile`` on the blocks). 
 because bcg-serve chooses the artifact itself, by a key (:meth:`PrecompiledBlocks.function`) of everything the
 guards would check and more:
 
-- the block: its class, the code of its ``forward``, and its structure (every submodule's class and plain
-  attributes, every parameter's and buffer's name, shape, stride, dtype and tensor class: a block built with
-  other flags, such as SD3's last joint block with ``context_pre_only``, or a float8 block, gets its own);
+- the block: its class, the source of every class it runs (:func:`_code`), and its structure (every submodule's
+  class and plain attributes, every parameter's and buffer's name, shape, stride, dtype and tensor class: a block
+  built with other flags, such as SD3's last joint block with ``context_pre_only``, or a float8 block, gets its
+  own);
 - the inputs: every tensor's shape, stride, dtype, device and which inputs share storage, every other value, and
   whether autograd records;
 - the compile: inductor's mode, the SDPA backend traced in (:mod:`bcg_core.runners.attention`);
-- the environment: Python, torch (version and commit), diffusers, the GPU and its compute capability.
+- the environment: Python, torch (version and commit), diffusers, bcg-serve, Triton, torchao, the GPU and its
+  compute capability; TF32 and float32 matmul precision.
 
 A file of another environment, block or input layout has another name and is never looked up; a file that does
-not load (torn, truncated, unpickling raises) is deleted and compiled again, never called. Every bucket's compiled forward is also checked against its eager
-one when it is prepared (:func:`bcg_core.verify.compile_entry`), as for a plain compile.
+not load (torn, truncated, unpickling raises) is deleted and compiled again, never called; one this process may
+not read (another user's) is left and compiled for this process only. Every bucket's compiled forward is also
+checked against its eager one when it is prepared (:func:`bcg_core.verify.compile_entry`), as for a plain
+compile.
 """
 
 from __future__ import annotations
@@ -129,15 +134,51 @@ def _environment(device: torch.device) -> str:
     gpu = ""
     if device.type == "cuda":
         gpu = f"{torch.cuda.get_device_name(device)} {torch.cuda.get_device_capability(device)}"
-    return repr((sys.version, torch.__version__, torch.version.git_version, torch.version.cuda,
-                 diffusers.__version__, gpu))
-
-
-def _code(cls: type) -> str:
+    versions = []
+    for name in ("triton", "torchao"):
+        try:
+            versions.append(getattr(__import__(name), "__version__", "?"))
+        except ImportError:
+            versions.append(None)
     try:
-        return inspect.getsource(cls.forward)
+        from importlib.metadata import version
+
+        bcg_version = version("bcg-serve")
+    except Exception:  # noqa: BLE001 - a source tree that is not installed
+        bcg_version = None
+    return repr((sys.version, torch.__version__, torch.version.git_version, torch.version.cuda,
+                 diffusers.__version__, bcg_version, versions, gpu))
+
+
+def _numerics() -> tuple:
+    """Process-wide settings that change what a compiled kernel computes (TF32, float32 matmul precision)."""
+    return (torch.get_float32_matmul_precision(), torch.backends.cuda.matmul.allow_tf32,
+            torch.backends.cudnn.allow_tf32)
+
+
+def _class_code(cls: type) -> str:
+    try:
+        return inspect.getsource(cls)
     except (OSError, TypeError):
-        return repr(cls.forward.__code__.co_code)
+        return repr(sorted((k, v.__code__.co_code) for k, v in vars(cls).items() if hasattr(v, "__code__")))
+
+
+def _code(block: torch.nn.Module) -> str:
+    """SHA-256 of the source of every class the block's forward may run: each submodule's class and the class of
+    each object attribute of theirs (an attention processor, say), with their bases up to ``nn.Module``; a change
+    to any of them (another diffusers build of the same version, bcg-serve's own processors) is another key."""
+    classes: dict[str, type] = {}
+    for m in block.modules():
+        for cls in type(m).__mro__:
+            if cls in (torch.nn.Module, object):
+                break
+            classes.setdefault(f"{cls.__module__}.{cls.__qualname__}", cls)
+        for v in vars(m).values():
+            if hasattr(v, "__dict__") and not isinstance(v, (torch.nn.Module, torch.Tensor, type)) and \
+                    not inspect.isroutine(v):
+                classes.setdefault(f"{type(v).__module__}.{type(v).__qualname__}", type(v))
+    text = repr(sorted((name, _class_code(cls)) for name, cls in classes.items()))
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def _runner(cls: type) -> Callable:
@@ -180,19 +221,21 @@ class PrecompiledBlocks:
         self._lock = threading.Lock()
         self.loads = self.saves = self.rebuilt = self.unsaved = 0
 
-    def _keys(self, block, args, kwargs, attention) -> tuple[str, str]:
-        """``(in-memory key, file key)``: the block's class, code and :func:`block_signature` and the call's
-        :func:`inputs_signature`; the file key adds inductor's mode, the SDPA backend and the environment (a
-        process serves one backend per bucket shape, as dynamo's own guards assume)."""
+    def _block(self, block) -> tuple[str, str]:
         cached = self._blocks.get(id(block))
         if cached is None:
             cls = type(block)
-            cached = (cls.__qualname__, repr((f"{cls.__module__}.{cls.__qualname__}", _code(cls),
+            cached = (cls.__qualname__, repr((f"{cls.__module__}.{cls.__qualname__}", _code(block),
                                               block_signature(block))))
             self._blocks[id(block)] = cached
-        memory = repr((cached[1], inputs_signature(args, kwargs)))
-        disk = hashlib.sha256(repr((memory, self.mode, attention, self._env)).encode()).hexdigest()[:40]
-        return memory, f"{cached[0]}-{disk}"
+        return cached
+
+    def _file_name(self, memory: str, block, attention) -> str:
+        """The file's name: the block's class and a hash of ``memory`` (the in-memory key), inductor's mode, the
+        SDPA backend, :func:`_numerics` and the environment (a process serves one backend per bucket shape, as
+        dynamo's own guards assume, so the in-memory key leaves the backend out)."""
+        text = repr((memory, self.mode, attention, _numerics(), self._env))
+        return f"{self._block(block)[0]}-{hashlib.sha256(text.encode()).hexdigest()[:40]}"
 
     def function(self, block: torch.nn.Module, args: tuple, kwargs: dict, attention: str | None) -> Callable:
         """The compiled ``run(block, *args, **kwargs)`` for this block structure and these inputs: from memory,
@@ -203,7 +246,7 @@ class PrecompiledBlocks:
         Raises:
             Whatever ``aot_compile`` raises (the caller turns it into a bucket on eager kernels).
         """
-        key, name = self._keys(block, args, kwargs, attention)
+        key = repr((self._block(block)[1], inputs_signature(args, kwargs)))
         fn = self._fns.get(key)
         if fn is not None:
             return fn
@@ -211,13 +254,16 @@ class PrecompiledBlocks:
             fn = self._fns.get(key)
             if fn is not None:
                 return fn
-            path = self.folder / (name + self.SUFFIX)
+            path = self.folder / (self._file_name(key, block, attention) + self.SUFFIX)
             if path.is_file():
                 try:
                     with open(path, "rb") as f:
                         fn = torch.compiler.load_compiled_function(f)
                     self.loads += 1
-                except Exception as e:  # noqa: BLE001 - a truncated or foreign file: rebuild, never call it
+                except PermissionError as e:  # another user's file: compile for this process, leave the file
+                    log.warning("precompiled block %s cannot be read (%s); compiling it for this process", path.name, e)
+                    path = None
+                except Exception as e:  # noqa: BLE001 - a truncated or torn file: rebuild, never call it
                     log.warning("precompiled block %s did not load (%s: %s); compiling it again", path.name,
                                 type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "")
                     path.unlink(missing_ok=True)
@@ -231,15 +277,24 @@ class PrecompiledBlocks:
                 with torch._dynamo.config.patch(enable_aot_compile=True):
                     compiled = torch.compile(_runner(type(block)), **options)
                 fn = compiled.aot_compile(((block, *args), kwargs))
-                tmp = path.with_suffix(f".{os.getpid()}.tmp")
-                try:
-                    fn.save_compiled_function(str(tmp))
-                    os.replace(tmp, path)
-                    self.saves += 1
-                except Exception as e:  # noqa: BLE001 - the compiled code runs; only the next start compiles again
-                    tmp.unlink(missing_ok=True)
+                if path is None:
                     self.unsaved += 1
-                    log.warning("precompiled block %s could not be written (%s: %s); it serves this process only",
-                                path.name, type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "")
+                else:
+                    self._save(fn, path)
             self._fns[key] = fn
             return fn
+
+    def _save(self, fn, path: Path) -> None:
+        """Write ``fn`` to ``path`` through a temp file renamed into place, readable by every user (torch writes
+        0600; replicas may run as another user than ``bcg warm``); a failure leaves ``fn`` to this process."""
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        try:
+            fn.save_compiled_function(str(tmp))
+            os.chmod(tmp, 0o644)
+            os.replace(tmp, path)
+            self.saves += 1
+        except Exception as e:  # noqa: BLE001 - the compiled code runs; only the next start compiles again
+            tmp.unlink(missing_ok=True)
+            self.unsaved += 1
+            log.warning("precompiled block %s could not be written (%s: %s); it serves this process only",
+                        path.name, type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "")

@@ -113,6 +113,7 @@ def test_a_restart_reads_a_buckets_choice_without_running_its_forward(tmp_path):
     assert first.source == "measured" and len(runs) == 1
     again = kernels(8).attention_for("b2_i96_t0", counted, CPU)  # a restart
     assert (again.backend, again.source, len(runs)) == (first.backend, "cached", 1)
-    assert kernels(8).attention_for("b4_i96_t0", counted, CPU).source in ("measured", "cached") and len(runs) == 2
+    # another bucket records its calls; these are the same calls, so the calls' entry answers
+    assert kernels(8).attention_for("b4_i96_t0", counted, CPU).source == "cached" and len(runs) == 2
     other = kernels(16).attention_for("b2_i96_t0", counted, CPU)  # another model: its calls are recorded
     assert other.source == "cached" and len(runs) == 3  # same calls, so the calls' entry answers

@@ -35,6 +35,21 @@ def test_blocks_of_one_structure_share_a_signature_and_other_flags_or_dtypes_do_
     assert block_signature(_flux_block(0)) != block_signature(_flux_block(0).to(torch.bfloat16))
 
 
+def test_a_change_to_a_submodule_or_processor_class_is_another_key(tmp_path, monkeypatch):
+    """The key hashes the source of every class the block runs (its submodules' and their processors'), so code
+    changed under the same class names never loads a file compiled from the old code."""
+    from bcg_core.runners import precompiled
+
+    block = _flux_block(0)
+    store = PrecompiledBlocks(tmp_path, OPTIONS, torch.device("cpu"))
+    before = store._file_name(repr(store._block(block)), block, "math")
+    processor = type(block.attn.processor)
+    monkeypatch.setattr(precompiled, "_class_code",
+                        lambda cls: "changed" if cls is processor else precompiled.inspect.getsource(cls))
+    fresh = PrecompiledBlocks(tmp_path, OPTIONS, torch.device("cpu"))
+    assert fresh._file_name(repr(fresh._block(block)), block, "math") != before
+
+
 def test_inputs_differing_in_shape_stride_or_aliasing_get_their_own_signature():
     x = _inputs()
     assert inputs_signature((), x) == inputs_signature((), _inputs())
@@ -67,8 +82,10 @@ def test_one_function_serves_every_block_loads_from_disk_and_rebuilds_a_torn_fil
         assert (restart.loads, restart.saves) == (1, 0)
         for got, ref in zip(again(b, **x), expect):
             torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
-        assert PrecompiledBlocks(tmp_path, OPTIONS, torch.device("cpu")).function(b, (), x, "flash") is not None
-        assert len(list(tmp_path.glob("*.aot"))) == 2  # another SDPA backend is another file
+        flash = PrecompiledBlocks(tmp_path, OPTIONS, torch.device("cpu"))
+        flash.function(b, (), x, "flash")
+        assert (flash.loads, flash.saves, len(list(tmp_path.glob("*.aot")))) == (0, 1, 2)  # another backend: a file
+        assert oct(path.stat().st_mode & 0o777) == oct(0o644)  # readable by replicas of another user
 
         path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
         torn = PrecompiledBlocks(tmp_path, OPTIONS, torch.device("cpu"))
@@ -76,3 +93,31 @@ def test_one_function_serves_every_block_loads_from_disk_and_rebuilds_a_torn_fil
         assert (torn.loads, torn.rebuilt, torn.saves) == (0, 1, 1)
         for got, ref in zip(rebuilt(b, **x), expect):
             torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
+
+
+def test_a_block_class_whose_ahead_of_time_compile_raises_is_traced_once_for_all_its_blocks(tmp_path, monkeypatch):
+    from bcg_core.runners.kernels import CompiledKernels
+
+    class Model(torch.nn.Module):
+        _repeated_blocks = ("FluxTransformerBlock",)
+
+        def __init__(self):
+            super().__init__()
+            self.blocks = torch.nn.ModuleList(_flux_block(i) for i in range(3))
+
+    attempts = []
+
+    def unserializable(self, block, args, kwargs, attention):
+        attempts.append(block)
+        raise RuntimeError("cannot serialize this tensor subclass")
+
+    monkeypatch.setattr(PrecompiledBlocks, "function", unserializable)
+    model, x = Model(), _inputs()
+    kernels = CompiledKernels(model, cache_dir=str(tmp_path))
+    with torch.no_grad():
+        expect = [blk(**x) for blk in model.blocks]
+        with kernels.compiling(None):
+            got = [blk(**x) for blk in model.blocks]
+    assert len(attempts) == 1  # one attempt for the class, then every block is traced by dynamo
+    for g, e in zip(got, expect):
+        torch.testing.assert_close(g[1], e[1], rtol=1e-4, atol=1e-5)
