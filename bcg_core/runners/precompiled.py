@@ -34,6 +34,7 @@ compile.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import inspect
 import logging
@@ -156,7 +157,9 @@ def _numerics() -> tuple:
             torch.backends.cudnn.allow_tf32)
 
 
+@functools.lru_cache(maxsize=None)
 def _class_code(cls: type) -> str:
+    """``cls``'s source (read once per process: every block of a class asks for the same classes)."""
     try:
         return inspect.getsource(cls)
     except (OSError, TypeError):
