@@ -391,30 +391,40 @@ class CompiledKernels:
 def _deadline(seconds: float | None) -> Iterator[None]:
     """Raise :class:`CompileTimeout` in this thread if the block is still running after ``seconds`` (None: never).
 
-    A pending exception that the timer set just as the block ended is withdrawn before leaving, so it never lands
-    in the caller's code."""
+    The exception is set again every :data:`_REFIRE_S` until the block ends: one that lands where Python swallows
+    exceptions (a ``__del__``, a weakref or gc callback print "Exception ignored" and go on) would otherwise let
+    the compile run to its end. A pending exception that the timer set just as the block ended is withdrawn
+    before leaving, so it never lands in the caller's code."""
     if not seconds:
         yield
         return
-    tid, lock, state = threading.get_ident(), threading.Lock(), {"armed": True, "fired": False}
+    tid, lock, done = threading.get_ident(), threading.Lock(), threading.Event()
+    state = {"armed": True, "fired": False}
 
     def fire() -> None:
-        with lock:
-            if state["armed"]:
+        wait = seconds
+        while not done.wait(wait):
+            with lock:
+                if not state["armed"]:
+                    return
                 state["fired"] = True
                 ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(tid), ctypes.py_object(CompileTimeout))
+            wait = _REFIRE_S
 
-    timer = threading.Timer(seconds, fire)
-    timer.daemon = True
+    timer = threading.Thread(target=fire, name="bcg-compile-deadline", daemon=True)
     timer.start()
     try:
         yield
     finally:
-        timer.cancel()
+        done.set()
         with lock:
             state["armed"] = False
             if state["fired"]:  # withdraw it if it has not been raised yet
                 ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(tid), None)
+
+
+_REFIRE_S = 0.05
+"""Seconds between repeats of a compile deadline's exception (:func:`_deadline`)."""
 
 
 def _fx_cache_counts() -> tuple[int, int]:
