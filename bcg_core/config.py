@@ -13,8 +13,10 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from bcg_core.lora.config import LoRAConfig
+
 __all__ = [
-    "BucketConfig", "EngineConfig", "LimitsConfig", "MissPolicy", "ModelConfig", "PlannedTraffic", "QualityConfig",
+    "BucketConfig", "EngineConfig", "LimitsConfig", "LoRAConfig", "MissPolicy", "ModelConfig", "PlannedTraffic", "QualityConfig",
     "RunnerConfig", "TrafficConfig", "parse_size",
 ]
 
@@ -432,6 +434,7 @@ class EngineConfig(BaseModel):
         description="Request shapes each replica records for bcg plan (traffic in /v1/buckets).",
     )
     quality: QualityConfig = Field(default_factory=QualityConfig, description="Steps of OpenAI's quality values.")
+    lora: LoRAConfig = Field(default_factory=LoRAConfig, description="LoRA adapters per request (off by default).")
 
     @model_validator(mode="after")
     def _reachable_buckets(self) -> EngineConfig:

@@ -52,6 +52,8 @@ class DenoiseInputs:
         text_mask: (rows, text_tokens) bool, True for real tokens, for families trained with a text
             key-padding mask (PixArt); None means every token is real. Families trained on unmasked text
             refuse a mask.
+        lora_slots, lora_scales: (rows, K) int64 and float32: each row's LoRA slots and scales
+            (:mod:`bcg_core.lora.layers`; slot 0 is no adapter), or None (no adapter on any row).
     """
 
     latents: torch.Tensor
@@ -61,6 +63,8 @@ class DenoiseInputs:
     grid: tuple[int, int]
     guidance: torch.Tensor | None = None
     text_mask: torch.Tensor | None = None
+    lora_slots: torch.Tensor | None = None
+    lora_scales: torch.Tensor | None = None
 
     @property
     def rows(self) -> int:
@@ -79,10 +83,9 @@ class DenoiseInputs:
 
     def select(self, rows: slice | list[int]) -> DenoiseInputs:
         """The same inputs restricted to some rows (a split step's chunk; tests of batch invariance)."""
-        g = None if self.guidance is None else self.guidance[rows]
-        m = None if self.text_mask is None else self.text_mask[rows]
+        pick = lambda t: None if t is None else t[rows]  # noqa: E731
         return DenoiseInputs(self.latents[rows], self.text[rows], self.pooled[rows], self.timestep[rows], self.grid,
-                             g, m)
+                             pick(self.guidance), pick(self.text_mask), pick(self.lora_slots), pick(self.lora_scales))
 
 
 class DiTAdapter(Protocol):

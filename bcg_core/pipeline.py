@@ -32,6 +32,7 @@ from bcg_core.errors import RequestCancelled
 from bcg_core.families import Family, RequestState, concat_rows
 from bcg_core.images import encode_image
 from bcg_core.keys import BucketKey
+from bcg_core.lora.slots import install as install_lora, lease_for
 from bcg_core.metrics import BucketMetrics
 from bcg_core.models import load_model
 from bcg_core.padding import DenoiseInputs
@@ -39,7 +40,7 @@ from bcg_core.planner import Planner
 from bcg_core.request import GenerationRequest, GenerationResult, PlannedRequest
 from bcg_core.runners.base import BucketFault, BucketRunner
 from bcg_core.runners.eager import EagerBucketRunner
-from bcg_core.runners.kernels import CompiledKernels, KernelTier, check_fp8, quantize_fp8
+from bcg_core.runners.kernels import CompiledKernels, KernelTier, check_fp8, kernel_stats, quantize_fp8
 from bcg_core.scheduler.costs import CostModel, StepDecider, StepForwards, measure_costs
 from bcg_core.verify import FusedStats, kernel_tolerance, precision_deviation
 
@@ -163,6 +164,8 @@ class DiTPipeline:
                  prepare: bool = True):
         self.config = config
         self.model = model
+        self.lora = install_lora(config, model)
+        """The replica's LoRA slots (:class:`~bcg_core.lora.slots.AdapterSlots`), None without ``lora.dir``."""
         self.planner = Planner(config, model.spec, model.count_tokens)
         self.table = self.planner.table
         self.metrics = BucketMetrics(self.table.keys)
@@ -195,9 +198,18 @@ class DiTPipeline:
 
     # -- the step-level interface -------------------------------------------------------------------
 
-    def start(self, plan: PlannedRequest, cancel: threading.Event | None = None) -> RequestState:
-        """A planned request at step 0: encoded text, initial latents, its own scheduler (family hook)."""
-        return self.model.start(plan, cancel)
+    def start(self, plan: PlannedRequest, cancel: threading.Event | None = None, lease=None) -> RequestState:
+        """A planned request at step 0: encoded text, initial latents, its own scheduler (family hook); with
+        ``lease`` (its adapters' :class:`~bcg_core.lora.slots.Lease`), its rows carry those slots."""
+        state = self.model.start(plan, cancel)
+        if lease is not None:
+            state.extras["lora"] = lease
+        return state
+
+    def _rows(self, state: RequestState) -> DenoiseInputs:
+        """The state's transformer rows (family hook), with its LoRA entries when this pipeline serves adapters."""
+        part = self.model.model_rows(state)
+        return part if self.lora is None else self.lora.attach(part, state.extras.get("lora"))
 
     @torch.inference_mode()
     def step(self, states: Sequence[RequestState], forwards: StepForwards | None = None,
@@ -232,7 +244,7 @@ class DiTPipeline:
         """
         if any(s.done for s in states):
             raise ValueError("a finished request cannot take another step")
-        parts = [self.model.model_rows(s) for s in states]
+        parts = [self._rows(s) for s in states]
         inputs = concat_rows(parts)
         if forwards is None:
             forwards = self.decider.decide(self._step_shape(states), inputs.rows)
@@ -368,12 +380,26 @@ class DiTPipeline:
         Raises:
             RequestError: a raw request that does not validate (naming the field).
             RequestCancelled: ``cancel`` was set.
+            ServiceUnavailable: its adapters did not load within ``lora.load_timeout_s``.
         """
+        plan = request if isinstance(request, PlannedRequest) else self.planner.plan(request)
+        lease = self.lease(plan)
+        try:
+            return self._generate(plan, cancel, lease)
+        finally:
+            if lease is not None:
+                lease.release()
+
+    def lease(self, plan: PlannedRequest):
+        """The slots of ``plan``'s adapters, waiting here for their load (:func:`~bcg_core.lora.slots.lease_for`);
+        None for a request without adapters."""
+        return lease_for(self.lora, plan.request.lora)
+
+    def _generate(self, plan: PlannedRequest, cancel: threading.Event | None, lease) -> GenerationResult:
         from bcg_core.scheduler.finish import build_result
 
-        plan = request if isinstance(request, PlannedRequest) else self.planner.plan(request)
         t0 = time.perf_counter()
-        state = self.start(plan, cancel)
+        state = self.start(plan, cancel, lease)
         t1 = time.perf_counter()
         key, share = None, 0
         while not state.done and not state.cancelled:
@@ -450,30 +476,13 @@ class DiTPipeline:
         snap["fused_step"] = self.fused.describe()
         kernels = getattr(self.runner, "kernels", None)
         snap["kernels"] = self._kernel_stats(kernels, state)
+        snap["lora"] = None if self.lora is None else self.lora.describe()
         return snap
 
     def _kernel_stats(self, kernels: CompiledKernels | None, state: dict[str, dict]) -> dict:
-        """``/v1/buckets``' ``kernels``: the tier, the check's tolerance, compile time, failures and the cache.
-
-        ``start`` says how the buckets were prepared: ``cold`` (every compile missed inductor's FX graph cache),
-        ``warm`` (every one hit it or loaded a precompiled block), ``partial``, or ``eager`` (nothing compiled);
-        ``prepare_s`` is the seconds from the first bucket's preparation to the last one's (compiles, checks and
-        captures). ``precompiled``: the ahead-of-time compiled blocks loaded, saved, rebuilt (a file that did not
-        load) and unsaved in this process (:mod:`bcg_core.runners.precompiled`; None where off)."""
-        hits, misses = (kernels.cache_hits, kernels.cache_misses) if kernels else (0, 0)
-        start = "eager" if kernels is None else "warm" if hits and not misses else "partial" if hits else "cold"
-        return {
-            "tier": kernel_tier(self.config, self.model.device).value, "configured": self.config.runner.kernels,
-            "mode": None if kernels is None else kernels.mode,
-            "regional": None if kernels is None else kernels.regional,
-            "rtol": None if kernels is None else kernels.rtol, "rtol_from": None if kernels is None else kernels.rtol_note,
-            "compile_s": 0.0 if kernels is None else round(kernels.compile_s, 3),
-            "compile_failed": sum(1 for d in state.values() if d.get("kernels") == "eager") if kernels else 0,
-            "compile_timeouts": 0 if kernels is None else kernels.timeouts,
-            "timeout_s": None if kernels is None else kernels.timeout_s,
-            "fp8_layers": getattr(self.model, "fp8_layers", 0),
-            "cache_dir": None if kernels is None else kernels.cache_dir,
-            "cache_hits": hits, "cache_misses": misses, "start": start, "prepare_s": round(self.prepare_s, 3),
-            "attention": None if kernels is None else kernels.attention,
-            "precompiled": None if kernels is None or kernels.precompiled is None else {
-                k: getattr(kernels.precompiled, k) for k in ("loads", "saves", "rebuilt", "unsaved")}}
+        """``/v1/buckets``' ``kernels``: the tier and :func:`~bcg_core.runners.kernels.kernel_stats` (tolerance,
+        compile time, failures, the caches, ``start``); ``prepare_s`` is the seconds from the first bucket's
+        preparation to the last one's (compiles, checks and captures)."""
+        return {"tier": kernel_tier(self.config, self.model.device).value, "configured": self.config.runner.kernels,
+                **kernel_stats(kernels, state), "fp8_layers": getattr(self.model, "fp8_layers", 0),
+                "prepare_s": round(self.prepare_s, 3)}

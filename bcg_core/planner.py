@@ -19,7 +19,7 @@ from bcg_core.request import (
     MAX_PARTIAL_IMAGES, QUALITIES, QUALITY_ALIASES, SEED_MAX, GenerationRequest, PlannedRequest,
 )
 from bcg_core.table import BucketLookup, BucketTable, ShapeRules
-from bcg_core.config import EngineConfig, LimitsConfig, MissPolicy
+from bcg_core.config import EngineConfig, LimitsConfig, LoRAConfig, MissPolicy
 from bcg_core.errors import BucketMissError, RequestError
 from bcg_core.families.base import ModelSpec
 
@@ -33,7 +33,7 @@ def _is_int(v) -> bool:
 
 
 def allowed_values(name: str, limits: LimitsConfig, size_multiple: int | None = 16,
-                   resolutions: tuple[str, ...] = ()) -> str | None:
+                   resolutions: tuple[str, ...] = (), lora: LoRAConfig | None = None) -> str | None:
     """What request field ``name`` accepts under ``limits``: the one wording of every limit message (the planner's
     errors and the HTTP schema's type errors both use it). None for a field the engine does not validate.
 
@@ -43,6 +43,7 @@ def allowed_values(name: str, limits: LimitsConfig, size_multiple: int | None = 
         size_multiple: width and height must be multiples of it (the model's pixels per token side); None for
             a family with resolution binning (any size: generated at its aspect-ratio bin, resized back).
         resolutions: the bucket resolution tiers, named in the ``size`` phrase.
+        lora: the ``lora`` section, for the ``lora`` phrase.
     """
     from bcg_core.images import IMAGE_FORMATS
 
@@ -77,6 +78,11 @@ def allowed_values(name: str, limits: LimitsConfig, size_multiple: int | None = 
         return ", ".join(repr(q) for q in QUALITIES) + f", {aliases} (a step count each; see /v1/models)"
     if name == "partial_images":
         return f"an integer from 0 to {MAX_PARTIAL_IMAGES}, with stream: true"
+    if name == "lora":
+        if lora is None or lora.dir is None:
+            return "nothing: this deployment serves no LoRA adapters (lora.dir is unset)"
+        return (f"a list of at most {lora.max_per_request} {{\"name\": ..., \"scale\": ...}} with distinct names of "
+                f"adapters in GET /v1/models and scales from {-lora.max_scale:g} to {lora.max_scale:g}")
     return None
 
 
@@ -232,7 +238,8 @@ class Planner:
                                  or not 0.0 <= tcfg <= lim.max_guidance_scale):
             raise bad("true_cfg_scale", tcfg, "out of range")
         self._check_output(r)
-        filled = replace(r, num_inference_steps=steps, guidance_scale=None if g is None else float(g),
+        lora = self._check_lora(r.lora)
+        filled = replace(r, lora=lora, num_inference_steps=steps, guidance_scale=None if g is None else float(g),
                          negative_prompt=neg, seed=seed, true_cfg_scale=None if tcfg is None else float(tcfg),
                          quality=quality)
         self.spec.check(filled)
@@ -260,8 +267,38 @@ class Planner:
     def _bad(self, name: str, got: object, reason: str) -> RequestError:
         """The error of a refused field, in the one wording of limit messages (:func:`invalid`, :func:`allowed_values`)."""
         multiple = None if self.spec.size_bins else self.rules.pixels_per_token
-        return RequestError(name, invalid(name, got, reason, allowed_values(name, self.limits, multiple,
-                                                                          tuple(self.config.buckets.resolutions))))
+        return RequestError(name, invalid(name, got, reason, allowed_values(
+            name, self.limits, multiple, tuple(self.config.buckets.resolutions), self.config.lora)))
+
+    def _check_lora(self, lora) -> tuple[tuple[str, float], ...]:
+        """``lora`` as ``((name, float scale), ...)``: at most ``lora.max_per_request`` entries, distinct names that
+        pass :data:`~bcg_core.lora.files.NAME_RE`, finite scales within ``lora.max_scale``. Whether each adapter
+        exists and fits the model is the replica's check (:class:`~bcg_core.lora.slots.AdapterSlots`)."""
+        import math
+
+        from bcg_core.lora.files import NAME_RE
+
+        if not lora:
+            return ()
+        cfg = self.config.lora
+        if cfg.dir is None:
+            raise self._bad("lora", lora, "this deployment serves no LoRA adapters")
+        entries = list(lora) if isinstance(lora, (list, tuple)) else None
+        if entries is None or not all(isinstance(e, (list, tuple)) and len(e) == 2 for e in entries):
+            raise self._bad("lora", lora, "not a list of (name, scale) entries")
+        if len(entries) > cfg.max_per_request:
+            raise self._bad("lora", f"{len(entries)} adapters", f"more than {cfg.max_per_request} adapters")
+        out = []
+        for name, scale in entries:
+            if not isinstance(name, str) or not NAME_RE.match(name):
+                raise self._bad("lora", name, "not an adapter name (letters, digits, '_', '.', '-'; no path)")
+            if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) \
+                    or abs(scale) > cfg.max_scale:
+                raise self._bad("lora", scale, f"the scale of {name!r} is out of range")
+            out.append((name, float(scale)))
+        if len({n for n, _ in out}) < len(out):
+            raise self._bad("lora", [n for n, _ in out], "an adapter is named twice")
+        return tuple(out)
 
     def _check_output(self, r: GenerationRequest) -> None:
         """Refuse an unknown ``output_format``, an ``output_compression`` out of 0..100 (or below 100 for png) and

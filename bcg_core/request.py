@@ -52,6 +52,9 @@ class GenerationRequest:
         output_compression: 0..100 for jpeg and webp (None: 100); None or 100 for png.
         partial_images: previews to stream while denoising, 0..3 (:mod:`bcg_core.preview`); 0 for a request
             that is not streamed.
+        lora: LoRA adapters, ``((name, scale), ...)``: each a name in ``lora.dir`` and its weight (diffusers'
+            ``set_adapters`` weight, ``|scale| <= lora.max_scale``), at most ``lora.max_per_request``, names
+            unique (:mod:`bcg_core.lora`). Empty: the base model.
     """
 
     prompt: str
@@ -67,6 +70,7 @@ class GenerationRequest:
     output_format: str = "png"
     output_compression: int | None = None
     partial_images: int = 0
+    lora: tuple[tuple[str, float], ...] = ()
 
 
 QUALITIES = ("low", "medium", "high", "auto")

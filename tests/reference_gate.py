@@ -37,15 +37,15 @@ class GateRun:
 
 
 def bcg_pipeline(folder, buckets: dict, device: str = "cpu", fused_step: str = "auto", dtype: str = "float32",
-                 kernels: str = "eager", **limits) -> DiTPipeline:
+                 kernels: str = "eager", lora: dict | None = None, **limits) -> DiTPipeline:
     """A :class:`DiTPipeline` on ``folder`` (weights in ``dtype``, fp32 unless given) with bucket table ``buckets``
     and small-size limits, on ``device`` (``"cuda"``: the runner captures and replays CUDA graphs),
     ``runner.fused_step`` and ``runner.kernels`` as given, and :func:`bucket_costs` (every step on buckets,
-    padded), which is what the gate checks."""
+    padded), which is what the gate checks. ``lora``: the ``lora`` section (adapters per request)."""
     lim = {"min_side_px": 16, "max_side_px": 1024, "max_steps": 50, **limits}
     cfg = EngineConfig(model=ModelConfig(path=str(folder), device=device, dtype=dtype),
                        buckets=BucketConfig(**buckets), limits=LimitsConfig(**lim),
-                       runner={"fused_step": fused_step, "kernels": kernels})
+                       runner={"fused_step": fused_step, "kernels": kernels}, lora=lora or {})
     return padded(DiTPipeline.from_config(cfg))
 
 
@@ -70,18 +70,27 @@ def _png(image) -> bytes:
 
 
 def diffusers_run(pipeline_cls, folder, request: GenerationRequest, device: str = "cpu",
-                  load_kwargs: dict | None = None, **call_kwargs) -> GateRun:
+                  load_kwargs: dict | None = None, lora_dir=None, **call_kwargs) -> GateRun:
     """Run the diffusers pipeline itself on ``request`` (its ``seed`` must be set), fp32 on ``device``.
 
     ``load_kwargs`` go to ``from_pretrained`` (e.g. ``text_encoder_3=None, tokenizer_3=None`` for an SD3
     checkpoint saved without T5, as diffusers documents); ``call_kwargs`` are passed on to the call as they are
     (e.g. ``max_sequence_length``); prompt, n, size, generators (CPU generators, as bcg-serve's) and, where
     ``request`` sets them, negative prompt, steps, guidance and true CFG scale come from ``request`` (one it leaves
-    unset is left to the pipeline's default, as a diffusers user who omits it).
+    unset is left to the pipeline's default, as a diffusers user who omits it). The request's ``lora`` adapters
+    are read from ``lora_dir`` with ``load_lora_weights(path, adapter_name=name)`` and weighted by
+    ``set_adapters(names, scales)``, as a diffusers user applies them.
     """
     pipe = pipeline_cls.from_pretrained(str(folder), torch_dtype=torch.float32, local_files_only=True,
                                         **(load_kwargs or {})).to(device)
     pipe.set_progress_bar_config(disable=True)
+    if request.lora:
+        from pathlib import Path
+
+        for name, _ in request.lora:
+            file = Path(lora_dir) / f"{name}.safetensors"
+            pipe.load_lora_weights(str(file if file.is_file() else Path(lora_dir) / name), adapter_name=name)
+        pipe.set_adapters([n for n, _ in request.lora], [s for _, s in request.lora])
     kwargs = dict(prompt=request.prompt, num_images_per_prompt=request.n, width=request.width,
                   height=request.height, **call_kwargs)
     for name in ("num_inference_steps", "guidance_scale", "negative_prompt", "true_cfg_scale"):
@@ -98,10 +107,14 @@ def diffusers_run(pipeline_cls, folder, request: GenerationRequest, device: str 
 
 
 def bcg_run(pipe: DiTPipeline, request: GenerationRequest) -> GateRun:
-    """Serve ``request`` alone through the step-level loop; its final latents and PNGs."""
-    state = pipe.start(pipe.planner.plan(request))
+    """Serve ``request`` alone through the step-level loop (its adapters leased first); final latents and PNGs."""
+    plan = pipe.planner.plan(request)
+    lease = pipe.lease(plan)
+    state = pipe.start(plan, lease=lease)
     while not state.done:
         pipe.step([state])
+    if lease is not None:
+        lease.release()
     return GateRun(state.latents.float().cpu(), pipe.finish(state))
 
 
@@ -113,13 +126,17 @@ def bcg_run_joined(pipe: DiTPipeline, request: GenerationRequest, other: Generat
     Returns:
         ``(request's run, other's run)``.
     """
-    b = pipe.start(pipe.planner.plan(other))
+    pb, pa = pipe.planner.plan(other), pipe.planner.plan(request)
+    b = pipe.start(pb, lease=pipe.lease(pb))
     for _ in range(head_start):
         pipe.step([b])
-    a = pipe.start(pipe.planner.plan(request))
+    a = pipe.start(pa, lease=pipe.lease(pa))
     assert a.step_index == 0 and b.step_index == head_start
     while not (a.done and b.done):
         pipe.step([s for s in (a, b) if not s.done])
+    for s in (a, b):
+        if s.extras.get("lora") is not None:
+            s.extras["lora"].release()
     return GateRun(a.latents.float().cpu(), pipe.finish(a)), GateRun(b.latents.float().cpu(), pipe.finish(b))
 
 

@@ -309,6 +309,9 @@ class Family(Protocol):
     """Short family id, e.g. ``"flux"``: metrics, ``/v1/buckets`` and logs use it."""
     pipeline_classes: ClassVar[tuple[str, ...]]
     """``_class_name`` values of ``model_index.json`` this family loads."""
+    lora_loader: ClassVar[str | None]
+    """The diffusers pipeline class whose ``lora_state_dict`` reads this family's LoRA files
+    (:mod:`bcg_core.lora.files`), or None where diffusers has no LoRA loader for it (PixArt-Sigma)."""
 
     model_name: str
     spec: ModelSpec
@@ -465,6 +468,9 @@ def concat_rows(parts: list[DenoiseInputs]) -> DenoiseInputs:
             texts.append(p.text)
             masks.append(p.text_mask)
     guidance = [p.guidance for p in parts]
+    lora = [p.lora_slots is not None for p in parts]
+    if any(lora) and not all(lora):
+        raise ValueError("rows with and without LoRA entries cannot share one forward")
     return DenoiseInputs(
         latents=torch.cat([p.latents for p in parts]),
         text=torch.cat(texts),
@@ -473,4 +479,6 @@ def concat_rows(parts: list[DenoiseInputs]) -> DenoiseInputs:
         grid=parts[0].grid,
         guidance=None if guidance[0] is None else torch.cat(guidance),
         text_mask=torch.cat(masks) if masked[0] else None,
+        lora_slots=torch.cat([p.lora_slots for p in parts]) if lora[0] else None,
+        lora_scales=torch.cat([p.lora_scales for p in parts]) if lora[0] else None,
     )

@@ -236,6 +236,7 @@ class FluxFamily:
 
     name = "flux"
     pipeline_classes = ("FluxPipeline",)
+    lora_loader = "FluxPipeline"
 
     def __init__(self, name: str, spec: ModelSpec, transformer, vae, scheduler, image_processor, encoder, counter,
                  device: torch.device, dtype: torch.dtype):

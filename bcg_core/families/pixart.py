@@ -172,6 +172,7 @@ class PixArtSigmaFamily:
 
     name = "pixart"
     pipeline_classes = ("PixArtSigmaPipeline",)
+    lora_loader = None  # PixArtSigmaPipeline has no LoRA loader in diffusers
     guidance_embeds = False
 
     def __init__(self, spec: ModelSpec, pipe, device: torch.device, dtype: torch.dtype):

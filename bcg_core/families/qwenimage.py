@@ -247,6 +247,7 @@ class QwenImageFamily:
 
     name = "qwenimage"
     pipeline_classes = ("QwenImagePipeline",)
+    lora_loader = "QwenImagePipeline"
 
     def __init__(self, name: str, spec: ModelSpec, pipe, counter, device: torch.device, dtype: torch.dtype):
         self.model_name = name

@@ -197,6 +197,7 @@ class SanaFamily:
 
     name = "sana"
     pipeline_classes = ("SanaPipeline",)
+    lora_loader = "SanaPipeline"
     guidance_embeds = False
 
     def __init__(self, spec: ModelSpec, pipe, device: torch.device, dtype: torch.dtype):

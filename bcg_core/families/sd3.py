@@ -215,6 +215,7 @@ class SD3Family:
 
     name: ClassVar[str] = "sd3"
     pipeline_classes: ClassVar[tuple[str, ...]] = ("StableDiffusion3Pipeline",)
+    lora_loader: ClassVar[str | None] = "StableDiffusion3Pipeline"
 
     def __init__(self, spec: ModelSpec, pipe, device: torch.device, dtype: torch.dtype):
         self.model_name = spec.name

@@ -427,6 +427,27 @@ _REFIRE_S = 0.05
 """Seconds between repeats of a compile deadline's exception (:func:`_deadline`)."""
 
 
+def kernel_stats(kernels: CompiledKernels | None, state: dict[str, dict]) -> dict:
+    """What ``/v1/buckets``' ``kernels`` shows of ``kernels`` (None: eager kernels), ``state`` being each bucket's
+    runner description by key.
+
+    ``start`` says how the buckets were prepared: ``cold`` (every compile missed inductor's FX graph cache),
+    ``warm`` (every one hit it or loaded a precompiled block), ``partial``, or ``eager`` (nothing compiled).
+    ``precompiled``: the ahead-of-time compiled blocks loaded, saved, rebuilt (a file that did not load) and
+    unsaved in this process (:mod:`bcg_core.runners.precompiled`; None where off)."""
+    k = kernels
+    hits, misses = (k.cache_hits, k.cache_misses) if k else (0, 0)
+    start = "eager" if k is None else "warm" if hits and not misses else "partial" if hits else "cold"
+    pre = None if k is None else k.precompiled
+    return {
+        "mode": k and k.mode, "regional": k and k.regional, "rtol": k and k.rtol, "rtol_from": k and k.rtol_note,
+        "compile_s": round(k.compile_s, 3) if k else 0.0,
+        "compile_failed": sum(1 for d in state.values() if d.get("kernels") == "eager") if k else 0,
+        "compile_timeouts": k.timeouts if k else 0, "timeout_s": k and k.timeout_s, "cache_dir": k and k.cache_dir,
+        "cache_hits": hits, "cache_misses": misses, "start": start, "attention": k and k.attention,
+        "precompiled": None if pre is None else {n: getattr(pre, n) for n in ("loads", "saves", "rebuilt", "unsaved")}}
+
+
 def _fx_cache_counts() -> tuple[int, int]:
     """Inductor's FX graph cache hits and misses so far in this process (``torch._dynamo.utils.counters``)."""
     from torch._dynamo.utils import counters

@@ -55,6 +55,7 @@ class InFlight:
     preview_at: tuple[int, ...] = ()  # steps done after which a preview is taken
     previews_pending: int = 0  # queued for the preview thread, not drawn yet
     held: GenerationResult | None = None  # the result, waiting for the request's pending previews
+    lease: object | None = None  # its LoRA adapters' slots (bcg_core.lora.slots.Lease), released once answered
 
     def answer(self, value: GenerationResult | BaseException) -> None:
         """Hand ``value`` to the caller's future, on the caller's event loop (thread-safe; nothing happens if the

@@ -57,11 +57,13 @@ class Flight:
         return [*self.starting, *(i for g in self.running.values() for i in g)]
 
     def resolve(self, item: InFlight, value: GenerationResult | BaseException) -> None:
-        """``item`` is answered: it leaves flight and its caller gets ``value``."""
+        """``item`` is answered: it leaves flight (its LoRA lease released) and its caller gets ``value``."""
         with self.cv:
             self.live.discard(item)
             self.finishing.discard(item)
             idle = not self.live
+        if item.lease is not None:  # answered: no forward of it runs any more, its adapters' slots may go
+            item.lease.release()
         if idle and self._on_idle is not None:
             self._on_idle()
         item.answer(value)

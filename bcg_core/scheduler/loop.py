@@ -155,7 +155,7 @@ class DenoisingLoop:
             self._flight.retire(item, RequestCancelled("the request was cancelled by its caller"), cancelled=True)
             return
         try:
-            item.state = self.pipeline.start(item.plan, item.cancel)
+            item.state = self.pipeline.start(item.plan, item.cancel, item.lease)
         except Exception as e:  # noqa: BLE001 - this request's own error
             with self._flight.cv:
                 self._flight.admission.failed(item)

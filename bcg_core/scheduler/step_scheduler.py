@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Callable
 
 import torch
 
-from bcg_core.errors import RequestCancelled
+from bcg_core.errors import RequestCancelled, RequestError
 from bcg_core.pipeline import DiTPipeline
 from bcg_core.preview import PartialImage, preview_steps
 from bcg_core.request import GenerationResult, PlannedRequest
@@ -145,6 +145,8 @@ class StepScheduler:
         Raises:
             TypeError: ``plan`` is not a :class:`~bcg_core.request.PlannedRequest` (nothing is queued).
             RequestCancelled: its cancel event was set.
+            RequestError: an adapter of its ``lora`` that cannot be served (HTTP 422, naming it and why).
+            ServiceUnavailable: its adapters did not load within ``lora.load_timeout_s`` (HTTP 503).
             asyncio.CancelledError: the caller was cancelled; the request leaves at the next step boundary.
             Exception: whatever broke its start or a forward it took part in.
         """
@@ -159,10 +161,18 @@ class StepScheduler:
         if on_preview is not None and self._previews.available and plan.request.partial_images > 0:
             item.on_preview = on_preview
             item.preview_at = preview_steps(plan.request.num_inference_steps, plan.request.partial_images)
+        if plan.request.lora:  # its adapters are resident before it queues: the denoising thread never waits
+            lora = self.pipeline.lora
+            if lora is None:
+                raise RequestError("lora", "lora: this deployment serves no LoRA adapters (lora.dir is unset)")
+            item.lease = await lora.lease_async(tuple(n for n, _ in plan.request.lora),
+                                                tuple(s for _, s in plan.request.lora))
         self._ensure_started()
         self.meter.arrive(shape)
         with self.flight.cv:
             if self.flight.closed:
+                if item.lease is not None:
+                    item.lease.release()
                 raise RuntimeError("the step scheduler is closed")
             self.flight.admission.waiting.append(item)
             self.flight.live.add(item)

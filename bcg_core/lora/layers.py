@@ -1,0 +1,187 @@
+"""Batched LoRA inside the transformer: every row of a forward adds its own adapters' deltas.
+
+Each targeted ``nn.Linear`` is wrapped by :class:`LoRALinear` (the original layer kept as ``.base``, as peft
+keeps ``base_layer``), which holds the stacked weights of every slot in static buffers::
+
+    A:       (slots + 1, max_rank, in_features)     lora_A of each slot, ranks zero-padded
+    Bt:      (slots + 1, max_rank, out_features)    lora_B transposed, zero-padded alike
+    scaling: (slots + 1,)  float32                  peft's lora_alpha / r of the slot's adapter for this layer
+
+Slot 0 is "no adapter" and stays zero. A forward's rows carry ``slots`` (rows, K) int64 and ``scales`` (rows, K)
+float32 (K = ``lora.max_per_request``; an unused entry is slot 0 with scale 0): row ``i`` computes::
+
+    y_i = W x_i + b + sum_k scales[i, k] * scaling[s] * B_s (A_s x_i),   s = slots[i, k]
+
+which is peft's ``base_layer(x) + lora_B(lora_A(x)) * scaling`` summed over the active adapters, with
+``set_adapters``' weight as ``scales[i, k]``. Zero-padding a rank is exact (the padded products are zeros).
+
+The rows reach the layers as a thread-local (:meth:`LoRALayers.rows`), set around each forward by the padding
+wrapper (:class:`~bcg_core.lora.rows.LoRAAdapter`) to that bucket's own static buffers; the delta is one
+custom operator (``bcg::lora_add``), opaque to dynamo and inductor, that reads them when it runs. So a CUDA graph
+captured over a bucket reads that bucket's row buffers at fixed addresses, a compiled block (traced or
+precompiled) needs no guard on them, and a capture on another thread never sees this thread's rows. Loading an
+adapter copies into the buffers in place (:meth:`LoRALayers.write`): no graph is captured again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+import threading
+from collections.abc import Iterator
+
+import torch
+
+__all__ = ["LoRALayers", "LoRALinear", "lora_add"]
+
+_ROWS = threading.local()
+
+
+@torch.library.custom_op("bcg::lora_add", mutates_args=())
+def lora_add(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, Bt: torch.Tensor,
+             scaling: torch.Tensor) -> torch.Tensor:
+    """``y`` plus each row's LoRA deltas (module docstring), rows from this thread's :meth:`LoRALayers.rows`.
+
+    Args:
+        y: (n, ..., out) the base layer's output.
+        x: (n, ..., in) its input; ``n`` is the forward's rows (every layer of the DiTs served here keeps the
+            batch first: (n, tokens, features) or (n, features)).
+        A, Bt, scaling: the layer's slot buffers (module docstring).
+
+    Returns:
+        A new tensor shaped as ``y``. Without rows set (a forward outside the padding wrapper: checks, tests),
+        ``y`` unchanged (a copy).
+
+    Raises:
+        ValueError: rows set for another number of rows than ``x`` has.
+    """
+    rows = getattr(_ROWS, "current", None)
+    if rows is None:
+        return y.clone()
+    slots, scales = rows
+    n = x.shape[0]
+    if slots.shape[0] != n:  # a layer fed something other than one entry per row would mix up adapters
+        raise ValueError(f"LoRA rows set for {slots.shape[0]} rows, the layer's input has {n} in its first dimension")
+    k = slots.shape[1]
+    a = A[slots].flatten(1, 2)  # (n, K*r, in)
+    bt = Bt[slots].flatten(1, 2)  # (n, K*r, out)
+    weight = (scales * scaling[slots]).to(x.dtype)  # (n, K)
+    x3 = x.reshape(n, -1, x.shape[-1])  # (n, T, in)
+    h = torch.bmm(x3, a.transpose(1, 2))  # (n, T, K*r)
+    h = (h.unflatten(2, (k, -1)) * weight[:, None, :, None]).flatten(2)
+    return torch.baddbmm(y.reshape(n, -1, y.shape[-1]), h, bt).reshape(y.shape)
+
+
+@lora_add.register_fake
+def _(y, x, A, Bt, scaling):
+    return torch.empty_like(y)
+
+
+class LoRALinear(torch.nn.Module):
+    """An ``nn.Linear`` with batched per-row LoRA (module docstring). ``in_features`` and ``out_features`` are the
+    base layer's; ``weight`` and ``bias`` are its parameters (so code reading them sees the layer unchanged)."""
+
+    def __init__(self, base: torch.nn.Linear, slots: int, max_rank: int):
+        super().__init__()
+        self.base = base
+        self.in_features, self.out_features = base.in_features, base.out_features
+        w = base.weight
+        self.register_buffer("A", torch.zeros(slots + 1, max_rank, base.in_features, device=w.device, dtype=w.dtype),
+                             persistent=False)
+        self.register_buffer("Bt", torch.zeros(slots + 1, max_rank, base.out_features, device=w.device,
+                                               dtype=w.dtype), persistent=False)
+        self.register_buffer("scaling", torch.zeros(slots + 1, device=w.device, dtype=torch.float32),
+                             persistent=False)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The base layer's weight (out, in)."""
+        return self.base.weight
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        """The base layer's bias (out,) or None."""
+        return self.base.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return lora_add(self.base(x), x, self.A, self.Bt, self.scaling)
+
+
+class LoRALayers:
+    """The targeted linear layers of one transformer, wrapped in place, and their slot buffers.
+
+    Args:
+        transformer: the family's transformer, on its device and dtype (layers are replaced in it).
+        slots: ``lora.slots`` (adapters resident at once; slot 0, "no adapter", comes on top).
+        max_rank: ``lora.max_rank``.
+        max_per_request: ``lora.max_per_request`` (K, the adapters one row may carry).
+        targets: ``lora.targets``: module-name patterns (``fnmatch``) of the linear layers to wrap; None: every
+            linear layer of the transformer (LoRA trainers put theirs in the blocks' attention, MLP and
+            modulation layers, some also in the embedders and the final projection; the layers outside the
+            blocks hold a few percent of the slot memory).
+
+    Raises:
+        ValueError: no linear layer matches.
+    """
+
+    def __init__(self, transformer: torch.nn.Module, slots: int, max_rank: int, max_per_request: int,
+                 targets: list[str] | None = None):
+        self.slots, self.max_rank, self.max_per_request = slots, max_rank, max_per_request
+        wanted = lambda name: targets is None or any(fnmatch.fnmatchcase(name, p) for p in targets)  # noqa: E731
+        names = [n for n, m in transformer.named_modules() if type(m) is torch.nn.Linear and wanted(n)]
+        if not names:
+            raise ValueError(f"lora.targets {targets} match no linear layer of {type(transformer).__name__}")
+        self.layers: dict[str, LoRALinear] = {}
+        for name in names:
+            parent_name, _, child = name.rpartition(".")
+            parent = transformer.get_submodule(parent_name) if parent_name else transformer
+            wrapped = LoRALinear(getattr(parent, child), slots, max_rank)
+            setattr(parent, child, wrapped)
+            self.layers[name] = wrapped
+        self.device = next(iter(self.layers.values())).A.device
+
+    def shapes(self) -> dict[str, tuple[int, int]]:
+        """Module name -> ``(in_features, out_features)`` of every wrapped layer (what an adapter may change)."""
+        return {n: (m.in_features, m.out_features) for n, m in self.layers.items()}
+
+    @property
+    def nbytes(self) -> int:
+        """Device bytes of the slot buffers."""
+        return sum(b.numel() * b.element_size() for m in self.layers.values() for b in (m.A, m.Bt, m.scaling))
+
+    def write(self, slot: int, adapter) -> None:
+        """Copy ``adapter`` (:class:`~bcg_core.lora.files.AdapterWeights`) into ``slot`` of every layer, in place
+        (a layer it does not change gets zeros). Runs on the current CUDA stream: the caller (the loader thread)
+        runs it on its own stream and synchronizes it before any row uses the slot.
+
+        Raises:
+            ValueError: slot 0 or one out of range, or an adapter layer that is not wrapped here.
+        """
+        if not 1 <= slot <= self.slots:
+            raise ValueError(f"slot {slot} is not one of 1..{self.slots}")
+        stray = set(adapter.layers) - set(self.layers)
+        if stray:
+            raise ValueError(f"adapter {adapter.name!r} changes layers not wrapped here: {sorted(stray)[:3]}")
+        for name, layer in self.layers.items():
+            delta = adapter.layers.get(name)
+            layer.A[slot].zero_()
+            layer.Bt[slot].zero_()
+            if delta is None:
+                layer.scaling[slot] = 0.0
+                continue
+            r = delta.rank
+            layer.A[slot, :r].copy_(delta.A, non_blocking=True)
+            layer.Bt[slot, :r].copy_(delta.B.t(), non_blocking=True)
+            layer.scaling[slot] = delta.scaling
+
+    @staticmethod
+    @contextlib.contextmanager
+    def rows(slots: torch.Tensor | None, scales: torch.Tensor | None) -> Iterator[None]:
+        """Forwards on this thread inside the block use ``slots`` (n, K) int64 and ``scales`` (n, K) float32 on
+        the layers' device (None: no rows, every delta skipped), restoring the previous rows after."""
+        before = getattr(_ROWS, "current", None)
+        _ROWS.current = None if slots is None else (slots, scales)
+        try:
+            yield
+        finally:
+            _ROWS.current = before

@@ -1,0 +1,94 @@
+"""Each row's adapters through padding, capture and replay: the family's padding adapter with LoRA rows.
+
+:class:`LoRAAdapter` wraps a family's :class:`~bcg_core.padding.DiTAdapter`. A bucket's static buffers gain
+``lora_slots`` (B, K) int64 and ``lora_scales`` (B, K) float32; :meth:`LoRAAdapter.fill` writes the real rows'
+entries and slot 0 with scale 0 on pad rows (their output is dropped); :meth:`LoRAAdapter.forward` runs the
+family's forward with those buffers as this thread's rows (:meth:`~bcg_core.lora.layers.LoRALayers.rows`), so a
+graph captured over the bucket reads them where they live. Everything else is the family's own.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from bcg_core.keys import BucketKey
+from bcg_core.lora.layers import LoRALayers
+from bcg_core.padding import DenoiseInputs
+
+__all__ = ["LoRAAdapter", "request_rows"]
+
+
+def request_rows(slots: tuple[int, ...], scales: tuple[float, ...], rows: int, k: int,
+                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """One request's LoRA entries on each of its ``rows`` rows (cond and uncond rows alike: diffusers' pipeline
+    runs both through the adapted transformer), padded to ``k`` entries with slot 0 and scale 0.
+
+    Returns:
+        ``(slots (rows, k) int64, scales (rows, k) float32)`` on ``device``.
+    """
+    s = list(slots) + [0] * (k - len(slots))
+    w = list(scales) + [0.0] * (k - len(scales))
+    return (torch.tensor([s], dtype=torch.int64).expand(rows, k).to(device),
+            torch.tensor([w], dtype=torch.float32).expand(rows, k).to(device))
+
+
+class LoRAAdapter:
+    """A family's padding adapter whose forwards carry per-row LoRA entries (module docstring).
+
+    Args:
+        inner: the family's adapter.
+        layers: the transformer's wrapped layers.
+    """
+
+    def __init__(self, inner, layers: LoRALayers):
+        self.inner = inner
+        self.layers = layers
+        self.k = layers.max_per_request
+
+    def __getattr__(self, name):  # family, rules, model, timestep_max, example_latents ... are the family's
+        return getattr(self.inner, name)
+
+    def allocate(self, key: BucketKey, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """The family's buffers of ``key`` plus ``lora_slots`` (B, K) int64 and ``lora_scales`` (B, K) float32."""
+        buffers = self.inner.allocate(key, device, dtype)
+        b = key.batch
+        buffers["lora_slots"] = torch.zeros(b, self.k, device=device, dtype=torch.int64)
+        buffers["lora_scales"] = torch.zeros(b, self.k, device=device, dtype=torch.float32)
+        return buffers
+
+    def fill(self, buffers: dict[str, torch.Tensor], inputs: DenoiseInputs) -> None:
+        """The family's fill, then each real row's entries (none: slot 0) and slot 0 on pad rows.
+
+        Raises:
+            ValueError: as the family's fill, or entries wider than K.
+        """
+        self.inner.fill(buffers, inputs)
+        slots, scales = buffers["lora_slots"], buffers["lora_scales"]
+        n = inputs.rows
+        if inputs.lora_slots is None:
+            slots.zero_()
+            scales.zero_()
+            return
+        if inputs.lora_slots.shape[1] != self.k:
+            raise ValueError(f"rows carry {inputs.lora_slots.shape[1]} LoRA entries, the layers take {self.k}")
+        slots[:n].copy_(inputs.lora_slots)
+        scales[:n].copy_(inputs.lora_scales)
+        slots[n:].zero_()
+        scales[n:].zero_()
+
+    def forward(self, buffers: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The family's padded forward with the buffers' rows as this thread's LoRA rows."""
+        with self.layers.rows(buffers["lora_slots"], buffers["lora_scales"]):
+            return self.inner.forward(buffers)
+
+    def unpad(self, output: torch.Tensor, inputs: DenoiseInputs) -> torch.Tensor:
+        """The family's unpad."""
+        return self.inner.unpad(output, inputs)
+
+    def forward_eager(self, inputs: DenoiseInputs) -> torch.Tensor:
+        """The family's unpadded forward with ``inputs``' entries as this thread's LoRA rows (none: no deltas)."""
+        if inputs.lora_slots is None:
+            return self.inner.forward_eager(inputs)
+        device = self.layers.device
+        with self.layers.rows(inputs.lora_slots.to(device), inputs.lora_scales.to(device)):
+            return self.inner.forward_eager(inputs)

@@ -1,0 +1,323 @@
+"""Which adapters sit in which GPU slots: leases, least-recently-used eviction and loading off the step thread.
+
+A request that names adapters takes a :class:`Lease` before it is queued: each adapter is pinned in a slot for
+as long as the request is in flight, so no row ever reads a slot that is being overwritten. An adapter already
+resident is a *hit* (pinned at once, on the caller's thread). Any other is loaded by one loader thread: read from
+disk into host memory (:class:`~bcg_core.lora.files.AdapterFiles`; the last ``host_cache`` adapters read are kept
+there), copied into a free slot or the least recently used slot that no lease pins (an *eviction*), on a CUDA
+stream of its own, synchronized before the lease is handed out. The denoising thread never waits for a load:
+a request joins the step scheduler only with its lease. A caller waits at most ``timeout_s`` (then
+:class:`~bcg_core.errors.ServiceUnavailable`, HTTP 503 with Retry-After); an adapter that cannot be served is a
+:class:`~bcg_core.errors.RequestError` naming it and the reason (HTTP 422), and the replica serves on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from bcg_core.errors import RequestError, ServiceUnavailable
+from bcg_core.lora.files import AdapterError, AdapterFiles, AdapterWeights
+from bcg_core.lora.layers import LoRALayers
+
+__all__ = ["AdapterSlots", "Lease"]
+
+
+@dataclass
+class Lease:
+    """Slots pinned for one request. ``slots[i]`` holds ``names[i]``; ``scales[i]`` is its request scale."""
+
+    names: tuple[str, ...]
+    slots: tuple[int, ...]
+    scales: tuple[float, ...]
+    owner: AdapterSlots | None = field(default=None, repr=False)
+    waited_s: float = 0.0
+    """Seconds the request waited for a load (0 for a hit)."""
+
+    def release(self) -> None:
+        """Unpin the slots (idempotent)."""
+        owner, self.owner = self.owner, None
+        if owner is not None:
+            owner._unpin(self.slots)
+
+
+@dataclass
+class _Counts:
+    requests: int = 0
+    hits: int = 0
+    loads: int = 0
+    load_s: float = 0.0
+    evictions: int = 0
+    refused: int = 0
+
+
+class AdapterSlots:
+    """The replica's adapter slots (module docstring).
+
+    Args:
+        files: the adapter folder.
+        layers: the transformer's LoRA layers (``layers.slots`` slots).
+        timeout_s: ``lora.load_timeout_s``: most seconds a request waits for its adapters.
+        host_cache: adapters kept in host memory after they were read.
+        retry_after_s: the ``Retry-After`` of a 503.
+    """
+
+    def __init__(self, files: AdapterFiles, layers: LoRALayers, timeout_s: float = 30.0, host_cache: int = 32,
+                 retry_after_s: float = 2.0):
+        self.files, self.layers = files, layers
+        self.timeout_s, self.host_cache, self.retry_after_s = timeout_s, host_cache, retry_after_s
+        self._cv = threading.Condition()
+        self._resident: collections.OrderedDict[str, int] = collections.OrderedDict()  # LRU first
+        self._pins: collections.Counter[int] = collections.Counter()
+        self._free = list(range(layers.slots, 0, -1))
+        self._host: collections.OrderedDict[str, AdapterWeights] = collections.OrderedDict()
+        self._refused: dict[str, tuple[float, str]] = {}
+        self.counts: dict[str, _Counts] = collections.defaultdict(_Counts)
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="bcg-lora-load")
+        cuda = layers.device.type == "cuda"
+        self._stream = torch.cuda.Stream(layers.device) if cuda else None
+
+    # -- leases ---------------------------------------------------------------------------------------
+
+    def acquire(self, names: tuple[str, ...], scales: tuple[float, ...]) -> concurrent.futures.Future:
+        """A future of the :class:`Lease` of ``names`` (resolved at once when all are resident, else by the
+        loader thread). Its exception: :class:`RequestError` (field ``lora``) for an adapter that cannot be
+        served, :class:`ServiceUnavailable` when no slot frees within ``timeout_s``."""
+        t0 = time.perf_counter()
+        with self._cv:
+            for n in names:
+                self.counts[n].requests += 1
+            if all(n in self._resident for n in names):
+                for n in names:
+                    self.counts[n].hits += 1
+                fut: concurrent.futures.Future = concurrent.futures.Future()
+                fut.set_result(self._pin(names, scales))
+                return fut
+        return self._pool.submit(self._load_lease, names, scales, t0)
+
+    def lease(self, names: tuple[str, ...], scales: tuple[float, ...]) -> Lease:
+        """:meth:`acquire`, waiting on this thread (scripts and :meth:`~bcg_core.pipeline.DiTPipeline.generate`)."""
+        fut = self.acquire(names, scales)
+        try:
+            return fut.result(self.timeout_s)
+        except concurrent.futures.TimeoutError:
+            fut.add_done_callback(_release_result)
+            raise self._busy(names) from None
+
+    async def lease_async(self, names: tuple[str, ...], scales: tuple[float, ...]) -> Lease:
+        """:meth:`acquire`, awaited (the step scheduler's front); a caller cancelled or timed out while waiting
+        leaves nothing pinned."""
+        fut = self.acquire(names, scales)
+        try:
+            return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(fut)), self.timeout_s)
+        except (asyncio.TimeoutError, asyncio.CancelledError) as e:
+            fut.add_done_callback(_release_result)
+            if isinstance(e, asyncio.CancelledError):
+                raise
+            raise self._busy(names) from None
+
+    def _busy(self, names) -> ServiceUnavailable:
+        return ServiceUnavailable("lora", f"adapters {list(names)} were not loaded within lora.load_timeout_s "
+                                          f"({self.timeout_s:g} s): every slot is in use; retry",
+                                  retry_after_s=self.retry_after_s)
+
+    def _pin(self, names, scales) -> Lease:
+        """Pin resident ``names`` (call with the lock held)."""
+        slots = tuple(self._resident[n] for n in names)
+        for n in names:
+            self._resident.move_to_end(n)
+        for s in slots:
+            self._pins[s] += 1
+        return Lease(tuple(names), slots, tuple(float(x) for x in scales), self)
+
+    def _unpin(self, slots) -> None:
+        with self._cv:
+            for s in slots:
+                self._pins[s] -= 1
+                if self._pins[s] <= 0:
+                    del self._pins[s]
+            self._cv.notify_all()
+
+    # -- the loader thread ----------------------------------------------------------------------------
+
+    def _load_lease(self, names, scales, t0: float) -> Lease:
+        held: list[str] = []
+        try:
+            for n in names:
+                self._ensure(n, t0)
+                with self._cv:  # pinned one by one, so the next load cannot evict it
+                    self._pins[self._resident[n]] += 1
+                    held.append(n)
+        except BaseException:
+            with self._cv:
+                slots = [self._resident[n] for n in held]
+            self._unpin(slots)
+            raise
+        with self._cv:  # every name is pinned once now: the lease holds those pins
+            for n in names:
+                self._resident.move_to_end(n)
+            lease = Lease(tuple(names), tuple(self._resident[n] for n in names), tuple(float(x) for x in scales), self)
+        lease.waited_s = time.perf_counter() - t0
+        return lease
+
+    def _ensure(self, name: str, t0: float) -> None:
+        """Make ``name`` resident (the loader thread only)."""
+        with self._cv:
+            if name in self._resident:
+                self.counts[name].hits += 1
+                return
+        weights = self._read(name)
+        deadline = t0 + self.timeout_s
+        with self._cv:
+            while not self._free and not any(self._pins[s] <= 0 for s in self._resident.values()):
+                left = deadline - time.perf_counter()
+                if left <= 0:
+                    raise self._busy([name])
+                self._cv.wait(left)
+            if self._free:
+                slot = self._free.pop()
+            else:
+                victim = next(n for n, s in self._resident.items() if self._pins[s] <= 0)
+                slot = self._resident.pop(victim)
+                self.counts[victim].evictions += 1
+        start = time.perf_counter()
+        try:
+            if self._stream is not None:
+                with torch.cuda.stream(self._stream):
+                    self.layers.write(slot, weights)
+                self._stream.synchronize()
+            else:
+                self.layers.write(slot, weights)
+        except BaseException:
+            with self._cv:
+                self._free.append(slot)
+            raise
+        with self._cv:
+            self._resident[name] = slot
+            c = self.counts[name]
+            c.loads += 1
+            c.load_s += time.perf_counter() - start
+
+    def _read(self, name: str) -> AdapterWeights:
+        """``name``'s weights from the host cache, else from disk (refusals remembered until the file changes)."""
+        with self._cv:
+            cached = self._host.get(name)
+            if cached is not None:
+                self._host.move_to_end(name)
+                return cached
+        try:
+            path = self.files.path(name)
+            mtime = path.stat().st_mtime
+            refused = self._refused.get(name)
+            if refused is not None and refused[0] == mtime:
+                raise AdapterError(name, refused[1])
+            try:
+                weights = self.files.read(name)
+            except AdapterError as e:
+                self._refused[name] = (mtime, e.reason)
+                raise
+        except AdapterError as e:
+            self.counts[name].refused += 1
+            raise self._request_error(e) from None
+        if self._stream is not None:
+            for d in weights.layers.values():
+                object.__setattr__(d, "A", d.A.pin_memory())
+                object.__setattr__(d, "B", d.B.pin_memory())
+        with self._cv:
+            self._host[name] = weights
+            while len(self._host) > self.host_cache:
+                self._host.popitem(last=False)
+        return weights
+
+    def _request_error(self, e: AdapterError) -> RequestError:
+        if e.unknown:
+            names = self.files.names()
+            shown = ", ".join(names[:20]) + (f" and {len(names) - 20} more" if len(names) > 20 else "")
+            return RequestError("lora", f"lora: {e.reason}; adapters: {shown or 'none'} (GET /v1/models lists them)")
+        return RequestError("lora", f"lora: {e.reason}")
+
+    def attach(self, part, lease: Lease | None):
+        """``part`` (one request's :class:`~bcg_core.padding.DenoiseInputs`) with its lease's LoRA entries on every
+        row (none: slot 0), on the layers' device (:func:`~bcg_core.lora.rows.request_rows`)."""
+        from bcg_core.lora.rows import request_rows
+
+        part.lora_slots, part.lora_scales = request_rows(
+            lease.slots if lease else (), lease.scales if lease else (), part.rows, self.layers.max_per_request,
+            self.layers.device)
+        return part
+
+    # -- introspection --------------------------------------------------------------------------------
+
+    def resident(self) -> dict[str, int]:
+        """Adapter name -> slot, least recently used first."""
+        with self._cv:
+            return dict(self._resident)
+
+    def describe(self) -> dict:
+        """``/v1/buckets``' ``lora`` section: slots, rank, bytes, residents and per adapter its counters."""
+        with self._cv:
+            return {
+                "slots": self.layers.slots, "max_rank": self.layers.max_rank,
+                "max_per_request": self.layers.max_per_request, "layers": len(self.layers.layers),
+                "slot_bytes": self.layers.nbytes, "resident": dict(self._resident),
+                "pinned": {n: self._pins[s] for n, s in self._resident.items() if self._pins[s] > 0},
+                "adapters": {n: {**vars(c), "load_s": round(c.load_s, 4)} for n, c in sorted(self.counts.items())},
+            }
+
+    def close(self) -> None:
+        """Stop the loader thread (loads in progress finish)."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _release_result(fut: concurrent.futures.Future) -> None:
+    """Release the lease a future resolved to after its caller stopped waiting."""
+    if not fut.cancelled() and fut.exception() is None:
+        fut.result().release()
+
+
+def install(config, model) -> AdapterSlots | None:
+    """Set up ``config.lora`` on a loaded family, before its runner is built: wrap the transformer's targeted
+    layers (:class:`~bcg_core.lora.layers.LoRALayers`), put :class:`~bcg_core.lora.rows.LoRAAdapter` in place of
+    ``model.adapter``, and return the replica's slots. None when ``lora.dir`` is unset (nothing changes).
+
+    Raises:
+        ValueError: a family whose diffusers pipeline has no LoRA loader (PixArt-Sigma), or a ``lora.dir`` that is
+            not a folder, or ``lora.targets`` that match no linear layer.
+    """
+    cfg = config.lora
+    if cfg.dir is None:
+        return None
+    import diffusers
+
+    from bcg_core.lora.rows import LoRAAdapter
+
+    loader = getattr(model, "lora_loader", None)
+    if loader is None:
+        raise ValueError(f"lora.dir is set but {model.spec.pipeline_class} (family {model.spec.family}) has no LoRA "
+                         f"loader in diffusers, so no adapter of it can be read as diffusers reads it; unset lora.dir")
+    layers = LoRALayers(model.adapter.model, cfg.slots, cfg.max_rank, cfg.max_per_request, cfg.targets)
+    files = AdapterFiles(cfg.dir, getattr(diffusers, loader), layers.shapes(), cfg.max_rank)
+    model.adapter = LoRAAdapter(model.adapter, layers)
+    return AdapterSlots(files, layers, cfg.load_timeout_s, cfg.host_cache)
+
+
+def lease_for(slots: AdapterSlots | None, lora: tuple[tuple[str, float], ...]) -> Lease | None:
+    """The lease of a request's ``lora`` entries, waiting on this thread (:meth:`AdapterSlots.lease`); None for
+    none.
+
+    Raises:
+        RequestError: adapters asked of a pipeline without ``lora.dir`` (``slots`` None), or one that cannot be
+            served.
+        ServiceUnavailable: no slot freed within ``lora.load_timeout_s``.
+    """
+    if not lora:
+        return None
+    if slots is None:
+        raise RequestError("lora", "lora: this deployment serves no LoRA adapters (lora.dir is unset)")
+    return slots.lease(tuple(n for n, _ in lora), tuple(s for _, s in lora))
