@@ -179,7 +179,8 @@ class AdapterFiles:
         except AdapterError:
             raise
         except Exception as e:  # noqa: BLE001 - safetensors and diffusers raise many types on a bad file
-            first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            first = first.replace(str(path), path.name).replace(str(self.folder), "lora.dir")[:200]  # no server paths
             raise AdapterError(name, f"{where} is not a LoRA file diffusers can read: {first}") from None
         text = sorted(k for k in sd if k.startswith(_TEXT_PREFIXES))
         if text:

@@ -1,0 +1,170 @@
+"""LoRA per request in the engine, on the tiny FLUX.1-dev checkpoint (``tests/tiny/flux.py``) with peft-made adapters.
+
+Rows of different adapters in one forward each equal their request alone and diffusers' own pipeline with
+``load_lora_weights`` and ``set_adapters``; an evicted and reloaded adapter gives the same image; a pinned slot is
+never evicted and a request that cannot get a slot in time is a 503; every bad input is a clear error and the
+pipeline serves on. The family-by-family gate is ``tests/families/test_lora.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import threading
+
+import numpy as np
+import pytest
+import torch
+from diffusers import FluxPipeline
+from safetensors.torch import load_file, save_file
+
+from bcg_core import GenerationRequest
+from bcg_core.errors import RequestError, ServiceUnavailable
+from reference_gate import PIXEL_SHARE, assert_same, bcg_pipeline, bcg_run, diffusers_run, pixels
+from tiny.flux import TEXT_TOKENS, build
+from tiny.lora import make_adapter
+
+BUCKETS = dict(batch_sizes=[1, 2, 4], resolutions=["32x32"], text_lengths=[TEXT_TOKENS])
+REF = dict(max_sequence_length=TEXT_TOKENS)
+ATTN_MLP = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "ff.net.2", "proj_mlp", "norm1.linear"]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    """The checkpoint, its ``loras`` folder (a, b good; big of rank 8; broken ones) and a pipeline serving it with
+    2 slots of rank 4, 2 adapters per request."""
+    folder = build(tmp_path_factory.mktemp("lora") / "flux", "dev")
+    loras = make_adapter(FluxPipeline, folder, "a", ATTN_MLP, rank=4, alpha=8, rank_pattern={"to_q": 2})
+    make_adapter(FluxPipeline, folder, "b", ["to_k", "to_v", "proj_out"], rank=3, alpha=3, seed=1, metadata=False,
+                 as_file=True)
+    make_adapter(FluxPipeline, folder, "c", ["to_q", "ff.net.2"], rank=2, alpha=4, seed=2, as_file=True)
+    make_adapter(FluxPipeline, folder, "big", ["to_q"], rank=8, seed=3, as_file=True)
+    make_adapter(FluxPipeline, folder, "dora", ["to_q"], rank=2, seed=4, as_file=True, use_dora=True)
+    (loras / "garbage.safetensors").write_bytes(b"not a safetensors file at all")
+    good = load_file(str(loras / "c.safetensors"))
+    key = next(k for k in good if "lora_A" in k)
+    save_file({**good, key: torch.zeros(2, 7)}, str(loras / "misfit.safetensors"))
+    save_file({"transformer.no_such_layer.lora_A.weight": torch.zeros(2, 8),
+               "transformer.no_such_layer.lora_B.weight": torch.zeros(8, 2)}, str(loras / "stranger.safetensors"))
+    save_file({**good, "text_encoder.text_model.encoder.layers.0.self_attn.q_proj.lora_A.weight": torch.zeros(2, 32),
+               "text_encoder.text_model.encoder.layers.0.self_attn.q_proj.lora_B.weight": torch.zeros(32, 2)},
+              str(loras / "textual.safetensors"))
+    (folder.parent / "outside.safetensors").write_bytes((loras / "c.safetensors").read_bytes())
+    os.symlink(folder.parent / "outside.safetensors", loras / "escape.safetensors")
+    pipe = bcg_pipeline(folder, BUCKETS, lora={"dir": str(loras), "slots": 2, "max_rank": 4, "max_per_request": 2,
+                                               "load_timeout_s": 0.5})
+    return folder, loras, pipe
+
+
+def _req(**kw) -> GenerationRequest:
+    base = dict(prompt="a photo of a cat", n=1, width=32, height=32, num_inference_steps=3, guidance_scale=3.5, seed=7)
+    return GenerationRequest(**{**base, **kw})
+
+
+def test_rows_of_different_adapters_in_one_forward_each_equal_diffusers(ckpt):
+    """A request with no adapter, one with a, one with b (scale -0.5) and one with a and b, stepping together in one
+    forward through the step scheduler (2 slots hold a and b): each equals diffusers' pipeline with the same
+    adapters, alone."""
+    from bcg_core.scheduler import StepScheduler
+
+    folder, loras, pipe = ckpt
+    reqs = [_req(seed=1), _req(seed=2, lora=(("a", 0.8),)), _req(seed=3, lora=(("b", -0.5),)),
+            _req(seed=4, n=1, lora=(("a", 1.0), ("b", 0.6)))]
+    plans = [pipe.planner.plan(r) for r in reqs]
+    sched = StepScheduler(pipe)
+
+    async def run_all():
+        return await asyncio.gather(*(sched.submit(p) for p in plans))
+
+    try:
+        results = asyncio.run(run_all())
+    finally:
+        sched.close()
+    assert max(r.batch_size for r in results) > 1  # they shared forwards
+    for plan, result in zip(plans, results):
+        ref = diffusers_run(FluxPipeline, folder, plan.request, lora_dir=loras, **REF)
+        assert_same(bcg_run(pipe, plan.request), ref)  # alone: latents and images
+        for ours, theirs in zip(result.images_png, ref.pngs, strict=True):  # shared: the scheduler's images
+            d = np.abs(pixels(ours) - pixels(theirs))
+            assert d.max() <= 1 and (d > 0).mean() <= PIXEL_SHARE
+    plain = bcg_run(pipe, dataclasses.replace(plans[1].request, lora=()))
+    assert (plain.latents - bcg_run(pipe, plans[1].request).latents).abs().max() > 1e-2  # the adapter acts
+    assert pipe.stats()["lora"]["pinned"] == {}  # every lease was released
+
+
+def test_an_evicted_adapter_reloads_to_the_same_image(ckpt):
+    folder, loras, pipe = ckpt
+    first = bcg_run(pipe, _req(lora=(("c", 0.7),)))
+    for name in ("a", "b"):  # 2 slots: a and b push c out
+        bcg_run(pipe, _req(lora=((name, 1.0),)))
+    d = pipe.lora.describe()
+    assert "c" not in d["resident"] and d["adapters"]["c"]["evictions"] >= 1
+    loads = d["adapters"]["c"]["loads"]
+    again = bcg_run(pipe, _req(lora=(("c", 0.7),)))
+    assert torch.equal(first.latents, again.latents) and first.pngs == again.pngs
+    assert pipe.lora.describe()["adapters"]["c"]["loads"] == loads + 1
+
+
+def test_a_pinned_slot_is_never_evicted_and_a_request_without_a_slot_gets_503(ckpt):
+    folder, loras, pipe = ckpt
+    slots = pipe.lora
+    held = [slots.lease(("a",), (1.0,)), slots.lease(("b",), (1.0,))]  # both slots pinned
+    try:
+        with pytest.raises(ServiceUnavailable) as e:
+            slots.lease(("c",), (1.0,))
+        assert e.value.status == 503 and e.value.field == "lora" and "load_timeout_s" in e.value.message
+        assert set(slots.resident()) == {"a", "b"}
+        got = []
+        t = threading.Thread(target=lambda: got.append(slots.lease(("c",), (1.0,))))
+        t.start()
+        held.pop(0).release()  # a's slot frees: c loads there
+        t.join(5)
+        assert got and got[0].names == ("c",) and "a" not in slots.resident()
+        got[0].release()
+    finally:
+        for lease in held:
+            lease.release()
+
+
+@pytest.mark.parametrize("name, words", [
+    ("nope", "no adapter 'nope' in lora.dir; adapters: a, b, big, c, dora"),
+    ("garbage", "is not a LoRA file diffusers can read"),
+    ("misfit", "the layer takes"),
+    ("stranger", "changes layer no_such_layer, which is not a linear layer"),
+    ("big", "rank 8, above lora.max_rank 4"),
+    ("dora", "DoRA"),
+    ("textual", "changes a text encoder"),
+    ("escape", "links outside lora.dir"),
+])
+def test_an_adapter_that_cannot_be_served_is_a_422_and_the_pipeline_serves_on(ckpt, name, words):
+    folder, loras, pipe = ckpt
+    with pytest.raises(RequestError) as e:
+        pipe.generate(_req(lora=((name, 1.0),)))
+    assert e.value.status == 422 and e.value.field == "lora" and words in e.value.message, e.value.message
+    assert str(loras) not in e.value.message  # the folder is not shown to clients
+    assert pipe.generate(_req(lora=(("a", 0.5),))).images_png  # serves on
+    assert pipe.stats()["lora"]["pinned"] == {}
+
+
+@pytest.mark.parametrize("lora, words", [
+    ((("a", 1.0), ("b", 1.0), ("c", 1.0)), "more than 2 adapters"),
+    ((("a", 4.5),), "out of range"),
+    ((("a", float("nan")),), "out of range"),
+    ((("../a", 1.0),), "not an adapter name"),
+    ((("a", 1.0), ("a", 0.5)), "named twice"),
+])
+def test_the_planner_refuses_bad_lora_fields(ckpt, lora, words):
+    folder, loras, pipe = ckpt
+    with pytest.raises(RequestError) as e:
+        pipe.planner.plan(_req(lora=lora))
+    assert e.value.field == "lora" and words in e.value.message and "allowed:" in e.value.message
+
+
+def test_adapters_on_a_pipeline_without_lora_dir_are_refused(ckpt):
+    folder, loras, _ = ckpt
+    plain = bcg_pipeline(folder, BUCKETS)
+    with pytest.raises(RequestError) as e:
+        plain.planner.plan(_req(lora=(("a", 1.0),)))
+    assert "serves no LoRA adapters" in e.value.message
+    assert plain.lora is None and plain.stats()["lora"] is None
