@@ -39,9 +39,12 @@ class ReplicaUnavailable(ServiceUnavailable):
 
 
 def bucket_shape(plan: PlannedRequest) -> str:
-    """The routing key of a planned request: its bucket shape (:attr:`PlannedRequest.shape`, e.g.
-    ``"i1024_t256"``), or ``""`` for a miss (no owner: any replica, eagerly)."""
-    return plan.shape if plan.shape is not None else ""
+    """The routing key of a planned request (:func:`router.shape_router.routing_key`): its bucket shape
+    (:attr:`PlannedRequest.shape`, e.g. ``"i1024_t256"``), or ``""`` for a miss (no owner: any replica, eagerly),
+    followed by its LoRA adapters' names where it has any (replicas holding them are preferred)."""
+    from router.shape_router import routing_key
+
+    return routing_key(str(plan.shape) if plan.shape is not None else "", (n for n, _ in plan.request.lora))
 
 
 @dataclass

@@ -12,12 +12,16 @@ bucket of one shape belongs to the same owners. Callers put it into the request 
 An empty key means "no bucket": a miss served eagerly, or an un-keyed call such as stats; it goes to any
 replica at once, lowest queue first.
 
+A request that carries LoRA adapters appends them to the key, sorted: ``"i1024_t256|lora=anime,ink"``
+(:func:`routing_key`; :func:`split_key` parses it).
+
 Routing stats. Each DiT replica defines ``record_routing_stats()`` returning::
 
     {"owned": [shape, ...],     # shapes assigned to it (router.ownership.assign)
      "ready": [shape, ...],     # owned shapes whose graphs are captured
      "queue": {shape: int},     # requests of that shape waiting or running there
-     "capturing": bool}         # it is capturing graphs now
+     "capturing": bool,         # it is capturing graphs now
+     "adapters": [name, ...]}   # LoRA adapters resident in its GPU slots (absent: none)
 
 Serve's controller calls it every ``request_routing_stats_period_s`` and broadcasts the result to every
 router, where it is ``RunningReplica.routing_stats``; until the first poll it is ``{}`` and the replica
@@ -29,6 +33,12 @@ Tiers for a keyed request (:func:`rank_replicas`):
 2. ``warming_owner``: replicas whose ``owned`` holds it, graphs not yet ready;
 3. ``fallback``: every other replica, offered only once the request has waited ``fallback_wait_s``
    (from ``PendingRequest.created_at``) without a tier-1/2 replica accepting it.
+
+Adapters. Within a tier, a request with adapters prefers the replicas that hold all of them (no load, no
+eviction): they come as a list of their own before the rest, unless the least loaded of them has more than
+``adapter_slack`` queued requests of the shape above the least loaded other replica (then one list: a busy
+holder does not keep the request from an idle replica, which loads the adapter; hot adapters so become resident
+on several replicas).
 
 Ray's base class takes the lists in order and, within one list, picks the replica with the fewest ongoing
 requests (live count) that accepts; when every replica of every list is full it backs off and calls
@@ -51,17 +61,27 @@ from typing import Any
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 __all__ = [
+    "DEFAULT_ADAPTER_SLACK",
     "DEFAULT_FALLBACK_WAIT_S",
     "METRIC_NAME",
     "TIERS",
     "ShapeAwareRouter",
     "rank_replicas",
+    "routing_key",
+    "split_key",
 ]
 
 log = logging.getLogger(__name__)
 
 DEFAULT_FALLBACK_WAIT_S = 2.0
 """Seconds a keyed request waits for an owner before any replica may take it (docs/DESIGN.md section 5)."""
+
+DEFAULT_ADAPTER_SLACK = 2.0
+"""Queued requests of its shape by which a replica holding a request's adapters may exceed the least loaded other
+replica of the same tier and still come first (about the time of one adapter load on a busy replica)."""
+
+_LORA = "|lora="
+"""Separator of the adapters in a routing key (an adapter name never holds ``|``: ``bcg_core.lora.files.NAME_RE``)."""
 
 TIERS = ("ready_owner", "warming_owner", "fallback", "unkeyed")
 """Decision tiers, best first; ``unkeyed`` is the tier of requests without a routing key."""
@@ -108,16 +128,45 @@ def _queued(stats: Mapping[str, Any], key: str | None = None) -> float:
     return total
 
 
-def rank_replicas(key: str, replicas: list, waited_s: float,
-                  fallback_wait_s: float = DEFAULT_FALLBACK_WAIT_S) -> tuple[str, list[list]]:
+def routing_key(shape: str, adapters=()) -> str:
+    """The routing key of a request of bucket shape ``shape`` (``""`` for a miss) with LoRA ``adapters`` (names):
+    the shape, then ``|lora=`` and the sorted names when there are any."""
+    names = sorted(set(adapters))
+    return shape + (_LORA + ",".join(names) if names else "")
+
+
+def split_key(key: str) -> tuple[str, frozenset[str]]:
+    """``(shape, adapters)`` of a routing key (:func:`routing_key`)."""
+    shape, sep, names = key.partition(_LORA)
+    return shape, frozenset(n for n in names.split(",") if n) if sep else frozenset()
+
+
+def _by_adapters(ranked: list[tuple[tuple, Any]], adapters: frozenset[str], slack: float, load: int = 0) -> list[list]:
+    """One tier's replicas (``(sort key, replica)``; ``sort key[load]`` is the queue the slack compares) as lists:
+    those holding every adapter first, unless their least queue exceeds the others' by more than ``slack``."""
+    ranked = sorted(ranked, key=lambda x: x[0])
+    if not adapters:
+        return [[r for _, r in ranked]]
+    holds = [adapters <= _shapes(_stats(r), "adapters") for _, r in ranked]
+    holders = [kr for kr, h in zip(ranked, holds) if h]
+    others = [kr for kr, h in zip(ranked, holds) if not h]
+    if not holders or not others or min(k[load] for k, _ in holders) > min(k[load] for k, _ in others) + slack:
+        return [[r for _, r in ranked]]
+    return [[r for _, r in holders], [r for _, r in others]]
+
+
+def rank_replicas(key: str, replicas: list, waited_s: float, fallback_wait_s: float = DEFAULT_FALLBACK_WAIT_S,
+                  adapter_slack: float = DEFAULT_ADAPTER_SLACK) -> tuple[str, list[list]]:
     """Rank replicas for one request by tier (pure; reads only ``replica_id`` and ``routing_stats``).
 
     Args:
-        key: the request's bucket shape (e.g. ``"i1024_t256"``); ``""`` for a request without a bucket.
+        key: the request's routing key (:func:`routing_key`): its bucket shape (e.g. ``"i1024_t256"``), ``""`` for
+            a request without a bucket, and its LoRA adapters if any.
         replicas: the current replicas (``RunningReplica`` or any object with ``replica_id`` and
             ``routing_stats``; missing or malformed stats count as ``{}``, i.e. owning nothing).
         waited_s: seconds since the request was created.
         fallback_wait_s: seconds a keyed request waits before non-owners become candidates (<= 0: at once).
+        adapter_slack: see the module docstring (adapters).
 
     Returns:
         ``(tier, lists)``: the non-empty candidate lists in tier order and the tier name (from
@@ -129,12 +178,18 @@ def rank_replicas(key: str, replicas: list, waited_s: float,
           ``ready``), each ordered by fewest queued requests of the shape (``queue[key]``), then fewest
           queued in total, then replica id; then, only when ``waited_s >= fallback_wait_s``, every other
           replica, those not capturing first, then by fewest queued in total, then replica id.
+        - with adapters, each tier is split into the replicas holding them all and the rest (module docstring);
+          an un-keyed request with adapters is ordered by fewest queued in total, holders first.
     """
     replicas = list(replicas)
     if not replicas:
         return "", []
+    key, adapters = split_key(key)
     if not key:
-        return "unkeyed", [replicas]
+        if not adapters:
+            return "unkeyed", [replicas]
+        ranked = [((_queued(_stats(r)), str(r.replica_id)), r) for r in replicas]
+        return "unkeyed", _by_adapters(ranked, adapters, adapter_slack)
 
     ready: list[tuple[tuple, Any]] = []
     warming: list[tuple[tuple, Any]] = []
@@ -150,16 +205,13 @@ def rank_replicas(key: str, replicas: list, waited_s: float,
         else:
             others.append(((bool(stats.get("capturing", False)), total, rid), r))
 
-    tiers: list[tuple[str, list]] = [
-        ("ready_owner", [r for _, r in sorted(ready, key=lambda x: x[0])]),
-        ("warming_owner", [r for _, r in sorted(warming, key=lambda x: x[0])]),
-    ]
-    if waited_s >= fallback_wait_s:
-        tiers.append(("fallback", [r for _, r in sorted(others, key=lambda x: x[0])]))
-    tiers = [(name, rs) for name, rs in tiers if rs]
+    tiers: list[tuple[str, list, int]] = [("ready_owner", ready, 0), ("warming_owner", warming, 0)]
+    if waited_s >= fallback_wait_s:  # its sort key is (capturing, total queued, id): the slack compares totals
+        tiers.append(("fallback", others, 1))
+    tiers = [(name, _by_adapters(rs, adapters, adapter_slack, load)) for name, rs, load in tiers if rs]
     if not tiers:
         return "", []
-    return tiers[0][0], [rs for _, rs in tiers]
+    return tiers[0][0], [rs for _, lists in tiers for rs in lists]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -205,6 +257,7 @@ class ShapeAwareRouter(RequestRouter):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.fallback_wait_s: float = DEFAULT_FALLBACK_WAIT_S
+        self.adapter_slack: float = DEFAULT_ADAPTER_SLACK
         self.decisions: dict[str, int] = {t: 0 for t in TIERS}
         self._counter: Any = None
         self._counter_failed = False
@@ -223,21 +276,25 @@ class ShapeAwareRouter(RequestRouter):
             return 0
         return min(self.max_num_routing_tasks_cap, max(2 * len(self._replicas), self.num_pending_requests))
 
-    def initialize_state(self, fallback_wait_s: float = DEFAULT_FALLBACK_WAIT_S, **kwargs) -> None:
+    def initialize_state(self, fallback_wait_s: float = DEFAULT_FALLBACK_WAIT_S,
+                         adapter_slack: float = DEFAULT_ADAPTER_SLACK, **kwargs) -> None:
         """Take the deployment's ``RequestRouterConfig.request_router_kwargs`` (Serve calls this once).
 
         Args:
             fallback_wait_s: seconds a keyed request waits for a ready or warming owner before any replica
                 may take it (default 2.0; 0 = offer every replica at once, after the owners).
+            adapter_slack: queued requests by which a replica holding a request's LoRA adapters may exceed the
+                least loaded other one and still come first (default 2.0; see :func:`rank_replicas`).
             **kwargs: unknown keys are logged and ignored.
 
         Raises:
-            ValueError: ``fallback_wait_s`` is not a finite number >= 0.
+            ValueError: ``fallback_wait_s`` or ``adapter_slack`` is not a finite number >= 0.
         """
-        wait = float(fallback_wait_s)
-        if not math.isfinite(wait) or wait < 0:
-            raise ValueError(f"fallback_wait_s must be a finite number >= 0, got {fallback_wait_s!r}")
-        self.fallback_wait_s = wait
+        wait, slack = float(fallback_wait_s), float(adapter_slack)
+        for name, v in (("fallback_wait_s", wait), ("adapter_slack", slack)):
+            if not math.isfinite(v) or v < 0:
+                raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
+        self.fallback_wait_s, self.adapter_slack = wait, slack
         if kwargs:
             log.warning("ShapeAwareRouter: ignoring unknown request_router_kwargs %s", sorted(kwargs))
 
@@ -261,7 +318,7 @@ class ShapeAwareRouter(RequestRouter):
             self._request_of_task[task] = pending_request
         key = pending_request.metadata.multiplexed_model_id or ""
         waited_s = max(0.0, self._get_curr_time_s() - pending_request.created_at)
-        tier, lists = rank_replicas(key, candidate_replicas, waited_s, self.fallback_wait_s)
+        tier, lists = rank_replicas(key, candidate_replicas, waited_s, self.fallback_wait_s, self.adapter_slack)
         if lists:
             self._count(pending_request, tier)
         return lists

@@ -12,16 +12,18 @@ from types import SimpleNamespace
 
 import pytest
 
-from router.shape_router import DEFAULT_FALLBACK_WAIT_S, TIERS, ShapeAwareRouter, rank_replicas
+from router.shape_router import DEFAULT_FALLBACK_WAIT_S, TIERS, ShapeAwareRouter, rank_replicas, routing_key, split_key
 
 KEY = "i1024_t256"
 OTHER = "i1536_t256"
 
 
-def fake(rid: str, owned=(), ready=(), queue=None, capturing=False, stats=None) -> SimpleNamespace:
+def fake(rid: str, owned=(), ready=(), queue=None, capturing=False, stats=None, adapters=None) -> SimpleNamespace:
     """A replica as :func:`rank_replicas` sees it (``stats`` overrides the built stats, e.g. ``{}``)."""
     if stats is None:
         stats = {"owned": list(owned), "ready": list(ready), "queue": dict(queue or {}), "capturing": capturing}
+        if adapters is not None:
+            stats["adapters"] = list(adapters)
     return SimpleNamespace(replica_id=rid, routing_stats=stats)
 
 
@@ -88,6 +90,31 @@ def test_replicas_with_missing_or_malformed_stats_are_not_owners(stats):
 def test_unkeyed_goes_to_every_replica_at_once():
     reps = [fake("a", owned=[KEY], ready=[KEY]), fake("b", stats={}), fake("c", owned=[OTHER])]
     assert rank_replicas("", reps, 0.0, 2.0) == ("unkeyed", [reps])
+
+
+def test_routing_keys_carry_sorted_adapters():
+    assert routing_key(KEY) == KEY and split_key(KEY) == (KEY, frozenset())
+    key = routing_key(KEY, ["ink", "anime", "ink"])
+    assert key == KEY + "|lora=anime,ink" and split_key(key) == (KEY, frozenset({"anime", "ink"}))
+    assert split_key(routing_key("", ["a"])) == ("", frozenset({"a"}))
+
+
+def test_replicas_holding_the_adapters_come_first_within_a_tier_unless_much_busier():
+    key = routing_key(KEY, ["anime"])
+    reps = [fake("idle", ready=[KEY], queue={KEY: 0}), fake("holder", ready=[KEY], queue={KEY: 2}, adapters=["anime"]),
+            fake("w_holder", owned=[KEY], adapters=["anime", "x"]), fake("w", owned=[KEY])]
+    tier, lists = rank_replicas(key, reps, 0.0, 2.0, adapter_slack=2.0)
+    assert tier == "ready_owner" and ids(lists) == [["holder"], ["idle"], ["w_holder"], ["w"]]
+    # a holder more than the slack busier than an idle replica is one list with it (least queue first)
+    reps[1].routing_stats["queue"][KEY] = 3
+    assert ids(rank_replicas(key, reps, 0.0, 2.0, adapter_slack=2.0)[1])[0] == ["idle", "holder"]
+    # every adapter must be held; the plain shape key ignores adapters
+    both = routing_key(KEY, ["anime", "ink"])
+    assert ids(rank_replicas(both, reps, 0.0, 2.0)[1])[:1] == [["idle", "holder"]]
+    assert ids(rank_replicas(KEY, reps, 0.0, 2.0)[1]) == [["idle", "holder"], ["w", "w_holder"]]
+    # a miss with adapters: holders first, by total queue
+    tier, lists = rank_replicas(routing_key("", ["anime"]), reps, 0.0, 2.0)
+    assert tier == "unkeyed" and ids(lists) == [["w_holder", "holder"], ["idle", "w"]]
 
 
 def test_no_replicas_gives_no_candidates():
