@@ -133,7 +133,8 @@ class GenerationResult:
         steps: denoising steps run.
         timings_ms: ``encode`` (text and noise), ``denoise``, ``decode`` (the VAE, to pixels), ``image_encode``
             (the image files, e.g. PNG) and ``total`` milliseconds (encode and denoise are the whole step's when the
-            forward was shared); the step scheduler adds ``queue``.
+            forward was shared); the step scheduler adds ``queue`` and, for a request with LoRA adapters,
+            ``lora_load`` (the part of ``queue`` spent waiting for them to load).
         batch_size: most requests that shared one step with it (1 when it ran alone).
         replica, owner, retries: filled in by the Ray Serve layer (``deployments/``): the DiT replica that
             served the request, whether it owns the request's bucket shape (None for a miss), and how many

@@ -20,7 +20,9 @@ count (:meth:`~bcg_core.pipeline.DiTPipeline.measure_costs`); the scheduler's me
 the device memory left.
 
 Routing stats (read by :class:`router.shape_router.ShapeAwareRouter`, refreshed every
-``routing.stats_period_s``): ``{"owned": [...], "ready": [...], "queue": {shape: n}, "capturing": bool}``.
+``routing.stats_period_s``): ``{"owned": [...], "ready": [...], "queue": {shape: n}, "capturing": bool}``, plus
+``"adapters": [...]`` (the LoRA adapters resident in its slots) with ``lora.dir``; a request's routing key carries its
+adapters after its shape (``i1024_t256|lora=ink``), so the router prefers replicas that hold them.
 A background task heartbeats the coordinator at the same period (from the moment the replica joined, so a
 long capture never lets its lease expire); shapes it newly assigns (a peer left) are captured in the
 background and listed as owned-but-not-ready (warming) until done.
@@ -63,6 +65,7 @@ from bcg_core.request import GenerationRequest, GenerationResult, PlannedRequest
 from bcg_core.scheduler.step_scheduler import StepScheduler
 from bcg_core.planning.traffic import TrafficHistogram
 from router.autoscaling import replica_metrics
+from router.shape_router import split_key
 
 from .metrics import BucketExporter
 
@@ -77,7 +80,9 @@ _NO_BUDGET = 1 << 62
 
 
 def as_generation_request(request: GenerationRequest | dict) -> GenerationRequest:
-    """Accept a :class:`GenerationRequest` or a mapping of its fields.
+    """Accept a :class:`GenerationRequest` or a mapping of its fields. A mapping's ``lora`` entries may be
+    ``(name, scale)`` pairs or, as over HTTP, ``{"name": ..., "scale": ...}`` mappings (scale omitted: 1.0); the
+    planner checks them.
 
     Raises:
         RequestError: a mapping with an unknown field or without ``prompt`` (field ``"request"``).
@@ -92,7 +97,18 @@ def as_generation_request(request: GenerationRequest | dict) -> GenerationReques
         raise RequestError("request", f"unknown request field(s) {unknown}; allowed: {', '.join(_REQUEST_FIELDS)}")
     if "prompt" not in request:
         raise RequestError("prompt", "prompt is required: a non-empty string")
+    lora = request.get("lora")
+    if isinstance(lora, (list, tuple)) and any(isinstance(e, dict) for e in lora):
+        request = {**request, "lora": tuple(_lora_pair(e) for e in lora)}
     return GenerationRequest(**request)
+
+
+def _lora_pair(entry):
+    """A ``{"name", "scale"}`` mapping as ``(name, scale)``; anything else as it is (the planner refuses it)."""
+    if not isinstance(entry, dict) or set(entry) - {"name", "scale"} or "name" not in entry:
+        return entry
+    scale = entry.get("scale")
+    return (entry["name"], 1.0 if scale is None else scale)
 
 
 def _replica_id() -> str:
@@ -243,7 +259,8 @@ class DiTReplica:
 
     async def generate_stream(self, request: PlannedRequest):
         """:meth:`generate` for a streamed request (``handle.options(stream=True)``): yields
-        :data:`~deployments.routing.ACCEPTED` once the request is planned and counted, then its previews
+        :data:`~deployments.routing.ACCEPTED` once the request is planned, counted and its LoRA adapters are
+        resident (:meth:`StepScheduler.lease`: one it cannot serve is a plain 422 or 503), then its previews
         (:class:`~bcg_core.preview.PartialImage`, ``partial_images`` of them per image at most) as the step
         scheduler draws them, then its :class:`GenerationResult`. A caller that stops reading (Ray cancels the
         generator) cancels the request at its next step.
@@ -255,9 +272,16 @@ class DiTReplica:
 
         planned = self._accept(request)
         shape = serve.get_multiplexed_model_id()
-        yield ACCEPTED
-        async for event in self._scheduler.submit_stream(planned):
-            yield self._served_result(event, shape) if isinstance(event, GenerationResult) else event
+        lease = await self._scheduler.lease(planned)  # an adapter it cannot serve is refused before ACCEPTED
+        handed = False
+        try:
+            yield ACCEPTED
+            handed = True
+            async for event in self._scheduler.submit_stream(planned, lease=lease):
+                yield self._served_result(event, shape) if isinstance(event, GenerationResult) else event
+        finally:
+            if not handed and lease is not None:  # the caller left before the stream began
+                lease.release()
 
     def _accept(self, planned: PlannedRequest) -> PlannedRequest:
         """``planned``, counted in the traffic histogram; anything else is refused (validated once, at the
@@ -269,8 +293,10 @@ class DiTReplica:
             self._traffic.record(planned)
         return planned
 
-    def _served_result(self, result: GenerationResult, shape: str) -> GenerationResult:
-        """Count who served ``result`` (owner or not) and name this replica in it."""
+    def _served_result(self, result: GenerationResult, key: str) -> GenerationResult:
+        """Count who served ``result`` (owner or not) and name this replica in it; ``key`` is the routing key it
+        came with (its shape, and its adapters after ``|lora=``: :func:`router.shape_router.split_key`)."""
+        shape = split_key(key)[0]
         actual = result.bucket.shape if result.bucket is not None else ""
         if actual:
             owner = actual in self._owned
@@ -286,12 +312,15 @@ class DiTReplica:
     # -- routing and ownership ----------------------------------------------------------------------
 
     def _routing_view(self) -> dict:
-        return {
+        view = {
             "owned": sorted(self._owned),
             "ready": sorted(self._ready & self._owned),
             "queue": self._scheduler.queue_lengths(),
             "capturing": self._capture_task is not None and not self._capture_task.done(),
         }
+        if self._pipeline.lora is not None:  # the router prefers replicas holding a request's adapters
+            view["adapters"] = sorted(self._pipeline.lora.resident())
+        return view
 
     def _loads(self) -> dict:
         """``{shape: ShapeLoad}`` over the load meter's window, every shape of the table included."""
@@ -308,7 +337,8 @@ class DiTReplica:
 
     async def record_routing_stats(self) -> dict:
         """Called by Serve every ``routing.stats_period_s``: the routing view (``owned``, ``ready``, ``queue``,
-        ``capturing``) for :class:`~router.shape_router.ShapeAwareRouter`."""
+        ``capturing``, and with ``lora.dir`` ``adapters``: the names resident in its slots) for
+        :class:`~router.shape_router.ShapeAwareRouter`."""
         return self._routing_view()
 
     async def _heartbeat_loop(self, period_s: float) -> None:
@@ -353,7 +383,9 @@ class DiTReplica:
         taken, None when none runs: the coordinator takes a replica stalled past ``routing.capture_stall_s`` out
         of the assignment), ``bucket_faults`` (``{bucket: runtime errors}``, buckets demoted to eager),
         ``oom_steps`` (step scheduler: steps that ran out of device memory) and, when recorded, the ``traffic``
-        snapshot (the ingress merges every replica's into ``traffic`` of ``/v1/buckets``)."""
+        snapshot (the ingress merges every replica's into ``traffic`` of ``/v1/buckets``); with ``lora.dir``,
+        ``lora``: the adapters resident in its slots (``{name: slot}``), so ``ownership`` in ``/v1/buckets`` shows
+        where each adapter is loaded."""
         out = self._served_totals()
         since = self._capturing_since
         out["capturing_s"] = None if since is None else round(time.monotonic() - since, 3)
@@ -361,6 +393,8 @@ class DiTReplica:
         out["oom_steps"] = self._scheduler.oom_steps
         if self._traffic is not None:
             out["traffic"] = self._traffic.snapshot()
+        if self._pipeline.lora is not None:
+            out["lora"] = {"resident": self._pipeline.lora.resident()}
         return out
 
     async def _drift_loop(self) -> None:

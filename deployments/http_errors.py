@@ -87,12 +87,18 @@ def _short(value: Any, limit: int = 40) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+def _path(loc: list[str]) -> str:
+    """``lora[0].scale`` for pydantic's location ``('lora', 0, 'scale')``."""
+    return loc[0] + "".join(f"[{p}]" if p.isdigit() else f".{p}" for p in loc[1:])
+
+
 def validation_error_response(exc: ValidationError, limits: RequestLimits) -> JSONResponse:
     """Turn a pydantic error of :class:`ImageGenerationRequest` into an OpenAI error answer.
 
     Returns:
         400 when the body is not JSON, else 422; ``param`` is the first field at fault and the message
-        lists every fault, each with the values its field accepts.
+        lists every fault, each with the values its field accepts (a fault inside a field, such as an entry of
+        ``lora``, also says where: ``lora[0].scale``).
     """
     fields = ", ".join(ImageGenerationRequest.model_fields)
     messages: list[str] = []
@@ -112,7 +118,16 @@ def validation_error_response(exc: ValidationError, limits: RequestLimits) -> JS
             messages.append(f"request body must be a JSON object with the fields {fields} ({msg})")
             continue
         param = param or name
-        if kind == "extra_forbidden":
+        if len(loc) > 1:  # inside a field (an entry of lora): the field, where in it, and what the field accepts
+            where = _path(loc)
+            if kind == "extra_forbidden":
+                what = f"unknown key '{loc[-1]}' at {where}"
+            elif kind == "missing":
+                what = f"{where} is missing"
+            else:
+                what = (f"got {_short(err['input'])} at {where}" if "input" in err else f"at {where}") + f": {msg}"
+            messages.append(f"invalid '{name}' ({what}); allowed: {allowed_values(name, limits)}")
+        elif kind == "extra_forbidden":
             messages.append(f"unknown field '{name}'; allowed fields: {fields}")
         elif kind == "missing":
             messages.append(f"'{name}' is required: {allowed_values(name, limits)}")

@@ -12,7 +12,8 @@ Routes (relative to the application's route prefix):
   ``routing.stats_period_s`` old; ``traffic``: the request shapes accepted (with shape-aware routing, every
   replica's histogram merged: the answering replica's current one and the others' from their last heartbeat).
 - ``GET /v1/models`` (and ``GET /v1/models/{id}``): the served model in OpenAI's list format, with the bucket
-  table, the limits and the step count of each ``quality`` under ``bcg``.
+  table, the limits, the step count of each ``quality`` and the LoRA adapters in ``lora.dir`` (``lora``, null
+  without it) under ``bcg``.
 - ``GET /healthz``: ``{"status": "ok"}``; never asks for a key.
 - ``POST /v1/images/edits`` and ``POST /v1/images/variations``: not served; answered 404 in OpenAI's error shape
   (code ``unsupported_endpoint``) saying to use ``/v1/images/generations``, without reading the body (no multipart
@@ -21,6 +22,12 @@ Routes (relative to the application's route prefix):
 API keys: with ``auth.api_keys`` or ``auth.api_key_file`` set, every ``/v1/`` route asks for
 ``Authorization: Bearer <key>`` (:mod:`deployments.auth`: digests only, compared in constant time); a missing or
 unknown key is answered 401 in OpenAI's error shape, naming neither the key nor its digest.
+
+LoRA adapters (a request's ``lora``): the schema bounds the entries, the planner checks names and scales, and the
+ingress refuses a name with no file in ``lora.dir`` with a 422 listing the adapters
+(:class:`~deployments.adapters.AdapterCatalog`: no GPU, no replica); the replica that serves the request reads the
+file and stays the authority (422 for a file it cannot serve, 503 with ``Retry-After`` when no adapter slot freed
+within ``lora.load_timeout_s``; neither is resent to another replica).
 
 Python handle callers use ``Ingress.images`` (same validation and routing). Each request is planned here
 once (:class:`~bcg_core.planner.Planner`: validation, defaults, the seed, the bucket lookup) and its
@@ -64,6 +71,7 @@ from bcg_core.request import QUALITY_ALIASES, GenerationRequest
 from bcg_core.planner import Planner
 from bcg_core.planning.traffic import TrafficHistogram
 
+from .adapters import AdapterCatalog
 from .answers import bcg_info, image_events, ingress_timings, usage_of
 from .auth import ApiKeys
 from .http_errors import (
@@ -203,6 +211,7 @@ class Ingress:
         self._planner = Planner.from_config(self._config)
         self._model_name = self._planner.spec.name
         self._limits = self._request_limits()
+        self._adapters = AdapterCatalog.for_config(self._config)  # None without lora.dir
         self._rejected: Counter[str] = Counter()  # misses answered 422 here (reject policy), by dimension
         self._rejected_requests = 0
 
@@ -212,6 +221,7 @@ class Ingress:
             size_multiple=None if self._planner.spec.size_bins else self._planner.table.rules.pixels_per_token,
             model_name=self._model_name,
             resolutions=tuple(self._config.buckets.resolutions),
+            lora=self._config.lora,
         )
 
     def _refused(self, request: Request) -> JSONResponse | None:
@@ -239,7 +249,14 @@ class Ingress:
             "quality_steps": quality,
             "quality_aliases": dict(QUALITY_ALIASES),
             "output_formats": list(IMAGE_FORMATS),
+            "lora": None if self._adapters is None else self._adapters.card(),
         })
+
+    async def _check_adapters(self, plan) -> None:
+        """A planned request naming an adapter with no file in ``lora.dir`` raises RequestError (HTTP 422 listing
+        the adapters; :meth:`~deployments.adapters.AdapterCatalog.check`); the replica decides the rest."""
+        if self._adapters is not None:
+            await self._adapters.check(plan.request.lora)
 
     @app.get("/v1/models", response_model=ModelList, responses={401: {"model": ErrorBody}})
     async def models(self, request: Request):
@@ -248,6 +265,7 @@ class Ingress:
         refused = self._refused(request)
         if refused is not None:
             return refused
+        await AdapterCatalog.fresh(self._adapters)
         return ModelList(data=[self._model_card()])
 
     @app.get("/v1/models/{model_id}", response_model=ModelCard, responses={401: {"model": ErrorBody},
@@ -260,6 +278,7 @@ class Ingress:
         if model_id != self._model_name:
             return error_response(404, f"model {model_id!r} is not served here; served: {self._model_name!r}",
                                   param="model", code="model_not_found")
+        await AdapterCatalog.fresh(self._adapters)
         return self._model_card()
 
     @app.get("/v1/buckets", responses={401: {"model": ErrorBody}, 500: {"model": ErrorBody},
@@ -320,12 +339,15 @@ class Ingress:
             The :class:`GenerationResult` (PNG bytes, bucket, replica, owner, batch size).
 
         Raises:
-            RequestError: a field out of range, or a miss under the reject policy (``field`` names it).
+            RequestError: a field out of range, a miss under the reject policy (``field`` names it), or an adapter
+                of ``lora`` refused (no file in ``lora.dir``; on the replica: a file it cannot serve).
+            ServiceUnavailable: the replica's adapter slots stayed full for ``lora.load_timeout_s``.
             ReplicaUnavailable: the serving replica died on every attempt.
         """
         from .dit import as_generation_request
 
         plan = self._planner.plan(as_generation_request(request))
+        await self._check_adapters(plan)
         routed = await call_dit(self._dit, plan, self._config.routing.max_retries,
                                 retry_after_s=self._config.routing.retry_after_s)
         return dataclasses.replace(routed.result, retries=routed.retries)
@@ -340,7 +362,7 @@ class Ingress:
         openapi_extra={
             "requestBody": {
                 "required": True,
-                "content": {"application/json": {"schema": ImageGenerationRequest.model_json_schema()}},
+                "content": {"application/json": {"schema": ImageGenerationRequest.body_schema()}},
             }
         },
     )
@@ -375,8 +397,10 @@ class Ingress:
                     output_format=req.image_format(),
                     output_compression=req.output_compression,
                     partial_images=(req.partial_images or 0) if req.stream else 0,
+                    lora=req.lora_entries(),
                 )
             )
+            await self._check_adapters(plan)
         except ValidationError as exc:
             return validation_error_response(exc, limits)
         except RequestError as exc:

@@ -18,7 +18,10 @@ Tags: ``bucket`` is the bucket key (``b2_i1024_t256``) and ``shape`` the key wit
 ``bucket="miss", shape="miss"``. The traffic counters (``bcg_traffic_*``, from the replica's
 :class:`~bcg_core.planning.traffic.TrafficHistogram`) are tagged by the requested shape instead: ``size`` (``"WxH"``),
 ``n``, ``steps`` and ``text`` (the text bucket holding the prompt's tokens, or ``over``); their label sets
-are bounded by ``traffic.max_shapes``. Ray adds ``deployment``, ``replica``, ``application`` (Serve) and its own node
+are bounded by ``traffic.max_shapes``. The LoRA counters (``bcg_lora_*``, from the ``lora`` section of the stats,
+:meth:`bcg_core.lora.slots.AdapterSlots.describe`) are tagged ``adapter``, the adapter's name, and exported only for
+adapters that exist in ``lora.dir`` (loaded at least once, or found there by path): a name a caller made up never
+becomes a series, so their label sets are bounded by the folder's adapters. Ray adds ``deployment``, ``replica``, ``application`` (Serve) and its own node
 tags (``SessionName``, ``NodeAddress``, ...). :data:`METRICS` lists every metric; ``docs/OPERATIONS.md`` (section
 "Metrics (Prometheus)") gives the exported names (Ray prefixes ``ray_``; counters end in ``_total``).
 
@@ -38,8 +41,8 @@ from bcg_core.keys import BucketKey
 from bcg_core.metrics import FORWARD_MODES, STEP_MS_BOUNDS, BucketMetrics
 from bcg_core.planning.traffic import text_bucket
 
-__all__ = ["EXPORT_PERIOD_S", "METRICS", "MISS", "BucketExporter", "MetricSpec", "MetricsBackend",
-           "RayMetricsBackend", "metrics_url"]
+__all__ = ["EXPORT_PERIOD_S", "LORA_COUNTERS", "MAX_ADAPTER_CHECKS", "METRICS", "MISS", "BucketExporter",
+           "MetricSpec", "MetricsBackend", "RayMetricsBackend", "metrics_url"]
 
 logger = logging.getLogger("ray.serve")
 
@@ -50,6 +53,14 @@ MISS = "miss"
 """``bucket`` and ``shape`` tag of requests no bucket held (run unpadded and eager)."""
 
 _BUCKET = ("bucket", "shape")
+
+LORA_COUNTERS = {"bcg_lora_requests": "requests", "bcg_lora_hits": "hits", "bcg_lora_loads": "loads",
+                 "bcg_lora_load_seconds": "load_s", "bcg_lora_evictions": "evictions", "bcg_lora_refused": "refused"}
+"""The per-adapter counters and the key of ``stats()["lora"]["adapters"][name]`` each follows."""
+
+MAX_ADAPTER_CHECKS = 4096
+"""Most adapter names never loaded whose existence in ``lora.dir`` the exporter looks up (once each); names beyond
+it are not exported until they load."""
 
 
 @dataclass(frozen=True)
@@ -146,6 +157,22 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("bcg_plan_drift_gain", "gauge", (), "fraction",
                "Share of the GPU time per image a new plan of the recorded traffic would save, set when that traffic "
                "drifted from the plan (over 1.5x its padded-token waste); 0 otherwise. Advice only."),
+    MetricSpec("bcg_lora_requests", "counter", ("adapter",), "requests",
+               "LoRA: requests that named the adapter (lora.dir set)."),
+    MetricSpec("bcg_lora_hits", "counter", ("adapter",), "requests",
+               "LoRA: requests that found the adapter resident in a slot (no load)."),
+    MetricSpec("bcg_lora_loads", "counter", ("adapter",), "loads",
+               "LoRA: loads of the adapter into a slot (read from lora.dir or the host cache, copied to the device)."),
+    MetricSpec("bcg_lora_load_seconds", "counter", ("adapter",), "seconds",
+               "LoRA: seconds spent copying the adapter into its slots (divide by bcg_lora_loads for the mean)."),
+    MetricSpec("bcg_lora_evictions", "counter", ("adapter",), "evictions",
+               "LoRA: times the adapter was evicted from its slot (least recently used, unpinned) for another."),
+    MetricSpec("bcg_lora_refused", "counter", ("adapter",), "requests",
+               "LoRA: requests refused because the adapter's file cannot be served (HTTP 422)."),
+    MetricSpec("bcg_lora_slots_resident", "gauge", (), "adapters",
+               "LoRA: adapters resident in the replica's slots (at most lora.slots)."),
+    MetricSpec("bcg_lora_slots_pinned", "gauge", (), "slots",
+               "LoRA: slots pinned by requests in flight (a pinned slot is never evicted)."),
 )
 """Every metric the exporter pushes, in the order of docs/OPERATIONS.md's table."""
 
@@ -212,14 +239,19 @@ class BucketExporter:
         text_lengths: the table's text buckets (``buckets.text_lengths``), for the ``text`` tag.
         drift: returns the replica's last :func:`bcg_core.planning.drift.drift_report` (the ``bcg_plan_*`` gauges),
             or None before its first drift check.
+        adapter_exists: ``name -> bool``, whether adapter ``name`` has a file in ``lora.dir`` (a never-loaded
+            adapter's ``bcg_lora_*`` series are exported only then); None: only adapters that loaded are exported.
     """
 
     def __init__(self, stats: Callable[[], dict], metrics: BucketMetrics,
                  queue_lengths: Callable[[], dict[str, int]] = dict, shapes: Iterable[str] = (),
                  backend: MetricsBackend | None = None, scheduler_stats: Callable[[], dict] | None = None,
                  traffic: Callable[[], dict | None] | None = None, text_lengths: Iterable[int] = (),
-                 drift: Callable[[], dict | None] | None = None):
+                 drift: Callable[[], dict | None] | None = None,
+                 adapter_exists: Callable[[str], bool] | None = None):
         self._stats = stats
+        self._adapter_exists = adapter_exists
+        self._adapters: dict[str, bool] = {}  # adapter name -> exported (checked once; loaded ones always)
         self._drift = drift
         self._scheduler_stats = scheduler_stats
         self._traffic = traffic
@@ -249,11 +281,14 @@ class BucketExporter:
     def for_replica(cls, pipeline, scheduler, backend: MetricsBackend | None = None,
                     traffic=None, drift: Callable[[], dict | None] | None = None) -> BucketExporter:
         """The exporter of a DiT replica: ``pipeline.stats``, ``pipeline.metrics``, the step scheduler's
-        ``queue_lengths`` and ``stats``, and ``traffic.snapshot`` of the replica's
-        :class:`~bcg_core.planning.traffic.TrafficHistogram` (None: no ``bcg_traffic_*`` increments)."""
+        ``queue_lengths`` and ``stats``, ``traffic.snapshot`` of the replica's
+        :class:`~bcg_core.planning.traffic.TrafficHistogram` (None: no ``bcg_traffic_*`` increments), and with
+        ``lora.dir`` the adapter folder's lookup by name (:meth:`bcg_core.lora.files.AdapterFiles.path`)."""
         shapes = {k.shape for k in pipeline.table.keys}
+        slots = getattr(pipeline, "lora", None)
+        exists = _adapter_lookup(slots.files) if slots is not None else None
         return cls(pipeline.stats, pipeline.metrics, scheduler.queue_lengths, shapes, backend, scheduler.stats,
-                   traffic.snapshot if traffic is not None else None, pipeline.table.text_lengths, drift)
+                   traffic.snapshot if traffic is not None else None, pipeline.table.text_lengths, drift, exists)
 
     # -- one push ---------------------------------------------------------------------------------------
 
@@ -304,6 +339,8 @@ class BucketExporter:
         traffic = self._traffic() if self._traffic is not None else None
         if traffic is not None:
             self._push_traffic(traffic)
+        if stats.get("lora") is not None:
+            self._push_lora(stats["lora"])
         drift = self._drift() if self._drift is not None else None
         if drift is not None and drift.get("recorded_waste") is not None:
             self._m["bcg_plan_recorded_waste"].set(float(drift["recorded_waste"]), tags={})
@@ -357,6 +394,36 @@ class BucketExporter:
             self._inc("bcg_traffic_requests", {"size": size, "n": n, "steps": steps, "text": text}, count)
         self._inc("bcg_traffic_dropped", {}, int(snap.get("dropped", 0)))
 
+    def _exported_adapter(self, name: str, counts: dict) -> bool:
+        """Whether adapter ``name``'s series are exported: it loaded at least once (so its file existed), or
+        ``adapter_exists`` finds its file (asked once per name, for at most :data:`MAX_ADAPTER_CHECKS` names)."""
+        known = self._adapters.get(name)
+        if known:
+            return True
+        if counts.get("loads"):
+            self._adapters[name] = True
+            return True
+        if known is not None or self._adapter_exists is None or len(self._adapters) >= MAX_ADAPTER_CHECKS:
+            return False
+        try:
+            found = bool(self._adapter_exists(name))
+        except Exception:  # noqa: BLE001 - a failing lookup exports nothing for the name
+            found = False
+        self._adapters[name] = found
+        return found
+
+    def _push_lora(self, lora: dict) -> None:
+        """The ``bcg_lora_*`` metrics from the ``lora`` section of the stats
+        (:meth:`bcg_core.lora.slots.AdapterSlots.describe`)."""
+        for name, counts in sorted((lora.get("adapters") or {}).items()):
+            if not self._exported_adapter(name, counts):
+                continue
+            tags = {"adapter": name}
+            for metric, key in LORA_COUNTERS.items():
+                self._inc(metric, tags, float(counts.get(key) or 0))
+        self._m["bcg_lora_slots_resident"].set(len(lora.get("resident") or {}), tags={})
+        self._m["bcg_lora_slots_pinned"].set(len(lora.get("pinned") or {}), tags={})
+
     # -- the background task ----------------------------------------------------------------------------
 
     async def run(self, period_s: float = EXPORT_PERIOD_S) -> None:
@@ -387,6 +454,20 @@ class BucketExporter:
         ``period_s`` (seconds between pushes)."""
         return {"pushes": self.pushes, "errors": self.errors, "last_error": self.last_error,
                 "lost_samples": self.lost_samples, "period_s": self.period_s}
+
+
+def _adapter_lookup(files) -> Callable[[str], bool]:
+    """``name -> bool``: whether ``files`` (:class:`~bcg_core.lora.files.AdapterFiles`) holds adapter ``name``."""
+    from bcg_core.lora.files import AdapterError
+
+    def exists(name: str) -> bool:
+        try:
+            files.path(name)
+        except AdapterError:
+            return False
+        return True
+
+    return exists
 
 
 def metrics_url(node_id: str | None = None) -> str | None:

@@ -10,6 +10,11 @@ through pydantic's validation context as a :class:`RequestLimits`::
     ImageGenerationRequest.model_validate_json(body, context={"limits": RequestLimits(...)})
 
 Without a context the defaults of :class:`bcg_core.config.LimitsConfig` apply.
+
+``lora`` (LoRA adapters per request, docs/API.md "LoRA adapters") is checked here for its JSON shape and bounded
+before anything else reads it: at most ``lora.max_per_request`` entries (:data:`MAX_LORA_ENTRIES` without a
+configured section), names of at most :data:`MAX_LORA_NAME_CHARS` characters; the planner checks the names, scales
+and duplicates, the ingress whether each name is in ``lora.dir``, the replica whether the file can be served.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-from bcg_core.config import LimitsConfig, parse_size
+from bcg_core.config import LimitsConfig, LoRAConfig, parse_size
 from bcg_core.planner import allowed_values as engine_allowed
 from bcg_core.request import MAX_PARTIAL_IMAGES
 
@@ -30,11 +35,15 @@ __all__ = [
     "ImageData",
     "ImageGenerationRequest",
     "ImageGenerationResponse",
+    "LoraAdapter",
+    "MAX_LORA_ENTRIES",
+    "MAX_LORA_NAME_CHARS",
     "ModelCard",
     "ModelList",
     "RequestLimits",
     "Usage",
     "allowed_values",
+    "inline_refs",
 ]
 
 NO_OP_VALUES: dict[str, tuple[str, ...]] = {
@@ -46,6 +55,16 @@ NO_OP_VALUES: dict[str, tuple[str, ...]] = {
 transparent background), no content moderation runs (so ``low`` asks for no less than is done), and ``style``
 (a retired DALL-E 3 option) keeps its default ``vivid``, which means nothing to these models."""
 
+MAX_LORA_ENTRIES = 16
+"""Most ``lora`` entries the schema reads at all (the highest ``lora.max_per_request`` a config may set); the
+configured ``lora.max_per_request`` is checked against the context's :attr:`RequestLimits.lora` as well."""
+
+MAX_LORA_NAME_CHARS = 128
+"""Longest adapter name (:data:`bcg_core.lora.files.NAME_RE` allows 128 characters)."""
+
+DEFAULT_LORA_SCALE = 1.0
+"""The scale of a ``lora`` entry that omits it: diffusers' ``set_adapters`` default weight."""
+
 @dataclass(frozen=True)
 class RequestLimits:
     """What the served configuration allows; handed to validation through the pydantic context.
@@ -56,12 +75,15 @@ class RequestLimits:
             token side, e.g. 16 = VAE factor 8 x patch size 2); None for a family with resolution binning.
         model_name: name of the served model; a request's ``model`` must equal it. None skips the check.
         resolutions: the bucket resolution tiers (for messages only).
+        lora: the served ``lora`` section (its ``max_per_request`` bounds a request's ``lora`` entries; the
+            ``lora`` phrase of :func:`allowed_values`); None: no adapters served.
     """
 
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     size_multiple: int | None = 16
     model_name: str | None = None
     resolutions: tuple[str, ...] = ()
+    lora: LoRAConfig | None = None
 
 
 def _limits(info: ValidationInfo) -> RequestLimits:
@@ -79,7 +101,7 @@ def allowed_values(name: str, limits: RequestLimits) -> str:
     Returns:
         A short phrase such as ``"an integer from 1 to 10"``.
     """
-    engine = engine_allowed(name, limits.limits, limits.size_multiple, limits.resolutions)
+    engine = engine_allowed(name, limits.limits, limits.size_multiple, limits.resolutions, limits.lora)
     if engine is not None:
         return engine
     if name == "model":
@@ -93,6 +115,22 @@ def allowed_values(name: str, limits: RequestLimits) -> str:
     if name == "stream":
         return "true or false"
     return "one of the fields " + ", ".join(ImageGenerationRequest.model_fields)
+
+
+class LoraAdapter(BaseModel):
+    """One entry of a request's ``lora``: an adapter in ``lora.dir`` and its weight."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+    name: str = Field(max_length=MAX_LORA_NAME_CHARS, description="An adapter name listed by GET /v1/models "
+                      "(bcg.lora.adapters): the file <name>.safetensors or folder <name>/ in lora.dir.")
+    scale: float | None = Field(default=DEFAULT_LORA_SCALE, description="The adapter's weight, as diffusers' "
+                                "set_adapters weight: -lora.max_scale to lora.max_scale; omitted or null = 1.0.")
+
+    @field_validator("scale")
+    @classmethod
+    def _scale(cls, v: float | None) -> float:
+        return DEFAULT_LORA_SCALE if v is None else v
 
 
 class ImageGenerationRequest(BaseModel):
@@ -164,6 +202,12 @@ class ImageGenerationRequest(BaseModel):
         "to limits.max_guidance_scale: above 1, with a negative_prompt, runs cond + uncond rows. Omitted = the "
         "pipeline's default (1.0 FLUX, 4.0 Qwen-Image). Other families answer 422 when it is set.",
     )
+    lora: list[LoraAdapter] | None = Field(
+        default=None, max_length=MAX_LORA_ENTRIES,
+        description="LoRA adapters to apply, each {\"name\": ..., \"scale\": ...} (scale omitted = 1.0): at most "
+        "lora.max_per_request entries with distinct names listed by GET /v1/models (bcg.lora.adapters), scales "
+        "within lora.max_scale. Rows of different adapters share one forward. Omitted, null or [] = the base model.",
+    )
 
     @field_validator("model")
     @classmethod
@@ -171,6 +215,15 @@ class ImageGenerationRequest(BaseModel):
         name = _limits(info).model_name
         if v is not None and name is not None and v != name:
             raise ValueError(f"model {v!r} is not served here")
+        return v
+
+    @field_validator("lora", mode="before")
+    @classmethod
+    def _lora_count(cls, v, info: ValidationInfo):
+        # before the entries are read: a long list is refused by its length alone
+        lora = _limits(info).lora
+        if isinstance(v, list) and lora is not None and lora.dir is not None and len(v) > lora.max_per_request:
+            raise ValueError(f"{len(v)} adapters are more than lora.max_per_request {lora.max_per_request}")
         return v
 
     @field_validator("n")
@@ -204,10 +257,40 @@ class ImageGenerationRequest(BaseModel):
         """The output format, ``"png"`` when omitted or null."""
         return self.output_format or "png"
 
+    @classmethod
+    def body_schema(cls) -> dict:
+        """The JSON schema of the request body for the OpenAPI document: :meth:`model_json_schema` with the
+        ``lora`` entries' model written in place (:func:`inline_refs`)."""
+        return inline_refs(cls.model_json_schema())
+
+    def lora_entries(self) -> tuple[tuple[str, float], ...]:
+        """``lora`` as :attr:`bcg_core.request.GenerationRequest.lora`: ``((name, scale), ...)``; ``()`` when
+        omitted, null or empty."""
+        return tuple((a.name, float(a.scale)) for a in self.lora or ())
+
     def width_height(self) -> tuple[int, int] | tuple[None, None]:
         """``(width, height)`` in pixels of :attr:`size`; ``(None, None)`` for ``"auto"`` (or omitted): the
         planner fills in the model's default size (:attr:`~bcg_core.families.ModelSpec.default_size`)."""
         return (None, None) if self.size in (None, "auto") else parse_size(self.size)
+
+
+def inline_refs(schema: dict) -> dict:
+    """``schema`` (a pydantic JSON schema) with every ``{"$ref": "#/$defs/X"}`` replaced by ``X`` itself and no
+    ``$defs``: a body schema placed inside an OpenAPI document, where ``#/$defs`` would not resolve. Not for
+    recursive models (none here)."""
+    defs = schema.get("$defs", {})
+
+    def walk(node):
+        if isinstance(node, dict):
+            ref = node.get("$ref")
+            if isinstance(ref, str) and ref.startswith("#/$defs/"):
+                return walk({**defs[ref.removeprefix("#/$defs/")], **{k: v for k, v in node.items() if k != "$ref"}})
+            return {k: walk(v) for k, v in node.items() if k != "$defs"}
+        if isinstance(node, list):
+            return [walk(v) for v in node]
+        return node
+
+    return walk(schema)
 
 
 class ImageData(BaseModel):
@@ -295,8 +378,9 @@ class ModelCard(BaseModel):
     bcg: dict = Field(description="Extension: family, pipeline class, the bucket table summarised (batch sizes, "
                       "resolutions, text lengths, bucket count, miss policy), the request limits, the defaults of a "
                       "request that omits them (num_inference_steps, guidance_scale, and true_cfg_scale for FLUX and "
-                      "Qwen-Image: the family's diffusers pipeline's unless the config's limits set them) and the "
-                      "step count of each quality.")
+                      "Qwen-Image: the family's diffusers pipeline's unless the config's limits set them), the "
+                      "step count of each quality, and lora: the adapters in lora.dir and the LoRA limits (null "
+                      "without lora.dir).")
 
 
 class ModelList(BaseModel):

@@ -90,8 +90,9 @@ class AdapterSlots:
         loader thread). Its exception: :class:`RequestError` (field ``lora``) for an adapter that cannot be
         served, :class:`ServiceUnavailable` when no slot frees within ``timeout_s``."""
         t0 = time.perf_counter()
+        known = [n for n in names if n in self._resident or self._exists(n)]  # counters only for real files
         with self._cv:
-            for n in names:
+            for n in known:
                 self.counts[n].requests += 1
             if all(n in self._resident for n in names):
                 for n in names:
@@ -100,6 +101,13 @@ class AdapterSlots:
                 fut.set_result(self._pin(names, scales))
                 return fut
         return self._pool.submit(self._load_lease, names, scales, t0)
+
+    def _exists(self, name: str) -> bool:
+        try:
+            self.files.path(name)
+            return True
+        except AdapterError:
+            return False
 
     def lease(self, names: tuple[str, ...], scales: tuple[float, ...]) -> Lease:
         """:meth:`acquire`, waiting on this thread (scripts and :meth:`~bcg_core.pipeline.DiTPipeline.generate`)."""
@@ -110,9 +118,10 @@ class AdapterSlots:
             fut.add_done_callback(_release_result)
             raise self._busy(names) from None
 
-    async def lease_async(self, names: tuple[str, ...], scales: tuple[float, ...]) -> Lease:
+    async def lease_async(self, names: tuple[str, ...], scales: tuple[float, ...],
+                          retry_after_s: float | None = None) -> Lease:
         """:meth:`acquire`, awaited (the step scheduler's front); a caller cancelled or timed out while waiting
-        leaves nothing pinned."""
+        leaves nothing pinned. ``retry_after_s``: the ``Retry-After`` of its 503 (None: :attr:`retry_after_s`)."""
         fut = self.acquire(names, scales)
         try:
             return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(fut)), self.timeout_s)
@@ -120,12 +129,16 @@ class AdapterSlots:
             fut.add_done_callback(_release_result)
             if isinstance(e, asyncio.CancelledError):
                 raise
-            raise self._busy(names) from None
+            raise self._busy(names, retry_after_s) from None
+        except ServiceUnavailable as e:  # the loader's own deadline: the caller's Retry-After
+            if retry_after_s is not None:
+                e.retry_after_s = retry_after_s
+            raise
 
-    def _busy(self, names) -> ServiceUnavailable:
+    def _busy(self, names, retry_after_s: float | None = None) -> ServiceUnavailable:
         return ServiceUnavailable("lora", f"adapters {list(names)} were not loaded within lora.load_timeout_s "
                                           f"({self.timeout_s:g} s): every slot is in use; retry",
-                                  retry_after_s=self.retry_after_s)
+                                  retry_after_s=self.retry_after_s if retry_after_s is None else retry_after_s)
 
     def _pin(self, names, scales) -> Lease:
         """Pin resident ``names`` (call with the lock held)."""
@@ -223,7 +236,8 @@ class AdapterSlots:
                 self._refused[name] = (mtime, e.reason)
                 raise
         except AdapterError as e:
-            self.counts[name].refused += 1
+            if not e.unknown:  # a file that exists (bounded by the folder), not any name a caller sends
+                self.counts[name].refused += 1
             raise self._request_error(e) from None
         if self._stream is not None:
             for d in weights.layers.values():

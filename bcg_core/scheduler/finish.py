@@ -217,4 +217,5 @@ class Finisher:
                                       self._pipeline.metrics, {
             "queue": ms(item.submitted, item.admitted), "encode": ms(item.admitted, item.started),
             "denoise": ms(item.started, item.denoised), "decode": ms(item.denoised, item.decoded),
-            "image_encode": ms(encode_t0, t_end), "total": ms(item.submitted, t_end)}))
+            "image_encode": ms(encode_t0, t_end), "total": ms(item.submitted, t_end),
+            **({"lora_load": round(item.lease.waited_s * 1e3, 2)} if item.lease is not None else {})}))

@@ -126,8 +126,27 @@ class StepScheduler:
 
     # -- the request path ---------------------------------------------------------------------------
 
-    async def submit(self, plan: PlannedRequest,
-                     on_preview: Callable[[PartialImage], None] | None = None) -> GenerationResult:
+    async def lease(self, plan: PlannedRequest):
+        """The slots of ``plan``'s LoRA adapters (:meth:`~bcg_core.lora.slots.AdapterSlots.lease_async`, waiting for
+        their load off the denoising thread), or None for a request without adapters. A streamed request takes it
+        before its stream is accepted (so an adapter that cannot be served is still a plain 422 or 503) and hands
+        it to :meth:`submit`.
+
+        Raises:
+            RequestError: an adapter that cannot be served, or adapters on a pipeline without ``lora.dir``.
+            ServiceUnavailable: its adapters did not load within ``lora.load_timeout_s`` (``Retry-After``:
+                this scheduler's ``retry_after_s``).
+        """
+        if not plan.request.lora:
+            return None
+        lora = self.pipeline.lora
+        if lora is None:
+            raise RequestError("lora", "lora: this deployment serves no LoRA adapters (lora.dir is unset)")
+        return await lora.lease_async(tuple(n for n, _ in plan.request.lora), tuple(s for _, s in plan.request.lora),
+                                      retry_after_s=self.retry_after_s)
+
+    async def submit(self, plan: PlannedRequest, on_preview: Callable[[PartialImage], None] | None = None,
+                     lease=None) -> GenerationResult:
         """Queue a request, wait for its images, and return its result.
 
         With ``on_preview`` and the request's ``partial_images`` > 0, a copy of its latents is taken after each
@@ -137,10 +156,13 @@ class StepScheduler:
 
         ``timings_ms`` of the result: ``queue`` (submission to admission), ``encode`` (text encoding and noise),
         ``denoise`` (its steps, sharing forwards), ``decode`` (waiting for and running the batched VAE decode),
-        ``image_encode`` (PNG, JPEG or WebP encoding) and ``total``, milliseconds.
+        ``image_encode`` (PNG, JPEG or WebP encoding) and ``total``, milliseconds; with LoRA adapters,
+        ``lora_load``: the part of ``queue`` spent waiting for them to load (0 when every one was resident).
 
         Args:
             plan: the request as the planner made it (trusted: it is not validated again).
+            lease: its adapters' lease from :meth:`lease` (None: taken here when it has adapters); released once
+                the request is answered, or here if it never queues.
 
         Raises:
             TypeError: ``plan`` is not a :class:`~bcg_core.request.PlannedRequest` (nothing is queued).
@@ -151,6 +173,8 @@ class StepScheduler:
             Exception: whatever broke its start or a forward it took part in.
         """
         if not isinstance(plan, PlannedRequest):
+            if lease is not None:
+                lease.release()
             raise TypeError(f"the step scheduler takes a PlannedRequest (Planner.plan), got {type(plan).__name__}")
         shape = plan.shape
         # requests share forwards only within one bucket shape and token grid; a miss runs alone
@@ -161,12 +185,8 @@ class StepScheduler:
         if on_preview is not None and self._previews.available and plan.request.partial_images > 0:
             item.on_preview = on_preview
             item.preview_at = preview_steps(plan.request.num_inference_steps, plan.request.partial_images)
-        if plan.request.lora:  # its adapters are resident before it queues: the denoising thread never waits
-            lora = self.pipeline.lora
-            if lora is None:
-                raise RequestError("lora", "lora: this deployment serves no LoRA adapters (lora.dir is unset)")
-            item.lease = await lora.lease_async(tuple(n for n, _ in plan.request.lora),
-                                                tuple(s for _, s in plan.request.lora))
+        # its adapters are resident before it queues: the denoising thread never waits for a load
+        item.lease = lease if lease is not None else await self.lease(plan)
         self._ensure_started()
         self.meter.arrive(shape)
         with self.flight.cv:
@@ -185,18 +205,31 @@ class StepScheduler:
                 self.flight.cv.notify_all()
             raise
 
-    async def submit_stream(self, plan: PlannedRequest) -> AsyncIterator[PartialImage | GenerationResult]:
+    async def submit_stream(self, plan: PlannedRequest, lease=None) -> AsyncIterator[PartialImage | GenerationResult]:
         """:meth:`submit` as an async iterator: the request's previews (:class:`~bcg_core.preview.PartialImage`,
         as they are drawn), then its :class:`GenerationResult`: the result waits for the request's own previews
         that were queued before its last step (so every preview taken comes first; one dropped because the
         preview queue was full never comes). Closing the iterator early (its caller went away) cancels the
         request, as cancelling :meth:`submit` does.
 
+        ``lease``: as :meth:`submit` (a stream closed before its request queued releases it).
+
         Raises:
             As :meth:`submit`.
         """
-        async for event in stream_events(lambda on_preview: self.submit(plan, on_preview=on_preview)):
-            yield event
+        queued = False
+
+        def submit(on_preview):
+            nonlocal queued
+            queued = True
+            return self.submit(plan, on_preview=on_preview, lease=lease)
+
+        try:
+            async for event in stream_events(submit):
+                yield event
+        finally:
+            if not queued and lease is not None:
+                lease.release()
 
     def _ensure_started(self) -> None:
         with self._start_lock:
