@@ -1,0 +1,246 @@
+"""LoRA reference gate: bcg-serve's per-row adapters give what diffusers' pipeline gives after
+``load_lora_weights`` and ``set_adapters`` with the same names and weights, for every family whose diffusers
+pipeline loads LoRA.
+
+Per family (FLUX.1-dev; SD3.5 with RMS qk-norm and SD3.5-medium's dual attention; SANA; Qwen-Image) one tiny
+random-weight checkpoint (``tests/tiny/<family>.py``) and two tiny adapters (``tests/tiny/lora.py``: peft
+``LoraConfig`` layers with random A and B, saved with the pipeline class's ``save_lora_weights``):
+
+- ``style-a``: a folder ``style-a/pytorch_lora_weights.safetensors`` with its ``LoraConfig`` saved as
+  metadata, rank 4 and alpha 8 with a ``rank_pattern`` (``to_q``: 2) and an ``alpha_pattern`` (``to_k``: 3),
+  on the attention projections, the MLP projections and the blocks' AdaLN modulation layers.
+- ``style-b``: one file ``style-b.safetensors`` without metadata (diffusers infers each layer's rank from its
+  shapes, 8 and 3 on ``to_v``, and takes alpha = rank: scaling 1 whatever alpha it was trained with), on other
+  projections, the other stream's or the output norm's modulation, the embedders and the final projection.
+
+Between them the two adapters change every linear layer of each transformer (all are wrapped by default).
+SANA's feed-forward is a GLUMBConv of convolutions, not linear layers: an adapter on them is refused, naming
+the layer.
+
+Gates (:func:`reference_gate.assert_same`: final latents within 1e-5 relative, images equal up to one level on
+at most 0.1% of the pixel values): one adapter at 0.8 on two images (with their CFG rows where the family uses
+CFG); two adapters at 0.8 and -0.5; a two-adapter request joining a running request that carries one adapter
+at another scale, their rows and a pad row sharing each padded forward. So that the gates cannot pass with
+adapters ignored, each adapter, and the request's scale, must move the final latents by a thousand times
+that tolerance. PixArt-Sigma, whose diffusers pipeline has no LoRA loader, refuses ``lora.dir`` when the
+pipeline is built.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+from diffusers import FluxPipeline, QwenImagePipeline, SanaPipeline, StableDiffusion3Pipeline
+
+from bcg_core import DiTPipeline, GenerationRequest, RequestError
+from reference_gate import RTOL, GateRun, assert_same, bcg_pipeline, bcg_run, bcg_run_joined, diffusers_run
+from tiny import flux, pixart, qwenimage, sana, sd3
+from tiny.lora import make_adapter
+
+LORA = {"slots": 2, "max_rank": 8, "max_per_request": 2}
+"""The ``lora`` section (``dir`` added per family): two resident adapters, both at once in one request."""
+
+CHANGED = 1e3 * RTOL
+"""Least relative change of the final latents an adapter must make (a thousand times the gate's tolerance)."""
+
+ONE = (("style-a", 0.8),)
+TWO = (("style-a", 0.8), ("style-b", -0.5))
+
+ATTENTION = ["to_q", "to_k", "to_v", "to_out.0"]
+JOINT = ["add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"]
+PROMPT = "a photo of a cat sitting on a red chair"
+
+
+@dataclass(frozen=True)
+class Family:
+    """How one family is built, served and called in diffusers.
+
+    Attributes:
+        pipeline_cls: its diffusers pipeline class (the LoRA loader of both sides).
+        build: checkpoint folder -> the folder, built (a ``tests/tiny`` builder).
+        buckets: the bucket table (batch 1, 2 and 4 at one resolution).
+        request: the requests' prompt, size and guidance (CFG rows where the family uses CFG).
+        no_cfg: what turns CFG off, for the request another one joins.
+        targets_a, targets_b: peft ``target_modules`` of ``style-a`` and ``style-b`` (name suffixes).
+        limits: more ``limits`` of the pipeline.
+        call: more keyword arguments of diffusers' call (as the family's own gate passes them).
+    """
+
+    pipeline_cls: type
+    build: Callable[[Path], Path]
+    buckets: dict
+    request: dict
+    no_cfg: dict
+    targets_a: list[str]
+    targets_b: list[str]
+    limits: dict = field(default_factory=dict)
+    call: dict = field(default_factory=dict)
+
+
+FAMILIES = {
+    "flux": Family(
+        FluxPipeline, lambda folder: flux.build(folder, "dev"),
+        dict(batch_sizes=[1, 2, 4], resolutions=["32x32"], text_lengths=[flux.TEXT_TOKENS]),
+        dict(prompt=PROMPT, width=32, height=32, guidance_scale=3.5),
+        dict(guidance_scale=5.0),  # guidance is an embedding: no CFG rows either way
+        # both streams' attention and MLPs, the single blocks' MLP and output projections (proj_out also
+        # matches the final projection), the image stream's and the single blocks' AdaLN modulation
+        targets_a=[*ATTENTION, *JOINT, "ff.net.0.proj", "ff.net.2", "ff_context.net.2", "proj_mlp",
+                   "proj_out", "norm1.linear", "norm.linear"],
+        # the text stream's and the output norm's modulation; the timestep, guidance and pooled-text
+        # embedders; the image and text embedders
+        targets_b=["to_q", "to_v", "ff_context.net.0.proj", "norm1_context.linear", "norm_out.linear",
+                   "linear_1", "linear_2", "x_embedder", "context_embedder"],
+        call=dict(max_sequence_length=flux.TEXT_TOKENS),
+    ),
+    "sd3": Family(
+        StableDiffusion3Pipeline, lambda folder: sd3.build(folder, "sd35"),
+        dict(batch_sizes=[1, 2, 4], resolutions=["64x64"], text_lengths=[333]),
+        dict(prompt=PROMPT, width=64, height=64, guidance_scale=4.5),
+        dict(guidance_scale=1.0),
+        # joint attention (and block 0's second self-attention, attn2), both MLPs, the image modulation
+        targets_a=[*ATTENTION, *JOINT, "ff.net.0.proj", "ff.net.2", "ff_context.net.2", "norm1.linear"],
+        targets_b=["to_q", "to_v", "ff_context.net.0.proj", "norm1_context.linear", "norm_out.linear",
+                   "linear_1", "linear_2", "context_embedder", "proj_out"],
+    ),
+    "sana": Family(
+        SanaPipeline, lambda folder: sana.build(folder),
+        dict(batch_sizes=[1, 2, 4], resolutions=["512x512"], text_lengths=[16, 32]),
+        dict(prompt=PROMPT, width=512, height=512, guidance_scale=4.5),
+        dict(guidance_scale=1.0),
+        # self- and cross-attention, and the AdaLN-single modulation every block reads (no linear MLP)
+        targets_a=[*ATTENTION, "time_embed.linear"],
+        targets_b=["to_q", "to_v", "linear_1", "linear_2", "caption_projection.linear_1", "proj_out"],
+    ),
+    "qwenimage": Family(
+        QwenImagePipeline, lambda folder: qwenimage.build(folder),
+        dict(batch_sizes=[1, 2, 4], resolutions=["64x64"], text_lengths=[16, 32]),
+        dict(prompt=PROMPT, width=64, height=64, negative_prompt="blurry"),
+        dict(negative_prompt=None),  # true CFG only with a negative prompt
+        targets_a=[*ATTENTION, *JOINT, "img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.2", "img_mod.1"],
+        targets_b=["to_q", "to_v", "txt_mlp.net.0.proj", "txt_mod.1", "norm_out.linear", "linear_1",
+                   "linear_2", "img_in", "txt_in", "proj_out"],
+        limits=dict(min_side_px=16),
+    ),
+}
+
+
+@dataclass
+class Served:
+    """One family's checkpoint, adapters and bcg-serve pipeline (``lora.dir`` = ``loras``)."""
+
+    name: str
+    family: Family
+    folder: Path
+    loras: Path
+    pipe: DiTPipeline
+
+    def req(self, lora=(), **kw) -> GenerationRequest:
+        """The family's request (one image, two steps unless ``kw`` says otherwise) with ``lora``."""
+        base = {**self.family.request, "n": 1, "num_inference_steps": 2, "seed": 0}
+        return GenerationRequest(**{**base, **kw}, lora=tuple(lora))
+
+    def ref(self, request: GenerationRequest) -> GateRun:
+        """diffusers' pipeline on ``request``, its adapters loaded and weighted as a diffusers user does."""
+        return diffusers_run(self.family.pipeline_cls, self.folder, request, lora_dir=self.loras,
+                             **self.family.call)
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def served(request, tmp_path_factory) -> Served:
+    """One family's tiny checkpoint, ``style-a`` and ``style-b``, and a bcg-serve pipeline serving them."""
+    fam = FAMILIES[request.param]
+    folder = fam.build(tmp_path_factory.mktemp(f"lora-{request.param}") / "ckpt")
+    loras = make_adapter(fam.pipeline_cls, folder, "style-a", fam.targets_a, rank=4, alpha=8, seed=0,
+                         rank_pattern={"to_q": 2}, alpha_pattern={"to_k": 3})
+    make_adapter(fam.pipeline_cls, folder, "style-b", fam.targets_b, rank=8, alpha=4, seed=1, metadata=False,
+                 as_file=True, rank_pattern={"to_v": 3})
+    assert (loras / "style-a" / "pytorch_lora_weights.safetensors").is_file()
+    assert (loras / "style-b.safetensors").is_file()
+    pipe = bcg_pipeline(folder, fam.buckets, lora={"dir": str(loras), **LORA}, **fam.limits)
+    return Served(request.param, fam, folder, loras, pipe)
+
+
+def _latents(pipe: DiTPipeline, request: GenerationRequest) -> torch.Tensor:
+    """bcg-serve's final latents of ``request`` (:func:`reference_gate.bcg_run` without the decode)."""
+    plan = pipe.planner.plan(request)
+    lease = pipe.lease(plan)
+    state = pipe.start(plan, lease=lease)
+    while not state.done:
+        pipe.step([state])
+    if lease is not None:
+        lease.release()
+    return state.latents.float().cpu()
+
+
+def _changed(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Largest change of latents ``a`` from ``b``, relative to ``b``'s largest value (the gate's measure)."""
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+def test_one_adapter_equals_diffusers(served):
+    req = served.req(ONE, n=2, seed=11)  # two images; with CFG the uncond rows carry the adapter too
+    assert_same(bcg_run(served.pipe, req), served.ref(req))
+    a = served.pipe.lora.files.read("style-a")
+    # the metadata's patterns: to_q rank 2 (alpha 8), to_k alpha 3 (rank 4), the rest rank 4 and alpha 8
+    assert {(d.rank, d.scaling) for n, d in a.layers.items() if n.endswith(".to_q")} == {(2, 8 / 2)}
+    assert {(d.rank, d.scaling) for n, d in a.layers.items() if n.endswith(".to_k")} == {(4, 3 / 4)}
+    assert {(d.rank, d.scaling) for n, d in a.layers.items() if n.endswith(".to_v")} == {(4, 8 / 4)}
+
+
+def test_two_adapters_at_different_scales_equal_diffusers(served):
+    req = served.req(TWO, seed=5)
+    assert_same(bcg_run(served.pipe, req), served.ref(req))
+    b = served.pipe.lora.files.read("style-b")  # no metadata: ranks from the shapes, alpha = rank (scaling 1)
+    assert {(d.rank, d.scaling) for n, d in b.layers.items() if n.endswith(".to_v")} == {(3, 1.0)}
+    assert {(d.rank, d.scaling) for n, d in b.layers.items() if not n.endswith(".to_v")} == {(8, 1.0)}
+    # between them the two adapters change every linear layer of the transformer (all are wrapped)
+    a = served.pipe.lora.files.read("style-a")
+    assert set(a.layers) | set(b.layers) == set(served.pipe.lora.layers.layers)
+
+
+def test_rows_with_other_adapters_in_one_forward_equal_diffusers_for_both(served):
+    # ``other`` (one adapter at another scale, no CFG: 1 row) runs a step alone, then ``req`` (two adapters, 2
+    # rows) joins: both requests' rows and a pad row share each forward of the 4-row bucket.
+    other = served.req((("style-b", 1.2),), num_inference_steps=3, seed=3, **served.family.no_cfg)
+    req = served.req(TWO, seed=7)
+    if served.pipe.planner.plan(req).rows == 1:  # FLUX: no CFG rows, so two images
+        req = dataclasses.replace(req, n=2)
+    assert [served.pipe.planner.plan(r).rows for r in (req, other)] == [2, 1]
+    ours_req, ours_other = bcg_run_joined(served.pipe, req, other, head_start=1)
+    assert_same(ours_req, served.ref(req))
+    assert_same(ours_other, served.ref(other))
+
+
+def test_each_adapter_and_its_scale_change_the_image(served):
+    none, one, two, neg = (_latents(served.pipe, served.req(lora, seed=11))
+                           for lora in ((), ONE, TWO, (("style-a", -0.8),)))
+    assert _changed(one, none) > CHANGED, f"style-a changed the latents by {_changed(one, none):.1e} only"
+    assert _changed(two, one) > CHANGED, f"style-b changed the latents by {_changed(two, one):.1e} only"
+    assert _changed(neg, one) > CHANGED, f"the scale changed the latents by {_changed(neg, one):.1e} only"
+    assert served.pipe.lora.describe()["resident"].keys() == {"style-a", "style-b"}
+
+
+@pytest.mark.parametrize("served", ["sana"], indirect=True)
+def test_an_adapter_on_sanas_convolutions_is_refused_naming_the_layer(served):
+    make_adapter(SanaPipeline, served.folder, "conv", ["conv_inverted"], rank=2, alpha=2)
+    plan = served.pipe.planner.plan(served.req((("conv", 1.0),)))
+    with pytest.raises(RequestError) as e:
+        served.pipe.lease(plan)
+    assert e.value.field == "lora"
+    assert "transformer_blocks.0.ff.conv_inverted" in e.value.message
+    assert "not a linear layer" in e.value.message
+
+
+def test_pixart_sigma_refuses_lora_dir_at_start(tmp_path):
+    folder = pixart.build(tmp_path / "pixart")
+    (tmp_path / "loras").mkdir()
+    buckets = {"batch_sizes": [1], "resolutions": ["256x256"], "text_lengths": [16]}
+    with pytest.raises(ValueError, match="PixArtSigmaPipeline .*has no LoRA loader in diffusers"):
+        bcg_pipeline(folder, buckets, lora={"dir": str(tmp_path / "loras")})
+    assert bcg_pipeline(folder, buckets).lora is None  # without lora.dir it is served as before
