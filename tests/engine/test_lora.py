@@ -128,7 +128,7 @@ def test_a_pinned_slot_is_never_evicted_and_a_request_without_a_slot_gets_503(ck
 
 
 @pytest.mark.parametrize("name, words", [
-    ("nope", "no adapter 'nope' in lora.dir; adapters: a, b, big, c, dora"),
+    ("nope", "no adapter 'nope' in lora.dir; adapters: a, b, big, c, dora"),  # the list starts so
     ("garbage", "is not a LoRA file diffusers can read"),
     ("misfit", "the layer takes"),
     ("stranger", "changes layer no_such_layer, which is not a linear layer"),
@@ -168,3 +168,65 @@ def test_adapters_on_a_pipeline_without_lora_dir_are_refused(ckpt):
         plain.planner.plan(_req(lora=(("a", 1.0),)))
     assert "serves no LoRA adapters" in e.value.message
     assert plain.lora is None and plain.stats()["lora"] is None
+
+
+def test_a_load_in_progress_never_stalls_other_requests(ckpt, monkeypatch):
+    """While an adapter's file is being read (held here until released), a request without adapters runs to its
+    answer through the same step scheduler; then the adapter's request is served too."""
+    from bcg_core.scheduler import StepScheduler
+
+    folder, loras, pipe = ckpt
+    make_adapter(FluxPipeline, folder, "slow", ["to_q", "proj_mlp"], rank=2, seed=9, as_file=True)  # never loaded
+    entered, release = threading.Event(), threading.Event()
+    read = pipe.lora.files.read
+
+    def slow_read(name):
+        entered.set()
+        assert release.wait(30), "the test never released the load"
+        return read(name)
+
+    monkeypatch.setattr(pipe.lora.files, "read", slow_read)
+    sched = StepScheduler(pipe)
+
+    async def run():
+        waiting = asyncio.ensure_future(sched.submit(pipe.planner.plan(_req(seed=5, lora=(("slow", 1.0),)))))
+        await asyncio.get_running_loop().run_in_executor(None, entered.wait, 30)
+        plain = await asyncio.wait_for(sched.submit(pipe.planner.plan(_req(seed=6))), 60)
+        assert not waiting.done()  # the load is still held: the plain request did not wait for it
+        release.set()
+        return plain, await asyncio.wait_for(waiting, 60)
+
+    try:
+        plain, loaded = asyncio.run(run())
+    finally:
+        release.set()
+        sched.close()
+    assert plain.images_png and loaded.images_png
+    assert "lora_load" not in plain.timings_ms and loaded.timings_ms["lora_load"] > 0
+
+
+def test_compiled_kernels_with_adapters_match_eager_and_load_precompiled_on_restart(ckpt, tmp_path):
+    """The compiled tier on the CPU (torch.compile of the repeated blocks, the LoRA operator opaque inside them):
+    a request with two adapters matches eager kernels within the compile check's tolerance, and a second start
+    with the same cache loads every precompiled block instead of compiling it."""
+    folder, loras, eager = ckpt
+    one = dict(batch_sizes=[1], resolutions=["32x32"], text_lengths=[TEXT_TOKENS])
+    lora = {"dir": str(loras), "slots": 2, "max_rank": 4, "max_per_request": 2}
+    from bcg_core.config import EngineConfig, ModelConfig
+    from bcg_core.pipeline import DiTPipeline
+
+    def start():
+        return DiTPipeline.from_config(EngineConfig(
+            model=ModelConfig(path=str(folder)), buckets=one, limits={"min_side_px": 16, "max_side_px": 1024},
+            runner={"kernels": "compiled", "compile_cache_dir": str(tmp_path)}, lora=lora))
+
+    cold = start()
+    k = cold.stats()["kernels"]
+    assert k["tier"] == "compiled" and k["compile_failed"] == 0 and k["precompiled"]["saves"] > 0, k
+    req = _req(lora=(("a", 0.9), ("b", -0.4)))
+    got, want = cold.generate(req), eager.generate(req)
+    assert got.images_png and want.images_png
+    ours, ref = bcg_run(cold, req).latents, bcg_run(eager, req).latents
+    assert ((ours - ref).abs().max() / ref.abs().max()).item() <= max(k["rtol"], 1e-4)
+    warm = start().stats()["kernels"]
+    assert warm["precompiled"]["loads"] == k["precompiled"]["saves"] and warm["precompiled"]["saves"] == 0
