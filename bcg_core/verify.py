@@ -237,7 +237,9 @@ def compile_entry(kernels, adapter: DiTAdapter, entry: BucketEntry, warm: Callab
 
     Raises:
         CompileFailed: the compile raised, passed ``kernels.timeout_s``, or the deviation is above ``kernels.rtol``
-            (or NaN): the message starts ``compile_failed:``, ``compile_timeout:`` or ``compile_check_failed:``.
+            (or NaN): the message starts ``compile_failed:``, ``compile_timeout:`` or ``compile_check_failed:``;
+            on a failed check the precompiled blocks the compile used are deleted
+            (:meth:`~bcg_core.runners.precompiled.PrecompiledBlocks.discard_used`).
         torch.OutOfMemoryError: out of memory while compiling.
     """
     latents = entry.buffers["latents"]
@@ -248,6 +250,8 @@ def compile_entry(kernels, adapter: DiTAdapter, entry: BucketEntry, warm: Callab
         if kernels.rtol is not None:
             err = entry.compile_rel_err = compiled_deviation(kernels, adapter, entry)
             if not err <= kernels.rtol:
+                if kernels.precompiled is not None:  # never load these compiled blocks again
+                    kernels.precompiled.discard_used()
                 raise CompileFailed(f"compile_check_failed: the compiled forward deviates {err:.2e} from the eager "
                                     f"one (tolerance {kernels.rtol:.2e}, {kernels.rtol_note or 'runner.compile_rtol'})")
     return result

@@ -358,6 +358,8 @@ class CompiledKernels:
         hits, misses = _fx_cache_counts()
         before = self._precompiled_counts()
         self._local.attention = attention
+        if self.precompiled is not None:
+            self.precompiled.begin()
         try:
             with self.active(), compiling_under(attention), _deadline(self.timeout_s):
                 yield
@@ -433,8 +435,9 @@ def kernel_stats(kernels: CompiledKernels | None, state: dict[str, dict]) -> dic
 
     ``start`` says how the buckets were prepared: ``cold`` (every compile missed inductor's FX graph cache),
     ``warm`` (every one hit it or loaded a precompiled block), ``partial``, or ``eager`` (nothing compiled).
-    ``precompiled``: the ahead-of-time compiled blocks loaded, saved, rebuilt (a file that did not load) and
-    unsaved in this process (:mod:`bcg_core.runners.precompiled`; None where off)."""
+    ``precompiled``: the ahead-of-time compiled blocks loaded, saved, rebuilt (a file that did not load), unsaved
+    and discarded (their bucket failed its check) in this process (:mod:`bcg_core.runners.precompiled`; None where
+    off)."""
     k = kernels
     hits, misses = (k.cache_hits, k.cache_misses) if k else (0, 0)
     start = "eager" if k is None else "warm" if hits and not misses else "partial" if hits else "cold"
@@ -445,7 +448,8 @@ def kernel_stats(kernels: CompiledKernels | None, state: dict[str, dict]) -> dic
         "compile_failed": sum(1 for d in state.values() if d.get("kernels") == "eager") if k else 0,
         "compile_timeouts": k.timeouts if k else 0, "timeout_s": k and k.timeout_s, "cache_dir": k and k.cache_dir,
         "cache_hits": hits, "cache_misses": misses, "start": start, "attention": k and k.attention,
-        "precompiled": None if pre is None else {n: getattr(pre, n) for n in ("loads", "saves", "rebuilt", "unsaved")}}
+        "precompiled": None if pre is None else {n: getattr(pre, n) for n in ("loads", "saves", "rebuilt", "unsaved",
+                                                                             "discarded")}}
 
 
 def _fx_cache_counts() -> tuple[int, int]:

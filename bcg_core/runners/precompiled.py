@@ -208,6 +208,7 @@ class PrecompiledBlocks:
         saves: artifacts compiled and written in this process (cold).
         rebuilt: files that failed to load (corrupt, another environment) and were compiled again.
         unsaved: compiled functions that could not be written (they serve this process only).
+        discarded: files deleted because the bucket they compiled failed its check (:meth:`discard_used`).
     """
 
     SUFFIX = ".aot"
@@ -220,9 +221,11 @@ class PrecompiledBlocks:
         self.device = torch.device(device)
         self._env = _environment(self.device)
         self._fns: dict[str, Callable] = {}
+        self._paths: dict[str, Path | None] = {}  # in-memory key -> its file (None: not saved)
         self._blocks: dict[int, tuple[str, str]] = {}
         self._lock = threading.Lock()
-        self.loads = self.saves = self.rebuilt = self.unsaved = 0
+        self._used = threading.local()
+        self.loads = self.saves = self.rebuilt = self.unsaved = self.discarded = 0
 
     def _block(self, block) -> tuple[str, str]:
         cached = self._blocks.get(id(block))
@@ -250,6 +253,9 @@ class PrecompiledBlocks:
             Whatever ``aot_compile`` raises (the caller turns it into a bucket on eager kernels).
         """
         key = repr((self._block(block)[1], inputs_signature(args, kwargs)))
+        used = getattr(self._used, "keys", None)
+        if used is not None:
+            used.add(key)
         fn = self._fns.get(key)
         if fn is not None:
             return fn
@@ -285,7 +291,30 @@ class PrecompiledBlocks:
                 else:
                     self._save(fn, path)
             self._fns[key] = fn
+            self._paths[key] = path
             return fn
+
+    def begin(self) -> None:
+        """Start recording, on this thread, which functions a bucket's compile uses (:meth:`discard_used`)."""
+        self._used.keys = set()
+
+    def discard_used(self) -> int:
+        """Forget the functions this thread's compile used since :meth:`begin` and delete their files: the bucket
+        they compiled failed its check against eager kernels, so neither this process nor a restart may run
+        them again (the next compile of those shapes starts from scratch). Returns the files deleted."""
+        keys, self._used.keys = getattr(self._used, "keys", None) or set(), None
+        deleted = 0
+        with self._lock:
+            for key in keys:
+                self._fns.pop(key, None)
+                path = self._paths.pop(key, None)
+                if path is not None and path.is_file():
+                    path.unlink(missing_ok=True)
+                    deleted += 1
+            self.discarded += deleted
+        if deleted:
+            log.warning("deleted %d precompiled block file(s) of a bucket that failed its check", deleted)
+        return deleted
 
     def _save(self, fn, path: Path) -> None:
         """Write ``fn`` to ``path`` through a temp file renamed into place, readable by every user (torch writes

@@ -1,5 +1,6 @@
 """Precompiled blocks (bcg_core/runners/precompiled.py): which blocks and inputs share one ahead-of-time compiled
-function, that it reads each call's own block weights, and that a file on disk is loaded, or rebuilt when torn."""
+function, that it reads each call's own block weights, and that a file on disk is loaded, rebuilt when torn and
+deleted when its bucket fails its check."""
 
 from __future__ import annotations
 
@@ -93,6 +94,12 @@ def test_one_function_serves_every_block_loads_from_disk_and_rebuilds_a_torn_fil
         assert (torn.loads, torn.rebuilt, torn.saves) == (0, 1, 1)
         for got, ref in zip(rebuilt(b, **x), expect):
             torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
+
+        # a bucket whose check failed: what its compile used is forgotten and its file deleted, never loaded again
+        torn.begin()
+        assert torn.function(b, (), x, "math") is rebuilt  # from memory, recorded as used
+        assert torn.discard_used() == 1 and not path.exists() and torn.discarded == 1
+        assert torn.function(b, (), x, "math") is not rebuilt and torn.saves == 2 and path.exists()
 
 
 def test_a_block_class_whose_ahead_of_time_compile_raises_is_traced_once_for_all_its_blocks(tmp_path, monkeypatch):
