@@ -126,3 +126,12 @@ def test_the_three_packages_have_no_import_cycle():
         if node not in state:
             visit(node)
     assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
+
+
+def test_no_two_test_modules_share_a_file_name():
+    """The test folders have no ``__init__.py``: pytest imports each test module by its file name, so two of one
+    name (``tests/engine/test_x.py`` and ``tests/families/test_x.py``) stop the whole run at collection."""
+    names: dict[str, list[str]] = {}
+    for p in (ROOT / "tests").rglob("test_*.py"):
+        names.setdefault(p.name, []).append(str(p.relative_to(ROOT)))
+    assert not {n: ps for n, ps in names.items() if len(ps) > 1}

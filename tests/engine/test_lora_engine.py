@@ -3,7 +3,7 @@
 Rows of different adapters in one forward each equal their request alone and diffusers' own pipeline with
 ``load_lora_weights`` and ``set_adapters``; an evicted and reloaded adapter gives the same image; a pinned slot is
 never evicted and a request that cannot get a slot in time is a 503; every bad input is a clear error and the
-pipeline serves on. The family-by-family gate is ``tests/families/test_lora.py``.
+pipeline serves on. The family-by-family gate is ``tests/families/test_lora_families.py``.
 """
 
 from __future__ import annotations
