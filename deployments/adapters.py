@@ -24,7 +24,7 @@ from pathlib import Path
 
 from bcg_core.config import LimitsConfig, LoRAConfig
 from bcg_core.errors import RequestError
-from bcg_core.lora.files import NAME_RE, WEIGHT_NAME
+from bcg_core.lora.files import AdapterError, adapter_path
 
 __all__ = ["AdapterCatalog", "MAX_LISTED", "RELIST_S", "SHOWN_IN_ERRORS", "list_adapters"]
 
@@ -43,22 +43,15 @@ SHOWN_IN_ERRORS = 20
 
 
 def list_adapters(folder: Path, limit: int) -> list[str]:
-    """Adapter names in ``folder``, sorted, at most ``limit``: ``<name>.safetensors`` files and ``<name>/`` folders
-    holding ``pytorch_lora_weights.safetensors``, whose names pass :data:`~bcg_core.lora.files.NAME_RE` (the rule
-    of :meth:`bcg_core.lora.files.AdapterFiles.names`, which needs the served model's layers to be built).
+    """Adapter names in ``folder``, sorted, at most ``limit``: :func:`bcg_core.lora.files.list_names`, the replicas'
+    own rule (a link out of the folder is never listed; a name with both layouts once).
 
     Raises:
         OSError: the folder cannot be read.
     """
-    out: list[str] = []
-    for p in sorted(folder.iterdir()):
-        if p.suffix == ".safetensors" and NAME_RE.match(p.stem) and p.is_file():
-            out.append(p.stem)
-        elif NAME_RE.match(p.name) and p.is_dir() and (p / WEIGHT_NAME).is_file():
-            out.append(p.name)
-        if len(out) >= limit:
-            break
-    return out
+    from bcg_core.lora.files import list_names
+
+    return list_names(folder.resolve(), limit)
 
 
 class AdapterCatalog:
@@ -122,7 +115,7 @@ class AdapterCatalog:
         try:
             names, error = list_adapters(self.folder, self.max_listed + 1), None
         except OSError as e:
-            names, error = [], f"lora.dir cannot be read by the ingress: {type(e).__name__}: {e}"[:300]
+            names, error = [], f"lora.dir cannot be read by the ingress ({type(e).__name__})"  # no server path
             if self._error is None:
                 logger.warning("lora.dir %s cannot be read by the ingress (%s); adapter names are checked by the "
                                "replicas only", self.folder, e)
@@ -159,7 +152,11 @@ class AdapterCatalog:
 
     def _exists(self, name: str) -> bool:
         """Whether ``name`` has a file (blocking: two ``stat`` calls); found names join the listing's set."""
-        found = (self.folder / f"{name}.safetensors").is_file() or (self.folder / name / WEIGHT_NAME).is_file()
+        try:
+            adapter_path(self.folder.resolve(), name)
+            found = True
+        except AdapterError:  # no file, or a link out of the folder: the replica says which
+            found = False
         if found:
             with self._lock:
                 self._known.add(name)

@@ -92,7 +92,8 @@ def check_config(config_path: str | Path) -> "ServeConfig":
 
     Raises:
         ValueError: a bad file, config value or bucket table (pydantic's ValidationError is a ValueError).
-        FileNotFoundError: ``config_path`` or the config's ``model.path`` does not exist.
+        FileNotFoundError: ``config_path`` or the config's ``model.path`` does not exist, or ``lora.dir`` is not a
+            directory.
     """
     from .settings import load_config
     from bcg_core.pipeline import runner_mode
@@ -107,6 +108,11 @@ def check_config(config_path: str | Path) -> "ServeConfig":
         from .auth import read_key_file
 
         read_key_file(config.auth.api_key_file)
+    if config.lora.dir is not None:  # read by every replica at start, maybe in another working directory
+        if not Path(config.lora.dir).is_dir():
+            raise FileNotFoundError(f"lora.dir {config.lora.dir!r} is not a directory: create it, or unset lora.dir")
+        lora = config.lora.model_copy(update={"dir": str(Path(config.lora.dir).resolve())})
+        config = config.model_copy(update={"lora": lora})
     Planner.from_config(config)
     runner_mode(config)  # a CUDA device or graph runner asked for where none is visible fails here, not in Ray
     return config

@@ -13,8 +13,8 @@ rsLoRA). Nothing here keeps its own table of key names.
 What bcg-serve refuses (:class:`AdapterError`, naming the file and the reason): no transformer layers, layers
 of a text encoder (bcg-serve encodes text once per request, outside the batched forward), DoRA, LoKr, a bias on
 ``lora_B``, FLUX Control LoRA's norm layers or widened inputs, a layer that is not a linear layer of the
-served transformer or not among ``lora.targets``, a shape that does not fit the layer, and a rank above
-``lora.max_rank``.
+served transformer or not among ``lora.targets``, a shape that does not fit the layer, NaN or infinite weights,
+and a rank above ``lora.max_rank``. Weights are copied out of the file (never kept as a memory map of it).
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["AdapterError", "AdapterFiles", "AdapterWeights", "LayerDelta", "NAME_RE", "WEIGHT_NAME"]
+__all__ = ["AdapterError", "AdapterFiles", "AdapterWeights", "LayerDelta", "NAME_RE", "WEIGHT_NAME", "adapter_path",
+           "list_names"]
 
 WEIGHT_NAME = "pytorch_lora_weights.safetensors"
 """The file name diffusers' ``save_lora_weights`` writes (``LORA_WEIGHT_NAME_SAFE``), looked for in a folder."""
@@ -135,36 +136,33 @@ class AdapterFiles:
         self.max_names = max_names
 
     def names(self) -> list[str]:
-        """Adapter names in the folder, sorted (at most :attr:`max_names`): ``*.safetensors`` files and folders
-        holding :data:`WEIGHT_NAME`, whose names pass :data:`NAME_RE`."""
-        out = []
-        for p in sorted(self.folder.iterdir()):
-            if p.is_file() and p.suffix == ".safetensors" and NAME_RE.match(p.stem):
-                out.append(p.stem)
-            elif p.is_dir() and NAME_RE.match(p.name) and (p / WEIGHT_NAME).is_file():
-                out.append(p.name)
-            if len(out) >= self.max_names:
-                break
-        return out
-
-    def path(self, name: str) -> Path:
-        """The file of adapter ``name``.
+        """Adapter names in the folder (:func:`list_names`, at most :attr:`max_names`).
 
         Raises:
-            AdapterError: a name that fails :data:`NAME_RE` or resolves outside the folder, or no such file
-                (``unknown``).
+            OSError: the folder cannot be listed (removed, no permission).
         """
-        if not isinstance(name, str) or not NAME_RE.match(name):
-            raise AdapterError(str(name)[:64], f"adapter name {str(name)[:64]!r} is not a name in lora.dir: letters, "
-                               f"digits, '_', '.' and '-', at most 128, starting with a letter or digit",
-                               unknown=True)
-        for p in (self.folder / f"{name}.safetensors", self.folder / name / WEIGHT_NAME):
-            if p.is_file():
-                real = p.resolve()
-                if not real.is_relative_to(self.folder):
-                    raise AdapterError(name, f"adapter {name!r} links outside lora.dir", unknown=True)
-                return real
-        raise AdapterError(name, f"no adapter {name!r} in lora.dir", unknown=True)
+        return list_names(self.folder, self.max_names)
+
+    def stamp(self, name: str) -> tuple:
+        """``(path, mtime_ns, size)`` of adapter ``name``'s file: a file replaced or rewritten gets another stamp.
+
+        Raises:
+            AdapterError: as :meth:`path`; also a file that vanished between the lookup and the stat (unknown).
+        """
+        path = self.path(name)
+        try:
+            st = path.stat()
+        except OSError:
+            raise AdapterError(name, f"no adapter {name!r} in lora.dir", unknown=True) from None
+        return (str(path), st.st_mtime_ns, st.st_size)
+
+    def path(self, name: str) -> Path:
+        """The file of adapter ``name`` (:func:`adapter_path`).
+
+        Raises:
+            AdapterError: see :func:`adapter_path`.
+        """
+        return adapter_path(self.folder, name)
 
     def read(self, name: str) -> AdapterWeights:
         """Read adapter ``name`` into host memory (float32 CPU tensors of every layer).
@@ -257,6 +255,57 @@ class AdapterFiles:
             cr = config.rank_pattern.get(key_r, config.r)
             alpha = config.alpha_pattern.get(key_a, config.lora_alpha)
             scaling = alpha / math.sqrt(cr) if getattr(config, "use_rslora", False) else alpha / cr
-            layers[module] = LayerDelta(a.detach().to(torch.float32).contiguous(),
-                                        b.detach().to(torch.float32).contiguous(), float(scaling))
+            a32, b32 = (t.detach().to(torch.float32, copy=True).contiguous() for t in (a, b))  # copies: the
+            # state dict may map the file, which can be rewritten or cut while this adapter is cached
+            if not (torch.isfinite(a32).all() and torch.isfinite(b32).all()):
+                raise AdapterError(name, f"{where}: layer {module} holds NaN or infinite weights")
+            layers[module] = LayerDelta(a32, b32, float(scaling))
         return layers
+
+
+def adapter_path(folder: Path, name: str) -> Path:
+    """The file of adapter ``name`` in ``folder`` (resolved): ``<name>.safetensors``, else
+    ``<name>/pytorch_lora_weights.safetensors``.
+
+    Raises:
+        AdapterError: a name that fails :data:`NAME_RE` or whose file resolves outside the folder, or no such
+            file (``unknown``; an unreadable folder reads as no file).
+    """
+    if not isinstance(name, str) or not NAME_RE.match(name):
+        raise AdapterError(str(name)[:64], f"adapter name {str(name)[:64]!r} is not a name in lora.dir: ASCII "
+                           f"letters, digits, '_', '.' and '-', at most 128, starting with a letter or digit",
+                           unknown=True)
+    for p in (folder / f"{name}.safetensors", folder / name / WEIGHT_NAME):
+        try:
+            found = p.is_file()
+        except OSError:  # the folder is unreadable (permissions): as no file
+            found = False
+        if found:
+            real = p.resolve()
+            if not real.is_relative_to(folder):
+                raise AdapterError(name, f"adapter {name!r} links outside lora.dir", unknown=True)
+            return real
+    raise AdapterError(name, f"no adapter {name!r} in lora.dir", unknown=True)
+
+
+def list_names(folder: Path, limit: int) -> list[str]:
+    """Adapter names in ``folder`` (resolved), sorted and unique, at most ``limit``: those :func:`adapter_path`
+    finds, so a link out of the folder is never listed (where both layouts exist, the ``.safetensors`` file is the
+    one served). Names are case-sensitive and never include ``.safetensors``.
+
+    Raises:
+        OSError: the folder cannot be listed (removed, no permission).
+    """
+    out: list[str] = []
+    for p in sorted(folder.iterdir()):
+        name = p.stem if p.suffix == ".safetensors" else p.name
+        if out and out[-1] == name:
+            continue
+        try:
+            adapter_path(folder, name)
+        except AdapterError:
+            continue
+        out.append(name)
+        if len(out) >= limit:
+            break
+    return out

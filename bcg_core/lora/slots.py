@@ -76,8 +76,10 @@ class AdapterSlots:
         self._resident: collections.OrderedDict[str, int] = collections.OrderedDict()  # LRU first
         self._pins: collections.Counter[int] = collections.Counter()
         self._free = list(range(layers.slots, 0, -1))
-        self._host: collections.OrderedDict[str, AdapterWeights] = collections.OrderedDict()
-        self._refused: dict[str, tuple[float, str]] = {}
+        self._stamps: dict[str, tuple] = {}  # resident name -> the stamp of the file its slot holds
+        self._orphans: set[int] = set()  # slots of a replaced file, still pinned by requests in flight
+        self._host: collections.OrderedDict[str, tuple[tuple, AdapterWeights]] = collections.OrderedDict()
+        self._refused: dict[str, tuple[tuple, str]] = {}
         self.counts: dict[str, _Counts] = collections.defaultdict(_Counts)
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="bcg-lora-load")
         cuda = layers.device.type == "cuda"
@@ -90,10 +92,13 @@ class AdapterSlots:
         loader thread). Its exception: :class:`RequestError` (field ``lora``) for an adapter that cannot be
         served, :class:`ServiceUnavailable` when no slot frees within ``timeout_s``."""
         t0 = time.perf_counter()
-        known = [n for n in names if n in self._resident or self._exists(n)]  # counters only for real files
+        stamps = {n: self._stamp(n) for n in names}  # None: no such file
         with self._cv:
-            for n in known:
-                self.counts[n].requests += 1
+            for n, stamp in stamps.items():
+                if stamp is not None:  # counters only for real files, not for any name a caller sends
+                    self.counts[n].requests += 1
+                if n in self._resident and self._stamps.get(n) != stamp:
+                    self._retire(n)  # its file was replaced, rewritten or removed: load it again
             if all(n in self._resident for n in names):
                 for n in names:
                     self.counts[n].hits += 1
@@ -102,12 +107,23 @@ class AdapterSlots:
                 return fut
         return self._pool.submit(self._load_lease, names, scales, t0)
 
-    def _exists(self, name: str) -> bool:
+    def _stamp(self, name: str) -> tuple | None:
+        """The file stamp of ``name`` (:meth:`AdapterFiles.stamp`), None where there is no such file."""
         try:
-            self.files.path(name)
-            return True
+            return self.files.stamp(name)
         except AdapterError:
-            return False
+            return None
+
+    def _retire(self, name: str) -> None:
+        """``name`` stops being resident (call with the lock held): its slot is free at once, or once the requests
+        in flight that pin it are answered; its host copy is dropped."""
+        slot = self._resident.pop(name)
+        self._stamps.pop(name, None)
+        self._host.pop(name, None)
+        if self._pins[slot] > 0:
+            self._orphans.add(slot)
+        else:
+            self._free.append(slot)
 
     def lease(self, names: tuple[str, ...], scales: tuple[float, ...]) -> Lease:
         """:meth:`acquire`, waiting on this thread (scripts and :meth:`~bcg_core.pipeline.DiTPipeline.generate`)."""
@@ -155,6 +171,9 @@ class AdapterSlots:
                 self._pins[s] -= 1
                 if self._pins[s] <= 0:
                     del self._pins[s]
+                    if s in self._orphans:  # a replaced file's slot, no longer read by any row
+                        self._orphans.discard(s)
+                        self._free.append(s)
             self._cv.notify_all()
 
     # -- the loader thread ----------------------------------------------------------------------------
@@ -185,7 +204,7 @@ class AdapterSlots:
             if name in self._resident:
                 self.counts[name].hits += 1
                 return
-        weights = self._read(name)
+        stamp, weights = self._read(name)
         deadline = t0 + self.timeout_s
         with self._cv:
             while not self._free and not any(self._pins[s] <= 0 for s in self._resident.values()):
@@ -198,6 +217,7 @@ class AdapterSlots:
             else:
                 victim = next(n for n, s in self._resident.items() if self._pins[s] <= 0)
                 slot = self._resident.pop(victim)
+                self._stamps.pop(victim, None)
                 self.counts[victim].evictions += 1
         start = time.perf_counter()
         try:
@@ -213,27 +233,29 @@ class AdapterSlots:
             raise
         with self._cv:
             self._resident[name] = slot
+            self._stamps[name] = stamp
             c = self.counts[name]
             c.loads += 1
             c.load_s += time.perf_counter() - start
 
-    def _read(self, name: str) -> AdapterWeights:
-        """``name``'s weights from the host cache, else from disk (refusals remembered until the file changes)."""
-        with self._cv:
-            cached = self._host.get(name)
-            if cached is not None:
-                self._host.move_to_end(name)
-                return cached
+    def _read(self, name: str) -> tuple[tuple, AdapterWeights]:
+        """``(stamp, weights)`` of ``name``: from the host cache while its file is unchanged, else from disk
+        (refusals remembered until the file changes)."""
         try:
-            path = self.files.path(name)
-            mtime = path.stat().st_mtime
+            stamp = self.files.stamp(name)
+            with self._cv:
+                cached = self._host.get(name)
+                if cached is not None and cached[0] == stamp:
+                    self._host.move_to_end(name)
+                    return cached
             refused = self._refused.get(name)
-            if refused is not None and refused[0] == mtime:
+            if refused is not None and refused[0] == stamp:
                 raise AdapterError(name, refused[1])
             try:
                 weights = self.files.read(name)
             except AdapterError as e:
-                self._refused[name] = (mtime, e.reason)
+                if not e.unknown:
+                    self._refused[name] = (stamp, e.reason)
                 raise
         except AdapterError as e:
             if not e.unknown:  # a file that exists (bounded by the folder), not any name a caller sends
@@ -244,14 +266,17 @@ class AdapterSlots:
                 object.__setattr__(d, "A", d.A.pin_memory())
                 object.__setattr__(d, "B", d.B.pin_memory())
         with self._cv:
-            self._host[name] = weights
+            self._host[name] = (stamp, weights)
             while len(self._host) > self.host_cache:
                 self._host.popitem(last=False)
-        return weights
+        return stamp, weights
 
     def _request_error(self, e: AdapterError) -> RequestError:
         if e.unknown:
-            names = self.files.names()
+            try:
+                names = self.files.names()
+            except OSError:  # the folder itself is gone or unreadable: still the caller's 422, not a 500
+                return RequestError("lora", f"lora: {e.reason} (lora.dir cannot be listed on this replica)")
             shown = ", ".join(names[:20]) + (f" and {len(names) - 20} more" if len(names) > 20 else "")
             return RequestError("lora", f"lora: {e.reason}; adapters: {shown or 'none'} (GET /v1/models lists them)")
         return RequestError("lora", f"lora: {e.reason}")

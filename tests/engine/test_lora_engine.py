@@ -230,3 +230,40 @@ def test_compiled_kernels_with_adapters_match_eager_and_load_precompiled_on_rest
     assert ((ours - ref).abs().max() / ref.abs().max()).item() <= max(k["rtol"], 1e-4)
     warm = start().stats()["kernels"]
     assert warm["precompiled"]["loads"] == k["precompiled"]["saves"] and warm["precompiled"]["saves"] == 0
+
+
+def test_a_replaced_or_cut_file_is_loaded_again_or_refused_never_served_stale(ckpt):
+    """The replica reads an adapter's file into its own memory (no map of the file) and keys what it holds by the
+    file's stamp: a file rewritten while resident is loaded again on its next request; one cut to nothing after
+    it was evicted is a 422 (not a crash from a mapped page that vanished); NaN weights are refused; a name with
+    both layouts and a link out of the folder are listed once and not at all."""
+    import shutil
+
+    folder, loras, pipe = ckpt
+    make_adapter(FluxPipeline, folder, "swap", ["to_q", "proj_mlp"], rank=2, seed=20, as_file=True)
+    before = bcg_run(pipe, _req(lora=(("swap", 1.0),)))
+    loads = pipe.lora.describe()["adapters"]["swap"]["loads"]
+    make_adapter(FluxPipeline, folder, "swap2", ["to_q", "proj_mlp"], rank=2, seed=21, as_file=True)
+    shutil.copyfile(loras / "swap2.safetensors", loras / "swap.safetensors")  # rewritten in place
+    os.utime(loras / "swap.safetensors", ns=(1, 1))  # a stamp of its own even within the clock's resolution
+    after = bcg_run(pipe, _req(lora=(("swap", 1.0),)))
+    assert pipe.lora.describe()["adapters"]["swap"]["loads"] == loads + 1
+    assert torch.equal(after.latents, bcg_run(pipe, _req(lora=(("swap2", 1.0),))).latents)
+    assert not torch.equal(after.latents, before.latents)
+    for name in ("a", "b"):  # push swap out of the 2 slots, then cut its file to nothing
+        bcg_run(pipe, _req(lora=((name, 1.0),)))
+    (loras / "swap.safetensors").write_bytes(b"")
+    with pytest.raises(RequestError) as e:
+        pipe.generate(_req(lora=(("swap", 1.0),)))
+    assert e.value.status == 422 and "is not a LoRA file diffusers can read" in e.value.message
+
+    bad = load_file(str(loras / "c.safetensors"))
+    save_file({k: torch.full_like(v, float("nan")) for k, v in bad.items()}, str(loras / "nans.safetensors"))
+    with pytest.raises(RequestError) as e:
+        pipe.generate(_req(lora=(("nans", 1.0),)))
+    assert "NaN or infinite weights" in e.value.message
+    (loras / "c").mkdir(exist_ok=True)
+    shutil.copyfile(loras / "c.safetensors", loras / "c" / "pytorch_lora_weights.safetensors")
+    names = pipe.lora.files.names()
+    assert names.count("c") == 1 and "escape" not in names and "swap" in names
+    assert pipe.generate(_req(lora=(("a", 0.5),))).images_png and pipe.stats()["lora"]["pinned"] == {}
