@@ -221,6 +221,8 @@ class LimitsConfig(BaseModel):
     max_guidance_scale: float = Field(default=30.0, gt=0.0, description="Largest guidance_scale.")
     max_prompt_chars: int = Field(default=4000, ge=1, description="Longest prompt in characters.")
     max_body_bytes: int = Field(default=65536, ge=1024, description="Largest HTTP request body in bytes.")
+    max_input_pixels: int = Field(default=4096 * 4096, ge=1, description="Most pixels of an edit's input image or "
+                                  "mask, checked from the file's header before it is decoded.")
     max_megapixel_steps: float | None = Field(
         default=1000.0, gt=0.0,
         description="Most work one request may ask for: width x height x n x num_inference_steps, in millions of "

@@ -16,7 +16,7 @@ from typing import Callable
 
 from bcg_core.keys import Dim, ShapeQuery
 from bcg_core.request import (
-    MAX_PARTIAL_IMAGES, QUALITIES, QUALITY_ALIASES, SEED_MAX, GenerationRequest, PlannedRequest,
+    MAX_PARTIAL_IMAGES, QUALITIES, QUALITY_ALIASES, SEED_MAX, GenerationRequest, PlannedRequest, steps_run,
 )
 from bcg_core.table import BucketLookup, BucketTable, ShapeRules
 from bcg_core.config import EngineConfig, LimitsConfig, LoRAConfig, MissPolicy
@@ -78,6 +78,12 @@ def allowed_values(name: str, limits: LimitsConfig, size_multiple: int | None = 
         return ", ".join(repr(q) for q in QUALITIES) + f", {aliases} (a step count each; see /v1/models)"
     if name == "partial_images":
         return f"an integer from 0 to {MAX_PARTIAL_IMAGES}, with stream: true"
+    if name == "strength":
+        return "a number above 0 and at most 1 (an edit runs int(num_inference_steps x strength) steps, at least 1)"
+    if name in ("image", "mask"):
+        return (f"one PNG, JPEG or WebP file of at most {limits.max_input_pixels} pixels"
+                + (", the image's size, with alpha: fully transparent pixels mark where to edit" if name == "mask"
+                   else ""))
     if name == "lora":
         if lora is None or lora.dir is None:
             return "nothing: this deployment serves no LoRA adapters (lora.dir is unset)"
@@ -192,6 +198,10 @@ class Planner:
             raise bad("prompt", f"{len(r.prompt)} characters", f"it has {len(r.prompt)} characters")
         if not _is_int(r.n) or not 1 <= r.n <= lim.max_images:
             raise bad("n", r.n, "out of range")
+        edit = self._edit_defaults(r)  # the edit pipeline's defaults; None for text to image
+        if edit is not None and (r.width is None or r.height is None):  # an edit's size: its image's
+            w, h = edit["image_size"]
+            r = replace(r, width=w if r.width is None else r.width, height=h if r.height is None else r.height)
         if r.width is None or r.height is None:  # size 'auto' or omitted: the model's (its diffusers pipeline's)
             w, h = self.spec.default_size
             r = replace(r, width=w if r.width is None else r.width, height=h if r.height is None else r.height)
@@ -208,21 +218,24 @@ class Planner:
                                       or (r.quality not in QUALITIES and r.quality not in QUALITY_ALIASES)):
             raise bad("quality", r.quality, "not a served quality")
         quality = QUALITY_ALIASES.get(r.quality, r.quality)  # DALL-E 3's 'standard' and 'hd': medium and high
+        default_steps = self.default_steps if edit is None else edit["steps"]
         if r.num_inference_steps is not None:
             steps = r.num_inference_steps
         elif quality is not None:
-            steps = self.spec.steps_for_quality(quality, self.config.quality, self.default_steps, lim.max_steps)
+            steps = self.spec.steps_for_quality(quality, self.config.quality, default_steps, lim.max_steps)
         else:
-            steps = self.default_steps
+            steps = default_steps
         if not _is_int(steps) or not 1 <= steps <= lim.max_steps:
             raise bad("num_inference_steps", steps, "out of range")
-        work = r.width * r.height * r.n * steps / 1e6
+        strength, runs = self._strength(r, edit, steps)
+        work = r.width * r.height * r.n * runs / 1e6
         if lim.max_megapixel_steps is not None and work > lim.max_megapixel_steps:
             field = "n" if r.n > 1 else "num_inference_steps" if steps > 1 else "size"
             raise RequestError(field, f"the request asks for {r.width}x{r.height} x {r.n} images x {steps} steps = "
                                       f"{work:.0f} megapixel-steps, above limits.max_megapixel_steps "
                                       f"{lim.max_megapixel_steps:g}; lower n, num_inference_steps or size")
-        g = self.default_guidance_scale if r.guidance_scale is None else r.guidance_scale
+        g = (self.default_guidance_scale if edit is None else edit["guidance"]) if r.guidance_scale is None \
+            else r.guidance_scale
         if g is not None and (isinstance(g, bool) or not isinstance(g, (int, float))
                               or not 0.0 <= g <= lim.max_guidance_scale):
             raise bad("guidance_scale", g, "out of range")
@@ -239,7 +252,7 @@ class Planner:
             raise bad("true_cfg_scale", tcfg, "out of range")
         self._check_output(r)
         lora = self._check_lora(r.lora)
-        filled = replace(r, lora=lora, num_inference_steps=steps, guidance_scale=None if g is None else float(g),
+        filled = replace(r, lora=lora, strength=strength, num_inference_steps=steps, guidance_scale=None if g is None else float(g),
                          negative_prompt=neg, seed=seed, true_cfg_scale=None if tcfg is None else float(tcfg),
                          quality=quality)
         self.spec.check(filled)
@@ -270,6 +283,50 @@ class Planner:
         return RequestError(name, invalid(name, got, reason, allowed_values(
             name, self.limits, multiple, tuple(self.config.buckets.resolutions), self.config.lora)))
 
+    def _edit_defaults(self, r: GenerationRequest) -> dict | None:
+        """For an edit (``image`` set): its image read and checked (:mod:`bcg_core.edits`) and the defaults of the
+        family's edit pipeline (image-to-image, or inpainting with a ``mask``): ``steps`` and ``guidance``
+        (``limits.default_steps`` / ``default_guidance_scale`` where set), ``strength``, and ``image_size``, the
+        image's size with each side rounded down to the model's token size (the size of an edit without one).
+        None for text to image.
+
+        Raises:
+            RequestError: a mask without an image, a family without edits (naming the families that edit), or an
+                image or mask that is not served (:mod:`bcg_core.edits`).
+        """
+        if r.image is None:
+            if r.mask is not None:
+                raise RequestError("image", "'mask' needs an 'image' to edit; send both (or neither)")
+            if r.strength is not None:
+                raise RequestError("strength", "'strength' applies to edits (POST /v1/images/edits) only")
+            return None
+        from bcg_core.edits import read_image, read_mask
+        from bcg_core.families.defaults import pipeline_defaults
+
+        pipes = self.spec.edit_pipelines
+        if pipes is None:
+            raise RequestError("image", f"'image': {self.spec.pipeline_class} (family {self.spec.family}) is not served "
+                                        f"for edits; the families served for edits: FLUX.1 (FluxPipeline checkpoints)")
+        image = read_image(r.image, self.limits.max_input_pixels)
+        if r.mask is not None:
+            read_mask(r.mask, image.size, self.limits.max_input_pixels)
+        d = pipeline_defaults(pipes[1 if r.mask is not None else 0])
+        lim, px = self.limits, self.rules.pixels_per_token
+        side = lambda v: max(px, v // px * px)  # noqa: E731
+        return {"steps": lim.default_steps if lim.default_steps is not None else d["default_steps"],
+                "guidance": lim.default_guidance_scale if lim.default_guidance_scale is not None
+                else d["default_guidance_scale"],
+                "strength": d.get("default_strength", 0.6), "image_size": (side(image.width), side(image.height))}
+
+    def _strength(self, r: GenerationRequest, edit: dict | None, steps: int) -> tuple[float | None, int]:
+        """``(strength, steps run)`` (:func:`~bcg_core.request.steps_run`); text to image: ``(None, steps)``."""
+        if edit is None:
+            return None, steps
+        s = edit["strength"] if r.strength is None else r.strength
+        if isinstance(s, bool) or not isinstance(s, (int, float)) or not 0.0 < s <= 1.0:
+            raise self._bad("strength", s, "out of range")
+        return float(s), steps_run(steps, s)
+
     def _check_lora(self, lora) -> tuple[tuple[str, float], ...]:
         """``lora`` as ``((name, float scale), ...)``: at most ``lora.max_per_request`` entries, distinct names that
         pass :data:`~bcg_core.lora.files.NAME_RE`, finite scales within ``lora.max_scale``. Whether each adapter
@@ -282,7 +339,8 @@ class Planner:
             return ()
         cfg = self.config.lora
         if cfg.dir is None:
-            raise self._bad("lora", lora, "this deployment serves no LoRA adapters")
+            raise RequestError("lora", "invalid 'lora': this deployment serves no LoRA adapters (lora.dir is unset); "
+                                       "send none")
         entries = list(lora) if isinstance(lora, (list, tuple)) else None
         if entries is None or not all(isinstance(e, (list, tuple)) and len(e) == 2 for e in entries):
             raise self._bad("lora", lora, "not a list of (name, scale) entries")
@@ -291,7 +349,7 @@ class Planner:
         out = []
         for name, scale in entries:
             if not isinstance(name, str) or not NAME_RE.match(name):
-                raise self._bad("lora", name, "not an adapter name (letters, digits, '_', '.', '-'; no path)")
+                raise self._bad("lora", name, "not an adapter name (ASCII letters, digits, '_', '.', '-'; no path)")
             if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) \
                     or abs(scale) > cfg.max_scale:
                 raise self._bad("lora", scale, f"the scale of {name!r} is out of range")

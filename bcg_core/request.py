@@ -14,7 +14,7 @@ from bcg_core.keys import BucketKey, BucketShape
 from bcg_core.table import BucketLookup
 
 __all__ = ["GenerationRequest", "GenerationResult", "MAX_PARTIAL_IMAGES", "PlannedRequest", "QUALITIES",
-           "QUALITY_ALIASES", "SEED_MAX"]
+           "QUALITY_ALIASES", "SEED_MAX", "steps_run"]
 
 SEED_MAX = 2**63 - 1
 """Largest seed (``torch.Generator.manual_seed`` takes 64-bit values; JSON clients handle int64)."""
@@ -52,6 +52,11 @@ class GenerationRequest:
         output_compression: 0..100 for jpeg and webp (None: 100); None or 100 for png.
         partial_images: previews to stream while denoising, 0..3 (:mod:`bcg_core.preview`); 0 for a request
             that is not streamed.
+        image: an edit's input image file (PNG, JPEG or WebP bytes, :mod:`bcg_core.edits`); None for text to
+            image. With ``mask``: inpainting, else image-to-image, through the family's diffusers edit pipelines.
+        mask: an inpainting mask file of the image's size; its fully transparent pixels mark where to edit.
+        strength: how far an edit moves from its image, 0 to 1 (None: the edit pipeline's default, 0.6 in
+            diffusers 0.42.1): the request runs ``int(num_inference_steps * strength)`` of its steps.
         lora: LoRA adapters, ``((name, scale), ...)``: each a name in ``lora.dir`` and its weight (diffusers'
             ``set_adapters`` weight, ``|scale| <= lora.max_scale``), at most ``lora.max_per_request``, names
             unique (:mod:`bcg_core.lora`). Empty: the base model.
@@ -71,6 +76,21 @@ class GenerationRequest:
     output_compression: int | None = None
     partial_images: int = 0
     lora: tuple[tuple[str, float], ...] = ()
+    image: bytes | None = None
+    mask: bytes | None = None
+    strength: float | None = None
+
+    def __repr__(self) -> str:  # image files are bytes: show their sizes, not their contents
+        files = {k: f"<{len(v)} bytes>" for k in ("image", "mask") if (v := getattr(self, k)) is not None}
+        fields = ", ".join(f"{k}={files.get(k, repr(getattr(self, k)))}" for k in self.__dataclass_fields__)
+        return f"GenerationRequest({fields})"
+
+
+def steps_run(steps: int, strength: float | None) -> int:
+    """Denoising steps a request runs: ``steps``, or for an edit of ``strength`` the last ``steps - t_start`` of
+    them, ``t_start = int(max(steps - min(steps * strength, steps), 0))`` (diffusers' edit pipelines'
+    ``get_timesteps``; at least 1 for a strength above 0)."""
+    return steps if strength is None else steps - int(max(steps - min(steps * strength, steps), 0))
 
 
 QUALITIES = ("low", "medium", "high", "auto")
@@ -110,6 +130,11 @@ class PlannedRequest:
     def rows(self) -> int:
         """Transformer rows of one forward of it: images, x2 when classifier-free guidance adds uncond rows."""
         return self.lookup.query.batch
+
+    @property
+    def steps_run(self) -> int:
+        """Denoising steps it runs (fewer than ``num_inference_steps`` for an edit: :func:`steps_run`)."""
+        return steps_run(self.request.num_inference_steps, self.request.strength)
 
     @property
     def key(self) -> BucketKey | None:

@@ -79,7 +79,9 @@ def diffusers_run(pipeline_cls, folder, request: GenerationRequest, device: str 
     ``request`` sets them, negative prompt, steps, guidance and true CFG scale come from ``request`` (one it leaves
     unset is left to the pipeline's default, as a diffusers user who omits it). The request's ``lora`` adapters
     are read from ``lora_dir`` with ``load_lora_weights(path, adapter_name=name)`` and weighted by
-    ``set_adapters(names, scales)``, as a diffusers user applies them.
+    ``set_adapters(names, scales)``, as a diffusers user applies them. An edit's ``image`` is passed as its PIL
+    image and its ``strength`` as set; an inpainting mask is the caller's (``mask_image=``, in diffusers' own
+    convention, white where to repaint), so the gate does not take bcg-serve's conversion on trust.
     """
     pipe = pipeline_cls.from_pretrained(str(folder), torch_dtype=torch.float32, local_files_only=True,
                                         **(load_kwargs or {})).to(device)
@@ -93,9 +95,13 @@ def diffusers_run(pipeline_cls, folder, request: GenerationRequest, device: str 
         pipe.set_adapters([n for n, _ in request.lora], [s for _, s in request.lora])
     kwargs = dict(prompt=request.prompt, num_images_per_prompt=request.n, width=request.width,
                   height=request.height, **call_kwargs)
-    for name in ("num_inference_steps", "guidance_scale", "negative_prompt", "true_cfg_scale"):
+    for name in ("num_inference_steps", "guidance_scale", "negative_prompt", "true_cfg_scale", "strength"):
         if getattr(request, name) is not None and name not in kwargs:  # unset: the pipeline's own default
             kwargs[name] = getattr(request, name)
+    if request.image is not None and "image" not in kwargs:  # an edit: its image as the user's PIL image
+        from PIL import Image
+
+        kwargs["image"] = Image.open(io.BytesIO(request.image)).convert("RGB")
 
     def gens():
         return [torch.Generator("cpu").manual_seed(request.seed + i) for i in range(request.n)]

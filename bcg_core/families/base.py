@@ -100,6 +100,10 @@ class ModelSpec:
             ``limits.default_guidance_scale`` is set: the pipeline's default (as ``default_steps``; the tiny
             default's 3.5, FluxPipeline's); None where the pipeline's is None (Qwen-Image: no guidance input, the
             request's guidance_scale stays unset).
+        default_strength: the pipeline's ``strength`` default where it has one (edit pipelines), else None.
+        edit_pipelines: the diffusers pipelines whose results this model's edits equal, ``(image-to-image,
+            inpainting)`` class names (``FluxImg2ImgPipeline``, ``FluxInpaintPipeline``), or None where bcg-serve
+            serves no edits of this family (a request with an image is refused, naming the families that edit).
     """
 
     name: str
@@ -117,6 +121,8 @@ class ModelSpec:
     default_steps: int = 4
     default_guidance_scale: float | None = 3.5
     default_size: tuple[int, int] = (512, 512)
+    default_strength: float | None = None
+    edit_pipelines: tuple[str, str] | None = None
 
     def steps_for_quality(self, quality: str, config, default_steps: int, max_steps: int) -> int:
         """Denoising steps of OpenAI's ``quality`` for this model.

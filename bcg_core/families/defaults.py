@@ -28,7 +28,8 @@ def pipeline_defaults(pipeline_class: str) -> dict[str, float | int | None]:
         0.42.1: FluxPipeline 28 steps, guidance 3.5, true CFG 1.0; StableDiffusion3Pipeline 28, 7.0;
         PixArtSigmaPipeline and SanaPipeline 20, 4.5; QwenImagePipeline 50, None, true CFG 4.0. Also
         ``"default_size": (width, height)`` where the signature gives both as integers (SanaPipeline: 1024x1024;
-        the other pipelines compute theirs from the checkpoint, see :attr:`ModelSpec.default_size`).
+        the other pipelines compute theirs from the checkpoint, see :attr:`ModelSpec.default_size`), and
+        ``"default_strength"`` where it has a ``strength`` (the edit pipelines: 0.6).
 
     Raises:
         ValueError: diffusers has no such pipeline, or its ``__call__`` has no ``num_inference_steps`` default.
@@ -53,6 +54,9 @@ def pipeline_defaults(pipeline_class: str) -> dict[str, float | int | None]:
     out = {"default_steps": steps,
            "default_guidance_scale": None if guidance is None else float(guidance),
            "default_true_cfg_scale": None if true_cfg is None else float(true_cfg)}
+    strength = default("strength")
+    if strength is not None:  # edit pipelines (FluxImg2ImgPipeline ...): 0.6
+        out["default_strength"] = float(strength)
     width, height = default("width"), default("height")
     if isinstance(width, int) and isinstance(height, int):  # SanaPipeline: 1024x1024; the others compute theirs
         out["default_size"] = (width, height)

@@ -289,6 +289,8 @@ class FluxFamily:
                              native_text_tokens=tokens),
             guidance_embeds=bool(tr.get("guidance_embeds", False)), cfg_rule="true_cfg",
             quality_steps=QUALITY_STEPS["flux-dev" if tr.get("guidance_embeds", False) else "flux-schnell"],
+            edit_pipelines=("FluxImg2ImgPipeline", "FluxInpaintPipeline") if index["_class_name"] == "FluxPipeline"
+            else None,
             **{"default_size": (FLUX_DEFAULT_SAMPLE_SIZE * scale,) * 2, **defaults},
         )
 
@@ -334,11 +336,16 @@ class FluxFamily:
 
     @torch.inference_mode()
     def start(self, plan, cancel: threading.Event | None = None) -> RequestState:
-        """Encode, draw packed noise as ``FluxPipeline.prepare_latents`` and set the shifted schedule."""
+        """Encode, draw packed noise as ``FluxPipeline.prepare_latents`` and set the shifted schedule; an edit (an
+        ``image``) starts from its image (:func:`~bcg_core.families.flux_edit.start_edit`)."""
         from diffusers.pipelines.flux.pipeline_flux import FluxPipeline, calculate_shift, retrieve_timesteps
         from diffusers.utils.torch_utils import randn_tensor
 
         req = plan.request
+        if req.image is not None:
+            from bcg_core.families.flux_edit import start_edit
+
+            return start_edit(self, plan, cancel)
         cond = self.encode(req.prompt)
         uncond = self.encode(req.negative_prompt or "") if self.spec.uses_cfg(req) else None
         h, w = self.rules.grid(req.width, req.height)
@@ -376,12 +383,18 @@ class FluxFamily:
         return DenoiseInputs(x, text, pooled, timestep, state.grid, guidance)
 
     def advance(self, state: RequestState, output: torch.Tensor) -> None:
-        """``neg + scale * (cond - neg)`` with true CFG, then the request's flow-matching Euler step."""
+        """``neg + scale * (cond - neg)`` with true CFG, then the request's flow-matching Euler step (and, inpainting,
+        its known region put back: :func:`~bcg_core.families.flux_edit.blend_known_region`)."""
         noise = output
         if state.cfg:
             cond, neg = output[: state.n], output[state.n :]
             noise = neg + self.spec.cfg_scale(state.request) * (cond - neg)
+        dtype = state.latents.dtype
         state.latents = state.scheduler.step(noise, state.timestep, state.latents, return_dict=False)[0]
+        if "inpaint" in state.extras:
+            from bcg_core.families.flux_edit import blend_known_region
+
+            blend_known_region(state, dtype)
         state.step_index += 1
 
     def euler_step(self, state: RequestState):
@@ -389,6 +402,8 @@ class FluxFamily:
         true CFG the uncond rows, ``neg + scale * (cond - neg)`` as :meth:`advance`."""
         from bcg_core.runners.fused import euler_step
 
+        if "inpaint" in state.extras:  # the blend after each step runs on the host
+            return None
         scale = self.spec.cfg_scale(state.request) if state.cfg else 1.0
         return euler_step(state, 0, state.n if state.cfg else None, scale, self.dtype)
 

@@ -184,7 +184,7 @@ class StepScheduler:
                         time.perf_counter())
         if on_preview is not None and self._previews.available and plan.request.partial_images > 0:
             item.on_preview = on_preview
-            item.preview_at = preview_steps(plan.request.num_inference_steps, plan.request.partial_images)
+            item.preview_at = preview_steps(plan.steps_run, plan.request.partial_images)
         # its adapters are resident before it queues: the denoising thread never waits for a load
         item.lease = lease if lease is not None else await self.lease(plan)
         self._ensure_started()

@@ -1,0 +1,113 @@
+"""FLUX.1 edits: image-to-image (``FluxImg2ImgPipeline``) and inpainting (``FluxInpaintPipeline``) at the step level.
+
+An edit differs from text to image only at its start and, for inpainting, after each step: its latents start
+from the VAE encoding of its image, noised to the first of the last ``int(steps * strength)`` timesteps (the
+pipelines' ``get_timesteps`` and ``prepare_latents``), and an inpainting request puts its known region back after
+every scheduler step, noised to the next timestep (``(1 - mask) * scale_noise(image_latents, t_next, noise) +
+mask * latents``, the pipeline's loop). Its forwards are text to image's: its rows share bucket forwards with
+any request of the same shape. Every preparation step calls the diffusers pipeline's own method on a view of
+the pipeline that holds the request's own scheduler (:class:`_WithScheduler`), in the pipeline's order, so the
+generators are drawn as diffusers draws them (the VAE's latent sample first, then the noise, then the masked
+image's sample).
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+
+import numpy as np
+import torch
+
+from bcg_core.families.base import RequestState
+
+__all__ = ["blend_known_region", "start_edit"]
+
+
+class _WithScheduler:
+    """A diffusers pipeline seen with another scheduler: ``scheduler`` is the request's own, everything else the
+    pipeline's (its methods are called unbound on this view)."""
+
+    def __init__(self, pipe, scheduler):
+        self.__dict__.update(_pipe=pipe, scheduler=scheduler)
+
+    def __getattr__(self, name):
+        return getattr(self._pipe, name)
+
+
+def edit_pipeline(family, inpaint: bool):
+    """The family's ``FluxImg2ImgPipeline`` or ``FluxInpaintPipeline`` over its own loaded components (made once,
+    no weights copied; text encoders are not needed: the family encodes the text)."""
+    from diffusers import FluxImg2ImgPipeline, FluxInpaintPipeline
+
+    cls = FluxInpaintPipeline if inpaint else FluxImg2ImgPipeline
+    cache = family.__dict__.setdefault("_edit_pipes", {})
+    with family.__dict__.setdefault("_edit_lock", threading.Lock()):
+        if cls not in cache:
+            cache[cls] = cls(scheduler=family.scheduler, vae=family.vae, text_encoder=None, tokenizer=None,
+                             text_encoder_2=None, tokenizer_2=None, transformer=family.adapter.model)
+        return cache[cls]
+
+
+@torch.inference_mode()
+def start_edit(family, plan, cancel: threading.Event | None = None) -> RequestState:
+    """An edit request at its first step (module docstring): text rows, latents from its image, its scheduler with
+    the strength's timesteps; an inpainting request keeps ``extras["inpaint"]`` = ``(mask, image_latents,
+    noise)``, packed (n, tokens, 64) each."""
+    from diffusers.pipelines.flux.pipeline_flux import calculate_shift, retrieve_timesteps
+
+    from bcg_core.edits import read_image, read_mask
+
+    req = plan.request
+    inpaint = req.mask is not None
+    pipe = edit_pipeline(family, inpaint)
+    cls = type(pipe)
+    cond = family.encode(req.prompt)
+    uncond = family.encode(req.negative_prompt or "") if family.spec.uses_cfg(req) else None
+    image = read_image(req.image, 1 << 62)
+    height, width, device = req.height, req.width, family.device
+    init_image = pipe.image_processor.preprocess(image, height=height, width=width).to(dtype=torch.float32)
+    sched = copy.deepcopy(family.scheduler)
+    view = _WithScheduler(pipe, sched)
+    steps = req.num_inference_steps
+    sigmas = np.linspace(1.0, 1 / steps, steps)
+    c = sched.config
+    seq = (int(height) // pipe.vae_scale_factor // 2) * (int(width) // pipe.vae_scale_factor // 2)
+    mu = calculate_shift(seq, c.get("base_image_seq_len", 256), c.get("max_image_seq_len", 4096),
+                         c.get("base_shift", 0.5), c.get("max_shift", 1.15))
+    timesteps, runs = retrieve_timesteps(sched, steps, device, sigmas=sigmas, mu=mu)
+    timesteps, runs = cls.get_timesteps(view, runs, req.strength, device)
+    latent_timestep = timesteps[:1].repeat(req.n)
+    channels = family.adapter.in_channels // 4
+    gens = [torch.Generator("cpu").manual_seed(req.seed + i) for i in range(req.n)]
+    dtype = cond.text.dtype
+    extras = {}
+    if inpaint:
+        latents, noise, image_latents, _ = cls.prepare_latents(view, init_image, latent_timestep, req.n, channels,
+                                                               height, width, dtype, device, gens)
+        mask_image = read_mask(req.mask, image.size, 1 << 62)
+        mask_condition = pipe.mask_processor.preprocess(mask_image, height=height, width=width)
+        masked_image = init_image * (mask_condition < 0.5)
+        mask, _ = cls.prepare_mask_latents(view, mask_condition, masked_image, 1, channels, req.n, height, width,
+                                           dtype, device, gens)
+        extras["inpaint"] = (mask, image_latents, noise)
+    else:
+        latents, _ = cls.prepare_latents(view, init_image, latent_timestep, req.n, channels, height, width, dtype,
+                                         device, gens)
+    if family.guidance_embeds:
+        extras["guidance"] = torch.full([1], float(req.guidance_scale), device=device, dtype=torch.float32)
+    h, w = family.rules.grid(width, height)
+    return RequestState(plan, cond, uncond, latents, sched, timesteps, (h, w), extras=extras, cancel=cancel)
+
+
+def blend_known_region(state: RequestState, dtype: torch.dtype) -> None:
+    """After step ``state.step_index``'s scheduler step of an inpainting request: its known region from its image,
+    noised to the next timestep (none after the last), as ``FluxInpaintPipeline``'s loop; latents cast back to
+    ``dtype`` as the loop does."""
+    mask, image_latents, noise = state.extras["inpaint"]
+    i = state.step_index
+    known = image_latents
+    if i < len(state.timesteps) - 1:
+        known = state.scheduler.scale_noise(image_latents, torch.tensor([state.timesteps[i + 1]]), noise)
+    latents = (1 - mask) * known + mask * state.latents
+    state.latents = latents.to(dtype) if latents.dtype != dtype else latents
