@@ -306,11 +306,16 @@ class Planner:
         pipes = self.spec.edit_pipelines
         if pipes is None:
             raise RequestError("image", f"'image': {self.spec.pipeline_class} (family {self.spec.family}) is not served "
-                                        f"for edits; the families served for edits: FLUX.1 (FluxPipeline checkpoints)")
+                                        f"for edits; edits are served for FLUX.1 (FluxPipeline checkpoints) and the "
+                                        f"tiny default")
         image = read_image(r.image, self.limits.max_input_pixels)
         if r.mask is not None:
             read_mask(r.mask, image.size, self.limits.max_input_pixels)
-        d = pipeline_defaults(pipes[1 if r.mask is not None else 0])
+        if self.spec.default_strength is not None:  # a spec with edit defaults of its own (the tiny default)
+            d = {"default_steps": self.spec.default_steps, "default_guidance_scale": self.spec.default_guidance_scale,
+                 "default_strength": self.spec.default_strength}
+        else:
+            d = pipeline_defaults(pipes[1 if r.mask is not None else 0])
         lim, px = self.limits, self.rules.pixels_per_token
         side = lambda v: max(px, v // px * px)  # noqa: E731
         return {"steps": lim.default_steps if lim.default_steps is not None else d["default_steps"],

@@ -100,7 +100,8 @@ class ModelSpec:
             ``limits.default_guidance_scale`` is set: the pipeline's default (as ``default_steps``; the tiny
             default's 3.5, FluxPipeline's); None where the pipeline's is None (Qwen-Image: no guidance input, the
             request's guidance_scale stays unset).
-        default_strength: the pipeline's ``strength`` default where it has one (edit pipelines), else None.
+        default_strength: set where the spec carries edit defaults of its own (the tiny default: its steps and
+            guidance, this strength); None: an edit takes its edit pipeline's defaults.
         edit_pipelines: the diffusers pipelines whose results this model's edits equal, ``(image-to-image,
             inpainting)`` class names (``FluxImg2ImgPipeline``, ``FluxInpaintPipeline``), or None where bcg-serve
             serves no edits of this family (a request with an image is refused, naming the families that edit).

@@ -52,7 +52,8 @@ class BCGFluxFamily(FluxFamily):
         spec = FluxFamily.spec_from_configs(path, {"bcg_text_tokens": TINY_TEXT_TOKENS, **index})
         return ModelSpec(spec.name, cls.name, index["_class_name"], spec.rules, guidance_embeds=False,
                          cfg_rule="guidance_scale", quality_steps=QUALITY_STEPS["bcg-tiny"],
-                         default_steps=TINY_DEFAULT_STEPS, default_guidance_scale=TINY_DEFAULT_GUIDANCE_SCALE)
+                         default_steps=TINY_DEFAULT_STEPS, default_guidance_scale=TINY_DEFAULT_GUIDANCE_SCALE,
+                         **TINY_EDITS)
 
     @classmethod
     def token_counter(cls, path: Path, index: dict):
@@ -116,11 +117,16 @@ def tiny_vae_config() -> dict:
     )
 
 
+TINY_EDITS = dict(edit_pipelines=("FluxImg2ImgPipeline", "FluxInpaintPipeline"), default_strength=0.6)
+"""The tiny default serves edits through the FLUX.1 edit path (:mod:`bcg_core.families.flux_edit`) with its own
+request defaults (few steps for a CPU) and the edit pipelines' strength, 0.6."""
+
+
 def tiny_spec(name: str = TINY_NAME, text_tokens: int = TINY_TEXT_TOKENS, pixels_per_token: int = 16) -> ModelSpec:
     return ModelSpec(name, "flux", "BCGFluxPipeline",
                      ShapeRules(pixels_per_token=pixels_per_token, grid_keyed=False, native_text_tokens=text_tokens),
                      guidance_embeds=False, cfg_rule="guidance_scale", quality_steps=QUALITY_STEPS["bcg-tiny"],
-                     default_steps=TINY_DEFAULT_STEPS, default_guidance_scale=TINY_DEFAULT_GUIDANCE_SCALE)
+                     default_steps=TINY_DEFAULT_STEPS, default_guidance_scale=TINY_DEFAULT_GUIDANCE_SCALE, **TINY_EDITS)
 
 
 def assemble_flux(name: str, transformer: torch.nn.Module, vae: torch.nn.Module, text_encoder: SentenceTextEncoder,
