@@ -223,6 +223,9 @@ class LimitsConfig(BaseModel):
     max_body_bytes: int = Field(default=65536, ge=1024, description="Largest HTTP request body in bytes.")
     max_input_pixels: int = Field(default=4096 * 4096, ge=1, description="Most pixels of an edit's input image or "
                                   "mask, checked from the file's header before it is decoded.")
+    max_upload_bytes: int = Field(default=64 * 1024 * 1024, ge=1024,
+                                  description="Largest multipart body of POST /v1/images/edits in bytes (image, mask "
+                                  "and fields).")
     max_megapixel_steps: float | None = Field(
         default=1000.0, gt=0.0,
         description="Most work one request may ask for: width x height x n x num_inference_steps, in millions of "

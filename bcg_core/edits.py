@@ -13,6 +13,7 @@ small file that decodes to gigapixels (a decompression bomb) is refused without 
 from __future__ import annotations
 
 import io
+import struct
 
 from bcg_core.errors import RequestError
 
@@ -50,7 +51,7 @@ def _open(data: bytes, field: str, max_pixels: int):
                                   f"{max_pixels}; send a smaller image")
     try:
         im.load()
-    except (OSError, ValueError, Image.DecompressionBombError):
+    except (OSError, ValueError, SyntaxError, EOFError, struct.error, Image.DecompressionBombError):  # corrupt data
         raise RequestError(field, f"'{field}' is truncated or corrupt: it does not decode") from None
     return im
 

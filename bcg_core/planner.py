@@ -79,7 +79,8 @@ def allowed_values(name: str, limits: LimitsConfig, size_multiple: int | None = 
     if name == "partial_images":
         return f"an integer from 0 to {MAX_PARTIAL_IMAGES}, with stream: true"
     if name == "strength":
-        return "a number above 0 and at most 1 (an edit runs int(num_inference_steps x strength) steps, at least 1)"
+        return ("a number above 0 and at most 1 (an edit runs about num_inference_steps x strength steps, rounded up as "
+                "diffusers' get_timesteps does)")
     if name in ("image", "mask"):
         return (f"one PNG, JPEG or WebP file of at most {limits.max_input_pixels} pixels"
                 + (", the image's size, with alpha: fully transparent pixels mark where to edit" if name == "mask"
@@ -318,7 +319,7 @@ class Planner:
             d = pipeline_defaults(pipes[1 if r.mask is not None else 0])
         lim, px = self.limits, self.rules.pixels_per_token
         side = lambda v: max(px, v // px * px)  # noqa: E731
-        return {"steps": lim.default_steps if lim.default_steps is not None else d["default_steps"],
+        return {"steps": lim.default_steps if lim.default_steps is not None else min(d["default_steps"], lim.max_steps),
                 "guidance": lim.default_guidance_scale if lim.default_guidance_scale is not None
                 else d["default_guidance_scale"],
                 "strength": d.get("default_strength", 0.6), "image_size": (side(image.width), side(image.height))}

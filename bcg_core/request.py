@@ -56,7 +56,8 @@ class GenerationRequest:
             image. With ``mask``: inpainting, else image-to-image, through the family's diffusers edit pipelines.
         mask: an inpainting mask file of the image's size; its fully transparent pixels mark where to edit.
         strength: how far an edit moves from its image, 0 to 1 (None: the edit pipeline's default, 0.6 in
-            diffusers 0.42.1): the request runs ``int(num_inference_steps * strength)`` of its steps.
+            diffusers 0.42.1): the request runs the last ``num_inference_steps * strength`` of its steps, rounded
+            up (:func:`steps_run`).
         lora: LoRA adapters, ``((name, scale), ...)``: each a name in ``lora.dir`` and its weight (diffusers'
             ``set_adapters`` weight, ``|scale| <= lora.max_scale``), at most ``lora.max_per_request``, names
             unique (:mod:`bcg_core.lora`). Empty: the base model.

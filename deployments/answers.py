@@ -32,9 +32,10 @@ def sse_event(event: str, data: dict) -> bytes:
 
 
 def usage_of(plan) -> Usage:
-    """OpenAI's ``usage`` of a planned request (:class:`~deployments.schemas.Usage`): its prompt tokens in, its
-    images' transformer image tokens out."""
-    return Usage.of(plan.prompt_tokens, plan.request.n, plan.lookup.query.image_tokens)
+    """OpenAI's ``usage`` of a planned request (:class:`~deployments.schemas.Usage`): its prompt tokens (and an
+    edit's input image, one image's transformer image tokens) in, its images' transformer image tokens out."""
+    tokens = plan.lookup.query.image_tokens
+    return Usage.of(plan.prompt_tokens, plan.request.n, tokens, tokens if plan.request.image is not None else 0)
 
 
 def ingress_timings(result: GenerationResult, sent: float) -> dict[str, float]:
@@ -54,7 +55,8 @@ def bcg_info(result: GenerationResult, timings: dict[str, float], retries: int) 
                    retries=retries)
 
 
-async def image_events(plan: PlannedRequest, req: ImageGenerationRequest, events, t0: float):
+async def image_events(plan: PlannedRequest, req: ImageGenerationRequest, events, t0: float,
+                       kind: str = "image_generation"):
     """The Server-Sent Events of a streamed request: ``image_generation.partial_image`` per preview and image,
     then ``image_generation.completed`` per image, in the shapes of the ``openai`` client's
     ``ImageGenPartialImageEvent`` and ``ImageGenCompletedEvent`` (plus ``image_index`` and, on completed
@@ -65,6 +67,8 @@ async def image_events(plan: PlannedRequest, req: ImageGenerationRequest, events
         plan, req: the request, planned and as sent.
         events: :func:`~deployments.routing.stream_dit` of it, past :data:`~deployments.routing.ACCEPTED`.
         t0: ``time.perf_counter()`` when the plan was sent.
+        kind: the events' prefix: ``image_generation``, or ``image_edit`` for an edit (the client's
+            ``ImageEditPartialImageEvent`` and ``ImageEditCompletedEvent``).
     """
     r = plan.request
     common = {"background": "opaque", "output_format": r.output_format, "quality": r.quality or "auto",
@@ -73,16 +77,16 @@ async def image_events(plan: PlannedRequest, req: ImageGenerationRequest, events
         async with contextlib.aclosing(events):
             async for event in events:
                 if isinstance(event, PartialImage):
-                    yield sse_event("image_generation.partial_image", {
-                        "type": "image_generation.partial_image", "b64_json": b64encode(event.data).decode("ascii"),
+                    yield sse_event(f"{kind}.partial_image", {
+                        "type": f"{kind}.partial_image", "b64_json": b64encode(event.data).decode("ascii"),
                         "created_at": int(time.time()), "partial_image_index": event.index, **common,
                         "image_index": event.image_index, "step": event.step})
                     continue
                 usage = usage_of(plan).model_dump()
                 bcg = bcg_info(event, ingress_timings(event, t0), 0).model_dump()
                 for i, data in enumerate(event.images_png):
-                    yield sse_event("image_generation.completed", {
-                        "type": "image_generation.completed", "b64_json": b64encode(data).decode("ascii"),
+                    yield sse_event(f"{kind}.completed", {
+                        "type": f"{kind}.completed", "b64_json": b64encode(data).decode("ascii"),
                         "created_at": int(time.time()), **common, "usage": usage, "image_index": i, "bcg": bcg})
     except Exception as exc:  # noqa: BLE001 - answered as an error event; the server keeps serving
         found = find_request_error(exc)

@@ -2,7 +2,7 @@
 
 :func:`error_response` builds any of them; :func:`unauthorized_response` is the 401 of a missing or unknown
 API key (never repeating it), :func:`unavailable_response` the 503 with ``Retry-After`` of overload,
-:func:`unsupported_response` the 404 of an OpenAI route not served (image edits and variations),
+:func:`unsupported_response` the 404 of an OpenAI route not served (image variations),
 :func:`validation_error_response` the 400/422 of a body that fails :class:`~deployments.schemas.
 ImageGenerationRequest` (naming each field and the values it accepts), and :func:`find_request_error` digs a
 replica's :class:`~bcg_core.errors.RequestError` out of Ray's wrapping.
@@ -11,7 +11,7 @@ replica's :class:`~bcg_core.errors.RequestError` out of Ray's wrapping.
 from typing import Any
 
 from fastapi.responses import JSONResponse
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from bcg_core.errors import RequestError
 
@@ -55,11 +55,10 @@ def unauthorized_response(reason: str) -> JSONResponse:
 
 
 UNSUPPORTED_ROUTES: dict[str, str] = {
-    "/v1/images/edits": "image edits are not supported yet (bcg-serve generates images from a text prompt); "
-                        "generate images with POST /v1/images/generations (the openai client's images.generate)",
-    "/v1/images/variations": "image variations are not supported (bcg-serve generates images from a text prompt); "
-                             "use POST /v1/images/generations (the openai client's images.generate) with a prompt "
-                             "that describes the image",
+    "/v1/images/variations": "image variations are not supported (OpenAI retired the endpoint); for a variation of "
+                             "an image, edit it with POST /v1/images/edits (the openai client's images.edit) and a "
+                             "prompt that describes it, at the strength you want (an image file, no mask), or "
+                             "generate with POST /v1/images/generations",
 }
 """OpenAI Images API routes answered with :func:`unsupported_response`, and what each answer says to use instead."""
 
@@ -92,15 +91,17 @@ def _path(loc: list[str]) -> str:
     return loc[0] + "".join(f"[{p}]" if p.isdigit() else f".{p}" for p in loc[1:])
 
 
-def validation_error_response(exc: ValidationError, limits: RequestLimits) -> JSONResponse:
-    """Turn a pydantic error of :class:`ImageGenerationRequest` into an OpenAI error answer.
+def validation_error_response(exc: ValidationError, limits: RequestLimits,
+                              model: type[BaseModel] = ImageGenerationRequest) -> JSONResponse:
+    """Turn a pydantic error of :class:`ImageGenerationRequest` (or of ``model``: :class:`~deployments.schemas.
+    ImageEditRequest`) into an OpenAI error answer.
 
     Returns:
         400 when the body is not JSON, else 422; ``param`` is the first field at fault and the message
         lists every fault, each with the values its field accepts (a fault inside a field, such as an entry of
         ``lora``, also says where: ``lora[0].scale``).
     """
-    fields = ", ".join(ImageGenerationRequest.model_fields)
+    fields = ", ".join(model.model_fields)
     messages: list[str] = []
     param: str | None = None
     status = 422

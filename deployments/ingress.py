@@ -11,13 +11,17 @@ Routes (relative to the application's route prefix):
   every replica's last heartbeat (owned and ready shapes, queue, owner hits), at most
   ``routing.stats_period_s`` old; ``traffic``: the request shapes accepted (with shape-aware routing, every
   replica's histogram merged: the answering replica's current one and the others' from their last heartbeat).
+- ``POST /v1/images/edits``: a ``multipart/form-data`` body (the ``openai`` client's ``images.edit``) read within
+  its bound (:mod:`deployments.uploads`) and mapped onto :class:`~deployments.schemas.ImageEditRequest`, then
+  planned, routed and answered as a generation (``image_edit.*`` events when streamed); the planner reads and
+  bounds the image and mask (:mod:`bcg_core.edits`).
 - ``GET /v1/models`` (and ``GET /v1/models/{id}``): the served model in OpenAI's list format, with the bucket
-  table, the limits, the step count of each ``quality`` and the LoRA adapters in ``lora.dir`` (``lora``, null
-  without it) under ``bcg``.
+  table, the limits, the step count of each ``quality``, the LoRA adapters in ``lora.dir`` (``lora``, null
+  without it) and the edits it serves (``edits``, null for a family without) under ``bcg``.
 - ``GET /healthz``: ``{"status": "ok"}``; never asks for a key.
-- ``POST /v1/images/edits`` and ``POST /v1/images/variations``: not served; answered 404 in OpenAI's error shape
-  (code ``unsupported_endpoint``) saying to use ``/v1/images/generations``, without reading the body (no multipart
-  parser), after the API key check (:func:`~deployments.http_errors.unsupported_response`).
+- ``POST /v1/images/variations``: not served; answered 404 in OpenAI's error shape (code ``unsupported_endpoint``)
+  saying to use ``/v1/images/edits``, without reading the body, after the API key check
+  (:func:`~deployments.http_errors.unsupported_response`).
 
 API keys: with ``auth.api_keys`` or ``auth.api_key_file`` set, every ``/v1/`` route asks for
 ``Authorization: Bearer <key>`` (:mod:`deployments.auth`: digests only, compared in constant time); a missing or
@@ -30,14 +34,16 @@ file and stays the authority (422 for a file it cannot serve, 503 with ``Retry-A
 within ``lora.load_timeout_s``; neither is resent to another replica).
 
 Python handle callers use ``Ingress.images`` (same validation and routing). Each request is planned here
-once (:class:`~bcg_core.planner.Planner`: validation, defaults, the seed, the bucket lookup) and its
+once, on the ingress's one planning thread, so the event loop stays free while an edit's image is decoded
+(:class:`~bcg_core.planner.Planner`: validation, defaults, the seed, the bucket lookup), and its
 :class:`~bcg_core.request.PlannedRequest` travels to the DiT deployment, which trusts it, with its bucket shape in the
 request metadata (:mod:`deployments.routing`); the same plan (the same seed) is resent when its replica dies
 mid-request (answered 503 only if that keeps happening). The served model name (a request's ``model``) comes
 from the model's spec (``describe_model``: the checkpoint's JSON configs), known at start.
 
 Every error is answered in OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``: 413 for a
-body over ``limits.max_body_bytes``, 400 for a body that is not JSON, 422 for a field that fails
+body over ``limits.max_body_bytes`` (an edit's: :func:`~deployments.uploads.upload_limit`), 400 for a body that is
+not JSON (or not readable multipart), 415 for an edit that is not ``multipart/form-data``, 422 for a field that fails
 validation or planning (the message names the field and the values it accepts), 503 when no replica could
 serve it (under overload at once, with ``Retry-After``: backpressure from ``routing.max_queued_requests``),
 500 for a server fault (the answers: :mod:`deployments.http_errors`; usage, ``bcg`` and the event stream:
@@ -53,6 +59,7 @@ import logging
 import time
 from base64 import b64encode
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -67,7 +74,7 @@ from .settings import ServeConfig
 from bcg_core.errors import BucketMissError, RequestError, ServiceUnavailable
 from bcg_core.images import IMAGE_FORMATS
 from bcg_core.pipeline import GenerationResult
-from bcg_core.request import QUALITY_ALIASES, GenerationRequest
+from bcg_core.request import QUALITY_ALIASES, GenerationRequest, PlannedRequest
 from bcg_core.planner import Planner
 from bcg_core.planning.traffic import TrafficHistogram
 
@@ -87,12 +94,14 @@ from .routing import ACCEPTED, call_dit, stream_dit
 from .schemas import (
     ErrorBody,
     ImageData,
+    ImageEditRequest,
     ImageGenerationRequest,
     ImageGenerationResponse,
     ModelCard,
     ModelList,
     RequestLimits,
 )
+from .uploads import BodyTooLarge, FormError, edit_fields, edits_card, read_body, read_form, upload_limit
 
 __all__ = ["Ingress", "merged_traffic"]
 
@@ -107,6 +116,10 @@ app = FastAPI(
 _ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorBody} for code in (400, 401, 413, 422, 500, 503)
 }
+_IMAGES_200 = {"description": "The images as JSON; with `stream: true` Server-Sent Events instead "
+                              "(`<kind>.partial_image`, then `<kind>.completed` per image; kind `image_generation`, "
+                              "or `image_edit` for an edit).",
+               "content": {"text/event-stream": {"schema": {"type": "string"}}}}
 
 
 COORDINATOR_TIMEOUT_S = 2.0
@@ -152,24 +165,8 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResp
     return error_response(exc.status_code, f"{exc.detail} ({request.method} {request.url.path})")
 
 
-class _BodyTooLarge(Exception):
-    pass
-
-
-async def _read_body(request: Request, max_bytes: int) -> bytes:
-    """Read the body, stopping as soon as it exceeds ``max_bytes`` (raises :class:`_BodyTooLarge`)."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
-        raise _BodyTooLarge(int(declared))
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > max_bytes:
-            raise _BodyTooLarge(size)
-        chunks.append(chunk)
-    return b"".join(chunks)
-
+def _too_large(size: int, limit: int, name: str) -> JSONResponse:
+    return error_response(413, f"request body of {size} bytes is over the limit of {limit} bytes ({name})")
 
 
 def _unsupported_route(fields: dict[str, dict]) -> dict[str, Any]:
@@ -214,6 +211,10 @@ class Ingress:
         self._adapters = AdapterCatalog.for_config(self._config)  # None without lora.dir
         self._rejected: Counter[str] = Counter()  # misses answered 422 here (reject policy), by dimension
         self._rejected_requests = 0
+        # one thread plans every request: the tokenizers are not shared across threads, and an edit's image is
+        # decoded off the event loop
+        self._planning = ThreadPoolExecutor(1, thread_name_prefix="bcg-plan")
+        self._edits = edits_card(self._planner.spec, self._config.limits)
 
     def _request_limits(self) -> RequestLimits:
         return RequestLimits(
@@ -250,7 +251,12 @@ class Ingress:
             "quality_aliases": dict(QUALITY_ALIASES),
             "output_formats": list(IMAGE_FORMATS),
             "lora": None if self._adapters is None else self._adapters.card(),
+            "edits": self._edits,
         })
+
+    async def _plan(self, request: GenerationRequest) -> PlannedRequest:
+        """``self._planner.plan(request)`` on the planning thread (raises its :class:`RequestError`)."""
+        return await asyncio.get_running_loop().run_in_executor(self._planning, self._planner.plan, request)
 
     async def _check_adapters(self, plan) -> None:
         """A planned request naming an adapter with no file in ``lora.dir`` raises RequestError (HTTP 422 listing
@@ -346,7 +352,7 @@ class Ingress:
         """
         from .dit import as_generation_request
 
-        plan = self._planner.plan(as_generation_request(request))
+        plan = await self._plan(as_generation_request(request))
         await self._check_adapters(plan)
         routed = await call_dit(self._dit, plan, self._config.routing.max_retries,
                                 retry_after_s=self._config.routing.retry_after_s)
@@ -355,10 +361,7 @@ class Ingress:
     @app.post(
         "/v1/images/generations",
         response_model=ImageGenerationResponse,
-        responses={**_ERROR_RESPONSES, 200: {
-            "description": "The images as JSON; with `stream: true` Server-Sent Events instead "
-                           "(`image_generation.partial_image`, then `image_generation.completed` per image).",
-            "content": {"text/event-stream": {"schema": {"type": "string"}}}}},
+        responses={**_ERROR_RESPONSES, 200: _IMAGES_200},
         openapi_extra={
             "requestBody": {
                 "required": True,
@@ -374,44 +377,69 @@ class Ingress:
             return refused
         limits = self._limits
         try:
-            body = await _read_body(request, limits.limits.max_body_bytes)
-        except _BodyTooLarge as exc:
-            return error_response(
-                413, f"request body of {exc.args[0]} bytes is over the limit of {limits.limits.max_body_bytes} bytes"
-            )
+            body = await read_body(request, limits.limits.max_body_bytes)
+        except BodyTooLarge as exc:
+            return _too_large(exc.args[0], limits.limits.max_body_bytes, "limits.max_body_bytes")
         try:
             req = ImageGenerationRequest.model_validate_json(body, context={"limits": limits})
-            width, height = req.width_height()
-            plan = self._planner.plan(
-                GenerationRequest(
-                    prompt=req.prompt,
-                    n=req.n,
-                    width=width,
-                    height=height,
-                    num_inference_steps=req.num_inference_steps,
-                    guidance_scale=req.guidance_scale,
-                    negative_prompt=req.negative_prompt,
-                    seed=req.seed,
-                    true_cfg_scale=req.true_cfg_scale,
-                    quality=req.quality,
-                    output_format=req.image_format(),
-                    output_compression=req.output_compression,
-                    partial_images=(req.partial_images or 0) if req.stream else 0,
-                    lora=req.lora_entries(),
-                )
-            )
-            await self._check_adapters(plan)
         except ValidationError as exc:
             return validation_error_response(exc, limits)
+        return await self._serve(req, req.engine_request())
+
+    @app.post(
+        "/v1/images/edits",
+        response_model=ImageGenerationResponse,
+        responses={**_ERROR_RESPONSES, 415: {"model": ErrorBody}, 200: _IMAGES_200},
+        openapi_extra={
+            "requestBody": {
+                "required": True,
+                "content": {"multipart/form-data": {"schema": ImageEditRequest.form_schema()}},
+            }
+        },
+    )
+    async def edits(self, request: Request):
+        """Edit an image (OpenAI ``images.edit``): image-to-image, or inpainting with a ``mask``; answered as a
+        generation, with ``stream: true`` as ``image_edit.*`` Server-Sent Events."""
+        refused = self._refused(request)
+        if refused is not None:
+            return refused
+        limits, bound = self._limits, upload_limit(self._config.limits)
+        try:
+            fields = await edit_fields(await read_form(request, bound))
+            req = ImageEditRequest.model_validate(fields, context={"limits": limits})
+        except BodyTooLarge as exc:
+            return _too_large(exc.args[0], bound, "POST /v1/images/edits: the image, mask and fields together")
+        except FormError as exc:
+            return error_response(exc.status, exc.message, param=exc.field)
+        except ValidationError as exc:
+            return validation_error_response(exc, limits, ImageEditRequest)
+        return await self._serve(req, req.engine_request(image=req.image, mask=req.mask, strength=req.strength),
+                                 kind="image_edit")
+
+    async def _serve(self, req: ImageGenerationRequest, request: GenerationRequest, kind: str = "image_generation"):
+        """Plan ``request`` (``req``: its validated HTTP body), send it to a DiT replica and answer: JSON, or with
+        ``stream: true`` Server-Sent Events of ``kind``; every refusal in OpenAI's error shape. The one path of
+        generations and edits."""
+        try:
+            plan = await self._plan(request)
+            await self._check_adapters(plan)
         except RequestError as exc:
             if isinstance(exc, BucketMissError):
                 self._rejected_requests += 1
                 self._rejected.update(exc.missed)
             message = exc.message
             if exc.field == "size" and req.size == "auto":
-                message += " (size 'auto', or omitted, is the model's default size {}x{})".format(
-                    *self._planner.spec.default_size)
+                message += (" (size 'auto', or omitted, is the image's size, each side rounded down to a multiple of "
+                            f"{self._planner.rules.pixels_per_token})" if request.image is not None else
+                            " (size 'auto', or omitted, is the model's default size {}x{})".format(
+                                *self._planner.spec.default_size))
             return error_response(exc.status, message, param=exc.field)
+        except Exception as exc:  # noqa: BLE001 - an input file Pillow fails on in a way bcg_core.edits misses
+            if request.image is None:
+                raise
+            logger.exception("planning an edit failed on its input files")
+            return error_response(422, f"invalid 'image' or 'mask': the file does not decode ({type(exc).__name__}: "
+                                       f"{str(exc)[:80]}); allowed: one PNG, JPEG or WebP file each", param="image")
         t0 = time.perf_counter()
         if req.stream:
             events = stream_dit(self._dit, plan, self._config.routing.retry_after_s)
@@ -423,11 +451,11 @@ class Ingress:
             except Exception as exc:  # noqa: BLE001 - every failure is answered, the server keeps serving
                 await events.aclose()
                 return self._failure(exc)
-            return StreamingResponse(self._events(plan, req, events, t0), media_type="text/event-stream",
+            return StreamingResponse(self._events(plan, req, events, t0, kind), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         try:
             routed = await call_dit(self._dit, plan, self._config.routing.max_retries,
-                                retry_after_s=self._config.routing.retry_after_s)
+                                    retry_after_s=self._config.routing.retry_after_s)
             result = routed.result
         except Exception as exc:  # noqa: BLE001 - every failure is answered, the server keeps serving
             return self._failure(exc)
@@ -460,16 +488,10 @@ class Ingress:
         return error_response(404, f"GET /metrics: Prometheus metrics are served by Ray's exporter, not on the API "
                               f"port: {where}; see docs/OPERATIONS.md#metrics-prometheus", code="not_found")
 
-    @app.post("/v1/images/edits", **_unsupported_route({
-        "image": {"type": "string", "format": "binary"}, "prompt": {"type": "string"},
-        "mask": {"type": "string", "format": "binary"}}))
-    async def edits(self, request: Request):
-        """OpenAI ``images.edit``: not supported yet; a 404 saying to use ``/v1/images/generations``."""
-        return self._refused(request) or unsupported_response("/v1/images/edits")
-
     @app.post("/v1/images/variations", **_unsupported_route({
         "image": {"type": "string", "format": "binary"}}))
     async def variations(self, request: Request):
-        """OpenAI ``images.create_variation``: not supported; a 404 saying to use ``/v1/images/generations``."""
+        """OpenAI ``images.create_variation`` (retired by OpenAI): not served; a 404 saying to use
+        ``/v1/images/edits``."""
         return self._refused(request) or unsupported_response("/v1/images/variations")
 

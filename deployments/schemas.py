@@ -26,13 +26,14 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from bcg_core.config import LimitsConfig, LoRAConfig, parse_size
 from bcg_core.planner import allowed_values as engine_allowed
-from bcg_core.request import MAX_PARTIAL_IMAGES
+from bcg_core.request import MAX_PARTIAL_IMAGES, GenerationRequest
 
 __all__ = [
     "BcgInfo",
     "ErrorBody",
     "ErrorDetail",
     "ImageData",
+    "ImageEditRequest",
     "ImageGenerationRequest",
     "ImageGenerationResponse",
     "LoraAdapter",
@@ -263,6 +264,17 @@ class ImageGenerationRequest(BaseModel):
         ``lora`` entries' model written in place (:func:`inline_refs`)."""
         return inline_refs(cls.model_json_schema())
 
+    def engine_request(self, **edit) -> GenerationRequest:
+        """The engine's request of this body (``edit``: an edit's ``image``, ``mask`` and ``strength``); previews
+        only when streamed."""
+        width, height = self.width_height()
+        return GenerationRequest(
+            prompt=self.prompt, n=self.n, width=width, height=height, num_inference_steps=self.num_inference_steps,
+            guidance_scale=self.guidance_scale, negative_prompt=self.negative_prompt, seed=self.seed,
+            true_cfg_scale=self.true_cfg_scale, quality=self.quality, output_format=self.image_format(),
+            output_compression=self.output_compression,
+            partial_images=(self.partial_images or 0) if self.stream else 0, lora=self.lora_entries(), **edit)
+
     def lora_entries(self) -> tuple[tuple[str, float], ...]:
         """``lora`` as :attr:`bcg_core.request.GenerationRequest.lora`: ``((name, scale), ...)``; ``()`` when
         omitted, null or empty."""
@@ -272,6 +284,46 @@ class ImageGenerationRequest(BaseModel):
         """``(width, height)`` in pixels of :attr:`size`; ``(None, None)`` for ``"auto"`` (or omitted): the
         planner fills in the model's default size (:attr:`~bcg_core.families.ModelSpec.default_size`)."""
         return (None, None) if self.size in (None, "auto") else parse_size(self.size)
+
+
+class ImageEditRequest(ImageGenerationRequest):
+    """Body of ``POST /v1/images/edits``, a ``multipart/form-data`` form (:mod:`deployments.uploads` maps its parts
+    onto these fields): every field of :class:`ImageGenerationRequest`, plus the input ``image``, an inpainting
+    ``mask`` and ``strength``.
+
+    Types are lax (``"2"`` is 2, ``"true"`` is true): a form's values arrive as text. ``lora`` arrives as a JSON
+    text field or as the bracketed fields of the ``openai`` client (:func:`deployments.uploads.edit_fields`).
+    The image and mask are checked by the planner (:mod:`bcg_core.edits`: the header's pixel count before any
+    decoding), never here.
+    """
+
+    model_config = ConfigDict(extra="forbid", strict=False, frozen=True)
+
+    image: bytes = Field(description="The image to edit: one PNG, JPEG or WebP file of at most "
+                         "limits.max_input_pixels pixels (a file part named 'image', or one 'image[]' part).")
+    mask: bytes | None = Field(default=None, description="Inpainting: a PNG or WebP with alpha of the image's size "
+                               "whose fully transparent pixels mark where to edit (OpenAI's convention); omitted = "
+                               "image-to-image (the whole image moves by strength).")
+    strength: float | None = Field(default=None, description="How far the edit moves from the image, above 0 and at "
+                                   "most 1: the edit runs the last num_inference_steps x strength steps of its "
+                                   "schedule, rounded up (28 x 0.6: 17), as diffusers' edit pipelines; bcg.steps "
+                                   "reports them. Omitted = the edit pipeline's default, 0.6.")
+
+    @classmethod
+    def form_schema(cls) -> dict:
+        """The ``multipart/form-data`` schema of the body for the OpenAPI document: :meth:`body_schema` with no
+        ``null`` alternatives (a form part is sent or omitted) and ``lora`` as its JSON text field."""
+        schema = cls.body_schema()
+        props = {}
+        for name, prop in schema["properties"].items():
+            options = [o for o in prop.get("anyOf", ()) if o.get("type") != "null"]
+            if len(options) == 1:
+                prop = {**{k: v for k, v in prop.items() if k not in ("anyOf", "default")}, **options[0]}
+            props[name] = prop
+        props["lora"] = {"type": "string", "description": "LoRA adapters as a JSON list of {\"name\": ..., "
+                         "\"scale\": ...} in one text field; the openai client's extra_body={\"lora\": [...]} sends "
+                         "the fields lora[][name] and lora[][scale] instead, read the same."}
+        return {**schema, "properties": props}
 
 
 def inline_refs(schema: dict) -> dict:
@@ -310,11 +362,12 @@ class Usage(BaseModel):
     """OpenAI's ``usage``, where its fields mean something here.
 
     ``input_tokens``: the prompt's text tokens (the family's tokenizer, special tokens included; the negative
-    prompt is not counted); no input images. ``output_tokens``: the transformer's image tokens of every image
+    prompt is not counted), plus an edit's input image as the transformer's image tokens of one image at the
+    answer's size. ``output_tokens``: the transformer's image tokens of every image
     (``n`` x tokens per image, at the generation size). ``images``: the image count (an extension).
     """
 
-    input_tokens: int = Field(description="Text tokens of the prompt.")
+    input_tokens: int = Field(description="Text tokens of the prompt (plus an edit's input image tokens).")
     input_tokens_details: UsageDetails
     output_tokens: int = Field(description="Image tokens generated: n x the transformer's image tokens per image.")
     output_tokens_details: UsageDetails
@@ -322,13 +375,15 @@ class Usage(BaseModel):
     images: int = Field(description="Images generated (extension).")
 
     @classmethod
-    def of(cls, prompt_tokens: int, n: int, image_tokens: int) -> "Usage":
-        """The usage of ``n`` images of ``image_tokens`` tokens each for a prompt of ``prompt_tokens`` tokens."""
+    def of(cls, prompt_tokens: int, n: int, image_tokens: int, input_image_tokens: int = 0) -> "Usage":
+        """The usage of ``n`` images of ``image_tokens`` tokens each for a prompt of ``prompt_tokens`` tokens (and an
+        input image of ``input_image_tokens``, for an edit)."""
         out = n * image_tokens
-        return cls(input_tokens=prompt_tokens,
-                   input_tokens_details=UsageDetails(image_tokens=0, text_tokens=prompt_tokens),
+        inp = prompt_tokens + input_image_tokens
+        return cls(input_tokens=inp,
+                   input_tokens_details=UsageDetails(image_tokens=input_image_tokens, text_tokens=prompt_tokens),
                    output_tokens=out, output_tokens_details=UsageDetails(image_tokens=out, text_tokens=0),
-                   total_tokens=prompt_tokens + out, images=n)
+                   total_tokens=inp + out, images=n)
 
 
 class BcgInfo(BaseModel):
@@ -379,8 +434,10 @@ class ModelCard(BaseModel):
                       "resolutions, text lengths, bucket count, miss policy), the request limits, the defaults of a "
                       "request that omits them (num_inference_steps, guidance_scale, and true_cfg_scale for FLUX and "
                       "Qwen-Image: the family's diffusers pipeline's unless the config's limits set them), the "
-                      "step count of each quality, and lora: the adapters in lora.dir and the LoRA limits (null "
-                      "without lora.dir).")
+                      "step count of each quality, lora: the adapters in lora.dir and the LoRA limits (null "
+                      "without lora.dir), and edits: the edit modes served ('image-to-image', 'inpainting'), their "
+                      "diffusers pipelines and defaults, the mask convention and the upload bounds (null for a "
+                      "family that serves no edits).")
 
 
 class ModelList(BaseModel):

@@ -58,7 +58,7 @@ def test_image_to_image_equals_diffusers_alone_and_padded(flux):
     assert plan.request.guidance_scale == 7.0  # FluxImg2ImgPipeline's default, not FluxPipeline's 3.5
     assert str(plan.lookup.key) == "b1_i64_t32"
     ours = bcg_run(pipe, plan.request)
-    assert len(pipe.start(plan).timesteps) == 3  # int(5 x 0.6) steps run
+    assert len(pipe.start(plan).timesteps) == 3  # 5 x 0.6 steps run (rounded up: steps - int(steps - steps x strength))
     assert_same(ours, diffusers_run(FluxImg2ImgPipeline, folder, plan.request, **REF), exact=True)
     three = pipe.planner.plan(_req(image, n=3, seed=4, strength=0.8, guidance_scale=3.0)).request
     assert_same(bcg_run(pipe, three), diffusers_run(FluxImg2ImgPipeline, folder, three, **REF))

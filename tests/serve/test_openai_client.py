@@ -94,15 +94,45 @@ def _png(side: int = 256) -> bytes:
     return buf.getvalue()
 
 
-def test_openai_client_edit_gets_the_clear_not_supported_error(client):
+def _mask(side: int = 256) -> bytes:
+    """OpenAI's mask: opaque keeps, fully transparent (the left half) is edited."""
+    im = Image.new("RGBA", (side, side), (0, 0, 0, 255))
+    im.paste((0, 0, 0, 0), (0, 0, side // 2, side))
+    buf = io.BytesIO()
+    im.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def test_openai_client_edits_an_image(client):
+    """images.edit: image-to-image as JSON, inpainting streamed, a bad mask and two images refused (422 naming the
+    field), then the server still serves."""
     import openai
 
-    with pytest.raises(openai.NotFoundError) as info:
-        client.images.edit(image=("red.png", _png(), "image/png"), prompt="make it blue", size="256x256")
-    err = info.value.body
-    assert info.value.status_code == 404 and err["code"] == "unsupported_endpoint"
-    assert err["message"].startswith("POST /v1/images/edits: image edits are not supported yet")
-    assert "POST /v1/images/generations" in err["message"]
+    image = _png()
+    result = client.images.edit(image=("photo.png", image, "image/png"), prompt="a lighthouse at dusk",
+                                size="256x256", extra_body={"num_inference_steps": 2, "strength": 0.5, "seed": 3})
+    assert result.size == "256x256" and result.model_extra["bcg"]["steps"] == 1  # int(2 x 0.5)
+    assert result.usage.input_tokens_details.image_tokens == 256
+    with Image.open(io.BytesIO(base64.b64decode(result.data[0].b64_json))) as img:
+        assert img.format == "PNG" and img.size == (256, 256)
+
+    stream = client.images.edit(image=("photo.png", image, "image/png"), mask=("mask.png", _mask(), "image/png"),
+                                prompt="a red door", stream=True, partial_images=1, output_format="jpeg",
+                                extra_body={"num_inference_steps": 4, "strength": 0.5})  # no size: the image's
+    events = list(stream)
+    assert [e.type for e in events] == ["image_edit.partial_image", "image_edit.completed"]
+    assert events[1].size == "256x256" and events[1].model_extra["bcg"]["steps"] == 2
+    with Image.open(io.BytesIO(base64.b64decode(events[1].b64_json))) as img:
+        assert img.format == "JPEG" and img.size == (256, 256)
+
+    with pytest.raises(openai.UnprocessableEntityError) as info:
+        client.images.edit(image=image, mask=_mask(128), prompt="x")
+    assert info.value.body["param"] == "mask" and "same size" in info.value.body["message"]
+    with pytest.raises(openai.UnprocessableEntityError) as info:
+        client.images.edit(image=[image, image], prompt="x")
+    assert info.value.body["param"] == "image" and "edits one image" in info.value.body["message"]
+    again = client.images.edit(image=image, prompt="x", extra_body={"num_inference_steps": 1})
+    assert again.size == "256x256" and again.model_extra["bcg"]["steps"] == 1  # int(1 x 0.6) = 0: at least 1
 
 
 def test_openai_client_create_variation_gets_the_clear_not_supported_error(client):
@@ -113,4 +143,4 @@ def test_openai_client_create_variation_gets_the_clear_not_supported_error(clien
     err = info.value.body
     assert info.value.status_code == 404 and err["code"] == "unsupported_endpoint"
     assert err["message"].startswith("POST /v1/images/variations: image variations are not supported")
-    assert "use POST /v1/images/generations" in err["message"]
+    assert "POST /v1/images/edits" in err["message"]

@@ -1,7 +1,8 @@
 """OpenAI's edge values without Ray: ``size: "auto"`` (the default size), ``quality: "standard"`` and ``"hd"``
-(served as ``medium`` and ``high``), the allowed-values wording that names them, and ``POST /v1/images/edits`` and
-``/v1/images/variations`` answered 404 in OpenAI's error shape (after the key check, the body never read). The
-same through the official client on a running server: ``tests/serve/test_openai_client.py``."""
+(served as ``medium`` and ``high``), the allowed-values wording that names them, and ``POST /v1/images/variations``
+answered 404 in OpenAI's error shape naming the edits endpoint (after the key check, the body never read; edits
+themselves: ``tests/unit/test_edits_http.py``). The same through the official client on a running server:
+``tests/serve/test_openai_client.py``."""
 
 from __future__ import annotations
 
@@ -124,7 +125,7 @@ def test_the_model_card_shows_the_default_size_and_the_aliases():
     assert card["quality_aliases"] == {"standard": "medium", "hd": "high"}
 
 
-# -- POST /v1/images/edits and /v1/images/variations -----------------------------------------------------------
+# -- POST /v1/images/variations --------------------------------------------------------------------------------
 
 
 def _unread(path: str, headers: list[tuple[bytes, bytes]]) -> Request:
@@ -138,21 +139,20 @@ def _unread(path: str, headers: list[tuple[bytes, bytes]]) -> Request:
     return Request(scope, receive)
 
 
-ROUTES = [("edits", "/v1/images/edits", "image edits are not supported yet"),
-          ("variations", "/v1/images/variations", "image variations are not supported")]
+ROUTES = [("variations", "/v1/images/variations", "image variations are not supported")]
 
 
 @pytest.mark.parametrize("method,path,says", ROUTES)
-def test_edits_and_variations_answer_404_saying_what_is_supported(method, path, says):
+def test_variations_answer_404_saying_what_is_supported(method, path, says):
     ingress = _ingress()
     status, err = _error(asyncio.run(getattr(ingress, method)(_unread(path, []))))
     assert status == 404 and err["type"] == "invalid_request_error" and err["code"] == "unsupported_endpoint"
-    assert err["param"] is None and says in err["message"] and "POST /v1/images/generations" in err["message"]
+    assert err["param"] is None and says in err["message"] and "POST /v1/images/edits" in err["message"]
     assert err["message"].startswith(f"POST {path}: ")
 
 
 @pytest.mark.parametrize("method,path,says", ROUTES)
-def test_edits_and_variations_ask_for_the_key_first(method, path, says):
+def test_variations_ask_for_the_key_first(method, path, says):
     ingress = _ingress(config={"buckets": {"batch_sizes": [1], "resolutions": ["256x256"]},
                                "auth": {"api_keys": [KEY]}})
     route = getattr(ingress, method)
@@ -164,9 +164,7 @@ def test_edits_and_variations_ask_for_the_key_first(method, path, says):
     assert status == 404 and says in err["message"]
 
 
-def test_the_openapi_schema_documents_both_routes_as_404():
-    paths = app.openapi()["paths"]
-    for path in ("/v1/images/edits", "/v1/images/variations"):
-        op = paths[path]["post"]
-        assert set(op["responses"]) == {"401", "404"}
-        assert op["requestBody"]["required"] is False and "multipart/form-data" in op["requestBody"]["content"]
+def test_the_openapi_schema_documents_variations_as_404():
+    op = app.openapi()["paths"]["/v1/images/variations"]["post"]
+    assert set(op["responses"]) == {"401", "404"}
+    assert op["requestBody"]["required"] is False and "multipart/form-data" in op["requestBody"]["content"]

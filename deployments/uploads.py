@@ -1,0 +1,247 @@
+"""Request bodies read within their bound, and the multipart form of ``POST /v1/images/edits`` mapped onto the fields
+of :class:`~deployments.schemas.ImageEditRequest`.
+
+Every body is read as a stream and refused (:class:`BodyTooLarge`, HTTP 413) as soon as its ``Content-Length`` or
+the bytes received pass the bound, so a huge upload is never held whole: ``limits.max_body_bytes`` (64 KiB) for
+JSON generations, :func:`upload_limit` (64 MiB) for an edit's files. The ingress never decodes an image: the planner
+reads its header's pixel count and bounds it first (:mod:`bcg_core.edits`).
+
+The official ``openai`` client sends ``images.edit`` as ``multipart/form-data``: the image as the file part
+``image`` (a list of images: one ``image[]`` part each), ``mask`` as a file part, every other argument as a text
+field (``"2"``, ``"true"``, ``"0.5"``), and ``extra_body`` too, where a list of objects becomes bracketed fields
+grouped by key (``lora[][name]`` for every entry, then ``lora[][scale]``; see :func:`_lora_entries`).
+:func:`edit_fields` reads those, ``lora`` also as one JSON text field (``-F 'lora=[{"name": "watercolor", "scale":
+0.8}]'``), and refuses with :class:`FormError` (naming the field) what no field of the request can be: several
+images or masks, a file where text belongs and text where a file belongs, a field sent twice. :func:`edits_card` is
+``bcg.edits`` of ``GET /v1/models``: the edits the model serves and these bounds.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.datastructures import FormData, UploadFile
+from starlette.formparsers import MultiPartException, MultiPartParser
+from starlette.requests import Request
+
+__all__ = ["BodyTooLarge", "FormError", "MULTIPART", "edit_fields", "edits_card",
+           "read_body", "read_form", "upload_limit"]
+
+MULTIPART = "multipart/form-data"
+
+MAX_FORM_FILES = 32
+"""Most file parts read (OpenAI takes up to 16 images; more than one is a 422 on ``image``, see :func:`edit_fields`)."""
+
+MAX_FORM_FIELDS = 128
+"""Most text fields read (the ``openai`` client sends at most ~20, plus two per ``lora`` entry)."""
+
+MAX_TEXT_FIELD_BYTES = 2**20
+"""Largest text field (a prompt is at most ``limits.max_prompt_chars`` characters)."""
+
+_IMAGE = re.compile(r"image(\[\d*\])?")
+_LORA = re.compile(r"lora\[(\d*)\](?:\[([^\[\]]*)\])?")
+
+
+class BodyTooLarge(Exception):
+    """A body over its bound; ``args[0]``: its declared length, or the bytes received when it passed the bound."""
+
+
+class FormError(Exception):
+    """A body or form that no request can be made of: ``status`` (400 unreadable multipart, 415 not multipart, 422
+    a field), ``field`` (or None) and the ``message`` answered."""
+
+    def __init__(self, status: int, field: str | None, message: str):
+        super().__init__(message)
+        self.status, self.field, self.message = status, field, message
+
+
+def edits_card(spec, limits) -> dict | None:
+    """``bcg.edits`` of ``GET /v1/models`` for the model ``spec`` under ``limits``: the edit modes served, their
+    diffusers pipelines and request defaults (the planner's: the spec's own where it has them, else the pipeline's,
+    the config's limits first), the mask convention and the upload bounds; None for a family without edits."""
+    from bcg_core.families.defaults import pipeline_defaults
+
+    if spec.edit_pipelines is None:
+        return None
+    pipes = dict(zip(("image-to-image", "inpainting"), spec.edit_pipelines))
+    defaults = {}
+    for mode, pipe in pipes.items():
+        d = ({"default_steps": spec.default_steps, "default_guidance_scale": spec.default_guidance_scale,
+              "default_strength": spec.default_strength} if spec.default_strength is not None
+             else pipeline_defaults(pipe))
+        defaults[mode] = {
+            "num_inference_steps": limits.default_steps if limits.default_steps is not None else d["default_steps"],
+            "guidance_scale": limits.default_guidance_scale if limits.default_guidance_scale is not None
+            else d["default_guidance_scale"],
+            "strength": d.get("default_strength", 0.6)}
+    return {"modes": list(pipes), "pipelines": pipes, "defaults": defaults,
+            "mask": "inpainting: a PNG or WebP with alpha of the image's size; fully transparent pixels are edited",
+            "max_input_pixels": limits.max_input_pixels, "max_upload_bytes": upload_limit(limits)}
+
+
+def upload_limit(limits) -> int:
+    """The bound of an edit's body: ``limits.max_upload_bytes`` (default 64 MiB: room for an image at
+    ``limits.max_input_pixels``, 4096 x 4096, as a PNG (a photo's is 20-35 MB, noise's up to 50 MB) and its
+    mask)."""
+    return int(limits.max_upload_bytes)
+
+
+async def _bounded(request: Request, max_bytes: int) -> AsyncIterator[bytes]:
+    """The body's chunks, raising :class:`BodyTooLarge` before any when ``Content-Length`` is over ``max_bytes``,
+    and as soon as the bytes received pass it (a chunked or lying upload)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise BodyTooLarge(int(declared))
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise BodyTooLarge(size)
+        yield chunk
+
+
+async def read_body(request: Request, max_bytes: int) -> bytes:
+    """The whole body, read within ``max_bytes`` (raises :class:`BodyTooLarge`)."""
+    return b"".join([chunk async for chunk in _bounded(request, max_bytes)])
+
+
+def media_type(request: Request) -> str:
+    """The request's media type, lowercase, without parameters (``""`` when absent)."""
+    return request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+
+
+async def read_form(request: Request, max_bytes: int) -> FormData:
+    """The ``multipart/form-data`` body of ``request``, parsed while it streams in, within ``max_bytes``.
+
+    Raises:
+        FormError: 415 for another content type (naming the one expected), 400 for a body that is not readable
+            multipart (no boundary, malformed, a text field over 1 MiB, more than :data:`MAX_FORM_FILES` files or
+            :data:`MAX_FORM_FIELDS` fields).
+        BodyTooLarge: over ``max_bytes``.
+    """
+    got = media_type(request) or "a body without a Content-Type"
+    if got != MULTIPART:
+        raise FormError(415, None, f"POST {request.url.path} takes a multipart/form-data body (the image as the file "
+                                   f"field 'image', the other fields as form fields: the openai client's images.edit, "
+                                   f"or curl -F image=@photo.png -F prompt=...), not {got}")
+    parser = MultiPartParser(request.headers, _bounded(request, max_bytes), max_files=MAX_FORM_FILES,
+                             max_fields=MAX_FORM_FIELDS, max_part_size=MAX_TEXT_FIELD_BYTES)
+    parser.spool_max_size = max_bytes  # files stay in memory: the body is bounded already, and read whole next
+    try:
+        return await parser.parse()
+    except MultiPartException as exc:
+        raise FormError(400, None, f"the multipart/form-data body could not be read ({exc.message}); send the image "
+                                   f"as the file field 'image' and each other field once as a text field") from None
+
+
+def _scale(value: str) -> Any:
+    """A ``lora[][scale]`` text as a number where it is one (else as sent: the schema refuses it, naming it)."""
+    try:
+        return float(value)
+    except ValueError:
+        return value
+
+
+def _lora_entries(parts: list[tuple[str, str, str]]) -> list:
+    """``lora`` of its bracketed fields ``(index, key, value)``, in the order sent.
+
+    The ``openai`` client sends ``extra_body={"lora": [...]}`` as ``lora[][name]`` and ``lora[][scale]`` fields
+    grouped by key (every name, then every scale), so entry ``i`` is the ``i``-th value of each key; an entry that
+    omits a key another gives cannot be placed, and is refused. ``lora[0][name]`` (indices) places each value;
+    ``lora[]`` alone gives list items as sent (the schema refuses them).
+
+    Raises:
+        FormError: 422 on ``lora``: the forms mixed, or keys given by some entries only.
+    """
+    styles = {"items" if not key else "indices" if index else "brackets" for index, key, _ in parts}
+    if len(styles) > 1:
+        raise FormError(422, "lora", "'lora' is sent in more than one form (lora[], lora[][key], lora[0][key]); "
+                                     "send one, or a JSON list in one 'lora' field")
+    if styles == {"items"}:
+        return [value for _, _, value in parts]
+    if styles == {"indices"}:
+        by_index: dict[str, dict] = {}
+        for index, key, value in parts:
+            by_index.setdefault(index, {})[key] = _scale(value) if key == "scale" else value
+        return list(by_index.values())
+    columns: dict[str, list] = {}
+    for _, key, value in parts:
+        columns.setdefault(key, []).append(_scale(value) if key == "scale" else value)
+    counts = {key: len(values) for key, values in columns.items()}
+    if len(set(counts.values())) > 1:
+        raise FormError(422, "lora", f"'lora' entries give their keys unevenly ({counts}): the openai client sends "
+                                     f"each key's values together, so an entry without a scale cannot be matched to "
+                                     f"its name; give every entry a scale (1.0 is the default), or send lora as a JSON "
+                                     f"string: extra_body={{\"lora\": json.dumps([...])}}")
+    return [{key: values[i] for key, values in columns.items()} for i in range(max(counts.values()))]
+
+
+def _lora_json(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError as exc:
+        raise FormError(422, "lora", f"invalid 'lora' (got {text[:40]!r}): it is not JSON ({exc}); send a JSON list "
+                                     f"such as [{{\"name\": \"watercolor\", \"scale\": 0.8}}] in one form field, or "
+                                     f"the fields lora[][name] and lora[][scale] (the openai client's extra_body)") \
+            from None
+
+
+async def edit_fields(form: FormData) -> dict[str, Any]:
+    """The fields of :class:`~deployments.schemas.ImageEditRequest` in a parsed form: ``image`` and ``mask`` as the
+    bytes of their files, ``lora`` as a list, every other field as its text (the schema converts and checks them).
+
+    Raises:
+        FormError: 422 naming the field: more than one image (the model edits one) or mask, ``image`` or ``mask``
+            sent as text, a file for any other field, a field sent twice, ``lora`` both as JSON and bracketed, or
+            not JSON.
+    """
+    try:
+        return await _fields(form)
+    finally:
+        await form.close()  # the parts' files: in memory, released now
+
+
+async def _fields(form: FormData) -> dict[str, Any]:
+    fields: dict[str, Any] = {}
+    images: list[bytes] = []
+    masks: list[bytes] = []
+    lora_parts: list[tuple[str, str, str]] = []
+    for name, value in form.multi_items():
+        is_file = isinstance(value, UploadFile)
+        target = "image" if _IMAGE.fullmatch(name) else name
+        if target in ("image", "mask"):
+            if not is_file:
+                raise FormError(422, target, f"'{name}' must be a file part (curl: -F {target}=@photo.png; the "
+                                             f"openai client: {target}=open(path, 'rb')), not a text field")
+            (images if target == "image" else masks).append(await value.read())
+            continue
+        if is_file:
+            raise FormError(422, name, f"'{name}' was sent as a file; only 'image' and 'mask' are files, '{name}' is "
+                                       f"a text field")
+        lora = _LORA.fullmatch(name)
+        if lora is not None:
+            lora_parts.append((lora.group(1), lora.group(2) or "", value))
+            continue
+        if name in fields:
+            raise FormError(422, name, f"'{name}' is sent more than once; send each field once")
+        fields[name] = value
+    if len(images) > 1:
+        raise FormError(422, "image", f"{len(images)} images were sent; this model edits one image: send one 'image' "
+                                      f"file (the mask goes in 'mask')")
+    if len(masks) > 1:
+        raise FormError(422, "mask", f"{len(masks)} masks were sent; send at most one 'mask' file")
+    if images:
+        fields["image"] = images[0]
+    if masks:
+        fields["mask"] = masks[0]
+    if "lora" in fields:
+        if lora_parts:
+            raise FormError(422, "lora", "'lora' is sent both as JSON and as bracketed fields (lora[][name]); send "
+                                         "one of them")
+        fields["lora"] = _lora_json(fields["lora"])
+    elif lora_parts:
+        fields["lora"] = _lora_entries(lora_parts)
+    return fields
