@@ -11,7 +11,7 @@ from bcg_core import GenerationRequest, PlannedRequest, StepScheduler
 class PlanningScheduler(StepScheduler):
     """:class:`StepScheduler` whose ``submit`` plans a raw request first (tests only)."""
 
-    async def submit(self, plan: PlannedRequest | GenerationRequest, on_preview=None):
+    async def submit(self, plan: PlannedRequest | GenerationRequest, on_preview=None, lease=None):
         if isinstance(plan, GenerationRequest):
             plan = self.pipeline.planner.plan(plan)
-        return await super().submit(plan, on_preview)
+        return await super().submit(plan, on_preview, lease)
