@@ -22,7 +22,7 @@ from bcg_core import BucketConfig, DiTPipeline, GenerationRequest, LimitsConfig,
 from bcg_core.config import EngineConfig
 from bcg_core.scheduler import CostModel
 
-__all__ = ["GateRun", "PIXEL_SHARE", "RTOL", "assert_same", "bcg_pipeline", "bcg_run", "bucket_costs", "padded", "bcg_run_joined", "diffusers_run", "pixels"]
+__all__ = ["GateRun", "PIXEL_SHARE", "RTOL", "assert_same", "bcg_pipeline", "bcg_run", "bcg_state", "bucket_costs", "padded", "bcg_run_joined", "diffusers_run", "pixels"]
 
 RTOL = 1e-5
 """Relative tolerance on the final latents (fp32 on CPU, docs/DESIGN.md section 4)."""
@@ -112,8 +112,9 @@ def diffusers_run(pipeline_cls, folder, request: GenerationRequest, device: str 
     return GateRun(latents.float().cpu(), [_png(im) for im in images])
 
 
-def bcg_run(pipe: DiTPipeline, request: GenerationRequest) -> GateRun:
-    """Serve ``request`` alone through the step-level loop (its adapters leased first); final latents and PNGs."""
+def bcg_state(pipe: DiTPipeline, request: GenerationRequest):
+    """Denoise ``request`` alone through the step-level loop (its adapters leased first, released after); the
+    finished :class:`~bcg_core.families.RequestState`, not decoded."""
     plan = pipe.planner.plan(request)
     lease = pipe.lease(plan)
     state = pipe.start(plan, lease=lease)
@@ -121,6 +122,12 @@ def bcg_run(pipe: DiTPipeline, request: GenerationRequest) -> GateRun:
         pipe.step([state])
     if lease is not None:
         lease.release()
+    return state
+
+
+def bcg_run(pipe: DiTPipeline, request: GenerationRequest) -> GateRun:
+    """Serve ``request`` alone through the step-level loop (:func:`bcg_state`); its final latents and PNGs."""
+    state = bcg_state(pipe, request)
     return GateRun(state.latents.float().cpu(), pipe.finish(state))
 
 

@@ -38,7 +38,7 @@ import torch
 from diffusers import FluxPipeline, QwenImagePipeline, SanaPipeline, StableDiffusion3Pipeline
 
 from bcg_core import DiTPipeline, GenerationRequest, RequestError
-from reference_gate import RTOL, GateRun, assert_same, bcg_pipeline, bcg_run, bcg_run_joined, diffusers_run
+from reference_gate import RTOL, GateRun, assert_same, bcg_pipeline, bcg_run, bcg_run_joined, bcg_state, diffusers_run
 from tiny import flux, pixart, qwenimage, sana, sd3
 from tiny.lora import make_adapter
 
@@ -167,15 +167,8 @@ def served(request, tmp_path_factory) -> Served:
 
 
 def _latents(pipe: DiTPipeline, request: GenerationRequest) -> torch.Tensor:
-    """bcg-serve's final latents of ``request`` (:func:`reference_gate.bcg_run` without the decode)."""
-    plan = pipe.planner.plan(request)
-    lease = pipe.lease(plan)
-    state = pipe.start(plan, lease=lease)
-    while not state.done:
-        pipe.step([state])
-    if lease is not None:
-        lease.release()
-    return state.latents.float().cpu()
+    """bcg-serve's final latents of ``request`` (:func:`reference_gate.bcg_state`: no decode)."""
+    return bcg_state(pipe, request).latents.float().cpu()
 
 
 def _changed(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -20,6 +20,16 @@ def make_flux_adapter(dtype=torch.bfloat16, text_tokens=64, guidance_embeds=Fals
 
 
 @pytest.fixture(scope="module")
+def no_tf32():
+    """TF32 off for the module's tests (cuDNN turns it on for convolutions by default; the VAE then amplifies a
+    1e-7 difference of the latents into one-level pixel flips), restored after."""
+    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
+
+
+@pytest.fixture(scope="module")
 def adapter():
     return make_flux_adapter()
 

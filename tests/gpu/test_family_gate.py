@@ -18,7 +18,8 @@ import torch
 from bcg_core import GenerationRequest
 from reference_gate import assert_same, bcg_pipeline, bcg_run, bcg_run_joined, diffusers_run
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+              pytest.mark.usefixtures("no_tf32")]
 
 RTOL_CUDA, PIXELS_CUDA = 1e-4, 1e-2
 
@@ -41,13 +42,6 @@ CASES = {
                   {"width": 64, "height": 64, "negative_prompt": "blurry"}, {}),
 }
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _no_tf32():
-    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))

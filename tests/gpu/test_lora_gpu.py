@@ -18,18 +18,12 @@ from reference_gate import bcg_pipeline, bcg_run, diffusers_run
 from tiny.flux import TEXT_TOKENS, build
 from tiny.lora import make_adapter
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+              pytest.mark.usefixtures("no_tf32")]
 
 BUCKETS = {"batch_sizes": [1, 2, 4], "resolutions": ["32x32"], "text_lengths": [TEXT_TOKENS]}
 LORA = {"slots": 2, "max_rank": 4, "max_per_request": 2}
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _no_tf32():
-    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
 
 
 @pytest.fixture(scope="module")
