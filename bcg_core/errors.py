@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["BucketMissError", "RequestCancelled", "RequestError", "ServiceUnavailable"]
+__all__ = ["BucketMissError", "RequestCancelled", "RequestError", "ServiceUnavailable", "first_line"]
 
 
 class RequestError(ValueError):
@@ -60,3 +60,11 @@ class ServiceUnavailable(RequestError):
 
     def __reduce__(self):
         return (type(self), (self.field, self.message, self.status, self.retry_after_s))
+
+
+def first_line(exc: BaseException, empty: str = "", limit: int | None = None) -> str:
+    """The first line of ``exc``'s message (surrounding blank space dropped), at most ``limit`` characters; ``empty``
+    when the message is empty. For log lines and notes that quote an error from a library (torch, diffusers)."""
+    text = str(exc).strip()
+    return (text.splitlines()[0] if text else empty)[:limit]
+

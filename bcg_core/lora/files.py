@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from bcg_core.errors import first_line
+
 __all__ = ["AdapterError", "AdapterFiles", "AdapterWeights", "LayerDelta", "NAME_RE", "WEIGHT_NAME", "adapter_path",
            "list_names"]
 
@@ -177,7 +179,7 @@ class AdapterFiles:
         except AdapterError:
             raise
         except Exception as e:  # noqa: BLE001 - safetensors and diffusers raise many types on a bad file
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            first = first_line(e, type(e).__name__)
             first = first.replace(str(path), path.name).replace(str(self.folder), "lora.dir")[:200]  # no server paths
             raise AdapterError(name, f"{where} is not a LoRA file diffusers can read: {first}") from None
         text = sorted(k for k in sd if k.startswith(_TEXT_PREFIXES))
@@ -230,7 +232,7 @@ class AdapterFiles:
             config = _create_lora_config(sd, alphas, metadata, rank, adapter_name=name)
         except Exception as e:  # noqa: BLE001 - a malformed config in the file's metadata
             raise AdapterError(name, f"{where}: its LoRA config does not load ({type(e).__name__}: "
-                                     f"{str(e).splitlines()[0][:160] if str(e) else ''})") from None
+                                     f"{first_line(e, limit=160)})") from None
         if getattr(config, "use_dora", False):
             raise AdapterError(name, f"{where} is a DoRA adapter; bcg-serve serves plain LoRA")
         if getattr(config, "lora_bias", False):

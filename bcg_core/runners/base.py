@@ -26,6 +26,7 @@ from typing import Protocol
 import torch
 
 from bcg_core import failpoints
+from bcg_core.errors import first_line
 from bcg_core.keys import BucketKey
 from bcg_core.metrics import BucketMetrics
 from bcg_core.padding import DenoiseInputs, DiTAdapter
@@ -56,7 +57,7 @@ def demote(entry: "BucketEntry", exc: BaseException, metrics: BucketMetrics) -> 
     ``/v1/buckets``), count the fault (:meth:`BucketMetrics.record_fault`, ``ray_bcg_bucket_faults_total``) and log
     it. A sticky CUDA error (the context is lost) fails the eager forward too; that request then fails and the
     replica's health check restarts it."""
-    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    first = first_line(exc, type(exc).__name__)
     entry.mode = RunMode.STATIC_EAGER
     entry.graph = None
     entry.output = None

@@ -34,6 +34,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from bcg_core.errors import first_line
 from bcg_core.runners.precompiled import PrecompiledBlocks, available
 from bcg_core.runners.attention import (
     BACKENDS, AttentionChoice, ChoiceStore, RecordedCalls, choose, compiling_under, record_sdpa_calls)
@@ -285,7 +286,7 @@ class CompiledKernels:
                     log.debug("ahead-of-time compile failure", exc_info=True)
                     log.warning("ahead-of-time compile of %s raised (%s: %s); compiling it the plain way",
                                 type(block).__qualname__, type(e).__name__,
-                                str(e).splitlines()[0][:200] if str(e) else "")
+                                first_line(e, limit=200))
                 else:
                     return fn(block, *args, **kwargs)
             return compiled(*args, **kwargs)
@@ -372,7 +373,7 @@ class CompiledKernels:
         except CompileFailed:
             raise
         except Exception as e:  # noqa: BLE001 - dynamo and inductor raise many types; the bucket goes eager
-            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            first = first_line(e)
             raise CompileFailed(f"compile_failed: {type(e).__name__}: {first}"[:300]) from e
         finally:
             self._local.attention = None

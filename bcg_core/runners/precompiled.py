@@ -46,6 +46,8 @@ from pathlib import Path
 
 import torch
 
+from bcg_core.errors import first_line
+
 log = logging.getLogger(__name__)
 
 __all__ = ["PrecompiledBlocks", "available", "block_signature", "inputs_signature"]
@@ -274,7 +276,7 @@ class PrecompiledBlocks:
                     path = None
                 except Exception as e:  # noqa: BLE001 - a truncated or torn file: rebuild, never call it
                     log.warning("precompiled block %s did not load (%s: %s); compiling it again", path.name,
-                                type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "")
+                                type(e).__name__, first_line(e, limit=200))
                     path.unlink(missing_ok=True)
                     self.rebuilt += 1
                     fn = None
@@ -329,4 +331,4 @@ class PrecompiledBlocks:
             tmp.unlink(missing_ok=True)
             self.unsaved += 1
             log.warning("precompiled block %s could not be written (%s: %s); it serves this process only",
-                        path.name, type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "")
+                        path.name, type(e).__name__, first_line(e, limit=200))
