@@ -33,7 +33,6 @@ import argparse
 import asyncio
 import dataclasses
 import json
-import math
 import random
 import shlex
 import shutil
@@ -118,17 +117,11 @@ def assign_adapters(requests: list, names: list[str], share: float, two_share: f
     return out
 
 
-def percentile(values: list[float], q: float) -> float | None:
-    """The ``q`` quantile (0..1) by nearest rank, None for no values."""
-    if not values:
-        return None
-    s = sorted(values)
-    return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
-
-
 def replay_engine(config, requests: list, concurrency: int, warm: list) -> dict:
     """Serve ``requests`` (GenerationRequests) through a fresh pipeline and step scheduler, ``concurrency`` in
     flight, after serving ``warm`` untimed; wall time, images/s, latencies and the pipeline's LoRA stats."""
+    from bench_saturation import percentile  # the benchmarks' one percentile (linear, numpy's default)
+
     from bcg_core.pipeline import DiTPipeline
     from bcg_core.scheduler import StepScheduler
 
@@ -158,9 +151,9 @@ def replay_engine(config, requests: list, concurrency: int, warm: list) -> dict:
     waited = [s for (res, s) in done if res.timings_ms.get("lora_load", 0) > 0]
     images = sum(len(res.images_png) for res, _ in done)
     out = {"start_s": round(start_s, 2), "wall_s": round(wall, 3), "images": images,
-           "images_per_s": round(images / wall, 4), "p50_s": round(percentile(lat, 0.5), 3),
-           "p99_s": round(percentile(lat, 0.99), 3), "waited_for_load": len(waited),
-           "p99_waited_s": None if not waited else round(percentile(waited, 0.99), 3),
+           "images_per_s": round(images / wall, 4), "p50_s": round(percentile(lat, 50), 3),
+           "p99_s": round(percentile(lat, 99), 3), "waited_for_load": len(waited),
+           "p99_waited_s": None if not waited else round(percentile(waited, 99), 3),
            "lora": pipe.stats()["lora"]}
     return out  # the pipeline goes with this frame: main collects it before the next server starts
 
