@@ -6,7 +6,7 @@ pipelines' ``get_timesteps`` and ``prepare_latents``), and an inpainting request
 every scheduler step, noised to the next timestep (``(1 - mask) * scale_noise(image_latents, t_next, noise) +
 mask * latents``, the pipeline's loop). Its forwards are text to image's: its rows share bucket forwards with
 any request of the same shape. Every preparation step calls the diffusers pipeline's own method on a view of
-the pipeline that holds the request's own scheduler (:class:`_WithScheduler`), in the pipeline's order, so the
+the pipeline that holds the request's own scheduler (:class:`~bcg_core.families.edit_view.PipelineView`), in the pipeline's order, so the
 generators are drawn as diffusers draws them (the VAE's latent sample first, then the noise, then the masked
 image's sample).
 """
@@ -20,19 +20,10 @@ import numpy as np
 import torch
 
 from bcg_core.families.base import RequestState
+from bcg_core.families.edit_view import PipelineView
+from bcg_core.families.edit_view import edit_pipeline as _edit_pipeline
 
 __all__ = ["blend_known_region", "start_edit"]
-
-
-class _WithScheduler:
-    """A diffusers pipeline seen with another scheduler: ``scheduler`` is the request's own, everything else the
-    pipeline's (its methods are called unbound on this view)."""
-
-    def __init__(self, pipe, scheduler):
-        self.__dict__.update(_pipe=pipe, scheduler=scheduler)
-
-    def __getattr__(self, name):
-        return getattr(self._pipe, name)
 
 
 def edit_pipeline(family, inpaint: bool):
@@ -40,13 +31,9 @@ def edit_pipeline(family, inpaint: bool):
     no weights copied; text encoders are not needed: the family encodes the text)."""
     from diffusers import FluxImg2ImgPipeline, FluxInpaintPipeline
 
-    cls = FluxInpaintPipeline if inpaint else FluxImg2ImgPipeline
-    cache = family.__dict__.setdefault("_edit_pipes", {})
-    with family.__dict__.setdefault("_edit_lock", threading.Lock()):
-        if cls not in cache:
-            cache[cls] = cls(scheduler=family.scheduler, vae=family.vae, text_encoder=None, tokenizer=None,
-                             text_encoder_2=None, tokenizer_2=None, transformer=family.adapter.model)
-        return cache[cls]
+    return _edit_pipeline(family, FluxInpaintPipeline if inpaint else FluxImg2ImgPipeline,
+                          scheduler=family.scheduler, vae=family.vae, text_encoder=None, tokenizer=None,
+                          text_encoder_2=None, tokenizer_2=None, transformer=family.adapter.model)
 
 
 @torch.inference_mode()
@@ -68,7 +55,7 @@ def start_edit(family, plan, cancel: threading.Event | None = None) -> RequestSt
     height, width, device = req.height, req.width, family.device
     init_image = pipe.image_processor.preprocess(image, height=height, width=width).to(dtype=torch.float32)
     sched = copy.deepcopy(family.scheduler)
-    view = _WithScheduler(pipe, sched)
+    view = PipelineView(pipe, sched)
     steps = req.num_inference_steps
     sigmas = np.linspace(1.0, 1 / steps, steps)
     c = sched.config
