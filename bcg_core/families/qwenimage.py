@@ -25,6 +25,9 @@ What diffusers 0.42.1 does, and what this module does the same way. Line numbers
 - Decode (P:700-715): ``_unpack_latents`` to (n, 16, 1, 2h, 2w), cast to the VAE dtype,
   ``z / (1 / latents_std) + latents_mean`` per channel, ``vae.decode(...)[0][:, :, 0]`` (first frame),
   ``image_processor.postprocess``.
+- Edits: a request with an ``image`` starts from it as ``QwenImageImg2ImgPipeline`` (with a ``mask``:
+  ``QwenImageInpaintPipeline``, its known region put back after every step); its steps are text to image's
+  (:mod:`bcg_core.families.qwen_edit`).
 
 Refused at load (:meth:`QwenImageFamily.describe`, ``ValueError``): ``guidance_embeds`` transformers (in
 0.42.1 ``QwenImageTransformer2DModel.forward`` passes ``guidance`` to ``QwenTimestepProjEmbeddings``, which
@@ -264,7 +267,10 @@ class QwenImageFamily:
 
     @classmethod
     def describe(cls, path: Path, index: dict) -> ModelSpec:
-        """Spec from ``transformer/``, ``vae/`` and ``scheduler/`` configs.
+        """Spec from ``transformer/``, ``vae/`` and ``scheduler/`` configs; request defaults from
+        ``QwenImagePipeline.__call__``'s signature (:func:`pipeline_defaults`: 50 steps, no guidance, true CFG 4.0),
+        an edit's from its edit pipeline's (``QwenImageImg2ImgPipeline``, ``QwenImageInpaintPipeline``: the same and
+        strength 0.6; read by the planner).
 
         Raises:
             ValueError: a configuration this family refuses (module docstring), naming each reason.
@@ -281,6 +287,8 @@ class QwenImageFamily:
             guidance_embeds=False, cfg_rule="true_cfg",
             max_text_tokens=QWEN_MAX_TEXT_TOKENS, quality_steps=QUALITY_STEPS["qwenimage"],
             default_size=(QWEN_DEFAULT_SAMPLE_SIZE * scale,) * 2,
+            edit_pipelines=("QwenImageImg2ImgPipeline", "QwenImageInpaintPipeline")
+            if index["_class_name"] == "QwenImagePipeline" else None,
             **pipeline_defaults(index["_class_name"]),
         )
 
@@ -333,10 +341,15 @@ class QwenImageFamily:
 
     @torch.inference_mode()
     def start(self, plan, cancel: threading.Event | None = None) -> RequestState:
-        """Encode, draw packed noise with ``prepare_latents`` and set the shifted schedule (P:565-635)."""
+        """Encode, draw packed noise with ``prepare_latents`` and set the shifted schedule (P:565-635); an edit (an
+        ``image``) starts from its image (:func:`~bcg_core.families.qwen_edit.start_edit`)."""
         from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift, retrieve_timesteps
 
         req = plan.request
+        if req.image is not None:
+            from bcg_core.families.qwen_edit import start_edit
+
+            return start_edit(self, plan, cancel)
         cond = self.encode(req.prompt)
         uncond = self.encode(req.negative_prompt) if self.spec.uses_cfg(req) else None
         gens = [torch.Generator("cpu").manual_seed(req.seed + i) for i in range(req.n)]
@@ -368,7 +381,10 @@ class QwenImageFamily:
 
     @torch.inference_mode()
     def advance(self, state: RequestState, output: torch.Tensor) -> None:
-        """True CFG with the norm rescale (P:668-672), then the request's flow-matching Euler step (P:676)."""
+        """True CFG with the norm rescale (P:668-672), then the request's flow-matching Euler step (P:676) and,
+        inpainting, its known region put back (:func:`~bcg_core.families.qwen_edit.blend_known_region`). The family
+        has no fused ``euler_step`` (the norm rescale is not a plain Euler update), so an edit's blend always runs
+        here on the host."""
         noise_pred = output[: state.n]
         if state.cfg:
             neg_noise_pred = output[state.n :]
@@ -377,6 +393,10 @@ class QwenImageFamily:
             noise_norm = torch.norm(comb_pred, dim=-1, keepdim=True)
             noise_pred = comb_pred * (cond_norm / noise_norm)
         state.latents = state.scheduler.step(noise_pred, state.timestep, state.latents, return_dict=False)[0]
+        if "inpaint" in state.extras:
+            from bcg_core.families.qwen_edit import blend_known_region
+
+            blend_known_region(state)
         state.step_index += 1
 
     @functools.cached_property
