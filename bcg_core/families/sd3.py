@@ -28,9 +28,12 @@ Everything below reproduces ``diffusers/pipelines/stable_diffusion_3/pipeline_st
   ``text_encoder_3=None, tokenizer_3=None`` (the way diffusers' SD3 docs drop T5), so :meth:`SD3Family.load`
   passes them; ``encode_prompt`` then uses zeros for the 256 T5 tokens (``_get_t5_prompt_embeds``), the text
   keeps its 333 tokens, and prompts are counted with CLIP-L's tokenizer and refused above its 77 tokens.
+- Edits (image to image, inpainting) equal ``StableDiffusion3Img2ImgPipeline`` and ``StableDiffusion3InpaintPipeline``:
+  :mod:`bcg_core.families.sd3_edit` prepares their start; their forwards are text to image's.
 - Refused at load (:meth:`SD3Family.describe`): a scheduler other than ``FlowMatchEulerDiscreteScheduler``,
   or one with ``stochastic_sampling`` (the pipeline draws that noise from the global RNG: not reproducible);
-  a T5 encoder without its tokenizer.
+  a T5 encoder without its tokenizer; a transformer whose ``in_channels`` is not the VAE's latent channels (a
+  33-channel inpainting-only transformer, which only ``StableDiffusion3InpaintPipeline`` runs).
 """
 
 from __future__ import annotations
@@ -51,13 +54,18 @@ from bcg_core.padding import DenoiseInputs, copy_rows
 from bcg_core.families.base import QUALITY_STEPS, ModelSpec, RequestState, TextRows, load_pipeline, read_json, tokenizer_counter
 from bcg_core.families.defaults import pipeline_defaults
 
-__all__ = ["SD3Adapter", "SD3Family", "SD3_MAX_SEQUENCE_LENGTH", "SD3_NATIVE_TEXT_TOKENS"]
+__all__ = ["SD3Adapter", "SD3Family", "SD3_EDIT_PIPELINES", "SD3_MAX_SEQUENCE_LENGTH", "SD3_NATIVE_TEXT_TOKENS"]
 
 SD3_MAX_SEQUENCE_LENGTH = 256
 """T5 tokens of ``StableDiffusion3Pipeline.__call__``'s default ``max_sequence_length``."""
 
 SD3_NATIVE_TEXT_TOKENS = 77 + SD3_MAX_SEQUENCE_LENGTH
 """CLIP tokens + T5 tokens of ``StableDiffusion3Pipeline`` with its default ``max_sequence_length=256``."""
+
+SD3_EDIT_PIPELINES = ("StableDiffusion3Img2ImgPipeline", "StableDiffusion3InpaintPipeline")
+"""The diffusers pipelines the edits of a ``StableDiffusion3Pipeline`` checkpoint equal (image to image, inpainting;
+:mod:`bcg_core.families.sd3_edit`); their defaults (50 steps, guidance 7.0, strength 0.6) are read from their
+signatures (:func:`~bcg_core.families.defaults.pipeline_defaults`)."""
 
 
 class SD3Adapter:
@@ -206,7 +214,8 @@ class SD3Family:
 
     Built by :meth:`load`; holds the loaded pipeline (``pipe``) and calls its own methods for encoding,
     latents, timesteps and decoding. Request fields: ``guidance_scale`` is the CFG scale (uncond rows above
-    1); ``negative_prompt`` is the uncond text ("" when omitted, encoded); ``true_cfg_scale`` is refused.
+    1); ``negative_prompt`` is the uncond text ("" when omitted, encoded); ``true_cfg_scale`` is refused; an
+    ``image`` makes an edit, with a ``mask`` inpainting (:mod:`bcg_core.families.sd3_edit`).
 
     Args:
         spec: the model's :class:`ModelSpec` (from :meth:`describe`).
@@ -235,9 +244,13 @@ class SD3Family:
     def describe(cls, path: Path, index: dict) -> ModelSpec:
         """The model's spec from ``model_index.json`` and the component configs (no weights).
 
+        Edits: a ``StableDiffusion3Pipeline`` checkpoint serves image to image and inpainting
+        (:data:`SD3_EDIT_PIPELINES`).
+
         Raises:
             ValueError: a scheduler other than ``FlowMatchEulerDiscreteScheduler``, a stochastic one, a
-                transformer without ``pos_embed_max_size``, or a T5 encoder without its tokenizer.
+                transformer without ``pos_embed_max_size`` or whose ``in_channels`` differ from the VAE's latent
+                channels (33: an inpainting-only transformer), or a T5 encoder without its tokenizer.
         """
         path = Path(path)
         sched_cls = (index.get("scheduler") or [None, None])[1]
@@ -252,6 +265,13 @@ class SD3Family:
             raise ValueError(f"{path}: transformer config has no pos_embed_max_size "
                              f"(SD3 checkpoints use 192 or 384)")
         vae = read_json(path / "vae" / "config.json")
+        latent = int(vae.get("latent_channels", 16))
+        if int(tr.get("in_channels", 16)) != latent:  # e.g. 33: latents + mask + masked image, an inpainting model
+            raise ValueError(
+                f"{path}: transformer in_channels {tr.get('in_channels')} differ from the VAE's {latent} latent "
+                f"channels: StableDiffusion3Pipeline and StableDiffusion3Img2ImgPipeline fail on such a transformer "
+                f"(33 = latents, mask and masked-image latents is an inpainting-only model, which only "
+                f"StableDiffusion3InpaintPipeline runs); bcg-serve does not serve it")
         scale = 2 ** (len(vae.get("block_out_channels", (0,) * 4)) - 1)
         clip = int(read_json(path / "tokenizer" / "tokenizer_config.json", optional=True).get("model_max_length", 77))
         rules = ShapeRules(pixels_per_token=scale * int(tr.get("patch_size", 2)), grid_keyed=True,
@@ -263,6 +283,8 @@ class SD3Family:
                          max_grid_side=int(tr["pos_embed_max_size"]), quality_steps=QUALITY_STEPS["sd3"],
                          # StableDiffusion3Pipeline: default_sample_size = transformer.config.sample_size
                          default_size=(int(tr.get("sample_size", 128)) * scale,) * 2,
+                         edit_pipelines=SD3_EDIT_PIPELINES if index["_class_name"] == "StableDiffusion3Pipeline"
+                         else None,
                          **pipeline_defaults(index["_class_name"]))
 
     @classmethod
@@ -303,7 +325,8 @@ class SD3Family:
 
     @torch.inference_mode()
     def start(self, plan, cancel: threading.Event | None = None) -> RequestState:
-        """Encode (``encode_prompt``), draw latents (``prepare_latents``) and set this request's scheduler.
+        """Encode (``encode_prompt``), draw latents (``prepare_latents``) and set this request's scheduler; an edit
+        (an ``image``) starts from its image instead (:func:`~bcg_core.families.sd3_edit.start_edit`).
 
         Returns:
             A state at step 0; ``latents`` (n, 16, H/8, W/8) in the text-embedding dtype, as the pipeline.
@@ -311,38 +334,55 @@ class SD3Family:
         Raises:
             RequestError: as :meth:`check`.
         """
-        from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import (
-            calculate_shift, retrieve_timesteps,
-        )
-
         req, pipe = plan.request, self.pipe
+        if req.image is not None:
+            from bcg_core.families.sd3_edit import start_edit
+
+            return start_edit(self, plan, cancel)
+        cond, uncond = self.encode_text(req)
+        width, height = self.spec.generation_size(req.width, req.height)
+        generators = [torch.Generator("cpu").manual_seed(req.seed + i) for i in range(req.n)]
+        latents = pipe.prepare_latents(req.n, pipe.transformer.config.in_channels, height, width, cond.text.dtype,
+                                       self.device, generators)
+        scheduler = copy.deepcopy(pipe.scheduler)
+        timesteps = self.set_timesteps(scheduler, req.num_inference_steps, height, width)
+        return RequestState(plan=plan, cond=cond, uncond=uncond, latents=latents, scheduler=scheduler,
+                            timesteps=timesteps, grid=self.rules.grid(width, height), cancel=cancel)
+
+    def encode_text(self, req) -> tuple[TextRows, TextRows | None]:
+        """``(cond, uncond)`` text rows of ``req`` from the pipeline's ``encode_prompt``, called as ``__call__``
+        calls it (``prompt_2``/``prompt_3`` None, ``max_sequence_length`` 256; the edit pipelines' copies of
+        ``encode_prompt`` are the same code): text (1, 333, D_text) and pooled (1, D_pooled) each; ``uncond``
+        None without CFG. Serialised: tokenizers keep mutable padding state."""
         cfg = self.spec.uses_cfg(req)
         with self._lock:
-            text, neg_text, pooled, neg_pooled = pipe.encode_prompt(
+            text, neg_text, pooled, neg_pooled = self.pipe.encode_prompt(
                 prompt=req.prompt, prompt_2=None, prompt_3=None, device=self.device, num_images_per_prompt=1,
                 do_classifier_free_guidance=cfg, negative_prompt=req.negative_prompt,
                 max_sequence_length=SD3_MAX_SEQUENCE_LENGTH,
             )
-        width, height = self.spec.generation_size(req.width, req.height)
-        generators = [torch.Generator("cpu").manual_seed(req.seed + i) for i in range(req.n)]
-        latents = pipe.prepare_latents(req.n, pipe.transformer.config.in_channels, height, width, text.dtype,
-                                       self.device, generators)
-        scheduler = copy.deepcopy(pipe.scheduler)
+        return TextRows(text, pooled), TextRows(neg_text, neg_pooled) if cfg else None
+
+    def set_timesteps(self, scheduler, steps: int, height: int, width: int) -> torch.Tensor:
+        """Set ``scheduler`` (a request's own copy) to ``steps`` timesteps with the pipeline's
+        ``retrieve_timesteps`` and return them, (steps,) fp32 on the 0-1000 scale. With ``use_dynamic_shifting``,
+        ``mu = calculate_shift((H/8/patch) * (W/8/patch), ...)`` with the config's fields and the pipeline's
+        fallbacks (``max_shift`` 1.16; ``StableDiffusion3Pipeline`` line 1016, the same in
+        ``StableDiffusion3Img2ImgPipeline`` and ``StableDiffusion3InpaintPipeline``, whose helpers are copies)."""
+        from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import (
+            calculate_shift, retrieve_timesteps,
+        )
+
         kwargs = {}
         c = scheduler.config
-        if c.get("use_dynamic_shifting", None):  # pipeline line 1016: mu from the latent size, as there
-            patch = pipe.transformer.config.patch_size
+        if c.get("use_dynamic_shifting", None):
+            scale, patch = self.pipe.vae_scale_factor, self.pipe.transformer.config.patch_size
             kwargs["mu"] = calculate_shift(
-                (latents.shape[2] // patch) * (latents.shape[3] // patch), c.get("base_image_seq_len", 256),
+                (int(height) // scale // patch) * (int(width) // scale // patch), c.get("base_image_seq_len", 256),
                 c.get("max_image_seq_len", 4096), c.get("base_shift", 0.5), c.get("max_shift", 1.16),
             )
-        timesteps, _ = retrieve_timesteps(scheduler, req.num_inference_steps, self.device, sigmas=None,
-                                          **kwargs)
-        return RequestState(
-            plan=plan, cond=TextRows(text, pooled), uncond=TextRows(neg_text, neg_pooled) if cfg else None,
-            latents=latents, scheduler=scheduler, timesteps=timesteps, grid=self.rules.grid(width, height),
-            cancel=cancel,
-        )
+        timesteps, _ = retrieve_timesteps(scheduler, steps, self.device, sigmas=None, **kwargs)
+        return timesteps
 
     def model_rows(self, state: RequestState) -> DenoiseInputs:
         """``[uncond] * n + [cond] * n`` rows with CFG (pipeline line 998), else ``[cond] * n``; timestep
@@ -358,13 +398,18 @@ class SD3Family:
     @torch.inference_mode()
     def advance(self, state: RequestState, output: torch.Tensor) -> None:
         """``uncond + guidance_scale * (cond - uncond)`` (pipeline line 1086), then the request's own
-        scheduler step."""
+        scheduler step (and, inpainting, its known region put back:
+        :func:`~bcg_core.families.sd3_edit.blend_known_region`)."""
         noise_pred = output
         if state.cfg:
             noise_pred_uncond, noise_pred_text = noise_pred.chunk(2)
             scale = self.spec.cfg_scale(state.request)
             noise_pred = noise_pred_uncond + scale * (noise_pred_text - noise_pred_uncond)
         state.latents = state.scheduler.step(noise_pred, state.timestep, state.latents, return_dict=False)[0]
+        if "inpaint" in state.extras:
+            from bcg_core.families.sd3_edit import blend_known_region
+
+            blend_known_region(state)
         state.step_index += 1
 
     def euler_step(self, state: RequestState):
@@ -372,6 +417,8 @@ class SD3Family:
         first (pipeline line 998), ``uncond + guidance_scale * (cond - uncond)`` as :meth:`advance`."""
         from bcg_core.runners.fused import euler_step
 
+        if "inpaint" in state.extras:  # the blend after each step runs on the host
+            return None
         if state.cfg:
             return euler_step(state, state.n, 0, self.spec.cfg_scale(state.request), self.dtype)
         return euler_step(state, 0, None, 1.0, self.dtype)
