@@ -302,27 +302,20 @@ class Planner:
                 raise RequestError("strength", "'strength' applies to edits (POST /v1/images/edits) only")
             return None
         from bcg_core.edits import read_image, read_mask
-        from bcg_core.families.defaults import pipeline_defaults
+        from bcg_core.families.defaults import edit_defaults
 
-        pipes = self.spec.edit_pipelines
-        if pipes is None:
+        if self.spec.edit_pipelines is None:
             raise RequestError("image", f"'image': {self.spec.pipeline_class} (family {self.spec.family}) is not served "
-                                        f"for edits; edits are served for FLUX.1 (FluxPipeline checkpoints) and the "
-                                        f"tiny default")
+                                        f"for edits; edits are served for FLUX.1, SD3/SD3.5 and Qwen-Image "
+                                        f"(FluxPipeline, StableDiffusion3Pipeline and QwenImagePipeline "
+                                        f"checkpoints) and the tiny default")
         image = read_image(r.image, self.limits.max_input_pixels)
         if r.mask is not None:
             read_mask(r.mask, image.size, self.limits.max_input_pixels)
-        if self.spec.default_strength is not None:  # a spec with edit defaults of its own (the tiny default)
-            d = {"default_steps": self.spec.default_steps, "default_guidance_scale": self.spec.default_guidance_scale,
-                 "default_strength": self.spec.default_strength}
-        else:
-            d = pipeline_defaults(pipes[1 if r.mask is not None else 0])
-        lim, px = self.limits, self.rules.pixels_per_token
+        px = self.rules.pixels_per_token
         side = lambda v: max(px, v // px * px)  # noqa: E731
-        return {"steps": lim.default_steps if lim.default_steps is not None else min(d["default_steps"], lim.max_steps),
-                "guidance": lim.default_guidance_scale if lim.default_guidance_scale is not None
-                else d["default_guidance_scale"],
-                "strength": d.get("default_strength", 0.6), "image_size": (side(image.width), side(image.height))}
+        return {**edit_defaults(self.spec, self.limits, r.mask is not None),
+                "image_size": (side(image.width), side(image.height))}
 
     def _strength(self, r: GenerationRequest, edit: dict | None, steps: int) -> tuple[float | None, int]:
         """``(strength, steps run)`` (:func:`~bcg_core.request.steps_run`); text to image: ``(None, steps)``."""

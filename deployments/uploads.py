@@ -62,21 +62,16 @@ def edits_card(spec, limits) -> dict | None:
     """``bcg.edits`` of ``GET /v1/models`` for the model ``spec`` under ``limits``: the edit modes served, their
     diffusers pipelines and request defaults (the planner's: the spec's own where it has them, else the pipeline's,
     the config's limits first), the mask convention and the upload bounds; None for a family without edits."""
-    from bcg_core.families.defaults import pipeline_defaults
+    from bcg_core.families.defaults import edit_defaults
 
     if spec.edit_pipelines is None:
         return None
     pipes = dict(zip(("image-to-image", "inpainting"), spec.edit_pipelines))
     defaults = {}
-    for mode, pipe in pipes.items():
-        d = ({"default_steps": spec.default_steps, "default_guidance_scale": spec.default_guidance_scale,
-              "default_strength": spec.default_strength} if spec.default_strength is not None
-             else pipeline_defaults(pipe))
-        defaults[mode] = {
-            "num_inference_steps": limits.default_steps if limits.default_steps is not None else d["default_steps"],
-            "guidance_scale": limits.default_guidance_scale if limits.default_guidance_scale is not None
-            else d["default_guidance_scale"],
-            "strength": d.get("default_strength", 0.6)}
+    for mode in pipes:
+        d = edit_defaults(spec, limits, mode == "inpainting")
+        defaults[mode] = {"num_inference_steps": d["steps"], "guidance_scale": d["guidance"],
+                          "strength": d["strength"]}
     return {"modes": list(pipes), "pipelines": pipes, "defaults": defaults,
             "mask": "inpainting: a PNG or WebP with alpha of the image's size; fully transparent pixels are edited",
             "max_input_pixels": limits.max_input_pixels, "max_upload_bytes": upload_limit(limits)}

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 
-__all__ = ["pipeline_defaults"]
+__all__ = ["edit_defaults", "pipeline_defaults"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -61,3 +61,27 @@ def pipeline_defaults(pipeline_class: str) -> dict[str, float | int | None]:
     if isinstance(width, int) and isinstance(height, int):  # SanaPipeline: 1024x1024; the others compute theirs
         out["default_size"] = (width, height)
     return out
+
+
+def edit_defaults(spec, limits, inpaint: bool) -> dict[str, float | int | None]:
+    """The defaults of an edit of the model ``spec`` under the config's ``limits``: ``steps``, ``guidance`` and
+    ``strength`` of its image-to-image (``inpaint`` False) or inpainting edit pipeline (``spec.edit_pipelines``),
+    read by :func:`pipeline_defaults`; a spec with edit defaults of its own (``spec.default_strength`` set: the
+    tiny default) gives its own. ``limits.default_steps`` / ``default_guidance_scale`` win where set, and steps
+    are capped at ``limits.max_steps`` (SD3's and Qwen-Image's edit pipelines default to 50). The planner
+    (:meth:`bcg_core.planner.Planner.plan`) and ``GET /v1/models`` (``deployments/uploads.py``) both read this.
+
+    Raises:
+        ValueError: ``spec`` serves no edits (``edit_pipelines`` None).
+    """
+    if spec.edit_pipelines is None:
+        raise ValueError(f"{spec.pipeline_class} serves no edits")
+    if spec.default_strength is not None:
+        d = {"default_steps": spec.default_steps, "default_guidance_scale": spec.default_guidance_scale,
+             "default_strength": spec.default_strength}
+    else:
+        d = pipeline_defaults(spec.edit_pipelines[1 if inpaint else 0])
+    steps = limits.default_steps if limits.default_steps is not None else min(d["default_steps"], limits.max_steps)
+    guidance = limits.default_guidance_scale if limits.default_guidance_scale is not None \
+        else d["default_guidance_scale"]
+    return {"steps": steps, "guidance": guidance, "strength": d.get("default_strength", 0.6)}

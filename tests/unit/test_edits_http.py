@@ -396,6 +396,12 @@ def test_the_model_card_says_which_edits_are_served(ingress):
     from deployments.uploads import edits_card
 
     assert edits_card(dataclasses.replace(spec, edit_pipelines=None), ingress._config.limits) is None
+    # SD3's edit pipelines default to 50 steps: the card says what the planner gives, capped at max_steps
+    sd3 = dataclasses.replace(spec, edit_pipelines=("StableDiffusion3Img2ImgPipeline",
+                                                    "StableDiffusion3InpaintPipeline"), default_strength=None)
+    limits = ingress._config.limits.model_copy(update={"max_steps": 30})
+    card = edits_card(sd3, limits)["defaults"]["image-to-image"]
+    assert card == {"num_inference_steps": 30, "guidance_scale": 7.0, "strength": 0.6}
 
 
 def test_variations_name_the_edits_endpoint(ingress):
