@@ -6,7 +6,8 @@ One model per invocation, in this process (no HTTP; the engine as a replica runs
 - ``base``: the first ``--requests`` krea requests (``bench_saturation.replay_requests``: their sizes and image
   counts, ``--steps`` steps) through the step scheduler, ``--concurrency`` in flight, no adapters.
 - ``lora``: the same requests, ``lora.dir`` set, where a seeded ``--lora-share`` of them (default 0.17, the
-  GenTD26 trace's 16.8%) carry adapters: one, or two for ``--two-share`` of those (GenTD26: 1.0% of 16.8%
+  GenTD26 trace's 16.8%; exactly that count, :func:`assign_adapters`) carry adapters: one, or two for
+  ``--two-share`` of those (GenTD26: 1.0% of 16.8%
   carry two, 0.2% more; default 0.07), drawn from a pool of ``--pool`` adapters (default 20) with Zipf-like
   weights ``1 / k^s`` (``--zipf``, default 1.1), scales drawn from 0.6 to 1.0. ``--slots`` GPU slots (default 8).
   Each adapter has rank ``--rank`` on the attention and MLP projections of every block (peft ``LoraConfig``,
@@ -99,21 +100,22 @@ def build_pool(folder: Path, family: str, pool: int, rank: int, out: Path) -> li
 
 def assign_adapters(requests: list, names: list[str], share: float, two_share: float, zipf: float,
                     seed: int = 0) -> list[tuple[tuple[str, float], ...]]:
-    """Each request's ``lora`` entries (module docstring): seeded, Zipf-like over ``names``."""
+    """Each request's ``lora`` entries (module docstring), seeded: exactly ``round(share x requests)`` requests
+    carry adapters (a fixed count, so a short replay is not skewed by the draw: a Bernoulli draw per request gave
+    1 of 32 at seed 0), ``round(two_share x`` those ``)`` of them two (at least one where ``two_share`` > 0), names
+    drawn with Zipf-like weights over ``names``."""
     rng = random.Random(seed)
     weights = [1.0 / (k + 1) ** zipf for k in range(len(names))]
-    out = []
-    for _ in requests:
-        if rng.random() >= share:
-            out.append(())
-            continue
-        count = 2 if rng.random() < two_share else 1
+    carriers = rng.sample(range(len(requests)), round(share * len(requests)))
+    twos = set(carriers[:max(1, round(two_share * len(carriers))) if two_share > 0 and carriers else 0])
+    out: list[tuple[tuple[str, float], ...]] = [() for _ in requests]
+    for i in carriers:
         picked: list[str] = []
-        while len(picked) < count:
+        while len(picked) < (2 if i in twos else 1):
             n = rng.choices(names, weights)[0]
             if n not in picked:
                 picked.append(n)
-        out.append(tuple((n, round(rng.uniform(0.6, 1.0), 2)) for n in picked))
+        out[i] = tuple((n, round(rng.uniform(0.6, 1.0), 2)) for n in picked)
     return out
 
 
