@@ -449,7 +449,8 @@ def concat_rows(parts: list[DenoiseInputs]) -> DenoiseInputs:
     """The rows of several requests (each at its own step) as the inputs of one forward.
 
     Rows keep their order (request by request). All parts must share one grid; masked text is padded to the
-    longest part with masked zeros (unmasked text must already share one length).
+    longest part with masked zeros (unmasked text must already share one length). Where some parts carry LoRA
+    entries, the others' rows get slot 0 with scale 0 (no adapter); where none do, the forward has none.
 
     Raises:
         ValueError: parts of different grids, or unmasked text of different lengths.
@@ -475,9 +476,13 @@ def concat_rows(parts: list[DenoiseInputs]) -> DenoiseInputs:
             texts.append(p.text)
             masks.append(p.text_mask)
     guidance = [p.guidance for p in parts]
-    lora = [p.lora_slots is not None for p in parts]
-    if any(lora) and not all(lora):
-        raise ValueError("rows with and without LoRA entries cannot share one forward")
+    lora = next((p for p in parts if p.lora_slots is not None), None)
+    if lora is not None:  # rows without adapters get slot 0 with scale 0 beside those with some
+        k, dev = lora.lora_slots.shape[1], lora.lora_slots.device
+        slots = [p.lora_slots if p.lora_slots is not None else torch.zeros(p.rows, k, dtype=torch.int64, device=dev)
+                 for p in parts]
+        scales = [p.lora_scales if p.lora_scales is not None else torch.zeros(p.rows, k, device=dev)
+                  for p in parts]
     return DenoiseInputs(
         latents=torch.cat([p.latents for p in parts]),
         text=torch.cat(texts),
@@ -486,6 +491,6 @@ def concat_rows(parts: list[DenoiseInputs]) -> DenoiseInputs:
         grid=parts[0].grid,
         guidance=None if guidance[0] is None else torch.cat(guidance),
         text_mask=torch.cat(masks) if masked[0] else None,
-        lora_slots=torch.cat([p.lora_slots for p in parts]) if lora[0] else None,
-        lora_scales=torch.cat([p.lora_scales for p in parts]) if lora[0] else None,
+        lora_slots=None if lora is None else torch.cat(slots),
+        lora_scales=None if lora is None else torch.cat(scales),
     )

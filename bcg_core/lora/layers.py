@@ -104,6 +104,12 @@ class LoRALinear(torch.nn.Module):
         return self.base.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``base(x)`` plus this thread's rows' deltas (:func:`lora_add`). Outside a compile trace, with no rows
+        set, the base layer alone: the graph a bucket captures for forwards without adapter rows
+        (:meth:`~bcg_core.lora.rows.LoRAAdapter.forward_plain`) then holds no LoRA kernels. Compiled code always
+        calls the operator (its rows are read when it runs, so a trace never depends on them)."""
+        if not torch.compiler.is_compiling() and getattr(_ROWS, "current", None) is None:
+            return self.base(x)
         return lora_add(self.base(x), x, self.A, self.Bt, self.scaling)
 
 

@@ -4,7 +4,9 @@
 ``lora_slots`` (B, K) int64 and ``lora_scales`` (B, K) float32; :meth:`LoRAAdapter.fill` writes the real rows'
 entries and slot 0 with scale 0 on pad rows (their output is dropped); :meth:`LoRAAdapter.forward` runs the
 family's forward with those buffers as this thread's rows (:meth:`~bcg_core.lora.layers.LoRALayers.rows`), so a
-graph captured over the bucket reads them where they live. Everything else is the family's own.
+graph captured over the bucket reads them where they live; :meth:`LoRAAdapter.forward_plain` is the same forward
+without rows, which the CUDA graph runner captures as the bucket's second graph and replays when no row of a
+forward has an adapter. Everything else is the family's own.
 """
 
 from __future__ import annotations
@@ -79,6 +81,13 @@ class LoRAAdapter:
     def forward(self, buffers: dict[str, torch.Tensor]) -> torch.Tensor:
         """The family's padded forward with the buffers' rows as this thread's LoRA rows."""
         with self.layers.rows(buffers["lora_slots"], buffers["lora_scales"]):
+            return self.inner.forward(buffers)
+
+    def forward_plain(self, buffers: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The family's padded forward with no LoRA rows: what a bucket's second graph captures, replayed for
+        forwards in which no row has an adapter (``lora_slots`` None), so those rows pay nothing for the
+        deltas (eager kernels: no LoRA kernel at all; compiled blocks: the operator's copy of the output)."""
+        with self.layers.rows(None, None):
             return self.inner.forward(buffers)
 
     def unpad(self, output: torch.Tensor, inputs: DenoiseInputs) -> torch.Tensor:

@@ -283,12 +283,15 @@ class AdapterSlots:
 
     def attach(self, part, lease: Lease | None):
         """``part`` (one request's :class:`~bcg_core.padding.DenoiseInputs`) with its lease's LoRA entries on every
-        row (none: slot 0), on the layers' device (:func:`~bcg_core.lora.rows.request_rows`)."""
+        row, on the layers' device (:func:`~bcg_core.lora.rows.request_rows`); without a lease ``part`` unchanged
+        (``lora_slots`` None: a forward whose rows all have none replays the bucket's graph without the deltas,
+        :class:`~bcg_core.lora.rows.LoRAAdapter`)."""
         from bcg_core.lora.rows import request_rows
 
-        part.lora_slots, part.lora_scales = request_rows(
-            lease.slots if lease else (), lease.scales if lease else (), part.rows, self.layers.max_per_request,
-            self.layers.device)
+        if lease is None or not lease.slots:
+            return part
+        part.lora_slots, part.lora_scales = request_rows(lease.slots, lease.scales, part.rows,
+                                                         self.layers.max_per_request, self.layers.device)
         return part
 
     # -- introspection --------------------------------------------------------------------------------

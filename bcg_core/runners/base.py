@@ -61,6 +61,7 @@ def demote(entry: "BucketEntry", exc: BaseException, metrics: BucketMetrics) -> 
     entry.mode = RunMode.STATIC_EAGER
     entry.graph = None
     entry.output = None
+    entry.plain = None
     entry.buffers = {}
     entry.fused = None
     entry.note = f"runs unpadded and eager after a runtime error: {type(exc).__name__}: {first}"[:300]
@@ -102,6 +103,9 @@ class BucketEntry:
             (:func:`bcg_core.verify.compile_entry`), else None.
         attention: with compiled kernels, the SDPA backend its compiled forward runs
             (:class:`~bcg_core.runners.attention.AttentionChoice`), else None (eager kernels: PyTorch's own choice).
+        plain: with LoRA adapters (:class:`~bcg_core.lora.rows.LoRAAdapter`), the bucket's second graph, captured
+            without the deltas, replayed for forwards in which no row has an adapter: ``(graph, output, next)``
+            (``next``: its fused step's output, or None); else None.
     """
 
     key: BucketKey
@@ -109,6 +113,7 @@ class BucketEntry:
     mode: RunMode = RunMode.STATIC_EAGER
     output: torch.Tensor | None = None
     graph: object | None = None
+    plain: tuple | None = None
     pool_bytes: int = 0
     capture_s: float = 0.0
     note: str = ""
@@ -198,10 +203,13 @@ def entry_kernels(kernels, entry: BucketEntry):
 
 def static_forward(adapter: DiTAdapter, buffers: dict[str, torch.Tensor], inputs: DenoiseInputs) -> torch.Tensor:
     """Fill a bucket's static buffers from ``inputs``, run the padded forward eagerly, return the real part.
+    With LoRA adapters, a forward in which no row has one (``inputs.lora_slots`` None) runs without the deltas
+    (:meth:`~bcg_core.lora.rows.LoRAAdapter.forward_plain`), as the CUDA graph runner replays its plain graph.
 
     Returns:
         (inputs.rows, inputs.image_tokens, out_channels), a new tensor (never a view of a buffer).
     """
     failpoints.forward_error()
     adapter.fill(buffers, inputs)
-    return adapter.unpad(adapter.forward(buffers), inputs).clone()
+    plain = inputs.lora_slots is None and hasattr(adapter, "forward_plain")
+    return adapter.unpad(adapter.forward_plain(buffers) if plain else adapter.forward(buffers), inputs).clone()

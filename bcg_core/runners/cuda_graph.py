@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from bcg_core import failpoints
+from bcg_core.errors import first_line
 from bcg_core.keys import BucketKey
 from bcg_core.metrics import BucketMetrics, ForwardMode
 from bcg_core.padding import DenoiseInputs, DiTAdapter
@@ -183,9 +184,10 @@ class CudaGraphRunner:
                 self.metrics.record_capture(key, entry.capture_s)
             return entry
 
-    def _forward(self, buffers: dict[str, torch.Tensor], fused: dict[str, torch.Tensor] | None):
-        """The work a bucket's graph holds: the forward, then with ``fused`` the fused step's update."""
-        out = self.adapter.forward(buffers)
+    def _forward(self, buffers: dict[str, torch.Tensor], fused: dict[str, torch.Tensor] | None, plain: bool = False):
+        """The work a bucket's graph holds: the forward (``plain``: without LoRA rows), then with ``fused`` the
+        fused step's update."""
+        out = self.adapter.forward_plain(buffers) if plain else self.adapter.forward(buffers)
         if fused is None:
             return out, None
         from bcg_core.runners.fused import fused_update
@@ -270,6 +272,8 @@ class CudaGraphRunner:
             entry.note = f"capture_failed: {type(e).__name__}: {e}".splitlines()[0][:300]
             log.warning("bucket %s runs eager-only: %s", key, entry.note)
             return entry
+        if hasattr(self.adapter, "forward_plain"):
+            self._capture_plain(entry)
         torch.cuda.empty_cache()
         grown = max(0, torch.cuda.memory_reserved(self.device) - reserved)
         entry.mode, entry.graph, entry.output = RunMode.GRAPH, graph, output
@@ -283,13 +287,30 @@ class CudaGraphRunner:
         self.stats.pool_bytes += grown
         return entry
 
-    def _record(self, graph, entry: BucketEntry, sync_debug: bool):
+    def _record(self, graph, entry: BucketEntry, sync_debug: bool, plain: bool = False):
         """Capture ``entry``'s forward (with its kernels) into ``graph`` in the shared pool; its static outputs."""
         with (self._sync_debug(sync_debug), torch.inference_mode(), entry_kernels(self.kernels, entry),
               torch.cuda.graph(graph, pool=self.pool)):
-            output, nxt = self._forward(entry.buffers, entry.fused)
+            output, nxt = self._forward(entry.buffers, entry.fused, plain)
         torch.cuda.synchronize(self.device)
         return output, nxt
+
+    def _capture_plain(self, entry: BucketEntry) -> None:
+        """With LoRA adapters: capture ``entry``'s forward without the deltas as its second graph, over the same
+        buffers and pool (``entry.plain``), so forwards whose rows carry no adapter cost what they cost without
+        ``lora.dir`` (the deltas read each layer's input and rewrite its output: about 11% of a forward at
+        FLUX.1-dev width, docs/BENCHMARKS.md). A failure leaves the bucket on its one graph, which serves those
+        rows too (slot 0): noted and logged, never raised."""
+        graph = torch.cuda.CUDAGraph()
+        try:  # no warm-up of its own: its kernels are the LoRA graph's, warmed up and compiled before it
+            output, nxt = self._record(graph, entry, False, plain=True)
+        except Exception as e:  # noqa: BLE001 - the bucket still serves every row through its LoRA graph
+            torch.cuda.synchronize(self.device)
+            entry.note = "; ".join(n for n in (entry.note, f"no graph without LoRA: {type(e).__name__}: "
+                                                           f"{first_line(e, '')}"[:200]) if n)
+            log.warning("bucket %s: no graph without LoRA deltas: %s", entry.key, entry.note)
+            return
+        entry.plain = (graph, output, nxt)
 
     @contextlib.contextmanager
     def _sync_debug(self, on: bool):
@@ -349,9 +370,12 @@ class CudaGraphRunner:
                 try:
                     if entry.mode is RunMode.GRAPH:
                         failpoints.forward_error()
+                        graph, output = entry.graph, entry.output
+                        if entry.plain is not None and inputs.lora_slots is None:  # no row has an adapter
+                            graph, output = entry.plain[0], entry.plain[1]
                         self.adapter.fill(entry.buffers, inputs)
-                        entry.graph.replay()
-                        out = self.adapter.unpad(entry.output, inputs).clone()
+                        graph.replay()
+                        out = self.adapter.unpad(output, inputs).clone()
                         mode = ForwardMode.GRAPH
                     elif entry.buffers:  # eager-only: capture failed or over budget
                         with entry_kernels(self.kernels, entry):
@@ -389,18 +413,21 @@ class CudaGraphRunner:
             if not self.fuses(key):
                 raise KeyError(f"bucket {key} holds no fused graph")
             entry = self.entries[key]
+            graph, nxt = entry.graph, entry.fused["next"]
+            if entry.plain is not None and entry.plain[2] is not None and inputs.lora_slots is None:
+                graph, nxt = entry.plain[0], entry.plain[2]  # no row has an adapter
             try:
                 failpoints.forward_error()
                 self.adapter.fill(entry.buffers, inputs)
                 fill_fused(entry.fused, meta, dt)
-                entry.graph.replay()
+                graph.replay()
             except RuntimeError as e:
                 if is_out_of_memory(e):
                     raise
                 demote(entry, e, self.metrics)
                 self.stats.replay_errors += 1
                 raise BucketFault(f"bucket {key}: {entry.note}") from e
-            out = self.adapter.unpad(entry.fused["next"], inputs)[: meta.shape[1]].clone()
+            out = self.adapter.unpad(nxt, inputs)[: meta.shape[1]].clone()
             entry.forwards += 1
         self.metrics.record_forward(key, ForwardMode.GRAPH)
         return out
@@ -416,6 +443,7 @@ class CudaGraphRunner:
             {"key": str(e.key), "mode": e.mode.value if e.buffers or e.mode is RunMode.GRAPH else "dropped",
              "kernels": e.kernels.value, "pool_bytes": e.pool_bytes, "capture_s": round(e.capture_s, 4),
              "compile_rel_err": e.compile_err_json, "attention": e.attention_json, "forwards": e.forwards,
+             **({"plain_graph": e.plain is not None} if hasattr(self.adapter, "forward_plain") else {}),
              "note": e.note}
             for e in self.entries.values()
         ]

@@ -164,8 +164,9 @@ class EagerBucketRunner:
             try:
                 self.adapter.fill(entry.buffers, inputs)
                 fill_fused(entry.fused, meta, dt)
+                plain = inputs.lora_slots is None and hasattr(self.adapter, "forward_plain")  # static_forward's rule
                 with entry_kernels(self.kernels, entry):
-                    out = self.adapter.forward(entry.buffers)
+                    out = self.adapter.forward_plain(entry.buffers) if plain else self.adapter.forward(entry.buffers)
                 nxt = fused_update(out, entry.buffers["latents"], entry.fused["meta"], entry.fused["dt"])
             except RuntimeError as e:
                 if is_out_of_memory(e):

@@ -93,6 +93,24 @@ def test_rows_of_different_adapters_in_one_forward_each_equal_diffusers(ckpt):
     assert pipe.stats()["lora"]["pinned"] == {}  # every lease was released
 
 
+def test_forwards_without_adapter_rows_run_no_lora_kernel_and_equal_the_plain_model(ckpt, monkeypatch):
+    """A forward whose rows all lack adapters runs the bucket without the deltas (the CUDA graph runner's second
+    graph; here the static padded forward): no ``bcg::lora_add`` call, and latents bit-equal to a pipeline
+    without ``lora.dir``. A forward with one adapter row beside them calls it on every wrapped layer."""
+    import bcg_core.lora.layers as layers
+
+    folder, loras, pipe = ckpt
+    calls = []
+    real = layers.lora_add
+    monkeypatch.setattr(layers, "lora_add", lambda *a: calls.append(1) or real(*a))
+    plain = bcg_pipeline(folder, BUCKETS)
+    want = bcg_run(plain, _req(seed=5, n=3)).latents
+    got = bcg_run(pipe, _req(seed=5, n=3)).latents  # 3 rows padded into the 4-row bucket
+    assert calls == [] and torch.equal(got, want)
+    bcg_run(pipe, _req(seed=5, lora=(("a", 0.5),)))
+    assert len(calls) == 3 * len(pipe.lora.layers.layers)  # 3 steps, every wrapped layer
+
+
 def test_an_evicted_adapter_reloads_to_the_same_image(ckpt):
     folder, loras, pipe = ckpt
     first = bcg_run(pipe, _req(lora=(("c", 0.7),)))

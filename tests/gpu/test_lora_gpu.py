@@ -84,3 +84,17 @@ def test_fp32_graphs_with_adapters_equal_diffusers_on_cuda(ckpt):
     theirs = diffusers_run(FluxPipeline, folder, req, device="cuda", lora_dir=loras, max_sequence_length=TEXT_TOKENS)
     err = ((ours.latents - theirs.latents).abs().max() / theirs.latents.abs().max()).item()
     assert err <= 1e-4, err
+
+
+def test_forwards_without_adapter_rows_replay_the_plain_graph(ckpt):
+    """Each bucket also holds a graph captured without the LoRA deltas; a forward whose rows carry no adapter
+    replays it and equals a pipeline without ``lora.dir`` bit for bit (same graphs' kernels, fp32), while a forward
+    with an adapter row still replays the LoRA graph (it differs). Written 2026-12-03; not yet run on a GPU."""
+    folder, loras = ckpt
+    pipe = bcg_pipeline(folder, BUCKETS, device="cuda", lora={"dir": str(loras), **LORA})
+    plain = bcg_pipeline(folder, BUCKETS, device="cuda")
+    assert all(d["mode"] == "graph" and d["plain_graph"] for d in pipe.runner.describe())
+    req = pipe.planner.plan(_req(n=3, seed=4)).request
+    assert torch.equal(bcg_run(pipe, req).latents, bcg_run(plain, req).latents)
+    with_a = pipe.planner.plan(_req(n=3, seed=4, lora=(("a", 1.0),))).request
+    assert not torch.equal(bcg_run(pipe, with_a).latents, bcg_run(plain, req).latents)
