@@ -21,7 +21,8 @@ from bcg_core.table import BucketTable
 from bcg_core.config import BucketConfig, ModelConfig, EngineConfig
 from bcg_core.errors import RequestError
 from bcg_core.keys import ShapeQuery
-from bcg_core.request import GenerationRequest
+from bcg_core.families.defaults import edit_defaults
+from bcg_core.request import GenerationRequest, steps_run
 from bcg_core.planner import Planner
 
 __all__ = ["GENTD26_FILLER", "KREA_CSV", "Demand", "Traffic", "krea_rows", "planning_planner", "planning_table",
@@ -150,7 +151,7 @@ def _demand(planner: Planner, request: GenerationRequest, weight: float, text_to
     if text_tokens is not None and planner.rules.native_text_tokens is None:
         query = planner.query(plan.request, text_tokens)
     r = plan.request
-    return Demand(query, r.n, r.num_inference_steps, weight, (r.width, r.height))
+    return Demand(query, r.n, plan.steps_run, weight, (r.width, r.height))
 
 
 def traffic_from_rows(config: EngineConfig, rows: Iterable[Mapping[str, str]], source: str = "krea",
@@ -199,9 +200,12 @@ def traffic_from_requests(config: EngineConfig, requests: Iterable[GenerationReq
 def traffic_from_gentd26(config: EngineConfig, rows: Iterable[Mapping[str, str]],
                          sizes: Sequence[tuple[int, int]], steps: int | None = None) -> Traffic:
     """Traffic from a GenTD26-style trace (``num_images_per_prompt``, ``num_inference_steps``, ``prompt_length``
-    in characters; ``TXT_2_IMG`` rows only when ``predict_type`` is given). The trace has no sizes: row ``i``
-    takes ``sizes[i % len(sizes)]`` (e.g. the krea requests' sizes in file order); its prompt is
-    :data:`GENTD26_FILLER` cut to ``prompt_length`` characters, counted by the model's tokenizer.
+    in characters, ``predict_type``). The trace has no sizes: row ``i`` takes ``sizes[i % len(sizes)]`` (e.g. the
+    krea requests' sizes in file order); its prompt is :data:`GENTD26_FILLER` cut to ``prompt_length`` characters,
+    counted by the model's tokenizer. ``IMG_2_IMG`` and ``INPAINTING`` rows are edits: the trace has no strength,
+    so each runs the share of its steps that its edit pipeline's default strength runs
+    (:func:`~bcg_core.families.defaults.edit_defaults`, :func:`~bcg_core.request.steps_run`: 18 of 30 at 0.6);
+    for a family without edits they are refused (counted under ``image``). Other types are skipped.
 
     Raises:
         ValueError: ``sizes`` is empty.
@@ -213,8 +217,14 @@ def traffic_from_gentd26(config: EngineConfig, rows: Iterable[Mapping[str, str]]
     i = 0
     for row in rows:
         kind = (row.get("predict_type") or "TXT_2_IMG").strip()
-        if kind != "TXT_2_IMG":
+        if kind not in ("TXT_2_IMG", "IMG_2_IMG", "INPAINTING"):
             continue
+        strength = None
+        if kind != "TXT_2_IMG":
+            if planner.spec.edit_pipelines is None:
+                refused["image"] = refused.get("image", 0.0) + 1.0
+                continue
+            strength = edit_defaults(planner.spec, planner.limits, kind == "INPAINTING")["strength"]
         n = _int(row, "num_images_per_prompt") or 1
         chars = max(1, _int(row, "prompt_length") or 1)
         prompt = (GENTD26_FILLER * (chars // len(GENTD26_FILLER) + 1))[:chars].strip() or "x"
@@ -222,9 +232,9 @@ def traffic_from_gentd26(config: EngineConfig, rows: Iterable[Mapping[str, str]]
         i += 1
         req = GenerationRequest(prompt, n=n, width=w, height=h, seed=0,
                                 num_inference_steps=steps if steps is not None else _int(row, "num_inference_steps"))
-        d = _demand(planner, req, 1.0, None, refused)
+        d = _demand(planner, req, 1.0, None, refused)  # an edit's forwards are its text-to-image twin's
         if d is not None:
-            demands.append(d)
+            demands.append(d if strength is None else replace(d, steps=steps_run(d.steps, strength)))
     return Traffic(demands, "gentd26", refused).merged()
 
 

@@ -10,14 +10,17 @@ The snapshot (``version`` 1), JSON-safe::
 
     {"version": 1, "total": 12, "dropped": 0, "max_shapes": 512, "since": "2025-01-01T00:00:00+00:00",
      "shapes": [{"width": 512, "height": 512, "n": 1, "text_tokens": 23, "steps": 4, "count": 9,
-                 "cfg_count": 9}, ...]}
+                 "cfg_count": 9, "edit_count": 0}, ...]}
 
 ``shapes`` is sorted by ``count``, largest first (ties by key). ``text_tokens`` is the prompt's token count
 as the planner counted it (:attr:`bcg_core.request.PlannedRequest.prompt_tokens`: the family's own tokenizer count, before
 any padding to a text bucket or to a fixed native length); the negative prompt's count is not part of the
 key (a plan does not keep it), so for masked-text families a long negative prompt can make a request's text
 dimension larger than ``text_tokens``. ``cfg_count`` is how many of ``count`` ran classifier-free guidance with
-uncond rows (two transformer rows per image).
+uncond rows (two transformer rows per image). ``steps`` is the denoising steps the request runs: its
+``num_inference_steps``, or for an edit (``POST /v1/images/edits``) the share its ``strength`` runs
+(:attr:`~bcg_core.request.PlannedRequest.steps_run`: 17 of 28 at 0.6), so ``bcg plan`` weighs an edit's bucket
+forwards as they run; ``edit_count`` is how many of ``count`` were edits.
 
 Never imports Ray; reading a server uses ``urllib.request`` only.
 """
@@ -50,7 +53,8 @@ class TrafficKey(NamedTuple):
         height: requested height in pixels.
         n: images requested.
         text_tokens: the prompt's counted tokens (:attr:`~bcg_core.request.PlannedRequest.prompt_tokens`).
-        steps: ``num_inference_steps`` (the configured default filled in).
+        steps: the denoising steps it runs (:attr:`~bcg_core.request.PlannedRequest.steps_run`:
+            ``num_inference_steps`` with the configured default filled in; an edit's strength's share of them).
     """
 
     width: int
@@ -105,6 +109,7 @@ class TrafficHistogram:
         self._lock = threading.Lock()
         self._counts: dict[TrafficKey, int] = {}
         self._cfg: dict[TrafficKey, int] = {}
+        self._edits: dict[TrafficKey, int] = {}
         self._total = 0
         self._dropped = 0
 
@@ -131,27 +136,31 @@ class TrafficHistogram:
     def key_of(plan) -> TrafficKey:
         """The :class:`TrafficKey` of a :class:`~bcg_core.request.PlannedRequest` (defaults already filled in)."""
         r = plan.request
-        return TrafficKey(int(r.width), int(r.height), int(r.n), int(plan.prompt_tokens), int(r.num_inference_steps))
+        return TrafficKey(int(r.width), int(r.height), int(r.n), int(plan.prompt_tokens), int(plan.steps_run))
 
     def record(self, plan) -> None:
         """Count one accepted request.
 
         Args:
             plan: its :class:`~bcg_core.request.PlannedRequest`; whether it ran CFG is read from its rows
-                (``lookup.query.batch`` above ``n``: uncond rows were added).
+                (``lookup.query.batch`` above ``n``: uncond rows were added), whether it is an edit from its
+                ``image``.
         """
         key = self.key_of(plan)
         cfg = 1 if plan.lookup.query.batch > plan.request.n else 0
         with self._lock:
-            self._add(key, 1, cfg)
+            self._add(key, 1, cfg, 1 if plan.request.image is not None else 0)
 
-    def _add(self, key: TrafficKey, count: int, cfg: int) -> None:
-        """Add ``count`` requests of ``key`` (``cfg`` of them with CFG rows); the caller holds the lock."""
+    def _add(self, key: TrafficKey, count: int, cfg: int, edits: int = 0) -> None:
+        """Add ``count`` requests of ``key`` (``cfg`` of them with CFG rows, ``edits`` of them edits); the caller
+        holds the lock."""
         self._total += count
         if key in self._counts or len(self._counts) < self.max_shapes:
             self._counts[key] = self._counts.get(key, 0) + count
             if cfg:
                 self._cfg[key] = self._cfg.get(key, 0) + cfg
+            if edits:
+                self._edits[key] = self._edits.get(key, 0) + edits
         else:
             self._dropped += count
 
@@ -160,10 +169,11 @@ class TrafficHistogram:
         first; ``total == sum(count) + dropped``."""
         with self._lock:
             items = list(self._counts.items())
-            cfg = dict(self._cfg)
+            cfg, edits = dict(self._cfg), dict(self._edits)
             total, dropped = self._total, self._dropped
         items.sort(key=lambda kv: (-kv[1], kv[0]))
-        shapes = [{**k._asdict(), "count": c, "cfg_count": cfg.get(k, 0)} for k, c in items]
+        shapes = [{**k._asdict(), "count": c, "cfg_count": cfg.get(k, 0), "edit_count": edits.get(k, 0)}
+                  for k, c in items]
         return {"version": SNAPSHOT_VERSION, "total": total, "dropped": dropped, "max_shapes": self.max_shapes,
                 "since": self.since, "shapes": shapes}
 
@@ -178,7 +188,7 @@ class TrafficHistogram:
         Raises:
             ValueError: naming the bad field: not a mapping, an unknown ``version``, a count that is not a
                 non-negative integer, a shape entry without a key field, a duplicate key, more shapes than
-                ``max_shapes``, ``cfg_count`` above ``count``, an unparsable ``since``, or a ``total`` other
+                ``max_shapes``, ``cfg_count`` or ``edit_count`` above ``count``, an unparsable ``since``, or a ``total`` other
                 than ``sum(count) + dropped``.
         """
         if not isinstance(data, Mapping):
@@ -212,9 +222,13 @@ class TrafficHistogram:
             cfg = _int_field(entry, "cfg_count", where, 0) if "cfg_count" in entry else 0
             if cfg > count:
                 raise ValueError(f"traffic snapshot field 'shapes[{i}].cfg_count' ({cfg}) is above its count ({count})")
+            edits = _int_field(entry, "edit_count", where, 0) if "edit_count" in entry else 0
+            if edits > count:
+                raise ValueError(f"traffic snapshot field 'shapes[{i}].edit_count' ({edits}) is above its count "
+                                 f"({count})")
             if key in out._counts:
                 raise ValueError(f"traffic snapshot field 'shapes[{i}]' repeats the shape {dict(key._asdict())}")
-            out._add(key, count, cfg)
+            out._add(key, count, cfg, edits)
         counted = sum(out._counts.values())
         if total != counted + dropped:
             raise ValueError(f"traffic snapshot field 'total' is {total}, but the shapes count {counted} and "
@@ -236,12 +250,12 @@ class TrafficHistogram:
         """
         src = other if isinstance(other, TrafficHistogram) else TrafficHistogram.from_snapshot(other)
         with src._lock:
-            items = [(k, c, src._cfg.get(k, 0)) for k, c in src._counts.items()]
+            items = [(k, c, src._cfg.get(k, 0), src._edits.get(k, 0)) for k, c in src._counts.items()]
             dropped, since = src._dropped, src.since
         items.sort(key=lambda t: (-t[1], t[0]))  # keep the most frequent when the bound bites
         with self._lock:
-            for key, count, cfg in items:
-                self._add(key, count, cfg)
+            for key, count, cfg, edits in items:
+                self._add(key, count, cfg, edits)
             self._dropped += dropped
             self._total += dropped
             if _parse_time(since) < _parse_time(self.since):

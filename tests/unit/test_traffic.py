@@ -135,6 +135,22 @@ def _valid() -> dict:
     return h.snapshot()
 
 
+def test_an_edit_is_recorded_with_the_steps_it_runs_and_counted_as_an_edit():
+    """An edit at strength 0.6 of 28 steps runs 17 (diffusers' get_timesteps): that is its traffic's steps, so
+    ``bcg plan`` weighs its forwards as they run; ``edit_count`` survives a snapshot, a merge and a reload."""
+    import dataclasses
+
+    edit = _plan(512, 512, steps=28)
+    edit = dataclasses.replace(edit, request=dataclasses.replace(edit.request, image=b"png", strength=0.6))
+    h = TrafficHistogram()
+    h.record(edit)
+    h.record(_plan(512, 512, steps=28))
+    snap = h.snapshot()
+    assert {(s["steps"], s["count"], s["edit_count"]) for s in snap["shapes"]} == {(17, 1, 1), (28, 1, 0)}
+    both = TrafficHistogram.merged([snap, TrafficHistogram.from_snapshot(snap)]).snapshot()
+    assert {(s["steps"], s["edit_count"]) for s in both["shapes"]} == {(17, 2), (28, 0)}
+
+
 @pytest.mark.parametrize("field, edit", [
     ("version", lambda s: s.update(version=2)),
     ("total", lambda s: s.update(total=-1)),
@@ -148,6 +164,7 @@ def _valid() -> dict:
     ("shapes[1].steps", lambda s: s["shapes"][1].pop("steps")),
     ("shapes[0].count", lambda s: s["shapes"][0].update(count=True)),
     ("shapes[0].cfg_count", lambda s: s["shapes"][0].update(cfg_count=5)),
+    ("shapes[0].edit_count", lambda s: s["shapes"][0].update(edit_count=5)),
     ("shapes[1]", lambda s: s["shapes"].__setitem__(1, dict(s["shapes"][0]))),  # a repeated shape
     ("shapes[0]", lambda s: s["shapes"].__setitem__(0, [1, 2])),
 ])
