@@ -280,10 +280,9 @@ def main(argv: list[str] | None = None) -> int:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result, indent=2))
         print(f"wrote {out}")
-    finally:
-        if args.scratch or not args.tiny:
-            shutil.rmtree(folder, ignore_errors=True)
-            shutil.rmtree(folder.parent / f"{folder.name}-loras", ignore_errors=True)
+    finally:  # the checkpoint and its adapters are this run's own (a temp dir, or one made under --scratch)
+        shutil.rmtree(folder, ignore_errors=True)
+        shutil.rmtree(folder.parent / f"{folder.name}-loras", ignore_errors=True)
     return 0
 
 
