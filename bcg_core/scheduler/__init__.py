@@ -3,8 +3,9 @@
 ``step_scheduler.py`` is the asyncio front (submit, stream, close, stats), ``loop.py`` the denoising thread (admit,
 step every group, retire), ``flight.py`` the requests in flight, ``admission.py`` which waiting requests
 start, ``costs.py`` the cost model that decides each step's forwards, ``finish.py`` the decode thread, the
-image-encoding pool and the one place a result is built, ``previews.py`` the preview thread, ``load.py`` the load
-meter autoscaling reads, ``memtrim.py`` the idle trim. docs/DESIGN.md section 12.
+image-encoding pool and the one place a result is built, ``prepare.py`` the prepare thread (an edit's start and
+its image's VAE encode, batched across edits, off the denoising thread), ``previews.py`` the preview thread,
+``load.py`` the load meter autoscaling reads, ``memtrim.py`` the idle trim. docs/DESIGN.md section 12.
 """
 
 from bcg_core.scheduler.costs import Chunk, CostModel, Decision, StepDecider, StepForwards

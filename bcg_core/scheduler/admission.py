@@ -56,6 +56,7 @@ class InFlight:
     previews_pending: int = 0  # queued for the preview thread, not drawn yet
     held: GenerationResult | None = None  # the result, waiting for the request's pending previews
     lease: object | None = None  # its LoRA adapters' slots (bcg_core.lora.slots.Lease), released once answered
+    edit_encode_s: float | None = None  # an edit's seconds in VAE encodes on the prepare stage (None: no edit)
 
     def answer(self, value: GenerationResult | BaseException) -> None:
         """Hand ``value`` to the caller's future, on the caller's event loop (thread-safe; nothing happens if the
@@ -144,7 +145,7 @@ class Admission:
             if self.memory_budget_bytes is not None and not known and item.group in self._unmeasured:
                 held.add(item.group)  # one request of a new group first: its tensors give the estimate
                 continue
-            estimate = int(self._bytes_per_row.get(item.group, 0.0) * item.rows)
+            estimate = self.estimate(item)
             alone = out.rows == 0 and nbytes == 0 and not out.start  # nothing in flight, nothing being decoded
             fits = out.rows + item.rows <= self.max_rows and (
                 self.memory_budget_bytes is None or nbytes + estimate <= self.memory_budget_bytes)
@@ -160,6 +161,11 @@ class Admission:
             if now - item.submitted > self.fair_wait_s:
                 break  # it has waited past the bound: nothing later jumps ahead of it
         return out
+
+    def estimate(self, item: InFlight) -> int:
+        """Bytes ``item``'s tensors are expected to take once started: its group's bytes per row times its rows
+        (0 until its group is measured). An edit holds this much of the budget while it starts off the loop."""
+        return int(self._bytes_per_row.get(item.group, 0.0) * item.rows)
 
     def measured(self, item: InFlight) -> None:
         """``item`` started: its tensors (``item.nbytes``) give its group's bytes per row."""

@@ -218,4 +218,5 @@ class Finisher:
             "queue": ms(item.submitted, item.admitted), "encode": ms(item.admitted, item.started),
             "denoise": ms(item.started, item.denoised), "decode": ms(item.denoised, item.decoded),
             "image_encode": ms(encode_t0, t_end), "total": ms(item.submitted, t_end),
-            **({"lora_load": round(item.lease.waited_s * 1e3, 2)} if item.lease is not None else {})}))
+            **({"lora_load": round(item.lease.waited_s * 1e3, 2)} if item.lease is not None else {}),
+            **({"edit_encode": round(item.edit_encode_s * 1e3, 2)} if item.edit_encode_s is not None else {})}))
