@@ -400,6 +400,8 @@ class DiTPipeline:
 
         t0 = time.perf_counter()
         state = self.start(plan, cancel, lease)
+        if state.latents.is_cuda:  # its encodes' kernels end here, not inside the first step's time
+            torch.cuda.synchronize(state.latents.device)
         t1 = time.perf_counter()
         key, share = None, 0
         while not state.done and not state.cancelled:
