@@ -232,7 +232,8 @@ class Planner:
         work = r.width * r.height * r.n * runs / 1e6
         if lim.max_megapixel_steps is not None and work > lim.max_megapixel_steps:
             field = "n" if r.n > 1 else "num_inference_steps" if steps > 1 else "size"
-            raise RequestError(field, f"the request asks for {r.width}x{r.height} x {r.n} images x {steps} steps = "
+            ran = f"{runs} steps (its strength's share of {steps})" if runs != steps else f"{steps} steps"
+            raise RequestError(field, f"the request asks for {r.width}x{r.height} x {r.n} images x {ran} = "
                                       f"{work:.0f} megapixel-steps, above limits.max_megapixel_steps "
                                       f"{lim.max_megapixel_steps:g}; lower n, num_inference_steps or size")
         g = (self.default_guidance_scale if edit is None else edit["guidance"]) if r.guidance_scale is None \

@@ -129,6 +129,27 @@ def random_inputs(adapter: DiTAdapter, case: BoundaryCase, device, dtype, seed: 
     )
 
 
+def _lora_variants(adapter, x: DenoiseInputs) -> list[DenoiseInputs]:
+    """``x`` as it is (no adapter rows: a LoRA deployment's plain graph), and on a LoRA deployment
+    (:class:`~bcg_core.lora.rows.LoRAAdapter`) also with every row on slot 0 at scale 0, which replays the graph
+    that serves adapter rows (its deltas add zeros, so the reference is the same)."""
+    if not hasattr(adapter, "forward_plain"):
+        return [x]
+    n, k, device = x.rows, adapter.k, x.latents.device
+    return [x, dataclasses.replace(x, lora_slots=torch.zeros(n, k, dtype=torch.int64, device=device),
+                                   lora_scales=torch.zeros(n, k, dtype=torch.float32, device=device))]
+
+
+class _SlotZero:
+    """A stand-in lease of one adapter entry on slot 0 at scale 0: the rows of a check request carry LoRA entries,
+    so a LoRA deployment's graph for adapter rows is the one checked (:func:`check_fused`)."""
+
+    slots, scales = (0,), (0.0,)
+
+    def release(self) -> None:
+        """Nothing is pinned."""
+
+
 def square_grid(tokens: int) -> tuple[int, int]:
     """A token grid ``(h, w)`` with ``h * w == tokens``, as square as possible (``h <= w``; FLUX-style buckets key on
     the token count only, so any grid of that count fills them)."""
@@ -290,12 +311,13 @@ def verify_runner(adapter: DiTAdapter, runner: BucketRunner, cases: list[Boundar
         x = random_inputs(adapter, case, device, dtype, seed=i)
         with torch.inference_mode():
             ref = adapter.forward_eager(x).float()
-        out = runner.run(case.key, x).float()
         v = verdicts.setdefault(case.key, BucketVerdict(case.key, rtol=rtol))
         v.cases += 1
-        v.nan |= bool(torch.isnan(out).any())
-        err = ((out - ref).abs().max() / ref.abs().max().clamp_min(1e-12)).item()
-        v.max_rel_err = max(v.max_rel_err, err)
+        for xi in _lora_variants(adapter, x):  # a LoRA deployment's buckets hold two graphs: check both
+            out = runner.run(case.key, xi).float()
+            v.nan |= bool(torch.isnan(out).any())
+            err = ((out - ref).abs().max() / ref.abs().max().clamp_min(1e-12)).item()
+            v.max_rel_err = max(v.max_rel_err, err)
         v.shapes.append(f"{case.rows}x{case.grid[0]}x{case.grid[1]}+{case.text_tokens}")
         if on_case is not None:
             on_case(case, time.perf_counter() - start)
@@ -372,11 +394,12 @@ def check_fused(pipe) -> bool:
     if not cases:
         pipe.fused.note = "not checked yet: no prepared bucket with a fused graph"
         return False
-    for plan in cases:
+    leases = [None] + ([_SlotZero()] if pipe.lora is not None else [])  # both graphs of a LoRA deployment
+    for plan, lease in ((p, le) for p in cases for le in leases):
         from bcg_core.scheduler.costs import Chunk, StepForwards
 
         forwards = StepForwards((Chunk(plan.key, plan.rows, 0.0),))
-        host = pipe.start(plan)
+        host = pipe.start(plan, lease=lease)
         mine = dataclasses.replace(host, latents=host.latents.clone(), scheduler=copy.deepcopy(host.scheduler),
                                    step_ms=[])
         for _ in range(min(2, len(host.timesteps))):

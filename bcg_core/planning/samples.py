@@ -230,8 +230,10 @@ def traffic_from_gentd26(config: EngineConfig, rows: Iterable[Mapping[str, str]]
         prompt = (GENTD26_FILLER * (chars // len(GENTD26_FILLER) + 1))[:chars].strip() or "x"
         w, h = sizes[i % len(sizes)]
         i += 1
-        req = GenerationRequest(prompt, n=n, width=w, height=h, seed=0,
-                                num_inference_steps=steps if steps is not None else _int(row, "num_inference_steps"))
+        count = steps if steps is not None else _int(row, "num_inference_steps")
+        if count is None and strength is not None:  # an edit row without steps: its edit pipeline's default
+            count = edit_defaults(planner.spec, planner.limits, kind == "INPAINTING")["steps"]
+        req = GenerationRequest(prompt, n=n, width=w, height=h, seed=0, num_inference_steps=count)
         d = _demand(planner, req, 1.0, None, refused)  # an edit's forwards are its text-to-image twin's
         if d is not None:
             demands.append(d if strength is None else replace(d, steps=steps_run(d.steps, strength)))

@@ -170,6 +170,8 @@ class DenoisingLoop:
             st.wait_ms_sum += wait_ms
             st.wait_ms_max = max(st.wait_ms_max, wait_ms)
         if item.cancel.is_set():
+            with self._flight.cv:  # its group's next request may be admitted unmeasured again (as after a failure)
+                self._flight.admission.failed(item)
             self._flight.retire(item, RequestCancelled("the request was cancelled by its caller"), cancelled=True)
             return False
         return True

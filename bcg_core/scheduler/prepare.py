@@ -136,8 +136,9 @@ class EncodeRound:
         """On the prepare thread: encode what the starts wait for, in batches, until every start has left."""
         while True:
             with self._cv:
-                while self._active > 0 and not (self._waiting and (
-                        len(self._waiting) >= self._active or time.perf_counter() - self._first >= self.gather_s)):
+                while self._active > 0 and not (self._waiting and (  # one image a call: nothing to gather
+                        self.batch_images == 1 or len(self._waiting) >= self._active
+                        or time.perf_counter() - self._first >= self.gather_s)):
                     self._cv.wait(None if not self._waiting else
                                   max(1e-3, self.gather_s - (time.perf_counter() - self._first)))
                 if self._active == 0:

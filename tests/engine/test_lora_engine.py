@@ -111,6 +111,22 @@ def test_forwards_without_adapter_rows_run_no_lora_kernel_and_equal_the_plain_mo
     assert len(calls) == 3 * len(pipe.lora.layers.layers)  # 3 steps, every wrapped layer
 
 
+def test_bucket_checks_cover_the_graph_for_adapter_rows_too(ckpt, monkeypatch):
+    """``bcg verify``'s padded-against-unpadded check runs each case through both of a LoRA deployment's bucket
+    paths (no adapter rows; slot-0 adapter rows), each within the check's bound."""
+    import bcg_core.lora.layers as layers
+    from bcg_core.verify import boundary_cases, verify_runner
+
+    folder, loras, pipe = ckpt
+    calls = []
+    real = layers.lora_add
+    monkeypatch.setattr(layers, "lora_add", lambda *a: calls.append(1) or real(*a))
+    cases = [c for c in boundary_cases(pipe.table, pipe.config.limits) if c.key is not None][:2]
+    verdicts = verify_runner(pipe.model.adapter, pipe.runner, cases, pipe.model.device, pipe.model.dtype, rtol=1e-5)
+    assert verdicts and all(v.passed for v in verdicts), [(str(v.key), v.max_rel_err) for v in verdicts]
+    assert len(calls) == len(cases) * len(pipe.lora.layers.layers)  # the adapter-row path ran once per case
+
+
 def test_an_evicted_adapter_reloads_to_the_same_image(ckpt):
     folder, loras, pipe = ckpt
     first = bcg_run(pipe, _req(lora=(("c", 0.7),)))

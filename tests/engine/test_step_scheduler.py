@@ -699,3 +699,36 @@ def test_the_scheduler_trims_the_heap_once_idle(make_sched):
     off = make_sched(trim_idle_s=None)
     run(main(off))
     assert off.stats()["memory_trim"] is None
+
+
+def test_a_request_cancelled_between_admission_and_start_does_not_hold_back_its_group(pipe, make_sched, monkeypatch):
+    """The first request of a new group is admitted alone (its tensors give the group's estimate); cancelled after
+    admission, before its start, it must free the group as a failed start does, else every later request of the
+    shape waits until ``max_queue_wait_s`` (then 503) under a memory budget."""
+    from bcg_core.scheduler.admission import Admission
+    from bcg_core.errors import ServiceUnavailable
+
+    sched = make_sched(memory_budget_bytes=1 << 40, max_queue_wait_s=3.0)
+    admit = Admission.admit
+    cancelled = []
+
+    def admit_then_cancel(self, rows, nbytes, now):
+        out = admit(self, rows, nbytes, now)
+        for item in out.start:
+            if item.plan.request.seed == 71 and not cancelled:
+                item.cancel.set()  # its caller goes away right after admission
+                cancelled.append(item)
+        return out
+
+    monkeypatch.setattr(Admission, "admit", admit_then_cancel)
+
+    async def main():
+        first = await asyncio.gather(sched.submit(pipe.planner.plan(_req(seed=71, width=512, height=256))),
+                                     return_exceptions=True)
+        t0 = time.perf_counter()
+        second = await sched.submit(pipe.planner.plan(_req(seed=72, width=512, height=256)))
+        return first, second, time.perf_counter() - t0
+
+    first, second, waited = run(main())
+    assert cancelled and isinstance(first[0], RequestCancelled)
+    assert not isinstance(second, ServiceUnavailable) and len(second.images_png) == 1 and waited < 2.5
