@@ -1,5 +1,6 @@
-"""What the families' edit paths share: a diffusers pipeline seen with a request's own scheduler, and the edit
-pipelines built once per family over its loaded components.
+"""What the families' edit paths share: a diffusers pipeline seen with a request's own scheduler, the edit
+pipelines built once per family over its loaded components, the flow-matching edit schedule of FLUX.1 and
+Qwen-Image, and inpainting's per-step blend of the known region (the same in all three families' pipelines).
 
 Each family's edit start (:mod:`bcg_core.families.flux_edit`, ...) calls its diffusers edit pipeline's own methods
 (``get_timesteps``, ``prepare_latents``, ``prepare_mask_latents``) unbound on a :class:`PipelineView`, so every
@@ -21,7 +22,7 @@ import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
-__all__ = ["PipelineView", "edit_pipeline", "vae_encodes"]
+__all__ = ["PipelineView", "blend_known_region", "edit_pipeline", "flow_edit_timesteps", "vae_encodes"]
 
 _local = threading.local()
 
@@ -84,3 +85,45 @@ def edit_pipeline(family, cls, **components):
         if cls not in cache:
             cache[cls] = cls(**components)
         return cache[cls]
+
+
+def flow_edit_timesteps(cls, view: PipelineView, request, device, calculate_shift, retrieve_timesteps):
+    """The timesteps an edit runs, and their count, as ``FluxImg2ImgPipeline`` / ``QwenImageImg2ImgPipeline``
+    (and their inpainting twins) compute them: sigmas ``linspace(1, 1/N, N)`` shifted by ``mu = calculate_shift(
+    (H / vae_scale_factor / 2) * (W / vae_scale_factor / 2), ...)`` from the scheduler's config, through
+    ``retrieve_timesteps`` on the view's (the request's own) scheduler, then the pipeline's ``get_timesteps(N,
+    strength)``: the last ``int(N * strength)`` of them. ``calculate_shift`` and ``retrieve_timesteps`` are the
+    pipeline module's own functions.
+
+    Returns:
+        ``(timesteps (runs,) float32 on device, runs)``.
+    """
+    import numpy as np
+
+    sched, steps = view.scheduler, request.num_inference_steps
+    c = sched.config
+    seq = (int(request.height) // view.vae_scale_factor // 2) * (int(request.width) // view.vae_scale_factor // 2)
+    mu = calculate_shift(seq, c.get("base_image_seq_len", 256), c.get("max_image_seq_len", 4096),
+                         c.get("base_shift", 0.5), c.get("max_shift", 1.15))
+    _, runs = retrieve_timesteps(sched, steps, device, sigmas=np.linspace(1.0, 1 / steps, steps), mu=mu)
+    return cls.get_timesteps(view, runs, request.strength, device)
+
+
+def blend_known_region(state, dtype=None) -> None:
+    """After the scheduler step of step ``state.step_index`` of an inpainting request (before the index moves on):
+    its known region put back from its image latents, noised to the next timestep (not after the last step), as
+    the inpainting pipelines' loops do (``FluxInpaintPipeline``, ``StableDiffusion3InpaintPipeline``,
+    ``QwenImageInpaintPipeline``): ``latents = (1 - mask) * scale_noise(image_latents, t_next, noise) + mask *
+    latents``. ``state.extras["inpaint"]`` holds ``(mask, image_latents, noise)`` in the family's latent layout
+    (the mask broadcasting over channels where it has one); the request's own scheduler gives ``scale_noise`` the
+    sigma at its step index, which its step has just advanced. With ``dtype`` (FLUX.1's loop), the latents are cast
+    back to it when the blend changed their dtype."""
+    import torch
+
+    mask, image_latents, noise = state.extras["inpaint"]
+    i = state.step_index
+    known = image_latents
+    if i < len(state.timesteps) - 1:
+        known = state.scheduler.scale_noise(image_latents, torch.tensor([state.timesteps[i + 1]]), noise)
+    latents = (1 - mask) * known + mask * state.latents
+    state.latents = latents.to(dtype) if dtype is not None and latents.dtype != dtype else latents

@@ -384,7 +384,7 @@ class FluxFamily:
 
     def advance(self, state: RequestState, output: torch.Tensor) -> None:
         """``neg + scale * (cond - neg)`` with true CFG, then the request's flow-matching Euler step (and, inpainting,
-        its known region put back: :func:`~bcg_core.families.flux_edit.blend_known_region`)."""
+        its known region put back: :func:`~bcg_core.families.edit_view.blend_known_region`)."""
         noise = output
         if state.cfg:
             cond, neg = output[: state.n], output[state.n :]
@@ -392,7 +392,7 @@ class FluxFamily:
         dtype = state.latents.dtype
         state.latents = state.scheduler.step(noise, state.timestep, state.latents, return_dict=False)[0]
         if "inpaint" in state.extras:
-            from bcg_core.families.flux_edit import blend_known_region
+            from bcg_core.families.edit_view import blend_known_region
 
             blend_known_region(state, dtype)
         state.step_index += 1

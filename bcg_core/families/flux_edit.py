@@ -16,14 +16,13 @@ from __future__ import annotations
 import copy
 import threading
 
-import numpy as np
 import torch
 
 from bcg_core.families.base import RequestState
-from bcg_core.families.edit_view import PipelineView
+from bcg_core.families.edit_view import PipelineView, flow_edit_timesteps
 from bcg_core.families.edit_view import edit_pipeline as _edit_pipeline
 
-__all__ = ["blend_known_region", "start_edit"]
+__all__ = ["edit_pipeline", "start_edit"]
 
 
 def edit_pipeline(family, inpaint: bool):
@@ -56,14 +55,7 @@ def start_edit(family, plan, cancel: threading.Event | None = None) -> RequestSt
     init_image = pipe.image_processor.preprocess(image, height=height, width=width).to(dtype=torch.float32)
     sched = copy.deepcopy(family.scheduler)
     view = PipelineView(pipe, sched)
-    steps = req.num_inference_steps
-    sigmas = np.linspace(1.0, 1 / steps, steps)
-    c = sched.config
-    seq = (int(height) // pipe.vae_scale_factor // 2) * (int(width) // pipe.vae_scale_factor // 2)
-    mu = calculate_shift(seq, c.get("base_image_seq_len", 256), c.get("max_image_seq_len", 4096),
-                         c.get("base_shift", 0.5), c.get("max_shift", 1.15))
-    timesteps, runs = retrieve_timesteps(sched, steps, device, sigmas=sigmas, mu=mu)
-    timesteps, runs = cls.get_timesteps(view, runs, req.strength, device)
+    timesteps, runs = flow_edit_timesteps(cls, view, req, device, calculate_shift, retrieve_timesteps)
     latent_timestep = timesteps[:1].repeat(req.n)
     channels = family.adapter.in_channels // 4
     gens = [torch.Generator("cpu").manual_seed(req.seed + i) for i in range(req.n)]
@@ -85,16 +77,3 @@ def start_edit(family, plan, cancel: threading.Event | None = None) -> RequestSt
         extras["guidance"] = torch.full([1], float(req.guidance_scale), device=device, dtype=torch.float32)
     h, w = family.rules.grid(width, height)
     return RequestState(plan, cond, uncond, latents, sched, timesteps, (h, w), extras=extras, cancel=cancel)
-
-
-def blend_known_region(state: RequestState, dtype: torch.dtype) -> None:
-    """After step ``state.step_index``'s scheduler step of an inpainting request: its known region from its image,
-    noised to the next timestep (none after the last), as ``FluxInpaintPipeline``'s loop; latents cast back to
-    ``dtype`` as the loop does."""
-    mask, image_latents, noise = state.extras["inpaint"]
-    i = state.step_index
-    known = image_latents
-    if i < len(state.timesteps) - 1:
-        known = state.scheduler.scale_noise(image_latents, torch.tensor([state.timesteps[i + 1]]), noise)
-    latents = (1 - mask) * known + mask * state.latents
-    state.latents = latents.to(dtype) if latents.dtype != dtype else latents

@@ -39,14 +39,13 @@ from __future__ import annotations
 import copy
 import threading
 
-import numpy as np
 import torch
 
 from bcg_core.families.base import RequestState
-from bcg_core.families.edit_view import PipelineView
+from bcg_core.families.edit_view import PipelineView, flow_edit_timesteps
 from bcg_core.families.edit_view import edit_pipeline as _edit_pipeline
 
-__all__ = ["blend_known_region", "edit_pipeline", "start_edit"]
+__all__ = ["edit_pipeline", "start_edit"]
 
 
 def edit_pipeline(family, inpaint: bool):
@@ -97,16 +96,9 @@ def start_edit(family, plan, cancel: threading.Event | None = None) -> RequestSt
     init_image = pipe.image_processor.preprocess(image, height=height, width=width).to(dtype=torch.float32)
     sched = copy.deepcopy(family.pipe.scheduler)
     view = PipelineView(pipe, sched)
-    steps = req.num_inference_steps
-    sigmas = np.linspace(1.0, 1 / steps, steps)
-    c = sched.config
-    seq = (int(height) // pipe.vae_scale_factor // 2) * (int(width) // pipe.vae_scale_factor // 2)
-    mu = calculate_shift(seq, c.get("base_image_seq_len", 256), c.get("max_image_seq_len", 4096),
-                         c.get("base_shift", 0.5), c.get("max_shift", 1.15))
-    timesteps, runs = retrieve_timesteps(sched, steps, device, sigmas=sigmas, mu=mu)
-    timesteps, runs = cls.get_timesteps(view, runs, req.strength, device)
+    timesteps, runs = flow_edit_timesteps(cls, view, req, device, calculate_shift, retrieve_timesteps)
     if runs < 1:
-        raise ValueError(f"strength {req.strength} of {steps} steps leaves {runs} steps to run (diffusers raises too)")
+        raise ValueError(f"strength {req.strength} of {req.num_inference_steps} steps leaves {runs} steps to run (diffusers raises too)")
     latent_timestep = timesteps[:1].repeat(req.n)
     channels = family.adapter.in_channels // 4
     gens = [torch.Generator("cpu").manual_seed(req.seed + i) for i in range(req.n)]
@@ -129,22 +121,3 @@ def start_edit(family, plan, cancel: threading.Event | None = None) -> RequestSt
                                       device, gens)
     grid = family.rules.grid(width, height)
     return RequestState(plan, cond, uncond, latents, sched, timesteps, grid, extras=extras, cancel=cancel)
-
-
-def blend_known_region(state: RequestState) -> None:
-    """After the scheduler step of step ``state.step_index`` of an inpainting request (before the index moves on):
-    its known region put back from its image latents, noised to the next timestep (not after the last step), as
-    ``QwenImageInpaintPipeline.__call__``'s loop: ``latents = (1 - mask) * scale_noise(image_latents, t_next,
-    noise) + mask * latents``.
-
-    ``state.latents`` (n, h * w, 64) is replaced; ``state.extras["inpaint"]`` holds ``(mask, image_latents,
-    noise)`` of the same shape (:func:`start_edit`). The request's own scheduler gives ``scale_noise`` the sigma at
-    its step index, which its step just advanced to the next timestep's. No dtype cast: the pipeline casts only on
-    Apple MPS.
-    """
-    mask, image_latents, noise = state.extras["inpaint"]
-    i = state.step_index
-    known = image_latents
-    if i < len(state.timesteps) - 1:
-        known = state.scheduler.scale_noise(image_latents, torch.tensor([state.timesteps[i + 1]]), noise)
-    state.latents = (1 - mask) * known + mask * state.latents

@@ -382,7 +382,7 @@ class QwenImageFamily:
     @torch.inference_mode()
     def advance(self, state: RequestState, output: torch.Tensor) -> None:
         """True CFG with the norm rescale (P:668-672), then the request's flow-matching Euler step (P:676) and,
-        inpainting, its known region put back (:func:`~bcg_core.families.qwen_edit.blend_known_region`). The family
+        inpainting, its known region put back (:func:`~bcg_core.families.edit_view.blend_known_region`). The family
         has no fused ``euler_step`` (the norm rescale is not a plain Euler update), so an edit's blend always runs
         here on the host."""
         noise_pred = output[: state.n]
@@ -394,7 +394,7 @@ class QwenImageFamily:
             noise_pred = comb_pred * (cond_norm / noise_norm)
         state.latents = state.scheduler.step(noise_pred, state.timestep, state.latents, return_dict=False)[0]
         if "inpaint" in state.extras:
-            from bcg_core.families.qwen_edit import blend_known_region
+            from bcg_core.families.edit_view import blend_known_region
 
             blend_known_region(state)
         state.step_index += 1

@@ -399,7 +399,7 @@ class SD3Family:
     def advance(self, state: RequestState, output: torch.Tensor) -> None:
         """``uncond + guidance_scale * (cond - uncond)`` (pipeline line 1086), then the request's own
         scheduler step (and, inpainting, its known region put back:
-        :func:`~bcg_core.families.sd3_edit.blend_known_region`)."""
+        :func:`~bcg_core.families.edit_view.blend_known_region`)."""
         noise_pred = output
         if state.cfg:
             noise_pred_uncond, noise_pred_text = noise_pred.chunk(2)
@@ -407,7 +407,7 @@ class SD3Family:
             noise_pred = noise_pred_uncond + scale * (noise_pred_text - noise_pred_uncond)
         state.latents = state.scheduler.step(noise_pred, state.timestep, state.latents, return_dict=False)[0]
         if "inpaint" in state.extras:
-            from bcg_core.families.sd3_edit import blend_known_region
+            from bcg_core.families.edit_view import blend_known_region
 
             blend_known_region(state)
         state.step_index += 1

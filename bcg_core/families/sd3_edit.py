@@ -49,7 +49,7 @@ from bcg_core.families.base import RequestState
 from bcg_core.families.edit_view import PipelineView
 from bcg_core.families.edit_view import edit_pipeline as _edit_pipeline
 
-__all__ = ["blend_known_region", "edit_pipeline", "start_edit"]
+__all__ = ["edit_pipeline", "start_edit"]
 
 
 def edit_pipeline(family, inpaint: bool):
@@ -119,17 +119,3 @@ def start_edit(family, plan, cancel: threading.Event | None = None) -> RequestSt
         latents = cls.prepare_latents(view, init_image, latent_timestep, 1, req.n, dtype, device, gens)
     return RequestState(plan=plan, cond=cond, uncond=uncond, latents=latents, scheduler=sched, timesteps=timesteps,
                         grid=family.rules.grid(width, height), extras=extras, cancel=cancel)
-
-
-def blend_known_region(state: RequestState) -> None:
-    """After the scheduler step of step ``state.step_index`` of an inpainting request: its known region from its image
-    latents, noised to the next timestep (not after the last step), as ``StableDiffusion3InpaintPipeline``'s loop:
-    ``latents = (1 - mask) * scale_noise(image_latents, t_next, noise) + mask * latents``; latents (n, 16, H/8, W/8),
-    mask (n, 1, H/8, W/8) broadcast over channels. ``scale_noise`` casts its sigma to the latents' dtype and reads the
-    scheduler's step index (already advanced by the step), so the latents keep their dtype, as in diffusers."""
-    mask, image_latents, noise = state.extras["inpaint"]
-    i = state.step_index
-    known = image_latents
-    if i < len(state.timesteps) - 1:
-        known = state.scheduler.scale_noise(image_latents, torch.tensor([state.timesteps[i + 1]]), noise)
-    state.latents = (1 - mask) * known + mask * state.latents
