@@ -63,7 +63,8 @@ def padded(pipe: DiTPipeline) -> DiTPipeline:
     return pipe
 
 
-def _png(image) -> bytes:
+def png_bytes(image) -> bytes:
+    """A PIL image as PNG file bytes (Pillow's encoder, default settings)."""
     buf = io.BytesIO()
     image.save(buf, format="PNG")
     return buf.getvalue()
@@ -109,7 +110,7 @@ def diffusers_run(pipeline_cls, folder, request: GenerationRequest, device: str 
     with torch.inference_mode():
         latents = pipe(**kwargs, generator=gens(), output_type="latent").images
         images = pipe(**kwargs, generator=gens(), output_type="pil").images
-    return GateRun(latents.float().cpu(), [_png(im) for im in images])
+    return GateRun(latents.float().cpu(), [png_bytes(im) for im in images])
 
 
 def bcg_state(pipe: DiTPipeline, request: GenerationRequest):

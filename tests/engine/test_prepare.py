@@ -9,7 +9,6 @@ Tiny FLUX.1 checkpoint (``tests/tiny/flux.py``), fp32 on the CPU, 32x32 images. 
 from __future__ import annotations
 
 import asyncio
-import io
 import threading
 import time
 
@@ -18,7 +17,7 @@ import pytest
 import torch
 from diffusers import FluxImg2ImgPipeline, FluxInpaintPipeline
 from PIL import Image
-from reference_gate import GateRun, assert_same, bcg_pipeline, diffusers_run
+from reference_gate import GateRun, assert_same, bcg_pipeline, diffusers_run, png_bytes
 from tiny.flux import TEXT_TOKENS, build
 
 from bcg_core import GenerationRequest, RequestCancelled
@@ -29,22 +28,16 @@ REF = dict(max_sequence_length=TEXT_TOKENS)
 TIMEOUT_S = 60.0
 
 
-def _png(im: Image.Image) -> bytes:
-    buf = io.BytesIO()
-    im.save(buf, format="PNG")
-    return buf.getvalue()
-
-
 @pytest.fixture(scope="module")
 def flux(tmp_path_factory):
     folder = build(tmp_path_factory.mktemp("flux-prepare"), "dev")
     rng = np.random.default_rng(1)
-    images = [_png(Image.fromarray(rng.integers(0, 256, (32, 32, 3), dtype=np.uint8))) for _ in range(2)]
+    images = [png_bytes(Image.fromarray(rng.integers(0, 256, (32, 32, 3), dtype=np.uint8))) for _ in range(2)]
     mask = np.full((32, 32, 4), 255, dtype=np.uint8)  # OpenAI: fully transparent pixels are edited
     mask[4:20, 8:24, 3] = 0
     theirs = np.zeros((32, 32), dtype=np.uint8)  # diffusers: white repaints
     theirs[4:20, 8:24] = 255
-    return folder, bcg_pipeline(folder, BUCKETS), images, _png(Image.fromarray(mask, "RGBA")), \
+    return folder, bcg_pipeline(folder, BUCKETS), images, png_bytes(Image.fromarray(mask, "RGBA")), \
         Image.fromarray(theirs, "L")
 
 
@@ -160,7 +153,7 @@ def test_a_failing_encode_answers_only_its_own_request(flux, monkeypatch):
         return encode(x, *args, **kw)
 
     monkeypatch.setattr(vae, "encode", picky)
-    black = _png(Image.new("RGB", (32, 32)))
+    black = png_bytes(Image.new("RGB", (32, 32)))
     sched = StepScheduler(pipe)
     sched._loop.preparer.batch_images = 8
     sched._loop.preparer.gather_s = TIMEOUT_S

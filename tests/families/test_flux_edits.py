@@ -18,18 +18,12 @@ from PIL import Image
 
 from bcg_core import GenerationRequest
 from bcg_core.errors import RequestError
-from reference_gate import assert_same, bcg_pipeline, bcg_run, bcg_run_joined, diffusers_run
+from reference_gate import assert_same, bcg_pipeline, bcg_run, bcg_run_joined, diffusers_run, png_bytes
 from tiny.flux import TEXT_TOKENS, build
 
 BUCKETS = dict(batch_sizes=[1, 2, 4], resolutions=["32x32", "64x64"], text_lengths=[TEXT_TOKENS])
 REF = dict(max_sequence_length=TEXT_TOKENS)
 BOX = (8, 4, 24, 20)  # the region to edit: x0, y0, x1, y1 (pixels of the 32x32 image)
-
-
-def _png(im: Image.Image) -> bytes:
-    buf = io.BytesIO()
-    im.save(buf, format="PNG")
-    return buf.getvalue()
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +35,7 @@ def flux(tmp_path_factory):
     mask[BOX[1]:BOX[3], BOX[0]:BOX[2], 3] = 0
     theirs = np.zeros((32, 32), dtype=np.uint8)  # diffusers: white repaints
     theirs[BOX[1]:BOX[3], BOX[0]:BOX[2]] = 255
-    return folder, bcg_pipeline(folder, BUCKETS), _png(image), _png(Image.fromarray(mask, "RGBA")), \
+    return folder, bcg_pipeline(folder, BUCKETS), png_bytes(image), png_bytes(Image.fromarray(mask, "RGBA")), \
         Image.fromarray(theirs, "L")
 
 
@@ -102,9 +96,9 @@ def test_bad_edit_fields_are_refused_naming_the_field(flux, change, field, words
 
 def test_masks_that_are_not_served_are_refused(flux):
     folder, pipe, image, _, _ = flux
-    opaque = _png(Image.new("RGB", (32, 32)))
-    other = _png(Image.new("RGBA", (16, 16)))
-    nothing = _png(Image.new("RGBA", (32, 32), (0, 0, 0, 255)))
+    opaque = png_bytes(Image.new("RGB", (32, 32)))
+    other = png_bytes(Image.new("RGBA", (16, 16)))
+    nothing = png_bytes(Image.new("RGBA", (32, 32), (0, 0, 0, 255)))
     for mask, words in ((opaque, "no alpha channel"), (other, "the same size"), (nothing, "nothing to edit")):
         with pytest.raises(RequestError) as e:
             pipe.planner.plan(_req(image, mask=mask))

@@ -14,7 +14,6 @@ diffusers, and inside the forward of a text-to-image request that started two st
 from __future__ import annotations
 
 import dataclasses
-import io
 
 import numpy as np
 import pytest
@@ -25,19 +24,13 @@ from PIL import Image
 from bcg_core import GenerationRequest
 from bcg_core.errors import RequestError
 from bcg_core.families.defaults import pipeline_defaults
-from reference_gate import assert_same, bcg_pipeline, bcg_run, bcg_run_joined, diffusers_run
+from reference_gate import assert_same, bcg_pipeline, bcg_run, bcg_run_joined, diffusers_run, png_bytes
 from tiny.qwenimage import build
 
 BUCKETS = dict(batch_sizes=[1, 2, 4], resolutions=["64x48"], text_lengths=[16, 32])
 SIZE = (70, 50)  # the input image (width, height); served at 64x48
 BOX = (16, 8, 48, 40)  # the region to edit: x0, y0, x1, y1 (pixels of the input image)
 PROMPT = "a photo of a cat on a red chair"  # 16 tokens: exactly the text bucket
-
-
-def _png(im: Image.Image) -> bytes:
-    buf = io.BytesIO()
-    im.save(buf, format="PNG")
-    return buf.getvalue()
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +43,7 @@ def qwen(tmp_path_factory):
     mask[BOX[1]:BOX[3], BOX[0]:BOX[2], 3] = 0
     theirs = np.zeros((h, w), dtype=np.uint8)  # diffusers: white repaints
     theirs[BOX[1]:BOX[3], BOX[0]:BOX[2]] = 255
-    return folder, bcg_pipeline(folder, BUCKETS), _png(image), _png(Image.fromarray(mask, "RGBA")), \
+    return folder, bcg_pipeline(folder, BUCKETS), png_bytes(image), png_bytes(Image.fromarray(mask, "RGBA")), \
         Image.fromarray(theirs, "L")
 
 

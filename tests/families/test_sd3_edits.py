@@ -14,7 +14,6 @@ as ``StableDiffusion3InpaintPipeline`` 0.42.1 does (without the shift).
 """
 
 import dataclasses
-import io
 import json
 import shutil
 
@@ -30,17 +29,11 @@ from PIL import Image
 from bcg_core import GenerationRequest
 from bcg_core.errors import RequestError
 from bcg_core.families.sd3 import SD3_EDIT_PIPELINES, SD3Family
-from reference_gate import GateRun, assert_same, bcg_pipeline, bcg_run, bcg_run_joined, bcg_state, diffusers_run
+from reference_gate import GateRun, assert_same, bcg_pipeline, bcg_run, bcg_run_joined, bcg_state, diffusers_run, png_bytes
 from tiny.sd3 import build
 
 BUCKETS = dict(batch_sizes=[1, 2, 4], resolutions=["32x32"], text_lengths=[333])
 BOX = (8, 4, 24, 20)  # the region to edit: x0, y0, x1, y1 (pixels of the 32x32 image)
-
-
-def _png(im: Image.Image) -> bytes:
-    buf = io.BytesIO()
-    im.save(buf, format="PNG")
-    return buf.getvalue()
 
 
 @pytest.fixture(scope="module")
@@ -55,8 +48,8 @@ def sd3(tmp_path_factory):
     theirs = np.zeros((32, 32), dtype=np.uint8)  # diffusers: white repaints
     theirs[BOX[1]:BOX[3], BOX[0]:BOX[2]] = 255
     return dict(folder=folder, dynamic=dynamic, pipe=bcg_pipeline(folder, BUCKETS),
-                dynamic_pipe=bcg_pipeline(dynamic, BUCKETS), pil=image, image=_png(image),
-                mask=_png(Image.fromarray(mask, "RGBA")), theirs=Image.fromarray(theirs, "L"))
+                dynamic_pipe=bcg_pipeline(dynamic, BUCKETS), pil=image, image=png_bytes(image),
+                mask=png_bytes(Image.fromarray(mask, "RGBA")), theirs=Image.fromarray(theirs, "L"))
 
 
 def _req(image: bytes | None = None, **kw) -> GenerationRequest:
@@ -72,7 +65,7 @@ def _decoded_as_sd3(folder, latents: torch.Tensor) -> list[bytes]:
                                   vae_latent_channels=vae.config.latent_channels)
     with torch.inference_mode():
         image = vae.decode(latents / vae.config.scaling_factor + vae.config.shift_factor, return_dict=False)[0]
-    return [_png(im) for im in processor.postprocess(image, output_type="pil")]
+    return [png_bytes(im) for im in processor.postprocess(image, output_type="pil")]
 
 
 def test_sd3_checkpoints_serve_both_edits_with_the_edit_pipelines_defaults(sd3):
