@@ -313,10 +313,23 @@ class Planner:
         image = read_image(r.image, self.limits.max_input_pixels)
         if r.mask is not None:
             read_mask(r.mask, image.size, self.limits.max_input_pixels)
-        px = self.rules.pixels_per_token
-        side = lambda v: max(px, v // px * px)  # noqa: E731
         return {**edit_defaults(self.spec, self.limits, r.mask is not None),
-                "image_size": (side(image.width), side(image.height))}
+                "image_size": self._edit_size(image.width, image.height)}
+
+    def _edit_size(self, width: int, height: int) -> tuple[int, int]:
+        """The size of an edit that sends none: its image's, scaled (aspect kept) to fit ``limits.min_side_px`` ..
+        ``max_side_px`` where a side falls outside (a 4032x3024 photo at max 2048: 2048x1536), each side then rounded
+        down to the model's pixels per token (up where that would fall below ``min_side_px``). The image is resized
+        to it, as to a size the request names."""
+        lim, px = self.limits, self.rules.pixels_per_token
+        scale = min(1.0, lim.max_side_px / max(width, height))
+        if min(width, height) * scale < lim.min_side_px:
+            scale = min(lim.max_side_px / max(width, height), lim.min_side_px / min(width, height))
+
+        def side(v: float) -> int:
+            s = max(px, int(v + 1e-6) // px * px)
+            return s if s >= lim.min_side_px else -(-lim.min_side_px // px) * px
+        return side(width * scale), side(height * scale)
 
     def _strength(self, r: GenerationRequest, edit: dict | None, steps: int) -> tuple[float | None, int]:
         """``(strength, steps run)`` (:func:`~bcg_core.request.steps_run`); text to image: ``(None, steps)``."""

@@ -429,8 +429,9 @@ class Ingress:
                 self._rejected.update(exc.missed)
             message = exc.message
             if exc.field == "size" and req.size == "auto":
-                message += (" (size 'auto', or omitted, is the image's size, each side rounded down to a multiple of "
-                            f"{self._planner.rules.pixels_per_token})" if request.image is not None else
+                px = self._planner.rules.pixels_per_token
+                message += (" (for an edit, size 'auto', or omitted, is its image's size scaled into the side "
+                            f"limits, each side a multiple of {px})" if request.image is not None else
                             " (size 'auto', or omitted, is the model's default size {}x{})".format(
                                 *self._planner.spec.default_size))
             return error_response(exc.status, message, param=exc.field)

@@ -3,8 +3,9 @@ of :class:`~deployments.schemas.ImageEditRequest`.
 
 Every body is read as a stream and refused (:class:`BodyTooLarge`, HTTP 413) as soon as its ``Content-Length`` or
 the bytes received pass the bound, so a huge upload is never held whole: ``limits.max_body_bytes`` (64 KiB) for
-JSON generations, :func:`upload_limit` (64 MiB) for an edit's files. The ingress never decodes an image: the planner
-reads its header's pixel count and bounds it first (:mod:`bcg_core.edits`).
+JSON generations, :func:`upload_limit` (64 MiB) for an edit's files. The planner bounds an image's pixel count from
+its header before anything decodes it (:mod:`bcg_core.edits`); it then decodes it once to check it, on the ingress's
+planning thread.
 
 The official ``openai`` client sends ``images.edit`` as ``multipart/form-data``: the image as the file part
 ``image`` (a list of images: one ``image[]`` part each), ``mask`` as a file part, every other argument as a text

@@ -299,10 +299,8 @@ def list_names(folder: Path, limit: int) -> list[str]:
         OSError: the folder cannot be listed (removed, no permission).
     """
     out: list[str] = []
-    for p in sorted(folder.iterdir()):
-        name = p.stem if p.suffix == ".safetensors" else p.name
-        if out and out[-1] == name:
-            continue
+    # by name, not by path: "a/" and "a.safetensors" are one adapter, and "a-b.safetensors" sorts between them
+    for name in sorted({p.stem if p.suffix == ".safetensors" else p.name for p in folder.iterdir()}):
         try:
             adapter_path(folder, name)
         except AdapterError:

@@ -166,6 +166,16 @@ def test_an_edit_without_size_takes_its_images_size_rounded_down_to_the_token_si
     assert plan.request.mask is None and plan.request.strength == 0.6  # image-to-image, the default strength
 
 
+@pytest.mark.parametrize("image, want", [((2600, 1950), (2048, 1536)),  # a photo larger than max_side_px 2048
+                                         ((200, 150), (336, 256)),  # smaller than min_side_px 256
+                                         ((4000, 200), (2048, 256))])  # cannot keep its aspect: both bounds hold
+def test_an_edit_without_size_is_scaled_to_fit_the_side_limits(recorded, image, want):
+    dit, ingress = recorded
+    result = _client(ingress).images.edit(image=_png(image), prompt="x")
+    (_, plan), = dit.sent
+    assert (plan.request.width, plan.request.height) == want and result.size == "%dx%d" % want
+
+
 def test_lora_from_extra_body_arrives_as_bracketed_fields_and_is_read(tmp_path):
     import openai
 

@@ -206,6 +206,17 @@ def test_the_model_card_lists_the_adapters_and_the_limits(tmp_path):
     assert catalog.describe() == {"adapters": ["a.style", "b-style"], "truncated": True, "error": None}
 
 
+def test_the_adapter_list_is_sorted_by_name_and_names_each_adapter_once(tmp_path):
+    """``a/`` (diffusers' folder layout) and ``a.safetensors`` are one adapter, even with ``a-b.safetensors``
+    sorting between their paths; upper case sorts before lower case, as Python sorts strings."""
+    from bcg_core.lora.files import list_names
+
+    loras = _folder(tmp_path, "a", "a-b", "Z")
+    _folder(tmp_path, "a", "B", as_file=False)
+    assert list_names(loras, 10) == ["B", "Z", "a", "a-b"]
+    assert list_names(loras, 2) == ["B", "Z"]
+
+
 # -- the replica's refusals -------------------------------------------------------------------------------------
 
 
