@@ -70,6 +70,22 @@ def png_bytes(image) -> bytes:
     return buf.getvalue()
 
 
+def edit_masks(size: tuple[int, int], box: tuple[int, int, int, int]):
+    """One inpainting region in both conventions, drawn independently (the gate does not take bcg-serve's
+    conversion on trust): OpenAI's mask as PNG bytes, an RGBA image of ``size`` (width, height) opaque everywhere
+    and fully transparent inside ``box`` (x0, y0, x1, y1: edit there), and diffusers' mask, an ``L`` image white
+    inside ``box`` (repaint there) and black elsewhere."""
+    from PIL import Image
+
+    w, h = size
+    x0, y0, x1, y1 = box
+    ours = np.full((h, w, 4), 255, dtype=np.uint8)
+    ours[y0:y1, x0:x1, 3] = 0
+    theirs = np.zeros((h, w), dtype=np.uint8)
+    theirs[y0:y1, x0:x1] = 255
+    return png_bytes(Image.fromarray(ours, "RGBA")), Image.fromarray(theirs, "L")
+
+
 def diffusers_run(pipeline_cls, folder, request: GenerationRequest, device: str = "cpu",
                   load_kwargs: dict | None = None, lora_dir=None, **call_kwargs) -> GateRun:
     """Run the diffusers pipeline itself on ``request`` (its ``seed`` must be set), fp32 on ``device``.

@@ -17,7 +17,7 @@ import pytest
 import torch
 from diffusers import FluxImg2ImgPipeline, FluxInpaintPipeline
 from PIL import Image
-from reference_gate import GateRun, assert_same, bcg_pipeline, diffusers_run, png_bytes
+from reference_gate import GateRun, assert_same, bcg_pipeline, diffusers_run, edit_masks, png_bytes
 from tiny.flux import TEXT_TOKENS, build
 
 from bcg_core import GenerationRequest, RequestCancelled
@@ -33,12 +33,8 @@ def flux(tmp_path_factory):
     folder = build(tmp_path_factory.mktemp("flux-prepare"), "dev")
     rng = np.random.default_rng(1)
     images = [png_bytes(Image.fromarray(rng.integers(0, 256, (32, 32, 3), dtype=np.uint8))) for _ in range(2)]
-    mask = np.full((32, 32, 4), 255, dtype=np.uint8)  # OpenAI: fully transparent pixels are edited
-    mask[4:20, 8:24, 3] = 0
-    theirs = np.zeros((32, 32), dtype=np.uint8)  # diffusers: white repaints
-    theirs[4:20, 8:24] = 255
-    return folder, bcg_pipeline(folder, BUCKETS), images, png_bytes(Image.fromarray(mask, "RGBA")), \
-        Image.fromarray(theirs, "L")
+    mask, theirs = edit_masks((32, 32), (8, 4, 24, 20))  # OpenAI's (transparent edits), diffusers' (white repaints)
+    return folder, bcg_pipeline(folder, BUCKETS), images, mask, theirs
 
 
 def _plan(pipe, image: bytes | None, **kw):

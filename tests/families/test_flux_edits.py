@@ -18,7 +18,7 @@ from PIL import Image
 
 from bcg_core import GenerationRequest
 from bcg_core.errors import RequestError
-from reference_gate import assert_same, bcg_pipeline, bcg_run, bcg_run_joined, diffusers_run, png_bytes
+from reference_gate import assert_same, bcg_pipeline, bcg_run, bcg_run_joined, diffusers_run, edit_masks, png_bytes
 from tiny.flux import TEXT_TOKENS, build
 
 BUCKETS = dict(batch_sizes=[1, 2, 4], resolutions=["32x32", "64x64"], text_lengths=[TEXT_TOKENS])
@@ -31,12 +31,8 @@ def flux(tmp_path_factory):
     folder = build(tmp_path_factory.mktemp("flux-edits"), "dev")
     rng = np.random.default_rng(0)
     image = Image.fromarray(rng.integers(0, 256, (32, 32, 3), dtype=np.uint8))
-    mask = np.full((32, 32, 4), 255, dtype=np.uint8)  # OpenAI: opaque keeps, fully transparent edits
-    mask[BOX[1]:BOX[3], BOX[0]:BOX[2], 3] = 0
-    theirs = np.zeros((32, 32), dtype=np.uint8)  # diffusers: white repaints
-    theirs[BOX[1]:BOX[3], BOX[0]:BOX[2]] = 255
-    return folder, bcg_pipeline(folder, BUCKETS), png_bytes(image), png_bytes(Image.fromarray(mask, "RGBA")), \
-        Image.fromarray(theirs, "L")
+    mask, theirs = edit_masks((32, 32), BOX)  # OpenAI's (transparent edits) and diffusers' (white repaints)
+    return folder, bcg_pipeline(folder, BUCKETS), png_bytes(image), mask, theirs
 
 
 def _req(image: bytes | None = None, **kw) -> GenerationRequest:

@@ -24,7 +24,7 @@ from PIL import Image
 from bcg_core import GenerationRequest
 from bcg_core.errors import RequestError
 from bcg_core.families.defaults import pipeline_defaults
-from reference_gate import assert_same, bcg_pipeline, bcg_run, bcg_run_joined, diffusers_run, png_bytes
+from reference_gate import assert_same, bcg_pipeline, bcg_run, bcg_run_joined, diffusers_run, edit_masks, png_bytes
 from tiny.qwenimage import build
 
 BUCKETS = dict(batch_sizes=[1, 2, 4], resolutions=["64x48"], text_lengths=[16, 32])
@@ -39,12 +39,8 @@ def qwen(tmp_path_factory):
     w, h = SIZE
     rng = np.random.default_rng(0)
     image = Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
-    mask = np.full((h, w, 4), 255, dtype=np.uint8)  # OpenAI: opaque keeps, fully transparent edits
-    mask[BOX[1]:BOX[3], BOX[0]:BOX[2], 3] = 0
-    theirs = np.zeros((h, w), dtype=np.uint8)  # diffusers: white repaints
-    theirs[BOX[1]:BOX[3], BOX[0]:BOX[2]] = 255
-    return folder, bcg_pipeline(folder, BUCKETS), png_bytes(image), png_bytes(Image.fromarray(mask, "RGBA")), \
-        Image.fromarray(theirs, "L")
+    mask, theirs = edit_masks((w, h), BOX)  # OpenAI's (transparent edits) and diffusers' (white repaints)
+    return folder, bcg_pipeline(folder, BUCKETS), png_bytes(image), mask, theirs
 
 
 def _req(image: bytes | None = None, **kw) -> GenerationRequest:

@@ -29,7 +29,7 @@ from PIL import Image
 from bcg_core import GenerationRequest
 from bcg_core.errors import RequestError
 from bcg_core.families.sd3 import SD3_EDIT_PIPELINES, SD3Family
-from reference_gate import GateRun, assert_same, bcg_pipeline, bcg_run, bcg_run_joined, bcg_state, diffusers_run, png_bytes
+from reference_gate import GateRun, assert_same, bcg_pipeline, bcg_run, bcg_run_joined, bcg_state, diffusers_run, edit_masks, png_bytes
 from tiny.sd3 import build
 
 BUCKETS = dict(batch_sizes=[1, 2, 4], resolutions=["32x32"], text_lengths=[333])
@@ -43,13 +43,10 @@ def sd3(tmp_path_factory):
     dynamic = build(root / "dynamic", variant="sd3", dynamic_shifting=True)
     rng = np.random.default_rng(0)
     image = Image.fromarray(rng.integers(0, 256, (32, 32, 3), dtype=np.uint8))
-    mask = np.full((32, 32, 4), 255, dtype=np.uint8)  # OpenAI: opaque keeps, fully transparent edits
-    mask[BOX[1]:BOX[3], BOX[0]:BOX[2], 3] = 0
-    theirs = np.zeros((32, 32), dtype=np.uint8)  # diffusers: white repaints
-    theirs[BOX[1]:BOX[3], BOX[0]:BOX[2]] = 255
+    mask, theirs = edit_masks((32, 32), BOX)  # OpenAI's (transparent edits) and diffusers' (white repaints)
     return dict(folder=folder, dynamic=dynamic, pipe=bcg_pipeline(folder, BUCKETS),
                 dynamic_pipe=bcg_pipeline(dynamic, BUCKETS), pil=image, image=png_bytes(image),
-                mask=png_bytes(Image.fromarray(mask, "RGBA")), theirs=Image.fromarray(theirs, "L"))
+                mask=mask, theirs=theirs)
 
 
 def _req(image: bytes | None = None, **kw) -> GenerationRequest:

@@ -34,7 +34,7 @@ from PIL import Image
 from bcg_core.request import GenerationRequest, steps_run
 from deployments.settings import ServeConfig
 from ingress_fakes import FakeDiT, bare_ingress
-from reference_gate import png_bytes
+from reference_gate import edit_masks, png_bytes
 
 PROMPT = "a photo of a cat on a red chair"  # 16 Qwen-Image tokens: its smaller text bucket
 SIZE = 32  # the input image, the mask and the answer: 32x32 (a 2x2 token grid for every family here)
@@ -53,9 +53,7 @@ def _inputs() -> tuple[bytes, bytes]:
     """A seeded noise image and OpenAI's mask for it (opaque keeps; :data:`BOX` fully transparent: edit there)."""
     rng = np.random.default_rng(0)
     image = Image.fromarray(rng.integers(0, 256, (SIZE, SIZE, 3), dtype=np.uint8))
-    mask = np.full((SIZE, SIZE, 4), 255, dtype=np.uint8)
-    mask[BOX[1]:BOX[3], BOX[0]:BOX[2], 3] = 0
-    return png_bytes(image), png_bytes(Image.fromarray(mask, "RGBA"))
+    return png_bytes(image), edit_masks((SIZE, SIZE), BOX)[0]
 
 
 def _config(folder, text_lengths: list[int]) -> ServeConfig:
