@@ -33,7 +33,7 @@ from bcg_core.padding import DenoiseInputs, DiTAdapter
 from bcg_core.runners.kernels import KernelTier
 
 __all__ = ["BucketEntry", "BucketFault", "BucketRunner", "RunMode", "demote", "entry_kernels", "fill_fused",
-           "fused_buffers", "is_out_of_memory", "static_forward"]
+           "fused_buffers", "is_out_of_memory", "padded_forward", "static_forward"]
 
 
 log = logging.getLogger(__name__)
@@ -211,5 +211,16 @@ def static_forward(adapter: DiTAdapter, buffers: dict[str, torch.Tensor], inputs
     """
     failpoints.forward_error()
     adapter.fill(buffers, inputs)
-    plain = inputs.lora_slots is None and hasattr(adapter, "forward_plain")
-    return adapter.unpad(adapter.forward_plain(buffers) if plain else adapter.forward(buffers), inputs).clone()
+    return adapter.unpad(padded_forward(adapter, buffers, inputs), inputs).clone()
+
+
+def padded_forward(adapter: DiTAdapter, buffers: dict[str, torch.Tensor], inputs: DenoiseInputs) -> torch.Tensor:
+    """The padded forward over a bucket's filled ``buffers``: on a LoRA deployment
+    (:class:`~bcg_core.lora.rows.LoRAAdapter`) without the deltas when no row of ``inputs`` has an adapter
+    (``lora_slots`` None: :meth:`~bcg_core.lora.rows.LoRAAdapter.forward_plain`), else ``adapter.forward``.
+
+    Returns:
+        The bucket's padded output (a view of no buffer, but shaped as the bucket: unpad it)."""
+    if inputs.lora_slots is None and hasattr(adapter, "forward_plain"):
+        return adapter.forward_plain(buffers)
+    return adapter.forward(buffers)

@@ -19,7 +19,7 @@ from bcg_core.metrics import BucketMetrics, ForwardMode
 from bcg_core.padding import DenoiseInputs, DiTAdapter
 from bcg_core.runners.base import (
     BucketEntry, BucketFault, demote, entry_kernels, fill_fused, fused_buffers, is_out_of_memory,
-    static_forward,
+    padded_forward, static_forward,
 )
 from bcg_core.runners.kernels import CompileFailed, CompiledKernels, KernelTier
 from bcg_core.verify import compile_entry
@@ -164,9 +164,8 @@ class EagerBucketRunner:
             try:
                 self.adapter.fill(entry.buffers, inputs)
                 fill_fused(entry.fused, meta, dt)
-                plain = inputs.lora_slots is None and hasattr(self.adapter, "forward_plain")  # static_forward's rule
                 with entry_kernels(self.kernels, entry):
-                    out = self.adapter.forward_plain(entry.buffers) if plain else self.adapter.forward(entry.buffers)
+                    out = padded_forward(self.adapter, entry.buffers, inputs)
                 nxt = fused_update(out, entry.buffers["latents"], entry.fused["meta"], entry.fused["dt"])
             except RuntimeError as e:
                 if is_out_of_memory(e):
