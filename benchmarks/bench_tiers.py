@@ -26,12 +26,34 @@ PYTHONPATH=$HOME/site:$PWD``::
 
     python benchmarks/bench_tiers.py --cases flux-dev-1024 --scratch /dev/shm --commit <sha> --out tiers.json
 
-CPU smoke: ``--device cpu --tiny --repeats 1`` (fp32 tiny configs; bcg modes without graphs).
+Compute accounting (``compute`` per case, and per mode): before the modes, one transformer forward of the request's
+exact shape is counted with ``torch.utils.flop_counter.FlopCounterMode`` (one eager forward, no grad), as each side
+runs it. A forward pre-hook on the transformer records its real args/kwargs during a 1-step call (diffusers'
+eager pipeline with ``output_type="latent"``; an eager ``DiTPipeline`` over the exact bucket), which also counts
+the forwards per step; the first call's inputs are then run once under the counter. The rows are the rows a
+denoising step runs: classifier-free guidance rows included where the family batches them (PixArt, SD3, Sana: 2n),
+FLUX.1-dev one row per image (guidance embedding). The two sides differ only in text length where bcg-serve runs the
+prompt's text bucket and diffusers its padded ``max_sequence_length`` (PixArt, Sana). FlopCounterMode counts the
+matrix products only: mm/addmm/bmm/baddbmm, ``_scaled_mm``, convolutions and SDPA attention (QK^T and PV; the flash,
+efficient and cudnn kernels, and here the CPU's fused one as well); not elementwise ops, norms, softmax or
+activations, so it is the tensor-core work a peak figure is about. Reported: per case ``forward_tflop`` (TFLOP of
+one forward, as diffusers runs it) and ``forwards`` (steps x forwards per step); per mode its side's
+``forward_tflop`` and ``forwards``, ``tflops_over_wall`` (forward_tflop x forwards / wall s: a lower bound, as the
+wall also holds encode and decode), ``denoise_tflops`` (the same over the denoise split, where the mode has one:
+bcg-serve's modes) and ``of_peak`` (denoise_tflops / peak; ``wall_of_peak`` from the wall, for every mode).
+
+``--peak-tflops``: the GPU's dense bf16 peak (fp32 with ``--tiny``). Default on CUDA where the GPU's name holds
+"H100" or "H200" (not "PCIe" or "NVL"): 989.4 TFLOPS, the dense BF16 tensor-core figure of NVIDIA's H100 / H200 SXM
+datasheets, and 1978.9 dense FP8 for ``bcg-fp8``; elsewhere none (``of_peak`` is then null). A given
+``--peak-tflops`` sets the bf16 peak and twice it as the fp8 peak (Hopper's ratio).
+
+CPU smoke: ``--device cpu --tiny --repeats 1`` (fp32 tiny configs; bcg modes without graphs, no ``bcg-fp8``).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import io
 import json
@@ -44,6 +66,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
+from torch.utils import flop_counter
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks"), str(ROOT / "tests")]
@@ -52,7 +75,12 @@ import bench_families  # noqa: E402
 from bcg_core import DiTPipeline, GenerationRequest, load_model  # noqa: E402
 from bcg_core.config import EngineConfig, LimitsConfig, ModelConfig, RunnerConfig  # noqa: E402
 
+TABLE = {"wall ms": "wall_ms", "x diffusers": "vs_diffusers", "served ms": "served_ms",  # header: key per mode
+         "x served": "served_vs_diffusers", "first ms": "first_ms", "denoise ms": "denoise_ms",
+         "decode ms": "decode_ms", "PNG ms": "image_encode_ms", "TFLOP/fwd": "forward_tflop", "fwds": "forwards",
+         "TFLOPS/wall": "tflops_over_wall", "denoise TFLOPS": "denoise_tflops", "of peak": "of_peak"}
 MODES = ("diffusers", "diffusers-compiled", "bcg-eager", "bcg-compiled", "bcg-fp8")
+HOPPER_SXM_PEAK_TFLOPS = (989.4, 1978.9)  # dense BF16, FP8 tensor-core TFLOPS: NVIDIA H100 / H200 SXM datasheets
 
 
 def _sync() -> None:
@@ -76,6 +104,68 @@ def diffusers_pipeline(folder: Path, dtype: torch.dtype, device: torch.device, c
     return pipe
 
 
+def peak_tflops(args, device: torch.device) -> tuple[float | None, float | None]:
+    """The (bf16, fp8) peak TFLOPS ``of_peak`` divides by: ``--peak-tflops`` (fp8: twice it), else the H100 / H200
+    SXM datasheet figures where the GPU's name says so, else none."""
+    if args.peak_tflops:
+        return args.peak_tflops, 2 * args.peak_tflops
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
+    if any(g in name for g in ("H100", "H200")) and not any(v in name for v in ("PCIe", "NVL")):
+        return HOPPER_SXM_PEAK_TFLOPS
+    return None, None
+
+
+def one_forward(transformer: torch.nn.Module, call) -> dict:
+    """FLOPs of one ``transformer`` forward with the real inputs of its first call during ``call()`` (a 1-step
+    request), and how many forwards that step ran. CPU's fused SDPA kernel is counted as the CUDA ones are. (The
+    counter's per-module counts around the whole 1-step call, keyed by the transformer's class name, agree on torch
+    2.13; the hook also gives the rows and forwards per step, and runs nothing else under the counter.)"""
+    seen = []
+    hook = transformer.register_forward_pre_hook(lambda m, a, kw: seen.append((a, kw)), with_kwargs=True)
+    try:
+        call()
+    finally:
+        hook.remove()
+    args, kwargs = seen[0]
+    sdpa_cpu = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu:
+                lambda q, k, v, *_, out_shape=None, **__: flop_counter.sdpa_flop_count(q, k, v)}
+    with torch.no_grad(), flop_counter.FlopCounterMode(display=False, custom_mapping=sdpa_cpu) as counter:
+        transformer(*args, **kwargs)
+    latents = kwargs.get("hidden_states", args[0] if args else None)
+    text = kwargs.get("encoder_hidden_states")
+    return dict(forward_tflop=counter.get_total_flops() / 1e12, per_step=len(seen), rows=latents.shape[0],
+                latents=list(latents.shape), text_tokens=None if text is None else text.shape[1])
+
+
+def count_compute(folder: Path, model, cfg: EngineConfig, req: GenerationRequest, device: torch.device) -> dict:
+    """One forward's FLOPs as diffusers' eager pipeline runs the request and as bcg-serve's exact bucket runs it
+    (:func:`one_forward`); each with ``forwards`` = steps x forwards per step."""
+    one_step = dataclasses.replace(req, num_inference_steps=1)
+    pipe = diffusers_pipeline(folder, model.dtype, device, compiled=False)
+    out = dict(diffusers=one_forward(pipe.transformer, lambda: pipe(
+        prompt=req.prompt, num_images_per_prompt=req.n, width=req.width, height=req.height, num_inference_steps=1,
+        guidance_scale=req.guidance_scale, generator=torch.Generator("cpu").manual_seed(req.seed),
+        output_type="latent")))
+    pipe = None  # its weights freed before the modes load theirs
+    gc.collect()
+    eager = DiTPipeline(cfg.model_copy(update={"runner": RunnerConfig(mode="eager", kernels="eager")}), model)
+    out["bcg"] = one_forward(model.adapter.model, lambda: eager.generate(one_step))
+    for side in out.values():
+        side["forwards"] = req.num_inference_steps * side["per_step"]
+    return out
+
+
+def rates(r: dict, side: dict, peak: float | None) -> dict:
+    """A mode's compute rates from its medians ``r`` and its side's counted forward."""
+    tflop = side["forward_tflop"] * side["forwards"]
+    over_wall = tflop / (r["wall_ms"] / 1e3)
+    denoise = tflop / (r["denoise_ms"] / 1e3) if r["denoise_ms"] else None
+    sig = lambda x: None if x is None else float(f"{x:.4g}")  # noqa: E731
+    return dict(forward_tflop=sig(side["forward_tflop"]), forwards=side["forwards"], tflops_over_wall=sig(over_wall),
+                denoise_tflops=sig(denoise), peak_tflops=peak, of_peak=sig(denoise and peak and denoise / peak),
+                wall_of_peak=sig(peak and over_wall / peak))
+
+
 def bench_case(case: str, folder: Path, model, args, device: torch.device, dtype: str) -> dict:
     """Every mode of one case (one request of ``args.n`` images), alternating."""
     _, size, tiny_size, steps, guidance = bench_families.CASES[case]
@@ -86,6 +176,11 @@ def bench_case(case: str, folder: Path, model, args, device: torch.device, dtype
     buckets = bench_families.exact_buckets(folder, req, limits)
     mc = ModelConfig(path=str(folder), device=device.type, dtype=dtype)
     graph = "graph" if device.type == "cuda" else "eager"
+    # counted before the modes: bcg-compiled compiles the shared model's blocks in place
+    compute = count_compute(folder, model, EngineConfig(model=mc, buckets=buckets, limits=limits), req, device)
+    print(f"{case}: one forward, " + "; ".join(
+        f"{side}: {c['forward_tflop']:.4g} TFLOP ({c['rows']} rows, {c['text_tokens']} text tokens) x {c['forwards']}"
+        for side, c in compute.items()), flush=True)
     runs: dict[str, list] = {}
     calls, first, prepare = {}, {}, {}
     for mode in args.modes:
@@ -142,17 +237,20 @@ def bench_case(case: str, folder: Path, model, args, device: torch.device, dtype
         out[mode]["served_ms"] = round(out[mode]["wall_ms"] + (png if mode.startswith("diffusers") else 0.0), 1)
     base = out.get("diffusers", {}).get("wall_ms")
     served = out.get("diffusers", {}).get("served_ms")
+    bf16, fp8 = peak_tflops(args, device)
     for mode, r in out.items():
         r["vs_diffusers"] = round(base / r["wall_ms"], 3) if base else None
         r["served_vs_diffusers"] = round(served / r["served_ms"], 3) if served else None
+        r.update(rates(r, compute[mode.split("-")[0]], fp8 if mode == "bcg-fp8" else bf16))
     return dict(case=case, n=args.n, size=f"{size}x{size}", steps=steps, guidance_scale=guidance,
-                bucket=buckets.model_dump(), modes=out)
+                bucket=buckets.model_dump(), forward_tflop=compute["diffusers"]["forward_tflop"],
+                forwards=compute["diffusers"]["forwards"], compute=compute, modes=out)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cases", default="flux-dev-1024", help=f"comma-separated, of {','.join(bench_families.CASES)}")
-    ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {','.join(MODES)}")
+    ap.add_argument("--modes", help=f"comma-separated, of {','.join(MODES)} (default: all; bcg-fp8 on CUDA only)")
     ap.add_argument("--n", type=int, default=1, help="images per request")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
@@ -160,12 +258,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--scratch", help="folder for the checkpoints (default: a temp dir)")
     ap.add_argument("--out", help="write the JSON result here")
     ap.add_argument("--commit", help="git commit to record")
+    ap.add_argument("--peak-tflops", type=float, default=None,
+                    help="the GPU's dense bf16 peak TFLOPS for of_peak (fp8: twice it); default: H100/H200 SXM's "
+                         "989.4 (fp8 1978.9) on such a GPU, else none")
     args = ap.parse_args(argv)
-    args.modes = args.modes.split(",")
-    if unknown := [m for m in args.modes if m not in MODES]:
-        raise SystemExit(f"unknown mode {unknown[0]!r}; modes: {', '.join(MODES)}")
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                           ("cpu" if args.device == "auto" else args.device))
+    args.modes = args.modes.split(",") if args.modes else [m for m in MODES if device.type == "cuda" or m != "bcg-fp8"]
+    if unknown := [m for m in args.modes if m not in MODES]:
+        raise SystemExit(f"unknown mode {unknown[0]!r}; modes: {', '.join(MODES)}")
     dtype = "float32" if args.tiny else "bfloat16"
     models = bench_families.bench_models(args.tiny)
     result = dict(date=datetime.now(timezone.utc).isoformat(timespec="seconds"), commit=args.commit,
@@ -182,10 +283,8 @@ def main(argv: list[str] | None = None) -> int:
             row = bench_case(case, folder, model, args, device, dtype)
             row["built"] = info
             result["cases"].append(row)
-            for mode, r in row["modes"].items():
-                print(f"{case} n={args.n} {mode}: {r['wall_ms']} ms (x{r['vs_diffusers']} vs diffusers; served "
-                      f"{r['served_ms']} ms, x{r['served_vs_diffusers']}), first {r['first_ms']} ms, denoise "
-                      f"{r['denoise_ms']} ms, decode {r['decode_ms']} ms, PNG {r['image_encode_ms']} ms", flush=True)
+            print(f"\n{case} n={args.n}\n" + bench_families.format_table(["mode", *TABLE], [
+                [mode] + [r[k] for k in TABLE.values()] for mode, r in row["modes"].items()]), flush=True)
         finally:
             model = None
             gc.collect()
