@@ -217,9 +217,13 @@ def search_table(config: EngineConfig, traffic: Traffic, costs: PlanCosts | None
             return sc if sc is not None and (limit is None or sc.pool_bytes <= limit) else None
 
         best = None
-        for b in batches:  # the best single bucket (with its masked twin where the padding makes one)
+        # the best single bucket (with its masked twin where the padding makes one); its text bucket is the
+        # sample's longest (capped at the encoder's cut), and later steps only add text buckets: the planned
+        # table's largest text bucket is the server's prompt limit (Planner.text_limit), so a table without it
+        # would refuse the sample's own long prompts with 422 (a 173-token krea prompt did, on a [144] table)
+        for b in batches:
             for t in tiers:
-                for x in texts:
+                for x in texts[-1:]:
                     sc = ok((b,), (t,), (x,))
                     if sc is not None and (best is None or sc.ms_per_image < best[3].ms_per_image):
                         best = ((b,), (t,), (x,), sc)
