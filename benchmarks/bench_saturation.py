@@ -32,6 +32,12 @@ on 127.0.0.1) and stopped with ``deployments.local.stop_local`` before the next 
 Every server gets the same model, limits and (but for naive) bucket table; only the overrides above differ
 (all in the JSON, with each server's full config).
 
+Image counts (``--mix``): ``krea`` (default) keeps krea's own, 25 of the first 32 requests at n=9;
+``gentd26`` draws each request's count from a GenTD26 trace's text-to-image requests (``--trace``; the packaged
+burst slice by default, ``../shared/data/alibaba_gentd26_lora_request_trace.csv`` for the whole trace's 58% n=1,
+8% n=2, 19% n=4, 14% n=8), the production-like mix: krea's prompts, sizes and seeds, production's counts
+(:func:`replay_requests`); the ``planned`` server then plans for the trace joined with krea's sizes.
+
 Models (``--model``):
 
 - ``tiny``: the embedded tiny default (``ServeConfig()``, ``model.path`` None; fp32): the CPU smoke (it needs
@@ -319,19 +325,51 @@ def gpu_label(name: str | None) -> str:
 # -- the replay ------------------------------------------------------------------------------------------------
 
 
-def replay_requests(count: int, size: str | None = None, path: str | None = None) -> list:
+def replay_requests(count: int, size: str | None = None, path: str | None = None, mix: str = "krea",
+                    trace: str | None = None, mix_seed: int = 0) -> list:
     """The first ``count`` krea requests (``deployments.demo.load_requests``) with a seed each (the data's, else
-    the request's number) and, with ``size`` (``"WxH"``), every request at that size."""
+    the request's number) and, with ``size`` (``"WxH"``), every request at that size.
+
+    ``mix``: ``krea`` keeps krea's image counts (25 of the first 32 requests ask for 9 images: already batched);
+    ``gentd26`` replaces each request's image count with the ``num_images_per_prompt`` of a text-to-image request
+    drawn (``random.Random(mix_seed)``, with replacement) from a GenTD26 trace, ``trace`` (a CSV with the
+    trace's columns; None: the packaged burst slice ``bcg_core/data/alibaba_gentd26_burst_2024-12-06.csv``, 88%
+    n=1). The whole trace (``../shared/data/alibaba_gentd26_lora_request_trace.csv``: 53% n=1, 8% n=2, 18% n=4,
+    13% n=8 of all its requests; 58/8/19/14% of its text-to-image ones) is the production-like mix of the
+    compiled-buckets issue: krea's prompts, sizes and seeds with production's image counts.
+
+    Raises:
+        ValueError: an unknown ``mix``, or a trace with no text-to-image row that has an image count.
+    """
+    import csv
+    import random
+    from importlib import resources
+
     from bcg_core.config import parse_size
     from deployments.demo import load_requests
 
     reqs = load_requests(count, path)
+    if mix not in ("krea", "gentd26"):
+        raise ValueError(f"mix must be 'krea' or 'gentd26', got {mix!r}")
+    counts: list[int] = []
+    if mix == "gentd26":
+        source = resources.files("bcg_core") / "data" / "alibaba_gentd26_burst_2024-12-06.csv" if trace is None \
+            else Path(trace)
+        with source.open("r", encoding="utf-8", newline="") as f:
+            counts = [int(float(r["num_images_per_prompt"])) for r in csv.DictReader(f)
+                      if r.get("predict_type") == "TXT_2_IMG" and (r.get("num_images_per_prompt") or "").strip()]
+        if not counts:
+            raise ValueError(f"the trace {source} has no TXT_2_IMG row with num_images_per_prompt")
+        rng = random.Random(mix_seed)
+        counts = [rng.choice(counts) for _ in reqs]
     out = []
-    for r in reqs:
+    for i, r in enumerate(reqs):
         r = dataclasses.replace(r, seed=r.seed if r.seed is not None else r.number)
         if size:
             w, h = parse_size(size)
             r = dataclasses.replace(r, width=w, height=h)
+        if counts:
+            r = dataclasses.replace(r, n=counts[i])
         out.append(r)
     return out
 
@@ -443,18 +481,19 @@ def base_config(model_config: dict, spec, count_tokens, requests: list, steps: i
     return cfg
 
 
-def planned_buckets(base: dict, steps: int, max_graphs: int, measure: bool = False) -> dict:
-    """The ``buckets`` that ``bcg plan`` chooses for ``base``'s model and limits on the packaged krea sample at
-    ``steps`` steps with at most ``max_graphs`` graphs (``bcg_core/planning/table_search.py``): with ``measure`` on costs
-    the planner measures on this GPU (``bcg plan --measure``), else on the token-count model. The plan's cost
-    source is in ``buckets.plan.costs``."""
-    from bcg_core.planning.samples import krea_rows, traffic_from_rows
+def planned_buckets(base: dict, steps: int, max_graphs: int, measure: bool = False, source: str = "krea") -> dict:
+    """The ``buckets`` that ``bcg plan`` chooses for ``base``'s model and limits on the traffic ``source`` at
+    ``steps`` steps with at most ``max_graphs`` graphs (``bcg_core/planning/table_search.py``): ``source`` as
+    ``bcg plan --traffic`` takes it (``deployments.plan_command.load_plan_traffic``: ``krea``, the packaged krea
+    sample; ``gentd26`` or ``gentd26:PATH``, a GenTD26 trace joined with krea's sizes, for ``--mix gentd26``);
+    with ``measure`` on costs the planner measures on this GPU (``bcg plan --measure``), else on the token-count
+    model. The plan's cost source is in ``buckets.plan.costs``."""
     from bcg_core.planning.table_search import search_table
     from deployments.settings import ServeConfig
-    from deployments.plan_command import measure_plan_costs
+    from deployments.plan_command import load_plan_traffic, measure_plan_costs
 
     config = ServeConfig.model_validate(base)
-    traffic = traffic_from_rows(config, krea_rows(), steps=steps)
+    traffic = load_plan_traffic(config, source, steps=steps)
     costs = measure_plan_costs(config, traffic) if measure else None
     plan = search_table(config, traffic, costs, max_graphs=max_graphs)
     return plan.buckets.model_dump(mode="json")
@@ -854,6 +893,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--timeout-s", type=float, default=3600.0, help="bound on each HTTP request")
     ap.add_argument("--num-cpus", type=int, default=4, help="logical CPUs of the local Ray instance")
     ap.add_argument("--data", help="CSV with the krea columns instead of the packaged sample")
+    ap.add_argument("--mix", choices=("krea", "gentd26"), default="krea",
+                    help="image counts: krea's own, or drawn from a GenTD26 trace's text-to-image requests "
+                         "(the production-like mix; replay_requests)")
+    ap.add_argument("--trace", help="GenTD26 CSV for --mix gentd26 (default: the packaged burst slice)")
+    ap.add_argument("--mix-seed", type=int, default=0, help="seed of the --mix gentd26 draw")
     ap.add_argument("--keep-checkpoint", action="store_true")
     ap.add_argument("--verbose", action="store_true", help="show Ray's logs")
     args = ap.parse_args(argv)
@@ -880,13 +924,14 @@ def main(argv: list[str] | None = None) -> int:
     env = _env(args, device)
     out = Path(args.out) if args.out else (
         ROOT / "docs" / "bench" / f"{env['date'][:10]}_saturation_{args.model}_{gpu_label(env['gpu'])}.json")
-    reqs = replay_requests(args.requests, args.size, args.data)
+    reqs = replay_requests(args.requests, args.size, args.data, args.mix, args.trace, args.mix_seed)
     warm, c1 = warmup_requests(reqs, args.warmup), c1_requests(reqs, args.c1_requests)
     result: dict[str, Any] = {
         "benchmark": "saturation", **env, "command": shlex.join(["python", "benchmarks/bench_saturation.py", *raw]),
         "argv": raw, "model": args.model, "tiny": args.tiny, "kernels": args.kernels,
         "replay": {"requests": len(reqs), "images": sum(r.n for r in reqs), "steps": args.steps,
                    "concurrency": args.concurrency, "size": args.size or "as in the data", "warmup": args.warmup,
+                   "mix": args.mix, "trace": args.trace, "mix_seed": args.mix_seed,
                    "warmup_requests": len(warm), "warmup_steps": args.warmup_steps, "c1_requests": len(c1)},
         "servers": [], "errors": [],
     }
@@ -904,7 +949,8 @@ def main(argv: list[str] | None = None) -> int:
         sent = reqs + warm + c1
         base = base_config(model_cfg, spec, counter, sent, args.steps, args.batch_sizes, args.text_lengths)
         configs, overrides = {}, {}
-        planned = (planned_buckets(base, args.steps, args.plan_max_graphs, args.plan_costs == "measure")
+        source = "krea" if args.mix == "krea" else f"gentd26:{args.trace}" if args.trace else "gentd26"
+        planned = (planned_buckets(base, args.steps, args.plan_max_graphs, args.plan_costs == "measure", source)
                    if "planned" in args.servers else None)
         for name in args.servers if "naive" in args.servers else [*args.servers, "naive"]:
             overrides[name] = server_overrides(name, base, spec, sent, args.concurrency, args.naive_max_ongoing,

@@ -193,3 +193,31 @@ def test_small_helpers():
     assert [r.number for r in c1] == [20001, 20002, 20003] and {(r.prompt, r.seed) for r in c1} == {
         (reqs[0].prompt, reqs[0].seed)}
     assert bench.GpuSampler().active is (bench.GpuSampler().source is not None)
+
+
+def test_gentd26_mix_keeps_krea_prompts_sizes_and_seeds_with_the_traces_image_counts(tmp_path):
+    """``--mix gentd26``: each request's image count is drawn from the trace's text-to-image rows (seeded, so
+    every server replays the same requests), the rest is krea's; a trace of one count gives that count; a trace
+    without text-to-image rows and an unknown mix are errors."""
+    krea = bench.replay_requests(32)
+    mixed = bench.replay_requests(32, mix="gentd26")
+    assert [(r.prompt, r.width, r.height, r.seed) for r in mixed] == [(r.prompt, r.width, r.height, r.seed) for r in krea]
+    assert mixed == bench.replay_requests(32, mix="gentd26") != bench.replay_requests(32, mix="gentd26", mix_seed=1)
+    assert {r.n for r in mixed} <= {1, 2, 4, 8} and sum(r.n == 1 for r in mixed) > sum(r.n == 1 for r in krea)
+    head = "predict_type,num_images_per_prompt,num_inference_steps,prompt_length\n"
+    one = tmp_path / "one.csv"
+    one.write_text(head + "TXT_2_IMG,4.0,30,20\nIMG_2_IMG,8.0,30,20\nTXT_2_IMG,,30,20\n")
+    assert {r.n for r in bench.replay_requests(5, mix="gentd26", trace=str(one))} == {4}
+    edits = tmp_path / "edits.csv"
+    edits.write_text(head + "IMG_2_IMG,8.0,30,20\n")
+    with pytest.raises(ValueError, match="no TXT_2_IMG row"):
+        bench.replay_requests(5, mix="gentd26", trace=str(edits))
+    with pytest.raises(ValueError, match="mix must be"):
+        bench.replay_requests(5, mix="parti")
+    # the planned server plans for the same kind of traffic: the trace joined with krea's sizes
+    from deployments.settings import ServeConfig
+
+    base = ServeConfig().model_dump(mode="json")
+    planned = bench.planned_buckets(base, 4, 4, source=f"gentd26:{one}")
+    # every trace request asks for 4 images: 8 rows with classifier-free guidance, never krea's 9-image rows
+    assert planned["plan"]["source"].startswith("gentd26") and max(planned["batch_sizes"]) == 8
