@@ -58,6 +58,26 @@ def table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _env(args: argparse.Namespace) -> dict:
+    """Where the gate ran: date, commit (None outside a git checkout), torch, diffusers, device, kernels, steps."""
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=_ROOT, capture_output=True, text=True,
+                                check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        commit = None
+    env = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "commit": commit,
+           "torch": torch.__version__, "device": args.device, "kernels": args.kernels, "steps": args.steps,
+           "threads": torch.get_num_threads(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+           "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None, "cpus": os.cpu_count()}
+    try:
+        import diffusers
+
+        env["diffusers"] = diffusers.__version__
+    except ImportError:
+        pass
+    return env
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the gate for each family; print the table (and violations); write JSON with ``--out``."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -77,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         dlog.disable_progress_bar(), tlog.disable_progress_bar()
     except ImportError:
         pass
+    env = _env(args) if args.out else None
     results = []
     for name in args.families:
         t0 = time.perf_counter()
@@ -85,28 +106,15 @@ def main(argv: list[str] | None = None) -> int:
         r["violations"] = check(r)
         results.append(r)
         print(f"{name}: {r['seconds']} s, {len(r['requests'])} requests", file=sys.stderr, flush=True)
+        if args.out:  # after every family: a run stopped by a time bound keeps the families that finished
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            done = {"families": [x["family"] for x in results],
+                    "complete": len(results) == len(args.families)}
+            args.out.write_text(json.dumps({"env": {**env, **done}, "results": results}, indent=1) + "\n")
     print(table(results))
     for r in results:
         for v in r["violations"]:
             print("gate:", v)
-    if args.out:
-        try:
-            commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=_ROOT, capture_output=True, text=True,
-                                    check=True).stdout.strip()
-        except (OSError, subprocess.CalledProcessError):
-            commit = None
-        env = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "commit": commit,
-               "torch": torch.__version__, "device": args.device, "kernels": args.kernels, "steps": args.steps,
-               "threads": torch.get_num_threads(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-               "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None, "cpus": os.cpu_count()}
-        try:
-            import diffusers
-
-            env["diffusers"] = diffusers.__version__
-        except ImportError:
-            pass
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"env": env, "results": results}, indent=1) + "\n")
     return 1 if any(r["violations"] for r in results) else 0
 
 
