@@ -185,6 +185,11 @@ def search_table(config: EngineConfig, traffic: Traffic, costs: PlanCosts | None
     reject = str(getattr(base.miss_policy, "value", base.miss_policy)) == "reject"
     exact = rules.grid_keyed or base.image_padding == "exact"  # every size needs its own tier
     tiers, texts, batches = _candidates(traffic, rules, planner, None if reject and exact else 16)
+    # every table starts from one bucket at the sample's longest text (capped at the encoder's cut), and the search
+    # only adds text buckets: the largest text bucket is the server's prompt limit (Planner.text_limit), so a
+    # table without it would refuse the sample's own long prompts with 422 (a 173-token krea prompt did, on a
+    # [144] table); the smallest table and the budget ladder's first rung start there too
+    longest_text = texts[-1:]
     budget = None if budget_mib is None else budget_mib * 2**20
     min_tokens = planner.table.min_image_tokens  # as every replica's table: from the smallest side the limits allow
 
@@ -217,13 +222,9 @@ def search_table(config: EngineConfig, traffic: Traffic, costs: PlanCosts | None
             return sc if sc is not None and (limit is None or sc.pool_bytes <= limit) else None
 
         best = None
-        # the best single bucket (with its masked twin where the padding makes one); its text bucket is the
-        # sample's longest (capped at the encoder's cut), and later steps only add text buckets: the planned
-        # table's largest text bucket is the server's prompt limit (Planner.text_limit), so a table without it
-        # would refuse the sample's own long prompts with 422 (a 173-token krea prompt did, on a [144] table)
-        for b in batches:
+        for b in batches:  # the best single bucket (with its masked twin where the padding makes one)
             for t in tiers:
-                for x in texts[-1:]:
+                for x in longest_text:
                     sc = ok((b,), (t,), (x,))
                     if sc is not None and (best is None or sc.ms_per_image < best[3].ms_per_image):
                         best = ((b,), (t,), (x,), sc)
@@ -257,7 +258,7 @@ def search_table(config: EngineConfig, traffic: Traffic, costs: PlanCosts | None
             (bs, ts, xs, ex), _, sc = step
             path.append(PlanPoint(bs, ts, xs, sc, ex))
 
-    singles = [tb for t in tiers for x in texts for b in batches if (tb := table((b,), (t,), (x,))) is not None]
+    singles = [tb for t in tiers for x in longest_text for b in batches if (tb := table((b,), (t,), (x,))) is not None]
     fewest = min(len(tb) for tb in singles)
     if fewest > max_graphs:
         raise ValueError(f"max_graphs {max_graphs} is below the {fewest} graphs of the smallest table (one tier "

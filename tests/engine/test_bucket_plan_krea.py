@@ -81,6 +81,9 @@ def test_a_masked_text_family_gets_text_buckets_that_hold_its_longest_prompt_wit
     cap = planning_planner(config).spec.max_text_tokens
     longest = max(d.query.text_tokens for d in first.demands)
     assert plan.buckets.text_lengths[-1] >= min(cap or longest, longest), (plan.buckets.text_lengths, longest)
+    # under a graph-memory budget too: the budget ladder starts from the smallest table at that text length
+    budgeted = search_table(config, first, costs, budget_mib=50.0, max_graphs=12)
+    assert budgeted.buckets.text_lengths[-1] == plan.buckets.text_lengths[-1]
     # per-tier text buckets: the common 512x512 bin with finer ones pads less than the same table without them
     texts = plan.buckets.text_lengths
     finer = sorted(set(texts) | {t + 16 for t in texts[:-1]} | {max(16, texts[0] - 32)})
