@@ -347,14 +347,14 @@ def replay_requests(count: int, size: str | None = None, path: str | None = None
 
     from bcg_core.config import parse_size
     from deployments.demo import load_requests
+    from deployments.plan_command import GENTD26_CSV
 
     reqs = load_requests(count, path)
     if mix not in ("krea", "gentd26"):
         raise ValueError(f"mix must be 'krea' or 'gentd26', got {mix!r}")
     counts: list[int] = []
     if mix == "gentd26":
-        source = resources.files("bcg_core") / "data" / "alibaba_gentd26_burst_2024-12-06.csv" if trace is None \
-            else Path(trace)
+        source = resources.files("bcg_core") / "data" / GENTD26_CSV if trace is None else Path(trace)
         with source.open("r", encoding="utf-8", newline="") as f:
             counts = [int(float(r["num_images_per_prompt"])) for r in csv.DictReader(f)
                       if r.get("predict_type") == "TXT_2_IMG" and (r.get("num_images_per_prompt") or "").strip()]
