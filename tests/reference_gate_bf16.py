@@ -48,8 +48,8 @@ from bcg_core import GenerationRequest
 from reference_gate import bcg_pipeline, bcg_run, bcg_run_joined, pixels
 
 __all__ = ["BOUNDS", "CASES", "Deviation", "FAMILIES", "FamilyCase", "MARGIN", "allowance", "bcg_image", "case_requests",
-           "FP8_SCALE", "check", "compare", "diffusers_images", "load_diffusers", "longest_prompt", "measure_family",
-           "prompt_with_tokens"]
+           "FP8_SCALE", "FP32_ROUNDING_MAX", "check", "compare", "diffusers_images", "fp32_is_rounding", "load_diffusers",
+           "longest_prompt", "measure_family", "prompt_with_tokens"]
 
 CASES = ("exact", "image_padded", "text_padded", "batched")
 """The bcg-serve request cases, in report order."""
@@ -360,7 +360,8 @@ def measure_family(name: str, device: str = "cpu", kernels: str = "eager", steps
 
 
 FP8_SCALE = 16.0
-"""Factor of the ``fp8`` tier's latent bound on diffusers' bf16-against-fp32 deviation: float8 e4m3 keeps 3
+"""Factor of the ``fp8`` tier's latent bound on diffusers' own bf16 rounding deviation (``kernel``, and ``fp32``
+where it is a rounding; :func:`allowance`): float8 e4m3 keeps 3
 mantissa bits and bf16 7, so one float8 rounding is 2**4 = 16 times one bf16 rounding (unit roundoff 2**-4 against
 2**-8); the fp8 tier rounds its linear layers' inputs and weights so, and the rest as bf16."""
 
@@ -371,6 +372,22 @@ unit of the largest latent (2**-7 relative, 7.8e-3, or a few units less), and th
 from it, so which request and which tiny checkpoint build (its tokenizers are trained at build time) gives the
 largest moves each of them by up to a factor of about 2 from run to run (docs/BENCHMARKS.md, 2026-12-03). A broken
 padding (an unmasked pad token, a wrong position) moves the latents by tenths, far beyond."""
+
+
+FP32_ROUNDING_MAX = 0.1
+"""The largest relative error of diffusers' bf16 final latents against its fp32 ones that :func:`fp32_is_rounding`
+takes for rounding. Measured as rounding: 0.0087-0.025 on a CPU for the five tiny checkpoints (docs/BENCHMARKS.md,
+2026-12-03) and 0.0099 for SANA on an H200, about one bf16 unit (2**-7, 7.8e-3) carried through the steps. On the
+H200 machine (torch 2.11) the other four families' bf16 images were other images (latents 1.2-1.7 relative, PSNR
+13-23 dB), on its CPU as on its GPU, while their fp32 images agreed between CPU and GPU within 1e-6: no rounding
+explains that (docs/BENCHMARKS.md, 2026-12-04), and a bound built on it would admit any image."""
+
+
+def fp32_is_rounding(result: dict) -> bool:
+    """Whether the ``fp32`` bound of a :func:`measure_family` result is a rounding deviation (its final latents
+    within :data:`FP32_ROUNDING_MAX`) that :func:`allowance` may build on."""
+    rel = result["bounds"].get("fp32", {}).get("latent_rel")
+    return rel is not None and rel <= FP32_ROUNDING_MAX
 
 
 def allowance(result: dict, case: str) -> tuple[Deviation, bool]:
@@ -385,19 +402,26 @@ def allowance(result: dict, case: str) -> tuple[Deviation, bool]:
       ``kernel`` together (what diffusers' own image moves by when its attention runs another SDPA backend).
     - ``kernels: compiled``: ``batch``, ``kernel`` and ``fp32`` together, never bit-exactness (compiled kernels
       change rounding; the bound is the scale of bf16 itself against fp32).
-    - ``kernels: fp8``: the final latents within :data:`FP8_SCALE` times the ``fp32`` bound (bf16 against fp32)
-      and the ``batch`` and ``kernel`` bounds; pixels are not bounded (any level, any share), since a float8
-      image is another image at the pixel scale; their largest level difference and PSNR are reported.
+    - ``kernels: fp8``: the final latents within :data:`FP8_SCALE` times the larger of the ``kernel`` and ``fp32``
+      latent bounds (one bf16 rounding carried through the steps, two measures of it), and the ``batch`` and
+      ``kernel`` bounds; pixels are not bounded (any level, any share), since a float8 image is another image at
+      the pixel scale; their largest level difference and PSNR are reported.
+
+    ``fp32`` counts only where it is a rounding (:func:`fp32_is_rounding`); where diffusers' own fp32 image is
+    another image, it would admit any image, so the bound is then the others alone.
 
     Returns:
         ``(allowed deviation, latents must be bit-identical)``.
     """
     b = {k: Deviation(**v) for k, v in result["bounds"].items()}
+    rounding = b["batch"].worst(b["kernel"])
+    if fp32_is_rounding(result):
+        rounding = rounding.worst(b["fp32"])
     if result["kernels"] == "fp8":
-        scaled = Deviation(255, 1.0, FP8_SCALE * (b["fp32"].latent_rel or 0))
-        return scaled.worst(b["batch"]).worst(b["kernel"]), False
+        scale = max(b["kernel"].latent_rel or 0, (b["fp32"].latent_rel or 0) if fp32_is_rounding(result) else 0)
+        return Deviation(255, 1.0, FP8_SCALE * scale).worst(rounding), False
     if result["kernels"] != "eager":
-        return b["batch"].worst(b["kernel"]).worst(b["fp32"]), False
+        return rounding, False
     if case == "image_padded":
         return b["batch"].worst(b["kernel"]), False
     if b["batch"].latent_rel == 0:
