@@ -23,6 +23,7 @@ where the ``fp32`` bound is no rounding (``reference_gate_bf16.fp32_is_rounding`
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import logging
@@ -87,7 +88,10 @@ def dtype_check(family: str, devices: list[str], steps: int = 4) -> dict:
 
     Returns:
         ``{"<device> <dtype>": Deviation as a dict}``: each run's image and final latents against fp32 on the first
-        device (the reference, 0), plus ``"<device> bf16 vs <device> fp32"`` for each device.
+        device (the reference, 0), plus ``"<device> bf16 vs <device> fp32"`` for each device, and
+        ``"<device> components"``: for each of the pipeline's modules (text encoders, transformer, VAE), the relative
+        error ``max|a - b| / max|b|`` of its first call's output in bf16 against fp32 (:func:`first_outputs`), which
+        says where the two first part.
     """
     import importlib
     import tempfile
@@ -96,22 +100,52 @@ def dtype_check(family: str, devices: list[str], steps: int = 4) -> dict:
     from reference_gate_bf16 import WORDS_PROMPT, compare, diffusers_images, load_diffusers
 
     case = FAMILIES[family]
-    runs = {}
+    runs, outputs = {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         built = importlib.import_module(f"tiny.{case.builder}").build(Path(tmp) / family, **case.build_kwargs)
         request = GenerationRequest(prompt=WORDS_PROMPT, n=1, seed=3, num_inference_steps=steps, **case.fields)
         for device in devices:
             for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
                 pipe = load_diffusers(case, built, device, dtype)
-                images, latents = diffusers_images(pipe, [request], **case.call_kwargs)
+                with first_outputs(pipe) as firsts:
+                    images, latents = diffusers_images(pipe, [request], **case.call_kwargs)
                 runs[f"{device} {name}"] = (images[0], latents)
+                outputs[f"{device} {name}"] = firsts
                 del pipe
     ref_image, ref_latents = runs[f"{devices[0]} fp32"]
     out = {k: compare(im, ref_image, lat, ref_latents).to_json() for k, (im, lat) in runs.items()}
     for device in devices:
         (im, lat), (im32, lat32) = runs[f"{device} bf16"], runs[f"{device} fp32"]
         out[f"{device} bf16 vs {device} fp32"] = compare(im, im32, lat, lat32).to_json()
+        b16, b32 = outputs[f"{device} bf16"], outputs[f"{device} fp32"]
+        out[f"{device} components"] = {k: round(float((b16[k] - b32[k]).abs().max() / b32[k].abs().max()), 6)
+                                       for k in b32 if k in b16 and b16[k].shape == b32[k].shape}
     return out
+
+
+@contextlib.contextmanager
+def first_outputs(pipe):
+    """Within the block, the first output tensor of each ``torch.nn.Module`` component of ``pipe`` (its first call;
+    a model output's first field), as float32 on the CPU, into the yielded dict by component name."""
+    found, hooks = {}, []
+
+    def grab(name):
+        def hook(module, args, output):
+            if name not in found:
+                t = output if torch.is_tensor(output) else output[0] if isinstance(output, (tuple, list)) else \
+                    next((v for v in getattr(output, "values", lambda: [])() if torch.is_tensor(v)), None)
+                if torch.is_tensor(t):
+                    found[name] = t.detach().float().cpu()
+        return hook
+
+    for name, module in pipe.components.items():
+        if isinstance(module, torch.nn.Module):
+            hooks.append(module.register_forward_hook(grab(name)))
+    try:
+        yield found
+    finally:
+        for h in hooks:
+            h.remove()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -142,7 +176,8 @@ def main(argv: list[str] | None = None) -> int:
         for name in args.families:
             found[name] = dtype_check(name, devices, args.steps)
             for k, d in found[name].items():
-                print(f"{name:10s} {k:24s} {cell(d)} / PSNR {d['psnr_db']}", flush=True)
+                shown = d if k.endswith("components") else f"{cell(d)} / PSNR {d['psnr_db']}"
+                print(f"{name:10s} {k:24s} {shown}", flush=True)
         if args.out:
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(json.dumps({"env": env, "dtypes": found}, indent=1) + "\n")

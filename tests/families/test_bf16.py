@@ -114,6 +114,8 @@ def test_diffusers_bf16_against_its_fp32_is_a_rounding_here(tmp_path):
     assert runs["cpu fp32"]["latent_rel"] == 0.0 and runs["cpu fp32"]["max_levels"] == 0
     assert 0 < runs["cpu bf16"]["latent_rel"] <= FP32_ROUNDING_MAX, runs
     assert runs["cpu bf16 vs cpu fp32"] == runs["cpu bf16"]
+    parts = runs["cpu components"]  # where bf16 and fp32 first part: each module's first output
+    assert set(parts) == {"text_encoder", "transformer"} and all(0 < v <= FP32_ROUNDING_MAX for v in parts.values())
 
 
 @pytest.mark.parametrize("family,cases,per_case", [
