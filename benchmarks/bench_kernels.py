@@ -5,7 +5,8 @@ batch sizes of ``--batches`` at the model's sizes, text at its native length): `
 eager``) and ``compiled`` (``runner.kernels: compiled``, ``bcg_core/runners/kernels.py``: the repeated blocks
 compiled by inductor with static shapes, then captured into the bucket's graph), and with ``--tiers
 eager,compiled,fp8`` a third over a model of its own (``fp8``: compiled, with the repeated blocks' linear layers in
-float8 through torchao). Each captures every bucket at prepare. Per bucket, in one process, alternating the two tiers per round:
+float8 through torchao), and ``autotune`` (``compiled`` with ``runner.compile_mode: max-autotune-no-cudagraphs``,
+a model of its own). Each captures every bucket at prepare. Per bucket, in one process, alternating the two tiers per round:
 
 - ``eager_ms`` / ``compiled_ms``: one graph replay (one transformer forward at the bucket's full shape), the
   median over ``--rounds`` rounds of ``--iters`` replays timed with CUDA events;
@@ -55,6 +56,16 @@ MODELS = {  # name: (bench_fused_step model, sizes in pixels)
     "pixart-512": ("pixart-512", [512]),
     "tiny-flux": ("tiny-flux", [64]),
 }
+
+
+TIERS = {  # --tiers name: (runner.kernels, runner.compile_mode)
+    "eager": ("eager", "default"),
+    "compiled": ("compiled", "default"),
+    "autotune": ("compiled", "max-autotune-no-cudagraphs"),
+    "fp8": ("fp8", "default"),
+}
+"""The tiers ``--tiers`` names: ``autotune`` is ``compiled`` with inductor's ``max-autotune-no-cudagraphs`` mode
+(matmul configurations searched at compile), to choose ``runner.compile_mode`` by measurement."""
 
 
 def build(name: str, scratch: str | None, device: torch.device):
@@ -110,11 +121,15 @@ def bench_model(name: str, args, device: torch.device) -> dict:
     limits = LimitsConfig(min_side_px=min(sizes), max_side_px=max(sizes), max_images=max(batches))
     pipes, prepare_s = {}, {}
     for tier in args.tiers.split(","):
+        kernels, mode = TIERS[tier]
         config = ServeConfig(model=model_cfg, buckets=table, limits=limits,
-                             runner=RunnerConfig(kernels=tier, fused_step="never", measure_costs="never"))
+                             runner=RunnerConfig(kernels=kernels, compile_mode=mode, fused_step="never",
+                                                 measure_costs="never"))
         t0 = time.perf_counter()
-        # fp8 turns the model's linear layers to float8 in place: it gets a model of its own
-        pipes[tier] = DiTPipeline(config, load_model(model_cfg) if tier == "fp8" else model)
+        # fp8 turns the model's linear layers to float8 in place, and a model holds one set of compiled kernels:
+        # every tier after the first compiled one gets a model of its own
+        own = tier == "fp8" or (kernels != "eager" and any(TIERS[t][0] != "eager" for t in pipes))
+        pipes[tier] = DiTPipeline(config, load_model(model_cfg) if own else model)
         prepare_s[tier] = round(time.perf_counter() - t0, 2)
         print(f"{name}: {tier} prepared ({len(pipes[tier].table.keys)} buckets) in {prepare_s[tier]} s", flush=True)
     graphs = device.type == "cuda"
@@ -163,7 +178,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--models", default="flux-dev-width")
     ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     ap.add_argument("--batches", default="1,2,4,8", help="batch sizes (rows) of the table")
-    ap.add_argument("--tiers", default="eager,compiled", help="kernel tiers, eager first (eager,compiled,fp8)")
+    ap.add_argument("--tiers", default="eager,compiled",
+                    help=f"kernel tiers, eager first, of {','.join(TIERS)} (autotune: compiled in inductor's "
+                    "max-autotune-no-cudagraphs mode)")
     ap.add_argument("--text-tokens", type=int, default=256, help="text bucket of masked-text families")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--iters", type=int, default=10, help="replays per timed round")
@@ -171,6 +188,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", help="JSON result (default docs/bench/<date>_kernels_<models>_<gpu>.json)")
     ap.add_argument("--commit", help="git commit to record")
     args = ap.parse_args(argv)
+    tiers = args.tiers.split(",")
+    if tiers[0] != "eager" or any(t not in TIERS for t in tiers):
+        ap.error(f"--tiers: eager first, then any of {','.join(TIERS)}; got {args.tiers!r}")
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                           ("cpu" if args.device == "auto" else args.device))
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"

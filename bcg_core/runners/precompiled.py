@@ -50,7 +50,7 @@ from bcg_core.errors import first_line
 
 log = logging.getLogger(__name__)
 
-__all__ = ["PrecompiledBlocks", "available", "block_signature", "inputs_signature"]
+__all__ = ["PrecompiledBlocks", "available", "block_signature", "compile_options", "inputs_signature"]
 
 _PLAIN = (bool, int, float, str, type(None))
 
@@ -197,6 +197,21 @@ def _runner(cls: type) -> Callable:
     return run
 
 
+
+def compile_options(options: dict) -> dict:
+    """``torch.compile`` keyword arguments of an ahead-of-time block compile: ``options`` with every guard skipped
+    (``guard_filter_fn``: the block runs only at the shapes it was compiled for). ``torch.compile`` refuses ``mode``
+    beside ``options`` ("Either mode or options can be specified"), so a mode other than ``default`` is given as
+    the inductor options it stands for (``torch._inductor.list_mode_options``: ``max-autotune-no-cudagraphs`` is
+    ``max_autotune`` and ``coordinate_descent_tuning``). A fresh dict per call: torch.compile pops
+    ``guard_filter_fn`` out of the one it is given."""
+    from torch._inductor import list_mode_options
+
+    rest = dict(options)
+    mode = rest.pop("mode", None)
+    inductor = {**(list_mode_options(mode) if mode not in (None, "default") else {}), **rest.pop("options", {})}
+    return {**rest, "options": {**inductor, "guard_filter_fn": torch.compiler.skip_all_guards_unsafe}}
+
 class PrecompiledBlocks:
     """The ahead-of-time compiled block functions of a replica, on disk under ``folder`` and in memory.
 
@@ -281,9 +296,7 @@ class PrecompiledBlocks:
                     self.rebuilt += 1
                     fn = None
             if fn is None:
-                # a fresh options dict per call: torch.compile pops guard_filter_fn out of the one it is given
-                options = {**self.options, "options": {**self.options.get("options", {}),
-                                                       "guard_filter_fn": torch.compiler.skip_all_guards_unsafe}}
+                options = compile_options(self.options)
                 # torch 2.10-2.12 attach .aot_compile only under this flag (later ones always do)
                 with torch._dynamo.config.patch(enable_aot_compile=True):
                     compiled = torch.compile(_runner(type(block)), **options)

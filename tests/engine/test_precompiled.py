@@ -128,3 +128,24 @@ def test_a_block_class_whose_ahead_of_time_compile_raises_is_traced_once_for_all
     assert len(attempts) == 1  # one attempt for the class, then every block is traced by dynamo
     for g, e in zip(got, expect):
         torch.testing.assert_close(g[1], e[1], rtol=1e-4, atol=1e-5)
+
+
+def test_a_mode_other_than_default_compiles_ahead_of_time_as_its_inductor_options(tmp_path):
+    """``runner.compile_mode: max-autotune-no-cudagraphs``: ``torch.compile`` refuses ``mode`` beside ``options``, so
+    the ahead-of-time compile once raised and every block fell back to a plain compile, with nothing saved to disk."""
+    from bcg_core.runners.precompiled import compile_options
+
+    autotune = {**OPTIONS, "mode": "max-autotune-no-cudagraphs"}
+    options = compile_options(autotune)
+    assert "mode" not in options and options["options"]["max_autotune"] is True
+    assert options["options"]["guard_filter_fn"] is torch.compiler.skip_all_guards_unsafe
+    assert "mode" in autotune and "options" not in autotune  # the caller's dict is left as it was
+    assert compile_options({**OPTIONS, "mode": "default"})["options"] == {"guard_filter_fn": torch.compiler.skip_all_guards_unsafe}
+    block, x = _flux_block(0), _inputs()
+    with torch.no_grad():
+        expect = block(**x)
+        store = PrecompiledBlocks(tmp_path, autotune, torch.device("cpu"))
+        fn = store.function(block, (), x, "math")
+        assert store.saves == 1 and len(list(tmp_path.glob("FluxTransformerBlock-*.aot"))) == 1
+        for got, ref in zip(fn(block, **x), expect):
+            torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
