@@ -21,7 +21,9 @@ adapters, so the timed replay loads them). Reported per server: images/s, p50 an
 p99 latency of requests that waited for a load (``timings_ms.lora_load`` > 0), slot loads, hits, evictions;
 ratios ``lora / base`` (the issue's target: at least 0.9) and ``lora / diffusers``. With ``--rounds N`` the two
 engine servers alternate N times (base, lora, base, lora ...): ``rounds`` lists each round's images/s and ratio,
-``lora_vs_base`` is their median, and ``servers`` holds the last round's.
+``lora_vs_base`` is their median, and ``servers`` holds the last round's. Where diffusers served fewer requests
+than the replay, its ratio is ``lora_vs_diffusers_subset`` (images/s of different requests, not like for like).
+The JSON is written after every round and after diffusers, so a run stopped by a time bound keeps what finished.
 
 Models (``--model``): ``flux-dev-width`` (FLUX.1-dev's published width, 2 double and 4 single blocks, as
 ``bench_saturation``), ``sd3-medium`` (``bench_families``' published SD3-medium transformer), random weights,
@@ -266,6 +268,20 @@ def main(argv: list[str] | None = None) -> int:
                        "adapters_used": len({n for e in entries for n, _ in e})},
             "pool": args.pool, "rank": args.rank, "slots": args.slots, "kernels": args.kernels, "servers": {}}
         rounds = []
+
+        def write() -> None:  # after every phase: a run stopped by a time bound keeps what finished
+            result["servers"].update(rounds[-1])
+            result["rounds"] = [{"base": o["base"]["images_per_s"], "lora": o["lora"]["images_per_s"],
+                                 "lora_vs_base": round(o["lora"]["images_per_s"] / o["base"]["images_per_s"], 3)}
+                                for o in rounds]
+            ips = {k: v["images_per_s"] for k, v in result["servers"].items()}
+            result["ratios"] = {"lora_vs_base": statistics.median(o["lora_vs_base"] for o in result["rounds"]),
+                                **({("lora_vs_diffusers" if result.get("diffusers_requests") == len(with_lora)
+                                     else "lora_vs_diffusers_subset"): round(ips["lora"] / ips["diffusers"], 3)}
+                                   if "diffusers" in ips else {})}
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps(result, indent=2))
+
         for r in range(max(1, args.rounds)):  # alternated: GPU timings drift between runs, a ratio per round holds
             one = {}
             one["base"] = replay_engine(ServeConfig.model_validate(base), plain, args.concurrency, warm)
@@ -275,23 +291,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"round {r} lora", {k: v for k, v in one["lora"].items() if k != "lora"}, flush=True)
             free_device()
             rounds.append(one)
-        result["servers"].update(rounds[-1])
-        result["rounds"] = [{"base": o["base"]["images_per_s"], "lora": o["lora"]["images_per_s"],
-                             "lora_vs_base": round(o["lora"]["images_per_s"] / o["base"]["images_per_s"], 3)}
-                            for o in rounds]
+            write()
         n = len(with_lora) if args.diffusers_requests is None else args.diffusers_requests
         if n:
+            result["diffusers_requests"] = min(n, len(with_lora))  # fewer than the replay: not like for like
             result["servers"]["diffusers"] = replay_diffusers(folder, loras, with_lora[:n], names, device,
                                                               cfg["dtype"])
             print("diffusers", result["servers"]["diffusers"], flush=True)
-        s = result["servers"]
-        ips = {k: v["images_per_s"] for k, v in s.items()}
-        result["ratios"] = {"lora_vs_base": statistics.median(o["lora_vs_base"] for o in result["rounds"]),
-                            **({"lora_vs_diffusers": round(ips["lora"] / ips["diffusers"], 3)} if "diffusers" in ips
-                               else {})}
+            write()
         print("ratios", result["ratios"], flush=True)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=2))
         print(f"wrote {out}")
     finally:  # the checkpoint and its adapters are this run's own (a temp dir, or one made under --scratch)
         shutil.rmtree(folder, ignore_errors=True)
