@@ -15,9 +15,10 @@ Usage::
 
 Exits 1 when the gate fails for any family.
 
-With ``--dtypes``, no gate: diffusers' own pipeline alone, one request per family (seed 3, 4 steps), in fp32 and
-bf16 on the CPU and on ``--device``, each against fp32 on the CPU (:func:`dtype_check`). It says which side moves
-where the ``fp32`` bound is no rounding (``reference_gate_bf16.fp32_is_rounding``; docs/BENCHMARKS.md, 2026-12-04).
+With ``--dtypes``, no gate: diffusers' own pipeline alone, one request per family (seed 3, 4 steps, each run
+drawing its own noise from the seed, as a user's call does), in fp32 and bf16 on the CPU and on ``--device``, each
+against fp32 on the CPU (:func:`dtype_check`), with the initial noise and each module's first output compared: it
+found that torch 2.11's CPU generator draws other noise in bf16 than in fp32 (docs/BENCHMARKS.md, 2026-12-04).
 """
 
 from __future__ import annotations
@@ -89,15 +90,16 @@ def dtype_check(family: str, devices: list[str], steps: int = 4) -> dict:
     Returns:
         ``{"<device> <dtype>": Deviation as a dict}``: each run's image and final latents against fp32 on the first
         device (the reference, 0), plus ``"<device> bf16 vs <device> fp32"`` for each device, and
-        ``"<device> components"``: for each of the pipeline's modules (text encoders, transformer, VAE), the relative
-        error ``max|a - b| / max|b|`` of its first call's output in bf16 against fp32 (:func:`first_outputs`), which
-        says where the two first part.
+        ``"<device> components"``: the relative error ``max|a - b| / max|b|`` in bf16 against fp32 of the initial
+        noise (``noise``: each run draws its own from the seed, :func:`reference_gate_bf16.initial_noise`) and of
+        the first call's output of each of the pipeline's modules (text encoders, transformer; :func:`first_outputs`),
+        which says where the two first part.
     """
     import importlib
     import tempfile
 
     from bcg_core import GenerationRequest
-    from reference_gate_bf16 import WORDS_PROMPT, compare, diffusers_images, load_diffusers
+    from reference_gate_bf16 import WORDS_PROMPT, compare, diffusers_images, initial_noise, load_diffusers
 
     case = FAMILIES[family]
     runs, outputs = {}, {}
@@ -107,10 +109,10 @@ def dtype_check(family: str, devices: list[str], steps: int = 4) -> dict:
         for device in devices:
             for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
                 pipe = load_diffusers(case, built, device, dtype)
-                with first_outputs(pipe) as firsts:
+                with first_outputs(pipe) as firsts, initial_noise(pipe) as noise:
                     images, latents = diffusers_images(pipe, [request], **case.call_kwargs)
                 runs[f"{device} {name}"] = (images[0], latents)
-                outputs[f"{device} {name}"] = firsts
+                outputs[f"{device} {name}"] = {"noise": noise[0].float().cpu(), **firsts}
                 del pipe
     ref_image, ref_latents = runs[f"{devices[0]} fp32"]
     out = {k: compare(im, ref_image, lat, ref_latents).to_json() for k, (im, lat) in runs.items()}
