@@ -141,11 +141,19 @@ def test_a_mode_other_than_default_compiles_ahead_of_time_as_its_inductor_option
     assert options["options"]["guard_filter_fn"] is torch.compiler.skip_all_guards_unsafe
     assert "mode" in autotune and "options" not in autotune  # the caller's dict is left as it was
     assert compile_options({**OPTIONS, "mode": "default"})["options"] == {"guard_filter_fn": torch.compiler.skip_all_guards_unsafe}
-    block, x = _flux_block(0), _inputs()
+    torch.manual_seed(0)
+    block, x = _Linear(), {"hidden_states": torch.randn(4, 16)}  # a block of one matmul: autotuning it is quick
     with torch.no_grad():
-        expect = block(**x)
         store = PrecompiledBlocks(tmp_path, autotune, torch.device("cpu"))
         fn = store.function(block, (), x, "math")
-        assert store.saves == 1 and len(list(tmp_path.glob("FluxTransformerBlock-*.aot"))) == 1
-        for got, ref in zip(fn(block, **x), expect):
-            torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
+        assert store.saves == 1 and len(list(tmp_path.glob("_Linear-*.aot"))) == 1
+        torch.testing.assert_close(fn(block, **x), block(**x), rtol=1e-4, atol=1e-5)
+
+
+class _Linear(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(16, 16)
+
+    def forward(self, hidden_states):
+        return torch.nn.functional.gelu(self.proj(hidden_states))
