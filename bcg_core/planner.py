@@ -338,7 +338,11 @@ class Planner:
         s = edit["strength"] if r.strength is None else r.strength
         if isinstance(s, bool) or not isinstance(s, (int, float)) or not 0.0 < s <= 1.0:
             raise self._bad("strength", s, "out of range")
-        return float(s), steps_run(steps, s)
+        runs = steps_run(steps, s)
+        if runs < 1:  # steps x strength below one ulp of steps: diffusers' get_timesteps leaves no step either
+            raise self._bad("strength", s, f"runs no denoising step of {steps} (diffusers' edit pipelines refuse "
+                                           f"it too); at {steps} steps it must be at least {1 / steps:.3g}")
+        return float(s), runs
 
     def _check_lora(self, lora) -> tuple[tuple[str, float], ...]:
         """``lora`` as ``((name, float scale), ...)``: at most ``lora.max_per_request`` entries, distinct names that

@@ -90,7 +90,8 @@ class GenerationRequest:
 def steps_run(steps: int, strength: float | None) -> int:
     """Denoising steps a request runs: ``steps``, or for an edit of ``strength`` the last ``steps - t_start`` of
     them, ``t_start = int(max(steps - min(steps * strength, steps), 0))`` (diffusers' edit pipelines'
-    ``get_timesteps``; at least 1 for a strength above 0)."""
+    ``get_timesteps``). 0 for a strength so small that ``steps * strength`` is below one float step of ``steps``
+    (e.g. 1e-17 at 28 steps: ``28 - 2.8e-16`` rounds to 28), which the planner refuses; at least 1 above that."""
     return steps if strength is None else steps - int(max(steps - min(steps * strength, steps), 0))
 
 

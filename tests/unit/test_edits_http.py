@@ -262,6 +262,10 @@ BAD = [
     ("strength 1.5", dict(image=_png(), strength="1.5"), 422, "strength", "out of range"),
     ("strength nan", dict(image=_png(), strength="nan"), 422, "strength", "out of range"),
     ("strength a word", dict(image=_png(), strength="strong"), 422, "strength", "a number above 0"),
+    # above 0, yet steps x strength is below one float step of steps: no step would run (the API fuzzer found a 500)
+    ("strength 1.6e-254", dict(image=_png(), strength="1.5967678037237953e-254"), 422, "strength",
+     "runs no denoising step"),
+    ("strength 1e-17", dict(image=_png(), strength="1e-17"), 422, "strength", "must be at least"),
     ("n a word", dict(image=_png(), n="two"), 422, "n", "an integer from 1 to 10"),
     ("no prompt", dict(image=_png(), prompt=""), 422, "prompt", "'prompt' is required"),
     ("no image", dict(), 422, "image", "'image' is required: one PNG, JPEG or WebP file"),
