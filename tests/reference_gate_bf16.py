@@ -47,9 +47,9 @@ import torch
 from bcg_core import GenerationRequest
 from reference_gate import bcg_pipeline, bcg_run, bcg_run_joined, pixels
 
-__all__ = ["BOUNDS", "CASES", "Deviation", "FAMILIES", "FamilyCase", "MARGIN", "allowance", "bcg_image", "case_requests",
-           "FP8_SCALE", "FP32_ROUNDING_MAX", "check", "compare", "diffusers_images", "fp32_is_rounding", "initial_noise",
-           "load_diffusers", "longest_prompt", "measure_family", "prompt_with_tokens"]
+__all__ = ["BOUNDS", "CASES", "Deviation", "FAMILIES", "FamilyCase", "MARGIN", "allowance", "bcg_image",
+           "case_requests", "FP8_SCALE", "FP32_ROUNDING_MAX", "check", "compare", "diffusers_images", "fp32_is_rounding",
+           "initial_noise", "load_diffusers", "longest_prompt", "measure_family", "prompt_with_tokens"]
 
 CASES = ("exact", "image_padded", "text_padded", "batched")
 """The bcg-serve request cases, in report order."""
@@ -296,8 +296,8 @@ def initial_noise(pipe):
 
     The ``fp32`` bound runs diffusers' fp32 pipeline from its bf16 run's noise (``latents=``), so that it measures
     rounding alone: ``torch.randn`` with a CPU generator draws other numbers in bf16 than in fp32 for some sizes
-    (torch 2.11: every size from 16 values; torch 2.13: sizes from 16 values that are not a multiple of 16), and diffusers draws
-    its noise in the pipeline's dtype, so the same seed is another image in bf16 than in fp32 there
+    (torch 2.11: every size from 16 values; torch 2.13: sizes from 16 values that are not a multiple of 16), and
+    diffusers draws its noise in the pipeline's dtype, so the same seed is another image in bf16 than in fp32 there
     (docs/BENCHMARKS.md, 2026-12-04).
     """
     found = []
