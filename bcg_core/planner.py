@@ -340,8 +340,8 @@ class Planner:
             raise self._bad("strength", s, "out of range")
         runs = steps_run(steps, s)
         if runs < 1:  # steps x strength below one ulp of steps: diffusers' get_timesteps leaves no step either
-            raise self._bad("strength", s, f"runs no denoising step of {steps} (diffusers' edit pipelines refuse "
-                                           f"it too); at {steps} steps it must be at least {1 / steps:.3g}")
+            raise self._bad("strength", s, f"runs no denoising step of {steps}: {steps} x strength is below the "
+                                           f"float resolution of {steps} (diffusers' edit pipelines refuse it too)")
         return float(s), runs
 
     def _check_lora(self, lora) -> tuple[tuple[str, float], ...]:

@@ -5,8 +5,8 @@ batch sizes of ``--batches`` at the model's sizes, text at its native length): `
 eager``) and ``compiled`` (``runner.kernels: compiled``, ``bcg_core/runners/kernels.py``: the repeated blocks
 compiled by inductor with static shapes, then captured into the bucket's graph), and with ``--tiers
 eager,compiled,fp8`` a third over a model of its own (``fp8``: compiled, with the repeated blocks' linear layers in
-float8 through torchao), and ``autotune`` (``compiled`` with ``runner.compile_mode: max-autotune-no-cudagraphs``,
-a model of its own). Each captures every bucket at prepare. Per bucket, in one process, alternating the two tiers per round:
+float8 through torchao), and ``autotune`` (``compiled`` with ``runner.compile_mode: max-autotune-no-cudagraphs``;
+a model of its own when another compiled tier runs too). Each captures every bucket at prepare. Per bucket, in one process, alternating the two tiers per round:
 
 - ``eager_ms`` / ``compiled_ms``: one graph replay (one transformer forward at the bucket's full shape), the
   median over ``--rounds`` rounds of ``--iters`` replays timed with CUDA events;
@@ -189,8 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--commit", help="git commit to record")
     args = ap.parse_args(argv)
     tiers = args.tiers.split(",")
-    if tiers[0] != "eager" or any(t not in TIERS for t in tiers):
-        ap.error(f"--tiers: eager first, then any of {','.join(TIERS)}; got {args.tiers!r}")
+    if tiers[0] != "eager" or any(t not in TIERS for t in tiers) or len(set(tiers)) != len(tiers):
+        ap.error(f"--tiers: eager first, then any of {','.join(TIERS)}, each once; got {args.tiers!r}")
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                           ("cpu" if args.device == "auto" else args.device))
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"

@@ -232,6 +232,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     raw = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(raw)
+    if args.diffusers_requests is not None and args.diffusers_requests < 0:
+        raise SystemExit(f"--diffusers-requests: 0 (skip) or more, got {args.diffusers_requests}")
     import torch
 
     import bench_saturation as bs

@@ -161,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtypes", action="store_true",
                     help="no gate: diffusers alone in fp32 and bf16 on the CPU and --device (dtype_check)")
     args = ap.parse_args(argv)
+    if args.device == "cuda":  # fp32 is fp32: cuDNN's convolutions default to TF32 (tests/gpu's no_tf32 fixture)
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     warnings.filterwarnings("ignore")
     logging.disable(logging.WARNING)
     try:

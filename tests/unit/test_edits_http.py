@@ -265,7 +265,7 @@ BAD = [
     # above 0, yet steps x strength is below one float step of steps: no step would run (the API fuzzer found a 500)
     ("strength 1.6e-254", dict(image=_png(), strength="1.5967678037237953e-254"), 422, "strength",
      "runs no denoising step"),
-    ("strength 1e-17", dict(image=_png(), strength="1e-17"), 422, "strength", "must be at least"),
+    ("strength 1e-17", dict(image=_png(), strength="1e-17"), 422, "strength", "below the float resolution"),
     ("n a word", dict(image=_png(), n="two"), 422, "n", "an integer from 1 to 10"),
     ("no prompt", dict(image=_png(), prompt=""), 422, "prompt", "'prompt' is required"),
     ("no image", dict(), 422, "image", "'image' is required: one PNG, JPEG or WebP file"),
