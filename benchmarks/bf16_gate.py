@@ -95,7 +95,6 @@ def dtype_check(family: str, devices: list[str], steps: int = 4) -> dict:
         the first call's output of each of the pipeline's modules (text encoders, transformer; :func:`first_outputs`),
         which says where the two first part.
     """
-    import importlib
     import tempfile
 
     from bcg_core import GenerationRequest

@@ -455,14 +455,12 @@ def allowance(result: dict, case: str) -> tuple[Deviation, bool]:
         ``(allowed deviation, latents must be bit-identical)``.
     """
     b = {k: Deviation(**v) for k, v in result["bounds"].items()}
-    rounding = b["batch"].worst(b["kernel"])
-    if fp32_is_rounding(result):
-        rounding = rounding.worst(b["fp32"])
+    fp32 = b["fp32"] if fp32_is_rounding(result) else Deviation(0, 0.0, 0.0)
     if result["kernels"] == "fp8":
-        scale = max(b["kernel"].latent_rel or 0, (b["fp32"].latent_rel or 0) if fp32_is_rounding(result) else 0)
+        scale = max(b["kernel"].latent_rel or 0, fp32.latent_rel or 0)
         return Deviation(255, 1.0, min(FP8_SCALE * scale, FP8_LATENT_CAP)), False
     if result["kernels"] != "eager":
-        return rounding, False
+        return b["batch"].worst(b["kernel"]).worst(fp32), False
     if case == "image_padded":
         return b["batch"].worst(b["kernel"]), False
     if b["batch"].latent_rel == 0:

@@ -197,7 +197,6 @@ def _runner(cls: type) -> Callable:
     return run
 
 
-
 def compile_options(options: dict) -> dict:
     """``torch.compile`` keyword arguments of an ahead-of-time block compile: ``options`` with every guard skipped
     (``guard_filter_fn``: the block runs only at the shapes it was compiled for). ``torch.compile`` refuses ``mode``
@@ -211,6 +210,7 @@ def compile_options(options: dict) -> dict:
     mode = rest.pop("mode", None)
     inductor = {**(list_mode_options(mode) if mode not in (None, "default") else {}), **rest.pop("options", {})}
     return {**rest, "options": {**inductor, "guard_filter_fn": torch.compiler.skip_all_guards_unsafe}}
+
 
 class PrecompiledBlocks:
     """The ahead-of-time compiled block functions of a replica, on disk under ``folder`` and in memory.
