@@ -312,8 +312,16 @@ class RunnerConfig(BaseModel):
     compile_mode: Literal["default", "max-autotune-no-cudagraphs"] = Field(
         default="default",
         description="With kernels 'compiled': inductor's mode. 'max-autotune-no-cudagraphs' searches matmul "
-        "configurations (much longer compiles). Modes that capture inductor's own CUDA graphs are not offered: "
-        "bcg-serve owns the graphs.",
+        "configurations (much longer compiles: 7-16 s per matmul shape on an H200, and at FLUX.1's widths cuBLAS "
+        "won every shape of 2,048 rows or more, docs/BENCHMARKS.md 2026-12-04). Modes that capture inductor's own "
+        "CUDA graphs are not offered: bcg-serve owns the graphs.",
+    )
+    compile_decode: bool = Field(
+        default=False,
+        description="With kernels 'compiled' or 'fp8': compile the VAE decode per latent shape in a background "
+        "thread, the first decode of each shape running eager, and keep it for the shapes where it passes the check "
+        "against eager and measures faster (bcg_core/runners/decode.py; /v1/buckets kernels.decode). Off by "
+        "default until measured in the server on a GPU.",
     )
     warmup_iters: int = Field(default=2, ge=1, le=10, description="Warm-up forwards on a side stream before capture.")
     max_rows_in_flight: int = Field(

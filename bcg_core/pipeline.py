@@ -39,6 +39,7 @@ from bcg_core.padding import DenoiseInputs
 from bcg_core.planner import Planner
 from bcg_core.request import GenerationRequest, GenerationResult, PlannedRequest
 from bcg_core.runners.base import BucketFault, BucketRunner
+from bcg_core.runners.decode import install as install_decode
 from bcg_core.runners.eager import EagerBucketRunner
 from bcg_core.runners.kernels import CompiledKernels, KernelTier, check_fp8, kernel_stats, quantize_fp8
 from bcg_core.scheduler.costs import CostModel, StepDecider, StepForwards, measure_costs
@@ -165,6 +166,11 @@ class DiTPipeline:
         self.config = config
         self.model = model
         self.lora = install_lora(config, model)
+        self.decoder = None
+        """The compiled VAE decode (:class:`~bcg_core.runners.decode.CompiledDecode`) with ``runner.compile_decode``
+        and a compiled tier, else None."""
+        if config.runner.compile_decode and kernel_tier(config, model.device) is not KernelTier.EAGER:
+            self.decoder = install_decode(model, model.dtype)
         """The replica's LoRA slots (:class:`~bcg_core.lora.slots.AdapterSlots`), None without ``lora.dir``."""
         self.planner = Planner(config, model.spec, model.count_tokens)
         self.table = self.planner.table
@@ -483,8 +489,10 @@ class DiTPipeline:
 
     def _kernel_stats(self, kernels: CompiledKernels | None, state: dict[str, dict]) -> dict:
         """``/v1/buckets``' ``kernels``: the tier and :func:`~bcg_core.runners.kernels.kernel_stats` (tolerance,
-        compile time, failures, the caches, ``start``); ``prepare_s`` is the seconds from the first bucket's
-        preparation to the last one's (compiles, checks and captures)."""
+        compile time, failures, the caches, ``start``); ``decode``, the compiled VAE decode per latent shape
+        (:meth:`~bcg_core.runners.decode.CompiledDecode.describe`); ``prepare_s`` is the seconds from the first
+        bucket's preparation to the last one's (compiles, checks and captures)."""
         return {"tier": kernel_tier(self.config, self.model.device).value, "configured": self.config.runner.kernels,
                 **kernel_stats(kernels, state), "fp8_layers": getattr(self.model, "fp8_layers", 0),
+                "decode": self.decoder.describe() if self.decoder is not None else {"enabled": False},
                 "prepare_s": round(self.prepare_s, 3)}

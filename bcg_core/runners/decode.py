@@ -1,0 +1,238 @@
+"""Compiled VAE decode: inductor kernels for ``vae.decode``, per latent shape, kept only where they measure faster.
+
+On an H200 (torch 2.11, bf16, random weights at the published configs), ``torch.compile(vae.decode,
+dynamic=False)`` decoded in 0.42-0.46x the eager time with FLUX.1's VAE at 1024x1024 (85.6 to 35.9 ms for one
+image, 307.9 to 142.6 ms for four) and in 0.46-0.62x with SANA's DC-AE, each compile taking 19-29 s and deviating
+0.023-0.028 from eager relative to the image's largest value (``benchmarks/bench_decode.py``;
+docs/BENCHMARKS.md, 2026-12-04). A compile that long cannot sit on a request's path, and one per image size at
+start would add minutes, so :class:`CompiledDecode` compiles off the path:
+
+- Each latent shape the decode has not seen is decoded with eager kernels and handed to one background thread.
+- That thread compiles the decode for the shape (``dynamic=False``: one static compile per shape, as a bucket's
+  forward), checks it against the eager decode of the same latents, and times both (alternating, median of
+  :attr:`CompiledDecode.iters` calls each).
+- The compiled decode is kept for the shape when its deviation is within the tolerance and it is faster. The
+  tolerance is :func:`~bcg_core.verify.kernel_tolerance` of the ``compiled`` tier, from the eager decode's own
+  rounding error against a float32 copy of the VAE (float64 for a float32 one), as for a bucket's forward.
+- Later calls of a kept shape run the compiled decode; every other shape stays eager.
+
+Every shape's state, times and deviation are in ``/v1/buckets`` (``kernels.decode``, :meth:`CompiledDecode.describe`).
+Off by default (``runner.compile_decode``), on with the ``compiled`` and ``fp8`` tiers only.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import queue
+import statistics
+import threading
+import time
+from collections.abc import Callable
+
+import torch
+
+from bcg_core.errors import first_line
+
+log = logging.getLogger(__name__)
+
+__all__ = ["CompiledDecode", "find_vae", "install"]
+
+
+def find_vae(model) -> torch.nn.Module | None:
+    """The family's VAE (``model.vae``, or ``model.pipe.vae``), or None where it has none."""
+    vae = getattr(model, "vae", None)
+    if vae is None:
+        vae = getattr(getattr(model, "pipe", None), "vae", None)
+    return vae if isinstance(vae, torch.nn.Module) else None
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """``max|a - b| / max|b|``, in float32 (NaN anywhere gives inf)."""
+    a, b = a.float(), b.float()
+    err = ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+    return err if err == err else float("inf")
+
+
+def _sample(out):
+    """The image tensor of a ``decode`` result (``(sample,)`` or ``DecoderOutput``)."""
+    return out[0] if isinstance(out, tuple) else out.sample
+
+
+class CompiledDecode:
+    """``vae.decode`` with compiled kernels for the latent shapes where they pay (this module's docstring).
+
+    Installed in place of the VAE's ``decode`` (:func:`install`); called as ``vae.decode(z, return_dict=...)``.
+
+    Args:
+        vae: the family's VAE (its bound ``decode`` is the eager path).
+        dtype: the model's dtype, for the tolerance (:func:`~bcg_core.verify.kernel_tolerance`).
+        max_shapes: the most shapes compiled; later new shapes stay eager (``skipped``).
+        iters: timed calls per path and shape in the measurement.
+        compile_fn: ``torch.compile`` (tests may pass a stand-in).
+        timer: seconds of one call of a path (``timer(path, call) -> float``, ``path`` being ``"eager"`` or
+            ``"compiled"``), by default wall time with the device synchronized around it; tests pass a fake to
+            decide the measurement.
+    """
+
+    def __init__(self, vae: torch.nn.Module, dtype: torch.dtype, max_shapes: int = 16, iters: int = 3,
+                 compile_fn: Callable = torch.compile, timer: Callable[[str, Callable], float] | None = None):
+        self.vae = vae
+        self.eager = vae.decode
+        self.dtype = dtype
+        self.max_shapes = max_shapes
+        self.iters = iters
+        self._compile_fn = compile_fn
+        self._timer = timer or self._wall
+        self._compiled: dict[tuple, Callable] = {}
+        self.shapes: dict[tuple, dict] = {}
+        """Per latent shape: ``state`` (``pending``, ``compiled``, ``eager_faster``, ``check_failed``, ``failed``),
+        and once measured ``compile_s``, ``eager_ms``, ``compiled_ms``, ``rel_err``, ``rtol``, ``note``."""
+        self.compiled_calls = 0
+        self.eager_calls = 0
+        self.skipped = 0
+        self._lock = threading.Lock()
+        self._queue: queue.Queue = queue.Queue()
+        self._worker = threading.Thread(target=self._work, name="bcg-decode-compile", daemon=True)
+        self._worker.start()
+
+    @staticmethod
+    def _key(z: torch.Tensor, return_dict: bool) -> tuple:
+        return tuple(z.shape), str(z.dtype), str(z.device), bool(return_dict)
+
+    def __call__(self, z: torch.Tensor, return_dict: bool = True, **kwargs):
+        """Decode ``z`` (the family's latents, e.g. (n, 16, H/8, W/8) for FLUX.1's VAE) compiled where its shape
+        is kept, eager otherwise; a new shape is queued for the background compile. Extra keyword arguments
+        (a generator) always take the eager path."""
+        key = self._key(z, return_dict)
+        fn = None if kwargs else self._compiled.get(key)
+        if fn is not None:
+            self.compiled_calls += 1
+            return fn(z, return_dict=return_dict)
+        self.eager_calls += 1
+        if not kwargs:
+            self._offer(key, z)
+        return self.eager(z, return_dict=return_dict, **kwargs)
+
+    def _offer(self, key: tuple, z: torch.Tensor) -> None:
+        with self._lock:
+            if key in self.shapes:
+                return
+            if len(self.shapes) >= self.max_shapes:
+                self.skipped += 1
+                return
+            self.shapes[key] = {"state": "pending"}
+        latents = z.detach().clone()
+        ready = None
+        if latents.is_cuda:
+            ready = torch.cuda.Event()
+            ready.record()
+        self._queue.put((key, latents, ready))
+
+    def _wall(self, path: str, fn: Callable) -> float:
+        device = next(self.vae.parameters()).device
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter() - t0
+
+    def _work(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            key, latents, ready = item
+            try:
+                if ready is not None:
+                    ready.synchronize()
+                with torch.inference_mode():
+                    result = self._measure(key, latents)
+            except Exception as e:  # noqa: BLE001 - a failed compile keeps eager kernels, never stops decoding
+                log.warning("decode compile for %s failed; it stays eager: %s", key[0], first_line(e))
+                result = {"state": "failed", "note": f"compile_failed: {type(e).__name__}: {first_line(e)}"}
+            finally:
+                if latents.is_cuda:
+                    torch.cuda.synchronize(latents.device)
+            with self._lock:
+                self.shapes[key] = result
+                if result["state"] == "compiled":
+                    self._compiled[key] = result.pop("fn")
+            self._queue.task_done()
+
+    def _measure(self, key: tuple, z: torch.Tensor) -> dict:
+        """Compile, check and time one shape (the background thread); the result record of :attr:`shapes`."""
+        from bcg_core.verify import kernel_tolerance
+
+        return_dict = key[3]
+        ref = _sample(self.eager(z, return_dict=return_dict))
+        wide_dtype = torch.float64 if z.dtype == torch.float32 else torch.float32
+        wide = copy.deepcopy(self.vae, memo={id(self): None}).to(wide_dtype)  # not this wrapper (a thread, a lock)
+        wide.__dict__.pop("decode", None)  # the class's own decode, on the copy
+        try:
+            deviation = _rel(ref, _sample(wide.decode(z.to(wide_dtype), return_dict=return_dict)))
+        finally:
+            del wide
+        rtol, note = kernel_tolerance("compiled", self.dtype, deviation)
+        fn = self._compile_fn(self.eager, dynamic=False)
+        t0 = time.perf_counter()
+        out = _sample(fn(z, return_dict=return_dict))
+        if z.is_cuda:
+            torch.cuda.synchronize(z.device)
+        record = {"compile_s": round(time.perf_counter() - t0, 3), "rel_err": _rel(out, ref), "rtol": rtol,
+                  "note": note}
+        if not record["rel_err"] <= rtol:
+            log.warning("compiled decode for %s deviates %.3g from eager (tolerance %.3g); it stays eager", key[0],
+                        record["rel_err"], rtol)
+            return {**record, "state": "check_failed"}
+        times = {"eager": [], "compiled": []}
+        for i in range(self.iters):  # alternating, so drift hits both
+            order = (("eager", self.eager), ("compiled", fn))
+            if i % 2:
+                order = order[::-1]
+            for name, path in order:
+                times[name].append(self._timer(name, lambda p=path: p(z, return_dict=return_dict)))
+        eager_ms, compiled_ms = (1e3 * statistics.median(times[k]) for k in ("eager", "compiled"))
+        record.update(eager_ms=round(eager_ms, 3), compiled_ms=round(compiled_ms, 3))
+        if compiled_ms >= eager_ms:
+            return {**record, "state": "eager_faster"}
+        log.info("decode of %s compiled: %.1f ms against %.1f ms eager", key[0], compiled_ms, eager_ms)
+        return {**record, "state": "compiled", "fn": fn}
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """Block until every queued shape is measured (tests, ``bcg warm``); False if ``timeout_s`` passed first."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while self._queue.unfinished_tasks:
+            if deadline is not None and time.monotonic() > deadline:
+                return False
+            time.sleep(0.01)
+        return True
+
+    def close(self) -> None:
+        """Stop the background thread after the shapes queued now (the decode keeps working, eager for new ones)."""
+        self._queue.put(None)
+
+    def describe(self) -> dict:
+        """``/v1/buckets``' ``kernels.decode``: calls per path, shapes skipped past ``max_shapes``, and per shape
+        (``"n x c x h x w"``) its state, times in ms, deviation and tolerance."""
+        with self._lock:
+            shapes = {"x".join(map(str, k[0])): {k2: v for k2, v in s.items() if k2 != "fn"}
+                      for k, s in self.shapes.items()}
+        return {"enabled": True, "compiled_calls": self.compiled_calls, "eager_calls": self.eager_calls,
+                "skipped": self.skipped, "max_shapes": self.max_shapes, "shapes": shapes}
+
+
+def install(model, dtype: torch.dtype, **kwargs) -> CompiledDecode | None:
+    """Put a :class:`CompiledDecode` in place of ``model``'s VAE ``decode`` (once; a second call returns the one
+    installed). None where the family has no VAE (:func:`find_vae`)."""
+    vae = find_vae(model)
+    if vae is None:
+        return None
+    current = vae.__dict__.get("decode")
+    if isinstance(current, CompiledDecode):
+        return current
+    decoder = CompiledDecode(vae, dtype, **kwargs)
+    vae.decode = decoder  # an instance attribute: every family's ``vae.decode(...)`` call goes through it
+    return decoder
