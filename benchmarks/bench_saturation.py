@@ -117,6 +117,10 @@ counted: ``--warmup shapes`` sends one request of each distinct (size, n) of the
 - ratios: ``images_per_s_vs_naive`` (step and planned images/s over naive's), ``c1_vs_naive`` (each server's
   ``c1_p50_ms`` / naive's).
 
+With ``--compile-decode`` the step and planned servers run ``runner.compile_decode``: after the warm-up each waits
+(up to ``--decode-wait-s``) until its background decode compiles are done (``decode_wait_s``), so the replay
+decodes with what was kept; each server's entry has its ``decode`` section of ``/v1/buckets``.
+
 The JSON (``--out``) holds: date (UTC), GPU name (``torch.cuda.get_device_name``), torch version, the
 ``--commit`` value, the full command line, each server's config overrides and full config, per-request raw
 latencies, the floor per shape, and the summary; it is rewritten after each server.
@@ -501,11 +505,14 @@ def planned_buckets(base: dict, steps: int, max_graphs: int, measure: bool = Fal
 
 def server_overrides(server: str, base: dict, spec, requests: list, concurrency: int,
                      naive_max_ongoing: int | None = None, planned: dict | None = None,
-                     kernels: str = "eager") -> dict:
+                     kernels: str = "eager", compile_decode: bool = False) -> dict:
     """The config overrides of ``server`` on ``base`` (see the module docstring); ``planned``: the ``planned``
     server's buckets (:func:`planned_buckets`); ``kernels``: ``runner.kernels`` of the ``step`` and ``planned``
-    servers (the naive server always runs eager kernels: what a user's own server runs)."""
+    servers (the naive server always runs eager kernels: what a user's own server runs); ``compile_decode``:
+    ``runner.compile_decode`` of those two (``--compile-decode``)."""
     over: dict[str, Any] = {"runner": {"kernels": kernels, **RUNNER_OVERRIDES[server]}}
+    if compile_decode and server != "naive":
+        over["runner"]["compile_decode"] = True
     if server == "planned" and planned is not None:
         over["buckets"] = planned
     if server == "naive":
@@ -734,6 +741,18 @@ def _get_stats(url: str) -> dict:
     return r.json()
 
 
+def wait_decode_compiles(url: str, timeout_s: float) -> float:
+    """Poll ``GET /v1/buckets`` until no latent shape of ``kernels.decode`` is ``pending`` (the warm-up's decodes
+    queued them), at most ``timeout_s``; the seconds waited."""
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < timeout_s:
+        shapes = ((_get_stats(url).get("kernels") or {}).get("decode") or {}).get("shapes") or {}
+        if not any(s.get("state") == "pending" for s in shapes.values()):
+            break
+        time.sleep(2.0)
+    return round(time.perf_counter() - t0, 1)
+
+
 def trim_stats(stats: dict) -> dict:
     """The parts of a ``GET /v1/buckets`` answer kept in the JSON: totals, scheduler, fused step, misses
     and the buckets that served requests (without their step-latency histograms)."""
@@ -765,6 +784,8 @@ def run_server(name: str, config, replay_reqs: list, warmups: list, c1: list, ar
             w = replay(url, warmups, steps=args.warmup_steps, concurrency=1, **kw)
             entry["warmup"] = {"requests": len(w), "failures": sum(not r.ok for r in w),
                                "seconds": round(time.perf_counter() - t0, 1)}
+        if config.runner.compile_decode:
+            entry["decode_wait_s"] = wait_decode_compiles(url, args.decode_wait_s)
         before = _get_stats(url)
         sampler.start()
         time.sleep(0.3 if sampler.active else 0)
@@ -784,6 +805,7 @@ def run_server(name: str, config, replay_reqs: list, warmups: list, c1: list, ar
                        gpu_sampler=sampler.source)
         entry["requests"] = rows
         entry["stats"] = trim_stats(after)
+        entry["decode"] = (after.get("kernels") or {}).get("decode")
         graphs = [b for b in after.get("buckets") or [] if b.get("mode") == "graph"]
         entry["graphs"] = {"count": len(after.get("buckets") or []), "captured": len(graphs),
                            "capture_s": round(sum(float(b.get("capture_s") or 0) for b in after.get("buckets") or []), 2),
@@ -877,6 +899,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     "model (default)")
     ap.add_argument("--kernels", choices=("eager", "compiled", "fp8"), default="eager",
                     help="runner.kernels of the step and planned servers (naive: always eager)")
+    ap.add_argument("--compile-decode", action="store_true",
+                    help="runner.compile_decode on the step and planned servers; after the warm-up each waits for "
+                    "its decode compiles (up to --decode-wait-s) before the replay")
+    ap.add_argument("--decode-wait-s", type=float, default=300.0)
     ap.add_argument("--port", type=int, default=0, help="HTTP port on 127.0.0.1 (0: a free one)")
     ap.add_argument("--size", help="send every request at this WxH size instead of its own")
     ap.add_argument("--batch-sizes", type=lambda s: [int(x) for x in s.split(",")],
@@ -954,7 +980,7 @@ def main(argv: list[str] | None = None) -> int:
                    if "planned" in args.servers else None)
         for name in args.servers if "naive" in args.servers else [*args.servers, "naive"]:
             overrides[name] = server_overrides(name, base, spec, sent, args.concurrency, args.naive_max_ongoing,
-                                               planned, args.kernels)
+                                               planned, args.kernels, args.compile_decode)
             configs[name] = ServeConfig.model_validate(merge(base, overrides[name]))
         naive_planner = Planner(configs["naive"], spec, counter)
         hits = check_all_miss(naive_planner, sent, args.steps)

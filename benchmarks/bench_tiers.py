@@ -47,6 +47,10 @@ bcg-serve's modes) and ``of_peak`` (denoise_tflops / peak; ``wall_of_peak`` from
 datasheets, and 1978.9 dense FP8 for ``bcg-fp8``; elsewhere none (``of_peak`` is then null). A given
 ``--peak-tflops`` sets the bf16 peak and twice it as the fp8 peak (Hopper's ratio).
 
+``--compile-decode``: ``runner.compile_decode`` in ``bcg-compiled`` and ``bcg-fp8`` (each then loads its own model,
+so ``bcg-eager``'s VAE stays eager); after its first request the mode waits for the background decode compile, and
+its ``decode_compile`` reports the wait and each latent shape's state and eager / compiled ms.
+
 CPU smoke: ``--device cpu --tiny --repeats 1`` (fp32 tiny configs; bcg modes without graphs, no ``bcg-fp8``).
 """
 
@@ -182,14 +186,16 @@ def bench_case(case: str, folder: Path, model, args, device: torch.device, dtype
         f"{side}: {c['forward_tflop']:.4g} TFLOP ({c['rows']} rows, {c['text_tokens']} text tokens) x {c['forwards']}"
         for side, c in compute.items()), flush=True)
     runs: dict[str, list] = {}
-    calls, first, prepare = {}, {}, {}
+    calls, first, prepare, decode_compile = {}, {}, {}, {}
     for mode in args.modes:
         t0 = time.perf_counter()
         if mode.startswith("bcg"):
             kernels = mode.removeprefix("bcg-")
+            decode = args.compile_decode and kernels != "eager"
             pipe = DiTPipeline(EngineConfig(model=mc, buckets=buckets, limits=limits,
-                                            runner=RunnerConfig(mode=graph, kernels=kernels, fused_step="never")),
-                               load_model(mc) if kernels == "fp8" else model)
+                                            runner=RunnerConfig(mode=graph, kernels=kernels, fused_step="never",
+                                                                compile_decode=decode)),
+                               load_model(mc) if kernels == "fp8" or decode else model)
 
             def call(pipe=pipe):
                 return pipe.generate(req).timings_ms
@@ -209,6 +215,10 @@ def bench_case(case: str, folder: Path, model, args, device: torch.device, dtype
         call()
         _sync()
         first[mode] = round((time.perf_counter() - t0) * 1e3, 1)
+        if getattr(pipe, "decoder", None) is not None:  # the first request queued its decode shape: wait for it
+            t0 = time.perf_counter()
+            pipe.decoder.wait(600)
+            decode_compile[mode] = {"wait_s": round(time.perf_counter() - t0, 1), **pipe.decoder.describe()}
         runs[mode] = []
         print(f"{case}: {mode} prepared in {prepare[mode]} s, first request {first[mode]} ms", flush=True)
     for i in range(args.repeats):
@@ -233,6 +243,8 @@ def bench_case(case: str, folder: Path, model, args, device: torch.device, dtype
             out[mode][f"{k}_ms"] = round(statistics.median(vals), 1) if vals else None
         # served: what a server sends, the image files included (bcg-serve's wall has them; diffusers' call ends
         # at PIL images, so its PNG encoding is added)
+        if mode in decode_compile:
+            out[mode]["decode_compile"] = decode_compile[mode]
         png = out[mode]["image_encode_ms"] or 0.0
         out[mode]["served_ms"] = round(out[mode]["wall_ms"] + (png if mode.startswith("diffusers") else 0.0), 1)
     base = out.get("diffusers", {}).get("wall_ms")
@@ -255,6 +267,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke: tiny configs, fp32, 2 steps")
+    ap.add_argument("--compile-decode", action="store_true",
+                    help="runner.compile_decode in bcg-compiled and bcg-fp8 (each then loads its own model); after "
+                    "the first request the mode waits for its decode compile")
     ap.add_argument("--scratch", help="folder for the checkpoints (default: a temp dir)")
     ap.add_argument("--out", help="write the JSON result here")
     ap.add_argument("--commit", help="git commit to record")

@@ -108,6 +108,10 @@ def test_naive_config_makes_every_one_of_the_first_32_krea_requests_miss(tiny):
     assert over["step"] == {"runner": {"kernels": "eager"}} and naive.runner.kernels == "eager"
     assert bench.server_overrides("step", {}, spec, reqs, 16, kernels="fp8") == {"runner": {"kernels": "fp8"}}
     assert bench.server_overrides("naive", base, spec, reqs, 16, kernels="fp8")["runner"]["kernels"] == "eager"
+    # --compile-decode: the step and planned servers compile their decode; the naive one stays what a user runs
+    assert bench.server_overrides("step", {}, spec, reqs, 16, kernels="compiled", compile_decode=True) == {
+        "runner": {"kernels": "compiled", "compile_decode": True}}
+    assert "compile_decode" not in bench.server_overrides("naive", base, spec, reqs, 16, compile_decode=True)["runner"]
     plans, refused = bench.plan_all(Planner(cfgs["step"], spec, counter), reqs, 20)
     assert refused == [] and all(p.lookup.hit for p in plans)
 
