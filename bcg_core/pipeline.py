@@ -166,11 +166,12 @@ class DiTPipeline:
         self.config = config
         self.model = model
         self.lora = install_lora(config, model)
-        self.decoder = None
+        self.decoder, self.decode_note = None, ""
         """The compiled VAE decode (:class:`~bcg_core.runners.decode.CompiledDecode`) with ``runner.compile_decode``
-        and a compiled tier, else None."""
+        and a compiled tier, else None (``decode_note`` says why where it was asked for)."""
         if config.runner.compile_decode and kernel_tier(config, model.device) is not KernelTier.EAGER:
-            self.decoder = install_decode(model, model.dtype)
+            installed = install_decode(model)
+            self.decoder, self.decode_note = (None, installed) if isinstance(installed, str) else (installed, "")
         """The replica's LoRA slots (:class:`~bcg_core.lora.slots.AdapterSlots`), None without ``lora.dir``."""
         self.planner = Planner(config, model.spec, model.count_tokens)
         self.table = self.planner.table
@@ -494,5 +495,5 @@ class DiTPipeline:
         bucket's preparation to the last one's (compiles, checks and captures)."""
         return {"tier": kernel_tier(self.config, self.model.device).value, "configured": self.config.runner.kernels,
                 **kernel_stats(kernels, state), "fp8_layers": getattr(self.model, "fp8_layers", 0),
-                "decode": self.decoder.describe() if self.decoder is not None else {"enabled": False},
+                "decode": self.decoder.describe() if self.decoder else {"enabled": False, "note": self.decode_note},
                 "prepare_s": round(self.prepare_s, 3)}

@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from bcg_core.table import ShapeRules
+from bcg_core.families.vae import serialize_stateful_vae
 from bcg_core.padding import DenoiseInputs, DiTAdapter
 
 __all__ = [
@@ -417,6 +418,7 @@ def load_pipeline(pipeline_cls, path: Path, device: torch.device, dtype: torch.d
     for component in pipe.components.values():
         if isinstance(component, torch.nn.Module):
             component.eval()
+            serialize_stateful_vae(component)
     return pipe
 
 

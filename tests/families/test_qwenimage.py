@@ -283,3 +283,44 @@ def test_inputs_that_do_not_fit_and_text_buckets_beyond_512_are_refused(adapter,
     big = BucketTable(BucketConfig(batch_sizes=[1], resolutions=["64x64"], text_lengths=[1024]), adapter.rules)
     with pytest.raises(ValueError, match="512"):
         adapter.allocate(big.keys[0], CPU, torch.float32)
+
+
+def test_the_vae_keeps_one_call_at_a_time_so_threads_never_mix_their_caches(pipe):
+    """``AutoencoderKLQwenImage`` keeps its causal-convolution caches on the module (``clear_cache``), and the decode
+    thread, edits' encode thread and previews call it at once: the loaded VAE serializes ``encode`` and ``decode``
+    (``bcg_core/families/base.py`` ``serialize_stateful_vae``). Without the lock this loop gave tens of wrong
+    decodes in a few seconds."""
+    import sys
+    import threading
+    import time
+
+    vae = pipe.model.pipe.vae
+    assert "_bcg_lock" in vae.__dict__
+    c = vae.config.z_dim
+    za, zb = torch.randn(1, c, 1, 8, 8), torch.randn(1, c, 2, 8, 8)  # two shapes: a mixed cache also raises
+    image = torch.rand(1, 3, 1, 32, 32) * 2 - 1
+    with torch.inference_mode():
+        ra, rb = vae.decode(za, return_dict=False)[0], vae.decode(zb, return_dict=False)[0]
+        re = vae.encode(image).latent_dist.mode()
+    wrong, errors, stop = [0, 0, 0], [], time.monotonic() + 2.0
+
+    def loop(i, call, ref):
+        with torch.inference_mode():
+            while time.monotonic() < stop:
+                try:
+                    wrong[i] += not torch.equal(call(), ref)
+                except Exception as e:  # noqa: BLE001 - counted: a mixed cache raises size mismatches
+                    errors.append(repr(e)[:200])
+    calls = ((lambda: vae.decode(za, return_dict=False)[0], ra), (lambda: vae.decode(zb, return_dict=False)[0], rb),
+             (lambda: vae.encode(image).latent_dist.mode(), re))
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        threads = [threading.Thread(target=loop, args=(i, *c_r)) for i, c_r in enumerate(calls)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert wrong == [0, 0, 0] and errors == [], (wrong, errors[:3])
