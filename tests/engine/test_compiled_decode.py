@@ -140,13 +140,19 @@ def test_the_pipeline_installs_it_only_with_a_compiled_tier_and_routes_the_famil
     assert DiTPipeline(compiled, model, prepare=False).decoder is decoder  # a compiled tier installs it, once
 
 
-def test_with_dynamo_a_kept_shape_never_compiles_on_the_request_path_and_the_limit_holds_every_shape(vae, monkeypatch):
+def test_with_dynamo_a_kept_shape_never_compiles_on_the_request_path_and_the_limit_holds_every_shape(vae):
     """Dynamo itself (its tracing and guards; a backend that runs the traced graph as is, no inductor): more shapes
     than the recompile limit set here each get their own checked graph, and a call that misses the guards of a kept
     shape (another grad mode) runs eager kernels: it is another shape, queued, never compiled on the caller's
     thread."""
     torch._dynamo.reset()
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 2)  # CompiledDecode raises it to hold max_shapes
+    # torch's own patch (pytest's monkeypatch deletes a torch config entry on undo); CompiledDecode raises the limit
+    with torch._dynamo.config.patch(recompile_limit=2, accumulated_recompile_limit=2):
+        _kept_shapes_with_dynamo(vae)
+    torch._dynamo.reset()
+
+
+def _kept_shapes_with_dynamo(vae):
     graphs, runs = [], []
 
     def backend(gm, example_inputs):
@@ -179,7 +185,6 @@ def test_with_dynamo_a_kept_shape_never_compiles_on_the_request_path_and_the_lim
     assert decoder.wait(120) and any(k.endswith("grad-mode") for k in decoder.describe()["shapes"])
     assert set(graphs) == {"bcg-decode-compile"}
     decoder.close()
-    torch._dynamo.reset()
 
 
 def test_a_vae_that_keeps_per_call_state_is_refused_with_its_reason():
