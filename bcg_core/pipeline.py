@@ -166,13 +166,13 @@ class DiTPipeline:
         self.config = config
         self.model = model
         self.lora = install_lora(config, model)
+        """The replica's LoRA slots (:class:`~bcg_core.lora.slots.AdapterSlots`), None without ``lora.dir``."""
         self.decoder, self.decode_note = None, ""
         """The compiled VAE decode (:class:`~bcg_core.runners.decode.CompiledDecode`) with ``runner.compile_decode``
         and a compiled tier, else None (``decode_note`` says why where it was asked for)."""
         if config.runner.compile_decode and kernel_tier(config, model.device) is not KernelTier.EAGER:
             installed = install_decode(model)
             self.decoder, self.decode_note = (None, installed) if isinstance(installed, str) else (installed, "")
-        """The replica's LoRA slots (:class:`~bcg_core.lora.slots.AdapterSlots`), None without ``lora.dir``."""
         self.planner = Planner(config, model.spec, model.count_tokens)
         self.table = self.planner.table
         self.metrics = BucketMetrics(self.table.keys)

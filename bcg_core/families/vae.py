@@ -7,7 +7,13 @@ import threading
 
 import torch
 
-__all__ = ["serialize_stateful_vae"]
+__all__ = ["has_call_state", "serialize_stateful_vae"]
+
+
+def has_call_state(vae: torch.nn.Module) -> bool:
+    """Whether ``vae`` keeps per-call state on the module (``clear_cache``: diffusers' ``AutoencoderKLQwenImage``
+    keeps its causal-convolution caches in ``_feat_map`` and ``_enc_feat_map``), so that two calls at once mix it."""
+    return hasattr(vae, "clear_cache")
 
 
 def serialize_stateful_vae(vae: torch.nn.Module) -> bool:
@@ -21,7 +27,7 @@ def serialize_stateful_vae(vae: torch.nn.Module) -> bool:
     threads decoding for 10 s gave 63 and 52 wrong outputs and no error. Stateless VAEs (``AutoencoderKL``,
     ``AutoencoderDC``: no ``clear_cache``) are left as they are.
     """
-    if not hasattr(vae, "clear_cache") or "_bcg_lock" in vae.__dict__:
+    if not has_call_state(vae) or "_bcg_lock" in vae.__dict__:
         return "_bcg_lock" in vae.__dict__
     lock = threading.RLock()
     for name in ("encode", "decode"):

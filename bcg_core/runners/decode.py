@@ -35,6 +35,8 @@ from collections.abc import Callable
 import torch
 
 from bcg_core.errors import first_line
+from bcg_core.families.vae import has_call_state
+from bcg_core.runners.kernels import raise_recompile_limits
 
 log = logging.getLogger(__name__)
 
@@ -67,11 +69,11 @@ class CompiledDecode:
     Installed in place of the VAE's ``decode`` (:func:`install`); called as ``vae.decode(z, return_dict=...)``.
 
     A shape is a key of the latents' shape, strides, dtype and device, ``return_dict``, whether inference mode is
-    on and whether the latents are an inference tensor: what the compile's guards check. A kept shape runs through ``torch._dynamo.run`` (``guarded``): the compiled
-    code whose guards hold, and eager kernels, never a new compile, should they not; so a request never waits for a
-    compile and never gets kernels that were not checked. Dynamo's recompile limits are raised to hold
-    ``max_shapes`` graphs (diffusers' ``apply_forward_hook`` wraps every VAE's ``decode`` and ``encode`` in one code
-    object, which carries one count).
+    on and whether the latents are an inference tensor: what the compile's guards check. A kept shape runs through
+    ``torch._dynamo.run`` (``guarded``): the compiled code whose guards hold, and eager kernels, never a new
+    compile, should they not; so a request never waits for a compile and never gets kernels that were not checked.
+    Dynamo's recompile limits are raised to hold ``max_shapes`` graphs (diffusers' ``apply_forward_hook`` wraps every
+    VAE's ``decode`` and ``encode`` in one code object, which carries one count).
 
     The background thread runs on its own CUDA stream and times each path with CUDA events on it. It shares the GPU
     with serving while it works: one compile, 1 + 2 x ``iters`` decodes of the shape and one float32 decode of one
@@ -116,11 +118,7 @@ class CompiledDecode:
         self._closed = False
         self._lock = threading.Lock()
         self._queue: queue.Queue = queue.Queue()
-        cfg = torch._dynamo.config
-        for name in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit",
-                     "accumulated_cache_size_limit"):
-            if hasattr(cfg, name):
-                setattr(cfg, name, max(getattr(cfg, name), max_shapes + 8))
+        raise_recompile_limits(max_shapes + 8, max_shapes + 8)
         self._worker = threading.Thread(target=self._work, name="bcg-decode-compile", daemon=True)
         self._worker.start()
 
@@ -285,9 +283,8 @@ def _label(key: tuple) -> str:
 
 def unsupported(vae: torch.nn.Module) -> str | None:
     """Why ``vae``'s decode cannot be compiled in the background, or None: a VAE with per-call state on the module
-    (``clear_cache``: diffusers' ``AutoencoderKLQwenImage`` keeps its causal-convolution cache in ``_feat_map``)
-    gives wrong images when two threads decode at once."""
-    if hasattr(vae, "clear_cache"):
+    (:func:`~bcg_core.families.vae.has_call_state`) gives wrong images when two threads decode at once."""
+    if has_call_state(vae):
         return (f"{type(vae).__name__} keeps per-call state on the module (clear_cache), so its decode is not "
                 "compiled in the background")
     return None

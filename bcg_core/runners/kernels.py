@@ -40,7 +40,8 @@ from bcg_core.runners.attention import (
     BACKENDS, AttentionChoice, ChoiceStore, RecordedCalls, choose, compiling_under, record_sdpa_calls)
 
 __all__ = ["FP8_MIN_CAPABILITY", "FP8_RTOL", "REPEATED_BLOCKS", "CompileFailed", "CompileTimeout", "CompiledKernels",
-           "KernelTier", "check_fp8", "fp8_layers", "quantize_fp8", "repeated_blocks", "use_cache_dir"]
+           "KernelTier", "check_fp8", "fp8_layers", "quantize_fp8", "raise_recompile_limits", "repeated_blocks",
+           "use_cache_dir"]
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +107,16 @@ def quantize_fp8(transformer: torch.nn.Module) -> int:
     quantize_(transformer, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow(), set_inductor_config=False),
               filter_fn=lambda module, fqn: fqn in names)
     return len(names)
+
+
+def raise_recompile_limits(per_code: int, accumulated: int) -> None:
+    """Raise dynamo's recompile limits, process-wide, to at least ``per_code`` compiles of one code object and
+    ``accumulated`` in all (``recompile_limit`` / ``accumulated_recompile_limit``, and their old names where this
+    torch has them); past them dynamo runs the code eager without a word. Never lowers a limit."""
+    cfg = torch._dynamo.config
+    for name in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit", "accumulated_cache_size_limit"):
+        if hasattr(cfg, name):
+            setattr(cfg, name, max(getattr(cfg, name), accumulated if "accumulated" in name else per_code))
 
 
 REPEATED_BLOCKS: dict[str, tuple[str, ...]] = {
@@ -245,12 +256,7 @@ class CompiledKernels:
         options = dict(fullgraph=True, dynamic=False, backend="inductor")
         if mode != "default":
             options["mode"] = mode
-        cfg = torch._dynamo.config
-        for name in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit",
-                     "accumulated_cache_size_limit"):
-            if hasattr(cfg, name):
-                setattr(cfg, name, max(getattr(cfg, name), max_shapes * (len(self.blocks) if "accumulated" in name
-                                                                          else 1)))
+        raise_recompile_limits(max_shapes, max_shapes * len(self.blocks))
         self.precompiled = None
         """The ahead-of-time compiled blocks (:class:`~bcg_core.runners.precompiled.PrecompiledBlocks`), or None
         where they are off or unavailable (every compile is then traced by dynamo)."""
