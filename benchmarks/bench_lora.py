@@ -4,7 +4,8 @@ One model per invocation, in this process (no HTTP; the engine as a replica runs
 ``StepScheduler``), side by side in one run:
 
 - ``base``: the first ``--requests`` krea requests (``bench_saturation.replay_requests``: their sizes and image
-  counts, ``--steps`` steps) through the step scheduler, ``--concurrency`` in flight, no adapters.
+  counts, or with ``--mix gentd26`` image counts drawn from a GenTD26 trace, ``--trace``: the production-like mix;
+  ``--steps`` steps) through the step scheduler, ``--concurrency`` in flight, no adapters.
 - ``lora``: the same requests, ``lora.dir`` set, where a seeded ``--lora-share`` of them (default 0.17, the
   GenTD26 trace's 16.8%; exactly that count, :func:`assign_adapters`) carry adapters: one, or two for
   ``--two-share`` of those (GenTD26: 1.0% of 16.8%
@@ -223,6 +224,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--kernels", choices=("eager", "compiled", "fp8"), default="eager")
     ap.add_argument("--diffusers-requests", type=int, help="requests diffusers serves (default all; 0: skip)")
     ap.add_argument("--size", help="every request at this WxH")
+    ap.add_argument("--mix", choices=("krea", "gentd26"), default="krea",
+                    help="image counts: krea's own, or drawn from a GenTD26 trace (the production-like mix; "
+                         "bench_saturation.replay_requests)")
+    ap.add_argument("--trace", help="GenTD26 CSV for --mix gentd26 (default: the packaged burst slice)")
+    ap.add_argument("--mix-seed", type=int, default=0, help="seed of the --mix gentd26 draw")
     ap.add_argument("--scratch", help="folder for the checkpoint and adapters (default a temp dir)")
     ap.add_argument("--out", help="JSON result (default docs/bench/<date>_lora_<model>_r<rank>.json)")
     ap.add_argument("--commit")
@@ -249,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         loras = folder.parent / f"{folder.name}-loras"
         names = build_pool(folder, family, args.pool, args.rank, loras)
-        demo = bs.replay_requests(args.requests, args.size)
+        demo = bs.replay_requests(args.requests, args.size, mix=args.mix, trace=args.trace, mix_seed=args.mix_seed)
         plain = [bs.generation_request(r, args.steps) for r in demo]
         entries = assign_adapters(plain, names, args.lora_share, args.two_share, args.zipf)
         with_lora = [dataclasses.replace(r, lora=e) for r, e in zip(plain, entries)]
@@ -265,6 +271,7 @@ def main(argv: list[str] | None = None) -> int:
             "tiny": args.tiny, "device": device,
             "gpu": torch.cuda.get_device_name() if device == "cuda" else None, "torch": torch.__version__,
             "replay": {"requests": len(plain), "images": sum(r.n for r in plain), "steps": args.steps,
+                       "mix": args.mix, "trace": args.trace, "mix_seed": args.mix_seed,
                        "concurrency": args.concurrency, "with_adapters": sum(1 for e in entries if e),
                        "with_two": sum(1 for e in entries if len(e) == 2),
                        "adapters_used": len({n for e in entries for n, _ in e})},
