@@ -39,9 +39,9 @@ from bcg_core.runners.precompiled import PrecompiledBlocks, available
 from bcg_core.runners.attention import (
     BACKENDS, AttentionChoice, ChoiceStore, RecordedCalls, choose, compiling_under, record_sdpa_calls)
 
-__all__ = ["FP8_MIN_CAPABILITY", "FP8_RTOL", "REPEATED_BLOCKS", "CompileFailed", "CompileTimeout", "CompiledKernels",
-           "KernelTier", "check_fp8", "fp8_layers", "quantize_fp8", "raise_recompile_limits", "repeated_blocks",
-           "use_cache_dir"]
+__all__ = ["FP8_AMAX_LB", "FP8_MIN_CAPABILITY", "FP8_RTOL", "REPEATED_BLOCKS", "CompileFailed", "CompileTimeout",
+           "CompiledKernels", "KernelTier", "check_fp8", "fp8_layers", "quantize_fp8", "raise_recompile_limits",
+           "repeated_blocks", "use_cache_dir"]
 
 log = logging.getLogger(__name__)
 
@@ -85,27 +85,42 @@ def check_fp8(device: torch.device) -> None:
                          "are what the tier runs")
 
 
+FP8_AMAX_LB = 1e-12
+"""Lower bound of an activation row's absolute maximum when its float8 scale is chosen (torchao's
+``activation_value_lb``; the value is torchao float8 training's ``EPS`` in ``torchao/float8/float8_utils.py``).
+Without it an all-zero row gets scale ``0 / 448`` and quantizes to ``0 / 0 = NaN``: padded text tokens of
+PixArt-Sigma and SANA reach the cross-attention's ``to_k`` / ``to_v`` as zero rows where the caption projection
+has zero biases, and NaN keys and values masked out of attention still poison every row (``0 x NaN``); measured
+on an H200, every fp8 image of both families was NaN with random weights (docs/BENCHMARKS.md, 2026-12-04). With
+it a zero row quantizes to zeros and gives the layer's bias, exactly as in bf16."""
+
+
 def fp8_layers(transformer: torch.nn.Module) -> list[str]:
     """Names of the linear layers :func:`quantize_fp8` turns to float8: those inside the repeated blocks
-    (:func:`repeated_blocks`), except the adaptive norms' modulation layers (a name with ``norm``)."""
+    (:func:`repeated_blocks`), except the adaptive norms' modulation layers (a name with ``norm``) and any layer
+    with an all-zero weight row (its per-channel float8 scale would be 0, and the row ``0 / 0 = NaN``: such a
+    layer stays in bf16)."""
     blocks = {id(b) for b in repeated_blocks(transformer)}
     prefixes = [name + "." for name, m in transformer.named_modules() if id(m) in blocks]
     return [name for name, m in transformer.named_modules()
-            if isinstance(m, torch.nn.Linear) and any(name.startswith(p) for p in prefixes) and "norm" not in name]
+            if isinstance(m, torch.nn.Linear) and any(name.startswith(p) for p in prefixes) and "norm" not in name
+            and m.weight.device.type != "meta" and bool(m.weight.detach().abs().amax(dim=1).gt(0).all())]
 
 
 def quantize_fp8(transformer: torch.nn.Module) -> int:
     """Turn :func:`fp8_layers` of ``transformer`` to float8, in place (torchao ``quantize_`` with
     ``Float8DynamicActivationFloat8WeightConfig(granularity=PerRow())``: weights stored in float8_e4m3fn with one
-    scale per output channel, activations quantized per row at run time). Returns the layers changed."""
+    scale per output channel, activations quantized per row at run time, each row's absolute maximum at least
+    :data:`FP8_AMAX_LB` so that a zero row stays zero). Returns the layers changed."""
     from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
 
     names = set(fp8_layers(transformer))
     # set_inductor_config=False: torchao's default turns on inductor's coordinate-descent tuning process-wide
     # (torchao.quantization.utils.recommended_inductor_config_setter), which changes every other compile in the
     # process and, on an H200 with torch 2.11, crashed Triton while tuning FLUX blocks (docs/BENCHMARKS.md).
-    quantize_(transformer, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow(), set_inductor_config=False),
-              filter_fn=lambda module, fqn: fqn in names)
+    config = Float8DynamicActivationFloat8WeightConfig(granularity=PerRow(), activation_value_lb=FP8_AMAX_LB,
+                                                       set_inductor_config=False)
+    quantize_(transformer, config, filter_fn=lambda module, fqn: fqn in names)
     return len(names)
 
 

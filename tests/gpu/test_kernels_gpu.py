@@ -93,3 +93,45 @@ def test_the_vae_decode_compiles_in_the_background_within_its_tolerance_and_serv
     assert (out.float() - ref.float()).abs().max() <= shape["rtol"] * ref.float().abs().max()
     assert decoder.describe()["compiled_calls"] == 1
     decoder.close()
+
+
+def test_fp8_keeps_a_zero_activation_row_zero_so_padded_text_cannot_poison_the_image():
+    """PixArt-Sigma's padded text tokens reach the cross-attention's ``to_k`` / ``to_v`` as zero rows where the
+    caption projection's biases are zero (random weights). Without a lower bound on a row's absolute maximum the
+    row's float8 scale is 0 and it quantizes to NaN, which masked attention spreads to every image token
+    (``kernels.FP8_AMAX_LB``). A layer with an all-zero weight row stays in bf16."""
+    pytest.importorskip("torchao")
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("float8 matmuls need compute capability 8.9")
+    from diffusers import PixArtTransformer2DModel
+
+    from bcg_core.runners.kernels import FP8_RTOL, fp8_layers, quantize_fp8
+
+    torch.manual_seed(0)
+    model = PixArtTransformer2DModel(num_attention_heads=2, attention_head_dim=32, in_channels=4, out_channels=8,
+                                     num_layers=2, cross_attention_dim=64, sample_size=32, patch_size=2,
+                                     caption_channels=64, norm_type="ada_norm_single", use_additional_conditions=False)
+    model = model.to(CUDA, torch.bfloat16).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.startswith("caption_projection") and name.endswith("bias"):
+                p.zero_()
+        model.transformer_blocks[1].ff.net[2].weight[3].zero_()  # an all-zero weight row
+    g = torch.Generator().manual_seed(1)
+    latents = torch.randn(2, 4, 32, 32, generator=g).to(CUDA, torch.bfloat16)
+    text = torch.randn(2, 32, 64, generator=g).to(CUDA, torch.bfloat16)
+    text[:, 20:] = 0  # 12 padded tokens
+    mask = torch.ones(2, 32, device=CUDA, dtype=torch.bfloat16)
+    mask[:, 20:] = 0
+    kw = dict(encoder_hidden_states=text, encoder_attention_mask=mask, timestep=torch.tensor([500, 500], device=CUDA),
+              added_cond_kwargs={"resolution": None, "aspect_ratio": None}, return_dict=False)
+    with torch.inference_mode():
+        ref = model(latents, **kw)[0].float()
+    names = fp8_layers(model)
+    assert "transformer_blocks.1.ff.net.2" not in names and "transformer_blocks.1.attn2.to_k" in names
+    assert quantize_fp8(model) == len(names)
+    with torch.inference_mode():
+        out = model(latents, **kw)[0].float()
+    assert torch.isfinite(out).all()
+    err = ((out - ref).abs().max() / ref.abs().max()).item()
+    assert err <= FP8_RTOL, err
