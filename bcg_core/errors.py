@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-__all__ = ["BucketMissError", "RequestCancelled", "RequestError", "ServiceUnavailable", "first_line"]
+__all__ = ["BucketMissError", "NonFiniteOutput", "RequestCancelled", "RequestError", "ServiceUnavailable", "first_line",
+           "require_finite"]
 
 
 class RequestError(ValueError):
@@ -44,6 +45,27 @@ class BucketMissError(RequestError):
 
 class RequestCancelled(Exception):
     """The caller gave up on a request (its client went away); raised between denoising steps."""
+
+
+class NonFiniteOutput(RuntimeError):
+    """A request's denoised latents hold NaN or inf: a broken kernel, adapter or checkpoint, never an image to
+    send. Decoded, NaN turns quietly into a black or garbled picture (diffusers' ``postprocess`` casts it to
+    uint8); instead the request fails (HTTP 500 with this message) and the replica goes on serving."""
+
+
+def require_finite(state):
+    """``state`` (a :class:`~bcg_core.request.RequestState`) after checking that its ``latents`` (rows, ...) are
+    all finite; called right before the VAE decode, where the host waits for the latents anyway.
+
+    Raises:
+        NonFiniteOutput: a NaN or inf in ``state.latents``, naming the share of values affected.
+    """
+    finite = state.latents.isfinite()
+    if not bool(finite.all()):
+        share = 1.0 - finite.float().mean().item()
+        raise NonFiniteOutput(f"the denoised latents hold NaN or inf values ({share:.1%} of them): no image was "
+                              f"decoded; the server logs the cause, and /v1/buckets shows each bucket's kernels")
+    return state
 
 
 class ServiceUnavailable(RequestError):

@@ -28,7 +28,7 @@ import torch
 
 from bcg_core.config import EngineConfig
 from bcg_core.devices import elapsed_ms, resolve_device, timing_mark
-from bcg_core.errors import RequestCancelled
+from bcg_core.errors import RequestCancelled, require_finite
 from bcg_core.families import Family, RequestState, concat_rows
 from bcg_core.images import encode_image
 from bcg_core.keys import BucketKey
@@ -369,7 +369,7 @@ class DiTPipeline:
         """Image files of a finished request's ``n`` images (family decode, then Pillow's encoder for the
         request's ``output_format``, :func:`~bcg_core.images.encode_image`)."""
         r = state.request
-        return [encode_image(image, r.output_format, r.output_compression) for image in self.model.decode(state)]
+        return [encode_image(image, r.output_format, r.output_compression) for image in self.model.decode(require_finite(state))]
 
     # -- one request, synchronously ------------------------------------------------------------------
 
@@ -427,7 +427,7 @@ class DiTPipeline:
         if state.cancelled:
             raise RequestCancelled("the request was cancelled by its caller")
         t2 = time.perf_counter()
-        images = self.model.decode(state)
+        images = self.model.decode(require_finite(state))
         t3 = time.perf_counter()
         r = state.request
         files = [encode_image(image, r.output_format, r.output_compression) for image in images]

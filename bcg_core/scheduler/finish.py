@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from bcg_core.errors import RequestCancelled
+from bcg_core.errors import NonFiniteOutput, RequestCancelled, require_finite
 from bcg_core.families import RequestState
 from bcg_core.images import encode_image
 from bcg_core.keys import BucketKey, Dim
@@ -148,9 +148,11 @@ class Finisher:
                     with torch.cuda.stream(self._stream):
                         for item in live:
                             self._stream.wait_event(item.done_event)
-                        images = self._decode_many([i.state for i in live])
+                        live = self._finite(live)
+                        images = self._decode_many([i.state for i in live]) if live else []
                 else:
-                    images = self._decode_many([i.state for i in live])
+                    live = self._finite(live)
+                    images = self._decode_many([i.state for i in live]) if live else []
         except Exception as e:
             log.exception("decoding %d requests failed", len(live))
             for item in live:
@@ -162,6 +164,22 @@ class Finisher:
             item.decoded = now
             self._release(item)
             self._encode(item, imgs)
+
+    def _finite(self, items: list[InFlight]) -> list[InFlight]:
+        """The items whose latents are finite; each other one fails alone (:func:`~bcg_core.errors.require_finite`:
+        HTTP 500, counted as failed), so a NaN request never spoils the decode of its company."""
+        ok = []
+        for item in items:
+            try:
+                require_finite(item.state)
+            except NonFiniteOutput as e:
+                log.error("a request of %d images (%dx%d) failed: %s", item.state.n, item.plan.request.width,
+                          item.plan.request.height, e)
+                self._release(item)
+                self._fail(item, e, failed=True)
+            else:
+                ok.append(item)
+        return ok
 
     def _decode_many(self, states: list[RequestState]) -> list[list]:
         """Decode requests of one image size in one family decode call; the images of each, in order.

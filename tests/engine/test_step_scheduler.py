@@ -440,6 +440,65 @@ def test_a_failing_forward_fails_its_step_only_and_serving_goes_on(pipe, make_sc
     assert st["shapes"][SHAPE]["failed"] == 2 and st["rows_in_flight"] == 0 and st["running"] == 0
 
 
+def test_nan_latents_fail_their_request_loudly_and_serving_goes_on(pipe, make_sched, monkeypatch):
+    """A forward that returns NaN (a broken kernel, adapter or checkpoint) never becomes an image: decoded, NaN
+    turns quietly into a black picture. Its request fails with ``NonFiniteOutput``, the request decoded beside it
+    is answered, later requests are served, and ``DiTPipeline.generate`` refuses it the same way."""
+    from bcg_core.errors import NonFiniteOutput
+
+    real_run = pipe.runner.run
+    poisoned = threading.Event()
+    poisoned.set()
+
+    def nan_rows(key, inputs, eager=False):
+        out = real_run(key, inputs, eager=eager)
+        return out.clone().fill_(float("nan")) if poisoned.is_set() else out
+
+    monkeypatch.setattr(pipe.runner, "run", nan_rows)
+
+    async def main():
+        sched = make_sched()
+        bad = await asyncio.gather(sched.submit(_req(seed=93)), return_exceptions=True)
+        poisoned.clear()
+        after = await sched.submit(_req(seed=94))
+        return sched, bad[0], after
+
+    sched, bad, after = run(main())
+    assert isinstance(bad, NonFiniteOutput) and "NaN or inf values (100.0% of them)" in str(bad)
+    assert len(after.images_png) == 1
+    st = sched.stats()
+    assert st["shapes"][SHAPE]["failed"] == 1 and st["rows_in_flight"] == 0 and st["running"] == 0
+    poisoned.set()
+    with pytest.raises(NonFiniteOutput):
+        pipe.generate(_req(seed=95))
+
+
+def test_a_nan_request_fails_alone_in_a_batched_decode(pipe):
+    """In one decode batch (two requests of one size) only the request with inf latents fails; its company is
+    decoded and goes on to its image encode."""
+    from types import SimpleNamespace
+
+    from bcg_core.errors import NonFiniteOutput
+    from bcg_core.scheduler.finish import Finisher
+
+    failed, encoded, released = [], [], []
+    fin = Finisher(pipe, decode_batch_images=8, encode_threads=1, release=released.append,
+                   fail=lambda item, e, **kw: failed.append((item, e, kw)), done=None)
+    fin._encode = lambda item, images: encoded.append((item, len(images)))
+    plans = [pipe.planner.plan(_req(seed=s)) for s in (96, 97)]
+    items = [SimpleNamespace(cancel=threading.Event(), plan=p, state=pipe.start(p), done_event=None, decoded=0.0)
+             for p in plans]
+    with torch.inference_mode():
+        items[1].state.latents[0, 0].fill_(float("inf"))
+    fin._decode(items)
+    (item, error, kw), = failed
+    assert item is items[1] and isinstance(error, NonFiniteOutput) and kw == {"failed": True}
+    assert encoded == [(items[0], 1)] and released == [items[1], items[0]]
+    with pytest.raises(NonFiniteOutput, match="NaN or inf"):
+        pipe.finish(items[1].state)
+    fin.close(1.0)
+
+
 def test_memory_budget_bounds_admission(pipe, make_sched):
     async def main():
         sched = make_sched(memory_budget_bytes=1)  # below one request's tensors: one at a time once measured
