@@ -127,7 +127,9 @@ def assign_adapters(requests: list, names: list[str], share: float, two_share: f
 
 def replay_engine(config, requests: list, concurrency: int, warm: list) -> dict:
     """Serve ``requests`` (GenerationRequests) through a fresh pipeline and step scheduler, ``concurrency`` in
-    flight, after serving ``warm`` untimed; wall time, images/s, latencies and the pipeline's LoRA stats."""
+    flight, after serving ``warm`` untimed; wall time, images/s, latencies, the pipeline's LoRA stats, the steps
+    the scheduler ran as two (without and with adapters, ``adapter_splits``) and each bucket's measured forward
+    with adapter rows over its plain one (``lora_factor``)."""
     from bench_saturation import percentile  # the benchmarks' one percentile (linear, numpy's default)
 
     from bcg_core.pipeline import DiTPipeline
@@ -153,6 +155,7 @@ def replay_engine(config, requests: list, concurrency: int, warm: list) -> dict:
         t1 = time.perf_counter()
         done = asyncio.run(run(requests))
         wall = time.perf_counter() - t1
+        st = sched.stats()
     finally:
         sched.close()
     lat = [s for _, s in done]
@@ -162,7 +165,10 @@ def replay_engine(config, requests: list, concurrency: int, warm: list) -> dict:
            "images_per_s": round(images / wall, 4), "p50_s": round(percentile(lat, 50), 3),
            "p99_s": round(percentile(lat, 99), 3), "waited_for_load": len(waited),
            "p99_waited_s": None if not waited else round(percentile(waited, 99), 3),
-           "lora": pipe.stats()["lora"]}
+           "lora": pipe.stats()["lora"], "adapter_splits": st["adapter_splits"]}
+    plain_ms = st["costs"]["bucket_ms"]
+    out["lora_factor"] = {k: round(v / plain_ms[k], 3) for k, v in st["costs"].get("lora_ms", {}).items()
+                          if plain_ms.get(k)}
     return out  # the pipeline goes with this frame: main collects it before the next server starts
 
 

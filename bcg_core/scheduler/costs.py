@@ -39,7 +39,7 @@ import logging
 import statistics
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from bcg_core.keys import BucketKey, BucketShape
 
@@ -149,6 +149,8 @@ class CostModel:
         eager_ms: per bucket shape (:attr:`BucketKey.shape`), unpadded eager milliseconds by row count.
         source: ``"measured"``, ``"token-count"`` or ``"scripted"`` (shown in ``/v1/buckets``).
         eager: whether eager chunks may be chosen at all.
+        lora_ms: with LoRA adapters (``lora.dir``), milliseconds of each bucket's forward with adapter rows (its
+            LoRA graph, which adds every row's deltas), where measured; ``bucket_ms`` is then the plain graph's.
 
     Raises:
         ValueError: a negative time, or an eager measurement at 0 rows or fewer.
@@ -158,11 +160,12 @@ class CostModel:
     eager_ms: dict[str, dict[int, float]] = field(default_factory=dict)
     source: str = "scripted"
     eager: bool = True
+    lora_ms: dict[BucketKey, float] = field(default_factory=dict)
     _chosen: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     """Plans already chosen, by (shape, rows, buckets): the times do not change, and every step asks."""
 
     def __post_init__(self):
-        if any(v < 0 for v in self.bucket_ms.values()):
+        if any(v < 0 for v in (*self.bucket_ms.values(), *self.lora_ms.values())):
             raise ValueError("bucket forward times must be >= 0 ms")
         for shape, points in self.eager_ms.items():
             if any(r < 1 for r in points) or any(v < 0 for v in points.values()):
@@ -274,12 +277,21 @@ class CostModel:
         home = max(keys, key=lambda k: k.batch) if keys else None
         return StepForwards(tuple(sorted(chunks, key=lambda c: (-c.rows, c.key is None))), home)
 
+    def lora_factor(self, key: BucketKey | None) -> float:
+        """How many times longer bucket ``key``'s forward runs with adapter rows than without (``lora_ms`` over
+        ``bucket_ms``); 1.0 where either is unmeasured (and for None, an eager forward)."""
+        if key is None or key not in self.lora_ms or not self.bucket_ms.get(key):
+            return 1.0
+        return self.lora_ms[key] / self.bucket_ms[key]
+
     def describe(self) -> dict:
-        """JSON-ready view for ``/v1/buckets``: the source, bucket milliseconds, eager milliseconds by rows."""
+        """JSON-ready view for ``/v1/buckets``: the source, bucket milliseconds, eager milliseconds by rows, and
+        with adapters each bucket's milliseconds with adapter rows (``lora_ms``)."""
         return {
             "source": self.source, "eager": self.eager,
             "bucket_ms": {str(k): round(v, 4) for k, v in sorted(self.bucket_ms.items())},
             "eager_ms": {s: {str(r): round(v, 4) for r, v in sorted(p.items())} for s, p in sorted(self.eager_ms.items())},
+            **({"lora_ms": {str(k): round(v, 4) for k, v in sorted(self.lora_ms.items())}} if self.lora_ms else {}),
         }
 
     def merged(self, other: CostModel) -> CostModel:
@@ -288,7 +300,8 @@ class CostModel:
         for s, p in other.eager_ms.items():
             eager.setdefault(s, {}).update(p)
         source = other.source if other.source == self.source else f"{self.source}+{other.source}"
-        return CostModel({**self.bucket_ms, **other.bucket_ms}, eager, source, self.eager and other.eager)
+        return CostModel({**self.bucket_ms, **other.bucket_ms}, eager, source, self.eager and other.eager,
+                         {**self.lora_ms, **other.lora_ms})
 
 
 def _timer(device) -> Callable[[Callable[[], object], int], float]:
@@ -339,12 +352,17 @@ def measure_costs(runner, adapter, keys: Sequence[BucketKey], inputs_for: Callab
 
     Returns:
         A ``measured`` :class:`CostModel`. The forwards go through the runner, so they count as forwards of
-        their buckets in the metrics (``forwards_by_mode``).
+        their buckets in the metrics (``forwards_by_mode``). With LoRA adapters (an adapter with
+        ``forward_plain``, :class:`~bcg_core.lora.rows.LoRAAdapter`) ``bucket_ms`` times each bucket's plain
+        graph (no row has an adapter) and ``lora_ms`` its LoRA graph: the same inputs with every row on slot 0,
+        which computes every row's deltas as a real adapter does (zeros, at the same cost).
     """
     import torch
 
     time_ms = _timer(device)
     bucket: dict[BucketKey, float] = {}
+    lora: dict[BucketKey, float] = {}
+    k_lora = getattr(adapter, "k", 0) if hasattr(adapter, "forward_plain") else 0
     eager: dict[str, dict[int, float]] = {}
     by_shape: dict[str, list[BucketKey]] = {}
     for k in keys:
@@ -356,6 +374,11 @@ def measure_costs(runner, adapter, keys: Sequence[BucketKey], inputs_for: Callab
             for k in sorted(ks, key=lambda k: k.batch):
                 x = inputs_for(k, k.batch)
                 bucket[k] = time_ms(lambda k=k, x=x: runner.run(k, x), iters)
+                if k_lora:
+                    dev = x.latents.device
+                    xl = replace(x, lora_slots=torch.zeros(k.batch, k_lora, dtype=torch.int64, device=dev),
+                                             lora_scales=torch.zeros(k.batch, k_lora, device=dev))
+                    lora[k] = time_ms(lambda k=k, xl=xl: runner.run(k, xl), iters)
             ref = max(ks, key=lambda k: k.batch)
             for rows in eager_row_counts([k.batch for k in ks]):
                 # an exact tier and its masked twin run the same unpadded eager forward: measured once
@@ -366,7 +389,7 @@ def measure_costs(runner, adapter, keys: Sequence[BucketKey], inputs_for: Callab
                 eager.setdefault(shape, {})[rows] = seen[same]
     log.info("measured %d bucket forwards and %d eager points in %.1f s", len(bucket),
              sum(len(p) for p in eager.values()), time.perf_counter() - t0)
-    return CostModel(bucket, eager, source="measured")
+    return CostModel(bucket, eager, source="measured", lora_ms=lora)
 
 
 class StepDecider:
@@ -414,3 +437,19 @@ class StepDecider:
         keys = [k for k in every if k in prepared] or every
         costs = self.costs if any(k in self.costs.bucket_ms for k in keys) else self.fallback
         return costs.choose(shape, rows, keys)
+
+    def split_adapters(self, shape: BucketShape | None, plain_rows: int, adapter_rows: int) -> bool:
+        """Whether a step of ``shape`` whose rows mix requests without adapters (``plain_rows``) and with them
+        (``adapter_rows``) costs less as two steps: the plain rows on the buckets' plain graphs, the adapter rows
+        on their LoRA graphs, than all rows together on LoRA graphs, where every row pays the deltas' passes
+        over its activations. Expected milliseconds of :meth:`decide`'s forwards, a bucket forward with adapter
+        rows scaled by :meth:`CostModel.lora_factor`; False where the factors are unmeasured (1.0: one forward
+        is then never dearer than two), for a miss, or when either side has no rows."""
+        if shape is None or plain_rows < 1 or adapter_rows < 1:
+            return False
+
+        def with_lora(forwards: StepForwards) -> float:
+            return sum(c.ms * self.costs.lora_factor(c.key) for c in forwards.chunks)
+
+        together = with_lora(self.decide(shape, plain_rows + adapter_rows))
+        return self.decide(shape, plain_rows).ms + with_lora(self.decide(shape, adapter_rows)) < together

@@ -12,7 +12,8 @@ Requests join and leave at step boundaries. One denoising thread runs *iteration
 2. **Steps every group** in flight (one bucket shape and token grid; a request with more rows than the largest
    batch bucket belongs to its shape's group), oldest group first: one denoising step of every request of the
    group, each at its own step and timestep, in the forwards the pipeline's
-   :class:`~bcg_core.scheduler.costs.StepDecider` chooses (``fill``, ``pad``, ``split`` or ``eager``). Every
+   :class:`~bcg_core.scheduler.costs.StepDecider` chooses (``fill``, ``pad``, ``split`` or ``eager``); where
+   requests with and without LoRA adapters mix, as two steps when the measured costs say that is cheaper. Every
    group steps once per iteration, so a rare shape waits at most one step of each other group.
 3. **Retires** finished requests (to the :class:`~bcg_core.scheduler.finish.Finisher`: decode thread and
    encoding pool) and cancelled ones (their rows leave at this step boundary).
@@ -69,7 +70,8 @@ class DenoisingLoop:
         preparer: the prepare stage (:class:`~bcg_core.scheduler.prepare.Preparer`), started and closed by the
             scheduler.
         iterations: iterations run; busy_s: seconds spent starting and stepping; oom_steps: steps that ran out of
-            device memory (their requests answered 503).
+            device memory (their requests answered 503); adapter_splits: steps run as two, without and with LoRA
+            adapters (:meth:`_step_group`).
     """
 
     def __init__(self, flight: Flight, pipeline: DiTPipeline, finisher: Finisher, previews: PreviewWorker,
@@ -87,6 +89,7 @@ class DenoisingLoop:
         self.iterations = 0
         self.busy_s = 0.0
         self.oom_steps = 0
+        self.adapter_splits = 0
         self.preparer = Preparer(pipeline, prepare_batch, encode_batch_images, self._prepared,
                                  lambda: self._flight.closed)
 
@@ -255,6 +258,20 @@ class DenoisingLoop:
                 self._step_group(group, live)
 
     def _step_group(self, group: tuple, items: list[InFlight]) -> None:
+        """One step of a group's requests: in one step, or, where rows with and without LoRA adapters mix and
+        the cost model expects it to be cheaper (:meth:`~bcg_core.scheduler.costs.StepDecider.split_adapters`),
+        in two: the requests without adapters on the plain graphs, those with adapters on the LoRA graphs."""
+        adapters = [i for i in items if i.plan.request.lora]
+        plain = [i for i in items if not i.plan.request.lora]
+        if adapters and plain and self.decider.split_adapters(items[0].shape, sum(i.rows for i in plain),
+                                                              sum(i.rows for i in adapters)):
+            self.adapter_splits += 1
+            self._step_items(plain)
+            self._step_items(adapters)
+        else:
+            self._step_items(items)
+
+    def _step_items(self, items: list[InFlight]) -> None:
         states = [i.state for i in items]
         shape = items[0].shape
         rows = sum(s.rows for s in states)

@@ -296,6 +296,7 @@ class StepScheduler:
                 "preparing": len(self.flight.preparing) + len(self.flight.prepared),
                 "running": sum(len(g) for g in self.flight.running.values()), "finishing": len(self.flight.finishing),
                 "iterations": self._loop.iterations, "busy_s": round(self._loop.busy_s, 3), "oom_steps": self._loop.oom_steps,
+                "adapter_splits": self._loop.adapter_splits,
                 "decode_batch_images": self._finisher.decode_batch_images, "fair_wait_s": self.flight.admission.fair_wait_s,
                 **out, "costs": self.costs.describe(), "previews": self._previews.describe(),
                 "memory_trim": self._trimmer.describe() if self._trimmer is not None else None,

@@ -111,6 +111,51 @@ def test_forwards_without_adapter_rows_run_no_lora_kernel_and_equal_the_plain_mo
     assert len(calls) == 3 * len(pipe.lora.layers.layers)  # 3 steps, every wrapped layer
 
 
+def test_a_step_mixing_adapter_rows_runs_as_two_where_the_measured_costs_say_so(ckpt):
+    """Measured costs hold each bucket's forward with adapter rows (``lora_ms``) beside its plain one. With
+    compute-bound costs (time grows with rows, adapter rows 1.5x) a step of a plain request and an adapter request
+    runs as two steps, plain rows on the plain forward; with launch-bound costs (one forward of any rows about as
+    dear as another) it stays one. Either way each image equals its request served alone."""
+    from bcg_core.scheduler import StepScheduler
+    from bcg_core.scheduler.costs import CostModel
+
+    folder, loras, pipe = ckpt
+    keys = sorted(pipe.table.keys, key=lambda k: k.batch)
+    measured = pipe.measure_costs(keys, iters=1)
+    assert set(measured.lora_ms) == set(keys) and all(v > 0 for v in measured.lora_ms.values())
+    assert set(measured.describe()["lora_ms"]) == {str(k) for k in keys}
+    reqs = [_req(seed=11), _req(seed=12, lora=(("a", 0.8),))]
+    alone = [bcg_run(pipe, r) for r in reqs]
+    compute = CostModel({k: float(k.batch) for k in keys}, eager=False, lora_ms={k: 1.5 * k.batch for k in keys})
+    launch = CostModel({k: 1.0 + 0.01 * k.batch for k in keys}, eager=False,
+                       lora_ms={k: 1.5 + 0.01 * k.batch for k in keys})
+    shape = keys[0].shape
+    assert compute.lora_factor(keys[0]) == 1.5 and CostModel({}).lora_factor(keys[0]) == 1.0
+    before = pipe.decider.costs
+    try:
+        for costs, splits in ((compute, True), (launch, False)):
+            pipe.decider.set_costs(costs, merge=False)
+            assert pipe.decider.split_adapters(shape, 1, 1) is splits
+            assert not pipe.decider.split_adapters(shape, 0, 2) and not pipe.decider.split_adapters(None, 1, 1)
+            sched = StepScheduler(pipe)
+
+            async def run_all():
+                return await asyncio.gather(*(sched.submit(pipe.planner.plan(r)) for r in reqs))
+
+            try:
+                results = asyncio.run(run_all())
+                stats = sched.stats()
+            finally:
+                sched.close()
+            assert (stats["adapter_splits"] > 0) is splits, stats["adapter_splits"]
+            for result, ref in zip(results, alone):
+                for ours, theirs in zip(result.images_png, ref.pngs, strict=True):
+                    d = np.abs(pixels(ours) - pixels(theirs))
+                    assert d.max() <= 1 and (d > 0).mean() <= PIXEL_SHARE
+    finally:
+        pipe.decider.set_costs(before, merge=False)
+
+
 def test_bucket_checks_cover_the_graph_for_adapter_rows_too(ckpt, monkeypatch):
     """``bcg verify``'s padded-against-unpadded check runs each case through both of a LoRA deployment's bucket
     paths (no adapter rows; slot-0 adapter rows), each within the check's bound."""
