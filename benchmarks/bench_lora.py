@@ -126,19 +126,23 @@ def assign_adapters(requests: list, names: list[str], share: float, two_share: f
 
 
 def replay_engine(config, requests: list, concurrency: int, warm: list) -> dict:
-    """Serve ``requests`` (GenerationRequests) through a fresh pipeline and step scheduler, ``concurrency`` in
-    flight, after serving ``warm`` untimed; wall time, images/s, latencies, the pipeline's LoRA stats, the steps
+    """Serve ``requests`` (GenerationRequests) through a fresh pipeline and step scheduler, its cost model
+    measured as a replica measures it (``runner.measure_costs``; the runs up to commit fdfe4bc used the
+    token-count stand-in instead), ``concurrency`` in flight, after serving ``warm`` untimed; wall time, images/s, latencies, the pipeline's LoRA stats, the steps
     the scheduler ran as two (without and with adapters, ``adapter_splits``) and each bucket's measured forward
     with adapter rows over its plain one (``lora_factor``)."""
     from bench_saturation import percentile  # the benchmarks' one percentile (linear, numpy's default)
 
-    from bcg_core.pipeline import DiTPipeline
+    from bcg_core.pipeline import DiTPipeline, runner_mode
     from bcg_core.scheduler import StepScheduler
 
     t0 = time.perf_counter()
     pipe = DiTPipeline.from_config(config)
-    start_s = time.perf_counter() - t0
     sched = StepScheduler.from_pipeline(pipe)
+    how = config.runner.measure_costs  # as a replica does after its captures (deployments/dit.py _measure_costs)
+    if how == "always" or (how == "auto" and runner_mode(config, pipe.model.device) == "graph"):
+        sched.set_costs(pipe.measure_costs(list(pipe.table.keys)))
+    start_s = time.perf_counter() - t0
 
     async def run(reqs):
         gate = asyncio.Semaphore(concurrency)
