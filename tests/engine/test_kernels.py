@@ -337,3 +337,40 @@ def test_bcg_warm_compiles_the_table_into_the_cache_dir_and_refuses_an_eager_con
     assert "b1_i256_t256" in out and "compiled" in out and "0 buckets on eager kernels" in out, out
     # the attention choice is kept there (the kernels too, unless this process already compiled the shape)
     assert (cache / "bcg-attention.json").exists()
+
+
+def test_the_compile_check_covers_text_padding_where_the_family_pads_text(tmp_path):
+    """PixArt-Sigma buckets its text lengths with masked zero pads, so each bucket's compile check also runs inputs
+    that leave a quarter of its text tokens to the padding. Blocks that go wrong only on padded text (NaN once the
+    key-padding mask holds a pad: what the fp8 tier's zero-row quantization did) fail that check and the bucket keeps
+    eager kernels; the full-text inputs alone would have passed them."""
+    from reference_gate import bcg_pipeline
+    from tiny.pixart import build
+
+    from bcg_core.runners.eager import EagerBucketRunner
+    from bcg_core.verify import text_pad_of
+
+    pipe = bcg_pipeline(build(tmp_path / "pixart"), {"batch_sizes": [2], "resolutions": ["256x256"],
+                                                      "text_lengths": [16]})
+    adapter = pipe.model.adapter
+    key, = pipe.table.keys
+    flux = DiTPipeline.from_config(_config()).model.adapter  # FLUX.1: a fixed text length, never padded
+    assert text_pad_of(adapter, key) == 4 and text_pad_of(flux, key) == 0
+
+    def nan_on_padded_text(fn, **options):
+        def block(*a, **k):
+            out = fn(*a, **k)
+            mask = k.get("encoder_attention_mask")
+            return out * float("nan") if mask is not None and bool((mask < 0).any()) else out
+        return block
+
+    runs = {}
+    for name, compile_fn in (("poisoned", nan_on_padded_text), ("faithful", lambda fn, **o: fn)):
+        kernels = CompiledKernels(adapter.model, compile_fn=compile_fn, rtol=1e-3)
+        runner = EagerBucketRunner(adapter, pipe.table.keys, pipe.metrics, pipe.model.device, pipe.model.dtype,
+                                   kernels=kernels)
+        runner.prepare()
+        runs[name] = runner.describe()[0]
+    assert runs["poisoned"]["kernels"] == "eager" and runs["poisoned"]["note"].startswith("compile_check_failed")
+    assert "nan" in runs["poisoned"]["note"]
+    assert runs["faithful"]["kernels"] == "compiled" and runs["faithful"]["compile_rel_err"] == 0.0
