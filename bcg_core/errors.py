@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 __all__ = ["BucketMissError", "NonFiniteOutput", "RequestCancelled", "RequestError", "ServiceUnavailable", "first_line",
-           "require_finite"]
+           "non_finite_error", "require_finite"]
 
 
 class RequestError(ValueError):
@@ -50,21 +50,27 @@ class RequestCancelled(Exception):
 class NonFiniteOutput(RuntimeError):
     """A request's denoised latents hold NaN or inf: a broken kernel, adapter or checkpoint, never an image to
     send. Decoded, NaN turns quietly into a black or garbled picture (diffusers' ``postprocess`` casts it to
-    uint8); instead the request fails (HTTP 500 with this message) and the replica goes on serving."""
+    uint8); instead the request fails (HTTP 500, ``generation failed: NonFiniteOutput``; this message goes to the
+    replica's log) and the replica goes on serving."""
+
+
+def non_finite_error(latents) -> NonFiniteOutput:
+    """The :class:`NonFiniteOutput` of ``latents`` (rows, ...), naming the share of its values that are not finite."""
+    share = 1.0 - latents.isfinite().float().mean().item()
+    return NonFiniteOutput(f"the denoised latents hold NaN or inf values ({share:.1%} of them): no image was "
+                           f"decoded; /v1/buckets shows each bucket's kernels")
 
 
 def require_finite(state):
     """``state`` (a :class:`~bcg_core.request.RequestState`) after checking that its ``latents`` (rows, ...) are
-    all finite; called right before the VAE decode, where the host waits for the latents anyway.
+    all finite; called right before the VAE decode of a request served alone (the step scheduler's decode thread
+    checks after its batched decode instead, ``Finisher._decode``).
 
     Raises:
-        NonFiniteOutput: a NaN or inf in ``state.latents``, naming the share of values affected.
+        NonFiniteOutput: a NaN or inf in ``state.latents`` (:func:`non_finite_error`).
     """
-    finite = state.latents.isfinite()
-    if not bool(finite.all()):
-        share = 1.0 - finite.float().mean().item()
-        raise NonFiniteOutput(f"the denoised latents hold NaN or inf values ({share:.1%} of them): no image was "
-                              f"decoded; the server logs the cause, and /v1/buckets shows each bucket's kernels")
+    if not bool(state.latents.isfinite().all()):
+        raise non_finite_error(state.latents)
     return state
 
 

@@ -7,10 +7,9 @@ its module of :mod:`bcg_core.families`; this module only calls the hooks of :cla
   text, initial latents, its own scheduler, step index 0);
 - :meth:`DiTPipeline.step` runs one denoising step of several requests, each at its own step, in the forwards the
   cost model decided (:class:`~bcg_core.scheduler.costs.StepDecider`); it trusts them and looks nothing up;
-- :meth:`DiTPipeline.finish` decodes a finished request to image files.
+- :meth:`DiTPipeline.finish` decodes a finished request to image files (never NaN or inf latents).
 
-The step scheduler (:mod:`bcg_core.scheduler`) drives these for every request a replica serves;
-:meth:`DiTPipeline.generate` drives them for one request, synchronously, for tests and scripts.
+The step scheduler (:mod:`bcg_core.scheduler`) drives these in a replica; :meth:`DiTPipeline.generate` for one request.
 
 Determinism: image ``i`` of a request starts from noise drawn on the CPU by a generator seeded ``seed + i``, as its
 family's diffusers pipeline draws it; so the same request and seed give the same image as diffusers' own pipeline
@@ -366,10 +365,10 @@ class DiTPipeline:
         return check_fused(self)
 
     def finish(self, state: RequestState) -> list[bytes]:
-        """Image files of a finished request's ``n`` images (family decode, then Pillow's encoder for the
-        request's ``output_format``, :func:`~bcg_core.images.encode_image`)."""
-        r = state.request
-        return [encode_image(image, r.output_format, r.output_compression) for image in self.model.decode(require_finite(state))]
+        """Image files of a finished request's ``n`` images (family decode, then Pillow's encoder for its
+        ``output_format``, :func:`~bcg_core.images.encode_image`); ``NonFiniteOutput`` for NaN or inf latents."""
+        images, r = self.model.decode(require_finite(state)), state.request
+        return [encode_image(image, r.output_format, r.output_compression) for image in images]
 
     # -- one request, synchronously ------------------------------------------------------------------
 
@@ -388,6 +387,7 @@ class DiTPipeline:
             RequestError: a raw request that does not validate (naming the field).
             RequestCancelled: ``cancel`` was set.
             ServiceUnavailable: its adapters did not load within ``lora.load_timeout_s``.
+            NonFiniteOutput: its denoised latents hold NaN or inf (:func:`~bcg_core.errors.require_finite`).
         """
         plan = request if isinstance(request, PlannedRequest) else self.planner.plan(request)
         lease = self.lease(plan)

@@ -126,11 +126,12 @@ def assign_adapters(requests: list, names: list[str], share: float, two_share: f
 
 
 def replay_engine(config, requests: list, concurrency: int, warm: list) -> dict:
-    """Serve ``requests`` (GenerationRequests) through a fresh pipeline and step scheduler, its cost model
-    measured as a replica measures it (``runner.measure_costs``; the runs up to commit fdfe4bc used the
-    token-count stand-in instead), ``concurrency`` in flight, after serving ``warm`` untimed; wall time, images/s, latencies, the pipeline's LoRA stats, the steps
-    the scheduler ran as two (without and with adapters, ``adapter_splits``) and each bucket's measured forward
-    with adapter rows over its plain one (``lora_factor``)."""
+    """Serve ``requests`` (GenerationRequests) through a fresh pipeline and step scheduler, ``concurrency`` in
+    flight, after serving ``warm`` untimed. Before that, as a replica does after its captures
+    (``deployments/dit.py``), the cost model is measured (``runner.measure_costs``; the runs up to commit fdfe4bc
+    used the token-count stand-in instead) and the memory budget set. Returns wall time, images/s, latencies, the
+    pipeline's LoRA stats, the timed replay's steps run as two (without and with adapters, ``adapter_splits``) and
+    each bucket's measured forward with adapter rows over its plain one (``lora_factor``)."""
     from bench_saturation import percentile  # the benchmarks' one percentile (linear, numpy's default)
 
     from bcg_core.pipeline import DiTPipeline, runner_mode
@@ -139,10 +140,6 @@ def replay_engine(config, requests: list, concurrency: int, warm: list) -> dict:
     t0 = time.perf_counter()
     pipe = DiTPipeline.from_config(config)
     sched = StepScheduler.from_pipeline(pipe)
-    how = config.runner.measure_costs  # as a replica does after its captures (deployments/dit.py _measure_costs)
-    if how == "always" or (how == "auto" and runner_mode(config, pipe.model.device) == "graph"):
-        sched.set_costs(pipe.measure_costs(list(pipe.table.keys)))
-    start_s = time.perf_counter() - t0
 
     async def run(reqs):
         gate = asyncio.Semaphore(concurrency)
@@ -155,7 +152,13 @@ def replay_engine(config, requests: list, concurrency: int, warm: list) -> dict:
         return await asyncio.gather(*(one(r) for r in reqs))
 
     try:
+        how = config.runner.measure_costs  # as a replica does after its captures (deployments/dit.py)
+        if how == "always" or (how == "auto" and runner_mode(config, pipe.model.device) == "graph"):
+            sched.set_costs(pipe.measure_costs(list(pipe.table.keys)))
+        sched.measure_memory_budget()
+        start_s = time.perf_counter() - t0
         asyncio.run(run(warm))
+        splits = sched.stats()["adapter_splits"]
         t1 = time.perf_counter()
         done = asyncio.run(run(requests))
         wall = time.perf_counter() - t1
@@ -169,7 +172,7 @@ def replay_engine(config, requests: list, concurrency: int, warm: list) -> dict:
            "images_per_s": round(images / wall, 4), "p50_s": round(percentile(lat, 50), 3),
            "p99_s": round(percentile(lat, 99), 3), "waited_for_load": len(waited),
            "p99_waited_s": None if not waited else round(percentile(waited, 99), 3),
-           "lora": pipe.stats()["lora"], "adapter_splits": st["adapter_splits"]}
+           "lora": pipe.stats()["lora"], "adapter_splits": st["adapter_splits"] - splits}
     plain_ms = st["costs"]["bucket_ms"]
     out["lora_factor"] = {k: round(v / plain_ms[k], 3) for k, v in st["costs"].get("lora_ms", {}).items()
                           if plain_ms.get(k)}

@@ -173,7 +173,7 @@ def rates(r: dict, side: dict, peak: float | None) -> dict:
 def bench_case(case: str, folder: Path, model, args, device: torch.device, dtype: str) -> dict:
     """Every mode of one case (one request of ``args.n`` images), alternating."""
     _, size, tiny_size, steps, guidance = bench_families.CASES[case]
-    size, steps = (tiny_size, 2) if args.tiny else (size, args.steps or steps)
+    size, steps = (tiny_size, 2) if args.tiny else (size, steps if args.steps is None else args.steps)
     req = GenerationRequest(bench_families.PROMPT, n=args.n, width=size, height=size, num_inference_steps=steps,
                             guidance_scale=guidance, seed=1)
     limits = LimitsConfig(min_side_px=16)
@@ -266,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--n", type=int, default=1, help="images per request")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--steps", type=int, help="denoising steps of every case (default: the case's own, "
-                    "bench_families.CASES: 28 for FLUX.1-dev, 20 for the others)")
+                    "bench_families.CASES: 28 for FLUX.1-dev, 20 for the others; --tiny always runs 2)")
     ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke: tiny configs, fp32, 2 steps")
     ap.add_argument("--compile-decode", action="store_true",

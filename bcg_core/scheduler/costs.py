@@ -443,13 +443,16 @@ class StepDecider:
         (``adapter_rows``) costs less as two steps: the plain rows on the buckets' plain graphs, the adapter rows
         on their LoRA graphs, than all rows together on LoRA graphs, where every row pays the deltas' passes
         over its activations. Expected milliseconds of :meth:`decide`'s forwards, a bucket forward with adapter
-        rows scaled by :meth:`CostModel.lora_factor`; False where the factors are unmeasured (1.0: one forward
-        is then never dearer than two), for a miss, or when either side has no rows."""
+        rows scaled by :meth:`CostModel.lora_factor` (an eager chunk by its home bucket's); False where the factors
+        are unmeasured (1.0: one forward is then never dearer than two), for a miss, or when either side has no
+        rows."""
         if shape is None or plain_rows < 1 or adapter_rows < 1:
             return False
+        costs = self.costs  # one snapshot: set_costs may swap it from the capture thread
 
         def with_lora(forwards: StepForwards) -> float:
-            return sum(c.ms * self.costs.lora_factor(c.key) for c in forwards.chunks)
+            # an eager chunk with adapter rows pays the deltas too: priced at its home bucket's factor
+            return sum(c.ms * costs.lora_factor(c.key or c.home or forwards.home) for c in forwards.chunks)
 
         together = with_lora(self.decide(shape, plain_rows + adapter_rows))
         return self.decide(shape, plain_rows).ms + with_lora(self.decide(shape, adapter_rows)) < together

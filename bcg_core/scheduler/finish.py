@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from bcg_core.errors import NonFiniteOutput, RequestCancelled, require_finite
+from bcg_core.errors import RequestCancelled, non_finite_error
 from bcg_core.families import RequestState
 from bcg_core.images import encode_image
 from bcg_core.keys import BucketKey, Dim
@@ -148,11 +148,12 @@ class Finisher:
                     with torch.cuda.stream(self._stream):
                         for item in live:
                             self._stream.wait_event(item.done_event)
-                        live = self._finite(live)
-                        images = self._decode_many([i.state for i in live]) if live else []
+                        finite = torch.stack([i.state.latents.isfinite().all() for i in live])  # no sync yet
+                        images = self._decode_many([i.state for i in live])
                 else:
-                    live = self._finite(live)
-                    images = self._decode_many([i.state for i in live]) if live else []
+                    finite = torch.stack([i.state.latents.isfinite().all() for i in live])
+                    images = self._decode_many([i.state for i in live])
+                finite = finite.tolist()  # the decode has synchronised the stream already
         except Exception as e:
             log.exception("decoding %d requests failed", len(live))
             for item in live:
@@ -160,26 +161,22 @@ class Finisher:
                 self._fail(item, e, failed=True)
             return
         now = time.perf_counter()
-        for item, imgs in zip(live, images):
+        for item, imgs, ok in zip(live, images, finite):
             item.decoded = now
-            self._release(item)
-            self._encode(item, imgs)
-
-    def _finite(self, items: list[InFlight]) -> list[InFlight]:
-        """The items whose latents are finite; each other one fails alone (:func:`~bcg_core.errors.require_finite`:
-        HTTP 500, counted as failed), so a NaN request never spoils the decode of its company."""
-        ok = []
-        for item in items:
-            try:
-                require_finite(item.state)
-            except NonFiniteOutput as e:
-                log.error("a request of %d images (%dx%d) failed: %s", item.state.n, item.plan.request.width,
-                          item.plan.request.height, e)
+            if ok:
                 self._release(item)
-                self._fail(item, e, failed=True)
-            else:
-                ok.append(item)
-        return ok
+                self._encode(item, imgs)
+            else:  # its images are dropped; the VAE decodes each image alone, so its company's are unaffected
+                self._non_finite(item)
+
+    def _non_finite(self, item: InFlight) -> None:
+        """Fail ``item``, whose latents hold NaN or inf (:func:`~bcg_core.errors.non_finite_error`: HTTP 500,
+        counted as failed in its shape's stats), and log it."""
+        error = non_finite_error(item.state.latents)
+        log.error("a request of %d images (%dx%d) failed: %s", item.state.n, item.plan.request.width,
+                  item.plan.request.height, error)
+        self._release(item)
+        self._fail(item, error, failed=True)
 
     def _decode_many(self, states: list[RequestState]) -> list[list]:
         """Decode requests of one image size in one family decode call; the images of each, in order.

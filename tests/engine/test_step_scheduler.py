@@ -474,8 +474,8 @@ def test_nan_latents_fail_their_request_loudly_and_serving_goes_on(pipe, make_sc
 
 
 def test_a_nan_request_fails_alone_in_a_batched_decode(pipe):
-    """In one decode batch (two requests of one size) only the request with inf latents fails; its company is
-    decoded and goes on to its image encode."""
+    """In one decode batch (two requests of one size, one VAE call) only the request with inf latents fails; its
+    company's images go on to their encode."""
     from types import SimpleNamespace
 
     from bcg_core.errors import NonFiniteOutput
@@ -493,7 +493,7 @@ def test_a_nan_request_fails_alone_in_a_batched_decode(pipe):
     fin._decode(items)
     (item, error, kw), = failed
     assert item is items[1] and isinstance(error, NonFiniteOutput) and kw == {"failed": True}
-    assert encoded == [(items[0], 1)] and released == [items[1], items[0]]
+    assert encoded == [(items[0], 1)] and released == [items[0], items[1]]
     with pytest.raises(NonFiniteOutput, match="NaN or inf"):
         pipe.finish(items[1].state)
     fin.close(1.0)
