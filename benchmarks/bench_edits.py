@@ -234,18 +234,17 @@ def replay(sched, pipe, requests: list, kinds: list[str], concurrency: int) -> t
 
 
 def start_engine(config):
-    """The pipeline and step scheduler a replica would run for ``config``; with CUDA graphs, every bucket's costs
-    measured and the memory budget set after that, as ``DiTReplica`` does after its capture. ``(pipe, scheduler,
-    start seconds)``."""
-    from bcg_core.pipeline import DiTPipeline, runner_mode
+    """The pipeline and step scheduler a replica would run for ``config``: every bucket's costs measured where
+    ``runner.measure_costs`` asks for it (:meth:`StepScheduler.measure_costs`) and the memory budget set after that,
+    as ``DiTReplica`` does after its capture. ``(pipe, scheduler, start seconds)``."""
+    from bcg_core.pipeline import DiTPipeline
     from bcg_core.scheduler import StepScheduler
 
     t0 = time.perf_counter()
     pipe = DiTPipeline.from_config(config)
     sched = StepScheduler.from_pipeline(pipe)
-    if runner_mode(config, pipe.model.device) == "graph":
-        sched.set_costs(pipe.measure_costs(list(pipe.table.keys)))
-        sched.measure_memory_budget()
+    sched.measure_costs(list(pipe.table.keys))
+    sched.measure_memory_budget()
     return pipe, sched, time.perf_counter() - t0
 
 

@@ -127,19 +127,15 @@ def assign_adapters(requests: list, names: list[str], share: float, two_share: f
 
 def replay_engine(config, requests: list, concurrency: int, warm: list) -> dict:
     """Serve ``requests`` (GenerationRequests) through a fresh pipeline and step scheduler, ``concurrency`` in
-    flight, after serving ``warm`` untimed. Before that, as a replica does after its captures
-    (``deployments/dit.py``), the cost model is measured (``runner.measure_costs``; the runs up to commit fdfe4bc
-    used the token-count stand-in instead) and the memory budget set. Returns wall time, images/s, latencies, the
-    pipeline's LoRA stats, the timed replay's steps run as two (without and with adapters, ``adapter_splits``) and
-    each bucket's measured forward with adapter rows over its plain one (``lora_factor``)."""
+    flight, after serving ``warm`` untimed. Started as a replica starts (``bench_edits.start_engine``: the cost
+    model measured where ``runner.measure_costs`` asks for it, the memory budget set; the runs up to commit fdfe4bc
+    used the token-count stand-in instead). Returns wall time, images/s, latencies, the pipeline's LoRA stats, the
+    timed replay's steps run as two (without and with adapters, ``adapter_splits``) and each bucket's measured
+    forward with adapter rows over its plain one (``lora_factor``)."""
+    from bench_edits import start_engine  # the pipeline and scheduler as a replica starts them
     from bench_saturation import percentile  # the benchmarks' one percentile (linear, numpy's default)
 
-    from bcg_core.pipeline import DiTPipeline, runner_mode
-    from bcg_core.scheduler import StepScheduler
-
-    t0 = time.perf_counter()
-    pipe = DiTPipeline.from_config(config)
-    sched = StepScheduler.from_pipeline(pipe)
+    pipe, sched, start_s = start_engine(config)
 
     async def run(reqs):
         gate = asyncio.Semaphore(concurrency)
@@ -152,11 +148,6 @@ def replay_engine(config, requests: list, concurrency: int, warm: list) -> dict:
         return await asyncio.gather(*(one(r) for r in reqs))
 
     try:
-        how = config.runner.measure_costs  # as a replica does after its captures (deployments/dit.py)
-        if how == "always" or (how == "auto" and runner_mode(config, pipe.model.device) == "graph"):
-            sched.set_costs(pipe.measure_costs(list(pipe.table.keys)))
-        sched.measure_memory_budget()
-        start_s = time.perf_counter() - t0
         asyncio.run(run(warm))
         splits = sched.stats()["adapter_splits"]
         t1 = time.perf_counter()

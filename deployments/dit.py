@@ -60,7 +60,7 @@ from bcg_core.keys import BucketKey
 from .settings import ServeConfig
 from bcg_core.errors import RequestError
 from bcg_core.models import load_model
-from bcg_core.pipeline import DiTPipeline, runner_mode
+from bcg_core.pipeline import DiTPipeline
 from bcg_core.request import GenerationRequest, GenerationResult, PlannedRequest
 from bcg_core.scheduler.step_scheduler import StepScheduler
 from bcg_core.planning.traffic import TrafficHistogram
@@ -222,17 +222,12 @@ class DiTReplica:
 
     def _measure_costs(self, shape: str, keys: list[BucketKey]) -> None:
         """Time ``shape``'s prepared buckets and its eager forwards for the step scheduler's cost model; a
-        failed measurement leaves the shape on the token-count stand-in (logged)."""
-        how = self._config.runner.measure_costs
-        graphs = runner_mode(self._config, self._pipeline.model.device) == "graph"
-        if how == "never" or (how == "auto" and not graphs):
-            return
+        failed measurement leaves the shape on the token-count stand-in (logged). ``runner.measure_costs`` says
+        whether to measure (:meth:`~bcg_core.scheduler.StepScheduler.measure_costs`)."""
         try:
-            costs = self._pipeline.measure_costs(keys)
+            self._scheduler.measure_costs(keys)
         except Exception:
             logger.exception("replica %s: measuring the costs of shape %s failed", self._id, shape)
-            return
-        self._scheduler.set_costs(costs)
 
     # -- serving ------------------------------------------------------------------------------------
 

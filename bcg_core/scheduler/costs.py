@@ -377,7 +377,7 @@ def measure_costs(runner, adapter, keys: Sequence[BucketKey], inputs_for: Callab
                 if k_lora:
                     dev = x.latents.device
                     xl = replace(x, lora_slots=torch.zeros(k.batch, k_lora, dtype=torch.int64, device=dev),
-                                             lora_scales=torch.zeros(k.batch, k_lora, device=dev))
+                                 lora_scales=torch.zeros(k.batch, k_lora, device=dev))
                     lora[k] = time_ms(lambda k=k, xl=xl: runner.run(k, xl), iters)
             ref = max(ks, key=lambda k: k.batch)
             for rows in eager_row_counts([k.batch for k in ks]):

@@ -11,6 +11,7 @@ step's computed tokens, and the request's own real tokens.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import queue
@@ -143,16 +144,12 @@ class Finisher:
         if not live:
             return
         try:
-            with torch.inference_mode():
-                if self._cuda:
-                    with torch.cuda.stream(self._stream):
-                        for item in live:
-                            self._stream.wait_event(item.done_event)
-                        finite = torch.stack([i.state.latents.isfinite().all() for i in live])  # no sync yet
-                        images = self._decode_many([i.state for i in live])
-                else:
-                    finite = torch.stack([i.state.latents.isfinite().all() for i in live])
-                    images = self._decode_many([i.state for i in live])
+            with torch.inference_mode(), torch.cuda.stream(self._stream) if self._cuda else contextlib.nullcontext():
+                for item in live:
+                    if self._cuda:
+                        self._stream.wait_event(item.done_event)
+                finite = torch.stack([i.state.latents.isfinite().all() for i in live])  # no sync yet
+                images = self._decode_many([i.state for i in live])
                 finite = finite.tolist()  # the decode has synchronised the stream already
         except Exception as e:
             log.exception("decoding %d requests failed", len(live))

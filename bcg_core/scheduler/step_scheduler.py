@@ -22,8 +22,9 @@ from collections.abc import AsyncIterator, Callable
 import torch
 
 from bcg_core.errors import RequestCancelled, RequestError
-from bcg_core.pipeline import DiTPipeline
+from bcg_core.pipeline import DiTPipeline, runner_mode
 from bcg_core.preview import PartialImage, preview_steps
+from bcg_core.keys import BucketKey
 from bcg_core.request import GenerationResult, PlannedRequest
 from bcg_core.scheduler.admission import Admission, InFlight
 from bcg_core.scheduler.costs import CostModel
@@ -121,6 +122,17 @@ class StepScheduler:
             free, _ = torch.cuda.mem_get_info(self._device)
             with self.flight.cv:
                 self.flight.admission.memory_budget_bytes = int(0.5 * free)
+
+    def measure_costs(self, keys: list[BucketKey]) -> bool:
+        """Where ``runner.measure_costs`` asks for it (``always``, or ``auto`` with CUDA graphs), time ``keys``'
+        forwards and their shapes' eager ones (:meth:`DiTPipeline.measure_costs`) and use the times from now on, as
+        a replica does after each capture; True if measured. Errors of the measurement are raised."""
+        config = self.pipeline.config
+        how = config.runner.measure_costs
+        if how == "never" or (how == "auto" and runner_mode(config, self.pipeline.model.device) != "graph"):
+            return False
+        self.set_costs(self.pipeline.measure_costs(keys))
+        return True
 
     @property
     def costs(self) -> CostModel:

@@ -568,6 +568,20 @@ def test_measured_costs_on_the_cpu(pipe):
     assert costs.choose(SHAPE, 3, keys).rows == 3
 
 
+def test_the_scheduler_measures_costs_where_runner_measure_costs_asks(tiny):
+    """``StepScheduler.measure_costs`` (a replica calls it after each capture): ``auto`` measures only with CUDA
+    graphs, so not on a CPU, ``never`` never, ``always`` here too, and the times are then the decider's."""
+    keys = [k for k in DiTPipeline(CONFIG, tiny).table.keys if k.shape == SHAPE][:1]
+    for how, measured in (("auto", False), ("never", False), ("always", True)):
+        config = CONFIG.model_copy(update={"runner": CONFIG.runner.model_copy(update={"measure_costs": how})})
+        sched = StepScheduler.from_pipeline(DiTPipeline(config, tiny))
+        try:
+            assert sched.measure_costs(keys) is measured
+            assert (sched.costs.source == "measured") is measured, sched.costs.source
+        finally:
+            sched.close()
+
+
 def test_backpressure_follows_the_scheduler_capacity():
     step = backpressure_limits(ServeConfig())
     assert (step.batch_capacity, step.dit_max_ongoing) == (32, 64)  # 64 rows / 2 rows per default request
