@@ -95,14 +95,14 @@ def test_rows_of_different_adapters_in_one_forward_each_equal_diffusers(ckpt):
 
 def test_forwards_without_adapter_rows_run_no_lora_kernel_and_equal_the_plain_model(ckpt, monkeypatch):
     """A forward whose rows all lack adapters runs the bucket without the deltas (the CUDA graph runner's second
-    graph; here the static padded forward): no ``bcg::lora_add`` call, and latents bit-equal to a pipeline
+    graph; here the static padded forward): no ``bcg::lora_add_`` call, and latents bit-equal to a pipeline
     without ``lora.dir``. A forward with one adapter row beside them calls it on every wrapped layer."""
     import bcg_core.lora.layers as layers
 
     folder, loras, pipe = ckpt
     calls = []
-    real = layers.lora_add
-    monkeypatch.setattr(layers, "lora_add", lambda *a: calls.append(1) or real(*a))
+    real = layers.lora_add_
+    monkeypatch.setattr(layers, "lora_add_", lambda *a: calls.append(1) or real(*a))
     plain = bcg_pipeline(folder, BUCKETS)
     want = bcg_run(plain, _req(seed=5, n=3)).latents
     got = bcg_run(pipe, _req(seed=5, n=3)).latents  # 3 rows padded into the 4-row bucket
@@ -164,8 +164,8 @@ def test_bucket_checks_cover_the_graph_for_adapter_rows_too(ckpt, monkeypatch):
 
     folder, loras, pipe = ckpt
     calls = []
-    real = layers.lora_add
-    monkeypatch.setattr(layers, "lora_add", lambda *a: calls.append(1) or real(*a))
+    real = layers.lora_add_
+    monkeypatch.setattr(layers, "lora_add_", lambda *a: calls.append(1) or real(*a))
     cases = [c for c in boundary_cases(pipe.table, pipe.config.limits) if c.key is not None][:2]
     verdicts = verify_runner(pipe.model.adapter, pipe.runner, cases, pipe.model.device, pipe.model.dtype, rtol=1e-5)
     assert verdicts and all(v.passed for v in verdicts), [(str(v.key), v.max_rel_err) for v in verdicts]
