@@ -195,8 +195,8 @@ class LoRALayers:
                 continue
             r = delta.rank
             layer.A[slot, :r].copy_(delta.A, non_blocking=True)
-            bt = delta.B.t().to(layer.AB.device, torch.float32, non_blocking=True)
-            layer.Bt[slot, :r].copy_(bt * delta.scaling)  # scaling folded in at float32, rounded once
+            b = delta.B.to(layer.AB.device, torch.float32, non_blocking=True)  # (out, r) as read: one async copy
+            layer.Bt[slot, :r].copy_(b.t() * delta.scaling)  # scaling folded in at float32, rounded once
 
     @staticmethod
     @contextlib.contextmanager
