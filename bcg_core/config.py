@@ -323,7 +323,9 @@ class RunnerConfig(BaseModel):
         "against eager and measures faster (bcg_core/runners/decode.py; /v1/buckets kernels.decode). Off by "
         "default until measured in the server on a GPU.",
     )
-    warmup_iters: int = Field(default=2, ge=1, le=10, description="Warm-up forwards on a side stream before capture.")
+    warmup_iters: int = Field(default=2, ge=1, le=10,
+                              description="Warm-up forwards on a side stream before capture (with compiled kernels "
+                                          "and their check, one fewer: the check's compiled forward is the last).")
     max_rows_in_flight: int = Field(
         default=64, ge=1, le=4096,
         description="Step scheduler: most transformer rows (images, x2 with classifier-free guidance) in flight "

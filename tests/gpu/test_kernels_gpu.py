@@ -29,6 +29,31 @@ def test_compiled_kernels_are_captured_in_every_bucket_graph_and_replay_within_t
     assert not kernels.on  # the compiled blocks are switched on only inside bucket forwards
 
 
+def test_with_the_compile_check_one_warm_up_forward_precedes_the_capture(table, new_adapter, monkeypatch):
+    """With the check on (``rtol``), a bucket runs ``warmup_iters - 1`` side-stream warm-ups: the check's compiled
+    forward is the last forward before the capture. Every bucket still captures its compiled kernels and
+    replays within tolerance; a bucket of eager kernels keeps ``warmup_iters``."""
+    adapter = new_adapter()
+    kernels = CompiledKernels(adapter.model, rtol=0.1)
+    runner = CudaGraphRunner(adapter, table.keys, BucketMetrics(table.keys), CUDA, torch.bfloat16, kernels=kernels)
+    forwards = []
+    real = CudaGraphRunner._forward
+    monkeypatch.setattr(CudaGraphRunner, "_forward",
+                        lambda self, b, f, plain=False: forwards.append(torch.cuda.is_current_stream_capturing())
+                        or real(self, b, f, plain))
+    runner.prepare()
+    assert runner.graph_count == len(table.keys) and runner.stats.compile_failed == 0
+    assert all(e.compile_rel_err is not None for e in runner.entries.values())
+    assert forwards == [False, True] * len(table.keys)  # one warm-up, then the capture, per bucket
+    verdicts = verify_runner(adapter, runner, boundary_cases(table, LimitsConfig()), CUDA, torch.bfloat16,
+                             rtol=BF16_RTOL)
+    assert all(v.passed for v in verdicts), [(str(v.key), v.max_rel_err) for v in verdicts if not v.passed]
+    forwards.clear()
+    eager = CudaGraphRunner(adapter, table.keys[:1], BucketMetrics(table.keys[:1]), CUDA, torch.bfloat16)
+    eager.prepare()
+    assert forwards == [False, False, True]
+
+
 def test_a_failed_compile_keeps_eager_kernels_under_the_graph(table, new_adapter):
     def broken(fn, **options):
         def compiled(*args, **kwargs):
