@@ -15,13 +15,17 @@ float32 (K = ``lora.max_per_request``; an unused entry is slot 0 with scale 0): 
 which is peft's ``base_layer(x) + lora_B(lora_A(x)) * scaling`` summed over the active adapters, with
 ``set_adapters``' weight as ``scales[i, k]``. Zero-padding a rank is exact (the padded products are zeros).
 
-The deltas are added in place to the base layer's output by four kernels per layer, whatever K and the ranks:
-one gather of the rows' ``AB`` entries (both halves at once), one product of the ``B`` half with the rows'
-scales, and two batched matmuls (``x A^T``, then ``y += h (scale B^T)``). Folding each layer's ``scaling`` into
-its ``B`` half when the adapter is written, instead of gathering and multiplying it per layer and forward, is
-what makes it four (it was eight: separate gathers of ``A``, ``B^T`` and ``scaling``, their product with the
-scales and its cast, the scaled ``h`` and an out-of-place sum; in a CUDA graph each small kernel still costs a
-few microseconds, over the 340 wrapped layers of SD3-medium about 4 ms a forward).
+The deltas are added in place to the base layer's output by four kernels per layer on CUDA, whatever K and the
+ranks, where the layer's input and output are contiguous (as in every served family): one gather of the rows'
+``AB`` entries (both halves at once), one product of the ``B`` half with the rows' scales (cast to the model's
+dtype in the same kernel), and two batched matmuls (``x A^T``, then ``y += h (scale B^T)``). Folding each layer's
+``scaling`` into its ``B`` half when the adapter is written, instead of gathering and multiplying it per layer
+and forward, is what makes it four (it was eight: separate gathers of ``A``, ``B^T`` and ``scaling``, their
+product with the scales and its cast, the scaled ``h`` and an out-of-place sum). In a CUDA graph each small
+kernel still costs microseconds, times the 340 wrapped layers of SD3-medium: by that estimate a few ms a
+forward, not measured yet (docs/BENCHMARKS.md). In float16 a folded entry below 6.1e-5 (a small ``scaling``
+times a small ``B``) is subnormal and keeps fewer bits; its share of the output is far below the output's own
+rounding, so the result is unchanged at the model's precision.
 
 The rows reach the layers as a thread-local (:meth:`LoRALayers.rows`), set around each forward by the padding
 wrapper (:class:`~bcg_core.lora.rows.LoRAAdapter`) to that bucket's own static buffers; the delta is one

@@ -86,7 +86,8 @@ class LoRAAdapter:
     def forward_plain(self, buffers: dict[str, torch.Tensor]) -> torch.Tensor:
         """The family's padded forward with no LoRA rows: what a bucket's second graph captures, replayed for
         forwards in which no row has an adapter (``lora_slots`` None), so those rows pay nothing for the
-        deltas (eager kernels: no LoRA kernel at all; compiled blocks: the operator's copy of the output)."""
+        deltas (eager kernels: no LoRA kernel at all; compiled blocks: a call of the operator that does nothing
+        without rows)."""
         with self.layers.rows(None, None):
             return self.inner.forward(buffers)
 

@@ -98,3 +98,43 @@ def test_forwards_without_adapter_rows_replay_the_plain_graph(ckpt):
     assert torch.equal(bcg_run(pipe, req).latents, bcg_run(plain, req).latents)
     with_a = pipe.planner.plan(_req(n=3, seed=4, lora=(("a", 1.0),))).request
     assert not torch.equal(bcg_run(pipe, with_a).latents, bcg_run(plain, req).latents)
+
+
+def test_compiled_blocks_update_each_base_output_in_place_on_cuda():
+    """Inductor's CUDA code (bf16, Triton and cuBLAS) applies ``bcg::lora_add_`` to each base layer's output buffer
+    without a clone, so a compiled plain forward pays nothing per wrapped layer; with rows it equals eager within
+    bf16 rounding. The CPU's code is checked in ``tests/unit/test_lora_layers.py``."""
+    from pathlib import Path
+
+    from torch._inductor.utils import run_and_get_code
+
+    from bcg_core.lora.files import AdapterWeights, LayerDelta
+    from bcg_core.lora.layers import LoRALayers
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up, self.down = torch.nn.Linear(256, 512), torch.nn.Linear(512, 256, bias=False)
+
+        def forward(self, x):
+            return x + self.down(torch.nn.functional.gelu(self.up(x)))
+
+    torch.manual_seed(0)
+    m = Block().to("cuda", torch.bfloat16)
+    layers = LoRALayers(m, slots=2, max_rank=8, max_per_request=2)
+    g = torch.Generator().manual_seed(1)
+    layers.write(1, AdapterWeights("a", Path("a"), {n: LayerDelta(torch.randn(8, i, generator=g) * 0.1,
+                                                                  torch.randn(o, 8, generator=g) * 0.1, 0.5)
+                                                    for n, (i, o) in layers.shapes().items()}))
+    x = torch.randn(3, 64, 256, device="cuda", dtype=torch.bfloat16)
+    compiled = torch.compile(m, fullgraph=True, dynamic=False)
+    slots = torch.tensor([[1, 0], [0, 0], [1, 1]], device="cuda")
+    scales = torch.tensor([[0.8, 0.0], [0.0, 0.0], [0.5, -0.5]], device="cuda")
+    with torch.no_grad():
+        _, code = run_and_get_code(compiled, x)
+        with layers.rows(slots, scales):
+            got, want = compiled(x).float(), m(x).float()
+    assert ((got - want).abs().max() / want.abs().max()).item() < 2e-2
+    assert not torch.equal(got[0], got[1])  # the adapter row differs from the plain one
+    src = "\n".join(code)
+    assert src.count("torch.ops.bcg.lora_add_") == 2 and "clone" not in src, src
