@@ -299,9 +299,17 @@ class CudaGraphRunner:
         return entry
 
     def _record(self, graph, entry: BucketEntry, sync_debug: bool, plain: bool = False):
-        """Capture ``entry``'s forward (with its kernels) into ``graph`` in the shared pool; its static outputs."""
+        """Capture ``entry``'s forward (with its kernels) into ``graph`` in the shared pool; its static outputs.
+
+        The capture's error mode is ``thread_local``: calls that are unsafe during a capture are refused on this
+        thread only. A replica captures while it serves (shapes newly assigned when a peer leaves,
+        ``deployments/dit.py``; lazy captures), and its other threads keep working meanwhile: the denoising
+        thread's eager chunks, the decode thread, the LoRA loader's copies, the VAE decode's background compile.
+        Under the default ``global`` mode any ``cudaMalloc``, ``cudaFree`` or stream synchronization of theirs
+        would fail (their request, or the capture). Their work is on streams of their own (PyTorch's streams
+        are non-blocking), so none of it is recorded into the graph."""
         with (self._sync_debug(sync_debug), torch.inference_mode(), entry_kernels(self.kernels, entry),
-              torch.cuda.graph(graph, pool=self.pool)):
+              torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local")):
             output, nxt = self._forward(entry.buffers, entry.fused, plain)
         torch.cuda.synchronize(self.device)
         return output, nxt

@@ -157,3 +157,52 @@ def test_lazy_capture_is_counted(adapter, table, metrics):
     r.run(case.key, random_inputs(adapter, case, CUDA, torch.bfloat16))
     r.run(case.key, random_inputs(adapter, case, CUDA, torch.bfloat16))
     assert r.stats.lazy_captures == 1 and r.graph_count == 1
+
+
+
+def test_captures_while_another_thread_allocates_and_synchronizes(adapter, table, metrics, monkeypatch):
+    """A replica captures while it serves (shapes a peer gave up, lazy captures); its other threads (denoising,
+    decode, the LoRA loader) go on allocating device memory and synchronizing their streams. Neither side fails:
+    every bucket is captured and replays equal eager, and the other thread sees no error (the capture's error
+    mode is ``thread_local``; under ``global`` a ``cudaMalloc`` elsewhere fails during a capture)."""
+    import threading
+    import time
+
+    stop, capturing, errors, overlaps = threading.Event(), threading.Event(), [], []
+    real = CudaGraphRunner._record
+
+    def record(self, *args, **kwargs):
+        capturing.set()
+        try:
+            return real(self, *args, **kwargs)
+        finally:
+            capturing.clear()
+
+    monkeypatch.setattr(CudaGraphRunner, "_record", record)
+
+    def busy():
+        stream, held = torch.cuda.Stream(CUDA), []
+        try:
+            with torch.cuda.stream(stream):
+                while not stop.is_set():
+                    if len(held) < 2048:  # 2 MiB blocks never freed: each one is a cudaMalloc (4 GiB at most)
+                        held.append(torch.empty(2**19, device=CUDA).fill_(1.0))
+                        if capturing.is_set():
+                            overlaps.append(len(held))
+                    stream.synchronize()
+                    time.sleep(0.002)
+        except Exception as e:  # noqa: BLE001 - reported by the test
+            errors.append(e)
+
+    worker = threading.Thread(target=busy)
+    worker.start()
+    try:
+        r = _runner(adapter, table, metrics, sync_debug=False)  # the sync debug mode is process-wide
+    finally:
+        stop.set()
+        worker.join()
+    assert not errors, errors
+    assert overlaps  # the other thread did allocate during a capture
+    assert r.graph_count == len(table.keys) and r.stats.failed == 0, r.describe()
+    v = verify_runner(adapter, r, boundary_cases(table, LimitsConfig())[:6], CUDA, torch.bfloat16, rtol=BF16_RTOL)
+    assert all(x.passed for x in v)
