@@ -175,6 +175,18 @@ class LoRALayers:
         return {n: (m.in_features, m.out_features) for n, m in self.layers.items()}
 
     @property
+    def delta_share(self) -> float:
+        """The work a forward with adapter rows adds to the wrapped layers, as a share of their own matmuls:
+        ``sum (in + out) x K x max_rank / sum in x out`` over the wrapped layers. Per token, each wrapped layer
+        multiplies ``in x out`` for its weight and ``(in + out) x K x max_rank`` for the rows' deltas (every row
+        computes K entries of ``max_rank``, zero-padded ones too). So ``lora.max_rank`` 64 and
+        ``lora.max_per_request`` 4 add 17% at FLUX.1's 3,072-wide layers and 33% at SD3-medium's 1,536-wide
+        ones; 16 and 2 add 2% and 4%."""
+        k_r = self.max_per_request * self.max_rank
+        delta = sum((m.in_features + m.out_features) * k_r for m in self.layers.values())
+        return delta / sum(m.in_features * m.out_features for m in self.layers.values())
+
+    @property
     def nbytes(self) -> int:
         """Device bytes of the slot buffers."""
         return sum(m.AB.numel() * m.AB.element_size() for m in self.layers.values())

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -27,6 +28,13 @@ from bcg_core.lora.files import AdapterError, AdapterFiles, AdapterWeights
 from bcg_core.lora.layers import LoRALayers
 
 __all__ = ["AdapterSlots", "Lease"]
+
+log = logging.getLogger(__name__)
+
+DELTA_SHARE_WARN = 0.05
+"""Above this :attr:`~bcg_core.lora.layers.LoRALayers.delta_share` a start logs a warning with the settings to
+lower: the deltas then cost a forward with adapter rows more than the 0.9x of the issue's target leaves room for
+(docs/BENCHMARKS.md: 2-4% of added work measured 0.95x at FLUX.1-dev width and 0.84-0.89x at SD3-medium)."""
 
 
 @dataclass
@@ -307,7 +315,8 @@ class AdapterSlots:
             return {
                 "slots": self.layers.slots, "max_rank": self.layers.max_rank,
                 "max_per_request": self.layers.max_per_request, "layers": len(self.layers.layers),
-                "slot_bytes": self.layers.nbytes, "resident": dict(self._resident),
+                "slot_bytes": self.layers.nbytes, "delta_share": round(self.layers.delta_share, 4),
+                "resident": dict(self._resident),
                 "pinned": {n: self._pins[s] for n, s in self._resident.items() if self._pins[s] > 0},
                 "adapters": {n: {**vars(c), "load_s": round(c.load_s, 4)} for n, c in sorted(self.counts.items())},
             }
@@ -346,6 +355,13 @@ def install(config, model) -> AdapterSlots | None:
     layers = LoRALayers(model.adapter.model, cfg.slots, cfg.max_rank, cfg.max_per_request, cfg.targets)
     files = AdapterFiles(cfg.dir, getattr(diffusers, loader), layers.shapes(), cfg.max_rank)
     model.adapter = LoRAAdapter(model.adapter, layers)
+    share = layers.delta_share
+    (log.warning if share > DELTA_SHARE_WARN else log.info)(
+        "lora: %d layers wrapped; a forward with adapter rows adds %.1f%% to their matmul work (every row computes "
+        "lora.max_per_request %d x lora.max_rank %d rank rows per layer, zero-padded ones too)%s", len(layers.layers),
+        100 * share, cfg.max_per_request, cfg.max_rank,
+        "; lower lora.max_rank and lora.max_per_request to what the adapters need (docs/OPERATIONS.md, LoRA "
+        "adapters)" if share > DELTA_SHARE_WARN else "")
     return AdapterSlots(files, layers, cfg.load_timeout_s, cfg.host_cache)
 
 

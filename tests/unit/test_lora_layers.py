@@ -133,3 +133,29 @@ def test_a_compiled_block_updates_each_base_output_in_place_without_a_copy(block
     calls = [line for line in src.splitlines() if "torch.ops.bcg.lora_add_" in line]
     assert len(calls) == 2, src
     assert "clone" not in src and "copy_" not in src, src
+
+
+def test_the_deltas_share_of_the_wrapped_layers_work_is_reported_and_warned_about_at_start(block, tmp_path, caplog):
+    """``delta_share``: per token, ``(in + out) x K x max_rank`` against ``in x out``, summed over the wrapped
+    layers; a start above :data:`~bcg_core.lora.slots.DELTA_SHARE_WARN` logs the settings to lower, and
+    ``/v1/buckets``' ``lora`` section carries the share."""
+    import logging
+    from types import SimpleNamespace
+
+    from bcg_core.config import EngineConfig
+    from bcg_core.lora.slots import DELTA_SHARE_WARN, install
+
+    _, _, layers, _ = block
+    assert layers.delta_share == pytest.approx((16 + 24 + 24 + 16) * 2 * 4 / (16 * 24 + 24 * 16))
+    model = SimpleNamespace(lora_loader="FluxPipeline", adapter=SimpleNamespace(model=Block()))
+    config = EngineConfig(lora={"dir": str(tmp_path), "slots": 2, "max_rank": 4, "max_per_request": 2})
+    with caplog.at_level(logging.INFO, logger="bcg_core.lora.slots"):
+        slots = install(config, model)
+    try:
+        share = slots.describe()["delta_share"]
+        assert share == round(layers.delta_share, 4) > DELTA_SHARE_WARN
+        (record,) = [r for r in caplog.records if "matmul work" in r.getMessage()]
+        assert record.levelno == logging.WARNING and "lower lora.max_rank" in record.getMessage()
+        assert f"{100 * share:.1f}%" in record.getMessage()
+    finally:
+        slots.close()
