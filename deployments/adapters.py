@@ -150,21 +150,21 @@ class AdapterCatalog:
 
     # -- the check of a request -----------------------------------------------------------------------
 
-    def _exists(self, name: str) -> bool:
-        """Whether ``name`` has a file (blocking: two ``stat`` calls); found names join the listing's set."""
+    def _exists(self, name: str) -> str | None:
+        """None if ``name`` has a file (blocking: two ``stat`` calls; found names join the listing's set), else
+        why not: no such file, or a link that leads out of the folder (never served, so never listed)."""
         try:
             adapter_path(self.folder.resolve(), name)
-            found = True
-        except AdapterError:  # no file, or a link out of the folder: the replica says which
-            found = False
-        if found:
-            with self._lock:
-                self._known.add(name)
-        return found
+        except AdapterError as e:
+            return e.reason
+        with self._lock:
+            self._known.add(name)
+        return None
 
-    def _unknown(self, names: list[str]) -> list[str]:
-        """Names in ``names`` with no file, after re-reading the folder if the listing is stale (blocking)."""
-        missing = [n for n in names if not self._exists(n)]
+    def _unknown(self, names: list[str]) -> dict[str, str]:
+        """Names in ``names`` with no file, and why, after re-reading the folder if the listing is stale
+        (blocking)."""
+        missing = {n: why for n in names if (why := self._exists(n)) is not None}
         if missing:
             self.refresh()  # for the message's list of names; at most every relist_s
         return missing
@@ -199,5 +199,10 @@ class AdapterCatalog:
             names, more = self._names[:SHOWN_IN_ERRORS], len(self._names) - SHOWN_IN_ERRORS
         shown = ", ".join(names) + (f" and {more}{'+' if self._truncated else ''} more" if more > 0 else "")
         which = ", ".join(repr(n) for n in missing)
-        reason = (f"no adapter {which} in lora.dir (adapters: {shown or 'none'}; GET /v1/models lists them)")
-        raise RequestError("lora", invalid("lora", missing[0] if len(missing) == 1 else missing, reason, allowed))
+        links = [why for why in missing.values() if "links outside" in why]
+        what = (f"{links[0]}: a link that leaves the folder is not served" if links
+                else f"no adapter {which} in lora.dir")
+        reason = f"{what} (adapters: {shown or 'none'}; GET /v1/models lists them)"
+        names_missing = list(missing)
+        raise RequestError("lora", invalid("lora", names_missing[0] if len(names_missing) == 1 else names_missing,
+                                           reason, allowed))

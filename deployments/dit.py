@@ -208,14 +208,18 @@ class DiTReplica:
                     failpoints.capture_stall()
                 order = sorted(shapes,
                                key=lambda s: -max(k.tokens for k in self._by_shape.get(s, [BucketKey(0, 0, 0)])))
-                for s in order:
+                for i, s in enumerate(order, 1):
                     keys = self._by_shape.get(s)
                     if not keys:
                         logger.warning("replica %s was assigned unknown shape %r; ignored", self._id, s)
                         continue
+                    t0 = time.perf_counter()
                     self._pipeline.prepare(keys)
                     self._measure_costs(s, keys)
                     self._ready.add(s)
+                    # progress: a compiled table on a CPU takes minutes (docs/OPERATIONS.md, kernel tiers)
+                    logger.info("replica %s: shape %s ready (%d buckets, %.1f s), %d of %d shapes", self._id, s,
+                                len(keys), time.perf_counter() - t0, i, len(order))
                 self._scheduler.measure_memory_budget()  # after capture and cost measurement
             finally:
                 self._capturing_since = None

@@ -173,7 +173,7 @@ class AdapterFiles:
             AdapterError: see :meth:`path`, and the module docstring's refusals (the reason names the file).
         """
         path = self.path(name)
-        where = f"adapter {name!r} ({path.name})"
+        where = f"adapter {name!r} ({path.relative_to(self.folder)})"  # <name>/pytorch_lora_weights.safetensors
         try:
             sd, alphas, metadata = self._state_dict(path)
         except AdapterError:
@@ -181,7 +181,7 @@ class AdapterFiles:
         except Exception as e:  # noqa: BLE001 - safetensors and diffusers raise many types on a bad file
             first = first_line(e, type(e).__name__)
             first = first.replace(str(path), path.name).replace(str(self.folder), "lora.dir")[:200]  # no server paths
-            raise AdapterError(name, f"{where} is not a LoRA file diffusers can read: {first}") from None
+            raise AdapterError(name, f"{where} is not a LoRA file diffusers can read (diffusers: {first})") from None
         text = sorted(k for k in sd if k.startswith(_TEXT_PREFIXES))
         if text:
             raise AdapterError(name, f"{where} changes a text encoder ({text[0]}); bcg-serve serves LoRA layers of the "

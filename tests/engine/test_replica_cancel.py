@@ -1,6 +1,8 @@
-"""A DiT replica whose caller goes away stops the work within one denoising step (no Ray needed)."""
+"""A DiT replica whose caller goes away stops the work within one denoising step (no Ray needed); its start logs
+its progress shape by shape."""
 
 import asyncio
+import logging
 import time
 
 from bcg_core import BucketConfig, GenerationRequest, Planner
@@ -37,9 +39,27 @@ def test_cancelling_a_generate_call_stops_its_worker_thread_early():
         except asyncio.CancelledError:
             pass
 
+    class Lines(logging.Handler):
+        def __init__(self):
+            super().__init__(logging.INFO)
+            self.lines = []
+
+        def emit(self, record):
+            self.lines.append(record.getMessage())
+
+    lines, serve_log = Lines(), logging.getLogger("ray.serve")  # the replica's logger, printed by `bcg serve`
+    level = serve_log.level
+    serve_log.addHandler(lines)
+    serve_log.setLevel(logging.INFO)
     t0 = time.perf_counter()
-    asyncio.run(cancel_soon())  # asyncio.run waits for the worker thread of to_thread to end
+    try:
+        asyncio.run(cancel_soon())  # asyncio.run waits for the worker thread of to_thread to end
+    finally:
+        serve_log.removeHandler(lines)
+        serve_log.setLevel(level)
     elapsed = time.perf_counter() - t0
+    progress = [ln for ln in lines.lines if " ready (2 buckets, " in ln]
+    assert [p.rsplit(", ", 1)[1] for p in progress] == [f"{i} of 3 shapes" for i in (1, 2, 3)], lines.lines
     stats = replica.stats()
     forwards = sum(b["forwards"] for b in stats["buckets"])
     assert stats["totals"]["requests"] == 0  # never finished

@@ -159,6 +159,21 @@ def test_an_unknown_adapter_is_422_listing_the_adapters_and_never_reaches_a_repl
     assert e.value.field == "lora" and not dit.sent
 
 
+def test_a_link_out_of_lora_dir_is_422_saying_so_not_an_unknown_name(tmp_path):
+    """A name whose file is a link that leaves the folder is never served (nor listed); the 422 says that, not
+    that the name does not exist."""
+    import os
+
+    loras = _folder(tmp_path, "style")
+    (tmp_path / "shared.safetensors").write_bytes(b"x")
+    os.symlink(tmp_path / "shared.safetensors", loras / "outlink.safetensors")
+    dit = FakeDiT()
+    status, err = _error(_post(_ingress(dit, {"dir": str(loras)}), {"lora": [{"name": "outlink"}]}))
+    assert status == 422 and err["param"] == "lora" and not dit.sent
+    assert "adapter 'outlink' links outside lora.dir: a link that leaves the folder is not served (adapters: " \
+           "style;" in err["message"], err["message"]
+
+
 def test_names_are_read_again_at_most_every_few_seconds_and_a_new_file_passes_at_once(tmp_path):
     loras = _folder(tmp_path, "style")
     now = [0.0]
