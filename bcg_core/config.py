@@ -325,7 +325,7 @@ class RunnerConfig(BaseModel):
     )
     warmup_iters: int = Field(default=2, ge=1, le=10,
                               description="Warm-up forwards on a side stream before capture (with compiled kernels "
-                                          "and their check, one fewer: the check's compiled forward is the last).")
+                                          "and their check, one fewer: the check runs the compiled forward too).")
     max_rows_in_flight: int = Field(
         default=64, ge=1, le=4096,
         description="Step scheduler: most transformer rows (images, x2 with classifier-free guidance) in flight "

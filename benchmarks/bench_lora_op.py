@@ -130,7 +130,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--iters", type=int, default=20, help="timed calls per bucket and way (median)")
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--batch-sizes", help="comma-separated batch sizes of the table (default the config's)")
-    ap.add_argument("--resolutions", help="comma-separated WxH resolutions of the table (default the config's)")
+    ap.add_argument("--resolutions", help="comma-separated WxH resolutions of the table (default the config's; "
+                                          "256x256 with --tiny)")
     ap.add_argument("--scratch", help="folder for the checkpoint (default a temp dir)")
     ap.add_argument("--out", help="JSON result (default docs/bench/<date>_lora_op_<model>_r<rank>.json)")
     ap.add_argument("--commit")
@@ -173,8 +174,9 @@ def main(argv: list[str] | None = None) -> int:
         batch_sizes = [int(b) for b in args.batch_sizes.split(",")] if args.batch_sizes else None
         base = bs.base_config(cfg, describe_model(mc), load_tokenizer_counter(mc), demo, 20, batch_sizes=batch_sizes)
         base["runner"] = {"kernels": args.kernels}
-        if args.resolutions:
-            base["buckets"]["resolutions"] = args.resolutions.split(",")
+        resolutions = args.resolutions or ("256x256" if args.tiny else None)  # tiny position tables are small
+        if resolutions:
+            base["buckets"]["resolutions"] = resolutions.split(",")
         lora = {**base, "lora": {"dir": str(loras), "slots": args.slots, "max_rank": args.rank,
                                  "max_per_request": args.max_per_request}}
         result: dict[str, Any] = {

@@ -198,10 +198,10 @@ class AdapterCatalog:
                 return
             names, more = self._names[:SHOWN_IN_ERRORS], len(self._names) - SHOWN_IN_ERRORS
         shown = ", ".join(names) + (f" and {more}{'+' if self._truncated else ''} more" if more > 0 else "")
-        which = ", ".join(repr(n) for n in missing)
         links = [why for why in missing.values() if "links outside" in why]
-        what = (f"{links[0]}: a link that leaves the folder is not served" if links
-                else f"no adapter {which} in lora.dir")
+        absent = ", ".join(repr(n) for n, why in missing.items() if "links outside" not in why)
+        what = "; ".join([*(f"{why}: a link that leaves the folder is not served" for why in links),
+                          *([f"no adapter {absent} in lora.dir"] if absent else [])])
         reason = f"{what} (adapters: {shown or 'none'}; GET /v1/models lists them)"
         names_missing = list(missing)
         raise RequestError("lora", invalid("lora", names_missing[0] if len(names_missing) == 1 else names_missing,

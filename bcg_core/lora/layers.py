@@ -181,7 +181,8 @@ class LoRALayers:
         multiplies ``in x out`` for its weight and ``(in + out) x K x max_rank`` for the rows' deltas (every row
         computes K entries of ``max_rank``, zero-padded ones too). So ``lora.max_rank`` 64 and
         ``lora.max_per_request`` 4 add 17% at FLUX.1's 3,072-wide layers and 33% at SD3-medium's 1,536-wide
-        ones; 16 and 2 add 2% and 4%."""
+        ones; 16 and 2 add 2% and 4%. Multiply-adds only: the deltas' extra passes over the activations, which
+        do not grow with K or the rank, are not in it (:data:`~bcg_core.lora.slots.DELTA_SHARE_WARN`)."""
         k_r = self.max_per_request * self.max_rank
         delta = sum((m.in_features + m.out_features) * k_r for m in self.layers.values())
         return delta / sum(m.in_features * m.out_features for m in self.layers.values())

@@ -33,8 +33,12 @@ log = logging.getLogger(__name__)
 
 DELTA_SHARE_WARN = 0.05
 """Above this :attr:`~bcg_core.lora.layers.LoRALayers.delta_share` a start logs a warning with the settings to
-lower: the deltas then cost a forward with adapter rows more than the 0.9x of the issue's target leaves room for
-(docs/BENCHMARKS.md: 2-4% of added work measured 0.95x at FLUX.1-dev width and 0.84-0.89x at SD3-medium)."""
+lower. The share counts the deltas' multiply-adds only, which grow with ``max_per_request x max_rank`` and are
+mostly zero padding when those exceed what the adapters need. The deltas' other cost, their extra passes over
+each layer's activations, does not depend on those settings and is not in it: it is what the benchmarks measured
+at 2-4% of multiply-adds (0.95x at FLUX.1-dev width, 0.84-0.89x at SD3-medium, and no difference between ranks
+16 and 64 at FLUX.1-dev width, docs/BENCHMARKS.md). So the warning is about the settings, not a prediction of
+throughput: 5% of multiply-adds is already more than those runs paid for them."""
 
 
 @dataclass

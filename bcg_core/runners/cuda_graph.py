@@ -6,14 +6,16 @@ Lifecycle (the contract of :class:`~bcg_core.runners.base.BucketRunner`):
   first (by padded tokens) into one shared memory pool (``torch.cuda.graph_pool_handle``), so smaller
   buckets reuse the larger ones' pool blocks. Per bucket: static buffers, warm-up forwards on a side
   stream (their peak memory is the bucket's estimate), a budget check, then the capture. The first
-  capture runs under ``torch.cuda.set_sync_debug_mode("error")`` to surface hidden host syncs. It is
+  capture of the first ``prepare`` runs under ``torch.cuda.set_sync_debug_mode("error")`` to surface hidden
+  host syncs. It is
   idempotent and says per bucket whether a graph exists (:attr:`BucketEntry.mode`).
 - :meth:`CudaGraphRunner.run` copies every input element into the bucket's static buffers, replays, and
   clones the real rows and tokens out of the static output before returning.
 - Failure never kills the replica: a capture that raises marks its bucket eager-only (static buffers,
   eager forward; reason logged and counted); an out-of-memory error drops the bucket (its requests run
   unpadded and eager); a bucket whose estimate exceeds the graph-memory budget is not captured.
-- Serving never captures unless ``lazy`` is set; then each lazy capture is counted and logged.
+- Serving captures only buckets handed to ``prepare`` again (shapes a replica gains while it serves) or,
+  with ``lazy``, a bucket on its first forward (each lazy capture is counted and logged).
 - With compiled kernels (:class:`~bcg_core.runners.kernels.CompiledKernels`), the warm-up forwards compile the
   bucket's shapes and the capture records the compiled kernels. A compile that raises, or a capture of compiled
   kernels that raises, leaves the bucket on eager kernels under its graph (noted and counted in
@@ -107,7 +109,10 @@ class CudaGraphRunner:
         budget_bytes: graph-memory budget for the shared pool; None: 90% of free memory at :meth:`prepare`.
         lazy: capture a bucket on its first request instead of in :meth:`prepare`.
         warmup_iters: warm-up forwards on a side stream before each capture.
-        sync_debug: run the first capture under ``torch.cuda.set_sync_debug_mode("error")``.
+        sync_debug: run the first capture of the first :meth:`prepare` under
+            ``torch.cuda.set_sync_debug_mode("error")``. The mode is process-wide, so it is used only there, before
+            the replica serves; captures after that (shapes gained while serving, lazy captures) never use it:
+            the replica's other threads would have their own synchronizations refused meanwhile.
         fused: capture each bucket's fused step (:mod:`bcg_core.runners.fused`) in its graph after the forward: one
             replay gives both the transformer output (:meth:`run`) and every image's next latents
             (:meth:`run_fused`).
@@ -157,13 +162,17 @@ class CudaGraphRunner:
                     self.budget_bytes = int(0.9 * free)
                 self._prepared = True
             if keys is None and self.lazy:
+                self.sync_debug = False  # lazy captures happen while serving (see the class docstring)
                 return
             todo = self.keys if keys is None else capture_order(list(keys))
             unknown = [str(k) for k in todo if k not in self._key_set]
             if unknown:
                 raise KeyError(f"buckets {unknown} are not served by this runner")
-            for key in todo:
-                self.capture(key)
+            try:
+                for key in todo:
+                    self.capture(key)
+            finally:
+                self.sync_debug = False  # only the first prepare, before serving (see the class docstring)
             log.info("captured %d of %d buckets in %.2f s; shared pool %.1f MiB (budget %.1f MiB)",
                      self.stats.captured, len(self.keys), self.stats.capture_s, self.stats.pool_bytes / MiB,
                      self.budget_bytes / MiB)
@@ -223,11 +232,11 @@ class CudaGraphRunner:
     def _warm(self, entry: BucketEntry) -> int:
         """Warm-up forwards of ``entry`` (compiling its shapes first with compiled kernels); their peak memory.
 
-        With compiled kernels and their check (``kernels.rtol`` set), one warm-up forward fewer: the check runs
-        the bucket's compiled forward once more on its buffers after the warm-up (:func:`compile_entry`), and that
-        forward is the last one before the capture. It saves one compiled forward per bucket at every start (on
-        a warm start with the 12-graph FLUX.1-dev table, docs/BENCHMARKS.md, about one forward of each bucket:
-        its forwards are most of the prepare time)."""
+        With compiled kernels and their check (``kernels.rtol`` set), one warm-up forward fewer: after the
+        warm-up the check runs the bucket's compiled forward once more on its buffers, then the eager one
+        (:func:`compile_entry`), so the compiled code has still run ``warmup_iters`` times before the capture. It
+        saves one compiled forward per bucket at every start (on a warm start with the 12-graph FLUX.1-dev table,
+        docs/BENCHMARKS.md, its forwards are most of the prepare time)."""
         if entry.kernels is KernelTier.COMPILED:
             iters = self.warmup_iters
             if self.kernels.rtol is not None and iters > 1:
@@ -303,11 +312,14 @@ class CudaGraphRunner:
 
         The capture's error mode is ``thread_local``: calls that are unsafe during a capture are refused on this
         thread only. A replica captures while it serves (shapes newly assigned when a peer leaves,
-        ``deployments/dit.py``; lazy captures), and its other threads keep working meanwhile: the denoising
-        thread's eager chunks, the decode thread, the LoRA loader's copies, the VAE decode's background compile.
-        Under the default ``global`` mode any ``cudaMalloc``, ``cudaFree`` or stream synchronization of theirs
-        would fail (their request, or the capture). Their work is on streams of their own (PyTorch's streams
-        are non-blocking), so none of it is recorded into the graph."""
+        ``deployments/dit.py``; lazy captures). The denoising thread waits meanwhile (``run`` takes this runner's
+        lock), but the decode, preview and edit-encode threads and the LoRA loader go on; under the default
+        ``global`` mode a ``cudaMalloc`` or a stream synchronization of theirs would fail during the capture. Their
+        work is on streams of their own (PyTorch's streams are non-blocking), so none of it is recorded into the
+        graph. A device-wide synchronization (``torch.cuda.synchronize()``, which the decode's background compile
+        makes while inductor times kernels) still invalidates a capture in any mode: that capture fails and its
+        bucket runs eager-only, as any failed capture. While another thread allocates, ``pool_bytes`` (reserved
+        memory before and after the capture) can count its allocations too."""
         with (self._sync_debug(sync_debug), torch.inference_mode(), entry_kernels(self.kernels, entry),
               torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local")):
             output, nxt = self._forward(entry.buffers, entry.fused, plain)

@@ -160,11 +160,14 @@ def test_lazy_capture_is_counted(adapter, table, metrics):
 
 
 
+
 def test_captures_while_another_thread_allocates_and_synchronizes(adapter, table, metrics, monkeypatch):
-    """A replica captures while it serves (shapes a peer gave up, lazy captures); its other threads (denoising,
-    decode, the LoRA loader) go on allocating device memory and synchronizing their streams. Neither side fails:
-    every bucket is captured and replays equal eager, and the other thread sees no error (the capture's error
-    mode is ``thread_local``; under ``global`` a ``cudaMalloc`` elsewhere fails during a capture)."""
+    """A replica captures shapes it gains while it serves (a peer left; lazy captures); its decode thread, LoRA
+    loader and others go on allocating device memory and synchronizing their streams. The start captures half the
+    table; then, with another thread allocating 12 MiB blocks (each its own ``cudaMalloc``) and synchronizing its
+    stream, the rest. Neither side fails: every bucket is captured and replays equal eager, and the other thread
+    sees no error (the capture's error mode is ``thread_local``; under ``global`` a ``cudaMalloc`` elsewhere fails
+    during a capture; and the process-wide sync debug mode is left to the first ``prepare``)."""
     import threading
     import time
 
@@ -185,8 +188,8 @@ def test_captures_while_another_thread_allocates_and_synchronizes(adapter, table
         try:
             with torch.cuda.stream(stream):
                 while not stop.is_set():
-                    if len(held) < 2048:  # 2 MiB blocks never freed: each one is a cudaMalloc (4 GiB at most)
-                        held.append(torch.empty(2**19, device=CUDA).fill_(1.0))
+                    if len(held) < 200:  # 12 MiB blocks, never freed: a cudaMalloc each (2.4 GiB at most)
+                        held.append(torch.empty(3 * 2**20, device=CUDA).fill_(1.0))
                         if capturing.is_set():
                             overlaps.append(len(held))
                     stream.synchronize()
@@ -194,10 +197,13 @@ def test_captures_while_another_thread_allocates_and_synchronizes(adapter, table
         except Exception as e:  # noqa: BLE001 - reported by the test
             errors.append(e)
 
+    keys = capture_order(table.keys)
+    r = CudaGraphRunner(adapter, table.keys, metrics, CUDA, torch.bfloat16)  # sync debug on, as a replica's
+    r.prepare(keys[: len(keys) // 2])  # the start, before serving
     worker = threading.Thread(target=busy)
     worker.start()
     try:
-        r = _runner(adapter, table, metrics, sync_debug=False)  # the sync debug mode is process-wide
+        r.prepare(keys[len(keys) // 2:])  # shapes gained while serving
     finally:
         stop.set()
         worker.join()

@@ -30,9 +30,9 @@ def test_compiled_kernels_are_captured_in_every_bucket_graph_and_replay_within_t
 
 
 def test_with_the_compile_check_one_warm_up_forward_precedes_the_capture(table, new_adapter, monkeypatch):
-    """With the check on (``rtol``), a bucket runs ``warmup_iters - 1`` side-stream warm-ups: the check's compiled
-    forward is the last forward before the capture. Every bucket still captures its compiled kernels and
-    replays within tolerance; a bucket of eager kernels keeps ``warmup_iters``."""
+    """With the check on (``rtol``), a bucket runs ``warmup_iters - 1`` side-stream warm-ups: the check runs the
+    compiled forward once more (then the eager one) before the capture. Every bucket still captures its compiled
+    kernels and replays within tolerance; a bucket of eager kernels keeps ``warmup_iters``."""
     adapter = new_adapter()
     kernels = CompiledKernels(adapter.model, rtol=0.1)
     runner = CudaGraphRunner(adapter, table.keys, BucketMetrics(table.keys), CUDA, torch.bfloat16, kernels=kernels)

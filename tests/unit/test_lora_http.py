@@ -172,6 +172,9 @@ def test_a_link_out_of_lora_dir_is_422_saying_so_not_an_unknown_name(tmp_path):
     assert status == 422 and err["param"] == "lora" and not dit.sent
     assert "adapter 'outlink' links outside lora.dir: a link that leaves the folder is not served (adapters: " \
            "style;" in err["message"], err["message"]
+    status, err = _error(_post(_ingress(dit, {"dir": str(loras)}), {"lora": [{"name": "nope"}, {"name": "outlink"}]}))
+    assert status == 422 and "links outside lora.dir: a link that leaves the folder is not served; no adapter " \
+                             "'nope' in lora.dir (adapters: style;" in err["message"], err["message"]
 
 
 def test_names_are_read_again_at_most_every_few_seconds_and_a_new_file_passes_at_once(tmp_path):
