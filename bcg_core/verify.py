@@ -133,11 +133,7 @@ def _lora_variants(adapter, x: DenoiseInputs) -> list[DenoiseInputs]:
     """``x`` as it is (no adapter rows: a LoRA deployment's plain graph), and on a LoRA deployment
     (:class:`~bcg_core.lora.rows.LoRAAdapter`) also with every row on slot 0 at scale 0, which replays the graph
     that serves adapter rows (its deltas add zeros, so the reference is the same)."""
-    if not hasattr(adapter, "forward_plain"):
-        return [x]
-    n, k, device = x.rows, adapter.k, x.latents.device
-    return [x, dataclasses.replace(x, lora_slots=torch.zeros(n, k, dtype=torch.int64, device=device),
-                                   lora_scales=torch.zeros(n, k, dtype=torch.float32, device=device))]
+    return [x, adapter.on_slot_zero(x)] if hasattr(adapter, "on_slot_zero") else [x]
 
 
 class _SlotZero:

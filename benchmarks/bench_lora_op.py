@@ -75,7 +75,7 @@ def measure(tree: str, config_path: str, iters: int) -> dict[str, dict[str, floa
         for key in sorted(pipe.table.keys, key=str):
             x = pipe.example_inputs(key, key.batch)
             ways = {"plain": x}
-            if k_lora:
+            if k_lora:  # slot-0 rows built here, not by LoRAAdapter.on_slot_zero: older checkouts lack it
                 dev = x.latents.device
                 ways["lora"] = dataclasses.replace(
                     x, lora_slots=torch.zeros(key.batch, k_lora, dtype=torch.int64, device=dev),

@@ -11,6 +11,8 @@ forward has an adapter. Everything else is the family's own.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from bcg_core.keys import BucketKey
@@ -82,6 +84,14 @@ class LoRAAdapter:
         """The family's padded forward with the buffers' rows as this thread's LoRA rows."""
         with self.layers.rows(buffers["lora_slots"], buffers["lora_scales"]):
             return self.inner.forward(buffers)
+
+    def on_slot_zero(self, inputs: DenoiseInputs) -> DenoiseInputs:
+        """``inputs`` with every row on slot 0 at scale 0 (:func:`request_rows` of no adapter): through a bucket,
+        the graph that serves adapter rows, adding every row's deltas (zeros) at a real adapter's cost; what the
+        bucket checks (:func:`~bcg_core.verify.verify_runner`) and the cost model
+        (:func:`~bcg_core.scheduler.costs.measure_costs`) run it with."""
+        slots, scales = request_rows((), (), inputs.rows, self.k, inputs.latents.device)
+        return dataclasses.replace(inputs, lora_slots=slots, lora_scales=scales)
 
     def forward_plain(self, buffers: dict[str, torch.Tensor]) -> torch.Tensor:
         """The family's padded forward with no LoRA rows: what a bucket's second graph captures, replayed for

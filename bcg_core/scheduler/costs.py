@@ -39,7 +39,7 @@ import logging
 import statistics
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from bcg_core.keys import BucketKey, BucketShape
 
@@ -362,7 +362,7 @@ def measure_costs(runner, adapter, keys: Sequence[BucketKey], inputs_for: Callab
     time_ms = _timer(device)
     bucket: dict[BucketKey, float] = {}
     lora: dict[BucketKey, float] = {}
-    k_lora = getattr(adapter, "k", 0) if hasattr(adapter, "forward_plain") else 0
+    slot_zero = getattr(adapter, "on_slot_zero", None)  # a LoRA deployment: time its adapter-row graphs too
     eager: dict[str, dict[int, float]] = {}
     by_shape: dict[str, list[BucketKey]] = {}
     for k in keys:
@@ -374,10 +374,8 @@ def measure_costs(runner, adapter, keys: Sequence[BucketKey], inputs_for: Callab
             for k in sorted(ks, key=lambda k: k.batch):
                 x = inputs_for(k, k.batch)
                 bucket[k] = time_ms(lambda k=k, x=x: runner.run(k, x), iters)
-                if k_lora:
-                    dev = x.latents.device
-                    xl = replace(x, lora_slots=torch.zeros(k.batch, k_lora, dtype=torch.int64, device=dev),
-                                 lora_scales=torch.zeros(k.batch, k_lora, device=dev))
+                if slot_zero is not None:
+                    xl = slot_zero(x)
                     lora[k] = time_ms(lambda k=k, xl=xl: runner.run(k, xl), iters)
             ref = max(ks, key=lambda k: k.batch)
             for rows in eager_row_counts([k.batch for k in ks]):
