@@ -150,7 +150,7 @@ class AdapterCatalog:
 
     # -- the check of a request -----------------------------------------------------------------------
 
-    def _exists(self, name: str) -> str | None:
+    def _why_missing(self, name: str) -> str | None:
         """None if ``name`` has a file (blocking: two ``stat`` calls; found names join the listing's set), else
         why not: no such file, or a link that leads out of the folder (never served, so never listed)."""
         try:
@@ -164,7 +164,7 @@ class AdapterCatalog:
     def _unknown(self, names: list[str]) -> dict[str, str]:
         """Names in ``names`` with no file, and why, after re-reading the folder if the listing is stale
         (blocking)."""
-        missing = {n: why for n in names if (why := self._exists(n)) is not None}
+        missing = {n: why for n in names if (why := self._why_missing(n)) is not None}
         if missing:
             self.refresh()  # for the message's list of names; at most every relist_s
         return missing
@@ -198,11 +198,10 @@ class AdapterCatalog:
                 return
             names, more = self._names[:SHOWN_IN_ERRORS], len(self._names) - SHOWN_IN_ERRORS
         shown = ", ".join(names) + (f" and {more}{'+' if self._truncated else ''} more" if more > 0 else "")
-        links = [why for why in missing.values() if "links outside" in why]
-        absent = ", ".join(repr(n) for n, why in missing.items() if "links outside" not in why)
-        what = "; ".join([*(f"{why}: a link that leaves the folder is not served" for why in links),
+        links = {n: why for n, why in missing.items() if "links outside" in why}  # adapter_path's two reasons
+        absent = ", ".join(repr(n) for n in missing if n not in links)
+        what = "; ".join([*(f"{why}: a link that leaves the folder is not served" for why in links.values()),
                           *([f"no adapter {absent} in lora.dir"] if absent else [])])
         reason = f"{what} (adapters: {shown or 'none'}; GET /v1/models lists them)"
-        names_missing = list(missing)
-        raise RequestError("lora", invalid("lora", names_missing[0] if len(names_missing) == 1 else names_missing,
-                                           reason, allowed))
+        refused = list(missing)
+        raise RequestError("lora", invalid("lora", refused[0] if len(refused) == 1 else refused, reason, allowed))

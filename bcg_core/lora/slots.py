@@ -360,12 +360,13 @@ def install(config, model) -> AdapterSlots | None:
     files = AdapterFiles(cfg.dir, getattr(diffusers, loader), layers.shapes(), cfg.max_rank)
     model.adapter = LoRAAdapter(model.adapter, layers)
     share = layers.delta_share
-    (log.warning if share > DELTA_SHARE_WARN else log.info)(
-        "lora: %d layers wrapped; a forward with adapter rows adds %.1f%% to their matmul work (every row computes "
-        "lora.max_per_request %d x lora.max_rank %d rank rows per layer, zero-padded ones too)%s", len(layers.layers),
-        100 * share, cfg.max_per_request, cfg.max_rank,
-        "; lower lora.max_rank and lora.max_per_request to what the adapters need (docs/OPERATIONS.md, LoRA "
-        "adapters)" if share > DELTA_SHARE_WARN else "")
+    warn = share > DELTA_SHARE_WARN
+    log.log(logging.WARNING if warn else logging.INFO,
+            "lora: %d layers wrapped; a forward with adapter rows adds %.1f%% to their matmul work (every row "
+            "computes lora.max_per_request %d x lora.max_rank %d rank rows per layer, zero-padded ones too)%s",
+            len(layers.layers), 100 * share, cfg.max_per_request, cfg.max_rank,
+            "; lower lora.max_rank and lora.max_per_request to what the adapters need (docs/OPERATIONS.md, LoRA "
+            "adapters)" if warn else "")
     return AdapterSlots(files, layers, cfg.load_timeout_s, cfg.host_cache)
 
 
