@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 __all__ = ["BucketMissError", "NonFiniteOutput", "RequestCancelled", "RequestError", "ServiceUnavailable", "first_line",
-           "non_finite_error", "require_finite"]
+           "non_finite_error", "require_finite", "shown"]
 
 
 class RequestError(ValueError):
@@ -96,3 +96,15 @@ def first_line(exc: BaseException, empty: str = "", limit: int | None = None) ->
     text = str(exc).strip()
     return (text.splitlines()[0] if text else empty)[:limit]
 
+
+
+def shown(value: object, limit: int = 60) -> str:
+    """``value`` as an error message quotes what a request sent: its ``repr``, cut to ``limit`` characters with
+    ``...``; a list or tuple too long for that reads ``a list of N entries`` (a cut repr of a list of objects
+    names none of them usefully)."""
+    text = repr(value)
+    if len(text) <= limit:
+        return text
+    if isinstance(value, (list, tuple)):
+        return f"a list of {len(value)} entries"
+    return text[:limit - 3] + "..."

@@ -20,7 +20,7 @@ from bcg_core.request import (
 )
 from bcg_core.table import BucketLookup, BucketTable, ShapeRules
 from bcg_core.config import EngineConfig, LimitsConfig, LoRAConfig, MissPolicy
-from bcg_core.errors import BucketMissError, RequestError
+from bcg_core.errors import BucketMissError, RequestError, shown
 from bcg_core.families.base import ModelSpec
 
 __all__ = ["Planner", "allowed_values", "invalid"]
@@ -96,9 +96,7 @@ def allowed_values(name: str, limits: LimitsConfig, size_multiple: int | None = 
 def invalid(name: str, got: object, reason: str, allowed: str | None) -> str:
     """The message of a refused field: ``invalid 'n' (got 11): 11 is out of range; allowed: an integer from 1 to
     10`` (the HTTP schema's type errors read the same)."""
-    text = repr(got)
-    text = text if len(text) <= 60 else text[:57] + "..."
-    return f"invalid '{name}' (got {text}): {reason}" + (f"; allowed: {allowed}" if allowed else "")
+    return f"invalid '{name}' (got {shown(got)}): {reason}" + (f"; allowed: {allowed}" if allowed else "")
 
 
 class Planner:

@@ -150,18 +150,19 @@ class AdapterCatalog:
 
     # -- the check of a request -----------------------------------------------------------------------
 
-    def _why_missing(self, name: str) -> str | None:
+    def _why_missing(self, name: str) -> AdapterError | None:
         """None if ``name`` has a file (blocking: two ``stat`` calls; found names join the listing's set), else
-        why not: no such file, or a link that leads out of the folder (never served, so never listed)."""
+        why not (:func:`~bcg_core.lora.files.adapter_path`'s error): no such file, or a link that leads out of the
+        folder (``link``: never served, so never listed)."""
         try:
             adapter_path(self.folder.resolve(), name)
         except AdapterError as e:
-            return e.reason
+            return e
         with self._lock:
             self._known.add(name)
         return None
 
-    def _unknown(self, names: list[str]) -> dict[str, str]:
+    def _unknown(self, names: list[str]) -> dict[str, AdapterError]:
         """Names in ``names`` with no file, and why, after re-reading the folder if the listing is stale
         (blocking)."""
         missing = {n: why for n in names if (why := self._why_missing(n)) is not None}
@@ -198,9 +199,9 @@ class AdapterCatalog:
                 return
             names, more = self._names[:SHOWN_IN_ERRORS], len(self._names) - SHOWN_IN_ERRORS
         shown = ", ".join(names) + (f" and {more}{'+' if self._truncated else ''} more" if more > 0 else "")
-        links = {n: why for n, why in missing.items() if "links outside" in why}  # adapter_path's two reasons
-        absent = ", ".join(repr(n) for n in missing if n not in links)
-        what = "; ".join([*(f"{why}: a link that leaves the folder is not served" for why in links.values()),
+        links = [e.reason for e in missing.values() if e.link]
+        absent = ", ".join(repr(n) for n, e in missing.items() if not e.link)
+        what = "; ".join([*(f"{why}: a link that leaves the folder is not served" for why in links),
                           *([f"no adapter {absent} in lora.dir"] if absent else [])])
         reason = f"{what} (adapters: {shown or 'none'}; GET /v1/models lists them)"
         refused = list(missing)

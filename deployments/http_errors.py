@@ -8,12 +8,10 @@ ImageGenerationRequest` (naming each field and the values it accepts), and :func
 replica's :class:`~bcg_core.errors.RequestError` out of Ray's wrapping.
 """
 
-from typing import Any
-
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 
-from bcg_core.errors import RequestError
+from bcg_core.errors import RequestError, shown
 
 from .schemas import ErrorBody, ErrorDetail, ImageGenerationRequest, RequestLimits, allowed_values
 
@@ -81,11 +79,6 @@ def unavailable_response(message: str, retry_after_s: float, param: str | None =
     return answer
 
 
-def _short(value: Any, limit: int = 40) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
 def _path(loc: list[str]) -> str:
     """``lora[0].scale`` for pydantic's location ``('lora', 0, 'scale')``."""
     return loc[0] + "".join(f"[{p}]" if p.isdigit() else f".{p}" for p in loc[1:])
@@ -126,14 +119,14 @@ def validation_error_response(exc: ValidationError, limits: RequestLimits,
             elif kind == "missing":
                 what = f"{where} is missing"
             else:
-                what = (f"got {_short(err['input'])} at {where}" if "input" in err else f"at {where}") + f": {msg}"
+                what = (f"got {shown(err['input'], 40)} at {where}" if "input" in err else f"at {where}") + f": {msg}"
             messages.append(f"invalid '{name}' ({what}); allowed: {allowed_values(name, limits)}")
         elif kind == "extra_forbidden":
             messages.append(f"unknown field '{name}'; allowed fields: {fields}")
         elif kind == "missing":
             messages.append(f"'{name}' is required: {allowed_values(name, limits)}")
         else:
-            got = f" (got {_short(err['input'])})" if "input" in err else ""
+            got = f" (got {shown(err['input'], 40)})" if "input" in err else ""
             messages.append(f"invalid '{name}'{got}: {msg}; allowed: {allowed_values(name, limits)}")
     return error_response(status, "; ".join(messages) or str(exc), param=param)
 

@@ -30,7 +30,7 @@ import torch
 from bcg_core.errors import first_line
 
 __all__ = ["AdapterError", "AdapterFiles", "AdapterWeights", "LayerDelta", "NAME_RE", "WEIGHT_NAME", "adapter_path",
-           "list_names"]
+           "holds_lora", "list_names"]
 
 WEIGHT_NAME = "pytorch_lora_weights.safetensors"
 """The file name diffusers' ``save_lora_weights`` writes (``LORA_WEIGHT_NAME_SAFE``), looked for in a folder."""
@@ -48,17 +48,19 @@ class AdapterError(ValueError):
     Attributes:
         name: the adapter's name.
         reason: why (names the file and what does not fit).
-        unknown: True when no file of that name exists (an HTTP 422 lists the names that do).
+        unknown: True when no file of that name is served (an HTTP 422 lists the names that are).
+        link: True when the name's file is a link that leads out of ``lora.dir`` (also ``unknown``: never served).
     """
 
-    def __init__(self, name: str, reason: str, unknown: bool = False):
+    def __init__(self, name: str, reason: str, unknown: bool = False, link: bool = False):
         super().__init__(reason)
         self.name = name
         self.reason = reason
         self.unknown = unknown
+        self.link = link
 
     def __reduce__(self):
-        return (type(self), (self.name, self.reason, self.unknown))
+        return (type(self), (self.name, self.reason, self.unknown, self.link))
 
 
 @dataclass(frozen=True)
@@ -285,15 +287,16 @@ def adapter_path(folder: Path, name: str) -> Path:
         if found:
             real = p.resolve()
             if not real.is_relative_to(folder):
-                raise AdapterError(name, f"adapter {name!r} links outside lora.dir", unknown=True)
+                raise AdapterError(name, f"adapter {name!r} links outside lora.dir", unknown=True, link=True)
             return real
     raise AdapterError(name, f"no adapter {name!r} in lora.dir", unknown=True)
 
 
 def list_names(folder: Path, limit: int) -> list[str]:
     """Adapter names in ``folder`` (resolved), sorted and unique, at most ``limit``: those :func:`adapter_path`
-    finds, so a link out of the folder is never listed (where both layouts exist, the ``.safetensors`` file is the
-    one served). Names are case-sensitive and never include ``.safetensors``.
+    finds whose file's header names a LoRA weight (:func:`holds_lora`), so a link out of the folder, a model's own
+    weights or a file that is not a safetensors file are never listed (where both layouts exist, the
+    ``.safetensors`` file is the one served). Names are case-sensitive and never include ``.safetensors``.
 
     Raises:
         OSError: the folder cannot be listed (removed, no permission).
@@ -302,10 +305,45 @@ def list_names(folder: Path, limit: int) -> list[str]:
     # by name, not by path: "a/" and "a.safetensors" are one adapter, and "a-b.safetensors" sorts between them
     for name in sorted({p.stem if p.suffix == ".safetensors" else p.name for p in folder.iterdir()}):
         try:
-            adapter_path(folder, name)
+            path = adapter_path(folder, name)
         except AdapterError:
+            continue
+        if not holds_lora(path):
             continue
         out.append(name)
         if len(out) >= limit:
             break
     return out
+
+
+_HEADER_SEEN: dict[tuple[str, int, int], bool] = {}
+_HEADER_SEEN_MAX = 4096
+
+
+def holds_lora(path: Path) -> bool:
+    """Whether safetensors file ``path``'s header names a LoRA weight: a tensor whose key holds ``lora`` in any
+    case, as every format diffusers' ``lora_state_dict`` reads does (``lora_A``/``lora_B``, ``lora_down``/
+    ``lora_up``, kohya's ``lora_unet_``, XLabs' ``proj_lora``). Only the header is read (``safetensors.safe_open``),
+    once per file version: the answer is kept by ``(path, mtime_ns, size)``.
+
+    A file that holds one is not yet an adapter the model can serve: :meth:`AdapterFiles.read` decides that. A
+    file that cannot be opened, or whose header is not safetensors, holds none.
+    """
+    from safetensors import safe_open
+
+    try:
+        st = path.stat()
+    except OSError:
+        return False
+    key = (str(path), st.st_mtime_ns, st.st_size)
+    found = _HEADER_SEEN.get(key)
+    if found is None:
+        try:
+            with safe_open(str(path), "pt") as f:
+                found = any("lora" in k.lower() for k in f.keys())
+        except Exception:  # noqa: BLE001 - safetensors raises several types on a file that is not one
+            found = False
+        if len(_HEADER_SEEN) >= _HEADER_SEEN_MAX:
+            _HEADER_SEEN.clear()
+        _HEADER_SEEN[key] = found
+    return found

@@ -28,15 +28,23 @@ BUCKETS = {"batch_sizes": [1, 2], "resolutions": ["256x256"], "text_lengths": [2
 LIMITS = RequestLimits(lora=LoRAConfig(dir="/nowhere", max_per_request=2, max_scale=3.0))
 
 
+def _lora_file(path) -> None:
+    """A safetensors file whose header names a LoRA weight (all the listing reads; no model reads it here)."""
+    import torch
+    from safetensors.torch import save_file
+
+    save_file({"transformer.proj_out.lora_A.weight": torch.zeros(1, 1)}, str(path))
+
+
 def _folder(tmp_path, *names: str, as_file: bool = True):
     loras = tmp_path / "loras"
     loras.mkdir(exist_ok=True)
     for n in names:
         if as_file:
-            (loras / f"{n}.safetensors").write_bytes(b"x")
+            _lora_file(loras / f"{n}.safetensors")
         else:
             (loras / n).mkdir()
-            (loras / n / "pytorch_lora_weights.safetensors").write_bytes(b"x")
+            _lora_file(loras / n / "pytorch_lora_weights.safetensors")
     return loras
 
 
@@ -95,6 +103,7 @@ def test_too_many_entries_are_refused_by_their_count_before_any_entry_is_read():
     status, err = _schema_error({"lora": [{"name": "a"}, {"name": "b"}, {"name": 3}]})
     assert status == 422 and err["param"] == "lora"
     assert "3 adapters are more than lora.max_per_request 2" in err["message"]
+    assert err["message"].startswith("invalid 'lora' (got a list of 3 entries): ")  # not a cut repr of the list
     assert "valid string" not in err["message"]  # the entries were not read
     # without a served lora section the schema still reads at most 16
     status, err = _schema_error({"lora": [{"name": "a"}] * 17}, RequestLimits())
@@ -233,6 +242,29 @@ def test_the_adapter_list_is_sorted_by_name_and_names_each_adapter_once(tmp_path
     _folder(tmp_path, "a", "B", as_file=False)
     assert list_names(loras, 10) == ["B", "Z", "a", "a-b"]
     assert list_names(loras, 2) == ["B", "Z"]
+
+
+def test_files_that_are_not_lora_weights_are_not_listed_but_refused_by_the_replica(tmp_path):
+    """A model's own weights, a text file and an empty file with the ``.safetensors`` suffix are not listed (the
+    header names no LoRA weight); a file rewritten into an adapter is listed on the next listing."""
+    import torch
+    from safetensors.torch import save_file
+
+    from bcg_core.lora.files import list_names
+
+    loras = _folder(tmp_path, "style")
+    save_file({"transformer_blocks.0.attn.to_q.weight": torch.zeros(2, 2)}, str(loras / "model.safetensors"))
+    (loras / "notes.safetensors").write_text("not a safetensors file")
+    (loras / "empty.safetensors").write_bytes(b"")
+    (loras / "kohya.safetensors").write_bytes(b"")
+    assert list_names(loras, 10) == ["style"]
+    save_file({"lora_unet_double_blocks_0_img_attn_qkv.lora_down.weight": torch.zeros(1, 2)},
+              str(loras / "kohya.safetensors"))
+    assert list_names(loras, 10) == ["kohya", "style"]
+    catalog = AdapterCatalog(loras)
+    catalog.refresh()
+    assert catalog.describe()["adapters"] == ["kohya", "style"]
+    asyncio.run(catalog.check((("model", 1.0),)))  # it has a file: the replica reads it and decides (422)
 
 
 # -- the replica's refusals -------------------------------------------------------------------------------------
