@@ -32,7 +32,15 @@ from bcg_core.table import BucketTable
 from bcg_core.config import EngineConfig
 from bcg_core.planning.samples import Traffic
 
-__all__ = ["PlanCosts", "TableScore", "costs_from_profile", "evaluate"]
+__all__ = ["COMPILED_HIT_GAIN", "PlanCosts", "TableScore", "costs_from_profile", "evaluate"]
+
+COMPILED_HIT_GAIN = 1.25
+"""How many times faster a bucket forward runs with compiled kernels (``runner.kernels: compiled``, ``fp8`` or
+``auto`` on a GPU) than the same tokens on eager kernels, which every miss runs: the token-count model's
+``eager_ms_per_token`` is ``ms_per_token`` times this. Measured per transformer forward in a graph on an H200
+(docs/BENCHMARKS.md, 2026-12-02, compiled kernels per forward): 1.17x to 1.42x across FLUX.1-dev, SD3-medium and
+PixArt-Sigma shapes, median 1.30x; 1.25x sits below the median, so misses are not overpriced. ``fp8`` is priced as
+``compiled`` (it gains nothing more at PixArt-Sigma's and SANA's widths, 2026-12-04)."""
 
 
 @dataclass(frozen=True)
@@ -62,6 +70,10 @@ class PlanCosts:
         with graph bytes from the model's width and dtype (:func:`bcg_core.models.estimate_graph_bytes`: the
         activation factor measured on the H200).
 
+        With graphs and compiled kernels (``runner.kernels`` ``compiled`` or ``fp8``, or ``auto``, which is
+        ``compiled`` on a GPU), a miss's unpadded forward costs :data:`COMPILED_HIT_GAIN` times a bucket's per token:
+        misses always run eager kernels, so a table that holds more of the traffic gains that too.
+
         Args:
             config: the model (width, dtype) and runner.
             graphs: whether bucket forwards are graph replays (a tenth of the eager launch); None: unless the
@@ -73,9 +85,12 @@ class PlanCosts:
             graphs = config.runner.mode == "graph" or (config.runner.mode == "auto" and config.model.device != "cpu")
         dtype_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}[config.model.dtype]
         launch = cls.eager_launch_ms
+        compiled = graphs and config.runner.kernels != "eager"
         return cls(graph_launch_ms=launch / 10 if graphs else launch,
                    bytes_per_token=ACTIVATION_FACTOR * transformer_width(config.model.path) * dtype_bytes,
-                   source="token-count" if graphs else "token-count (eager runner)")
+                   eager_ms_per_token=cls.ms_per_token * COMPILED_HIT_GAIN if compiled else None,
+                   source=("token-count (compiled hits)" if compiled else "token-count") if graphs
+                   else "token-count (eager runner)")
 
     def graph_ms(self, key: BucketKey) -> float:
         """Expected milliseconds of one replay of bucket ``key``."""

@@ -167,7 +167,7 @@ def test_bcg_plan_writes_a_config_that_serves_a_report_and_a_plot(tmp_path, caps
     data = json.loads(report.read_text())
     assert planned.buckets.model_dump(mode="json") == data["buckets"] and data["chosen"]["graphs"] <= 8
     assert [p["graphs"] for p in data["curve"]] == sorted(p["graphs"] for p in data["curve"])
-    assert data["costs"]["source"] == "token-count" and data["current"]["graphs"] == 63
+    assert data["costs"]["source"] == "token-count (compiled hits)" and data["current"]["graphs"] == 63
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     from bcg_core.planning.samples import planning_table
 

@@ -228,16 +228,16 @@ def test_plan_says_the_current_table_is_better_and_writes_the_planned_one_only_w
     assert main(["plan", "--write", str(out), "--json", str(report)]) == 1
     captured = capsys.readouterr()
     text = _flat(captured.out)
-    assert "bcg plan: krea traffic, 183 requests, costs: token-count" in text  # 182.9 requests, rounded
+    assert "bcg plan: krea traffic, 183 requests, costs: token-count (compiled hits)" in text  # 182.9 requests, rounded
     assert not re.search(r"\d\.\d+ requests", text)
     assert "refused by the limits (requests): num_inference_steps 26" in text  # 25.76, rounded
-    assert ("the current table is already better: 157.27 ms per image expected against 159.55 for the planned one; "
+    assert ("the current table is already better: 161.89 ms per image expected against 167.67 for the planned one; "
             "the planned table has fewer graphs (12 against 63). Keep it; --write writes the planned table only "
             "with --force") in text
     assert not out.exists()
     # one line on stderr (in the full suite a Ray session of other tests may log there too)
-    assert (f"bcg plan: not writing {out}: the current table is expected to cost 157.27 ms per image, the planned one "
-            f"159.55; add --force to write the planned table anyway") in captured.err.splitlines()
+    assert (f"bcg plan: not writing {out}: the current table is expected to cost 161.89 ms per image, the planned one "
+            f"167.67; add --force to write the planned table anyway") in captured.err.splitlines()
     current = json.loads(report.read_text())["current"]  # the reports are still written
     assert current["at_least_as_good"] is True and current["graphs"] == 63
 
