@@ -34,6 +34,7 @@ __all__ = [
     "load_tokenizer_counter",
     "read_checkpoint",
     "save_pipeline",
+    "weights_stamp",
 ]
 
 LoadedModel = Family
@@ -239,3 +240,21 @@ def transformer_width(model_path: str | None) -> int:
     cfg = tiny_transformer_config(384) if model_path is None else \
         json.loads((Path(model_path) / "transformer" / "config.json").read_text())
     return int(cfg["num_attention_heads"]) * int(cfg["attention_head_dim"])
+
+
+def weights_stamp(path: str | Path | None) -> str | None:
+    """16 hex digits that change when a file of the checkpoint's ``transformer/`` folder (its weights and config) is
+    replaced, rewritten or renamed: a hash of each file's relative path, size and modification time (no weight is
+    read). None for the embedded tiny default (``path`` None) or a folder without ``transformer/``.
+
+    What it keys: measurements of the weights' values kept across restarts (:func:`bcg_core.verify.
+    derived_tolerance`). A file rewritten with the same size and a restored modification time (``rsync
+    -t`` of other weights of the same shapes) keeps its stamp: delete the compile cache folder after such a copy.
+    """
+    import hashlib
+
+    if path is None or not (folder := Path(path) / "transformer").is_dir():
+        return None
+    files = sorted(p for p in folder.rglob("*") if p.is_file())
+    return hashlib.sha256(repr([(str(p.relative_to(folder)), p.stat().st_size, p.stat().st_mtime_ns)
+                                for p in files]).encode()).hexdigest()[:16]

@@ -33,7 +33,7 @@ from bcg_core.images import encode_image
 from bcg_core.keys import BucketKey
 from bcg_core.lora.slots import install as install_lora, lease_for
 from bcg_core.metrics import BucketMetrics
-from bcg_core.models import load_model
+from bcg_core.models import load_model, weights_stamp
 from bcg_core.padding import DenoiseInputs
 from bcg_core.planner import Planner
 from bcg_core.request import GenerationRequest, GenerationResult, PlannedRequest
@@ -42,7 +42,7 @@ from bcg_core.runners.decode import install as install_decode
 from bcg_core.runners.eager import EagerBucketRunner
 from bcg_core.runners.kernels import CompiledKernels, KernelTier, check_fp8, kernel_stats, quantize_fp8
 from bcg_core.scheduler.costs import CostModel, StepDecider, StepForwards, measure_costs
-from bcg_core.verify import FusedStats, kernel_tolerance, precision_deviation
+from bcg_core.verify import FusedStats, derived_tolerance
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +104,9 @@ def compiled_kernels(config: EngineConfig, model: Family, keys: list) -> Compile
 
     Before anything is compiled, the tolerance of the check of each bucket's compiled forward is set: the
     configured ``runner.compile_rtol``, or :func:`~bcg_core.verify.kernel_tolerance` from the eager forward's own
-    rounding error on the smallest bucket of ``keys`` (:func:`~bcg_core.verify.precision_deviation`). For ``fp8``
+    rounding error on the smallest bucket of ``keys`` (:func:`~bcg_core.verify.derived_tolerance`: measured
+    once per checkpoint's weights and kept beside the compile cache; not measured for ``fp8``, whose bound is
+    stated). For ``fp8``
     the repeated blocks' linear layers are then turned to float8, in place, once
     (:func:`~bcg_core.runners.kernels.quantize_fp8`; the count is kept as ``model.fp8_layers``).
 
@@ -119,10 +121,8 @@ def compiled_kernels(config: EngineConfig, model: Family, keys: list) -> Compile
         if config.runner.compile_rtol is not None:
             rtol, note = config.runner.compile_rtol, "runner.compile_rtol"
         else:
-            smallest = min(keys, key=lambda k: (k.tokens, k.batch)) if keys else None
-            deviation = None if smallest is None else precision_deviation(model.adapter, smallest, model.device,
-                                                                          model.dtype)
-            rtol, note = kernel_tolerance(tier.value, model.dtype, deviation)
+            rtol, note = derived_tolerance(tier.value, model.adapter, keys, model.device, model.dtype,
+                                           config.runner.compile_cache_dir, weights_stamp(config.model.path))
         if tier is KernelTier.FP8 and not getattr(model, "fp8_layers", 0):
             check_fp8(model.device)
             model.fp8_layers = quantize_fp8(model.adapter.model)  # in place: every forward of this model, misses too

@@ -32,8 +32,9 @@ from bcg_core.runners.base import BucketEntry, BucketRunner
 from bcg_core.runners.kernels import CompileFailed
 from bcg_core.table import BucketTable
 
-__all__ = ["COMPILED_CAP", "COMPILED_FACTOR", "RTOL", "BoundaryCase", "BucketVerdict", "FusedStats", "boundary_cases", "bucket_inputs",
-           "check_fused", "compile_entry", "compiled_deviation", "kernel_tolerance", "precision_deviation", "random_inputs", "square_grid", "verify_runner"]
+__all__ = ["COMPILED_CAP", "COMPILED_FACTOR", "RTOL", "BoundaryCase", "BucketVerdict", "FusedStats", "boundary_cases",
+           "bucket_inputs", "check_fused", "compile_entry", "compiled_deviation", "derived_tolerance",
+           "kernel_tolerance", "precision_deviation", "random_inputs", "square_grid", "verify_runner"]
 
 
 RTOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 1e-2}
@@ -219,6 +220,45 @@ def precision_deviation(adapter: DiTAdapter, key: BucketKey, device, dtype, seed
         for t, data in zip(tensors, own):
             t.data = data
     return ((narrow - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
+
+
+def derived_tolerance(tier: str, adapter: DiTAdapter, keys: list[BucketKey], device, dtype, cache_dir: str | None,
+                      weights: str | None) -> tuple[float, str]:
+    """:func:`kernel_tolerance` of ``tier`` from :func:`precision_deviation` on the smallest of ``keys``, which is
+    read from ``<cache_dir>/bcg-deviation.json`` (default: inductor's cache folder) when a start before measured it
+    for the same weights (``weights``: :func:`bcg_core.models.weights_stamp`), transformer
+    (:func:`~bcg_core.runners.attention.model_signature`), bucket, GPU, torch and cuDNN, else measured and kept:
+    a restart skips the widened copy of every weight and a forward at float32 rates (FLUX.1-dev: 47.6 GB). Never
+    measured for ``fp8`` (a stated bound) or without ``keys``; never kept without ``weights`` (the tiny default).
+
+    Returns:
+        ``(rtol, note)`` as :func:`kernel_tolerance`; the note says when the deviation was kept from a start before.
+    """
+    import math
+
+    from bcg_core.runners.attention import KeptValues, model_signature
+
+    if tier == "fp8" or not keys:
+        return kernel_tolerance(tier, dtype, None)
+    smallest = min(keys, key=lambda k: (k.tokens, k.batch))
+    if weights is None:
+        return kernel_tolerance(tier, dtype, precision_deviation(adapter, smallest, device, dtype))
+    if cache_dir is None:
+        from torch._inductor.runtime.cache_dir_utils import cache_dir as inductor_cache_dir
+
+        cache_dir = inductor_cache_dir()
+
+    class Deviations(KeptValues):
+        FILE = "bcg-deviation.json"
+
+    store = Deviations(cache_dir, lambda v: isinstance(v, (int, float)) and math.isfinite(v) and v >= 0)
+    name = f"deviation | {model_signature(adapter.model)} | weights {weights} | {smallest}"
+    kept = store.get(name)
+    deviation = float(kept) if kept is not None else precision_deviation(adapter, smallest, device, dtype)
+    if kept is None and deviation is not None and math.isfinite(deviation):
+        store.put(name, deviation)
+    rtol, note = kernel_tolerance(tier, dtype, deviation)
+    return rtol, note + (" (kept from an earlier start)" if kept is not None else "")
 
 
 def kernel_tolerance(tier: str, dtype: torch.dtype, deviation: float | None) -> tuple[float, str]:

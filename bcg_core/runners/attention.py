@@ -44,9 +44,9 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["BACKENDS", "CANDIDATES", "AttentionChoice", "ChoiceStore", "RecordedCalls", "SdpaCall",
+__all__ = ["BACKENDS", "CANDIDATES", "AttentionChoice", "ChoiceStore", "KeptValues", "RecordedCalls", "SdpaCall",
            "attention_backend", "choose", "choose_backend", "compile_key", "compiling_under", "environment",
-           "record_sdpa_calls", "time_backend"]
+           "model_signature", "record_sdpa_calls", "time_backend"]
 
 log = logging.getLogger(__name__)
 
@@ -262,10 +262,52 @@ def environment() -> str:
     return f"{gpu} | torch {torch.__version__} | cudnn {cudnn}"
 
 
-class ChoiceStore:
+class KeptValues:
+    """A small JSON mapping kept beside the compile cache (``<folder>/<FILE>``), for what a restart would otherwise
+    measure again. Every value must pass ``valid``; an unreadable file, or one with a single invalid value, is
+    ignored (and rewritten on the next :meth:`put`), never trusted in part. Writes are atomic (a temporary file
+    renamed into place).
+
+    Args:
+        folder: the compile cache folder, or None to keep values in memory only.
+        valid: whether a stored value may be used.
+    """
+
+    FILE = "bcg-kept.json"
+
+    def __init__(self, folder: str | None, valid: Callable[[object], bool]):
+        self.path = os.path.join(folder, self.FILE) if folder else None
+        self._lock = threading.Lock()
+        self._data: dict[str, object] = {}
+        if self.path and os.path.exists(self.path):
+            try:
+                data = json.loads(open(self.path).read())
+                if isinstance(data, dict) and all(valid(v) for v in data.values()):
+                    self._data = data
+                else:
+                    log.warning("ignoring %s: a value is not what it keeps", self.path)
+            except (OSError, ValueError) as e:
+                log.warning("ignoring %s: %s", self.path, e)
+
+    def get(self, key: str) -> object | None:
+        """The value kept under ``key`` in this :func:`environment`, or None."""
+        return self._data.get(f"{environment()} | {key}")
+
+    def put(self, key: str, value: object) -> None:
+        """Keep ``value`` under ``key`` in this :func:`environment` (written at once, atomically)."""
+        with self._lock:
+            self._data[f"{environment()} | {key}"] = value
+            if self.path:
+                tmp = f"{self.path}.{os.getpid()}.tmp"
+                with open(tmp, "w") as f:
+                    json.dump(self._data, f, indent=1, sort_keys=True)
+                os.replace(tmp, self.path)
+
+
+class ChoiceStore(KeptValues):
     """Measured choices kept beside the compile cache (``<folder>/bcg-attention.json``), so that a restart picks
     the backend its cached kernels were compiled for. Keyed by :func:`environment` and
-    :meth:`RecordedCalls.signature`; an unreadable file is ignored (and rewritten), never trusted in part.
+    :meth:`RecordedCalls.signature`, or by a bucket's name (:meth:`get_bucket`).
 
     Args:
         folder: the compile cache folder, or None to keep choices in memory only.
@@ -274,45 +316,38 @@ class ChoiceStore:
     FILE = "bcg-attention.json"
 
     def __init__(self, folder: str | None):
-        self.path = os.path.join(folder, self.FILE) if folder else None
-        self._lock = threading.Lock()
-        self._data: dict[str, str] = {}
-        if self.path and os.path.exists(self.path):
-            try:
-                data = json.loads(open(self.path).read())
-                if isinstance(data, dict) and all(isinstance(v, str) and v in (*BACKENDS, "default")
-                                                  for v in data.values()):
-                    self._data = data
-                else:
-                    log.warning("ignoring %s: not a mapping of backends", self.path)
-            except (OSError, ValueError) as e:
-                log.warning("ignoring %s: %s", self.path, e)
+        super().__init__(folder, lambda v: isinstance(v, str) and v in (*BACKENDS, "default"))
 
     def get(self, calls: RecordedCalls) -> str | None:
         """The stored backend for ``calls`` in this environment, or None."""
-        return self._data.get(f"{environment()} | {calls.signature()}")
+        return super().get(calls.signature())
 
     def get_bucket(self, name: str) -> str | None:
         """The stored backend of bucket ``name`` (a model signature and a bucket key: what decides its calls) in
         this environment, or None: lets a restart skip the forward that records the calls."""
-        return self._data.get(f"{environment()} | bucket {name}")
+        return super().get(f"bucket {name}")
 
     def put_bucket(self, name: str, backend: str) -> None:
         """Keep ``backend`` for bucket ``name`` (:meth:`get_bucket`)."""
-        self._write(f"{environment()} | bucket {name}", backend)
+        super().put(f"bucket {name}", backend)
 
     def put(self, calls: RecordedCalls, backend: str) -> None:
         """Keep ``backend`` for ``calls`` (written at once, atomically)."""
-        self._write(f"{environment()} | {calls.signature()}", backend)
+        super().put(calls.signature(), backend)
 
-    def _write(self, key: str, backend: str) -> None:
-        with self._lock:
-            self._data[key] = backend
-            if self.path:
-                tmp = f"{self.path}.{os.getpid()}.tmp"
-                with open(tmp, "w") as f:
-                    json.dump(self._data, f, indent=1, sort_keys=True)
-                os.replace(tmp, self.path)
+
+def model_signature(transformer: torch.nn.Module) -> str:
+    """16 hex digits that change with the transformer's class, its config, its parameters' dtype and the diffusers
+    version: what decides a bucket's attention calls and compiled code (not its weights' values)."""
+    import hashlib
+
+    import diffusers
+
+    first = next(transformer.parameters(), None)
+    config = dict(getattr(transformer, "config", None) or {})
+    return hashlib.sha256(repr((
+        type(transformer).__qualname__, sorted((k, repr(v)) for k, v in config.items() if not k.startswith("_")),
+        None if first is None else str(first.dtype), diffusers.__version__)).encode()).hexdigest()[:16]
 
 
 def choose(calls: RecordedCalls, device: torch.device, configured: str, store: ChoiceStore | None) -> AttentionChoice:

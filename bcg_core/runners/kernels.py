@@ -37,7 +37,7 @@ import torch
 from bcg_core.errors import first_line
 from bcg_core.runners.precompiled import PrecompiledBlocks, available
 from bcg_core.runners.attention import (
-    BACKENDS, AttentionChoice, ChoiceStore, RecordedCalls, choose, compiling_under, record_sdpa_calls)
+    BACKENDS, AttentionChoice, ChoiceStore, RecordedCalls, choose, compiling_under, model_signature, record_sdpa_calls)
 
 __all__ = ["FP8_AMAX_LB", "FP8_MIN_CAPABILITY", "FP8_RTOL", "REPEATED_BLOCKS", "CompileFailed", "CompileTimeout",
            "CompiledKernels", "KernelTier", "check_fp8", "fp8_layers", "quantize_fp8", "raise_recompile_limits",
@@ -254,15 +254,7 @@ class CompiledKernels:
         """Bucket key -> its :class:`~bcg_core.runners.attention.AttentionChoice`, kept for the process: the
         compiled code of a bucket's shape stays traced for that backend, so a second runner reuses the choice."""
         self._store: ChoiceStore | None = None
-        import hashlib
-
-        import diffusers
-
-        first = next(transformer.parameters(), None)
-        config = dict(getattr(transformer, "config", None) or {})
-        self._model_signature = hashlib.sha256(repr((
-            type(transformer).__qualname__, sorted((k, repr(v)) for k, v in config.items() if not k.startswith("_")),
-            None if first is None else str(first.dtype), diffusers.__version__)).encode()).hexdigest()[:16]
+        self._model_signature = model_signature(transformer)
         self._traced: set[str] = set()
         """Block classes whose ahead-of-time compile raised: every block of the class is traced by dynamo."""
         self.blocks = repeated_blocks(transformer) or [transformer]

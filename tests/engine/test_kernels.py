@@ -291,6 +291,45 @@ def test_the_compiled_tolerance_comes_from_the_eager_forwards_own_rounding():
         note, "eager rounding not measured (no memory for a wide copy): 0.02"))
 
 
+def test_the_eager_rounding_is_measured_once_per_weights_and_kept_beside_the_compile_cache(tmp_path, monkeypatch):
+    """``derived_tolerance``: the first start measures the deviation and keeps it in ``bcg-deviation.json``; a start
+    with the same weights reads it (no widened forward), other weights (another ``weights_stamp``) measure again,
+    ``fp8`` never measures, and a file with a value that is not a deviation is not trusted."""
+    import json
+    import os
+
+    import bcg_core.verify as verify
+    from bcg_core.models import save_pipeline, weights_stamp
+
+    pipe = DiTPipeline.from_config(_config())
+    model, keys = pipe.model, pipe.table.keys
+    measured: list = []
+    real = verify.precision_deviation
+    monkeypatch.setattr(verify, "precision_deviation", lambda *a, **k: measured.append(a[1]) or real(*a, **k))
+
+    def tolerance(tier="compiled", weights="w1"):
+        return verify.derived_tolerance(tier, model.adapter, keys, model.device, model.dtype, str(tmp_path), weights)
+
+    first = tolerance()
+    assert len(measured) == 1 and measured[0] == min(keys, key=lambda k: (k.tokens, k.batch))
+    assert (tmp_path / "bcg-deviation.json").exists() and "kept" not in first[1]
+    again = tolerance()
+    assert len(measured) == 1 and again[0] == first[0] and again[1] == first[1] + " (kept from an earlier start)"
+    assert tolerance(weights="w2")[0] == first[0] and len(measured) == 2  # other weights: measured again
+    assert tolerance(weights=None) == first and len(measured) == 3  # no stamp (the tiny default): never kept
+    assert tolerance("fp8") == (FP8_RTOL, f"fp8 stated bound {FP8_RTOL:g}") and len(measured) == 3
+    kept = json.loads((tmp_path / "bcg-deviation.json").read_text())
+    (tmp_path / "bcg-deviation.json").write_text(json.dumps({k: -v for k, v in kept.items()}))  # not deviations
+    assert "kept" not in tolerance()[1] and len(measured) == 4
+    # the stamp: a checkpoint's transformer files, by path, size and modification time
+    folder = save_pipeline(model, tmp_path / "ckpt")
+    stamp = weights_stamp(folder)
+    assert stamp is not None and weights_stamp(folder) == stamp and weights_stamp(None) is None
+    weights = next((folder / "transformer").glob("*.safetensors"))
+    os.utime(weights, ns=(1, 1))  # rewritten in place (another modification time)
+    assert weights_stamp(folder) != stamp
+
+
 def test_kernels_auto_is_eager_on_a_cpu():
     from bcg_core.pipeline import kernel_tier
 
