@@ -233,21 +233,6 @@ def replay(sched, pipe, requests: list, kinds: list[str], concurrency: int) -> t
     return asyncio.run(run())
 
 
-def start_engine(config):
-    """The pipeline and step scheduler a replica would run for ``config``: every bucket's costs measured where
-    ``runner.measure_costs`` asks for it (:meth:`StepScheduler.measure_costs`) and the memory budget set after that,
-    as ``DiTReplica`` does after its capture. ``(pipe, scheduler, start seconds)``."""
-    from bcg_core.pipeline import DiTPipeline
-    from bcg_core.scheduler import StepScheduler
-
-    t0 = time.perf_counter()
-    pipe = DiTPipeline.from_config(config)
-    sched = StepScheduler.from_pipeline(pipe)
-    sched.measure_costs(list(pipe.table.keys))
-    sched.measure_memory_budget()
-    return pipe, sched, time.perf_counter() - t0
-
-
 # -- main ------------------------------------------------------------------------------------------------------
 
 
@@ -347,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
             "steps": args.steps, "strength": args.strength, "kernels": args.kernels,
             "single_size": "{}x{}".format(*args.size), "repeats": args.repeats,
             "config": config.model_dump(mode="json")}
-        pipe, sched, start_s = start_engine(config)
+        pipe, sched, start_s = bench_lora.start_engine(config)
         result["start_s"] = round(start_s, 2)
         try:
             runs = run_single(pipe, args.size, args.steps, args.strength, args.repeats)

@@ -60,6 +60,21 @@ TARGETS = {"flux": ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_pro
 scripts' defaults, with FLUX's single-block ``proj_mlp``)."""
 
 
+def start_engine(config):
+    """The pipeline and step scheduler a replica would run for ``config``: every bucket's costs measured where
+    ``runner.measure_costs`` asks for it (:meth:`StepScheduler.measure_costs`) and the memory budget set after that,
+    as ``DiTReplica`` does after its capture. ``(pipe, scheduler, start seconds)``."""
+    from bcg_core.pipeline import DiTPipeline
+    from bcg_core.scheduler import StepScheduler
+
+    t0 = time.perf_counter()
+    pipe = DiTPipeline.from_config(config)
+    sched = StepScheduler.from_pipeline(pipe)
+    sched.measure_costs(list(pipe.table.keys))
+    sched.measure_memory_budget()
+    return pipe, sched, time.perf_counter() - t0
+
+
 def build_model(name: str, tiny: bool, scratch: str | None, device: str) -> tuple[dict, Path, str]:
     """``(model config mapping, checkpoint folder, family)``: ``flux-dev-width`` through ``bench_saturation``,
     ``sd3-medium`` through ``bench_families``."""
@@ -127,12 +142,11 @@ def assign_adapters(requests: list, names: list[str], share: float, two_share: f
 
 def replay_engine(config, requests: list, concurrency: int, warm: list) -> dict:
     """Serve ``requests`` (GenerationRequests) through a fresh pipeline and step scheduler, ``concurrency`` in
-    flight, after serving ``warm`` untimed. Started as a replica starts (``bench_edits.start_engine``: the cost
+    flight, after serving ``warm`` untimed. Started as a replica starts (:func:`start_engine`: the cost
     model measured where ``runner.measure_costs`` asks for it, the memory budget set; the runs up to commit fdfe4bc
     used the token-count stand-in instead). Returns wall time, images/s, latencies, the pipeline's LoRA stats, the
     timed replay's steps run as two (without and with adapters, ``adapter_splits``) and each bucket's measured
     forward with adapter rows over its plain one (``lora_factor``)."""
-    from bench_edits import start_engine  # the pipeline and scheduler as a replica starts them
     from bench_saturation import percentile  # the benchmarks' one percentile (linear, numpy's default)
 
     pipe, sched, start_s = start_engine(config)
