@@ -323,8 +323,9 @@ _HEADER_SEEN_MAX = 4096
 def holds_lora(path: Path) -> bool:
     """Whether safetensors file ``path``'s header names a LoRA weight: a tensor whose key holds ``lora`` in any
     case, as every format diffusers' ``lora_state_dict`` reads does (``lora_A``/``lora_B``, ``lora_down``/
-    ``lora_up``, kohya's ``lora_unet_``, XLabs' ``proj_lora``). Only the header is read (``safetensors.safe_open``),
-    once per file version: the answer is kept by ``(path, mtime_ns, size)``.
+    ``lora_up``, kohya's ``lora_unet_``, XLabs' ``proj_lora``; diffusers' own ``load_lora_weights`` refuses a state
+    dict without such a key, its ``has_lora_keys``). Only the header is read (``safetensors.safe_open``), once per
+    file version: the answer is kept by ``(path, mtime_ns, size)``.
 
     A file that holds one is not yet an adapter the model can serve: :meth:`AdapterFiles.read` decides that. A
     file that cannot be opened, or whose header is not safetensors, holds none.
