@@ -8,6 +8,10 @@ alpha into black.
 
 A file's pixel count is read from its header and bounded (``limits.max_input_pixels``) before it is decoded, so a
 small file that decodes to gigapixels (a decompression bomb) is refused without being decoded.
+
+An image whose EXIF orientation says it is shown turned (a phone's portrait photo: 4032x3024 pixels tagged
+"rotate 90") is turned upright once decoded (``PIL.ImageOps.exif_transpose``, as diffusers' ``load_image`` does),
+so the edit, its default size and the mask it must match are those of the picture as every viewer shows it.
 """
 
 from __future__ import annotations
@@ -24,7 +28,8 @@ EDIT_FORMATS = ("PNG", "JPEG", "WEBP")
 
 
 def _open(data: bytes, field: str, max_pixels: int):
-    """The Pillow image of ``data``, decoded, after the header's size was checked.
+    """The Pillow image of ``data``, decoded after the header's size was checked, and turned upright by its EXIF
+    orientation (module docstring).
 
     Raises:
         RequestError: (field ``field``) not bytes, empty, not a PNG, JPEG or WebP file, a zero-size image, more
@@ -53,7 +58,9 @@ def _open(data: bytes, field: str, max_pixels: int):
         im.load()
     except (OSError, ValueError, SyntaxError, EOFError, struct.error, Image.DecompressionBombError):  # corrupt data
         raise RequestError(field, f"'{field}' is truncated or corrupt: it does not decode") from None
-    return im
+    from PIL import ImageOps
+
+    return ImageOps.exif_transpose(im)  # upright as shown (module docstring); the same image without an orientation
 
 
 def read_image(data: bytes, max_pixels: int):

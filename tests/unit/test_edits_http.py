@@ -166,6 +166,25 @@ def test_an_edit_without_size_takes_its_images_size_rounded_down_to_the_token_si
     assert plan.request.mask is None and plan.request.strength == 0.6  # image-to-image, the default strength
 
 
+def test_a_photo_tagged_as_turned_is_edited_upright_as_it_is_shown(recorded):
+    """A 640x480 JPEG whose EXIF orientation is 6 (shown turned a quarter, 480x640, as a phone's portrait photo) is
+    edited upright: its default size is 480x640, and a mask drawn on the upright picture (480x640) fits it."""
+    dit, ingress = recorded
+    im = Image.new("RGB", (640, 480), (10, 200, 30))
+    exif = im.getexif()
+    exif[0x0112] = 6  # Orientation: rotate 90 CW to display
+    buf = io.BytesIO()
+    im.save(buf, format="JPEG", exif=exif)
+    photo = buf.getvalue()
+    result = _client(ingress).images.edit(image=photo, prompt="x")
+    assert result.size == "480x640" and (dit.sent[0][1].request.width, dit.sent[0][1].request.height) == (480, 640)
+    result = _client(ingress).images.edit(image=photo, mask=_mask((480, 640)), prompt="x")
+    assert result.size == "480x640"
+    status, err = _post(ingress, files={"image": ("p.jpg", photo), "mask": ("m.png", _mask((640, 480)))},
+                        data={"prompt": "x"})
+    assert status == 422 and "'mask' is 640x480, the image 480x640" in err["message"]
+
+
 @pytest.mark.parametrize("image, want", [((2600, 1950), (2048, 1536)),  # a photo larger than max_side_px 2048
                                          ((200, 150), (336, 256)),  # smaller than min_side_px 256
                                          ((4000, 200), (2048, 256))])  # cannot keep its aspect: both bounds hold
