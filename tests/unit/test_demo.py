@@ -102,6 +102,22 @@ def test_cli_demo_refuses_config_with_url(capsys):
     assert "--config and --port" in capsys.readouterr().err
 
 
+def test_demo_url_ending_in_v1_is_taken_as_the_server_above_it(tmp_path, monkeypatch, capsys):
+    """``--url http://host:port/v1`` (the openai client's base_url) is the server at ``http://host:port``."""
+    import deployments.demo as demo
+
+    asked = []
+
+    def wait_healthy(url, timeout_s):
+        asked.append(url)
+        raise TimeoutError(f"{url}/healthz did not answer")
+
+    monkeypatch.setattr(demo, "wait_healthy", wait_healthy)
+    with pytest.raises(TimeoutError):
+        demo.run_demo(url="http://127.0.0.1:9/v1/", out=tmp_path / "out")
+    assert asked == ["http://127.0.0.1:9"] and "the server's base URL is http://127.0.0.1:9" in capsys.readouterr().out
+
+
 def test_cli_serve_refuses_replicas_with_autoscaling(tmp_path, capsys):
     cfg = tmp_path / "autoscale.yaml"
     cfg.write_text("autoscaling: {enabled: true, max_replicas: 3}\n")
