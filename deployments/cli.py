@@ -184,16 +184,42 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _section_fields(loc: tuple) -> list[str] | None:
+    """The field names of the config section at ``loc`` (``("limits",)``: ``LimitsConfig``'s), or None where
+    ``loc`` does not lead to a section."""
+    from deployments.settings import ServeConfig
+
+    model: Any = ServeConfig
+    for part in loc:
+        field = getattr(model, "model_fields", {}).get(part) if isinstance(part, str) else None
+        model = field.annotation if field is not None else None
+        if not (isinstance(model, type) and issubclass(model, BaseModel)):
+            return None
+    return list(model.model_fields)
+
+
 def error_text(exc: BaseException) -> str:
     """One line for an error: a pydantic ``ValidationError`` (a bad configuration) as ``field.path: message``
-    per error joined with ``;``, without pydantic's type names and documentation links; anything else as it is."""
+    per error joined with ``;``, without pydantic's type names and documentation links (an unknown field names the
+    section's fields and the closest one; a bad API key says why, never the key); anything else as it is."""
+    import difflib
+
     from pydantic import ValidationError
 
     if isinstance(exc, ValidationError):
         parts = []
         for e in exc.errors():
-            where = ".".join(str(x) for x in e.get("loc", ())) or "config"
-            parts.append(f"{where}: {str(e.get('msg', '')).removeprefix('Value error, ')}")
+            loc = tuple(e.get("loc", ()))
+            msg = str(e.get("msg", "")).removeprefix("Value error, ")
+            fields = _section_fields(loc[:-1]) if e.get("type") == "extra_forbidden" else None
+            if fields is not None:
+                close = difflib.get_close_matches(str(loc[-1]), fields, n=1)
+                msg = (f"unknown field{f' (did you mean {close[0]!r}?)' if close else ''}; "
+                       f"{'.'.join(map(str, loc[:-1])) or 'the config'} takes {', '.join(fields)}")
+            elif type(e.get("input")).__name__ == "_BadKey":  # deployments.settings: says what is wrong, not the key
+                msg = f"an API key that is {e['input'].reason}"
+            where = ".".join(str(x) for x in loc)
+            parts.append(f"{where}: {msg}" if where else msg)
         return f"invalid configuration: {'; '.join(parts)}"
     return str(exc)
 

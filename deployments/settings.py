@@ -292,8 +292,13 @@ def load_config(config: Mapping[str, Any] | None = None, config_path: str | Path
             data = yaml.safe_load(path.read_text())  # YAML is a superset of JSON
         except yaml.YAMLError as e:
             raise ValueError(f"config file {str(path)!r} is not valid YAML/JSON: {e}") from None
+        if data is None:
+            raise ValueError(f"config file {str(path)!r} is empty: write the sections to change (model, buckets, "
+                             f"limits, runner, ...; `bcg config` prints them all), or leave out the file for the "
+                             f"defaults")
         if not isinstance(data, dict):
-            raise ValueError(f"config_path {str(config_path)!r} must hold a mapping with model/buckets/limits")
+            raise ValueError(f"config file {str(path)!r} holds a {type(data).__name__}, not a mapping of sections "
+                             f"(model, buckets, limits, runner, ...; `bcg config` prints them all)")
         config = data
     return ServeConfig.model_validate(dict(config or {}))
 

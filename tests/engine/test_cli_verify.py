@@ -53,6 +53,13 @@ def test_a_bad_configuration_is_one_line_per_field_with_the_fix(tmp_path, capsys
         assert err.startswith(f"bcg {command[0]}: error: invalid configuration: ")
         assert "model.dtype: Input should be 'float32', 'bfloat16' or 'float16'" in err
         assert "buckets.batch_sizes: batch_sizes [2, 1] must be strictly ascending without repeats; use [1, 2]" in err
+    # a misspelt field: the section's fields and the closest one; a bad API key: why, never the key
+    bad.write_text("limits: {max_imags: 3}\nauth: {api_keys: [' sk-secret-1 ']}\nmodle: {}\n")
+    assert main(["plan", "--config", str(bad)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "limits.max_imags: unknown field (did you mean 'max_images'?); limits takes max_images, min_side_px" in err
+    assert "modle: unknown field (did you mean 'model'?); the config takes model, buckets, limits" in err
+    assert "auth.api_keys.0: an API key that is empty, or padded with white space" in err and "secret" not in err
 
 
 def test_a_port_something_listens_on_is_refused_before_ray_starts():

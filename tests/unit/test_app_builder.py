@@ -39,5 +39,8 @@ def test_bad_arguments_are_rejected_at_build_time(tmp_path):
         build_app({"config": {"buckets": {"batch_sizes": [4, 2]}}})
     listing = tmp_path / "list.yaml"
     listing.write_text("- 1\n- 2\n")
-    with pytest.raises(ValueError, match="must hold a mapping"):
+    with pytest.raises(ValueError, match="holds a list, not a mapping of sections"):
         build_app({"config_path": str(listing)})
+    (tmp_path / "empty.yaml").write_text("")
+    with pytest.raises(ValueError, match="is empty: write the sections to change .* or leave out the file"):
+        build_app({"config_path": str(tmp_path / "empty.yaml")})
