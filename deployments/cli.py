@@ -270,6 +270,13 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         return 2
     source = args.source or ("gentd26" if args.traffic == "gentd26" and not args.trace else
                              f"gentd26:{args.trace}" if args.traffic == "gentd26" else args.traffic)
+    from pathlib import Path
+
+    for flag, path in (("--write", args.write), ("--json", args.json), ("--plot", args.plot)):
+        if path and not Path(path).resolve().parent.is_dir():  # before the search, not after it
+            print(f"bcg plan: error: {flag} {path}: its folder {str(Path(path).resolve().parent)!r} does not exist",
+                  file=sys.stderr)
+            return 2
     try:
         config = _load(args.config)
         key = None

@@ -175,8 +175,11 @@ def run_plan(config: ServeConfig, source: str = "krea", budget_mib: float | None
     plan = search_table(config, traffic, costs, budget_mib=budget_mib, max_graphs=max_graphs)
     default = evaluate(planning_table(config), traffic, costs)
     s = plan.score
+    device = config.model.device
+    where = ("" if measure or profile or device == "cpu" else
+             f" (planned for a GPU: model.device {device}; model.device: cpu plans for a CPU)")
     table = Table(title=f"bcg plan: {traffic.source} traffic, {whole_count(traffic.requests)} requests, costs: "
-                        f"{costs.source}")
+                        f"{costs.source}{where}")
     for col in ("bucket shape", "share of requests", "padded-token waste"):
         table.add_column(col, justify="left" if col == "bucket shape" else "right")
     for shape, v in s.shares.items():

@@ -241,6 +241,11 @@ def test_plan_says_the_current_table_is_better_and_writes_the_planned_one_only_w
     current = json.loads(report.read_text())["current"]  # the reports are still written
     assert current["at_least_as_good"] is True and current["graphs"] == 63
 
+    assert "(planned for a GPU: model.device auto; model.device: cpu plans for a CPU)" in text
+    assert main(["plan", "--write", str(tmp_path / "no" / "such" / "p.yaml")]) == 2  # refused before the search
+    assert f"--write {tmp_path / 'no' / 'such' / 'p.yaml'}: its folder" in capsys.readouterr().err
+    assert main(["plan", "--steps", "1000"]) == 2  # every request refused: a whole count
+    assert "(num_inference_steps: 209 requests)" in capsys.readouterr().err
     assert main(["plan", "--write", str(out), "--force"]) == 0
     assert "(--force: the current table is expected to be as good or better)" in capsys.readouterr().out
     from deployments.settings import load_config
