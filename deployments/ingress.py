@@ -43,11 +43,11 @@ from the model's spec (``describe_model``: the checkpoint's JSON configs), known
 
 Every error is answered in OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``: 413 for a
 body over ``limits.max_body_bytes`` (an edit's: :func:`~deployments.uploads.upload_limit`), 400 for a body that is
-not JSON (or not readable multipart), 415 for an edit that is not ``multipart/form-data``, 422 for a field that fails
-validation or planning (the message names the field and the values it accepts), 503 when no replica could
-serve it (under overload at once, with ``Retry-After``: backpressure from ``routing.max_queued_requests``),
-500 for a server fault (the answers: :mod:`deployments.http_errors`; usage, ``bcg`` and the event stream:
-:mod:`deployments.answers`).
+not JSON (or not readable multipart), 415 for an edit not sent as ``multipart/form-data`` or a generation sent as a
+form, 422 for a field that fails validation or planning (the message names the field and the values it accepts), 503
+when no replica could serve it (under overload at once, with ``Retry-After``: backpressure from
+``routing.max_queued_requests``), 500 for a server fault (the answers: :mod:`deployments.http_errors`; usage,
+``bcg`` and the event stream: :mod:`deployments.answers`).
 """
 
 # No ``from __future__ import annotations`` here: FastAPI reads the route signatures (``request: Request``)
@@ -101,7 +101,8 @@ from .schemas import (
     ModelList,
     RequestLimits,
 )
-from .uploads import BodyTooLarge, FormError, edit_fields, edits_card, read_body, read_form, upload_limit
+from .uploads import (MULTIPART, BodyTooLarge, FormError, edit_fields, edits_card, media_type, read_body, read_form,
+                      upload_limit)
 
 __all__ = ["Ingress", "merged_traffic"]
 
@@ -113,9 +114,7 @@ app = FastAPI(
     "OpenAI Images API compatible.",
 )
 
-_ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
-    code: {"model": ErrorBody} for code in (400, 401, 413, 422, 500, 503)
-}
+_ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {c: {"model": ErrorBody} for c in (400, 401, 413, 422, 500, 503)}
 _IMAGES_200 = {"description": "The images as JSON; with `stream: true` Server-Sent Events instead "
                               "(`<kind>.partial_image`, then `<kind>.completed` per image; kind `image_generation`, "
                               "or `image_edit` for an edit).",
@@ -361,7 +360,7 @@ class Ingress:
     @app.post(
         "/v1/images/generations",
         response_model=ImageGenerationResponse,
-        responses={**_ERROR_RESPONSES, 200: _IMAGES_200},
+        responses={**_ERROR_RESPONSES, 415: {"model": ErrorBody}, 200: _IMAGES_200},
         openapi_extra={
             "requestBody": {
                 "required": True,
@@ -380,6 +379,9 @@ class Ingress:
             body = await read_body(request, limits.limits.max_body_bytes)
         except BodyTooLarge as exc:
             return _too_large(exc.args[0], limits.limits.max_body_bytes, "limits.max_body_bytes")
+        if (form := media_type(request)) in (MULTIPART, "application/x-www-form-urlencoded"):  # an edit's body?
+            return error_response(415, f"POST /v1/images/generations takes a JSON body, not {form}; an edit of an "
+                                       f"uploaded image is POST /v1/images/edits (multipart/form-data)")
         try:
             req = ImageGenerationRequest.model_validate_json(body, context={"limits": limits})
         except ValidationError as exc:

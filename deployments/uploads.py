@@ -28,7 +28,7 @@ from starlette.datastructures import FormData, UploadFile
 from starlette.formparsers import MultiPartException, MultiPartParser
 from starlette.requests import Request
 
-__all__ = ["BodyTooLarge", "FormError", "MULTIPART", "edit_fields", "edits_card",
+__all__ = ["BodyTooLarge", "FormError", "MULTIPART", "edit_fields", "edits_card", "media_type",
            "read_body", "read_form", "upload_limit"]
 
 MULTIPART = "multipart/form-data"

@@ -326,6 +326,17 @@ def test_another_content_type_is_415_naming_multipart(ingress, content, ctype):
         err["message"]
 
 
+@pytest.mark.parametrize("ctype", ["multipart/form-data; boundary=x", "application/x-www-form-urlencoded"])
+def test_a_form_sent_to_generations_is_415_naming_json_and_the_edits_route(ingress, ctype):
+    part = b'--x\r\nContent-Disposition: form-data; name="prompt"\r\n\r\nx\r\n--x--\r\n'
+    body = b"prompt=x" if "urlencoded" in ctype else part
+    answer = asyncio.run(ingress.generate(_starlette("POST", "/v1/images/generations", [("content-type", ctype)],
+                                                     [body])))
+    err = json.loads(answer.body)["error"]
+    assert answer.status_code == 415 and "takes a JSON body" in err["message"]
+    assert "POST /v1/images/edits (multipart/form-data)" in err["message"]
+
+
 @pytest.mark.parametrize("body,ctype,says", [
     (b"", "multipart/form-data", "Missing boundary"),
     (b"garbage", "multipart/form-data; boundary=x", "Invalid multipart data"),
