@@ -380,7 +380,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="where the local Ray node and its metrics exporter listen (default: the config's "
                    "metrics.host, 127.0.0.1: loopback only; 0.0.0.0: Ray's Linux default, every interface)")
     s.add_argument("--stop-after-s", type=_positive_float, default=None, metavar="T",
-                   help="stop by itself after T seconds (default: run until Ctrl-C)")
+                   help="stop by itself T seconds after it is ready (default: run until Ctrl-C)")
     s.add_argument("--verbose", action="store_true", help="show Ray's and the replicas' logs")
     s.set_defaults(func=_cmd_serve)
 

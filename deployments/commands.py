@@ -30,7 +30,13 @@ def _select(keys: list[BucketKey], wanted: list[str] | None) -> list[BucketKey]:
     by_name = {str(k): k for k in keys}
     unknown = [w for w in wanted if w not in by_name]
     if unknown:
-        raise ValueError(f"bucket {unknown[0]!r} is not in the table; buckets: {', '.join(by_name)}")
+        import difflib
+
+        close = difflib.get_close_matches(unknown[0], list(by_name), n=3, cutoff=0.5)
+        shown = ", ".join(list(by_name)[:12]) + (f" and {len(by_name) - 12} more" if len(by_name) > 12 else "")
+        raise ValueError(f"bucket {unknown[0]!r} is not in the table"
+                         + (f" (closest: {', '.join(close)})" if close else "") + f"; its {len(by_name)} buckets: "
+                         f"{shown} (GET /v1/buckets or bcg profile lists them with their shapes)")
     return [by_name[w] for w in wanted]
 
 
@@ -117,11 +123,11 @@ def run_verify(config: ServeConfig, buckets: list[str] | None = None, rtol: floa
 
     console = console or Console()
     progress = progress or sys.stderr
-    print("bcg verify: loading the model and building the runner (on a GPU: capturing "
-          f"{'the graphs of the buckets asked for' if buckets else 'every bucket graph'}) ...", file=progress, flush=True)
     from bcg_core.planner import Planner
 
     _select(Planner.from_config(config).table.keys, buckets)  # an unknown key fails before the model loads
+    print("bcg verify: loading the model and building the runner (on a GPU: capturing "
+          f"{'the graphs of the buckets asked for' if buckets else 'every bucket graph'}) ...", file=progress, flush=True)
     pipe = _pipeline(config, prepare=False)
     model = pipe.model
     keys = set(_select(pipe.table.keys, buckets))

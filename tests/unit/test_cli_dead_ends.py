@@ -63,7 +63,10 @@ def test_verify_of_chosen_buckets_has_no_hint_and_keeps_the_exit_status(small_co
     assert main(["verify", "--config", small_config, "--rtol", "1e-30", "--bucket", "b2_i320_m_t256"]) == 1
     assert "FAIL" in capsys.readouterr().out
     assert main(["verify", "--config", small_config, "--bucket", "b9_i1_t1"]) == 2
-    assert "is not in the table; buckets: b1_i256_t256" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "is not in the table" in err and "buckets: b1_i256_t256" in err and "loading the model" not in err
+    assert main(["verify", "--config", small_config, "--bucket", "b2_i256_t265"]) == 2  # a typo: the closest named
+    assert "is not in the table (closest: b2_i256_t256" in capsys.readouterr().err
 
 
 def test_verify_estimate_prices_each_case_on_the_line_through_the_smallest_and_the_largest():
