@@ -99,9 +99,12 @@ def first_line(exc: BaseException, empty: str = "", limit: int | None = None) ->
 
 
 def shown(value: object, limit: int = 60) -> str:
-    """``value`` as an error message quotes what a request sent: its ``repr``, cut to ``limit`` characters with
-    ``...``; a list or tuple too long for that reads ``a list of N entries`` (a cut repr of a list of objects
-    names none of them usefully)."""
+    """``value`` as an error message quotes what a request sent: ``true``, ``false`` and ``null`` as JSON spells
+    them (what the client sent), anything else its ``repr``, cut to ``limit`` characters with ``...``; a list or
+    tuple too long for that reads ``a list of N entries`` (a cut repr of a list of objects names none of them
+    usefully)."""
+    if value is None or isinstance(value, bool):
+        return {None: "null", True: "true", False: "false"}[value]
     text = repr(value)
     if len(text) <= limit:
         return text

@@ -83,7 +83,7 @@ def test_lora_entries_map_onto_the_engine_request_with_scale_one_by_default():
 
 @pytest.mark.parametrize("entries,where,says", [
     ([{"name": "a", "scale": "0.5"}], "got '0.5' at lora[0].scale", "valid number"),
-    ([{"name": "a", "scale": True}], "got True at lora[0].scale", "valid number"),
+    ([{"name": "a", "scale": True}], "got true at lora[0].scale", "valid number"),
     ([{"name": 7}], "got 7 at lora[0].name", "valid string"),
     ([{"name": "a", "weight": 1.0}], "unknown key 'weight' at lora[0].weight", None),
     ([{"scale": 1.0}], "lora[0].name is missing", None),
