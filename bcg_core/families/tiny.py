@@ -165,5 +165,7 @@ def build_tiny(config: ModelConfig | None = None) -> BCGFluxFamily:
         vae = AutoencoderKL(**tiny_vae_config())
     finally:
         torch.random.set_rng_state(gen_state)
-    return assemble_flux(TINY_NAME, transformer.to(device=device, dtype=dtype), vae.to(device=device, dtype=dtype),
-                         text, TINY_TEXT_TOKENS, device, dtype)
+    def to(module):  # no dtype cast where none is needed: diffusers warns on any dtype passed to a model's to()
+        return module.to(device) if module.dtype == dtype else module.to(device=device, dtype=dtype)
+
+    return assemble_flux(TINY_NAME, to(transformer), to(vae), text, TINY_TEXT_TOKENS, device, dtype)
