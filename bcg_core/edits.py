@@ -60,7 +60,8 @@ def _open(data: bytes, field: str, max_pixels: int):
         raise RequestError(field, f"'{field}' is truncated or corrupt: it does not decode") from None
     from PIL import ImageOps
 
-    return ImageOps.exif_transpose(im)  # upright as shown (module docstring); the same image without an orientation
+    ImageOps.exif_transpose(im, in_place=True)  # upright as shown (module docstring); no copy without an orientation
+    return im
 
 
 def read_image(data: bytes, max_pixels: int):

@@ -252,9 +252,16 @@ def weights_stamp(path: str | Path | None) -> str | None:
     -t`` of other weights of the same shapes) keeps its stamp: delete the compile cache folder after such a copy.
     """
     import hashlib
+    import os
 
     if path is None or not (folder := Path(path) / "transformer").is_dir():
         return None
-    files = sorted(p for p in folder.rglob("*") if p.is_file())
-    return hashlib.sha256(repr([(str(p.relative_to(folder)), p.stat().st_size, p.stat().st_mtime_ns)
-                                for p in files]).encode()).hexdigest()[:16]
+    seen = []
+    for root, _, names in os.walk(folder, followlinks=True):
+        for name in names:
+            try:
+                st = os.stat(os.path.join(root, name))
+            except FileNotFoundError:  # removed while listed
+                continue
+            seen.append((os.path.relpath(os.path.join(root, name), folder), st.st_size, st.st_mtime_ns))
+    return hashlib.sha256(repr(sorted(seen)).encode()).hexdigest()[:16]

@@ -227,7 +227,8 @@ def derived_tolerance(tier: str, adapter: DiTAdapter, keys: list[BucketKey], dev
     """:func:`kernel_tolerance` of ``tier`` from :func:`precision_deviation` on the smallest of ``keys``, which is
     read from ``<cache_dir>/bcg-deviation.json`` (default: inductor's cache folder) when a start before measured it
     for the same weights (``weights``: :func:`bcg_core.models.weights_stamp`), transformer
-    (:func:`~bcg_core.runners.attention.model_signature`), bucket, GPU, torch and cuDNN, else measured and kept:
+    (:func:`~bcg_core.runners.attention.model_signature`), device, bucket, GPU, torch and cuDNN (and ``v1``, the way
+    it is measured), else measured and kept:
     a restart skips the widened copy of every weight and a forward at float32 rates (FLUX.1-dev: 47.6 GB). Never
     measured for ``fp8`` (a stated bound) or without ``keys``; never kept without ``weights`` (the tiny default).
 
@@ -252,7 +253,7 @@ def derived_tolerance(tier: str, adapter: DiTAdapter, keys: list[BucketKey], dev
         FILE = "bcg-deviation.json"
 
     store = Deviations(cache_dir, lambda v: isinstance(v, (int, float)) and math.isfinite(v) and v >= 0)
-    name = f"deviation | {model_signature(adapter.model)} | weights {weights} | {smallest}"
+    name = f"deviation v1 | {model_signature(adapter.model)} | weights {weights} | {torch.device(device)} | {smallest}"
     kept = store.get(name)
     deviation = float(kept) if kept is not None else precision_deviation(adapter, smallest, device, dtype)
     if kept is None and deviation is not None and math.isfinite(deviation):

@@ -189,10 +189,14 @@ def _section_fields(loc: tuple) -> list[str] | None:
     ``loc`` does not lead to a section."""
     from deployments.settings import ServeConfig
 
+    import typing
+
     model: Any = ServeConfig
     for part in loc:
         field = getattr(model, "model_fields", {}).get(part) if isinstance(part, str) else None
         model = field.annotation if field is not None else None
+        if typing.get_origin(model) in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+            model = next((a for a in typing.get_args(model) if a is not type(None)), None)  # an optional section
         if not (isinstance(model, type) and issubclass(model, BaseModel)):
             return None
     return list(model.model_fields)
@@ -217,7 +221,9 @@ def error_text(exc: BaseException) -> str:
                 msg = (f"unknown field{f' (did you mean {close[0]!r}?)' if close else ''}; "
                        f"{'.'.join(map(str, loc[:-1])) or 'the config'} takes {', '.join(fields)}")
             elif type(e.get("input")).__name__ == "_BadKey":  # deployments.settings: says what is wrong, not the key
-                msg = f"an API key that is {e['input'].reason}"
+                why = e["input"].reason
+                msg = (f"an API key that is {why}" if loc and isinstance(loc[-1], int) else
+                       f"{why}: give a list of keys, e.g. [\"sk-...\"], or api_key_file")
             where = ".".join(str(x) for x in loc)
             parts.append(f"{where}: {msg}" if where else msg)
         return f"invalid configuration: {'; '.join(parts)}"

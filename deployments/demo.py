@@ -193,13 +193,13 @@ def run_demo(*, requests: int = 8, steps: int = 4, concurrency: int = 1, out: st
             console.print("starting Ray and the bcg-serve application (takes ~30-60 s) ...")
             url = start_local(served, port, num_cpus, quiet=quiet)
         url = url.rstrip("/")
+        if not started and not url.startswith(("http://", "https://")):
+            raise ValueError(f"--url {url!r} is not an http:// or https:// address; give the server's base URL, e.g. "
+                             f"http://127.0.0.1:8000")
         if not started and url.endswith("/v1"):  # the openai client's base_url: the server's base is above it
             url = url.removesuffix("/v1")
             console.print(f"--url: the server's base URL is {url} (the openai client's base_url ends in /v1; "
                           f"bcg demo adds the routes itself)")
-        if not started and not url.startswith(("http://", "https://")):
-            raise ValueError(f"--url {url!r} is not an http:// or https:// address; give the server's base URL, e.g. "
-                             f"http://127.0.0.1:8000")
         if not started:  # one given with --url is expected to be up (start_local returns once /healthz answers)
             wait_healthy(url, timeout_s=min(10.0, timeout_s))
         check_access(url, api_key, key_source, timeout_s=min(30.0, timeout_s))

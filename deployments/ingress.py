@@ -101,7 +101,7 @@ from .schemas import (
     ModelList,
     RequestLimits,
 )
-from .uploads import (MULTIPART, BodyTooLarge, FormError, edit_fields, edits_card, media_type, read_body, read_form,
+from .uploads import (BodyTooLarge, FormError, edit_fields, edits_card, form_not_json, read_body, read_form,
                       upload_limit)
 
 __all__ = ["Ingress", "merged_traffic"]
@@ -379,9 +379,8 @@ class Ingress:
             body = await read_body(request, limits.limits.max_body_bytes)
         except BodyTooLarge as exc:
             return _too_large(exc.args[0], limits.limits.max_body_bytes, "limits.max_body_bytes")
-        if (form := media_type(request)) in (MULTIPART, "application/x-www-form-urlencoded"):  # an edit's body?
-            return error_response(415, f"POST /v1/images/generations takes a JSON body, not {form}; an edit of an "
-                                       f"uploaded image is POST /v1/images/edits (multipart/form-data)")
+        if (why := form_not_json(request, body)) is not None:
+            return error_response(415, why)
         try:
             req = ImageGenerationRequest.model_validate_json(body, context={"limits": limits})
         except ValidationError as exc:

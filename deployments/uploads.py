@@ -28,7 +28,7 @@ from starlette.datastructures import FormData, UploadFile
 from starlette.formparsers import MultiPartException, MultiPartParser
 from starlette.requests import Request
 
-__all__ = ["BodyTooLarge", "FormError", "MULTIPART", "edit_fields", "edits_card", "media_type",
+__all__ = ["BodyTooLarge", "FormError", "MULTIPART", "edit_fields", "edits_card", "form_not_json", "media_type",
            "read_body", "read_form", "upload_limit"]
 
 MULTIPART = "multipart/form-data"
@@ -107,6 +107,17 @@ async def read_body(request: Request, max_bytes: int) -> bytes:
 def media_type(request: Request) -> str:
     """The request's media type, lowercase, without parameters (``""`` when absent)."""
     return request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+
+
+def form_not_json(request: Request, body: bytes) -> str | None:
+    """Why the body of a JSON route (``POST /v1/images/generations``) is refused with 415, or None: a
+    ``multipart/form-data`` body (an edit's), or a urlencoded one that is not JSON (``curl -d '{...}'`` sends JSON as
+    ``application/x-www-form-urlencoded``: that is read as JSON)."""
+    got = media_type(request)
+    if got == MULTIPART or (got == "application/x-www-form-urlencoded" and not body.lstrip().startswith(b"{")):
+        return (f"POST {request.url.path} takes a JSON body, not {got}; an edit of an uploaded image is "
+                f"POST /v1/images/edits (multipart/form-data)")
+    return None
 
 
 async def read_form(request: Request, max_bytes: int) -> FormData:

@@ -328,7 +328,8 @@ def holds_lora(path: Path) -> bool:
     file version: the answer is kept by ``(path, mtime_ns, size)``.
 
     A file that holds one is not yet an adapter the model can serve: :meth:`AdapterFiles.read` decides that. A
-    file that cannot be opened, or whose header is not safetensors, holds none.
+    file whose header is not safetensors holds none; one that cannot be opened now (``OSError``) holds none this
+    time and is asked again on the next listing.
     """
     from safetensors import safe_open
 
@@ -342,6 +343,8 @@ def holds_lora(path: Path) -> bool:
         try:
             with safe_open(str(path), "pt") as f:
                 found = any("lora" in k.lower() for k in f.keys())
+        except OSError:  # could not be opened now (too many open files, a file being replaced): not kept
+            return False
         except Exception:  # noqa: BLE001 - safetensors raises several types on a file that is not one
             found = False
         if len(_HEADER_SEEN) >= _HEADER_SEEN_MAX:

@@ -38,9 +38,10 @@ COMPILED_HIT_GAIN = 1.25
 """How many times faster a bucket forward runs with compiled kernels (``runner.kernels: compiled``, ``fp8`` or
 ``auto`` on a GPU) than the same tokens on eager kernels, which every miss runs: the token-count model's
 ``eager_ms_per_token`` is ``ms_per_token`` times this. Measured per transformer forward in a graph on an H200
-(docs/BENCHMARKS.md, 2026-12-02, compiled kernels per forward): 1.17x to 1.42x across FLUX.1-dev, SD3-medium and
-PixArt-Sigma shapes, median 1.30x; 1.25x sits below the median, so misses are not overpriced. ``fp8`` is priced as
-``compiled`` (it gains nothing more at PixArt-Sigma's and SANA's widths, 2026-12-04)."""
+(docs/BENCHMARKS.md, 2026-12-02, compiled kernels per forward): 1.15x to 1.42x across FLUX.1-dev, SD3-medium and
+PixArt-Sigma shapes, median 1.30x; 1.25x sits below the median. It overprices PixArt-Sigma's misses (1.15-1.22x
+there) by up to 9% and underprices the wider models'; ``bcg plan --measure`` fits both from this GPU instead.
+``fp8`` is priced as ``compiled`` (it gains nothing more at PixArt-Sigma's and SANA's widths, 2026-12-04)."""
 
 
 @dataclass(frozen=True)
@@ -70,9 +71,9 @@ class PlanCosts:
         with graph bytes from the model's width and dtype (:func:`bcg_core.models.estimate_graph_bytes`: the
         activation factor measured on the H200).
 
-        With graphs and compiled kernels (``runner.kernels`` ``compiled`` or ``fp8``, or ``auto``, which is
-        ``compiled`` on a GPU), a miss's unpadded forward costs :data:`COMPILED_HIT_GAIN` times a bucket's per token:
-        misses always run eager kernels, so a table that holds more of the traffic gains that too.
+        With compiled kernels on a GPU (``runner.kernels`` ``compiled``, ``fp8`` or ``auto``, and ``model.device``
+        not ``cpu``; under either runner mode), a miss's unpadded forward costs :data:`COMPILED_HIT_GAIN` times a
+        bucket's per token: misses always run eager kernels, so a table that holds more of the traffic gains that.
 
         Args:
             config: the model (width, dtype) and runner.
@@ -85,12 +86,12 @@ class PlanCosts:
             graphs = config.runner.mode == "graph" or (config.runner.mode == "auto" and config.model.device != "cpu")
         dtype_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}[config.model.dtype]
         launch = cls.eager_launch_ms
-        compiled = graphs and config.runner.kernels != "eager"
+        compiled = config.runner.kernels != "eager" and config.model.device != "cpu"  # graph or eager runner
         return cls(graph_launch_ms=launch / 10 if graphs else launch,
                    bytes_per_token=ACTIVATION_FACTOR * transformer_width(config.model.path) * dtype_bytes,
                    eager_ms_per_token=cls.ms_per_token * COMPILED_HIT_GAIN if compiled else None,
-                   source=("token-count (compiled hits)" if compiled else "token-count") if graphs
-                   else "token-count (eager runner)")
+                   source=("token-count" if graphs else "token-count (eager runner)")
+                   + (" (compiled hits)" if compiled else ""))
 
     def graph_ms(self, key: BucketKey) -> float:
         """Expected milliseconds of one replay of bucket ``key``."""

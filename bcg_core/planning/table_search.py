@@ -175,7 +175,8 @@ def search_table(config: EngineConfig, traffic: Traffic, costs: PlanCosts | None
         raise ValueError(f"budget_mib must be a positive finite number of MiB, got {budget_mib}; leave it out for no "
                          f"budget")
     if not traffic.demands:
-        why = ", ".join(f"{k}: {max(1, round(v))} requests" for k, v in sorted(traffic.refused.items())) or "no rows"
+        counts = {k: max(1, round(v)) for k, v in sorted(traffic.refused.items())}
+        why = ", ".join(f"{k}: {n} request{'s' if n > 1 else ''}" for k, n in counts.items()) or "no rows"
         raise ValueError(f"the traffic sample ({traffic.source}) has no request the limits allow ({why}); give it "
                          f"requests within limits, or widen limits")
     costs = costs or PlanCosts.token_count(config)

@@ -265,8 +265,10 @@ def environment() -> str:
 class KeptValues:
     """A small JSON mapping kept beside the compile cache (``<folder>/<FILE>``), for what a restart would otherwise
     measure again. Every value must pass ``valid``; an unreadable file, or one with a single invalid value, is
-    ignored (and rewritten on the next :meth:`put`), never trusted in part. Writes are atomic (a temporary file
-    renamed into place).
+    ignored (and rewritten on the next :meth:`put`), never trusted in part. A write creates the folder if needed,
+    re-reads the file under an exclusive lock (``<FILE>.lock``, ``fcntl.flock``) so that replicas starting together
+    keep each other's entries, and renames a temporary file into place; a write that fails (a read-only or full
+    disk) is logged and the value kept in memory only: the next start measures it again.
 
     Args:
         folder: the compile cache folder, or None to keep values in memory only.
@@ -277,31 +279,47 @@ class KeptValues:
 
     def __init__(self, folder: str | None, valid: Callable[[object], bool]):
         self.path = os.path.join(folder, self.FILE) if folder else None
+        self._valid = valid
         self._lock = threading.Lock()
-        self._data: dict[str, object] = {}
-        if self.path and os.path.exists(self.path):
-            try:
-                data = json.loads(open(self.path).read())
-                if isinstance(data, dict) and all(valid(v) for v in data.values()):
-                    self._data = data
-                else:
-                    log.warning("ignoring %s: a value is not what it keeps", self.path)
-            except (OSError, ValueError) as e:
-                log.warning("ignoring %s: %s", self.path, e)
+        self._data: dict[str, object] = self._read(warn=True)
+
+    def _read(self, warn: bool = False) -> dict[str, object]:
+        if not self.path or not os.path.exists(self.path):
+            return {}
+        try:
+            data = json.loads(open(self.path).read())
+            if isinstance(data, dict) and all(self._valid(v) for v in data.values()):
+                return data
+            why = "a value is not what it keeps"
+        except (OSError, ValueError) as e:
+            why = str(e)
+        if warn:
+            log.warning("ignoring %s: %s", self.path, why)
+        return {}
 
     def get(self, key: str) -> object | None:
         """The value kept under ``key`` in this :func:`environment`, or None."""
         return self._data.get(f"{environment()} | {key}")
 
     def put(self, key: str, value: object) -> None:
-        """Keep ``value`` under ``key`` in this :func:`environment` (written at once, atomically)."""
+        """Keep ``value`` under ``key`` in this :func:`environment` (written at once: class docstring)."""
+        import fcntl
+
         with self._lock:
             self._data[f"{environment()} | {key}"] = value
-            if self.path:
-                tmp = f"{self.path}.{os.getpid()}.tmp"
-                with open(tmp, "w") as f:
-                    json.dump(self._data, f, indent=1, sort_keys=True)
-                os.replace(tmp, self.path)
+            if not self.path:
+                return
+            try:
+                os.makedirs(os.path.dirname(self.path), exist_ok=True)
+                with open(f"{self.path}.lock", "a") as lock:
+                    fcntl.flock(lock, fcntl.LOCK_EX)
+                    self._data = {**self._read(), **self._data}  # another process's entries since this one read
+                    tmp = f"{self.path}.{os.getpid()}.tmp"
+                    with open(tmp, "w") as f:
+                        json.dump(self._data, f, indent=1, sort_keys=True)
+                    os.replace(tmp, self.path)
+            except OSError as e:
+                log.warning("could not write %s (%s); kept for this process only", self.path, e)
 
 
 class ChoiceStore(KeptValues):

@@ -71,7 +71,10 @@ def test_with_compiled_kernels_misses_cost_more_so_the_plan_holds_more_of_the_tr
     key = planning_table(compiled).keys[0]
     assert e_costs.eager_ms_per_token is None and c_costs.graph_ms(key) == e_costs.graph_ms(key)
     on_cpu = EngineConfig.model_validate({"model": {"device": "cpu"}})
-    assert PlanCosts.token_count(on_cpu).eager_ms_per_token is None  # an eager runner: no compiled hits
+    assert PlanCosts.token_count(on_cpu).eager_ms_per_token is None  # eager kernels on a CPU: no compiled hits
+    eager_runner = PlanCosts.token_count(EngineConfig.model_validate({"runner": {"mode": "eager"}}))
+    assert eager_runner.source == "token-count (eager runner) (compiled hits)"  # its buckets still compile
+    assert eager_runner.eager_ms_per_token == pytest.approx(1e-3 * COMPILED_HIT_GAIN)
     with_compiled = search_table(compiled, traffic, c_costs, max_graphs=12)
     with_eager = search_table(eager, traffic, e_costs, max_graphs=12)
     assert with_compiled.score.miss_share < with_eager.score.miss_share / 2, (

@@ -321,6 +321,19 @@ def test_the_eager_rounding_is_measured_once_per_weights_and_kept_beside_the_com
     kept = json.loads((tmp_path / "bcg-deviation.json").read_text())
     (tmp_path / "bcg-deviation.json").write_text(json.dumps({k: -v for k, v in kept.items()}))  # not deviations
     assert "kept" not in tolerance()[1] and len(measured) == 4
+    # a cache folder not made yet (a first start: CompiledKernels makes it later) is made; two stores writing
+    # (replicas starting together) keep each other's entries; a folder that cannot be written does not stop a start
+    fresh = tmp_path / "new" / "cache"
+    assert verify.derived_tolerance("compiled", model.adapter, keys, model.device, model.dtype, str(fresh), "w1")[0] \
+        == first[0] and (fresh / "bcg-deviation.json").exists()
+    from bcg_core.runners.attention import KeptValues
+
+    one, two = (KeptValues(str(fresh), lambda v: isinstance(v, int)) for _ in range(2))
+    one.put("a", 1)
+    two.put("b", 2)
+    assert KeptValues(str(fresh), lambda v: isinstance(v, int)).get("a") == 1 == 3 - two.get("b")
+    (tmp_path / "file").write_text("")
+    KeptValues(str(tmp_path / "file" / "under"), lambda v: True).put("a", 1)  # logged, kept in memory
     # the stamp: a checkpoint's transformer files, by path, size and modification time
     folder = save_pipeline(model, tmp_path / "ckpt")
     stamp = weights_stamp(folder)

@@ -337,6 +337,15 @@ def test_a_form_sent_to_generations_is_415_naming_json_and_the_edits_route(ingre
     assert "POST /v1/images/edits (multipart/form-data)" in err["message"]
 
 
+def test_json_sent_as_a_urlencoded_form_is_still_read_as_json(recorded):
+    """``curl -d '{...}'`` without a Content-Type header sends ``application/x-www-form-urlencoded``."""
+    dit, ingress = recorded
+    body = json.dumps({"prompt": "x", "size": "256x256"}).encode()
+    answer = asyncio.run(ingress.generate(_starlette("POST", "/v1/images/generations", [
+        ("content-type", "application/x-www-form-urlencoded")], [body])))
+    assert getattr(answer, "status_code", 200) == 200 and dit.sent[0][1].request.prompt == "x"
+
+
 @pytest.mark.parametrize("body,ctype,says", [
     (b"", "multipart/form-data", "Missing boundary"),
     (b"garbage", "multipart/form-data; boundary=x", "Invalid multipart data"),

@@ -267,6 +267,23 @@ def test_files_that_are_not_lora_weights_are_not_listed_but_refused_by_the_repli
     asyncio.run(catalog.check((("model", 1.0),)))  # it has a file: the replica reads it and decides (422)
 
 
+def test_a_file_that_cannot_be_opened_for_a_moment_is_asked_again(tmp_path, monkeypatch):
+    import safetensors
+
+    from bcg_core.lora.files import list_names
+
+    loras = _folder(tmp_path, "later")
+    real = safetensors.safe_open
+
+    def busy(*a, **k):
+        raise OSError(24, "Too many open files")
+
+    monkeypatch.setattr(safetensors, "safe_open", busy)
+    assert list_names(loras, 10) == []
+    monkeypatch.setattr(safetensors, "safe_open", real)
+    assert list_names(loras, 10) == ["later"]  # the failure was not kept for this version of the file
+
+
 # -- the replica's refusals -------------------------------------------------------------------------------------
 
 
