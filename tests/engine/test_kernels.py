@@ -343,6 +343,23 @@ def test_the_eager_rounding_is_measured_once_per_weights_and_kept_beside_the_com
     assert weights_stamp(folder) != stamp
 
 
+def test_a_checkpoints_first_start_keeps_its_deviation_in_a_new_cache_folder_and_the_next_reads_it(tmp_path):
+    """``compiled_kernels`` of a saved checkpoint with a ``compile_cache_dir`` that does not exist yet (a first
+    start; nothing is compiled here): the deviation is measured and kept there; a second start of the same
+    checkpoint reads it (its note says so)."""
+    from bcg_core.config import ModelConfig
+    from bcg_core.models import load_model, save_pipeline
+    from bcg_core.pipeline import compiled_kernels
+
+    tiny = DiTPipeline(_config(), load_model(ModelConfig()), prepare=False)  # the same table; eager: nothing kept
+    folder, keys = save_pipeline(tiny.model, tmp_path / "ckpt"), tiny.table.keys
+    config = EngineConfig.model_validate({"model": {"path": str(folder)}, "buckets": TABLE.model_dump(), "runner": {
+        "kernels": "compiled", "compile_cache_dir": str(tmp_path / "new" / "cache")}})
+    notes = [compiled_kernels(config, load_model(config.model), keys).rtol_note for _ in range(2)]
+    assert (tmp_path / "new" / "cache" / "bcg-deviation.json").exists()
+    assert "kept" not in notes[0] and notes[1] == notes[0] + " (kept from an earlier start)"
+
+
 def test_kernels_auto_is_eager_on_a_cpu():
     from bcg_core.pipeline import kernel_tier
 
