@@ -97,7 +97,6 @@ def first_line(exc: BaseException, empty: str = "", limit: int | None = None) ->
     return (text.splitlines()[0] if text else empty)[:limit]
 
 
-
 def shown(value: object, limit: int = 60) -> str:
     """``value`` as an error message quotes what a request sent: ``true``, ``false`` and ``null`` as JSON spells
     them (what the client sent), anything else its ``repr``, cut to ``limit`` characters with ``...``; a list or

@@ -249,10 +249,8 @@ def derived_tolerance(tier: str, adapter: DiTAdapter, keys: list[BucketKey], dev
 
         cache_dir = inductor_cache_dir()
 
-    class Deviations(KeptValues):
-        FILE = "bcg-deviation.json"
-
-    store = Deviations(cache_dir, lambda v: isinstance(v, (int, float)) and math.isfinite(v) and v >= 0)
+    store = KeptValues(cache_dir, "bcg-deviation.json", lambda v: isinstance(v, (int, float)) and math.isfinite(v)
+                       and v >= 0)
     name = f"deviation v1 | {model_signature(adapter.model)} | weights {weights} | {torch.device(device)} | {smallest}"
     kept = store.get(name)
     deviation = float(kept) if kept is not None else precision_deviation(adapter, smallest, device, dtype)

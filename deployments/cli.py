@@ -187,15 +187,16 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 def _section_fields(loc: tuple) -> list[str] | None:
     """The field names of the config section at ``loc`` (``("limits",)``: ``LimitsConfig``'s), or None where
     ``loc`` does not lead to a section."""
-    from deployments.settings import ServeConfig
-
+    import types
     import typing
+
+    from deployments.settings import ServeConfig
 
     model: Any = ServeConfig
     for part in loc:
         field = getattr(model, "model_fields", {}).get(part) if isinstance(part, str) else None
         model = field.annotation if field is not None else None
-        if typing.get_origin(model) in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        if typing.get_origin(model) in (typing.Union, types.UnionType):
             model = next((a for a in typing.get_args(model) if a is not type(None)), None)  # an optional section
         if not (isinstance(model, type) and issubclass(model, BaseModel)):
             return None
@@ -279,9 +280,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     for flag, path in (("--write", args.write), ("--json", args.json), ("--plot", args.plot)):
-        if path and not Path(path).resolve().parent.is_dir():  # before the search, not after it
-            print(f"bcg plan: error: {flag} {path}: its folder {str(Path(path).resolve().parent)!r} does not exist",
-                  file=sys.stderr)
+        if path and not (folder := Path(path).resolve().parent).is_dir():  # before the search, not after it
+            print(f"bcg plan: error: {flag} {path}: its folder {str(folder)!r} does not exist", file=sys.stderr)
             return 2
     try:
         config = _load(args.config)

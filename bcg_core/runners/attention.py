@@ -263,22 +263,21 @@ def environment() -> str:
 
 
 class KeptValues:
-    """A small JSON mapping kept beside the compile cache (``<folder>/<FILE>``), for what a restart would otherwise
+    """A small JSON mapping kept beside the compile cache (``<folder>/<file>``), for what a restart would otherwise
     measure again. Every value must pass ``valid``; an unreadable file, or one with a single invalid value, is
     ignored (and rewritten on the next :meth:`put`), never trusted in part. A write creates the folder if needed,
-    re-reads the file under an exclusive lock (``<FILE>.lock``, ``fcntl.flock``) so that replicas starting together
+    re-reads the file under an exclusive lock (``<file>.lock``, ``fcntl.flock``) so that replicas starting together
     keep each other's entries, and renames a temporary file into place; a write that fails (a read-only or full
     disk) is logged and the value kept in memory only: the next start measures it again.
 
     Args:
         folder: the compile cache folder, or None to keep values in memory only.
+        file: the file's name in ``folder``.
         valid: whether a stored value may be used.
     """
 
-    FILE = "bcg-kept.json"
-
-    def __init__(self, folder: str | None, valid: Callable[[object], bool]):
-        self.path = os.path.join(folder, self.FILE) if folder else None
+    def __init__(self, folder: str | None, file: str, valid: Callable[[object], bool]):
+        self.path = os.path.join(folder, file) if folder else None
         self._valid = valid
         self._lock = threading.Lock()
         self._data: dict[str, object] = self._read(warn=True)
@@ -334,7 +333,7 @@ class ChoiceStore(KeptValues):
     FILE = "bcg-attention.json"
 
     def __init__(self, folder: str | None):
-        super().__init__(folder, lambda v: isinstance(v, str) and v in (*BACKENDS, "default"))
+        super().__init__(folder, self.FILE, lambda v: isinstance(v, str) and v in (*BACKENDS, "default"))
 
     def get(self, calls: RecordedCalls) -> str | None:
         """The stored backend for ``calls`` in this environment, or None."""

@@ -328,12 +328,12 @@ def test_the_eager_rounding_is_measured_once_per_weights_and_kept_beside_the_com
         == first[0] and (fresh / "bcg-deviation.json").exists()
     from bcg_core.runners.attention import KeptValues
 
-    one, two = (KeptValues(str(fresh), lambda v: isinstance(v, int)) for _ in range(2))
+    one, two = (KeptValues(str(fresh), "kept.json", lambda v: isinstance(v, int)) for _ in range(2))
     one.put("a", 1)
     two.put("b", 2)
-    assert KeptValues(str(fresh), lambda v: isinstance(v, int)).get("a") == 1 == 3 - two.get("b")
+    assert KeptValues(str(fresh), "kept.json", lambda v: isinstance(v, int)).get("a") == 1 == 3 - two.get("b")
     (tmp_path / "file").write_text("")
-    KeptValues(str(tmp_path / "file" / "under"), lambda v: True).put("a", 1)  # logged, kept in memory
+    KeptValues(str(tmp_path / "file" / "under"), "kept.json", lambda v: True).put("a", 1)  # logged, in memory
     # the stamp: a checkpoint's transformer files, by path, size and modification time
     folder = save_pipeline(model, tmp_path / "ckpt")
     stamp = weights_stamp(folder)
