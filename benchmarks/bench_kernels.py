@@ -13,7 +13,11 @@ a model of its own when another compiled tier runs too). Each captures every buc
 - ``ratio`` (and ``<tier>_ratio``): ``compiled_ms / eager_ms`` (below 1: compiled kernels are faster; the target is at most 0.85);
 - ``prepare_s``: the bucket's warm-up and capture seconds (with compiled kernels, its compile);
 - ``rel_err`` of each tier: ``max|padded - unpadded eager| / max|unpadded eager|`` at the bucket's exact shape
-  (``bcg_core.verify.verify_runner``), against the tolerance of the dtype (``bcg_core.verify.RTOL``).
+  (``bcg_core.verify.verify_runner``), against the tolerance of the dtype (``bcg_core.verify.RTOL``);
+- with ``--profile``, ``<tier>_split``: where one replay's GPU time goes, from torch.profiler's CUDA kernel events
+  of ``--iters`` replays (:func:`kernel_split`): milliseconds per replay of matmuls (cuBLAS, CUTLASS, ``_scaled_mm``),
+  attention (SDPA's cuDNN, flash and memory-efficient kernels), inductor's Triton kernels (fused norms, RoPE,
+  modulation, activations, float8 casts) and the rest, beside the summed kernel time and the replay's wall.
 
 Models (``--models``): ``flux-dev-width`` (FLUX.1-dev width 3072, 2 double + 4 single blocks, bf16; guidance
 embedding), ``sd3-medium`` (the SD3-medium transformer, bf16), ``pixart-512`` (PixArt-Sigma 512, bf16), all with
@@ -107,6 +111,57 @@ def _forward_ms(pipe: DiTPipeline, key, inputs, iters: int) -> float:
     return (time.perf_counter() - t0) * 1e3 / iters
 
 
+KERNEL_KINDS = (
+    ("attention", ("flash", "fmha", "cudnn", "sdpa", "attention", "attn")),
+    ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "scaled_mm", "splitk", "sm90_", "sm80_")),
+    ("triton", ("triton",)),
+)
+"""Kernel kinds of :func:`kernel_split`, by substrings of the CUDA kernel's name (the first kind that matches wins:
+cuDNN's attention kernels hold ``cudnn``, its matmuls do not run here; cuBLAS's Hopper kernels are ``nvjet_*`` and
+``sm90_xmma_gemm_*``). A kernel no kind matches counts as ``other`` (ATen's elementwise and reduction kernels)."""
+
+
+def _kind(name: str) -> str:
+    """The :data:`KERNEL_KINDS` kind of a CUDA kernel's name, ``other`` when none matches."""
+    low = name.lower()
+    return next((kind for kind, subs in KERNEL_KINDS if any(t in low for t in subs)), "other")
+
+
+def kernel_split(replay, iters: int) -> dict:
+    """Milliseconds per call of ``replay`` (a graph replay: one transformer forward) by kernel kind.
+
+    Runs ``replay`` ``iters`` times under torch.profiler (CUDA activity only; CUPTI records the kernels a graph
+    launches) and sums each CUDA kernel's duration into its :data:`KERNEL_KINDS` kind. Returns ``{kind: ms}`` for
+    the kinds plus ``other``, ``kernels_ms`` (their sum: the GPU's busy time), ``count`` (kernels per replay) and
+    ``top`` (the 8 kernels with the most time: name cut to 90 characters, ms per replay, kind). Empty kinds when the
+    profiler saw no kernel (``count`` 0).
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            replay()
+        torch.cuda.synchronize()
+    split = {kind: 0.0 for kind, _ in KERNEL_KINDS} | {"other": 0.0}
+    by_name: dict[str, float] = {}
+    count = 0
+    for e in prof.profiler.kineto_results.events():
+        if e.device_type() != torch.autograd.DeviceType.CUDA or getattr(e, "is_user_annotation", lambda: False)():
+            continue
+        name, ms = e.name(), e.duration_ns() / 1e6 / iters
+        if "memcpy" in name.lower() or "memset" in name.lower():
+            continue
+        split[_kind(name)] += ms
+        by_name[name] = by_name.get(name, 0.0) + ms
+        count += 1
+    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:8]
+    kinds = {k: round(v, 3) for k, v in split.items()}
+    return kinds | {"kernels_ms": round(sum(split.values()), 3), "count": count // max(iters, 1),
+                    "top": [[n[:90], round(ms, 3), _kind(n)] for n, ms in top]}
+
+
 def bench_model(name: str, args, device: torch.device) -> dict:
     """Both tiers of one model: the rows of every bucket."""
     model_cfg, info = build(name, args.scratch, device)
@@ -156,6 +211,10 @@ def bench_model(name: str, args, device: torch.device) -> dict:
             row[f"{tier}_prepare_s"] = described["capture_s"]
             row[f"{tier}_rel_err"] = float(f"{verdict.max_rel_err:.3e}")
             row[f"{tier}_passed"] = verdict.passed
+            entry = pipe.runner.entries.get(key)
+            if args.profile and graphs and entry is not None and entry.graph is not None:
+                pipe.runner.run(key, inputs)
+                row[f"{tier}_split"] = kernel_split(entry.graph.replay, args.iters)
         for tier in pipes:
             if tier != "eager" and row.get("eager_ms"):
                 row[f"{tier}_ratio"] = round(row[f"{tier}_ms"] / row["eager_ms"], 4)
@@ -164,6 +223,10 @@ def bench_model(name: str, args, device: torch.device) -> dict:
         print(f"{name} {row['bucket']}: " + ", ".join(
             f"{t} {row[f'{t}_ms']:.3f} ms (x{row.get(f'{t}_ratio', 1.0)}, rel err {row[f'{t}_rel_err']:.1e})"
             for t in pipes), flush=True)
+        for t in pipes:
+            if f"{t}_split" in row:
+                print(f"  {t} split: " + ", ".join(f"{k} {v}" for k, v in row[f"{t}_split"].items() if k != "top"),
+                      flush=True)
     kernels = next((p.runner.kernels for p in pipes.values() if p.runner.kernels is not None), None)
     return {"model": name, "built": info, "dtype": str(model.dtype).removeprefix("torch."), "load_s": round(load_s, 2),
             "tiers": list(pipes), "prepare_s": prepare_s,
@@ -183,6 +246,8 @@ def main(argv: list[str] | None = None) -> int:
                     "max-autotune-no-cudagraphs mode)")
     ap.add_argument("--text-tokens", type=int, default=256, help="text bucket of masked-text families")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--profile", action="store_true",
+                    help="also split each replay's GPU time by kernel kind (torch.profiler; GPU only)")
     ap.add_argument("--iters", type=int, default=10, help="replays per timed round")
     ap.add_argument("--scratch", help="folder for the random-weight checkpoints (default: a temp dir)")
     ap.add_argument("--out", help="JSON result (default docs/bench/<date>_kernels_<models>_<gpu>.json)")
