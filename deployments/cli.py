@@ -25,7 +25,7 @@ from pydantic import BaseModel
 from .settings import ServeConfig, load_config
 
 from .app import replicas_conflict
-from .commands import run_profile, run_verify
+from .commands import cache_dir_arg, run_profile, run_verify
 from .demo import MAX_CONCURRENCY as _MAX_CONCURRENCY, run_demo
 from .local import check_config, start_local, stop_local
 
@@ -416,7 +416,8 @@ def _parser() -> argparse.ArgumentParser:
                        "replica started later with the same model, table, torch and GPU reads them back. Prints "
                        "what each bucket got and the cache hits and misses.")
     w.add_argument("--config", default=None, metavar="PATH", help="ServeConfig YAML/JSON (default: embedded)")
-    w.add_argument("--cache-dir", default=None, metavar="DIR", help="the compile cache folder to fill")
+    w.add_argument("--cache-dir", type=cache_dir_arg, default=None, metavar="DIR",
+                   help="the compile cache folder to fill (made if its parent folder exists)")
     w.add_argument("--kernels", choices=("compiled", "fp8"), default=None,
                    help="the tier to compile instead of the config's runner.kernels")
     w.set_defaults(func=_cmd_warm)

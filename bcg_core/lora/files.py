@@ -224,7 +224,13 @@ class AdapterFiles:
         stray = next((k for k in sd if ".lora_A." not in k and ".lora_B." not in k), None)
         if stray is not None:  # e.g. FLUX Control LoRA's norm_q/norm_k weights, or a widened x_embedder
             raise AdapterError(name, f"{where} holds a weight that is not a LoRA layer ({stray})")
+        lone = next((k for k in sd if k.replace(".lora_A.", ".lora_B.") not in sd
+                     or k.replace(".lora_B.", ".lora_A.") not in sd), None)
+        if lone is not None:  # checked here too: diffusers' config builder fails on it with a bare IndexError
+            raise AdapterError(name, f"{where}: layer {lone.split('.lora_')[0]} has only one of lora_A and lora_B")
         rank = {f"^{k}": v.shape[1] for k, v in sd.items() if "lora_B" in k and v.ndim > 1}
+        if len(rank) * 2 != len(sd) or not all(rank.values()):
+            raise AdapterError(name, f"{where}: a lora_B weight is not a matrix of rank 1 or more")
         if alphas:
             alphas = {k.removeprefix("transformer."): v for k, v in alphas.items() if k.startswith("transformer.")}
         if metadata:

@@ -401,9 +401,15 @@ def test_bcg_warm_compiles_the_table_into_the_cache_dir_and_refuses_an_eager_con
     assert main(["warm", "--config", str(config)]) == 2
     err = capsys.readouterr().err
     assert "runner.kernels is 'auto', which means eager kernels on this device" in err and "--kernels compiled" in err
+    # a mistyped --cache-dir is refused before anything loads, not made with all its parents
+    with pytest.raises(SystemExit) as exit_:
+        main(["warm", "--config", str(config), "--kernels", "compiled", "--cache-dir", str(tmp_path / "no" / "c")])
+    assert exit_.value.code == 2 and "does not exist" in capsys.readouterr().err and not (tmp_path / "no").exists()
     assert main(["warm", "--config", str(config), "--kernels", "compiled", "--cache-dir", str(cache)]) == 0
-    out = " ".join(capsys.readouterr().out.split())  # rich wraps long lines
+    captured = capsys.readouterr()
+    out = " ".join(captured.out.split())  # rich wraps long lines
     assert "b1_i256_t256" in out and "compiled" in out and "0 buckets on eager kernels" in out, out
+    assert "bcg warm: loading the model" in captured.err and "1/1" in captured.err, captured.err  # its progress
     # the attention choice is kept there (the kernels too, unless this process already compiled the shape)
     assert (cache / "bcg-attention.json").exists()
 

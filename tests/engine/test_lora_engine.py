@@ -45,6 +45,10 @@ def ckpt(tmp_path_factory):
     good = load_file(str(loras / "c.safetensors"))
     key = next(k for k in good if "lora_A" in k)
     save_file({**good, key: torch.zeros(2, 7)}, str(loras / "misfit.safetensors"))
+    save_file({key: torch.zeros(0, good[key].shape[1])}, str(loras / "lonely.safetensors"))
+    b_key = key.replace("lora_A", "lora_B")
+    save_file({key: torch.zeros(0, good[key].shape[1]), b_key: torch.zeros(good[b_key].shape[0], 0)},
+              str(loras / "rank0.safetensors"))
     save_file({"transformer.no_such_layer.lora_A.weight": torch.zeros(2, 8),
                "transformer.no_such_layer.lora_B.weight": torch.zeros(8, 2)}, str(loras / "stranger.safetensors"))
     save_file({**good, "text_encoder.text_model.encoder.layers.0.self_attn.q_proj.lora_A.weight": torch.zeros(2, 32),
@@ -210,6 +214,8 @@ def test_a_pinned_slot_is_never_evicted_and_a_request_without_a_slot_gets_503(ck
     ("nope", "no adapter 'nope' in lora.dir; adapters: a, b, big, c, dora"),  # the list starts so
     ("garbage", "is not a LoRA file diffusers can read"),
     ("misfit", "the layer takes"),
+    ("lonely", "has only one of lora_A and lora_B"),
+    ("rank0", "not a matrix of rank 1 or more"),
     ("stranger", "changes layer no_such_layer, which is not a linear layer"),
     ("big", "rank 8, above lora.max_rank 4"),
     ("dora", "DoRA"),
