@@ -364,7 +364,8 @@ class Planner:
         out = []
         for name, scale in entries:
             if not isinstance(name, str) or not NAME_RE.match(name):
-                raise self._bad("lora", name, "not an adapter name (ASCII letters, digits, '_', '.', '-'; no path)")
+                raise self._bad("lora", name, "not an adapter name (1 to 128 ASCII letters, digits, '_', '.', '-', "
+                                              "starting with a letter or digit; no path)")
             if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) \
                     or abs(scale) > cfg.max_scale:
                 raise self._bad("lora", scale, f"the scale of {name!r} is out of range")

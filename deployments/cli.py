@@ -263,7 +263,7 @@ def _cmd_profile(args: argparse.Namespace) -> int:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from .plan_command import current_is_better, plot_plan, run_plan
+    from .plan_command import current_is_better, output_problem, plot_plan, run_plan
 
     if args.force and not args.write:
         print("bcg plan: error: --force goes with --write (it writes a planned table that is expected to cost no "
@@ -277,11 +277,9 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         return 2
     source = args.source or ("gentd26" if args.traffic == "gentd26" and not args.trace else
                              f"gentd26:{args.trace}" if args.traffic == "gentd26" else args.traffic)
-    from pathlib import Path
-
     for flag, path in (("--write", args.write), ("--json", args.json), ("--plot", args.plot)):
-        if path and not (folder := Path(path).resolve().parent).is_dir():  # before the search, not after it
-            print(f"bcg plan: error: {flag} {path}: its folder {str(folder)!r} does not exist", file=sys.stderr)
+        if path and (problem := output_problem(flag, path)):  # before the search, not after it
+            print(f"bcg plan: error: {problem}", file=sys.stderr)
             return 2
     try:
         config = _load(args.config)
@@ -467,7 +465,8 @@ def _parser() -> argparse.ArgumentParser:
                     help="with --write: write the planned table even when the current one is expected to be as good "
                     "or better (e.g. for its fewer graphs)")
     pl.add_argument("--json", default=None, metavar="PATH", help="write the machine-readable report")
-    pl.add_argument("--plot", default=None, metavar="PNG", help="plot GPU time and waste against graph count")
+    pl.add_argument("--plot", default=None, metavar="PNG",
+                    help="plot GPU time and waste against graph count (png, svg, pdf: a format matplotlib writes)")
     pl.set_defaults(func=_cmd_plan)
     return p
 

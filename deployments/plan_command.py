@@ -8,8 +8,8 @@ import torch
 from deployments.commands import run_profile
 from deployments.settings import ServeConfig
 
-__all__ = ["GENTD26_CSV", "current_is_better", "load_plan_traffic", "measure_plan_costs", "plot_plan", "run_plan",
-           "whole_count"]
+__all__ = ["GENTD26_CSV", "current_is_better", "load_plan_traffic", "measure_plan_costs", "output_problem", "plot_plan",
+           "run_plan", "whole_count"]
 
 
 GENTD26_CSV = "alibaba_gentd26_burst_2024-12-06.csv"
@@ -207,6 +207,26 @@ def run_plan(config: ServeConfig, source: str = "krea", budget_mib: float | None
         console.print("refused by the limits (requests): "
                       + ", ".join(f"{k} {whole_count(v)}" for k, v in sorted(traffic.refused.items())))
     return plan, default
+
+
+def output_problem(flag: str, path: str) -> str | None:
+    """Why ``bcg plan``'s output ``path`` of ``flag`` (``--write``, ``--json``, ``--plot``) cannot be written, or None:
+    checked before the search, not after it. Its folder must exist; a ``--plot`` file's extension must be one of
+    the formats matplotlib writes (``FigureCanvasBase.get_supported_filetypes``)."""
+    from pathlib import Path
+
+    folder = Path(path).resolve().parent
+    if not folder.is_dir():
+        return f"{flag} {path}: its folder {str(folder)!r} does not exist"
+    if flag == "--plot":
+        from matplotlib.backend_bases import FigureCanvasBase
+
+        formats = sorted(FigureCanvasBase.get_supported_filetypes())
+        suffix = Path(path).suffix.lstrip(".").lower()
+        if suffix not in formats:
+            what = f".{suffix} is not an image format matplotlib writes" if suffix else "has no extension"
+            return f"--plot {path}: {what}; allowed: {', '.join(formats)}"
+    return None
 
 
 def plot_plan(plan, path: str) -> None:

@@ -247,6 +247,8 @@ def test_plan_says_the_current_table_is_better_and_writes_the_planned_one_only_w
     assert "(planned for a GPU: model.device auto; model.device: cpu plans for a CPU)" in text
     assert main(["plan", "--write", str(tmp_path / "no" / "such" / "p.yaml")]) == 2  # refused before the search
     assert f"--write {tmp_path / 'no' / 'such' / 'p.yaml'}: its folder" in capsys.readouterr().err
+    assert main(["plan", "--plot", str(tmp_path / "plan.txt")]) == 2  # a format matplotlib cannot write: before too
+    assert ".txt is not an image format matplotlib writes; allowed: " in capsys.readouterr().err
     assert main(["plan", "--steps", "1000"]) == 2  # every request refused: a whole count
     assert "(num_inference_steps: 209 requests)" in capsys.readouterr().err
     assert main(["plan", "--write", str(out), "--force"]) == 0
