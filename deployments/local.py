@@ -91,7 +91,8 @@ def check_config(config_path: str | Path) -> "ServeConfig":
     and the checkpoint's JSON configs), so a bad file fails with its own message before Ray starts.
 
     Raises:
-        ValueError: a bad file, config value or bucket table (pydantic's ValidationError is a ValueError).
+        ValueError: a bad file, config value or bucket table (pydantic's ValidationError is a ValueError), or
+            ``lora.targets`` that match no linear layer of the transformer (built on the meta device).
         FileNotFoundError: ``config_path`` or the config's ``model.path`` does not exist, or ``lora.dir`` is not a
             directory.
     """
@@ -113,6 +114,9 @@ def check_config(config_path: str | Path) -> "ServeConfig":
             raise FileNotFoundError(f"lora.dir {config.lora.dir!r} is not a directory: create it, or unset lora.dir")
         lora = config.lora.model_copy(update={"dir": str(Path(config.lora.dir).resolve())})
         config = config.model_copy(update={"lora": lora})
+        from bcg_core.lora.layers import check_targets
+
+        check_targets(config.model, config.lora.targets)  # on the meta device: no weights are read
     Planner.from_config(config)
     runner_mode(config)  # a CUDA device or graph runner asked for where none is visible fails here, not in Ray
     return config

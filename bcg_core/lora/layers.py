@@ -47,7 +47,7 @@ from collections.abc import Iterator
 
 import torch
 
-__all__ = ["LoRALayers", "LoRALinear", "lora_add_"]
+__all__ = ["LoRALayers", "LoRALinear", "check_targets", "lora_add_", "targeted_layers"]
 
 _ROWS = threading.local()
 
@@ -137,6 +137,50 @@ class LoRALinear(torch.nn.Module):
         return y
 
 
+def targeted_layers(transformer: torch.nn.Module, targets: list[str] | None) -> list[str]:
+    """Names of ``transformer``'s ``nn.Linear`` modules that ``lora.targets`` picks (``fnmatch`` patterns of module
+    names; None: every linear layer), in ``named_modules`` order.
+
+    Raises:
+        ValueError: no linear layer matches, naming the patterns and the transformer's class.
+    """
+    wanted = lambda name: targets is None or any(fnmatch.fnmatchcase(name, p) for p in targets)  # noqa: E731
+    names = [n for n, m in transformer.named_modules() if type(m) is torch.nn.Linear and wanted(n)]
+    if not names:
+        raise ValueError(f"lora.targets {targets} match no linear layer of {type(transformer).__name__}")
+    return names
+
+
+def check_targets(model_config, targets: list[str] | None) -> None:
+    """Check ``lora.targets`` against the configured transformer before any replica loads it: the transformer is
+    built on the meta device from its JSON config (no weights, no memory), as :func:`targeted_layers` would see it.
+    The tiny default (``model.path`` None) is FLUX's tiny transformer. A transformer whose constructor cannot run on
+    the meta device is not checked here; the replica checks it when it wraps the layers.
+
+    Raises:
+        ValueError: ``targets`` match no linear layer (:func:`targeted_layers`).
+    """
+    if targets is None:
+        return
+    import json
+    from pathlib import Path
+
+    import diffusers
+
+    try:
+        with torch.device("meta"):
+            if model_config.path is None:
+                from bcg_core.families.tiny import tiny_transformer_config
+
+                transformer = diffusers.FluxTransformer2DModel(**tiny_transformer_config(384))
+            else:
+                cfg = json.loads((Path(model_config.path) / "transformer" / "config.json").read_text())
+                transformer = getattr(diffusers, cfg["_class_name"]).from_config(cfg)
+    except Exception:  # noqa: BLE001 - not checkable here; LoRALayers checks at the replica
+        return
+    targeted_layers(transformer, targets)
+
+
 class LoRALayers:
     """The targeted linear layers of one transformer, wrapped in place, and their slot buffers.
 
@@ -157,12 +201,8 @@ class LoRALayers:
     def __init__(self, transformer: torch.nn.Module, slots: int, max_rank: int, max_per_request: int,
                  targets: list[str] | None = None):
         self.slots, self.max_rank, self.max_per_request = slots, max_rank, max_per_request
-        wanted = lambda name: targets is None or any(fnmatch.fnmatchcase(name, p) for p in targets)  # noqa: E731
-        names = [n for n, m in transformer.named_modules() if type(m) is torch.nn.Linear and wanted(n)]
-        if not names:
-            raise ValueError(f"lora.targets {targets} match no linear layer of {type(transformer).__name__}")
         self.layers: dict[str, LoRALinear] = {}
-        for name in names:
+        for name in targeted_layers(transformer, targets):
             parent_name, _, child = name.rpartition(".")
             parent = transformer.get_submodule(parent_name) if parent_name else transformer
             wrapped = LoRALinear(getattr(parent, child), slots, max_rank)

@@ -281,3 +281,13 @@ def test_whole_count_rounds_half_up_and_shows_a_sliver_as_under_one():
     for bad in (-1.0, float("nan")):
         with pytest.raises(ValueError, match="a request count must be a number >= 0"):
             whole_count(bad)
+
+
+def test_lora_targets_that_match_no_layer_are_refused_before_ray_starts(tmp_path, capsys):
+    """``lora.targets`` are checked against the transformer built on the meta device (no weights), so ``bcg serve``
+    refuses them at once instead of after Ray and a replica have started."""
+    (tmp_path / "loras").mkdir()
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"lora: {{dir: '{tmp_path / 'loras'}', targets: ['nomatch.*']}}\n")
+    assert main(["serve", "--config", str(cfg)]) == 2
+    assert "lora.targets ['nomatch.*'] match no linear layer of FluxTransformer2DModel" in capsys.readouterr().err
