@@ -18,7 +18,7 @@ from bcg_core.preview import PartialImage
 from bcg_core.request import PlannedRequest
 
 from .http_errors import find_request_error
-from .schemas import BcgInfo, ErrorDetail, ImageGenerationRequest, Usage
+from .schemas import BcgInfo, ErrorDetail, ImageGenerationRequest, LoraAdapter, Usage
 
 __all__ = ["bcg_info", "image_events", "ingress_timings", "sse_event", "usage_of"]
 
@@ -48,11 +48,12 @@ def ingress_timings(result: GenerationResult, sent: float) -> dict[str, float]:
     return timings
 
 
-def bcg_info(result: GenerationResult, timings: dict[str, float], retries: int) -> BcgInfo:
-    """The ``bcg`` extension of an answer."""
-    return BcgInfo(bucket=None if result.bucket is None else str(result.bucket), hit=result.hit, missed=list(result.missed), seed=result.seed,
-                   steps=result.steps, timings_ms=timings, replica=result.replica, owner=result.owner, batch_size=result.batch_size,
-                   retries=retries)
+def bcg_info(result: GenerationResult, timings: dict[str, float], retries: int, plan: PlannedRequest) -> BcgInfo:
+    """The ``bcg`` extension of the answer to ``plan``: how its replica served it, and its adapters (``lora``)."""
+    lora = [LoraAdapter(name=name, scale=scale) for name, scale in plan.request.lora] or None
+    return BcgInfo(bucket=None if result.bucket is None else str(result.bucket), hit=result.hit,
+                   missed=list(result.missed), seed=result.seed, steps=result.steps, timings_ms=timings,
+                   replica=result.replica, owner=result.owner, batch_size=result.batch_size, retries=retries, lora=lora)
 
 
 async def image_events(plan: PlannedRequest, req: ImageGenerationRequest, events, t0: float,
@@ -83,7 +84,7 @@ async def image_events(plan: PlannedRequest, req: ImageGenerationRequest, events
                         "image_index": event.image_index, "step": event.step})
                     continue
                 usage = usage_of(plan).model_dump()
-                bcg = bcg_info(event, ingress_timings(event, t0), 0).model_dump()
+                bcg = bcg_info(event, ingress_timings(event, t0), 0, plan).model_dump()
                 for i, data in enumerate(event.images_png):
                     yield sse_event(f"{kind}.completed", {
                         "type": f"{kind}.completed", "b64_json": b64encode(data).decode("ascii"),

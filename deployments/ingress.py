@@ -469,7 +469,7 @@ class Ingress:
             quality=plan.request.quality if plan.request.quality != "auto" else None,  # standard, hd: mapped
             size=f"{plan.request.width}x{plan.request.height}",
             usage=usage_of(plan),
-            bcg=bcg_info(result, timings, routed.retries),
+            bcg=bcg_info(result, timings, routed.retries, plan),
         )
 
     @app.get("/metrics", include_in_schema=False)

@@ -406,6 +406,8 @@ class BcgInfo(BaseModel):
     batch_size: int = Field(default=1, description="Most requests that shared one denoising step's forwards with "
                             "this one (1: it ran alone).")
     retries: int = Field(default=0, description="Times the request was resent because its replica died.")
+    lora: list[LoraAdapter] | None = Field(default=None, description="The LoRA adapters the images were made with "
+                                           "and their scales, as the request named them; null: none.")
 
 
 class ImageGenerationResponse(BaseModel):

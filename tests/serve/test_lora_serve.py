@@ -75,6 +75,7 @@ def test_an_adapter_changes_the_image_and_bad_names_are_422_while_the_server_ser
         styled = client.post(GEN, json={**body, "lora": [{"name": "style", "scale": 1.0}]})
         assert plain.status_code == 200 and styled.status_code == 200, (plain.text, styled.text)
         image = base64.b64decode(plain.json()["data"][0]["b64_json"])
+        assert plain.json()["bcg"]["lora"] is None and styled.json()["bcg"]["lora"] == [{"name": "style", "scale": 1.0}]
         assert base64.b64decode(styled.json()["data"][0]["b64_json"]) != image
 
         unknown = client.post(GEN, json={**body, "lora": [{"name": "nope"}]})  # the ingress's check
