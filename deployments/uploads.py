@@ -44,6 +44,9 @@ MAX_TEXT_FIELD_BYTES = 2**20
 
 _IMAGE = re.compile(r"image(\[\d*\])?")
 _LORA = re.compile(r"lora\[(\d*)\](?:\[([^\[\]]*)\])?")
+_BOOLEANS = ("stream",)
+"""The form's true/false fields: only ``true`` or ``false`` (any case) is read, as the ``openai`` client sends them,
+not the other spellings pydantic's lax mode takes (``yes``, ``on``, ``1``, ...)."""
 
 
 class BodyTooLarge(Exception):
@@ -202,8 +205,8 @@ async def edit_fields(form: FormData) -> dict[str, Any]:
 
     Raises:
         FormError: 422 naming the field: more than one image (the model edits one) or mask, ``image`` or ``mask``
-            sent as text, a file for any other field, a field sent twice, ``lora`` both as JSON and bracketed, or
-            not JSON.
+            sent as text, a file for any other field, a field sent twice, ``stream`` other than true or false,
+            ``lora`` both as JSON and bracketed, or not JSON.
     """
     try:
         return await _fields(form)
@@ -234,6 +237,8 @@ async def _fields(form: FormData) -> dict[str, Any]:
             continue
         if name in fields:
             raise FormError(422, name, f"'{name}' is sent more than once; send each field once")
+        if name in _BOOLEANS and value.strip().lower() not in ("true", "false"):
+            raise FormError(422, name, f"'{name}' is {value[:20]!r}; allowed: true or false")
         fields[name] = value
     if len(images) > 1:
         raise FormError(422, "image", f"{len(images)} images were sent; this model edits one image: send one 'image' "

@@ -248,6 +248,7 @@ def test_lora_forms_json_brackets_and_indices():
     ([("prompt", b"a file")], "prompt", "'prompt' was sent as a file"),
     ([("markup", b"png")], "markup", "only 'image' and 'mask' are files"),
     ([("n", "1"), ("n", "2")], "n", "sent more than once"),
+    ([("stream", "yes")], "stream", "'stream' is 'yes'; allowed: true or false"),
 ])
 def test_form_shapes_no_request_can_have_are_422_naming_the_field(items, field, says):
     with pytest.raises(FormError) as e:
