@@ -22,8 +22,9 @@ dtype in the same kernel), and two batched matmuls (``x A^T``, then ``y += h (sc
 ``scaling`` into its ``B`` half when the adapter is written, instead of gathering and multiplying it per layer
 and forward, is what makes it four (it was eight: separate gathers of ``A``, ``B^T`` and ``scaling``, their
 product with the scales and its cast, the scaled ``h`` and an out-of-place sum). In a CUDA graph each small
-kernel still costs microseconds, times the 340 wrapped layers of SD3-medium: by that estimate a few ms a
-forward, not measured yet (docs/BENCHMARKS.md). In float16 a folded entry below 6.1e-5 (a small ``scaling``
+kernel still costs microseconds, times the 340 wrapped layers of SD3-medium: measured on an H200 with eager
+kernels, a SD3-medium bucket's forward with adapter rows took 1.11-1.27x its plain forward at 4,096 image tokens
+and 1.41-1.78x at 256, where the base matmuls are smallest (docs/BENCHMARKS.md, 2026-12-05). In float16 a folded entry below 6.1e-5 (a small ``scaling``
 times a small ``B``) is subnormal and keeps fewer bits; its share of the output is far below the output's own
 rounding, so the result is unchanged at the model's precision.
 
