@@ -112,13 +112,15 @@ def _forward_ms(pipe: DiTPipeline, key, inputs, iters: int) -> float:
 
 
 KERNEL_KINDS = (
+    ("triton", ("triton_",)),
     ("attention", ("flash", "fmha", "cudnn", "sdpa", "attention", "attn")),
     ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "scaled_mm", "splitk", "sm90_", "sm80_")),
-    ("triton", ("triton",)),
 )
 """Kernel kinds of :func:`kernel_split`, by substrings of the CUDA kernel's name (the first kind that matches wins:
-cuDNN's attention kernels hold ``cudnn``, its matmuls do not run here; cuBLAS's Hopper kernels are ``nvjet_*`` and
-``sm90_xmma_gemm_*``). A kernel no kind matches counts as ``other`` (ATen's elementwise and reduction kernels)."""
+inductor's kernels start ``triton_``, also those named after the SDPA call they feed, such as RoPE fused into
+``triton_poi_fused__scaled_dot_product_*_attention_*``; cuDNN's attention kernels hold ``cudnn``, its matmuls do not
+run here; cuBLAS's Hopper kernels are ``nvjet_*`` and ``sm90_xmma_gemm_*``). A kernel no kind matches counts as
+``other`` (ATen's elementwise and reduction kernels)."""
 
 
 def _kind(name: str) -> str:
@@ -132,7 +134,8 @@ def kernel_split(replay, iters: int) -> dict:
 
     Runs ``replay`` ``iters`` times under torch.profiler (CUDA activity only; CUPTI records the kernels a graph
     launches) and sums each CUDA kernel's duration into its :data:`KERNEL_KINDS` kind. Returns ``{kind: ms}`` for
-    the kinds plus ``other``, ``kernels_ms`` (their sum: the GPU's busy time), ``count`` (kernels per replay) and
+    the kinds plus ``other``, ``kernels_ms`` (their sum, memory copies and sets left out; kernels of a graph replay
+    run one after another on its stream, so this is its kernel time), ``count`` (kernels per replay) and
     ``top`` (the 8 kernels with the most time: name cut to 90 characters, ms per replay, kind). Empty kinds when the
     profiler saw no kernel (``count`` 0).
     """
