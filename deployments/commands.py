@@ -211,8 +211,9 @@ def run_verify(config: ServeConfig, buckets: list[str] | None = None, rtol: floa
 
 
 def cache_dir_arg(text: str) -> str:
-    """The argparse type of ``bcg warm --cache-dir``: ``text`` when it names a folder, or a new one inside a folder
-    that exists, so that a mistyped path is refused rather than made with all its parents.
+    """The argparse type of ``bcg warm --cache-dir``: ``text`` as an absolute path (``~`` expanded) when it names a
+    folder, or a new one inside a folder that exists, so that a mistyped path is refused rather than made with all
+    its parents.
 
     Raises:
         argparse.ArgumentTypeError: ``text`` is a file, or its parent folder does not exist.
@@ -226,7 +227,7 @@ def cache_dir_arg(text: str) -> str:
     if not folder.exists() and not folder.parent.is_dir():
         raise argparse.ArgumentTypeError(f"{text!r}: its folder {str(folder.parent)!r} does not exist (make it "
                                          f"first, or give a folder inside one that does)")
-    return text
+    return str(folder)  # '~' expanded here: the cache would take it as a folder of that name
 
 
 def run_warm(config: ServeConfig, console=None, progress=None) -> dict:
@@ -266,10 +267,11 @@ def run_warm(config: ServeConfig, console=None, progress=None) -> dict:
     pipe = _pipeline(config, prepare=False)
     keys = list(pipe.runner.keys)  # the runner's own order: largest first, as a replica prepares them
     with tqdm(total=len(keys), file=progress, desc="bcg warm", unit="bucket") as bar:
-        for key in keys:
+        for key in keys:  # every bucket, also under runner.lazy_capture (a replica would compile them later)
             bar.set_postfix_str(f"compiling {key}")
-            pipe.prepare([key])
+            pipe.runner.prepare([key])
             bar.update(1)
+    pipe.prepare()  # nothing left to compile: the fused step's check, once every bucket is ready
     stats = pipe.stats()
     k = stats["kernels"]
     table = Table(title=f"bcg warm: {pipe.model.model_name}, kernels {k['tier']}, check rtol {k['rtol']:.3g}")

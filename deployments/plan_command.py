@@ -219,8 +219,10 @@ def output_problem(flag: str, path: str) -> str | None:
     if not folder.is_dir():
         return f"{flag} {path}: its folder {str(folder)!r} does not exist"
     if flag == "--plot":
-        from matplotlib.backend_bases import FigureCanvasBase
-
+        try:
+            from matplotlib.backend_bases import FigureCanvasBase
+        except ImportError:
+            return f"--plot {path}: plotting needs matplotlib (pip install matplotlib)"
         formats = sorted(FigureCanvasBase.get_supported_filetypes())
         suffix = Path(path).suffix.lstrip(".").lower()
         if suffix not in formats:
@@ -231,7 +233,8 @@ def output_problem(flag: str, path: str) -> str | None:
 
 def plot_plan(plan, path: str) -> None:
     """One matplotlib figure: expected GPU ms per image and padded-token waste against graph count along the
-    search path, the chosen table marked; written to ``path`` (PNG)."""
+    search path, the chosen table marked; written to ``path`` (the format its extension names, checked by
+    :func:`output_problem`)."""
     import matplotlib
 
     matplotlib.use("Agg")

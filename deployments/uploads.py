@@ -237,7 +237,7 @@ async def _fields(form: FormData) -> dict[str, Any]:
             continue
         if name in fields:
             raise FormError(422, name, f"'{name}' is sent more than once; send each field once")
-        if name in _BOOLEANS and value.strip().lower() not in ("true", "false"):
+        if name in _BOOLEANS and value.lower() not in ("true", "false"):
             raise FormError(422, name, f"'{name}' is {value[:20]!r}; allowed: true or false")
         fields[name] = value
     if len(images) > 1:

@@ -24,9 +24,9 @@ and forward, is what makes it four (it was eight: separate gathers of ``A``, ``B
 product with the scales and its cast, the scaled ``h`` and an out-of-place sum). In a CUDA graph each small
 kernel still costs microseconds, times the 340 wrapped layers of SD3-medium: measured on an H200 with eager
 kernels, a SD3-medium bucket's forward with adapter rows took 1.11-1.27x its plain forward at 4,096 image tokens
-and 1.41-1.78x at 256, where the base matmuls are smallest (docs/BENCHMARKS.md, 2026-12-05). In float16 a folded entry below 6.1e-5 (a small ``scaling``
-times a small ``B``) is subnormal and keeps fewer bits; its share of the output is far below the output's own
-rounding, so the result is unchanged at the model's precision.
+and 1.32-1.78x at 256, where the base matmuls are smallest (docs/BENCHMARKS.md, 2026-12-05). In float16 a
+folded entry below 6.1e-5 (a small ``scaling`` times a small ``B``) is subnormal and keeps fewer bits; its share of
+the output is far below the output's own rounding, so the result is unchanged at the model's precision.
 
 The rows reach the layers as a thread-local (:meth:`LoRALayers.rows`), set around each forward by the padding
 wrapper (:class:`~bcg_core.lora.rows.LoRAAdapter`) to that bucket's own static buffers; the delta is one

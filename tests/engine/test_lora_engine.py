@@ -45,7 +45,7 @@ def ckpt(tmp_path_factory):
     good = load_file(str(loras / "c.safetensors"))
     key = next(k for k in good if "lora_A" in k)
     save_file({**good, key: torch.zeros(2, 7)}, str(loras / "misfit.safetensors"))
-    save_file({key: torch.zeros(0, good[key].shape[1])}, str(loras / "lonely.safetensors"))
+    save_file({key: good[key]}, str(loras / "lonely.safetensors"))  # lora_A of rank 2, no lora_B
     b_key = key.replace("lora_A", "lora_B")
     save_file({key: torch.zeros(0, good[key].shape[1]), b_key: torch.zeros(good[b_key].shape[0], 0)},
               str(loras / "rank0.safetensors"))
@@ -353,3 +353,21 @@ def test_a_replaced_or_cut_file_is_loaded_again_or_refused_never_served_stale(ck
     assert names.count("c") == 1 and "escape" not in names
     assert "swap" not in names and "nans" in names  # an empty file is no LoRA file; NaNs are found on reading
     assert pipe.generate(_req(lora=(("a", 0.5),))).images_png and pipe.stats()["lora"]["pinned"] == {}
+
+
+def test_lora_targets_are_checked_on_the_checkpoints_transformer_without_its_weights(ckpt, tmp_path):
+    """``check_targets`` (run before Ray starts) builds the transformer of ``model.path`` on the meta device and
+    wraps the same layers a replica wraps; a transformer it cannot build there is left to the replica's check."""
+    import json
+
+    from bcg_core import ModelConfig
+    from bcg_core.lora.layers import check_targets
+
+    folder, loras, pipe = ckpt
+    check_targets(ModelConfig(path=str(folder)), ["*to_q"])
+    with pytest.raises(ValueError, match=r"lora.targets \['nomatch.\*'\] match no linear layer of FluxTransformer"):
+        check_targets(ModelConfig(path=str(folder)), ["nomatch.*"])
+    odd = tmp_path / "odd" / "transformer"
+    odd.mkdir(parents=True)
+    odd.joinpath("config.json").write_text(json.dumps({"_class_name": "NoSuchTransformer"}))
+    check_targets(ModelConfig(path=str(odd.parent)), ["nomatch.*"])  # not buildable here: no verdict

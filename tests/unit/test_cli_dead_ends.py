@@ -291,3 +291,13 @@ def test_lora_targets_that_match_no_layer_are_refused_before_ray_starts(tmp_path
     cfg.write_text(f"lora: {{dir: '{tmp_path / 'loras'}', targets: ['nomatch.*']}}\n")
     assert main(["serve", "--config", str(cfg)]) == 2
     assert "lora.targets ['nomatch.*'] match no linear layer of FluxTransformer2DModel" in capsys.readouterr().err
+
+
+def test_bcg_warm_cache_dir_is_taken_with_home_expanded_and_absolute(tmp_path, monkeypatch):
+    """``--cache-dir '~/c'`` (quoted: no shell expanded it) is the folder in the home folder, not a folder named
+    ``~`` in the working one; a relative path is made absolute from the working folder."""
+    import os
+
+    monkeypatch.chdir(tmp_path)
+    assert commands.cache_dir_arg("~/bcg-cache") == os.path.join(os.path.expanduser("~"), "bcg-cache")
+    assert commands.cache_dir_arg("cache") == str(tmp_path / "cache")

@@ -434,6 +434,7 @@ def test_a_streamed_edit_sends_image_edit_events_the_client_parses():
     events = list(stream)
     assert [e.type for e in events] == ["image_edit.partial_image", "image_edit.completed"]
     assert type(events[1]).__name__ == "ImageEditCompletedEvent" and events[1].model_extra["bcg"]["steps"] == 2
+    assert events[1].model_extra["bcg"]["lora"] is None  # no adapters asked for
     raw = asyncio.run(_answer(ingress, httpx.Request(
         "POST", "http://bcg.test/v1/images/edits", files={"image": ("i.png", _png())},
         data={"prompt": "x", "stream": "true"}))).content

@@ -139,6 +139,14 @@ def test_a_request_with_adapters_is_planned_and_sent_with_them(tmp_path):
     assert len(answer.data) == 1
     (_, plan), = dit.sent
     assert plan.request.lora == (("style", 0.5), ("ink", 1.0))
+    said = [{"name": "style", "scale": 0.5}, {"name": "ink", "scale": 1.0}]  # bcg.lora: as applied, defaults filled
+    assert [a.model_dump() for a in answer.bcg.lora] == said
+    from bcg_core.pipeline import GenerationResult
+    from deployments.answers import bcg_info  # what a streamed answer's completed events carry too
+
+    result = GenerationResult(images_png=[], seed=1, bucket=None, hit=False, missed=[], real_tokens=1, padded_tokens=1,
+                              steps=1, timings_ms={})
+    assert [a.model_dump() for a in bcg_info(result, {}, 0, plan).lora] == said
 
 
 def test_the_planner_refuses_adapters_where_none_are_served():
