@@ -263,17 +263,24 @@ def _free() -> None:
         torch.cuda.empty_cache()
 
 
+def cuda_events(prof) -> list:
+    """The CUDA kernel and memory-copy events of a finished ``torch.profiler.profile`` (user annotations left
+    out), read from the raw kineto events: no Python event objects for ~10^5 kernels. Each has ``name()`` and
+    ``duration_ns()``."""
+    return [e for e in prof.profiler.kineto_results.events() if e.device_type() == torch.autograd.DeviceType.CUDA
+            and not getattr(e, "is_user_annotation", lambda: False)()]
+
+
 def request_floor(pipe: DiTPipeline, request: GenerationRequest) -> tuple[float, int]:
     """``(ms, events)``: summed CUDA kernel (and memcpy) times of one warm request, as ``profile.kernel_floor``
-    sums them, read from the raw kineto events (no Python event objects for ~10^5 kernels)."""
+    sums them (:func:`cuda_events`)."""
     from torch.profiler import ProfilerActivity, profile
 
     _sync()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         pipe.generate(request)
         _sync()
-    ev = [e for e in prof.profiler.kineto_results.events() if e.device_type() == torch.autograd.DeviceType.CUDA
-          and not getattr(e, "is_user_annotation", lambda: False)()]
+    ev = cuda_events(prof)
     return sum(e.duration_ns() for e in ev) / 1e6, len(ev)
 
 

@@ -141,6 +141,8 @@ def kernel_split(replay, iters: int) -> dict:
     """
     from torch.profiler import ProfilerActivity, profile
 
+    from bench_families import cuda_events
+
     replay()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -150,9 +152,7 @@ def kernel_split(replay, iters: int) -> dict:
     split = {kind: 0.0 for kind, _ in KERNEL_KINDS} | {"other": 0.0}
     by_name: dict[str, float] = {}
     count = 0
-    for e in prof.profiler.kineto_results.events():
-        if e.device_type() != torch.autograd.DeviceType.CUDA or getattr(e, "is_user_annotation", lambda: False)():
-            continue
+    for e in cuda_events(prof):
         name, ms = e.name(), e.duration_ns() / 1e6 / iters
         if "memcpy" in name.lower() or "memset" in name.lower():
             continue

@@ -190,8 +190,6 @@ def _section_fields(loc: tuple) -> list[str] | None:
     import types
     import typing
 
-    from deployments.settings import ServeConfig
-
     model: Any = ServeConfig
     for part in loc:
         field = getattr(model, "model_fields", {}).get(part) if isinstance(part, str) else None

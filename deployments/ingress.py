@@ -114,7 +114,8 @@ app = FastAPI(
     "OpenAI Images API compatible.",
 )
 
-_ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {c: {"model": ErrorBody} for c in (400, 401, 413, 422, 500, 503)}
+_ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {c: {"model": ErrorBody} for c in (400, 401, 413, 415, 422, 500,
+                                                                                      503)}
 _IMAGES_200 = {"description": "The images as JSON; with `stream: true` Server-Sent Events instead "
                               "(`<kind>.partial_image`, then `<kind>.completed` per image; kind `image_generation`, "
                               "or `image_edit` for an edit).",
@@ -360,7 +361,7 @@ class Ingress:
     @app.post(
         "/v1/images/generations",
         response_model=ImageGenerationResponse,
-        responses={**_ERROR_RESPONSES, 415: {"model": ErrorBody}, 200: _IMAGES_200},
+        responses={**_ERROR_RESPONSES, 200: _IMAGES_200},
         openapi_extra={
             "requestBody": {
                 "required": True,
@@ -390,7 +391,7 @@ class Ingress:
     @app.post(
         "/v1/images/edits",
         response_model=ImageGenerationResponse,
-        responses={**_ERROR_RESPONSES, 415: {"model": ErrorBody}, 200: _IMAGES_200},
+        responses={**_ERROR_RESPONSES, 200: _IMAGES_200},
         openapi_extra={
             "requestBody": {
                 "required": True,

@@ -173,6 +173,7 @@ def check_targets(model_config, targets: list[str] | None) -> None:
             if model_config.path is None:
                 from bcg_core.families.tiny import tiny_transformer_config
 
+                # 384: MiniLM's width, the tiny text encoder's (the layers' names do not depend on it)
                 transformer = diffusers.FluxTransformer2DModel(**tiny_transformer_config(384))
             else:
                 cfg = json.loads((Path(model_config.path) / "transformer" / "config.json").read_text())
