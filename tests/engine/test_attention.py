@@ -117,3 +117,22 @@ def test_a_restart_reads_a_buckets_choice_without_running_its_forward(tmp_path):
     assert kernels(8).attention_for("b4_i96_t0", counted, CPU).source == "cached" and len(runs) == 2
     other = kernels(16).attention_for("b2_i96_t0", counted, CPU)  # another model: its calls are recorded
     assert other.source == "cached" and len(runs) == 3  # same calls, so the calls' entry answers
+
+
+def test_bench_masked_attention_layouts_compute_the_masked_attention_on_the_cpu(tmp_path):
+    """``benchmarks/bench_masked_attention.py --small``: every layout that hides the pad keys (the boolean and float
+    masks, the bias head dimensions) matches the float32 masked reference; the unmasked call does not."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import bench_masked_attention as bench
+
+    out = tmp_path / "masked.json"
+    assert bench.main(["--small", "--iters", "1", "--rounds", "1", "--out", str(out)]) == 0
+    for case in json.loads(out.read_text())["cases"].values():
+        layouts = case["layouts"]
+        assert set(layouts) == {"dense", "masked", "masked-float", "bias-dim-8", "bias-dim-16", "bias-dim-64"}
+        assert layouts["dense"]["max_err"] > 0.1  # the pads change an unmasked row: the check can fail
+        for name in layouts.keys() - {"dense"}:
+            assert layouts[name]["max_err"] < 1e-2, name  # bf16 against a float32 reference
