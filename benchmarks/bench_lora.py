@@ -247,6 +247,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "bench_saturation.replay_requests)")
     ap.add_argument("--trace", help="GenTD26 CSV for --mix gentd26 (default: the packaged burst slice)")
     ap.add_argument("--mix-seed", type=int, default=0, help="seed of the --mix gentd26 draw")
+    ap.add_argument("--mix-draw", choices=("random", "quota"), default="random",
+                    help="--mix gentd26: each count drawn alone, or the trace's shares up to rounding")
     ap.add_argument("--scratch", help="folder for the checkpoint and adapters (default a temp dir)")
     ap.add_argument("--out", help="JSON result (default docs/bench/<date>_lora_<model>_r<rank>.json)")
     ap.add_argument("--commit")
@@ -273,7 +275,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         loras = folder.parent / f"{folder.name}-loras"
         names = build_pool(folder, family, args.pool, args.rank, loras)
-        demo = bs.replay_requests(args.requests, args.size, mix=args.mix, trace=args.trace, mix_seed=args.mix_seed)
+        demo = bs.replay_requests(args.requests, args.size, mix=args.mix, trace=args.trace, mix_seed=args.mix_seed,
+                                   mix_draw=args.mix_draw)
         plain = [bs.generation_request(r, args.steps) for r in demo]
         entries = assign_adapters(plain, names, args.lora_share, args.two_share, args.zipf)
         with_lora = [dataclasses.replace(r, lora=e) for r, e in zip(plain, entries)]
@@ -289,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
             "tiny": args.tiny, "device": device,
             "gpu": torch.cuda.get_device_name() if device == "cuda" else None, "torch": torch.__version__,
             "replay": {"requests": len(plain), "images": sum(r.n for r in plain), "steps": args.steps,
-                       "mix": args.mix, "trace": args.trace, "mix_seed": args.mix_seed,
+                       "mix": args.mix, "trace": args.trace, "mix_seed": args.mix_seed, "mix_draw": args.mix_draw,
                        "concurrency": args.concurrency, "with_adapters": sum(1 for e in entries if e),
                        "with_two": sum(1 for e in entries if len(e) == 2),
                        "adapters_used": len({n for e in entries for n, _ in e})},

@@ -329,8 +329,25 @@ def gpu_label(name: str | None) -> str:
 # -- the replay ------------------------------------------------------------------------------------------------
 
 
+def quota_counts(counts: list[int], n: int, rng) -> list[int]:
+    """``n`` image counts in the proportions of ``counts`` (a trace's, one per request): each distinct count gets
+    the floor of its share of ``n``, the counts with the largest remainders one more (Hamilton's largest-remainder
+    method) until there are ``n``, in an order shuffled by ``rng`` (a ``random.Random``). Unlike ``n`` draws with
+    replacement, the mix then is the trace's up to rounding: 32 requests of the whole GenTD26 trace give 18 n=1,
+    3 n=2, 6 n=4 and 5 n=8 (88 images), where seeded draws gave 68-111 images for seeds 0-5."""
+    from collections import Counter
+
+    share = {c: k * n / len(counts) for c, k in sorted(Counter(counts).items())}
+    quota = {c: int(s) for c, s in share.items()}
+    for c in sorted(share, key=lambda c: quota[c] - share[c])[: n - sum(quota.values())]:
+        quota[c] += 1
+    out = [c for c, k in quota.items() for _ in range(k)]
+    rng.shuffle(out)
+    return out
+
+
 def replay_requests(count: int, size: str | None = None, path: str | None = None, mix: str = "krea",
-                    trace: str | None = None, mix_seed: int = 0) -> list:
+                    trace: str | None = None, mix_seed: int = 0, mix_draw: str = "random") -> list:
     """The first ``count`` krea requests (``deployments.demo.load_requests``) with a seed each (the data's, else
     the request's number) and, with ``size`` (``"WxH"``), every request at that size.
 
@@ -340,10 +357,13 @@ def replay_requests(count: int, size: str | None = None, path: str | None = None
     trace's columns; None: the packaged burst slice ``bcg_core/data/alibaba_gentd26_burst_2024-12-06.csv``, 88%
     n=1). The whole trace (``../shared/data/alibaba_gentd26_lora_request_trace.csv``: 53% n=1, 8% n=2, 18% n=4,
     13% n=8 of all its requests; 58/8/19/14% of its text-to-image ones) is the production-like mix of the
-    compiled-buckets issue: krea's prompts, sizes and seeds with production's image counts.
+    compiled-buckets issue: krea's prompts, sizes and seeds with production's image counts. ``mix_draw``:
+    ``random`` draws each count alone, so 32 requests can stray far from the trace's shares (seed 0 gives 109
+    images); ``quota`` gives the trace's shares up to rounding (:func:`quota_counts`), shuffled by the seed.
 
     Raises:
-        ValueError: an unknown ``mix``, or a trace with no text-to-image row that has an image count.
+        ValueError: an unknown ``mix`` or ``mix_draw``, or a trace with no text-to-image row that has an image
+            count.
     """
     import csv
     import random
@@ -356,6 +376,8 @@ def replay_requests(count: int, size: str | None = None, path: str | None = None
     reqs = load_requests(count, path)
     if mix not in ("krea", "gentd26"):
         raise ValueError(f"mix must be 'krea' or 'gentd26', got {mix!r}")
+    if mix_draw not in ("random", "quota"):
+        raise ValueError(f"mix_draw must be 'random' or 'quota', got {mix_draw!r}")
     counts: list[int] = []
     if mix == "gentd26":
         source = resources.files("bcg_core") / "data" / GENTD26_CSV if trace is None else Path(trace)
@@ -365,7 +387,7 @@ def replay_requests(count: int, size: str | None = None, path: str | None = None
         if not counts:
             raise ValueError(f"the trace {source} has no TXT_2_IMG row with num_images_per_prompt")
         rng = random.Random(mix_seed)
-        counts = [rng.choice(counts) for _ in reqs]
+        counts = quota_counts(counts, len(reqs), rng) if mix_draw == "quota" else [rng.choice(counts) for _ in reqs]
     out = []
     for i, r in enumerate(reqs):
         r = dataclasses.replace(r, seed=r.seed if r.seed is not None else r.number)
@@ -924,6 +946,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "(the production-like mix; replay_requests)")
     ap.add_argument("--trace", help="GenTD26 CSV for --mix gentd26 (default: the packaged burst slice)")
     ap.add_argument("--mix-seed", type=int, default=0, help="seed of the --mix gentd26 draw")
+    ap.add_argument("--mix-draw", choices=("random", "quota"), default="random",
+                    help="--mix gentd26: each count drawn alone, or the trace's shares up to rounding (quota_counts)")
     ap.add_argument("--keep-checkpoint", action="store_true")
     ap.add_argument("--verbose", action="store_true", help="show Ray's logs")
     args = ap.parse_args(argv)
@@ -950,14 +974,14 @@ def main(argv: list[str] | None = None) -> int:
     env = _env(args, device)
     out = Path(args.out) if args.out else (
         ROOT / "docs" / "bench" / f"{env['date'][:10]}_saturation_{args.model}_{gpu_label(env['gpu'])}.json")
-    reqs = replay_requests(args.requests, args.size, args.data, args.mix, args.trace, args.mix_seed)
+    reqs = replay_requests(args.requests, args.size, args.data, args.mix, args.trace, args.mix_seed, args.mix_draw)
     warm, c1 = warmup_requests(reqs, args.warmup), c1_requests(reqs, args.c1_requests)
     result: dict[str, Any] = {
         "benchmark": "saturation", **env, "command": shlex.join(["python", "benchmarks/bench_saturation.py", *raw]),
         "argv": raw, "model": args.model, "tiny": args.tiny, "kernels": args.kernels,
         "replay": {"requests": len(reqs), "images": sum(r.n for r in reqs), "steps": args.steps,
                    "concurrency": args.concurrency, "size": args.size or "as in the data", "warmup": args.warmup,
-                   "mix": args.mix, "trace": args.trace, "mix_seed": args.mix_seed,
+                   "mix": args.mix, "trace": args.trace, "mix_seed": args.mix_seed, "mix_draw": args.mix_draw,
                    "warmup_requests": len(warm), "warmup_steps": args.warmup_steps, "c1_requests": len(c1)},
         "servers": [], "errors": [],
     }

@@ -218,6 +218,18 @@ def test_gentd26_mix_keeps_krea_prompts_sizes_and_seeds_with_the_traces_image_co
         bench.replay_requests(5, mix="gentd26", trace=str(edits))
     with pytest.raises(ValueError, match="mix must be"):
         bench.replay_requests(5, mix="parti")
+    with pytest.raises(ValueError, match="mix_draw must be"):
+        bench.replay_requests(5, mix="gentd26", mix_draw="stratified")
+    # --mix-draw quota: the trace's shares up to rounding, whatever the seed; only the order moves
+    shares = tmp_path / "shares.csv"
+    shares.write_text(head + "TXT_2_IMG,1.0,30,20\n" * 58 + "TXT_2_IMG,2.0,30,20\n" * 8 + "TXT_2_IMG,4.0,30,20\n" * 19
+                      + "TXT_2_IMG,8.0,30,20\n" * 14 + "TXT_2_IMG,5.0,30,20\n")  # 100 rows: 58/8/19/14/1%
+    quota = [[r.n for r in bench.replay_requests(32, mix="gentd26", trace=str(shares), mix_seed=s, mix_draw="quota")]
+             for s in (0, 1)]
+    # shares of 32: 18.56 / 2.56 / 6.08 / 4.48 / 0.32, floors 18 + 2 + 6 + 4 + 0 = 30; the two largest remainders
+    # (n=1 and n=2, .56 each, above n=8's .48) get one more
+    assert sorted(quota[0]) == sorted(quota[1]) and quota[0] != quota[1]
+    assert {c: quota[0].count(c) for c in (1, 2, 4, 8, 5)} == {1: 19, 2: 3, 4: 6, 8: 4, 5: 0}
     # the planned server plans for the same kind of traffic: the trace joined with krea's sizes
     from deployments.settings import ServeConfig
 
