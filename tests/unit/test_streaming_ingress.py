@@ -15,9 +15,10 @@ class _FailingStreamDit:
     """A DiT handle whose stream yields its acceptance and one preview, then fails as a replica giving up on
     the request would; with ``refuse``, it fails before accepting (a full queue)."""
 
-    def __init__(self, refuse: bool = False):
+    def __init__(self, refuse: bool = False, backpressure: bool = False):
         self.cancelled = False
         self.refuse = refuse
+        self.backpressure = backpressure
 
     def options(self, **kwargs):
         assert kwargs.get("stream") is True
@@ -40,12 +41,20 @@ class _FailingStreamDit:
 
         if self.refuse:
             raise Overloaded("request", "the server is at capacity; retry after 3 s", retry_after_s=3.0)
+        if self.backpressure:
+            from ray.serve.exceptions import BackPressureError
+
+            raise BackPressureError(num_queued_requests=24, max_queued_requests=16)
         yield ACCEPTED
         yield PartialImage(0, 0, 1, b"not-an-image")
         raise RequestError("request", "the replica gave up on this request", status=503)
 
     def cancel(self):
         self.cancelled = True
+        if self.backpressure:  # Ray's generator raises its refusal again when a refused call is cancelled
+            from ray.serve.exceptions import BackPressureError
+
+            raise BackPressureError(num_queued_requests=24, max_queued_requests=16)
 
 
 def test_a_failure_mid_stream_is_one_error_event_the_official_client_raises():
@@ -106,3 +115,23 @@ def test_a_stream_refused_before_acceptance_is_a_plain_503_with_retry_after():
     answer = asyncio.run(ingress.generate(request))
     assert answer.status_code == 503 and answer.headers["retry-after"] == "3"
     assert json.loads(answer.body)["error"]["message"] == "the server is at capacity; retry after 3 s"
+
+
+def test_a_stream_the_dit_handle_refuses_for_back_pressure_is_a_503_with_retry_after_not_a_500():
+    """Ray's handle refuses a call past ``max_queued_requests`` with ``BackPressureError``, and raises it again when
+    the refused call is cancelled: the 503 must survive that second raise (it once became a 500)."""
+    import asyncio
+
+    from deployments.settings import ServeConfig
+    from ingress_fakes import bare_ingress, http_request
+
+    config = ServeConfig.model_validate({"buckets": {"batch_sizes": [1], "resolutions": ["256x256"],
+                                                     "text_lengths": [256]}, "routing": {"shape_aware": False}})
+    dit = _FailingStreamDit(backpressure=True)
+    ingress = bare_ingress(dit, config)
+    request = http_request({"prompt": "x", "size": "256x256", "stream": True, "partial_images": 1})
+    answer = asyncio.run(ingress.generate(request))
+    assert answer.status_code == 503 and answer.headers["retry-after"], answer.body
+    message = json.loads(answer.body)["error"]["message"]
+    assert message.startswith("the server is at capacity") and "num_queued" not in message, message
+    assert dit.cancelled
