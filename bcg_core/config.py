@@ -457,10 +457,15 @@ class EngineConfig(BaseModel):
         lim = self.limits
         for s, (w, h) in zip(self.buckets.resolutions, self.buckets.resolution_pairs()):
             if not (lim.min_side_px <= w <= lim.max_side_px and lim.min_side_px <= h <= lim.max_side_px):
-                raise ValueError(f"bucket resolution {s} is outside the request limits: sides must be from "
-                                 f"{lim.min_side_px} to {lim.max_side_px} pixels (limits.min_side_px/max_side_px)")
+                inside = [r for r, (a, b) in zip(self.buckets.resolutions, self.buckets.resolution_pairs())
+                          if lim.min_side_px <= min(a, b) and max(a, b) <= lim.max_side_px]
+                raise ValueError(f"buckets.resolutions: {s} is outside the request limits: sides must be from "
+                                 f"{lim.min_side_px} to {lim.max_side_px} pixels (limits.min_side_px/max_side_px); "
+                                 f"drop it (use {inside}) or widen the limits")
         most_rows = 2 * lim.max_images
         if self.buckets.batch_sizes[-1] > most_rows:
-            raise ValueError(f"batch size {self.buckets.batch_sizes[-1]} exceeds the most transformer rows a "
-                             f"request can need, {most_rows} (2 x limits.max_images with guidance)")
+            fit = [b for b in self.buckets.batch_sizes if b <= most_rows]
+            raise ValueError(f"buckets.batch_sizes: {self.buckets.batch_sizes[-1]} exceeds the most transformer rows "
+                             f"a request can need, {most_rows} (2 x limits.max_images with guidance); use {fit} or "
+                             f"raise limits.max_images")
         return self

@@ -31,7 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
-from .settings import ServeConfig, backpressure_limits, load_config
+from .settings import ServeConfig, backpressure_limits, error_text, load_config
 from router.autoscaling import BucketLoadPolicy
 from router.shape_router import ShapeAwareRouter
 
@@ -124,11 +124,20 @@ def build_app(args: Mapping[str, Any] | None = None) -> Application:
         the replicas on a small machine).
 
     Raises:
-        pydantic.ValidationError: unknown argument or bad config.
-        ValueError: ``dit_replicas`` given while ``autoscaling.enabled`` is set.
+        ValueError: an unknown or bad argument, a bad config (one line per mistake naming the field and what it
+            takes, :func:`~deployments.settings.error_text`, as ``bcg serve`` says it, instead of pydantic's
+            report in ``serve status``), or ``dit_replicas`` given while ``autoscaling.enabled`` is set.
     """
-    parsed = AppArgs.model_validate(dict(args or {}))
-    config = load_config(parsed.config, parsed.config_path)
+    from pydantic import ValidationError
+
+    try:
+        parsed = AppArgs.model_validate(dict(args or {}))
+    except ValidationError as e:
+        raise ValueError(error_text(e, AppArgs, "application arguments", "the application")) from None
+    try:
+        config = load_config(parsed.config, parsed.config_path)
+    except ValidationError as e:
+        raise ValueError(error_text(e)) from None
     given = f"dit_replicas={parsed.dit_replicas}" if "dit_replicas" in parsed.model_fields_set else None
     conflict = replicas_conflict(config, given)
     if conflict:

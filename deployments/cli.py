@@ -22,7 +22,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from .settings import ServeConfig, load_config
+from .settings import ServeConfig, error_text, load_config
 
 from .app import replicas_conflict
 from .commands import cache_dir_arg, run_profile, run_verify
@@ -105,6 +105,11 @@ def config_text(config: ServeConfig | None = None, fmt: str = "yaml") -> str:
 
 
 def _cmd_config(args: argparse.Namespace) -> int:
+    if args.check:
+        from .local import check_file
+
+        print(check_file(args.check))
+        return 0
     sys.stdout.write(config_text(fmt=args.format))
     return 0
 
@@ -182,51 +187,6 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             signal.signal(s, handler)
         stop_local()
     return 0
-
-
-def _section_fields(loc: tuple) -> list[str] | None:
-    """The field names of the config section at ``loc`` (``("limits",)``: ``LimitsConfig``'s), or None where
-    ``loc`` does not lead to a section."""
-    import types
-    import typing
-
-    model: Any = ServeConfig
-    for part in loc:
-        field = getattr(model, "model_fields", {}).get(part) if isinstance(part, str) else None
-        model = field.annotation if field is not None else None
-        if typing.get_origin(model) in (typing.Union, types.UnionType):
-            model = next((a for a in typing.get_args(model) if a is not type(None)), None)  # an optional section
-        if not (isinstance(model, type) and issubclass(model, BaseModel)):
-            return None
-    return list(model.model_fields)
-
-
-def error_text(exc: BaseException) -> str:
-    """One line for an error: a pydantic ``ValidationError`` (a bad configuration) as ``field.path: message``
-    per error joined with ``;``, without pydantic's type names and documentation links (an unknown field names the
-    section's fields and the closest one; a bad API key says why, never the key); anything else as it is."""
-    import difflib
-
-    from pydantic import ValidationError
-
-    if isinstance(exc, ValidationError):
-        parts = []
-        for e in exc.errors():
-            loc = tuple(e.get("loc", ()))
-            msg = str(e.get("msg", "")).removeprefix("Value error, ")
-            fields = _section_fields(loc[:-1]) if e.get("type") == "extra_forbidden" else None
-            if fields is not None:
-                close = difflib.get_close_matches(str(loc[-1]), fields, n=1)
-                msg = (f"unknown field{f' (did you mean {close[0]!r}?)' if close else ''}; "
-                       f"{'.'.join(map(str, loc[:-1])) or 'the config'} takes {', '.join(fields)}")
-            elif type(e.get("input")).__name__ == "_BadKey":  # deployments.settings: says what is wrong, not the key
-                why = e["input"].reason
-                msg = (f"an API key that is {why}" if loc and isinstance(loc[-1], int) else
-                       f"{why}: give a list of keys, e.g. [\"sk-...\"], or api_key_file")
-            where = ".".join(str(x) for x in loc)
-            parts.append(f"{where}: {msg}" if where else msg)
-        return f"invalid configuration: {'; '.join(parts)}"
-    return str(exc)
 
 
 def _load(path: str | None) -> ServeConfig:
@@ -359,6 +319,9 @@ def _parser() -> argparse.ArgumentParser:
                        description="Print the embedded default ServeConfig. Save it, edit it, and pass it "
                        "with --config to `bcg demo` or `bcg serve`.")
     c.add_argument("--format", choices=("yaml", "json"), default="yaml", help="output format (default yaml)")
+    c.add_argument("--check", default=None, metavar="FILE",
+                   help="check a ServeConfig file as bcg serve would, or a Serve config file (applications:) as "
+                   "serve deploy's controller would build it, without starting Ray; exit 2 on a mistake")
     c.set_defaults(func=_cmd_config)
 
     s = sub.add_parser("serve", help="start the app on 127.0.0.1 and block until Ctrl-C",

@@ -132,6 +132,53 @@ def check_access(url: str, api_key: str | None = None, source: str | None = None
                           f"configured with, with {_KEY_WAYS}")
 
 
+def fit_to_limits(todo: list, limits: Mapping, steps: int) -> tuple[list, list[str]]:
+    """The replay's requests as the server at hand takes them: ``n`` capped at its ``max_images``, requests whose
+    size is outside its sides (``min_side_px``..``max_side_px``) left out. ``limits`` is ``GET /v1/models``'
+    ``data[0].bcg.limits``; a missing key is not checked.
+
+    Returns:
+        The requests to send, and one line per change for the console (none when nothing changed).
+
+    Raises:
+        ValueError: ``steps`` above the server's ``max_steps``, or no request within its sides.
+    """
+    import dataclasses
+
+    notes = []
+    if steps > limits.get("max_steps", steps):
+        raise ValueError(f"--steps {steps} is above the server's limits.max_steps {limits['max_steps']}; use --steps "
+                         f"1 to {limits['max_steps']}")
+    lo, hi = limits.get("min_side_px", 0), limits.get("max_side_px", 1 << 30)
+    kept = [r for r in todo if lo <= min(r.width, r.height) and max(r.width, r.height) <= hi]
+    if len(kept) < len(todo):
+        if not kept:
+            raise ValueError(f"none of the {len(todo)} requests has a size within the server's sides ({lo} to {hi} "
+                             f"pixels, limits.min_side_px/max_side_px)")
+        notes.append(f"left out {len(todo) - len(kept)} request(s) whose size is outside the server's sides ({lo} to "
+                     f"{hi} pixels)")
+    most = limits.get("max_images")
+    if most is not None and any(r.n > most for r in kept):
+        notes.append(f"n capped at the server's limits.max_images, {most}, for "
+                     f"{sum(r.n > most for r in kept)} request(s)")
+        kept = [dataclasses.replace(r, n=min(r.n, most)) for r in kept]
+    return kept, notes
+
+
+def server_limits(url: str, api_key: str | None, timeout_s: float = 30.0) -> Mapping:
+    """The request limits ``GET {url}/v1/models`` announces (``data[0].bcg.limits``), or ``{}`` when it does not
+    answer them (another server, or an error: the replay then reports per request)."""
+    import httpx
+
+    try:
+        r = httpx.get(f"{url}/v1/models", timeout=timeout_s, trust_env=False,
+                      headers={"Authorization": f"Bearer {api_key}"} if api_key else None)
+        r.raise_for_status()
+        return r.json()["data"][0]["bcg"]["limits"]
+    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):
+        return {}
+
+
 def run_demo(*, requests: int = 8, steps: int = 4, concurrency: int = 1, out: str | Path = "out/demo",
              port: int = 0, url: str | None = None, config: str | None = None, timeout_s: float = 600.0,
              num_cpus: int = 4, quiet: bool = True, data: str | Path | None = None,
@@ -203,6 +250,9 @@ def run_demo(*, requests: int = 8, steps: int = 4, concurrency: int = 1, out: st
         if not started:  # one given with --url is expected to be up (start_local returns once /healthz answers)
             wait_healthy(url, timeout_s=min(10.0, timeout_s))
         check_access(url, api_key, key_source, timeout_s=min(30.0, timeout_s))
+        todo, notes = fit_to_limits(todo, server_limits(url, api_key, min(30.0, timeout_s)), steps)
+        for note in notes:
+            console.print(f"the server's limits: {note}", highlight=False)
         n_images = sum(r.n for r in todo)
         plural = {k: "s" if v != 1 else "" for k, v in (("r", len(todo)), ("i", n_images), ("s", steps))}
         console.print(f"server {url}: sending {len(todo)} request{plural['r']} ({n_images} image{plural['i']}, {steps} "

@@ -122,6 +122,52 @@ def check_config(config_path: str | Path) -> "ServeConfig":
     return config
 
 
+def check_file(path: str | Path) -> str:
+    """``bcg config --check``: check a ServeConfig file as ``bcg serve`` would (:func:`check_config`), or a Serve
+    config file (one with ``applications:``, as ``serve deploy`` takes) as the Serve controller would build it:
+    every application whose ``import_path`` is ``deployments.app:build_app`` gets :func:`deployments.app.build_app`
+    of its ``args`` (argument names, the embedded ``config`` or ``config_path``, the replica count against
+    autoscaling), without starting Ray. Paths on the cluster's nodes and its GPUs are not checked there.
+
+    Returns:
+        One line per file or application that passed, e.g. ``my.yaml: ok (model the tiny default, 7 batch sizes x 5
+        resolutions)``.
+
+    Raises:
+        ValueError: the first mistake, naming the field (and, for a Serve file, the application).
+        FileNotFoundError: ``path`` does not exist.
+    """
+    import yaml
+
+    path = Path(path)
+    try:
+        with path.open() as f:
+            data = yaml.safe_load(f)
+    except yaml.YAMLError as e:
+        raise ValueError(f"config file {str(path)!r} is not valid YAML/JSON: {e}") from None
+    if not (isinstance(data, dict) and "applications" in data):
+        config = check_config(path)
+        return f"{path}: ok (model {config.model.path or 'the tiny default'}, " \
+               f"{len(config.buckets.batch_sizes)} batch sizes x {len(config.buckets.resolutions)} resolutions)"
+    from .app import build_app
+    from .settings import error_text
+
+    lines = []
+    for app in data.get("applications") or []:
+        name = app.get("name", "default") if isinstance(app, dict) else "?"
+        if not isinstance(app, dict) or app.get("import_path") != "deployments.app:build_app":
+            lines.append(f"{path}: application {name}: not bcg-serve's (import_path), not checked")
+            continue
+        try:
+            build_app(app.get("args") or {})
+        except ValueError as e:
+            raise ValueError(f"{path}: application {name}: {error_text(e)}") from None
+        lines.append(f"{path}: application {name}: ok (args and config as the Serve controller builds them)")
+    if not lines:
+        raise ValueError(f"{path}: a Serve config file without applications")
+    return "\n".join(lines)
+
+
 def bind_ray_to(host: str) -> None:
     """Make the next local ``ray.init`` start its node on ``host``: ``127.0.0.1`` (loopback) or ``0.0.0.0``.
 

@@ -272,6 +272,51 @@ class ServeConfig(EngineConfig):
                                    description="Prometheus port and bind address of a local server (bcg serve).")
 
 
+def _section_fields(loc: tuple, model: Any) -> list[str] | None:
+    """The field names of the section of ``model`` (a pydantic model class) at ``loc`` (``("limits",)`` of
+    ``ServeConfig``: ``LimitsConfig``'s), or None where ``loc`` does not lead to a section."""
+    import types
+    import typing
+
+    for part in loc:
+        field = getattr(model, "model_fields", {}).get(part) if isinstance(part, str) else None
+        model = field.annotation if field is not None else None
+        if typing.get_origin(model) in (typing.Union, types.UnionType):
+            model = next((a for a in typing.get_args(model) if a is not type(None)), None)  # an optional section
+        if not (isinstance(model, type) and issubclass(model, BaseModel)):
+            return None
+    return list(model.model_fields)
+
+
+def error_text(exc: BaseException, model: Any = None, what: str = "configuration", top: str = "the config") -> str:
+    """One line for an error: a pydantic ``ValidationError`` of ``model`` (default :class:`ServeConfig`: a bad
+    configuration) as ``invalid <what>: field.path: message`` per error joined with ``;``, without pydantic's type
+    names and documentation links (an unknown field names the section's fields and the closest one, ``top`` naming
+    the top level; a bad API key says why, never the key); anything else as it is."""
+    import difflib
+
+    from pydantic import ValidationError
+
+    if isinstance(exc, ValidationError):
+        parts = []
+        for e in exc.errors():
+            loc = tuple(e.get("loc", ()))
+            msg = str(e.get("msg", "")).removeprefix("Value error, ")
+            fields = _section_fields(loc[:-1], model or ServeConfig) if e.get("type") == "extra_forbidden" else None
+            if fields is not None:
+                close = difflib.get_close_matches(str(loc[-1]), fields, n=1)
+                msg = (f"unknown field{f' (did you mean {close[0]!r}?)' if close else ''}; "
+                       f"{'.'.join(map(str, loc[:-1])) or top} takes {', '.join(fields)}")
+            elif type(e.get("input")).__name__ == "_BadKey":  # deployments.settings: says what is wrong, not the key
+                why = e["input"].reason
+                msg = (f"an API key that is {why}" if loc and isinstance(loc[-1], int) else
+                       f"{why}: give a list of keys, e.g. [\"sk-...\"], or api_key_file")
+            where = ".".join(str(x) for x in loc)
+            parts.append(f"{where}: {msg}" if where else msg)
+        return f"invalid {what}: {'; '.join(parts)}"
+    return str(exc)
+
+
 def load_config(config: Mapping[str, Any] | None = None, config_path: str | Path | None = None) -> ServeConfig:
     """Build a ``ServeConfig`` from a mapping or a YAML/JSON file (what ``bcg config`` prints).
 
@@ -289,7 +334,8 @@ def load_config(config: Mapping[str, Any] | None = None, config_path: str | Path
         if path.is_dir():
             raise ValueError(f"config file {str(path)!r} is a directory; give a YAML or JSON file (see `bcg config`)")
         try:
-            data = yaml.safe_load(path.read_text())  # YAML is a superset of JSON
+            with path.open() as f:  # a stream, so that a syntax error names the file, not "<unicode string>"
+                data = yaml.safe_load(f)  # YAML is a superset of JSON
         except yaml.YAMLError as e:
             raise ValueError(f"config file {str(path)!r} is not valid YAML/JSON: {e}") from None
         if data is None:

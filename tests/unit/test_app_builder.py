@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-from pydantic import ValidationError
 from ray.serve import Application
 
 from bcg_core.config import MissPolicy
@@ -31,11 +30,16 @@ def test_no_arguments_serve_the_embedded_default():
 
 
 def test_bad_arguments_are_rejected_at_build_time(tmp_path):
-    with pytest.raises(ValidationError, match="config_pth"):
+    # what `serve status` shows of a failed deploy: one line naming the field and what it takes, as bcg serve says it
+    with pytest.raises(ValueError, match=r"^invalid application arguments: config_pth: unknown field \(did you mean "
+                                         r"'config_path'\?\); the application takes config, config_path, "):
         build_app({"config_pth": "serve.yaml"})
+    with pytest.raises(ValueError, match=r"^invalid configuration: limits.max_imags: unknown field \(did you mean "
+                                         r"'max_images'\?\); limits takes max_images, "):
+        build_app({"config": {"limits": {"max_imags": 4}}})
     with pytest.raises(ValueError, match="either config or config_path"):
         build_app({"config": {}, "config_path": str(tmp_path / "x.yaml")})
-    with pytest.raises(ValidationError, match="batch_sizes"):
+    with pytest.raises(ValueError, match="^invalid configuration: buckets.batch_sizes"):
         build_app({"config": {"buckets": {"batch_sizes": [4, 2]}}})
     listing = tmp_path / "list.yaml"
     listing.write_text("- 1\n- 2\n")
@@ -44,3 +48,29 @@ def test_bad_arguments_are_rejected_at_build_time(tmp_path):
     (tmp_path / "empty.yaml").write_text("")
     with pytest.raises(ValueError, match="is empty: write the sections to change .* or leave out the file"):
         build_app({"config_path": str(tmp_path / "empty.yaml")})
+
+
+def test_bcg_config_check_reads_a_serve_file_as_the_controller_builds_it_and_a_config_as_bcg_serve(tmp_path, capsys):
+    """``bcg config --check``: the packaged Serve files pass; a mistake in a Serve file's args or embedded config
+    is exit 2 naming the application and the field; a ServeConfig file is checked as ``bcg serve`` checks it."""
+    from pathlib import Path
+
+    from deployments.cli import main
+
+    root = Path(__file__).resolve().parents[2]
+    assert main(["config", "--check", str(root / "deploy" / "serve_config_cpu.yaml")]) == 0
+    assert "application bcg: ok" in capsys.readouterr().out
+    serve_file = (root / "deploy" / "serve_config_cpu.yaml").read_text()
+    bad = tmp_path / "serve.yaml"
+    bad.write_text(serve_file.replace("dit_num_cpus", "dit_num_cpu"))
+    assert main(["config", "--check", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert "application bcg: invalid application arguments: dit_num_cpu: unknown field (did you mean " \
+           "'dit_num_cpus'?)" in err, err
+    config = tmp_path / "my.yaml"
+    config.write_text("limits:\n  max_images: 3\n")
+    assert main(["config", "--check", str(config)]) == 2
+    assert "buckets.batch_sizes: 20 exceeds the most transformer rows a request can need, 6" in capsys.readouterr().err
+    config.write_text("limits:\n  max_images: 3\nbuckets:\n  batch_sizes: [1, 2, 4]\n")
+    assert main(["config", "--check", str(config)]) == 0
+    assert capsys.readouterr().out.startswith(f"{config}: ok (model the tiny default")

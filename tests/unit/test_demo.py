@@ -124,3 +124,24 @@ def test_cli_serve_refuses_replicas_with_autoscaling(tmp_path, capsys):
     assert main(["serve", "--config", str(cfg), "--replicas", "2"]) == 2  # before Ray starts
     err = capsys.readouterr().err
     assert "--replicas 2 conflicts with autoscaling.enabled" in err and "max_replicas" in err
+
+
+def test_the_replay_is_fitted_to_the_servers_limits():
+    """``bcg demo --url`` against a server with tighter limits: ``n`` is capped at its ``max_images``, sizes outside
+    its sides are left out, each change is said; steps above its ``max_steps`` and no request left are errors."""
+    from deployments.demo import fit_to_limits
+
+    todo = load_requests(8)
+    assert fit_to_limits(todo, {}, 4) == (todo, [])  # a server that does not say its limits: sent as they are
+    kept, notes = fit_to_limits(todo, {"max_images": 4, "min_side_px": 256, "max_side_px": 2048, "max_steps": 50}, 4)
+    assert [r.n for r in kept] == [min(r.n, 4) for r in todo] and any(r.n > 4 for r in todo)
+    assert [(r.prompt, r.size, r.seed) for r in kept] == [(r.prompt, r.size, r.seed) for r in todo]
+    assert notes == [f"n capped at the server's limits.max_images, 4, for {sum(r.n > 4 for r in todo)} request(s)"]
+    small = min(min(r.width, r.height) for r in todo)
+    kept, notes = fit_to_limits(todo, {"min_side_px": small + 16}, 4)
+    assert kept and all(min(r.width, r.height) > small for r in kept) and len(kept) < len(todo)
+    assert notes[0].startswith(f"left out {len(todo) - len(kept)} request(s) whose size is outside")
+    with pytest.raises(ValueError, match="--steps 60 is above the server's limits.max_steps 50"):
+        fit_to_limits(todo, {"max_steps": 50}, 60)
+    with pytest.raises(ValueError, match="none of the 8 requests has a size within the server's sides"):
+        fit_to_limits(todo, {"max_side_px": 128}, 4)
