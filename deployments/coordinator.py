@@ -19,12 +19,17 @@ import logging
 from ray import serve
 
 from .settings import ServeConfig
+from bcg_core.planning.traffic import TrafficHistogram
 from router.membership import OwnershipTable
 from router.ownership import demands_for_config
 
-__all__ = ["BucketCoordinator"]
+__all__ = ["DEPARTED_KEPT", "BucketCoordinator"]
 
 logger = logging.getLogger("ray.serve")
+
+DEPARTED_KEPT = 32
+"""Departed replicas whose traffic histograms are kept apart (a replica whose lease lapsed and comes back takes
+its own out again); beyond that the oldest are summed into one entry."""
 
 
 @serve.deployment(name="BucketCoordinator", num_replicas=1, max_ongoing_requests=1000,
@@ -48,13 +53,39 @@ class BucketCoordinator:
                                     join_window_s=r.join_window_s, lease_s=r.lease_s, hot_share=r.hot_share,
                                     capture_stall_s=r.capture_stall_s)
         self._changed = asyncio.Event()
+        self._traffic: dict[str, dict] = {}
+        """Live replica id -> the traffic snapshot of its last heartbeat."""
+        self._departed: dict[str, dict] = {}
+        """Replica id -> the last traffic snapshot of a replica that left, was removed by autoscaling or died: its
+        requests stay in ``traffic`` of ``/v1/buckets`` (what ``bcg plan --from URL`` plans for). Kept in memory:
+        a restarted coordinator forgets them."""
         self._reaper = asyncio.get_running_loop().create_task(self._expire_loop(r.lease_s))
+
+    def _record(self, replica_id: str, traffic: dict | None) -> None:
+        self._departed.pop(replica_id, None)  # back after a lapsed lease: its histogram is live again
+        if traffic is not None:
+            self._traffic[replica_id] = traffic
+
+    def _depart(self, replica_ids) -> None:
+        for rid in replica_ids:
+            snap = self._traffic.pop(rid, None)
+            if snap is not None:
+                self._departed[rid] = snap
+        if len(self._departed) > DEPARTED_KEPT:
+            try:
+                merged = TrafficHistogram.merged(self._departed.values()).snapshot()
+            except ValueError:
+                logger.exception("departed replicas' traffic could not be summed; the oldest is dropped")
+                self._departed.pop(next(iter(self._departed)))
+            else:
+                self._departed = {"(earlier replicas)": merged}
 
     async def _expire_loop(self, lease_s: float) -> None:
         while True:
             await asyncio.sleep(max(0.1, lease_s / 4))
             try:
                 gone = self.table.expire()
+                self._depart(gone or ())
                 if gone:
                     logger.warning("replicas %s stopped heartbeating for %.1f s: their shapes moved to %d survivors "
                                    "(assignment v%d)", gone, lease_s, len(self.table.members), self.table.version)
@@ -76,6 +107,7 @@ class BucketCoordinator:
             serves as a single owner would).
         """
         self.table.join(replica_id, budget_bytes, tuple(owned or ()), tuple(ready or ()))
+        self._record(replica_id, None)
         self._wake()
         limit = self.table.join_window_s if timeout_s is None else timeout_s
         deadline = asyncio.get_running_loop().time() + limit
@@ -83,7 +115,7 @@ class BucketCoordinator:
             self.table.touch(replica_id)  # a replica waiting here is alive
             left = deadline - asyncio.get_running_loop().time()
             if left <= 0:
-                self.table.expire()  # closes the window if it passed
+                self._depart(self.table.expire() or ())  # closes the window if it passed
                 owned_now = self.table.owned(replica_id)
                 if owned_now is None:
                     logger.warning("no ownership assignment for %s after %.0f s; it serves every shape",
@@ -95,7 +127,7 @@ class BucketCoordinator:
                 await asyncio.wait_for(changed.wait(), timeout=min(left, 1.0))
             except asyncio.TimeoutError:
                 self.table.touch(replica_id)
-                self.table.expire()
+                self._depart(self.table.expire() or ())
         logger.info("replica %s owns %d shapes (assignment v%d)", replica_id, len(owned_now), self.table.version)
         return list(owned_now)
 
@@ -104,6 +136,7 @@ class BucketCoordinator:
         """Renew a replica's lease; returns its owned shapes (None while the first assignment waits, or while
         the replica is stalled in a capture)."""
         before = self.table.version
+        self._record(replica_id, (stats or {}).get("traffic"))
         owned_now = self.table.heartbeat(replica_id, budget_bytes, tuple(owned), tuple(ready), queue, stats)
         if self.table.version != before:
             if replica_id in self.table.stalled:
@@ -114,13 +147,18 @@ class BucketCoordinator:
             self._wake()
         return None if owned_now is None else list(owned_now)
 
-    def leave(self, replica_id: str) -> bool:
-        """A replica shuts down gracefully; its shapes move to the survivors."""
+    def leave(self, replica_id: str, traffic: dict | None = None) -> bool:
+        """A replica shuts down gracefully; its shapes move to the survivors, and its traffic snapshot (``traffic``,
+        its final one, else its last heartbeat's) is kept for ``/v1/buckets``."""
+        self._record(replica_id, traffic)
+        self._depart([replica_id])
         left = self.table.leave(replica_id)
         if left:
             self._wake()
         return left
 
     def snapshot(self) -> dict:
-        """The assignment and every replica's last report (:meth:`OwnershipTable.snapshot`)."""
-        return self.table.snapshot()
+        """The assignment and every replica's last report (:meth:`OwnershipTable.snapshot`), and
+        ``departed_traffic``: the traffic snapshots of replicas no longer in it (the ingress adds them to
+        ``traffic``)."""
+        return {**self.table.snapshot(), "departed_traffic": list(self._departed.values())}

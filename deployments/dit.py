@@ -433,7 +433,8 @@ class DiTReplica:
                 other.cancel()
         if coord is not None:
             try:
-                coord.leave.remote(self._id)
+                traffic = getattr(self, "_traffic", None)
+                coord.leave.remote(self._id, traffic.snapshot() if traffic is not None else None)
             except Exception:  # noqa: BLE001 - the lease expiry covers a failed leave
                 pass
         scheduler = getattr(self, "_scheduler", None)

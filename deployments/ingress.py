@@ -130,13 +130,10 @@ COORDINATOR_TIMEOUT_S = 2.0
 def merged_traffic(stats: dict, ownership: dict) -> dict | None:
     """Every replica's traffic histogram summed (:meth:`TrafficHistogram.merged`), for ``/v1/buckets``.
 
-    The answering replica's snapshot is ``stats["traffic"]`` (current); the others' come from their last
-    heartbeat (``ownership["replicas"][id]["stats"]["traffic"]``), which this removes from ``ownership`` so the
-    answer holds each histogram once. A snapshot that fails validation is left out (logged).
-
-    Returns:
-        The merged snapshot, or None when no replica records traffic.
-    """
+    The answering replica's is ``stats["traffic"]``; the others' that of their last heartbeat (``ownership
+    ["replicas"][id]["stats"]["traffic"]``), and gone replicas' ``ownership["departed_traffic"]``, both removed
+    from ``ownership`` so the answer holds each once. An invalid snapshot is left out (logged). Returns the
+    merged snapshot, or None when no replica records traffic."""
     here = stats.get("replica")
     parts = [stats["traffic"]] if stats.get("traffic") is not None else []
     for replica, view in (ownership.get("replicas") or {}).items():
@@ -144,6 +141,7 @@ def merged_traffic(stats: dict, ownership: dict) -> dict | None:
         snap = reported.pop("traffic", None)
         if snap is not None and replica != here:
             parts.append(snap)
+    parts += ownership.pop("departed_traffic", None) or []
     good: list[TrafficHistogram] = []
     for snap in parts:
         try:

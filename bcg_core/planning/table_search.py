@@ -176,7 +176,10 @@ def search_table(config: EngineConfig, traffic: Traffic, costs: PlanCosts | None
                          f"budget")
     if not traffic.demands:
         counts = {k: max(1, round(v)) for k, v in sorted(traffic.refused.items())}
-        why = ", ".join(f"{k}: {n} request{'s' if n > 1 else ''}" for k, n in counts.items()) or "no rows"
+        if not counts:  # e.g. a server's /v1/buckets before its first request
+            raise ValueError(f"the traffic sample ({traffic.source}) holds no request: nothing to plan for; plan "
+                             f"once the server has served traffic, or from a sample (bcg plan --traffic, --krea)")
+        why = ", ".join(f"{k}: {n} request{'s' if n > 1 else ''}" for k, n in counts.items())
         raise ValueError(f"the traffic sample ({traffic.source}) has no request the limits allow ({why}); give it "
                          f"requests within limits, or widen limits")
     costs = costs or PlanCosts.token_count(config)

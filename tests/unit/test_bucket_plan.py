@@ -92,8 +92,8 @@ def plan_table_key(rows: int):
 def test_bad_inputs_get_errors_that_name_the_fix():
     with pytest.raises(ValueError, match="no request the limits allow .*size: 2.*widen limits"):
         search_table(EXACT, traffic_from_rows(EXACT, _rows((4096, 4096, 1, 2))))
-    with pytest.raises(ValueError, match="no request the limits allow"):
-        search_table(EXACT, Traffic([], "empty"))
+    with pytest.raises(ValueError, match=r"\(empty\) holds no request: nothing to plan for; plan once the server"):
+        search_table(EXACT, Traffic([], "empty"))  # a server's histogram before its first request
     traffic = traffic_from_rows(EXACT, _rows((512, 512, 1, 4)))
     with pytest.raises(ValueError, match=r"smallest graph needs [0-9.]+ MiB; raise the budget"):
         search_table(EXACT, traffic, budget_mib=0.001)

@@ -281,6 +281,44 @@ def test_the_ingress_merges_every_replicas_traffic_once():
     assert merged_traffic({"replica": "a", "traffic": None}, {"replicas": {}}) is None
 
 
+def test_the_traffic_of_a_replica_that_left_stays_in_the_merged_histogram():
+    """A replica removed by autoscaling (or dead) takes its histogram away from the heartbeats: the coordinator
+    keeps its last one (its final one when it leaves gracefully) until it comes back, and sums the oldest
+    beyond ``DEPARTED_KEPT``."""
+    import asyncio
+
+    from deployments.coordinator import DEPARTED_KEPT, BucketCoordinator
+    from deployments.settings import ServeConfig
+
+    def hist(*tokens: int) -> dict:
+        h = TrafficHistogram()
+        for t in tokens:
+            h.record(_plan(tokens=t))
+        return h.snapshot()
+
+    async def run() -> None:
+        cls = BucketCoordinator.func_or_class
+        coord = cls.__new__(cls)
+        await coord.__init__(ServeConfig().model_dump(mode="json"), 2)
+        for rid in ("a", "b"):
+            coord.table.join(rid, 1 << 30, (), ())
+        coord.heartbeat("a", 1 << 30, [], [], None, {"traffic": hist(1)})
+        coord.heartbeat("b", 1 << 30, [], [], None, {"traffic": hist(2)})
+        coord.leave("b", hist(2, 2, 3))  # its final histogram, newer than its last heartbeat's
+        merged = merged_traffic({"replica": "a", "traffic": hist(1)}, coord.snapshot())
+        assert merged["total"] == 4 and _shapes(merged)[(256, 256, 1, 2, 1)] == 2
+        coord.heartbeat("b", 1 << 30, [], [], None, {"traffic": hist(2, 2, 3)})  # back: counted once, live
+        assert coord.snapshot()["departed_traffic"] == []
+        coord.leave("b", hist(2, 2, 3))
+        for i in range(DEPARTED_KEPT):
+            coord.leave(f"gone{i}", hist(5))
+        departed = coord.snapshot()["departed_traffic"]
+        assert len(departed) == 1 and departed[0]["total"] == 3 + DEPARTED_KEPT  # summed into one entry
+        coord._reaper.cancel()
+
+    asyncio.run(run())
+
+
 # -- Prometheus ---------------------------------------------------------------------------------------------
 
 
