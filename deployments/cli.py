@@ -26,7 +26,7 @@ from .settings import ServeConfig, error_text, load_config
 
 from .app import replicas_conflict
 from .commands import cache_dir_arg, run_profile, run_verify
-from .demo import MAX_CONCURRENCY as _MAX_CONCURRENCY, run_demo
+from .demo import MAX_CONCURRENCY as _MAX_CONCURRENCY, demo_api_key, run_demo
 from .local import check_config, start_local, stop_local
 
 __all__ = ["config_text", "main"]
@@ -241,11 +241,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             return 2
     try:
         config = _load(args.config)
-        key = None
-        if args.api_key_file:
-            from .auth import read_key_file
-
-            key = read_key_file(args.api_key_file)[0]
+        # as bcg demo: the file's first key, else OPENAI_API_KEY (a URL source only sends it)
+        key = demo_api_key(args.api_key_file)[0] if source.startswith(("http://", "https://")) else None
         plan, default = run_plan(config, source, args.budget_mib, args.max_graphs, args.profile, args.steps, args.krea,
                                  measure=args.measure, api_key=key)
     except (ValueError, OSError, RuntimeError) as exc:
@@ -413,7 +410,8 @@ def _parser() -> argparse.ArgumentParser:
                     help="most graphs per replica (default 12)")
     pl.add_argument("--profile", default=None, metavar="JSON", help="measured bucket costs (`bcg profile --json`)")
     pl.add_argument("--api-key-file", default=None, metavar="PATH",
-                    help="with --from URL: a file whose first key is sent to a server with API keys")
+                    help="with --from URL: a file whose first key is sent to a server with API keys (default: the "
+                    "OPENAI_API_KEY environment variable when set, as bcg demo)")
     pl.add_argument("--measure", action="store_true",
                     help="profile a few buckets of the sample on this machine's CUDA GPU and plan with the fitted "
                     "costs (needs the model's weights and a GPU)")

@@ -301,3 +301,25 @@ def test_bcg_warm_cache_dir_is_taken_with_home_expanded_and_absolute(tmp_path, m
     monkeypatch.chdir(tmp_path)
     assert commands.cache_dir_arg("~/bcg-cache") == os.path.join(os.path.expanduser("~"), "bcg-cache")
     assert commands.cache_dir_arg("cache") == str(tmp_path / "cache")
+
+
+def test_plan_from_a_url_sends_openai_api_key_as_demo_does_and_a_file_wins(tmp_path, monkeypatch, capsys):
+    """``bcg plan --from URL`` takes its key as ``bcg demo`` does: ``--api-key-file``'s first key, else
+    ``OPENAI_API_KEY``; a sample that is not a URL sends none."""
+    from deployments import plan_command
+
+    sent = []
+
+    def fake_run_plan(config, source, *args, api_key=None, **kwargs):
+        sent.append((source, api_key))
+        raise ValueError("stop here")
+
+    monkeypatch.setattr(plan_command, "run_plan", fake_run_plan)
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-from-env")
+    keys = tmp_path / "keys.txt"
+    keys.write_text("# a comment\nsk-from-file\n")
+    assert main(["plan", "--from", "http://127.0.0.1:9/"]) == 2
+    assert main(["plan", "--from", "http://127.0.0.1:9/", "--api-key-file", str(keys)]) == 2
+    assert main(["plan"]) == 2
+    assert sent == [("http://127.0.0.1:9/", "sk-from-env"), ("http://127.0.0.1:9/", "sk-from-file"), ("krea", None)]
+    assert "stop here" in capsys.readouterr().err
