@@ -137,14 +137,10 @@ def check_file(path: str | Path) -> str:
         ValueError: the first mistake, naming the field (and, for a Serve file, the application).
         FileNotFoundError: ``path`` does not exist.
     """
-    import yaml
+    from .settings import read_yaml
 
     path = Path(path)
-    try:
-        with path.open() as f:
-            data = yaml.safe_load(f)
-    except yaml.YAMLError as e:
-        raise ValueError(f"config file {str(path)!r} is not valid YAML/JSON: {e}") from None
+    data = read_yaml(path)
     if not (isinstance(data, dict) and "applications" in data):
         config = check_config(path)
         return f"{path}: ok (model {config.model.path or 'the tiny default'}, " \

@@ -317,6 +317,40 @@ def error_text(exc: BaseException, model: Any = None, what: str = "configuration
     return str(exc)
 
 
+def read_yaml(path: Path) -> Any:
+    """The YAML (or JSON) document in ``path``, with a key given twice in one mapping refused: YAML's own rule,
+    which PyYAML does not enforce (it keeps the last), so an edited config's second ``limits:`` or ``max_images:``
+    would silently drop the first.
+
+    Raises:
+        ValueError: not valid YAML/JSON, or a duplicate key (naming the file, the key and its line).
+        OSError: the file cannot be read.
+    """
+    import yaml
+
+    class _Loader(yaml.SafeLoader):
+        pass
+
+    def mapping(loader: yaml.SafeLoader, node: yaml.MappingNode) -> dict:
+        seen: set = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # "<<": merged keys may be overridden, as YAML allows
+                continue
+            key = loader.construct_object(key_node)
+            if key in seen:
+                raise ValueError(f"config file {str(path)!r}: key {key!r} is given twice in one mapping (line "
+                                 f"{key_node.start_mark.line + 1}); keep one")
+            seen.add(key)
+        return loader.construct_mapping(node)
+
+    _Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, mapping)
+    try:
+        with path.open() as f:  # a stream, so that a syntax error names the file, not "<unicode string>"
+            return yaml.load(f, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass; YAML is a superset of JSON
+    except yaml.YAMLError as e:
+        raise ValueError(f"config file {str(path)!r} is not valid YAML/JSON: {e}") from None
+
+
 def load_config(config: Mapping[str, Any] | None = None, config_path: str | Path | None = None) -> ServeConfig:
     """Build a ``ServeConfig`` from a mapping or a YAML/JSON file (what ``bcg config`` prints).
 
@@ -325,19 +359,13 @@ def load_config(config: Mapping[str, Any] | None = None, config_path: str | Path
             ValueError) for a bad value, naming the field.
         FileNotFoundError: ``config_path`` does not exist.
     """
-    import yaml
-
     if config is not None and config_path is not None:
         raise ValueError("give either config or config_path, not both")
     if config_path is not None:
         path = Path(config_path)
         if path.is_dir():
             raise ValueError(f"config file {str(path)!r} is a directory; give a YAML or JSON file (see `bcg config`)")
-        try:
-            with path.open() as f:  # a stream, so that a syntax error names the file, not "<unicode string>"
-                data = yaml.safe_load(f)  # YAML is a superset of JSON
-        except yaml.YAMLError as e:
-            raise ValueError(f"config file {str(path)!r} is not valid YAML/JSON: {e}") from None
+        data = read_yaml(path)
         if data is None:
             raise ValueError(f"config file {str(path)!r} is empty: write the sections to change (model, buckets, "
                              f"limits, runner, ...; `bcg config` prints them all), or leave out the file for the "

@@ -42,8 +42,19 @@ def test_default_limits_reach_every_default_bucket_and_n10_with_guidance_is_a_hi
 def test_config_files_that_are_not_yaml_say_so(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("model: [1\n")
-    with pytest.raises(ValueError, match="not valid YAML/JSON"):
+    with pytest.raises(ValueError, match=rf"(?s)not valid YAML/JSON: .*in \"{bad}\", line 1"):  # names the file
         load_config(config_path=bad)
+    twice = tmp_path / "twice.yaml"  # an edited config whose second limits: would silently replace the first
+    twice.write_text("limits:\n  max_images: 4\nbuckets:\n  batch_sizes: [1, 2]\nlimits:\n  max_steps: 8\n")
+    with pytest.raises(ValueError, match=r"key 'limits' is given twice in one mapping \(line 5\); keep one"):
+        load_config(config_path=twice)
+    twice.write_text("limits:\n  max_images: 4\n  max_images: 2\n")
+    with pytest.raises(ValueError, match=r"key 'max_images' is given twice in one mapping \(line 3\)"):
+        load_config(config_path=twice)
+    merged = tmp_path / "merged.yaml"  # a merge key still reads as YAML has it: the mapping's own key wins
+    merged.write_text("limits:\n  <<: {max_images: 4, max_steps: 9}\n  max_steps: 8\nbuckets: {batch_sizes: [1, 2]}\n")
+    config = load_config(config_path=merged)
+    assert (config.limits.max_images, config.limits.max_steps) == (4, 8)
     with pytest.raises(ValueError, match="is a directory"):
         load_config(config_path=tmp_path)
     with pytest.raises(FileNotFoundError):
