@@ -30,6 +30,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks"), str(ROOT / "tests")]
 from bcg_core.keys import BucketKey  # noqa: E402
 from bcg_core.models import load_model  # noqa: E402
 from bcg_core.verify import BoundaryCase, random_inputs  # noqa: E402
+from bench_masked_attention import graph_ms  # noqa: E402
 
 BUCKETS = ("b1_i4096_t512", "b2_i1024_t512", "b4_i4096_t512", "b2_i4096_m_t512")
 
@@ -53,22 +54,10 @@ def bench_bucket(adapter, model, key: BucketKey, iters: int) -> dict:
     for name, allowed in backends().items():
         try:
             with torch.inference_mode(), (sdpa_kernel(allowed) if allowed else contextlib.nullcontext()):
-                for _ in range(2):
-                    adapter.forward(buffers)
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    result = adapter.forward(buffers)
-                graph.replay()
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                for _ in range(iters):
-                    graph.replay()
-                end.record()
-                end.synchronize()
+                ms, result = graph_ms(lambda: adapter.forward(buffers), iters)
             value = result.float().clone()
             ref = value if ref is None else ref
-            out[name] = {"ms": round(start.elapsed_time(end) / iters, 3),
+            out[name] = {"ms": round(ms, 3),
                          "rel_err": float(f"{((value - ref).abs().max() / ref.abs().max()).item():.3e}")}
         except RuntimeError as e:
             out[name] = {"failed": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}

@@ -151,23 +151,30 @@ def max_error(out: torch.Tensor, ref: torch.Tensor, lengths: torch.Tensor) -> fl
     return worst / ref.abs().max().item()
 
 
-def time_layout(fn: Callable, args: tuple, iters: int) -> tuple[float, torch.Tensor]:
-    """Milliseconds per call (CUDA: one call captured in a CUDA graph, ``iters`` replays; CPU: eager calls)."""
-    if args[0].is_cuda:
-        for _ in range(2):
-            fn(*args)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = fn(*args)
+def graph_ms(call: Callable[[], object], iters: int) -> tuple[float, object]:
+    """``call()`` (CUDA work) after two warm-up calls, captured in a CUDA graph and replayed: milliseconds per
+    replay (CUDA events over ``iters`` replays after one) and the captured call's output (its static buffers,
+    holding the last replay's values)."""
+    for _ in range(2):
+        call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
         graph.replay()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / iters, out
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / iters, out
+
+
+def time_layout(fn: Callable, args: tuple, iters: int) -> tuple[float, torch.Tensor]:
+    """Milliseconds per call (CUDA: :func:`graph_ms`; CPU: eager calls) and the output."""
+    if args[0].is_cuda:
+        return graph_ms(lambda: fn(*args), iters)
     t0 = time.perf_counter()
     for _ in range(iters):
         out = fn(*args)
