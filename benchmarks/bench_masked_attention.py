@@ -75,20 +75,26 @@ def make_case(rows: int, heads: int, dim: int, text: int, image: int, real: tupl
 
 
 def masked(q, k, v, mask, lengths):
+    """Today's call: SDPA with the boolean key-padding mask ``(rows, 1, 1, tokens)``; ``(rows, heads, tokens,
+    dim)`` in and out, as every layout here."""
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :])
 
 
 def masked_float(q, k, v, mask, lengths):
+    """The same mask as an additive float one (0 for a real key, -inf for a pad)."""
     bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(~mask, float("-inf"))
     return F.scaled_dot_product_attention(q, k, v, attn_mask=bias[:, None, None, :])
 
 
 def dense(q, k, v, mask, lengths):
+    """No mask: wrong for the pad keys; the floor."""
     return F.scaled_dot_product_attention(q, k, v)
 
 
 def bias_dim(extra: int) -> Callable:
-    """The ``bias-dim-<extra>`` layout (module docstring)."""
+    """The ``bias-dim-<extra>`` layout (module docstring). Its time includes the three ``torch.cat`` copies into
+    the wider buffers, which a forward could avoid by projecting into them; which SDPA backend runs at head
+    dimension ``128 + extra`` is PyTorch's choice (not pinned here)."""
 
     def run(q, k, v, mask, lengths):
         b, h, n, d = q.shape
@@ -118,6 +124,8 @@ def _packed(x: torch.Tensor) -> torch.Tensor:
 
 
 def ragged_cudnn(q, k, v, mask, lengths):
+    """cuDNN's ragged layout over the padded buffer (:func:`segments`). A row without pads gets an empty pad
+    segment, which cuDNN may refuse (reported as failed)."""
     b, h, n, d = q.shape
     cum = segments(lengths, n)
     out = torch.ops.aten._cudnn_attention_forward(_packed(q), _packed(k), _packed(v), None, cum, cum, n, n, False,
@@ -126,6 +134,7 @@ def ragged_cudnn(q, k, v, mask, lengths):
 
 
 def varlen_flash(q, k, v, mask, lengths):
+    """FlashAttention-2 varlen, one segment per row, ``seqused_k`` its real key count (torch 2.13 has it)."""
     from torch.nn.attention.varlen import varlen_attn
 
     b, h, n, d = q.shape
@@ -209,6 +218,8 @@ def bench_case(spec: tuple, device: torch.device, dtype: torch.dtype, iters: int
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command line (module docstring); the JSON is rewritten after each case, so a run that dies in a CUDA
+    layout keeps the cases before it. Returns the exit status."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cases", help=f"comma-separated, of {', '.join(CASES)} (default: all)")
     ap.add_argument("--small", action="store_true", help="small shapes, on the CPU when there is no GPU")
@@ -234,8 +245,8 @@ def main(argv: list[str] | None = None) -> int:
                                                                              args.rounds)}
         for layout, r in report["cases"][name]["layouts"].items():
             print(f"{name:14} {layout:14} {r}", flush=True)
-    if args.out:
-        Path(args.out).write_text(json.dumps(report, indent=1))
+        if args.out:
+            Path(args.out).write_text(json.dumps(report, indent=1))
     return 0
 
 

@@ -23,13 +23,16 @@ from bcg_core.planning.traffic import TrafficHistogram
 from router.membership import OwnershipTable
 from router.ownership import demands_for_config
 
-__all__ = ["DEPARTED_KEPT", "BucketCoordinator"]
+__all__ = ["DEPARTED_KEPT", "EARLIER", "BucketCoordinator"]
 
 logger = logging.getLogger("ray.serve")
 
 DEPARTED_KEPT = 32
-"""Departed replicas whose traffic histograms are kept apart (a replica whose lease lapsed and comes back takes
-its own out again); beyond that the oldest are summed into one entry."""
+"""Departed replicas whose traffic histograms are kept apart, by replica (one whose lease lapsed and comes back
+reports its own again); beyond that the least recently reported are summed into one entry, :data:`EARLIER`."""
+
+EARLIER = "(earlier replicas)"
+"""The ``departed_traffic`` entry summing departed replicas beyond :data:`DEPARTED_KEPT`."""
 
 
 @serve.deployment(name="BucketCoordinator", num_replicas=1, max_ongoing_requests=1000,
@@ -54,38 +57,46 @@ class BucketCoordinator:
                                     capture_stall_s=r.capture_stall_s)
         self._changed = asyncio.Event()
         self._traffic: dict[str, dict] = {}
-        """Live replica id -> the traffic snapshot of its last heartbeat."""
-        self._departed: dict[str, dict] = {}
-        """Replica id -> the last traffic snapshot of a replica that left, was removed by autoscaling or died: its
-        requests stay in ``traffic`` of ``/v1/buckets`` (what ``bcg plan --from URL`` plans for). Kept in memory:
-        a restarted coordinator forgets them."""
+        """Replica id -> the traffic snapshot it last reported (heartbeat, or its final one on leaving), most
+        recently reported last. Those of replicas no longer in the assignment (left, removed by autoscaling, dead,
+        stalled in a capture, or with a lapsed lease) are ``departed_traffic`` of :meth:`snapshot`, so their
+        requests stay in ``traffic`` of ``/v1/buckets`` (what ``bcg plan --from URL`` plans for). Kept in memory: a
+        restarted coordinator forgets them."""
         self._reaper = asyncio.get_running_loop().create_task(self._expire_loop(r.lease_s))
 
     def _record(self, replica_id: str, traffic: dict | None) -> None:
-        self._departed.pop(replica_id, None)  # back after a lapsed lease: its histogram is live again
-        if traffic is not None:
-            self._traffic[replica_id] = traffic
+        """Keep ``traffic``, a replica's snapshot, if it is valid (an invalid one is logged and the last kept)."""
+        if traffic is None:
+            return
+        try:
+            TrafficHistogram.from_snapshot(traffic)
+        except ValueError:
+            logger.exception("replica %s reported an invalid traffic snapshot; its last valid one is kept", replica_id)
+            return
+        self._traffic.pop(replica_id, None)
+        self._traffic[replica_id] = traffic
+        self._trim()
 
-    def _depart(self, replica_ids) -> None:
-        for rid in replica_ids:
-            snap = self._traffic.pop(rid, None)
-            if snap is not None:
-                self._departed[rid] = snap
-        if len(self._departed) > DEPARTED_KEPT:
-            try:
-                merged = TrafficHistogram.merged(self._departed.values()).snapshot()
-            except ValueError:
-                logger.exception("departed replicas' traffic could not be summed; the oldest is dropped")
-                self._departed.pop(next(iter(self._departed)))
-            else:
-                self._departed = {"(earlier replicas)": merged}
+    def _departed(self) -> dict[str, dict]:
+        """``_traffic`` of the replicas that are not members of the assignment."""
+        return {r: t for r, t in self._traffic.items() if r not in self.table.members}
+
+    def _trim(self) -> None:
+        """Past :data:`DEPARTED_KEPT` departed entries, sum the least recently reported into one entry,
+        ``(earlier replicas)``; one of those that comes back is then counted twice (its old share stays there)."""
+        departed = self._departed()
+        if len(departed) <= DEPARTED_KEPT:
+            return
+        old = list(departed)[: len(departed) - DEPARTED_KEPT + 1]
+        merged = TrafficHistogram.merged(self._traffic.pop(r) for r in old).snapshot()
+        self._traffic = {EARLIER: merged, **self._traffic}
 
     async def _expire_loop(self, lease_s: float) -> None:
         while True:
             await asyncio.sleep(max(0.1, lease_s / 4))
             try:
                 gone = self.table.expire()
-                self._depart(gone or ())
+                self._trim()
                 if gone:
                     logger.warning("replicas %s stopped heartbeating for %.1f s: their shapes moved to %d survivors "
                                    "(assignment v%d)", gone, lease_s, len(self.table.members), self.table.version)
@@ -107,7 +118,6 @@ class BucketCoordinator:
             serves as a single owner would).
         """
         self.table.join(replica_id, budget_bytes, tuple(owned or ()), tuple(ready or ()))
-        self._record(replica_id, None)
         self._wake()
         limit = self.table.join_window_s if timeout_s is None else timeout_s
         deadline = asyncio.get_running_loop().time() + limit
@@ -115,7 +125,7 @@ class BucketCoordinator:
             self.table.touch(replica_id)  # a replica waiting here is alive
             left = deadline - asyncio.get_running_loop().time()
             if left <= 0:
-                self._depart(self.table.expire() or ())  # closes the window if it passed
+                self.table.expire()  # closes the window if it passed
                 owned_now = self.table.owned(replica_id)
                 if owned_now is None:
                     logger.warning("no ownership assignment for %s after %.0f s; it serves every shape",
@@ -127,7 +137,7 @@ class BucketCoordinator:
                 await asyncio.wait_for(changed.wait(), timeout=min(left, 1.0))
             except asyncio.TimeoutError:
                 self.table.touch(replica_id)
-                self._depart(self.table.expire() or ())
+                self.table.expire()
         logger.info("replica %s owns %d shapes (assignment v%d)", replica_id, len(owned_now), self.table.version)
         return list(owned_now)
 
@@ -151,14 +161,14 @@ class BucketCoordinator:
         """A replica shuts down gracefully; its shapes move to the survivors, and its traffic snapshot (``traffic``,
         its final one, else its last heartbeat's) is kept for ``/v1/buckets``."""
         self._record(replica_id, traffic)
-        self._depart([replica_id])
         left = self.table.leave(replica_id)
+        self._trim()
         if left:
             self._wake()
         return left
 
     def snapshot(self) -> dict:
         """The assignment and every replica's last report (:meth:`OwnershipTable.snapshot`), and
-        ``departed_traffic``: the traffic snapshots of replicas no longer in it (the ingress adds them to
-        ``traffic``)."""
-        return {**self.table.snapshot(), "departed_traffic": list(self._departed.values())}
+        ``departed_traffic``: ``{replica id: traffic snapshot}`` of replicas no longer in it (the ingress adds them
+        to ``traffic``, but for its own answering replica's: a replica with a lapsed lease may still answer)."""
+        return {**self.table.snapshot(), "departed_traffic": self._departed()}

@@ -53,6 +53,7 @@ __all__ = [
     "apost_honouring_retry_after",
     "check_access",
     "demo_api_key",
+    "fit_to_limits",
     "load_requests",
     "parse_retry_after",
     "post_honouring_retry_after",
@@ -62,6 +63,7 @@ __all__ = [
     "retry_after_delay",
     "run_demo",
     "send_request",
+    "server_limits",
 ]
 
 

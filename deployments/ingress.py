@@ -90,7 +90,7 @@ from .http_errors import (
     unsupported_response,
     validation_error_response,
 )
-from .routing import ACCEPTED, call_dit, stream_dit
+from .routing import ACCEPTED, call_dit, overloaded, stream_dit
 from .schemas import (
     ErrorBody,
     ImageData,
@@ -141,7 +141,7 @@ def merged_traffic(stats: dict, ownership: dict) -> dict | None:
         snap = reported.pop("traffic", None)
         if snap is not None and replica != here:
             parts.append(snap)
-    parts += ownership.pop("departed_traffic", None) or []
+    parts += [snap for replica, snap in (ownership.pop("departed_traffic", None) or {}).items() if replica != here]
     good: list[TrafficHistogram] = []
     for snap in parts:
         try:
@@ -299,9 +299,8 @@ class Ingress:
         try:
             stats = await self._dit.stats.remote()
         except BackPressureError as exc:
-            retry = self._config.routing.retry_after_s
-            return unavailable_response(f"the server is at capacity (every DiT replica busy and the queue full: "
-                                        f"{exc}); retry after {retry:g} s", retry, param="request")
+            full = overloaded(exc, self._config.routing.retry_after_s)
+            return unavailable_response(full.message, full.retry_after_s, param="request")
         misses = stats.setdefault("misses", {})
         misses["rejected"] = self._rejected_requests
         misses["rejected_by_dim"] = {d: self._rejected.get(d, 0) for d in ("batch", "image_tokens", "text_tokens")}

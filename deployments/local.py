@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from .settings import ServeConfig
 
 __all__ = [
-    "bind_ray_to", "check_config", "check_port_free", "deploy_failure", "free_loopback_port",
+    "bind_ray_to", "check_config", "check_file", "check_port_free", "deploy_failure", "free_loopback_port",
     "start_local", "stop_local", "wait_healthy",
 ]
 
@@ -124,10 +124,12 @@ def check_config(config_path: str | Path) -> "ServeConfig":
 
 def check_file(path: str | Path) -> str:
     """``bcg config --check``: check a ServeConfig file as ``bcg serve`` would (:func:`check_config`), or a Serve
-    config file (one with ``applications:``, as ``serve deploy`` takes) as the Serve controller would build it:
-    every application whose ``import_path`` is ``deployments.app:build_app`` gets :func:`deployments.app.build_app`
-    of its ``args`` (argument names, the embedded ``config`` or ``config_path``, the replica count against
-    autoscaling), without starting Ray. Paths on the cluster's nodes and its GPUs are not checked there.
+    config file (one with ``applications:``, as ``serve deploy`` takes, or a KubeRay ``RayService`` manifest
+    embedding one in ``spec.serveConfigV2``) as the Serve controller would build it: every application whose
+    ``import_path`` is ``deployments.app:build_app`` gets :func:`deployments.app.build_app` of its ``args``
+    (argument names, the embedded ``config``, the replica count against autoscaling), without starting Ray. A
+    ``config_path`` that does not exist here (a path on the cluster's nodes) is not read: only the arguments are
+    checked, and the line says so. Nodes' paths and GPUs are not checked.
 
     Returns:
         One line per file or application that passed, e.g. ``my.yaml: ok (model the tiny default, 7 batch sizes x 5
@@ -137,30 +139,61 @@ def check_file(path: str | Path) -> str:
         ValueError: the first mistake, naming the field (and, for a Serve file, the application).
         FileNotFoundError: ``path`` does not exist.
     """
-    from .settings import read_yaml
+    import yaml
+    from pydantic import ValidationError
+
+    from .app import AppArgs, build_app
+    from .settings import error_text, read_yaml
 
     path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"{str(path)!r} is a directory; give a ServeConfig file (bcg config) or a Serve config file")
     data = read_yaml(path)
+    if isinstance(data, dict) and data.get("kind") == "RayService":
+        embedded = (data.get("spec") or {}).get("serveConfigV2")
+        if not isinstance(embedded, str):
+            raise ValueError(f"{path}: a KubeRay RayService without a spec.serveConfigV2 text to check")
+        try:
+            data = yaml.safe_load(embedded)
+        except yaml.YAMLError as e:
+            raise ValueError(f"{path}: spec.serveConfigV2 is not valid YAML: {e}") from None
+        if not (isinstance(data, dict) and "applications" in data):
+            raise ValueError(f"{path}: spec.serveConfigV2 holds no applications: list")
     if not (isinstance(data, dict) and "applications" in data):
         config = check_config(path)
-        return f"{path}: ok (model {config.model.path or 'the tiny default'}, " \
-               f"{len(config.buckets.batch_sizes)} batch sizes x {len(config.buckets.resolutions)} resolutions)"
-    from .app import build_app
-    from .settings import error_text
-
+        return (f"{path}: ok (model {config.model.path or 'the tiny default'}, {len(config.buckets.batch_sizes)} "
+                f"batch sizes x {len(config.buckets.resolutions)} resolutions)")
+    apps = data["applications"]
+    if not isinstance(apps, list) or not apps:
+        raise ValueError(f"{path}: applications must be a list of applications (name, import_path, args), got "
+                         f"{apps!r}"[:300])
     lines = []
-    for app in data.get("applications") or []:
-        name = app.get("name", "default") if isinstance(app, dict) else "?"
-        if not isinstance(app, dict) or app.get("import_path") != "deployments.app:build_app":
+    for i, app in enumerate(apps):
+        if not isinstance(app, dict):
+            raise ValueError(f"{path}: applications[{i}] is a {type(app).__name__}, not a mapping (name, import_path, "
+                             f"args)")
+        name = app.get("name", "default")
+        if app.get("import_path") != "deployments.app:build_app":
             lines.append(f"{path}: application {name}: not bcg-serve's (import_path), not checked")
             continue
+        args = app.get("args") or {}
+        if not isinstance(args, dict):
+            raise ValueError(f"{path}: application {name}: args is a {type(args).__name__}, not a mapping of "
+                             f"{', '.join(AppArgs.model_fields)}")
+        where = args.get("config_path")
         try:
-            build_app(app.get("args") or {})
-        except ValueError as e:
-            raise ValueError(f"{path}: application {name}: {error_text(e)}") from None
+            if isinstance(where, str) and not Path(where).exists():
+                AppArgs.model_validate(args)
+                lines.append(f"{path}: application {name}: args ok; config_path {where!r} is not here (a path on "
+                             f"the cluster's nodes?): its config is not checked")
+                continue
+            build_app(args)
+        except ValidationError as e:  # of AppArgs.model_validate (build_app words its own)
+            why = error_text(e, AppArgs, "application arguments", "the application")
+            raise ValueError(f"{path}: application {name}: {why}") from None
+        except (ValueError, OSError) as e:
+            raise ValueError(f"{path}: application {name}: {e}") from None
         lines.append(f"{path}: application {name}: ok (args and config as the Serve controller builds them)")
-    if not lines:
-        raise ValueError(f"{path}: a Serve config file without applications")
     return "\n".join(lines)
 
 

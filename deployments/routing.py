@@ -20,7 +20,8 @@ from bcg_core.errors import ServiceUnavailable
 from bcg_core.pipeline import GenerationResult
 from bcg_core.request import PlannedRequest
 
-__all__ = ["ACCEPTED", "Overloaded", "ReplicaUnavailable", "Routed", "bucket_shape", "call_dit", "stream_dit"]
+__all__ = ["ACCEPTED", "Overloaded", "ReplicaUnavailable", "Routed", "bucket_shape", "call_dit", "overloaded",
+           "stream_dit"]
 
 ACCEPTED = "bcg:accepted"
 """The first item of every ``DiTReplica.generate_stream``: the replica took the request. The ingress waits for it
@@ -78,7 +79,7 @@ async def call_dit(handle, plan: PlannedRequest, max_retries: int = 2, retry_wai
             result = await routed.generate.remote(plan)
             return Routed(result, attempt)
         except BackPressureError as exc:
-            raise _overloaded(exc, retry_after_s) from None
+            raise overloaded(exc, retry_after_s) from None
         except RayActorError as exc:
             last = exc
             logger.warning("DiT replica died serving a request of shape %r (attempt %d of %d): %s",
@@ -89,11 +90,11 @@ async def call_dit(handle, plan: PlannedRequest, max_retries: int = 2, retry_wai
         f"({type(last).__name__}); retry after {retry_after_s:g} s", retry_after_s=retry_after_s) from last
 
 
-def _overloaded(exc: BackPressureError, retry_after_s: float) -> Overloaded:
+def overloaded(exc: BackPressureError, retry_after_s: float) -> Overloaded:
     """The 503 of a call the DiT deployment's handle refused because its queue is full. Ray's own text counts the
     queue as this ingress replica sees it ("num_queued_requests=24, max_queued_requests=16"), which reads as a
     contradiction to a client, so it goes to the log and the answer says what happened."""
-    logger.info("DiT queue full, request refused with 503: %s", exc)
+    logger.debug("DiT queue full, request refused with 503: %s", exc)
     return Overloaded("request", f"the server is at capacity (every DiT replica busy and its queue full); retry "
                       f"after {retry_after_s:g} s", retry_after_s=retry_after_s)
 
@@ -118,7 +119,7 @@ async def stream_dit(handle, plan: PlannedRequest, retry_after_s: float = 2.0):
             yield event
         finished = True
     except BackPressureError as exc:
-        raise _overloaded(exc, retry_after_s) from None
+        raise overloaded(exc, retry_after_s) from None
     except RayActorError as exc:
         raise ReplicaUnavailable("request", f"the DiT replica serving this request died ({type(exc).__name__}); "
                                  f"retry after {retry_after_s:g} s", retry_after_s=retry_after_s) from exc

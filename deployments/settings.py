@@ -20,7 +20,7 @@ from bcg_core.config import EngineConfig
 
 __all__ = [
     "AuthConfig", "AutoscalingSettings", "BackpressureLimits", "LOOPBACK", "MetricsConfig", "RoutingConfig",
-    "ServeConfig", "api_key_digest", "backpressure_limits", "load_config",
+    "ServeConfig", "api_key_digest", "backpressure_limits", "error_text", "load_config", "read_yaml",
 ]
 
 API_KEY_DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
@@ -329,21 +329,19 @@ def read_yaml(path: Path) -> Any:
     import yaml
 
     class _Loader(yaml.SafeLoader):
-        pass
+        def compose_mapping_node(self, anchor):  # each mapping as written, before merge keys are flattened
+            node = super().compose_mapping_node(anchor)
+            seen: set = set()
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":  # "<<": merged keys may be overridden
+                    continue
+                key = (key_node.tag, key_node.value) if isinstance(key_node, yaml.ScalarNode) else id(key_node)
+                if key in seen:
+                    raise ValueError(f"config file {str(path)!r}: key {key_node.value!r} is given twice in one "
+                                     f"mapping (line {key_node.start_mark.line + 1}); keep one")
+                seen.add(key)
+            return node
 
-    def mapping(loader: yaml.SafeLoader, node: yaml.MappingNode) -> dict:
-        seen: set = set()
-        for key_node, _ in node.value:
-            if key_node.tag == "tag:yaml.org,2002:merge":  # "<<": merged keys may be overridden, as YAML allows
-                continue
-            key = loader.construct_object(key_node)
-            if key in seen:
-                raise ValueError(f"config file {str(path)!r}: key {key!r} is given twice in one mapping (line "
-                                 f"{key_node.start_mark.line + 1}); keep one")
-            seen.add(key)
-        return loader.construct_mapping(node)
-
-    _Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, mapping)
     try:
         with path.open() as f:  # a stream, so that a syntax error names the file, not "<unicode string>"
             return yaml.load(f, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass; YAML is a superset of JSON

@@ -74,3 +74,20 @@ def test_bcg_config_check_reads_a_serve_file_as_the_controller_builds_it_and_a_c
     config.write_text("limits:\n  max_images: 3\nbuckets:\n  batch_sizes: [1, 2, 4]\n")
     assert main(["config", "--check", str(config)]) == 0
     assert capsys.readouterr().out.startswith(f"{config}: ok (model the tiny default")
+    # KubeRay's manifest: the Serve file it embeds; a config_path only the nodes have: the args alone
+    assert main(["config", "--check", str(root / "deploy" / "rayservice.yaml")]) == 0
+    assert "application bcg: ok" in capsys.readouterr().out
+    other = tmp_path / "other.yaml"
+    other.write_text("applications:\n- name: x\n  import_path: deployments.app:build_app\n"
+                     "  args: {config_path: /on/the/nodes.yaml, dit_num_gpus: 1}\n- name: y\n  import_path: m:app\n")
+    assert main(["config", "--check", str(other)]) == 0
+    out = capsys.readouterr().out
+    assert "application x: args ok; config_path '/on/the/nodes.yaml' is not here" in out, out
+    assert "application y: not bcg-serve's (import_path), not checked" in out
+    for body, why in (("applications: []\n", "applications must be a list of applications"),
+                      ("applications:\n- 3\n", "applications[0] is a int, not a mapping"),
+                      ("applications:\n- {name: z, import_path: 'deployments.app:build_app', args: [1]}\n",
+                       "application z: args is a list, not a mapping of config, config_path")):
+        other.write_text(body)
+        assert main(["config", "--check", str(other)]) == 2
+        assert why in capsys.readouterr().err, body

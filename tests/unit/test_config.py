@@ -1,6 +1,7 @@
 """Config checks that stop a server from starting with values no request could use or no device can run."""
 
 import pytest
+import yaml
 import torch
 from pydantic import ValidationError
 
@@ -51,6 +52,15 @@ def test_config_files_that_are_not_yaml_say_so(tmp_path):
     twice.write_text("limits:\n  max_images: 4\n  max_images: 2\n")
     with pytest.raises(ValueError, match=r"key 'max_images' is given twice in one mapping \(line 3\)"):
         load_config(config_path=twice)
+    twice.write_text("limits: {<<: {max_images: 4, max_images: 2}}\n")  # also inside a merge key's value
+    with pytest.raises(ValueError, match=r"key 'max_images' is given twice in one mapping \(line 1\)"):
+        load_config(config_path=twice)
+    from deployments.settings import read_yaml  # anchors, aliases and merges read as yaml.safe_load reads them
+
+    aliased = tmp_path / "aliased.yaml"
+    aliased.write_text("top: {<<: &mid {<<: {a: 1}, a: 2}, b: 3}\nother: *mid\nlist: [&x {k: 1}, *x]\n")
+    assert read_yaml(aliased) == yaml.safe_load(aliased.read_text())
+    assert read_yaml(aliased)["list"] == [{"k": 1}, {"k": 1}] and read_yaml(aliased)["other"] == {"a": 2}
     merged = tmp_path / "merged.yaml"  # a merge key still reads as YAML has it: the mapping's own key wins
     merged.write_text("limits:\n  <<: {max_images: 4, max_steps: 9}\n  max_steps: 8\nbuckets: {batch_sizes: [1, 2]}\n")
     config = load_config(config_path=merged)

@@ -282,12 +282,13 @@ def test_the_ingress_merges_every_replicas_traffic_once():
 
 
 def test_the_traffic_of_a_replica_that_left_stays_in_the_merged_histogram():
-    """A replica removed by autoscaling (or dead) takes its histogram away from the heartbeats: the coordinator
-    keeps its last one (its final one when it leaves gracefully) until it comes back, and sums the oldest
-    beyond ``DEPARTED_KEPT``."""
+    """A replica removed by autoscaling (or dead, or with a lapsed lease) takes its histogram away from the
+    heartbeats: the coordinator keeps its last one (its final one when it leaves gracefully), counts it once
+    when it comes back or still answers, and past ``DEPARTED_KEPT`` sums the least recently reported into one."""
     import asyncio
+    import copy
 
-    from deployments.coordinator import DEPARTED_KEPT, BucketCoordinator
+    from deployments.coordinator import DEPARTED_KEPT, EARLIER, BucketCoordinator
     from deployments.settings import ServeConfig
 
     def hist(*tokens: int) -> dict:
@@ -296,24 +297,37 @@ def test_the_traffic_of_a_replica_that_left_stays_in_the_merged_histogram():
             h.record(_plan(tokens=t))
         return h.snapshot()
 
+    def total(coord, here: str, traffic: dict | None) -> int:  # what /v1/buckets answers from replica `here`
+        return merged_traffic({"replica": here, "traffic": traffic}, copy.deepcopy(coord.snapshot()))["total"]
+
     async def run() -> None:
         cls = BucketCoordinator.func_or_class
         coord = cls.__new__(cls)
         await coord.__init__(ServeConfig().model_dump(mode="json"), 2)
-        for rid in ("a", "b"):
+        now = [0.0]
+        coord.table.clock = lambda: now[0]
+        for rid in ("a", "b", "c"):
             coord.table.join(rid, 1 << 30, (), ())
         coord.heartbeat("a", 1 << 30, [], [], None, {"traffic": hist(1)})
         coord.heartbeat("b", 1 << 30, [], [], None, {"traffic": hist(2)})
+        coord.heartbeat("c", 1 << 30, [], [], None, {"traffic": {"version": 7}})  # invalid: never kept
         coord.leave("b", hist(2, 2, 3))  # its final histogram, newer than its last heartbeat's
-        merged = merged_traffic({"replica": "a", "traffic": hist(1)}, coord.snapshot())
-        assert merged["total"] == 4 and _shapes(merged)[(256, 256, 1, 2, 1)] == 2
+        assert total(coord, "a", hist(1)) == 4 and set(coord.snapshot()["departed_traffic"]) == {"b"}
         coord.heartbeat("b", 1 << 30, [], [], None, {"traffic": hist(2, 2, 3)})  # back: counted once, live
-        assert coord.snapshot()["departed_traffic"] == []
-        coord.leave("b", hist(2, 2, 3))
-        for i in range(DEPARTED_KEPT):
+        assert coord.snapshot()["departed_traffic"] == {} and total(coord, "a", hist(1)) == 4
+        now[0] += coord.table.lease_s + 1  # b's lease lapses; a keeps heartbeating
+        coord.heartbeat("a", 1 << 30, [], [], None, {"traffic": hist(1)})
+        assert coord.table.expire() == ["b", "c"] and set(coord.snapshot()["departed_traffic"]) == {"b"}
+        assert total(coord, "a", hist(1)) == 4
+        assert total(coord, "b", hist(2, 2, 3, 4)) == 5  # b still answers: its fresh histogram, once
+        coord.leave("b")  # a graceful leave without a final histogram keeps the last one
+        assert total(coord, "a", hist(1)) == 4
+        for i in range(DEPARTED_KEPT + 1):
             coord.leave(f"gone{i}", hist(5))
         departed = coord.snapshot()["departed_traffic"]
-        assert len(departed) == 1 and departed[0]["total"] == 3 + DEPARTED_KEPT  # summed into one entry
+        assert len(departed) == DEPARTED_KEPT and list(departed)[0] == EARLIER
+        assert departed[EARLIER]["total"] == 3 + 1 + 1 and "gone1" not in departed and f"gone{DEPARTED_KEPT}" in departed
+        assert total(coord, "a", hist(1)) == 1 + 3 + DEPARTED_KEPT + 1  # nothing lost in the sum
         coord._reaper.cancel()
 
     asyncio.run(run())
