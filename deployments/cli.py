@@ -233,6 +233,9 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     if args.source and (args.trace or args.traffic != "krea"):
         print("bcg plan: error: --from replaces --traffic/--trace: give one traffic source", file=sys.stderr)
         return 2
+    if args.api_key_file and not (args.source or "").startswith(("http://", "https://")):
+        print("bcg plan: error: --api-key-file is sent to a server: give it with --from URL", file=sys.stderr)
+        return 2
     source = args.source or ("gentd26" if args.traffic == "gentd26" and not args.trace else
                              f"gentd26:{args.trace}" if args.traffic == "gentd26" else args.traffic)
     for flag, path in (("--write", args.write), ("--json", args.json), ("--plot", args.plot)):

@@ -323,3 +323,6 @@ def test_plan_from_a_url_sends_openai_api_key_as_demo_does_and_a_file_wins(tmp_p
     assert main(["plan"]) == 2
     assert sent == [("http://127.0.0.1:9/", "sk-from-env"), ("http://127.0.0.1:9/", "sk-from-file"), ("krea", None)]
     assert "stop here" in capsys.readouterr().err
+    assert main(["plan", "--api-key-file", str(keys)]) == 2  # a sample is not a server: refused, not ignored
+    assert "--api-key-file is sent to a server: give it with --from URL" in capsys.readouterr().err
+    assert len(sent) == 3
