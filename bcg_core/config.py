@@ -461,7 +461,9 @@ class EngineConfig(BaseModel):
                           if lim.min_side_px <= min(a, b) and max(a, b) <= lim.max_side_px]
                 raise ValueError(f"buckets.resolutions: {s} is outside the request limits: sides must be from "
                                  f"{lim.min_side_px} to {lim.max_side_px} pixels (limits.min_side_px/max_side_px); "
-                                 + (f"drop it (use {inside}) or widen the limits" if inside else "widen the limits"))
+                                 + (f"drop it (use {inside}) or widen the limits" if inside else "widen the limits")
+                                 + " (with resolution binning, PixArt-Sigma and SANA, larger requests reach a smaller "
+                                 "bin: set limits.min_side_px at or below its smaller side to keep it)")
         most_rows = 2 * lim.max_images
         if self.buckets.batch_sizes[-1] > most_rows:
             fit = [b for b in self.buckets.batch_sizes if b <= most_rows]

@@ -95,6 +95,10 @@ def read_checkpoint(path: str | Path) -> dict:
             class than the index says.
     """
     path = Path(path)
+    if path.is_file():
+        raise CheckpointError(f"model.path {str(path)!r} is a file: single-file checkpoints are not read; point "
+                              f"model.path at a diffusers checkpoint folder (the output of pipeline.save_pretrained, "
+                              f"with model_index.json)")
     if not path.is_dir():
         raise CheckpointError(f"model.path {str(path)!r} does not exist or is not a folder; point model.path at a "
                               f"diffusers checkpoint folder (the output of pipeline.save_pretrained)")
@@ -102,7 +106,9 @@ def read_checkpoint(path: str | Path) -> dict:
     if not index_file.is_file():
         raise CheckpointError(
             f"model.path {str(path)!r} is not a diffusers checkpoint folder: {index_file} is missing "
-            f"(expected model_index.json, transformer/, vae/, scheduler/ and text encoder folders)")
+            f"(expected model_index.json, transformer/, vae/, scheduler/ and text encoder folders)"
+            + (f"; {str(path.parent)!r} has one: point model.path there" if (path.parent / "model_index.json").is_file()
+               else ""))
     try:
         index = json.loads(index_file.read_text())
     except json.JSONDecodeError as e:

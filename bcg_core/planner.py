@@ -123,7 +123,7 @@ class Planner:
             dead = [r for r, wh in zip(config.buckets.resolutions, config.buckets.resolution_pairs()) if wh not in bins]
             if dead:
                 near = sorted({f"{w}x{h}" for w, h in (spec.generation_size(*wh) for wh in config.buckets.resolution_pairs())})
-                raise ValueError(f"bucket resolutions {dead} are not aspect-ratio bins of this model: resolution "
+                raise ValueError(f"buckets.resolutions: {dead} are not aspect-ratio bins of this model: resolution "
                                  f"binning generates every image at a bin, so no request would reach them; use bins, "
                                  f"e.g. {', '.join(near)}")
         min_side = -(-config.limits.min_side_px // rules.pixels_per_token)

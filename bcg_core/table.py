@@ -94,7 +94,8 @@ class BucketTable:
         native = rules.native_text_tokens
         if native is not None and self.text_lengths != (native,):
             raise ValueError(
-                f"text_lengths {list(self.text_lengths)} do not match the model: it was trained on unmasked "
+                f"buckets.text_lengths: {list(self.text_lengths)} (with text_lengths_by_resolution) do not match the "
+                f"model: it was trained on unmasked "
                 f"fixed-length text of {native} tokens, and padding or masking its text changes the output; "
                 f"use text_lengths: [{native}] and no text_lengths_by_resolution"
             )

@@ -133,7 +133,7 @@ def check_file(path: str | Path) -> str:
 
     Returns:
         One line per file or application that passed, e.g. ``my.yaml: ok (model the tiny default, 7 batch sizes x 5
-        resolutions)``.
+        resolutions; text buckets [256] tokens)``.
 
     Raises:
         ValueError: the first mistake, naming the field (and, for a Serve file, the application).
@@ -162,7 +162,8 @@ def check_file(path: str | Path) -> str:
     if not (isinstance(data, dict) and "applications" in data):
         config = check_config(path)
         return (f"{path}: ok (model {config.model.path or 'the tiny default'}, {len(config.buckets.batch_sizes)} "
-                f"batch sizes x {len(config.buckets.resolutions)} resolutions)")
+                f"batch sizes x {len(config.buckets.resolutions)} resolutions; text buckets "
+                f"{config.buckets.all_text_lengths()} tokens)")
     apps = data["applications"]
     if not isinstance(apps, list) or not apps:
         raise ValueError(f"{path}: applications must be a list of applications (name, import_path, args), got "

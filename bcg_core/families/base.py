@@ -171,7 +171,7 @@ class ModelSpec:
                 :attr:`max_grid_side`; the message names the values allowed.
         """
         if self.max_text_tokens is not None and config.all_text_lengths()[-1] > self.max_text_tokens:
-            raise ValueError(f"text_lengths {config.all_text_lengths()}: {self.pipeline_class} feeds at most "
+            raise ValueError(f"buckets.text_lengths: {config.all_text_lengths()}: {self.pipeline_class} feeds at most "
                              f"{self.max_text_tokens} text tokens, so a larger bucket never fills; use text_lengths "
                              f"up to {self.max_text_tokens}")
         if self.max_grid_side is not None:
@@ -179,7 +179,7 @@ class ModelSpec:
             for name, (w, h) in zip(config.resolutions, config.resolution_pairs()):
                 gh, gw = self.rules.grid(*self.generation_size(w, h))
                 if max(gh, gw) > self.max_grid_side:
-                    raise ValueError(f"bucket resolution {name} exceeds this model's position table "
+                    raise ValueError(f"buckets.resolutions: {name} exceeds this model's position table "
                                      f"({self.max_grid_side} tokens a side): sides up to {px} pixels")
 
     def check(self, request) -> None:
