@@ -362,7 +362,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="check only this bucket (e.g. b2_i1024_t256; a quick check); repeatable; default: all")
     v.add_argument("--rtol", type=_positive_float, default=None,
                    help="relative tolerance (default: the dtype's padding tolerance, 1e-5 for float32, 1e-2 for "
-                   "float16 and 2e-2 for bfloat16 (bcg_core/verify.py RTOL), plus with compiled kernels the tier's own, runner.compile_rtol or derived at start)")
+                   "float16 and 2e-2 for bfloat16 (bcg_core/verify.py RTOL), plus with compiled kernels the tier's "
+                   "own, runner.compile_rtol or derived at start)")
     v.add_argument("--kernels", choices=("eager", "compiled", "fp8"), default=None,
                    help="check this kernel tier instead of the config's runner.kernels")
     v.set_defaults(func=_cmd_verify)

@@ -219,7 +219,8 @@ def test_a_resolution_beyond_the_position_table_is_refused_before_loading(folder
 
     cfg = EngineConfig(model=ModelConfig(path=str(folders["sd3"])), limits={"min_side_px": 16},
                       buckets=BucketConfig(**{**BUCKETS, "resolutions": ["64x64", "1024x1024"]}))
-    with pytest.raises(ValueError, match=r"buckets.resolutions: 1024x1024 exceeds .* \(32 tokens a side\): sides up to 512"):
+    with pytest.raises(ValueError,
+                       match=r"buckets.resolutions: 1024x1024 exceeds .* \(32 tokens a side\): sides up to 512"):
         Planner.from_config(cfg)
 
 
