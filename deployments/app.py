@@ -125,8 +125,9 @@ def build_app(args: Mapping[str, Any] | None = None) -> Application:
 
     Raises:
         ValueError: an unknown or bad argument, a bad config (one line naming each mistake's field and what it
-            takes, separated by ``;``: :func:`~deployments.settings.error_text`, as ``bcg serve`` says it, instead of pydantic's
-            report in ``serve status``), or ``dit_replicas`` given while ``autoscaling.enabled`` is set.
+            takes, separated by ``;``: :func:`~deployments.settings.error_text`, as ``bcg serve`` says it,
+            instead of pydantic's report in ``serve status``), or ``dit_replicas`` given while
+            ``autoscaling.enabled`` is set.
     """
     from pydantic import ValidationError
 
