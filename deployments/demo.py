@@ -63,7 +63,6 @@ __all__ = [
     "retry_after_delay",
     "run_demo",
     "send_request",
-    "server_limits",
 ]
 
 
@@ -105,10 +104,15 @@ def demo_api_key(api_key_file: str | Path | None = None,
     return key, source
 
 
-def check_access(url: str, api_key: str | None = None, source: str | None = None, timeout_s: float = 30.0) -> None:
+def check_access(url: str, api_key: str | None = None, source: str | None = None,
+                 timeout_s: float = 30.0) -> Mapping:
     """Ask ``GET {url}/v1/models`` (a keyed route) whether the server accepts ``api_key``; refuse with one line
     naming both ways to pass a key when it answers 401. Any other answer or a failed connection passes (the
     replay reports those per request).
+
+    Returns:
+        The request limits the answer announces (``data[0].bcg.limits``, for :func:`fit_to_limits`), or ``{}``
+        when it announces none (another server, an error).
 
     Args:
         url: the server's base URL.
@@ -125,9 +129,13 @@ def check_access(url: str, api_key: str | None = None, source: str | None = None
     try:
         r = httpx.get(f"{url}/v1/models", headers=headers, timeout=timeout_s, trust_env=False)
     except httpx.HTTPError:
-        return
+        return {}
     if r.status_code != 401:
-        return
+        try:
+            r.raise_for_status()
+            return r.json()["data"][0]["bcg"]["limits"]
+        except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):
+            return {}
     if api_key is None:
         raise PermissionError(f"the server at {url} asks for an API key (HTTP 401): give one with {_KEY_WAYS}")
     raise PermissionError(f"the server at {url} refused the API key from {source} (HTTP 401): give a key it was "
@@ -165,20 +173,6 @@ def fit_to_limits(todo: list, limits: Mapping, steps: int) -> tuple[list, list[s
                      f"{sum(r.n > most for r in kept)} request(s)")
         kept = [dataclasses.replace(r, n=min(r.n, most)) for r in kept]
     return kept, notes
-
-
-def server_limits(url: str, api_key: str | None, timeout_s: float = 30.0) -> Mapping:
-    """The request limits ``GET {url}/v1/models`` announces (``data[0].bcg.limits``), or ``{}`` when it does not
-    answer them (another server, or an error: the replay then reports per request)."""
-    import httpx
-
-    try:
-        r = httpx.get(f"{url}/v1/models", timeout=timeout_s, trust_env=False,
-                      headers={"Authorization": f"Bearer {api_key}"} if api_key else None)
-        r.raise_for_status()
-        return r.json()["data"][0]["bcg"]["limits"]
-    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):
-        return {}
 
 
 def run_demo(*, requests: int = 8, steps: int = 4, concurrency: int = 1, out: str | Path = "out/demo",
@@ -251,8 +245,8 @@ def run_demo(*, requests: int = 8, steps: int = 4, concurrency: int = 1, out: st
                           f"bcg demo adds the routes itself)")
         if not started:  # one given with --url is expected to be up (start_local returns once /healthz answers)
             wait_healthy(url, timeout_s=min(10.0, timeout_s))
-        check_access(url, api_key, key_source, timeout_s=min(30.0, timeout_s))
-        todo, notes = fit_to_limits(todo, server_limits(url, api_key, min(30.0, timeout_s)), steps)
+        limits = check_access(url, api_key, key_source, timeout_s=min(30.0, timeout_s))
+        todo, notes = fit_to_limits(todo, limits, steps)
         for note in notes:
             console.print(f"the server's limits: {note}", highlight=False)
         n_images = sum(r.n for r in todo)
