@@ -146,8 +146,6 @@ def check_file(path: str | Path) -> str:
     from .settings import error_text, read_yaml
 
     path = Path(path)
-    if path.is_dir():
-        raise ValueError(f"{str(path)!r} is a directory; give a ServeConfig file (bcg config) or a Serve config file")
     data = read_yaml(path)
     if isinstance(data, dict) and data.get("kind") == "RayService":
         embedded = (data.get("spec") or {}).get("serveConfigV2")

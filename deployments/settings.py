@@ -323,10 +323,13 @@ def read_yaml(path: Path) -> Any:
     would silently drop the first.
 
     Raises:
-        ValueError: not valid YAML/JSON, or a duplicate key (naming the file, the key and its line).
+        ValueError: a directory, not valid YAML/JSON, or a duplicate key (naming the file, the key and its line).
         OSError: the file cannot be read.
     """
     import yaml
+
+    if path.is_dir():
+        raise ValueError(f"config file {str(path)!r} is a directory; give a YAML or JSON file (see `bcg config`)")
 
     class _Loader(yaml.SafeLoader):
         def compose_mapping_node(self, anchor):  # each mapping as written, before merge keys are flattened
@@ -361,8 +364,6 @@ def load_config(config: Mapping[str, Any] | None = None, config_path: str | Path
         raise ValueError("give either config or config_path, not both")
     if config_path is not None:
         path = Path(config_path)
-        if path.is_dir():
-            raise ValueError(f"config file {str(path)!r} is a directory; give a YAML or JSON file (see `bcg config`)")
         data = read_yaml(path)
         if data is None:
             raise ValueError(f"config file {str(path)!r} is empty: write the sections to change (model, buckets, "
