@@ -455,10 +455,10 @@ class EngineConfig(BaseModel):
     def _reachable_buckets(self) -> EngineConfig:
         """Every bucket must be reachable by some valid request (else it only costs memory and start-up)."""
         lim = self.limits
-        for s, (w, h) in zip(self.buckets.resolutions, self.buckets.resolution_pairs()):
-            if not (lim.min_side_px <= w <= lim.max_side_px and lim.min_side_px <= h <= lim.max_side_px):
-                inside = [r for r, (a, b) in zip(self.buckets.resolutions, self.buckets.resolution_pairs())
-                          if lim.min_side_px <= min(a, b) and max(a, b) <= lim.max_side_px]
+        sides = dict(zip(self.buckets.resolutions, self.buckets.resolution_pairs()))
+        inside = [r for r, (w, h) in sides.items() if lim.min_side_px <= min(w, h) and max(w, h) <= lim.max_side_px]
+        for s in sides:
+            if s not in inside:
                 raise ValueError(f"buckets.resolutions: {s} is outside the request limits: sides must be from "
                                  f"{lim.min_side_px} to {lim.max_side_px} pixels (limits.min_side_px/max_side_px); "
                                  + (f"drop it (use {inside}) or widen the limits" if inside else "widen the limits")
