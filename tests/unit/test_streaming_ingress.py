@@ -57,21 +57,37 @@ class _FailingStreamDit:
             raise BackPressureError(num_queued_requests=24, max_queued_requests=16)
 
 
+def _ingress(dit):
+    """A bare ingress (no Ray) in front of ``dit``, on a one-bucket table without shape-aware routing."""
+    from deployments.settings import ServeConfig
+    from ingress_fakes import bare_ingress
+
+    config = ServeConfig.model_validate({"buckets": {"batch_sizes": [1], "resolutions": ["256x256"],
+                                                     "text_lengths": [256]}, "routing": {"shape_aware": False}})
+    return bare_ingress(dit, config)
+
+
+def _streamed_answer(dit):
+    """The ingress's answer to one streamed generation request that ``dit`` serves."""
+    import asyncio
+
+    from ingress_fakes import http_request
+
+    request = http_request({"prompt": "x", "size": "256x256", "stream": True, "partial_images": 1})
+    return asyncio.run(_ingress(dit).generate(request))
+
+
 def test_a_failure_mid_stream_is_one_error_event_the_official_client_raises():
     import asyncio
 
     import openai
     from openai import OpenAI
 
-    from deployments.settings import ServeConfig
     from bcg_core.request import GenerationRequest
-    from ingress_fakes import bare_ingress
     from deployments.schemas import ImageGenerationRequest
 
-    config = ServeConfig.model_validate({"buckets": {"batch_sizes": [1], "resolutions": ["256x256"],
-                                                     "text_lengths": [256]}, "routing": {"shape_aware": False}})
     dit = _FailingStreamDit()
-    ingress = bare_ingress(dit, config)
+    ingress = _ingress(dit)
     req = ImageGenerationRequest(prompt="x", size="256x256", stream=True, partial_images=1)
     plan = ingress._planner.plan(GenerationRequest("x", width=256, height=256, partial_images=1))
 
@@ -101,18 +117,7 @@ def test_a_failure_mid_stream_is_one_error_event_the_official_client_raises():
 
 
 def test_a_stream_refused_before_acceptance_is_a_plain_503_with_retry_after():
-    import asyncio
-
-    from deployments.settings import ServeConfig
-    from ingress_fakes import bare_ingress
-    from ingress_fakes import http_request
-
-    config = ServeConfig.model_validate({"buckets": {"batch_sizes": [1], "resolutions": ["256x256"],
-                                                     "text_lengths": [256]}, "routing": {"shape_aware": False}})
-    dit = _FailingStreamDit(refuse=True)
-    ingress = bare_ingress(dit, config)
-    request = http_request({"prompt": "x", "size": "256x256", "stream": True, "partial_images": 1})
-    answer = asyncio.run(ingress.generate(request))
+    answer = _streamed_answer(_FailingStreamDit(refuse=True))
     assert answer.status_code == 503 and answer.headers["retry-after"] == "3"
     assert json.loads(answer.body)["error"]["message"] == "the server is at capacity; retry after 3 s"
 
@@ -120,17 +125,8 @@ def test_a_stream_refused_before_acceptance_is_a_plain_503_with_retry_after():
 def test_a_stream_the_dit_handle_refuses_for_back_pressure_is_a_503_with_retry_after_not_a_500():
     """Ray's handle refuses a call past ``max_queued_requests`` with ``BackPressureError``, and raises it again when
     the refused call is cancelled: the 503 must survive that second raise (it once became a 500)."""
-    import asyncio
-
-    from deployments.settings import ServeConfig
-    from ingress_fakes import bare_ingress, http_request
-
-    config = ServeConfig.model_validate({"buckets": {"batch_sizes": [1], "resolutions": ["256x256"],
-                                                     "text_lengths": [256]}, "routing": {"shape_aware": False}})
     dit = _FailingStreamDit(backpressure=True)
-    ingress = bare_ingress(dit, config)
-    request = http_request({"prompt": "x", "size": "256x256", "stream": True, "partial_images": 1})
-    answer = asyncio.run(ingress.generate(request))
+    answer = _streamed_answer(dit)
     assert answer.status_code == 503 and answer.headers["retry-after"], answer.body
     message = json.loads(answer.body)["error"]["message"]
     assert message.startswith("the server is at capacity") and "num_queued" not in message, message
