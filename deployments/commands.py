@@ -189,7 +189,8 @@ def run_verify(config: ServeConfig, buckets: list[str] | None = None, rtol: floa
                         f"rtol {tol:.3g}")
     cols = ("bucket", "mode") + (("kernels",) if compiled is not None else ()) + (
         "cases", "shapes (rows x grid + text)", "max rel err", "result")
-    for col in cols:
+    _key_column(table, [str(v.key) for v in verdicts])
+    for col in cols[1:]:
         table.add_column(col, justify="right" if col in ("cases", "max rel err") else "left")
     for v in verdicts:
         d = described.get(str(v.key), {})
@@ -208,6 +209,12 @@ def run_verify(config: ServeConfig, buckets: list[str] | None = None, rtol: floa
     failed = [v for v in verdicts if not v.passed]
     console.print(f"{len(verdicts) - len(failed)} of {len(verdicts)} buckets passed")
     return not failed
+
+
+def _key_column(table, keys: list[str]) -> None:
+    """Add the ``bucket`` column to a ``rich`` table, as wide as its longest key and never cut or wrapped: the keys
+    are what ``--buckets`` takes, so they must read whole on a narrow terminal (the other columns wrap instead)."""
+    table.add_column("bucket", no_wrap=True, min_width=max(map(len, keys), default=6))
 
 
 def cache_dir_arg(text: str) -> str:
@@ -275,7 +282,8 @@ def run_warm(config: ServeConfig, console=None, progress=None) -> dict:
     stats = pipe.stats()
     k = stats["kernels"]
     table = Table(title=f"bcg warm: {pipe.model.model_name}, kernels {k['tier']}, check rtol {k['rtol']:.3g}")
-    for col in ("bucket", "mode", "kernels", "compile check", "note"):
+    _key_column(table, [b["key"] for b in stats["buckets"]])
+    for col in ("mode", "kernels", "compile check", "note"):
         table.add_column(col, justify="right" if col == "compile check" else "left")
     for b in stats["buckets"]:
         err = b.get("compile_rel_err")
@@ -322,8 +330,9 @@ def run_profile(config: ServeConfig, buckets: list[str] | None = None, iters: in
         rows.append(profile_case(model.adapter, pipe.runner, BoundaryCase(key, key.batch, grid, key.text_tokens),
                                  model.device, model.dtype, iters))
     table = Table(title=f"bcg profile: {model.model_name} on {torch.cuda.get_device_name()}")
-    for col in ("bucket", "kernels", "eager ms", "graph ms", "kernel-busy ms", "eager/graph", "verdict"):
-        table.add_column(col, justify="left" if col in ("bucket", "verdict") else "right")
+    _key_column(table, [r.key for r in rows])
+    for col in ("kernels", "eager ms", "graph ms", "kernel-busy ms", "eager/graph", "verdict"):
+        table.add_column(col, justify="left" if col == "verdict" else "right")
     for r in rows:
         table.add_row(r.key, str(r.kernels), f"{r.eager_ms:.2f}", f"{r.graph_ms:.2f}", f"{r.floor_ms:.2f}",
                       f"{r.speedup:.2f}", r.verdict)
