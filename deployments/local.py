@@ -139,11 +139,10 @@ def check_file(path: str | Path) -> str:
         ValueError: the first mistake, naming the field (and, for a Serve file, the application).
         FileNotFoundError: ``path`` does not exist.
     """
-    import yaml
     from pydantic import ValidationError
 
     from .app import AppArgs, build_app
-    from .settings import error_text, read_yaml
+    from .settings import error_text, parse_yaml, read_yaml
 
     path = Path(path)
     data = read_yaml(path)
@@ -151,10 +150,7 @@ def check_file(path: str | Path) -> str:
         embedded = (data.get("spec") or {}).get("serveConfigV2")
         if not isinstance(embedded, str):
             raise ValueError(f"{path}: a KubeRay RayService without a spec.serveConfigV2 text to check")
-        try:
-            data = yaml.safe_load(embedded)
-        except yaml.YAMLError as e:
-            raise ValueError(f"{path}: spec.serveConfigV2 is not valid YAML: {e}") from None
+        data = parse_yaml(embedded, f"{path}: spec.serveConfigV2")
         if not (isinstance(data, dict) and "applications" in data):
             raise ValueError(f"{path}: spec.serveConfigV2 holds no applications: list")
     if not (isinstance(data, dict) and "applications" in data):

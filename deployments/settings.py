@@ -318,18 +318,27 @@ def error_text(exc: BaseException, model: Any = None, what: str = "configuration
 
 
 def read_yaml(path: Path) -> Any:
-    """The YAML (or JSON) document in ``path``, with a key given twice in one mapping refused: YAML's own rule,
-    which PyYAML does not enforce (it keeps the last), so an edited config's second ``limits:`` or ``max_images:``
-    would silently drop the first.
+    """The YAML (or JSON) document in ``path``, with a key given twice in one mapping refused (:func:`parse_yaml`).
 
     Raises:
         ValueError: a directory, not valid YAML/JSON, or a duplicate key (naming the file, the key and its line).
         OSError: the file cannot be read.
     """
-    import yaml
-
     if path.is_dir():
         raise ValueError(f"config file {str(path)!r} is a directory; give a YAML or JSON file (see `bcg config`)")
+    with path.open() as f:  # a stream, so that a syntax error names the file, not "<unicode string>"
+        return parse_yaml(f, f"config file {str(path)!r}")
+
+
+def parse_yaml(source: Any, where: str) -> Any:
+    """The YAML (or JSON) document in ``source`` (a text or a stream), with a key given twice in one mapping refused:
+    YAML's own rule, which PyYAML does not enforce (it keeps the last), so an edited config's second ``limits:`` or
+    ``max_images:`` would silently drop the first. ``where`` starts each error, e.g. ``config file 'my.yaml'``.
+
+    Raises:
+        ValueError: not valid YAML/JSON, or a duplicate key (naming the key and its line).
+    """
+    import yaml
 
     class _Loader(yaml.SafeLoader):
         def compose_mapping_node(self, anchor):  # each mapping as written, before merge keys are flattened
@@ -340,16 +349,15 @@ def read_yaml(path: Path) -> Any:
                     continue
                 key = (key_node.tag, key_node.value) if isinstance(key_node, yaml.ScalarNode) else id(key_node)
                 if key in seen:
-                    raise ValueError(f"config file {str(path)!r}: key {key_node.value!r} is given twice in one "
-                                     f"mapping (line {key_node.start_mark.line + 1}); keep one")
+                    raise ValueError(f"{where}: key {key_node.value!r} is given twice in one mapping (line "
+                                     f"{key_node.start_mark.line + 1}); keep one")
                 seen.add(key)
             return node
 
     try:
-        with path.open() as f:  # a stream, so that a syntax error names the file, not "<unicode string>"
-            return yaml.load(f, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass; YAML is a superset of JSON
+        return yaml.load(source, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass; YAML is a superset of JSON
     except yaml.YAMLError as e:
-        raise ValueError(f"config file {str(path)!r} is not valid YAML/JSON: {e}") from None
+        raise ValueError(f"{where} is not valid YAML/JSON: {e}") from None
 
 
 def load_config(config: Mapping[str, Any] | None = None, config_path: str | Path | None = None) -> ServeConfig:

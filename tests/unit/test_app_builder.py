@@ -77,6 +77,11 @@ def test_bcg_config_check_reads_a_serve_file_as_the_controller_builds_it_and_a_c
     # KubeRay's manifest: the Serve file it embeds; a config_path only the nodes have: the args alone
     assert main(["config", "--check", str(root / "deploy" / "rayservice.yaml")]) == 0
     assert "application bcg: ok" in capsys.readouterr().out
+    service = (root / "deploy" / "rayservice.yaml").read_text()
+    twice = tmp_path / "rayservice.yaml"  # the embedded Serve file is read with the same duplicate-key rule
+    twice.write_text(service.replace("dit_num_gpus: 1", "dit_num_gpus: 1\n        dit_num_gpus: 2", 1))
+    assert main(["config", "--check", str(twice)]) == 2
+    assert f"{twice}: spec.serveConfigV2: key 'dit_num_gpus' is given twice in one mapping" in capsys.readouterr().err
     other = tmp_path / "other.yaml"
     other.write_text("applications:\n- name: x\n  import_path: deployments.app:build_app\n"
                      "  args: {config_path: /on/the/nodes.yaml, dit_num_gpus: 1}\n- name: y\n  import_path: m:app\n")
