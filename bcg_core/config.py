@@ -453,21 +453,30 @@ class EngineConfig(BaseModel):
 
     @model_validator(mode="after")
     def _reachable_buckets(self) -> EngineConfig:
-        """Every bucket must be reachable by some valid request (else it only costs memory and start-up)."""
+        """Every bucket must be reachable by some valid request (else it only costs memory and start-up).
+
+        Raises:
+            ValueError: every resolution outside the limits, and batch sizes above the most rows, in one message.
+        """
         lim = self.limits
         sides = dict(zip(self.buckets.resolutions, self.buckets.resolution_pairs()))
         inside = [r for r, (w, h) in sides.items() if lim.min_side_px <= min(w, h) and max(w, h) <= lim.max_side_px]
-        for s in sides:
-            if s not in inside:
-                raise ValueError(f"buckets.resolutions: {s} is outside the request limits: sides must be from "
-                                 f"{lim.min_side_px} to {lim.max_side_px} pixels (limits.min_side_px/max_side_px); "
-                                 + (f"drop it (use {inside}) or widen the limits" if inside else "widen the limits")
-                                 + " (with resolution binning, PixArt-Sigma and SANA, larger requests reach a smaller "
-                                 "bin: set limits.min_side_px at or below its smaller side to keep it)")
+        outside = [s for s in sides if s not in inside]
+        problems = []
+        if outside:
+            problems.append(f"buckets.resolutions: {', '.join(outside)} {'is' if len(outside) == 1 else 'are'} "
+                            f"outside the request limits: sides must be from {lim.min_side_px} to {lim.max_side_px} "
+                            "pixels (limits.min_side_px/max_side_px); "
+                            + (f"drop {'it' if len(outside) == 1 else 'them'} (use {inside}) or widen the limits"
+                               if inside else "widen the limits")
+                            + " (with resolution binning, PixArt-Sigma and SANA, larger requests reach a smaller "
+                            "bin: set limits.min_side_px at or below its smaller side to keep it)")
         most_rows = 2 * lim.max_images
         if self.buckets.batch_sizes[-1] > most_rows:
             fit = [b for b in self.buckets.batch_sizes if b <= most_rows]
-            raise ValueError(f"buckets.batch_sizes: {self.buckets.batch_sizes[-1]} exceeds the most transformer rows "
-                             f"a request can need, {most_rows} (2 x limits.max_images with guidance); use {fit} or "
-                             f"raise limits.max_images")
+            problems.append(f"buckets.batch_sizes: {self.buckets.batch_sizes[-1]} exceeds the most transformer rows "
+                            f"a request can need, {most_rows} (2 x limits.max_images with guidance); use {fit} or "
+                            f"raise limits.max_images")
+        if problems:
+            raise ValueError("; ".join(problems))
         return self

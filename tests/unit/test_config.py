@@ -26,6 +26,18 @@ def test_configs_with_unusable_values_are_refused(kw, needle):
     assert needle in str(e.value)
 
 
+def test_every_unreachable_bucket_is_named_in_one_refusal():
+    """An edited table with several mistakes is refused once with all of them, not one per attempt."""
+    cfg = dict(limits=dict(max_images=3, max_side_px=512),
+               buckets=dict(resolutions=["256x256", "768x768", "1024x1024"]))
+    with pytest.raises(ValidationError) as e:
+        ServeConfig.model_validate(cfg)
+    text = str(e.value)
+    assert "buckets.resolutions: 768x768, 1024x1024 are outside the request limits" in text
+    assert "drop them (use ['256x256'])" in text
+    assert "buckets.batch_sizes: 20 exceeds the most transformer rows a request can need, 6" in text
+
+
 def test_default_steps_and_guidance_are_unset_meaning_the_familys_and_set_values_stay_valid():
     lim = ServeConfig().limits
     assert lim.default_steps is None and lim.default_guidance_scale is None  # the family's (Planner fills them)
