@@ -55,7 +55,8 @@ MISS = "miss"
 _BUCKET = ("bucket", "shape")
 
 LORA_COUNTERS = {"bcg_lora_requests": "requests", "bcg_lora_hits": "hits", "bcg_lora_loads": "loads",
-                 "bcg_lora_load_seconds": "load_s", "bcg_lora_evictions": "evictions", "bcg_lora_refused": "refused"}
+                 "bcg_lora_load_seconds": "load_s", "bcg_lora_evictions": "evictions", "bcg_lora_refused": "refused",
+                 "bcg_lora_timeouts": "timeouts", "bcg_lora_cancelled": "cancelled"}
 """The per-adapter counters and the key of ``stats()["lora"]["adapters"][name]`` each follows."""
 
 MAX_ADAPTER_CHECKS = 4096
@@ -169,6 +170,11 @@ METRICS: tuple[MetricSpec, ...] = (
                "LoRA: times the adapter was evicted from its slot (least recently used, unpinned) for another."),
     MetricSpec("bcg_lora_refused", "counter", ("adapter",), "requests",
                "LoRA: requests refused because the adapter's file cannot be served (HTTP 422)."),
+    MetricSpec("bcg_lora_timeouts", "counter", ("adapter",), "requests",
+               "LoRA: requests answered 503 because no slot freed for the adapter within lora.load_timeout_s "
+               "(every slot pinned by requests in flight: more lora.slots, or fewer adapters per request)."),
+    MetricSpec("bcg_lora_cancelled", "counter", ("adapter",), "requests",
+               "LoRA: requests whose client gave up while waiting for the adapter to load."),
     MetricSpec("bcg_lora_slots_resident", "gauge", (), "adapters",
                "LoRA: adapters resident in the replica's slots (at most lora.slots)."),
     MetricSpec("bcg_lora_slots_pinned", "gauge", (), "slots",

@@ -67,6 +67,8 @@ class _Counts:
     load_s: float = 0.0
     evictions: int = 0
     refused: int = 0
+    timeouts: int = 0  # answered 503: no slot freed within lora.load_timeout_s
+    cancelled: int = 0  # the caller gave up (a disconnected client) while waiting for the adapter
 
 
 class AdapterSlots:
@@ -144,7 +146,11 @@ class AdapterSlots:
             return fut.result(self.timeout_s)
         except concurrent.futures.TimeoutError:
             fut.add_done_callback(_release_result)
+            self._count(names, "timeouts")
             raise self._busy(names) from None
+        except ServiceUnavailable:  # the loader's own deadline
+            self._count(names, "timeouts")
+            raise
 
     async def lease_async(self, names: tuple[str, ...], scales: tuple[float, ...],
                           retry_after_s: float | None = None) -> Lease:
@@ -156,12 +162,22 @@ class AdapterSlots:
         except (asyncio.TimeoutError, asyncio.CancelledError) as e:
             fut.add_done_callback(_release_result)
             if isinstance(e, asyncio.CancelledError):
+                self._count(names, "cancelled")
                 raise
+            self._count(names, "timeouts")
             raise self._busy(names, retry_after_s) from None
         except ServiceUnavailable as e:  # the loader's own deadline: the caller's Retry-After
+            self._count(names, "timeouts")
             if retry_after_s is not None:
                 e.retry_after_s = retry_after_s
             raise
+
+    def _count(self, names, field: str) -> None:
+        """Add one to counter ``field`` of each of ``names`` that has a counter (a real file: :meth:`acquire`)."""
+        with self._cv:
+            for n in names:
+                if n in self.counts:
+                    setattr(self.counts[n], field, getattr(self.counts[n], field) + 1)
 
     def _busy(self, names, retry_after_s: float | None = None) -> ServiceUnavailable:
         return ServiceUnavailable("lora", f"adapters {list(names)} were not loaded within lora.load_timeout_s "

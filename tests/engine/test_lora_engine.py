@@ -194,9 +194,24 @@ def test_a_pinned_slot_is_never_evicted_and_a_request_without_a_slot_gets_503(ck
     slots = pipe.lora
     held = [slots.lease(("a",), (1.0,)), slots.lease(("b",), (1.0,))]  # both slots pinned
     try:
+        before = dataclasses.replace(slots.counts["c"])
         with pytest.raises(ServiceUnavailable) as e:
             slots.lease(("c",), (1.0,))
         assert e.value.status == 503 and e.value.field == "lora" and "load_timeout_s" in e.value.message
+
+        async def gives_up():  # a client that disconnects while it waits for a slot
+            task = asyncio.ensure_future(slots.lease_async(("c",), (1.0,)))
+            await asyncio.sleep(0.1)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+
+        asyncio.run(gives_up())
+        with pytest.raises(ServiceUnavailable):  # the awaited lease's own deadline: a 503 too
+            asyncio.run(slots.lease_async(("c",), (1.0,)))
+        counts = slots.describe()["adapters"]["c"]  # each outcome is counted (/v1/buckets, Prometheus)
+        assert counts["timeouts"] == before.timeouts + 2 and counts["cancelled"] == before.cancelled + 1
+        assert counts["requests"] == before.requests + 3 and counts["loads"] == before.loads
         assert set(slots.resident()) == {"a", "b"}
         got = []
         t = threading.Thread(target=lambda: got.append(slots.lease(("c",), (1.0,))))

@@ -334,14 +334,15 @@ def _lora_stats(adapters: dict, resident=None, pinned=None) -> dict:
                                                    "adapters": adapters}}
 
 
-def _counts(requests=0, hits=0, loads=0, load_s=0.0, evictions=0, refused=0) -> dict:
-    return dict(requests=requests, hits=hits, loads=loads, load_s=load_s, evictions=evictions, refused=refused)
+def _counts(requests=0, hits=0, loads=0, load_s=0.0, evictions=0, refused=0, timeouts=0, cancelled=0) -> dict:
+    return dict(requests=requests, hits=hits, loads=loads, load_s=load_s, evictions=evictions, refused=refused,
+                timeouts=timeouts, cancelled=cancelled)
 
 
 def test_adapter_counters_are_exported_only_for_adapters_in_the_folder():
     from bcg_core.metrics import BucketMetrics
 
-    state = {"stats": _lora_stats({"style": _counts(3, 2, 1, 0.25), "broken": _counts(1, refused=1),
+    state = {"stats": _lora_stats({"style": _counts(5, 2, 1, 0.25, timeouts=1, cancelled=1), "broken": _counts(1, refused=1),
                                    "made-up": _counts(1, refused=1)}, {"style": 1}, {"style": 2})}
     asked: list[str] = []
 
@@ -353,7 +354,8 @@ def test_adapter_counters_are_exported_only_for_adapters_in_the_folder():
     ex = BucketExporter(lambda: state["stats"], BucketMetrics([]), backend=backend, adapter_exists=exists)
     ex.push()
     m = backend.m
-    assert m["bcg_lora_requests"].total(adapter="style") == 3 and m["bcg_lora_hits"].total(adapter="style") == 2
+    assert m["bcg_lora_requests"].total(adapter="style") == 5 and m["bcg_lora_hits"].total(adapter="style") == 2
+    assert m["bcg_lora_timeouts"].total(adapter="style") == 1 and m["bcg_lora_cancelled"].total(adapter="style") == 1
     assert m["bcg_lora_loads"].total(adapter="style") == 1
     assert m["bcg_lora_load_seconds"].total(adapter="style") == pytest.approx(0.25)
     assert m["bcg_lora_refused"].total(adapter="broken") == 1
@@ -362,7 +364,7 @@ def test_adapter_counters_are_exported_only_for_adapters_in_the_folder():
     assert m["bcg_lora_slots_resident"].total() == 1 and m["bcg_lora_slots_pinned"].total() == 1
     assert sorted(asked) == ["broken", "made-up"]  # a loaded adapter needs no lookup
 
-    state["stats"] = _lora_stats({"style": _counts(5, 4, 1, 0.25, evictions=1), "broken": _counts(1, refused=1),
+    state["stats"] = _lora_stats({"style": _counts(7, 4, 1, 0.25, evictions=1, timeouts=1, cancelled=1), "broken": _counts(1, refused=1),
                                   "made-up": _counts(2, refused=2)})
     ex.push()
     assert m["bcg_lora_requests"].calls[-1] == (2.0, {"adapter": "style"})  # the increase only
