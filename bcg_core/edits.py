@@ -26,28 +26,35 @@ __all__ = ["EDIT_FORMATS", "read_image", "read_mask"]
 EDIT_FORMATS = ("PNG", "JPEG", "WEBP")
 """Pillow formats an input image may have."""
 
+MASK_FORMATS = ("PNG", "WEBP")
+"""Pillow formats a mask may have: those with an alpha channel (OpenAI: "a PNG ... with an alpha channel")."""
 
-def _open(data: bytes, field: str, max_pixels: int):
+
+def _open(data: bytes, field: str, max_pixels: int, formats: tuple[str, ...] = EDIT_FORMATS):
     """The Pillow image of ``data``, decoded after the header's size was checked, and turned upright by its EXIF
-    orientation (module docstring).
+    orientation (module docstring). ``formats``: the Pillow formats allowed (a mask needs alpha: no JPEG).
 
     Raises:
-        RequestError: (field ``field``) not bytes, empty, not a PNG, JPEG or WebP file, a zero-size image, more
+        RequestError: (field ``field``) not bytes, empty, not a file of ``formats``, a zero-size image, more
             than ``max_pixels`` pixels, or a truncated or corrupt file.
     """
     from PIL import Image, UnidentifiedImageError
 
+    named = {"PNG": "PNG", "JPEG": "JPEG", "WEBP": "WebP"}
+    allowed = " or ".join([", ".join(named[f] for f in formats[:-1]), named[formats[-1]]] if len(formats) > 1
+                          else [named[formats[0]]])
     if not isinstance(data, (bytes, bytearray)) or not data:
-        raise RequestError(field, f"'{field}' must be a non-empty PNG, JPEG or WebP file")
+        raise RequestError(field, f"'{field}' must be a non-empty {allowed} file")
     try:
         im = Image.open(io.BytesIO(data))
     except Image.DecompressionBombError:  # Pillow's own bound (twice Image.MAX_IMAGE_PIXELS), read from the header
         raise RequestError(field, f"'{field}' claims more pixels than Pillow opens, above limits.max_input_pixels "
                                   f"{max_pixels}; send a smaller image") from None
     except (UnidentifiedImageError, OSError, ValueError):
-        raise RequestError(field, f"'{field}' is not an image file; allowed: PNG, JPEG or WebP") from None
-    if im.format not in EDIT_FORMATS:
-        raise RequestError(field, f"'{field}' is a {im.format} file; allowed: PNG, JPEG or WebP")
+        raise RequestError(field, f"'{field}' is not an image file; allowed: {allowed}") from None
+    if im.format not in formats:
+        raise RequestError(field, f"'{field}' is a {im.format} file; allowed: {allowed}"
+                           + (" with an alpha channel" if field == "mask" else ""))
     w, h = im.size
     if w < 1 or h < 1:
         raise RequestError(field, f"'{field}' has no pixels ({w}x{h})")
@@ -85,7 +92,7 @@ def read_mask(data: bytes, size: tuple[int, int], max_pixels: int):
         RequestError: field ``mask``: as :func:`_open`, another size than the image, no alpha channel, or no fully
             transparent pixel (nothing to edit).
     """
-    im = _open(data, "mask", max_pixels)
+    im = _open(data, "mask", max_pixels, MASK_FORMATS)
     if im.size != tuple(size):
         raise RequestError("mask", f"'mask' is {im.size[0]}x{im.size[1]}, the image {size[0]}x{size[1]}; they must "
                                    f"have the same size")
