@@ -160,11 +160,12 @@ def _lora_entries(parts: list[tuple[str, str, str]]) -> list:
 
     The ``openai`` client sends ``extra_body={"lora": [...]}`` as ``lora[][name]`` and ``lora[][scale]`` fields
     grouped by key (every name, then every scale), so entry ``i`` is the ``i``-th value of each key; an entry that
-    omits a key another gives cannot be placed, and is refused. ``lora[0][name]`` (indices) places each value;
+    omits a key another gives cannot be placed, and is refused. ``lora[0][name]`` (indices from 0, without gaps)
+    places each value;
     ``lora[]`` alone gives list items as sent (the schema refuses them).
 
     Raises:
-        FormError: 422 on ``lora``: the forms mixed, or keys given by some entries only.
+        FormError: 422 on ``lora``: the forms mixed, keys given by some entries only, or indices that skip one.
     """
     styles = {"items" if not key else "indices" if index else "brackets" for index, key, _ in parts}
     if len(styles) > 1:
@@ -176,7 +177,11 @@ def _lora_entries(parts: list[tuple[str, str, str]]) -> list:
         by_index: dict[str, dict] = {}
         for index, key, value in parts:
             by_index.setdefault(index, {})[key] = _scale(value) if key == "scale" else value
-        return list(by_index.values())
+        sent = sorted(by_index, key=lambda i: (len(i), i))  # digits: by length, then as text, is by value
+        if [i.lstrip("0") or "0" for i in sent] != [str(n) for n in range(len(sent))]:
+            raise FormError(422, "lora", f"'lora' indices must count from 0 without gaps or repeats (got "
+                                         f"{', '.join(sent)[:80]}); e.g. lora[0][name], lora[1][name]")
+        return [by_index[i] for i in sent]
     columns: dict[str, list] = {}
     for _, key, value in parts:
         columns.setdefault(key, []).append(_scale(value) if key == "scale" else value)

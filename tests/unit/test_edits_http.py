@@ -229,7 +229,7 @@ def test_lora_forms_json_brackets_and_indices():
     assert read(("lora[][name]", "a"), ("lora[][name]", "b"), ("lora[][scale]", "0.8"), ("lora[][scale]", "2")) == [
         {"name": "a", "scale": 0.8}, {"name": "b", "scale": 2.0}]
     assert read(("lora[1][name]", "b"), ("lora[0][name]", "a"), ("lora[0][scale]", "2")) == [
-        {"name": "b"}, {"name": "a", "scale": 2.0}]
+        {"name": "a", "scale": 2.0}, {"name": "b"}]  # placed by index, not by the order sent
     assert read(("lora[][scale]", "heavy"), ("lora[][name]", "a")) == [{"scale": "heavy", "name": "a"}]
     req = ImageEditRequest.model_validate({"prompt": "x", "image": b"x", "lora": read(
         ("lora[][name]", "a"), ("lora[][name]", "b"))})
@@ -241,6 +241,9 @@ def test_lora_forms_json_brackets_and_indices():
     ([("lora", "[]"), ("lora[][name]", "a")], "lora", "both as JSON and as bracketed"),
     ([("lora[][name]", "a"), ("lora[0][name]", "b")], "lora", "more than one form"),
     ([("lora[][name]", "a"), ("lora[][name]", "b"), ("lora[][scale]", "1")], "lora", "give every entry a scale"),
+    ([("lora[0][name]", "a"), ("lora[5][name]", "b")], "lora", "indices must count from 0 without gaps or repeats (got 0, 5)"),
+    ([("lora[99999999999999999999][name]", "a")], "lora", "indices must count from 0"),
+    ([("lora[0][name]", "a"), ("lora[00][scale]", "1")], "lora", "without gaps or repeats"),
     ([("image", b"y")], "image", "2 images were sent; this model edits one image"),
     ([("image[]", b"y"), ("image[]", b"z")], "image", "3 images were sent"),
     ([("mask", b"m"), ("mask", b"n")], "mask", "2 masks were sent"),
