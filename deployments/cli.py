@@ -135,9 +135,12 @@ def _with_key_file(config: ServeConfig | None, path: str) -> ServeConfig:
     return config.model_copy(update={"auth": config.auth.model_copy(update={"api_keys": digests})})
 
 
-def ready_text(url: str, model: str, metrics: str | None, auth: bool) -> str:
+def ready_text(url: str, model: str, metrics: str | None, auth: bool, lora: dict | None = None) -> str:
     """The lines ``bcg serve`` prints once, when the server is ready: the model, the API's URL, the Prometheus
-    URL (Ray's exporter, or a note when it does not run), that no dashboard runs, and a first command to try."""
+    URL (Ray's exporter, or a note when it does not run), that no dashboard runs, with ``lora`` (a replica's
+    ``/v1/buckets`` ``lora`` section) what adapter rows cost, and a first command to try."""
+    from bcg_core.lora.slots import cost_note
+
     header = " -H 'Authorization: Bearer <key>'" if auth else ""
     return "\n".join([
         f"bcg-serve is ready: model {model} (Ctrl-C stops it)",
@@ -145,8 +148,22 @@ def ready_text(url: str, model: str, metrics: str | None, auth: bool) -> str:
         f"  metrics    {metrics}  (Prometheus, Ray's exporter)" if metrics else
         "  metrics    not exported (Ray's metrics agent is not running)",
         "  dashboard  not started (bcg serve runs Ray without its dashboard)",
+        *([f"  lora       {lora['slots']} slots; "
+           + cost_note(lora["layers"], lora["delta_share"], lora["max_per_request"], lora["max_rank"])] if lora else []),
         f"  try: curl -s{header} {url}/v1/models",
     ])
+
+
+def _replica_lora(config: ServeConfig) -> dict | None:
+    """A DiT replica's ``lora`` stats (None without ``lora.dir``, or when the replica does not answer in 10 s)."""
+    if config.lora.dir is None:
+        return None
+    from ray import serve
+
+    try:
+        return serve.get_deployment_handle("DiTReplica", "bcg").stats.remote().result(timeout_s=10).get("lora")
+    except Exception:  # noqa: BLE001 - a note on the console only; the server serves either way
+        return None
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
@@ -179,7 +196,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         # After ray.init: Ray's core worker installs its own SIGTERM handler, which would kill the
         # process without shutting Serve down.
         previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-        print(ready_text(url, model, metrics_url(), config.auth.enabled), flush=True)
+        print(ready_text(url, model, metrics_url(), config.auth.enabled, _replica_lora(config)), flush=True)
         stop.wait(args.stop_after_s)
         print("bcg-serve: shutting down", flush=True)
     finally:

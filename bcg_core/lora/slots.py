@@ -27,7 +27,7 @@ from bcg_core.errors import RequestError, ServiceUnavailable
 from bcg_core.lora.files import AdapterError, AdapterFiles, AdapterWeights
 from bcg_core.lora.layers import LoRALayers
 
-__all__ = ["AdapterSlots", "Lease"]
+__all__ = ["AdapterSlots", "Lease", "cost_note"]
 
 log = logging.getLogger(__name__)
 
@@ -375,15 +375,18 @@ def install(config, model) -> AdapterSlots | None:
     layers = LoRALayers(model.adapter.model, cfg.slots, cfg.max_rank, cfg.max_per_request, cfg.targets)
     files = AdapterFiles(cfg.dir, getattr(diffusers, loader), layers.shapes(), cfg.max_rank)
     model.adapter = LoRAAdapter(model.adapter, layers)
-    share = layers.delta_share
-    warn = share > DELTA_SHARE_WARN
-    log.log(logging.WARNING if warn else logging.INFO,
-            "lora: %d layers wrapped; a forward with adapter rows adds %.1f%% to their matmul work (every row "
-            "computes lora.max_per_request %d x lora.max_rank %d rank rows per layer, zero-padded ones too)%s",
-            len(layers.layers), 100 * share, cfg.max_per_request, cfg.max_rank,
-            "; lower lora.max_rank and lora.max_per_request to what the adapters need (docs/OPERATIONS.md, LoRA "
-            "adapters)" if warn else "")
+    note = cost_note(len(layers.layers), layers.delta_share, cfg.max_per_request, cfg.max_rank)
+    log.log(logging.WARNING if layers.delta_share > DELTA_SHARE_WARN else logging.INFO, "lora: %s", note)
     return AdapterSlots(files, layers, cfg.load_timeout_s, cfg.host_cache)
+
+
+def cost_note(layers: int, share: float, max_per_request: int, max_rank: int) -> str:
+    """What adapter rows add to a forward, in one line: logged at start (a warning above :data:`DELTA_SHARE_WARN`,
+    with the settings to lower) and printed by ``bcg serve`` from ``/v1/buckets``' ``lora`` section."""
+    return (f"{layers} layers wrapped; a forward with adapter rows adds {100 * share:.1f}% to their matmul work (every "
+            f"row computes lora.max_per_request {max_per_request} x lora.max_rank {max_rank} rank rows per layer, "
+            f"zero-padded ones too)" + ("; lower lora.max_rank and lora.max_per_request to what the adapters need "
+                                        "(docs/OPERATIONS.md, LoRA adapters)" if share > DELTA_SHARE_WARN else ""))
 
 
 def lease_for(slots: AdapterSlots | None, lora: tuple[tuple[str, float], ...]) -> Lease | None:

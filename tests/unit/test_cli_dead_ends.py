@@ -326,3 +326,18 @@ def test_plan_from_a_url_sends_openai_api_key_as_demo_does_and_a_file_wins(tmp_p
     assert main(["plan", "--api-key-file", str(keys)]) == 2  # a sample is not a server: refused, not ignored
     assert "--api-key-file is sent to a server: give it with --from URL" in capsys.readouterr().err
     assert len(sent) == 3
+
+
+def test_bcg_serve_shows_what_adapter_rows_cost_when_lora_is_on():
+    """The start-up warning about oversized LoRA settings is logged on the replica; ``bcg serve`` (whose Ray logs
+    are quiet) prints the same note from the replica's ``/v1/buckets`` ``lora`` section."""
+    from deployments.cli import ready_text
+
+    plain = ready_text("http://127.0.0.1:8000", "m", None, False)
+    assert "lora" not in plain
+    lora = {"slots": 8, "layers": 24, "delta_share": 5.5484, "max_per_request": 4, "max_rank": 64}
+    text = ready_text("http://127.0.0.1:8000", "m", None, False, lora)
+    assert ("  lora       8 slots; 24 layers wrapped; a forward with adapter rows adds 554.8% to their matmul work"
+            in text) and "lower lora.max_rank and lora.max_per_request" in text
+    small = ready_text("http://127.0.0.1:8000", "m", None, False, {**lora, "delta_share": 0.02})
+    assert "adds 2.0%" in small and "lower lora.max_rank" not in small
