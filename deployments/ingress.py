@@ -163,8 +163,9 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResp
     return error_response(exc.status_code, f"{exc.detail} ({request.method} {request.url.path})")
 
 
-def _too_large(size: int, limit: int, name: str) -> JSONResponse:
-    return error_response(413, f"request body of {size} bytes is over the limit of {limit} bytes ({name})")
+def _too_large(exc: BodyTooLarge, limit: int, name: str) -> JSONResponse:
+    size = f"of at least {exc.args[0]} bytes (read no further)" if exc.args[1:] == (True,) else f"of {exc.args[0]} bytes"
+    return error_response(413, f"request body {size} is over the limit of {limit} bytes ({name})")
 
 
 def _unsupported_route(fields: dict[str, dict]) -> dict[str, Any]:
@@ -376,7 +377,7 @@ class Ingress:
         try:
             body = await read_body(request, limits.limits.max_body_bytes)
         except BodyTooLarge as exc:
-            return _too_large(exc.args[0], limits.limits.max_body_bytes, "limits.max_body_bytes")
+            return _too_large(exc, limits.limits.max_body_bytes, "limits.max_body_bytes")
         if (why := form_not_json(request, body)) is not None:
             return error_response(415, why)
         try:
@@ -407,7 +408,7 @@ class Ingress:
             fields = await edit_fields(await read_form(request, bound))
             req = ImageEditRequest.model_validate(fields, context={"limits": limits})
         except BodyTooLarge as exc:
-            return _too_large(exc.args[0], bound, "POST /v1/images/edits: the image, mask and fields together")
+            return _too_large(exc, bound, "POST /v1/images/edits: the image, mask and fields together")
         except FormError as exc:
             return error_response(exc.status, exc.message, param=exc.field)
         except ValidationError as exc:

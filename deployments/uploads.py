@@ -50,7 +50,8 @@ not the other spellings pydantic's lax mode takes (``yes``, ``on``, ``1``, ...).
 
 
 class BodyTooLarge(Exception):
-    """A body over its bound; ``args[0]``: its declared length, or the bytes received when it passed the bound."""
+    """A body over its bound; ``args[0]``: its declared length, or the bytes received when it passed the bound
+    (``args[1]`` True: a body sent without a ``Content-Length``, or longer than declared, read no further)."""
 
 
 class FormError(Exception):
@@ -98,7 +99,7 @@ async def _bounded(request: Request, max_bytes: int) -> AsyncIterator[bytes]:
     async for chunk in request.stream():
         size += len(chunk)
         if size > max_bytes:
-            raise BodyTooLarge(size)
+            raise BodyTooLarge(size, True)
         yield chunk
 
 

@@ -378,6 +378,7 @@ def test_a_declared_body_over_the_bound_is_413_unread(ingress):
     answer = asyncio.run(ingress.edits(request))
     err = json.loads(answer.body)["error"]
     assert answer.status_code == 413 and not reads and "over the limit of 67108864 bytes" in err["message"]
+    assert f"request body of {2**40} bytes" in err["message"]  # the declared length
 
 
 def test_a_chunked_body_is_refused_once_it_passes_the_bound():
@@ -388,6 +389,8 @@ def test_a_chunked_body_is_refused_once_it_passes_the_bound():
                          forever=head + b"\0" * (64 * 1024 - len(head)), reads=reads)
     answer = asyncio.run(ingress.edits(request))
     assert answer.status_code == 413 and len(reads) == 5  # 4 chunks of 64 KiB fill the bound; the 5th passes it
+    assert (f"request body of at least {5 * 64 * 1024} bytes (read no further) is over the limit of {256 * 1024}"
+            in json.loads(answer.body)["error"]["message"])  # what was read, not a length never sent
 
 
 def test_the_key_is_checked_before_the_body_is_read():
