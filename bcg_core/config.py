@@ -464,13 +464,15 @@ class EngineConfig(BaseModel):
         outside = [s for s in sides if s not in inside]
         problems = []
         if outside:
-            problems.append(f"buckets.resolutions: {', '.join(outside)} {'is' if len(outside) == 1 else 'are'} "
-                            f"outside the request limits: sides must be from {lim.min_side_px} to {lim.max_side_px} "
-                            "pixels (limits.min_side_px/max_side_px); "
-                            + (f"drop {'it' if len(outside) == 1 else 'them'} (use {inside}) or widen the limits"
+            one = len(outside) == 1
+            problems.append(f"buckets.resolutions: {', '.join(outside)} {'is' if one else 'are'} outside the request "
+                            f"limits: sides must be from {lim.min_side_px} to {lim.max_side_px} pixels "
+                            "(limits.min_side_px/max_side_px); "
+                            + (f"drop {'it' if one else 'them'} (use {inside}) or widen the limits"
                                if inside else "widen the limits")
                             + " (with resolution binning, PixArt-Sigma and SANA, larger requests reach a smaller "
-                            "bin: set limits.min_side_px at or below its smaller side to keep it)")
+                            f"bin: set limits.min_side_px at or below {'its' if one else 'their'} smaller side to "
+                            f"keep {'it' if one else 'them'})")
         most_rows = 2 * lim.max_images
         if self.buckets.batch_sizes[-1] > most_rows:
             fit = [b for b in self.buckets.batch_sizes if b <= most_rows]

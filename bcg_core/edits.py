@@ -21,7 +21,7 @@ import struct
 
 from bcg_core.errors import RequestError
 
-__all__ = ["EDIT_FORMATS", "read_image", "read_mask"]
+__all__ = ["EDIT_FORMATS", "MASK_FORMATS", "read_image", "read_mask"]
 
 EDIT_FORMATS = ("PNG", "JPEG", "WEBP")
 """Pillow formats an input image may have."""

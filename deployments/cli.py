@@ -139,6 +139,8 @@ def ready_text(url: str, model: str, metrics: str | None, auth: bool, lora: dict
     """The lines ``bcg serve`` prints once, when the server is ready: the model, the API's URL, the Prometheus
     URL (Ray's exporter, or a note when it does not run), that no dashboard runs, with ``lora`` (a replica's
     ``/v1/buckets`` ``lora`` section) what adapter rows cost, and a first command to try."""
+    import textwrap
+
     from bcg_core.lora.slots import cost_note
 
     header = " -H 'Authorization: Bearer <key>'" if auth else ""
@@ -148,8 +150,9 @@ def ready_text(url: str, model: str, metrics: str | None, auth: bool, lora: dict
         f"  metrics    {metrics}  (Prometheus, Ray's exporter)" if metrics else
         "  metrics    not exported (Ray's metrics agent is not running)",
         "  dashboard  not started (bcg serve runs Ray without its dashboard)",
-        *([f"  lora       {lora['slots']} slots; "
-           + cost_note(lora["layers"], lora["delta_share"], lora["max_per_request"], lora["max_rank"])] if lora else []),
+        *(textwrap.wrap(f"lora       {lora['slots']} slots; " + cost_note(
+            lora["layers"], lora["delta_share"], lora["max_per_request"], lora["max_rank"]),
+            width=118, initial_indent="  ", subsequent_indent=" " * 13) if lora else []),
         f"  try: curl -s{header} {url}/v1/models",
     ])
 

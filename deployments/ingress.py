@@ -164,7 +164,8 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResp
 
 
 def _too_large(exc: BodyTooLarge, limit: int, name: str) -> JSONResponse:
-    size = f"of at least {exc.args[0]} bytes (read no further)" if exc.args[1:] == (True,) else f"of {exc.args[0]} bytes"
+    read = exc.args[1:] == (True,)
+    size = f"of at least {exc.args[0]} bytes (read no further)" if read else f"of {exc.args[0]} bytes"
     return error_response(413, f"request body {size} is over the limit of {limit} bytes ({name})")
 
 

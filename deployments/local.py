@@ -122,6 +122,20 @@ def check_config(config_path: str | Path) -> "ServeConfig":
     return config
 
 
+def _block_start(path: Path) -> int:
+    """The file line on which a RayService's ``spec.serveConfigV2`` text starts: the line after its ``|`` or ``>``
+    (a block scalar, as KubeRay's examples write it); for a quoted string, the line of its opening quote (line
+    numbers inside it then count from there, each line of the string one line of the file)."""
+    import yaml
+
+    with path.open() as f:
+        root = yaml.compose(f, Loader=yaml.SafeLoader)
+    node = root
+    for key in ("spec", "serveConfigV2"):
+        node = next(v for k, v in node.value if isinstance(k, yaml.ScalarNode) and k.value == key)
+    return node.start_mark.line + (2 if node.style in ("|", ">") else 1)
+
+
 def check_file(path: str | Path) -> str:
     """``bcg config --check``: check a ServeConfig file as ``bcg serve`` would (:func:`check_config`), or a Serve
     config file (one with ``applications:``, as ``serve deploy`` takes, or a KubeRay ``RayService`` manifest
@@ -150,7 +164,7 @@ def check_file(path: str | Path) -> str:
         embedded = (data.get("spec") or {}).get("serveConfigV2")
         if not isinstance(embedded, str):
             raise ValueError(f"{path}: a KubeRay RayService without a spec.serveConfigV2 text to check")
-        data = parse_yaml(embedded, f"{path}: spec.serveConfigV2")
+        data = parse_yaml(embedded, f"{path}: spec.serveConfigV2", _block_start(path))
         if not (isinstance(data, dict) and "applications" in data):
             raise ValueError(f"{path}: spec.serveConfigV2 holds no applications: list")
     if not (isinstance(data, dict) and "applications" in data):

@@ -171,8 +171,8 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("bcg_lora_refused", "counter", ("adapter",), "requests",
                "LoRA: requests refused because the adapter's file cannot be served (HTTP 422)."),
     MetricSpec("bcg_lora_timeouts", "counter", ("adapter",), "requests",
-               "LoRA: requests answered 503 because no slot freed for the adapter within lora.load_timeout_s "
-               "(every slot pinned by requests in flight: more lora.slots, or fewer adapters per request)."),
+               "LoRA: requests answered 503 because the adapter was not loaded within lora.load_timeout_s (every "
+               "slot pinned by requests in flight, or loads queued behind others or slow to read)."),
     MetricSpec("bcg_lora_cancelled", "counter", ("adapter",), "requests",
                "LoRA: requests whose client gave up while waiting for the adapter to load."),
     MetricSpec("bcg_lora_slots_resident", "gauge", (), "adapters",

@@ -330,10 +330,11 @@ def read_yaml(path: Path) -> Any:
         return parse_yaml(f, f"config file {str(path)!r}")
 
 
-def parse_yaml(source: Any, where: str) -> Any:
+def parse_yaml(source: Any, where: str, first_line: int = 1) -> Any:
     """The YAML (or JSON) document in ``source`` (a text or a stream), with a key given twice in one mapping refused:
     YAML's own rule, which PyYAML does not enforce (it keeps the last), so an edited config's second ``limits:`` or
-    ``max_images:`` would silently drop the first. ``where`` starts each error, e.g. ``config file 'my.yaml'``.
+    ``max_images:`` would silently drop the first. ``where`` starts each error, e.g. ``config file 'my.yaml'``;
+    ``first_line``: the line of ``where`` on which ``source`` starts (a text embedded in a file: its line there).
 
     Raises:
         ValueError: not valid YAML/JSON, or a duplicate key (naming the key and its line).
@@ -350,7 +351,7 @@ def parse_yaml(source: Any, where: str) -> Any:
                 key = (key_node.tag, key_node.value) if isinstance(key_node, yaml.ScalarNode) else id(key_node)
                 if key in seen:
                     raise ValueError(f"{where}: key {key_node.value!r} is given twice in one mapping (line "
-                                     f"{key_node.start_mark.line + 1}); keep one")
+                                     f"{key_node.start_mark.line + first_line}); keep one")
                 seen.add(key)
             return node
 

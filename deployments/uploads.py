@@ -157,7 +157,7 @@ def _scale(value: str) -> Any:
 
 
 def _lora_entries(parts: list[tuple[str, str, str]]) -> list:
-    """``lora`` of its bracketed fields ``(index, key, value)``, in the order sent.
+    """``lora`` of its bracketed fields ``(index, key, value)``: in the order sent, or by index where indexed.
 
     The ``openai`` client sends ``extra_body={"lora": [...]}`` as ``lora[][name]`` and ``lora[][scale]`` fields
     grouped by key (every name, then every scale), so entry ``i`` is the ``i``-th value of each key; an entry that
@@ -166,7 +166,8 @@ def _lora_entries(parts: list[tuple[str, str, str]]) -> list:
     ``lora[]`` alone gives list items as sent (the schema refuses them).
 
     Raises:
-        FormError: 422 on ``lora``: the forms mixed, keys given by some entries only, or indices that skip one.
+        FormError: 422 on ``lora``: the forms mixed, keys given by some entries only, indices that skip one, or a
+            key sent twice at one index.
     """
     styles = {"items" if not key else "indices" if index else "brackets" for index, key, _ in parts}
     if len(styles) > 1:
@@ -177,7 +178,10 @@ def _lora_entries(parts: list[tuple[str, str, str]]) -> list:
     if styles == {"indices"}:
         by_index: dict[str, dict] = {}
         for index, key, value in parts:
-            by_index.setdefault(index, {})[key] = _scale(value) if key == "scale" else value
+            entry = by_index.setdefault(index, {})
+            if key in entry:
+                raise FormError(422, "lora", f"'lora[{index}][{key}]' is sent more than once; send each once")
+            entry[key] = _scale(value) if key == "scale" else value
         sent = sorted(by_index, key=lambda i: (len(i), i))  # digits: by length, then as text, is by value
         if [i.lstrip("0") or "0" for i in sent] != [str(n) for n in range(len(sent))]:
             raise FormError(422, "lora", f"'lora' indices must count from 0 without gaps or repeats (got "

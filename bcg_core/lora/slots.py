@@ -67,7 +67,7 @@ class _Counts:
     load_s: float = 0.0
     evictions: int = 0
     refused: int = 0
-    timeouts: int = 0  # answered 503: no slot freed within lora.load_timeout_s
+    timeouts: int = 0  # answered 503: not loaded within lora.load_timeout_s (slots pinned, or loads slow or queued)
     cancelled: int = 0  # the caller gave up (a disconnected client) while waiting for the adapter
 
 
@@ -172,12 +172,15 @@ class AdapterSlots:
                 e.retry_after_s = retry_after_s
             raise
 
-    def _count(self, names, field: str) -> None:
-        """Add one to counter ``field`` of each of ``names`` that has a counter (a real file: :meth:`acquire`)."""
+    def _count(self, names, counter: str) -> None:
+        """Add one to ``counter`` (``timeouts``, ``cancelled``) of the adapters of ``names`` the request waited for:
+        those not resident now (else all of them, where the last load finished just after the deadline), each with
+        a counter (a real file: :meth:`acquire`)."""
         with self._cv:
-            for n in names:
+            waited = [n for n in names if n not in self._resident] or list(names)
+            for n in waited:
                 if n in self.counts:
-                    setattr(self.counts[n], field, getattr(self.counts[n], field) + 1)
+                    setattr(self.counts[n], counter, getattr(self.counts[n], counter) + 1)
 
     def _busy(self, names, retry_after_s: float | None = None) -> ServiceUnavailable:
         return ServiceUnavailable("lora", f"adapters {list(names)} were not loaded within lora.load_timeout_s "

@@ -209,9 +209,13 @@ def test_a_pinned_slot_is_never_evicted_and_a_request_without_a_slot_gets_503(ck
         asyncio.run(gives_up())
         with pytest.raises(ServiceUnavailable):  # the awaited lease's own deadline: a 503 too
             asyncio.run(slots.lease_async(("c",), (1.0,)))
+        a_timeouts = slots.counts["a"].timeouts
+        with pytest.raises(ServiceUnavailable):  # a is resident: only c, which it waited for, counts the 503
+            slots.lease(("a", "c"), (1.0, 1.0))
         counts = slots.describe()["adapters"]["c"]  # each outcome is counted (/v1/buckets, Prometheus)
-        assert counts["timeouts"] == before.timeouts + 2 and counts["cancelled"] == before.cancelled + 1
-        assert counts["requests"] == before.requests + 3 and counts["loads"] == before.loads
+        assert counts["timeouts"] == before.timeouts + 3 and counts["cancelled"] == before.cancelled + 1
+        assert counts["requests"] == before.requests + 4 and counts["loads"] == before.loads
+        assert slots.counts["a"].timeouts == a_timeouts
         assert set(slots.resident()) == {"a", "b"}
         got = []
         t = threading.Thread(target=lambda: got.append(slots.lease(("c",), (1.0,))))

@@ -81,7 +81,9 @@ def test_bcg_config_check_reads_a_serve_file_as_the_controller_builds_it_and_a_c
     twice = tmp_path / "rayservice.yaml"  # the embedded Serve file is read with the same duplicate-key rule
     twice.write_text(service.replace("dit_num_gpus: 1", "dit_num_gpus: 1\n        dit_num_gpus: 2", 1))
     assert main(["config", "--check", str(twice)]) == 2
-    assert f"{twice}: spec.serveConfigV2: key 'dit_num_gpus' is given twice in one mapping" in capsys.readouterr().err
+    line = service.splitlines().index("        dit_num_gpus: 1") + 2  # the second one, as a line of the file
+    assert (f"{twice}: spec.serveConfigV2: key 'dit_num_gpus' is given twice in one mapping (line {line})"
+            in capsys.readouterr().err)
     other = tmp_path / "other.yaml"
     other.write_text("applications:\n- name: x\n  import_path: deployments.app:build_app\n"
                      "  args: {config_path: /on/the/nodes.yaml, dit_num_gpus: 1}\n- name: y\n  import_path: m:app\n")

@@ -337,7 +337,9 @@ def test_bcg_serve_shows_what_adapter_rows_cost_when_lora_is_on():
     assert "lora" not in plain
     lora = {"slots": 8, "layers": 24, "delta_share": 5.5484, "max_per_request": 4, "max_rank": 64}
     text = ready_text("http://127.0.0.1:8000", "m", None, False, lora)
-    assert ("  lora       8 slots; 24 layers wrapped; a forward with adapter rows adds 554.8% to their matmul work"
-            in text) and "lower lora.max_rank and lora.max_per_request" in text
+    assert max(map(len, text.splitlines())) <= 118 and "\n  lora       8 slots; 24 layers wrapped;" in text
+    words = " ".join(text.split())  # wrapped to the terminal's 120 columns
+    assert ("lora 8 slots; 24 layers wrapped; a forward with adapter rows adds 554.8% to their matmul work" in words
+            and "lower lora.max_rank and lora.max_per_request" in words)
     small = ready_text("http://127.0.0.1:8000", "m", None, False, {**lora, "delta_share": 0.02})
     assert "adds 2.0%" in small and "lower lora.max_rank" not in small

@@ -342,7 +342,8 @@ def _counts(requests=0, hits=0, loads=0, load_s=0.0, evictions=0, refused=0, tim
 def test_adapter_counters_are_exported_only_for_adapters_in_the_folder():
     from bcg_core.metrics import BucketMetrics
 
-    state = {"stats": _lora_stats({"style": _counts(5, 2, 1, 0.25, timeouts=1, cancelled=1), "broken": _counts(1, refused=1),
+    state = {"stats": _lora_stats({"style": _counts(5, 2, 1, 0.25, timeouts=1, cancelled=1),
+                                   "broken": _counts(1, refused=1),
                                    "made-up": _counts(1, refused=1)}, {"style": 1}, {"style": 2})}
     asked: list[str] = []
 
@@ -364,7 +365,8 @@ def test_adapter_counters_are_exported_only_for_adapters_in_the_folder():
     assert m["bcg_lora_slots_resident"].total() == 1 and m["bcg_lora_slots_pinned"].total() == 1
     assert sorted(asked) == ["broken", "made-up"]  # a loaded adapter needs no lookup
 
-    state["stats"] = _lora_stats({"style": _counts(7, 4, 1, 0.25, evictions=1, timeouts=1, cancelled=1), "broken": _counts(1, refused=1),
+    state["stats"] = _lora_stats({"style": _counts(7, 4, 1, 0.25, evictions=1, timeouts=1, cancelled=1),
+                                  "broken": _counts(1, refused=1),
                                   "made-up": _counts(2, refused=2)})
     ex.push()
     assert m["bcg_lora_requests"].calls[-1] == (2.0, {"adapter": "style"})  # the increase only
