@@ -190,13 +190,36 @@ class CostModel:
             eager.setdefault(k.shape, {})[k.batch] = launch_ms + k.tokens * ms_per_token
         return cls(bucket, eager, source="token-count")
 
-    def eager_cost(self, shape: str, rows: int) -> float | None:
+    def eager_cost(self, shape: str, rows: int, share: float = 1.0) -> float | None:
         """Expected milliseconds of an unpadded eager forward of ``rows`` rows of ``shape`` (None: unknown).
 
         Piecewise linear through the measured points; below the first point, scaled down linearly from the
         origin's intercept (the line through the first two points, never below 0); above the last,
         extrapolated from the last two.
+
+        ``share``: the rows' real tokens over the shape's tokens per row (below 1 for a request padded into a
+        masked tier, whose eager forward was measured at the tier's size, :func:`measure_costs`). The part of
+        the time that grows with the rows is scaled by it; the fixed part, :meth:`fixed_ms`, is not. Linear in
+        the tokens, so for attention (quadratic) an upper bound: the estimate never favours eager over a bucket
+        more than the tokens do.
         """
+        e = self._eager_at(shape, rows)
+        if e is None or share >= 1.0:
+            return e
+        fixed = min(self.fixed_ms(shape), e)
+        return fixed + (e - fixed) * max(0.0, share)
+
+    def fixed_ms(self, shape: str) -> float:
+        """The part of ``shape``'s eager forward that does not grow with its rows, in milliseconds: the
+        intercept at 0 rows of the line through its first two measured points (launches, weights read once),
+        at least 0; 0 with fewer than two points."""
+        points = self.eager_ms.get(shape) or {}
+        if len(points) < 2:
+            return 0.0
+        a, b = sorted(points)[:2]
+        return max(0.0, points[a] - (points[b] - points[a]) / (b - a) * a)
+
+    def _eager_at(self, shape: str, rows: int) -> float | None:
         points = self.eager_ms.get(shape)
         if not points or rows < 1:
             return None
@@ -215,13 +238,15 @@ class CostModel:
         slope = (points[b] - points[a]) / (b - a)
         return max(0.0, points[a] + slope * (rows - a))
 
-    def choose(self, shape: str, rows: int, buckets: Sequence[BucketKey]) -> StepForwards:
+    def choose(self, shape: str, rows: int, buckets: Sequence[BucketKey], share: float = 1.0) -> StepForwards:
         """The cheapest forwards for ``rows`` real rows of ``shape`` on its ``buckets`` (module docstring).
 
         Args:
             shape: the bucket shape (:attr:`BucketKey.shape`).
             rows: real rows of the step, at least 1.
             buckets: the shape's bucket keys that can run (prepared), any order.
+            share: real tokens per row over the shape's (:meth:`eager_cost`): an eager chunk computes only
+                those, a bucket forward all of the shape's.
 
         Returns:
             The plan; ties go to fewer forwards, then to buckets over eager.
@@ -231,13 +256,14 @@ class CostModel:
         """
         if rows < 1:
             raise ValueError(f"a step needs at least 1 row, got {rows}")
-        memo = (shape, rows, frozenset(buckets))
+        share = min(1.0, round(share, 4))
+        memo = (shape, rows, frozenset(buckets), share)
         chosen = self._chosen.get(memo)
         if chosen is None:
-            chosen = self._chosen[memo] = self._cheapest(shape, rows, buckets)
+            chosen = self._chosen[memo] = self._cheapest(shape, rows, buckets, share)
         return chosen
 
-    def _cheapest(self, shape: str, rows: int, buckets: Sequence[BucketKey]) -> StepForwards:
+    def _cheapest(self, shape: str, rows: int, buckets: Sequence[BucketKey], share: float) -> StepForwards:
         """The dynamic program of :meth:`choose` (module docstring)."""
         keys = sorted((k for k in buckets if k in self.bucket_ms), key=lambda k: (k.batch, self.bucket_ms[k]))
         largest = max((k.batch for k in keys), default=0)
@@ -252,7 +278,7 @@ class CostModel:
                 if k.batch >= c and (best is None or self.bucket_ms[k] < best.ms * (1 - PAD_MARGIN)):
                     best = Chunk(k, c, self.bucket_ms[k])
             if eager_ok:
-                e = self.eager_cost(shape, c)
+                e = self.eager_cost(shape, c, share)
                 if e is not None and (best is None or e < best.ms):
                     home = next((k for k in keys if k.batch >= c), keys[-1] if keys else None)
                     best = Chunk(None, c, e, home)
@@ -419,9 +445,11 @@ class StepDecider:
         in its place when ``merge`` is False or nothing was measured before."""
         self.costs = costs if not merge or self.costs is self.fallback else self.costs.merged(costs)
 
-    def decide(self, shape: BucketShape | None, rows: int) -> StepForwards:
+    def decide(self, shape: BucketShape | None, rows: int, real_per_row: int | None = None) -> StepForwards:
         """The forwards of one step of ``rows`` rows of ``shape``; a miss (``shape`` None) runs unpadded and eager
-        in one forward.
+        in one forward. ``real_per_row``: the rows' real image plus text tokens (:class:`~bcg_core.keys.ShapeQuery`),
+        fewer than the shape's in a masked tier, where an eager chunk computes fewer tokens than a bucket forward
+        (None: the shape's).
 
         Raises:
             ValueError: ``rows`` below 1.
@@ -434,7 +462,8 @@ class StepDecider:
         every = self._by_shape.get(shape, [])
         keys = [k for k in every if k in prepared] or every
         costs = self.costs if any(k in self.costs.bucket_ms for k in keys) else self.fallback
-        return costs.choose(shape, rows, keys)
+        share = 1.0 if real_per_row is None else real_per_row / max(1, shape.tokens_per_row)
+        return costs.choose(shape, rows, keys, share)
 
     def split_adapters(self, shape: BucketShape | None, plain_rows: int, adapter_rows: int) -> bool:
         """Whether a step of ``shape`` whose rows mix requests without adapters (``plain_rows``) and with them

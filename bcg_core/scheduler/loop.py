@@ -275,7 +275,8 @@ class DenoisingLoop:
         states = [i.state for i in items]
         shape = items[0].shape
         rows = sum(s.rows for s in states)
-        forwards = self.decider.decide(shape, rows)
+        q = items[0].plan.lookup.query  # one token grid per group: every row's real tokens
+        forwards = self.decider.decide(shape, rows, q.image_tokens + q.text_tokens)
         begin = timing_mark(self._device)
         try:
             failpoints.step_oom()

@@ -180,6 +180,38 @@ def test_token_model_prefers_the_fewest_padded_tokens_and_says_so(pipe):
     assert plan.padded_rows == 0  # no padded token is ever worth it when a bucket forward is not cheaper
 
 
+def test_eager_time_scales_with_the_real_tokens_above_its_fixed_part():
+    costs = _scripted({1: 10.0}, {1: 5.0, 2: 7.0, 4: 11.0})  # 3 ms fixed + 2 ms a row
+    assert costs.fixed_ms(SHAPE) == pytest.approx(3.0) and costs.fixed_ms("other") == 0.0
+    assert costs.eager_cost(SHAPE, 2, share=0.5) == pytest.approx(3.0 + 4.0 * 0.5)
+    assert costs.eager_cost(SHAPE, 2, share=1.0) == costs.eager_cost(SHAPE, 2) == pytest.approx(7.0)
+
+
+def test_a_request_padded_into_a_masked_tier_runs_eager_where_padding_does_not_pay(pipe, make_sched):
+    """Without graphs (a CPU) a padded token is pure extra work: a 320x256 request in the 512-token masked tier
+    runs its 320 real image tokens unpadded and eager, with no padded token, and gives the same image. The eager
+    times were measured (or modelled) at the tier's size, so the decider scales them to the real tokens; priced at
+    the tier's size, eager tied with the padded bucket and the bucket won."""
+    req = _req(seed=140, width=320, height=256)
+    plan = pipe.planner.plan(req)
+    q = plan.lookup.query
+    assert plan.shape.image_mask and q.image_tokens == 320 and plan.shape.image_tokens == 512
+    costs = CostModel.token_model(pipe.table.keys, graphs=False)
+    keys = [k for k in pipe.table.keys if k.shape == plan.shape]
+    assert costs.choose(plan.shape, 1, keys).decision == "fill"  # at the tier's size: a tie, to the bucket
+
+    async def main():
+        sched = make_sched(costs=costs)
+        log = StepLog(pipe)
+        return sched, log, await sched.submit(req)
+
+    sched, log, result = run(main())
+    assert [[c.key for c in p.chunks] for _, p in log.steps] == [[None]] * 2
+    shape = sched.stats()["shapes"][str(plan.shape)]
+    assert shape["decisions"]["eager"] == 2 and shape["padded_token_waste"] == 0
+    assert same_image(result.images_png[0], pipe.generate(req).images_png[0])
+
+
 # -- per-row timesteps and splits, at the pipeline level ----------------------------------------------
 
 @torch.inference_mode()
