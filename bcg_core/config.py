@@ -86,6 +86,22 @@ class PlannedTraffic(BaseModel):
         default_factory=dict,
         description="Per bucket shape (and 'miss'), its share of the computed tokens: the ownership prior.")
 
+    @model_validator(mode="after")
+    def _lines_and_work(self) -> PlannedTraffic:
+        from bcg_core.keys import BucketShape
+
+        known = ("graph_launch_ms", "eager_launch_ms", "ms_per_token", "eager_ms_per_token", "bytes_per_token")
+        for name, x in self.cost_lines.items():
+            if name not in known or not 0 <= x < float("inf"):
+                raise ValueError(f"cost_lines.{name} is {x}: " + (f"not a cost line; they are {', '.join(known)}"
+                                 if name not in known else "a cost is a finite number, 0 or more"))
+        for shape, x in self.work.items():
+            if not 0 <= x <= 1:
+                raise ValueError(f"work[{shape!r}] is {x}: a share of the computed tokens, 0 to 1")
+            if shape != "miss":
+                BucketShape.parse(shape)  # ValueError naming the format
+        return self
+
 
 class BucketConfig(BaseModel):
     """The bucket table: every combination of the three lists below is one bucket.

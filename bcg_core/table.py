@@ -102,7 +102,7 @@ class BucketTable:
         grids: list[tuple[int, int]] = []
         tier_texts: dict[object, set[int]] = {}
         for s, (w, h) in zip(config.resolutions, config.resolution_pairs()):
-            rules.check_size(w, h, where="bucket resolution")
+            rules.check_size(w, h, where="buckets.resolutions:")
             g = rules.grid(w, h)
             grids.append(g)
             tier_texts.setdefault(g if rules.grid_keyed else g[0] * g[1], set()).update(config.texts_of(s))

@@ -250,8 +250,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     if args.trace and args.traffic != "gentd26":
         print("bcg plan: error: --trace is a GenTD26-style trace: give it with --traffic gentd26", file=sys.stderr)
         return 2
-    if args.source and (args.trace or args.traffic != "krea"):
-        print("bcg plan: error: --from replaces --traffic/--trace: give one traffic source", file=sys.stderr)
+    if args.source and (args.trace or args.traffic != "krea" or args.krea):
+        print("bcg plan: error: --from replaces --traffic/--trace/--krea: give one traffic source", file=sys.stderr)
         return 2
     if args.api_key_file and not (args.source or "").startswith(("http://", "https://")):
         print("bcg plan: error: --api-key-file is sent to a server: give it with --from URL", file=sys.stderr)

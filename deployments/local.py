@@ -122,6 +122,26 @@ def check_config(config_path: str | Path) -> "ServeConfig":
     return config
 
 
+def plan_notes(config: ServeConfig) -> list[str]:
+    """What ``bcg config --check`` says of a ``buckets.plan`` block that a server would start with but not use as
+    written: one that does not describe the table (hand-edited shapes; the replicas' drift check ignores it), and
+    ``miss_policy: reject`` where the plan expected misses (those requests would be refused with 422)."""
+    from bcg_core.planner import Planner
+    from bcg_core.planning.drift import plan_matches
+
+    plan = config.buckets.plan
+    if plan is None:
+        return []
+    notes = []
+    if not plan_matches(plan, Planner.from_config(config).table):
+        notes.append("buckets.plan does not describe this table (its work names shapes the table lacks): the "
+                     "drift check ignores it; plan again with bcg plan --write, or delete buckets.plan")
+    if config.buckets.miss_policy.value == "reject" and plan.miss_share > 0:
+        notes.append(f"buckets.miss_policy is reject, and the plan expected {plan.miss_share:.1%} of its requests "
+                     f"to miss every bucket: those would be refused (422)")
+    return notes
+
+
 def _block_start(path: Path) -> int:
     """The file line on which a RayService's ``spec.serveConfigV2`` text starts: the line after its ``|`` or ``>``
     (a block scalar, as KubeRay's examples write it); for a quoted string, the line of its opening quote (line
@@ -171,7 +191,7 @@ def check_file(path: str | Path) -> str:
         config = check_config(path)
         return (f"{path}: ok (model {config.model.path or 'the tiny default'}, {len(config.buckets.batch_sizes)} "
                 f"batch sizes x {len(config.buckets.resolutions)} resolutions; text buckets "
-                f"{config.buckets.all_text_lengths()} tokens)")
+                f"{config.buckets.all_text_lengths()} tokens)" + "".join(f"\n  note: {n}" for n in plan_notes(config)))
     apps = data["applications"]
     if not isinstance(apps, list) or not apps:
         raise ValueError(f"{path}: applications must be a list of applications (name, import_path, args), got "

@@ -60,6 +60,8 @@ def load_plan_traffic(config: ServeConfig, source: str, steps: int | None = None
 
     from bcg_core.planning.traffic import load_traffic
 
+    if "://" in source and not source.startswith(("http://", "https://")):
+        raise ValueError(f"--from {source}: an http:// or https:// URL of a server, or a JSON file")
     if "://" not in source and not os.path.exists(source):
         raise ValueError(f"--from {source}: no such file; for a running server give its URL, e.g. http://{source}"
                          if ":" in source else f"--from {source}: no such file")
@@ -152,6 +154,10 @@ def run_plan(config: ServeConfig, source: str = "krea", budget_mib: float | None
     from bcg_core.planning.table_search import search_table
 
     console = console or Console()
+    if steps is not None and not 1 <= steps <= config.limits.max_steps:
+        most = config.limits.max_steps
+        raise ValueError(f"--steps {steps} is outside the config's limits (limits.max_steps {most}); use --steps 1 "
+                         f"to {most}, or raise limits.max_steps")
     traffic = load_plan_traffic(config, source, steps, krea, api_key)
     costs = PlanCosts.token_count(config)
     if measure and profile:

@@ -298,22 +298,35 @@ def error_text(exc: BaseException, model: Any = None, what: str = "configuration
     from pydantic import ValidationError
 
     if isinstance(exc, ValidationError):
-        parts = []
+        parts: list = []
+        unknown: dict[tuple, list[str]] = {}  # section -> its unknown fields: one "takes ..." per section
         for e in exc.errors():
             loc = tuple(e.get("loc", ()))
             msg = str(e.get("msg", "")).removeprefix("Value error, ")
             fields = _section_fields(loc[:-1], model or ServeConfig) if e.get("type") == "extra_forbidden" else None
             if fields is not None:
                 close = difflib.get_close_matches(str(loc[-1]), fields, n=1)
-                msg = (f"unknown field{f' (did you mean {close[0]!r}?)' if close else ''}; "
-                       f"{'.'.join(map(str, loc[:-1])) or top} takes {', '.join(fields)}")
+                if loc[:-1] not in unknown:
+                    unknown[loc[:-1]] = []
+                    parts.append((loc[:-1], fields))
+                unknown[loc[:-1]].append((".".join(map(str, loc)), f" (did you mean {close[0]!r}?)" if close else ""))
+                continue
             elif type(e.get("input")).__name__ == "_BadKey":  # deployments.settings: says what is wrong, not the key
                 why = e["input"].reason
                 msg = (f"an API key that is {why}" if loc and isinstance(loc[-1], int) else
                        f"{why}: give a list of keys, e.g. [\"sk-...\"], or api_key_file")
             where = ".".join(str(x) for x in loc)
             parts.append(f"{where}: {msg}" if where else msg)
+        for i, part in enumerate(parts):
+            if isinstance(part, tuple):
+                section, fields = part
+                names = unknown[section]
+                said = (f"{names[0][0]}: unknown field{names[0][1]}" if len(names) == 1 else
+                        f"{', '.join(n + hint for n, hint in names)}: unknown fields")
+                parts[i] = f"{said}; {'.'.join(map(str, section)) or top} takes {', '.join(fields)}"
         return f"invalid {what}: {'; '.join(parts)}"
+    if isinstance(exc, FileNotFoundError) and exc.filename:  # "[Errno 2] No such file or directory: 'x'"
+        return f"{exc.filename}: no such file"
     return str(exc)
 
 

@@ -115,12 +115,24 @@ def replace_buckets(config: EngineConfig, **fields) -> EngineConfig:
 
 
 def krea_rows(path: str | None = None) -> list[dict[str, str]]:
-    """Rows of the krea CSV: the packaged one (:data:`KREA_CSV`) or ``path``, as strings."""
+    """Rows of the krea CSV: the packaged one (:data:`KREA_CSV`) or ``path``, as strings.
+
+    Raises:
+        ValueError: ``path`` is missing, a folder, not UTF-8 text, or has no ``width`` and ``height`` columns
+            (each naming the file).
+    """
     if path is None:
         text = resources.files("bcg_core").joinpath("data", KREA_CSV).read_text(encoding="utf-8")
     else:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+        except FileNotFoundError:
+            raise ValueError(f"{path}: no such file (a krea-format CSV)") from None
+        except IsADirectoryError:
+            raise ValueError(f"{path} is a folder, not a krea-format CSV") from None
+        except UnicodeDecodeError:
+            raise ValueError(f"{path} is not a krea-format CSV: not UTF-8 text") from None
     reader = csv.DictReader(io.StringIO(text))
     missing = [c for c in ("width", "height") if c not in (reader.fieldnames or [])]
     if missing:

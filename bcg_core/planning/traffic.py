@@ -311,6 +311,9 @@ def _parse_time(text: str) -> datetime:
 
 def _from_document(data: Any, source: str) -> TrafficHistogram:
     """A snapshot, or a ``/v1/buckets`` answer holding one under ``traffic``."""
+    if isinstance(data, Mapping) and {"chosen", "curve", "max_graphs"} <= set(data):
+        raise ValueError(f"{source} is a `bcg plan --json` report (the plan of some traffic), not recorded traffic: "
+                         f"give a server's URL, a saved GET /v1/buckets answer or a traffic snapshot")
     if isinstance(data, Mapping) and "shapes" not in data and "traffic" in data:
         data = data["traffic"]
         if data is None:
@@ -329,8 +332,9 @@ def load_traffic(source: str, timeout_s: float = 10.0, api_key: str | None = Non
     """The traffic histogram of a running server or of a JSON file.
 
     Args:
-        source: an ``http://`` or ``https://`` URL of a bcg-serve application (``http://127.0.0.1:8000``; its
-            ``GET /v1/buckets`` answer is read, unless the URL already ends in ``/v1/buckets``), or the path of
+        source: an ``http://`` or ``https://`` URL of a bcg-serve application (``http://127.0.0.1:8000``, or the
+            OpenAI client's base URL ending in ``/v1``; its ``GET /v1/buckets`` answer is read, unless the URL
+            already ends in ``/v1/buckets``), or the path of
             a JSON file (a :meth:`TrafficHistogram.save` file or a saved ``/v1/buckets`` answer).
         timeout_s: seconds to wait for the server.
         api_key: sent as ``Authorization: Bearer`` to a server with API keys (never logged or echoed).
@@ -344,13 +348,14 @@ def load_traffic(source: str, timeout_s: float = 10.0, api_key: str | None = Non
     if not source.startswith(("http://", "https://")):
         return TrafficHistogram.load(source)
     base = source.rstrip("/")
-    url = base if base.endswith("/v1/buckets") else base + "/v1/buckets"
+    url = base if base.endswith("/v1/buckets") else base.removesuffix("/v1") + "/v1/buckets"
     try:
         headers = {"Accept": "application/json", **({"Authorization": f"Bearer {api_key}"} if api_key else {})}
         with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=timeout_s) as answer:
             body = answer.read()
     except urllib.error.HTTPError as e:
-        hint = (" (the server wants an API key: give it with --api-key-file)" if e.code == 401 and not api_key else "")
+        hint = (" (the server wants an API key: give it with --api-key-file or OPENAI_API_KEY)"
+                if e.code == 401 and not api_key else "")
         raise ConnectionError(f"GET {url} answered HTTP {e.code}{hint}: "
                               f"{e.read()[:300].decode(errors='replace')}") from None
     except (urllib.error.URLError, OSError) as e:  # refused, unresolvable, timed out

@@ -147,7 +147,7 @@ def test_bcg_plan_reads_a_keyed_servers_traffic_with_its_key(auth_url, tmp_path,
     client.images.generate(**GEN_ARGS)  # some recorded traffic
     assert main(["plan", "--from", auth_url, "--max-graphs", "4"]) == 2
     err = capsys.readouterr().err
-    assert "HTTP 401 (the server wants an API key: give it with --api-key-file)" in err
+    assert "HTTP 401 (the server wants an API key: give it with --api-key-file or OPENAI_API_KEY)" in err
     keys = tmp_path / "keys.txt"
     keys.write_text(f"# the first key is sent\n{FILE_KEY}\n")
     config = tmp_path / "config.yaml"

@@ -98,3 +98,24 @@ def test_bcg_config_check_reads_a_serve_file_as_the_controller_builds_it_and_a_c
         other.write_text(body)
         assert main(["config", "--check", str(other)]) == 2
         assert why in capsys.readouterr().err, body
+
+
+def test_bcg_config_check_notes_a_plan_block_the_server_would_not_use(tmp_path, capsys):
+    """A hand-edited ``buckets.plan``: bad values are refused; a plan of other shapes, or one expecting misses
+    under ``miss_policy: reject``, passes (a server starts with it) with a note saying what happens."""
+    from deployments.cli import main
+
+    config = tmp_path / "my.yaml"
+    head = "buckets:\n  miss_policy: reject\n  plan:\n    source: krea\n    requests: 10\n    waste: 0.1\n" \
+           "    ms_per_image: 5\n    costs: token-count\n    miss_share: 0.31\n"
+    config.write_text(head + "    work: {i9999_t256: 0.5}\n")
+    assert main(["config", "--check", str(config)]) == 0
+    out = capsys.readouterr().out
+    assert "note: buckets.plan does not describe this table" in out
+    assert "note: buckets.miss_policy is reject, and the plan expected 31.0% of its requests" in out
+    config.write_text(head + "    cost_lines: {graph_launch_ms: -0.5}\n")
+    assert main(["config", "--check", str(config)]) == 2
+    assert "cost_lines.graph_launch_ms is -0.5: a cost is a finite number, 0 or more" in capsys.readouterr().err
+    config.write_text(head + "    work: {nonsense: 0.5}\n")
+    assert main(["config", "--check", str(config)]) == 2
+    assert "buckets.plan: 'nonsense' is not a bucket shape: expected i<image tokens>" in capsys.readouterr().err

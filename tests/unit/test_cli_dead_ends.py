@@ -249,8 +249,10 @@ def test_plan_says_the_current_table_is_better_and_writes_the_planned_one_only_w
     assert f"--write {tmp_path / 'no' / 'such' / 'p.yaml'}: its folder" in capsys.readouterr().err
     assert main(["plan", "--plot", str(tmp_path / "plan.txt")]) == 2  # a format matplotlib cannot write: before too
     assert ".txt is not an image format matplotlib writes; allowed: " in capsys.readouterr().err
-    assert main(["plan", "--steps", "1000"]) == 2  # every request refused: a whole count
-    assert "(num_inference_steps: 209 requests)" in capsys.readouterr().err
+    huge = tmp_path / "huge.csv"  # every request refused: a whole count
+    huge.write_text("prompt,width,height,num_generations,num_step\n" + "a cat,8192,8192,1,20\n" * 3)
+    assert main(["plan", "--krea", str(huge)]) == 2
+    assert "has no request the limits allow" in (err := capsys.readouterr().err) and ": 3 requests)" in err, err
     assert main(["plan", "--write", str(out), "--force"]) == 0
     assert "(--force: the current table is expected to be as good or better)" in capsys.readouterr().out
     from deployments.settings import load_config
@@ -343,3 +345,45 @@ def test_bcg_serve_shows_what_adapter_rows_cost_when_lora_is_on():
             and "lower lora.max_rank and lora.max_per_request" in words)
     small = ready_text("http://127.0.0.1:8000", "m", None, False, {**lora, "delta_share": 0.02})
     assert "adds 2.0%" in small and "lower lora.max_rank" not in small
+
+
+def test_bcg_plan_names_the_krea_file_and_refuses_it_beside_from(tmp_path, capsys):
+    from deployments.cli import main
+
+    assert main(["plan", "--from", "traffic.json", "--krea", "x.csv"]) == 2
+    assert "--from replaces --traffic/--trace/--krea: give one traffic source" in capsys.readouterr().err
+    assert main(["plan", "--krea", str(tmp_path / "none.csv")]) == 2
+    assert f"{tmp_path / 'none.csv'}: no such file (a krea-format CSV)" in capsys.readouterr().err
+    binary = tmp_path / "bin.csv"
+    binary.write_bytes(b"\xfe\xff\x00\x81" * 64)
+    assert main(["plan", "--krea", str(binary)]) == 2
+    assert f"{binary} is not a krea-format CSV: not UTF-8 text" in capsys.readouterr().err
+
+
+def test_missing_files_odd_urls_and_steps_outside_the_limits_are_named(capsys):
+    from deployments.cli import main
+
+    assert main(["config", "--check", "/no/such/config.yaml"]) == 2
+    assert "bcg config: error: /no/such/config.yaml: no such file" in capsys.readouterr().err
+    assert main(["plan", "--from", "ftp://127.0.0.1:8001"]) == 2
+    assert "--from ftp://127.0.0.1:8001: an http:// or https:// URL of a server, or a JSON file" in \
+        capsys.readouterr().err
+    assert main(["plan", "--steps", "1000"]) == 2
+    assert "--steps 1000 is outside the config's limits (limits.max_steps 50); use --steps 1 to 50" in \
+        capsys.readouterr().err
+
+
+def test_a_plan_report_given_as_traffic_or_config_says_what_it_is(tmp_path, capsys):
+    import json
+
+    from deployments.cli import main
+
+    report = tmp_path / "plan.json"  # what bcg plan --json writes (its keys; the values do not matter here)
+    report.write_text(json.dumps({"buckets": {}, "chosen": [], "shapes": [], "curve": [], "traffic": {"source": "krea"},
+                                  "costs": {}, "budget_mib": None, "max_graphs": 12, "current": {}}))
+    assert main(["plan", "--from", str(report)]) == 2
+    assert "is a `bcg plan --json` report (the plan of some traffic), not recorded traffic" in capsys.readouterr().err
+    assert main(["config", "--check", str(report)]) == 2
+    err = capsys.readouterr().err
+    assert "chosen, shapes, curve, costs, budget_mib, max_graphs, current: unknown fields; the config takes" in err
+    assert err.count("the config takes") == 1  # one list of the fields per section, not one per unknown key

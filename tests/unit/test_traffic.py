@@ -245,7 +245,8 @@ def test_load_traffic_reads_the_traffic_section_of_a_server():
     with _Server(json.dumps({"replica": "r1", "traffic": snap}).encode()) as server:
         assert load_traffic(server.url + "/", timeout_s=5).snapshot() == snap
         assert load_traffic(server.url + "/v1/buckets", timeout_s=5).snapshot() == snap
-    assert server.paths == ["/v1/buckets", "/v1/buckets"]
+        assert load_traffic(server.url + "/v1", timeout_s=5).snapshot() == snap  # the openai client's base URL
+    assert server.paths == ["/v1/buckets"] * 3
 
 
 def test_load_traffic_names_the_url_when_the_section_is_missing_or_the_server_fails():
