@@ -2,9 +2,9 @@
 
 Starts Ray on this machine with Prometheus export on a given port (``_metrics_export_port``) and a short metrics
 report interval, serves the small eager-miss application of ``tests/serve/conftest.py`` on 127.0.0.1, sends four small
-requests over HTTP (two exact 256x256 hits, one 256x272 hit in a masked bucket, one image miss), reads
-``GET /v1/buckets``, then scrapes ``http://127.0.0.1:PORT/metrics`` until the ``ray_bcg_*`` series show the same
-request counts (bounded wait), and writes a JSON report:
+requests over HTTP (two exact 256x256 hits, one 256x272 hit in a masked bucket, run eager as padding never pays on
+a CPU, one image miss), reads ``GET /v1/buckets``, then scrapes ``http://127.0.0.1:PORT/metrics`` until the
+``ray_bcg_*`` series show the same request counts (bounded wait), and writes a JSON report:
 ``{"metrics_port", "buckets" (the /v1/buckets answer), "metrics" (the ray_bcg_* lines), "waited_s",
 "service_discovery" (Ray's Prometheus file-SD content), "service_discovery_path"}``.
 
