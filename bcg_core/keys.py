@@ -149,6 +149,11 @@ class ShapeQuery:
     latent_hw: tuple[int, int] | None = None
 
     @property
+    def tokens_per_row(self) -> int:
+        """Real image plus text tokens of one row."""
+        return self.image_tokens + self.text_tokens
+
+    @property
     def tokens(self) -> int:
         """Real tokens in one forward: ``batch * (image_tokens + text_tokens)``."""
-        return self.batch * (self.image_tokens + self.text_tokens)
+        return self.batch * self.tokens_per_row

@@ -410,9 +410,9 @@ class DiTPipeline:
         if state.latents.is_cuda:  # its encodes' kernels end here, not inside the first step's time
             torch.cuda.synchronize(state.latents.device)
         t1 = time.perf_counter()
-        key, share, q = None, 0, plan.lookup.query
+        key, share = None, 0
         while not state.done and not state.cancelled:
-            forwards = self.decider.decide(plan.shape, state.rows, q.image_tokens + q.text_tokens)
+            forwards = self.decider.decide(plan.shape, state.rows, plan.lookup.query.tokens_per_row)
             begin = timing_mark(self.model.device)
             self.step([state], forwards)
             end = timing_mark(self.model.device)

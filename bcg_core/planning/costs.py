@@ -222,11 +222,11 @@ def evaluate(table: BucketTable, traffic: Traffic, costs: PlanCosts, memo: dict 
     for d in traffic.demands:
         q = d.query
         probe = table.lookup(replace(q, batch=min(q.batch, table.batch_sizes[-1])))
-        real_tok = q.batch * (q.image_tokens + q.text_tokens)
+        real_tok = q.tokens
         if probe.hit:
             shape = probe.key.shape
             keys = by_shape[shape]
-            per_row = q.image_tokens + q.text_tokens
+            per_row = q.tokens_per_row
             mk = (tuple(k.batch for k in keys), keys[0].image_tokens, keys[0].text_tokens, q.batch, per_row)
             m = memo.get(mk)
             if m is None:

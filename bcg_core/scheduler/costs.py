@@ -447,7 +447,7 @@ class StepDecider:
 
     def decide(self, shape: BucketShape | None, rows: int, real_per_row: int | None = None) -> StepForwards:
         """The forwards of one step of ``rows`` rows of ``shape``; a miss (``shape`` None) runs unpadded and eager
-        in one forward. ``real_per_row``: the rows' real image plus text tokens (:class:`~bcg_core.keys.ShapeQuery`),
+        in one forward. ``real_per_row``: the rows' real tokens (:attr:`~bcg_core.keys.ShapeQuery.tokens_per_row`),
         fewer than the shape's in a masked tier, where an eager chunk computes fewer tokens than a bucket forward
         (None: the shape's).
 

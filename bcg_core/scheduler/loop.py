@@ -275,8 +275,8 @@ class DenoisingLoop:
         states = [i.state for i in items]
         shape = items[0].shape
         rows = sum(s.rows for s in states)
-        q = items[0].plan.lookup.query  # one token grid per group: every row's real tokens
-        forwards = self.decider.decide(shape, rows, q.image_tokens + q.text_tokens)
+        # one token grid per group: every row has the first request's real tokens
+        forwards = self.decider.decide(shape, rows, items[0].plan.lookup.query.tokens_per_row)
         begin = timing_mark(self._device)
         try:
             failpoints.step_oom()

@@ -94,9 +94,8 @@ class SchedulerStats:
     def count_step(self, shape: str | None, forwards: StepForwards, rows: Sequence[tuple[int, ShapeQuery]]) -> int:
         """Count one step of requests of ``rows`` (each ``(rows, exact shape query)``) run as ``forwards``; returns
         the tokens it computed (a bucket forward's padded tokens, an eager chunk's real ones)."""
-        q = rows[0][1]
-        per_row = q.image_tokens + q.text_tokens
-        real = sum(n * (r.image_tokens + r.text_tokens) for n, r in rows)
+        per_row = rows[0][1].tokens_per_row
+        real = sum(n * r.tokens_per_row for n, r in rows)
         computed = 0
         st = self.shape(shape)
         st.steps += 1
