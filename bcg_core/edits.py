@@ -40,9 +40,8 @@ def _open(data: bytes, field: str, max_pixels: int, formats: tuple[str, ...] = E
     """
     from PIL import Image, UnidentifiedImageError
 
-    named = {"PNG": "PNG", "JPEG": "JPEG", "WEBP": "WebP"}
-    allowed = " or ".join([", ".join(named[f] for f in formats[:-1]), named[formats[-1]]] if len(formats) > 1
-                          else [named[formats[0]]])
+    names = [{"WEBP": "WebP"}.get(f, f) for f in formats]
+    allowed = f"{', '.join(names[:-1])} or {names[-1]}" if len(names) > 1 else names[0]  # "PNG, JPEG or WebP"
     if not isinstance(data, (bytes, bytearray)) or not data:
         raise RequestError(field, f"'{field}' must be a non-empty {allowed} file")
     try:

@@ -164,8 +164,7 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResp
 
 
 def _too_large(exc: BodyTooLarge, limit: int, name: str) -> JSONResponse:
-    read = exc.args[1:] == (True,)
-    size = f"of at least {exc.args[0]} bytes (read no further)" if read else f"of {exc.args[0]} bytes"
+    size = f"of at least {exc.size} bytes (read no further)" if exc.read else f"of {exc.size} bytes"
     return error_response(413, f"request body {size} is over the limit of {limit} bytes ({name})")
 
 

@@ -50,8 +50,12 @@ not the other spellings pydantic's lax mode takes (``yes``, ``on``, ``1``, ...).
 
 
 class BodyTooLarge(Exception):
-    """A body over its bound; ``args[0]``: its declared length, or the bytes received when it passed the bound
-    (``args[1]`` True: a body sent without a ``Content-Length``, or longer than declared, read no further)."""
+    """A body over its bound: ``size``, its declared length, or with ``read`` the bytes received when it passed the
+    bound (a body sent without a ``Content-Length``, or longer than declared, read no further)."""
+
+    def __init__(self, size: int, read: bool = False):
+        super().__init__(size, read)
+        self.size, self.read = size, read
 
 
 class FormError(Exception):
@@ -99,7 +103,7 @@ async def _bounded(request: Request, max_bytes: int) -> AsyncIterator[bytes]:
     async for chunk in request.stream():
         size += len(chunk)
         if size > max_bytes:
-            raise BodyTooLarge(size, True)
+            raise BodyTooLarge(size, read=True)
         yield chunk
 
 
