@@ -13,7 +13,8 @@ a model of its own when another compiled tier runs too). Each captures every buc
 - ``ratio`` (and ``<tier>_ratio``): ``compiled_ms / eager_ms`` (below 1: compiled kernels are faster; the target is at most 0.85);
 - ``prepare_s``: the bucket's warm-up and capture seconds (with compiled kernels, its compile);
 - ``rel_err`` of each tier: ``max|padded - unpadded eager| / max|unpadded eager|`` at the bucket's exact shape
-  (``bcg_core.verify.verify_runner``), against the tolerance of the dtype (``bcg_core.verify.RTOL``);
+  (``bcg_core.verify.verify_runner``), against the tier's tolerance (``<tier>_rtol``: the dtype's
+  ``bcg_core.verify.RTOL`` for eager, the runner's ``kernel_tolerance`` for compiled and fp8);
 - with ``--profile``, ``<tier>_split``: where one replay's GPU time goes, from torch.profiler's CUDA kernel events
   of ``--iters`` replays (:func:`kernel_split`): milliseconds per replay of matmuls (cuBLAS, CUTLASS, ``_scaled_mm``),
   attention (SDPA's cuDNN, flash and memory-efficient kernels), inductor's Triton kernels (fused norms, RoPE,
@@ -207,8 +208,10 @@ def bench_model(name: str, args, device: torch.device) -> dict:
                     times[tier].append(_forward_ms(pipe, key, inputs, args.iters))
         for tier, pipe in pipes.items():
             described = next(d for d in pipe.runner.describe() if d["key"] == str(key))
-            verdict, = verify_runner(pipe.model.adapter, pipe.runner, [case], model.device, model.dtype,
-                                     rtol=RTOL[model.dtype])
+            kernels = pipe.runner.kernels  # a compiled tier's own bound (bcg_core.verify.kernel_tolerance)
+            rtol = kernels.rtol if kernels is not None and kernels.rtol is not None else RTOL[model.dtype]
+            verdict, = verify_runner(pipe.model.adapter, pipe.runner, [case], model.device, model.dtype, rtol=rtol)
+            row[f"{tier}_rtol"] = rtol
             row[f"{tier}_ms"] = round(statistics.median(times[tier]), 4)
             row[f"{tier}_mode"], row[f"{tier}_kernels"] = described["mode"], described["kernels"]
             row[f"{tier}_prepare_s"] = described["capture_s"]

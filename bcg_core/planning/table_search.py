@@ -190,9 +190,9 @@ def search_table(config: EngineConfig, traffic: Traffic, costs: PlanCosts | None
     exact = rules.grid_keyed or base.image_padding == "exact"  # every size needs its own tier
     tiers, texts, batches = _candidates(traffic, rules, planner, None if reject and exact else 16)
     # every table starts from one bucket at the sample's longest text (capped at the encoder's cut), and the search
-    # only adds text buckets: the largest text bucket is the server's prompt limit (Planner.text_limit), so a
-    # table without it would refuse the sample's own long prompts with 422 (a 173-token krea prompt did, on a
-    # [144] table); the smallest table and the budget ladder's first rung start there too
+    # only adds text buckets: a longer prompt is a text miss (eager kernels) or, under miss_policy reject, refused
+    # with 422 (Planner.text_limit; a 173-token krea prompt was, on a [144] table), so the sample's own long
+    # prompts keep a bucket; the smallest table and the budget ladder's first rung start there too
     longest_text = texts[-1:]
     budget = None if budget_mib is None else budget_mib * 2**20
     min_tokens = planner.table.min_image_tokens  # as every replica's table: from the smallest side the limits allow

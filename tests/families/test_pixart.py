@@ -208,12 +208,26 @@ def test_a_text_bucket_above_what_the_pipeline_feeds_is_refused_before_loading(f
         Planner.from_config(cfg)  # the ingress's planner: tokenizer and JSON configs only
 
 
-def test_a_prompt_longer_than_the_largest_text_bucket_names_the_bucket_and_the_fix(pipe):
+def test_a_prompt_longer_than_the_largest_text_bucket_is_a_text_miss_that_equals_diffusers(pipe, folder):
+    """``miss_policy: eager`` (the default): a prompt above the largest text bucket (64) is a text miss served
+    unpadded on eager kernels, cut at 300 tokens as diffusers cuts it; the image equals diffusers'. A planned
+    table sized on short prompts therefore never refuses a longer one (a GPU replay of krea prompts against a
+    table planned on GenTD26's prompt lengths refused 17 of 32 requests before)."""
+    long = " ".join(["a red cat"] * 60)
+    assert _tokens(pipe, long) > 64
+    req = GenerationRequest(long, n=1, width=256, height=256, num_inference_steps=2, guidance_scale=4.5, seed=0)
+    plan = pipe.planner.plan(req)
+    assert not plan.lookup.hit and Dim.TEXT in plan.lookup.missed
+    assert_same(bcg_run(pipe, req), diffusers_run(PixArtSigmaPipeline, folder, req))
+
+
+def test_under_miss_policy_reject_a_prompt_longer_than_the_largest_text_bucket_names_the_bucket_and_the_fix(folder):
+    reject = bcg_pipeline(folder, {**BUCKETS, "miss_policy": "reject"})
     with pytest.raises(RequestError) as e:
-        pipe.planner.plan(GenerationRequest(" ".join(["a red cat"] * 60), width=256, height=256, seed=0))
+        reject.planner.plan(GenerationRequest(" ".join(["a red cat"] * 60), width=256, height=256, seed=0))
     assert e.value.field == "prompt"
     assert "largest text bucket (buckets.text_lengths) holds 64 tokens" in e.value.message
-    assert "add a larger text bucket (up to 300)" in e.value.message
+    assert "add a larger text bucket (up to 300), or set miss_policy: eager" in e.value.message
 
 
 def test_per_tier_text_buckets_pad_each_tier_to_its_own_buckets_and_equal_diffusers(folder):
