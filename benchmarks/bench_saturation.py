@@ -114,8 +114,8 @@ counted: ``--warmup shapes`` sends one request of each distinct (size, n) of the
   GPU time and no launch gaps); ``floor_share`` = its inverse.
 - ``c1_p50_ms``: the concurrency-1 phase: ``--c1-requests`` (default 5) copies of the first krea request
   (its size, n and seed), sent one after another at concurrency 1; p50 of their latencies (ms).
-- ratios: ``images_per_s_vs_naive`` (step and planned images/s over naive's), ``c1_vs_naive`` (each server's
-  ``c1_p50_ms`` / naive's).
+- ratios: ``images_per_s_vs_naive`` (step and planned images/s over naive's; None where either server failed
+  requests), ``c1_vs_naive`` (each server's ``c1_p50_ms`` / naive's).
 
 With ``--compile-decode`` the step and planned servers run ``runner.compile_decode``: after the warm-up each waits
 (up to ``--decode-wait-s``) until its background decode compiles are done (``decode_wait_s``), so the replay
@@ -285,8 +285,11 @@ def _ratio(a, b) -> float | None:
 def ratios(summaries: dict[str, dict]) -> dict:
     """Cross-server ratios of the per-server summaries (``{server: summary}``; a summary may lack fields when
     its server failed): ``images_per_s_vs_naive`` (step, planned), ``c1_vs_naive`` (each server's
-    ``c1_p50_ms`` / naive's). None where a side is missing."""
-    ips = {k: (v or {}).get("images_per_s") for k, v in summaries.items()}
+    ``c1_p50_ms`` / naive's). None where a side is missing, and an images/s ratio None where a side failed
+    requests (its images/s counts only the served ones, a different workload: a planned table that refused 17 of
+    32 prompts once read 2.8x)."""
+    ips = {k: (v or {}).get("images_per_s") if not (v or {}).get("failures") else None
+           for k, v in summaries.items()}
     c1 = {k: (v or {}).get("c1_p50_ms") for k, v in summaries.items()}
     return {
         "images_per_s_vs_naive": {k: _ratio(ips.get(k), ips.get("naive"))

@@ -178,6 +178,9 @@ def test_ratios_against_naive():
     assert r["c1_vs_naive"] == {"step": 0.88, "planned": 0.8} and r["planned_vs_step"] == 1.2
     r = bench.ratios({"naive": {"images_per_s": 2.0}, "step": None})  # a failed server, planned not run
     assert r["images_per_s_vs_naive"] == {"step": None} and r["c1_vs_naive"] == {"step": None}
+    r = bench.ratios({"naive": {"images_per_s": 2.0, "failures": 0},
+                      "planned": {"images_per_s": 5.6, "failures": 17, "c1_p50_ms": None}})
+    assert r["images_per_s_vs_naive"] == {"step": None, "planned": None}  # 15 of 32 served: not comparable
 
 
 def test_small_helpers():
