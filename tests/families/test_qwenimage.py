@@ -94,6 +94,15 @@ def test_padded_rows_and_text_with_true_cfg_at_an_odd_grid_equal_diffusers(pipe,
     assert pipe.finish(state) == ref.pngs
 
 
+def test_a_prompt_longer_than_the_largest_text_bucket_is_a_text_miss_that_equals_diffusers(pipe, folder):
+    # miss_policy eager (the default): above the 32-token bucket, served unpadded on eager kernels
+    req = _req(", ".join(["a lighthouse on a cliff at dusk"] * 6), seed=2)
+    assert pipe.model.count_tokens(req.prompt) > 32
+    plan = pipe.planner.plan(req)
+    assert not plan.lookup.hit and Dim.TEXT in plan.lookup.missed
+    assert_same(bcg_run(pipe, req), diffusers_run(QwenImagePipeline, folder, req))
+
+
 def test_a_request_joining_one_that_started_earlier_equals_diffusers_for_both(pipe, folder):
     # A: true CFG at 2.5 with the empty negative prompt (still CFG, as in diffusers), 2 images; B: no CFG,
     # 2 steps ahead. A's 4 rows and B's 1 share one forward (bucket 8) at different timesteps.

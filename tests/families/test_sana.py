@@ -27,8 +27,8 @@ from diffusers import SanaPipeline, SanaTransformer2DModel
 from diffusers.pipelines.pixart_alpha.pipeline_pixart_alpha import ASPECT_RATIO_512_BIN
 
 from bcg_core import (
-    BucketConfig, BucketMetrics, BucketTable, DenoiseInputs, EagerBucketRunner, GenerationRequest, LimitsConfig,
-    RequestError, ShapeQuery,
+    BucketConfig, BucketMetrics, BucketTable, DenoiseInputs, Dim, EagerBucketRunner, GenerationRequest,
+    LimitsConfig, RequestError, ShapeQuery,
 )
 from bcg_core.families import family_class
 from bcg_core.families.sana import (
@@ -106,6 +106,16 @@ def test_padded_rows_and_text_at_a_binned_size_equal_diffusers(pipe, folder):
     ours = bcg_run(pipe, req)
     assert len(ours.pngs) == 3
     assert_same(ours, _ref(folder, req))
+
+
+def test_a_prompt_longer_than_the_largest_text_bucket_is_a_text_miss_that_equals_diffusers(pipe, folder):
+    # miss_policy eager (the default): above the 32-token bucket, served unpadded on eager kernels
+    req = GenerationRequest(prompt=", ".join(["a lighthouse on a cliff at dusk"] * 6), n=1, width=512, height=512,
+                            num_inference_steps=2, guidance_scale=4.5, seed=2)
+    assert pipe.model.count_tokens(req.prompt) > 32
+    plan = pipe.planner.plan(req)
+    assert not plan.lookup.hit and Dim.TEXT in plan.lookup.missed
+    assert_same(bcg_run(pipe, req), _ref(folder, req))
 
 
 def test_a_request_joining_one_that_started_earlier_equals_diffusers_for_both(pipe, folder):
