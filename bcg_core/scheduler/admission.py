@@ -131,8 +131,8 @@ class Admission:
         self.fair_wait_s = float(fair_wait_s)
         self.max_queue_wait_s = None if max_queue_wait_s is None else float(max_queue_wait_s)
         self.waiting: deque[InFlight] = deque()
-        self._bytes_per_row: dict[tuple, float] = {}
-        self._unmeasured: set[tuple] = set()  # groups with a request admitted before their bytes are known
+        self._bytes_per_unit: dict[tuple, float] = {}  # bytes per row of a bucket group, per row-token of a miss
+        self._unmeasured: set[tuple] = set()  # keys with a request admitted before their bytes are known
 
     def admit(self, rows: int, nbytes: int, now: float) -> Admitted:
         """Pop the waiting requests to start now, given ``rows`` and ``nbytes`` in flight at time ``now``."""
@@ -149,8 +149,9 @@ class Admission:
                 continue
             if item.group in held:
                 continue
-            known = item.group in self._bytes_per_row
-            if self.memory_budget_bytes is not None and not known and item.group in self._unmeasured:
+            key = _basis(item)[0]
+            known = key in self._bytes_per_unit
+            if self.memory_budget_bytes is not None and not known and key in self._unmeasured:
                 held.add(item.group)  # one request of a new group first: its tensors give the estimate
                 continue
             estimate = self.estimate(item)
@@ -160,7 +161,7 @@ class Admission:
             if fits or alone:
                 self.waiting.remove(item)
                 if not known:
-                    self._unmeasured.add(item.group)
+                    self._unmeasured.add(key)
                 out.start.append(item)
                 out.rows += item.rows
                 nbytes += estimate
@@ -171,15 +172,35 @@ class Admission:
         return out
 
     def estimate(self, item: InFlight) -> int:
-        """Bytes ``item``'s tensors are expected to take once started: its group's bytes per row times its rows
-        (0 until its group is measured). An edit holds this much of the budget while it starts off the loop."""
-        return int(self._bytes_per_row.get(item.group, 0.0) * item.rows)
+        """Bytes ``item``'s tensors are expected to take once started: its group's bytes per row times its rows,
+        for a miss the last miss's bytes per row-token times its rows x tokens per row (0 until measured). An edit
+        holds this much of the budget while it starts off the loop."""
+        key, units = _basis(item)
+        return int(self._bytes_per_unit.get(key, 0.0) * units)
 
     def measured(self, item: InFlight) -> None:
-        """``item`` started: its tensors (``item.nbytes``) give its group's bytes per row."""
-        self._bytes_per_row[item.group] = item.nbytes / max(1, item.rows)
-        self._unmeasured.discard(item.group)
+        """``item`` started: its tensors (``item.nbytes``) give its group's bytes per row (a miss's, per row-token,
+        under one key for every miss: each miss is a group of its own, and one key per miss held every miss's
+        estimate forever while none was ever used)."""
+        key, units = _basis(item)
+        self._bytes_per_unit[key] = item.nbytes / max(1, units)
+        self._unmeasured.discard(key)
 
     def failed(self, item: InFlight) -> None:
         """``item``'s start failed: its group's next request may go first again."""
-        self._unmeasured.discard(item.group)
+        self._unmeasured.discard(_basis(item)[0])
+
+
+MISS_KEY = ("miss",)
+"""The one key under which :class:`Admission` remembers what a miss's tensors take, per row-token."""
+
+
+def _basis(item: InFlight) -> tuple[tuple, int]:
+    """The key ``item``'s bytes are remembered under, and its size in that key's unit: its group and rows for a
+    bucket shape; :data:`MISS_KEY` and rows x tokens per row (image and text) for a miss, whose group
+    (``("miss", n)``, :meth:`~bcg_core.scheduler.step_scheduler.StepScheduler.submit`) is its own."""
+    if item.group[:1] != MISS_KEY:
+        return item.group, item.rows
+    plan = item.plan
+    tokens = plan.lookup.query.tokens_per_row if plan is not None else 1
+    return MISS_KEY, item.rows * max(1, int(tokens))

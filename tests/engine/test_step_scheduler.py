@@ -726,6 +726,35 @@ def test_the_memory_budget_holds_for_the_first_burst_of_a_group(pipe, make_sched
     assert 0 < peak[0] <= 1.5 * one
 
 
+def test_the_memory_budget_holds_for_misses_and_remembers_one_estimate_for_all(pipe, make_sched, monkeypatch):
+    """Each miss is a group of its own; their bytes are remembered per row-token under one key, so the budget
+    holds for a burst of misses (the first waits for none, then each is estimated) and the estimates stay one."""
+    from bcg_core.scheduler.admission import MISS_KEY, tensor_bytes as _tensor_bytes
+
+    miss = _req(width=512, height=512)
+    assert not pipe.planner.plan(miss).lookup.hit
+    with torch.inference_mode():
+        one = _tensor_bytes(pipe.start(pipe.planner.plan(miss)))
+    sched = make_sched(memory_budget_bytes=int(1.5 * one))
+    _slow_decode(pipe, monkeypatch, 0.2)
+    peak = [0]
+    step = pipe.step
+
+    def watched(states, plan=None):
+        peak[0] = max(peak[0], sched.flight.bytes)
+        return step(states, plan)
+
+    monkeypatch.setattr(pipe, "step", watched)
+
+    async def main():
+        reqs = [_req(width=512, height=512, seed=170 + i, steps=2) for i in range(5)]
+        return await asyncio.gather(*await submit_together(sched, reqs))
+
+    assert len(run(main())) == 5
+    assert 0 < peak[0] <= 1.5 * one
+    assert list(sched.flight.admission._bytes_per_unit) == [MISS_KEY]
+
+
 def test_a_burst_of_arrivals_does_not_stall_the_requests_in_flight(pipe, make_sched, monkeypatch):
     """Starts (text encoding, noise) of a burst are spread over step boundaries: a request in flight waits
     about one iteration per boundary, not for every start at once."""
