@@ -172,18 +172,17 @@ class Planner:
     @property
     def text_limit(self) -> int:
         """Most prompt tokens a request may have: what the text encoder reads (:attr:`ModelSpec.max_prompt_tokens`),
-        else the native length; for a masked-text family (PixArt-Sigma, SANA, Qwen-Image) under
-        ``miss_policy: eager`` the encoder's cut (:attr:`ModelSpec.max_text_tokens`: a longer prompt than the
-        largest text bucket is a text miss, served unpadded on eager kernels), else the largest text bucket."""
+        else the native length; for a masked-text family (PixArt-Sigma, SANA, Qwen-Image) the encoder's cut
+        (:attr:`ModelSpec.max_text_tokens`): a prompt longer than the largest text bucket is a text miss, served
+        unpadded on eager kernels under ``miss_policy: eager`` and refused as a miss (:class:`BucketMissError`,
+        counted by dimension) under ``reject``; else the largest text bucket."""
         if self.spec.max_prompt_tokens is not None:
             return self.spec.max_prompt_tokens
         native = self.rules.native_text_tokens
         if native is not None:
             return native
         cut = self.spec.max_text_tokens
-        if cut is not None and self.table.miss_policy is MissPolicy.EAGER:
-            return max(cut, self.table.text_lengths[-1])
-        return self.table.text_lengths[-1]
+        return max(cut, self.table.text_lengths[-1]) if cut is not None else self.table.text_lengths[-1]
 
     def plan(self, request: GenerationRequest) -> PlannedRequest:
         """Validate every field of ``request``, fill defaults, and look its shape up in the table.
@@ -413,11 +412,7 @@ class Planner:
         most = self.spec.max_text_tokens
         if most is not None and limit >= most:
             return f"this model's text encoder keeps at most {most} tokens; shorten it"
-        more = f", or add a larger text bucket (up to {most})" if most is not None else ""
-        if most is not None and self.table.miss_policy is MissPolicy.REJECT:
-            return (f"the largest text bucket (buckets.text_lengths) holds {limit} tokens and buckets.miss_policy "
-                    f"is reject; shorten it{more}, or set miss_policy: eager")
-        return f"the largest text bucket (buckets.text_lengths) holds {limit} tokens; shorten it{more}"
+        return f"the largest text bucket (buckets.text_lengths) holds {limit} tokens; shorten it"
 
     def rows(self, request: GenerationRequest) -> int:
         """Transformer rows of ``request``: ``n``, doubled when classifier-free guidance adds uncond rows."""
@@ -452,5 +447,6 @@ class Planner:
                 texts = t.texts_for(q.image_tokens, q.latent_hw)
                 where = "" if texts == t.text_lengths else f" of its resolution tier ({list(texts)})"
                 parts.append(("prompt", f"prompt needs {q.text_tokens} text tokens, above the largest "
-                                        f"text bucket{where} {texts[-1]}"))
+                                        f"text bucket{where} {texts[-1]} (buckets.miss_policy is reject; under "
+                                        f"eager it would run unpadded)"))
         return BucketMissError(parts[0][0], "; and ".join(m for _, m in parts), tuple(d.value for d in missed))

@@ -143,7 +143,8 @@ class ImageGenerationRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 
     prompt: str = Field(description="Text to generate images for: 1 to limits.max_prompt_chars characters; "
-                        "its token count must fit the largest text bucket (checked by the planner).")
+                        "at most the model's text length in tokens (checked by the planner; for PixArt-Sigma, SANA "
+                        "and Qwen-Image a prompt above the largest text bucket is a text miss).")
     model: str | None = Field(default=None, description="Served model name; omit it or send exactly that name.")
     n: int | None = Field(default=1, description="Number of images, 1 to limits.max_images.")
     size: str | None = Field(

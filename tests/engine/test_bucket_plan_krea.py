@@ -84,11 +84,12 @@ def test_with_compiled_kernels_misses_cost_more_so_the_plan_holds_more_of_the_tr
 def test_a_masked_text_family_gets_text_buckets_that_hold_its_longest_prompt_within_the_cap(tmp_path):
     """PixArt-Sigma at its 512 px bins (the tests/tiny checkpoint with ``sample_size`` 64), planned on the first
     half of the krea rows and scored on the second: the plan stays within 5% waste and 12 graphs on the held-out
-    half (the issue's target; docs/PLANNER.md), and its largest text bucket, the served prompt limit
-    (``Planner.text_limit``), holds the sample's longest prompt (capped at the encoder's cut), so the planned server
-    refuses none of its own traffic (a table of ``[144]`` once refused a 173-token krea prompt with 422 on the
-    GPU). Finer text buckets on the common tier only (``text_lengths_by_resolution``) pad less than the table
-    without them, and the replica's table rounds that tier's text among its own buckets."""
+    half (the issue's target; docs/PLANNER.md), and its largest text bucket holds the sample's longest prompt
+    (capped at the encoder's cut), so none of its own traffic is a text miss (a longer prompt runs unpadded on
+    eager kernels, ``Planner.text_limit``; a table of ``[144]`` once refused a 173-token krea prompt with 422 on
+    the GPU, before text misses were served). Finer text buckets on the common tier only
+    (``text_lengths_by_resolution``) pad less than the table without them, and the replica's table rounds that
+    tier's text among its own buckets."""
     from tiny.pixart import build
 
     path = build(tmp_path / "pixart-512", sample_size=64)

@@ -36,8 +36,8 @@ from diffusers.pipelines.pixart_alpha.pipeline_pixart_alpha import ASPECT_RATIO_
 from PIL import Image
 
 from bcg_core import (
-    BucketConfig, BucketMetrics, BucketTable, DenoiseInputs, Dim, EagerBucketRunner, GenerationRequest, LimitsConfig,
-    ModelSpec, PixArtAdapter, Planner, RequestError, ShapeQuery, ShapeRules,
+    BucketConfig, BucketMetrics, BucketMissError, BucketTable, DenoiseInputs, Dim, EagerBucketRunner,
+    GenerationRequest, LimitsConfig, ModelSpec, PixArtAdapter, Planner, RequestError, ShapeQuery, ShapeRules,
 )
 from bcg_core.families import family_class
 from bcg_core.families.pixart import PIXART_SIGMA_MAX_TEXT_TOKENS, PixArtSigmaFamily, aspect_ratio_bins
@@ -221,13 +221,14 @@ def test_a_prompt_longer_than_the_largest_text_bucket_is_a_text_miss_that_equals
     assert_same(bcg_run(pipe, req), diffusers_run(PixArtSigmaPipeline, folder, req))
 
 
-def test_under_miss_policy_reject_a_prompt_longer_than_the_largest_text_bucket_names_the_bucket_and_the_fix(folder):
+def test_under_miss_policy_reject_a_prompt_longer_than_the_largest_text_bucket_is_a_refused_text_miss(folder):
+    """Refused as a miss of the text dimension (counted in ``misses.rejected_by_dim``), as a prompt above its
+    resolution tier's own text buckets is."""
     reject = bcg_pipeline(folder, {**BUCKETS, "miss_policy": "reject"})
-    with pytest.raises(RequestError) as e:
+    with pytest.raises(BucketMissError) as e:
         reject.planner.plan(GenerationRequest(" ".join(["a red cat"] * 60), width=256, height=256, seed=0))
-    assert e.value.field == "prompt"
-    assert "largest text bucket (buckets.text_lengths) holds 64 tokens" in e.value.message
-    assert "add a larger text bucket (up to 300), or set miss_policy: eager" in e.value.message
+    assert e.value.field == "prompt" and e.value.missed == ("text_tokens",)
+    assert "above the largest text bucket 64 (buckets.miss_policy is reject" in e.value.message
 
 
 def test_per_tier_text_buckets_pad_each_tier_to_its_own_buckets_and_equal_diffusers(folder):
