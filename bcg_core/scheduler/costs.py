@@ -13,7 +13,9 @@ rows (so the least per real row), by dynamic programming over the row count: ``b
 (best[r - c] + chunk_ms(c))``, where ``chunk_ms(c)`` is the cheapest of the bucket forwards that hold ``c``
 rows (a larger bucket only when more than :data:`PAD_MARGIN` faster than the smallest) and the eager
 forward of ``c`` rows. No chunk is larger than the shape's largest batch bucket, so an
-eager chunk never needs more activation memory than the largest captured forward (measured at capture).
+eager chunk never needs more activation memory than the largest captured forward (measured at capture); a
+miss's eager chunks hold no more tokens than the table's largest forward where its rows allow
+(:meth:`StepDecider.decide`).
 Every row of a step is computed before any request advances, so a split never separates an image's cond
 and uncond rows across steps.
 
@@ -439,6 +441,8 @@ class StepDecider:
         self._by_shape: dict[BucketShape, list[BucketKey]] = {}
         for k in keys:
             self._by_shape.setdefault(k.shape, []).append(k)
+        self.max_forward_tokens = max((k.tokens for k in keys), default=0)
+        """Tokens of the table's largest bucket forward: a miss's eager chunks hold no more where its rows allow."""
 
     def set_costs(self, costs: CostModel, merge: bool = True) -> None:
         """Use ``costs`` from now on: merged over the current model (a shape captured later adds its times), or
@@ -446,10 +450,15 @@ class StepDecider:
         self.costs = costs if not merge or self.costs is self.fallback else self.costs.merged(costs)
 
     def decide(self, shape: BucketShape | None, rows: int, real_per_row: int | None = None) -> StepForwards:
-        """The forwards of one step of ``rows`` rows of ``shape``; a miss (``shape`` None) runs unpadded and eager
-        in one forward. ``real_per_row``: the rows' real tokens (:attr:`~bcg_core.keys.ShapeQuery.tokens_per_row`),
-        fewer than the shape's in a masked tier, where an eager chunk computes fewer tokens than a bucket forward
-        (None: the shape's).
+        """The forwards of one step of ``rows`` rows of ``shape``. ``real_per_row``: the rows' real tokens
+        (:attr:`~bcg_core.keys.ShapeQuery.tokens_per_row`), fewer than the shape's in a masked tier, where an eager
+        chunk computes fewer tokens than a bucket forward (None: the shape's).
+
+        A miss (``shape`` None) runs unpadded and eager: in one forward where its rows hold at most
+        :attr:`max_forward_tokens` tokens, else in as few chunks of as even rows as keep each within them (one row
+        a chunk where a row alone is larger), so that its activations stay within those of the largest captured
+        forward, as a bucket shape's chunks do (20 rows of a 2048x2048 FLUX miss beside a largest bucket of 9 x
+        4,608 tokens: 20 forwards of 1 row). ``real_per_row`` None: one forward.
 
         Raises:
             ValueError: ``rows`` below 1.
@@ -457,7 +466,10 @@ class StepDecider:
         if shape is None:
             if rows < 1:
                 raise ValueError(f"a step needs at least 1 row, got {rows}")
-            return StepForwards((Chunk(None, rows, 0.0),))
+            per_chunk = rows if not real_per_row or not self.max_forward_tokens else \
+                max(1, self.max_forward_tokens // real_per_row)
+            n = -(-rows // per_chunk)
+            return StepForwards(tuple(Chunk(None, rows // n + (i < rows % n), 0.0) for i in range(n)))
         prepared = self._prepared()
         every = self._by_shape.get(shape, [])
         keys = [k for k in every if k in prepared] or every

@@ -658,6 +658,28 @@ def test_a_request_above_the_largest_bucket_is_split_across_buckets(pipe, make_s
         assert same_image(a, b)
 
 
+def test_a_miss_larger_than_the_largest_bucket_forward_runs_in_chunks_that_fit_it(pipe, make_sched, monkeypatch):
+    """A 512x512 miss of 5 images with guidance: 10 rows of 1,280 tokens, where the table's largest forward is
+    8 x 768 = 6,144 tokens; it runs as 4 + 3 + 3 rows a step, each chunk within that forward's tokens, and its
+    images equal the same request run in one forward."""
+    big = _req(seed=131, n=5, width=512, height=512, guidance=2.0, steps=2)
+    plan = pipe.planner.plan(big)
+    assert plan.shape is None and plan.lookup.query.tokens_per_row == 1024 + T
+    assert pipe.decider.max_forward_tokens == 8 * (512 + T)
+
+    async def main():
+        sched = make_sched()
+        log = StepLog(pipe)
+        return sched, log, await sched.submit(big)
+
+    sched, log, result = run(main())
+    assert [[(c.key, c.rows) for c in p.chunks] for _, p in log.steps] == [[(None, 4), (None, 3), (None, 3)]] * 2
+    monkeypatch.setattr(pipe.decider, "max_forward_tokens", 10**9)
+    assert [c.rows for c in pipe.decider.decide(None, 10, 1024 + T).chunks] == [10]
+    for a, b in zip(result.images_png, pipe.generate(big).images_png, strict=True):
+        assert same_image(a, b)
+
+
 def _slow_decode(pipe, monkeypatch, seconds: float) -> threading.Event:
     decode, entered = pipe.model.decode, threading.Event()
 
