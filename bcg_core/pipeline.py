@@ -253,7 +253,8 @@ class DiTPipeline:
         parts = [self._rows(s) for s in states]
         inputs = concat_rows(parts)
         if forwards is None:
-            forwards = self.decider.decide(self._step_shape(states), inputs.rows)
+            real = max(s.plan.lookup.query.tokens_per_row for s in states)
+            forwards = self.decider.decide(self._step_shape(states), inputs.rows, real)
         if forwards.rows != inputs.rows:
             raise ValueError(f"the forwards run {forwards.rows} rows, the step has {inputs.rows}")
         if fused or (fused is None and self.fused.on):

@@ -441,8 +441,12 @@ class StepDecider:
         self._by_shape: dict[BucketShape, list[BucketKey]] = {}
         for k in keys:
             self._by_shape.setdefault(k.shape, []).append(k)
-        self.max_forward_tokens = max((k.tokens for k in keys), default=0)
-        """Tokens of the table's largest bucket forward: a miss's eager chunks hold no more where its rows allow."""
+        self._max_table_tokens = max((k.tokens for k in keys), default=0)
+
+    def largest_forward_tokens(self) -> int:
+        """Tokens of the largest bucket forward prepared now (a replica prepares only the shapes it owns), else of
+        the table's largest: a miss's eager chunks hold no more where its rows allow (:meth:`decide`)."""
+        return max((k.tokens for k in self._prepared()), default=0) or self._max_table_tokens
 
     def set_costs(self, costs: CostModel, merge: bool = True) -> None:
         """Use ``costs`` from now on: merged over the current model (a shape captured later adds its times), or
@@ -455,10 +459,9 @@ class StepDecider:
         chunk computes fewer tokens than a bucket forward (None: the shape's).
 
         A miss (``shape`` None) runs unpadded and eager: in one forward where its rows hold at most
-        :attr:`max_forward_tokens` tokens, else in as few chunks of as even rows as keep each within them (one row
-        a chunk where a row alone is larger), so that its activations stay within those of the largest captured
-        forward, as a bucket shape's chunks do (20 rows of a 2048x2048 FLUX miss beside a largest bucket of 9 x
-        4,608 tokens: 20 forwards of 1 row). ``real_per_row`` None: one forward.
+        :meth:`largest_forward_tokens`, else in as few chunks of as even rows as keep each within them (one row a
+        chunk where a row is larger), so its activations stay within the largest captured forward's (20 rows of
+        16,896 tokens, a 2048x2048 FLUX miss, beside 9 x 4,608: 10 forwards of 2 rows). ``real_per_row`` None: one.
 
         Raises:
             ValueError: ``rows`` below 1.
@@ -466,8 +469,8 @@ class StepDecider:
         if shape is None:
             if rows < 1:
                 raise ValueError(f"a step needs at least 1 row, got {rows}")
-            per_chunk = rows if not real_per_row or not self.max_forward_tokens else \
-                max(1, self.max_forward_tokens // real_per_row)
+            largest = self.largest_forward_tokens() if real_per_row else 0
+            per_chunk = max(1, largest // real_per_row) if largest else rows
             n = -(-rows // per_chunk)
             return StepForwards(tuple(Chunk(None, rows // n + (i < rows % n), 0.0) for i in range(n)))
         prepared = self._prepared()

@@ -665,7 +665,7 @@ def test_a_miss_larger_than_the_largest_bucket_forward_runs_in_chunks_that_fit_i
     big = _req(seed=131, n=5, width=512, height=512, guidance=2.0, steps=2)
     plan = pipe.planner.plan(big)
     assert plan.shape is None and plan.lookup.query.tokens_per_row == 1024 + T
-    assert pipe.decider.max_forward_tokens == 8 * (512 + T)
+    assert pipe.decider.largest_forward_tokens() == 8 * (512 + T)
 
     async def main():
         sched = make_sched()
@@ -674,7 +674,7 @@ def test_a_miss_larger_than_the_largest_bucket_forward_runs_in_chunks_that_fit_i
 
     sched, log, result = run(main())
     assert [[(c.key, c.rows) for c in p.chunks] for _, p in log.steps] == [[(None, 4), (None, 3), (None, 3)]] * 2
-    monkeypatch.setattr(pipe.decider, "max_forward_tokens", 10**9)
+    monkeypatch.setattr(pipe.decider, "largest_forward_tokens", lambda: 10**9)
     assert [c.rows for c in pipe.decider.decide(None, 10, 1024 + T).chunks] == [10]
     for a, b in zip(result.images_png, pipe.generate(big).images_png, strict=True):
         assert same_image(a, b)
