@@ -410,7 +410,7 @@ class Planner:
         if self.rules.native_text_tokens is not None:
             return f"this model takes at most {limit} tokens; shorten it"
         most = self.spec.max_text_tokens
-        if most is not None and limit >= most:
+        if most is not None:  # text_limit is then the encoder's cut
             return f"this model's text encoder keeps at most {most} tokens; shorten it"
         return f"the largest text bucket (buckets.text_lengths) holds {limit} tokens; shorten it"
 

@@ -173,7 +173,7 @@ class Admission:
 
     def estimate(self, item: InFlight) -> int:
         """Bytes ``item``'s tensors are expected to take once started: its group's bytes per row times its rows,
-        for a miss the last miss's bytes per row-token times its rows x tokens per row (0 until measured). An edit
+        for a miss the most bytes per row-token of any miss times its rows x tokens per row (0 until measured). An edit
         holds this much of the budget while it starts off the loop."""
         key, units = _basis(item)
         return int(self._bytes_per_unit.get(key, 0.0) * units)
@@ -207,6 +207,4 @@ def _basis(item: InFlight) -> tuple[tuple, int]:
     (``("miss", n)``, :meth:`~bcg_core.scheduler.step_scheduler.StepScheduler.submit`) is its own."""
     if item.group[:1] != MISS_KEY:
         return item.group, item.rows
-    plan = item.plan
-    tokens = plan.lookup.query.tokens_per_row if plan is not None else 1
-    return MISS_KEY, item.rows * max(1, int(tokens))
+    return MISS_KEY, item.rows * max(1, item.plan.lookup.query.tokens_per_row)

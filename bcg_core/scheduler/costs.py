@@ -14,7 +14,7 @@ rows (so the least per real row), by dynamic programming over the row count: ``b
 rows (a larger bucket only when more than :data:`PAD_MARGIN` faster than the smallest) and the eager
 forward of ``c`` rows. No chunk is larger than the shape's largest batch bucket, so an
 eager chunk never needs more activation memory than the largest captured forward (measured at capture); a
-miss's eager chunks hold no more tokens than the table's largest forward where its rows allow
+miss's eager chunks hold no more tokens than the largest prepared bucket forward where its rows allow
 (:meth:`StepDecider.decide`).
 Every row of a step is computed before any request advances, so a split never separates an image's cond
 and uncond rows across steps.
