@@ -27,7 +27,7 @@ from .settings import ServeConfig, error_text, load_config
 from .app import replicas_conflict
 from .commands import cache_dir_arg, run_profile, run_verify
 from .demo import MAX_CONCURRENCY as _MAX_CONCURRENCY, demo_api_key, run_demo
-from .local import check_config, start_local, stop_local
+from .local import api_server_metrics_url, check_config, start_local, stop_local
 
 __all__ = ["config_text", "main"]
 
@@ -135,21 +135,38 @@ def _with_key_file(config: ServeConfig | None, path: str) -> ServeConfig:
     return config.model_copy(update={"auth": config.auth.model_copy(update={"api_keys": digests})})
 
 
-def ready_text(url: str, model: str, metrics: str | None, auth: bool, lora: dict | None = None) -> str:
-    """The lines ``bcg serve`` prints once, when the server is ready: the model, the API's URL, the Prometheus
-    URL (Ray's exporter, or a note when it does not run), that no dashboard runs, with ``lora`` (a replica's
-    ``/v1/buckets`` ``lora`` section) what adapter rows cost, and a first command to try."""
+def ready_text(url: str, model: str, metrics: str | None, auth: bool, lora: dict | None = None,
+               api_server: str | None = None) -> str:
+    """The lines ``bcg serve`` prints once, when the server is ready.
+
+    Args:
+        url: the API's base URL.
+        model: the model's name.
+        metrics: the Prometheus URL of Ray's exporter (None: a note that it does not run).
+        auth: whether the API asks for a key (the ``try:`` line then sends one).
+        lora: a replica's ``/v1/buckets`` ``lora`` section (None: no line), for what adapter rows cost.
+        api_server: the metrics URL of Ray's API-server process (:func:`deployments.local.api_server_metrics_url`),
+            the one process of Ray's dashboard that runs without it; None when it was not found.
+
+    Returns:
+        The block, lines of at most 118 columns with the URLs as given.
+    """
     import textwrap
 
     from bcg_core.lora.slots import cost_note
 
     header = " -H 'Authorization: Bearer <key>'" if auth else ""
+    # ray.init(include_dashboard=False) still starts dashboard.py with only its usage-stats module and no HTTP
+    # server (deployments/local.py pin_api_server_metrics_port): say so, and where its own metrics listen.
+    dashboard = "no web UI or REST API; Ray still runs its API-server process (dashboard.py, usage stats only)"
     return "\n".join([
         f"bcg-serve is ready: model {model} (Ctrl-C stops it)",
         f"  API        {url}  (OpenAI Images API: POST /v1/images/generations, GET /v1/models)",
         f"  metrics    {metrics}  (Prometheus, Ray's exporter)" if metrics else
         "  metrics    not exported (Ray's metrics agent is not running)",
-        "  dashboard  not started (bcg serve runs Ray without its dashboard)",
+        f"  dashboard  {dashboard}",
+        f"             with its own metrics at {api_server}" if api_server else
+        "             (its metrics address was not found)",
         *(textwrap.wrap(f"lora       {lora['slots']} slots; " + cost_note(
             lora["layers"], lora["delta_share"], lora["max_per_request"], lora["max_rank"]),
             width=118, initial_indent="  ", subsequent_indent=" " * 13) if lora else []),
@@ -188,8 +205,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     model = describe_model(config.model).name
 
     stop = threading.Event()
+    got: list[int] = []  # the signal that stopped it
 
     def on_signal(signum: int, frame: Any) -> None:
+        got.append(signum)
         stop.set()
 
     previous: dict[int, Any] = {}
@@ -199,13 +218,18 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         # After ray.init: Ray's core worker installs its own SIGTERM handler, which would kill the
         # process without shutting Serve down.
         previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-        print(ready_text(url, model, metrics_url(), config.auth.enabled, _replica_lora(config)), flush=True)
-        stop.wait(args.stop_after_s)
-        print("bcg-serve: shutting down", flush=True)
+        print(ready_text(url, model, metrics_url(), config.auth.enabled, _replica_lora(config),
+                         api_server_metrics_url()), flush=True)
+        stopped = stop.wait(args.stop_after_s)
+        why = (("Ctrl-C" if got[0] == signal.SIGINT else signal.Signals(got[0]).name) if stopped else
+               f"--stop-after-s {args.stop_after_s:g}")
+        print(f"bcg-serve: shutting down ({why}) ...", flush=True)
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
         stop_local()
+    if previous:  # it was ready: one last line, after Ray's processes are gone
+        print(f"bcg-serve: stopped ({why}); served {url}", flush=True)
     return 0
 
 

@@ -23,9 +23,11 @@ if TYPE_CHECKING:
     from .settings import ServeConfig
 
 __all__ = [
-    "bind_ray_to", "check_config", "check_file", "check_port_free", "deploy_failure", "free_loopback_port",
-    "start_local", "stop_local", "wait_healthy",
+    "api_server_metrics_url", "bind_ray_to", "check_config", "check_file", "check_port_free", "deploy_failure",
+    "free_loopback_port", "start_local", "stop_local", "wait_healthy",
 ]
+
+APP_NAME = "bcg"  # the Serve application start_local runs and stop_local deletes
 
 _HEALTH_WAIT_S = 60.0
 
@@ -77,11 +79,58 @@ def check_port_free(port: int, option: str = "--port", host: str = "127.0.0.1") 
                           f"pick another with {option} (0: a free one)") from None
 
 
-def free_loopback_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
+def free_loopback_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on ``host`` (default 127.0.0.1) that was free a moment ago."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def pin_api_server_metrics_port(host: str) -> int:
+    """Give the metrics server of Ray's API-server process a free port of ``host`` instead of its fixed 44227.
+
+    ``ray.init(include_dashboard=False)`` still starts ``ray/dashboard/dashboard.py`` on the head node, with only
+    its usage-stats module and no HTTP server (``ray/_private/services.py`` ``start_api_server``: the API server
+    records usage stats, ray-project/ray#26042; no option skips it). That process serves its own Prometheus
+    metrics on ``DASHBOARD_METRIC_PORT`` (``ray/dashboard/consts.py``, default 44227), on loopback on a
+    loopback node and on every interface otherwise (``ray/dashboard/head.py`` ``_setup_metrics``). With the
+    fixed port a second local server on the machine fails to bind it (logged in its ``dashboard.log``); a free
+    port each keeps them apart and names the port :func:`api_server_metrics_url` reports. Set in this process's
+    environment, which the process Ray starts inherits; call before ``ray.init``.
+
+    Args:
+        host: where the node listens: ``127.0.0.1`` or ``0.0.0.0``.
+
+    Returns:
+        The port.
+    """
+    import os
+
+    port = free_loopback_port(host)
+    os.environ["DASHBOARD_METRIC_PORT"] = str(port)
+    return port
+
+
+def api_server_metrics_url(timeout_s: float = 2.0) -> str | None:
+    """``http://ADDRESS:PORT/metrics`` of the metrics server of Ray's API-server process (``dashboard.py``; see
+    :func:`pin_api_server_metrics_port`), or None when that process has not announced its address in the GCS
+    (``DashboardMetricsAddress``) or nothing accepts a connection there within ``timeout_s`` seconds.
+
+    Needs a connected Ray (``ray.init``).
+    """
+    from ray.experimental.internal_kv import _internal_kv_get
+
+    raw = _internal_kv_get(b"DashboardMetricsAddress", namespace=None)
+    if not raw:
+        return None
+    address = raw.decode()
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+            pass
+    except (OSError, ValueError):
+        return None
+    return f"http://{address}/metrics"
 
 
 def check_config(config_path: str | Path) -> "ServeConfig":
@@ -289,6 +338,7 @@ def start_local(config: "ServeConfig | None" = None, port: int = 8000, num_cpus:
     else:
         check_port_free(metrics_port, "--metrics-port (or metrics.port in the config)", host)
     bind_ray_to(host)
+    pin_api_server_metrics_port(host)
 
     import ray
     from ray import serve
@@ -305,9 +355,9 @@ def start_local(config: "ServeConfig | None" = None, port: int = 8000, num_cpus:
     if replicas is not None:
         args["dit_replicas"] = replicas
     try:
-        serve.run(build_app(args), name="bcg", route_prefix="/")
+        serve.run(build_app(args), name=APP_NAME, route_prefix="/")
     except RuntimeError as exc:
-        raise RuntimeError(f"the bcg application failed to start: {deploy_failure('bcg')}") from exc
+        raise RuntimeError(f"the bcg application failed to start: {deploy_failure(APP_NAME)}") from exc
     url = f"http://{LOOPBACK}:{port}"
     wait_healthy(url)
     return url
@@ -333,12 +383,24 @@ def deploy_failure(app_name: str) -> str:
 
 
 def stop_local() -> None:
-    """Shut down Serve and Ray started by :func:`start_local` (safe to call when they are not running)."""
+    """Shut down the application, Serve and Ray started by :func:`start_local` (safe to call when they are not
+    running).
+
+    The application is deleted first (``serve.delete``: its replicas finish their requests and stop gracefully),
+    then Ray is shut down, which ends the Serve controller and proxy with the local node. Not ``serve.shutdown()``:
+    the controller ends its own ``graceful_shutdown`` call by killing itself, and Ray retries that task (the
+    controller's ``max_task_retries=-1``), so the driver printed ``(raylet) Task ServeController.graceful_shutdown
+    failed. There are infinite retries remaining ...`` on every stop; ``tests/serve/test_ctrl_c_serve.py`` checks
+    that a Ctrl-C now prints no such line.
+    """
     import ray
     from ray import serve
+    from ray.serve.exceptions import RayServeException
 
     if ray.is_initialized():
         try:
-            serve.shutdown()
+            serve.delete(APP_NAME)
+        except RayServeException:  # Serve never started (a failed start): nothing to delete
+            pass
         finally:
             ray.shutdown()
