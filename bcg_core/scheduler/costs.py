@@ -14,8 +14,7 @@ rows (so the least per real row), by dynamic programming over the row count: ``b
 rows (a larger bucket only when more than :data:`PAD_MARGIN` faster than the smallest) and the eager
 forward of ``c`` rows. No chunk is larger than the shape's largest batch bucket, so an
 eager chunk never needs more activation memory than the largest captured forward (measured at capture); a
-miss's eager chunks hold no more tokens than the largest prepared bucket forward where its rows allow
-(:meth:`StepDecider.decide`).
+miss runs in one eager forward while its activations fit the memory the replica can spare (:mod:`.miss_memory`).
 Every row of a step is computed before any request advances, so a split never separates an image's cond
 and uncond rows across steps.
 
@@ -44,6 +43,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from bcg_core.keys import BucketKey, BucketShape
+from bcg_core.scheduler.miss_memory import ActivationPeaks, MissMemory
 
 __all__ = ["Chunk", "CostModel", "Decision", "StepDecider", "StepForwards", "measure_costs"]
 
@@ -153,6 +153,8 @@ class CostModel:
         eager: whether eager chunks may be chosen at all.
         lora_ms: with LoRA adapters (``lora.dir``), milliseconds of each bucket's forward with adapter rows (its
             LoRA graph, which adds every row's deltas), where measured; ``bucket_ms`` is then the plain graph's.
+        eager_bytes_per_row_token: the most activation bytes per row x real token of the unpadded eager forwards
+            :func:`measure_costs` timed (CUDA only; None: not measured), for :class:`~.miss_memory.MissMemory`.
 
     Raises:
         ValueError: a negative time, or an eager measurement at 0 rows or fewer.
@@ -163,6 +165,7 @@ class CostModel:
     source: str = "scripted"
     eager: bool = True
     lora_ms: dict[BucketKey, float] = field(default_factory=dict)
+    eager_bytes_per_row_token: float | None = None
     _chosen: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     """Plans already chosen, by (shape, rows, buckets): the times do not change, and every step asks."""
 
@@ -328,8 +331,9 @@ class CostModel:
         for s, p in other.eager_ms.items():
             eager.setdefault(s, {}).update(p)
         source = other.source if other.source == self.source else f"{self.source}+{other.source}"
+        per = [b for b in (self.eager_bytes_per_row_token, other.eager_bytes_per_row_token) if b is not None]
         return CostModel({**self.bucket_ms, **other.bucket_ms}, eager, source, self.eager and other.eager,
-                         {**self.lora_ms, **other.lora_ms})
+                         {**self.lora_ms, **other.lora_ms}, max(per, default=None))
 
 
 def _timer(device) -> Callable[[Callable[[], object], int], float]:
@@ -383,7 +387,8 @@ def measure_costs(runner, adapter, keys: Sequence[BucketKey], inputs_for: Callab
         their buckets in the metrics (``forwards_by_mode``). With LoRA adapters (an adapter with
         ``forward_plain``, :class:`~bcg_core.lora.rows.LoRAAdapter`) ``bucket_ms`` times each bucket's plain
         graph (no row has an adapter) and ``lora_ms`` its LoRA graph: the same inputs with every row on slot 0,
-        which computes every row's deltas as a real adapter does (zeros, at the same cost).
+        which computes every row's deltas as a real adapter does (zeros, at the same cost). On CUDA its
+        ``eager_bytes_per_row_token`` is the eager forwards' most peak bytes per row-token (:class:`ActivationPeaks`).
     """
     import torch
 
@@ -396,6 +401,7 @@ def measure_costs(runner, adapter, keys: Sequence[BucketKey], inputs_for: Callab
     for k in keys:
         by_shape.setdefault(k.shape, []).append(k)
     seen: dict[tuple, float] = {}
+    peaks = ActivationPeaks(device)
     t0 = time.perf_counter()
     with torch.inference_mode():
         for shape, ks in sorted(by_shape.items()):
@@ -411,11 +417,11 @@ def measure_costs(runner, adapter, keys: Sequence[BucketKey], inputs_for: Callab
                 same = (ref.image_tokens, ref.text_tokens, ref.latent_hw, rows)
                 if same not in seen:
                     x = inputs_for(ref, rows)
-                    seen[same] = time_ms(lambda x=x: adapter.forward_eager(x), iters)
+                    seen[same] = peaks.measure(x, lambda x=x: time_ms(lambda: adapter.forward_eager(x), iters))
                 eager.setdefault(shape, {})[rows] = seen[same]
     log.info("measured %d bucket forwards and %d eager points in %.1f s", len(bucket),
              sum(len(p) for p in eager.values()), time.perf_counter() - t0)
-    return CostModel(bucket, eager, source="measured", lora_ms=lora)
+    return CostModel(bucket, eager, source="measured", lora_ms=lora, eager_bytes_per_row_token=peaks.most)
 
 
 class StepDecider:
@@ -429,10 +435,14 @@ class StepDecider:
         prepared: returns the buckets prepared now (captured on CUDA); only those are chosen, unless a shape has
             none prepared yet.
         graphs: bucket forwards are graph replays (for the token-count stand-in, :meth:`CostModel.token_model`).
+        spare_bytes: the bytes the replica can spare now (:func:`~.miss_memory.cuda_spare_bytes`), None: no bound.
     """
 
-    def __init__(self, keys: Iterable[BucketKey], prepared: Callable[[], set], graphs: bool):
+    def __init__(self, keys: Iterable[BucketKey], prepared: Callable[[], set], graphs: bool,
+                 spare_bytes: Callable[[], int | None] | None = None):
         keys = list(keys)
+        self.miss = MissMemory(spare_bytes)
+        """The memory bound on a miss's forwards; measured costs bring its bytes per row-token (:meth:`set_costs`)."""
         self._prepared = prepared
         self.fallback = CostModel.token_model(keys, graphs=graphs)
         """The token-count stand-in: used for shapes the cost model has no time of."""
@@ -441,16 +451,12 @@ class StepDecider:
         self._by_shape: dict[BucketShape, list[BucketKey]] = {}
         for k in keys:
             self._by_shape.setdefault(k.shape, []).append(k)
-        self._max_table_tokens = max((k.tokens for k in keys), default=0)
-
-    def largest_forward_tokens(self) -> int:
-        """Tokens of the largest bucket forward prepared now (a replica prepares only the shapes it owns), else of
-        the table's largest: a miss's eager chunks hold no more where its rows allow (:meth:`decide`)."""
-        return max((k.tokens for k in self._prepared()), default=0) or self._max_table_tokens
 
     def set_costs(self, costs: CostModel, merge: bool = True) -> None:
         """Use ``costs`` from now on: merged over the current model (a shape captured later adds its times), or
-        in its place when ``merge`` is False or nothing was measured before."""
+        in its place when ``merge`` is False or nothing was measured before. Its eager bytes per row-token, where
+        measured, go to :attr:`miss` (the largest seen is kept either way)."""
+        self.miss.observe(costs.eager_bytes_per_row_token)
         self.costs = costs if not merge or self.costs is self.fallback else self.costs.merged(costs)
 
     def decide(self, shape: BucketShape | None, rows: int, real_per_row: int | None = None) -> StepForwards:
@@ -458,21 +464,14 @@ class StepDecider:
         (:attr:`~bcg_core.keys.ShapeQuery.tokens_per_row`), fewer than the shape's in a masked tier, where an eager
         chunk computes fewer tokens than a bucket forward (None: the shape's).
 
-        A miss (``shape`` None) runs unpadded and eager: in one forward where its rows hold at most
-        :meth:`largest_forward_tokens`, else in as few chunks of as even rows as keep each within them (one row a
-        chunk where a row is larger), so its activations stay within the largest captured forward's (20 rows of
-        16,896 tokens, a 2048x2048 FLUX miss, beside 9 x 4,608: 10 forwards of 2 rows). ``real_per_row`` None: one.
+        A miss (``shape`` None) runs unpadded and eager, in one forward while its activations fit the memory the
+        replica can spare now, else in as few, as even chunks as fit (:meth:`~.miss_memory.MissMemory.chunk_rows`).
 
         Raises:
             ValueError: ``rows`` below 1.
         """
         if shape is None:
-            if rows < 1:
-                raise ValueError(f"a step needs at least 1 row, got {rows}")
-            largest = self.largest_forward_tokens() if real_per_row else 0
-            per_chunk = max(1, largest // real_per_row) if largest else rows
-            n = -(-rows // per_chunk)
-            return StepForwards(tuple(Chunk(None, rows // n + (i < rows % n), 0.0) for i in range(n)))
+            return StepForwards(tuple(Chunk(None, r, 0.0) for r in self.miss.chunk_rows(rows, real_per_row)))
         prepared = self._prepared()
         every = self._by_shape.get(shape, [])
         keys = [k for k in every if k in prepared] or every

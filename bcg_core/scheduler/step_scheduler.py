@@ -29,6 +29,7 @@ from bcg_core.request import GenerationResult, PlannedRequest
 from bcg_core.scheduler.admission import Admission, InFlight
 from bcg_core.scheduler.costs import CostModel
 from bcg_core.scheduler.finish import Finisher
+from bcg_core.scheduler.miss_memory import cuda_spare_bytes
 from bcg_core.scheduler.flight import Flight
 from bcg_core.scheduler.load import LoadMeter
 from bcg_core.scheduler.loop import DenoisingLoop
@@ -85,6 +86,8 @@ class StepScheduler:
         """The requests in flight and their counters."""
         self._device = pipeline.model.device
         self._cuda = torch.device(self._device).type == "cuda"
+        if self._cuda:  # a miss then runs in one forward while it fits the memory the device can spare now
+            self.decider.miss.spare_bytes = cuda_spare_bytes(self._device)
         self._finisher = Finisher(pipeline, decode_batch_images, encode_threads, self.flight.release_bytes,
                                   self.flight.retire_done, self.flight.answer)
         self._previews = PreviewWorker(pipeline.model, self._device, self.flight.preview_left)
@@ -297,7 +300,8 @@ class StepScheduler:
 
     def stats(self) -> dict:
         """``GET /v1/buckets``'s ``scheduler`` section (:mod:`bcg_core.scheduler.stats`): settings, totals,
-        ``padded_token_waste`` over every forward, the cost model, and per shape its counters."""
+        ``padded_token_waste`` over every forward, the cost model, a miss's memory bound (``miss_memory``:
+        :meth:`~bcg_core.scheduler.miss_memory.MissMemory.describe`), and per shape its counters."""
         with self.flight.cv:
             in_flight = self.flight.in_flight()
             out = self.flight.stats.describe(in_flight, list(self.flight.admission.waiting))
@@ -310,7 +314,8 @@ class StepScheduler:
                 "iterations": self._loop.iterations, "busy_s": round(self._loop.busy_s, 3), "oom_steps": self._loop.oom_steps,
                 "adapter_splits": self._loop.adapter_splits,
                 "decode_batch_images": self._finisher.decode_batch_images, "fair_wait_s": self.flight.admission.fair_wait_s,
-                **out, "costs": self.costs.describe(), "previews": self._previews.describe(),
+                **out, "costs": self.costs.describe(), "miss_memory": self.decider.miss.describe(),
+                "previews": self._previews.describe(),
                 "memory_trim": self._trimmer.describe() if self._trimmer is not None else None,
                 "prepare": self._loop.preparer.describe(),
             }

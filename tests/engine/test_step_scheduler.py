@@ -27,6 +27,7 @@ from bcg_core import BucketConfig, BucketKey, DiTPipeline, GenerationRequest, Re
 from deployments.settings import ServeConfig
 from deployments.settings import backpressure_limits
 from bcg_core.scheduler.costs import Chunk, CostModel, StepForwards, eager_row_counts
+from bcg_core.scheduler.miss_memory import MARGIN_BYTES
 from bcg_core.families.tiny import TINY_TEXT_TOKENS
 from bcg_core.scheduler.step_scheduler import StepScheduler
 from bcg_core.scheduler.stats import FORWARD_KINDS
@@ -658,26 +659,63 @@ def test_a_request_above_the_largest_bucket_is_split_across_buckets(pipe, make_s
         assert same_image(a, b)
 
 
-def test_a_miss_larger_than_the_largest_bucket_forward_runs_in_chunks_that_fit_it(pipe, make_sched, monkeypatch):
-    """A 512x512 miss of 5 images with guidance: 10 rows of 1,280 tokens, where the table's largest forward is
-    8 x 768 = 6,144 tokens; it runs as 4 + 3 + 3 rows a step, each chunk within that forward's tokens, and its
-    images equal the same request run in one forward."""
-    big = _req(seed=131, n=5, width=512, height=512, guidance=2.0, steps=2)
-    plan = pipe.planner.plan(big)
-    assert plan.shape is None and plan.lookup.query.tokens_per_row == 1024 + T
-    assert pipe.decider.largest_forward_tokens() == 8 * (512 + T)
+ONE_ROW = ServeConfig(buckets=BucketConfig(batch_sizes=[1], resolutions=["256x256"], text_lengths=[T]))
+"""A table of one 1-row bucket (256 + T tokens), as a replica that owns only small buckets, or the naive server."""
+
+
+@pytest.fixture
+def one_row(tiny):
+    return DiTPipeline(ONE_ROW, tiny)
+
+
+def _served_miss(pipe: DiTPipeline, request: GenerationRequest):
+    """``request`` through a step scheduler on ``pipe``: its steps' forwards as ``[(key, rows)]``, its result, and
+    the forwards it added to the metrics' ``misses.forwards``."""
+    before = pipe.metrics.snapshot()["misses"]["forwards"]
 
     async def main():
-        sched = make_sched()
-        log = StepLog(pipe)
-        return sched, log, await sched.submit(big)
+        sched = PlanningScheduler(pipe)
+        try:
+            log = StepLog(pipe)
+            return log, await sched.submit(request)
+        finally:
+            sched.close()
 
-    sched, log, result = run(main())
-    assert [[(c.key, c.rows) for c in p.chunks] for _, p in log.steps] == [[(None, 4), (None, 3), (None, 3)]] * 2
-    monkeypatch.setattr(pipe.decider, "largest_forward_tokens", lambda: 10**9)
-    assert [c.rows for c in pipe.decider.decide(None, 10, 1024 + T).chunks] == [10]
-    for a, b in zip(result.images_png, pipe.generate(big).images_png, strict=True):
+    log, result = run(main())
+    plans = [[(c.key, c.rows) for c in p.chunks] for _, p in log.steps]
+    return plans, result, pipe.metrics.snapshot()["misses"]["forwards"] - before
+
+
+def test_a_one_row_replica_serves_an_18_row_miss_in_one_forward_a_step(one_row):
+    """9 images at 384x256 with guidance: 18 rows of 384 + T tokens beside a largest forward of 1 x (256 + T). Cut
+    to fit the largest bucket forward, it ran as 18 forwards a step; on a CPU nothing bounds a miss's memory, so
+    each step is one unpadded eager forward of all 18 rows."""
+    big = _req(seed=132, n=9, width=384, height=256, guidance=2.0, steps=2)
+    plan = one_row.planner.plan(big)
+    assert plan.shape is None and plan.rows == 18 and plan.lookup.query.tokens_per_row == 384 + T
+    assert one_row.decider.miss.spare_bytes is None and one_row.decider.miss.bytes_per_row_token is None
+    plans, result, forwards = _served_miss(one_row, big)
+    assert plans == [[(None, 18)]] * 2 and forwards == 2
+    assert len(result.images_png) == 9
+
+
+def test_a_miss_too_large_for_the_spare_memory_is_chunked_and_its_images_are_unchanged(one_row):
+    """The same 18-row miss with a scripted memory bound: 1,000 bytes per row-token and room for 6.5 rows beyond
+    the margin (1 GiB of spare memory is the margin: :data:`~bcg_core.scheduler.miss_memory.MARGIN_BYTES`) runs as
+    3 even chunks of 6 rows a step, and its images equal the one-forward run's."""
+    big = _req(seed=132, n=9, width=384, height=256, guidance=2.0, steps=2)
+    whole_plans, whole, _ = _served_miss(one_row, big)
+    assert whole_plans == [[(None, 18)]] * 2
+    per_row = 1000 * (384 + T)
+    one_row.decider.miss.set_bytes_per_row_token(1000)
+    one_row.decider.miss.spare_bytes = lambda: MARGIN_BYTES + int(6.5 * per_row)
+    assert one_row.decider.miss.usable_bytes() == int(6.5 * per_row)
+    plans, chunked, forwards = _served_miss(one_row, big)
+    assert plans == [[(None, 6), (None, 6), (None, 6)]] * 2 and forwards == 6
+    for a, b in zip(chunked.images_png, whole.images_png, strict=True):
         assert same_image(a, b)
+    one_row.decider.miss.spare_bytes = lambda: MARGIN_BYTES + 18 * per_row  # room for all 18: one forward again
+    assert [c.rows for c in one_row.decider.decide(None, 18, 384 + T).chunks] == [18]
 
 
 def _slow_decode(pipe, monkeypatch, seconds: float) -> threading.Event:
