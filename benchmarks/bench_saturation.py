@@ -15,7 +15,12 @@ on 127.0.0.1) and stopped with ``deployments.local.stop_local`` before the next 
   default) the smallest size whose token count no request has (``exact`` padding, so a smaller request does
   not fit it either); for PixArt-Sigma an aspect-ratio bin no request is binned to. The miss policy ``eager``
   runs every miss unpadded and eagerly (``bcg_core.pipeline.DiTPipeline.step``: ``runner.run(None, ...)``),
-  alone (the step scheduler never shares a miss's forward with another request). Before anything starts, every request
+  alone (the step scheduler never shares a miss's forward with another request), each step as ONE forward holding
+  all the request's rows, uncond rows included, as a user's own server runs it: the eager runner measures no
+  activation bytes, so nothing cuts a miss into chunks (``bcg_core/scheduler/miss_memory.py``;
+  ``tests/engine/test_bench_saturation_naive.py`` fails if a naive request step runs more than one forward;
+  from e0529e4 until the memory bound, a miss was cut into chunks no larger than the one-row table's forward, so
+  every row of every naive request ran alone). Before anything starts, every request
   is planned with the real ``bcg_core.planner.Planner`` of that config, and the run stops if one would hit a
   bucket. Its replica admits as many requests as the others (``routing.max_ongoing_requests`` and
   ``max_queued_requests`` = ``--naive-max-ongoing``, default ``--concurrency``, instead of the 2 that a
