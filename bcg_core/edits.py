@@ -30,13 +30,74 @@ MASK_FORMATS = ("PNG", "WEBP")
 """Pillow formats a mask may have: those with an alpha channel (OpenAI: "a PNG ... with an alpha channel")."""
 
 
+_PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+_INFLATED_CHUNKS = {b"zTXt": "compressed text", b"iTXt": "international text", b"iCCP": "ICC colour profile"}
+
+
+def _png_chunk_too_large(data: bytes) -> str | None:
+    """Why Pillow refused the PNG ``data`` for its ancillary chunks' inflated size, or None when that is not why.
+
+    Pillow inflates a PNG's ``zTXt``, compressed ``iTXt`` and ``iCCP`` chunks when it reads them, each to at most
+    ``PngImagePlugin.MAX_TEXT_CHUNK`` bytes (1 MiB in Pillow 13.0), and its text chunks to at most
+    ``PngImagePlugin.MAX_TEXT_MEMORY`` bytes together (64 MiB), raising ``ValueError`` beyond either: a chunk of
+    200 KB can inflate to 200 MB. Called once Pillow has refused a file: this walks the chunks again (each inflated
+    to one byte past the limit, no further) to name the one at fault, in the limits of the Pillow in use.
+
+    Returns:
+        The rest of a sentence that starts with the field's name, e.g. ``a PNG whose zTXt chunk (compressed text)
+        inflates to more than 1048576 bytes, ...``; None for a file that is no PNG or whose chunks are within both
+        limits (then it was refused for something else).
+    """
+    import zlib
+
+    from PIL import PngImagePlugin
+
+    if not data.startswith(_PNG_SIGNATURE):
+        return None
+    chunk_limit, text_limit = PngImagePlugin.MAX_TEXT_CHUNK, PngImagePlugin.MAX_TEXT_MEMORY
+    text_bytes, pos = 0, len(_PNG_SIGNATURE)
+    while pos + 8 <= len(data):
+        length, kind = struct.unpack(">I4s", data[pos:pos + 8])
+        body, pos = data[pos + 8:pos + 8 + length], pos + 12 + length
+        packed: bytes | None = None
+        if kind == b"tEXt":
+            text_bytes += len(body)
+        elif kind in (b"zTXt", b"iCCP") and b"\0" in body:  # keyword or profile name, NUL, method, data
+            packed = body[body.index(b"\0") + 2:]
+        elif kind == b"iTXt" and b"\0" in body:  # keyword, NUL, compressed?, method, language NUL, key NUL, text
+            head = body.index(b"\0")
+            rest = body[head + 3:].split(b"\0", 2)
+            if len(rest) == 3:
+                if body[head + 1:head + 2] == b"\1":
+                    packed = rest[2]
+                else:
+                    text_bytes += len(rest[2])
+        if packed is not None:
+            try:
+                inflated = len(zlib.decompressobj().decompress(packed, chunk_limit + 1))
+            except zlib.error:
+                inflated = 0
+            if inflated > chunk_limit:
+                return (f"a PNG whose {kind.decode()} chunk ({_INFLATED_CHUNKS[kind]}, an ancillary chunk) inflates "
+                        f"to more than {chunk_limit} bytes, the most one such chunk may (Pillow's "
+                        f"PngImagePlugin.MAX_TEXT_CHUNK); send the image without that metadata")
+            if kind != b"iCCP":
+                text_bytes += inflated
+        if text_bytes > text_limit:
+            return (f"a PNG whose text chunks (tEXt, zTXt, iTXt: ancillary chunks) inflate to more than {text_limit} "
+                    f"bytes together, the most they may (Pillow's PngImagePlugin.MAX_TEXT_MEMORY); send the image "
+                    f"without that metadata")
+    return None
+
+
 def _open(data: bytes, field: str, max_pixels: int, formats: tuple[str, ...] = EDIT_FORMATS):
     """The Pillow image of ``data``, decoded after the header's size was checked, and turned upright by its EXIF
     orientation (module docstring). ``formats``: the Pillow formats allowed (a mask needs alpha: no JPEG).
 
     Raises:
-        RequestError: (field ``field``) not bytes, empty, not a file of ``formats``, a zero-size image, more
-            than ``max_pixels`` pixels, or a truncated or corrupt file.
+        RequestError: (field ``field``) not bytes, empty, not a file of ``formats``, a PNG with an ancillary chunk
+            that inflates beyond Pillow's limits (named, with the limit: :func:`_png_chunk_too_large`), a zero-size
+            image, more than ``max_pixels`` pixels, or a truncated or corrupt file.
     """
     from PIL import Image, UnidentifiedImageError
 
@@ -50,7 +111,9 @@ def _open(data: bytes, field: str, max_pixels: int, formats: tuple[str, ...] = E
         raise RequestError(field, f"'{field}' claims more pixels than Pillow opens, above limits.max_input_pixels "
                                   f"{max_pixels}; send a smaller image") from None
     except (UnidentifiedImageError, OSError, ValueError):
-        raise RequestError(field, f"'{field}' is not an image file; allowed: {allowed}") from None
+        why = _png_chunk_too_large(data) if "PNG" in formats else None
+        raise RequestError(field, f"'{field}' is {why}" if why else
+                           f"'{field}' is not an image file; allowed: {allowed}") from None
     if im.format not in formats:
         raise RequestError(field, f"'{field}' is a {im.format} file; allowed: {allowed}"
                            + (" with an alpha channel" if field == "mask" else ""))
@@ -63,7 +126,9 @@ def _open(data: bytes, field: str, max_pixels: int, formats: tuple[str, ...] = E
     try:
         im.load()
     except (OSError, ValueError, SyntaxError, EOFError, struct.error, Image.DecompressionBombError):  # corrupt data
-        raise RequestError(field, f"'{field}' is truncated or corrupt: it does not decode") from None
+        why = _png_chunk_too_large(data) if im.format == "PNG" else None  # a text chunk after the pixel data
+        raise RequestError(field, f"'{field}' is {why}" if why else
+                           f"'{field}' is truncated or corrupt: it does not decode") from None
     from PIL import ImageOps
 
     ImageOps.exif_transpose(im, in_place=True)  # upright as shown (module docstring); no copy without an orientation

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import io
 import json
 import struct
@@ -308,6 +309,75 @@ def test_every_bad_input_is_a_4xx_naming_the_field(ingress, case, kwargs, status
     got, err = _edit(ingress, **kwargs)
     assert (got, err["param"]) == (status, field), err
     assert says in err["message"] and err["type"] == "invalid_request_error"
+
+
+@functools.cache
+def _zeros_deflated(mb: int) -> bytes:
+    """A zlib stream of ``mb`` MiB of zeros (200 MiB: about 200 KB), made a MiB at a time."""
+    z = zlib.compressobj(9)
+    return b"".join(z.compress(bytes(1 << 20)) for _ in range(mb)) + z.flush()
+
+
+def _png_with(before: bytes = b"", after: bytes = b"") -> bytes:
+    """An 8x8 RGB PNG with the raw chunks ``before`` and ``after`` its pixel data (IDAT)."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+    png = _png((8, 8))
+    i = png.index(b"IDAT") - 4
+    j = png.index(b"IEND") - 4
+    return png[:i] + b"".join(chunk(*c) for c in before) + png[i:j] + b"".join(chunk(*c) for c in after) + png[j:]
+
+
+_BOMB = [
+    # (case, chunks before IDAT, chunks after IDAT, what the message names)
+    ("zTXt of 200 MB", [(b"zTXt", b"Comment\0\0" + _zeros_deflated(200))], [], "zTXt chunk (compressed text"),
+    ("iCCP of 200 MB", [(b"iCCP", b"icc\0\0" + _zeros_deflated(200))], [], "iCCP chunk (ICC colour profile"),
+    ("compressed iTXt of 200 MB", [(b"iTXt", b"Comment\0\1\0\0\0" + _zeros_deflated(200))], [],
+     "iTXt chunk (international text"),
+    ("zTXt of 200 MB after the pixels", [], [(b"zTXt", b"Comment\0\0" + _zeros_deflated(200))],
+     "zTXt chunk (compressed text"),
+]
+
+
+@pytest.mark.parametrize("field", ["image", "mask"])
+@pytest.mark.parametrize("case,before,after,names", _BOMB, ids=[b[0] for b in _BOMB])
+def test_a_png_whose_ancillary_chunk_inflates_too_far_is_refused_naming_the_chunk_and_limit(
+        ingress, field, case, before, after, names):
+    """Pillow refuses to inflate an ancillary chunk past ``PngImagePlugin.MAX_TEXT_CHUNK`` (ValueError): the
+    answer says so, naming the chunk, the limit in bytes and that it is a PNG, not "not an image file"."""
+    from PIL import PngImagePlugin
+
+    bomb = _png_with(before, after)
+    assert len(bomb) < 300_000  # a small upload
+    files = dict(image=bomb) if field == "image" else dict(image=_png((8, 8)), mask=bomb)
+    got, err = _edit(ingress, **files, size="256x256")
+    assert (got, err["param"]) == (422, field), err
+    assert err["message"].startswith(f"'{field}' is a PNG whose {names}, an ancillary chunk) inflates to more than "
+                                     f"{PngImagePlugin.MAX_TEXT_CHUNK} bytes"), err
+    assert "not an image file" not in err["message"] and "corrupt" not in err["message"]
+
+
+def test_a_png_whose_text_chunks_inflate_too_far_together_is_refused_naming_the_total_limit(ingress):
+    """80 zTXt chunks of 900 KiB each: every one within MAX_TEXT_CHUNK, 70 MiB together above MAX_TEXT_MEMORY."""
+    from PIL import PngImagePlugin
+
+    each = zlib.compress(bytes(900 << 10), 9)
+    bomb = _png_with([(b"zTXt", b"C%d\0\0" % i + each) for i in range(80)])
+    got, err = _edit(ingress, image=bomb, size="256x256")
+    assert (got, err["param"]) == (422, "image"), err
+    assert err["message"].startswith(f"'image' is a PNG whose text chunks (tEXt, zTXt, iTXt: ancillary chunks) "
+                                     f"inflate to more than {PngImagePlugin.MAX_TEXT_MEMORY} bytes together"), err
+
+
+def test_a_png_with_small_text_chunks_is_still_edited(recorded):
+    """The same chunks inflating within the limits: the image is read as any other."""
+    dit, ingress = recorded
+    small = _png_with([(b"zTXt", b"Comment\0\0" + zlib.compress(b"x" * 1000)),
+                       (b"iCCP", b"icc\0\0" + zlib.compress(bytes(3000)))])
+    got, body = _edit(ingress, image=small, size="256x256")
+    assert got == 200, body
+    (_, plan), = dit.sent
+    assert plan.request.image == small
 
 
 def test_the_image_is_read_by_its_header_before_any_decoding(ingress, monkeypatch):
