@@ -78,13 +78,10 @@ class PlannedTraffic(BaseModel):
     miss_share: float = Field(default=0.0, ge=0, le=1,
                               description="Expected share of its requests that no bucket holds (run eager).")
     costs: str = Field(description="The cost model the plan used (token-count, profile ...).")
-    cost_lines: dict[str, float] = Field(
-        default_factory=dict,
-        description="That model's lines (graph_launch_ms, eager_launch_ms, ms_per_token, eager_ms_per_token, "
+    cost_lines: dict[str, float] = Field(default_factory=dict, description="That model's lines (graph_launch_ms, "
+        "eager_launch_ms, ms_per_token, eager_ms_per_token, "
         "bytes_per_token): the drift check scores recorded traffic with the same costs.")
-    work: dict[str, float] = Field(
-        default_factory=dict,
-        description="Per bucket shape (and 'miss'), its share of the computed tokens: the ownership prior.")
+    work: dict[str, float] = Field(default_factory=dict, description="Per bucket shape (and 'miss'), its share of the computed tokens: the ownership prior.")
 
     @model_validator(mode="after")
     def _lines_and_work(self) -> PlannedTraffic:
@@ -286,14 +283,19 @@ class RunnerConfig(BaseModel):
         default="auto",
         description="The kernels of every bucket's padded forward (bcg_core/runners/kernels.py): 'eager' is "
         "PyTorch's eager kernels (diffusers' exact bits); 'compiled' compiles the transformer's repeated blocks "
-        "with torch.compile (inductor, static shapes, one compile per bucket shape when the bucket is prepared) "
-        "and captures those kernels in the bucket's graph; 'fp8' is 'compiled' with the repeated blocks' linear "
-        "layers in float8 through torchao (per-row scales; modulation, embedders and the final projection stay "
-        "bf16; needs a GPU of compute capability 8.9 or newer, refused at start elsewhere). 'auto': 'compiled' on "
-        "CUDA, 'eager' on a CPU. Every compiled bucket's forward is checked against its eager forward when it is "
-        "prepared (runner.compile_rtol); a bucket whose compile fails, passes runner.compile_timeout_s or fails "
-        "that check keeps eager kernels (noted and counted in /v1/buckets). Misses (unpadded forwards) always run "
-        "eager kernels.",
+        "with torch.compile (inductor, static shapes, one compile per bucket shape) and captures those kernels in "
+        "the bucket's graph; 'fp8' is 'compiled' with the repeated blocks' linear layers in float8 through torchao "
+        "(per-row scales; modulation, embedders and the final projection stay bf16; needs a GPU of compute "
+        "capability 8.9 or newer, refused at start elsewhere). 'auto': 'compiled' on CUDA, 'eager' on a CPU. "
+        "Every compiled bucket's forward is checked against its eager forward (runner.compile_rtol); a bucket "
+        "whose compile fails, passes runner.compile_timeout_s or fails that check keeps eager kernels (noted and "
+        "counted in /v1/buckets). Misses (unpadded forwards) always run eager kernels.",
+    )
+    compile_in_background: bool = Field(
+        default=True,
+        description="With compiled kernels, a replica whose compile cache lacks a bucket's blocks serves that bucket "
+        "with eager kernels at once and compiles, checks and swaps it in between steps in a background thread "
+        "(bcg_core/runners/background.py; /v1/buckets kernels.pending). False: compile before ready.",
     )
     compile_timeout_s: float | None = Field(
         default=300.0, gt=0, le=86400,
@@ -339,9 +341,8 @@ class RunnerConfig(BaseModel):
         "against eager and measures faster (bcg_core/runners/decode.py; /v1/buckets kernels.decode). Off by "
         "default until measured in the server on a GPU.",
     )
-    warmup_iters: int = Field(default=2, ge=1, le=10,
-                              description="Warm-up forwards on a side stream before capture (with compiled kernels "
-                                          "and their check, one fewer: the check runs the compiled forward too).")
+    warmup_iters: int = Field(default=2, ge=1, le=10, description="Warm-up forwards before capture (with compiled "
+                              "kernels and their check, one fewer: the check runs the compiled forward too).")
     max_rows_in_flight: int = Field(
         default=64, ge=1, le=4096,
         description="Step scheduler: most transformer rows (images, x2 with classifier-free guidance) in flight "
@@ -383,20 +384,18 @@ class RunnerConfig(BaseModel):
     )
     measure_costs: Literal["auto", "always", "never"] = Field(
         default="auto",
-        description="Step scheduler: 'always' times, at prepare, each bucket's forward (a replay on CUDA) and "
-        "the unpadded eager forward of each shape against row count, and the cost model chooses forwards from "
-        "these times; 'never' uses the token-count model (milliseconds proportional to the tokens computed "
-        "plus a launch cost per forward); 'auto' measures where graphs are captured (CUDA) and uses the "
-        "token-count model elsewhere (on a CPU a padded row is pure extra work, so padding never pays).",
+        description="Step scheduler: 'always' times, at prepare, each bucket's forward (a replay on CUDA) and the "
+        "unpadded eager forward of each shape against row count, for the cost model; 'never' uses the token-count "
+        "model (ms proportional to the tokens computed plus a launch cost per forward); 'auto' measures where "
+        "graphs are captured (CUDA), elsewhere uses the token-count model (on a CPU padding never pays).",
     )
     fused_step: Literal["auto", "always", "never"] = Field(
         default="auto",
-        description="Capture each image's classifier-free guidance combination and its flow-match Euler update "
-        "in the bucket graph after the transformer, so one replay is one whole denoising step (bcg_core/runners/fused.py; "
-        "FLUX.1 and SD3 with FlowMatchEulerDiscreteScheduler). 'auto': where graphs are captured; 'always': also "
-        "on the eager runner (CPU), computed on the static buffers; 'never': the transformer alone in the graph, "
-        "guidance and scheduler step on the host. At start one step is run both ways and compared bit for bit; "
-        "on any difference the fused step stays off (reported in /v1/buckets under fused_step).",
+        description="Capture each image's classifier-free guidance combination and its flow-match Euler update in "
+        "the bucket graph after the transformer: one replay is one denoising step (bcg_core/runners/fused.py; FLUX.1 "
+        "and SD3 with FlowMatchEulerDiscreteScheduler). 'auto': where graphs are captured; 'always': also on the "
+        "eager runner (CPU); 'never': guidance and scheduler step on the host. At start one step is run both ways "
+        "and compared bit for bit; on any difference it stays off (/v1/buckets fused_step).",
     )
 
 

@@ -187,11 +187,11 @@ class DiTPipeline:
         if prepare:
             self.prepare()
 
-    def prepare(self, keys: Sequence[BucketKey] | None = None) -> None:
-        """Prepare (capture on CUDA) ``keys`` (every bucket when None) through the runner; then, the first time
-        a bucket with a fused step is ready, :meth:`check_fused`. Adds its seconds to :attr:`prepare_s`."""
+    def prepare(self, keys: Sequence[BucketKey] | None = None, defer_compiles: bool = False) -> None:
+        """Prepare ``keys`` (every bucket when None) through the runner (``defer_compiles``: :mod:`~bcg_core.runners.
+        background`); the first time a fused bucket is ready, :meth:`check_fused`. Adds to :attr:`prepare_s`."""
         t0 = time.perf_counter()
-        self.runner.prepare(keys)
+        self.runner.prepare(keys, defer_compiles)
         self.prepare_s += time.perf_counter() - t0
         if self.fused.wanted and not self.fused.checked:
             self.check_fused()

@@ -2,7 +2,9 @@
 
 Start-up: the model is loaded, the replica joins the ownership coordinator (when the application routes
 by shape) and captures only the bucket shapes it owns (every batch bucket of each owned resolution tier and
-text bucket), then reports ready. Without a coordinator it captures every bucket.
+text bucket), then reports ready. Without a coordinator it captures every bucket. With compiled kernels
+(``runner.compile_in_background``) a bucket whose blocks are not in the compile cache is captured with eager kernels
+and compiled after the replica is ready, then swapped in between steps (:mod:`bcg_core.runners.background`).
 
 Serving: a request arrives as the ingress's :class:`~bcg_core.request.PlannedRequest` (validated, seed filled in,
 bucket looked up) and is trusted as it is: the replica accepts nothing else and never plans it again. Requests
@@ -214,13 +216,15 @@ class DiTReplica:
                         logger.warning("replica %s was assigned unknown shape %r; ignored", self._id, s)
                         continue
                     t0 = time.perf_counter()
-                    self._pipeline.prepare(keys)
+                    self._pipeline.prepare(keys, defer_compiles=self._config.runner.compile_in_background)
                     self._measure_costs(s, keys)
                     self._ready.add(s)
                     # progress: a compiled table on a CPU takes minutes (docs/OPERATIONS.md, kernel tiers)
                     logger.info("replica %s: shape %s ready (%d buckets, %.1f s), %d of %d shapes", self._id, s,
                                 len(keys), time.perf_counter() - t0, i, len(order))
                 self._scheduler.measure_memory_budget()  # after capture and cost measurement
+                # buckets on eager kernels for want of a cached compile: compiled, checked and swapped in from now on
+                self._scheduler.compile_in_background()
             finally:
                 self._capturing_since = None
 

@@ -32,8 +32,9 @@ from bcg_core.metrics import BucketMetrics
 from bcg_core.padding import DenoiseInputs, DiTAdapter
 from bcg_core.runners.kernels import KernelTier
 
-__all__ = ["BucketEntry", "BucketFault", "BucketRunner", "RunMode", "demote", "entry_kernels", "fill_fused",
-           "fused_buffers", "is_out_of_memory", "padded_forward", "static_forward"]
+__all__ = ["BucketEntry", "BucketFault", "BucketRunner", "CaptureStats", "RunMode", "budget_allows", "capture_order",
+           "demote", "entry_kernels", "fill_fused", "fused_buffers", "is_out_of_memory", "padded_forward",
+           "static_forward"]
 
 
 log = logging.getLogger(__name__)
@@ -121,6 +122,9 @@ class BucketEntry:
     kernels: KernelTier = KernelTier.EAGER
     compile_rel_err: float | None = None
     attention: object | None = None
+    pending: bool = False
+    """Compiled kernels are asked for and not compiled yet (a cold cache, ``prepare(defer_compiles=True)``): the
+    bucket serves eager kernels until :mod:`bcg_core.runners.background` compiles, checks and swaps it in."""
     fused: dict[str, torch.Tensor] | None = None
     """With a fused step (:mod:`bcg_core.runners.fused`): its ``meta`` (4, B) and ``dt`` (B,) fp32 buffers, and under a
     captured graph its static ``next`` latents output; None otherwise."""
@@ -143,8 +147,22 @@ class BucketEntry:
 class BucketRunner(Protocol):
     """What the pipeline needs from a runner (see the module docstring)."""
 
-    def prepare(self, keys: Iterable[BucketKey] | None = None) -> None:
-        """Make ``keys`` (every bucket when None) ready; idempotent."""
+    def prepare(self, keys: Iterable[BucketKey] | None = None, defer_compiles: bool = False) -> None:
+        """Make ``keys`` (every bucket when None) ready; idempotent. With compiled kernels and ``defer_compiles``, a
+        bucket whose compiled blocks are not in the compile cache is made ready on eager kernels and marked
+        :attr:`BucketEntry.pending` (:mod:`bcg_core.runners.background` compiles it later)."""
+        ...
+
+    def pending_compiles(self) -> list[BucketKey]:
+        """Buckets marked :attr:`BucketEntry.pending`, in preparation order."""
+        ...
+
+    def swap_in(self, old: BucketEntry, new: BucketEntry) -> float | None:
+        """Serve bucket ``old.key`` from ``new`` (compiled and checked on buffers of its own) from the next forward
+        on; returns the new forward's time over the old one's where measured (a CUDA graph replay), else None.
+
+        Raises:
+            Exception: the swap failed (``old`` keeps serving); ``KeyError`` where ``old`` no longer serves."""
         ...
 
     def prepared(self) -> set[BucketKey]:
@@ -224,3 +242,48 @@ def padded_forward(adapter: DiTAdapter, buffers: dict[str, torch.Tensor], inputs
     if inputs.lora_slots is None and hasattr(adapter, "forward_plain"):
         return adapter.forward_plain(buffers)
     return adapter.forward(buffers)
+
+
+def capture_order(keys: list[BucketKey]) -> list[BucketKey]:
+    """Buckets largest first: by padded tokens per forward, then rows, then exact before masked.
+
+    Capturing the largest graph first sizes the shared pool once; every smaller graph then reuses its
+    free blocks (docs/DESIGN.md section 3).
+    """
+    return sorted(keys, key=lambda k: (-k.tokens, -k.batch, k.image_mask, k.latent_hw or (0, 0)))
+
+
+def budget_allows(pool_bytes: int, estimate_bytes: int, budget_bytes: int | None) -> bool:
+    """Whether a bucket whose forward peaks at ``estimate_bytes`` fits the shared-pool budget.
+
+    In one shared pool, captured largest first, a new graph reuses the pool's free blocks: the pool grows
+    by at most ``max(0, estimate - pool)``. So the pool after capture is at most
+    ``max(pool_bytes, estimate_bytes)``.
+
+    Args:
+        pool_bytes: the shared pool's size before this capture.
+        estimate_bytes: peak activation bytes of the bucket's forward (measured in warm-up).
+        budget_bytes: the graph-memory budget; None means no budget.
+    """
+    return budget_bytes is None or max(pool_bytes, estimate_bytes) <= budget_bytes
+
+
+@dataclass
+class CaptureStats:
+    """Totals of one runner's captures (shown in ``/v1/buckets`` and by ``bcg profile``)."""
+
+    captured: int = 0
+    failed: int = 0
+    dropped_oom: int = 0
+    over_budget: int = 0
+    lazy_captures: int = 0
+    unprepared_forwards: int = 0
+    replay_errors: int = 0
+    """Forwards whose replay raised at run time (not out of memory): the bucket was demoted to unpadded eager."""
+    capture_s: float = 0.0
+    pool_bytes: int = 0
+    compile_failed: int = 0
+    """Buckets that asked for compiled kernels and run eager ones: the compile or the compiled capture raised."""
+    swaps: int = 0
+    """Buckets whose graph of eager kernels was replaced by one of compiled kernels, compiled in the background
+    (:mod:`bcg_core.runners.background`)."""

@@ -42,11 +42,12 @@ from bcg_core.errors import first_line
 from bcg_core.keys import BucketKey
 from bcg_core.metrics import BucketMetrics, ForwardMode
 from bcg_core.padding import DenoiseInputs, DiTAdapter
-from bcg_core.runners.base import (
-    BucketEntry, BucketFault, RunMode, demote, entry_kernels, fill_fused, fused_buffers,
-    is_out_of_memory, static_forward,
+from bcg_core.runners.base import (  # capture_order, budget_allows, CaptureStats: re-exported here
+    BucketEntry, BucketFault, CaptureStats, RunMode, budget_allows, capture_order, demote, entry_kernels, fill_fused,
+    fused_buffers, is_out_of_memory, static_forward,
 )
 from bcg_core.runners.kernels import CompileFailed, CompiledKernels, KernelTier
+from bcg_core.runners.precompiled import NotPrecompiled
 from bcg_core.verify import compile_entry
 
 __all__ = ["CaptureStats", "CudaGraphRunner", "budget_allows", "capture_order"]
@@ -54,48 +55,6 @@ __all__ = ["CaptureStats", "CudaGraphRunner", "budget_allows", "capture_order"]
 log = logging.getLogger(__name__)
 
 MiB = 1 << 20
-
-
-def capture_order(keys: list[BucketKey]) -> list[BucketKey]:
-    """Buckets largest first: by padded tokens per forward, then rows, then exact before masked.
-
-    Capturing the largest graph first sizes the shared pool once; every smaller graph then reuses its
-    free blocks (docs/DESIGN.md section 3).
-    """
-    return sorted(keys, key=lambda k: (-k.tokens, -k.batch, k.image_mask, k.latent_hw or (0, 0)))
-
-
-def budget_allows(pool_bytes: int, estimate_bytes: int, budget_bytes: int | None) -> bool:
-    """Whether a bucket whose forward peaks at ``estimate_bytes`` fits the shared-pool budget.
-
-    In one shared pool, captured largest first, a new graph reuses the pool's free blocks: the pool grows
-    by at most ``max(0, estimate - pool)``. So the pool after capture is at most
-    ``max(pool_bytes, estimate_bytes)``.
-
-    Args:
-        pool_bytes: the shared pool's size before this capture.
-        estimate_bytes: peak activation bytes of the bucket's forward (measured in warm-up).
-        budget_bytes: the graph-memory budget; None means no budget.
-    """
-    return budget_bytes is None or max(pool_bytes, estimate_bytes) <= budget_bytes
-
-
-@dataclass
-class CaptureStats:
-    """Totals of one runner's captures (shown in ``/v1/buckets`` and by ``bcg profile``)."""
-
-    captured: int = 0
-    failed: int = 0
-    dropped_oom: int = 0
-    over_budget: int = 0
-    lazy_captures: int = 0
-    unprepared_forwards: int = 0
-    replay_errors: int = 0
-    """Forwards whose replay raised at run time (not out of memory): the bucket was demoted to unpadded eager."""
-    capture_s: float = 0.0
-    pool_bytes: int = 0
-    compile_failed: int = 0
-    """Buckets that asked for compiled kernels and run eager ones: the compile or the compiled capture raised."""
 
 
 class CudaGraphRunner:
@@ -144,12 +103,17 @@ class CudaGraphRunner:
         self._side: torch.cuda.Stream | None = None
         self._prepared = False
         self._lock = threading.RLock()
+        self.gate = threading.RLock()
+        """Held by a capture, and by a background compile while it runs forwards (:mod:`bcg_core.runners.background`):
+        a device-wide synchronization of the one invalidates the other (:meth:`_record`)."""
 
     # -- capture ----------------------------------------------------------------------------------
 
-    def prepare(self, keys: Iterable[BucketKey] | None = None) -> None:
+    def prepare(self, keys: Iterable[BucketKey] | None = None, defer_compiles: bool = False) -> None:
         """Capture ``keys`` (every bucket when None), largest first, into the shared pool; with ``lazy`` and
-        ``keys=None`` only set up. Idempotent; a replica that gains buckets later calls it again with them.
+        ``keys=None`` only set up. Idempotent; a replica that gains buckets later calls it again with them. With
+        compiled kernels and ``defer_compiles``, a bucket not in the compile cache is captured with eager kernels
+        and left :attr:`~bcg_core.runners.base.BucketEntry.pending` (:mod:`bcg_core.runners.background`).
 
         Raises:
             KeyError: a key that is not one of this runner's buckets.
@@ -170,7 +134,7 @@ class CudaGraphRunner:
                 raise KeyError(f"buckets {unknown} are not served by this runner")
             try:
                 for key in todo:
-                    self.capture(key)
+                    self.capture(key, defer_compiles)
             finally:
                 self.sync_debug = False  # only the first prepare, before serving (see the class docstring)
             log.info("captured %d of %d buckets in %.2f s; shared pool %.1f MiB (budget %.1f MiB)",
@@ -182,12 +146,13 @@ class CudaGraphRunner:
         with self._lock:
             return set(self.entries)
 
-    def capture(self, key: BucketKey) -> BucketEntry:
-        """Capture bucket ``key`` (if not already done) and return its entry; never raises on failure."""
-        with self._lock:
+    def capture(self, key: BucketKey, defer_compiles: bool = False) -> BucketEntry:
+        """Capture bucket ``key`` (if not already done) and return its entry; never raises on failure. Waits for a
+        background compile's GPU work (:attr:`gate`): its synchronizations would invalidate the capture."""
+        with self._lock, self.gate:
             if key in self.entries:
                 return self.entries[key]
-            entry = self._capture(key)
+            entry = self._capture(key, defer_compiles)
             self.entries[key] = entry
             if entry.mode is RunMode.GRAPH:
                 self.metrics.record_capture(key, entry.capture_s)
@@ -229,7 +194,7 @@ class CudaGraphRunner:
         self.stats.compile_failed += 1
         log.warning("bucket %s runs eager kernels: %s", entry.key, why)
 
-    def _warm(self, entry: BucketEntry) -> int:
+    def _warm(self, entry: BucketEntry, defer_compiles: bool = False) -> int:
         """Warm-up forwards of ``entry`` (compiling its shapes first with compiled kernels); their peak memory.
 
         With compiled kernels and their check (``kernels.rtol`` set), one warm-up forward fewer: after the
@@ -242,13 +207,16 @@ class CudaGraphRunner:
             if self.kernels.rtol is not None and iters > 1:
                 iters -= 1
             try:
-                return compile_entry(self.kernels, self.adapter, entry,
-                                     lambda: self._warmup(entry.buffers, entry.fused, iters))
+                with self.kernels.cached_only() if defer_compiles else contextlib.nullcontext():
+                    return compile_entry(self.kernels, self.adapter, entry,
+                                         lambda: self._warmup(entry.buffers, entry.fused, iters))
             except CompileFailed as e:
                 self._eager_kernels(entry, str(e))
+            except NotPrecompiled:  # a cold cache: eager kernels now, compiled in the background
+                entry.kernels, entry.pending, entry.note = KernelTier.EAGER, True, "compiling in the background"
         return self._warmup(entry.buffers, entry.fused)
 
-    def _capture(self, key: BucketKey) -> BucketEntry:
+    def _capture(self, key: BucketKey, defer_compiles: bool = False) -> BucketEntry:
         t0 = time.perf_counter()
         try:
             buffers = self.adapter.allocate(key, self.device, self.dtype)
@@ -257,7 +225,7 @@ class CudaGraphRunner:
                 entry.kernels = KernelTier.COMPILED
             if self.fused:
                 entry.fused = fused_buffers(key.batch, self.device)
-            estimate = self._warm(entry)
+            estimate = self._warm(entry, defer_compiles)
         except torch.cuda.OutOfMemoryError as e:
             return self._dropped(key, f"out of memory while warming up: {e}".splitlines()[0])
         if not budget_allows(self.stats.pool_bytes, estimate, self.budget_bytes):
@@ -463,6 +431,53 @@ class CudaGraphRunner:
         self.metrics.record_forward(key, ForwardMode.GRAPH)
         return out
 
+    def pending_compiles(self) -> list[BucketKey]:
+        """Buckets serving eager kernels until their background compile swaps them (capture order)."""
+        with self._lock:
+            return [k for k in self.keys if k in self.entries and self.entries[k].pending]
+
+    def swap_in(self, old: BucketEntry, new: BucketEntry) -> float | None:
+        """Capture ``new`` (its compiled blocks already compiled and checked on its own buffers,
+        :func:`~bcg_core.runners.background.compile_pending`) into the shared pool and serve bucket ``old.key`` from
+        it from the next forward on, between two forwards (the runner's lock); with LoRA adapters its graph without
+        the deltas too. A bucket without a graph (eager-only, over budget) takes ``new``'s buffers on its static
+        eager forward. The old graph is freed once dropped (its pool blocks serve later captures).
+
+        Returns:
+            The new graph's replay time over the old one's (CUDA events, median of 3 each, on their own buffers);
+            None without a graph.
+
+        Raises:
+            KeyError: ``old`` no longer serves its bucket (demoted, dropped or replaced meanwhile).
+            Exception: the capture raised; ``old`` keeps serving.
+        """
+        with self._lock, self.gate:
+            if self.entries.get(old.key) is not old or not old.buffers:
+                raise KeyError(f"bucket {old.key} no longer serves from the entry compiled for")
+            new.forwards, new.capture_s, new.pending = old.forwards, old.capture_s, False
+            if old.mode is not RunMode.GRAPH:
+                new.mode, new.note = old.mode, "compiled in the background"
+                self.entries[old.key] = new
+                return None
+            t0, reserved = time.perf_counter(), torch.cuda.memory_reserved(self.device)
+            graph = torch.cuda.CUDAGraph()
+            new.output, nxt = self._record(graph, new, False)
+            if nxt is not None:
+                new.fused["next"] = nxt
+            new.mode, new.graph = RunMode.GRAPH, graph
+            if hasattr(self.adapter, "forward_plain"):
+                self._capture_plain(new)
+            new.pool_bytes = max(0, torch.cuda.memory_reserved(self.device) - reserved)
+            new.capture_s += time.perf_counter() - t0
+            from bcg_core.devices import cuda_ms
+
+            factor = cuda_ms(graph.replay, 3, 1) / max(1e-6, cuda_ms(old.graph.replay, 3, 1))
+            new.note = "; ".join(n for n in (new.note, "compiled in the background", f"replay x{factor:.3f}") if n)
+            self.entries[old.key] = new
+            self.stats.swaps += 1
+            self.stats.pool_bytes += new.pool_bytes
+            return factor
+
     @property
     def graph_count(self) -> int:
         """Buckets that hold a captured graph."""
@@ -474,7 +489,7 @@ class CudaGraphRunner:
             {"key": str(e.key), "mode": e.mode.value if e.buffers or e.mode is RunMode.GRAPH else "dropped",
              "kernels": e.kernels.value, "pool_bytes": e.pool_bytes, "capture_s": round(e.capture_s, 4),
              "compile_rel_err": e.compile_err_json, "attention": e.attention_json, "forwards": e.forwards,
-             **({"plain_graph": e.plain is not None} if hasattr(self.adapter, "forward_plain") else {}),
+             "pending": e.pending, **({"plain_graph": e.plain is not None} if hasattr(self.adapter, "forward_plain") else {}),
              "note": e.note}
             for e in self.entries.values()
         ]

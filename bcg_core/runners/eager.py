@@ -4,10 +4,14 @@ It keeps the contract of :mod:`bcg_core.runners.base` (padding, masking and unpa
 does them), so every bucket is exercised on a CPU; only capture and replay themselves need a GPU. With compiled
 kernels (:mod:`bcg_core.runners.kernels`) each bucket's shapes are compiled when it is prepared (one forward on
 its buffers) and its padded forwards run them; a compile that raises leaves the bucket on eager kernels (noted).
+With ``defer_compiles``, a bucket whose compiled blocks are not in the cache serves eager kernels until
+:mod:`bcg_core.runners.background` compiles them on buffers of its own and :meth:`EagerBucketRunner.swap_in`
+swaps them in.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections.abc import Iterable
@@ -22,6 +26,7 @@ from bcg_core.runners.base import (
     padded_forward, static_forward,
 )
 from bcg_core.runners.kernels import CompileFailed, CompiledKernels, KernelTier
+from bcg_core.runners.precompiled import NotPrecompiled
 from bcg_core.verify import compile_entry
 
 __all__ = ["EagerBucketRunner"]
@@ -60,9 +65,14 @@ class EagerBucketRunner:
         self.device, self.dtype = device, dtype
         self.entries: dict[BucketKey, BucketEntry] = {}
         self._lock = threading.Lock()
+        self.gate = threading.RLock()
+        """Held by a background compile while it runs forwards (:mod:`bcg_core.runners.background`); nothing here
+        captures, so nothing else waits on it."""
 
-    def prepare(self, keys: Iterable[BucketKey] | None = None) -> None:
-        """Allocate the static buffers of ``keys`` (every bucket when None), largest first. Idempotent.
+    def prepare(self, keys: Iterable[BucketKey] | None = None, defer_compiles: bool = False) -> None:
+        """Allocate the static buffers of ``keys`` (every bucket when None), largest first. Idempotent. With compiled
+        kernels and ``defer_compiles``, a bucket whose compiled blocks are not cached is left
+        :attr:`~bcg_core.runners.base.BucketEntry.pending` on eager kernels.
 
         Raises:
             KeyError: a key that is not one of this runner's buckets.
@@ -74,21 +84,47 @@ class EagerBucketRunner:
                 raise KeyError(f"buckets {unknown} are not served by this runner")
             for key in todo:
                 if key not in self.entries:
-                    self.entries[key] = self._entry(key)
+                    self.entries[key] = self._entry(key, defer_compiles)
 
-    def _entry(self, key: BucketKey) -> BucketEntry:
-        """A new bucket's static buffers; with compiled kernels, its shapes compiled by one forward on them."""
+    def _entry(self, key: BucketKey, defer_compiles: bool = False) -> BucketEntry:
+        """A new bucket's static buffers; with compiled kernels, its shapes compiled by one forward on them (with
+        ``defer_compiles`` only loaded from the cache, else left pending)."""
         entry = BucketEntry(key, self.adapter.allocate(key, self.device, self.dtype))
         if self.kernels is not None:
             entry.kernels = KernelTier.COMPILED
             try:
-                with torch.inference_mode():
+                with torch.inference_mode(), self.kernels.cached_only() if defer_compiles else contextlib.nullcontext():
                     compile_entry(self.kernels, self.adapter, entry, lambda: self.adapter.forward(entry.buffers))
             except CompileFailed as e:
                 entry.kernels, entry.note = KernelTier.EAGER, str(e)
                 self.compile_failed += 1
                 log.warning("bucket %s runs eager kernels: %s", key, e)
+            except NotPrecompiled:
+                entry.kernels, entry.pending, entry.note = KernelTier.EAGER, True, "compiling in the background"
         return entry
+
+    def pending_compiles(self) -> list[BucketKey]:
+        """Buckets serving eager kernels until their background compile swaps them (largest first)."""
+        with self._lock:
+            return [k for k in self.keys if k in self.entries and self.entries[k].pending]
+
+    def swap_in(self, old: BucketEntry, new: BucketEntry) -> None:
+        """Serve bucket ``old.key`` from ``new`` (compiled and checked on its own buffers) from the next forward on.
+
+        Returns:
+            None: no replay time is measured here (:meth:`CudaGraphRunner.swap_in
+            <bcg_core.runners.cuda_graph.CudaGraphRunner.swap_in>` measures one).
+
+        Raises:
+            KeyError: ``old`` no longer serves its bucket (demoted after a fault, or replaced).
+        """
+        with self._lock:
+            if self.entries.get(old.key) is not old or not old.buffers:
+                raise KeyError(f"bucket {old.key} no longer serves from the entry compiled for")
+            new.forwards, new.pending = old.forwards, False
+            new.note = "compiled in the background"
+            self.entries[old.key] = new
+        return None
 
 
     def prepared(self) -> set[BucketKey]:
@@ -182,6 +218,6 @@ class EagerBucketRunner:
         return [
             {"key": str(e.key), "mode": e.mode.value, "kernels": e.kernels.value, "pool_bytes": e.pool_bytes,
              "capture_s": e.capture_s, "compile_rel_err": e.compile_err_json, "attention": e.attention_json,
-             "forwards": e.forwards, "note": e.note}
+             "forwards": e.forwards, "pending": e.pending, "note": e.note}
             for e in self.entries.values()
         ]

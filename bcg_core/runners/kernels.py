@@ -16,9 +16,9 @@
 
 :class:`CompiledKernels` installs the compiled blocks beside the eager ones and switches per forward
 (:meth:`CompiledKernels.active`): a bucket whose compile failed, an unpadded eager forward (a miss, whose shapes
-vary) and every forward outside a bucket keep eager kernels, so a failed compile costs speed, never service.
-On a CPU the same code runs (inductor's C++ backend; it needs a C++ compiler), which is what CI exercises; only
-the capture into a CUDA graph needs a GPU.
+vary) and every forward outside a bucket keep eager kernels, so a failed compile costs speed, never service. A
+server compiles a bucket not in the cache after it serves (:mod:`bcg_core.runners.background`). On a CPU the same
+code runs (inductor's C++ backend), which is what CI exercises; only the capture into a CUDA graph needs a GPU.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from bcg_core.errors import first_line
-from bcg_core.runners.precompiled import PrecompiledBlocks, available
+from bcg_core.runners.precompiled import NotPrecompiled, PrecompiledBlocks, available
 from bcg_core.runners.attention import (
     BACKENDS, AttentionChoice, ChoiceStore, RecordedCalls, choose, compiling_under, model_signature, record_sdpa_calls)
 
@@ -174,8 +174,8 @@ class CompileFailed(RuntimeError):
 
 
 class CompileTimeout(BaseException):
-    """Raised inside a compile that passed its deadline (:meth:`CompiledKernels.compiling`). A ``BaseException``,
-    so that dynamo's and inductor's ``except Exception`` handlers let it through and the compile unwinds."""
+    """Raised inside a compile past its deadline (:meth:`CompiledKernels.compiling`); a ``BaseException``, so that
+    dynamo's and inductor's ``except Exception`` handlers let it through."""
 
 
 FP8_RTOL = 0.25
@@ -288,11 +288,13 @@ class CompiledKernels:
             if not getattr(local, "on", False):
                 return eager(*args, **kwargs)
             kwargs = layout(kwargs) if layout else kwargs
-            pre = self.precompiled
+            pre, probe = self.precompiled, getattr(local, "cached_only", False)
+            if probe and (pre is None or type(block).__qualname__ in traced):
+                raise NotPrecompiled(f"{type(block).__qualname__} compiles through dynamo, never loaded whole")
             if pre is not None and type(block).__qualname__ not in traced:
                 try:
-                    fn = pre.function(block, args, kwargs, getattr(local, "attention", None))
-                except (CompileTimeout, torch.OutOfMemoryError):
+                    fn = pre.function(block, args, kwargs, getattr(local, "attention", None), load_only=probe)
+                except (CompileTimeout, torch.OutOfMemoryError, NotPrecompiled):
                     raise
                 except Exception as e:  # noqa: BLE001 - e.g. a tensor subclass it cannot serialize
                     traced.add(type(block).__qualname__)
@@ -352,6 +354,16 @@ class CompiledKernels:
         return choice
 
     @contextlib.contextmanager
+    def cached_only(self) -> Iterator[None]:
+        """Compiles on this thread only load; a block that would compile raises :class:`NotPrecompiled` (the probe
+        of a warm start, :mod:`bcg_core.runners.background`)."""
+        self._local.cached_only = True
+        try:
+            yield
+        finally:
+            self._local.cached_only = False
+
+    @contextlib.contextmanager
     def compiling(self, attention: str | None = None) -> Iterator[None]:
         """:meth:`active`, timing the block into :attr:`compile_s`, bounding it by :attr:`timeout_s` and turning a
         compile error into :class:`CompileFailed` (out of memory is re-raised as it is: the caller degrades as for a
@@ -366,7 +378,7 @@ class CompiledKernels:
         Raises:
             CompileFailed: the compile, or the compiled forward, raised or passed the deadline (the message starts
                 ``compile_failed:`` or ``compile_timeout:``).
-            torch.OutOfMemoryError: out of memory while compiling.
+            torch.OutOfMemoryError, NotPrecompiled: out of memory while compiling; a probe's block not cached.
         """
         t0 = time.perf_counter()
         hits, misses = _fx_cache_counts()
@@ -377,7 +389,7 @@ class CompiledKernels:
         try:
             with self.active(), compiling_under(attention), _deadline(self.timeout_s):
                 yield
-        except torch.OutOfMemoryError:
+        except (torch.OutOfMemoryError, NotPrecompiled):
             raise
         except CompileTimeout:
             self.timeouts += 1
@@ -397,8 +409,7 @@ class CompiledKernels:
             self.cache_misses += now_misses - misses + compiles
 
     def _precompiled_counts(self) -> tuple[int, int]:
-        """``(loads, compiles)`` of :attr:`precompiled` so far: artifacts read from disk, and ones compiled (an
-        ahead-of-time compile bypasses inductor's FX graph cache, so it is counted here, not there)."""
+        """``(loads, compiles)`` of :attr:`precompiled`: files read, and compiles (they bypass the FX graph cache)."""
         p = self.precompiled
         return (p.loads, p.saves + p.unsaved) if p is not None else (0, 0)
 
@@ -449,21 +460,21 @@ def kernel_stats(kernels: CompiledKernels | None, state: dict[str, dict]) -> dic
 
     ``start`` says how the buckets were prepared: ``cold`` (every compile missed inductor's FX graph cache),
     ``warm`` (every one hit it or loaded a precompiled block), ``partial``, or ``eager`` (nothing compiled).
-    ``precompiled``: the ahead-of-time compiled blocks loaded, saved, rebuilt (a file that did not load), unsaved
-    and discarded (their bucket failed its check) in this process (:mod:`bcg_core.runners.precompiled`; None where
-    off)."""
+    ``pending``: buckets on eager kernels until their background compile (:mod:`bcg_core.runners.background`);
+    ``compile_failed``: on eager kernels for good. ``precompiled``: the ahead-of-time compiled blocks loaded, saved,
+    rebuilt (a file that did not load), unsaved and discarded (their bucket failed its check) in this process
+    (:mod:`bcg_core.runners.precompiled`; None where off)."""
     k = kernels
     hits, misses = (k.cache_hits, k.cache_misses) if k else (0, 0)
     start = "eager" if k is None else "warm" if hits and not misses else "partial" if hits else "cold"
-    pre = None if k is None else k.precompiled
+    pre, names = None if k is None else k.precompiled, ("loads", "saves", "rebuilt", "unsaved", "discarded")
+    on_eager = [bool(d.get("pending")) for d in state.values() if d.get("kernels") == "eager"] if k else []
     return {
         "mode": k and k.mode, "regional": k and k.regional, "rtol": k and k.rtol, "rtol_from": k and k.rtol_note,
-        "compile_s": round(k.compile_s, 3) if k else 0.0,
-        "compile_failed": sum(1 for d in state.values() if d.get("kernels") == "eager") if k else 0,
-        "compile_timeouts": k.timeouts if k else 0, "timeout_s": k and k.timeout_s, "cache_dir": k and k.cache_dir,
-        "cache_hits": hits, "cache_misses": misses, "start": start, "attention": k and k.attention,
-        "precompiled": None if pre is None else {n: getattr(pre, n) for n in ("loads", "saves", "rebuilt", "unsaved",
-                                                                             "discarded")}}
+        "compile_s": round(k.compile_s, 3) if k else 0.0, "compile_failed": on_eager.count(False),
+        "pending": on_eager.count(True), "compile_timeouts": k.timeouts if k else 0, "timeout_s": k and k.timeout_s,
+        "cache_dir": k and k.cache_dir, "cache_hits": hits, "cache_misses": misses, "start": start,
+        "attention": k and k.attention, "precompiled": None if pre is None else {n: getattr(pre, n) for n in names}}
 
 
 def _fx_cache_counts() -> tuple[int, int]:

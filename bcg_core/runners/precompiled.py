@@ -50,7 +50,7 @@ from bcg_core.errors import first_line
 
 log = logging.getLogger(__name__)
 
-__all__ = ["PrecompiledBlocks", "available", "block_signature", "compile_options", "inputs_signature"]
+__all__ = ["NotPrecompiled", "PrecompiledBlocks", "available", "block_signature", "compile_options", "inputs_signature"]
 
 _PLAIN = (bool, int, float, str, type(None))
 
@@ -212,6 +212,11 @@ def compile_options(options: dict) -> dict:
     return {**rest, "options": {**inductor, "guard_filter_fn": torch.compiler.skip_all_guards_unsafe}}
 
 
+class NotPrecompiled(Exception):
+    """A block's compiled function is neither in memory nor on disk, and the caller asked only to load one
+    (:meth:`PrecompiledBlocks.function` ``load_only``): compiling it now would take seconds to minutes."""
+
+
 class PrecompiledBlocks:
     """The ahead-of-time compiled block functions of a replica, on disk under ``folder`` and in memory.
 
@@ -260,13 +265,16 @@ class PrecompiledBlocks:
         text = repr((memory, self.mode, attention, _numerics(), self._env))
         return f"{self._block(block)[0]}-{hashlib.sha256(text.encode()).hexdigest()[:40]}"
 
-    def function(self, block: torch.nn.Module, args: tuple, kwargs: dict, attention: str | None) -> Callable:
+    def function(self, block: torch.nn.Module, args: tuple, kwargs: dict, attention: str | None,
+                 load_only: bool = False) -> Callable:
         """The compiled ``run(block, *args, **kwargs)`` for this block structure and these inputs: from memory,
         else from disk, else compiled now (``aot_compile`` with ``args``, ``kwargs`` as the example) and written
         (atomically: a temp file renamed). Call it inside the bucket's compile context (SDPA backend, cache key,
         deadline: :meth:`~bcg_core.runners.kernels.CompiledKernels.compiling`).
 
         Raises:
+            NotPrecompiled: with ``load_only``, where neither memory nor a readable file holds it (nothing is
+                compiled: the probe of a warm start, :meth:`~bcg_core.runners.kernels.CompiledKernels.cached_only`).
             Whatever ``aot_compile`` raises (the caller turns it into a bucket on eager kernels).
         """
         key = repr((self._block(block)[1], inputs_signature(args, kwargs)))
@@ -295,6 +303,8 @@ class PrecompiledBlocks:
                     path.unlink(missing_ok=True)
                     self.rebuilt += 1
                     fn = None
+            if fn is None and load_only:
+                raise NotPrecompiled(f"{type(block).__qualname__} is not compiled for these inputs yet")
             if fn is None:
                 options = compile_options(self.options)
                 # torch 2.10-2.12 attach .aot_compile only under this flag (later ones always do)

@@ -26,6 +26,7 @@ from bcg_core.pipeline import DiTPipeline, runner_mode
 from bcg_core.preview import PartialImage, preview_steps
 from bcg_core.keys import BucketKey
 from bcg_core.request import GenerationResult, PlannedRequest
+from bcg_core.runners.background import BackgroundCompiles
 from bcg_core.scheduler.admission import Admission, InFlight
 from bcg_core.scheduler.costs import CostModel
 from bcg_core.scheduler.finish import Finisher
@@ -97,6 +98,9 @@ class StepScheduler:
                                    # H200), not on a CPU at real widths (0.77x at 512 px): there each image alone
                                    encode_batch_images=decode_batch_images if self._cuda else 1)
         self._miss_ids = itertools.count()
+        self.compiles = BackgroundCompiles(pipeline.runner, self._compiled)
+        """The buckets prepared on eager kernels for want of a cached compile, compiled and swapped in the background
+        (:meth:`compile_in_background`)."""
         self._threads: list[threading.Thread] = []
         self._started = False
         self._start_lock = threading.Lock()
@@ -145,6 +149,21 @@ class StepScheduler:
     def set_costs(self, costs: CostModel) -> None:
         """Use ``costs`` from now on (merged over the current model: a shape captured later adds its times)."""
         self.decider.set_costs(costs)
+
+    def compile_in_background(self) -> bool:
+        """Start compiling the pipeline's pending buckets (prepared with ``defer_compiles``) on the background
+        thread of :class:`~bcg_core.runners.background.BackgroundCompiles`; True if it runs. After each swap the cost
+        model's time of that bucket is scaled by the measured replay ratio of its new graph over its old one."""
+        return self.compiles.start()
+
+    def _compiled(self, key: BucketKey, factor: float | None) -> None:
+        """Bucket ``key`` now runs compiled kernels, its forward ``factor`` times as long: rescale its measured time."""
+        costs = self.decider.costs
+        if factor is None or key not in costs.bucket_ms:
+            return
+        lora = {key: costs.lora_ms[key] * factor} if key in costs.lora_ms else {}
+        self.set_costs(CostModel({key: costs.bucket_ms[key] * factor}, source=costs.source, eager=costs.eager,
+                                 lora_ms=lora))
 
     # -- the request path ---------------------------------------------------------------------------
 
@@ -274,6 +293,7 @@ class StepScheduler:
             self.flight.closed = True
             self.flight.cv.notify_all()
         self._previews.close(timeout_s)
+        self.compiles.stop(timeout_s)
         for t in self._threads:
             t.join(timeout_s)
         self._loop.preparer.close(timeout_s)
@@ -317,5 +337,6 @@ class StepScheduler:
                 **out, "costs": self.costs.describe(), "miss_memory": self.decider.miss.describe(),
                 "previews": self._previews.describe(),
                 "memory_trim": self._trimmer.describe() if self._trimmer is not None else None,
+                "background_compiles": self.compiles.describe(),
                 "prepare": self._loop.preparer.describe(),
             }

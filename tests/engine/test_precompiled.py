@@ -114,7 +114,7 @@ def test_a_block_class_whose_ahead_of_time_compile_raises_is_traced_once_for_all
 
     attempts = []
 
-    def unserializable(self, block, args, kwargs, attention):
+    def unserializable(self, block, args, kwargs, attention, load_only=False):
         attempts.append(block)
         raise RuntimeError("cannot serialize this tensor subclass")
 

@@ -1,0 +1,147 @@
+"""Ready first, compiled later (``bcg_core/runners/background.py``): with compiled kernels and a cold compile cache a
+replica's buckets serve eager kernels at once, compile on a background thread while requests are served, and are
+swapped in between forwards; a warm cache is compiled from the start; a compile that fails leaves eager kernels.
+
+On the CPU (inductor's C++ backend) with the tiny default and a two-bucket table: seconds per compile on 2 cores."""
+
+from __future__ import annotations
+
+import io
+import threading
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from bcg_core import BucketConfig, EngineConfig, GenerationRequest
+from bcg_core.config import RunnerConfig
+from bcg_core.models import load_model
+from bcg_core.pipeline import DiTPipeline
+from bcg_core.runners.background import BackgroundCompiles, compile_pending, reserved_cpus
+from bcg_core.runners.kernels import CompiledKernels
+from bcg_core.runners.precompiled import available as precompiled_available
+from bcg_core.scheduler.step_scheduler import StepScheduler
+
+TABLE = BucketConfig(batch_sizes=[1, 2], resolutions=["256x256"], text_lengths=[256])
+REQUEST = GenerationRequest("a lighthouse at dusk", n=2, width=256, height=256, num_inference_steps=2, seed=3)
+
+
+def _config(cache: str, **runner) -> EngineConfig:
+    return EngineConfig(buckets=TABLE, runner=RunnerConfig(kernels="compiled", compile_cache_dir=cache, **runner))
+
+
+def _pixels(png: bytes) -> np.ndarray:
+    return np.asarray(Image.open(io.BytesIO(png)).convert("RGB"), dtype=np.int16)
+
+
+def _deferred(config: EngineConfig) -> DiTPipeline:
+    pipe = DiTPipeline(config, load_model(config.model), prepare=False)
+    pipe.prepare(defer_compiles=True)
+    return pipe
+
+
+@pytest.fixture(scope="module")
+def eager_images() -> list[bytes]:
+    return DiTPipeline.from_config(EngineConfig(buckets=TABLE)).generate(REQUEST).images_png
+
+
+@pytest.mark.skipif(not precompiled_available(torch.compile), reason="torch without ahead-of-time compile")
+def test_a_cold_cache_serves_eager_kernels_at_once_then_swaps_compiled_ones_in_and_a_warm_cache_starts_compiled(
+        tmp_path, eager_images):
+    pipe = _deferred(_config(str(tmp_path / "cache")))
+    described = pipe.runner.describe()
+    assert {(d["kernels"], d["pending"]) for d in described} == {("eager", True)}, described
+    assert pipe.runner.kernels.compile_s < 5 * 60 and pipe.stats()["kernels"]["pending"] == 2
+    assert pipe.stats()["kernels"]["compile_failed"] == 0  # pending is not failed
+    # before any compile: eager kernels in the bucket, so diffusers' bits, equal to an eager-tier pipeline's
+    assert pipe.generate(REQUEST).images_png == eager_images
+
+    compiles = BackgroundCompiles(pipe.runner, pin=False)
+    served, errors = [], []
+
+    def serve():
+        try:
+            while compiles.describe()["running"] or not served:
+                served.append(pipe.generate(REQUEST).images_png)
+        except Exception as e:  # noqa: BLE001 - recorded for the assertion below
+            errors.append(e)
+
+    assert compiles.start()
+    client = threading.Thread(target=serve)
+    client.start()
+    assert compiles.wait(timeout_s=600)
+    client.join(120)
+    assert not errors and served, errors
+    state = compiles.describe()
+    assert (state["pending"], state["swapped"], state["failed"], state["done"]) == (0, 2, 0, True), state
+    described = pipe.runner.describe()
+    assert {(d["kernels"], d["pending"]) for d in described} == {("compiled", False)}, described
+    assert all("compiled in the background" in d["note"] for d in described)
+    assert all(d["compile_rel_err"] is not None for d in described)  # checked against eager before the swap
+    # every image served while compiling was whole, and after the swap within a level of the eager kernels' image
+    after = pipe.generate(REQUEST).images_png
+    for images in [*served, after]:
+        for a, b in zip(images, eager_images):
+            diff = np.abs(_pixels(a) - _pixels(b))
+            assert diff.max() <= 1 and (diff > 0).mean() < 0.01, (diff.max(), (diff > 0).mean())
+    assert not compiles.start()  # nothing pending: no thread
+
+    # a restart on the same cache folder (a fresh model, fresh compiled kernels): compiled at once, nothing pending
+    warm = _deferred(_config(str(tmp_path / "cache")))
+    assert {(d["kernels"], d["pending"]) for d in warm.runner.describe()} == {("compiled", False)}
+    assert warm.stats()["kernels"]["start"] == "warm" and not BackgroundCompiles(warm.runner, pin=False).start()
+
+
+def test_a_background_compile_that_fails_leaves_eager_kernels_and_every_request_served(tmp_path, eager_images):
+    """A compile that raises (a stand-in ``torch.compile``) in the background: the bucket keeps its eager kernels for
+    good (noted, counted as failed, not pending), and the images stay the eager tier's, bit for bit."""
+    def broken_compile(fn, **options):
+        def compiled(*args, **kwargs):
+            raise RuntimeError("inductor: C++ compile failed (simulated)")
+        return compiled
+
+    config = _config(str(tmp_path / "cache"))
+    model = load_model(config.model)
+    model.compiled_kernels = CompiledKernels(model.adapter.model, compile_fn=broken_compile, rtol=1e-3,
+                                            cache_dir=str(tmp_path / "cache"))
+    pipe = DiTPipeline(config, model, prepare=False)
+    pipe.prepare(defer_compiles=True)  # no ahead-of-time compile with a stand-in: nothing can load, all pending
+    assert pipe.runner.pending_compiles() == pipe.runner.keys
+    key = pipe.runner.keys[0]
+    assert compile_pending(pipe.runner, key) == ("failed", None)
+    entry = pipe.runner.entries[key]
+    assert not entry.pending and entry.note.startswith("compile_failed: RuntimeError: inductor: C++ compile failed")
+    assert compile_pending(pipe.runner, key) == ("gone", None)  # no longer pending: nothing to do
+    compiles = BackgroundCompiles(pipe.runner, pin=False)
+    assert compiles.start() and compiles.wait(timeout_s=120)
+    assert compiles.describe()["failed"] == 1 and pipe.stats()["kernels"]["compile_failed"] == 2
+    assert pipe.generate(REQUEST).images_png == eager_images
+
+
+@pytest.mark.skipif(not precompiled_available(torch.compile), reason="torch without ahead-of-time compile")
+def test_the_step_scheduler_starts_background_compiles_and_rescales_a_swapped_buckets_time(tmp_path):
+    """The scheduler owns the background compile of its pipeline (a replica starts it once its shapes are ready),
+    shows it in its stats and, after a swap, scales the cost model's time of that bucket by the measured ratio."""
+    from bcg_core.scheduler.costs import CostModel
+
+    pipe = _deferred(_config(str(tmp_path / "cache")))
+    sched = StepScheduler(pipe)
+    try:
+        key = pipe.runner.keys[0]
+        sched.set_costs(CostModel({k: 10.0 for k in pipe.runner.keys}, {key.shape: {1: 12.0, 2: 20.0}},
+                                  source="measured"))
+        sched._compiled(key, 0.5)  # what a CUDA graph swap reports: its replay takes half the eager graph's
+        assert sched.costs.bucket_ms[key] == 5.0 and sched.costs.bucket_ms[pipe.runner.keys[1]] == 10.0
+        sched._compiled(key, None)  # unmeasured (no graph): unchanged
+        assert sched.costs.bucket_ms[key] == 5.0 and sched.costs.source == "measured"
+        assert sched.stats()["background_compiles"]["pending"] == 2
+        assert sched.compile_in_background() and sched.compiles.wait(timeout_s=600)
+        stats = sched.stats()["background_compiles"]
+        assert (stats["pending"], stats["swapped"], stats["done"]) == (0, 2, True) and stats["elapsed_s"] > 0
+    finally:
+        sched.close()
+
+
+def test_serving_keeps_a_quarter_of_the_cpus_while_compiling():
+    assert [reserved_cpus(n) for n in (1, 2, 4, 8, 16, 64)] == [0, 1, 1, 2, 4, 4]
