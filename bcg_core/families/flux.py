@@ -27,8 +27,9 @@ It has no diffusers pipeline to compare with; its images are noise (random weigh
 
 from __future__ import annotations
 
-import functools
+import collections
 import copy
+import functools
 import threading
 from pathlib import Path
 
@@ -50,6 +51,11 @@ in ``__init__``): x the VAE factor 8, 1024x1024."""
 
 FLUX_DEFAULT_TEXT_TOKENS = 512
 """FLUX.1's T5 length (``FluxPipeline.__call__(max_sequence_length=512)``)."""
+
+IDS_CACHE_GRIDS = 64
+"""Most image-id tables :class:`FluxAdapter` keeps (one per grid, device and dtype; LRU). 64 holds every grid of a
+bucket table of a few dozen resolutions plus the requests' own sizes in flight; a miss recomputes one table, a few
+microseconds."""
 
 FLUX_SCHEDULER_CONFIG = dict(
     num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
@@ -110,7 +116,8 @@ class FluxAdapter:
         self.seq_dim = int(model.config.joint_attention_dim)
         self.pooled_dim = int(model.config.pooled_projection_dim)
         self.guidance_embeds = bool(model.config.guidance_embeds)
-        self._ids_cache: dict[tuple, torch.Tensor] = {}
+        self._ids_cache: collections.OrderedDict[tuple, torch.Tensor] = collections.OrderedDict()
+        self._ids_lock = threading.Lock()
 
     def example_latents(self, rows: int, grid: tuple[int, int], generator: torch.Generator) -> torch.Tensor:
         """Packed latents (rows, h * w, in_channels), standard normal, CPU fp32."""
@@ -162,7 +169,7 @@ class FluxAdapter:
                 raise ValueError("this FLUX model is guidance-distilled: inputs.guidance is required")
             copy_rows(buffers["guidance"], inputs.guidance)
         ids = buffers["img_ids"]
-        ids[:k].copy_(self._image_ids(inputs.grid, ids.device, ids.dtype))
+        ids[:k].copy_(self.image_ids(inputs.grid, ids.device, ids.dtype))
         if k < s:
             ids[k:].zero_()
         buffers["txt_ids"].zero_()
@@ -172,12 +179,29 @@ class FluxAdapter:
             if k < s:
                 mask[..., t + k :].fill_(False)
 
-    def _image_ids(self, grid: tuple[int, int], device, dtype) -> torch.Tensor:
-        """Cached :func:`flux_image_ids` (one small tensor per grid and device)."""
+    def image_ids(self, grid: tuple[int, int], device, dtype) -> torch.Tensor:
+        """Cached :func:`flux_image_ids` (one small tensor per grid and device): the last :data:`IDS_CACHE_GRIDS`
+        used are kept (a grid is a request's size, which a client picks freely within the limits: up to 4,096 grids
+        of up to 4,096 tokens at 1024 px, 48 KiB each), the least recently used dropped first.
+
+        Args:
+            grid: the image's token grid ``(h, w)``, as :func:`flux_image_ids` takes it.
+            device, dtype: where and in what type the table is wanted.
+
+        Returns:
+            The ``(h * w, 3)`` ids; shared, not to be written to.
+        """
         key = (grid, str(device), dtype)
-        ids = self._ids_cache.get(key)
-        if ids is None:
-            ids = self._ids_cache[key] = flux_image_ids(grid, device=device, dtype=dtype)
+        with self._ids_lock:  # the step thread and the prepare thread (an edit's first step)
+            ids = self._ids_cache.get(key)
+            if ids is not None:
+                self._ids_cache.move_to_end(key)
+                return ids
+        ids = flux_image_ids(grid, device=device, dtype=dtype)
+        with self._ids_lock:
+            self._ids_cache[key] = ids
+            while len(self._ids_cache) > IDS_CACHE_GRIDS:
+                self._ids_cache.popitem(last=False)
         return ids
 
     def _call(self, latents, text, pooled, timestep, img_ids, txt_ids, guidance, attention_kwargs):
