@@ -27,6 +27,7 @@ from .settings import ServeConfig, error_text, load_config
 from .app import replicas_conflict
 from .commands import cache_dir_arg, run_profile, run_verify
 from .demo import MAX_CONCURRENCY as _MAX_CONCURRENCY, demo_api_key, run_demo
+from .console import ready_text, watch_compiles
 from .local import api_server_metrics_url, check_config, start_local, stop_local
 
 __all__ = ["config_text", "main"]
@@ -135,53 +136,12 @@ def _with_key_file(config: ServeConfig | None, path: str) -> ServeConfig:
     return config.model_copy(update={"auth": config.auth.model_copy(update={"api_keys": digests})})
 
 
-def ready_text(url: str, model: str, metrics: str | None, auth: bool, lora: dict | None = None,
-               api_server: str | None = None) -> str:
-    """The lines ``bcg serve`` prints once, when the server is ready.
-
-    Args:
-        url: the API's base URL.
-        model: the model's name.
-        metrics: the Prometheus URL of Ray's exporter (None: a note that it does not run).
-        auth: whether the API asks for a key (the ``try:`` line then sends one).
-        lora: a replica's ``/v1/buckets`` ``lora`` section (None: no line), for what adapter rows cost.
-        api_server: the metrics URL of Ray's API-server process (:func:`deployments.local.api_server_metrics_url`),
-            the one process of Ray's dashboard that runs without it; None when it was not found.
-
-    Returns:
-        The block, lines of at most 118 columns with the URLs as given.
-    """
-    import textwrap
-
-    from bcg_core.lora.slots import cost_note
-
-    header = " -H 'Authorization: Bearer <key>'" if auth else ""
-    # ray.init(include_dashboard=False) still starts dashboard.py with only its usage-stats module and no HTTP
-    # server (deployments/local.py pin_api_server_metrics_port): say so, and where its own metrics listen.
-    dashboard = "no web UI or REST API; Ray still runs its API-server process (dashboard.py, usage stats only)"
-    return "\n".join([
-        f"bcg-serve is ready: model {model} (Ctrl-C stops it)",
-        f"  API        {url}  (OpenAI Images API: POST /v1/images/generations, GET /v1/models)",
-        f"  metrics    {metrics}  (Prometheus, Ray's exporter)" if metrics else
-        "  metrics    not exported (Ray's metrics agent is not running)",
-        f"  dashboard  {dashboard}",
-        f"             with its own metrics at {api_server}" if api_server else
-        "             (its metrics address was not found)",
-        *(textwrap.wrap(f"lora       {lora['slots']} slots; " + cost_note(
-            lora["layers"], lora["delta_share"], lora["max_per_request"], lora["max_rank"]),
-            width=118, initial_indent="  ", subsequent_indent=" " * 13) if lora else []),
-        f"  try: curl -s{header} {url}/v1/models",
-    ])
-
-
-def _replica_lora(config: ServeConfig) -> dict | None:
-    """A DiT replica's ``lora`` stats (None without ``lora.dir``, or when the replica does not answer in 10 s)."""
-    if config.lora.dir is None:
-        return None
+def _replica_stats() -> dict | None:
+    """One DiT replica's ``stats()`` (None when none answers in 10 s): for the console only."""
     from ray import serve
 
     try:
-        return serve.get_deployment_handle("DiTReplica", "bcg").stats.remote().result(timeout_s=10).get("lora")
+        return serve.get_deployment_handle("DiTReplica", "bcg").stats.remote().result(timeout_s=10)
     except Exception:  # noqa: BLE001 - a note on the console only; the server serves either way
         return None
 
@@ -218,9 +178,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         # After ray.init: Ray's core worker installs its own SIGTERM handler, which would kill the
         # process without shutting Serve down.
         previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-        print(ready_text(url, model, metrics_url(), config.auth.enabled, _replica_lora(config),
-                         api_server_metrics_url()), flush=True)
-        stopped = stop.wait(args.stop_after_s)
+        lora = (_replica_stats() or {}).get("lora") if config.lora.dir is not None else None
+        print(ready_text(url, model, metrics_url(), config.auth.enabled, lora, api_server_metrics_url()), flush=True)
+        # compiled kernels on a cold cache: progress lines until every bucket is compiled (deployments/compile_watch.py)
+        stopped = watch_compiles(stop, args.stop_after_s, _replica_stats, lambda s: print(s, flush=True),
+                                 args.replicas or 1)
         why = (("Ctrl-C" if got[0] == signal.SIGINT else signal.Signals(got[0]).name) if stopped else
                f"--stop-after-s {args.stop_after_s:g}")
         print(f"bcg-serve: shutting down ({why}) ...", flush=True)

@@ -21,9 +21,8 @@ Tags: ``bucket`` is the bucket key (``b2_i1024_t256``) and ``shape`` the key wit
 are bounded by ``traffic.max_shapes``. The LoRA counters (``bcg_lora_*``, from the ``lora`` section of the stats,
 :meth:`bcg_core.lora.slots.AdapterSlots.describe`) are tagged ``adapter``, the adapter's name, and exported only for
 adapters that exist in ``lora.dir`` (loaded at least once, or found there by path): a name a caller made up never
-becomes a series, so their label sets are bounded by the folder's adapters. Ray adds ``deployment``, ``replica``, ``application`` (Serve) and its own node
-tags (``SessionName``, ``NodeAddress``, ...). :data:`METRICS` lists every metric; ``docs/OPERATIONS.md`` (section
-"Metrics (Prometheus)") gives the exported names (Ray prefixes ``ray_``; counters end in ``_total``).
+becomes a series. Ray adds ``deployment``, ``replica``, ``application`` (Serve) and its own node tags. :data:`METRICS`
+lists every metric; ``docs/OPERATIONS.md`` ("Metrics (Prometheus)") gives the exported names (``ray_`` prefixed).
 
 An exception while pushing is logged (the first few, then one in 60) and the next push retries: the exporter
 never stops the replica.
@@ -60,8 +59,7 @@ LORA_COUNTERS = {"bcg_lora_requests": "requests", "bcg_lora_hits": "hits", "bcg_
 """The per-adapter counters and the key of ``stats()["lora"]["adapters"][name]`` each follows."""
 
 MAX_ADAPTER_CHECKS = 4096
-"""Most adapter names never loaded whose existence in ``lora.dir`` the exporter looks up (once each); names beyond
-it are not exported until they load."""
+"""Most never-loaded adapter names looked up in ``lora.dir`` (once each); later ones are exported once loaded."""
 
 
 @dataclass(frozen=True)
@@ -158,6 +156,9 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("bcg_plan_drift_gain", "gauge", (), "fraction",
                "Share of the GPU time per image a new plan of the recorded traffic would save, set when that traffic "
                "drifted from the plan (over 1.5x its padded-token waste); 0 otherwise. Advice only."),
+    MetricSpec("bcg_compile_swaps", "counter", (), "buckets", "Buckets compiled in the background and swapped in."),
+    MetricSpec("bcg_compiles_pending", "gauge", (), "buckets",
+               "Buckets serving eager kernels until their background compile swaps compiled ones in."),
     MetricSpec("bcg_lora_requests", "counter", ("adapter",), "requests",
                "LoRA: requests that named the adapter (lora.dir set)."),
     MetricSpec("bcg_lora_hits", "counter", ("adapter",), "requests",
@@ -387,6 +388,9 @@ class BucketExporter:
             self._inc("bcg_sched_queue_wait_ms", tags, float(wait.get("sum", 0.0)))
             if wait.get("p99") is not None:
                 self._m["bcg_sched_queue_wait_p99_ms"].set(float(wait["p99"]), tags=tags)
+        compiles = sched.get("background_compiles") or {}
+        self._inc("bcg_compile_swaps", {}, int(compiles.get("swapped", 0)))
+        self._m["bcg_compiles_pending"].set(int(compiles.get("pending", 0)), tags={})
 
     def _push_traffic(self, snap: dict) -> None:
         """``bcg_traffic_requests`` and ``bcg_traffic_dropped`` from one traffic snapshot: the shapes' counts

@@ -333,7 +333,7 @@ def test_plan_from_a_url_sends_openai_api_key_as_demo_does_and_a_file_wins(tmp_p
 def test_bcg_serve_shows_what_adapter_rows_cost_when_lora_is_on():
     """The start-up warning about oversized LoRA settings is logged on the replica; ``bcg serve`` (whose Ray logs
     are quiet) prints the same note from the replica's ``/v1/buckets`` ``lora`` section."""
-    from deployments.cli import ready_text
+    from deployments.console import ready_text
 
     plain = ready_text("http://127.0.0.1:8000", "m", None, False)
     assert "lora" not in plain

@@ -178,6 +178,24 @@ def test_exporter_never_decreases_a_counter_and_survives_errors(caplog):
     assert ex.status()["errors"] >= 2 and ex.status()["pushes"] >= 4 and ex.status()["period_s"] == 0.01
 
 
+def test_exporter_counts_background_compile_swaps_and_the_buckets_pending():
+    """``bcg_compile_swaps`` follows the step scheduler's ``background_compiles.swapped`` by increments, and
+    ``bcg_compiles_pending`` its ``pending`` (bcg_core/runners/background.py)."""
+    m = BucketMetrics([K1])
+    compiles = {"pending": 2, "swapped": 0}
+    backend = FakeBackend()
+    ex = BucketExporter(_stats_of(m), m, dict, ["i256_t256"], backend,
+                        scheduler_stats=lambda: {"shapes": {}, "background_compiles": dict(compiles)})
+    ex.push()
+    b = backend.m
+    assert b["bcg_compiles_pending"].total() == 2 and b["bcg_compile_swaps"].total() == 0
+    compiles.update(pending=0, swapped=2)
+    ex.push()
+    ex.push()
+    assert b["bcg_compiles_pending"].total() == 0 and b["bcg_compile_swaps"].total() == 2
+    assert b["bcg_compile_swaps"].calls == [(2, {})]
+
+
 def test_readme_lists_every_exported_metric():
     readme = (ROOT / "docs" / "OPERATIONS.md").read_text()
     section = readme.split("## Metrics (Prometheus)", 1)[1].split("\n## ", 1)[0]
