@@ -101,6 +101,7 @@ from .schemas import (
     ModelList,
     RequestLimits,
 )
+from .memory import IdleTrimMiddleware, configure_trim
 from .uploads import (BodyTooLarge, FormError, edit_fields, edits_card, form_not_json, read_body, read_form,
                       upload_limit)
 
@@ -113,6 +114,7 @@ app = FastAPI(
     description="Diffusion Transformer image generation with Bucketed CUDA Graphs (BCG) on Ray Serve; "
     "OpenAI Images API compatible.",
 )
+app.add_middleware(IdleTrimMiddleware)  # trims this process's heap once no request is in flight (deployments.memory)
 
 _ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {c: {"model": ErrorBody} for c in (400, 401, 413, 415, 422, 500,
                                                                                       503)}
@@ -120,7 +122,6 @@ _IMAGES_200 = {"description": "The images as JSON; with `stream: true` Server-Se
                               "(`<kind>.partial_image`, then `<kind>.completed` per image; kind `image_generation`, "
                               "or `image_edit` for an edit).",
                "content": {"text/event-stream": {"schema": {"type": "string"}}}}
-
 
 COORDINATOR_TIMEOUT_S = 2.0
 """Seconds ``/v1/buckets`` waits for the ownership coordinator's snapshot; past it ``ownership`` is an error note
@@ -214,6 +215,7 @@ class Ingress:
         # decoded off the event loop
         self._planning = ThreadPoolExecutor(1, thread_name_prefix="bcg-plan")
         self._edits = edits_card(self._planner.spec, self._config.limits)
+        configure_trim(self._config.runner.trim_idle_s)  # the heap freed after each answer goes back to the OS
 
     def _request_limits(self) -> RequestLimits:
         return RequestLimits(
