@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["BACKENDS", "CANDIDATES", "AttentionChoice", "ChoiceStore", "KeptValues", "RecordedCalls", "SdpaCall",
+__all__ = ["BACKENDS", "CANDIDATES", "ORDER_LOCK", "AttentionChoice", "ChoiceStore", "KeptValues", "RecordedCalls", "SdpaCall",
            "attention_backend", "choose", "choose_backend", "compile_key", "compiling_under", "environment",
            "model_signature", "record_sdpa_calls", "time_backend"]
 
@@ -213,6 +213,14 @@ def choose_backend(calls: RecordedCalls, device: torch.device, candidates: tuple
     return AttentionChoice(min(ran, key=ran.get) if ran else "default", times)
 
 
+ORDER_LOCK = threading.RLock()
+"""Held while a compile sets SDPA's process-wide priority order (:func:`attention_backend`) and by every forward that
+picks its SDPA kernel at run time (:func:`bcg_core.runners.base.eager_forward`, a static forward of eager kernels):
+a compile in the background (:mod:`bcg_core.runners.background`) would otherwise hand such a forward its bucket's
+backend instead of PyTorch's default, and its bits would no longer be diffusers'. Graph replays and compiled code do
+not read the order (their kernel is baked in) and never wait on it."""
+
+
 def attention_backend(backend: str | None) -> contextlib.AbstractContextManager:
     """The context in which a bucket's compiled blocks are traced: ``backend`` first in SDPA's priority order, the
     others after it (``sdpa_kernel(..., set_priority=True)``), or nothing for ``"default"`` / None.
@@ -224,7 +232,10 @@ def attention_backend(backend: str | None) -> contextlib.AbstractContextManager:
     if backend is None or backend == "default":
         return contextlib.nullcontext()
     order = [BACKENDS[backend], *(b for name, b in BACKENDS.items() if name != backend)]
-    return sdpa_kernel(order, set_priority=True)
+    stack = contextlib.ExitStack()
+    stack.enter_context(ORDER_LOCK)  # eager forwards of other threads wait (ORDER_LOCK)
+    stack.enter_context(sdpa_kernel(order, set_priority=True))
+    return stack
 
 
 @functools.cache

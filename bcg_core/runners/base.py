@@ -16,7 +16,6 @@ The bucket table decides the key; the runner trusts it.
 
 from __future__ import annotations
 
-import contextlib
 import enum
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -30,10 +29,11 @@ from bcg_core.errors import first_line
 from bcg_core.keys import BucketKey
 from bcg_core.metrics import BucketMetrics
 from bcg_core.padding import DenoiseInputs, DiTAdapter
+from bcg_core.runners.attention import ORDER_LOCK
 from bcg_core.runners.kernels import KernelTier
 
 __all__ = ["BucketEntry", "BucketFault", "BucketRunner", "CaptureStats", "RunMode", "budget_allows", "capture_order",
-           "demote", "entry_kernels", "fill_fused", "fused_buffers", "is_out_of_memory", "padded_forward",
+           "demote", "eager_forward", "entry_kernels", "fill_fused", "fused_buffers", "is_out_of_memory", "padded_forward",
            "static_forward"]
 
 
@@ -213,10 +213,17 @@ def fill_fused(fused: dict[str, torch.Tensor], meta: torch.Tensor, dt: torch.Ten
 def entry_kernels(kernels, entry: BucketEntry):
     """The context a padded forward of ``entry`` runs in: ``kernels`` (a
     :class:`~bcg_core.runners.kernels.CompiledKernels`) switched on when the bucket runs compiled kernels, else
-    nothing."""
+    SDPA's default priority order (:data:`~bcg_core.runners.attention.ORDER_LOCK`)."""
     if entry.kernels is KernelTier.COMPILED and kernels is not None:
         return kernels.active()
-    return contextlib.nullcontext()
+    return ORDER_LOCK
+
+
+def eager_forward(adapter: DiTAdapter, inputs: DenoiseInputs) -> torch.Tensor:
+    """``adapter.forward_eager(inputs)``, a new tensor, under SDPA's default priority order (never a background
+    compile's, :data:`~bcg_core.runners.attention.ORDER_LOCK`): an unpadded eager forward, diffusers' bits."""
+    with ORDER_LOCK:
+        return adapter.forward_eager(inputs).clone()
 
 
 def static_forward(adapter: DiTAdapter, buffers: dict[str, torch.Tensor], inputs: DenoiseInputs) -> torch.Tensor:

@@ -43,8 +43,8 @@ from bcg_core.keys import BucketKey
 from bcg_core.metrics import BucketMetrics, ForwardMode
 from bcg_core.padding import DenoiseInputs, DiTAdapter
 from bcg_core.runners.base import (  # capture_order, budget_allows, CaptureStats: re-exported here
-    BucketEntry, BucketFault, CaptureStats, RunMode, budget_allows, capture_order, demote, entry_kernels, fill_fused,
-    fused_buffers, is_out_of_memory, static_forward,
+    BucketEntry, BucketFault, CaptureStats, RunMode, budget_allows, capture_order, demote, eager_forward, entry_kernels,
+    fill_fused, fused_buffers, is_out_of_memory, static_forward,
 )
 from bcg_core.runners.kernels import CompileFailed, CompiledKernels, KernelTier
 from bcg_core.runners.precompiled import NotPrecompiled
@@ -350,7 +350,7 @@ class CudaGraphRunner:
             if key is None or eager:
                 if key is not None and key not in self._key_set:
                     raise KeyError(f"bucket {key} is not served by this runner")
-                out = self.adapter.forward_eager(inputs).clone()
+                out = eager_forward(self.adapter, inputs)
             else:
                 entry = self.entries.get(key)
                 if entry is None:
@@ -360,7 +360,7 @@ class CudaGraphRunner:
                         # Not owned here (a request routed to a non-owner after the fallback wait): run it
                         # unpadded and eager rather than capture on the request path; counted.
                         self.stats.unprepared_forwards += 1
-                        out = self.adapter.forward_eager(inputs).clone()
+                        out = eager_forward(self.adapter, inputs)
                         self.metrics.record_forward(key, mode)
                         return out
                     entry = self.capture(key)
@@ -381,13 +381,13 @@ class CudaGraphRunner:
                             out = static_forward(self.adapter, entry.buffers, inputs)
                         mode = ForwardMode.STATIC_EAGER
                     else:  # dropped after OOM, or demoted after a runtime error: unpadded eager
-                        out = self.adapter.forward_eager(inputs).clone()
+                        out = eager_forward(self.adapter, inputs)
                 except RuntimeError as e:
                     if is_out_of_memory(e) or not (entry.mode is RunMode.GRAPH or entry.buffers):
                         raise
                     demote(entry, e, self.metrics)  # e.g. a CUDA error mid-replay: this bucket runs eager from now
                     self.stats.replay_errors += 1
-                    out, mode = self.adapter.forward_eager(inputs).clone(), ForwardMode.EAGER
+                    out, mode = eager_forward(self.adapter, inputs), ForwardMode.EAGER
                 entry.forwards += 1
         self.metrics.record_forward(key, mode)
         return out

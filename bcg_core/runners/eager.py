@@ -22,7 +22,7 @@ from bcg_core.keys import BucketKey
 from bcg_core.metrics import BucketMetrics, ForwardMode
 from bcg_core.padding import DenoiseInputs, DiTAdapter
 from bcg_core.runners.base import (
-    BucketEntry, BucketFault, demote, entry_kernels, fill_fused, fused_buffers, is_out_of_memory,
+    BucketEntry, BucketFault, demote, eager_forward, entry_kernels, fill_fused, fused_buffers, is_out_of_memory,
     padded_forward, static_forward,
 )
 from bcg_core.runners.kernels import CompileFailed, CompiledKernels, KernelTier
@@ -150,7 +150,7 @@ class EagerBucketRunner:
             if key is None or eager:
                 if key is not None and key not in self._key_set:
                     raise KeyError(f"bucket {key} is not one of this runner's {len(self.keys)} buckets")
-                out = self.adapter.forward_eager(inputs).clone()
+                out = eager_forward(self.adapter, inputs)
             else:
                 entry = self.entries.get(key)
                 if entry is None:
@@ -161,7 +161,7 @@ class EagerBucketRunner:
                     self.lazy_prepares += 1
                 mode = ForwardMode.STATIC_EAGER
                 if not entry.buffers:  # demoted after a fault: unpadded
-                    out, mode = self.adapter.forward_eager(inputs).clone(), ForwardMode.EAGER
+                    out, mode = eager_forward(self.adapter, inputs), ForwardMode.EAGER
                 else:
                     try:
                         with entry_kernels(self.kernels, entry):
@@ -170,7 +170,7 @@ class EagerBucketRunner:
                         if is_out_of_memory(e):
                             raise
                         demote(entry, e, self.metrics)
-                        out, mode = self.adapter.forward_eager(inputs).clone(), ForwardMode.EAGER
+                        out, mode = eager_forward(self.adapter, inputs), ForwardMode.EAGER
                 entry.forwards += 1
         self.metrics.record_forward(key, ForwardMode.EAGER if key is None or eager else mode)
         return out

@@ -145,3 +145,39 @@ def test_the_step_scheduler_starts_background_compiles_and_rescales_a_swapped_bu
 
 def test_serving_keeps_a_quarter_of_the_cpus_while_compiling():
     assert [reserved_cpus(n) for n in (1, 2, 4, 8, 16, 64)] == [0, 1, 1, 2, 4, 4]
+
+
+def test_an_eager_forward_waits_while_a_compile_holds_sdpa_s_priority_order():
+    """A bucket's compile sets SDPA's process-wide priority order to its measured backend; an eager forward on another
+    thread (a miss, a bucket on eager kernels) waits until it is restored, so it never runs that backend instead of
+    PyTorch's default (bcg_core/runners/attention.py ``ORDER_LOCK``)."""
+    import time
+
+    from bcg_core.runners.attention import attention_backend
+    from bcg_core.runners.base import eager_forward
+
+    class Adapter:
+        def forward_eager(self, inputs):
+            order.append(torch._C._get_sdp_priority_order())
+            return torch.zeros(1)
+
+    order = []
+    default = torch._C._get_sdp_priority_order()
+    entered, release = threading.Event(), threading.Event()
+
+    def compile_like():
+        with attention_backend("math"):
+            entered.set()
+            release.wait(10)
+
+    t = threading.Thread(target=compile_like)
+    t.start()
+    assert entered.wait(10)
+    waiter = threading.Thread(target=lambda: eager_forward(Adapter(), None))
+    waiter.start()
+    time.sleep(0.2)
+    assert order == [] and waiter.is_alive()  # it waits while the order is the compile's
+    release.set()
+    t.join(10)
+    waiter.join(10)
+    assert order == [default]
