@@ -382,6 +382,13 @@ class RunnerConfig(BaseModel):
         "free memory back to the OS (glibc malloc_trim; bcg_core/scheduler/memtrim.py says why: without it a CPU replica's "
         "memory at rest follows the largest requests served together). None: never.",
     )
+    mmap_threshold_bytes: int | None = Field(
+        default=262144, ge=0, le=33554432,
+        description="Replica and ingress processes: C heap allocations of at least this many bytes get their own "
+        "mmap, given back to the OS when freed (glibc mallopt M_MMAP_THRESHOLD; bcg_core/scheduler/memtrim.py "
+        "set_mmap_threshold says why and what it measured: without it glibc raises the threshold up to 32 MiB, and "
+        "the memory of a mixed load at rest and under load kept growing). None: glibc's dynamic threshold.",
+    )
     measure_costs: Literal["auto", "always", "never"] = Field(
         default="auto",
         description="Step scheduler: 'always' times, at prepare, each bucket's forward (a replay on CUDA) and the "

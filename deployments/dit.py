@@ -69,6 +69,7 @@ from bcg_core.planning.traffic import TrafficHistogram
 from router.autoscaling import replica_metrics
 from router.shape_router import split_key
 
+from .memory import configure_heap
 from .metrics import BucketExporter
 
 __all__ = ["DiTReplica", "as_generation_request"]
@@ -135,6 +136,7 @@ class DiTReplica:
 
     async def __init__(self, config: dict, coordinator=None):
         self._config = ServeConfig.model_validate(config)
+        configure_heap(self._config.runner)  # before the weights: large buffers get their own mmap
         self._id = _replica_id()
         model = await asyncio.to_thread(load_model, self._config.model)
         self._pipeline = DiTPipeline(self._config, model, prepare=False)

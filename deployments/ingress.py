@@ -101,7 +101,7 @@ from .schemas import (
     ModelList,
     RequestLimits,
 )
-from .memory import IdleTrimMiddleware, configure_trim
+from .memory import IdleTrimMiddleware, configure_ingress
 from .uploads import (BodyTooLarge, FormError, edit_fields, edits_card, form_not_json, read_body, read_form,
                       upload_limit)
 
@@ -215,7 +215,7 @@ class Ingress:
         # decoded off the event loop
         self._planning = ThreadPoolExecutor(1, thread_name_prefix="bcg-plan")
         self._edits = edits_card(self._planner.spec, self._config.limits)
-        configure_trim(self._config.runner.trim_idle_s)  # the heap freed after each answer goes back to the OS
+        configure_ingress(self._config.runner)  # large buffers mmapped; the heap trimmed once idle
 
     def _request_limits(self) -> RequestLimits:
         return RequestLimits(

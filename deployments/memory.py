@@ -13,15 +13,22 @@ with it.
 chunk is sent) that counts the HTTP requests in flight and notifies one :class:`IdleTrimmer` per process
 (:data:`INGRESS_TRIM`) each time the count drops to zero; the trimmer waits ``delay_s`` (the Ingress sets it from
 ``runner.trim_idle_s``) and trims if nothing arrived meanwhile.
+
+:func:`configure_heap` sets the process's mmap threshold (``runner.mmap_threshold_bytes``), so large buffers never
+enter the heaps at all; the DiT replica calls it too.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 
-from bcg_core.scheduler.memtrim import IdleTrimmer
+from bcg_core.scheduler.memtrim import IdleTrimmer, set_mmap_threshold
 
-__all__ = ["INGRESS_TRIM", "IdleTrimMiddleware", "InFlightCounter"]
+__all__ = ["INGRESS_TRIM", "IdleTrimMiddleware", "InFlightCounter", "configure_heap", "configure_ingress",
+           "configure_trim"]
+
+log = logging.getLogger("ray.serve")
 
 
 class InFlightCounter:
@@ -62,6 +69,25 @@ INGRESS_TRIM = InFlightCounter()
 """This process's count of HTTP requests in flight; :func:`configure_trim` attaches its trimmer."""
 
 _trimmer: IdleTrimmer | None = None
+
+
+def configure_heap(runner) -> bool:
+    """Set this process's mmap threshold to ``runner.mmap_threshold_bytes``
+    (:func:`bcg_core.scheduler.memtrim.set_mmap_threshold`; None leaves glibc's dynamic threshold). The DiT replica
+    and the ingress call it first thing at start. Returns whether it was set."""
+    if runner.mmap_threshold_bytes is None:
+        return False
+    done = set_mmap_threshold(runner.mmap_threshold_bytes)
+    if not done:
+        log.info("runner.mmap_threshold_bytes: mallopt is not available here (not glibc); left as it is")
+    return done
+
+
+def configure_ingress(runner) -> IdleTrimmer | None:
+    """The ingress's memory settings from the ``runner`` section: :func:`configure_heap`, then
+    :func:`configure_trim` with ``runner.trim_idle_s``; returns the trimmer or None."""
+    configure_heap(runner)
+    return configure_trim(runner.trim_idle_s)
 
 
 def configure_trim(delay_s: float | None) -> IdleTrimmer | None:
