@@ -494,6 +494,9 @@ def main(argv: list[str] | None = None) -> int:
     from deployments.local import start_local, stop_local
     from deployments.settings import ServeConfig
 
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    dirty = subprocess.run(["git", "status", "--porcelain", "--", "bcg_core", "deployments", "router"], cwd=ROOT,
+                           capture_output=True, text=True)
     with tempfile.TemporaryDirectory(prefix="bcg-soak-") as tmp:
         loras = make_adapters(Path(tmp))
         config = ServeConfig.model_validate({"lora": {"dir": str(loras), "slots": 2, "max_rank": 8,
@@ -503,8 +506,8 @@ def main(argv: list[str] | None = None) -> int:
             result = asyncio.run(soak(url, args))
         finally:
             stop_local()
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    result.update(date=time.strftime("%Y-%m-%d"), commit=commit.stdout.strip(), args=vars(args))
+    result.update(date=time.strftime("%Y-%m-%d"), commit=commit.stdout.strip(),  # the code the run started with
+                  uncommitted=dirty.stdout.split("\n")[:20] if dirty.stdout.strip() else [], args=vars(args))
     bad = sum(v.get(k, 0) for v in result["outcomes"].values() for k in ("lost", "hung", "5xx", "accepted_bad"))
     good_4xx = sum(v.get("4xx", 0) for k, v in result["outcomes"].items() if k != "bad")
     rest = result["at_rest"]
