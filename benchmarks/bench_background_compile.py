@@ -56,14 +56,25 @@ def _round_of(url: str, reqs: list, args, png_dir: Path) -> dict:
     """One replay of ``reqs`` (``--concurrency`` in flight): images/s, failures, and the pending count around it."""
     from deployments.demo import replay
 
-    before = _pending(sat._get_stats(url))
+    stats = sat._get_stats(url)
+    before, modes = _pending(stats), _modes(stats)
     t0 = time.perf_counter()
     results = replay(url, reqs, steps=args.steps, concurrency=args.concurrency, out_dir=png_dir, timeout_s=600)
     wall = time.perf_counter() - t0
     summary = sat.summarize([sat.result_row(r) for r in results], wall)
+    stats = sat._get_stats(url)
     return {"images_per_s": summary["images_per_s"], "wall_s": round(wall, 2), "failures": summary["failures"],
             "p50_ms": (summary.get("latency_ms") or {}).get("p50"), "pending_before": before,
-            "pending_after": _pending(sat._get_stats(url))}
+            "pending_after": _pending(stats), "forwards": {m: n - modes.get(m, 0) for m, n in _modes(stats).items()}}
+
+
+def _modes(stats: dict) -> dict[str, int]:
+    """Forwards so far by mode (graph, static_eager, eager), over the buckets and the misses."""
+    out: dict[str, int] = {}
+    for row in [*(stats.get("buckets") or []), stats.get("misses") or {}]:
+        for mode, n in (row.get("forwards_by_mode") or {}).items():
+            out[mode] = out.get(mode, 0) + int(n)
+    return out
 
 
 class _DoneWatch:

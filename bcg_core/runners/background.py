@@ -25,7 +25,9 @@ invalidate that capture.
 
 The compile must not starve serving. Its thread is pinned (``os.sched_setaffinity``, the calling thread's mask on
 Linux, inherited by the compiler processes inductor starts from it) to every CPU but the first
-:func:`reserved_cpus` ones, which stay free for the denoising, decode and HTTP threads, and runs at ``nice`` +10.
+:func:`reserved_cpus` ones, which stay free for the denoising, decode and HTTP threads, and runs at ``nice`` +10;
+Python's switch interval is shortened meanwhile (:data:`SWITCH_INTERVAL_S`). The bucket that served the most forwards
+so far is compiled first.
 What serving keeps meanwhile is measured in docs/BENCHMARKS.md (``benchmarks/bench_background_compile.py``).
 """
 
@@ -34,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -51,6 +54,12 @@ log = logging.getLogger(__name__)
 
 NICE = 10
 """``nice`` increment of the background compile thread: the scheduler favours the serving threads."""
+
+SWITCH_INTERVAL_S = 0.0005
+"""Python's thread switch interval while a background compile runs (``sys.setswitchinterval``; CPython's default is
+5 ms). Dynamo's tracing and inductor's code generation are Python that holds the GIL; a serving thread that released
+it (a CUDA synchronization, a queue wait) waits up to one interval to take it back, several times per denoising step.
+The old interval is restored when nothing is left to compile."""
 
 
 def reserved_cpus(count: int) -> int:
@@ -129,7 +138,7 @@ def _failed(runner, entry: BucketEntry, why: str) -> tuple[str, None]:
 
 
 class BackgroundCompiles:
-    """The thread that compiles a runner's pending buckets, one at a time, largest first (module docstring).
+    """The thread that compiles a runner's pending buckets, one at a time, busiest first (module docstring).
 
     Args:
         runner: the replica's bucket runner (compiled kernels; buckets prepared with ``defer_compiles``).
@@ -178,11 +187,28 @@ class BackgroundCompiles:
         stream = torch.cuda.Stream(device) if torch.device(device).type == "cuda" else None
         total = len(self.runner.pending_compiles())
         log.info("compiling %d bucket(s) in the background (%s)", total, self.pinning or "not pinned")
+        interval = sys.getswitchinterval()
+        sys.setswitchinterval(min(interval, SWITCH_INTERVAL_S))
+        try:
+            self._compile_all(stream)
+        finally:
+            sys.setswitchinterval(interval)
+        self.current = None
+        if not self.runner.pending_compiles():
+            self.finished_at = time.monotonic()
+            log.info("every bucket compiled in the background: %d swapped, %d kept eager kernels, %.1f s",
+                     self.swapped, self.failed, self.finished_at - (self.started_at or self.finished_at))
+
+    def _compile_all(self, stream) -> None:
+        """Compile the pending buckets one at a time: first the one that served the most forwards so far (the
+        traffic gains most from it), ties in preparation order (largest first)."""
         while not self._stop.is_set():
             pending = self.runner.pending_compiles()
             if not pending:
                 break
-            self.current = pending[0]
+            entries = self.runner.entries
+            self.current = max(pending, key=lambda k: (entries[k].forwards if k in entries else 0,
+                                                       -pending.index(k)))
             try:
                 outcome, factor = compile_pending(self.runner, self.current, stream)
             except Exception as e:  # noqa: BLE001 - never leave a bucket pending forever
@@ -196,11 +222,6 @@ class BackgroundCompiles:
                         log.exception("after the swap of bucket %s", self.current)
             elif outcome == "failed":
                 self.failed += 1
-        self.current = None
-        if not self.runner.pending_compiles():
-            self.finished_at = time.monotonic()
-            log.info("every bucket compiled in the background: %d swapped, %d kept eager kernels, %.1f s",
-                     self.swapped, self.failed, self.finished_at - (self.started_at or self.finished_at))
 
     def wait(self, timeout_s: float | None = None) -> bool:
         """Wait for the thread to end; True when nothing is pending any more."""

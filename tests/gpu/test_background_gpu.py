@@ -65,3 +65,23 @@ def test_eager_graphs_serve_while_compiling_then_compiled_graphs_are_swapped_in(
                            kernels=CompiledKernels(again.model, rtol=0.1, cache_dir=str(tmp_path)))
     warm.prepare(defer_compiles=True)
     assert warm.pending_compiles() == [] and {d["kernels"] for d in warm.describe()} == {"compiled"}
+
+
+@pytest.mark.parametrize("backend", ["cudnn", "flash", "efficient"])
+def test_a_vae_decode_does_not_depend_on_a_compiles_sdpa_order(backend):
+    """The VAE's mid-block attention (one head of 512 channels, FLUX's and SDXL's VAEs) calls SDPA outside the runner's
+    ``ORDER_LOCK``: a decode while a background compile holds another priority order must give the same bits."""
+    from diffusers import AutoencoderKL
+
+    from bcg_core.runners.attention import attention_backend
+
+    torch.manual_seed(0)
+    vae = AutoencoderKL(in_channels=3, out_channels=3, latent_channels=16,
+                        down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+                        block_out_channels=(128, 256, 512, 512), layers_per_block=2).to(CUDA, torch.bfloat16).eval()
+    latents = torch.randn(2, 16, 64, 64, device=CUDA, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        default = vae.decode(latents).sample
+        with attention_backend(backend):
+            other = vae.decode(latents).sample
+    assert torch.equal(default, other)
