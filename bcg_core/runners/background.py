@@ -26,7 +26,8 @@ invalidate that capture.
 The compile must not starve serving. Its thread is pinned (``os.sched_setaffinity``, the calling thread's mask on
 Linux, inherited by the compiler processes inductor starts from it) to every CPU but the first
 :func:`reserved_cpus` ones, which stay free for the denoising, decode and HTTP threads, and runs at ``nice`` +10;
-Python's switch interval is shortened meanwhile (:data:`SWITCH_INTERVAL_S`). The bucket that served the most forwards
+Python's switch interval is shortened meanwhile (:data:`SWITCH_INTERVAL_S`), and the heap built before is frozen
+(``gc.freeze``: dynamo's allocations trigger full collections, each a pause of every thread, that would scan it). The bucket that served the most forwards
 so far is compiled first.
 What serving keeps meanwhile is measured in docs/BENCHMARKS.md (``benchmarks/bench_background_compile.py``).
 """
@@ -34,6 +35,7 @@ What serving keeps meanwhile is measured in docs/BENCHMARKS.md (``benchmarks/ben
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import os
 import sys
@@ -189,6 +191,7 @@ class BackgroundCompiles:
         log.info("compiling %d bucket(s) in the background (%s)", total, self.pinning or "not pinned")
         interval = sys.getswitchinterval()
         sys.setswitchinterval(min(interval, SWITCH_INTERVAL_S))
+        gc.freeze()  # the replica's heap so far is long-lived: the compiles' full collections need not scan it
         try:
             self._compile_all(stream)
         finally:
