@@ -439,7 +439,8 @@ async def soak(url: str, args) -> dict:
             await asyncio.sleep(max(0.0, args.sample_s - (time.monotonic() - began)))
 
     await asyncio.gather(sampler(), pause_after_warmup(), *(client_loop() for _ in range(args.concurrency)))
-    end_s = time.monotonic() - t0
+    # under load ends with the last sample (at the deadline), not when the last request in flight was answered
+    end_s = series[-1][0] if series else time.monotonic() - t0
     await rest("end")
     async with httpx.AsyncClient(timeout=60, trust_env=False) as client:
         stats = (await client.get(f"{url}/v1/buckets")).json()
