@@ -74,8 +74,9 @@ def set_mmap_threshold(nbytes: int) -> bool:
 
     Measured (2-core CPU, tiny default, ``benchmarks/soak_mixed.py`` 5 minutes: generations, previews, LoRA, edits,
     bad requests; docs/RELIABILITY.md): the DiT replica at rest 1,268 -> 1,437 MB (+13.3%) after warm-up without it,
-    1,237 -> 1,256 MB (+1.6%) at 256 KiB; under load its median per minute 2.4-2.9 GB and climbing without it, 1.40-1.48
-    GB and level at 256 KiB, with the idle trim (:class:`IdleTrimmer`) on in both.
+    1,233 -> 1,292 MB (+4.7%) at 256 KiB; under load its median per minute 2.39 -> 2.86 GB without it, 1.40-1.67 GB at
+    256 KiB, with the idle trim (:class:`IdleTrimmer`) on in both. 30 minutes at 256 KiB: +4.9% at rest, level under
+    load.
 
     Args:
         nbytes: the threshold in bytes, 0 to 32 MiB (glibc's ``HEAP_MAX`` / 2 limit on 64-bit).
