@@ -155,7 +155,7 @@ def time_backend(calls: RecordedCalls, backend: str, device: torch.device, iters
     try:
         # PyTorch warns for every backend that cannot run a call ("... kernel not used because"); here that is the
         # answer being measured, so the warnings are kept out of the replica's log
-        with torch.inference_mode(), sdpa_kernel([BACKENDS[backend]]), warnings.catch_warnings():
+        with ORDER_LOCK, torch.inference_mode(), sdpa_kernel([BACKENDS[backend]]), warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
             for call, count in calls.counts.items():
                 dtype = getattr(torch, call.dtype.removeprefix("torch."))
@@ -214,9 +214,9 @@ def choose_backend(calls: RecordedCalls, device: torch.device, candidates: tuple
 
 
 ORDER_LOCK = threading.RLock()
-"""Held while a compile sets SDPA's process-wide priority order (:func:`attention_backend`) and by every forward that
-picks its SDPA kernel at run time (:func:`bcg_core.runners.base.eager_forward`, a static forward of eager kernels):
-a compile in the background (:mod:`bcg_core.runners.background`) would otherwise hand such a forward its bucket's
+"""Held while a compile sets SDPA's process-wide priority order (:func:`attention_backend`) or a backend is timed alone
+(:func:`time_backend`), and by every forward that picks its SDPA kernel at run time
+(:func:`bcg_core.runners.base.eager_forward`, a static forward of eager kernels): a compile in the background (:mod:`bcg_core.runners.background`) would otherwise hand such a forward its bucket's
 backend instead of PyTorch's default, and its bits would no longer be diffusers'. Graph replays and compiled code do
 not read the order (their kernel is baked in) and never wait on it."""
 
