@@ -39,6 +39,9 @@ built as ``benchmarks/bench_saturation.py`` builds them, with its bucket table f
 replica's CUDA memory (``device_memory`` of ``GET /v1/buckets``: allocated and reserved bytes) is sampled at
 each poll and at rest too, and judged by the same 5%.
 
+``benchmarks/soak_mixed.py`` soaks a mixed load (previews, LoRA adapters, edits, bad requests) and reads the memory
+of every process of the application.
+
 Run (about ``--duration-s`` plus a minute of start-up)::
 
     python benchmarks/soak.py --duration-s 600 --out docs/bench/<date>_soak_cpu.json
