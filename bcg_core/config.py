@@ -355,33 +355,21 @@ class RunnerConfig(BaseModel):
         "Serve's max_ongoing_requests of the DiT deployment unless routing.max_ongoing_requests is set). "
         "None: 2 x max_rows_in_flight / rows of a default request (one set in flight, one waiting).",
     )
-    decode_batch_images: int = Field(
-        default=8, ge=1, le=256,
-        description="Step scheduler: most images one VAE decode call takes; finished requests of the same "
-        "image size are decoded together, in a decode thread, overlapped with the next denoising steps.",
-    )
-    encode_threads: int = Field(
-        default=4, ge=1, le=64,
-        description="Step scheduler: threads that encode decoded images to PNG (off the event loop and off "
-        "the denoising and decode threads).",
-    )
-    fair_wait_s: float = Field(
-        default=2.0, ge=0.0, le=600.0,
-        description="Step scheduler: a request that has waited this long for admission holds back every later "
-        "request until it fits, so no request (a large one, a rare shape) waits without bound.",
-    )
-    max_queue_wait_s: float | None = Field(
-        default=300.0, gt=0.0,
-        description="Step scheduler: a request that has waited this many seconds in the replica's queue without "
-        "being admitted is answered 503 with Retry-After instead of waiting on (counted as expired). None: no "
-        "deadline.",
-    )
-    trim_idle_s: float | None = Field(
-        default=1.0, ge=0.0, le=600.0,
-        description="Step scheduler: once no request has been in flight for this many seconds, hand the C heap's "
-        "free memory back to the OS (glibc malloc_trim; bcg_core/scheduler/memtrim.py says why: without it a CPU replica's "
-        "memory at rest follows the largest requests served together). None: never.",
-    )
+    decode_batch_images: int = Field(default=8, ge=1, le=256, description="Step scheduler: most images one VAE "
+        "decode call takes; finished requests of one image size are decoded together, in a decode thread, overlapped "
+        "with the next denoising steps.")
+    encode_threads: int = Field(default=4, ge=1, le=64, description="Step scheduler: threads that encode decoded "
+        "images to PNG (off the event loop and off the denoising and decode threads).")
+    fair_wait_s: float = Field(default=2.0, ge=0.0, le=600.0, description="Step scheduler: a request that has waited "
+        "this long for admission holds back every later request until it fits, so no request (a large one, a rare "
+        "shape) waits without bound.")
+    max_queue_wait_s: float | None = Field(default=300.0, gt=0.0, description="Step scheduler: a request that has "
+        "waited this many seconds in the replica's queue without being admitted is answered 503 with Retry-After "
+        "instead of waiting on (counted as expired). None: no deadline.")
+    trim_idle_s: float | None = Field(default=1.0, ge=0.0, le=600.0, description="Step scheduler: once no request "
+        "has been in flight for this many seconds, hand the C heap's free memory back to the OS (glibc malloc_trim; "
+        "bcg_core/scheduler/memtrim.py says why: without it a CPU replica's memory at rest follows the largest "
+        "requests served together). None: never.")
     mmap_threshold_bytes: int | None = Field(
         default=262144, ge=0, le=33554432,
         description="Replica and ingress processes: C heap allocations of at least this many bytes get their own "
