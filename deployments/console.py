@@ -96,6 +96,9 @@ class CompileProgress:
                 return [f"bcg-serve: {name}{tier} kernels in {compiled} of {total} buckets from the compile cache; "
                         "nothing to compile"]
             kept = total - compiled
+            if state["swapped"] == 0:
+                return [f"bcg-serve: {name}no bucket compiled: {kept} kept eager kernels (see /v1/buckets notes), "
+                        f"{after}"]
             return [f"bcg-serve: {name}every bucket compiled: {state['swapped']} swapped in from eager kernels, "
                     f"{kept} kept eager kernels{' (see /v1/buckets notes)' if kept else ''}, {after}"]
         return [f"bcg-serve: {name}compiling in the background: {state['swapped']} of "

@@ -241,10 +241,11 @@ class BackgroundCompiles:
 
     def describe(self) -> dict:
         """JSON-ready state for ``/v1/buckets``' ``kernels.background``: buckets pending, swapped and failed, the
-        one compiling, seconds since the start (until the last one finished), and the pinning."""
+        one compiling, seconds since the start (until the last one finished), ``done`` (nothing pending and nothing
+        running: also on a warm start, where nothing was ever pending), and the pinning."""
         end = self.finished_at or time.monotonic()
-        return {"pending": len(self.runner.pending_compiles()), "swapped": self.swapped, "failed": self.failed,
-                "compiling": None if self.current is None else str(self.current),
-                "running": self._thread is not None and self._thread.is_alive(),
+        pending, running = len(self.runner.pending_compiles()), self._thread is not None and self._thread.is_alive()
+        return {"pending": pending, "swapped": self.swapped, "failed": self.failed,
+                "compiling": None if self.current is None else str(self.current), "running": running,
                 "elapsed_s": None if self.started_at is None else round(end - self.started_at, 3),
-                "done": self.finished_at is not None, "pinning": self.pinning}
+                "done": not pending and not running, "pinning": self.pinning}

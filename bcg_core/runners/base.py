@@ -16,6 +16,7 @@ The bucket table decides the key; the runner trusts it.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -33,8 +34,8 @@ from bcg_core.runners.attention import ORDER_LOCK
 from bcg_core.runners.kernels import KernelTier
 
 __all__ = ["BucketEntry", "BucketFault", "BucketRunner", "CaptureStats", "RunMode", "budget_allows", "capture_order",
-           "demote", "eager_forward", "entry_kernels", "fill_fused", "fused_buffers", "is_out_of_memory", "padded_forward",
-           "static_forward"]
+           "demote", "eager_forward", "entry_kernels", "fill_fused", "fused_buffers", "is_out_of_memory",
+           "padded_forward", "sdpa_default_order", "static_forward"]
 
 
 log = logging.getLogger(__name__)
@@ -213,16 +214,24 @@ def fill_fused(fused: dict[str, torch.Tensor], meta: torch.Tensor, dt: torch.Ten
 def entry_kernels(kernels, entry: BucketEntry):
     """The context a padded forward of ``entry`` runs in: ``kernels`` (a
     :class:`~bcg_core.runners.kernels.CompiledKernels`) switched on when the bucket runs compiled kernels, else
-    SDPA's default priority order (:data:`~bcg_core.runners.attention.ORDER_LOCK`)."""
+    SDPA's default priority order on CUDA (:func:`sdpa_default_order`)."""
     if entry.kernels is KernelTier.COMPILED and kernels is not None:
         return kernels.active()
-    return ORDER_LOCK
+    latents = entry.buffers.get("latents")
+    return sdpa_default_order(latents.device if latents is not None else torch.device("cpu"))
 
 
-def eager_forward(adapter: DiTAdapter, inputs: DenoiseInputs) -> torch.Tensor:
-    """``adapter.forward_eager(inputs)``, a new tensor, under SDPA's default priority order (never a background
-    compile's, :data:`~bcg_core.runners.attention.ORDER_LOCK`): an unpadded eager forward, diffusers' bits."""
-    with ORDER_LOCK:
+def sdpa_default_order(device: torch.device):
+    """The context of a forward that picks its SDPA kernel at run time: on CUDA it holds
+    :data:`~bcg_core.runners.attention.ORDER_LOCK` (never a background compile's priority order); elsewhere nothing,
+    since PyTorch's CPU SDPA picks its kernel in a fixed order (flash, then math) whatever the priority order says."""
+    return ORDER_LOCK if torch.device(device).type == "cuda" else contextlib.nullcontext()
+
+
+def eager_forward(adapter: DiTAdapter, inputs: DenoiseInputs, device: torch.device) -> torch.Tensor:
+    """``adapter.forward_eager(inputs)``, a new tensor, on ``device`` under SDPA's default priority order
+    (:func:`sdpa_default_order`): an unpadded eager forward, diffusers' bits."""
+    with sdpa_default_order(device):
         return adapter.forward_eager(inputs).clone()
 
 

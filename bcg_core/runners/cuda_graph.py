@@ -350,7 +350,7 @@ class CudaGraphRunner:
             if key is None or eager:
                 if key is not None and key not in self._key_set:
                     raise KeyError(f"bucket {key} is not served by this runner")
-                out = eager_forward(self.adapter, inputs)
+                out = eager_forward(self.adapter, inputs, self.device)
             else:
                 entry = self.entries.get(key)
                 if entry is None:
@@ -360,7 +360,7 @@ class CudaGraphRunner:
                         # Not owned here (a request routed to a non-owner after the fallback wait): run it
                         # unpadded and eager rather than capture on the request path; counted.
                         self.stats.unprepared_forwards += 1
-                        out = eager_forward(self.adapter, inputs)
+                        out = eager_forward(self.adapter, inputs, self.device)
                         self.metrics.record_forward(key, mode)
                         return out
                     entry = self.capture(key)
@@ -381,13 +381,13 @@ class CudaGraphRunner:
                             out = static_forward(self.adapter, entry.buffers, inputs)
                         mode = ForwardMode.STATIC_EAGER
                     else:  # dropped after OOM, or demoted after a runtime error: unpadded eager
-                        out = eager_forward(self.adapter, inputs)
+                        out = eager_forward(self.adapter, inputs, self.device)
                 except RuntimeError as e:
                     if is_out_of_memory(e) or not (entry.mode is RunMode.GRAPH or entry.buffers):
                         raise
                     demote(entry, e, self.metrics)  # e.g. a CUDA error mid-replay: this bucket runs eager from now
                     self.stats.replay_errors += 1
-                    out, mode = eager_forward(self.adapter, inputs), ForwardMode.EAGER
+                    out, mode = eager_forward(self.adapter, inputs, self.device), ForwardMode.EAGER
                 entry.forwards += 1
         self.metrics.record_forward(key, mode)
         return out
@@ -489,7 +489,8 @@ class CudaGraphRunner:
             {"key": str(e.key), "mode": e.mode.value if e.buffers or e.mode is RunMode.GRAPH else "dropped",
              "kernels": e.kernels.value, "pool_bytes": e.pool_bytes, "capture_s": round(e.capture_s, 4),
              "compile_rel_err": e.compile_err_json, "attention": e.attention_json, "forwards": e.forwards,
-             "pending": e.pending, **({"plain_graph": e.plain is not None} if hasattr(self.adapter, "forward_plain") else {}),
+             "pending": e.pending,
+             **({"plain_graph": e.plain is not None} if hasattr(self.adapter, "forward_plain") else {}),
              "note": e.note}
             for e in self.entries.values()
         ]

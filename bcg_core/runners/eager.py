@@ -150,7 +150,7 @@ class EagerBucketRunner:
             if key is None or eager:
                 if key is not None and key not in self._key_set:
                     raise KeyError(f"bucket {key} is not one of this runner's {len(self.keys)} buckets")
-                out = eager_forward(self.adapter, inputs)
+                out = eager_forward(self.adapter, inputs, self.device)
             else:
                 entry = self.entries.get(key)
                 if entry is None:
@@ -161,7 +161,7 @@ class EagerBucketRunner:
                     self.lazy_prepares += 1
                 mode = ForwardMode.STATIC_EAGER
                 if not entry.buffers:  # demoted after a fault: unpadded
-                    out, mode = eager_forward(self.adapter, inputs), ForwardMode.EAGER
+                    out, mode = eager_forward(self.adapter, inputs, self.device), ForwardMode.EAGER
                 else:
                     try:
                         with entry_kernels(self.kernels, entry):
@@ -170,7 +170,7 @@ class EagerBucketRunner:
                         if is_out_of_memory(e):
                             raise
                         demote(entry, e, self.metrics)
-                        out, mode = eager_forward(self.adapter, inputs), ForwardMode.EAGER
+                        out, mode = eager_forward(self.adapter, inputs, self.device), ForwardMode.EAGER
                 entry.forwards += 1
         self.metrics.record_forward(key, ForwardMode.EAGER if key is None or eager else mode)
         return out

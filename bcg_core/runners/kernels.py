@@ -355,8 +355,7 @@ class CompiledKernels:
 
     @contextlib.contextmanager
     def cached_only(self) -> Iterator[None]:
-        """Compiles on this thread only load; a block that would compile raises :class:`NotPrecompiled` (the probe
-        of a warm start, :mod:`bcg_core.runners.background`)."""
+        """Compiles on this thread only load; one that would compile raises :class:`NotPrecompiled` (a warm probe)."""
         self._local.cached_only = True
         try:
             yield
@@ -466,9 +465,10 @@ def kernel_stats(kernels: CompiledKernels | None, state: dict[str, dict]) -> dic
     (:mod:`bcg_core.runners.precompiled`; None where off)."""
     k = kernels
     hits, misses = (k.cache_hits, k.cache_misses) if k else (0, 0)
-    start = "eager" if k is None else "warm" if hits and not misses else "partial" if hits else "cold"
-    pre, names = None if k is None else k.precompiled, ("loads", "saves", "rebuilt", "unsaved", "discarded")
     on_eager = [bool(d.get("pending")) for d in state.values() if d.get("kernels") == "eager"] if k else []
+    warm = hits and not misses and True not in on_eager  # a pending bucket's compile misses are still to come
+    start = "eager" if k is None else "warm" if warm else "partial" if hits else "cold"
+    pre, names = None if k is None else k.precompiled, ("loads", "saves", "rebuilt", "unsaved", "discarded")
     return {
         "mode": k and k.mode, "regional": k and k.regional, "rtol": k and k.rtol, "rtol_from": k and k.rtol_note,
         "compile_s": round(k.compile_s, 3) if k else 0.0, "compile_failed": on_eager.count(False),

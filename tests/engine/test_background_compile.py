@@ -52,6 +52,8 @@ def test_a_cold_cache_serves_eager_kernels_at_once_then_swaps_compiled_ones_in_a
     pipe = _deferred(_config(str(tmp_path / "cache")))
     described = pipe.runner.describe()
     assert {(d["kernels"], d["pending"]) for d in described} == {("eager", True)}, described
+    assert {b["pending"] for b in pipe.stats()["buckets"]} == {True}  # /v1/buckets shows it per bucket
+    assert pipe.stats()["kernels"]["start"] == "cold"  # not warm while its compiles are still to come
     assert pipe.runner.kernels.compile_s < 5 * 60 and pipe.stats()["kernels"]["pending"] == 2
     assert pipe.stats()["kernels"]["compile_failed"] == 0  # pending is not failed
     # before any compile: eager kernels in the bucket, so diffusers' bits, equal to an eager-tier pipeline's
@@ -91,6 +93,7 @@ def test_a_cold_cache_serves_eager_kernels_at_once_then_swaps_compiled_ones_in_a
     warm = _deferred(_config(str(tmp_path / "cache")))
     assert {(d["kernels"], d["pending"]) for d in warm.runner.describe()} == {("compiled", False)}
     assert warm.stats()["kernels"]["start"] == "warm" and not BackgroundCompiles(warm.runner, pin=False).start()
+    assert BackgroundCompiles(warm.runner, pin=False).describe()["done"]  # nothing was ever pending: done
 
 
 def test_a_background_compile_that_fails_leaves_eager_kernels_and_every_request_served(tmp_path, eager_images):
@@ -154,9 +157,10 @@ def test_serving_keeps_a_quarter_of_the_cpus_while_compiling():
 
 
 def test_an_eager_forward_waits_while_a_compile_holds_sdpa_s_priority_order():
-    """A bucket's compile sets SDPA's process-wide priority order to its measured backend; an eager forward on another
-    thread (a miss, a bucket on eager kernels) waits until it is restored, so it never runs that backend instead of
-    PyTorch's default (bcg_core/runners/attention.py ``ORDER_LOCK``)."""
+    """A bucket's compile sets SDPA's process-wide priority order to its measured backend; an eager forward on CUDA on
+    another thread (a miss, a bucket on eager kernels) waits until it is restored, so it never runs that backend
+    instead of PyTorch's default (bcg_core/runners/attention.py ``ORDER_LOCK``). On a CPU, whose SDPA ignores the
+    order, nothing waits. (A stand-in adapter: no CUDA is needed to see who waits.)"""
     import time
 
     from bcg_core.runners.attention import attention_backend
@@ -179,7 +183,9 @@ def test_an_eager_forward_waits_while_a_compile_holds_sdpa_s_priority_order():
     t = threading.Thread(target=compile_like)
     t.start()
     assert entered.wait(10)
-    waiter = threading.Thread(target=lambda: eager_forward(Adapter(), None))
+    eager_forward(Adapter(), None, torch.device("cpu"))  # a CPU forward does not wait
+    assert len(order) == 1 and order.pop()[0] == 0 != default[0]  # the compile's order (math, 0, first) meanwhile
+    waiter = threading.Thread(target=lambda: eager_forward(Adapter(), None, torch.device("cuda")))
     waiter.start()
     time.sleep(0.2)
     assert order == [] and waiter.is_alive()  # it waits while the order is the compile's
