@@ -130,6 +130,10 @@ class BucketEntry:
     """With a fused step (:mod:`bcg_core.runners.fused`): its ``meta`` (4, B) and ``dt`` (B,) fp32 buffers, and under a
     captured graph its static ``next`` latents output; None otherwise."""
 
+    def defer_compile(self) -> None:
+        """Serve eager kernels until :mod:`bcg_core.runners.background` compiles this bucket and swaps it in."""
+        self.kernels, self.pending, self.note = KernelTier.EAGER, True, "compiling in the background"
+
     @property
     def attention_json(self) -> dict:
         """``/v1/buckets``' ``attention`` of the bucket: :meth:`AttentionChoice.describe

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from bcg_core import failpoints
+from bcg_core.devices import cuda_ms
 from bcg_core.errors import first_line
 from bcg_core.keys import BucketKey
 from bcg_core.metrics import BucketMetrics, ForwardMode
@@ -207,13 +208,13 @@ class CudaGraphRunner:
             if self.kernels.rtol is not None and iters > 1:
                 iters -= 1
             try:
-                with self.kernels.cached_only() if defer_compiles else contextlib.nullcontext():
+                with self.kernels.cached_only(defer_compiles):
                     return compile_entry(self.kernels, self.adapter, entry,
                                          lambda: self._warmup(entry.buffers, entry.fused, iters))
             except CompileFailed as e:
                 self._eager_kernels(entry, str(e))
             except NotPrecompiled:  # a cold cache: eager kernels now, compiled in the background
-                entry.kernels, entry.pending, entry.note = KernelTier.EAGER, True, "compiling in the background"
+                entry.defer_compile()
         return self._warmup(entry.buffers, entry.fused)
 
     def _capture(self, key: BucketKey, defer_compiles: bool = False) -> BucketEntry:
@@ -469,8 +470,6 @@ class CudaGraphRunner:
                 self._capture_plain(new)
             new.pool_bytes = max(0, torch.cuda.memory_reserved(self.device) - reserved)
             new.capture_s += time.perf_counter() - t0
-            from bcg_core.devices import cuda_ms
-
             factor = cuda_ms(graph.replay, 3, 1) / max(1e-6, cuda_ms(old.graph.replay, 3, 1))
             new.note = "; ".join(n for n in (new.note, "compiled in the background", f"replay x{factor:.3f}") if n)
             self.entries[old.key] = new

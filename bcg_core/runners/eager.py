@@ -11,7 +11,6 @@ swaps them in.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 from collections.abc import Iterable
@@ -93,14 +92,14 @@ class EagerBucketRunner:
         if self.kernels is not None:
             entry.kernels = KernelTier.COMPILED
             try:
-                with torch.inference_mode(), self.kernels.cached_only() if defer_compiles else contextlib.nullcontext():
+                with torch.inference_mode(), self.kernels.cached_only(defer_compiles):
                     compile_entry(self.kernels, self.adapter, entry, lambda: self.adapter.forward(entry.buffers))
             except CompileFailed as e:
                 entry.kernels, entry.note = KernelTier.EAGER, str(e)
                 self.compile_failed += 1
                 log.warning("bucket %s runs eager kernels: %s", key, e)
-            except NotPrecompiled:
-                entry.kernels, entry.pending, entry.note = KernelTier.EAGER, True, "compiling in the background"
+            except NotPrecompiled:  # a cold cache: eager kernels now, compiled in the background
+                entry.defer_compile()
         return entry
 
     def pending_compiles(self) -> list[BucketKey]:

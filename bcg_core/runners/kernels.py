@@ -354,9 +354,9 @@ class CompiledKernels:
         return choice
 
     @contextlib.contextmanager
-    def cached_only(self) -> Iterator[None]:
-        """Compiles on this thread only load; one that would compile raises :class:`NotPrecompiled` (a warm probe)."""
-        self._local.cached_only = True
+    def cached_only(self, on: bool = True) -> Iterator[None]:
+        """With ``on``, compiles on this thread only load; one that would compile raises :class:`NotPrecompiled`."""
+        self._local.cached_only = on
         try:
             yield
         finally:
