@@ -292,11 +292,10 @@ class RunnerConfig(BaseModel):
         "counted in /v1/buckets). Misses (unpadded forwards) always run eager kernels.",
     )
     compile_in_background: bool = Field(
-        default=False,
+        default=True,
         description="With compiled kernels, a replica whose compile cache lacks a bucket's blocks serves that bucket "
-        "with eager kernels at once and compiles it in a background thread (bcg_core/runners/background.py). Off by "
-        "default: an inductor compile patches torch.nn.Module.__call__ process-wide while it traces, so a module "
-        "call on another thread then can raise NameError (docs/OPERATIONS.md). False: compile before ready.",
+        "with eager kernels at once and compiles, checks and swaps it in between steps in a background thread "
+        "(bcg_core/runners/background.py; /v1/buckets kernels.pending). False: compile before ready.",
     )
     compile_timeout_s: float | None = Field(
         default=300.0, gt=0, le=86400,

@@ -30,6 +30,13 @@ Python's switch interval is shortened meanwhile (:data:`SWITCH_INTERVAL_S`), and
 (``gc.freeze``: dynamo's allocations trigger full collections, each a pause of every thread, that would scan it). The bucket that served the most forwards
 so far is compiled first.
 What serving keeps meanwhile is measured in docs/BENCHMARKS.md (``benchmarks/bench_background_compile.py``).
+
+A compile must not break the requests served beside it. Inductor traces with ``torch.fx``'s ``Tracer`` (AOTAutograd's
+``make_fx``, the pattern matcher), whose ``_Patcher`` replaces ``torch.nn.Module.__call__`` and ``__getattr__``
+process-wide while it traces: a module call on a serving thread in that window went through the tracer's wrapper and
+raised ``NameError: module is not installed as a submodule`` (seen in one CPU test run of three).
+:func:`~bcg_core.runners.fx_threads.isolate_fx_patches` binds every such patch to the thread that made it; background compiles run only where it
+could be installed (:meth:`BackgroundCompiles.start`).
 """
 
 from __future__ import annotations
@@ -47,6 +54,7 @@ import torch
 
 from bcg_core.keys import BucketKey
 from bcg_core.runners.base import BucketEntry, fused_buffers
+from bcg_core.runners.fx_threads import isolate_fx_patches
 from bcg_core.runners.kernels import CompileFailed, KernelTier
 from bcg_core.verify import compile_entry
 
@@ -175,6 +183,14 @@ class BackgroundCompiles:
             if self._thread is not None and self._thread.is_alive():
                 return True
             if self.runner.kernels is None or not self.runner.pending_compiles() or self._stop.is_set():
+                return False
+            if not isolate_fx_patches():
+                log.warning("this torch has no torch.fx _Patcher to isolate: %d bucket(s) keep eager kernels "
+                            "(set runner.compile_in_background: false to compile before ready)",
+                            len(self.runner.pending_compiles()))
+                for key in self.runner.pending_compiles():
+                    _failed(self.runner, self.runner.entries[key], "compile_failed: no background compile on this "
+                            "torch (torch.fx patches could not be isolated)")
                 return False
             self.started_at = self.started_at or time.monotonic()
             self.finished_at = None

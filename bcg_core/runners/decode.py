@@ -36,6 +36,7 @@ import torch
 
 from bcg_core.errors import first_line
 from bcg_core.families.vae import has_call_state
+from bcg_core.runners.fx_threads import isolate_fx_patches
 from bcg_core.runners.kernels import raise_recompile_limits
 
 log = logging.getLogger(__name__)
@@ -119,6 +120,7 @@ class CompiledDecode:
         self._lock = threading.Lock()
         self._queue: queue.Queue = queue.Queue()
         raise_recompile_limits(max_shapes + 8, max_shapes + 8)
+        isolate_fx_patches()  # the compile traces beside serving threads (bcg_core/runners/fx_threads.py)
         self._worker = threading.Thread(target=self._work, name="bcg-decode-compile", daemon=True)
         self._worker.start()
 
