@@ -291,6 +291,12 @@ class RunnerConfig(BaseModel):
         "whose compile fails, passes runner.compile_timeout_s or fails that check keeps eager kernels (noted and "
         "counted in /v1/buckets). Misses (unpadded forwards) always run eager kernels.",
     )
+    ready_after_s: float | None = Field(
+        default=20.0, ge=0.0, le=86400.0,
+        description="A replica reports ready once this many seconds of capture have passed and at least one of its "
+        "shapes is captured (largest first); the rest are captured in the background, their requests served by "
+        "unpadded eager forwards meanwhile (deployments/dit.py). None: capture every shape before ready.",
+    )
     compile_in_background: bool = Field(
         default=True,
         description="With compiled kernels, a replica whose compile cache lacks a bucket's blocks serves that bucket "

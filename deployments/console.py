@@ -1,7 +1,10 @@
-"""What ``bcg serve`` prints: its ready block (:func:`ready_text`), then compile progress (:func:`watch_compiles`).
+"""What ``bcg serve`` prints: its ready block (:func:`ready_text`), then capture and compile progress
+(:func:`watch_compiles`).
 
 With compiled kernels and a cold compile cache a replica reports ready on eager kernels and compiles its buckets
-afterwards (``runner.compile_in_background``, :mod:`bcg_core.runners.background`). :func:`watch_compiles` polls the
+afterwards (``runner.compile_in_background``, :mod:`bcg_core.runners.background`), and a replica whose capture passed
+``runner.ready_after_s`` reports ready and captures its other shapes afterwards (one line each time a shape is
+ready, one when the last is: ``stats()``'s ``routing`` owned and ready shapes). :func:`watch_compiles` polls the
 DiT replicas' ``stats()`` (``scheduler.background_compiles``) and prints one line each time a replica's count of
 buckets swapped in changes, and one line when a replica has nothing left pending: how many buckets were swapped in,
 how many kept eager kernels, and how long it took. A warm cache prints one line at once (nothing to compile).
@@ -79,20 +82,28 @@ class CompileProgress:
         """
         replica, state = str(stats.get("replica", "?")), stats["scheduler"]["background_compiles"]
         tier = stats.get("kernels", {}).get("tier", "eager")
-        if tier == "eager" or replica in self.done:
+        routing = stats.get("routing") or {}
+        owned, ready = len(routing.get("owned") or ()), len(routing.get("ready") or ())
+        if replica in self.done:
             return []
         total = len(stats.get("buckets", ()))
         compiled = sum(1 for b in stats.get("buckets", ()) if b.get("kernels") != "eager")
-        key = (state["pending"], state["swapped"], state["failed"])
+        key = (ready, state["pending"], state["swapped"], state["failed"])
         if self._seen.get(replica) == key:
             return []
         first = replica not in self._seen
         self._seen[replica] = key
         after = f"{now - self.started:.0f} s after ready"
         name = f"replica {replica[:8]}: " if replica != "?" else ""
+        if ready < owned:  # runner.ready_after_s passed before every shape was captured
+            return [f"bcg-serve: {name}capturing in the background: {ready} of {owned} shapes ready (requests of "
+                    f"the others run unpadded eager forwards until then), {after}"]
+        if tier == "eager":
+            self.done.add(replica)
+            return [] if first else [f"bcg-serve: {name}every shape captured ({owned} of {owned}), {after}"]
         if state["pending"] == 0 and not state["running"]:
             self.done.add(replica)
-            if first and state["swapped"] == 0 and state["failed"] == 0:
+            if state["swapped"] == 0 and state["failed"] == 0:
                 return [f"bcg-serve: {name}{tier} kernels in {compiled} of {total} buckets from the compile cache; "
                         "nothing to compile"]
             kept = total - compiled
@@ -128,8 +139,6 @@ def watch_compiles(stop: threading.Event, timeout_s: float | None, poll: Callabl
             stats = poll()
             for line in progress.lines(stats, time.monotonic()) if stats else ():
                 out(line)
-            if stats and stats.get("kernels", {}).get("tier", "eager") == "eager":
-                break  # eager kernels: nothing is ever compiled
         except Exception:  # noqa: BLE001 - progress is a console nicety; serving goes on either way
             pass
         wait = POLL_S if deadline is None else min(POLL_S, max(0.0, deadline - time.monotonic()))

@@ -2,7 +2,10 @@
 
 Start-up: the model is loaded, the replica joins the ownership coordinator (when the application routes
 by shape) and captures only the bucket shapes it owns (every batch bucket of each owned resolution tier and
-text bucket), then reports ready. Without a coordinator it captures every bucket. With compiled kernels
+text bucket), largest shape first, then reports ready. Without a coordinator it captures every bucket. Once
+``runner.ready_after_s`` has passed (and at least one shape is ready) it reports ready at once and captures the
+shapes left in the background, as it does shapes it gains later: a request of a shape not captured yet runs as one
+unpadded eager forward per step meanwhile (:meth:`~bcg_core.runners.cuda_graph.CudaGraphRunner.run`). With compiled kernels
 (``runner.compile_in_background``) a bucket whose blocks are not in the compile cache is captured with eager kernels
 and compiled after the replica is ready, then swapped in between steps (:mod:`bcg_core.runners.background`).
 
@@ -172,9 +175,13 @@ class DiTReplica:
             period = self._config.routing.stats_period_s
             self._heartbeat_task = asyncio.get_running_loop().create_task(self._heartbeat_loop(period))
         t0 = time.perf_counter()
-        await asyncio.to_thread(self._prepare_shapes, sorted(self._owned), True)
-        logger.info("replica %s owns %d of %d shapes %s, prepared in %.1f s", self._id, len(self._owned),
-                    len(self._by_shape), sorted(self._owned), time.perf_counter() - t0)
+        rest = await asyncio.to_thread(self._prepare_shapes, sorted(self._owned), True,
+                                       self._config.runner.ready_after_s)
+        logger.info("replica %s owns %d of %d shapes %s, %d prepared in %.1f s%s", self._id, len(self._owned),
+                    len(self._by_shape), sorted(self._owned), len(self._owned) - len(rest), time.perf_counter() - t0,
+                    f" (runner.ready_after_s; capturing {rest} in the background)" if rest else "")
+        if rest:  # runner.ready_after_s passed: ready now, the rest captured as gained shapes are
+            self._start_capture(rest)
         self._exporter, self._metrics_task = self._start_metrics_export()
         if self._traffic is not None and self._config.buckets.plan is not None:
             self._drift_task = asyncio.get_running_loop().create_task(self._drift_loop())
@@ -201,12 +208,19 @@ class DiTReplica:
             return int(0.9 * free)
         return _NO_BUDGET
 
-    def _prepare_shapes(self, shapes: list[str], initial: bool = False) -> None:
+    def _prepare_shapes(self, shapes: list[str], initial: bool = False,
+                        ready_after_s: float | None = None) -> list[str]:
         """Prepare (capture on CUDA) every batch bucket of ``shapes``, largest shape first; each shape is
         ready as soon as its buckets are. Runs in a worker thread. ``initial``: the capture at start (where the
-        ``capture_stall`` failpoint of :mod:`bcg_core.failpoints` can fire)."""
+        ``capture_stall`` failpoint of :mod:`bcg_core.failpoints` can fire). ``ready_after_s``: stop once this many
+        seconds have passed and at least one shape is ready (None: prepare every shape).
+
+        Returns:
+            The shapes left unprepared (empty unless ``ready_after_s`` passed), largest first. Background compiles
+            start only once none is left (a capture and a compile would share the CPUs and the GPU)."""
+        left: list[str] = []
         with self._capture_lock:
-            self._capturing_since = time.monotonic()
+            self._capturing_since = started = time.monotonic()
             try:
                 if initial:
                     failpoints.capture_stall()
@@ -217,18 +231,22 @@ class DiTReplica:
                     if not keys:
                         logger.warning("replica %s was assigned unknown shape %r; ignored", self._id, s)
                         continue
+                    if ready_after_s is not None and self._ready and time.monotonic() - started >= ready_after_s:
+                        left = order[i - 1:]
+                        break
                     t0 = time.perf_counter()
                     self._pipeline.prepare(keys, defer_compiles=self._config.runner.compile_in_background)
                     self._measure_costs(s, keys)
                     self._ready.add(s)
-                    # progress: a compiled table on a CPU takes minutes (docs/OPERATIONS.md, kernel tiers)
                     logger.info("replica %s: shape %s ready (%d buckets, %.1f s), %d of %d shapes", self._id, s,
                                 len(keys), time.perf_counter() - t0, i, len(order))
                 self._scheduler.measure_memory_budget()  # after capture and cost measurement
-                # buckets on eager kernels for want of a cached compile: compiled, checked and swapped in from now on
-                self._scheduler.compile_in_background()
+                if not left:
+                    # buckets on eager kernels for want of a cached compile: compiled, checked and swapped in now
+                    self._scheduler.compile_in_background()
             finally:
                 self._capturing_since = None
+        return left
 
     def _measure_costs(self, shape: str, keys: list[BucketKey]) -> None:
         """Time ``shape``'s prepared buckets and its eager forwards for the step scheduler's cost model; a

@@ -9,10 +9,11 @@ from deployments.console import CompileProgress, watch_compiles
 
 
 def _stats(pending: int, swapped: int, failed: int = 0, running: bool | None = None, replica: str = "r1abcdefgh",
-           tier: str = "compiled") -> dict:
+           tier: str = "compiled", ready: int = 2, owned: int = 2) -> dict:
     total = pending + swapped + failed
     kernels = ["eager"] * (pending + failed) + [tier] * swapped
     return {"replica": replica, "kernels": {"tier": tier},
+            "routing": {"owned": [f"s{i}" for i in range(owned)], "ready": [f"s{i}" for i in range(ready)]},
             "buckets": [{"key": f"b{i}", "kernels": k} for i, k in enumerate(kernels)] if total else
             [{"key": "b0", "kernels": tier}],
             "scheduler": {"background_compiles": {"pending": pending, "swapped": swapped, "failed": failed,
@@ -61,3 +62,23 @@ def test_watch_returns_on_stop_or_timeout_and_stops_polling_once_every_replica_i
         assert watch_compiles(stop, None, lambda: _stats(1, 0), printed.append) is True
     finally:
         console.POLL_S = before
+
+
+def test_a_replica_ready_before_every_shape_is_captured_prints_its_capture_then_its_compiles():
+    """``runner.ready_after_s`` passed: the shapes left are captured after ready (one line per shape), then the
+    background compiles run as usual; with eager kernels one line says every shape is captured."""
+    p = CompileProgress(started=100.0)
+    assert p.lines(_stats(0, 0, running=False, ready=1, owned=3), 101.0) == [
+        "bcg-serve: replica r1abcdef: capturing in the background: 1 of 3 shapes ready (requests of the others run "
+        "unpadded eager forwards until then), 1 s after ready"]
+    assert p.lines(_stats(0, 0, running=False, ready=1, owned=3), 102.0) == []
+    assert "2 of 3 shapes ready" in p.lines(_stats(0, 0, running=False, ready=2, owned=3), 110.0)[0]
+    assert p.done == set()  # not "nothing to compile": the buckets of the last shape are still to come
+    assert "0 of 2 buckets swapped in" in p.lines(_stats(2, 0, ready=3, owned=3), 115.0)[0]
+    assert "every bucket compiled" in p.lines(_stats(0, 2, ready=3, owned=3), 150.0)[0]
+
+    eager = CompileProgress(started=0.0)
+    assert "1 of 2 shapes ready" in eager.lines(_stats(0, 0, tier="eager", running=False, ready=1), 3.0)[0]
+    assert eager.lines(_stats(0, 0, tier="eager", running=False), 9.0) == [
+        "bcg-serve: replica r1abcdef: every shape captured (2 of 2), 9 s after ready"]
+    assert eager.done == {"r1abcdefgh"}

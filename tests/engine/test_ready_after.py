@@ -1,0 +1,61 @@
+"""A replica reports ready once ``runner.ready_after_s`` of capture has passed, with its largest shapes captured, and
+captures the rest in the background; a request of a shape not captured yet is served at once (unpadded), with the
+image it gets once its shape is captured (``deployments/dit.py``, no Ray)."""
+
+import asyncio
+import io
+
+import numpy as np
+from PIL import Image
+
+from bcg_core import BucketConfig, GenerationRequest, Planner
+from bcg_core.config import EngineConfig, RunnerConfig
+from tests.engine.test_replica_cancel import make_replica
+
+TABLE = BucketConfig(batch_sizes=[1, 2], resolutions=["256x256", "512x512"])
+SMALL = GenerationRequest("a lighthouse at dusk", n=2, width=256, height=256, num_inference_steps=2, seed=5)
+
+
+def _pixels(png: bytes) -> np.ndarray:
+    return np.asarray(Image.open(io.BytesIO(png)).convert("RGB"), dtype=np.int16)
+
+
+def test_a_replica_past_ready_after_s_is_ready_with_its_largest_shape_and_serves_the_others_meanwhile():
+    config = EngineConfig(buckets=TABLE, runner=RunnerConfig(ready_after_s=0.0))
+    request = Planner.from_config(config).plan(SMALL)
+
+    async def scenario():
+        replica = await make_replica(config.model_dump(mode="json"))
+        order = sorted(sorted(replica._by_shape), key=lambda s: -max(k.tokens for k in replica._by_shape[s]))
+        large, every = order[0], sorted(order)
+        assert len(order) > 1 and str(request.shape) in order[1:]
+        view = replica._routing_view()
+        # one shape captured (the largest), the others left to the background task, which has not run yet
+        assert view["owned"] == every and view["ready"] == [large] and view["capturing"]
+        replica._capture_lock.acquire()  # hold the background capture until the request below is served
+        try:
+            before = await replica.generate(request)
+            assert replica._routing_view()["ready"] == [large]  # served before its shape was captured
+        finally:
+            replica._capture_lock.release()
+        await replica._capture_task
+        assert replica._routing_view()["ready"] == every
+        assert not replica._routing_view()["capturing"]
+        after = await replica.generate(request)
+        return before, after
+
+    before, after = asyncio.run(scenario())
+    assert len(before.images_png) == len(after.images_png) == 2
+    for a, b in zip(before.images_png, after.images_png):  # fp32 on the CPU: unpadded and bucketed agree
+        assert np.abs(_pixels(a) - _pixels(b)).max() <= 1
+
+
+def test_without_ready_after_s_every_shape_is_captured_before_ready():
+    config = EngineConfig(buckets=TABLE, runner=RunnerConfig(ready_after_s=None))
+
+    async def scenario():
+        replica = await make_replica(config.model_dump(mode="json"))
+        return replica._routing_view(), replica._capture_task
+
+    view, task = asyncio.run(scenario())
+    assert view["ready"] == view["owned"] and len(view["owned"]) > 1 and task is None
