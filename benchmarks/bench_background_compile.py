@@ -10,10 +10,15 @@ start, as ``bcg serve``'s does), each on the default table unless said otherwise
 - ``cold``: ``runner.kernels: compiled`` (or ``--kernels fp8``) with ``runner.compile_in_background`` and an empty
   ``runner.compile_cache_dir``. Reported: ``ready_s`` (launch to healthy), ``first_image_s`` (launch to the answer
   of one request sent at ready: the replay's first), then replay rounds back to back while the background compile
-  runs (each round's images/s and the buckets pending before and after it), ``all_compiled_s`` (launch to the moment
-  ``/v1/buckets`` showed nothing pending; polled every 0.5 s), and one more round once every bucket is compiled;
+  runs (each round's images/s and the buckets pending before and after it), ``captured_s`` (launch to every owned
+  shape captured: ``runner.ready_after_s`` lets a replica report ready before), ``all_compiled_s`` (launch to the
+  moment ``/v1/buckets`` showed every shape captured and nothing pending; polled every 0.5 s), and one more round
+  once every bucket is compiled;
 - ``warm``: the same config restarted on the cache ``cold`` filled: ``ready_s``, and the buckets pending at ready
   (0 expected: compiled from the start) with ``kernels.start``.
+
+Every server but ``cold`` waits for every shape to be captured (``captured_s``) before its rounds, so the baselines
+time graphs.
 
 ``ratios``: each round's images/s during the compile over ``eager``'s; ``compiled`` (the round after every swap) and
 ``eager`` over ``naive``. Each server gets one warm-up request per distinct (size, n) first (2 steps), as
@@ -78,16 +83,19 @@ def _modes(stats: dict) -> dict[str, int]:
 
 
 class _DoneWatch:
-    """Polls ``/v1/buckets`` every 0.5 s until nothing is pending; ``done_at`` is ``time.perf_counter()`` then."""
+    """Polls ``/v1/buckets`` every 0.5 s until every shape is captured (``captured_at``, ``runner.ready_after_s``)
+    and then nothing is pending (``done_at``), both ``time.perf_counter()``."""
 
     def __init__(self, url: str):
-        self.url, self.done_at, self.polls = url, None, 0
+        self.url, self.done_at, self.captured_at, self.polls = url, None, None, 0
         self.last: dict = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
+        from deployments.local import uncaptured_shapes
+
         while not self._stop.wait(0.5):
             try:
                 stats = sat._get_stats(self.url)
@@ -95,7 +103,9 @@ class _DoneWatch:
                 continue
             self.polls += 1
             self.last = (stats.get("scheduler") or {}).get("background_compiles") or {}
-            if _pending(stats) == 0 and not self.last.get("running"):
+            if self.captured_at is None and not uncaptured_shapes(stats):
+                self.captured_at = time.perf_counter()
+            if self.captured_at is not None and _pending(stats) == 0 and not self.last.get("running"):
                 self.done_at = time.perf_counter()
                 return
 
@@ -106,7 +116,7 @@ class _DoneWatch:
 def run(name: str, config, reqs: list, warm: list, args) -> dict:
     """Start server ``name``, measure it (module docstring), stop it; its JSON entry."""
     from deployments.demo import replay
-    from deployments.local import start_local, stop_local, wait_healthy
+    from deployments.local import start_local, stop_local, uncaptured_shapes, wait_captured, wait_healthy
 
     entry: dict[str, Any] = {"server": name}
     png_dir = Path(tempfile.mkdtemp(prefix=f"bcg-bg-{name}-", dir=args.scratch))
@@ -118,8 +128,12 @@ def run(name: str, config, reqs: list, warm: list, args) -> dict:
         stats = sat._get_stats(url)
         entry["at_ready"] = {"pending": _pending(stats), "start": (stats.get("kernels") or {}).get("start"),
                              "kernels": sorted({b.get("kernels") for b in stats.get("buckets") or []})}
+        entry["at_ready"]["uncaptured_shapes"] = len(uncaptured_shapes(stats))
         print(f"[{name}] ready after {entry['ready_s']} s: {entry['at_ready']}", flush=True)
         watch = _DoneWatch(url) if name == "cold" else None
+        if watch is None:  # the baselines are timed on their graphs: every shape captured first
+            wait_captured(url, timeout_s=900)
+            entry["captured_s"] = round(time.perf_counter() - t0, 2)
         if name == "cold":
             first = replay(url, reqs[:1], steps=args.steps, concurrency=1, out_dir=png_dir, timeout_s=600)
             entry["first_image_s"] = round(time.perf_counter() - t0, 2)
@@ -137,6 +151,7 @@ def run(name: str, config, reqs: list, warm: list, args) -> dict:
         if watch is not None:
             watch.stop()
             entry["all_compiled_s"] = None if watch.done_at is None else round(watch.done_at - t0, 2)
+            entry["captured_s"] = None if watch.captured_at is None else round(watch.captured_at - t0, 2)
             entry["background"] = watch.last
             if watch.done_at is not None:  # one round with every bucket compiled
                 entry["compiled_round"] = _round_of(url, reqs, args, png_dir)

@@ -17,7 +17,7 @@ on 127.0.0.1) and stopped with ``deployments.local.stop_local`` before the next 
   runs every miss unpadded and eagerly (``bcg_core.pipeline.DiTPipeline.step``: ``runner.run(None, ...)``),
   alone (the step scheduler never shares a miss's forward with another request), each step as ONE forward holding
   all the request's rows, uncond rows included, as a user's own server runs it: the eager runner measures no
-  activation bytes, so nothing cuts a miss into chunks (``bcg_core/scheduler/miss_memory.py``;
+  activation bytes, so nothing cuts a miss into chunks (``bcg_core/costs/miss_memory.py``;
   ``tests/engine/test_bench_saturation_naive.py`` fails if a naive request step runs more than one forward;
   from e0529e4 until the memory bound, a miss was cut into chunks no larger than the one-row table's forward, so
   every row of every naive request ran alone). Before anything starts, every request
@@ -738,7 +738,7 @@ def gpu_floor(config, requests: list, steps: int, floor_steps: int | None = None
         shapes = []
         for key, ps in groups.items():
             req = ps[0].request
-            pipe.generate(dataclasses.replace(req, num_inference_steps=1))  # warm-up
+            pipe.generate(pipe.planner.plan(dataclasses.replace(req, num_inference_steps=1)))  # warm-up
             if k is None:
                 ms, events = bf.request_floor(pipe, req)
             else:
@@ -797,7 +797,7 @@ def trim_stats(stats: dict) -> dict:
 def run_server(name: str, config, replay_reqs: list, warmups: list, c1: list, args, floor_s: float | None) -> dict:
     """Start one server, warm it up, replay, run the concurrency-1 phase, stop it; its JSON entry."""
     from deployments.demo import replay
-    from deployments.local import start_local, stop_local, wait_healthy
+    from deployments.local import start_local, stop_local, wait_captured, wait_healthy
 
     entry: dict[str, Any] = {"server": name}
     png_dir = Path(tempfile.mkdtemp(prefix=f"bcg-sat-png-{name}-", dir=args.scratch))
@@ -806,6 +806,7 @@ def run_server(name: str, config, replay_reqs: list, warmups: list, c1: list, ar
         t0 = time.perf_counter()
         url = start_local(config, args.port, args.num_cpus, quiet=not args.verbose)
         wait_healthy(url, timeout_s=600)
+        wait_captured(url, timeout_s=900)  # runner.ready_after_s: graphs, not shapes still capturing, are timed
         entry["start_s"] = round(time.perf_counter() - t0, 1)
         print(f"[{name}] up at {url} after {entry['start_s']} s", flush=True)
         kw = {"out_dir": png_dir, "timeout_s": args.timeout_s}

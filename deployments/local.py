@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "api_server_metrics_url", "bind_ray_to", "check_config", "check_file", "check_port_free", "deploy_failure",
-    "free_loopback_port", "start_local", "stop_local", "wait_healthy",
+    "free_loopback_port", "start_local", "stop_local", "uncaptured_shapes", "wait_captured", "wait_healthy",
 ]
 
 APP_NAME = "bcg"  # the Serve application start_local runs and stop_local deletes
@@ -52,6 +52,40 @@ def wait_healthy(url: str, timeout_s: float = _HEALTH_WAIT_S) -> None:
             last = f"{type(exc).__name__}: {exc}"
         time.sleep(0.5)
     raise TimeoutError(f"{url}/healthz did not answer 200 within {timeout_s:.0f} s (last: {last})")
+
+
+def uncaptured_shapes(stats: dict) -> list[str]:
+    """The owned shapes not captured yet of a ``GET /v1/buckets`` answer: the answering replica's (``routing``) and,
+    with shape-aware routing, every other replica's last heartbeat (``ownership.replicas``); ``runner.ready_after_s``
+    lets a replica report ready before every shape is captured (``deployments/dit.py``)."""
+    views = [stats.get("routing") or {}]
+    views += list(((stats.get("ownership") or {}).get("replicas") or {}).values())
+    return sorted({s for v in views for s in set(v.get("owned") or ()) - set(v.get("ready") or ())})
+
+
+def wait_captured(url: str, timeout_s: float = _HEALTH_WAIT_S) -> float:
+    """Poll ``GET {url}/v1/buckets`` until every replica has captured every shape it owns
+    (:func:`uncaptured_shapes` empty): what a benchmark that times the graphs waits for after ready. Returns the
+    seconds waited.
+
+    Raises:
+        TimeoutError: shapes still uncaptured after ``timeout_s`` seconds (the message names them).
+    """
+    import httpx
+
+    t0 = time.monotonic()
+    left: list[str] | str = "no answer"
+    while time.monotonic() - t0 < timeout_s:
+        try:
+            r = httpx.get(f"{url}/v1/buckets", timeout=30.0, trust_env=False)
+            if r.status_code == 200:
+                left = uncaptured_shapes(r.json())
+                if not left:
+                    return time.monotonic() - t0
+        except httpx.HTTPError as exc:
+            left = f"{type(exc).__name__}: {exc}"
+        time.sleep(0.5)
+    raise TimeoutError(f"{url} still captures {left} after {timeout_s:.0f} s")
 
 
 def check_port_free(port: int, option: str = "--port", host: str = "127.0.0.1") -> None:
