@@ -70,7 +70,7 @@ from bcg_core.request import GenerationRequest, GenerationResult, PlannedRequest
 from bcg_core.scheduler.step_scheduler import StepScheduler
 from bcg_core.planning.traffic import TrafficHistogram
 from router.autoscaling import replica_metrics
-from router.shape_router import split_key
+from router.routing_key import RoutingKey
 
 from .memory import configure_heap
 from .metrics import BucketExporter
@@ -277,8 +277,8 @@ class DiTReplica:
             TypeError: ``request`` is not a planned request.
         """
         planned = self._accept(request)
-        shape = serve.get_multiplexed_model_id()
-        return self._served_result(await self._scheduler.submit(planned), shape)
+        key = RoutingKey.parse(serve.get_multiplexed_model_id())
+        return self._served_result(await self._scheduler.submit(planned), key)
 
     async def generate_stream(self, request: PlannedRequest):
         """:meth:`generate` for a streamed request (``handle.options(stream=True)``): yields
@@ -294,14 +294,14 @@ class DiTReplica:
         from .routing import ACCEPTED
 
         planned = self._accept(request)
-        shape = serve.get_multiplexed_model_id()
+        key = RoutingKey.parse(serve.get_multiplexed_model_id())
         lease = await self._scheduler.lease(planned)  # an adapter it cannot serve is refused before ACCEPTED
         handed = False
         try:
             yield ACCEPTED
             handed = True
             async for event in self._scheduler.submit_stream(planned, lease=lease):
-                yield self._served_result(event, shape) if isinstance(event, GenerationResult) else event
+                yield self._served_result(event, key) if isinstance(event, GenerationResult) else event
         finally:
             if not handed and lease is not None:  # the caller left before the stream began
                 lease.release()
@@ -316,10 +316,10 @@ class DiTReplica:
             self._traffic.record(planned)
         return planned
 
-    def _served_result(self, result: GenerationResult, key: str) -> GenerationResult:
+    def _served_result(self, result: GenerationResult, key: RoutingKey) -> GenerationResult:
         """Count who served ``result`` (owner or not) and name this replica in it; ``key`` is the routing key it
-        came with (its shape, and its adapters after ``|lora=``: :func:`router.shape_router.split_key`)."""
-        shape = split_key(key)[0]
+        came with."""
+        shape = key.shape
         actual = result.bucket.shape if result.bucket is not None else ""
         if actual:
             owner = actual in self._owned

@@ -2,8 +2,8 @@
 shape in the request metadata.
 
 On the HTTP path the router sees a request's arguments only as opaque bytes, so the bucket shape travels in
-``RequestMetadata.multiplexed_model_id`` (``handle.options(multiplexed_model_id=shape)``), where
-:class:`router.shape_router.ShapeAwareRouter` reads it. The ingress uses :func:`call_dit` for HTTP requests
+``RequestMetadata.multiplexed_model_id`` (``handle.options(multiplexed_model_id=str(key))``, ``key`` the request's
+:class:`~router.routing_key.RoutingKey`), where :class:`router.shape_router.ShapeAwareRouter` reads it. The ingress uses :func:`call_dit` for HTTP requests
 and for its Python handle method ``Ingress.images``; code holding a DiT handle directly can use it too.
 """
 
@@ -19,9 +19,10 @@ from ray.serve.exceptions import BackPressureError
 from bcg_core.errors import ServiceUnavailable
 from bcg_core.pipeline import GenerationResult
 from bcg_core.request import PlannedRequest
+from router.routing_key import RoutingKey
 
 __all__ = ["ACCEPTED", "Overloaded", "ReplicaUnavailable", "Routed", "bucket_shape", "call_dit", "overloaded",
-           "stream_dit"]
+           "routing_key", "stream_dit"]
 
 ACCEPTED = "bcg:accepted"
 """The first item of every ``DiTReplica.generate_stream``: the replica took the request. The ingress waits for it
@@ -39,13 +40,16 @@ class ReplicaUnavailable(ServiceUnavailable):
     retry once a replacement is up)."""
 
 
-def bucket_shape(plan: PlannedRequest) -> str:
-    """The routing key of a planned request (:func:`router.shape_router.routing_key`): its bucket shape
-    (:attr:`PlannedRequest.shape`, e.g. ``"i1024_t256"``), or ``""`` for a miss (no owner: any replica, eagerly),
-    followed by its LoRA adapters' names where it has any (replicas holding them are preferred)."""
-    from router.shape_router import routing_key
+def routing_key(plan: PlannedRequest) -> RoutingKey:
+    """The routing key of a planned request: its bucket shape (:attr:`PlannedRequest.shape`, e.g. ``"i1024_t256"``),
+    or ``""`` for a miss (no owner: any replica, eagerly), and its LoRA adapters' names (replicas holding them are
+    preferred)."""
+    return RoutingKey.of(str(plan.shape) if plan.shape is not None else "", (n for n, _ in plan.request.lora))
 
-    return routing_key(str(plan.shape) if plan.shape is not None else "", (n for n, _ in plan.request.lora))
+
+def bucket_shape(plan: PlannedRequest) -> str:
+    """:func:`routing_key` in its wire form, the ``multiplexed_model_id`` a call carries (``"i1024_t256|lora=ink"``)."""
+    return str(routing_key(plan))
 
 
 @dataclass

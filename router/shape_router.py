@@ -12,8 +12,9 @@ bucket of one shape belongs to the same owners. Callers put it into the request 
 An empty key means "no bucket": a miss served eagerly, or an un-keyed call such as stats; it goes to any
 replica at once, lowest queue first.
 
-A request that carries LoRA adapters appends them to the key, sorted: ``"i1024_t256|lora=anime,ink"``
-(:func:`routing_key`; :func:`split_key` parses it).
+A request that carries LoRA adapters appends them to the key, sorted: ``"i1024_t256|lora=anime,ink"``. The key is
+one typed value, :class:`router.routing_key.RoutingKey`: :meth:`ShapeAwareRouter.choose_replicas` parses the
+metadata string once and :func:`rank_replicas` takes the value.
 
 Routing stats. Each DiT replica defines ``record_routing_stats()`` returning::
 
@@ -60,6 +61,8 @@ from typing import Any
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
+from .routing_key import RoutingKey
+
 __all__ = [
     "DEFAULT_ADAPTER_SLACK",
     "DEFAULT_FALLBACK_WAIT_S",
@@ -67,8 +70,6 @@ __all__ = [
     "TIERS",
     "ShapeAwareRouter",
     "rank_replicas",
-    "routing_key",
-    "split_key",
 ]
 
 log = logging.getLogger(__name__)
@@ -79,9 +80,6 @@ DEFAULT_FALLBACK_WAIT_S = 2.0
 DEFAULT_ADAPTER_SLACK = 2.0
 """Queued requests of its shape by which a replica holding a request's adapters may exceed the least loaded other
 replica of the same tier and still come first (about the time of one adapter load on a busy replica)."""
-
-_LORA = "|lora="
-"""Separator of the adapters in a routing key (an adapter name never holds ``|``: ``bcg_core.lora.files.NAME_RE``)."""
 
 TIERS = ("ready_owner", "warming_owner", "fallback", "unkeyed")
 """Decision tiers, best first; ``unkeyed`` is the tier of requests without a routing key."""
@@ -128,19 +126,6 @@ def _queued(stats: Mapping[str, Any], key: str | None = None) -> float:
     return total
 
 
-def routing_key(shape: str, adapters=()) -> str:
-    """The routing key of a request of bucket shape ``shape`` (``""`` for a miss) with LoRA ``adapters`` (names):
-    the shape, then ``|lora=`` and the sorted names when there are any."""
-    names = sorted(set(adapters))
-    return shape + (_LORA + ",".join(names) if names else "")
-
-
-def split_key(key: str) -> tuple[str, frozenset[str]]:
-    """``(shape, adapters)`` of a routing key (:func:`routing_key`)."""
-    shape, sep, names = key.partition(_LORA)
-    return shape, frozenset(n for n in names.split(",") if n) if sep else frozenset()
-
-
 def _by_adapters(ranked: list[tuple[tuple, Any]], adapters: frozenset[str], slack: float, load: int = 0) -> list[list]:
     """One tier's replicas (``(sort key, replica)``; ``sort key[load]`` is the queue the slack compares) as lists:
     those holding every adapter first, unless their least queue exceeds the others' by more than ``slack``."""
@@ -155,13 +140,13 @@ def _by_adapters(ranked: list[tuple[tuple, Any]], adapters: frozenset[str], slac
     return [[r for _, r in holders], [r for _, r in others]]
 
 
-def rank_replicas(key: str, replicas: list, waited_s: float, fallback_wait_s: float = DEFAULT_FALLBACK_WAIT_S,
+def rank_replicas(key: RoutingKey, replicas: list, waited_s: float, fallback_wait_s: float = DEFAULT_FALLBACK_WAIT_S,
                   adapter_slack: float = DEFAULT_ADAPTER_SLACK) -> tuple[str, list[list]]:
     """Rank replicas for one request by tier (pure; reads only ``replica_id`` and ``routing_stats``).
 
     Args:
-        key: the request's routing key (:func:`routing_key`): its bucket shape (e.g. ``"i1024_t256"``), ``""`` for
-            a request without a bucket, and its LoRA adapters if any.
+        key: the request's routing key: its bucket shape (e.g. ``"i1024_t256"``), ``""`` for a request without
+            a bucket, and its LoRA adapters if any.
         replicas: the current replicas (``RunningReplica`` or any object with ``replica_id`` and
             ``routing_stats``; missing or malformed stats count as ``{}``, i.e. owning nothing).
         waited_s: seconds since the request was created.
@@ -174,8 +159,8 @@ def rank_replicas(key: str, replicas: list, waited_s: float, fallback_wait_s: fl
         keyed request without owners inside its fallback window).
 
         - un-keyed: ``("unkeyed", [all replicas])``, in the given order;
-        - keyed: ready owners (``key`` in ``ready``), then warming owners (``key`` in ``owned``, not in
-          ``ready``), each ordered by fewest queued requests of the shape (``queue[key]``), then fewest
+        - keyed: ready owners (``key.shape`` in ``ready``), then warming owners (in ``owned``, not in
+          ``ready``), each ordered by fewest queued requests of the shape (``queue[key.shape]``), then fewest
           queued in total, then replica id; then, only when ``waited_s >= fallback_wait_s``, every other
           replica, those not capturing first, then by fewest queued in total, then replica id.
         - with adapters, each tier is split into the replicas holding them all and the rest (module docstring);
@@ -184,8 +169,8 @@ def rank_replicas(key: str, replicas: list, waited_s: float, fallback_wait_s: fl
     replicas = list(replicas)
     if not replicas:
         return "", []
-    key, adapters = split_key(key)
-    if not key:
+    shape, adapters = key.shape, key.adapters
+    if not shape:
         if not adapters:
             return "unkeyed", [replicas]
         ranked = [((_queued(_stats(r)), str(r.replica_id)), r) for r in replicas]
@@ -198,10 +183,10 @@ def rank_replicas(key: str, replicas: list, waited_s: float, fallback_wait_s: fl
         stats = _stats(r)
         total = _queued(stats)
         rid = str(r.replica_id)
-        if key in _shapes(stats, "ready"):
-            ready.append(((_queued(stats, key), total, rid), r))
-        elif key in _shapes(stats, "owned"):
-            warming.append(((_queued(stats, key), total, rid), r))
+        if shape in _shapes(stats, "ready"):
+            ready.append(((_queued(stats, shape), total, rid), r))
+        elif shape in _shapes(stats, "owned"):
+            warming.append(((_queued(stats, shape), total, rid), r))
         else:
             others.append(((bool(stats.get("capturing", False)), total, rid), r))
 
@@ -229,8 +214,8 @@ class ShapeAwareRouter(RequestRouter):
             request_routing_stats_period_s=1.0,           # how often replicas' routing stats are polled
             request_router_kwargs={"fallback_wait_s": 2.0}))
 
-    and call it with ``handle.options(multiplexed_model_id=shape)`` (see the module docstring for the key
-    format and the ``record_routing_stats`` contract). Serve constructs one router per deployment handle
+    and call it with ``handle.options(multiplexed_model_id=str(key))``, ``key`` a :class:`RoutingKey` (see the
+    module docstring for the key and the ``record_routing_stats`` contract). Serve constructs one router per deployment handle
     (in the calling process), so counts are per handle, not per deployment.
 
     Tiers: see :func:`rank_replicas`. ``choose_replicas`` always sets
@@ -316,7 +301,7 @@ class ShapeAwareRouter(RequestRouter):
         task = asyncio.current_task()
         if task is not None:
             self._request_of_task[task] = pending_request
-        key = pending_request.metadata.multiplexed_model_id or ""
+        key = RoutingKey.parse(pending_request.metadata.multiplexed_model_id)
         waited_s = max(0.0, self._get_curr_time_s() - pending_request.created_at)
         tier, lists = rank_replicas(key, candidate_replicas, waited_s, self.fallback_wait_s, self.adapter_slack)
         if lists:

@@ -12,10 +12,13 @@ from types import SimpleNamespace
 
 import pytest
 
-from router.shape_router import DEFAULT_FALLBACK_WAIT_S, TIERS, ShapeAwareRouter, rank_replicas, routing_key, split_key
+from router.routing_key import RoutingKey
+from router.shape_router import DEFAULT_FALLBACK_WAIT_S, TIERS, ShapeAwareRouter, rank_replicas
 
 KEY = "i1024_t256"
 OTHER = "i1536_t256"
+K = RoutingKey(KEY)
+NONE = RoutingKey()
 
 
 def fake(rid: str, owned=(), ready=(), queue=None, capturing=False, stats=None, adapters=None) -> SimpleNamespace:
@@ -37,27 +40,27 @@ def ids(lists) -> list[list[str]]:
 
 def test_ready_owner_comes_before_warming_owner_and_non_owners_wait():
     reps = [fake("none"), fake("warm", owned=[KEY]), fake("ready", owned=[KEY], ready=[KEY])]
-    assert rank_replicas(KEY, reps, waited_s=0.0, fallback_wait_s=2.0) == ("ready_owner", [reps[2:3], reps[1:2]])
+    assert rank_replicas(K, reps, waited_s=0.0, fallback_wait_s=2.0) == ("ready_owner", [reps[2:3], reps[1:2]])
 
 
 def test_warming_owner_comes_before_non_owners():
     reps = [fake("none"), fake("warm", owned=[KEY], ready=[OTHER]), fake("other", owned=[OTHER], ready=[OTHER])]
-    tier, lists = rank_replicas(KEY, reps, waited_s=0.0, fallback_wait_s=2.0)
+    tier, lists = rank_replicas(K, reps, waited_s=0.0, fallback_wait_s=2.0)
     assert (tier, ids(lists)) == ("warming_owner", [["warm"]])
-    tier, lists = rank_replicas(KEY, reps, waited_s=2.5, fallback_wait_s=2.0)
+    tier, lists = rank_replicas(K, reps, waited_s=2.5, fallback_wait_s=2.0)
     assert (tier, ids(lists)) == ("warming_owner", [["warm"], ["none", "other"]])
 
 
 def test_non_owners_are_offered_only_after_the_fallback_wait():
     reps = [fake("a", owned=[OTHER], ready=[OTHER]), fake("b")]
-    assert rank_replicas(KEY, reps, waited_s=1.99, fallback_wait_s=2.0) == ("", [])
-    tier, lists = rank_replicas(KEY, reps, waited_s=2.0, fallback_wait_s=2.0)
+    assert rank_replicas(K, reps, waited_s=1.99, fallback_wait_s=2.0) == ("", [])
+    tier, lists = rank_replicas(K, reps, waited_s=2.0, fallback_wait_s=2.0)
     assert tier == "fallback" and sorted(ids(lists)[0]) == ["a", "b"] and len(lists) == 1
     # an owner keeps its place in front of the fallback list
     reps.append(fake("owner", owned=[KEY], ready=[KEY]))
-    tier, lists = rank_replicas(KEY, reps, waited_s=5.0, fallback_wait_s=2.0)
+    tier, lists = rank_replicas(K, reps, waited_s=5.0, fallback_wait_s=2.0)
     assert tier == "ready_owner" and ids(lists)[0] == ["owner"] and sorted(ids(lists)[1]) == ["a", "b"]
-    assert rank_replicas(KEY, reps[:2], waited_s=0.0, fallback_wait_s=0.0)[0] == "fallback"
+    assert rank_replicas(K, reps[:2], waited_s=0.0, fallback_wait_s=0.0)[0] == "fallback"
 
 
 def test_owners_are_ranked_by_queued_requests_of_the_shape():
@@ -66,41 +69,43 @@ def test_owners_are_ranked_by_queued_requests_of_the_shape():
             fake("some", owned=[KEY], ready=[KEY], queue={KEY: 1}),
             fake("w_busy", owned=[KEY], queue={KEY: 2}),
             fake("w_idle", owned=[KEY, OTHER], ready=[OTHER], queue={OTHER: 9})]
-    tier, lists = rank_replicas(KEY, reps, waited_s=0.0, fallback_wait_s=2.0)
+    tier, lists = rank_replicas(K, reps, waited_s=0.0, fallback_wait_s=2.0)
     assert tier == "ready_owner"
     assert ids(lists) == [["idle", "some", "busy"], ["w_idle", "w_busy"]]
     # equal shape queues: fewer queued in total first
     reps = [fake("x", ready=[KEY], queue={OTHER: 4}), fake("y", ready=[KEY], queue={OTHER: 1})]
-    assert ids(rank_replicas(KEY, reps, 0.0, 2.0)[1]) == [["y", "x"]]
+    assert ids(rank_replicas(K, reps, 0.0, 2.0)[1]) == [["y", "x"]]
 
 
 def test_fallback_prefers_replicas_not_capturing_then_short_queues():
     reps = [fake("cap", capturing=True), fake("long", queue={OTHER: 5}), fake("short", queue={OTHER: 1})]
-    assert ids(rank_replicas(KEY, reps, 3.0, 2.0)[1]) == [["short", "long", "cap"]]
+    assert ids(rank_replicas(K, reps, 3.0, 2.0)[1]) == [["short", "long", "cap"]]
 
 
 @pytest.mark.parametrize("stats", [{}, None, "garbage", {"owned": KEY, "ready": None, "queue": [1]}])
 def test_replicas_with_missing_or_malformed_stats_are_not_owners(stats):
     reps = [SimpleNamespace(replica_id="new", routing_stats=stats), fake("owner", owned=[KEY])]
-    assert ids(rank_replicas(KEY, reps, 0.0, 2.0)[1]) == [["owner"]]
-    assert rank_replicas(KEY, reps[:1], 0.0, 2.0) == ("", [])
-    assert ids(rank_replicas(KEY, reps[:1], 2.0, 2.0)[1]) == [["new"]]
+    assert ids(rank_replicas(K, reps, 0.0, 2.0)[1]) == [["owner"]]
+    assert rank_replicas(K, reps[:1], 0.0, 2.0) == ("", [])
+    assert ids(rank_replicas(K, reps[:1], 2.0, 2.0)[1]) == [["new"]]
 
 
 def test_unkeyed_goes_to_every_replica_at_once():
     reps = [fake("a", owned=[KEY], ready=[KEY]), fake("b", stats={}), fake("c", owned=[OTHER])]
-    assert rank_replicas("", reps, 0.0, 2.0) == ("unkeyed", [reps])
+    assert rank_replicas(NONE, reps, 0.0, 2.0) == ("unkeyed", [reps])
 
 
 def test_routing_keys_carry_sorted_adapters():
-    assert routing_key(KEY) == KEY and split_key(KEY) == (KEY, frozenset())
-    key = routing_key(KEY, ["ink", "anime", "ink"])
-    assert key == KEY + "|lora=anime,ink" and split_key(key) == (KEY, frozenset({"anime", "ink"}))
-    assert split_key(routing_key("", ["a"])) == ("", frozenset({"a"}))
+    assert str(K) == KEY and RoutingKey.parse(KEY) == K and K.keyed and not NONE.keyed
+    key = RoutingKey.of(KEY, ["ink", "anime", "ink"])
+    assert str(key) == KEY + "|lora=anime,ink" and RoutingKey.parse(str(key)) == key
+    assert key.adapters == frozenset({"anime", "ink"})
+    assert RoutingKey.parse(str(RoutingKey.of("", ["a"]))) == RoutingKey("", frozenset({"a"}))
+    assert RoutingKey.parse(None) == RoutingKey.parse("") == NONE and str(NONE) == ""
 
 
 def test_replicas_holding_the_adapters_come_first_within_a_tier_unless_much_busier():
-    key = routing_key(KEY, ["anime"])
+    key = RoutingKey.of(KEY, ["anime"])
     reps = [fake("idle", ready=[KEY], queue={KEY: 0}), fake("holder", ready=[KEY], queue={KEY: 2}, adapters=["anime"]),
             fake("w_holder", owned=[KEY], adapters=["anime", "x"]), fake("w", owned=[KEY])]
     tier, lists = rank_replicas(key, reps, 0.0, 2.0, adapter_slack=2.0)
@@ -109,17 +114,17 @@ def test_replicas_holding_the_adapters_come_first_within_a_tier_unless_much_busi
     reps[1].routing_stats["queue"][KEY] = 3
     assert ids(rank_replicas(key, reps, 0.0, 2.0, adapter_slack=2.0)[1])[0] == ["idle", "holder"]
     # every adapter must be held; the plain shape key ignores adapters
-    both = routing_key(KEY, ["anime", "ink"])
+    both = RoutingKey.of(KEY, ["anime", "ink"])
     assert ids(rank_replicas(both, reps, 0.0, 2.0)[1])[:1] == [["idle", "holder"]]
-    assert ids(rank_replicas(KEY, reps, 0.0, 2.0)[1]) == [["idle", "holder"], ["w", "w_holder"]]
+    assert ids(rank_replicas(K, reps, 0.0, 2.0)[1]) == [["idle", "holder"], ["w", "w_holder"]]
     # a miss with adapters: holders first, by total queue
-    tier, lists = rank_replicas(routing_key("", ["anime"]), reps, 0.0, 2.0)
+    tier, lists = rank_replicas(RoutingKey.of("", ["anime"]), reps, 0.0, 2.0)
     assert tier == "unkeyed" and ids(lists) == [["w_holder", "holder"], ["idle", "w"]]
 
 
 def test_no_replicas_gives_no_candidates():
-    assert rank_replicas(KEY, [], 10.0, 2.0) == ("", [])
-    assert rank_replicas("", [], 0.0, 2.0) == ("", [])
+    assert rank_replicas(K, [], 10.0, 2.0) == ("", [])
+    assert rank_replicas(NONE, [], 0.0, 2.0) == ("", [])
 
 
 # ---------------------------------------------------------------------------------------------------------
