@@ -8,7 +8,7 @@ the prompt and size of a krea row (``bcg_core/data/krea_open_prompts_1k_flat.csv
 generator, each side scaled by ``--size-scale`` and rounded to the model's 16 pixels (the default 0.5 keeps the
 krea mix's shape, 512x768 -> 256x384, so that the tiny model on a CPU keeps up). ``--every K`` keeps every
 K-th arrival. Requests are sent open-loop (at their time, whatever is in flight) over HTTP; a 503 with
-``Retry-After`` is resent after it up to ``--retries`` times (:func:`deployments.demo.apost_honouring_retry_after`:
+``Retry-After`` is resent after it up to ``--retries`` times (:func:`deployments.cli.demo.apost_honouring_retry_after`:
 the wait clamped to 0.05..30 s, no resend later than 600 s after the first send; a 503 without the header is
 final). Sending stops at ``--deadline-s``.
 
@@ -53,7 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_router import bench_ray, run_and_wait  # beside this script
 
-from deployments.demo import apost_honouring_retry_after
+from deployments.cli.demo import apost_honouring_retry_after
 
 TRACE = "alibaba_gentd26_burst_2024-12-06.csv"
 TABLE = {"batch_sizes": [1, 2, 4], "resolutions": ["256x256", "256x384", "384x384", "512x512"],

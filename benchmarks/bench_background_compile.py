@@ -2,7 +2,7 @@
 
 For one model per invocation (``benchmarks/bench_saturation.py``'s models, checkpoints and production-like mix:
 ``--mix gentd26``, GenTD26's images per request joined with krea's sizes and prompts), servers start one after
-another in this process (``deployments.local.start_local``, Ray and Serve on 127.0.0.1; the time includes Ray's
+another in this process (``deployments.cli.local.start_local``, Ray and Serve on 127.0.0.1; the time includes Ray's
 start, as ``bcg serve``'s does), each on the default table unless said otherwise:
 
 - ``naive``: bench_saturation's naive server (unpadded eager, one forward per request step, no batching);
@@ -59,7 +59,7 @@ def _pending(stats: dict) -> int | None:
 
 def _round_of(url: str, reqs: list, args, png_dir: Path) -> dict:
     """One replay of ``reqs`` (``--concurrency`` in flight): images/s, failures, and the pending count around it."""
-    from deployments.demo import replay
+    from deployments.cli.demo import replay
 
     stats = sat._get_stats(url)
     before, modes = _pending(stats), _modes(stats)
@@ -94,7 +94,7 @@ class _DoneWatch:
         self._thread.start()
 
     def _run(self) -> None:
-        from deployments.local import uncaptured_shapes
+        from deployments.cli.local import uncaptured_shapes
 
         while not self._stop.wait(0.5):
             try:
@@ -115,8 +115,8 @@ class _DoneWatch:
 
 def run(name: str, config, reqs: list, warm: list, args) -> dict:
     """Start server ``name``, measure it (module docstring), stop it; its JSON entry."""
-    from deployments.demo import replay
-    from deployments.local import start_local, stop_local, uncaptured_shapes, wait_captured, wait_healthy
+    from deployments.cli.demo import replay
+    from deployments.cli.local import start_local, stop_local, uncaptured_shapes, wait_captured, wait_healthy
 
     entry: dict[str, Any] = {"server": name}
     png_dir = Path(tempfile.mkdtemp(prefix=f"bcg-bg-{name}-", dir=args.scratch))

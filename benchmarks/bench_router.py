@@ -8,7 +8,7 @@ What it measures (one JSON report, ``--json``):
   it owns the request's bucket shape, batch size, retries, latency. Totals: owner-hit rate (requests with a
   bucket that landed on an owner), images/s, latency p50/p99, requests per replica, errors, lost (no answer).
   Over HTTP a 503 with ``Retry-After`` is waited out and resent (``--http-retries`` at most,
-  :func:`deployments.demo.apost_honouring_retry_after`); those resends are counted apart from ``retries``
+  :func:`deployments.cli.demo.apost_honouring_retry_after`); those resends are counted apart from ``retries``
   (the server's own resends to another replica) as ``http_retries`` and ``http_retry_wait_s`` (per request
   and in total) and ``http_retried`` (requests resent), and a request that got its answer after them is ok.
 - ``kill``: with ``--kill-after K``, one DiT replica is killed (``ray.kill``) after K answers; the report
@@ -45,7 +45,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from deployments.demo import RETRY_MAX_RETRIES, apost_honouring_retry_after
+from deployments.cli.demo import RETRY_MAX_RETRIES, apost_honouring_retry_after
 
 SMALL_TABLE = {"batch_sizes": [1, 2, 4, 8, 16, 20], "resolutions": ["512x512", "640x640", "768x768", "1024x1024"],
                "text_lengths": [256]}

@@ -1,11 +1,11 @@
 """Saturation benchmark: three servers, one replay of real requests, side by side in one process run.
 
 For one model per invocation, the first ``--requests`` (default 32) requests of the real krea sample
-(``deployments.demo.load_requests``: each its own width x height and image count, the data's seeds; a row
+(``deployments.cli.demo.load_requests``: each its own width x height and image count, the data's seeds; a row
 without a seed gets ``seed = its request number``, so every server draws the same noise) are replayed over
-HTTP (``deployments.demo.replay``, ``--concurrency`` in flight, ``--steps`` denoising steps) against each of
-three servers, started one after another in this process with ``deployments.local.start_local`` (Ray and Serve
-on 127.0.0.1) and stopped with ``deployments.local.stop_local`` before the next one starts:
+HTTP (``deployments.cli.demo.replay``, ``--concurrency`` in flight, ``--steps`` denoising steps) against each of
+three servers, started one after another in this process with ``deployments.cli.local.start_local`` (Ray and Serve
+on 127.0.0.1) and stopped with ``deployments.cli.local.stop_local`` before the next one starts:
 
 - ``naive``: unpadded per-request eager, no batching across requests. The same application (the step
   scheduler) with the config override ``runner: {mode: eager}`` and a bucket table that
@@ -243,7 +243,7 @@ def busy_fraction(samples: list[tuple[float, float]], t0: float, t1: float) -> f
 
 
 def result_row(result) -> dict:
-    """One ``deployments.demo.DemoResult`` as a JSON-ready dict (request fields, outcome, latency in ms)."""
+    """One ``deployments.cli.demo.DemoResult`` as a JSON-ready dict (request fields, outcome, latency in ms)."""
     r = result.request
     return {"number": r.number, "row": r.row, "size": f"{r.width}x{r.height}", "n": r.n, "seed": r.seed,
             "ok": bool(result.ok), "status": result.status, "latency_ms": round(float(result.latency_ms), 2),
@@ -356,7 +356,7 @@ def quota_counts(counts: list[int], n: int, rng) -> list[int]:
 
 def replay_requests(count: int, size: str | None = None, path: str | None = None, mix: str = "krea",
                     trace: str | None = None, mix_seed: int = 0, mix_draw: str = "random") -> list:
-    """The first ``count`` krea requests (``deployments.demo.load_requests``) with a seed each (the data's, else
+    """The first ``count`` krea requests (``deployments.cli.demo.load_requests``) with a seed each (the data's, else
     the request's number) and, with ``size`` (``"WxH"``), every request at that size.
 
     ``mix``: ``krea`` keeps krea's image counts (25 of the first 32 requests ask for 9 images: already batched);
@@ -378,8 +378,8 @@ def replay_requests(count: int, size: str | None = None, path: str | None = None
     from importlib import resources
 
     from bcg_core.config import parse_size
-    from deployments.demo import load_requests
-    from deployments.plan_command import GENTD26_CSV
+    from deployments.cli.demo import load_requests
+    from deployments.cli.plan_command import GENTD26_CSV
 
     reqs = load_requests(count, path)
     if mix not in ("krea", "gentd26"):
@@ -518,13 +518,13 @@ def base_config(model_config: dict, spec, count_tokens, requests: list, steps: i
 def planned_buckets(base: dict, steps: int, max_graphs: int, measure: bool = False, source: str = "krea") -> dict:
     """The ``buckets`` that ``bcg plan`` chooses for ``base``'s model and limits on the traffic ``source`` at
     ``steps`` steps with at most ``max_graphs`` graphs (``bcg_core/planning/table_search.py``): ``source`` as
-    ``bcg plan --traffic`` takes it (``deployments.plan_command.load_plan_traffic``: ``krea``, the packaged krea
+    ``bcg plan --traffic`` takes it (``deployments.cli.plan_command.load_plan_traffic``: ``krea``, the packaged krea
     sample; ``gentd26`` or ``gentd26:PATH``, a GenTD26 trace joined with krea's sizes, for ``--mix gentd26``);
     with ``measure`` on costs the planner measures on this GPU (``bcg plan --measure``), else on the token-count
     model. The plan's cost source is in ``buckets.plan.costs``."""
     from bcg_core.planning.table_search import search_table
     from deployments.settings import ServeConfig
-    from deployments.plan_command import load_plan_traffic, measure_plan_costs
+    from deployments.cli.plan_command import load_plan_traffic, measure_plan_costs
 
     config = ServeConfig.model_validate(base)
     traffic = load_plan_traffic(config, source, steps=steps)
@@ -796,8 +796,8 @@ def trim_stats(stats: dict) -> dict:
 
 def run_server(name: str, config, replay_reqs: list, warmups: list, c1: list, args, floor_s: float | None) -> dict:
     """Start one server, warm it up, replay, run the concurrency-1 phase, stop it; its JSON entry."""
-    from deployments.demo import replay
-    from deployments.local import start_local, stop_local, wait_captured, wait_healthy
+    from deployments.cli.demo import replay
+    from deployments.cli.local import start_local, stop_local, wait_captured, wait_healthy
 
     entry: dict[str, Any] = {"server": name}
     png_dir = Path(tempfile.mkdtemp(prefix=f"bcg-sat-png-{name}-", dir=args.scratch))
@@ -961,7 +961,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--verbose", action="store_true", help="show Ray's logs")
     args = ap.parse_args(argv)
     if not 1 <= args.concurrency <= 16:
-        ap.error("--concurrency must be from 1 to 16 (deployments.demo.MAX_CONCURRENCY)")
+        ap.error("--concurrency must be from 1 to 16 (deployments.cli.demo.MAX_CONCURRENCY)")
     if args.requests < 1 or args.steps < 1 or args.warmup_steps < 1 or args.c1_requests < 0:
         ap.error("--requests, --steps and --warmup-steps must be >= 1, --c1-requests >= 0")
     return args

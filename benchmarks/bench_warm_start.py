@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
         if args.cold_by == "bcg-warm":
             t0 = time.perf_counter()
-            proc = subprocess.run([sys.executable, "-m", "deployments.cli", "warm", "--config", str(config)],
+            proc = subprocess.run([sys.executable, "-m", "deployments.cli.main", "warm", "--config", str(config)],
                                   capture_output=True, text=True, timeout=args.timeout_s, env=env)
             result["bcg_warm"] = dict(wall_s=round(time.perf_counter() - t0, 2), rc=proc.returncode,
                                       output=proc.stdout[-4000:], error=proc.stderr[-2000:] if proc.returncode else "")

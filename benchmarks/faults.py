@@ -26,7 +26,7 @@ this order, each under its own bounded load of HTTP requests (exact sizes of the
   ``torch.OutOfMemoryError``. That step's requests are answered 503 with ``Retry-After``; the client waits and
   resends them (``answered_503_then_resent``), the replica counts the step (``oom_steps``) and serves on.
 
-The client honours 503 with ``Retry-After`` (:func:`deployments.demo.apost_honouring_retry_after`) and resends a
+The client honours 503 with ``Retry-After`` (:func:`deployments.cli.demo.apost_honouring_retry_after`) and resends a
 request once after a dropped connection or a 5xx other than 503 (``client_resent``). Per scenario: requests sent,
 answered 200, answered 4xx / 503, lost (no 200 after the resend), hung (no answer in ``--timeout-s``), served by
 a replica owning the shape, resent by the ingress, and the resident memory (RSS, MB) summed over the live DiT
@@ -58,7 +58,7 @@ from bench_router import bench_ray  # noqa: E402
 from soak import replica_rss_bytes  # noqa: E402
 
 from bcg_core.failpoints import CAPTURE_STALL_ENV, FORWARD_ERROR_ENV, STEP_OOM_ENV  # noqa: E402
-from deployments.demo import apost_honouring_retry_after  # noqa: E402
+from deployments.cli.demo import apost_honouring_retry_after  # noqa: E402
 
 SCENARIOS = ("capture_stalled", "dit_killed", "coordinator_killed", "ingress_killed", "forward_error", "step_oom")
 APP = "bcg-faults"

@@ -40,7 +40,7 @@ from bcg_core.planning.costs import PlanCosts, TableScore, evaluate  # noqa: E40
 from bcg_core.planning.samples import (Traffic, krea_rows, planning_table, traffic_from_gentd26,  # noqa: E402
                                        traffic_from_rows)
 from bcg_core.planning.table_search import search_table  # noqa: E402
-from deployments.plan_command import GENTD26_CSV  # noqa: E402
+from deployments.cli.plan_command import GENTD26_CSV  # noqa: E402
 
 
 def _config(name: str, folder: Path) -> ServeConfig:

@@ -62,7 +62,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from deployments.demo import load_requests  # noqa: E402
+from deployments.cli.demo import load_requests  # noqa: E402
 
 
 def _replica_status(app: str):
@@ -407,7 +407,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.duration_s <= 0 or not 1 <= args.concurrency <= 16:
         ap.error("--duration-s must be positive and --concurrency from 1 to 16")
 
-    from deployments.local import start_local, stop_local
+    from deployments.cli.local import start_local, stop_local
 
     config, folder = model_config(args)
     try:

@@ -60,7 +60,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from deployments.demo import load_requests  # noqa: E402
+from deployments.cli.demo import load_requests  # noqa: E402
 from soak import memory_at_rest  # noqa: E402
 
 MIX = {"generate": 0.25, "stream": 0.15, "lora1": 0.15, "lora2": 0.10, "img2img": 0.125, "inpaint": 0.125,
@@ -492,7 +492,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.duration_s <= 0 or not 1 <= args.concurrency <= 16:
         ap.error("--duration-s must be positive and --concurrency from 1 to 16")
 
-    from deployments.local import start_local, stop_local
+    from deployments.cli.local import start_local, stop_local
     from deployments.settings import ServeConfig
 
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)

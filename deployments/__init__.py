@@ -1,6 +1,6 @@
 """Ray Serve layer of bcg-serve: HTTP ingress (OpenAI Images API), DiT replica, app builder, and the ``bcg``
-command line (:mod:`deployments.cli`; the local server in :mod:`deployments.local`, the demo replay in
-:mod:`deployments.demo`, the verify and profile tables in :mod:`deployments.commands`)."""
+command line (:mod:`deployments.cli.main`; the local server in :mod:`deployments.cli.local`, the demo replay in
+:mod:`deployments.cli.demo`, the verify and profile tables in :mod:`deployments.cli.commands`)."""
 
 from .app import AppArgs, build_app, load_config
 from .auth import ApiKeys

@@ -486,7 +486,7 @@ def metrics_url(node_id: str | None = None) -> str | None:
 
     Args:
         node_id: the node (hex id, as ``ray.get_runtime_context().get_node_id()``); None: the first alive node,
-            which is the only one of a server started by :func:`deployments.local.start_local`.
+            which is the only one of a server started by :func:`deployments.cli.local.start_local`.
 
     The address is the node IP: 127.0.0.1 on a loopback node; with ``metrics.host: 0.0.0.0`` the machine's
     address (the exporter then listens on every interface).

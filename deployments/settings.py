@@ -238,7 +238,7 @@ class MetricsConfig(BaseModel):
     """Where a local server's Prometheus metrics are served (``bcg serve``, ``bcg demo``).
 
     The source is Ray's own metrics exporter (each node's metrics agent, ``ray_`` prefix), started by
-    :func:`deployments.local.start_local` with ``ray.init(_metrics_export_port=port)``; there is no second
+    :func:`deployments.cli.local.start_local` with ``ray.init(_metrics_export_port=port)``; there is no second
     metrics stack. On a cluster started with ``ray start`` (``cluster.yaml``, ``serve deploy``) this section is
     not read: the port is ``ray start --metrics-export-port``.
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from deployments.cli import main
+from deployments.cli.main import main
 
 
 @pytest.fixture()
@@ -42,7 +42,7 @@ def test_profile_without_cuda_says_it_needs_a_gpu(small_config, capsys):
 def test_a_bad_configuration_is_one_line_per_field_with_the_fix(tmp_path, capsys):
     """Config errors name each field by its path and say what is allowed, on one line, without pydantic's type
     names and links."""
-    from deployments.cli import main
+    from deployments.cli.main import main
 
     bad = tmp_path / "bad.yaml"
     bad.write_text("buckets: {batch_sizes: [2, 1], text_lengths_by_resolution: {'640x640': [32]}}\n"
@@ -68,7 +68,7 @@ def test_a_port_something_listens_on_is_refused_before_ray_starts():
     keyed server's clients could be answered by an unkeyed one). ``bcg serve``/``bcg demo`` refuse the port first."""
     import socket
 
-    from deployments.local import check_port_free, start_local
+    from deployments.cli.local import check_port_free, start_local
 
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as busy:
         busy.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)  # as Serve's proxy binds
@@ -83,7 +83,7 @@ def test_a_port_something_listens_on_is_refused_before_ray_starts():
 def test_a_busy_metrics_port_is_refused_before_ray_starts(capsys):
     import socket
 
-    from deployments.cli import main
+    from deployments.cli.main import main
 
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as busy:
         busy.bind(("127.0.0.1", 0))
@@ -98,7 +98,7 @@ def test_a_busy_metrics_port_is_refused_before_ray_starts(capsys):
 
 
 def test_demo_steps_above_the_limit_and_a_non_krea_csv_are_refused_before_anything_starts(tmp_path, capsys):
-    from deployments.cli import main
+    from deployments.cli.main import main
 
     assert main(["demo", "--steps", "51"]) == 2
     assert "--steps 51 is above the server's limits.max_steps 50; use --steps 1 to 50" in capsys.readouterr().err

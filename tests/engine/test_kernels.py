@@ -390,7 +390,7 @@ def test_bcg_warm_compiles_the_table_into_the_cache_dir_and_refuses_an_eager_con
     ``--kernels compiled`` it prepares every bucket into ``--cache-dir``, prints what each got, exits 0."""
     import yaml
 
-    from deployments.cli import main
+    from deployments.cli.main import main
 
     cache = tmp_path / "cache"
     for var in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):  # bcg warm sets them; restored after the test

@@ -555,7 +555,7 @@ def test_burst_of_real_size_requests_all_answered_same_seed_same_image(tiny, mak
     """The first krea requests at their own sizes and image counts, all at once on the default table, with a
     row budget below the burst: every one is answered (none lost, none hung), and two of them again alone
     give the same images."""
-    from deployments.demo import load_requests
+    from deployments.cli.demo import load_requests
 
     pipe = DiTPipeline(ServeConfig(), tiny)
     demo = load_requests(8)

@@ -235,7 +235,7 @@ def test_per_tier_text_buckets_pad_each_tier_to_its_own_buckets_and_equal_diffus
     """``text_lengths_by_resolution``: the 256x256 bin has text buckets 16, 32 and 64, the other bins only 64. A
     short prompt pads to 16 at 256x256 and to 64 at the 304x208 bin; both images equal diffusers', and every
     bucket of the table passes ``bcg verify`` (padded against unpadded forwards, CPU static eager)."""
-    from deployments.commands import run_verify
+    from deployments.cli.commands import run_verify
 
     pipe = bcg_pipeline(folder, {**BUCKETS, "batch_sizes": [2], "text_lengths": [64],
                                  "text_lengths_by_resolution": {"256x256": [16, 32, 64]}})

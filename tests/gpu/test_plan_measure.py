@@ -12,7 +12,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 
 def test_bcg_plan_measures_its_own_costs_on_the_gpu(tmp_path, capsys):
-    from deployments.cli import main
+    from deployments.cli.main import main
     from tiny.flux import build
 
     folder = build(tmp_path / "tiny-flux")

@@ -28,7 +28,7 @@ def auth_url(serve_apps, tmp_path_factory):
     from ray import serve
 
     from deployments import build_app
-    from deployments.cli import _with_key_file
+    from deployments.cli.main import _with_key_file
 
     path = tmp_path_factory.mktemp("keys") / "keys.txt"
     path.write_text(f"# bcg serve --api-key-file\n{FILE_KEY}\n")
@@ -141,7 +141,7 @@ def test_keys_never_show_in_buckets_models_metrics_or_logs(auth_url):
 
 @pytest.mark.serve
 def test_bcg_plan_reads_a_keyed_servers_traffic_with_its_key(auth_url, tmp_path, capsys):
-    from deployments.cli import main
+    from deployments.cli.main import main
 
     client = _openai(auth_url, CONFIG_KEY)
     client.images.generate(**GEN_ARGS)  # some recorded traffic

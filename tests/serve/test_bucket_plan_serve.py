@@ -25,7 +25,7 @@ def test_end_to_end_plan_serve_replay_and_the_measured_waste_is_the_predicted_on
 
     from bcg_core.planning.samples import traffic_from_requests
     from deployments import build_app
-    from deployments.demo import load_requests, replay
+    from deployments.cli.demo import load_requests, replay
 
     config = ServeConfig.model_validate({"model": {"device": "cpu"}})
     demo = load_requests(6)

@@ -1,7 +1,7 @@
 """``bcg serve`` stopped as an operator stops it, with Ctrl-C, and what its ready block says of Ray's dashboard.
 
 A terminal's Ctrl-C sends SIGINT to the whole foreground process group: ``bcg serve`` and every Ray process it
-started. The server then says it is shutting down, stops (``deployments/local.py`` ``stop_local``: the application
+started. The server then says it is shutting down, stops (``deployments/cli/local.py`` ``stop_local``: the application
 deleted, then Ray shut down) and ends with one line saying it stopped; Ray's driver prints nothing of its own
 (``serve.shutdown()`` made it print ``(raylet) Task ServeController.graceful_shutdown failed ...``).
 
@@ -44,7 +44,7 @@ def _listener_cmdline(root_pid: int, port: int) -> str:
 @pytest.mark.serve
 def test_ctrl_c_stops_bcg_serve_with_one_clean_last_line_and_the_dashboard_line_names_what_runs():
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "deployments.cli", "serve", "--port", "0", "--metrics-port", "0",
+    proc = subprocess.Popen([sys.executable, "-m", "deployments.cli.main", "serve", "--port", "0", "--metrics-port", "0",
                              "--num-cpus", "2", "--stop-after-s", "400"], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     lines: list[str] = []

@@ -10,7 +10,7 @@ HEADER = "prompt,width,height,num_step,cfg_scale,seed,num_generations,is_grid,ti
 
 @pytest.mark.serve
 def test_demo_against_running_app_writes_pngs_reports_failures_and_prints_the_table(serve_apps, tmp_path, capsys):
-    from deployments.demo import run_demo
+    from deployments.cli.demo import run_demo
 
     data = tmp_path / "two.csv"
     data.write_text(HEADER + "a red fox in snow,256,256,,,3000000007.0,1.0,,,,x\n"

@@ -5,7 +5,7 @@ from ray import serve
 
 from bcg_core import build_tiny, save_pipeline
 from deployments.app import build_app
-from deployments.local import deploy_failure
+from deployments.cli.local import deploy_failure
 
 
 @pytest.mark.serve

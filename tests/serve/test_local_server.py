@@ -1,6 +1,6 @@
 """``bcg serve`` as an operator starts it: one readiness block printed once the server answers, with the API
 and metrics URLs; Ray's exporter at that metrics URL serving the ``ray_bcg_`` series; and no socket of the
-server's process tree listening outside loopback (``deployments/local.py`` ``bind_ray_to``).
+server's process tree listening outside loopback (``deployments/cli/local.py`` ``bind_ray_to``).
 
 One server start (a subprocess with its own Ray, about a minute on 2 cores) checks all three."""
 
@@ -25,7 +25,7 @@ _START_S = 240.0
 @pytest.mark.serve
 def test_bcg_serve_prints_readiness_once_serves_metrics_and_listens_on_loopback_only():
     env = {**os.environ, "RAY_metrics_report_interval_ms": "1000", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "deployments.cli", "serve", "--port", "0", "--metrics-port", "0",
+    proc = subprocess.Popen([sys.executable, "-m", "deployments.cli.main", "serve", "--port", "0", "--metrics-port", "0",
                              "--num-cpus", "2", "--stop-after-s", "300"], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     lines: list[str] = []

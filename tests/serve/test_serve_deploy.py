@@ -148,7 +148,7 @@ def ray_head():
     gcs, dash, agent_http, agent_grpc, metrics, runtime_env, client, http = _free_ports(8)
     # nothing of the session's Ray (conftest's ray.init sets RAY_AUTH_MODE in this process, for one)
     base_env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
-    # as docs/DEPLOY.md starts it: a node on loopback only (deployments/local.py bind_ray_to says why both)
+    # as docs/DEPLOY.md starts it: a node on loopback only (deployments/cli/local.py bind_ray_to says why both)
     base_env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(temp_dir / "auth_token"),
                     RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
     cmd = [str(RAY), "start", "--head", "--block", "--node-ip-address", "127.0.0.1", "--port", str(gcs),

@@ -66,7 +66,7 @@ def test_check_compares_with_every_digest_whichever_matches(monkeypatch):
 
 
 def test_serve_api_key_file_adds_digests_and_a_bad_file_stops_before_ray(tmp_path, capsys):
-    from deployments.cli import _with_key_file, main
+    from deployments.cli.main import _with_key_file, main
 
     path = tmp_path / "keys.txt"
     path.write_text(FILE_KEY + "\n")

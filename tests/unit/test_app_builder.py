@@ -55,7 +55,7 @@ def test_bcg_config_check_reads_a_serve_file_as_the_controller_builds_it_and_a_c
     is exit 2 naming the application and the field; a ServeConfig file is checked as ``bcg serve`` checks it."""
     from pathlib import Path
 
-    from deployments.cli import main
+    from deployments.cli.main import main
 
     root = Path(__file__).resolve().parents[2]
     assert main(["config", "--check", str(root / "deploy" / "serve_config_cpu.yaml")]) == 0
@@ -103,7 +103,7 @@ def test_bcg_config_check_reads_a_serve_file_as_the_controller_builds_it_and_a_c
 def test_bcg_config_check_notes_a_plan_block_the_server_would_not_use(tmp_path, capsys):
     """A hand-edited ``buckets.plan``: bad values are refused; a plan of other shapes, or one expecting misses
     under ``miss_policy: reject``, passes (a server starts with it) with a note saying what happens."""
-    from deployments.cli import main
+    from deployments.cli.main import main
 
     config = tmp_path / "my.yaml"
     head = "buckets:\n  miss_policy: reject\n  plan:\n    source: krea\n    requests: 10\n    waste: 0.1\n" \

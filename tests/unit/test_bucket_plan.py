@@ -152,7 +152,7 @@ def test_gentd26_counts_joined_with_krea_sizes_and_a_recorded_histogram():
 
 
 def test_bcg_plan_writes_a_config_that_serves_a_report_and_a_plot(tmp_path, capsys):
-    from deployments.cli import main
+    from deployments.cli.main import main
 
     out, report, png = tmp_path / "planned.yaml", tmp_path / "plan.json", tmp_path / "plan.png"
     # on this sample the default table is expected to be cheaper (tests/unit/test_cli_dead_ends.py): --force writes
@@ -255,7 +255,7 @@ def test_review_findings_stale_plan_reject_policy_budgets_and_recorded_cfg(tmp_p
     """A plan that no longer matches its table, miss_policy reject, an infinite or generous budget, recorded CFG
     traffic under a low guidance limit, traffic that moves outside the table, and bad --profile/--trace files."""
     from bcg_core.planning.drift import drift_report
-    from deployments.cli import main
+    from deployments.cli.main import main
     from router.ownership import demands_for_config
 
     config = ServeConfig()
@@ -312,7 +312,7 @@ def test_the_planners_own_profile_spans_the_sample_and_needs_a_gpu(tmp_path, cap
     import torch
 
     from bcg_core.planning.table_search import profile_buckets
-    from deployments.cli import main
+    from deployments.cli.main import main
 
     config = ServeConfig()
     traffic = traffic_from_rows(config, krea_rows(), steps=20)

@@ -12,8 +12,8 @@ import re
 
 import pytest
 
-from deployments import commands
-from deployments.cli import main
+from deployments.cli import commands
+from deployments.cli.main import main
 
 # -- bcg verify ----------------------------------------------------------------------------------------------
 
@@ -201,7 +201,7 @@ def test_demo_without_a_key_or_with_a_wrong_one_stops_with_one_line_naming_both_
 
 def test_demo_refuses_a_key_file_without_a_key_or_a_key_no_header_can_carry_before_sending(tmp_path, capsys,
                                                                                           monkeypatch):
-    from deployments.demo import demo_api_key
+    from deployments.cli.demo import demo_api_key
 
     empty = tmp_path / "empty.txt"
     empty.write_text("# nothing here\n")
@@ -277,7 +277,7 @@ def test_plan_writes_a_better_table_without_force_and_force_needs_write(tmp_path
 
 
 def test_whole_count_rounds_half_up_and_shows_a_sliver_as_under_one():
-    from deployments.plan_command import whole_count
+    from deployments.cli.plan_command import whole_count
 
     assert [whole_count(v) for v in (0, 0.2, 0.5, 2.5, 182.9, 25.7635, 7)] == ["0", "<1", "1", "3", "183", "26", "7"]
     for bad in (-1.0, float("nan")):
@@ -308,7 +308,7 @@ def test_bcg_warm_cache_dir_is_taken_with_home_expanded_and_absolute(tmp_path, m
 def test_plan_from_a_url_sends_openai_api_key_as_demo_does_and_a_file_wins(tmp_path, monkeypatch, capsys):
     """``bcg plan --from URL`` takes its key as ``bcg demo`` does: ``--api-key-file``'s first key, else
     ``OPENAI_API_KEY``; a sample that is not a URL sends none."""
-    from deployments import plan_command
+    from deployments.cli import plan_command
 
     sent = []
 
@@ -333,7 +333,7 @@ def test_plan_from_a_url_sends_openai_api_key_as_demo_does_and_a_file_wins(tmp_p
 def test_bcg_serve_shows_what_adapter_rows_cost_when_lora_is_on():
     """The start-up warning about oversized LoRA settings is logged on the replica; ``bcg serve`` (whose Ray logs
     are quiet) prints the same note from the replica's ``/v1/buckets`` ``lora`` section."""
-    from deployments.console import ready_text
+    from deployments.cli.console import ready_text
 
     plain = ready_text("http://127.0.0.1:8000", "m", None, False)
     assert "lora" not in plain
@@ -348,7 +348,7 @@ def test_bcg_serve_shows_what_adapter_rows_cost_when_lora_is_on():
 
 
 def test_bcg_plan_names_the_krea_file_and_refuses_it_beside_from(tmp_path, capsys):
-    from deployments.cli import main
+    from deployments.cli.main import main
 
     assert main(["plan", "--from", "traffic.json", "--krea", "x.csv"]) == 2
     assert "--from replaces --traffic/--trace/--krea: give one traffic source" in capsys.readouterr().err
@@ -361,7 +361,7 @@ def test_bcg_plan_names_the_krea_file_and_refuses_it_beside_from(tmp_path, capsy
 
 
 def test_missing_files_odd_urls_and_steps_outside_the_limits_are_named(capsys):
-    from deployments.cli import main
+    from deployments.cli.main import main
 
     assert main(["config", "--check", "/no/such/config.yaml"]) == 2
     assert "bcg config: error: /no/such/config.yaml: no such file" in capsys.readouterr().err
@@ -376,7 +376,7 @@ def test_missing_files_odd_urls_and_steps_outside_the_limits_are_named(capsys):
 def test_a_plan_report_given_as_traffic_or_config_says_what_it_is(tmp_path, capsys):
     import json
 
-    from deployments.cli import main
+    from deployments.cli.main import main
 
     report = tmp_path / "plan.json"  # what bcg plan --json writes (its keys; the values do not matter here)
     report.write_text(json.dumps({"buckets": {}, "chosen": [], "shapes": [], "curve": [], "traffic": {"source": "krea"},

@@ -1,11 +1,11 @@
-"""What ``bcg serve`` prints after ready while replicas compile in the background (``deployments/console.py``):
+"""What ``bcg serve`` prints after ready while replicas compile in the background (``deployments/cli/console.py``):
 scripted ``DiTReplica.stats()`` snapshots, no Ray."""
 
 from __future__ import annotations
 
 import threading
 
-from deployments.console import CompileProgress, watch_compiles
+from deployments.cli.console import CompileProgress, watch_compiles
 
 
 def _stats(pending: int, swapped: int, failed: int = 0, running: bool | None = None, replica: str = "r1abcdefgh",
@@ -50,7 +50,7 @@ def test_watch_returns_on_stop_or_timeout_and_stops_polling_once_every_replica_i
         polls.append(1)
         return next(snapshots, _stats(0, 2))
 
-    import deployments.console as console
+    import deployments.cli.console as console
 
     before, console.POLL_S = console.POLL_S, 0.01
     try:

@@ -10,8 +10,8 @@ import pytest
 import yaml
 
 from deployments.settings import ServeConfig
-from deployments.cli import config_text, main
-from deployments.demo import SEED_MODULUS, DemoRequest, load_requests, read_requests
+from deployments.cli.main import config_text, main
+from deployments.cli.demo import SEED_MODULUS, DemoRequest, load_requests, read_requests
 
 HEADER = "prompt,width,height,num_step,cfg_scale,seed,num_generations,is_grid,timestamp,sampler_flag,image_uri\n"
 
@@ -104,7 +104,7 @@ def test_cli_demo_refuses_config_with_url(capsys):
 
 def test_demo_url_ending_in_v1_is_taken_as_the_server_above_it(tmp_path, monkeypatch, capsys):
     """``--url http://host:port/v1`` (the openai client's base_url) is the server at ``http://host:port``."""
-    import deployments.demo as demo
+    import deployments.cli.demo as demo
 
     asked = []
 
@@ -129,7 +129,7 @@ def test_cli_serve_refuses_replicas_with_autoscaling(tmp_path, capsys):
 def test_the_replay_is_fitted_to_the_servers_limits():
     """``bcg demo --url`` against a server with tighter limits: ``n`` is capped at its ``max_images``, sizes outside
     its sides are left out, each change is said; steps above its ``max_steps`` and no request left are errors."""
-    from deployments.demo import fit_to_limits
+    from deployments.cli.demo import fit_to_limits
 
     todo = load_requests(8)
     assert fit_to_limits(todo, {}, 4) == (todo, [])  # a server that does not say its limits: sent as they are

@@ -20,7 +20,7 @@ import httpx
 import pytest
 from rich.console import Console
 
-from deployments.demo import (
+from deployments.cli.demo import (
     RETRY_AFTER_MAX_S,
     RETRY_AFTER_MIN_S,
     DemoRequest,

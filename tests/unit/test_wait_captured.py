@@ -1,4 +1,4 @@
-"""What a benchmark waits for after ready (``deployments/local.py``): every replica's owned shapes captured
+"""What a benchmark waits for after ready (``deployments/cli/local.py``): every replica's owned shapes captured
 (``runner.ready_after_s`` lets a replica report ready before), read from ``/v1/buckets`` answers."""
 
 import threading
@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from deployments.local import uncaptured_shapes, wait_captured
+from deployments.cli.local import uncaptured_shapes, wait_captured
 
 
 def _answer(ready: list[str], peer_ready: list[str] | None = None) -> dict:

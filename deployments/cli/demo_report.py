@@ -2,7 +2,7 @@
 
 :func:`render_report` prints, with rich, the ``GET /v1/buckets`` answer (used buckets with their requests,
 hits, misses, padding waste and latency; misses by dimension) and the outcome of the replayed requests
-(:class:`~deployments.demo_replay.DemoResult`). It only prints: nothing is fetched or decided here.
+(:class:`~deployments.cli.demo_replay.DemoResult`). It only prints: nothing is fetched or decided here.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The local server: Ray and the bcg-serve application on this machine's loopback, for ``bcg serve`` and
-``bcg demo`` (:mod:`deployments.cli`).
+``bcg demo`` (:mod:`deployments.cli.main`).
 
 :func:`check_config` reads and checks a config file before anything starts (the bucket table, the
 checkpoint's JSON configs and tokenizer, the device and runner mode), so that a bad file is reported with
@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .settings import ServeConfig
+    from ..settings import ServeConfig
 
 __all__ = [
     "api_server_metrics_url", "bind_ray_to", "check_config", "check_file", "check_port_free", "deploy_failure",
@@ -179,7 +179,7 @@ def check_config(config_path: str | Path) -> "ServeConfig":
         FileNotFoundError: ``config_path`` or the config's ``model.path`` does not exist, or ``lora.dir`` is not a
             directory.
     """
-    from .settings import load_config
+    from ..settings import load_config
     from bcg_core.pipeline import runner_mode
     from bcg_core.planner import Planner
 
@@ -189,7 +189,7 @@ def check_config(config_path: str | Path) -> "ServeConfig":
         model = config.model.model_copy(update={"path": str(Path(config.model.path).resolve())})
         config = config.model_copy(update={"model": model})
     if config.auth.api_key_file is not None:  # read by the ingress at start: a bad file fails here first
-        from .auth import read_key_file
+        from ..auth import read_key_file
 
         read_key_file(config.auth.api_key_file)
     if config.lora.dir is not None:  # read by every replica at start, maybe in another working directory
@@ -258,8 +258,8 @@ def check_file(path: str | Path) -> str:
     """
     from pydantic import ValidationError
 
-    from .app import AppArgs, build_app
-    from .settings import error_text, parse_yaml, read_yaml
+    from ..app import AppArgs, build_app
+    from ..settings import error_text, parse_yaml, read_yaml
 
     path = Path(path)
     data = read_yaml(path)
@@ -357,7 +357,7 @@ def start_local(config: "ServeConfig | None" = None, port: int = 8000, num_cpus:
             change).
         RuntimeError: the application failed to deploy (each failing deployment's last error line).
     """
-    from .settings import LOOPBACK
+    from ..settings import LOOPBACK
 
     host = config.metrics.host if config is not None else LOOPBACK
     if port and port == metrics_port:
@@ -377,7 +377,7 @@ def start_local(config: "ServeConfig | None" = None, port: int = 8000, num_cpus:
     import ray
     from ray import serve
 
-    from .app import build_app
+    from ..app import build_app
 
     level = logging.WARNING if quiet else logging.INFO
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=not quiet,

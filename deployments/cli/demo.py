@@ -1,10 +1,10 @@
 """The demo: replay real prompts against the bcg-serve HTTP API and show what the bucket table did.
 
-:func:`run_demo` (``bcg demo``) starts the local server (:func:`deployments.local.start_local`: Ray and the
+:func:`run_demo` (``bcg demo``) starts the local server (:func:`deployments.cli.local.start_local`: Ray and the
 Serve application on a loopback port) or talks to a server already running (``url``), replays the first N
-requests of the real request sample (:mod:`deployments.demo_replay`; a ``503`` with ``Retry-After`` is waited
-out and resent, :mod:`deployments.retry_client`), writes the images as PNG files, then prints the replica's
-per-bucket statistics from ``GET /v1/buckets`` (:mod:`deployments.demo_report`). The names of those modules
+requests of the real request sample (:mod:`deployments.cli.demo_replay`; a ``503`` with ``Retry-After`` is waited
+out and resent, :mod:`deployments.cli.retry_client`), writes the images as PNG files, then prints the replica's
+per-bucket statistics from ``GET /v1/buckets`` (:mod:`deployments.cli.demo_report`). The names of those modules
 are importable from here too; Ray, httpx, rich and tqdm are imported only by the functions that use them.
 """
 
@@ -91,7 +91,7 @@ def demo_api_key(api_key_file: str | Path | None = None,
         ValueError: the file cannot be read or holds no key, or the key holds characters an HTTP header cannot
             carry (white space, control or non-ASCII characters); the message names the source, never the key.
     """
-    from .auth import read_key_file
+    from ..auth import read_key_file
 
     if api_key_file is not None:
         key, source = read_key_file(api_key_file)[0], f"--api-key-file {api_key_file}"
@@ -223,7 +223,7 @@ def run_demo(*, requests: int = 8, steps: int = 4, concurrency: int = 1, out: st
     todo = load_requests(requests, data)
     served = check_config(config) if config is not None else None
     if url is None:  # a server started here has these limits: refuse before starting Ray
-        from .settings import ServeConfig
+        from ..settings import ServeConfig
 
         limit = (served or ServeConfig()).limits.max_steps
         if steps > limit:

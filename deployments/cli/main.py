@@ -1,11 +1,11 @@
 """The ``bcg`` command line: ``bcg demo``, ``bcg config``, ``bcg serve``, ``bcg verify``, ``bcg profile``,
 ``bcg plan``.
 
-The console script of ``pyproject.toml`` (``bcg = "deployments.cli:main"``), also run as
-``python -m deployments.cli``.
-``demo`` replays real requests (:mod:`deployments.demo`), ``serve`` runs the local server until stopped
-(:mod:`deployments.local`), ``verify`` and ``profile`` print tables of the engine's correctness gates and
-timings (:mod:`deployments.commands`), ``plan`` chooses the bucket table from traffic
+The console script of ``pyproject.toml`` (``bcg = "deployments.cli.main:main"``), also run as
+``python -m deployments.cli.main``.
+``demo`` replays real requests (:mod:`deployments.cli.demo`), ``serve`` runs the local server until stopped
+(:mod:`deployments.cli.local`), ``verify`` and ``profile`` print tables of the engine's correctness gates and
+timings (:mod:`deployments.cli.commands`), ``plan`` chooses the bucket table from traffic
 (:mod:`bcg_core.planning.table_search`), ``config`` prints the embedded default ``ServeConfig``.
 """
 
@@ -22,9 +22,9 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from .settings import ServeConfig, error_text, load_config
+from ..settings import ServeConfig, error_text, load_config
 
-from .app import replicas_conflict
+from ..app import replicas_conflict
 from .commands import cache_dir_arg, run_profile, run_verify
 from .demo import MAX_CONCURRENCY as _MAX_CONCURRENCY, demo_api_key, run_demo
 from .console import ready_text, watch_compiles
@@ -127,9 +127,9 @@ def _with_key_file(config: ServeConfig | None, path: str) -> ServeConfig:
     Raises:
         ValueError: the file cannot be read or holds no key (naming the file, never a key).
     """
-    from .settings import api_key_digest
+    from ..settings import api_key_digest
 
-    from .auth import read_key_file
+    from ..auth import read_key_file
 
     config = config or ServeConfig()
     digests = [*config.auth.api_keys, *(api_key_digest(k) for k in read_key_file(path))]
@@ -147,7 +147,7 @@ def _replica_stats() -> dict | None:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from .metrics import metrics_url
+    from ..metrics import metrics_url
     from bcg_core.models import describe_model
 
     config = check_config(args.config) if args.config else None

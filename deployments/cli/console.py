@@ -32,7 +32,7 @@ def ready_text(url: str, model: str, metrics: str | None, auth: bool, lora: dict
         metrics: the Prometheus URL of Ray's exporter (None: a note that it does not run).
         auth: whether the API asks for a key (the ``try:`` line then sends one).
         lora: a replica's ``/v1/buckets`` ``lora`` section (None: no line), for what adapter rows cost.
-        api_server: the metrics URL of Ray's API-server process (:func:`deployments.local.api_server_metrics_url`),
+        api_server: the metrics URL of Ray's API-server process (:func:`deployments.cli.local.api_server_metrics_url`),
             the one process of Ray's dashboard that runs without it; None when it was not found.
 
     Returns:
@@ -44,7 +44,7 @@ def ready_text(url: str, model: str, metrics: str | None, auth: bool, lora: dict
 
     header = " -H 'Authorization: Bearer <key>'" if auth else ""
     # ray.init(include_dashboard=False) still starts dashboard.py with only its usage-stats module and no HTTP
-    # server (deployments/local.py pin_api_server_metrics_port): say so, and where its own metrics listen.
+    # server (deployments/cli/local.py pin_api_server_metrics_port): say so, and where its own metrics listen.
     dashboard = "no web UI or REST API; Ray still runs its API-server process (dashboard.py, usage stats only)"
     return "\n".join([
         f"bcg-serve is ready: model {model} (Ctrl-C stops it)",

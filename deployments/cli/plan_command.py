@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from deployments.commands import run_profile
-from deployments.settings import ServeConfig
+from .commands import run_profile
+from ..settings import ServeConfig
 
 __all__ = ["GENTD26_CSV", "current_is_better", "load_plan_traffic", "measure_plan_costs", "output_problem", "plot_plan",
            "run_plan", "whole_count"]

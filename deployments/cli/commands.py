@@ -1,5 +1,5 @@
 """``bcg verify``, ``bcg warm`` and ``bcg profile``: correctness, compiled kernels and speed of every bucket of a
-config, as tables (``bcg plan`` is in :mod:`deployments.plan_command`).
+config, as tables (``bcg plan`` is in :mod:`deployments.cli.plan_command`).
 
 Both load the configured model and build the runner the config asks for (CUDA graphs on a GPU, static
 eager buffers on a CPU), exactly as a replica does, then:
@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from bcg_core.keys import BucketKey
-from deployments.settings import ServeConfig
+from ..settings import ServeConfig
 from bcg_core.pipeline import DiTPipeline
 from bcg_core.verify import RTOL, BoundaryCase, boundary_cases, square_grid, verify_runner
 

@@ -3,7 +3,7 @@
 :func:`read_requests` / :func:`load_requests` turn rows of the real request sample (:data:`DATA_FILE`, one row
 = one request for ``num_generations`` images at its width x height; blank prompts skipped) into
 :class:`DemoRequest` values; :func:`send_request` posts one (resending after ``503`` + ``Retry-After``,
-:mod:`deployments.retry_client`) and writes its PNG images, and :func:`replay` sends a list with bounded
+:mod:`deployments.cli.retry_client`) and writes its PNG images, and :func:`replay` sends a list with bounded
 concurrency and a progress bar. Each request's outcome is a :class:`DemoResult`; a failed request never raises.
 The request parsing imports nothing heavy; httpx and tqdm are imported only by the functions that send.
 """
