@@ -30,7 +30,7 @@ _LAZY = {
     "FluxAdapter": "bcg_core.families.flux", "SD3Adapter": "bcg_core.families.sd3",
     "PixArtAdapter": "bcg_core.families.pixart", "SanaAdapter": "bcg_core.families.sana",
     "QwenImageAdapter": "bcg_core.families.qwenimage", "StepScheduler": "bcg_core.scheduler",
-    "CostModel": "bcg_core.scheduler", "StepForwards": "bcg_core.scheduler",
+    "CostModel": "bcg_core.costs", "StepForwards": "bcg_core.costs",
 }
 
 

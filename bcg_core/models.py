@@ -14,6 +14,7 @@ naming the cause and the fix, never a hung replica: a missing folder or ``model_
 from __future__ import annotations
 
 import json
+import weakref
 from pathlib import Path
 
 from bcg_core.config import ModelConfig
@@ -31,6 +32,7 @@ __all__ = [
     "transformer_width",
     "describe_model",
     "load_model",
+    "load_seconds",
     "load_tokenizer_counter",
     "read_checkpoint",
     "save_pipeline",
@@ -160,10 +162,19 @@ def load_tokenizer_counter(config: ModelConfig):
     return family_class(index["_class_name"]).token_counter(path, index)
 
 
+_LOAD_S: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""Seconds :func:`load_model` took, per family object it returned (kept beside the object, never on it)."""
+
+
+def load_seconds(model: Family) -> float | None:
+    """Seconds :func:`load_model` took to load ``model`` (``/v1/buckets`` ``model.load_s``: with
+    ``kernels.prepare_s``, the replica's start); None for a family built otherwise (``build_tiny``)."""
+    return _LOAD_S.get(model)
+
+
 def load_model(config: ModelConfig) -> Family:
     """Load the configured model: the tiny default when ``config.path`` is None, else a local checkpoint. The
-    seconds it took are kept as ``model.load_s`` (``/v1/buckets`` ``model.load_s``: with ``kernels.prepare_s``, the
-    replica's start).
+    seconds it took are kept beside it (:func:`load_seconds`).
 
     Raises:
         CheckpointError: if ``config.path`` is not a servable checkpoint folder.
@@ -180,7 +191,7 @@ def load_model(config: ModelConfig) -> Family:
         index = read_checkpoint(path)
         model = family_class(index["_class_name"]).load(path, index, resolve_device(config.device),
                                                         torch_dtype(config.dtype))
-    model.load_s = time.perf_counter() - t0
+    _LOAD_S[model] = time.perf_counter() - t0
     return model
 
 
@@ -193,7 +204,9 @@ def save_pipeline(model: Family, path: str | Path) -> Path:
     Raises:
         TypeError: if the model is not of the tiny layout (its text encoder is not a sentence encoder).
     """
-    text = getattr(model, "text_encoder", None)
+    from bcg_core.families.tiny import BCGFluxFamily
+
+    text = model.text_encoder if isinstance(model, BCGFluxFamily) else None
     if not isinstance(text, SentenceTextEncoder):
         raise TypeError("save_pipeline writes the BCGFluxPipeline layout, which needs a SentenceTextEncoder; "
                         "diffusers pipelines are saved with their own save_pretrained")

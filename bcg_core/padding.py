@@ -96,6 +96,8 @@ class DiTAdapter(Protocol):
     model: torch.nn.Module
     timestep_max: float
     """Upper end of :attr:`DenoiseInputs.timestep` in this family (1.0 for FLUX, 1000.0 for SD3, PixArt)."""
+    guidance_embeds: bool
+    """Its transformer takes a guidance value per row (:attr:`DenoiseInputs.guidance`: FLUX.1-dev), else False."""
 
     def example_latents(self, rows: int, grid: tuple[int, int], generator: torch.Generator) -> torch.Tensor:
         """Standard-normal CPU fp32 latents of ``rows`` rows of token grid ``grid``, in the family's layout."""

@@ -5,11 +5,16 @@ its module of :mod:`bcg_core.families`; this module only calls the hooks of :cla
 
 - :meth:`DiTPipeline.start` turns a planned request into a :class:`~bcg_core.families.RequestState` (encoded
   text, initial latents, its own scheduler, step index 0);
-- :meth:`DiTPipeline.step` runs one denoising step of several requests, each at its own step, in the forwards the
-  cost model decided (:class:`~bcg_core.scheduler.costs.StepDecider`); it trusts them and looks nothing up;
+- :meth:`DiTPipeline.step` runs one denoising step of several requests, each at its own step, in the forwards it is
+  given, which the cost model decided (:class:`~bcg_core.costs.StepDecider`, :attr:`DiTPipeline.decider`); it trusts
+  them and decides nothing;
 - :meth:`DiTPipeline.finish` decodes a finished request to image files (never NaN or inf latents).
 
-The step scheduler (:mod:`bcg_core.scheduler`) drives these in a replica; :meth:`DiTPipeline.generate` for one request.
+Every request enters planned (:class:`~bcg_core.request.PlannedRequest`, from :attr:`DiTPipeline.planner`: the one
+validation path). The step scheduler (:mod:`bcg_core.scheduler`, above this module) drives these in a replica;
+:meth:`DiTPipeline.generate` runs one planned request alone, for tests and scripts. The cost model and decider sit
+below both (:mod:`bcg_core.costs`); what a family or runner can do beyond its contract is answered once, here, where
+the pipeline is built (:mod:`bcg_core.capabilities`).
 
 Determinism: image ``i`` of a request starts from noise drawn on the CPU by a generator seeded ``seed + i``, as its
 family's diffusers pipeline draws it; so the same request and seed give the same image as diffusers' own pipeline
@@ -25,125 +30,33 @@ from collections.abc import Sequence
 
 import torch
 
+from bcg_core.capabilities import FamilyCapabilities, RunnerCapabilities
 from bcg_core.config import EngineConfig
-from bcg_core.devices import elapsed_ms, resolve_device, timing_mark
+from bcg_core.costs import CostModel, StepDecider, StepForwards, measure_costs
+from bcg_core.devices import elapsed_ms, timing_mark
 from bcg_core.errors import RequestCancelled, require_finite
 from bcg_core.families import Family, RequestState, concat_rows
 from bcg_core.images import encode_image
 from bcg_core.keys import BucketKey
 from bcg_core.lora.slots import install as install_lora, lease_for
 from bcg_core.metrics import BucketMetrics
-from bcg_core.models import load_model, weights_stamp
+from bcg_core.models import load_model, load_seconds
 from bcg_core.padding import DenoiseInputs
 from bcg_core.planner import Planner
-from bcg_core.request import GenerationRequest, GenerationResult, PlannedRequest
+from bcg_core.request import GenerationResult, PlannedRequest
+from bcg_core.results import build_result
 from bcg_core.runners.base import BucketFault, BucketRunner
+from bcg_core.runners.build import (  # re-exported: the runner config.runner asks for
+    InstalledKernels, build_runner, compiled_kernels, fused_wanted, installed_kernels, kernel_tier, runner_mode,
+)
 from bcg_core.runners.decode import install as install_decode
-from bcg_core.runners.eager import EagerBucketRunner
-from bcg_core.runners.kernels import CompiledKernels, KernelTier, check_fp8, kernel_stats, quantize_fp8
-from bcg_core.scheduler.costs import CostModel, StepDecider, StepForwards, measure_costs
-from bcg_core.verify import FusedStats, derived_tolerance
+from bcg_core.runners.kernels import CompiledKernels, KernelTier, kernel_stats
+from bcg_core.verify import FusedStats
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DiTPipeline", "GenerationResult", "build_runner", "compiled_kernels", "fused_wanted", "kernel_tier",
-           "runner_mode"]
-
-
-def runner_mode(config: EngineConfig, device: torch.device | None = None) -> str:
-    """``"graph"`` or ``"eager"``: what ``config.runner.mode`` means on ``device`` (the configured one if None).
-
-    Raises:
-        ValueError: ``runner.mode: graph`` without CUDA, ``model.device: cuda`` where none is visible, or
-            ``runner.kernels: fp8`` where float8 cannot run (:func:`~bcg_core.runners.kernels.check_fp8`).
-    """
-    device = device or resolve_device(config.model.device)
-    mode = config.runner.mode
-    if kernel_tier(config, device) is KernelTier.FP8:
-        check_fp8(device)
-    if mode == "auto":
-        return "graph" if device.type == "cuda" else "eager"
-    if mode == "graph" and device.type != "cuda":
-        raise ValueError(f"runner.mode is 'graph' but the model runs on {device.type}: CUDA graphs need a CUDA "
-                         f"device; use runner.mode 'auto' or 'eager'")
-    return mode
-
-
-def build_runner(config: EngineConfig, model: Family, keys: list, metrics: BucketMetrics) -> BucketRunner:
-    """The runner ``config.runner.mode`` asks for: CUDA graphs (``graph``, or ``auto`` on CUDA) or eager.
-
-    Raises:
-        ValueError: ``mode: graph`` on a model that is not on a CUDA device.
-    """
-    mode = runner_mode(config, model.device)
-    fused = fused_wanted(config, model)
-    kernels = compiled_kernels(config, model, keys)
-    if mode == "eager":
-        return EagerBucketRunner(model.adapter, keys, metrics, model.device, model.dtype, fused=fused,
-                                 kernels=kernels)
-    from bcg_core.runners.cuda_graph import CudaGraphRunner
-
-    budget = config.runner.graph_memory_budget_mib
-    return CudaGraphRunner(
-        model.adapter, keys, metrics, model.device, model.dtype,
-        budget_bytes=None if budget is None else int(budget * 2**20), lazy=config.runner.lazy_capture,
-        warmup_iters=config.runner.warmup_iters, fused=fused, kernels=kernels,
-    )
-
-
-def kernel_tier(config: EngineConfig, device: torch.device) -> KernelTier:
-    """The tier ``config.runner.kernels`` means on ``device``: ``auto`` is ``compiled`` on CUDA, ``eager`` elsewhere."""
-    if config.runner.kernels == "auto":
-        return KernelTier.COMPILED if torch.device(device).type == "cuda" else KernelTier.EAGER
-    return KernelTier(config.runner.kernels)
-
-
-def compiled_kernels(config: EngineConfig, model: Family, keys: list) -> CompiledKernels | None:
-    """The compiled kernels ``config.runner.kernels`` asks for on ``model`` (installed on its transformer once and
-    kept on the family object, so a second runner of the same model shares them), or None for eager kernels.
-
-    Before anything is compiled, the tolerance of the check of each bucket's compiled forward is set: the
-    configured ``runner.compile_rtol``, or :func:`~bcg_core.verify.kernel_tolerance` from the eager forward's own
-    rounding error on the smallest bucket of ``keys`` (:func:`~bcg_core.verify.derived_tolerance`: measured
-    once per checkpoint's weights and kept beside the compile cache; not measured for ``fp8``, whose bound is
-    stated). For ``fp8``
-    the repeated blocks' linear layers are then turned to float8, in place, once
-    (:func:`~bcg_core.runners.kernels.quantize_fp8`; the count is kept as ``model.fp8_layers``).
-
-    Args:
-        keys: the buckets the runner serves (each block may hold one static compile per shape).
-    """
-    tier = kernel_tier(config, model.device)
-    if tier is KernelTier.EAGER:
-        return None
-    kernels = getattr(model, "compiled_kernels", None)
-    if kernels is None or kernels.mode != config.runner.compile_mode:
-        if config.runner.compile_rtol is not None:
-            rtol, note = config.runner.compile_rtol, "runner.compile_rtol"
-        else:
-            rtol, note = derived_tolerance(tier.value, model.adapter, keys, model.device, model.dtype,
-                                           config.runner.compile_cache_dir, weights_stamp(config.model.path))
-        if tier is KernelTier.FP8 and not getattr(model, "fp8_layers", 0):
-            check_fp8(model.device)
-            model.fp8_layers = quantize_fp8(model.adapter.model)  # in place: every forward of this model, misses too
-        kernels = CompiledKernels(model.adapter.model, mode=config.runner.compile_mode,
-                                  max_shapes=max(64, 2 * len(keys)), cache_dir=config.runner.compile_cache_dir,
-                                  timeout_s=config.runner.compile_timeout_s, rtol=rtol,
-                                  attention=config.runner.attention)
-        kernels.rtol_note = note
-        log.info("compiled kernels (%s): each bucket checked against eager within %.3g (%s)", tier.value, rtol, note)
-        model.compiled_kernels = kernels
-    return kernels
-
-
-def fused_wanted(config: EngineConfig, model: Family) -> bool:
-    """Whether ``config.runner.fused_step`` asks for the fused step on ``model`` (:mod:`bcg_core.runners.fused`):
-    never for a family without ``euler_step`` (multistep solvers, norm-rescaled CFG); ``auto`` where graphs
-    are captured; ``always`` on the eager runner too."""
-    how = config.runner.fused_step
-    if how == "never" or not hasattr(model, "euler_step"):
-        return False
-    return how == "always" or runner_mode(config, model.device) == "graph"
+__all__ = ["DiTPipeline", "GenerationResult", "InstalledKernels", "build_runner", "compiled_kernels", "fused_wanted",
+           "installed_kernels", "kernel_tier", "runner_mode"]
 
 
 _META_CACHE = 256
@@ -166,6 +79,8 @@ class DiTPipeline:
         self.model = model
         self.lora = install_lora(config, model)
         """The replica's LoRA slots (:class:`~bcg_core.lora.slots.AdapterSlots`), None without ``lora.dir``."""
+        self.capabilities = FamilyCapabilities.of(model)
+        """What the family and its adapter (LoRA installed) can do beyond their contracts, answered once here."""
         self.decoder, self.decode_note = None, ""
         """The compiled VAE decode (:class:`~bcg_core.runners.decode.CompiledDecode`) with ``runner.compile_decode``
         and a compiled tier, else None (``decode_note`` says why where it was asked for)."""
@@ -176,10 +91,12 @@ class DiTPipeline:
         self.table = self.planner.table
         self.metrics = BucketMetrics(self.table.keys)
         self.runner: BucketRunner = runner or build_runner(config, model, self.table.keys, self.metrics)
-        self.decider = StepDecider(self.table.keys, self.runner.prepared,
-                                   graphs=getattr(self.runner, "graph_count", None) is not None)
-        """Decides each step's forwards (the cost model); :meth:`generate` and the step scheduler ask it."""
-        self.fused = FusedStats(wanted=bool(getattr(self.runner, "fused", False)) and hasattr(model, "euler_step"))
+        self.runner_capabilities = RunnerCapabilities.of(self.runner)
+        """What the runner can do beyond its contract, answered once here."""
+        self.decider = StepDecider(self.table.keys, self.runner.prepared, graphs=self.runner_capabilities.graphs)
+        """Decides each step's forwards (the cost model): :meth:`generate`, the step scheduler and a caller of
+        :meth:`step` ask it (:meth:`~bcg_core.costs.StepDecider.for_states`)."""
+        self.fused = FusedStats(wanted=self.runner.fused and self.capabilities.fused_step)
         self._meta_cache: dict[tuple, torch.Tensor] = {}
         self._meta_lock = threading.Lock()
         self.prepare_s = 0.0
@@ -218,9 +135,9 @@ class DiTPipeline:
         return part if self.lora is None else self.lora.attach(part, state.extras.get("lora"))
 
     @torch.inference_mode()
-    def step(self, states: Sequence[RequestState], forwards: StepForwards | None = None,
-             fused: bool | None = None) -> StepForwards:
-        """One denoising step of each of ``states``, in the forwards ``forwards`` decided.
+    def step(self, states: Sequence[RequestState], forwards: StepForwards, fused: bool | None = None) -> StepForwards:
+        """One denoising step of each of ``states``, in the forwards it is given (``forwards``, decided by
+        :attr:`decider`: ``pipe.step(states, pipe.decider.for_states(states))`` where nothing else decides).
 
         The rows of every state (its cond rows and, with CFG, its uncond rows, at its own timestep) are concatenated
         request by request (:func:`~bcg_core.families.concat_rows`) and run as ``forwards.chunks``, in row order:
@@ -235,8 +152,8 @@ class DiTPipeline:
 
         Args:
             states: requests of one token grid, none finished.
-            forwards: the step's forwards (:meth:`StepDecider.decide` for the states' shape and rows); None: asks
-                :attr:`decider` for them (the states' planned shape, :meth:`_step_shape`, and their rows).
+            forwards: the step's forwards, whose rows are the states' rows (:meth:`~bcg_core.costs.StepDecider.decide`
+                for their shape, or :meth:`~bcg_core.costs.StepDecider.for_states`).
             fused: None: the fused step where it is on and the step allows it; False: the host path; True: the
                 fused step even before :meth:`check_fused` passed, uncounted (the check itself; raises ValueError
                 where the step cannot run fused).
@@ -252,9 +169,6 @@ class DiTPipeline:
             raise ValueError("a finished request cannot take another step")
         parts = [self._rows(s) for s in states]
         inputs = concat_rows(parts)
-        if forwards is None:
-            real = max(s.plan.lookup.query.tokens_per_row for s in states)
-            forwards = self.decider.decide(self._step_shape(states), inputs.rows, real)
         if forwards.rows != inputs.rows:
             raise ValueError(f"the forwards run {forwards.rows} rows, the step has {inputs.rows}")
         if fused or (fused is None and self.fused.on):
@@ -283,16 +197,6 @@ class DiTPipeline:
             self.model.advance(state, out[offset : offset + part.rows])
             offset += part.rows
         return forwards
-
-    @staticmethod
-    def _step_shape(states: Sequence[RequestState]):
-        """The bucket shape a step of ``states`` runs on: their planned shape; for states of several shapes (a direct
-        caller's mix: the step scheduler groups by shape) the one with the most image and text tokens, whose
-        buckets hold every row (masked text pads up); None (unpadded and eager) if any of them is a miss."""
-        shapes = {s.plan.shape for s in states}
-        if None in shapes:
-            return None
-        return max(shapes, key=lambda sh: (sh.image_tokens, sh.text_tokens))
 
     def _fused_step(self, states: Sequence[RequestState], parts: list[DenoiseInputs], inputs: DenoiseInputs,
                     spans: list[tuple[BucketKey | None, int]]) -> str | None:
@@ -373,24 +277,27 @@ class DiTPipeline:
 
     # -- one request, synchronously ------------------------------------------------------------------
 
-    def generate(self, request: PlannedRequest | GenerationRequest,
-                 cancel: threading.Event | None = None) -> GenerationResult:
+    def generate(self, plan: PlannedRequest, cancel: threading.Event | None = None) -> GenerationResult:
         """Denoise and decode one planned request on this thread, alone: start, one :meth:`step` per denoising
         step in the forwards :attr:`decider` decides (as the step scheduler runs a request that has its shape to
         itself), finish. For tests and scripts; a replica serves through :class:`~bcg_core.scheduler.StepScheduler`.
 
+        A :class:`~bcg_core.request.GenerationRequest` is planned first, by :attr:`planner` (the one validation
+        path, as the ingress plans what it serves): ``pipe.generate(pipe.planner.plan(request))``.
+
         Args:
-            request: a planned request (trusted as it is), or a raw one, which is planned here first by
-                :attr:`planner` (the one validation path, as the ingress plans what it serves).
+            plan: the planned request (trusted as it is).
             cancel: set by the caller to stop early; checked before every step and before the decode.
 
         Raises:
-            RequestError: a raw request that does not validate (naming the field).
+            TypeError: ``plan`` is not a :class:`~bcg_core.request.PlannedRequest` (plan a raw request first).
             RequestCancelled: ``cancel`` was set.
             ServiceUnavailable: its adapters did not load within ``lora.load_timeout_s``.
             NonFiniteOutput: its denoised latents hold NaN or inf (:func:`~bcg_core.errors.require_finite`).
         """
-        plan = request if isinstance(request, PlannedRequest) else self.planner.plan(request)
+        if not isinstance(plan, PlannedRequest):
+            raise TypeError(f"generate takes a PlannedRequest, got {type(plan).__name__}: plan it first with "
+                            f"pipe.planner.plan(request), the one validation path")
         lease = self.lease(plan)
         try:
             return self._generate(plan, cancel, lease)
@@ -404,8 +311,6 @@ class DiTPipeline:
         return lease_for(self.lora, plan.request.lora)
 
     def _generate(self, plan: PlannedRequest, cancel: threading.Event | None, lease) -> GenerationResult:
-        from bcg_core.scheduler.finish import build_result
-
         t0 = time.perf_counter()
         state = self.start(plan, cancel, lease)
         if state.latents.is_cuda:  # its encodes' kernels end here, not inside the first step's time
@@ -463,8 +368,11 @@ class DiTPipeline:
 
     def measure_costs(self, keys: Sequence[BucketKey], iters: int = 2) -> CostModel:
         """Time each of ``keys`` (prepared) and each of their shapes' unpadded eager forwards against row
-        count (:func:`bcg_core.scheduler.costs.measure_costs`), for the step scheduler's cost model."""
-        return measure_costs(self.runner, self.model.adapter, keys, self.example_inputs, self.model.device, iters)
+        count (:func:`bcg_core.costs.measure_costs`; with LoRA adapters each bucket's LoRA graph too), for the step
+        scheduler's cost model."""
+        adapter = self.model.adapter
+        slot_zero = adapter.on_slot_zero if self.capabilities.plain_forward else None
+        return measure_costs(self.runner, adapter, keys, self.example_inputs, self.model.device, iters, slot_zero)
 
     # -- introspection ------------------------------------------------------------------------------
 
@@ -481,11 +389,10 @@ class DiTPipeline:
         snap["model"] = {"name": m.model_name, "family": m.name, "pipeline_class": m.spec.pipeline_class,
                          "device": str(m.device), "dtype": str(m.dtype).removeprefix("torch."),
                          "native_text_tokens": m.rules.native_text_tokens,
-                         "load_s": None if getattr(m, "load_s", None) is None else round(m.load_s, 3)}
+                         "load_s": None if (load_s := load_seconds(m)) is None else round(load_s, 3)}
         snap["table"] = self.table.describe_limits()
         snap["fused_step"] = self.fused.describe()
-        kernels = getattr(self.runner, "kernels", None)
-        snap["kernels"] = self._kernel_stats(kernels, state)
+        snap["kernels"] = self._kernel_stats(self.runner.kernels, state)
         snap["lora"] = None if self.lora is None else self.lora.describe()
         return snap
 
@@ -495,6 +402,7 @@ class DiTPipeline:
         (:meth:`~bcg_core.runners.decode.CompiledDecode.describe`); ``prepare_s`` is the seconds from the first
         bucket's preparation to the last one's (compiles, checks and captures)."""
         return {"tier": kernel_tier(self.config, self.model.device).value, "configured": self.config.runner.kernels,
-                **kernel_stats(kernels, state), "fp8_layers": getattr(self.model, "fp8_layers", 0),
+                **kernel_stats(kernels, state),
+                "fp8_layers": installed_kernels(self.model.adapter.model).fp8_layers,
                 "decode": self.decoder.describe() if self.decoder else {"enabled": False, "note": self.decode_note},
                 "prepare_s": round(self.prepare_s, 3)}

@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from bcg_core.capabilities import supports_plain_forward
 from bcg_core.config import LimitsConfig
 from bcg_core.errors import RequestError
 from bcg_core.keys import BucketKey, ShapeQuery
@@ -121,7 +122,7 @@ def random_inputs(adapter: DiTAdapter, case: BoundaryCase, device, dtype, seed: 
     def rnd(*shape):
         return torch.randn(*shape, generator=g).to(device=device, dtype=dtype)
 
-    guidance = torch.full((n,), 3.5, device=device, dtype=dtype) if getattr(adapter, "guidance_embeds", False) else None
+    guidance = torch.full((n,), 3.5, device=device, dtype=dtype) if adapter.guidance_embeds else None
     return DenoiseInputs(
         latents=adapter.example_latents(n, case.grid, g).to(device=device, dtype=dtype),
         text=rnd(n, case.text_tokens, adapter.seq_dim), pooled=rnd(n, adapter.pooled_dim),
@@ -130,11 +131,11 @@ def random_inputs(adapter: DiTAdapter, case: BoundaryCase, device, dtype, seed: 
     )
 
 
-def _lora_variants(adapter, x: DenoiseInputs) -> list[DenoiseInputs]:
-    """``x`` as it is (no adapter rows: a LoRA deployment's plain graph), and on a LoRA deployment
-    (:class:`~bcg_core.lora.rows.LoRAAdapter`) also with every row on slot 0 at scale 0, which replays the graph
-    that serves adapter rows (its deltas add zeros, so the reference is the same)."""
-    return [x, adapter.on_slot_zero(x)] if hasattr(adapter, "on_slot_zero") else [x]
+def _lora_variants(adapter, plain: bool, x: DenoiseInputs) -> list[DenoiseInputs]:
+    """``x`` as it is (no adapter rows: a LoRA deployment's plain graph), and with ``plain`` (the adapter is a
+    :class:`~bcg_core.capabilities.PlainForward`: a LoRA deployment) also with every row on slot 0 at scale 0, which
+    replays the graph that serves adapter rows (its deltas add zeros, so the reference is the same)."""
+    return [x, adapter.on_slot_zero(x)] if plain else [x]
 
 
 class _SlotZero:
@@ -173,8 +174,7 @@ def text_pad_of(adapter: DiTAdapter, key: BucketKey) -> int:
     """Text tokens the compile check leaves to bucket ``key``'s text padding: a quarter of them (at least one)
     where the family buckets its text lengths with masked pads (``rules.native_text_tokens`` None: PixArt-Sigma,
     SANA, Qwen-Image), else 0 (a fixed text length, never padded)."""
-    rules = getattr(adapter, "rules", None)
-    if rules is None or rules.native_text_tokens is not None or key.text_tokens < 2:
+    if adapter.rules.native_text_tokens is not None or key.text_tokens < 2:
         return 0
     return max(1, key.text_tokens // 4)
 
@@ -359,6 +359,7 @@ def verify_runner(adapter: DiTAdapter, runner: BucketRunner, cases: list[Boundar
         One verdict per bucket that has cases, in bucket order.
     """
     verdicts: dict[BucketKey, BucketVerdict] = {}
+    plain = supports_plain_forward(adapter)
     for i, case in enumerate(cases):
         start = time.perf_counter()
         x = random_inputs(adapter, case, device, dtype, seed=i)
@@ -366,7 +367,7 @@ def verify_runner(adapter: DiTAdapter, runner: BucketRunner, cases: list[Boundar
             ref = adapter.forward_eager(x).float()
         v = verdicts.setdefault(case.key, BucketVerdict(case.key, rtol=rtol))
         v.cases += 1
-        for xi in _lora_variants(adapter, x):  # a LoRA deployment's buckets hold two graphs: check both
+        for xi in _lora_variants(adapter, plain, x):  # a LoRA deployment's buckets hold two graphs: check both
             out = runner.run(case.key, xi).float()
             v.nan |= bool(torch.isnan(out).any())
             err = ((out - ref).abs().max() / ref.abs().max().clamp_min(1e-12)).item()
@@ -449,7 +450,7 @@ def check_fused(pipe) -> bool:
         return False
     leases = [None] + ([_SlotZero()] if pipe.lora is not None else [])  # both graphs of a LoRA deployment
     for plan, lease in ((p, le) for p in cases for le in leases):
-        from bcg_core.scheduler.costs import Chunk, StepForwards
+        from bcg_core.costs import Chunk, StepForwards
 
         forwards = StepForwards((Chunk(plan.key, plan.rows, 0.0),))
         host = pipe.start(plan, lease=lease)

@@ -278,7 +278,7 @@ def request_floor(pipe: DiTPipeline, request: GenerationRequest) -> tuple[float,
 
     _sync()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        pipe.generate(request)
+        pipe.generate(pipe.planner.plan(request))
         _sync()
     ev = cuda_events(prof)
     return sum(e.duration_ns() for e in ev) / 1e6, len(ev)
@@ -324,7 +324,7 @@ def bench_case(model, folder: Path, case: str, n: int, args, device: torch.devic
     def timed(mode: str) -> tuple[float, dict]:
         _sync()
         t0 = time.perf_counter()
-        out = pipes[mode].generate(req)
+        out = pipes[mode].generate(pipes[mode].planner.plan(req))
         _sync()
         return (time.perf_counter() - t0) * 1e3, out.timings_ms
 

@@ -63,7 +63,7 @@ def served_image(size: int) -> np.ndarray:
                                                num_inference_steps=4, guidance_scale=0.0, seed=0))
     state = pipe.start(plan)
     while not state.done:
-        pipe.step([state])
+        pipe.step([state], pipe.decider.for_states([state]))
     return pipe.model.decode(state)[0]
 
 

@@ -238,7 +238,7 @@ def bench_model(name: str, args, device: torch.device) -> dict:
             "tiers": list(pipes), "prepare_s": prepare_s,
             "compile_s": {t: round(p.runner.kernels.compile_s, 2) for t, p in pipes.items() if p.runner.kernels},
             "regional": kernels.regional if kernels else None, "compiled_blocks": len(kernels.blocks) if kernels else 0,
-            "fp8_layers": getattr(pipes["fp8"].model, "fp8_layers", 0) if "fp8" in pipes else 0,
+            "fp8_layers": pipes["fp8"].stats()["kernels"]["fp8_layers"] if "fp8" in pipes else 0,
             "rtol": RTOL[model.dtype], "buckets": rows}
 
 

@@ -6,7 +6,7 @@ sizes and resolutions), the runner's forward (a CUDA graph replay on CUDA) is ti
 - ``base``: a deployment without ``lora.dir`` (no layer wrapped);
 - ``plain``: a deployment with ``lora.dir``, no row with an adapter (the bucket's plain graph);
 - ``lora``: the same deployment, every row on slot 0 (the bucket's LoRA graph; slot 0 holds zeros and costs what
-  a real adapter of ``--rank`` does, as the step scheduler's measured costs assume, ``bcg_core/scheduler/costs.py``).
+  a real adapter of ``--rank`` does, as the step scheduler's measured costs assume, ``bcg_core/costs/measure.py``).
 
 Each of ``--trees`` (checkouts of this repository, default this one) runs ``plain`` and ``lora`` in a process of
 its own that imports that checkout's ``bcg_core``; ``base`` runs once, from this checkout (the LoRA code is not

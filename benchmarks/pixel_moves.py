@@ -103,7 +103,8 @@ def joined_decoded_together(pipe: DiTPipeline, request: GenerationRequest, other
 
     a, b = pipe.start(pipe.planner.plan(request)), pipe.start(pipe.planner.plan(other))
     while not (a.done and b.done):
-        pipe.step([s for s in (a, b) if not s.done])
+        live = [s for s in (a, b) if not s.done]
+        pipe.step(live, pipe.decider.for_states(live))
     merged = dataclasses.replace(a, latents=torch.cat([a.latents, b.latents]))
     images = pipe.model.decode(merged)[:a.n]
     r = a.request

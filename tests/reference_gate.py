@@ -20,7 +20,7 @@ import torch
 
 from bcg_core import BucketConfig, DiTPipeline, GenerationRequest, LimitsConfig, ModelConfig
 from bcg_core.config import EngineConfig
-from bcg_core.scheduler import CostModel
+from bcg_core.costs import CostModel
 
 __all__ = ["GateRun", "PIXEL_SHARE", "RTOL", "assert_same", "bcg_pipeline", "bcg_run", "bcg_state", "bucket_costs", "padded", "bcg_run_joined", "diffusers_run", "pixels"]
 
@@ -136,7 +136,7 @@ def bcg_state(pipe: DiTPipeline, request: GenerationRequest):
     lease = pipe.lease(plan)
     state = pipe.start(plan, lease=lease)
     while not state.done:
-        pipe.step([state])
+        pipe.step([state], pipe.decider.for_states([state]))
     if lease is not None:
         lease.release()
     return state
@@ -159,11 +159,12 @@ def bcg_run_joined(pipe: DiTPipeline, request: GenerationRequest, other: Generat
     pb, pa = pipe.planner.plan(other), pipe.planner.plan(request)
     b = pipe.start(pb, lease=pipe.lease(pb))
     for _ in range(head_start):
-        pipe.step([b])
+        pipe.step([b], pipe.decider.for_states([b]))
     a = pipe.start(pa, lease=pipe.lease(pa))
     assert a.step_index == 0 and b.step_index == head_start
     while not (a.done and b.done):
-        pipe.step([s for s in (a, b) if not s.done])
+        live = [s for s in (a, b) if not s.done]
+        pipe.step(live, pipe.decider.for_states(live))
     for s in (a, b):
         if s.extras.get("lora") is not None:
             s.extras["lora"].release()

@@ -21,7 +21,10 @@ Step-level contract (docs/DESIGN.md section 10, "The step-level loop"):
    the request's own scheduler step and moves its step index on.
 4. :meth:`Family.decode` turns a finished request's latents into ``n`` RGB images, with the same
    post-processing (and, for PixArt, the same resize back from its aspect-ratio bin) as diffusers.
-5. :meth:`Family.preview` (streamed requests only) turns a copy of mid-denoise latents into cheap previews.
+
+What only some families can do (the fused step's Euler update, streamed previews, and next the step cache) is an
+optional capability, declared in :mod:`bcg_core.capabilities` (``FusedStep``, ``Previews``): a family class inherits
+the capability's Protocol and implements its methods; the pipeline answers once, where it is built, which it has.
 """
 
 from __future__ import annotations
@@ -328,6 +331,8 @@ class Family(Protocol):
     adapter: DiTAdapter
     rules: ShapeRules
     guidance_embeds: bool
+    vae: torch.nn.Module
+    """The VAE its decode runs (the compiled decode, :mod:`bcg_core.runners.decode`, compiles it)."""
     device: torch.device
     dtype: torch.dtype
 
@@ -372,13 +377,6 @@ class Family(Protocol):
     def decode(self, state: RequestState) -> list[np.ndarray]:
         """``n`` images as (height, width, 3) uint8 arrays at the requested size, as diffusers'
         ``output_type="pil"`` gives them (``VaeImageProcessor.postprocess``)."""
-        ...
-
-    def preview(self, state: RequestState, latents: torch.Tensor) -> list[np.ndarray]:
-        """``n`` streamed previews of ``latents``, a copy of ``state.latents`` taken mid-denoise: (h, w, 3) uint8
-        arrays of any size (the caller resizes them to the requested size). Called on the replica's preview
-        thread, never the denoising thread; each family here uses its VAE's fitted linear latent-to-RGB map
-        (:class:`~bcg_core.preview.LinearPreview`) rather than a decode."""
         ...
 
 

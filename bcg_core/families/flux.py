@@ -36,6 +36,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from bcg_core.capabilities import FusedStep, Previews
 from bcg_core.keys import BucketKey
 
 from bcg_core.table import ShapeRules
@@ -241,7 +242,7 @@ class FluxAdapter:
         )
 
 
-class FluxFamily:
+class FluxFamily(FusedStep, Previews):
     """A ``FluxPipeline`` checkpoint (FLUX.1-dev or -schnell), served step by step.
 
     Build with :meth:`load`. Request fields: ``guidance_scale`` feeds FLUX.1-dev's guidance embedding (and is

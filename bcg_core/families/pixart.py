@@ -44,6 +44,7 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
+from bcg_core.capabilities import Previews
 from bcg_core.table import ShapeRules
 from bcg_core.padding import DenoiseInputs, GridMaskedTextAdapter
 from bcg_core.families.base import QUALITY_STEPS, ModelSpec, RequestState, TextRows, load_pipeline, pad_text, read_json
@@ -158,7 +159,7 @@ def _kept_tokens(pipe, prompt: str) -> int:
     return int(ids.attention_mask.sum())
 
 
-class PixArtSigmaFamily:
+class PixArtSigmaFamily(Previews):
     """A ``PixArtSigmaPipeline`` checkpoint, served step by step (see the module docstring).
 
     Build with :meth:`load`. Request fields: ``guidance_scale`` > 1 runs CFG with uncond rows of
@@ -336,6 +337,11 @@ class PixArtSigmaFamily:
         :meth:`decode`, then the VAE's fitted linear latent-to-RGB map (:class:`~bcg_core.preview.LinearPreview`):
         (h, w, 3) uint8 at latent resolution (1/8 of the aspect-ratio bin's size; the caller resizes)."""
         return self._preview(latents / self.pipe.vae.config.scaling_factor)
+
+    @property
+    def vae(self) -> torch.nn.Module:
+        """The pipeline's VAE (:attr:`~bcg_core.families.Family.vae`)."""
+        return self.pipe.vae
 
     @torch.inference_mode()
     def decode(self, state: RequestState) -> list[np.ndarray]:

@@ -50,6 +50,7 @@ from diffusers.models.transformers.transformer_qwenimage import QwenDoubleStream
 
 from bcg_core.keys import BucketKey
 
+from bcg_core.capabilities import Previews
 from bcg_core.table import ShapeRules
 from bcg_core.padding import DenoiseInputs, copy_rows, fill_masked_text
 from bcg_core.families.base import QUALITY_STEPS, ModelSpec, RequestState, TextRows, load_pipeline, pad_text
@@ -234,7 +235,7 @@ def _refusals(transformer: dict, scheduler: dict) -> list[str]:
     return why
 
 
-class QwenImageFamily:
+class QwenImageFamily(Previews):
     """A ``QwenImagePipeline`` checkpoint, served step by step (see the module docstring).
 
     Request fields: ``negative_prompt`` (None: no CFG) and ``true_cfg_scale`` (None: 4.0) decide true CFG;
@@ -419,6 +420,11 @@ class QwenImageFamily:
         mean = torch.tensor(vae.config.latents_mean).view(1, c, 1, 1, 1).to(z.device)
         std = torch.tensor(vae.config.latents_std).view(1, c, 1, 1, 1).to(z.device)
         return self._preview((z * std + mean)[:, :, 0])
+
+    @property
+    def vae(self) -> torch.nn.Module:
+        """The pipeline's VAE (:attr:`~bcg_core.families.Family.vae`)."""
+        return self.pipe.vae
 
     @torch.inference_mode()
     def decode(self, state: RequestState) -> list[np.ndarray]:

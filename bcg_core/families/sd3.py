@@ -47,6 +47,7 @@ from typing import Callable, ClassVar
 import numpy as np
 import torch
 
+from bcg_core.capabilities import FusedStep, Previews
 from bcg_core.keys import BucketKey
 
 from bcg_core.table import ShapeRules
@@ -209,7 +210,7 @@ def _has_t5(path: Path, index: dict) -> bool:
     return True
 
 
-class SD3Family:
+class SD3Family(FusedStep, Previews):
     """SD3 / SD3.5 (``StableDiffusion3Pipeline``); see the module docstring for each diffusers fact.
 
     Built by :meth:`load`; holds the loaded pipeline (``pipe``) and calls its own methods for encoding,
@@ -436,6 +437,11 @@ class SD3Family:
         (h, w, 3) uint8 at latent resolution (1/8 of the size)."""
         vae = self.pipe.vae
         return self._preview(latents / vae.config.scaling_factor + vae.config.shift_factor)
+
+    @property
+    def vae(self) -> torch.nn.Module:
+        """The pipeline's VAE (:attr:`~bcg_core.families.Family.vae`)."""
+        return self.pipe.vae
 
     @torch.inference_mode()
     def decode(self, state: RequestState) -> list[np.ndarray]:

@@ -45,6 +45,8 @@ class BCGFluxFamily(FluxFamily):
     """
 
     pipeline_classes = ("BCGFluxPipeline",)
+    text_encoder: SentenceTextEncoder
+    """Its sentence encoder (set by :meth:`assemble`; :func:`~bcg_core.models.save_pipeline` saves it)."""
 
     @classmethod
     def describe(cls, path: Path, index: dict) -> ModelSpec:

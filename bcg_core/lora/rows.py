@@ -15,6 +15,7 @@ import dataclasses
 
 import torch
 
+from bcg_core.capabilities import PlainForward
 from bcg_core.keys import BucketKey
 from bcg_core.lora.layers import LoRALayers
 from bcg_core.padding import DenoiseInputs
@@ -36,7 +37,7 @@ def request_rows(slots: tuple[int, ...], scales: tuple[float, ...], rows: int, k
             torch.tensor([w], dtype=torch.float32).expand(rows, k).to(device))
 
 
-class LoRAAdapter:
+class LoRAAdapter(PlainForward):
     """A family's padding adapter whose forwards carry per-row LoRA entries (module docstring).
 
     Args:
@@ -89,7 +90,7 @@ class LoRAAdapter:
         """``inputs`` with every row on slot 0 at scale 0 (:func:`request_rows` of no adapter): through a bucket,
         the graph that serves adapter rows, adding every row's deltas (zeros) at a real adapter's cost; what the
         bucket checks (:func:`~bcg_core.verify.verify_runner`) and the cost model
-        (:func:`~bcg_core.scheduler.costs.measure_costs`) run it with."""
+        (:func:`~bcg_core.costs.measure_costs`) run it with."""
         slots, scales = request_rows((), (), inputs.rows, self.k, inputs.latents.device)
         return dataclasses.replace(inputs, lora_slots=slots, lora_scales=scales)
 

@@ -371,7 +371,7 @@ def install(config, model) -> AdapterSlots | None:
 
     from bcg_core.lora.rows import LoRAAdapter
 
-    loader = getattr(model, "lora_loader", None)
+    loader = model.lora_loader
     if loader is None:
         raise ValueError(f"lora.dir is set but {model.spec.pipeline_class} (family {model.spec.family}) has no LoRA "
                          f"loader in diffusers, so no adapter of it can be read as diffusers reads it; unset lora.dir")

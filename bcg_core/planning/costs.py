@@ -1,6 +1,6 @@
 """The cost model of the table search and the score of a table on a traffic sample.
 
-Costs (:class:`PlanCosts`): the token-count model of :meth:`~bcg_core.scheduler.costs.CostModel.token_model` (a forward
+Costs (:class:`PlanCosts`): the token-count model of :meth:`~bcg_core.costs.CostModel.token_model` (a forward
 costs ``launch + tokens x ms_per_token``; a graph replay a tenth of the eager launch), or the same line fitted
 by least squares to measured bucket times (:func:`costs_from_profile`: ``bcg profile --json`` output). Graph
 memory: one shared pool, captured largest first, grows to about its largest graph (docs/DESIGN.md section 3),
@@ -14,7 +14,7 @@ Objective (:func:`evaluate`, a :class:`TableScore`): the expected GPU millisecon
 where ``step_ms(r)`` is one denoising step of request ``r``'s rows as the step scheduler would run them on the
 table: its shape's bucket (the smallest image tier and text bucket that hold it, :class:`~bcg_core.table.
 BucketTable`), its rows split, filled or padded across the shape's batch buckets or run unpadded and eager by the
-cost model's dynamic program (:meth:`~bcg_core.scheduler.costs.CostModel.choose`, here with the plain minimum so that more
+cost model's dynamic program (:meth:`~bcg_core.costs.CostModel.choose`, here with the plain minimum so that more
 buckets never cost more), and a request no bucket holds (image or text miss) at its unpadded eager time. Every
 request is costed with its own rows alone, as at light load: under load the scheduler fills buckets with rows
 of several requests, which can only lower the cost of a table whose batch buckets are larger. Padded-token
@@ -54,7 +54,7 @@ class PlanCosts:
     rows x (image + text tokens).
 
     Attributes:
-        source: ``"token-count"`` (the stand-in of :meth:`bcg_core.scheduler.costs.CostModel.token_model`) or
+        source: ``"token-count"`` (the stand-in of :meth:`bcg_core.costs.CostModel.token_model`) or
             ``"profile"`` (fitted to measured times, :func:`costs_from_profile`).
     """
 
@@ -67,7 +67,7 @@ class PlanCosts:
 
     @classmethod
     def token_count(cls, config: EngineConfig, graphs: bool | None = None) -> PlanCosts:
-        """The token-count stand-in of the replicas' own cost model (:meth:`bcg_core.scheduler.costs.CostModel.token_model`),
+        """The token-count stand-in of the replicas' own cost model (:meth:`bcg_core.costs.CostModel.token_model`),
         with graph bytes from the model's width and dtype (:func:`bcg_core.models.estimate_graph_bytes`: the
         activation factor measured on the H200).
 

@@ -2,7 +2,8 @@
 
 ``base.py`` holds the contract (:class:`BucketRunner`, :class:`RunMode`, the per-bucket :class:`BucketEntry`),
 ``eager.py`` the eager runner (CPU, CI), ``cuda_graph.py`` capture into one shared memory pool and replay, and
-``fused.py`` the guidance and Euler update captured after the transformer. docs/DESIGN.md section 3.
+``fused.py`` the guidance and Euler update captured after the transformer, ``build.py`` the runner and kernels
+``config.runner`` asks for. docs/DESIGN.md section 3.
 """
 
 from bcg_core.runners.base import BucketEntry, BucketFault, BucketRunner, RunMode

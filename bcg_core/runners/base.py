@@ -31,7 +31,7 @@ from bcg_core.keys import BucketKey
 from bcg_core.metrics import BucketMetrics
 from bcg_core.padding import DenoiseInputs, DiTAdapter
 from bcg_core.runners.attention import ORDER_LOCK
-from bcg_core.runners.kernels import KernelTier
+from bcg_core.runners.kernels import CompiledKernels, KernelTier
 
 __all__ = ["BucketEntry", "BucketFault", "BucketRunner", "CaptureStats", "RunMode", "budget_allows", "capture_order",
            "demote", "eager_forward", "entry_kernels", "fill_fused", "fused_buffers", "is_out_of_memory",
@@ -150,7 +150,13 @@ class BucketEntry:
 
 
 class BucketRunner(Protocol):
-    """What the pipeline needs from a runner (see the module docstring)."""
+    """What the pipeline needs from a runner (see the module docstring). What only some runners can do is declared
+    in :mod:`bcg_core.capabilities` (:class:`~bcg_core.capabilities.GraphReplay`)."""
+
+    fused: bool
+    """It was built to serve :meth:`run_fused` (``runner.fused_step``)."""
+    kernels: CompiledKernels | None
+    """The compiled kernels of its padded forwards (``runner.kernels``), or None: eager kernels."""
 
     def prepare(self, keys: Iterable[BucketKey] | None = None, defer_compiles: bool = False) -> None:
         """Make ``keys`` (every bucket when None) ready; idempotent. With compiled kernels and ``defer_compiles``, a
@@ -239,27 +245,30 @@ def eager_forward(adapter: DiTAdapter, inputs: DenoiseInputs, device: torch.devi
         return adapter.forward_eager(inputs).clone()
 
 
-def static_forward(adapter: DiTAdapter, buffers: dict[str, torch.Tensor], inputs: DenoiseInputs) -> torch.Tensor:
+def static_forward(adapter: DiTAdapter, buffers: dict[str, torch.Tensor], inputs: DenoiseInputs, *,
+                   plain: bool) -> torch.Tensor:
     """Fill a bucket's static buffers from ``inputs``, run the padded forward eagerly, return the real part.
-    With LoRA adapters, a forward in which no row has one (``inputs.lora_slots`` None) runs without the deltas
-    (:meth:`~bcg_core.lora.rows.LoRAAdapter.forward_plain`), as the CUDA graph runner replays its plain graph.
+    With ``plain`` (LoRA adapters), a forward in which no row has one (``inputs.lora_slots`` None) runs without the
+    deltas (:func:`padded_forward`), as the CUDA graph runner replays its plain graph.
 
     Returns:
         (inputs.rows, inputs.image_tokens, out_channels), a new tensor (never a view of a buffer).
     """
     failpoints.forward_error()
     adapter.fill(buffers, inputs)
-    return adapter.unpad(padded_forward(adapter, buffers, inputs), inputs).clone()
+    return adapter.unpad(padded_forward(adapter, buffers, inputs, plain=plain), inputs).clone()
 
 
-def padded_forward(adapter: DiTAdapter, buffers: dict[str, torch.Tensor], inputs: DenoiseInputs) -> torch.Tensor:
-    """The padded forward over a bucket's filled ``buffers``: on a LoRA deployment
-    (:class:`~bcg_core.lora.rows.LoRAAdapter`) without the deltas when no row of ``inputs`` has an adapter
-    (``lora_slots`` None: :meth:`~bcg_core.lora.rows.LoRAAdapter.forward_plain`), else ``adapter.forward``.
+def padded_forward(adapter: DiTAdapter, buffers: dict[str, torch.Tensor], inputs: DenoiseInputs, *,
+                   plain: bool) -> torch.Tensor:
+    """The padded forward over a bucket's filled ``buffers``: ``adapter.forward``, or with ``plain`` (the adapter is
+    a :class:`~bcg_core.capabilities.PlainForward`, a LoRA deployment's, as the runner answered where it was built)
+    without the deltas when no row of ``inputs`` has an adapter (``lora_slots`` None:
+    :meth:`~bcg_core.lora.rows.LoRAAdapter.forward_plain`).
 
     Returns:
         The bucket's padded output (a view of no buffer, but shaped as the bucket: unpad it)."""
-    if inputs.lora_slots is None and hasattr(adapter, "forward_plain"):
+    if plain and inputs.lora_slots is None:
         return adapter.forward_plain(buffers)
     return adapter.forward(buffers)
 

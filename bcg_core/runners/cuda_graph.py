@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from bcg_core import failpoints
+from bcg_core.capabilities import GraphReplay, supports_plain_forward
 from bcg_core.devices import cuda_ms
 from bcg_core.errors import first_line
 from bcg_core.keys import BucketKey
@@ -58,7 +59,7 @@ log = logging.getLogger(__name__)
 MiB = 1 << 20
 
 
-class CudaGraphRunner:
+class CudaGraphRunner(GraphReplay):
     """One CUDA graph per bucket, all in one shared memory pool.
 
     Args:
@@ -88,6 +89,9 @@ class CudaGraphRunner:
         if torch.device(device).type != "cuda":
             raise ValueError(f"CudaGraphRunner needs a CUDA device, got {device}; use EagerBucketRunner on CPU")
         self.adapter = adapter
+        self.plain_forward = supports_plain_forward(adapter)
+        """The adapter is a :class:`~bcg_core.capabilities.PlainForward` (LoRA): each bucket also captures its plain
+        graph."""
         self.keys = capture_order(keys)
         self._key_set = frozenset(self.keys)
         self.metrics = metrics
@@ -261,7 +265,7 @@ class CudaGraphRunner:
             entry.note = f"capture_failed: {type(e).__name__}: {e}".splitlines()[0][:300]
             log.warning("bucket %s runs eager-only: %s", key, entry.note)
             return entry
-        if hasattr(self.adapter, "forward_plain"):
+        if self.plain_forward:
             self._capture_plain(entry)
         torch.cuda.empty_cache()
         grown = max(0, torch.cuda.memory_reserved(self.device) - reserved)
@@ -379,7 +383,8 @@ class CudaGraphRunner:
                         mode = ForwardMode.GRAPH
                     elif entry.buffers:  # eager-only: capture failed or over budget
                         with entry_kernels(self.kernels, entry):
-                            out = static_forward(self.adapter, entry.buffers, inputs)
+                            out = static_forward(self.adapter, entry.buffers, inputs,
+                                                 plain=self.plain_forward)
                         mode = ForwardMode.STATIC_EAGER
                     else:  # dropped after OOM, or demoted after a runtime error: unpadded eager
                         out = eager_forward(self.adapter, inputs, self.device)
@@ -466,7 +471,7 @@ class CudaGraphRunner:
             if nxt is not None:
                 new.fused["next"] = nxt
             new.mode, new.graph = RunMode.GRAPH, graph
-            if hasattr(self.adapter, "forward_plain"):
+            if self.plain_forward:
                 self._capture_plain(new)
             new.pool_bytes = max(0, torch.cuda.memory_reserved(self.device) - reserved)
             new.capture_s += time.perf_counter() - t0
@@ -489,7 +494,7 @@ class CudaGraphRunner:
              "kernels": e.kernels.value, "pool_bytes": e.pool_bytes, "capture_s": round(e.capture_s, 4),
              "compile_rel_err": e.compile_err_json, "attention": e.attention_json, "forwards": e.forwards,
              "pending": e.pending,
-             **({"plain_graph": e.plain is not None} if hasattr(self.adapter, "forward_plain") else {}),
+             **({"plain_graph": e.plain is not None} if self.plain_forward else {}),
              "note": e.note}
             for e in self.entries.values()
         ]

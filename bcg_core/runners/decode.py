@@ -45,11 +45,8 @@ __all__ = ["CompiledDecode", "find_vae", "install", "unsupported"]
 
 
 def find_vae(model) -> torch.nn.Module | None:
-    """The family's VAE (``model.vae``, or ``model.pipe.vae``), or None where it has none."""
-    vae = getattr(model, "vae", None)
-    if vae is None:
-        vae = getattr(getattr(model, "pipe", None), "vae", None)
-    return vae if isinstance(vae, torch.nn.Module) else None
+    """The family's VAE (:attr:`~bcg_core.families.Family.vae`), or None where it is no module."""
+    return model.vae if isinstance(model.vae, torch.nn.Module) else None
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:

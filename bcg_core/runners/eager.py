@@ -17,6 +17,7 @@ from collections.abc import Iterable
 
 import torch
 
+from bcg_core.capabilities import supports_plain_forward
 from bcg_core.keys import BucketKey
 from bcg_core.metrics import BucketMetrics, ForwardMode
 from bcg_core.padding import DenoiseInputs, DiTAdapter
@@ -53,6 +54,9 @@ class EagerBucketRunner:
                  device: torch.device, dtype: torch.dtype, fused: bool = False,
                  kernels: CompiledKernels | None = None):
         self.adapter = adapter
+        self.plain_forward = supports_plain_forward(adapter)
+        """The adapter is a :class:`~bcg_core.capabilities.PlainForward` (LoRA): forwards without adapter rows run
+        without the deltas."""
         self.fused = fused
         self.kernels = kernels
         self.compile_failed = 0
@@ -164,7 +168,7 @@ class EagerBucketRunner:
                 else:
                     try:
                         with entry_kernels(self.kernels, entry):
-                            out = static_forward(self.adapter, entry.buffers, inputs)
+                            out = static_forward(self.adapter, entry.buffers, inputs, plain=self.plain_forward)
                     except RuntimeError as e:
                         if is_out_of_memory(e):
                             raise
@@ -200,7 +204,7 @@ class EagerBucketRunner:
                 self.adapter.fill(entry.buffers, inputs)
                 fill_fused(entry.fused, meta, dt)
                 with entry_kernels(self.kernels, entry):
-                    out = padded_forward(self.adapter, entry.buffers, inputs)
+                    out = padded_forward(self.adapter, entry.buffers, inputs, plain=self.plain_forward)
                 nxt = fused_update(out, entry.buffers["latents"], entry.fused["meta"], entry.fused["dt"])
             except RuntimeError as e:
                 if is_out_of_memory(e):

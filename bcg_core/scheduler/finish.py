@@ -1,12 +1,11 @@
-"""Finishing a request: the decode thread, the image-encoding pool, and the one place a result is built.
+"""Finishing a request: the decode thread and the image-encoding pool, ending in the one place a result is built.
 
 Off the denoising thread's path, a :class:`Finisher` takes requests whose last step is queued, batches those of
 one image size (up to ``decode_batch_images`` images) into one family decode call on its own CUDA stream
 (waiting on an event recorded after each request's last step), so decoding overlaps the next denoising steps;
 a thread pool encodes each decoded image (PNG, JPEG or WebP, the request's ``output_format``). The step
 scheduler's requests and the synchronous :meth:`~bcg_core.pipeline.DiTPipeline.generate` both end in
-:func:`build_result`, so a result means the same on either path: the bucket of its first step, its share of that
-step's computed tokens, and the request's own real tokens.
+:func:`~bcg_core.results.build_result`, so a result means the same on either path.
 """
 
 from __future__ import annotations
@@ -26,42 +25,12 @@ import torch
 from bcg_core.errors import RequestCancelled, non_finite_error
 from bcg_core.families import RequestState
 from bcg_core.images import encode_image
-from bcg_core.keys import BucketKey, Dim
 from bcg_core.scheduler.admission import InFlight
-from bcg_core.metrics import BucketMetrics
-from bcg_core.request import GenerationResult, PlannedRequest
-from bcg_core.table import BucketLookup
+from bcg_core.results import build_result
 
-__all__ = ["Finisher", "build_result"]
+__all__ = ["Finisher"]
 
 log = logging.getLogger(__name__)
-
-
-def build_result(plan: PlannedRequest, files: list[bytes], key: BucketKey | None, padded_tokens: int, company: int,
-                 metrics: BucketMetrics, timings_ms: dict[str, float]) -> GenerationResult:
-    """The result of a finished request, recorded in ``metrics`` (:meth:`BucketMetrics.record_request`).
-
-    Args:
-        plan: the planned request.
-        files: its image files, in order (image ``i`` from seed ``seed + i``).
-        key: the bucket its first step was counted under (:attr:`StepForwards.counted_key`); None for a miss.
-        padded_tokens: its share, by rows, of the tokens its first step computed.
-        company: most requests that shared one step with it.
-        metrics: the pipeline's per-bucket counters.
-        timings_ms: milliseconds by phase; ``total`` is recorded as the request's latency.
-
-    A request whose rows were split across its shape's buckets (a miss in the batch dimension only) is a hit of
-    the bucket it was counted under; a miss in another dimension reports only those dimensions.
-    """
-    missed = () if key is not None else tuple(d for d in plan.lookup.missed if d is not Dim.BATCH)
-    metrics.record_request(BucketLookup(plan.lookup.query, key, missed), timings_ms["total"],
-                           padded_tokens=padded_tokens)
-    r = plan.request
-    return GenerationResult(
-        images_png=files, seed=r.seed, bucket=key, hit=key is not None, missed=[d.value for d in missed],
-        real_tokens=plan.lookup.query.tokens, padded_tokens=padded_tokens, steps=plan.steps_run,
-        timings_ms=timings_ms, batch_size=company, image_format=r.output_format,
-    )
 
 
 class Finisher:
@@ -215,7 +184,8 @@ class Finisher:
             self._pool.submit(one, i, image)
 
     def _finish(self, item: InFlight, files: list, encode_t0: float) -> None:
-        """The last image of ``item`` is encoded: build its result (:func:`build_result`) and hand it over."""
+        """The last image of ``item`` is encoded: build its result (:func:`~bcg_core.results.build_result`) and hand
+        it over."""
         failed = next((p for p in files if isinstance(p, BaseException)), None)
         if failed is not None:
             self._fail(item, failed, failed=True)

@@ -12,7 +12,7 @@ Requests join and leave at step boundaries. One denoising thread runs *iteration
 2. **Steps every group** in flight (one bucket shape and token grid; a request with more rows than the largest
    batch bucket belongs to its shape's group), oldest group first: one denoising step of every request of the
    group, each at its own step and timestep, in the forwards the pipeline's
-   :class:`~bcg_core.scheduler.costs.StepDecider` chooses (``fill``, ``pad``, ``split`` or ``eager``); where
+   :class:`~bcg_core.costs.StepDecider` chooses (``fill``, ``pad``, ``split`` or ``eager``); where
    requests with and without LoRA adapters mix, as two steps when the measured costs say that is cheaper. Every
    group steps once per iteration, so a rare shape waits at most one step of each other group.
 3. **Retires** finished requests (to the :class:`~bcg_core.scheduler.finish.Finisher`: decode thread and
@@ -259,7 +259,7 @@ class DenoisingLoop:
 
     def _step_group(self, group: tuple, items: list[InFlight]) -> None:
         """One step of a group's requests: in one step, or, where rows with and without LoRA adapters mix and
-        the cost model expects it to be cheaper (:meth:`~bcg_core.scheduler.costs.StepDecider.split_adapters`),
+        the cost model expects it to be cheaper (:meth:`~bcg_core.costs.StepDecider.split_adapters`),
         in two: the requests without adapters on the plain graphs, those with adapters on the LoRA graphs."""
         adapters = [i for i in items if i.plan.request.lora]
         plain = [i for i in items if not i.plan.request.lora]

@@ -57,15 +57,20 @@ class PreviewWorker:
     """The preview thread and its queue (see the module docstring).
 
     Args:
-        model: the family (its ``preview(state, latents)`` hook draws).
+        model: the family (its ``preview(state, latents)`` draws, :class:`~bcg_core.capabilities.Previews`).
         device: the model's device (a CUDA one gets its own stream and events).
         left: called on the preview thread with the request each time one of its previews left the queue
             (drawn, failed or skipped because the request was cancelled).
+        available: the family has the :class:`~bcg_core.capabilities.Previews` capability.
         queue_size: :data:`PREVIEW_QUEUE`.
     """
 
-    def __init__(self, model, device: torch.device, left: Callable[[object], None], queue_size: int = PREVIEW_QUEUE):
+    def __init__(self, model, device: torch.device, left: Callable[[object], None], available: bool,
+                 queue_size: int = PREVIEW_QUEUE):
         self.model = model
+        self.available = available
+        """The model has the :class:`~bcg_core.capabilities.Previews` capability (answered where the pipeline is
+        built: ``pipeline.capabilities.previews``); without it no request takes a preview."""
         self._device = device
         self._cuda = torch.device(device).type == "cuda"
         self._stream = torch.cuda.Stream(device) if self._cuda else None
@@ -74,11 +79,6 @@ class PreviewWorker:
         self._lock = threading.Lock()
         self._stats = _Stats()
         self._thread: threading.Thread | None = None
-
-    @property
-    def available(self) -> bool:
-        """True when the model has a ``preview`` hook."""
-        return hasattr(self.model, "preview")
 
     def start(self) -> None:
         """Start the thread (once)."""

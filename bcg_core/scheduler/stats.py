@@ -1,7 +1,7 @@
 """The step scheduler's counters per bucket shape (``GET /v1/buckets`` under ``scheduler``).
 
 Per shape (or ``"miss"``): rows and requests in flight, requests waiting, steps, forwards by kind
-(:data:`FORWARD_KINDS`), step decisions (:class:`~bcg_core.scheduler.costs.Decision`), the mean fill of bucket
+(:data:`FORWARD_KINDS`), step decisions (:class:`~bcg_core.costs.Decision`), the mean fill of bucket
 forwards (real rows / bucket rows), padded-token waste (``1 - real / computed tokens`` over every forward),
 admissions, completions, cancellations, failures, expiries and queue waits (submission to start, milliseconds:
 sum, mean, p50, p99 over the last :data:`WAITS_KEPT`, max). Prometheus reads them through
@@ -20,7 +20,7 @@ import torch
 from bcg_core.keys import BucketKey, ShapeQuery
 from bcg_core.metrics import BucketMetrics
 from bcg_core.devices import elapsed_ms
-from bcg_core.scheduler.costs import DECISIONS, StepForwards
+from bcg_core.costs import DECISIONS, StepForwards
 
 __all__ = ["FORWARD_KINDS", "ForwardKind", "SchedulerStats", "ShapeStats", "StepTimes", "WAITS_KEPT", "queue_lengths"]
 

@@ -28,9 +28,8 @@ from bcg_core.keys import BucketKey
 from bcg_core.request import GenerationResult, PlannedRequest
 from bcg_core.runners.background import BackgroundCompiles
 from bcg_core.scheduler.admission import Admission, InFlight
-from bcg_core.scheduler.costs import CostModel
+from bcg_core.costs import CostModel, cuda_spare_bytes
 from bcg_core.scheduler.finish import Finisher
-from bcg_core.scheduler.miss_memory import cuda_spare_bytes
 from bcg_core.scheduler.flight import Flight
 from bcg_core.scheduler.load import LoadMeter
 from bcg_core.scheduler.loop import DenoisingLoop
@@ -45,7 +44,7 @@ class StepScheduler:
 
     Args:
         pipeline: the replica's pipeline (planner, table, runner, family).
-        costs: the cost model, given to the pipeline's decider (:class:`~bcg_core.scheduler.costs.StepDecider`);
+        costs: the cost model, given to the pipeline's decider (:class:`~bcg_core.costs.StepDecider`);
             None: the decider's own (the token-count stand-in until measured costs are set).
         max_rows: most transformer rows in flight (``runner.max_rows_in_flight``).
         memory_budget_bytes: most bytes of request tensors in flight (None: unbounded); see
@@ -91,7 +90,8 @@ class StepScheduler:
             self.decider.miss.spare_bytes = cuda_spare_bytes(self._device)
         self._finisher = Finisher(pipeline, decode_batch_images, encode_threads, self.flight.release_bytes,
                                   self.flight.retire_done, self.flight.answer)
-        self._previews = PreviewWorker(pipeline.model, self._device, self.flight.preview_left)
+        self._previews = PreviewWorker(pipeline.model, self._device, self.flight.preview_left,
+                                       pipeline.capabilities.previews)
         self._loop = DenoisingLoop(self.flight, pipeline, self._finisher, self._previews, retry_after_s,
                                    prepare_batch=decode_batch_images,
                                    # batching encodes pays on a GPU (1.35-1.6x for 4 images at 512-1024 px on an
@@ -321,7 +321,7 @@ class StepScheduler:
     def stats(self) -> dict:
         """``GET /v1/buckets``'s ``scheduler`` section (:mod:`bcg_core.scheduler.stats`): settings, totals,
         ``padded_token_waste`` over every forward, the cost model, a miss's memory bound (``miss_memory``:
-        :meth:`~bcg_core.scheduler.miss_memory.MissMemory.describe`), and per shape its counters."""
+        :meth:`~bcg_core.costs.MissMemory.describe`), and per shape its counters."""
         with self.flight.cv:
             in_flight = self.flight.in_flight()
             out = self.flight.stats.describe(in_flight, list(self.flight.admission.waiting))

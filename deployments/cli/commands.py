@@ -133,7 +133,7 @@ def run_verify(config: ServeConfig, buckets: list[str] | None = None, rtol: floa
     keys = set(_select(pipe.table.keys, buckets))
     pipe.prepare(sorted(keys))  # --bucket: capture only those (the whole table's capture takes a while on a GPU)
     cases = [c for c in boundary_cases(pipe.table, config.limits) if c.key in keys]
-    compiled = getattr(pipe.runner, "kernels", None)
+    compiled = pipe.runner.kernels
     tier = pipe.stats()["kernels"]["tier"]
     if rtol is not None:
         tol, tol_from = rtol, "--rtol"

@@ -17,7 +17,7 @@ from PIL import Image
 from bcg_core import BucketConfig, EngineConfig, GenerationRequest
 from bcg_core.config import RunnerConfig
 from bcg_core.models import load_model
-from bcg_core.pipeline import DiTPipeline
+from bcg_core.pipeline import DiTPipeline, installed_kernels
 from bcg_core.runners.background import BackgroundCompiles, compile_pending, reserved_cpus
 from bcg_core.runners.kernels import CompiledKernels
 from bcg_core.runners.precompiled import available as precompiled_available
@@ -43,7 +43,8 @@ def _deferred(config: EngineConfig) -> DiTPipeline:
 
 @pytest.fixture(scope="module")
 def eager_images() -> list[bytes]:
-    return DiTPipeline.from_config(EngineConfig(buckets=TABLE)).generate(REQUEST).images_png
+    pipe = DiTPipeline.from_config(EngineConfig(buckets=TABLE))
+    return pipe.generate(pipe.planner.plan(REQUEST)).images_png
 
 
 @pytest.mark.skipif(not precompiled_available(torch.compile), reason="torch without ahead-of-time compile")
@@ -57,7 +58,7 @@ def test_a_cold_cache_serves_eager_kernels_at_once_then_swaps_compiled_ones_in_a
     assert pipe.runner.kernels.compile_s < 5 * 60 and pipe.stats()["kernels"]["pending"] == 2
     assert pipe.stats()["kernels"]["compile_failed"] == 0  # pending is not failed
     # before any compile: eager kernels in the bucket, so diffusers' bits, equal to an eager-tier pipeline's
-    assert pipe.generate(REQUEST).images_png == eager_images
+    assert pipe.generate(pipe.planner.plan(REQUEST)).images_png == eager_images
 
     # requests are served all through the compiles: torch.fx's tracing patches stay on the compile thread
     # (bcg_core/runners/fx_threads.py; without it a request raised NameError in one run of three here)
@@ -67,7 +68,7 @@ def test_a_cold_cache_serves_eager_kernels_at_once_then_swaps_compiled_ones_in_a
     def serve():
         try:
             while compiles.describe()["running"] or not served:
-                served.append(pipe.generate(REQUEST).images_png)
+                served.append(pipe.generate(pipe.planner.plan(REQUEST)).images_png)
         except Exception as e:  # noqa: BLE001 - recorded for the assertion below
             errors.append(e)
 
@@ -84,7 +85,7 @@ def test_a_cold_cache_serves_eager_kernels_at_once_then_swaps_compiled_ones_in_a
     assert all("compiled in the background" in d["note"] for d in described)
     assert all(d["compile_rel_err"] is not None for d in described)  # checked against eager before the swap
     # every image served while compiling was whole, and after the swap within a level of the eager kernels' image
-    after = pipe.generate(REQUEST).images_png
+    after = pipe.generate(pipe.planner.plan(REQUEST)).images_png
     for images in [*served, after]:
         for a, b in zip(images, eager_images):
             diff = np.abs(_pixels(a) - _pixels(b))
@@ -108,8 +109,8 @@ def test_a_background_compile_that_fails_leaves_eager_kernels_and_every_request_
 
     config = _config(str(tmp_path / "cache"))
     model = load_model(config.model)
-    model.compiled_kernels = CompiledKernels(model.adapter.model, compile_fn=broken_compile, rtol=1e-3,
-                                            cache_dir=str(tmp_path / "cache"))
+    installed_kernels(model.adapter.model).compiled = CompiledKernels(
+        model.adapter.model, compile_fn=broken_compile, rtol=1e-3, cache_dir=str(tmp_path / "cache"))
     pipe = DiTPipeline(config, model, prepare=False)
     pipe.prepare(defer_compiles=True)  # no ahead-of-time compile with a stand-in: nothing can load, all pending
     assert pipe.runner.pending_compiles() == pipe.runner.keys
@@ -121,7 +122,7 @@ def test_a_background_compile_that_fails_leaves_eager_kernels_and_every_request_
     compiles = BackgroundCompiles(pipe.runner, pin=False)
     assert compiles.start() and compiles.wait(timeout_s=120)
     assert compiles.describe()["failed"] == 1 and pipe.stats()["kernels"]["compile_failed"] == 2
-    assert pipe.generate(REQUEST).images_png == eager_images
+    assert pipe.generate(pipe.planner.plan(REQUEST)).images_png == eager_images
 
 
 def test_a_torch_whose_fx_patches_cannot_be_isolated_keeps_eager_kernels_instead_of_compiling_beside_serving(
@@ -133,8 +134,9 @@ def test_a_torch_whose_fx_patches_cannot_be_isolated_keeps_eager_kernels_instead
     calls = []
     config = _config(str(tmp_path / "cache"))
     model = load_model(config.model)
-    model.compiled_kernels = CompiledKernels(model.adapter.model, compile_fn=lambda fn, **o: calls.append(fn) or fn,
-                                            rtol=1e-3, cache_dir=str(tmp_path / "cache"))
+    installed_kernels(model.adapter.model).compiled = CompiledKernels(
+        model.adapter.model, compile_fn=lambda fn, **o: calls.append(fn) or fn, rtol=1e-3,
+        cache_dir=str(tmp_path / "cache"))
     pipe = DiTPipeline(config, model, prepare=False)
     pipe.prepare(defer_compiles=True)
     assert pipe.runner.pending_compiles() == pipe.runner.keys
@@ -144,7 +146,7 @@ def test_a_torch_whose_fx_patches_cannot_be_isolated_keeps_eager_kernels_instead
     assert {d["note"] for d in pipe.runner.describe()} == {
         "compile_failed: no background compile on this torch (torch.fx patches could not be isolated)"}
     assert pipe.stats()["kernels"]["compile_failed"] == 2
-    assert pipe.generate(REQUEST).images_png == eager_images
+    assert pipe.generate(pipe.planner.plan(REQUEST)).images_png == eager_images
 
 
 def test_the_step_scheduler_starts_background_compiles_and_rescales_a_swapped_buckets_time(tmp_path):
@@ -152,12 +154,12 @@ def test_the_step_scheduler_starts_background_compiles_and_rescales_a_swapped_bu
     shows it in its stats and, after a swap, scales the cost model's time of that bucket by the measured ratio. (A
     stand-in compile that returns the eager forward: nothing to load from a cache, so every bucket is pending, and
     its check passes at once.)"""
-    from bcg_core.scheduler.costs import CostModel
+    from bcg_core.costs import CostModel
 
     config = _config(str(tmp_path / "cache"))
     model = load_model(config.model)
-    model.compiled_kernels = CompiledKernels(model.adapter.model, compile_fn=lambda fn, **options: fn, rtol=1e-3,
-                                             cache_dir=str(tmp_path / "cache"))
+    installed_kernels(model.adapter.model).compiled = CompiledKernels(
+        model.adapter.model, compile_fn=lambda fn, **options: fn, rtol=1e-3, cache_dir=str(tmp_path / "cache"))
     pipe = DiTPipeline(config, model, prepare=False)
     pipe.prepare(defer_compiles=True)
     sched = StepScheduler(pipe)

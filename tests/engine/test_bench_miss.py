@@ -9,7 +9,7 @@ import json
 import sys
 from pathlib import Path
 
-from bcg_core.scheduler.miss_memory import MARGIN_BYTES, MissMemory
+from bcg_core.costs.miss_memory import MARGIN_BYTES, MissMemory
 
 ROOT = Path(__file__).resolve().parents[2]
 _PATH = ROOT / "benchmarks" / "bench_miss.py"

@@ -53,19 +53,20 @@ def _fail_once(monkeypatch, name: str):
 
 def test_a_runtime_error_in_a_padded_forward_demotes_the_bucket_to_eager_and_the_request_is_served(
         tiny, monkeypatch, caplog):
-    clean = DiTPipeline(EngineConfig(buckets=BUCKETS), tiny).generate(_req(seed=5))
+    clean = DiTPipeline(EngineConfig(buckets=BUCKETS), tiny)
+    clean = clean.generate(clean.planner.plan(_req(seed=5)))
     pipe = DiTPipeline(EngineConfig(buckets=BUCKETS), tiny)
     pipe.runner.prepare()
     _fail_once(monkeypatch, "static_forward")
     with caplog.at_level(logging.ERROR, logger="bcg_core.runners.base"):
-        got = pipe.generate(_req(seed=5))
+        got = pipe.generate(pipe.planner.plan(_req(seed=5)))
     assert same_image(got.images_png[0], clean.images_png[0])  # the faulted step ran unpadded: same image
     assert any(str(got.bucket) in r.getMessage() and "unpadded and eager" in r.getMessage() for r in caplog.records)
     row = next(b for b in pipe.metrics.snapshot()["buckets"] if b["key"] == str(got.bucket))
     assert row["faults"] == 1 and row["forwards_by_mode"]["eager"] == 2  # both steps: the fault, then demoted
     note = next(d["note"] for d in pipe.runner.describe() if d["key"] == str(got.bucket))
     assert note.startswith("runs unpadded and eager after a runtime error: RuntimeError: CUDA error")
-    again = pipe.generate(_req(seed=6))  # no new fault: the bucket stays eager, serving goes on
+    again = pipe.generate(pipe.planner.plan(_req(seed=6)))  # no new fault: the bucket stays eager, serving goes on
     row = next(b for b in pipe.metrics.snapshot()["buckets"] if b["key"] == str(got.bucket))
     assert len(again.images_png) == 1 and row["faults"] == 1 and row["forwards_by_mode"]["eager"] == 4
 
@@ -78,7 +79,7 @@ def test_an_out_of_memory_error_is_not_swallowed_by_the_fallback(tiny, monkeypat
 
     monkeypatch.setattr(runner_mod, "static_forward", oom)
     with pytest.raises(torch.OutOfMemoryError):
-        pipe.generate(_req())
+        pipe.generate(pipe.planner.plan(_req()))
     assert all(b["faults"] == 0 for b in pipe.metrics.snapshot()["buckets"])
 
 
@@ -86,7 +87,7 @@ def test_a_fused_replay_that_raises_runs_its_step_on_the_host_with_the_same_imag
     config = EngineConfig(buckets=BUCKETS, runner={"fused_step": "always"})
     clean = DiTPipeline(config, tiny)
     clean.prepare()
-    want = clean.generate(_req(steps=3, seed=8))
+    want = clean.generate(clean.planner.plan(_req(steps=3, seed=8)))
     pipe = DiTPipeline(config, tiny)
     pipe.prepare()
     assert pipe.fused.on
@@ -100,7 +101,7 @@ def test_a_fused_replay_that_raises_runs_its_step_on_the_host_with_the_same_imag
         return real(buffers)
 
     monkeypatch.setattr(pipe.model.adapter, "forward", flaky)
-    got = pipe.generate(_req(steps=3, seed=8))
+    got = pipe.generate(pipe.planner.plan(_req(steps=3, seed=8)))
     assert got.images_png == want.images_png  # fused and host steps are bitwise equal
     assert pipe.fused.host_steps == {"bucket_fault": 1, "no_fused_graph": 2}  # then the bucket runs eager
     assert sum(b["faults"] for b in pipe.metrics.snapshot()["buckets"]) == 1

@@ -19,7 +19,7 @@ from diffusers import FlowMatchEulerDiscreteScheduler, StableDiffusion3Pipeline
 import bcg_core.runners.fused as fused_mod
 from bcg_core import BucketConfig, BucketKey, DiTPipeline, GenerationRequest, ModelConfig, build_tiny
 from bcg_core.config import EngineConfig
-from bcg_core.scheduler.costs import Chunk, StepForwards
+from bcg_core.costs import Chunk, StepForwards
 from bcg_core.runners.fused import fused_update
 from bcg_core.families.tiny import TINY_TEXT_TOKENS
 from reference_gate import assert_same, bcg_pipeline, bcg_run, diffusers_run
@@ -92,15 +92,16 @@ def test_fused_steps_equal_host_steps_bit_for_bit(dtype, bf16, tiny_fp32):
     reqs = [_req(n=2, steps=4, seed=1), _req(guidance=3.5, steps=3, seed=2, prompt="a blue sphere"), _req(seed=3, n=1)]
     a = [fused.start(fused.planner.plan(r)) for r in reqs]
     b = [_twin(s) for s in a]
-    fused.step(a[:1])
-    host.step(b[:1])  # the first request is one step ahead: later forwards mix steps
+    fused.step(a[:1], fused.decider.for_states(a[:1]))
+    host.step(b[:1], host.decider.for_states(b[:1]))  # the first request is one step ahead: later forwards mix steps
     key4, key8 = (BucketKey(k, 256, T) for k in (4, 8))
     split = StepForwards((Chunk(key4, 4, 0.0), Chunk(key4, 1, 0.0)), home=key8)  # 2 + 2 | 1 rows: pairs intact
     while not all(s.done for s in a):
         live = [i for i, s in enumerate(a) if not s.done]
-        plan = split if sum(a[i].rows for i in live) == 5 else None
-        fused.step([a[i] for i in live], plan)
-        host.step([b[i] for i in live], plan)
+        fa, hb = [a[i] for i in live], [b[i] for i in live]
+        split_now = sum(s.rows for s in fa) == 5
+        fused.step(fa, split if split_now else fused.decider.for_states(fa))
+        host.step(hb, split if split_now else host.decider.for_states(hb))
         for i in live:
             assert torch.equal(a[i].latents, b[i].latents) and a[i].step_index == b[i].step_index
             assert a[i].scheduler.step_index == b[i].scheduler.step_index
@@ -129,7 +130,7 @@ def test_a_scheduler_the_fused_update_does_not_cover_runs_on_the_host(tiny_fp32)
     pipe = DiTPipeline(_config("always"), tiny_fp32)
     state = pipe.start(pipe.planner.plan(_req()))
     state.scheduler.register_to_config(stochastic_sampling=True)  # this request's own scheduler copy
-    pipe.step([state])
+    pipe.step([state], pipe.decider.for_states([state]))
     assert pipe.fused.host_steps == {"scheduler": 1}
 
 
@@ -146,9 +147,10 @@ def test_a_fused_step_that_differs_by_one_rounding_is_turned_off_and_serving_goe
     pipe = DiTPipeline(_config("always"), bf16)
     info = pipe.stats()["fused_step"]
     assert not info["enabled"] and info["note"].startswith("off: the fused step differs from the host step")
-    result = pipe.generate(_req(seed=5))
+    result = pipe.generate(pipe.planner.plan(_req(seed=5)))
     monkeypatch.undo()
-    reference = DiTPipeline(_config("never"), bf16).generate(_req(seed=5))
+    host = DiTPipeline(_config("never"), bf16)
+    reference = host.generate(host.planner.plan(_req(seed=5)))
     assert result.images_png == reference.images_png and pipe.fused.steps == 0
 
 

@@ -64,15 +64,18 @@ def test_generate_is_the_family_hooks_bit_for_bit(pipe, guidance):
     assert pipe.metrics.counters(key).requests == 1
 
 
-def test_generate_plans_a_raw_request_once_and_the_scheduler_takes_only_a_planned_one(pipe, monkeypatch):
+def test_generate_and_the_scheduler_take_only_a_planned_request_and_trust_it(pipe, monkeypatch):
     plan = pipe.planner.plan(_req(seed=3))
     calls = []
     real = pipe.planner.plan
     monkeypatch.setattr(pipe.planner, "plan", lambda r: calls.append(r) or real(r))
-    assert pipe.generate(plan).images_png == pipe.generate(_req(seed=3)).images_png
-    assert len(calls) == 1  # the raw request only: a planned one is trusted
+    assert pipe.generate(plan).images_png == pipe.generate(pipe.planner.plan(_req(seed=3))).images_png
+    assert len(calls) == 1  # the caller's own planning only: a planned request is trusted, never planned again
+    with pytest.raises(TypeError, match=r"PlannedRequest.*pipe\.planner\.plan\(request\)"):
+        pipe.generate(_req(seed=3))  # a raw request is refused, not planned on a second path
+    assert len(calls) == 1
     with pytest.raises(RequestError) as info:
-        pipe.generate(_req(width=250))
+        pipe.planner.plan(_req(width=250))
     assert info.value.field == "size"
     sched = StepScheduler(pipe)
     try:

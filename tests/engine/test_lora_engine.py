@@ -121,7 +121,7 @@ def test_a_step_mixing_adapter_rows_runs_as_two_where_the_measured_costs_say_so(
     runs as two steps, plain rows on the plain forward; with launch-bound costs (one forward of any rows about as
     dear as another) it stays one. Either way each image equals its request served alone."""
     from bcg_core.scheduler import StepScheduler
-    from bcg_core.scheduler.costs import CostModel
+    from bcg_core.costs import CostModel
 
     folder, loras, pipe = ckpt
     keys = sorted(pipe.table.keys, key=lambda k: k.batch)
@@ -244,10 +244,10 @@ def test_a_pinned_slot_is_never_evicted_and_a_request_without_a_slot_gets_503(ck
 def test_an_adapter_that_cannot_be_served_is_a_422_and_the_pipeline_serves_on(ckpt, name, words):
     folder, loras, pipe = ckpt
     with pytest.raises(RequestError) as e:
-        pipe.generate(_req(lora=((name, 1.0),)))
+        pipe.generate(pipe.planner.plan(_req(lora=((name, 1.0),))))
     assert e.value.status == 422 and e.value.field == "lora" and words in e.value.message, e.value.message
     assert str(loras) not in e.value.message  # the folder is not shown to clients
-    assert pipe.generate(_req(lora=(("a", 0.5),))).images_png  # serves on
+    assert pipe.generate(pipe.planner.plan(_req(lora=(("a", 0.5),)))).images_png  # serves on
     assert pipe.stats()["lora"]["pinned"] == {}
 
 
@@ -328,7 +328,7 @@ def test_compiled_kernels_with_adapters_match_eager_and_load_precompiled_on_rest
     k = cold.stats()["kernels"]
     assert k["tier"] == "compiled" and k["compile_failed"] == 0 and k["precompiled"]["saves"] > 0, k
     req = _req(lora=(("a", 0.9), ("b", -0.4)))
-    got, want = cold.generate(req), eager.generate(req)
+    got, want = cold.generate(cold.planner.plan(req)), eager.generate(eager.planner.plan(req))
     assert got.images_png and want.images_png
     ours, ref = bcg_run(cold, req).latents, bcg_run(eager, req).latents
     assert ((ours - ref).abs().max() / ref.abs().max()).item() <= max(k["rtol"], 1e-4)
@@ -358,20 +358,21 @@ def test_a_replaced_or_cut_file_is_loaded_again_or_refused_never_served_stale(ck
         bcg_run(pipe, _req(lora=((name, 1.0),)))
     (loras / "swap.safetensors").write_bytes(b"")
     with pytest.raises(RequestError) as e:
-        pipe.generate(_req(lora=(("swap", 1.0),)))
+        pipe.generate(pipe.planner.plan(_req(lora=(("swap", 1.0),))))
     assert e.value.status == 422 and "is not a LoRA file diffusers can read" in e.value.message
 
     bad = load_file(str(loras / "c.safetensors"))
     save_file({k: torch.full_like(v, float("nan")) for k, v in bad.items()}, str(loras / "nans.safetensors"))
     with pytest.raises(RequestError) as e:
-        pipe.generate(_req(lora=(("nans", 1.0),)))
+        pipe.generate(pipe.planner.plan(_req(lora=(("nans", 1.0),))))
     assert "NaN or infinite weights" in e.value.message
     (loras / "c").mkdir(exist_ok=True)
     shutil.copyfile(loras / "c.safetensors", loras / "c" / "pytorch_lora_weights.safetensors")
     names = pipe.lora.files.names()
     assert names.count("c") == 1 and "escape" not in names
     assert "swap" not in names and "nans" in names  # an empty file is no LoRA file; NaNs are found on reading
-    assert pipe.generate(_req(lora=(("a", 0.5),))).images_png and pipe.stats()["lora"]["pinned"] == {}
+    assert pipe.generate(pipe.planner.plan(_req(lora=(("a", 0.5),)))).images_png
+    assert pipe.stats()["lora"]["pinned"] == {}
 
 
 def test_lora_targets_are_checked_on_the_checkpoints_transformer_without_its_weights(ckpt, tmp_path):

@@ -1,4 +1,4 @@
-"""A miss's memory bound (bcg_core/scheduler/miss_memory.py) and the decider that asks it, with scripted spare
+"""A miss's memory bound (bcg_core/costs/miss_memory.py) and the decider that asks it, with scripted spare
 memory and bytes per row-token: one forward while the miss fits, else the fewest, most even chunks that fit.
 
 The replica-level tests (a one-row table serving an 18-row miss in one forward; a scripted memory chunking it with
@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 
 from bcg_core import BucketKey
-from bcg_core.scheduler.costs import CostModel, StepDecider
-from bcg_core.scheduler.miss_memory import MARGIN_BYTES, MARGIN_FRACTION, ActivationPeaks, MissMemory
+from bcg_core.costs import CostModel, StepDecider
+from bcg_core.costs.miss_memory import MARGIN_BYTES, MARGIN_FRACTION, ActivationPeaks, MissMemory
 
 GIB = 1 << 30
 FLUX_2048_ROW = 16_384 + 512

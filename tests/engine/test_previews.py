@@ -94,7 +94,7 @@ def test_each_family_previews_mid_denoise_latents(family, tmp_path):
     plan = pipe.planner.plan(GenerationRequest("a red cube", n=2, width=size, height=size, num_inference_steps=3,
                                                guidance_scale=1.0, seed=0))
     state = pipe.start(plan)
-    pipe.step([state])
+    pipe.step([state], pipe.decider.for_states([state]))
     images = pipe.model.preview(state, state.latents.clone())
     gen_w, gen_h = pipe.model.spec.generation_size(size, size)
     model = pipe.model  # pixels per latent pixel of the tiny VAE (fewer blocks than the real ones)

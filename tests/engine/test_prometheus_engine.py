@@ -26,8 +26,9 @@ def test_pipeline_records_one_step_latency_per_forward_and_the_exporter_matches_
     pipe = DiTPipeline(cfg, build_tiny())
     backend = FakeBackend()
     ex = BucketExporter(pipe.stats, pipe.metrics, lambda: {}, {k.shape for k in pipe.table.keys}, backend)
-    pipe.generate(GenerationRequest("a", n=1, width=256, height=256, num_inference_steps=2, seed=0))
-    pipe.generate(GenerationRequest("a", n=1, width=768, height=768, num_inference_steps=1, seed=0))  # no tier: miss
+    pipe.generate(pipe.planner.plan(GenerationRequest("a", n=1, width=256, height=256, num_inference_steps=2, seed=0)))
+    miss = GenerationRequest("a", n=1, width=768, height=768, num_inference_steps=1, seed=0)  # no tier: a miss
+    pipe.generate(pipe.planner.plan(miss))
     ex.push()
     stats = pipe.stats()
     b = {x["key"]: x for x in stats["buckets"]}["b2_i256_t256"]

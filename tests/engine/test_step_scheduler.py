@@ -1,4 +1,4 @@
-"""The step scheduler (bcg_core/scheduler/: step_scheduler.py, loop.py, admission.py, flight.py) and its cost model (bcg_core/scheduler/costs.py), on the CPU.
+"""The step scheduler (bcg_core/scheduler/: step_scheduler.py, loop.py, admission.py, flight.py) and its cost model (bcg_core/costs/), on the CPU.
 
 Tiny default model, fp32. Closeness: rows that share a forward differ from the same rows run alone only in the
 reduction order of batched kernels (``tests/closeness.py``: latents within RTOL 1e-5); after the VAE and the
@@ -26,8 +26,8 @@ from bcg_core import BucketConfig, BucketKey, DiTPipeline, GenerationRequest, Re
 
 from deployments.settings import ServeConfig
 from deployments.settings import backpressure_limits
-from bcg_core.scheduler.costs import Chunk, CostModel, StepForwards, eager_row_counts
-from bcg_core.scheduler.miss_memory import MARGIN_BYTES
+from bcg_core.costs import Chunk, CostModel, StepForwards, eager_row_counts
+from bcg_core.costs.miss_memory import MARGIN_BYTES
 from bcg_core.families.tiny import TINY_TEXT_TOKENS
 from bcg_core.scheduler.step_scheduler import StepScheduler
 from bcg_core.scheduler.stats import FORWARD_KINDS
@@ -216,7 +216,7 @@ def test_a_request_padded_into_a_masked_tier_runs_eager_where_padding_does_not_p
     assert [[c.key for c in p.chunks] for _, p in log.steps] == [[None]] * 2
     shape = sched.stats()["shapes"][str(plan.shape)]
     assert shape["decisions"]["eager"] == 2 and shape["padded_token_waste"] == 0
-    assert same_image(result.images_png[0], pipe.generate(req).images_png[0])
+    assert same_image(result.images_png[0], pipe.generate(pipe.planner.plan(req)).images_png[0])
 
 
 # -- per-row timesteps and splits, at the pipeline level ----------------------------------------------
@@ -229,16 +229,17 @@ def test_mixed_step_forward_equals_rows_run_one_request_at_a_time(pipe, monkeypa
     a, b = _req(seed=1, steps=4, n=2), _req(prompt="a blue sphere", seed=2, steps=3, guidance=3.0)
     together = [pipe.start(pipe.planner.plan(r)) for r in (a, b)]
     alone = [pipe.start(pipe.planner.plan(r)) for r in (a, b)]
-    pipe.step([together[0]])  # a is one step ahead: every later forward mixes steps 1.. and 0..
-    pipe.step([alone[0]])
+    # a is one step ahead: every later forward mixes steps 1.. and 0..
+    pipe.step([together[0]], pipe.decider.for_states([together[0]]))
+    pipe.step([alone[0]], pipe.decider.for_states([alone[0]]))
     mixed = 0
     while not all(s.done for s in together):
         live = [s for s in together if not s.done]
         mixed += len({s.step_index for s in live}) > 1
-        pipe.step(live)
+        pipe.step(live, pipe.decider.for_states(live))
     for s in alone:
         while not s.done:
-            pipe.step([s])
+            pipe.step([s], pipe.decider.for_states([s]))
     assert mixed >= 2
     for t, s in zip(together, alone):
         assert_close(t.latents, s.latents)
@@ -253,7 +254,7 @@ def test_split_plan_equals_one_forward(pipe):
     one = [pipe.start(pipe.planner.plan(r)) for r in reqs]
     two = [pipe.start(pipe.planner.plan(r)) for r in reqs]
     while not all(s.done for s in one):
-        pipe.step(one)
+        pipe.step(one, pipe.decider.for_states(one))
         pipe.step(two, split)
     for x, y in zip(one, two):
         assert_close(x.latents, y.latents)
@@ -289,7 +290,7 @@ def test_image_does_not_depend_on_company(pipe, make_sched):
     assert joined.batch_size > 1 and alone.batch_size == 1
     for a, b in zip(alone.images_png, joined.images_png):
         assert same_image(a, b)
-    reference = pipe.generate(probe)  # the request-level path agrees too
+    reference = pipe.generate(pipe.planner.plan(probe))  # the request-level path agrees too
     for a, b in zip(alone.images_png, reference.images_png):
         assert same_image(a, b)
     assert not same_image(alone.images_png[0], alone.images_png[1])  # the tolerance discriminates (seed + 1)
@@ -322,7 +323,7 @@ def test_cancel_mid_flight_frees_the_rows_at_the_next_step(pipe, make_sched):
     st = sched.stats()
     assert st["rows_in_flight"] == 0 and st["running"] == 0 and st["bytes_in_flight"] == 0
     assert st["shapes"][SHAPE]["cancelled"] == 1 and st["shapes"][SHAPE]["completed"] == 1
-    for a, b in zip(result.images_png, pipe.generate(short).images_png):
+    for a, b in zip(result.images_png, pipe.generate(pipe.planner.plan(short)).images_png):
         assert same_image(a, b)
 
 
@@ -447,7 +448,7 @@ def test_decode_batches_finished_requests_of_one_size(pipe, make_sched, monkeypa
     assert sorted(calls) == [1, 3]  # the two 256x256 requests in one decode call, the 256x512 one apart
     monkeypatch.setattr(pipe.model, "decode", decode)
     for r, req in zip(results, reqs):
-        for a, b in zip(r.images_png, pipe.generate(req).images_png):
+        for a, b in zip(r.images_png, pipe.generate(pipe.planner.plan(req)).images_png):
             assert same_image(a, b)
         assert set(r.timings_ms) == {"queue", "encode", "denoise", "decode", "image_encode", "total"}
 
@@ -509,7 +510,7 @@ def test_nan_latents_fail_their_request_loudly_and_serving_goes_on(pipe, make_sc
     assert st["shapes"][SHAPE]["failed"] == 1 and st["rows_in_flight"] == 0 and st["running"] == 0
     poisoned.set()
     with pytest.raises(NonFiniteOutput):
-        pipe.generate(_req(seed=95))
+        pipe.generate(pipe.planner.plan(_req(seed=95)))
 
 
 def test_a_nan_request_fails_alone_in_a_batched_decode(pipe):
@@ -661,7 +662,7 @@ def test_a_request_above_the_largest_bucket_is_split_across_buckets(pipe, make_s
     assert result.hit and str(result.bucket) == "b8_i256_t256" and result.missed == []
     assert [[(c.key.batch, c.rows) for c in p.chunks] for _, p in log.steps] == [[(8, 8), (2, 2)]] * 2
     assert sched.stats()["shapes"][SHAPE]["decisions"]["split"] == 2
-    for a, b in zip(result.images_png, pipe.generate(big).images_png):
+    for a, b in zip(result.images_png, pipe.generate(pipe.planner.plan(big)).images_png):
         assert same_image(a, b)
 
 
@@ -707,7 +708,7 @@ def test_a_one_row_replica_serves_an_18_row_miss_in_one_forward_a_step(one_row):
 
 def test_a_miss_too_large_for_the_spare_memory_is_chunked_and_its_images_are_unchanged(one_row):
     """The same 18-row miss with a scripted memory bound: 1,000 bytes per row-token and room for 6.5 rows beyond
-    the margin (1 GiB of spare memory is the margin: :data:`~bcg_core.scheduler.miss_memory.MARGIN_BYTES`) runs as
+    the margin (1 GiB of spare memory is the margin: :data:`~bcg_core.costs.miss_memory.MARGIN_BYTES`) runs as
     3 even chunks of 6 rows a step, and its images equal the one-forward run's."""
     big = _req(seed=132, n=9, width=384, height=256, guidance=2.0, steps=2)
     whole_plans, whole, _ = _served_miss(one_row, big)

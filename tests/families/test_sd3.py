@@ -86,7 +86,7 @@ def _run_alone(pipe, request):
     state = pipe.start(pipe.planner.plan(request))
     forwards = []
     while not state.done:
-        forwards.append(pipe.step([state]))
+        forwards.append(pipe.step([state], pipe.decider.for_states([state])))
     return state, forwards
 
 
@@ -233,7 +233,8 @@ def test_an_fp32_checkpoint_served_in_bf16_runs_every_component_in_bf16(folders)
         buckets=BucketConfig(batch_sizes=[2], resolutions=["64x64"], text_lengths=[333]), limits=LimitsConfig(min_side_px=16)))
     p = pipe.model.pipe
     assert {m.dtype for m in (p.transformer, p.vae, p.text_encoder, p.text_encoder_2, p.text_encoder_3)} == {torch.bfloat16}
-    out = pipe.generate(GenerationRequest("a cat", width=64, height=64, num_inference_steps=1, guidance_scale=4.0, seed=1))
+    out = pipe.generate(pipe.planner.plan(GenerationRequest("a cat", width=64, height=64, num_inference_steps=1,
+                                                            guidance_scale=4.0, seed=1)))
     assert str(out.bucket) == "b2_i16_t333_g4x4" and len(out.images_png) == 1
 
 

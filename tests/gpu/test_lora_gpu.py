@@ -63,7 +63,8 @@ def test_adapters_in_replayed_graphs_match_eager_in_each_tier(ckpt, kernels):
     leases = [pipe.lease(p) for p in plans]
     states = [pipe.start(p, lease=lease) for p, lease in zip(plans, leases)]
     while not all(s.done for s in states):
-        pipe.step([s for s in states if not s.done])  # the three share each step's forward (3 rows -> bucket 4)
+        live = [s for s in states if not s.done]
+        pipe.step(live, pipe.decider.for_states(live))  # the three share each step's forward (3 rows -> bucket 4)
     for lease in leases:
         if lease is not None:
             lease.release()

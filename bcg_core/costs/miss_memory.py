@@ -1,9 +1,9 @@
 """How a miss's step is cut into forwards: one unpadded eager forward while its activations fit the memory the
 replica can spare now; beyond that, as few and as even chunks of rows as fit.
 
-A miss (a request no bucket shape holds) runs unpadded and eager (:meth:`.costs.StepDecider.decide`). A forward of
+A miss (a request no bucket shape holds) runs unpadded and eager (:meth:`.decider.StepDecider.decide`). A forward of
 ``rows`` rows of ``tokens_per_row`` real tokens is expected to need ``bytes_per_row_token * rows * tokens_per_row``
-bytes of activations. ``bytes_per_row_token`` is measured, never estimated: on CUDA, :func:`.costs.measure_costs`
+bytes of activations. ``bytes_per_row_token`` is measured, never estimated: on CUDA, :func:`.measure.measure_costs`
 records the peak memory above the starting allocation of each unpadded eager forward it times (each shape at 1, 2,
 4, ... rows and at every batch size; :class:`ActivationPeaks`) over that forward's rows x real tokens per row, and
 :class:`MissMemory` keeps the largest figure seen. A forward's fixed part (workspaces and the like) weighs most at

@@ -1,4 +1,4 @@
-"""The step scheduler's cost model: measured forward times, and the cheapest way to run a step's rows.
+"""The cost model: measured forward times, and the cheapest way to run a step's rows.
 
 One denoising step of a bucket shape has ``R`` real rows (images, and their uncond rows with classifier-free
 guidance), from any requests at any steps. They can run as:
@@ -14,13 +14,14 @@ rows (so the least per real row), by dynamic programming over the row count: ``b
 rows (a larger bucket only when more than :data:`PAD_MARGIN` faster than the smallest) and the eager
 forward of ``c`` rows. No chunk is larger than the shape's largest batch bucket, so an
 eager chunk never needs more activation memory than the largest captured forward (measured at capture); a
-miss runs in one eager forward while its activations fit the memory the replica can spare (:mod:`.miss_memory`).
+miss runs in one eager forward while its activations fit the memory the replica can spare (:mod:`.miss_memory`;
+:class:`~.decider.StepDecider` asks both).
 Every row of a step is computed before any request advances, so a split never separates an image's cond
 and uncond rows across steps.
 
 Where the times come from (:attr:`CostModel.source`):
 
-- ``measured`` (:func:`measure_costs`, at prepare): each bucket's forward through its runner (on CUDA a graph
+- ``measured`` (:func:`~.measure.measure_costs`, at prepare): each bucket's forward through its runner (on CUDA a graph
   replay, timed with CUDA events; elsewhere the static padded eager forward, timed with the host clock), and
   each shape's unpadded eager forward at 1, 2, 4, ... rows and at every batch size of the table; eager
   milliseconds between measured row counts are interpolated linearly, beyond them extrapolated from the
@@ -36,18 +37,12 @@ Pure Python and torch, no Ray; the scripted-cost tests build :class:`CostModel` 
 from __future__ import annotations
 
 import enum
-import logging
-import statistics
-import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from bcg_core.keys import BucketKey, BucketShape
-from bcg_core.scheduler.miss_memory import ActivationPeaks, MissMemory
+from bcg_core.keys import BucketKey
 
-__all__ = ["Chunk", "CostModel", "Decision", "StepDecider", "StepForwards", "measure_costs"]
-
-log = logging.getLogger(__name__)
+__all__ = ["DECISIONS", "PAD_MARGIN", "Chunk", "CostModel", "Decision", "StepForwards"]
 
 class Decision(str, enum.Enum):
     """How a step's rows ran (:attr:`StepForwards.decision`)."""
@@ -154,7 +149,8 @@ class CostModel:
         lora_ms: with LoRA adapters (``lora.dir``), milliseconds of each bucket's forward with adapter rows (its
             LoRA graph, which adds every row's deltas), where measured; ``bucket_ms`` is then the plain graph's.
         eager_bytes_per_row_token: the most activation bytes per row x real token of the unpadded eager forwards
-            :func:`measure_costs` timed (CUDA only; None: not measured), for :class:`~.miss_memory.MissMemory`.
+            :func:`~.measure.measure_costs` timed (CUDA only; None: not measured), for
+            :class:`~.miss_memory.MissMemory`.
 
     Raises:
         ValueError: a negative time, or an eager measurement at 0 rows or fewer.
@@ -203,7 +199,7 @@ class CostModel:
         extrapolated from the last two.
 
         ``share``: the rows' real tokens over the shape's tokens per row (below 1 for a request padded into a
-        masked tier, whose eager forward was measured at the tier's size, :func:`measure_costs`). The part of
+        masked tier, whose eager forward was measured at the tier's size, :func:`~.measure.measure_costs`). The part of
         the time that grows with the rows is scaled by it; the fixed part, :meth:`fixed_ms`, is not. Linear in
         the tokens, so for attention (quadratic) an upper bound: the estimate never favours eager over a bucket
         more than the tokens do.
@@ -334,166 +330,3 @@ class CostModel:
         per = [b for b in (self.eager_bytes_per_row_token, other.eager_bytes_per_row_token) if b is not None]
         return CostModel({**self.bucket_ms, **other.bucket_ms}, eager, source, self.eager and other.eager,
                          {**self.lora_ms, **other.lora_ms}, max(per, default=None))
-
-
-def _timer(device) -> Callable[[Callable[[], object], int], float]:
-    """``time(fn, iters) -> median ms`` on ``device`` after one warm-up call: CUDA events on CUDA
-    (:func:`bcg_core.planning.profile.cuda_ms`), the host clock elsewhere."""
-    import torch
-
-    if torch.device(device).type == "cuda":
-        from bcg_core.devices import cuda_ms
-
-        return lambda fn, iters: cuda_ms(fn, iters, warmup=1)
-
-    def host_ms(fn: Callable[[], object], iters: int) -> float:
-        fn()  # warm-up (allocator, kernels selected)
-        times = []
-        for _ in range(iters):
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-        return float(statistics.median(times))
-
-    return host_ms
-
-
-def eager_row_counts(batch_sizes: Sequence[int]) -> list[int]:
-    """Row counts an eager shape is measured at: 1, 2, 4, ... up to the largest batch, and every batch size."""
-    largest = max(batch_sizes)
-    rows = {b for b in batch_sizes}
-    r = 1
-    while r <= largest:
-        rows.add(r)
-        r *= 2
-    return sorted(rows)
-
-
-def measure_costs(runner, adapter, keys: Sequence[BucketKey], inputs_for: Callable[[BucketKey, int], object],
-                  device, iters: int = 2) -> CostModel:
-    """Measure the forward times of ``keys`` and, per shape, the unpadded eager forward against row count.
-
-    Args:
-        runner: the bucket runner (``runner.run(key, inputs)``), its buckets prepared.
-        adapter: the family's adapter (``adapter.forward_eager(inputs)``).
-        keys: buckets to measure (those of the shapes this replica owns).
-        inputs_for: ``(key, rows) -> DenoiseInputs``: real inputs of ``rows`` rows at the size of ``key``'s
-            exact tier (a request that fills the tier, so eager and bucket forwards compute the same tokens).
-        device: the model's device (CUDA events there, the host clock elsewhere).
-        iters: timed calls per point (median), after one warm-up call.
-
-    Returns:
-        A ``measured`` :class:`CostModel`. The forwards go through the runner, so they count as forwards of
-        their buckets in the metrics (``forwards_by_mode``). With LoRA adapters (an adapter with
-        ``forward_plain``, :class:`~bcg_core.lora.rows.LoRAAdapter`) ``bucket_ms`` times each bucket's plain
-        graph (no row has an adapter) and ``lora_ms`` its LoRA graph: the same inputs with every row on slot 0,
-        which computes every row's deltas as a real adapter does (zeros, at the same cost). On CUDA its
-        ``eager_bytes_per_row_token`` is the eager forwards' most peak bytes per row-token (:class:`ActivationPeaks`).
-    """
-    import torch
-
-    time_ms = _timer(device)
-    bucket: dict[BucketKey, float] = {}
-    lora: dict[BucketKey, float] = {}
-    slot_zero = getattr(adapter, "on_slot_zero", None)  # a LoRA deployment: time its adapter-row graphs too
-    eager: dict[str, dict[int, float]] = {}
-    by_shape: dict[str, list[BucketKey]] = {}
-    for k in keys:
-        by_shape.setdefault(k.shape, []).append(k)
-    seen: dict[tuple, float] = {}
-    peaks = ActivationPeaks(device)
-    t0 = time.perf_counter()
-    with torch.inference_mode():
-        for shape, ks in sorted(by_shape.items()):
-            for k in sorted(ks, key=lambda k: k.batch):
-                x = inputs_for(k, k.batch)
-                bucket[k] = time_ms(lambda k=k, x=x: runner.run(k, x), iters)
-                if slot_zero is not None:
-                    xl = slot_zero(x)
-                    lora[k] = time_ms(lambda k=k, xl=xl: runner.run(k, xl), iters)
-            ref = max(ks, key=lambda k: k.batch)
-            for rows in eager_row_counts([k.batch for k in ks]):
-                # an exact tier and its masked twin run the same unpadded eager forward: measured once
-                same = (ref.image_tokens, ref.text_tokens, ref.latent_hw, rows)
-                if same not in seen:
-                    x = inputs_for(ref, rows)
-                    seen[same] = peaks.measure(x, lambda x=x: time_ms(lambda: adapter.forward_eager(x), iters))
-                eager.setdefault(shape, {})[rows] = seen[same]
-    log.info("measured %d bucket forwards and %d eager points in %.1f s", len(bucket),
-             sum(len(p) for p in eager.values()), time.perf_counter() - t0)
-    return CostModel(bucket, eager, source="measured", lora_ms=lora, eager_bytes_per_row_token=peaks.most)
-
-
-class StepDecider:
-    """Decides each step's forwards: the cost model's cheapest over the shape's prepared buckets.
-
-    The one decider of a replica (the pipeline holds it): the step scheduler and :meth:`DiTPipeline.generate` ask
-    it, the pipeline and the runners trust what it returns.
-
-    Args:
-        keys: the table's buckets.
-        prepared: returns the buckets prepared now (captured on CUDA); only those are chosen, unless a shape has
-            none prepared yet.
-        graphs: bucket forwards are graph replays (for the token-count stand-in, :meth:`CostModel.token_model`).
-        spare_bytes: the bytes the replica can spare now (:func:`~.miss_memory.cuda_spare_bytes`), None: no bound.
-    """
-
-    def __init__(self, keys: Iterable[BucketKey], prepared: Callable[[], set], graphs: bool,
-                 spare_bytes: Callable[[], int | None] | None = None):
-        keys = list(keys)
-        self.miss = MissMemory(spare_bytes)
-        """The memory bound on a miss's forwards; measured costs bring its bytes per row-token (:meth:`set_costs`)."""
-        self._prepared = prepared
-        self.fallback = CostModel.token_model(keys, graphs=graphs)
-        """The token-count stand-in: used for shapes the cost model has no time of."""
-        self.costs = self.fallback
-        """The cost model (measured at prepare on CUDA, else the stand-in)."""
-        self._by_shape: dict[BucketShape, list[BucketKey]] = {}
-        for k in keys:
-            self._by_shape.setdefault(k.shape, []).append(k)
-
-    def set_costs(self, costs: CostModel, merge: bool = True) -> None:
-        """Use ``costs`` from now on: merged over the current model (a shape captured later adds its times), or
-        in its place when ``merge`` is False or nothing was measured before. Its eager bytes per row-token, where
-        measured, go to :attr:`miss` (the largest seen is kept either way)."""
-        self.miss.observe(costs.eager_bytes_per_row_token)
-        self.costs = costs if not merge or self.costs is self.fallback else self.costs.merged(costs)
-
-    def decide(self, shape: BucketShape | None, rows: int, real_per_row: int | None = None) -> StepForwards:
-        """The forwards of one step of ``rows`` rows of ``shape``. ``real_per_row``: the rows' real tokens
-        (:attr:`~bcg_core.keys.ShapeQuery.tokens_per_row`), fewer than the shape's in a masked tier, where an eager
-        chunk computes fewer tokens than a bucket forward (None: the shape's).
-
-        A miss (``shape`` None) runs unpadded and eager, in one forward while its activations fit the memory the
-        replica can spare now, else in as few, as even chunks as fit (:meth:`~.miss_memory.MissMemory.chunk_rows`).
-
-        Raises:
-            ValueError: ``rows`` below 1.
-        """
-        if shape is None:
-            return StepForwards(tuple(Chunk(None, r, 0.0) for r in self.miss.chunk_rows(rows, real_per_row)))
-        prepared = self._prepared()
-        every = self._by_shape.get(shape, [])
-        keys = [k for k in every if k in prepared] or every
-        costs = self.costs if any(k in self.costs.bucket_ms for k in keys) else self.fallback
-        share = 1.0 if real_per_row is None else real_per_row / max(1, shape.tokens_per_row)
-        return costs.choose(shape, rows, keys, share)
-
-    def split_adapters(self, shape: BucketShape | None, plain_rows: int, adapter_rows: int) -> bool:
-        """Whether a step of ``shape`` whose rows mix requests without adapters (``plain_rows``) and with them
-        (``adapter_rows``) costs less as two steps: the plain rows on the buckets' plain graphs, the adapter rows
-        on their LoRA graphs, than all rows together on LoRA graphs, where every row pays the deltas' passes
-        over its activations. Expected milliseconds of :meth:`decide`'s forwards, a bucket forward with adapter
-        rows scaled by :meth:`CostModel.lora_factor` (an eager chunk by its home bucket's); False where the factors
-        are unmeasured (1.0: one forward is then never dearer than two), for a miss, or when either side has no
-        rows."""
-        if shape is None or plain_rows < 1 or adapter_rows < 1:
-            return False
-        costs = self.costs  # one snapshot: set_costs may swap it from the capture thread
-
-        def with_lora(forwards: StepForwards) -> float:
-            # an eager chunk with adapter rows pays the deltas too: priced at its home bucket's factor
-            return sum(c.ms * costs.lora_factor(c.key or c.home or forwards.home) for c in forwards.chunks)
-
-        together = with_lora(self.decide(shape, plain_rows + adapter_rows))
-        return self.decide(shape, plain_rows).ms + with_lora(self.decide(shape, adapter_rows)) < together
