@@ -1,5 +1,7 @@
 """The README's Layout block against the tree: it names every module, every path it names exists, no module of the
-three packages is over 500 lines, and their modules import each other without a cycle (../shared/STYLE.md)."""
+three packages is over 500 lines, and their modules import each other without a cycle (../shared/STYLE.md); nothing
+in bcg_core below the pipeline imports it, and the pipeline imports nothing above it; no family, padding adapter or
+runner is asked what it has by ``hasattr``/``getattr`` outside the declarations of ``bcg_core/capabilities.py``."""
 
 from __future__ import annotations
 
@@ -135,3 +137,87 @@ def test_no_two_test_modules_share_a_file_name():
     for p in (ROOT / "tests").rglob("test_*.py"):
         names.setdefault(p.name, []).append(str(p.relative_to(ROOT)))
     assert not {n: ps for n, ps in names.items() if len(ps) > 1}
+
+
+ABOVE_PIPELINE = ("bcg_core.scheduler",)
+"""The bcg_core packages that drive the pipeline, so may import it; every other bcg_core module sits below it (the
+cost model and decider, ``bcg_core.costs``, below both the pipeline and the scheduler)."""
+
+
+def _above(module: str) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in ABOVE_PIPELINE)
+
+
+def _upward_arrows(graph: dict[str, set[str]]) -> list[str]:
+    """Import arrows that point up into the pipeline (a bcg_core module below it importing it) or up out of it (the
+    pipeline importing a module of :data:`ABOVE_PIPELINE`)."""
+    up = [f"{m} -> bcg_core.pipeline" for m, out in sorted(graph.items())
+          if m.startswith("bcg_core.") and m != "bcg_core.pipeline" and not _above(m) and "bcg_core.pipeline" in out]
+    up += [f"bcg_core.pipeline -> {t}" for t in sorted(graph.get("bcg_core.pipeline", ())) if _above(t)]
+    return up
+
+
+def test_nothing_below_the_pipeline_imports_it_and_it_imports_nothing_above_it():
+    up = _upward_arrows(_imports())
+    assert not up, "import arrows up into or out of the pipeline (move the shared part below both): " + "; ".join(up)
+
+
+def test_the_upward_import_check_catches_an_arrow_each_way():
+    graph = {"bcg_core.pipeline": {"bcg_core.costs.model", "bcg_core.scheduler.finish"},
+             "bcg_core.costs.model": {"bcg_core.pipeline"}, "bcg_core.scheduler.loop": {"bcg_core.pipeline"},
+             "deployments.dit": {"bcg_core.pipeline"}}
+    assert _upward_arrows(graph) == ["bcg_core.costs.model -> bcg_core.pipeline",
+                                     "bcg_core.pipeline -> bcg_core.scheduler.finish"]
+
+
+DECLARATIONS = ROOT / "bcg_core" / "capabilities.py"
+"""The one module that may ask a family, adapter or runner what it has (its runtime-checkable Protocols)."""
+
+PROBED = {"family", "fam", "adapter", "inner", "runner"}
+"""Names that hold a family, a padding adapter or a runner in the three packages: the last name of the first
+argument of a ``hasattr``/``getattr`` call (``family``, ``self.runner``, ``pipe.runner`` ...)."""
+
+PROBED_IN_CORE = PROBED | {"model"}
+"""In bcg_core ``model`` is a loaded family too (``pipeline.model``); in deployments/ and router/ it also names
+pydantic config models, which are no capability holders."""
+
+
+def _probes(source: str, filename: str = "<source>", names: set[str] = PROBED_IN_CORE) -> list[str]:
+    """``hasattr``/``getattr`` calls on a family, adapter or runner (``names``) in ``source``, as ``file:line call``;
+    a ``__getattr__`` that forwards to the object it wraps is delegation, not a probe."""
+    tree = ast.parse(source)
+    delegating = {id(n) for f in ast.walk(tree) if isinstance(f, ast.FunctionDef) and f.name == "__getattr__"
+                  for n in ast.walk(f)}
+    found = []
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                and node.func.id in ("hasattr", "getattr") and node.args) or id(node) in delegating:
+            continue
+        target = node.args[0]
+        name = target.id if isinstance(target, ast.Name) else target.attr if isinstance(target, ast.Attribute) else None
+        if name in names:
+            found.append(f"{filename}:{node.lineno} {ast.unparse(node)}")
+    return found
+
+
+def test_no_family_adapter_or_runner_is_probed_with_hasattr_or_getattr_outside_the_declarations():
+    found = [hit for p in _modules() if p != DECLARATIONS
+             for hit in _probes(p.read_text(), str(p.relative_to(ROOT)),
+                                PROBED_IN_CORE if p.is_relative_to(ROOT / "bcg_core") else PROBED)]
+    assert not found, ("capabilities probed with hasattr/getattr (declare them in bcg_core/capabilities.py and answer "
+                       "once where the pipeline is built): " + "; ".join(found))
+
+
+def test_the_probe_check_catches_probes_and_spares_delegation():
+    source = """
+def f(model, pipe, config):
+    a = hasattr(model, "euler_step")
+    b = getattr(pipe.runner, "graph_count", None)
+    c = getattr(self.adapter, "forward_plain", None)
+    d = getattr(config, "quality", None)
+
+class Wrapper:
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+"""
+    assert [h.split(" ", 1)[0] for h in _probes(source)] == ["<source>:3", "<source>:4", "<source>:5"]
