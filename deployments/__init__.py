@@ -4,10 +4,11 @@ command line (:mod:`deployments.cli.main`; the local server in :mod:`deployments
 
 from .app import AppArgs, build_app, load_config
 from .auth import ApiKeys
-from .dit import DiTReplica, as_generation_request
+from .dit import DiTReplica
 from .answers import sse_event
 from .http_errors import error_response, find_request_error, unauthorized_response, validation_error_response
 from .ingress import Ingress
+from .request_args import as_generation_request
 from .schemas import (
     BcgInfo,
     ErrorBody,

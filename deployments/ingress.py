@@ -102,6 +102,7 @@ from .schemas import (
     RequestLimits,
 )
 from .memory import IdleTrimMiddleware, configure_ingress
+from .request_args import as_generation_request
 from .uploads import (BodyTooLarge, FormError, edit_fields, edits_card, form_not_json, read_body, read_form,
                       upload_limit)
 
@@ -350,8 +351,6 @@ class Ingress:
             ServiceUnavailable: the replica's adapter slots stayed full for ``lora.load_timeout_s``.
             ReplicaUnavailable: the serving replica died on every attempt.
         """
-        from .dit import as_generation_request
-
         plan = await self._plan(as_generation_request(request))
         await self._check_adapters(plan)
         routed = await call_dit(self._dit, plan, self._config.routing.max_retries,

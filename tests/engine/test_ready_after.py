@@ -1,6 +1,6 @@
 """A replica reports ready once ``runner.ready_after_s`` of capture has passed, with its largest shapes captured, and
 captures the rest in the background; a request of a shape not captured yet is served at once (unpadded), with the
-image it gets once its shape is captured (``deployments/dit.py``, no Ray)."""
+image it gets once its shape is captured (``deployments/dit.py``, ``deployments/replica/model.py``, no Ray)."""
 
 import asyncio
 import io
@@ -26,21 +26,22 @@ def test_a_replica_past_ready_after_s_is_ready_with_its_largest_shape_and_serves
 
     async def scenario():
         replica = await make_replica(config.model_dump(mode="json"))
-        order = sorted(sorted(replica._by_shape), key=lambda s: -max(k.tokens for k in replica._by_shape[s]))
+        model = replica._model  # its ReplicaModel: the shapes, the capture lock and task
+        order = sorted(model.shapes, key=lambda s: -max(k.tokens for k in model.by_shape[s]))
         large, every = order[0], sorted(order)
         assert len(order) > 1 and str(request.shape) in order[1:]
-        view = replica._routing_view()
+        view = await replica.record_routing_stats()
         # one shape captured (the largest), the others left to the background task, which has not run yet
         assert view["owned"] == every and view["ready"] == [large] and view["capturing"]
-        replica._capture_lock.acquire()  # hold the background capture until the request below is served
+        model.capture_lock.acquire()  # hold the background capture until the request below is served
         try:
             before = await replica.generate(request)
-            assert replica._routing_view()["ready"] == [large]  # served before its shape was captured
+            assert (await replica.record_routing_stats())["ready"] == [large]  # served before its shape was captured
         finally:
-            replica._capture_lock.release()
-        await replica._capture_task
-        assert replica._routing_view()["ready"] == every
-        assert not replica._routing_view()["capturing"]
+            model.capture_lock.release()
+        await model.capture_task
+        assert (await replica.record_routing_stats())["ready"] == every
+        assert not (await replica.record_routing_stats())["capturing"]
         after = await replica.generate(request)
         return before, after
 
@@ -55,7 +56,7 @@ def test_without_ready_after_s_every_shape_is_captured_before_ready():
 
     async def scenario():
         replica = await make_replica(config.model_dump(mode="json"))
-        return replica._routing_view(), replica._capture_task
+        return (await replica.record_routing_stats()), replica._model.capture_task
 
     view, task = asyncio.run(scenario())
     assert view["ready"] == view["owned"] and len(view["owned"]) > 1 and task is None
