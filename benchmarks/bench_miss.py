@@ -3,7 +3,7 @@
 The GPU target of issue 45 (part 2): "a small-table replica's miss within 1.1x of one unpadded eager forward of
 the same rows". A miss (a request no bucket holds) runs unpadded and eager, in ONE forward while its measured
 activation bytes fit the memory the replica can spare now, chunked only beyond that
-(``bcg_core/scheduler/miss_memory.py``; :meth:`bcg_core.scheduler.costs.StepDecider.decide` with shape None).
+(``bcg_core/costs/miss_memory.py``; :meth:`bcg_core.costs.StepDecider.decide` with shape None).
 
 How, in one process, for one model (``--model``; built as ``benchmarks/bench_saturation.py``'s ``build_model``
 builds it: ``tiny`` the embedded default, fp32; ``flux-dev-width`` and ``pixart-512`` random weights of the published
@@ -39,7 +39,7 @@ transformer configs, bf16, with the random-weight stand-in text encoders of test
    the GPU's first kernel counts) and with the host clock elsewhere, in milliseconds; ``ms_step`` and
    ``ms_forward`` are the medians and ``ratio`` = ``ms_step / ms_forward`` (the target: at most 1.1). On CUDA one
    more forward (b) measures its peak bytes per row-token (``peak_bytes_per_row_token``,
-   :class:`~bcg_core.scheduler.miss_memory.ActivationPeaks`), beside the estimate the decider used.
+   :class:`~bcg_core.costs.miss_memory.ActivationPeaks`), beside the estimate the decider used.
 4. A chunked case, the largest miss size again with a scripted spare-memory source (``pipe.decider.miss.spare_bytes
    = lambda: X``, X the bytes that leave room for ``ceil(rows / --chunks)`` rows beyond the margin); where nothing
    measured ``bytes_per_row_token`` (a CPU) a scripted figure of 1,000 bytes per row-token stands in
@@ -212,7 +212,7 @@ def run_case(pipe, plan, warmup: int, iters: int, timed, cuda: bool) -> dict:
     """
     import torch
 
-    from bcg_core.scheduler.miss_memory import ActivationPeaks
+    from bcg_core.costs.miss_memory import ActivationPeaks
 
     real = plan.lookup.query.tokens_per_row
     state = pipe.start(plan)
@@ -256,10 +256,10 @@ def run_case(pipe, plan, warmup: int, iters: int, timed, cuda: bool) -> dict:
 
 
 def spare_for(rows: int, per_row_bytes: float) -> int:
-    """Spare bytes whose usable part (less :data:`~bcg_core.scheduler.miss_memory.MARGIN_BYTES` or
-    :data:`~bcg_core.scheduler.miss_memory.MARGIN_FRACTION` of it, whichever is more) holds ``rows`` rows of
+    """Spare bytes whose usable part (less :data:`~bcg_core.costs.miss_memory.MARGIN_BYTES` or
+    :data:`~bcg_core.costs.miss_memory.MARGIN_FRACTION` of it, whichever is more) holds ``rows`` rows of
     ``per_row_bytes`` bytes each, and not one more."""
-    from bcg_core.scheduler.miss_memory import MARGIN_BYTES, MARGIN_FRACTION
+    from bcg_core.costs.miss_memory import MARGIN_BYTES, MARGIN_FRACTION
 
     usable = (rows + 0.5) * per_row_bytes
     return int(math.ceil(max(usable + MARGIN_BYTES, usable / (1 - MARGIN_FRACTION))))
