@@ -127,7 +127,7 @@ def run(name: str, config, reqs: list, warm: list, args) -> dict:
         entry["ready_s"] = round(time.perf_counter() - t0, 2)
         stats = sat._get_stats(url)
         entry["at_ready"] = {"pending": _pending(stats), "start": (stats.get("kernels") or {}).get("start"),
-                             "kernels": sorted({b.get("kernels") for b in stats.get("buckets") or []})}
+                             "kernels": sorted({b.get("kernels") or "not prepared" for b in stats.get("buckets") or []})}
         entry["at_ready"]["uncaptured_shapes"] = len(uncaptured_shapes(stats))
         print(f"[{name}] ready after {entry['ready_s']} s: {entry['at_ready']}", flush=True)
         watch = _DoneWatch(url) if name == "cold" else None
