@@ -2,7 +2,7 @@
 
 A family's decode gives (height, width, 3) uint8 RGB arrays; :func:`encode_image` turns one into the bytes of
 an image file. The replica's encoder threads call it (never the denoising thread, never an event loop): the
-step scheduler's ``runner.encode_threads`` pool (:mod:`bcg_core.scheduler.finish`), or the calling thread of
+step scheduler's ``scheduler.encode_threads`` pool (:mod:`bcg_core.scheduler.finish`), or the calling thread of
 :meth:`~bcg_core.pipeline.DiTPipeline.generate`.
 
 ``compression`` follows OpenAI's ``output_compression``: 0 to 100, 100 (the default) keeps the most detail.

@@ -50,7 +50,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks"), str(ROOT / "tests")]
 
 from bcg_core import BucketConfig, DiTPipeline, LimitsConfig  # noqa: E402
-from bcg_core.config import RunnerConfig  # noqa: E402
+from bcg_core.config import RunnerConfig, SchedulerConfig  # noqa: E402
 from bcg_core.models import load_model  # noqa: E402
 from bcg_core.verify import RTOL, BoundaryCase, random_inputs, verify_runner  # noqa: E402
 from deployments.settings import ServeConfig  # noqa: E402
@@ -182,8 +182,8 @@ def bench_model(name: str, args, device: torch.device) -> dict:
     for tier in args.tiers.split(","):
         kernels, mode = TIERS[tier]
         config = ServeConfig(model=model_cfg, buckets=table, limits=limits,
-                             runner=RunnerConfig(kernels=kernels, compile_mode=mode, fused_step="never",
-                                                 measure_costs="never"))
+                             runner=RunnerConfig(kernels=kernels, compile_mode=mode, fused_step="never"),
+                             scheduler=SchedulerConfig(measure_costs="never"))
         t0 = time.perf_counter()
         # fp8 turns the model's linear layers to float8 in place, and a model holds one set of compiled kernels:
         # every tier after the first compiled one gets a model of its own

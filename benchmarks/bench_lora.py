@@ -62,7 +62,7 @@ scripts' defaults, with FLUX's single-block ``proj_mlp``)."""
 
 def start_engine(config):
     """The pipeline and step scheduler a replica would run for ``config``: every bucket's costs measured where
-    ``runner.measure_costs`` asks for it (:meth:`StepScheduler.measure_costs`) and the memory budget set after that,
+    ``scheduler.measure_costs`` asks for it (:meth:`StepScheduler.measure_costs`) and the memory budget set after that,
     as ``DiTReplica`` does after its capture. ``(pipe, scheduler, start seconds)``."""
     from bcg_core.pipeline import DiTPipeline
     from bcg_core.scheduler import StepScheduler
@@ -143,7 +143,7 @@ def assign_adapters(requests: list, names: list[str], share: float, two_share: f
 def replay_engine(config, requests: list, concurrency: int, warm: list) -> dict:
     """Serve ``requests`` (GenerationRequests) through a fresh pipeline and step scheduler, ``concurrency`` in
     flight, after serving ``warm`` untimed. Started as a replica starts (:func:`start_engine`: the cost
-    model measured where ``runner.measure_costs`` asks for it, the memory budget set; the runs up to commit fdfe4bc
+    model measured where ``scheduler.measure_costs`` asks for it, the memory budget set; the runs up to commit fdfe4bc
     used the token-count stand-in instead). Returns wall time, images/s, latencies, the pipeline's LoRA stats, the
     timed replay's steps run as two (without and with adapters, ``adapter_splits``) and each bucket's measured
     forward with adapter rows over its plain one (``lora_factor``)."""

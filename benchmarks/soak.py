@@ -18,7 +18,7 @@ Reported (JSON, ``--out``):
   ``--warmup-share`` of the run) the clients pause; the memory at rest is taken once the replica itself is at
   rest, not after a fixed wait (:func:`memory_at_rest`): no request left in the client, none in the replica's
   step scheduler (``GET /v1/buckets``: waiting, starting, running and finishing all 0: an abandoned request runs
-  until its next step), and the scheduler's idle trim (``bcg_core/scheduler/memtrim.py``, ``runner.trim_idle_s``)
+  until its next step), and the scheduler's idle trim (``bcg_core/scheduler/memtrim.py``, ``scheduler.trim_idle_s``)
   done since the replica went idle; then ``--quiet-s`` later the median of 5 samples 0.2 s apart, kept only if no
   request ran on the replica meanwhile (its step and request counters unchanged; else the wait starts over). That
   is the baseline, and the load resumes. After the run the same is taken again (``memory.rest``: whether rest was

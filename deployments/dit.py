@@ -18,7 +18,7 @@ and ``record_routing_stats``; a cancelled call (its client went away) stops at t
 A streamed request (``stream: true`` at the ingress) comes through ``generate_stream``, an async generator
 called with ``handle.options(stream=True)``: its previews, then its result (:meth:`StepScheduler.submit_stream`).
 
-Cost model: with ``runner.measure_costs`` (``auto``: where graphs are captured), each
+Cost model: with ``scheduler.measure_costs`` (``auto``: where graphs are captured), each
 shape's buckets are timed right after
 they are prepared (graph replays on CUDA) together with the shape's unpadded eager forward against row
 count (:meth:`~bcg_core.pipeline.DiTPipeline.measure_costs`); the scheduler's memory budget is then set from

@@ -216,7 +216,7 @@ class Ingress:
         # decoded off the event loop
         self._planning = ThreadPoolExecutor(1, thread_name_prefix="bcg-plan")
         self._edits = edits_card(self._planner.spec, self._config.limits)
-        configure_ingress(self._config.runner)  # large buffers mmapped; the heap trimmed once idle
+        configure_ingress(self._config)  # large buffers mmapped; the heap trimmed once idle
 
     def _request_limits(self) -> RequestLimits:
         return RequestLimits(

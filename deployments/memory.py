@@ -12,7 +12,7 @@ with it.
 :class:`IdleTrimMiddleware` is a plain ASGI middleware (a streamed answer counts as in flight until its last
 chunk is sent) that counts the HTTP requests in flight and notifies one :class:`IdleTrimmer` per process
 (:data:`INGRESS_TRIM`) each time the count drops to zero; the trimmer waits ``delay_s`` (the Ingress sets it from
-``runner.trim_idle_s``) and trims if nothing arrived meanwhile.
+``scheduler.trim_idle_s``) and trims if nothing arrived meanwhile.
 
 :func:`configure_heap` sets the process's mmap threshold (``runner.mmap_threshold_bytes``), so large buffers never
 enter the heaps at all; the DiT replica calls it too.
@@ -40,7 +40,7 @@ class InFlightCounter:
         self._lock = threading.Lock()
         self.on_idle = on_idle
         self.enabled = True
-        """False: :class:`IdleTrimMiddleware` passes requests through uncounted (``runner.trim_idle_s`` None)."""
+        """False: :class:`IdleTrimMiddleware` passes requests through uncounted (``scheduler.trim_idle_s`` None)."""
 
     @property
     def count(self) -> int:
@@ -83,16 +83,16 @@ def configure_heap(runner) -> bool:
     return done
 
 
-def configure_ingress(runner) -> IdleTrimmer | None:
-    """The ingress's memory settings from the ``runner`` section: :func:`configure_heap`, then
-    :func:`configure_trim` with ``runner.trim_idle_s``; returns the trimmer or None."""
-    configure_heap(runner)
-    return configure_trim(runner.trim_idle_s)
+def configure_ingress(config) -> IdleTrimmer | None:
+    """The ingress's memory settings from ``config`` (an engine or serve config): :func:`configure_heap` with its
+    ``runner`` section, then :func:`configure_trim` with ``scheduler.trim_idle_s``; returns the trimmer or None."""
+    configure_heap(config.runner)
+    return configure_trim(config.scheduler.trim_idle_s)
 
 
 def configure_trim(delay_s: float | None) -> IdleTrimmer | None:
     """Trim this process's heap ``delay_s`` seconds after its last HTTP request was answered (the ingress passes
-    ``runner.trim_idle_s``); None: never. Returns the trimmer (its ``describe()`` counts trims and bytes released),
+    ``scheduler.trim_idle_s``); None: never. Returns the trimmer (its ``describe()`` counts trims and bytes released),
     or None. Called again, the delay is replaced."""
     global _trimmer
     if delay_s is None:

@@ -75,8 +75,8 @@ class RoutingConfig(BaseModel):
     max_ongoing_requests: int | None = Field(
         default=None, ge=1, le=1024,
         description="Requests one DiT replica accepts at once (waiting in its scheduler or running). None: "
-        "derived from the scheduler's capacity (deployments.settings.backpressure_limits): runner.max_requests, else "
-        "2 x (runner.max_rows_in_flight // rows of a default request).",
+        "derived from the scheduler's capacity (deployments.settings.backpressure_limits): scheduler.max_requests, else "
+        "2 x (scheduler.max_rows_in_flight // rows of a default request).",
     )
     max_queued_requests: int | None = Field(
         default=None, ge=1, le=100000,
@@ -423,11 +423,11 @@ def backpressure_limits(config: ServeConfig, dit_replicas: int = 1) -> Backpress
     ``rows`` of a default request: 2 with classifier-free guidance (``limits.default_guidance_scale > 1``, or
     unset: the family's default, which runs CFG for SD3, PixArt-Sigma, SANA and the tiny default; counted
     without loading the model, so FLUX.1 and Qwen-Image, whose default requests run one row, are counted at 2
-    too unless it is set to 1), else 1. ``batch_capacity`` (the requests a replica runs at once) is ``runner.max_rows_in_flight // rows``:
+    too unless it is set to 1), else 1. ``batch_capacity`` (the requests a replica runs at once) is ``scheduler.max_rows_in_flight // rows``:
     the step scheduler splits forwards across buckets (or runs them eager), so the largest batch bucket does
     not bound it.
 
-    ``max_ongoing_requests``: ``runner.max_requests`` when set, else ``2 x batch_capacity`` (one set running, one
+    ``max_ongoing_requests``: ``scheduler.max_requests`` when set, else ``2 x batch_capacity`` (one set running, one
     waiting for admission).
     ``max_queued_requests = max_ongoing_requests x most replicas`` (``autoscaling.max_replicas`` when
     autoscaling is on, else ``dit_replicas``): each ingress replica may hold one full deployment's worth of
@@ -444,9 +444,9 @@ def backpressure_limits(config: ServeConfig, dit_replicas: int = 1) -> Backpress
     """
     guidance = config.limits.default_guidance_scale
     rows = 2 if guidance is None or guidance > 1 else 1
-    runner = config.runner
-    capacity = max(1, runner.max_rows_in_flight // rows)
-    default_ongoing = runner.max_requests or 2 * capacity
+    scheduler = config.scheduler
+    capacity = max(1, scheduler.max_rows_in_flight // rows)
+    default_ongoing = scheduler.max_requests or 2 * capacity
     most = config.autoscaling.max_replicas if config.autoscaling.enabled else max(1, int(dit_replicas))
     ongoing = config.routing.max_ongoing_requests or default_ongoing
     queued = config.routing.max_queued_requests or ongoing * most

@@ -16,7 +16,7 @@ a miss may use it less a safety margin, :data:`MARGIN_FRACTION` of it and at lea
 margin, not a measurement: the decode thread and the preview worker allocate beside a forward).
 
 On a CPU nothing is measured and nothing bounds a miss: it runs in one forward, as a user's own server runs a
-request's rows. So it does on CUDA until a measurement arrives (never with ``runner.measure_costs: never``, nor
+request's rows. So it does on CUDA until a measurement arrives (never with ``scheduler.measure_costs: never``, nor
 under ``auto`` on the eager runner, as the naive server of ``benchmarks/bench_saturation.py`` runs).
 """
 

@@ -26,7 +26,7 @@ Where the times come from (:attr:`CostModel.source`):
   each shape's unpadded eager forward at 1, 2, 4, ... rows and at every batch size of the table; eager
   milliseconds between measured row counts are interpolated linearly, beyond them extrapolated from the
   last two points;
-- ``token-count`` (:meth:`CostModel.token_model`): a stand-in when nothing is measured (``runner.measure_costs:
+- ``token-count`` (:meth:`CostModel.token_model`): a stand-in when nothing is measured (``scheduler.measure_costs:
   false``): milliseconds proportional to the tokens computed (padded for a bucket, real for eager) plus a
   fixed launch cost per forward, ``launch_ms + tokens * ms_per_token``; graph replays pay ``launch_ms / 10``
   (a replay is one launch instead of hundreds; docs/DESIGN.md section 3).

@@ -156,7 +156,7 @@ class DenoisingLoop:
             retry = self.retry_after_s
             self._flight.resolve(item, ServiceUnavailable(
                 "request", f"the request waited {now - item.submitted:.0f} s in the replica's queue without "
-                f"starting, past runner.max_queue_wait_s {self._flight.admission.max_queue_wait_s:g}; retry after "
+                f"starting, past scheduler.max_queue_wait_s {self._flight.admission.max_queue_wait_s:g}; retry after "
                 f"{retry:g} s", retry_after_s=retry))
         self._flight.rows = out.rows
         return out.start

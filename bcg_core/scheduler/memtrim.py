@@ -18,7 +18,7 @@ not in extra arenas).
 
 ``malloc_trim(0)`` (glibc >= 2.8 releases whole free pages anywhere in every arena with ``madvise``, not only the
 heap's top; ``man 3 malloc_trim``) is called by :class:`IdleTrimmer` once the scheduler has had no request for
-a moment (``runner.trim_idle_s``), so it seldom competes with a request for the heap's locks. Elsewhere (musl, macOS) it is a no-op.
+a moment (``scheduler.trim_idle_s``), so it seldom competes with a request for the heap's locks. Elsewhere (musl, macOS) it is a no-op.
 """
 
 from __future__ import annotations

@@ -46,7 +46,7 @@ class StepScheduler:
         pipeline: the replica's pipeline (planner, table, runner, family).
         costs: the cost model, given to the pipeline's decider (:class:`~bcg_core.costs.StepDecider`);
             None: the decider's own (the token-count stand-in until measured costs are set).
-        max_rows: most transformer rows in flight (``runner.max_rows_in_flight``).
+        max_rows: most transformer rows in flight (``scheduler.max_rows_in_flight``).
         memory_budget_bytes: most bytes of request tensors in flight (None: unbounded); see
             :meth:`from_pipeline` for how a replica measures it on CUDA.
         decode_batch_images: most images of one decode call.
@@ -108,12 +108,12 @@ class StepScheduler:
     @classmethod
     def from_pipeline(cls, pipeline: DiTPipeline, costs: CostModel | None = None, load_window_s: float = 10.0,
                       retry_after_s: float = 1.0) -> StepScheduler:
-        """A scheduler configured by ``pipeline.config.runner`` (``max_rows_in_flight``, ``decode_batch_images``,
+        """A scheduler configured by ``pipeline.config.scheduler`` (``max_rows_in_flight``, ``decode_batch_images``,
         ``encode_threads``, ``fair_wait_s``, ``max_queue_wait_s``, ``trim_idle_s``), its load meter's window
         ``load_window_s`` (the serving layer passes ``autoscaling.look_back_period_s``). On CUDA the memory budget
         of request tensors in flight is half of the device memory free now (after the weights, the graph pool and
         the cost measurement's forwards, whose activation peak the caching allocator keeps reserved)."""
-        r = pipeline.config.runner
+        r = pipeline.config.scheduler
         sched = cls(pipeline, costs, max_rows=r.max_rows_in_flight, decode_batch_images=r.decode_batch_images,
                     encode_threads=r.encode_threads, fair_wait_s=r.fair_wait_s, max_queue_wait_s=r.max_queue_wait_s,
                     trim_idle_s=r.trim_idle_s, retry_after_s=retry_after_s,
@@ -131,11 +131,11 @@ class StepScheduler:
                 self.flight.admission.memory_budget_bytes = int(0.5 * free)
 
     def measure_costs(self, keys: list[BucketKey]) -> bool:
-        """Where ``runner.measure_costs`` asks for it (``always``, or ``auto`` with CUDA graphs), time ``keys``'
+        """Where ``scheduler.measure_costs`` asks for it (``always``, or ``auto`` with CUDA graphs), time ``keys``'
         forwards and their shapes' eager ones (:meth:`DiTPipeline.measure_costs`) and use the times from now on, as
         a replica does after each capture; True if measured. Errors of the measurement are raised."""
         config = self.pipeline.config
-        how = config.runner.measure_costs
+        how = config.scheduler.measure_costs
         if how == "never" or (how == "auto" and runner_mode(config, self.pipeline.model.device) != "graph"):
             return False
         self.set_costs(self.pipeline.measure_costs(keys))

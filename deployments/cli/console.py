@@ -87,7 +87,7 @@ class CompileProgress:
         if replica in self.done:
             return []
         total = len(stats.get("buckets", ()))
-        compiled = sum(1 for b in stats.get("buckets", ()) if b.get("kernels") != "eager")
+        compiled = sum(1 for b in stats.get("buckets", ()) if b.get("kernels") not in ("eager", None))
         key = (ready, state["pending"], state["swapped"], state["failed"])
         if self._seen.get(replica) == key:
             return []

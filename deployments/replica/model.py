@@ -143,7 +143,7 @@ class ReplicaModel:
 
     def _measure_costs(self, shape: str, keys: list[BucketKey]) -> None:
         """Time ``shape``'s prepared buckets and its eager forwards for the step scheduler's cost model; a
-        failed measurement leaves the shape on the token-count stand-in (logged). ``runner.measure_costs`` says
+        failed measurement leaves the shape on the token-count stand-in (logged). ``scheduler.measure_costs`` says
         whether to measure (:meth:`~bcg_core.scheduler.StepScheduler.measure_costs`)."""
         try:
             self.scheduler.measure_costs(keys)

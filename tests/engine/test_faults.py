@@ -137,7 +137,7 @@ def test_a_step_that_runs_out_of_memory_is_answered_503_and_the_replica_keeps_se
 
 
 def test_a_request_that_waits_past_its_deadline_is_answered_503_not_left_hanging(tiny):
-    """``runner.max_queue_wait_s``: with one row in flight allowed and a slow first request, the second waits in
+    """``scheduler.max_queue_wait_s``: with one row in flight allowed and a slow first request, the second waits in
     the replica's queue past the deadline and is answered 503 with Retry-After; the first is served."""
     pipe = DiTPipeline(EngineConfig(buckets=BUCKETS), tiny)
     real = pipe.step
@@ -163,7 +163,7 @@ def test_a_request_that_waits_past_its_deadline_is_answered_503_not_left_hanging
     first, second, stats = asyncio.run(asyncio.wait_for(main(), 120))
     assert len(first.images_png) == 1
     assert isinstance(second, ServiceUnavailable) and second.status == 503 and second.retry_after_s > 0
-    assert "past runner.max_queue_wait_s 0.2" in second.message
+    assert "past scheduler.max_queue_wait_s 0.2" in second.message
     assert sum(s["expired"] for s in stats["shapes"].values()) == 1 and stats["waiting"] == 0
 
 

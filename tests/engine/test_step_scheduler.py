@@ -613,7 +613,7 @@ def test_the_scheduler_measures_costs_where_runner_measure_costs_asks(tiny):
     graphs, so not on a CPU, ``never`` never, ``always`` here too, and the times are then the decider's."""
     keys = [k for k in DiTPipeline(CONFIG, tiny).table.keys if k.shape == SHAPE][:1]
     for how, measured in (("auto", False), ("never", False), ("always", True)):
-        config = CONFIG.model_copy(update={"runner": CONFIG.runner.model_copy(update={"measure_costs": how})})
+        config = CONFIG.model_copy(update={"scheduler": CONFIG.scheduler.model_copy(update={"measure_costs": how})})
         sched = StepScheduler.from_pipeline(DiTPipeline(config, tiny))
         try:
             assert sched.measure_costs(keys) is measured
@@ -627,7 +627,7 @@ def test_backpressure_follows_the_scheduler_capacity():
     assert (step.batch_capacity, step.dit_max_ongoing) == (32, 64)  # 64 rows / 2 rows per default request
     one_row_table = ServeConfig.model_validate({"buckets": {"batch_sizes": [1]}})
     assert backpressure_limits(one_row_table).dit_max_ongoing == 64  # no longer 2: the table does not bound it
-    set_requests = ServeConfig.model_validate({"runner": {"max_requests": 10}})
+    set_requests = ServeConfig.model_validate({"scheduler": {"max_requests": 10}})
     assert backpressure_limits(set_requests).dit_max_ongoing == 10
     with pytest.raises(ValueError, match="scheduler"):  # the request-level scheduler is gone: a clear config error
         ServeConfig.model_validate({"runner": {"scheduler": "request"}})

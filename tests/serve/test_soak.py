@@ -10,7 +10,7 @@ Memory at rest, and why it is judged this way (a run on a busy 2-core machine on
 5%): what the bound protects against is memory that stays after the requests are gone (a leak, or the freed heap
 that glibc kept before the replica's idle trim, +17% in 2 minutes: ``bcg_core/scheduler/memtrim.py``). The old measurement
 waited a fixed 3 s after the client's last answer, which on a busy machine can land before the replica is at rest:
-an abandoned request still runs until its next step, and the idle trim comes ``runner.trim_idle_s`` after the
+an abandoned request still runs until its next step, and the idle trim comes ``scheduler.trim_idle_s`` after the
 replica's last request, so the sample could hold memory about to be given back, at either end. And a slow
 warm-up got through few requests, so memory made once on first use (the preview thread and its fitted decoder of
 the first streamed request) could fall after the baseline. ``benchmarks/soak.py`` now takes both measurements the

@@ -93,3 +93,20 @@ def test_cuda_asked_for_without_cuda_is_refused_before_anything_starts():
         runner_mode(ServeConfig(model=ModelConfig(device="cuda")))
     assert runner_mode(ServeConfig()) == "eager"
     assert BucketConfig().batch_sizes[-1] == 20
+
+
+def test_the_step_schedulers_settings_have_their_own_section_and_an_old_runner_key_names_its_new_place(tmp_path):
+    from bcg_core.runtime_config import SCHEDULER_KEYS, SchedulerConfig
+
+    config = ServeConfig.model_validate({"scheduler": {"max_rows_in_flight": 16, "fair_wait_s": 0.5}})
+    assert (config.scheduler.max_rows_in_flight, config.scheduler.fair_wait_s) == (16, 0.5)
+    assert set(SCHEDULER_KEYS) == set(SchedulerConfig.model_fields)
+    assert not set(SCHEDULER_KEYS) & set(RunnerConfig.model_fields)
+    with pytest.raises(ValidationError) as e:
+        ServeConfig.model_validate({"runner": {"kernels": "eager", "max_rows_in_flight": 16, "trim_idle_s": None}})
+    assert ("runner.max_rows_in_flight moved to scheduler.max_rows_in_flight; runner.trim_idle_s moved to "
+            "scheduler.trim_idle_s") in str(e.value)
+    old = tmp_path / "old.yaml"  # a config file written before the move: refused when loaded, with the same words
+    old.write_text("runner:\n  max_queue_wait_s: 30\n")
+    with pytest.raises(Exception, match="runner.max_queue_wait_s moved to scheduler.max_queue_wait_s"):
+        load_config(config_path=old)
