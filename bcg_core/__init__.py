@@ -16,7 +16,7 @@ from bcg_core.families.tiny import build_tiny
 from bcg_core.images import IMAGE_FORMATS, encode_image
 from bcg_core.keys import BucketKey, BucketShape, Dim, ShapeQuery
 from bcg_core.metrics import BucketCounters, BucketMetrics
-from bcg_core.models import CheckpointError, LoadedModel, describe_model, load_model, save_pipeline
+from bcg_core.models import CheckpointError, describe_model, load_model, save_pipeline
 from bcg_core.padding import DenoiseInputs, DiTAdapter
 from bcg_core.pipeline import DiTPipeline
 from bcg_core.planner import Planner
@@ -45,7 +45,7 @@ __all__ = [
     "BucketConfig", "BucketCounters", "BucketEntry", "BucketKey", "BucketLookup", "BucketMetrics", "BucketMissError",
     "BucketRunner", "BucketShape", "BucketTable", "CheckpointError", "DenoiseInputs", "DiTAdapter", "DiTPipeline",
     "Dim", "EagerBucketRunner", "Family", "GenerationRequest", "GenerationResult", "IMAGE_FORMATS", "LimitsConfig",
-    "LinearPreview", "LoadedModel", "MissPolicy", "ModelConfig", "ModelSpec", "PartialImage", "PlannedRequest",
+    "LinearPreview", "MissPolicy", "ModelConfig", "ModelSpec", "PartialImage", "PlannedRequest",
     "Planner", "RequestCancelled", "RequestError", "RequestState", "RunMode", "RunnerConfig", "EngineConfig",
     "ShapeQuery", "ShapeRules", "TextRows", "TrafficHistogram", "TrafficKey", "build_tiny", "describe_model",
     "encode_image", "load_model", "load_traffic", "parse_size", "preview_steps", "save_pipeline",

@@ -17,13 +17,10 @@ import io
 
 import numpy as np
 
-__all__ = ["DEFAULT_COMPRESSION", "IMAGE_FORMATS", "MEDIA_TYPES", "encode_image", "resize_image"]
+__all__ = ["DEFAULT_COMPRESSION", "IMAGE_FORMATS", "encode_image", "resize_image"]
 
 IMAGE_FORMATS = ("png", "jpeg", "webp")
 """The ``output_format`` values served (OpenAI's, less ``gif`` and ``svg``)."""
-
-MEDIA_TYPES = {"png": "image/png", "jpeg": "image/jpeg", "webp": "image/webp"}
-"""Media type of each format."""
 
 DEFAULT_COMPRESSION = 100
 """``output_compression`` when a request omits it (OpenAI's default)."""

@@ -26,7 +26,6 @@ from bcg_core.text import SentenceTextEncoder, minilm_path
 __all__ = [
     "ACTIVATION_FACTOR",
     "CheckpointError",
-    "LoadedModel",
     "ModelSpec",
     "estimate_graph_bytes",
     "transformer_width",
@@ -38,10 +37,6 @@ __all__ = [
     "save_pipeline",
     "weights_stamp",
 ]
-
-LoadedModel = Family
-"""A loaded model is its family instance (:class:`~bcg_core.families.Family`)."""
-
 
 class CheckpointError(ValueError):
     """A checkpoint folder that cannot be served; the message names the cause and the fix."""
