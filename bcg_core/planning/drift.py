@@ -12,7 +12,7 @@ from collections.abc import Mapping
 
 from bcg_core.table import BucketTable
 from bcg_core.config import PlannedTraffic, EngineConfig
-from bcg_core.planning.costs import PlanCosts, evaluate
+from bcg_core.planning.plan_costs import PlanCosts, evaluate
 from bcg_core.planning.samples import planning_table, traffic_from_histogram
 from bcg_core.planning.table_search import search_table
 

@@ -1,9 +1,9 @@
 """The table search behind ``bcg plan``: choose the bucket table for a traffic sample, under a graph-memory
 budget and a graph cap.
 
-Input: a :class:`~bcg_core.planning.samples.Traffic` sample and a :class:`~bcg_core.planning.costs.PlanCosts`
+Input: a :class:`~bcg_core.planning.samples.Traffic` sample and a :class:`~bcg_core.planning.plan_costs.PlanCosts`
 cost model. Output: a :class:`TableChoice` whose :attr:`TableChoice.buckets` is the ``buckets`` section of a
-EngineConfig, chosen to minimise the expected GPU milliseconds per image (:func:`~bcg_core.planning.costs.evaluate`).
+EngineConfig, chosen to minimise the expected GPU milliseconds per image (:func:`~bcg_core.planning.plan_costs.evaluate`).
 
 Search (:func:`search_table`): the best single bucket (one graph), then greedy growth: at each step the tier,
 text bucket or batch size whose addition lowers the expected cost most per graph added, within the graph cap
@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 from bcg_core.table import BucketTable, ShapeRules
 from bcg_core.config import BucketConfig, PlannedTraffic, EngineConfig
 from bcg_core.planner import Planner
-from bcg_core.planning.costs import PlanCosts, TableScore, evaluate
+from bcg_core.planning.plan_costs import PlanCosts, TableScore, evaluate
 from bcg_core.planning.samples import Traffic, planning_planner
 
 __all__ = ["LADDER", "REJECT_PENALTY", "PlanPoint", "TableChoice", "profile_buckets", "search_table"]
@@ -325,7 +325,7 @@ limit makes the plan never worse for a larger budget (a budget between two steps
 
 def profile_buckets(config: EngineConfig, traffic: Traffic) -> BucketConfig:
     """The buckets ``bcg plan --measure`` profiles to fit its cost lines to
-    (:func:`~bcg_core.planning.costs.costs_from_profile`): the sample's smallest, most requested and largest
+    (:func:`~bcg_core.planning.plan_costs.costs_from_profile`): the sample's smallest, most requested and largest
     resolution tiers, its median text bucket (the native length for fixed-length text), and 1 row and the most
     rows of any request, so that the fitted lines span the token counts the plan will price.
     ``image_padding: exact`` (a masked twin times the same forward).

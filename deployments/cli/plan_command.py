@@ -75,10 +75,10 @@ def measure_plan_costs(config: ServeConfig, traffic, iters: int = 5, console=Non
     """The planner's own profile on a GPU (``bcg plan --measure``): capture and time the few buckets of
     :func:`bcg_core.planning.table_search.profile_buckets` (the sample's smallest, most requested and largest tier, its
     median text, 1 row and the most rows), then fit the plan's cost lines to them
-    (:func:`bcg_core.planning.costs.costs_from_profile`: replay and eager milliseconds per token, pool bytes per token).
+    (:func:`bcg_core.planning.plan_costs.costs_from_profile`: replay and eager milliseconds per token, pool bytes per token).
 
     Returns:
-        A :class:`~bcg_core.planning.costs.PlanCosts` whose ``source`` names the GPU.
+        A :class:`~bcg_core.planning.plan_costs.PlanCosts` whose ``source`` names the GPU.
 
     Raises:
         RuntimeError: without CUDA (the plan then uses the token-count model, or ``--profile`` output measured
@@ -87,7 +87,7 @@ def measure_plan_costs(config: ServeConfig, traffic, iters: int = 5, console=Non
     import dataclasses
     import gc
 
-    from bcg_core.planning.costs import PlanCosts, costs_from_profile
+    from bcg_core.planning.plan_costs import PlanCosts, costs_from_profile
     from bcg_core.planning.table_search import profile_buckets
 
     if not torch.cuda.is_available():
@@ -120,7 +120,7 @@ def current_is_better(plan, current) -> bool:
 
     Args:
         plan: the search's :class:`~bcg_core.planning.table_search.TableChoice` (its ``score``).
-        current: the current table's :class:`~bcg_core.planning.costs.TableScore` on the same traffic and costs.
+        current: the current table's :class:`~bcg_core.planning.plan_costs.TableScore` on the same traffic and costs.
     """
     return current.ms_per_image <= plan.score.ms_per_image * (1 + 1e-9)
 
@@ -139,7 +139,7 @@ def run_plan(config: ServeConfig, source: str = "krea", budget_mib: float | None
 
     Returns:
         ``(plan, current)``: the :class:`~bcg_core.planning.table_search.TableChoice` and the current table's
-        :class:`~bcg_core.planning.costs.TableScore` on the same traffic and costs.
+        :class:`~bcg_core.planning.plan_costs.TableScore` on the same traffic and costs.
 
     Raises:
         ValueError, OSError: see :func:`load_plan_traffic` and :func:`bcg_core.planning.table_search.search_table`.
@@ -149,7 +149,7 @@ def run_plan(config: ServeConfig, source: str = "krea", budget_mib: float | None
     from rich.console import Console
     from rich.table import Table
 
-    from bcg_core.planning.costs import PlanCosts, costs_from_profile, evaluate
+    from bcg_core.planning.plan_costs import PlanCosts, costs_from_profile, evaluate
     from bcg_core.planning.samples import planning_table
     from bcg_core.planning.table_search import search_table
 

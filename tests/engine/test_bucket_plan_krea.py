@@ -11,7 +11,7 @@ import pytest
 from bcg_core import BucketConfig
 
 from bcg_core.config import EngineConfig
-from bcg_core.planning.costs import PlanCosts, evaluate
+from bcg_core.planning.plan_costs import PlanCosts, evaluate
 from bcg_core.planning.samples import krea_rows, planning_planner, planning_table, traffic_from_rows
 from bcg_core.planning.table_search import search_table
 from bcg_core.table import BucketTable
@@ -57,10 +57,10 @@ def test_every_request_is_served_by_a_bucket_or_a_counted_planned_miss():
 
 def test_with_compiled_kernels_misses_cost_more_so_the_plan_holds_more_of_the_traffic():
     """Misses run eager kernels, buckets compiled ones (``runner.kernels: auto`` on a GPU): the token-count model
-    prices a miss's token :data:`~bcg_core.planning.costs.COMPILED_HIT_GAIN` times a bucket's, so on the whole krea
+    prices a miss's token :data:`~bcg_core.planning.plan_costs.COMPILED_HIT_GAIN` times a bucket's, so on the whole krea
     sample the 12-graph plan leaves fewer requests to eager misses than with eager kernels everywhere (8.7% against
     21.3% when this was written)."""
-    from bcg_core.planning.costs import COMPILED_HIT_GAIN
+    from bcg_core.planning.plan_costs import COMPILED_HIT_GAIN
 
     compiled = EngineConfig()
     eager = EngineConfig.model_validate({"runner": {"kernels": "eager"}})

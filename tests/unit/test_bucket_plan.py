@@ -15,7 +15,7 @@ import pytest
 from bcg_core import BucketConfig, GenerationRequest, LimitsConfig
 
 from deployments.settings import ServeConfig
-from bcg_core.planning.costs import PlanCosts, costs_from_profile, evaluate
+from bcg_core.planning.plan_costs import PlanCosts, costs_from_profile, evaluate
 from bcg_core.planning.samples import (
     planning_table,
     Traffic,
