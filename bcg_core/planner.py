@@ -23,7 +23,7 @@ from bcg_core.config import EngineConfig, LimitsConfig, LoRAConfig, MissPolicy
 from bcg_core.errors import BucketMissError, RequestError, shown
 from bcg_core.families.base import ModelSpec
 
-__all__ = ["Planner", "allowed_values", "invalid"]
+__all__ = ["Planner", "engine_field_phrase", "invalid"]
 
 log = logging.getLogger(__name__)
 
@@ -32,8 +32,8 @@ def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def allowed_values(name: str, limits: LimitsConfig, size_multiple: int | None = 16,
-                   resolutions: tuple[str, ...] = (), lora: LoRAConfig | None = None) -> str | None:
+def engine_field_phrase(name: str, limits: LimitsConfig, size_multiple: int | None = 16,
+                        resolutions: tuple[str, ...] = (), lora: LoRAConfig | None = None) -> str | None:
     """What request field ``name`` accepts under ``limits``: the one wording of every limit message (the planner's
     errors and the HTTP schema's type errors both use it). None for a field the engine does not validate.
 
@@ -284,9 +284,10 @@ class Planner:
         return PlannedRequest(filled, lookup, tokens, grid, None if home is None else home.shape)
 
     def _bad(self, name: str, got: object, reason: str) -> RequestError:
-        """The error of a refused field, in the one wording of limit messages (:func:`invalid`, :func:`allowed_values`)."""
+        """The error of a refused field, in the one wording of limit messages (:func:`invalid`,
+        :func:`engine_field_phrase`)."""
         multiple = None if self.spec.size_bins else self.rules.pixels_per_token
-        return RequestError(name, invalid(name, got, reason, allowed_values(
+        return RequestError(name, invalid(name, got, reason, engine_field_phrase(
             name, self.limits, multiple, tuple(self.config.buckets.resolutions), self.config.lora)))
 
     def _edit_defaults(self, r: GenerationRequest) -> dict | None:

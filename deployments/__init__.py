@@ -21,7 +21,7 @@ from .schemas import (
     ModelList,
     RequestLimits,
     Usage,
-    allowed_values,
+    http_field_phrase,
 )
 
 __all__ = [
@@ -40,11 +40,11 @@ __all__ = [
     "ModelList",
     "RequestLimits",
     "Usage",
-    "allowed_values",
     "as_generation_request",
     "build_app",
     "error_response",
     "find_request_error",
+    "http_field_phrase",
     "load_config",
     "sse_event",
     "unauthorized_response",

@@ -191,9 +191,9 @@ class AdapterCatalog:
         missing = await asyncio.to_thread(self._unknown, missing)
         if not missing:
             return
-        from bcg_core.planner import allowed_values, invalid
+        from bcg_core.planner import engine_field_phrase, invalid
 
-        allowed = allowed_values("lora", LimitsConfig(), lora=self.config)  # the lora phrase reads no limit
+        allowed = engine_field_phrase("lora", LimitsConfig(), lora=self.config)  # the lora phrase reads no limit
         with self._lock:
             if self._error is not None:
                 return

@@ -13,7 +13,7 @@ from pydantic import BaseModel, ValidationError
 
 from bcg_core.errors import RequestError, shown
 
-from .schemas import ErrorBody, ErrorDetail, ImageGenerationRequest, RequestLimits, allowed_values
+from .schemas import ErrorBody, ErrorDetail, ImageGenerationRequest, RequestLimits, http_field_phrase
 
 __all__ = ["UNSUPPORTED_ROUTES", "error_response", "find_request_error", "unauthorized_response",
            "unavailable_response", "unsupported_response", "validation_error_response"]
@@ -120,14 +120,14 @@ def validation_error_response(exc: ValidationError, limits: RequestLimits,
                 what = f"{where} is missing"
             else:
                 what = (f"got {shown(err['input'], 40)} at {where}" if "input" in err else f"at {where}") + f": {msg}"
-            messages.append(f"invalid '{name}' ({what}); allowed: {allowed_values(name, limits)}")
+            messages.append(f"invalid '{name}' ({what}); allowed: {http_field_phrase(name, limits)}")
         elif kind == "extra_forbidden":
             messages.append(f"unknown field '{name}'; allowed fields: {fields}")
         elif kind == "missing":
-            messages.append(f"'{name}' is required: {allowed_values(name, limits)}")
+            messages.append(f"'{name}' is required: {http_field_phrase(name, limits)}")
         else:
             got = f" (got {shown(err['input'], 40)})" if "input" in err else ""
-            messages.append(f"invalid '{name}'{got}: {msg}; allowed: {allowed_values(name, limits)}")
+            messages.append(f"invalid '{name}'{got}: {msg}; allowed: {http_field_phrase(name, limits)}")
     return error_response(status, "; ".join(messages) or str(exc), param=param)
 
 

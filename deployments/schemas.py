@@ -4,7 +4,7 @@ This module checks the *shape* of OpenAI's request: types (strict: no ``"2"`` fo
 number), the values OpenAI's enumerations allow, ``WxH`` sizes, the served model name, previews only when
 streamed, and no unknown fields. Limits (``n``, sizes, steps, guidance, seeds, text length, output options) are
 the planner's to check, once, with the model (:meth:`bcg_core.planner.Planner.plan`); the phrase of what each
-field accepts comes from :func:`bcg_core.planner.allowed_values` on both paths. The served configuration comes in
+field accepts comes from :func:`bcg_core.planner.engine_field_phrase` on both paths. The served configuration comes in
 through pydantic's validation context as a :class:`RequestLimits`::
 
     ImageGenerationRequest.model_validate_json(body, context={"limits": RequestLimits(...)})
@@ -25,7 +25,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from bcg_core.config import LimitsConfig, LoRAConfig, parse_size
-from bcg_core.planner import allowed_values as engine_allowed
+from bcg_core.planner import engine_field_phrase
 from bcg_core.request import MAX_PARTIAL_IMAGES, GenerationRequest
 
 __all__ = [
@@ -43,7 +43,7 @@ __all__ = [
     "ModelList",
     "RequestLimits",
     "Usage",
-    "allowed_values",
+    "http_field_phrase",
     "inline_refs",
 ]
 
@@ -77,7 +77,7 @@ class RequestLimits:
         model_name: name of the served model; a request's ``model`` must equal it. None skips the check.
         resolutions: the bucket resolution tiers (for messages only).
         lora: the served ``lora`` section (its ``max_per_request`` bounds a request's ``lora`` entries; the
-            ``lora`` phrase of :func:`allowed_values`); None: no adapters served.
+            ``lora`` phrase of :func:`http_field_phrase`); None: no adapters served.
     """
 
     limits: LimitsConfig = field(default_factory=LimitsConfig)
@@ -92,8 +92,9 @@ def _limits(info: ValidationInfo) -> RequestLimits:
     return ctx.get("limits") or RequestLimits()
 
 
-def allowed_values(name: str, limits: RequestLimits) -> str:
-    """Describe what a request field accepts, for error messages.
+def http_field_phrase(name: str, limits: RequestLimits) -> str:
+    """The phrase of what any field of the HTTP body accepts, for error messages: the engine's phrase
+    (:func:`bcg_core.planner.engine_field_phrase`) for a field the engine validates, else the schema's own.
 
     Args:
         name: a field of :class:`ImageGenerationRequest` (or any other name, for unknown fields).
@@ -102,7 +103,7 @@ def allowed_values(name: str, limits: RequestLimits) -> str:
     Returns:
         A short phrase such as ``"an integer from 1 to 10"``.
     """
-    engine = engine_allowed(name, limits.limits, limits.size_multiple, limits.resolutions, limits.lora)
+    engine = engine_field_phrase(name, limits.limits, limits.size_multiple, limits.resolutions, limits.lora)
     if engine is not None:
         return engine
     if name == "model":
