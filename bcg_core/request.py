@@ -149,8 +149,8 @@ class GenerationResult:
     """What one request produced.
 
     Attributes:
-        images_png: ``n`` image files, PNG unless the request asked for another ``output_format``
-            (:attr:`image_format`; the name is kept from when PNG was the only format).
+        image_bytes: ``n`` image files in :attr:`image_format`: PNG unless the request asked for another
+            ``output_format`` (JPEG or WebP).
         seed: the seed used (image ``i`` used ``seed + i``).
         bucket: the bucket that served the request (of its first step), None on a miss.
         hit: True when a bucket served the request.
@@ -168,7 +168,7 @@ class GenerationResult:
             times the request was resent; the pipeline leaves them at None, None and 0.
     """
 
-    images_png: list[bytes]
+    image_bytes: list[bytes]
     seed: int
     bucket: BucketKey | None
     hit: bool
@@ -184,7 +184,7 @@ class GenerationResult:
     image_format: str = "png"
 
     def to_dict(self) -> dict:
-        """A plain dict (PNG bytes kept as bytes; the bucket as its string)."""
+        """A plain dict (image files kept as bytes; the bucket as its string)."""
         d = asdict(self)
         d["bucket"] = None if self.bucket is None else str(self.bucket)
         return d

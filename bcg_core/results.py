@@ -35,7 +35,7 @@ def build_result(plan: PlannedRequest, files: list[bytes], key: BucketKey | None
                            padded_tokens=padded_tokens)
     r = plan.request
     return GenerationResult(
-        images_png=files, seed=r.seed, bucket=key, hit=key is not None, missed=[d.value for d in missed],
+        image_bytes=files, seed=r.seed, bucket=key, hit=key is not None, missed=[d.value for d in missed],
         real_tokens=plan.lookup.query.tokens, padded_tokens=padded_tokens, steps=plan.steps_run,
         timings_ms=timings_ms, batch_size=company, image_format=r.output_format,
     )

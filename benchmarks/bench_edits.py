@@ -188,7 +188,7 @@ def run_single(pipe, size: tuple[int, int], steps: int, strength: float, repeats
 
     w, h = size
     text = GenerationRequest(PROMPT, n=1, width=w, height=h, num_inference_steps=steps, seed=7)
-    image = pipe.generate(pipe.planner.plan(text)).images_png[0]  # the input image, and text to image's untimed run
+    image = pipe.generate(pipe.planner.plan(text)).image_bytes[0]  # the input image, and text to image's untimed run
     plans = {k: pipe.planner.plan(as_edit(text, k, image, strength)) for k in KINDS}
     for k in KINDS[1:]:
         pipe.generate(plans[k])  # untimed: each edit path's first run
@@ -221,7 +221,7 @@ def replay(sched, pipe, requests: list, kinds: list[str], concurrency: int) -> t
                     res = await sched.submit(plan)
                 except Exception as e:  # noqa: BLE001 - a failed request is counted, the replay goes on
                     return {**row, "ok": False, "images": 0, "latency_ms": None, "error": f"{type(e).__name__}: {e}"}
-                return {**row, "ok": True, "images": len(res.images_png),
+                return {**row, "ok": True, "images": len(res.image_bytes),
                         "latency_ms": round((time.perf_counter() - t) * 1e3, 2),
                         "bucket": None if res.bucket is None else str(res.bucket),
                         "timings_ms": res.timings_ms}
@@ -341,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
             print("single", json.dumps({k: {"wall_ms": v["wall_ms"], **v.get("vs_text_to_image", {})}
                                         for k, v in result["single"].items()}), flush=True)
             # the edits' input images: each its own text-to-image request, n 1, alone (untimed)
-            images = {i: pipe.generate(pipe.planner.plan(dataclasses.replace(plain[i], n=1))).images_png[0]
+            images = {i: pipe.generate(pipe.planner.plan(dataclasses.replace(plain[i], n=1))).image_bytes[0]
                       for i, k in enumerate(kinds) if k != "text-to-image"}
             mixed = [as_edit(r, k, images.get(i), args.strength) for i, (r, k) in enumerate(zip(plain, kinds))]
             warm = [bs.generation_request(r, args.steps) for r in bs.warmup_requests(demo, "shapes")]

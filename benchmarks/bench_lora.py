@@ -172,7 +172,7 @@ def replay_engine(config, requests: list, concurrency: int, warm: list) -> dict:
         sched.close()
     lat = [s for _, s in done]
     waited = [s for (res, s) in done if res.timings_ms.get("lora_load", 0) > 0]
-    images = sum(len(res.images_png) for res, _ in done)
+    images = sum(len(res.image_bytes) for res, _ in done)
     out = {"start_s": round(start_s, 2), "wall_s": round(wall, 3), "images": images,
            "images_per_s": round(images / wall, 4), "p50_s": round(percentile(lat, 50), 3),
            "p99_s": round(percentile(lat, 99), 3), "waited_for_load": len(waited),

@@ -122,7 +122,7 @@ async def _one(i: int, req: dict, via: str, handle, base_url: str, client, timeo
         else:
             res = await asyncio.wait_for(handle.images.remote(req), timeout=timeout_s)
             rec.update(status=200, bucket=None if res.bucket is None else str(res.bucket), replica=res.replica, owner=res.owner, batch_size=res.batch_size,
-                       retries=res.retries, images=len(res.images_png), server_ms=res.timings_ms)
+                       retries=res.retries, images=len(res.image_bytes), server_ms=res.timings_ms)
     except Exception as exc:  # noqa: BLE001 - every outcome is recorded
         status = getattr(exc, "status", None)
         rec.update(status=status or 599, error=f"{type(exc).__name__}: {str(exc)[:200]}")

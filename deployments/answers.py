@@ -85,7 +85,7 @@ async def image_events(plan: PlannedRequest, req: ImageGenerationRequest, events
                     continue
                 usage = usage_of(plan).model_dump()
                 bcg = bcg_info(event, ingress_timings(event, t0), 0, plan).model_dump()
-                for i, data in enumerate(event.images_png):
+                for i, data in enumerate(event.image_bytes):
                     yield sse_event(f"{kind}.completed", {
                         "type": f"{kind}.completed", "b64_json": b64encode(data).decode("ascii"),
                         "created_at": int(time.time()), **common, "usage": usage, "image_index": i, "bcg": bcg})

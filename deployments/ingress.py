@@ -464,7 +464,7 @@ class Ingress:
         timings = ingress_timings(result, t0)
         return ImageGenerationResponse(
             created=int(time.time()),
-            data=[ImageData(b64_json=b64encode(png).decode("ascii")) for png in result.images_png],
+            data=[ImageData(b64_json=b64encode(data).decode("ascii")) for data in result.image_bytes],
             output_format=result.image_format,
             quality=plan.request.quality if plan.request.quality != "auto" else None,  # standard, hd: mapped
             size=f"{plan.request.width}x{plan.request.height}",

@@ -40,7 +40,7 @@ class FakeDiT:
         self.sent.append((self._shape, plan))
         if len(self.sent) <= self.fail:
             raise RayActorError()
-        return GenerationResult(images_png=[b"\x89PNG\r\n\x1a\n"], seed=plan.request.seed,
+        return GenerationResult(image_bytes=[b"\x89PNG\r\n\x1a\n"], seed=plan.request.seed,
                                 bucket=str(plan.lookup.key), hit=True, missed=[], real_tokens=1,
                                 padded_tokens=1, steps=1, timings_ms={})
 

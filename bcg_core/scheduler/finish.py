@@ -51,7 +51,7 @@ class Finisher:
         self.decode_batch_images = int(decode_batch_images)
         self._release, self._fail, self._done = release, fail, done
         self._queue: queue.Queue = queue.Queue()
-        self._pool = ThreadPoolExecutor(max_workers=int(encode_threads), thread_name_prefix="bcg-png")
+        self._pool = ThreadPoolExecutor(max_workers=int(encode_threads), thread_name_prefix="bcg-encode")
         device = pipeline.model.device
         self._cuda = torch.device(device).type == "cuda"
         self._stream = torch.cuda.Stream(device) if self._cuda else None
@@ -163,7 +163,7 @@ class Finisher:
     def _encode(self, item: InFlight, images: list) -> None:
         """Encode ``images`` in the pool (the request's ``output_format``, :func:`~bcg_core.images.encode_image`);
         the last one done resolves the caller's future."""
-        pngs: list[bytes | None] = [None] * len(images)
+        files: list[bytes | None] = [None] * len(images)
         fmt, compression = item.plan.request.output_format, item.plan.request.output_compression
         remaining = [len(images)]
         lock = threading.Lock()
@@ -171,14 +171,14 @@ class Finisher:
 
         def one(i: int, image) -> None:
             try:
-                pngs[i] = encode_image(image, fmt, compression)
+                files[i] = encode_image(image, fmt, compression)
             except Exception as e:  # noqa: BLE001
-                pngs[i] = e  # type: ignore[assignment]
+                files[i] = e  # type: ignore[assignment]
             with lock:
                 remaining[0] -= 1
                 last = remaining[0] == 0
             if last:
-                self._finish(item, pngs, t0)
+                self._finish(item, files, t0)
 
         for i, image in enumerate(images):
             self._pool.submit(one, i, image)

@@ -102,7 +102,7 @@ def test_a_naive_request_step_runs_one_unpadded_forward_of_all_its_rows(naive):
             sched.close()
 
     results = asyncio.run(main())
-    assert [len(r.images_png) for r in results] == [n for _, _, n in SIZES_AND_COUNTS]
+    assert [len(r.image_bytes) for r in results] == [n for _, _, n in SIZES_AND_COUNTS]
     by_seed = {r.seed: p.rows for r, p in zip(reqs, plans)}
     assert len(counter.steps) == STEPS * len(reqs)
     for step in counter.steps:

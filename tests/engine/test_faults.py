@@ -60,7 +60,7 @@ def test_a_runtime_error_in_a_padded_forward_demotes_the_bucket_to_eager_and_the
     _fail_once(monkeypatch, "static_forward")
     with caplog.at_level(logging.ERROR, logger="bcg_core.runners.base"):
         got = pipe.generate(pipe.planner.plan(_req(seed=5)))
-    assert same_image(got.images_png[0], clean.images_png[0])  # the faulted step ran unpadded: same image
+    assert same_image(got.image_bytes[0], clean.image_bytes[0])  # the faulted step ran unpadded: same image
     assert any(str(got.bucket) in r.getMessage() and "unpadded and eager" in r.getMessage() for r in caplog.records)
     row = next(b for b in pipe.metrics.snapshot()["buckets"] if b["key"] == str(got.bucket))
     assert row["faults"] == 1 and row["forwards_by_mode"]["eager"] == 2  # both steps: the fault, then demoted
@@ -68,7 +68,7 @@ def test_a_runtime_error_in_a_padded_forward_demotes_the_bucket_to_eager_and_the
     assert note.startswith("runs unpadded and eager after a runtime error: RuntimeError: CUDA error")
     again = pipe.generate(pipe.planner.plan(_req(seed=6)))  # no new fault: the bucket stays eager, serving goes on
     row = next(b for b in pipe.metrics.snapshot()["buckets"] if b["key"] == str(got.bucket))
-    assert len(again.images_png) == 1 and row["faults"] == 1 and row["forwards_by_mode"]["eager"] == 4
+    assert len(again.image_bytes) == 1 and row["faults"] == 1 and row["forwards_by_mode"]["eager"] == 4
 
 
 def test_an_out_of_memory_error_is_not_swallowed_by_the_fallback(tiny, monkeypatch):
@@ -102,7 +102,7 @@ def test_a_fused_replay_that_raises_runs_its_step_on_the_host_with_the_same_imag
 
     monkeypatch.setattr(pipe.model.adapter, "forward", flaky)
     got = pipe.generate(pipe.planner.plan(_req(steps=3, seed=8)))
-    assert got.images_png == want.images_png  # fused and host steps are bitwise equal
+    assert got.image_bytes == want.image_bytes  # fused and host steps are bitwise equal
     assert pipe.fused.host_steps == {"bucket_fault": 1, "no_fused_graph": 2}  # then the bucket runs eager
     assert sum(b["faults"] for b in pipe.metrics.snapshot()["buckets"]) == 1
 
@@ -132,7 +132,7 @@ def test_a_step_that_runs_out_of_memory_is_answered_503_and_the_replica_keeps_se
     first, after, stats = asyncio.run(asyncio.wait_for(main(), 120))
     assert isinstance(first, ServiceUnavailable) and first.status == 503 and first.retry_after_s > 0
     assert "ran out of memory" in first.message and first.field == "request"
-    assert len(after.images_png) == 1
+    assert len(after.image_bytes) == 1
     assert stats["oom_steps"] == 1 and stats["rows_in_flight"] == 0 and stats["running"] == 0
 
 
@@ -161,7 +161,7 @@ def test_a_request_that_waits_past_its_deadline_is_answered_503_not_left_hanging
             sched.close()
 
     first, second, stats = asyncio.run(asyncio.wait_for(main(), 120))
-    assert len(first.images_png) == 1
+    assert len(first.image_bytes) == 1
     assert isinstance(second, ServiceUnavailable) and second.status == 503 and second.retry_after_s > 0
     assert "past scheduler.max_queue_wait_s 0.2" in second.message
     assert sum(s["expired"] for s in stats["shapes"].values()) == 1 and stats["waiting"] == 0

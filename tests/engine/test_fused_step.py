@@ -151,7 +151,7 @@ def test_a_fused_step_that_differs_by_one_rounding_is_turned_off_and_serving_goe
     monkeypatch.undo()
     host = DiTPipeline(_config("never"), bf16)
     reference = host.generate(host.planner.plan(_req(seed=5)))
-    assert result.images_png == reference.images_png and pipe.fused.steps == 0
+    assert result.image_bytes == reference.image_bytes and pipe.fused.steps == 0
 
 
 def test_the_step_scheduler_serves_fused_steps_with_the_host_paths_images(tiny_fp32):
@@ -169,7 +169,7 @@ def test_the_step_scheduler_serves_fused_steps_with_the_host_paths_images(tiny_f
     fused_pipe = DiTPipeline(_config("always"), tiny_fp32)
     on, stats = asyncio.run(asyncio.wait_for(serve(fused_pipe), 120))
     off, _ = asyncio.run(asyncio.wait_for(serve(DiTPipeline(_config("never"), tiny_fp32)), 120))
-    assert [r.images_png for r in on] == [r.images_png for r in off]
+    assert [r.image_bytes for r in on] == [r.image_bytes for r in off]
     assert fused_pipe.fused.steps == 3 + 2 and fused_pipe.stats()["fused_step"]["steps"] == 5
     assert sum(s["completed"] for s in stats["shapes"].values()) == 2
 

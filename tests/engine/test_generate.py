@@ -56,7 +56,7 @@ def test_generate_is_the_family_hooks_bit_for_bit(pipe, guidance):
     req = _req("a corgi astronaut", n=2, steps=2, guidance=guidance, seed=5, negative_prompt="blurry")
     reference = _reference_images(pipe, req)
     result = pipe.generate(pipe.planner.plan(req))
-    assert result.images_png == reference
+    assert result.image_bytes == reference
     key = BucketKey(4 if guidance > 1 else 2, 256, T)
     assert result.batch_size == 1 and result.bucket == key and result.hit and result.seed == 5 and result.steps == 2
     assert result.real_tokens == result.padded_tokens == key.tokens
@@ -69,7 +69,7 @@ def test_generate_and_the_scheduler_take_only_a_planned_request_and_trust_it(pip
     calls = []
     real = pipe.planner.plan
     monkeypatch.setattr(pipe.planner, "plan", lambda r: calls.append(r) or real(r))
-    assert pipe.generate(plan).images_png == pipe.generate(pipe.planner.plan(_req(seed=3))).images_png
+    assert pipe.generate(plan).image_bytes == pipe.generate(pipe.planner.plan(_req(seed=3))).image_bytes
     assert len(calls) == 1  # the caller's own planning only: a planned request is trusted, never planned again
     with pytest.raises(TypeError, match=r"PlannedRequest.*pipe\.planner\.plan\(request\)"):
         pipe.generate(_req(seed=3))  # a raw request is refused, not planned on a second path

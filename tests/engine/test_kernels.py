@@ -55,8 +55,8 @@ def test_a_generated_image_with_compiled_kernels_is_close_to_the_eager_one(compi
     eager = DiTPipeline.from_config(_config(kernels="eager"))
     request = GenerationRequest("a red fox in snow", n=2, width=256, height=256, num_inference_steps=2, seed=5)
     ours, ref = compiled.generate(compiled.planner.plan(request)), eager.generate(eager.planner.plan(request))
-    assert ours.bucket == ref.bucket and len(ours.images_png) == len(ref.images_png) == 2
-    for a, b in zip(ours.images_png, ref.images_png):
+    assert ours.bucket == ref.bucket and len(ours.image_bytes) == len(ref.image_bytes) == 2
+    for a, b in zip(ours.image_bytes, ref.image_bytes):
         diff = np.abs(_pixels(a) - _pixels(b))
         # fp32: the blocks' rounding differs by ~1e-7 relative, so at most one level on a few pixel values
         assert diff.max() <= 1 and (diff > 0).mean() < 0.01, (diff.max(), (diff > 0).mean())

@@ -89,7 +89,7 @@ def test_rows_of_different_adapters_in_one_forward_each_equal_diffusers(ckpt):
     for plan, result in zip(plans, results):
         ref = diffusers_run(FluxPipeline, folder, plan.request, lora_dir=loras, **REF)
         assert_same(bcg_run(pipe, plan.request), ref)  # alone: latents and images
-        for ours, theirs in zip(result.images_png, ref.pngs, strict=True):  # shared: the scheduler's images
+        for ours, theirs in zip(result.image_bytes, ref.pngs, strict=True):  # shared: the scheduler's images
             d = np.abs(pixels(ours) - pixels(theirs))
             assert d.max() <= 1 and (d > 0).mean() <= PIXEL_SHARE
     plain = bcg_run(pipe, dataclasses.replace(plans[1].request, lora=()))
@@ -153,7 +153,7 @@ def test_a_step_mixing_adapter_rows_runs_as_two_where_the_measured_costs_say_so(
                 sched.close()
             assert (stats["adapter_splits"] > 0) is splits, stats["adapter_splits"]
             for result, ref in zip(results, alone):
-                for ours, theirs in zip(result.images_png, ref.pngs, strict=True):
+                for ours, theirs in zip(result.image_bytes, ref.pngs, strict=True):
                     d = np.abs(pixels(ours) - pixels(theirs))
                     assert d.max() <= 1 and (d > 0).mean() <= PIXEL_SHARE
     finally:
@@ -247,7 +247,7 @@ def test_an_adapter_that_cannot_be_served_is_a_422_and_the_pipeline_serves_on(ck
         pipe.generate(pipe.planner.plan(_req(lora=((name, 1.0),))))
     assert e.value.status == 422 and e.value.field == "lora" and words in e.value.message, e.value.message
     assert str(loras) not in e.value.message  # the folder is not shown to clients
-    assert pipe.generate(pipe.planner.plan(_req(lora=(("a", 0.5),)))).images_png  # serves on
+    assert pipe.generate(pipe.planner.plan(_req(lora=(("a", 0.5),)))).image_bytes  # serves on
     assert pipe.stats()["lora"]["pinned"] == {}
 
 
@@ -305,7 +305,7 @@ def test_a_load_in_progress_never_stalls_other_requests(ckpt, monkeypatch):
     finally:
         release.set()
         sched.close()
-    assert plain.images_png and loaded.images_png
+    assert plain.image_bytes and loaded.image_bytes
     assert "lora_load" not in plain.timings_ms and loaded.timings_ms["lora_load"] > 0
 
 
@@ -329,7 +329,7 @@ def test_compiled_kernels_with_adapters_match_eager_and_load_precompiled_on_rest
     assert k["tier"] == "compiled" and k["compile_failed"] == 0 and k["precompiled"]["saves"] > 0, k
     req = _req(lora=(("a", 0.9), ("b", -0.4)))
     got, want = cold.generate(cold.planner.plan(req)), eager.generate(eager.planner.plan(req))
-    assert got.images_png and want.images_png
+    assert got.image_bytes and want.image_bytes
     ours, ref = bcg_run(cold, req).latents, bcg_run(eager, req).latents
     assert ((ours - ref).abs().max() / ref.abs().max()).item() <= max(k["rtol"], 1e-4)
     warm = start().stats()["kernels"]
@@ -371,7 +371,7 @@ def test_a_replaced_or_cut_file_is_loaded_again_or_refused_never_served_stale(ck
     names = pipe.lora.files.names()
     assert names.count("c") == 1 and "escape" not in names
     assert "swap" not in names and "nans" in names  # an empty file is no LoRA file; NaNs are found on reading
-    assert pipe.generate(pipe.planner.plan(_req(lora=(("a", 0.5),)))).images_png
+    assert pipe.generate(pipe.planner.plan(_req(lora=(("a", 0.5),)))).image_bytes
     assert pipe.stats()["lora"]["pinned"] == {}
 
 

@@ -37,19 +37,19 @@ def _pixels(png: bytes) -> np.ndarray:
 def test_same_request_and_seed_give_the_same_png(pipe):
     req = GenerationRequest("a corgi astronaut on the moon", n=1, width=256, height=256, num_inference_steps=2, seed=5)
     a, b = pipe.generate(pipe.planner.plan(req)), pipe.generate(pipe.planner.plan(req))
-    assert a.images_png == b.images_png
-    img = Image.open(io.BytesIO(a.images_png[0]))
+    assert a.image_bytes == b.image_bytes
+    img = Image.open(io.BytesIO(a.image_bytes[0]))
     assert img.size == (256, 256) and img.format == "PNG"
     c = pipe.generate(pipe.planner.plan(GenerationRequest(**{**vars(req), "seed": 6})))
-    assert c.images_png != a.images_png
+    assert c.image_bytes != a.image_bytes
 
 
 def test_image_does_not_depend_on_how_many_images_share_its_forward(pipe):
     one, three = (pipe.generate(pipe.planner.plan(GenerationRequest("p. cubensis", n=n, width=256, height=272,
                                                                      num_inference_steps=2, seed=9))) for n in (1, 3))
     assert str(one.bucket) == "b2_i1024_m_t256" and str(three.bucket) == "b8_i1024_m_t256"  # 2 and 6 rows with CFG
-    assert np.abs(_pixels(one.images_png[0]) - _pixels(three.images_png[0])).max() <= 1
-    assert np.abs(_pixels(three.images_png[0]) - _pixels(three.images_png[1])).max() > 10  # other noise
+    assert np.abs(_pixels(one.image_bytes[0]) - _pixels(three.image_bytes[0])).max() <= 1
+    assert np.abs(_pixels(three.image_bytes[0]) - _pixels(three.image_bytes[1])).max() > 10  # other noise
 
 
 def test_padded_denoise_equals_the_unpadded_eager_denoise(pipe):
@@ -104,7 +104,7 @@ def test_saved_tiny_pipeline_loads_back_and_gives_the_same_image(tiny, tmp_path)
     req = GenerationRequest("inmates with cow heads", n=1, width=256, height=256, num_inference_steps=2, seed=3)
     a, b = DiTPipeline(SMALL, tiny), DiTPipeline(SMALL.model_copy(update={"model": cfg}), loaded)
     a, b = a.generate(a.planner.plan(req)), b.generate(b.planner.plan(req))
-    assert a.images_png == b.images_png
+    assert a.image_bytes == b.image_bytes
 
 
 def test_loading_a_folder_that_is_not_a_checkpoint_says_what_is_missing(tmp_path):
@@ -189,7 +189,7 @@ def test_rows_above_the_largest_bucket_run_split_in_buckets(tiny):
     p = padded(DiTPipeline(EngineConfig(buckets=buckets), tiny))
     r = GenerationRequest("a", n=5, width=256, height=256, num_inference_steps=1, guidance_scale=2.0, seed=3)
     result = p.generate(p.planner.plan(r))  # 10 rows > 8: 8 + 2
-    assert len(result.images_png) == 5
+    assert len(result.image_bytes) == 5
     modes = {b["key"]: b["forwards_by_mode"] for b in p.stats()["buckets"]}
     assert modes["b8_i256_t256"]["static_eager"] == 1 and modes["b2_i256_t256"]["static_eager"] == 1
     assert p.stats()["misses"]["forwards"] == 0 and p.stats()["misses"]["requests"] == 0

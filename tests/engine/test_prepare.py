@@ -103,9 +103,9 @@ def test_edits_admitted_together_share_one_vae_encode_and_equal_diffusers(flux):
                                 "batch_images": 8}
     assert r_img.timings_ms["edit_encode"] > 0 and r_inp.timings_ms["edit_encode"] > 0
     assert "edit_encode" not in r_text.timings_ms
-    assert_same(GateRun(latents[4], r_img.images_png),
+    assert_same(GateRun(latents[4], r_img.image_bytes),
                 diffusers_run(FluxImg2ImgPipeline, folder, img2img.request, **REF))
-    assert_same(GateRun(latents[3], r_inp.images_png),
+    assert_same(GateRun(latents[3], r_inp.image_bytes),
                 diffusers_run(FluxInpaintPipeline, folder, inpaint.request, mask_image=theirs, **REF))
 
 
@@ -131,7 +131,7 @@ def test_an_edit_held_in_its_vae_encode_does_not_delay_text_to_image(flux, monke
         sched.close()
     assert held, "the text-to-image request waited for the edit's encode"
     (thread, held_s), = calls
-    assert plain.images_png and edited.images_png and thread == "bcg-prepare"
+    assert plain.image_bytes and edited.image_bytes and thread == "bcg-prepare"
     assert edited.timings_ms["edit_encode"] >= held_s * 1e3  # its encode time counts the time it was held
     assert edited.timings_ms["encode"] >= edited.timings_ms["edit_encode"]
 
@@ -165,7 +165,7 @@ def test_a_failing_encode_answers_only_its_own_request(flux, monkeypatch):
     finally:
         sched.close()
     assert isinstance(bad, RuntimeError) and "refuses black images" in str(bad)
-    assert good.images_png and later.images_png
+    assert good.image_bytes and later.image_bytes
     assert sum(s["failed"] for s in stats["shapes"].values()) == 1 and stats["rows_in_flight"] == 0 and stats["bytes_in_flight"] == 0
     assert stats["preparing"] == 0 and stats["prepare"]["rounds"] == 2
 

@@ -143,7 +143,7 @@ def test_scheduler_streams_each_preview_of_each_image_then_the_result(pipe):
         assert stats["handoff_ms_max"] < HANDOFF_BOUND_MS, stats
         # a request that is not streamed takes no preview
         plain = asyncio.run(sched.submit(_request(partial_images=3)))
-        assert len(plain.images_png) == 1 and sched.stats()["previews"]["taken"] == 3
+        assert len(plain.image_bytes) == 1 and sched.stats()["previews"]["taken"] == 3
     finally:
         sched.close()
 
@@ -174,4 +174,4 @@ def test_a_slow_preview_holds_only_its_own_result_and_all_previews_come_first(pi
         sched.close()
     assert [type(e).__name__ for e in events] == ["PartialImage", "PartialImage", "GenerationResult"]
     assert [e.step for e in events[:2]] == [1, 2]
-    assert len(rb.images_png) == 1 and gap > 0.3  # B was answered at once; A's result waited for its previews
+    assert len(rb.image_bytes) == 1 and gap > 0.3  # B was answered at once; A's result waited for its previews

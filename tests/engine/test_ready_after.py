@@ -46,8 +46,8 @@ def test_a_replica_past_ready_after_s_is_ready_with_its_largest_shape_and_serves
         return before, after
 
     before, after = asyncio.run(scenario())
-    assert len(before.images_png) == len(after.images_png) == 2
-    for a, b in zip(before.images_png, after.images_png):  # fp32 on the CPU: unpadded and bucketed agree
+    assert len(before.image_bytes) == len(after.image_bytes) == 2
+    for a, b in zip(before.image_bytes, after.image_bytes):  # fp32 on the CPU: unpadded and bucketed agree
         assert np.abs(_pixels(a) - _pixels(b)).max() <= 1
 
 

@@ -216,7 +216,7 @@ def test_a_request_padded_into_a_masked_tier_runs_eager_where_padding_does_not_p
     assert [[c.key for c in p.chunks] for _, p in log.steps] == [[None]] * 2
     shape = sched.stats()["shapes"][str(plan.shape)]
     assert shape["decisions"]["eager"] == 2 and shape["padded_token_waste"] == 0
-    assert same_image(result.images_png[0], pipe.generate(pipe.planner.plan(req)).images_png[0])
+    assert same_image(result.image_bytes[0], pipe.generate(pipe.planner.plan(req)).image_bytes[0])
 
 
 # -- per-row timesteps and splits, at the pipeline level ----------------------------------------------
@@ -288,12 +288,12 @@ def test_image_does_not_depend_on_company(pipe, make_sched):
     shared = [states for states in probe_steps[3:] if len(states) > 1]  # the joined run's steps
     assert shared and any(len({i for _, i, _ in states}) > 1 for states in shared)  # at different steps
     assert joined.batch_size > 1 and alone.batch_size == 1
-    for a, b in zip(alone.images_png, joined.images_png):
+    for a, b in zip(alone.image_bytes, joined.image_bytes):
         assert same_image(a, b)
     reference = pipe.generate(pipe.planner.plan(probe))  # the request-level path agrees too
-    for a, b in zip(alone.images_png, reference.images_png):
+    for a, b in zip(alone.image_bytes, reference.image_bytes):
         assert same_image(a, b)
-    assert not same_image(alone.images_png[0], alone.images_png[1])  # the tolerance discriminates (seed + 1)
+    assert not same_image(alone.image_bytes[0], alone.image_bytes[1])  # the tolerance discriminates (seed + 1)
 
 
 def test_cancel_mid_flight_frees_the_rows_at_the_next_step(pipe, make_sched):
@@ -323,7 +323,7 @@ def test_cancel_mid_flight_frees_the_rows_at_the_next_step(pipe, make_sched):
     st = sched.stats()
     assert st["rows_in_flight"] == 0 and st["running"] == 0 and st["bytes_in_flight"] == 0
     assert st["shapes"][SHAPE]["cancelled"] == 1 and st["shapes"][SHAPE]["completed"] == 1
-    for a, b in zip(result.images_png, pipe.generate(pipe.planner.plan(short)).images_png):
+    for a, b in zip(result.image_bytes, pipe.generate(pipe.planner.plan(short)).image_bytes):
         assert same_image(a, b)
 
 
@@ -354,7 +354,7 @@ def test_admission_bounds_rows_and_lets_a_larger_request_run_alone(pipe, make_sc
         return sched, log, results
 
     sched, log, results = run(main())
-    assert len(results) == 4 and all(len(r.images_png) == r_.n for r, r_ in zip(results, reqs))
+    assert len(results) == 4 and all(len(r.image_bytes) == r_.n for r, r_ in zip(results, reqs))
     rows = log.rows_per_step()
     six = [i for i, (states, _) in enumerate(log.steps) if any(seed == 40 for seed, _, _ in states)]
     assert all(r <= 4 for i, r in enumerate(rows) if i not in six)
@@ -448,7 +448,7 @@ def test_decode_batches_finished_requests_of_one_size(pipe, make_sched, monkeypa
     assert sorted(calls) == [1, 3]  # the two 256x256 requests in one decode call, the 256x512 one apart
     monkeypatch.setattr(pipe.model, "decode", decode)
     for r, req in zip(results, reqs):
-        for a, b in zip(r.images_png, pipe.generate(pipe.planner.plan(req)).images_png):
+        for a, b in zip(r.image_bytes, pipe.generate(pipe.planner.plan(req)).image_bytes):
             assert same_image(a, b)
         assert set(r.timings_ms) == {"queue", "encode", "denoise", "decode", "image_encode", "total"}
 
@@ -475,7 +475,7 @@ def test_a_failing_forward_fails_its_step_only_and_serving_goes_on(pipe, make_sc
 
     sched, first, after = run(main())
     assert all(isinstance(r, RuntimeError) and "simulated" in str(r) for r in first)
-    assert len(after.images_png) == 1
+    assert len(after.image_bytes) == 1
     st = sched.stats()
     assert st["shapes"][SHAPE]["failed"] == 2 and st["rows_in_flight"] == 0 and st["running"] == 0
 
@@ -505,7 +505,7 @@ def test_nan_latents_fail_their_request_loudly_and_serving_goes_on(pipe, make_sc
 
     sched, bad, after = run(main())
     assert isinstance(bad, NonFiniteOutput) and "NaN or inf values (100.0% of them)" in str(bad)
-    assert len(after.images_png) == 1
+    assert len(after.image_bytes) == 1
     st = sched.stats()
     assert st["shapes"][SHAPE]["failed"] == 1 and st["rows_in_flight"] == 0 and st["running"] == 0
     poisoned.set()
@@ -573,11 +573,11 @@ def test_burst_of_real_size_requests_all_answered_same_seed_same_image(tiny, mak
             sched.close()
 
     stats, results, again = run(main())
-    assert [len(r.images_png) for r in results] == [r.n for r in reqs]
+    assert [len(r.image_bytes) for r in results] == [r.n for r in reqs]
     assert stats["waiting"] == 0 and stats["running"] == 0 and stats["rows_in_flight"] == 0
     assert sum(s["completed"] for s in stats["shapes"].values()) == len(reqs) + 2
     for r, i in zip(again, (0, len(reqs) - 1)):
-        for a, b in zip(r.images_png, results[i].images_png):
+        for a, b in zip(r.image_bytes, results[i].image_bytes):
             assert same_image(a, b)
 
 
@@ -662,7 +662,7 @@ def test_a_request_above_the_largest_bucket_is_split_across_buckets(pipe, make_s
     assert result.hit and str(result.bucket) == "b8_i256_t256" and result.missed == []
     assert [[(c.key.batch, c.rows) for c in p.chunks] for _, p in log.steps] == [[(8, 8), (2, 2)]] * 2
     assert sched.stats()["shapes"][SHAPE]["decisions"]["split"] == 2
-    for a, b in zip(result.images_png, pipe.generate(pipe.planner.plan(big)).images_png):
+    for a, b in zip(result.image_bytes, pipe.generate(pipe.planner.plan(big)).image_bytes):
         assert same_image(a, b)
 
 
@@ -703,7 +703,7 @@ def test_a_one_row_replica_serves_an_18_row_miss_in_one_forward_a_step(one_row):
     assert one_row.decider.miss.spare_bytes is None and one_row.decider.miss.bytes_per_row_token is None
     plans, result, forwards = _served_miss(one_row, big)
     assert plans == [[(None, 18)]] * 2 and forwards == 2
-    assert len(result.images_png) == 9
+    assert len(result.image_bytes) == 9
 
 
 def test_a_miss_too_large_for_the_spare_memory_is_chunked_and_its_images_are_unchanged(one_row):
@@ -719,7 +719,7 @@ def test_a_miss_too_large_for_the_spare_memory_is_chunked_and_its_images_are_unc
     assert one_row.decider.miss.usable_bytes() == int(6.5 * per_row)
     plans, chunked, forwards = _served_miss(one_row, big)
     assert plans == [[(None, 6), (None, 6), (None, 6)]] * 2 and forwards == 6
-    for a, b in zip(chunked.images_png, whole.images_png, strict=True):
+    for a, b in zip(chunked.image_bytes, whole.image_bytes, strict=True):
         assert same_image(a, b)
     one_row.decider.miss.spare_bytes = lambda: MARGIN_BYTES + 18 * per_row  # room for all 18: one forward again
     assert [c.rows for c in one_row.decider.decide(None, 18, 384 + T).chunks] == [18]
@@ -911,4 +911,4 @@ def test_a_request_cancelled_between_admission_and_start_does_not_hold_back_its_
 
     first, second, waited = run(main())
     assert cancelled and isinstance(first[0], RequestCancelled)
-    assert not isinstance(second, ServiceUnavailable) and len(second.images_png) == 1 and waited < 2.5
+    assert not isinstance(second, ServiceUnavailable) and len(second.image_bytes) == 1 and waited < 2.5

@@ -235,7 +235,7 @@ def test_an_fp32_checkpoint_served_in_bf16_runs_every_component_in_bf16(folders)
     assert {m.dtype for m in (p.transformer, p.vae, p.text_encoder, p.text_encoder_2, p.text_encoder_3)} == {torch.bfloat16}
     out = pipe.generate(pipe.planner.plan(GenerationRequest("a cat", width=64, height=64, num_inference_steps=1,
                                                             guidance_scale=4.0, seed=1)))
-    assert str(out.bucket) == "b2_i16_t333_g4x4" and len(out.images_png) == 1
+    assert str(out.bucket) == "b2_i16_t333_g4x4" and len(out.image_bytes) == 1
 
 
 # -- a checkpoint saved without T5 (text_encoder_3: null) ------------------------------------------------------

@@ -124,7 +124,7 @@ def test_the_step_scheduler_with_measured_costs_equals_diffusers_on_cuda(family)
     assert stats["costs"]["source"] == "measured" and sum(stats["forwards"].values()) > 0
     for ours, plan in ((ra, a), (rb, b)):
         theirs = diffusers_run(cls, folder, plan.request, device="cuda", **ref)
-        assert len(ours.images_png) == len(theirs.pngs)
-        for x, y in zip(ours.images_png, theirs.pngs):
+        assert len(ours.image_bytes) == len(theirs.pngs)
+        for x, y in zip(ours.image_bytes, theirs.pngs):
             diff = abs(pixels(x) - pixels(y))
             assert diff.max() <= 1 and float((diff > 0).mean()) <= PIXELS_CUDA

@@ -82,7 +82,7 @@ def test_each_family_is_served_over_http_and_answers_what_the_pipeline_gives(ser
         expect = local.generate(local.planner.plan(GenerationRequest(**fields, width=w, height=h)))
         # the replica's process may run torch with another thread count (other fp32 reduction order): the same
         # image up to one level on a rounding boundary (reference_gate.PIXEL_SHARE)
-        for ours, ref in zip(pngs, expect.images_png):
+        for ours, ref in zip(pngs, expect.image_bytes):
             diff = np.abs(pixels(ours) - pixels(ref))
             assert diff.max() <= 1 and (diff > 0).mean() <= PIXEL_SHARE
     finally:

@@ -300,14 +300,14 @@ def test_python_handle_returns_a_generation_result(serve_apps):
                                 guidance_scale=0.0, seed=3)
     result = handle.images.remote(request).result(timeout_s=120)
     assert isinstance(result, GenerationResult)
-    assert len(result.images_png) == 1 and result.seed == 3 and result.hit
-    with Image.open(io.BytesIO(result.images_png[0])) as img:
+    assert len(result.image_bytes) == 1 and result.seed == 3 and result.hit
+    with Image.open(io.BytesIO(result.image_bytes[0])) as img:
         assert img.size == (256, 256)
     as_dict = handle.images.remote(
         {"prompt": "a red cube", "width": 256, "height": 256, "num_inference_steps": 1, "guidance_scale": 0.0,
          "seed": 3}
     ).result(timeout_s=120)
-    assert as_dict.images_png == result.images_png
+    assert as_dict.image_bytes == result.image_bytes
     with pytest.raises(RequestError) as info:
         handle.images.remote(GenerationRequest(prompt="x", n=0, width=256, height=256)).result(timeout_s=120)
     assert info.value.field == "n"

@@ -193,7 +193,7 @@ def test_an_edit_answers_the_engines_image_at_its_size_after_the_strengths_steps
     assert dataclasses.asdict(served_plan.request) == dataclasses.asdict(plan.request)  # the client's fields, mapped
     assert plan.steps_run == 3
     expected = pipe.generate(plan)
-    assert expected.steps == 3 and pngs == expected.images_png  # the engine's images, byte for byte
+    assert expected.steps == 3 and pngs == expected.image_bytes  # the engine's images, byte for byte
     assert pngs[0] != pngs[1]  # image i has its own noise (seed + i)
 
 
@@ -221,7 +221,7 @@ def test_a_streamed_edit_sends_a_preview_then_the_engines_image(served, masked):
                                                    mask=mask if masked else None, strength=STRENGTH,
                                                    partial_images=1))
     assert dataclasses.asdict(served_plan.request) == dataclasses.asdict(plan.request)
-    assert [final] == dit.pipe.generate(plan).images_png
+    assert [final] == dit.pipe.generate(plan).image_bytes
 
 
 @pytest.mark.parametrize("family, resolution", [("pixart", "256x256"), ("sana", "512x512")])  # an aspect-ratio bin

@@ -505,7 +505,7 @@ class _StreamDiT:
         yield ACCEPTED
         if self.plan.request.partial_images:
             yield PartialImage(0, 0, 1, b"preview")
-        yield GenerationResult(images_png=[b"final"], seed=1, bucket=None, hit=False, missed=["batch"],
+        yield GenerationResult(image_bytes=[b"final"], seed=1, bucket=None, hit=False, missed=["batch"],
                                real_tokens=1, padded_tokens=1, steps=self.plan.steps_run, timings_ms={})
 
 

@@ -144,7 +144,7 @@ def test_a_request_with_adapters_is_planned_and_sent_with_them(tmp_path):
     from bcg_core.pipeline import GenerationResult
     from deployments.answers import bcg_info  # what a streamed answer's completed events carry too
 
-    result = GenerationResult(images_png=[], seed=1, bucket=None, hit=False, missed=[], real_tokens=1, padded_tokens=1,
+    result = GenerationResult(image_bytes=[], seed=1, bucket=None, hit=False, missed=[], real_tokens=1, padded_tokens=1,
                               steps=1, timings_ms={})
     assert [a.model_dump() for a in bcg_info(result, {}, 0, plan).lora] == said
 
