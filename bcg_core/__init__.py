@@ -1,4 +1,4 @@
-"""bcg-serve's torch-only engine: bucket keys and table, the planner, model families, runners, the step scheduler.
+"""bcg-serve's torch-only engine: bucket keys and table, the validator, model families, runners, the step scheduler.
 
 Never imports Ray or ``deployments/`` (the Ray Serve layer lives in ``deployments/`` and ``router/``). The family
 adapters (``FluxAdapter``, ``SD3Adapter``, ``PixArtAdapter``, ``SanaAdapter``, ``QwenImageAdapter``) and the
@@ -19,12 +19,12 @@ from bcg_core.metrics import BucketCounters, BucketMetrics
 from bcg_core.models import CheckpointError, describe_model, load_model, save_pipeline
 from bcg_core.padding import DenoiseInputs, DiTAdapter
 from bcg_core.pipeline import DiTPipeline
-from bcg_core.planner import Planner
 from bcg_core.planning.traffic import TrafficHistogram, TrafficKey, load_traffic
 from bcg_core.preview import LinearPreview, PartialImage, preview_steps
-from bcg_core.request import GenerationRequest, GenerationResult, PlannedRequest
+from bcg_core.request import GenerationRequest, GenerationResult, ValidatedRequest
 from bcg_core.runners import BucketEntry, BucketRunner, EagerBucketRunner, RunMode
 from bcg_core.table import BucketLookup, BucketTable, ShapeRules
+from bcg_core.validation import RequestValidator
 
 _LAZY = {
     "FluxAdapter": "bcg_core.families.flux", "SD3Adapter": "bcg_core.families.sd3",
@@ -45,9 +45,9 @@ __all__ = [
     "BucketConfig", "BucketCounters", "BucketEntry", "BucketKey", "BucketLookup", "BucketMetrics", "BucketMissError",
     "BucketRunner", "BucketShape", "BucketTable", "CheckpointError", "DenoiseInputs", "DiTAdapter", "DiTPipeline",
     "Dim", "EagerBucketRunner", "Family", "GenerationRequest", "GenerationResult", "IMAGE_FORMATS", "LimitsConfig",
-    "LinearPreview", "MissPolicy", "ModelConfig", "ModelSpec", "PartialImage", "PlannedRequest",
-    "Planner", "RequestCancelled", "RequestError", "RequestState", "RunMode", "RunnerConfig", "EngineConfig",
-    "ShapeQuery", "ShapeRules", "TextRows", "TrafficHistogram", "TrafficKey", "build_tiny", "describe_model",
+    "LinearPreview", "MissPolicy", "ModelConfig", "ModelSpec", "PartialImage", "RequestCancelled",
+    "RequestError", "RequestState", "RequestValidator", "RunMode", "RunnerConfig", "EngineConfig", "ShapeQuery",
+    "ShapeRules", "TextRows", "TrafficHistogram", "TrafficKey", "ValidatedRequest", "build_tiny", "describe_model",
     "encode_image", "load_model", "load_traffic", "parse_size", "preview_steps", "save_pipeline",
     *_LAZY,
 ]

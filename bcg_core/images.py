@@ -7,7 +7,7 @@ step scheduler's ``scheduler.encode_threads`` pool (:mod:`bcg_core.scheduler.fin
 
 ``compression`` follows OpenAI's ``output_compression``: 0 to 100, 100 (the default) keeps the most detail.
 It is Pillow's ``quality`` of the JPEG and WebP encoders (lossy WebP; 100 is its best quality, not lossless).
-PNG is lossless and takes no compression (OpenAI refuses one below 100 for PNG; so does the planner).
+PNG is lossless and takes no compression (OpenAI refuses one below 100 for PNG; so does the validator).
 Measured sizes and times per format: ``benchmarks/bench_image_formats.py`` (figures in docs/API.md).
 """
 

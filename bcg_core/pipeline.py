@@ -3,16 +3,16 @@
 Everything specific to a model family (text encoders, latent layout, schedule, CFG order, decode scaling) lives in
 its module of :mod:`bcg_core.families`; this module only calls the hooks of :class:`~bcg_core.families.Family`.
 
-- :meth:`DiTPipeline.start` turns a planned request into a :class:`~bcg_core.families.RequestState` (encoded
+- :meth:`DiTPipeline.start` turns a validated request into a :class:`~bcg_core.families.RequestState` (encoded
   text, initial latents, its own scheduler, step index 0);
 - :meth:`DiTPipeline.step` runs one denoising step of several requests, each at its own step, in the forwards it is
   given, which the cost model decided (:class:`~bcg_core.costs.StepDecider`, :attr:`DiTPipeline.decider`); it trusts
   them and decides nothing;
 - :meth:`DiTPipeline.finish` decodes a finished request to image files (never NaN or inf latents).
 
-Every request enters planned (:class:`~bcg_core.request.PlannedRequest`, from :attr:`DiTPipeline.planner`: the one
+Every request enters validated (:class:`~bcg_core.request.ValidatedRequest`, from :attr:`DiTPipeline.validator`: the one
 validation path). The step scheduler (:mod:`bcg_core.scheduler`, above this module) drives these in a replica;
-:meth:`DiTPipeline.generate` runs one planned request alone, for tests and scripts. The cost model and decider sit
+:meth:`DiTPipeline.generate` runs one validated request alone, for tests and scripts. The cost model and decider sit
 below both (:mod:`bcg_core.costs`); what a family or runner can do beyond its contract is answered once, here, where
 the pipeline is built (:mod:`bcg_core.capabilities`).
 
@@ -42,8 +42,8 @@ from bcg_core.lora.slots import install as install_lora, lease_for
 from bcg_core.metrics import BucketMetrics
 from bcg_core.models import load_model, load_seconds
 from bcg_core.padding import DenoiseInputs
-from bcg_core.planner import Planner
-from bcg_core.request import GenerationResult, PlannedRequest
+from bcg_core.validation import RequestValidator
+from bcg_core.request import GenerationResult, ValidatedRequest
 from bcg_core.results import build_result
 from bcg_core.runners.base import BucketFault, BucketRunner
 from bcg_core.runners.build import (  # re-exported: the runner config.runner asks for
@@ -64,7 +64,7 @@ _META_CACHE = 256
 
 
 class DiTPipeline:
-    """A loaded model (its family) with its planner, bucket runner and per-bucket metrics.
+    """A loaded model (its family) with its validator, bucket runner and per-bucket metrics.
 
     Args:
         config: the replica's config.
@@ -87,8 +87,8 @@ class DiTPipeline:
         if config.runner.compile_decode and kernel_tier(config, model.device) is not KernelTier.EAGER:
             installed = install_decode(model)
             self.decoder, self.decode_note = (None, installed) if isinstance(installed, str) else (installed, "")
-        self.planner = Planner(config, model.spec, model.count_tokens)
-        self.table = self.planner.table
+        self.validator = RequestValidator(config, model.spec, model.count_tokens)
+        self.table = self.validator.table
         self.metrics = BucketMetrics(self.table.keys)
         self.runner: BucketRunner = runner or build_runner(config, model, self.table.keys, self.metrics)
         self.runner_capabilities = RunnerCapabilities.of(self.runner)
@@ -121,8 +121,8 @@ class DiTPipeline:
 
     # -- the step-level interface -------------------------------------------------------------------
 
-    def start(self, plan: PlannedRequest, cancel: threading.Event | None = None, lease=None) -> RequestState:
-        """A planned request at step 0: encoded text, initial latents, its own scheduler (family hook); with
+    def start(self, plan: ValidatedRequest, cancel: threading.Event | None = None, lease=None) -> RequestState:
+        """A validated request at step 0: encoded text, initial latents, its own scheduler (family hook); with
         ``lease`` (its adapters' :class:`~bcg_core.lora.slots.Lease`), its rows carry those slots."""
         state = self.model.start(plan, cancel)
         if lease is not None:
@@ -277,27 +277,27 @@ class DiTPipeline:
 
     # -- one request, synchronously ------------------------------------------------------------------
 
-    def generate(self, plan: PlannedRequest, cancel: threading.Event | None = None) -> GenerationResult:
-        """Denoise and decode one planned request on this thread, alone: start, one :meth:`step` per denoising
+    def generate(self, plan: ValidatedRequest, cancel: threading.Event | None = None) -> GenerationResult:
+        """Denoise and decode one validated request on this thread, alone: start, one :meth:`step` per denoising
         step in the forwards :attr:`decider` decides (as the step scheduler runs a request that has its shape to
         itself), finish. For tests and scripts; a replica serves through :class:`~bcg_core.scheduler.StepScheduler`.
 
-        A :class:`~bcg_core.request.GenerationRequest` is planned first, by :attr:`planner` (the one validation
-        path, as the ingress plans what it serves): ``pipe.generate(pipe.planner.plan(request))``.
+        A :class:`~bcg_core.request.GenerationRequest` is validated first, by :attr:`validator` (the one validation
+        path, as the ingress validates what it serves): ``pipe.generate(pipe.validator.validate(request))``.
 
         Args:
-            plan: the planned request (trusted as it is).
+            plan: the validated request (trusted as it is).
             cancel: set by the caller to stop early; checked before every step and before the decode.
 
         Raises:
-            TypeError: ``plan`` is not a :class:`~bcg_core.request.PlannedRequest` (plan a raw request first).
+            TypeError: ``plan`` is not a :class:`~bcg_core.request.ValidatedRequest` (plan a raw request first).
             RequestCancelled: ``cancel`` was set.
             ServiceUnavailable: its adapters did not load within ``lora.load_timeout_s``.
             NonFiniteOutput: its denoised latents hold NaN or inf (:func:`~bcg_core.errors.require_finite`).
         """
-        if not isinstance(plan, PlannedRequest):
-            raise TypeError(f"generate takes a PlannedRequest, got {type(plan).__name__}: plan it first with "
-                            f"pipe.planner.plan(request), the one validation path")
+        if not isinstance(plan, ValidatedRequest):
+            raise TypeError(f"generate takes a ValidatedRequest, got {type(plan).__name__}: validate it first with "
+                            f"pipe.validator.validate(request), the one validation path")
         lease = self.lease(plan)
         try:
             return self._generate(plan, cancel, lease)
@@ -305,12 +305,12 @@ class DiTPipeline:
             if lease is not None:
                 lease.release()
 
-    def lease(self, plan: PlannedRequest):
+    def lease(self, plan: ValidatedRequest):
         """The slots of ``plan``'s adapters, waiting here for their load (:func:`~bcg_core.lora.slots.lease_for`);
         None for a request without adapters."""
         return lease_for(self.lora, plan.request.lora)
 
-    def _generate(self, plan: PlannedRequest, cancel: threading.Event | None, lease) -> GenerationResult:
+    def _generate(self, plan: ValidatedRequest, cancel: threading.Event | None, lease) -> GenerationResult:
         t0 = time.perf_counter()
         state = self.start(plan, cancel, lease)
         if state.latents.is_cuda:  # its encodes' kernels end here, not inside the first step's time

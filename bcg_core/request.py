@@ -1,9 +1,9 @@
-"""The engine's request, the planned request and the result: validated once (by the planner), trusted below.
+"""The engine's request, the validated request and the result: validated once (by the validator), trusted below.
 
 :class:`GenerationRequest` is what a caller asks for (``deployments/schemas.py`` maps OpenAI's fields onto it);
-:class:`PlannedRequest` is what :meth:`bcg_core.planner.Planner.plan` makes of it: every field validated, the
+:class:`ValidatedRequest` is what :meth:`bcg_core.validation.RequestValidator.validate` makes of it: every field validated, the
 defaults filled in, the exact shape looked up in the bucket table once. Replicas, the step scheduler and the
-pipeline accept only a :class:`PlannedRequest`.
+pipeline accept only a :class:`ValidatedRequest`.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 from bcg_core.keys import BucketKey, BucketShape
 from bcg_core.table import BucketLookup
 
-__all__ = ["GenerationRequest", "GenerationResult", "MAX_PARTIAL_IMAGES", "PlannedRequest", "QUALITIES",
+__all__ = ["GenerationRequest", "GenerationResult", "MAX_PARTIAL_IMAGES", "ValidatedRequest", "QUALITIES",
            "QUALITY_ALIASES", "SEED_MAX", "steps_run"]
 
 SEED_MAX = 2**63 - 1
@@ -31,7 +31,7 @@ class GenerationRequest:
         width, height: image size in pixels; None (OpenAI's ``size: "auto"``, or no size): the model's
             default size, :attr:`~bcg_core.families.ModelSpec.default_size` (its diffusers pipeline's, e.g.
             1024x1024 for FLUX.1, SD3, PixArt-Sigma 1024, SANA 1024 and Qwen-Image; 512x512 for the tiny default),
-            filled in by the planner.
+            filled in by the validator.
         num_inference_steps: denoising steps (None: ``quality``'s, else the default: ``limits.default_steps``
             where set, else the family's diffusers pipeline's ``__call__`` default).
         guidance_scale: guidance scale (None: ``limits.default_guidance_scale`` where set, else the family's
@@ -45,7 +45,7 @@ class GenerationRequest:
         true_cfg_scale: true classifier-free guidance scale of FLUX and Qwen-Image (``true_cfg_scale`` of
             ``FluxPipeline``/``QwenImagePipeline``; None: the pipeline's default); refused by other families.
         quality: OpenAI's ``quality``, ``"low"``, ``"medium"``, ``"high"`` or ``"auto"`` (or DALL-E 3's
-            ``"standard"`` and ``"hd"``, planned as ``"medium"`` and ``"high"``: :data:`QUALITY_ALIASES`): the step
+            ``"standard"`` and ``"hd"``, served as ``"medium"`` and ``"high"``: :data:`QUALITY_ALIASES`): the step
             count the config and the family set for it (:meth:`~bcg_core.families.ModelSpec.steps_for_quality`), used when
             ``num_inference_steps`` is None. None: the default steps, as ``num_inference_steps``.
         output_format: the image files' format, ``"png"``, ``"jpeg"`` or ``"webp"`` (:mod:`bcg_core.images`).
@@ -91,7 +91,7 @@ def steps_run(steps: int, strength: float | None) -> int:
     """Denoising steps a request runs: ``steps``, or for an edit of ``strength`` the last ``steps - t_start`` of
     them, ``t_start = int(max(steps - min(steps * strength, steps), 0))`` (diffusers' edit pipelines'
     ``get_timesteps``). 0 for a strength so small that ``steps * strength`` is below one float step of ``steps``
-    (e.g. 1e-17 at 28 steps: ``28 - 2.8e-16`` rounds to 28), which the planner refuses; at least 1 above that."""
+    (e.g. 1e-17 at 28 steps: ``28 - 2.8e-16`` rounds to 28), which the validator refuses; at least 1 above that."""
     return steps if strength is None else steps - int(max(steps - min(steps * strength, steps), 0))
 
 
@@ -100,15 +100,15 @@ QUALITIES = ("low", "medium", "high", "auto")
 
 QUALITY_ALIASES = {"standard": "medium", "hd": "high"}
 """DALL-E 3's ``quality`` values (which clients and gateways still send), served as the value each maps to; the
-planner replaces them, so a planned request holds one of :data:`QUALITIES`."""
+validator replaces them, so a validated request holds one of :data:`QUALITIES`."""
 
 MAX_PARTIAL_IMAGES = 3
 """Most previews a streamed request may ask for (OpenAI's ``partial_images`` range, 0 to 3)."""
 
 
 @dataclass(frozen=True)
-class PlannedRequest:
-    """A request validated once by :meth:`~bcg_core.planner.Planner.plan`: defaults filled in, shape looked up.
+class ValidatedRequest:
+    """A request validated once by :meth:`~bcg_core.validation.RequestValidator.validate`: defaults filled in, shape looked up.
 
     Attributes:
         request: the request with every default filled in (steps, guidance, negative prompt, seed).

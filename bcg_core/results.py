@@ -7,18 +7,18 @@ from __future__ import annotations
 
 from bcg_core.keys import BucketKey, Dim
 from bcg_core.metrics import BucketMetrics
-from bcg_core.request import GenerationResult, PlannedRequest
+from bcg_core.request import GenerationResult, ValidatedRequest
 from bcg_core.table import BucketLookup
 
 __all__ = ["build_result"]
 
 
-def build_result(plan: PlannedRequest, files: list[bytes], key: BucketKey | None, padded_tokens: int, company: int,
+def build_result(plan: ValidatedRequest, files: list[bytes], key: BucketKey | None, padded_tokens: int, company: int,
                  metrics: BucketMetrics, timings_ms: dict[str, float]) -> GenerationResult:
     """The result of a finished request, recorded in ``metrics`` (:meth:`BucketMetrics.record_request`).
 
     Args:
-        plan: the planned request.
+        plan: the validated request.
         files: its image files, in order (image ``i`` from seed ``seed + i``).
         key: the bucket its first step was counted under (:attr:`~bcg_core.costs.StepForwards.counted_key`); None
             for a miss.

@@ -437,7 +437,7 @@ def check_fused(pipe) -> bool:
     for cfg in (False, True):
         for key in keys:
             try:
-                plan = pipe.planner.plan(_check_request(pipe, key, cfg))
+                plan = pipe.validator.validate(_check_request(pipe, key, cfg))
             except RequestError:
                 continue
             if pipe.model.spec.uses_cfg(plan.request) != cfg:

@@ -188,8 +188,8 @@ def run_single(pipe, size: tuple[int, int], steps: int, strength: float, repeats
 
     w, h = size
     text = GenerationRequest(PROMPT, n=1, width=w, height=h, num_inference_steps=steps, seed=7)
-    image = pipe.generate(pipe.planner.plan(text)).image_bytes[0]  # the input image, and text to image's untimed run
-    plans = {k: pipe.planner.plan(as_edit(text, k, image, strength)) for k in KINDS}
+    image = pipe.generate(pipe.validator.validate(text)).image_bytes[0]  # the input image, and text to image's untimed run
+    plans = {k: pipe.validator.validate(as_edit(text, k, image, strength)) for k in KINDS}
     for k in KINDS[1:]:
         pipe.generate(plans[k])  # untimed: each edit path's first run
     runs: dict[str, list[dict]] = {k: [] for k in KINDS}
@@ -207,7 +207,7 @@ def run_single(pipe, size: tuple[int, int], steps: int, strength: float, repeats
 def replay(sched, pipe, requests: list, kinds: list[str], concurrency: int) -> tuple[list[dict], float]:
     """Serve ``requests`` through the step scheduler, ``concurrency`` in flight, each planned first (untimed, as
     the ingress plans it); ``(rows, wall seconds)``. A request that fails is a row with ``ok`` False."""
-    plans = [pipe.planner.plan(r) for r in requests]
+    plans = [pipe.validator.validate(r) for r in requests]
 
     async def run():
         gate = asyncio.Semaphore(concurrency)
@@ -341,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
             print("single", json.dumps({k: {"wall_ms": v["wall_ms"], **v.get("vs_text_to_image", {})}
                                         for k, v in result["single"].items()}), flush=True)
             # the edits' input images: each its own text-to-image request, n 1, alone (untimed)
-            images = {i: pipe.generate(pipe.planner.plan(dataclasses.replace(plain[i], n=1))).image_bytes[0]
+            images = {i: pipe.generate(pipe.validator.validate(dataclasses.replace(plain[i], n=1))).image_bytes[0]
                       for i, k in enumerate(kinds) if k != "text-to-image"}
             mixed = [as_edit(r, k, images.get(i), args.strength) for i, (r, k) in enumerate(zip(plain, kinds))]
             warm = [bs.generation_request(r, args.steps) for r in bs.warmup_requests(demo, "shapes")]

@@ -53,7 +53,7 @@ for _p in (ROOT / "benchmarks", ROOT / "tests", ROOT):
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))
 
-from bcg_core import DiTPipeline, GenerationRequest, Planner, describe_model, load_model
+from bcg_core import DiTPipeline, GenerationRequest, RequestValidator, describe_model, load_model
 from bcg_core.config import BucketConfig, EngineConfig, LimitsConfig, ModelConfig, RunnerConfig
 from bcg_core.verify import RTOL, boundary_cases, verify_runner
 
@@ -278,7 +278,7 @@ def request_floor(pipe: DiTPipeline, request: GenerationRequest) -> tuple[float,
 
     _sync()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        pipe.generate(pipe.planner.plan(request))
+        pipe.generate(pipe.validator.validate(request))
         _sync()
     ev = cuda_events(prof)
     return sum(e.duration_ns() for e in ev) / 1e6, len(ev)
@@ -286,13 +286,13 @@ def request_floor(pipe: DiTPipeline, request: GenerationRequest) -> tuple[float,
 
 def exact_buckets(folder: Path, request: GenerationRequest, limits: LimitsConfig) -> BucketConfig:
     """The one bucket that holds ``request`` exactly (its rows, generation size, text length), as the family's
-    own planner keys it (tokenizers and JSON configs only)."""
+    own validator keys it (tokenizers and JSON configs only)."""
     mc = ModelConfig(path=str(folder), device="cpu")
     spec = describe_model(mc)
     size = "{}x{}".format(*spec.generation_size(request.width, request.height))
     probe = BucketConfig(batch_sizes=[2 * limits.max_images], resolutions=[size],
                          text_lengths=[spec.rules.native_text_tokens or 300])
-    q = Planner.from_config(EngineConfig(model=mc, limits=limits, buckets=probe)).plan(request).lookup.query
+    q = RequestValidator.from_config(EngineConfig(model=mc, limits=limits, buckets=probe)).validate(request).lookup.query
     return BucketConfig(batch_sizes=[q.batch], resolutions=[size], text_lengths=[q.text_tokens], miss_policy="reject")
 
 
@@ -319,12 +319,12 @@ def bench_case(model, folder: Path, case: str, n: int, args, device: torch.devic
         pipes[mode] = DiTPipeline(cfg, model)  # graph: captures its one bucket here
         _sync()
         prepare_s[mode] = round(time.perf_counter() - t0, 2)
-    plan = pipes["eager"].planner.plan(req)
+    plan = pipes["eager"].validator.validate(req)
 
     def timed(mode: str) -> tuple[float, dict]:
         _sync()
         t0 = time.perf_counter()
-        out = pipes[mode].generate(pipes[mode].planner.plan(req))
+        out = pipes[mode].generate(pipes[mode].validator.validate(req))
         _sync()
         return (time.perf_counter() - t0) * 1e3, out.timings_ms
 
@@ -336,7 +336,7 @@ def bench_case(model, folder: Path, case: str, n: int, args, device: torch.devic
             runs[mode].append(timed(mode))
     lk = plan.lookup
     row = dict(case=case, n=n, size=f"{size}x{size}", steps=steps, guidance_scale=guidance,
-               cfg=pipes["eager"].planner.spec.uses_cfg(plan.request), bucket=str(lk.key), rows=lk.query.batch,
+               cfg=pipes["eager"].validator.spec.uses_cfg(plan.request), bucket=str(lk.key), rows=lk.query.batch,
                exact=lk.hit and lk.key.tokens == lk.query.tokens, prepare_s=prepare_s, eager=_medians(runs["eager"]),
                bcg=None, bcg_modes=None, speedup=None, floor_ms=None, floor_events=None, bcg_over_floor=None,
                eager_over_floor=None)

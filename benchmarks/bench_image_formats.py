@@ -59,7 +59,7 @@ def served_image(size: int) -> np.ndarray:
     cfg = ServeConfig.model_validate({"buckets": {"batch_sizes": [1], "resolutions": [f"{size}x{size}"],
                                                   "text_lengths": [256]}})
     pipe = DiTPipeline.from_config(cfg)
-    plan = pipe.planner.plan(GenerationRequest("a lighthouse at dusk", width=size, height=size,
+    plan = pipe.validator.validate(GenerationRequest("a lighthouse at dusk", width=size, height=size,
                                                num_inference_steps=4, guidance_scale=0.0, seed=0))
     state = pipe.start(plan)
     while not state.done:

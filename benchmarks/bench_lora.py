@@ -157,7 +157,7 @@ def replay_engine(config, requests: list, concurrency: int, warm: list) -> dict:
         async def one(r):
             async with gate:
                 t = time.perf_counter()
-                res = await sched.submit(pipe.planner.plan(r))
+                res = await sched.submit(pipe.validator.validate(r))
                 return res, time.perf_counter() - t
         return await asyncio.gather(*(one(r) for r in reqs))
 

@@ -25,7 +25,7 @@ transformer configs, bf16, with the random-weight stand-in text encoders of test
    at the same size, as PixArt-Sigma's aspect-ratio bins make 512x512 and 1024x1024, are run once), a request
    of ``--rows`` rows (default 18: ``--rows / 2`` images with classifier-free guidance, ``guidance_scale`` 4.5,
    or for FLUX-family models ``true_cfg_scale`` 4.0 with an empty negative prompt), planned by the pipeline's
-   planner (the run stops if it hits the bucket) and started with ``pipe.start(plan)``, at ``--warmup +
+   validator (the run stops if it hits the bucket) and started with ``pipe.start(plan)``, at ``--warmup +
    --iters`` denoising steps. Then, after ``--warmup`` untimed calls of each (default 2 on CUDA, 1 on a CPU),
    ``--iters`` times (default 10 on CUDA, 3 on a CPU) alternately:
 
@@ -199,7 +199,7 @@ def run_case(pipe, plan, warmup: int, iters: int, timed, cuda: bool) -> dict:
 
     Args:
         pipe: the :class:`~bcg_core.pipeline.DiTPipeline`.
-        plan: the miss's planned request, at ``warmup + iters`` steps or more.
+        plan: the miss's validated request, at ``warmup + iters`` steps or more.
         warmup: untimed calls of each before timing.
         iters: timed calls of each.
         timed: :func:`make_timer`'s timer.
@@ -414,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
         timed = make_timer(cuda)
         plans = {}
         for (w, h), gen in sizes:
-            plan = pipe.planner.plan(cfg_request(spec, args.rows, w, h, steps))
+            plan = pipe.validator.validate(cfg_request(spec, args.rows, w, h, steps))
             if plan.shape is not None:
                 raise SystemExit(f"{w}x{h} hits bucket {plan.lookup.key}: the table must miss every size")
             plans[(w, h)] = plan

@@ -55,7 +55,7 @@ def run_size(size: int, steps: int, trials: int, previews: int, n: int, device: 
     sched = StepScheduler(pipe)
 
     def req(seed: int, k: int):
-        return pipe.planner.plan(GenerationRequest("a lighthouse at dusk", n=n, width=size, height=size,
+        return pipe.validator.validate(GenerationRequest("a lighthouse at dusk", n=n, width=size, height=size,
                                                    num_inference_steps=steps, guidance_scale=0.0, seed=seed,
                                                    partial_images=k))
 

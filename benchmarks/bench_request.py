@@ -135,7 +135,7 @@ def main() -> None:
         prepare_s = time.perf_counter() - t0
         totals, parts = [], []
         for _ in range(args.iters + 1):  # the first run warms up
-            out = pipe.generate(pipe.planner.plan(req))
+            out = pipe.generate(pipe.validator.validate(req))
             totals.append(out.timings_ms["total"])
             parts.append(out.timings_ms)
         images[mode] = out.image_bytes

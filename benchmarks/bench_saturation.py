@@ -21,14 +21,14 @@ on 127.0.0.1) and stopped with ``deployments.cli.local.stop_local`` before the n
   ``tests/engine/test_bench_saturation_naive.py`` fails if a naive request step runs more than one forward;
   from e0529e4 until the memory bound, a miss was cut into chunks no larger than the one-row table's forward, so
   every row of every naive request ran alone). Before anything starts, every request
-  is planned with the real ``bcg_core.planner.Planner`` of that config, and the run stops if one would hit a
+  is planned with the real ``bcg_core.validation.RequestValidator`` of that config, and the run stops if one would hit a
   bucket. Its replica admits as many requests as the others (``routing.max_ongoing_requests`` and
   ``max_queued_requests`` = ``--naive-max-ongoing``, default ``--concurrency``, instead of the 2 that a
   one-row table would derive), so no request is refused with 503; in flight they interleave step by step
   (the runner serialises forwards). ``--naive-max-ongoing 1`` serves them strictly one at a time instead.
 - ``planned`` (only when asked for in ``--servers``): the step scheduler on the table ``bcg plan`` chooses for the
   same model and limits from the packaged krea sample at ``--steps`` steps, at most ``--plan-max-graphs`` graphs
-  (:func:`planned_buckets`; ``--plan-costs measure``: on costs the planner measures on this GPU itself, ``bcg plan
+  (:func:`planned_buckets`; ``--plan-costs measure``: on costs the validator measures on this GPU itself, ``bcg plan
   --measure``). Each server's entry records its table's graphs, capture seconds and pool MiB.
 - ``step``: bcg-serve as configured, the step scheduler on the default table (``bcg_core/scheduler/step_scheduler.py``).
   If ``GET /v1/buckets`` then has no top-level ``scheduler`` section, the replica did not report a step
@@ -54,7 +54,7 @@ Models (``--model``):
 - ``pixart-512``: PixArt-Sigma-XL-2-512-MS (``bench_families``' ``pixart-sigma-512``: the published 1024
   transformer config with ``sample_size: 64``), SDXL VAE, random weights, bf16: launch-bound.
   PixArt-Sigma generates every size at its aspect-ratio bin (``ModelSpec.generation_size``, as diffusers'
-  resolution binning) and resizes back, so every krea size is a valid request (none is refused; the planner
+  resolution binning) and resizes back, so every krea size is a valid request (none is refused; the validator
   decides, and the run counts any 4xx anyway). Its bucket resolutions must be bins: the table lists exactly
   the bins the run's requests are binned to (7 for the first 32 krea requests: 512x512, 416x608, 608x416,
   576x416, 448x544, 704x352, 800x320), with one text bucket, the smallest of 32/64/128/256/300 that holds
@@ -520,7 +520,7 @@ def planned_buckets(base: dict, steps: int, max_graphs: int, measure: bool = Fal
     ``steps`` steps with at most ``max_graphs`` graphs (``bcg_core/planning/table_search.py``): ``source`` as
     ``bcg plan --traffic`` takes it (``deployments.cli.plan_command.load_plan_traffic``: ``krea``, the packaged krea
     sample; ``gentd26`` or ``gentd26:PATH``, a GenTD26 trace joined with krea's sizes, for ``--mix gentd26``);
-    with ``measure`` on costs the planner measures on this GPU (``bcg plan --measure``), else on the token-count
+    with ``measure`` on costs the validator measures on this GPU (``bcg plan --measure``), else on the token-count
     model. The plan's cost source is in ``buckets.plan.costs``."""
     from bcg_core.planning.table_search import search_table
     from deployments.settings import ServeConfig
@@ -557,22 +557,22 @@ def server_overrides(server: str, base: dict, spec, requests: list, concurrency:
     return over
 
 
-def plan_all(planner, requests: list, steps: int) -> tuple[list, list[tuple[Any, str]]]:
+def plan_all(validator, requests: list, steps: int) -> tuple[list, list[tuple[Any, str]]]:
     """Plan every request as the ingress would: ``(plans, refused)``, ``refused`` as ``(request, message)``."""
     from bcg_core.errors import RequestError
 
     plans, refused = [], []
     for r in requests:
         try:
-            plans.append(planner.plan(generation_request(r, steps)))
+            plans.append(validator.validate(generation_request(r, steps)))
         except RequestError as e:
             refused.append((r, e.message))
     return plans, refused
 
 
-def check_all_miss(planner, requests: list, steps: int) -> list:
-    """The requests that would HIT a bucket of ``planner``'s table (the naive table must leave none)."""
-    plans, _ = plan_all(planner, requests, steps)
+def check_all_miss(validator, requests: list, steps: int) -> list:
+    """The requests that would HIT a bucket of ``validator``'s table (the naive table must leave none)."""
+    plans, _ = plan_all(validator, requests, steps)
     return [p for p in plans if p.lookup.hit]
 
 
@@ -702,7 +702,7 @@ def build_model(name: str, tiny: bool, scratch: str | None, device: str) -> tupl
 
 
 def floor_key(plan, spec) -> tuple:
-    """The floor's shape key of a planned request: (width, height, n, guidance, text tokens or None)."""
+    """The floor's shape key of a validated request: (width, height, n, guidance, text tokens or None)."""
     r = plan.request
     text = plan.lookup.query.text_tokens if spec.rules.native_text_tokens is None else None
     return (r.width, r.height, r.n, r.guidance_scale, text)
@@ -730,15 +730,15 @@ def gpu_floor(config, requests: list, steps: int, floor_steps: int | None = None
     model = load_model(config.model)
     pipe = DiTPipeline(config, model)
     try:
-        plans, refused = plan_all(pipe.planner, requests, steps)
+        plans, refused = plan_all(pipe.validator, requests, steps)
         groups: dict[tuple, list] = {}
         for p in plans:
-            groups.setdefault(floor_key(p, pipe.planner.spec), []).append(p)
+            groups.setdefault(floor_key(p, pipe.validator.spec), []).append(p)
         k = floor_steps if floor_steps is not None and 2 <= floor_steps < steps else None
         shapes = []
         for key, ps in groups.items():
             req = ps[0].request
-            pipe.generate(pipe.planner.plan(dataclasses.replace(req, num_inference_steps=1)))  # warm-up
+            pipe.generate(pipe.validator.validate(dataclasses.replace(req, num_inference_steps=1)))  # warm-up
             if k is None:
                 ms, events = bf.request_floor(pipe, req)
             else:
@@ -975,7 +975,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from deployments.settings import ServeConfig
     from bcg_core.models import describe_model, load_tokenizer_counter
-    from bcg_core.planner import Planner
+    from bcg_core.validation import RequestValidator
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device != "cuda" and args.model != "tiny" and not args.tiny:
@@ -1015,12 +1015,12 @@ def main(argv: list[str] | None = None) -> int:
             overrides[name] = server_overrides(name, base, spec, sent, args.concurrency, args.naive_max_ongoing,
                                                planned, args.kernels, args.compile_decode)
             configs[name] = ServeConfig.model_validate(merge(base, overrides[name]))
-        naive_planner = Planner(configs["naive"], spec, counter)
-        hits = check_all_miss(naive_planner, sent, args.steps)
+        naive_validator = RequestValidator(configs["naive"], spec, counter)
+        hits = check_all_miss(naive_validator, sent, args.steps)
         if hits:
             raise SystemExit(f"the naive table {configs['naive'].buckets.resolutions} holds {len(hits)} requests "
                              f"(e.g. {hits[0].lookup.key}): it must miss every one")
-        _, refused = plan_all(Planner(configs[args.servers[0]], spec, counter), reqs, args.steps)
+        _, refused = plan_all(RequestValidator(configs[args.servers[0]], spec, counter), reqs, args.steps)
         result.update(base_config=base, planned_refusals=[f"{r.describe()}: {m}" for r, m in refused],
                       naive_tier=configs["naive"].buckets.resolutions[0])
         save()

@@ -153,7 +153,7 @@ def count_compute(folder: Path, model, cfg: EngineConfig, req: GenerationRequest
     pipe = None  # its weights freed before the modes load theirs
     gc.collect()
     eager = DiTPipeline(cfg.model_copy(update={"runner": RunnerConfig(mode="eager", kernels="eager")}), model)
-    out["bcg"] = one_forward(model.adapter.model, lambda: eager.generate(eager.planner.plan(one_step)))
+    out["bcg"] = one_forward(model.adapter.model, lambda: eager.generate(eager.validator.validate(one_step)))
     for side in out.values():
         side["forwards"] = req.num_inference_steps * side["per_step"]
     return out
@@ -198,7 +198,7 @@ def bench_case(case: str, folder: Path, model, args, device: torch.device, dtype
                                load_model(mc) if kernels == "fp8" or decode else model)
 
             def call(pipe=pipe):
-                return pipe.generate(pipe.planner.plan(req)).timings_ms
+                return pipe.generate(pipe.validator.validate(req)).timings_ms
         else:
             pipe = diffusers_pipeline(folder, getattr(torch, dtype), device, mode == "diffusers-compiled")
 

@@ -101,7 +101,7 @@ def joined_decoded_together(pipe: DiTPipeline, request: GenerationRequest, other
     decode call (their latents concatenated, as ``Finisher._decode_many`` merges states); ``request``'s run."""
     from bcg_core.images import encode_image
 
-    a, b = pipe.start(pipe.planner.plan(request)), pipe.start(pipe.planner.plan(other))
+    a, b = pipe.start(pipe.validator.validate(request)), pipe.start(pipe.validator.validate(other))
     while not (a.done and b.done):
         live = [s for s in (a, b) if not s.done]
         pipe.step(live, pipe.decider.for_states(live))
@@ -140,7 +140,7 @@ def company_cases(pipe: DiTPipeline, sizes: list[tuple[int, int]], seeds: int, s
                 def req(prompt: str, seed: int, n: int = 1) -> GenerationRequest:
                     r = GenerationRequest(prompt, n=n, width=w, height=h, num_inference_steps=steps,
                                           guidance_scale=guidance, seed=seed)
-                    return pipe.planner.plan(r).request
+                    return pipe.validator.validate(r).request
 
                 probe = req(PROMPTS[i % 4], 100 + i)
                 alone = bcg_run(pipe, probe)
@@ -178,9 +178,9 @@ def masked_cases(folder: Path, sizes, seeds: int, steps: int) -> list[dict]:
     rows = []
     for w, h in sizes:
         for i in range(seeds):
-            r = pipe.planner.plan(GenerationRequest(PROMPTS[i % 4], n=1, seed=300 + i, width=w, height=h,
+            r = pipe.validator.validate(GenerationRequest(PROMPTS[i % 4], n=1, seed=300 + i, width=w, height=h,
                                                     num_inference_steps=steps, guidance_scale=3.5)).request
-            key = str(pipe.planner.plan(r).lookup.key)
+            key = str(pipe.validator.validate(r).lookup.key)
             alone, lat = diffusers_images(ref, [r], **case.call_kwargs)
             math, lat_math = diffusers_images(ref, [r], attention=torch.nn.attention.SDPBackend.MATH,
                                               **case.call_kwargs)

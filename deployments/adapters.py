@@ -171,10 +171,10 @@ class AdapterCatalog:
         return missing
 
     async def check(self, lora: tuple[tuple[str, float], ...]) -> None:
-        """Refuse ``lora`` (a planned request's entries) when a name has no file in ``lora.dir``.
+        """Refuse ``lora`` (a validated request's entries) when a name has no file in ``lora.dir``.
 
         Args:
-            lora: ``((name, scale), ...)``, names already checked against ``NAME_RE`` by the planner.
+            lora: ``((name, scale), ...)``, names already checked against ``NAME_RE`` by the validator.
 
         Raises:
             RequestError: field ``lora``, HTTP 422: the unknown names and the adapters listed.
@@ -191,7 +191,7 @@ class AdapterCatalog:
         missing = await asyncio.to_thread(self._unknown, missing)
         if not missing:
             return
-        from bcg_core.planner import engine_field_phrase, invalid
+        from bcg_core.validation import engine_field_phrase, invalid
 
         allowed = engine_field_phrase("lora", LimitsConfig(), lora=self.config)  # the lora phrase reads no limit
         with self._lock:

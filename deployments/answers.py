@@ -15,7 +15,7 @@ from base64 import b64encode
 
 from bcg_core.pipeline import GenerationResult
 from bcg_core.preview import PartialImage
-from bcg_core.request import PlannedRequest
+from bcg_core.request import ValidatedRequest
 
 from .http_errors import find_request_error
 from .schemas import BcgInfo, ErrorDetail, ImageGenerationRequest, LoraAdapter, Usage
@@ -32,7 +32,7 @@ def sse_event(event: str, data: dict) -> bytes:
 
 
 def usage_of(plan) -> Usage:
-    """OpenAI's ``usage`` of a planned request (:class:`~deployments.schemas.Usage`): its prompt tokens (and an
+    """OpenAI's ``usage`` of a validated request (:class:`~deployments.schemas.Usage`): its prompt tokens (and an
     edit's input image, one image's transformer image tokens) in, its images' transformer image tokens out."""
     tokens = plan.lookup.query.image_tokens
     return Usage.of(plan.prompt_tokens, plan.request.n, tokens, tokens if plan.request.image is not None else 0)
@@ -48,7 +48,7 @@ def ingress_timings(result: GenerationResult, sent: float) -> dict[str, float]:
     return timings
 
 
-def bcg_info(result: GenerationResult, timings: dict[str, float], retries: int, plan: PlannedRequest) -> BcgInfo:
+def bcg_info(result: GenerationResult, timings: dict[str, float], retries: int, plan: ValidatedRequest) -> BcgInfo:
     """The ``bcg`` extension of the answer to ``plan``: how its replica served it, and its adapters (``lora``)."""
     lora = [LoraAdapter(name=name, scale=scale) for name, scale in plan.request.lora] or None
     return BcgInfo(bucket=None if result.bucket is None else str(result.bucket), hit=result.hit,
@@ -56,7 +56,7 @@ def bcg_info(result: GenerationResult, timings: dict[str, float], retries: int, 
                    replica=result.replica, owner=result.owner, batch_size=result.batch_size, retries=retries, lora=lora)
 
 
-async def image_events(plan: PlannedRequest, req: ImageGenerationRequest, events, t0: float,
+async def image_events(plan: ValidatedRequest, req: ImageGenerationRequest, events, t0: float,
                        kind: str = "image_generation"):
     """The Server-Sent Events of a streamed request: ``image_generation.partial_image`` per preview and image,
     then ``image_generation.completed`` per image, in the shapes of the ``openai`` client's
@@ -65,7 +65,7 @@ async def image_events(plan: PlannedRequest, req: ImageGenerationRequest, events
     The client going away closes this generator, which cancels the request on the replica.
 
     Args:
-        plan, req: the request, planned and as sent.
+        plan, req: the request, validated and as sent.
         events: :func:`~deployments.routing.stream_dit` of it, past :data:`~deployments.routing.ACCEPTED`.
         t0: ``time.perf_counter()`` when the plan was sent.
         kind: the events' prefix: ``image_generation``, or ``image_edit`` for an edit (the client's

@@ -9,8 +9,8 @@ unpadded eager forward per step meanwhile (:meth:`~bcg_core.runners.cuda_graph.C
 (``runner.compile_in_background``) a bucket whose blocks are not in the compile cache is captured with eager kernels
 and compiled after the replica is ready, then swapped in between steps (:mod:`bcg_core.runners.background`).
 
-Serving: a request arrives as the ingress's :class:`~bcg_core.request.PlannedRequest` (validated, seed filled in,
-bucket looked up) and is trusted as it is: the replica accepts nothing else and never plans it again. Requests
+Serving: a request arrives as the ingress's :class:`~bcg_core.request.ValidatedRequest` (validated, seed filled in,
+bucket looked up) and is trusted as it is: the replica accepts nothing else and never validates it again. Requests
 go through the replica's :class:`~bcg_core.scheduler.step_scheduler.StepScheduler` (requests join and leave at step
 boundaries; each iteration runs one step of every request in flight, in the bucket forwards its measured cost
 model chooses). Generation is blocking torch work in worker threads, so the replica's event loop keeps answering ``stats``, health checks
@@ -65,7 +65,7 @@ from collections import Counter
 from ray import serve
 
 from bcg_core.planning.traffic import TrafficHistogram
-from bcg_core.request import GenerationResult, PlannedRequest
+from bcg_core.request import GenerationResult, ValidatedRequest
 from router.autoscaling import replica_metrics
 from router.routing_key import RoutingKey
 
@@ -128,30 +128,30 @@ class DiTReplica:
 
     # -- serving ------------------------------------------------------------------------------------
 
-    async def generate(self, request: PlannedRequest) -> GenerationResult:
-        """Generate images for one planned request (its steps share forwards with concurrent requests of its
+    async def generate(self, request: ValidatedRequest) -> GenerationResult:
+        """Generate images for one validated request (its steps share forwards with concurrent requests of its
         shape); it is counted in the traffic histogram, when ``traffic.record`` is on.
 
         Args:
-            request: the ingress's :class:`~bcg_core.request.PlannedRequest`, trusted as it is (not planned
+            request: the ingress's :class:`~bcg_core.request.ValidatedRequest`, trusted as it is (not validated
                 again). The caller should route it with ``handle.options(multiplexed_model_id=<bucket shape>)``
                 (see :mod:`deployments.routing`); a caller with a raw request sends it to the ingress instead,
-                or plans it first (``Planner.from_config(config).plan(request)``).
+                or validates it first (``RequestValidator.from_config(config).validate(request)``).
 
         Returns:
             The :class:`GenerationResult`; ``replica`` names this replica and ``owner`` says whether it
             owns the request's shape (None for requests that have no bucket).
 
         Raises:
-            TypeError: ``request`` is not a planned request.
+            TypeError: ``request`` is not a validated request.
         """
         planned = self._accept(request)
         key = RoutingKey.parse(serve.get_multiplexed_model_id())
         return self._served_result(await self._scheduler.submit(planned), key)
 
-    async def generate_stream(self, request: PlannedRequest):
+    async def generate_stream(self, request: ValidatedRequest):
         """:meth:`generate` for a streamed request (``handle.options(stream=True)``): yields
-        :data:`~deployments.routing.ACCEPTED` once the request is planned, counted and its LoRA adapters are
+        :data:`~deployments.routing.ACCEPTED` once the request is validated, counted and its LoRA adapters are
         resident (:meth:`StepScheduler.lease`: one it cannot serve is a plain 422 or 503), then its previews
         (:class:`~bcg_core.preview.PartialImage`, ``partial_images`` of them per image at most) as the step
         scheduler draws them, then its :class:`GenerationResult`. A caller that stops reading (Ray cancels the
@@ -175,12 +175,12 @@ class DiTReplica:
             if not handed and lease is not None:  # the caller left before the stream began
                 lease.release()
 
-    def _accept(self, planned: PlannedRequest) -> PlannedRequest:
+    def _accept(self, planned: ValidatedRequest) -> ValidatedRequest:
         """``planned``, counted in the traffic histogram; anything else is refused (validated once, at the
         ingress: the replica and its scheduler trust the plan)."""
-        if not isinstance(planned, PlannedRequest):
-            raise TypeError(f"the DiT replica takes a PlannedRequest, got {type(planned).__name__}: send requests "
-                            f"to the ingress, or plan them first (Planner.from_config(config).plan(request))")
+        if not isinstance(planned, ValidatedRequest):
+            raise TypeError(f"the DiT replica takes a ValidatedRequest, got {type(planned).__name__}: send requests "
+                            f"to the ingress, or validate them first (RequestValidator.from_config(config).validate(request))")
         if self._traffic is not None:
             self._traffic.record(planned)
         return planned

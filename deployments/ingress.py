@@ -1,4 +1,4 @@
-"""HTTP ingress: OpenAI Images API on FastAPI, validated and planned before any GPU work.
+"""HTTP ingress: OpenAI Images API on FastAPI, validated before any GPU work.
 
 Routes (relative to the application's route prefix):
 
@@ -13,7 +13,7 @@ Routes (relative to the application's route prefix):
   replica's histogram merged: the answering replica's current one and the others' from their last heartbeat).
 - ``POST /v1/images/edits``: a ``multipart/form-data`` body (the ``openai`` client's ``images.edit``) read within
   its bound (:mod:`deployments.uploads`) and mapped onto :class:`~deployments.schemas.ImageEditRequest`, then
-  planned, routed and answered as a generation (``image_edit.*`` events when streamed); the planner reads and
+  validated, routed and answered as a generation (``image_edit.*`` events when streamed); the validator reads and
   bounds the image and mask (:mod:`bcg_core.edits`).
 - ``GET /v1/models`` (and ``GET /v1/models/{id}``): the served model in OpenAI's list format, with the bucket
   table, the limits, the step count of each ``quality``, the LoRA adapters in ``lora.dir`` (``lora``, null
@@ -27,16 +27,16 @@ API keys: with ``auth.api_keys`` or ``auth.api_key_file`` set, every ``/v1/`` ro
 ``Authorization: Bearer <key>`` (:mod:`deployments.auth`: digests only, compared in constant time); a missing or
 unknown key is answered 401 in OpenAI's error shape, naming neither the key nor its digest.
 
-LoRA adapters (a request's ``lora``): the schema bounds the entries, the planner checks names and scales, and the
+LoRA adapters (a request's ``lora``): the schema bounds the entries, the validator checks names and scales, and the
 ingress refuses a name with no file in ``lora.dir`` with a 422 listing the adapters
 (:class:`~deployments.adapters.AdapterCatalog`: no GPU, no replica); the replica that serves the request reads the
 file and stays the authority (422 for a file it cannot serve, 503 with ``Retry-After`` when no adapter slot freed
 within ``lora.load_timeout_s``; neither is resent to another replica).
 
-Python handle callers use ``Ingress.images`` (same validation and routing). Each request is planned here
-once, on the ingress's one planning thread, so the event loop stays free while an edit's image is decoded
-(:class:`~bcg_core.planner.Planner`: validation, defaults, the seed, the bucket lookup), and its
-:class:`~bcg_core.request.PlannedRequest` travels to the DiT deployment, which trusts it, with its bucket shape in the
+Python handle callers use ``Ingress.images`` (same validation and routing). Each request is validated here
+once, on the ingress's one validation thread, so the event loop stays free while an edit's image is decoded
+(:class:`~bcg_core.validation.RequestValidator`: validation, defaults, the seed, the bucket lookup), and its
+:class:`~bcg_core.request.ValidatedRequest` travels to the DiT deployment, which trusts it, with its bucket shape in the
 request metadata (:mod:`deployments.routing`); the same plan (the same seed) is resent when its replica dies
 mid-request (answered 503 only if that keeps happening). The served model name (a request's ``model``) comes
 from the model's spec (``describe_model``: the checkpoint's JSON configs), known at start.
@@ -44,7 +44,7 @@ from the model's spec (``describe_model``: the checkpoint's JSON configs), known
 Every error is answered in OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``: 413 for a
 body over ``limits.max_body_bytes`` (an edit's: :func:`~deployments.uploads.upload_limit`), 400 for a body that is
 not JSON (or not readable multipart), 415 for an edit not sent as ``multipart/form-data`` or a generation sent as a
-form, 422 for a field that fails validation or planning (the message names the field and the values it accepts), 503
+form, 422 for a field that fails validation (the message names the field and the values it accepts), 503
 when no replica could serve it (under overload at once, with ``Retry-After``: backpressure from
 ``routing.max_queued_requests``), 500 for a server fault (the answers: :mod:`deployments.http_errors`; usage,
 ``bcg`` and the event stream: :mod:`deployments.answers`).
@@ -74,8 +74,8 @@ from .settings import ServeConfig
 from bcg_core.errors import BucketMissError, RequestError, ServiceUnavailable
 from bcg_core.images import IMAGE_FORMATS
 from bcg_core.pipeline import GenerationResult
-from bcg_core.request import QUALITY_ALIASES, GenerationRequest, PlannedRequest
-from bcg_core.planner import Planner
+from bcg_core.request import QUALITY_ALIASES, GenerationRequest, ValidatedRequest
+from bcg_core.validation import RequestValidator
 from bcg_core.planning.traffic import TrafficHistogram
 
 from .adapters import AdapterCatalog
@@ -185,7 +185,7 @@ def _unsupported_route(fields: dict[str, dict]) -> dict[str, Any]:
 @serve.deployment
 @serve.ingress(app)
 class Ingress:
-    """FastAPI ingress: validates and plans each request once (bucket lookup, miss policy), forwards its plan.
+    """FastAPI ingress: validates each request once (bucket lookup, miss policy), forwards the validated request.
 
     Args:
         dit_handle: handle of the :class:`~deployments.dit.DiTReplica` deployment.
@@ -204,24 +204,24 @@ class Ingress:
         self._started = int(time.time())
         self._dit = dit_handle
         self._coord = coordinator
-        # The planner's spec is describe_model(config.model): the served name comes from the checkpoint's JSON
+        # The validator's spec is describe_model(config.model): the served name comes from the checkpoint's JSON
         # configs, as the replicas' own, so no request waits for (or spends a DiT slot on) a stats call for it.
-        self._planner = Planner.from_config(self._config)
-        self._model_name = self._planner.spec.name
+        self._validator = RequestValidator.from_config(self._config)
+        self._model_name = self._validator.spec.name
         self._limits = self._request_limits()
         self._adapters = AdapterCatalog.for_config(self._config)  # None without lora.dir
         self._rejected: Counter[str] = Counter()  # misses answered 422 here (reject policy), by dimension
         self._rejected_requests = 0
-        # one thread plans every request: the tokenizers are not shared across threads, and an edit's image is
+        # one thread validates every request: the tokenizers are not shared across threads, and an edit's image is
         # decoded off the event loop
-        self._planning = ThreadPoolExecutor(1, thread_name_prefix="bcg-plan")
-        self._edits = edits_card(self._planner.spec, self._config.limits)
+        self._validating = ThreadPoolExecutor(1, thread_name_prefix="bcg-validate")
+        self._edits = edits_card(self._validator.spec, self._config.limits)
         configure_ingress(self._config)  # large buffers mmapped; the heap trimmed once idle
 
     def _request_limits(self) -> RequestLimits:
         return RequestLimits(
             limits=self._config.limits,
-            size_multiple=None if self._planner.spec.size_bins else self._planner.table.rules.pixels_per_token,
+            size_multiple=None if self._validator.spec.size_bins else self._validator.table.rules.pixels_per_token,
             model_name=self._model_name,
             resolutions=tuple(self._config.buckets.resolutions),
             lora=self._config.lora,
@@ -238,17 +238,17 @@ class Ingress:
         return {"status": "ok"}
 
     def _model_card(self) -> ModelCard:
-        planner = self._planner
-        spec, table, lim = planner.spec, planner.table, self._config.limits
-        quality = {q: spec.steps_for_quality(q, self._config.quality, planner.default_steps, lim.max_steps)
+        validator = self._validator
+        spec, table, lim = validator.spec, validator.table, self._config.limits
+        quality = {q: spec.steps_for_quality(q, self._config.quality, validator.default_steps, lim.max_steps)
                    for q in ("low", "medium", "high", "auto")}
         return ModelCard(id=self._model_name, created=self._started, bcg={
             "family": spec.family, "pipeline_class": spec.pipeline_class,
             "buckets": {**table.describe_limits(), "count": len(table)},
             "limits": {"max_images": lim.max_images, "min_side_px": lim.min_side_px, "max_side_px": lim.max_side_px,
                        "size_multiple": table.rules.pixels_per_token, "max_steps": lim.max_steps,
-                       "default_steps": planner.default_steps, "default_size": "{}x{}".format(*spec.default_size)},
-            "defaults": planner.defaults,
+                       "default_steps": validator.default_steps, "default_size": "{}x{}".format(*spec.default_size)},
+            "defaults": validator.defaults,
             "quality_steps": quality,
             "quality_aliases": dict(QUALITY_ALIASES),
             "output_formats": list(IMAGE_FORMATS),
@@ -256,12 +256,12 @@ class Ingress:
             "edits": self._edits,
         })
 
-    async def _plan(self, request: GenerationRequest) -> PlannedRequest:
-        """``self._planner.plan(request)`` on the planning thread (raises its :class:`RequestError`)."""
-        return await asyncio.get_running_loop().run_in_executor(self._planning, self._planner.plan, request)
+    async def _validate(self, request: GenerationRequest) -> ValidatedRequest:
+        """``self._validator.validate(request)`` on the validation thread (raises its :class:`RequestError`)."""
+        return await asyncio.get_running_loop().run_in_executor(self._validating, self._validator.validate, request)
 
     async def _check_adapters(self, plan) -> None:
-        """A planned request naming an adapter with no file in ``lora.dir`` raises RequestError (HTTP 422 listing
+        """A validated request naming an adapter with no file in ``lora.dir`` raises RequestError (HTTP 422 listing
         the adapters; :meth:`~deployments.adapters.AdapterCatalog.check`); the replica decides the rest."""
         if self._adapters is not None:
             await self._adapters.check(plan.request.lora)
@@ -337,7 +337,7 @@ class Ingress:
         """Python handle entry point: ``serve.get_app_handle(name).images.remote({...})``.
 
         Plans the request (same validation as HTTP) and sends its plan to an owner of its bucket shape, exactly
-        as the HTTP route does; the replica trusts the plan and does not plan it again.
+        as the HTTP route does; the replica trusts it and does not validate it again.
 
         Args:
             request: a :class:`GenerationRequest` or a dict of its fields (``prompt`` required).
@@ -351,7 +351,7 @@ class Ingress:
             ServiceUnavailable: the replica's adapter slots stayed full for ``lora.load_timeout_s``.
             ReplicaUnavailable: the serving replica died on every attempt.
         """
-        plan = await self._plan(as_generation_request(request))
+        plan = await self._validate(as_generation_request(request))
         await self._check_adapters(plan)
         routed = await call_dit(self._dit, plan, self._config.routing.max_retries,
                                 retry_after_s=self._config.routing.retry_after_s)
@@ -422,7 +422,7 @@ class Ingress:
         ``stream: true`` Server-Sent Events of ``kind``; every refusal in OpenAI's error shape. The one path of
         generations and edits."""
         try:
-            plan = await self._plan(request)
+            plan = await self._validate(request)
             await self._check_adapters(plan)
         except RequestError as exc:
             if isinstance(exc, BucketMissError):
@@ -430,16 +430,16 @@ class Ingress:
                 self._rejected.update(exc.missed)
             message = exc.message
             if exc.field == "size" and req.size == "auto":
-                px = self._planner.rules.pixels_per_token
+                px = self._validator.rules.pixels_per_token
                 message += (" (for an edit, size 'auto', or omitted, is its image's size scaled into the side "
                             f"limits, each side a multiple of {px})" if request.image is not None else
                             " (size 'auto', or omitted, is the model's default size {}x{})".format(
-                                *self._planner.spec.default_size))
+                                *self._validator.spec.default_size))
             return error_response(exc.status, message, param=exc.field)
         except Exception as exc:  # noqa: BLE001 - an input file Pillow fails on in a way bcg_core.edits misses
             if request.image is None:
                 raise
-            logger.exception("planning an edit failed on its input files")
+            logger.exception("validating an edit failed on its input files")
             return error_response(422, f"invalid 'image' or 'mask': the file does not decode ({type(exc).__name__}: "
                                        f"{str(exc)[:80]}); allowed: one PNG, JPEG or WebP file each", param="image")
         t0 = time.perf_counter()

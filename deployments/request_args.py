@@ -1,5 +1,5 @@
 """A Python caller's request for the ingress's handle method ``Ingress.images``: a
-:class:`~bcg_core.request.GenerationRequest` or a mapping of its fields, read as a ``GenerationRequest`` (then planned
+:class:`~bcg_core.request.GenerationRequest` or a mapping of its fields, read as a ``GenerationRequest`` (then validated
 by the ingress like an HTTP request)."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ _REQUEST_FIELDS = tuple(f.name for f in dataclasses.fields(GenerationRequest))
 def as_generation_request(request: GenerationRequest | dict) -> GenerationRequest:
     """Accept a :class:`GenerationRequest` or a mapping of its fields. A mapping's ``lora`` entries may be
     ``(name, scale)`` pairs or, as over HTTP, ``{"name": ..., "scale": ...}`` mappings (scale omitted: 1.0); the
-    planner checks them.
+    validator checks them.
 
     Raises:
         RequestError: a mapping with an unknown field or without ``prompt`` (field ``"request"``).
@@ -39,7 +39,7 @@ def as_generation_request(request: GenerationRequest | dict) -> GenerationReques
 
 
 def _lora_pair(entry):
-    """A ``{"name", "scale"}`` mapping as ``(name, scale)``; anything else as it is (the planner refuses it)."""
+    """A ``{"name", "scale"}`` mapping as ``(name, scale)``; anything else as it is (the validator refuses it)."""
     if not isinstance(entry, dict) or set(entry) - {"name", "scale"} or "name" not in entry:
         return entry
     scale = entry.get("scale")

@@ -1,4 +1,4 @@
-"""Sending a planned request (its :class:`~bcg_core.request.PlannedRequest`) to the DiT deployment, with its bucket
+"""Sending a validated request (its :class:`~bcg_core.request.ValidatedRequest`) to the DiT deployment, with its bucket
 shape in the request metadata.
 
 On the HTTP path the router sees a request's arguments only as opaque bytes, so the bucket shape travels in
@@ -18,7 +18,7 @@ from ray.serve.exceptions import BackPressureError
 
 from bcg_core.errors import ServiceUnavailable
 from bcg_core.pipeline import GenerationResult
-from bcg_core.request import PlannedRequest
+from bcg_core.request import ValidatedRequest
 from router.routing_key import RoutingKey
 
 __all__ = ["ACCEPTED", "Overloaded", "ReplicaUnavailable", "Routed", "bucket_shape", "call_dit", "overloaded",
@@ -40,14 +40,14 @@ class ReplicaUnavailable(ServiceUnavailable):
     retry once a replacement is up)."""
 
 
-def routing_key(plan: PlannedRequest) -> RoutingKey:
-    """The routing key of a planned request: its bucket shape (:attr:`PlannedRequest.shape`, e.g. ``"i1024_t256"``),
+def routing_key(plan: ValidatedRequest) -> RoutingKey:
+    """The routing key of a validated request: its bucket shape (:attr:`ValidatedRequest.shape`, e.g. ``"i1024_t256"``),
     or ``""`` for a miss (no owner: any replica, eagerly), and its LoRA adapters' names (replicas holding them are
     preferred)."""
     return RoutingKey.of(str(plan.shape) if plan.shape is not None else "", (n for n, _ in plan.request.lora))
 
 
-def bucket_shape(plan: PlannedRequest) -> str:
+def bucket_shape(plan: ValidatedRequest) -> str:
     """:func:`routing_key` in its wire form, the ``multiplexed_model_id`` a call carries (``"i1024_t256|lora=ink"``)."""
     return str(routing_key(plan))
 
@@ -60,11 +60,11 @@ class Routed:
     retries: int
 
 
-async def call_dit(handle, plan: PlannedRequest, max_retries: int = 2, retry_wait_s: float = 0.5,
+async def call_dit(handle, plan: ValidatedRequest, max_retries: int = 2, retry_wait_s: float = 0.5,
                    retry_after_s: float = 2.0) -> Routed:
     """Send ``plan`` to the DiT deployment, keyed by its bucket shape; resend when the replica dies.
 
-    The replica trusts the plan (validated, seed filled in, bucket looked up) and does not plan it again. A
+    The replica trusts the plan (validated, seed filled in, bucket looked up) and does not validate it again. A
     replica that dies mid-request (``RayActorError``: killed, node lost, out of memory) fails its in-flight
     calls; generation is deterministic per seed and has no side effects, so the same plan (the same seed) is
     resent (the router skips the dead replica) up to ``max_retries`` times, ``retry_wait_s`` apart.
@@ -103,7 +103,7 @@ def overloaded(exc: BackPressureError, retry_after_s: float) -> Overloaded:
                       f"after {retry_after_s:g} s", retry_after_s=retry_after_s)
 
 
-async def stream_dit(handle, plan: PlannedRequest, retry_after_s: float = 2.0):
+async def stream_dit(handle, plan: ValidatedRequest, retry_after_s: float = 2.0):
     """Stream ``plan`` from the DiT deployment (``DiTReplica.generate_stream``), keyed by its bucket shape:
     yields :data:`ACCEPTED` once the replica took it, then its previews, then its :class:`GenerationResult`.
 

@@ -3,8 +3,8 @@
 This module checks the *shape* of OpenAI's request: types (strict: no ``"2"`` for an integer, no ``true`` for a
 number), the values OpenAI's enumerations allow, ``WxH`` sizes, the served model name, previews only when
 streamed, and no unknown fields. Limits (``n``, sizes, steps, guidance, seeds, text length, output options) are
-the planner's to check, once, with the model (:meth:`bcg_core.planner.Planner.plan`); the phrase of what each
-field accepts comes from :func:`bcg_core.planner.engine_field_phrase` on both paths. The served configuration comes in
+the validator's to check, once, with the model (:meth:`bcg_core.validation.RequestValidator.validate`); the phrase of what each
+field accepts comes from :func:`bcg_core.validation.engine_field_phrase` on both paths. The served configuration comes in
 through pydantic's validation context as a :class:`RequestLimits`::
 
     ImageGenerationRequest.model_validate_json(body, context={"limits": RequestLimits(...)})
@@ -13,7 +13,7 @@ Without a context the defaults of :class:`bcg_core.config.LimitsConfig` apply.
 
 ``lora`` (LoRA adapters per request, docs/API.md "LoRA adapters") is checked here for its JSON shape and bounded
 before anything else reads it: at most ``lora.max_per_request`` entries (:data:`MAX_LORA_ENTRIES` without a
-configured section), names of at most :data:`MAX_LORA_NAME_CHARS` characters; the planner checks the names, scales
+configured section), names of at most :data:`MAX_LORA_NAME_CHARS` characters; the validator checks the names, scales
 and duplicates, the ingress whether each name is in ``lora.dir``, the replica whether the file can be served.
 """
 
@@ -25,7 +25,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from bcg_core.config import LimitsConfig, LoRAConfig, parse_size
-from bcg_core.planner import engine_field_phrase
+from bcg_core.validation import engine_field_phrase
 from bcg_core.request import MAX_PARTIAL_IMAGES, GenerationRequest
 
 __all__ = [
@@ -94,7 +94,7 @@ def _limits(info: ValidationInfo) -> RequestLimits:
 
 def http_field_phrase(name: str, limits: RequestLimits) -> str:
     """The phrase of what any field of the HTTP body accepts, for error messages: the engine's phrase
-    (:func:`bcg_core.planner.engine_field_phrase`) for a field the engine validates, else the schema's own.
+    (:func:`bcg_core.validation.engine_field_phrase`) for a field the engine validates, else the schema's own.
 
     Args:
         name: a field of :class:`ImageGenerationRequest` (or any other name, for unknown fields).
@@ -144,7 +144,7 @@ class ImageGenerationRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 
     prompt: str = Field(description="Text to generate images for: 1 to limits.max_prompt_chars characters; "
-                        "at most the model's text length in tokens (checked by the planner; for PixArt-Sigma, SANA "
+                        "at most the model's text length in tokens (checked by the validator; for PixArt-Sigma, SANA "
                         "and Qwen-Image a prompt above the largest text bucket is a text miss).")
     model: str | None = Field(default=None, description="Served model name; omit it or send exactly that name.")
     n: int | None = Field(default=1, description="Number of images, 1 to limits.max_images.")
@@ -237,9 +237,9 @@ class ImageGenerationRequest(BaseModel):
     @field_validator("size")
     @classmethod
     def _size(cls, v: str | None) -> str:
-        if v is None or v == "auto":  # OpenAI's "auto": the default size (width_height), checked by the planner
+        if v is None or v == "auto":  # OpenAI's "auto": the default size (width_height), checked by the validator
             return "auto"
-        w, h = parse_size(v)  # ValueError names the expected form; ranges are the planner's
+        w, h = parse_size(v)  # ValueError names the expected form; ranges are the validator's
         return f"{w}x{h}"
 
     @field_validator("response_format")
@@ -284,7 +284,7 @@ class ImageGenerationRequest(BaseModel):
 
     def width_height(self) -> tuple[int, int] | tuple[None, None]:
         """``(width, height)`` in pixels of :attr:`size`; ``(None, None)`` for ``"auto"`` (or omitted): the
-        planner fills in the model's default size (:attr:`~bcg_core.families.ModelSpec.default_size`)."""
+        validator fills in the model's default size (:attr:`~bcg_core.families.ModelSpec.default_size`)."""
         return (None, None) if self.size in (None, "auto") else parse_size(self.size)
 
 
@@ -295,7 +295,7 @@ class ImageEditRequest(ImageGenerationRequest):
 
     Types are lax (``"2"`` is 2, ``"true"`` is true): a form's values arrive as text. ``lora`` arrives as a JSON
     text field or as the bracketed fields of the ``openai`` client (:func:`deployments.uploads.edit_fields`).
-    The image and mask are checked by the planner (:mod:`bcg_core.edits`: the header's pixel count before any
+    The image and mask are checked by the validator (:mod:`bcg_core.edits`: the header's pixel count before any
     decoding), never here.
     """
 

@@ -3,9 +3,9 @@ of :class:`~deployments.schemas.ImageEditRequest`.
 
 Every body is read as a stream and refused (:class:`BodyTooLarge`, HTTP 413) as soon as its ``Content-Length`` or
 the bytes received pass the bound, so a huge upload is never held whole: ``limits.max_body_bytes`` (64 KiB) for
-JSON generations, :func:`upload_limit` (64 MiB) for an edit's files. The planner bounds an image's pixel count from
+JSON generations, :func:`upload_limit` (64 MiB) for an edit's files. The validator bounds an image's pixel count from
 its header before anything decodes it (:mod:`bcg_core.edits`); it then decodes it once to check it, on the ingress's
-planning thread.
+validation thread.
 
 The official ``openai`` client sends ``images.edit`` as ``multipart/form-data``: the image as the file part
 ``image`` (a list of images: one ``image[]`` part each), ``mask`` as a file part, every other argument as a text
@@ -69,7 +69,7 @@ class FormError(Exception):
 
 def edits_card(spec, limits) -> dict | None:
     """``bcg.edits`` of ``GET /v1/models`` for the model ``spec`` under ``limits``: the edit modes served, their
-    diffusers pipelines and request defaults (the planner's: the spec's own where it has them, else the pipeline's,
+    diffusers pipelines and request defaults (the validator's: the spec's own where it has them, else the pipeline's,
     the config's limits first), the mask convention and the upload bounds; None for a family without edits."""
     from bcg_core.families.defaults import edit_defaults
 

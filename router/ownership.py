@@ -27,7 +27,7 @@ from bcg_core.keys import BucketKey
 from bcg_core.errors import RequestError
 from bcg_core.models import ACTIVATION_FACTOR, estimate_graph_bytes, transformer_width
 from bcg_core.request import GenerationRequest
-from bcg_core.planner import Planner
+from bcg_core.validation import RequestValidator
 
 __all__ = [
     "Assignment",
@@ -91,7 +91,7 @@ def _int_field(row: Mapping[str, object], name: str) -> int | None:
     return int(f)
 
 
-def expected_load(table_planner: Planner, rows: Iterable[Mapping[str, object]],
+def expected_load(table_validator: RequestValidator, rows: Iterable[Mapping[str, object]],
                   guidance_scale: float | None = 3.5, by: str = "requests") -> LoadEstimate:
     """Share of requests per bucket from real data rows.
 
@@ -101,9 +101,9 @@ def expected_load(table_planner: Planner, rows: Iterable[Mapping[str, object]],
     so it weighs ``1 / n`` of a request.
 
     Args:
-        table_planner: the planner whose bucket table keys the requests.
+        table_validator: the validator whose bucket table keys the requests.
         rows: mappings with ``width``, ``height`` and (optional, may be empty) ``num_generations``.
-        guidance_scale: CFG scale of every request (above 1 the batch dimension doubles); None: the planner's
+        guidance_scale: CFG scale of every request (above 1 the batch dimension doubles); None: the validator's
             default (the config's, else the family's).
         by: ``"requests"``: each request weighs 1; ``"work"``: each request weighs the padded tokens of its
             bucket's forward (``BucketKey.tokens``, proportional to its GPU time per denoising step), so a
@@ -121,7 +121,7 @@ def expected_load(table_planner: Planner, rows: Iterable[Mapping[str, object]],
             width, height = _int_field(row, "width"), _int_field(row, "height")
             if width is None or height is None:
                 raise ValueError("no size")
-            plan = table_planner.plan(GenerationRequest(prompt="x", n=n, width=width, height=height,
+            plan = table_validator.validate(GenerationRequest(prompt="x", n=n, width=width, height=height,
                                                         guidance_scale=guidance_scale, seed=0))
         except (RequestError, ValueError, TypeError):
             skipped += 1
@@ -166,7 +166,7 @@ def shape_demands(keys: Iterable[BucketKey], shares: Mapping[BucketKey, float],
     return dict(sorted(out.items()))
 
 
-def demands_for_config(config, planner: Planner | None = None) -> dict[str, BucketDemand]:
+def demands_for_config(config, validator: RequestValidator | None = None) -> dict[str, BucketDemand]:
     """Per-shape demand of a ``ServeConfig``: shares of the expected work, from the table's plan when ``bcg plan``
     wrote it (``buckets.plan.work``: each shape's share of the computed tokens on the planned traffic), else from
     the krea mix (requests at the configured default guidance scale, weighted by padded tokens:
@@ -175,12 +175,12 @@ def demands_for_config(config, planner: Planner | None = None) -> dict[str, Buck
 
     Args:
         config: a :class:`deployments.settings.ServeConfig`.
-        planner: its planner (built with :meth:`Planner.from_config`, tokenizer only, when None).
+        validator: its validator (built with :meth:`RequestValidator.from_config`, tokenizer only, when None).
 
     Raises:
         FileNotFoundError, ValueError: the configured checkpoint folder is unreadable.
     """
-    planner = planner or Planner.from_config(config)
+    validator = validator or RequestValidator.from_config(config)
     hidden = transformer_width(config.model.path)
     dtype_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}[config.model.dtype]
     graph_bytes = lambda k: estimate_graph_bytes(k, hidden, dtype_bytes)  # noqa: E731
@@ -188,10 +188,10 @@ def demands_for_config(config, planner: Planner | None = None) -> dict[str, Buck
     if plan is not None:
         from bcg_core.planning.drift import plan_matches
 
-        if plan_matches(plan, planner.table):
+        if plan_matches(plan, validator.table):
             # the plan's expected work per shape (bcg plan wrote it for this very table) replaces the krea prior
             largest: dict[str, BucketKey] = {}
-            for k in planner.table.keys:
+            for k in validator.table.keys:
                 if k.shape not in largest or k.batch > largest[k.shape].batch:
                     largest[k.shape] = k
             whole = sum(v for s, v in plan.work.items() if s in largest)
@@ -199,8 +199,8 @@ def demands_for_config(config, planner: Planner | None = None) -> dict[str, Buck
                     for s, k in sorted(largest.items())}
         log.warning("buckets.plan does not describe this table (edited after bcg plan wrote it): ownership uses "
                     "the krea prior; plan again with bcg plan --write, or delete buckets.plan")
-    load = expected_load(planner, krea_rows(), guidance_scale=None, by="work")  # the default request's guidance
-    return shape_demands(planner.table.keys, load.shares, graph_bytes)
+    load = expected_load(validator, krea_rows(), guidance_scale=None, by="work")  # the default request's guidance
+    return shape_demands(validator.table.keys, load.shares, graph_bytes)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -2,7 +2,7 @@
 
 The session's Ray Serve instance (``serve_apps``) is ``tests/serve/conftest.py``'s, so that only the tests under
 ``tests/serve/`` start Ray. ``pyproject.toml`` puts this folder on ``sys.path`` (``pythonpath``): the shared
-helpers here (``closeness``, ``fake_metrics``, ``plan_counting``, ``reference_gate``, ``tiny``) import the same
+helpers here (``closeness``, ``fake_metrics``, ``validation_counting``, ``reference_gate``, ``tiny``) import the same
 from every folder.
 """
 

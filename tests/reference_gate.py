@@ -132,7 +132,7 @@ def diffusers_run(pipeline_cls, folder, request: GenerationRequest, device: str 
 def bcg_state(pipe: DiTPipeline, request: GenerationRequest):
     """Denoise ``request`` alone through the step-level loop (its adapters leased first, released after); the
     finished :class:`~bcg_core.families.RequestState`, not decoded."""
-    plan = pipe.planner.plan(request)
+    plan = pipe.validator.validate(request)
     lease = pipe.lease(plan)
     state = pipe.start(plan, lease=lease)
     while not state.done:
@@ -156,7 +156,7 @@ def bcg_run_joined(pipe: DiTPipeline, request: GenerationRequest, other: Generat
     Returns:
         ``(request's run, other's run)``.
     """
-    pb, pa = pipe.planner.plan(other), pipe.planner.plan(request)
+    pb, pa = pipe.validator.validate(other), pipe.validator.validate(request)
     b = pipe.start(pb, lease=pipe.lease(pb))
     for _ in range(head_start):
         pipe.step([b], pipe.decider.for_states([b]))

@@ -361,7 +361,7 @@ def measure_family(name: str, device: str = "cpu", kernels: str = "eager", steps
 
         def req(prompt: str, seed: int, **kw) -> GenerationRequest:
             r = GenerationRequest(prompt=prompt, n=1, seed=seed, num_inference_steps=steps, **{**case.fields, **kw})
-            return pipe.planner.plan(r).request
+            return pipe.validator.validate(r).request
 
         requests = case_requests(case, count, req)
         other = req(longest_prompt(count, max(case.buckets["text_lengths"])), 40)
@@ -385,7 +385,7 @@ def measure_family(name: str, device: str = "cpu", kernels: str = "eager", steps
                 worst[label] = worst[label].worst(devs["bcg"]) if label in worst else devs["bcg"]
                 for b in BOUNDS:
                     bounds[b] = bounds[b].worst(devs[b]) if b in bounds else devs[b]
-                rows.append({"case": label, "key": str(pipe.planner.plan(r).lookup.key), "tokens": count(r.prompt),
+                rows.append({"case": label, "key": str(pipe.validator.validate(r).lookup.key), "tokens": count(r.prompt),
                              "size": f"{r.width}x{r.height}", **{k: d.to_json() for k, d in devs.items()}})
         return {"family": name, "device": device, "kernels": kernels, "steps": steps,
                 "bounds": {b: d.to_json() for b, d in bounds.items()},

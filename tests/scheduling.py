@@ -1,17 +1,17 @@
-"""A test helper: the step scheduler fed raw requests, each planned first as the ingress plans it.
+"""A test helper: the step scheduler fed raw requests, each validated first as the ingress validates it.
 
-The real scheduler accepts only a :class:`~bcg_core.request.PlannedRequest` (validated once, at the ingress);
-tests that drive it with :class:`~bcg_core.request.GenerationRequest` values plan them here, once, with the
-pipeline's own planner.
+The real scheduler accepts only a :class:`~bcg_core.request.ValidatedRequest` (validated once, at the ingress);
+tests that drive it with :class:`~bcg_core.request.GenerationRequest` values validate them here, once, with the
+pipeline's own validator.
 """
 
-from bcg_core import GenerationRequest, PlannedRequest, StepScheduler
+from bcg_core import GenerationRequest, ValidatedRequest, StepScheduler
 
 
-class PlanningScheduler(StepScheduler):
-    """:class:`StepScheduler` whose ``submit`` plans a raw request first (tests only)."""
+class ValidatingScheduler(StepScheduler):
+    """:class:`StepScheduler` whose ``submit`` validates a raw request first (tests only)."""
 
-    async def submit(self, plan: PlannedRequest | GenerationRequest, on_preview=None, lease=None):
+    async def submit(self, plan: ValidatedRequest | GenerationRequest, on_preview=None, lease=None):
         if isinstance(plan, GenerationRequest):
-            plan = self.pipeline.planner.plan(plan)
+            plan = self.pipeline.validator.validate(plan)
         return await super().submit(plan, on_preview, lease)

@@ -9,7 +9,7 @@ family it runs.
 
 Step-level contract (docs/DESIGN.md section 10, "The step-level loop"):
 
-1. :meth:`Family.start` turns one planned request into a :class:`RequestState`: encoded text, initial
+1. :meth:`Family.start` turns one validated request into a :class:`RequestState`: encoded text, initial
    latents (drawn exactly as the family's diffusers pipeline draws them from generators seeded
    ``seed + i``), its own scheduler instance with its timesteps set (a multistep solver's history lives
    there) and step index 0.
@@ -245,7 +245,7 @@ class RequestState:
     """One request in flight at the step level: everything its denoising loop carries between steps.
 
     Attributes:
-        plan: the validated request with its bucket lookup (:class:`~bcg_core.request.PlannedRequest`).
+        plan: the validated request with its bucket lookup (:class:`~bcg_core.request.ValidatedRequest`).
         cond: the prompt's text rows.
         uncond: the negative prompt's text rows when the request runs classifier-free guidance with uncond
             rows, else None (the *CFG pairing*: every image has one cond row and, with CFG, one uncond row,
@@ -327,7 +327,7 @@ class Family(Protocol):
     model_name: str
     spec: ModelSpec
     """The model's spec: shape rules and the family's request rules (CFG rule, binning, refusals), which the
-    planner applies alike at the ingress and on the replica."""
+    validator applies alike at the ingress and on the replica."""
     adapter: DiTAdapter
     rules: ShapeRules
     guidance_embeds: bool

@@ -2,7 +2,7 @@
 
 A request without ``num_inference_steps`` or ``guidance_scale`` gets what the family's diffusers pipeline gives a
 call without them, read from the signature of the installed pipeline's ``__call__`` when the model is described
-(no table of ours to go stale), unless the config's ``limits`` set them (:meth:`bcg_core.planner.Planner`).
+(no table of ours to go stale), unless the config's ``limits`` set them (:meth:`bcg_core.validation.RequestValidator`).
 """
 
 from __future__ import annotations
@@ -68,8 +68,8 @@ def edit_defaults(spec, limits, inpaint: bool) -> dict[str, float | int | None]:
     ``strength`` of its image-to-image (``inpaint`` False) or inpainting edit pipeline (``spec.edit_pipelines``),
     read by :func:`pipeline_defaults`; a spec with edit defaults of its own (``spec.default_strength`` set: the
     tiny default) gives its own. ``limits.default_steps`` / ``default_guidance_scale`` win where set, and steps
-    are capped at ``limits.max_steps`` (SD3's and Qwen-Image's edit pipelines default to 50). The planner
-    (:meth:`bcg_core.planner.Planner.plan`) and ``GET /v1/models`` (``deployments/uploads.py``) both read this.
+    are capped at ``limits.max_steps`` (SD3's and Qwen-Image's edit pipelines default to 50). The validator
+    (:meth:`bcg_core.validation.RequestValidator.validate`) and ``GET /v1/models`` (``deployments/uploads.py``) both read this.
 
     Raises:
         ValueError: ``spec`` serves no edits (``edit_pipelines`` None).

@@ -344,7 +344,7 @@ class FluxFamily(FusedStep, Previews):
         return cls(path.name, spec, pipe.transformer, pipe.vae, pipe.scheduler, pipe.image_processor, encode,
                    counter, device, dtype)
 
-    # -- planning hooks -----------------------------------------------------------------------------
+    # -- validation hooks ---------------------------------------------------------------------------
 
     def count_tokens(self, prompt: str, negative: bool = False) -> int:
         """Tokens of ``prompt`` in the sequence encoder (prompts and negative prompts alike)."""

@@ -256,7 +256,7 @@ class PixArtSigmaFamily(Previews):
         pipe = load_pipeline(PixArtSigmaPipeline, path, device, dtype)
         return cls(spec, pipe, device, dtype)
 
-    # -- planning hooks -----------------------------------------------------------------------------
+    # -- validation hooks ---------------------------------------------------------------------------
 
     def count_tokens(self, prompt: str, negative: bool = False) -> int:
         """T5 tokens of ``prompt`` that ``encode_prompt`` keeps (as :meth:`token_counter`)."""

@@ -67,8 +67,8 @@ def start_edit(family, plan, cancel: threading.Event | None = None) -> RequestSt
 
     Args:
         family: the :class:`~bcg_core.families.qwenimage.QwenImageFamily`.
-        plan: the planned request; ``request.image`` set (``request.mask`` too for inpainting), its size, steps and
-            strength filled by the planner (the image and mask already read and checked there).
+        plan: the validated request; ``request.image`` set (``request.mask`` too for inpainting), its size, steps and
+            strength filled by the validator (the image and mask already read and checked there).
         cancel: the request's cancel event.
 
     Returns:
@@ -78,8 +78,8 @@ def start_edit(family, plan, cancel: threading.Event | None = None) -> RequestSt
         each (n, h * w, 64) packed (mask 1 where to repaint).
 
     Raises:
-        RequestError: the image or mask does not decode (:mod:`bcg_core.edits`; the planner has read them already).
-        ValueError: the strength leaves no step (diffusers raises the same; the planner refuses a strength of 0).
+        RequestError: the image or mask does not decode (:mod:`bcg_core.edits`; the validator has read them already).
+        ValueError: the strength leaves no step (diffusers raises the same; the validator refuses a strength of 0).
     """
     from diffusers.pipelines.qwenimage.pipeline_qwenimage_img2img import calculate_shift, retrieve_timesteps
 

@@ -271,7 +271,7 @@ class QwenImageFamily(Previews):
         """Spec from ``transformer/``, ``vae/`` and ``scheduler/`` configs; request defaults from
         ``QwenImagePipeline.__call__``'s signature (:func:`pipeline_defaults`: 50 steps, no guidance, true CFG 4.0),
         an edit's from its edit pipeline's (``QwenImageImg2ImgPipeline``, ``QwenImageInpaintPipeline``: the same and
-        strength 0.6; read by the planner).
+        strength 0.6; read by the validator).
 
         Raises:
             ValueError: a configuration this family refuses (module docstring), naming each reason.
@@ -322,7 +322,7 @@ class QwenImageFamily(Previews):
         pipe = load_pipeline(QwenImagePipeline, path, device, dtype)
         return cls(path.name, spec, pipe, cls.token_counter(path, index), device, dtype)
 
-    # -- planning hooks -----------------------------------------------------------------------------
+    # -- validation hooks ---------------------------------------------------------------------------
 
     def count_tokens(self, prompt: str, negative: bool = False) -> int:
         """Text tokens of ``prompt`` in the key (see :meth:`token_counter`)."""

@@ -270,7 +270,7 @@ class SanaFamily(Previews):
         pipe = load_pipeline(SanaPipeline, path, device, dtype)
         return cls(spec, pipe, device, dtype)
 
-    # -- planning hooks -----------------------------------------------------------------------------
+    # -- validation hooks ---------------------------------------------------------------------------
 
     def count_tokens(self, prompt: str, negative: bool = False) -> int:
         """Gemma2 tokens of ``prompt`` that ``encode_prompt`` keeps, as a prompt (with the complex human

@@ -315,7 +315,7 @@ class SD3Family(FusedStep, Previews):
         pipe = load_pipeline(StableDiffusion3Pipeline, path, device, dtype, **absent)
         return cls(spec, pipe, device, dtype)
 
-    # -- planning hooks -----------------------------------------------------------------------------
+    # -- validation hooks ---------------------------------------------------------------------------
 
     def count_tokens(self, prompt: str, negative: bool = False) -> int:
         """T5 tokens of ``prompt``, prompts and negative prompts alike (as :meth:`token_counter`)."""

@@ -72,8 +72,8 @@ def start_edit(family, plan, cancel: threading.Event | None = None) -> RequestSt
 
     Args:
         family: the :class:`~bcg_core.families.sd3.SD3Family`.
-        plan: a planned request with ``image`` set (and ``mask`` for inpainting), its size (a multiple of the token
-            size, the planner's), ``strength`` and ``seed`` filled in.
+        plan: a validated request with ``image`` set (and ``mask`` for inpainting), its size (a multiple of the token
+            size, the validator's), ``strength`` and ``seed`` filled in.
 
     Returns:
         A state at step 0 whose ``timesteps`` are the last ``steps_run`` of the schedule; ``latents``
@@ -81,7 +81,7 @@ def start_edit(family, plan, cancel: threading.Event | None = None) -> RequestSt
         noise)``: mask (n, 1, H/8, W/8), 1 where to repaint; image latents and noise (n, 16, H/8, W/8).
 
     Raises:
-        RequestError: an image or mask that does not decode (fields ``image``, ``mask``; the planner checked them).
+        RequestError: an image or mask that does not decode (fields ``image``, ``mask``; the validator checked them).
     """
     from bcg_core.edits import read_image, read_mask
 

@@ -4,7 +4,7 @@ A :class:`Traffic` is :class:`Demand` rows (each an exact forward shape with its
 requests) plus what the limits refused, by field. It comes from the packaged krea CSV (:func:`traffic_from_rows`
 over :func:`krea_rows`), a GenTD26-style trace (:func:`traffic_from_gentd26`: image counts, steps and prompt
 lengths, joined with krea sizes), whole requests (:func:`traffic_from_requests`) or a replica's recorded shape
-histogram (:func:`traffic_from_histogram`). Every request is validated and shaped by :func:`planning_planner`,
+histogram (:func:`traffic_from_histogram`). Every request is validated and shaped by :func:`planning_validator`,
 independent of the table being planned; :func:`planning_table` is a config's own table as its replicas build it.
 """
 
@@ -23,9 +23,9 @@ from bcg_core.errors import RequestError
 from bcg_core.keys import ShapeQuery
 from bcg_core.families.defaults import edit_defaults
 from bcg_core.request import GenerationRequest, steps_run
-from bcg_core.planner import Planner
+from bcg_core.validation import RequestValidator
 
-__all__ = ["GENTD26_FILLER", "KREA_CSV", "Demand", "Traffic", "krea_rows", "planning_planner", "planning_table",
+__all__ = ["GENTD26_FILLER", "KREA_CSV", "Demand", "Traffic", "krea_rows", "planning_validator", "planning_table",
            "replace_buckets", "traffic_from_gentd26", "traffic_from_histogram", "traffic_from_requests",
            "traffic_from_rows"]
 
@@ -44,7 +44,7 @@ class Demand:
 
     Attributes:
         query: the exact shape of one denoising step's forward (rows with CFG, image tokens or grid, text tokens),
-            as :meth:`~bcg_core.planner.Planner.query` makes it.
+            as :meth:`~bcg_core.validation.RequestValidator.query` makes it.
         images: images per request.
         steps: denoising steps per request.
         weight: how many requests of this kind the sample holds (fractions allowed: a krea row is 1/n).
@@ -80,8 +80,8 @@ class Traffic:
         return Traffic(list(out.values()), self.source, dict(self.refused))
 
 
-def planning_planner(config: EngineConfig) -> Planner:
-    """A :class:`~bcg_core.planner.Planner` of ``config``'s model and limits whose table holds every valid prompt
+def planning_validator(config: EngineConfig) -> RequestValidator:
+    """A :class:`~bcg_core.validation.RequestValidator` of ``config``'s model and limits whose table holds every valid prompt
     (text bucket: the native length, else the family's encoder limit) and never rejects a miss: traffic is
     validated and shaped with it, independent of the table being planned.
 
@@ -92,18 +92,18 @@ def planning_planner(config: EngineConfig) -> Planner:
     native = spec.rules.native_text_tokens
     text = native if native is not None else (spec.max_text_tokens or max(config.buckets.text_lengths))
     wide = replace_buckets(config, text_lengths=[text], miss_policy="eager")
-    return Planner(wide, spec, counter)
+    return RequestValidator(wide, spec, counter)
 
 
 def planning_table(config: EngineConfig) -> BucketTable:
     """``config``'s own bucket table, as its replicas build it (to score the current table against a plan)."""
-    return Planner(config, *_spec_and_counter(config.model)).table
+    return RequestValidator(config, *_spec_and_counter(config.model)).table
 
 
 @functools.lru_cache(maxsize=8)
 def _spec_and_counter(model: ModelConfig):
     """The model's spec and token counter (JSON configs and tokenizer only), read once per model: planning and
-    each drift check build several planners of one model."""
+    each drift check build several validators of one model."""
     from bcg_core.models import describe_model, load_tokenizer_counter
 
     return describe_model(model), load_tokenizer_counter(model)
@@ -151,17 +151,17 @@ def _float(row: Mapping[str, str], name: str) -> float | None:
     return float(v) if v else None
 
 
-def _demand(planner: Planner, request: GenerationRequest, weight: float, text_tokens: int | None,
+def _demand(validator: RequestValidator, request: GenerationRequest, weight: float, text_tokens: int | None,
             refused: dict[str, float]) -> Demand | None:
     """``request`` planned (validated, defaults filled, shaped); refusals counted by the field the limits name."""
     try:
-        plan = planner.plan(request)
+        plan = validator.validate(request)
     except RequestError as e:
         refused[e.field] = refused.get(e.field, 0.0) + weight
         return None
     query = plan.lookup.query
-    if text_tokens is not None and planner.rules.native_text_tokens is None:
-        query = planner.query(plan.request, text_tokens)
+    if text_tokens is not None and validator.rules.native_text_tokens is None:
+        query = validator.query(plan.request, text_tokens)
     r = plan.request
     return Demand(query, r.n, plan.steps_run, weight, (r.width, r.height))
 
@@ -180,7 +180,7 @@ def traffic_from_rows(config: EngineConfig, rows: Iterable[Mapping[str, str]], s
     Raises:
         ValueError: a row without width or height, naming it.
     """
-    planner = planning_planner(config)
+    validator = planning_validator(config)
     demands, refused = [], {}
     for i, row in enumerate(rows):
         w, h = _int(row, "width"), _int(row, "height")
@@ -192,7 +192,7 @@ def traffic_from_rows(config: EngineConfig, rows: Iterable[Mapping[str, str]], s
         req = GenerationRequest(prompt, n=n, width=w, height=h, seed=0,
                                 num_inference_steps=steps if steps is not None else _int(row, "num_step"),
                                 guidance_scale=None if cfg is None else min(cfg, config.limits.max_guidance_scale))
-        d = _demand(planner, req, 1.0 / n, None, refused)
+        d = _demand(validator, req, 1.0 / n, None, refused)
         if d is not None:
             demands.append(d)
     return Traffic(demands, source, refused).merged()
@@ -200,10 +200,10 @@ def traffic_from_rows(config: EngineConfig, rows: Iterable[Mapping[str, str]], s
 
 def traffic_from_requests(config: EngineConfig, requests: Iterable[GenerationRequest], source: str = "requests") -> Traffic:
     """Traffic of whole requests (each weighs one), e.g. the ones a replay sends; refusals counted by field."""
-    planner = planning_planner(config)
+    validator = planning_validator(config)
     demands, refused = [], {}
     for r in requests:
-        d = _demand(planner, r, 1.0, None, refused)
+        d = _demand(validator, r, 1.0, None, refused)
         if d is not None:
             demands.append(d)
     return Traffic(demands, source, refused).merged()
@@ -224,7 +224,7 @@ def traffic_from_gentd26(config: EngineConfig, rows: Iterable[Mapping[str, str]]
     """
     if not sizes:
         raise ValueError("traffic_from_gentd26 needs at least one (width, height) size to join the trace with")
-    planner = planning_planner(config)
+    validator = planning_validator(config)
     demands, refused = [], {}
     i = 0
     for row in rows:
@@ -233,10 +233,10 @@ def traffic_from_gentd26(config: EngineConfig, rows: Iterable[Mapping[str, str]]
             continue
         strength = None
         if kind != "TXT_2_IMG":
-            if planner.spec.edit_pipelines is None:
+            if validator.spec.edit_pipelines is None:
                 refused["image"] = refused.get("image", 0.0) + 1.0
                 continue
-            strength = edit_defaults(planner.spec, planner.limits, kind == "INPAINTING")["strength"]
+            strength = edit_defaults(validator.spec, validator.limits, kind == "INPAINTING")["strength"]
         n = _int(row, "num_images_per_prompt") or 1
         chars = max(1, _int(row, "prompt_length") or 1)
         prompt = (GENTD26_FILLER * (chars // len(GENTD26_FILLER) + 1))[:chars].strip() or "x"
@@ -244,9 +244,9 @@ def traffic_from_gentd26(config: EngineConfig, rows: Iterable[Mapping[str, str]]
         i += 1
         count = steps if steps is not None else _int(row, "num_inference_steps")
         if count is None and strength is not None:  # an edit row without steps: its edit pipeline's default
-            count = edit_defaults(planner.spec, planner.limits, kind == "INPAINTING")["steps"]
+            count = edit_defaults(validator.spec, validator.limits, kind == "INPAINTING")["steps"]
         req = GenerationRequest(prompt, n=n, width=w, height=h, seed=0, num_inference_steps=count)
-        d = _demand(planner, req, 1.0, None, refused)  # an edit's forwards are its text-to-image twin's
+        d = _demand(validator, req, 1.0, None, refused)  # an edit's forwards are its text-to-image twin's
         if d is not None:
             demands.append(d if strength is None else replace(d, steps=steps_run(d.steps, strength)))
     return Traffic(demands, "gentd26", refused).merged()
@@ -263,8 +263,8 @@ def traffic_from_histogram(config: EngineConfig, snapshot: Mapping) -> Traffic:
     from bcg_core.planning.traffic import TrafficHistogram
 
     hist = TrafficHistogram.from_snapshot(dict(snapshot))
-    planner = planning_planner(config)
-    spec = planner.spec
+    validator = planning_validator(config)
+    spec = validator.spec
     demands, refused = [], {}
     for s in hist.snapshot()["shapes"]:
         cfg_count = int(s.get("cfg_count") or 0)
@@ -275,12 +275,12 @@ def traffic_from_histogram(config: EngineConfig, snapshot: Mapping) -> Traffic:
             if cfg:
                 extra = ({"true_cfg_scale": 4.0, "negative_prompt": " "} if spec.cfg_rule == "true_cfg"
                          else {"guidance_scale": min(config.limits.max_guidance_scale,
-                                                     max(4.5, planner.default_guidance_scale or 0.0))})
+                                                     max(4.5, validator.default_guidance_scale or 0.0))})
             elif spec.cfg_rule != "true_cfg":
                 extra = {"guidance_scale": 1.0}
             req = GenerationRequest("x", n=int(s["n"]), width=int(s["width"]), height=int(s["height"]), seed=0,
                                     num_inference_steps=int(s["steps"]), **extra)
-            d = _demand(planner, req, float(count), int(s["text_tokens"]), refused)
+            d = _demand(validator, req, float(count), int(s["text_tokens"]), refused)
             if d is not None:
                 demands.append(d)
     return Traffic(demands, "histogram", refused).merged()

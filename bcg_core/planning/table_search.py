@@ -20,9 +20,9 @@ from dataclasses import dataclass, replace
 
 from bcg_core.table import BucketTable, ShapeRules
 from bcg_core.config import BucketConfig, PlannedTraffic, EngineConfig
-from bcg_core.planner import Planner
+from bcg_core.validation import RequestValidator
 from bcg_core.planning.plan_costs import PlanCosts, TableScore, evaluate
-from bcg_core.planning.samples import Traffic, planning_planner
+from bcg_core.planning.samples import Traffic, planning_validator
 
 __all__ = ["LADDER", "REJECT_PENALTY", "PlanPoint", "TableChoice", "profile_buckets", "search_table"]
 
@@ -82,7 +82,7 @@ class TableChoice:
                 "budget_mib": self.budget_mib, "max_graphs": self.max_graphs}
 
 
-def _candidates(traffic: Traffic, rules: ShapeRules, planner: Planner, max_tiers: int | None = 16):
+def _candidates(traffic: Traffic, rules: ShapeRules, validator: RequestValidator, max_tiers: int | None = 16):
     """Candidate tiers (``(width, height)`` pixels; the ``max_tiers`` most requested, None: all, and always the
     largest, which with masked padding holds every smaller size), text buckets and batch sizes from the sample."""
     ppt = rules.pixels_per_token
@@ -92,7 +92,7 @@ def _candidates(traffic: Traffic, rules: ShapeRules, planner: Planner, max_tiers
         if rules.grid_keyed:
             h, w = q.latent_hw
         else:  # the most square grid of the request's token count that the limits allow
-            h, w = _square(q.image_tokens, planner)
+            h, w = _square(q.image_tokens, validator)
         weights[(w * ppt, h * ppt)] = weights.get((w * ppt, h * ppt), 0.0) + d.weight
     tiers = [t for t, _ in sorted(weights.items(), key=lambda kv: -kv[1])[:max_tiers]]
     largest = max(weights, key=lambda t: (t[0] * t[1], t))
@@ -105,7 +105,7 @@ def _candidates(traffic: Traffic, rules: ShapeRules, planner: Planner, max_tiers
         # multiples of 16 (PixArt-Sigma's padded forward stays bit-identical to diffusers' there,
         # bcg_core/families/pixart.py), at most what the encoder feeds
         weighted = sorted((d.query.text_tokens, d.weight) for d in traffic.demands)
-        cap = planner.spec.max_text_tokens or weighted[-1][0]
+        cap = validator.spec.max_text_tokens or weighted[-1][0]
         texts = sorted({min(cap, _round_up(v, 16)) for v in
                         [weighted[-1][0]] + [_quantile(weighted, q) for q in (0.5, 0.9, 0.99)]})
     rows = sorted({d.query.batch for d in traffic.demands})
@@ -123,10 +123,10 @@ def _by_resolution(texts: Sequence[int], extra: Sequence[tuple[tuple[int, int], 
     return {k: sorted(v) for k, v in out.items()}
 
 
-def _square(tokens: int, planner: Planner) -> tuple[int, int]:
+def _square(tokens: int, validator: RequestValidator) -> tuple[int, int]:
     """The most square ``(h, w)`` grid with ``tokens`` tokens within the size limits (the grid itself if prime)."""
-    lim = planner.limits
-    ppt = planner.rules.pixels_per_token
+    lim = validator.limits
+    ppt = validator.rules.pixels_per_token
     lo, hi = -(-lim.min_side_px // ppt), lim.max_side_px // ppt
     best = None
     for h in range(lo, hi + 1):
@@ -183,19 +183,19 @@ def search_table(config: EngineConfig, traffic: Traffic, costs: PlanCosts | None
         raise ValueError(f"the traffic sample ({traffic.source}) has no request the limits allow ({why}); give it "
                          f"requests within limits, or widen limits")
     costs = costs or PlanCosts.token_count(config)
-    planner = planning_planner(config)
-    rules = planner.rules
+    validator = planning_validator(config)
+    rules = validator.rules
     base = config.buckets
     reject = str(getattr(base.miss_policy, "value", base.miss_policy)) == "reject"
     exact = rules.grid_keyed or base.image_padding == "exact"  # every size needs its own tier
-    tiers, texts, batches = _candidates(traffic, rules, planner, None if reject and exact else 16)
+    tiers, texts, batches = _candidates(traffic, rules, validator, None if reject and exact else 16)
     # every table starts from one bucket at the sample's longest text (capped at the encoder's cut), and the search
     # only adds text buckets: a longer prompt is a text miss (eager kernels) or, under miss_policy reject, refused
-    # with 422 (Planner.text_limit; a 173-token krea prompt was, on a [144] table), so the sample's own long
+    # with 422 (RequestValidator.text_limit; a 173-token krea prompt was, on a [144] table), so the sample's own long
     # prompts keep a bucket; the smallest table and the budget ladder's first rung start there too
     longest_text = texts[-1:]
     budget = None if budget_mib is None else budget_mib * 2**20
-    min_tokens = planner.table.min_image_tokens  # as every replica's table: from the smallest side the limits allow
+    min_tokens = validator.table.min_image_tokens  # as every replica's table: from the smallest side the limits allow
 
     def table(bs, ts, xs, ex=()) -> BucketTable | None:
         try:
@@ -335,14 +335,14 @@ def profile_buckets(config: EngineConfig, traffic: Traffic) -> BucketConfig:
     """
     if not traffic.demands:
         raise ValueError(f"the traffic sample ({traffic.source}) has no request to profile buckets for")
-    planner = planning_planner(config)
-    tiers, texts, _ = _candidates(traffic, planner.rules, planner, None)
+    validator = planning_validator(config)
+    tiers, texts, _ = _candidates(traffic, validator.rules, validator, None)
     by_tokens = sorted(tiers, key=lambda t: (t[0] * t[1], t))
     picked: list[tuple[int, int]] = []
     for t in (by_tokens[0], tiers[0], by_tokens[-1]):  # tiers[0]: the most requested
-        if t not in picked and all(t[0] * t[1] != p[0] * p[1] or planner.rules.grid_keyed for p in picked):
+        if t not in picked and all(t[0] * t[1] != p[0] * p[1] or validator.rules.grid_keyed for p in picked):
             picked.append(t)
-    native = planner.rules.native_text_tokens
+    native = validator.rules.native_text_tokens
     text = native if native is not None else _round_up(
         _quantile(sorted((d.query.text_tokens, d.weight) for d in traffic.demands), 0.5), 16)
     rows = sorted({1, max(d.query.batch for d in traffic.demands)})

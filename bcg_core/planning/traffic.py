@@ -13,13 +13,13 @@ The snapshot (``version`` 1), JSON-safe::
                  "cfg_count": 9, "edit_count": 0}, ...]}
 
 ``shapes`` is sorted by ``count``, largest first (ties by key). ``text_tokens`` is the prompt's token count
-as the planner counted it (:attr:`bcg_core.request.PlannedRequest.prompt_tokens`: the family's own tokenizer count, before
+as the validator counted it (:attr:`bcg_core.request.ValidatedRequest.prompt_tokens`: the family's own tokenizer count, before
 any padding to a text bucket or to a fixed native length); the negative prompt's count is not part of the
 key (a plan does not keep it), so for masked-text families a long negative prompt can make a request's text
 dimension larger than ``text_tokens``. ``cfg_count`` is how many of ``count`` ran classifier-free guidance with
 uncond rows (two transformer rows per image). ``steps`` is the denoising steps the request runs: its
 ``num_inference_steps``, or for an edit (``POST /v1/images/edits``) the share its ``strength`` runs
-(:attr:`~bcg_core.request.PlannedRequest.steps_run`: 17 of 28 at 0.6), so ``bcg plan`` weighs an edit's bucket
+(:attr:`~bcg_core.request.ValidatedRequest.steps_run`: 17 of 28 at 0.6), so ``bcg plan`` weighs an edit's bucket
 forwards as they run; ``edit_count`` is how many of ``count`` were edits.
 
 Never imports Ray; reading a server uses ``urllib.request`` only.
@@ -52,8 +52,8 @@ class TrafficKey(NamedTuple):
         width: requested width in pixels (not the bucket's, nor the aspect-ratio bin's).
         height: requested height in pixels.
         n: images requested.
-        text_tokens: the prompt's counted tokens (:attr:`~bcg_core.request.PlannedRequest.prompt_tokens`).
-        steps: the denoising steps it runs (:attr:`~bcg_core.request.PlannedRequest.steps_run`:
+        text_tokens: the prompt's counted tokens (:attr:`~bcg_core.request.ValidatedRequest.prompt_tokens`).
+        steps: the denoising steps it runs (:attr:`~bcg_core.request.ValidatedRequest.steps_run`:
             ``num_inference_steps`` with the configured default filled in; an edit's strength's share of them).
     """
 
@@ -134,7 +134,7 @@ class TrafficHistogram:
 
     @staticmethod
     def key_of(plan) -> TrafficKey:
-        """The :class:`TrafficKey` of a :class:`~bcg_core.request.PlannedRequest` (defaults already filled in)."""
+        """The :class:`TrafficKey` of a :class:`~bcg_core.request.ValidatedRequest` (defaults already filled in)."""
         r = plan.request
         return TrafficKey(int(r.width), int(r.height), int(r.n), int(plan.prompt_tokens), int(plan.steps_run))
 
@@ -142,7 +142,7 @@ class TrafficHistogram:
         """Count one accepted request.
 
         Args:
-            plan: its :class:`~bcg_core.request.PlannedRequest`; whether it ran CFG is read from its rows
+            plan: its :class:`~bcg_core.request.ValidatedRequest`; whether it ran CFG is read from its rows
                 (``lookup.query.batch`` above ``n``: uncond rows were added), whether it is an edit from its
                 ``image``.
         """

@@ -24,7 +24,7 @@ import torch
 from bcg_core.families import RequestState
 from bcg_core.keys import BucketKey, BucketShape
 from bcg_core.preview import PartialImage
-from bcg_core.request import GenerationResult, PlannedRequest
+from bcg_core.request import GenerationResult, ValidatedRequest
 
 __all__ = ["Admission", "Admitted", "InFlight", "tensor_bytes"]
 
@@ -33,7 +33,7 @@ __all__ = ["Admission", "Admitted", "InFlight", "tensor_bytes"]
 class InFlight:
     """One submitted request and what the step scheduler tracks of it (times are ``time.perf_counter()``)."""
 
-    plan: PlannedRequest
+    plan: ValidatedRequest
     rows: int
     group: tuple
     shape: BucketShape | None

@@ -1,6 +1,6 @@
 """The step scheduler's asyncio front: submit, stream, close, stats (one per replica, no Ray).
 
-:meth:`StepScheduler.submit` queues a planned request and awaits its answer; the work happens on threads: the
+:meth:`StepScheduler.submit` queues a validated request and awaits its answer; the work happens on threads: the
 denoising loop (:mod:`bcg_core.scheduler.loop`: admission, steps, retirement), the prepare thread of edits and its
 start threads (:mod:`bcg_core.scheduler.prepare`), the decode thread and encoding pool
 (:mod:`bcg_core.scheduler.finish`) and the preview thread (:mod:`bcg_core.scheduler.previews`), all sharing the
@@ -25,7 +25,7 @@ from bcg_core.errors import RequestCancelled, RequestError
 from bcg_core.pipeline import DiTPipeline, runner_mode
 from bcg_core.preview import PartialImage, preview_steps
 from bcg_core.keys import BucketKey
-from bcg_core.request import GenerationResult, PlannedRequest
+from bcg_core.request import GenerationResult, ValidatedRequest
 from bcg_core.runners.background import BackgroundCompiles
 from bcg_core.scheduler.admission import Admission, InFlight
 from bcg_core.costs import CostModel, cuda_spare_bytes
@@ -43,7 +43,7 @@ class StepScheduler:
     """Continuous step-level batching for one replica's pipeline (see the module docstring).
 
     Args:
-        pipeline: the replica's pipeline (planner, table, runner, family).
+        pipeline: the replica's pipeline (validator, table, runner, family).
         costs: the cost model, given to the pipeline's decider (:class:`~bcg_core.costs.StepDecider`);
             None: the decider's own (the token-count stand-in until measured costs are set).
         max_rows: most transformer rows in flight (``scheduler.max_rows_in_flight``).
@@ -167,7 +167,7 @@ class StepScheduler:
 
     # -- the request path ---------------------------------------------------------------------------
 
-    async def lease(self, plan: PlannedRequest):
+    async def lease(self, plan: ValidatedRequest):
         """The slots of ``plan``'s LoRA adapters (:meth:`~bcg_core.lora.slots.AdapterSlots.lease_async`, waiting for
         their load off the denoising thread), or None for a request without adapters. A streamed request takes it
         before its stream is accepted (so an adapter that cannot be served is still a plain 422 or 503) and hands
@@ -186,7 +186,7 @@ class StepScheduler:
         return await lora.lease_async(tuple(n for n, _ in plan.request.lora), tuple(s for _, s in plan.request.lora),
                                       retry_after_s=self.retry_after_s)
 
-    async def submit(self, plan: PlannedRequest, on_preview: Callable[[PartialImage], None] | None = None,
+    async def submit(self, plan: ValidatedRequest, on_preview: Callable[[PartialImage], None] | None = None,
                      lease=None) -> GenerationResult:
         """Queue a request, wait for its images, and return its result.
 
@@ -203,22 +203,22 @@ class StepScheduler:
         (waiting for and running the VAE calls it shared with the edits started together).
 
         Args:
-            plan: the request as the planner made it (trusted: it is not validated again).
+            plan: the request as the validator made it (trusted: it is not validated again).
             lease: its adapters' lease from :meth:`lease` (None: taken here when it has adapters); released once
                 the request is answered, or here if it never queues.
 
         Raises:
-            TypeError: ``plan`` is not a :class:`~bcg_core.request.PlannedRequest` (nothing is queued).
+            TypeError: ``plan`` is not a :class:`~bcg_core.request.ValidatedRequest` (nothing is queued).
             RequestCancelled: its cancel event was set.
             RequestError: an adapter of its ``lora`` that cannot be served (HTTP 422, naming it and why).
             ServiceUnavailable: its adapters did not load within ``lora.load_timeout_s`` (HTTP 503).
             asyncio.CancelledError: the caller was cancelled; the request leaves at the next step boundary.
             Exception: whatever broke its start or a forward it took part in.
         """
-        if not isinstance(plan, PlannedRequest):
+        if not isinstance(plan, ValidatedRequest):
             if lease is not None:
                 lease.release()
-            raise TypeError(f"the step scheduler takes a PlannedRequest (Planner.plan), got {type(plan).__name__}")
+            raise TypeError(f"the step scheduler takes a ValidatedRequest (RequestValidator.validate), got {type(plan).__name__}")
         shape = plan.shape
         # requests share forwards only within one bucket shape and token grid; a miss runs alone
         group = (shape, plan.grid) if shape is not None else ("miss", next(self._miss_ids))
@@ -248,7 +248,7 @@ class StepScheduler:
                 self.flight.cv.notify_all()
             raise
 
-    async def submit_stream(self, plan: PlannedRequest, lease=None) -> AsyncIterator[PartialImage | GenerationResult]:
+    async def submit_stream(self, plan: ValidatedRequest, lease=None) -> AsyncIterator[PartialImage | GenerationResult]:
         """:meth:`submit` as an async iterator: the request's previews (:class:`~bcg_core.preview.PartialImage`,
         as they are drawn), then its :class:`GenerationResult`: the result waits for the request's own previews
         that were queued before its last step (so every preview taken comes first; one dropped because the

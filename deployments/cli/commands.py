@@ -123,9 +123,9 @@ def run_verify(config: ServeConfig, buckets: list[str] | None = None, rtol: floa
 
     console = console or Console()
     progress = progress or sys.stderr
-    from bcg_core.planner import Planner
+    from bcg_core.validation import RequestValidator
 
-    _select(Planner.from_config(config).table.keys, buckets)  # an unknown key fails before the model loads
+    _select(RequestValidator.from_config(config).table.keys, buckets)  # an unknown key fails before the model loads
     print("bcg verify: loading the model and building the runner (on a GPU: capturing "
           f"{'the graphs of the buckets asked for' if buckets else 'every bucket graph'}) ...", file=progress, flush=True)
     pipe = _pipeline(config, prepare=False)

@@ -170,7 +170,7 @@ def api_server_metrics_url(timeout_s: float = 2.0) -> str | None:
 def check_config(config_path: str | Path) -> "ServeConfig":
     """Load a ServeConfig file and build its bucket table, without starting anything.
 
-    A relative ``model.path`` is taken from the current directory. Cheap (the planner loads only the tokenizer
+    A relative ``model.path`` is taken from the current directory. Cheap (the validator loads only the tokenizer
     and the checkpoint's JSON configs), so a bad file fails with its own message before Ray starts.
 
     Raises:
@@ -181,7 +181,7 @@ def check_config(config_path: str | Path) -> "ServeConfig":
     """
     from ..settings import load_config
     from bcg_core.pipeline import runner_mode
-    from bcg_core.planner import Planner
+    from bcg_core.validation import RequestValidator
 
     config = load_config(config_path=config_path)
     if config.model.path is not None:
@@ -200,7 +200,7 @@ def check_config(config_path: str | Path) -> "ServeConfig":
         from bcg_core.lora.layers import check_targets
 
         check_targets(config.model, config.lora.targets)  # on the meta device: no weights are read
-    Planner.from_config(config)
+    RequestValidator.from_config(config)
     runner_mode(config)  # a CUDA device or graph runner asked for where none is visible fails here, not in Ray
     return config
 
@@ -209,14 +209,14 @@ def plan_notes(config: ServeConfig) -> list[str]:
     """What ``bcg config --check`` says of a ``buckets.plan`` block that a server would start with but not use as
     written: one that does not describe the table (hand-edited shapes; the replicas' drift check ignores it), and
     ``miss_policy: reject`` where the plan expected misses (those requests would be refused with 422)."""
-    from bcg_core.planner import Planner
+    from bcg_core.validation import RequestValidator
     from bcg_core.planning.drift import plan_matches
 
     plan = config.buckets.plan
     if plan is None:
         return []
     notes = []
-    if not plan_matches(plan, Planner.from_config(config).table):
+    if not plan_matches(plan, RequestValidator.from_config(config).table):
         notes.append("buckets.plan does not describe this table (its work names shapes the table lacks): the "
                      "drift check ignores it; plan again with bcg plan --write, or delete buckets.plan")
     if config.buckets.miss_policy.value == "reject" and plan.miss_share > 0:

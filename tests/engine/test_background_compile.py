@@ -44,7 +44,7 @@ def _deferred(config: EngineConfig) -> DiTPipeline:
 @pytest.fixture(scope="module")
 def eager_images() -> list[bytes]:
     pipe = DiTPipeline.from_config(EngineConfig(buckets=TABLE))
-    return pipe.generate(pipe.planner.plan(REQUEST)).image_bytes
+    return pipe.generate(pipe.validator.validate(REQUEST)).image_bytes
 
 
 @pytest.mark.skipif(not precompiled_available(torch.compile), reason="torch without ahead-of-time compile")
@@ -58,7 +58,7 @@ def test_a_cold_cache_serves_eager_kernels_at_once_then_swaps_compiled_ones_in_a
     assert pipe.runner.kernels.compile_s < 5 * 60 and pipe.stats()["kernels"]["pending"] == 2
     assert pipe.stats()["kernels"]["compile_failed"] == 0  # pending is not failed
     # before any compile: eager kernels in the bucket, so diffusers' bits, equal to an eager-tier pipeline's
-    assert pipe.generate(pipe.planner.plan(REQUEST)).image_bytes == eager_images
+    assert pipe.generate(pipe.validator.validate(REQUEST)).image_bytes == eager_images
 
     # requests are served all through the compiles: torch.fx's tracing patches stay on the compile thread
     # (bcg_core/runners/fx_threads.py; without it a request raised NameError in one run of three here)
@@ -68,7 +68,7 @@ def test_a_cold_cache_serves_eager_kernels_at_once_then_swaps_compiled_ones_in_a
     def serve():
         try:
             while compiles.describe()["running"] or not served:
-                served.append(pipe.generate(pipe.planner.plan(REQUEST)).image_bytes)
+                served.append(pipe.generate(pipe.validator.validate(REQUEST)).image_bytes)
         except Exception as e:  # noqa: BLE001 - recorded for the assertion below
             errors.append(e)
 
@@ -85,7 +85,7 @@ def test_a_cold_cache_serves_eager_kernels_at_once_then_swaps_compiled_ones_in_a
     assert all("compiled in the background" in d["note"] for d in described)
     assert all(d["compile_rel_err"] is not None for d in described)  # checked against eager before the swap
     # every image served while compiling was whole, and after the swap within a level of the eager kernels' image
-    after = pipe.generate(pipe.planner.plan(REQUEST)).image_bytes
+    after = pipe.generate(pipe.validator.validate(REQUEST)).image_bytes
     for images in [*served, after]:
         for a, b in zip(images, eager_images):
             diff = np.abs(_pixels(a) - _pixels(b))
@@ -122,7 +122,7 @@ def test_a_background_compile_that_fails_leaves_eager_kernels_and_every_request_
     compiles = BackgroundCompiles(pipe.runner, pin=False)
     assert compiles.start() and compiles.wait(timeout_s=120)
     assert compiles.describe()["failed"] == 1 and pipe.stats()["kernels"]["compile_failed"] == 2
-    assert pipe.generate(pipe.planner.plan(REQUEST)).image_bytes == eager_images
+    assert pipe.generate(pipe.validator.validate(REQUEST)).image_bytes == eager_images
 
 
 def test_a_torch_whose_fx_patches_cannot_be_isolated_keeps_eager_kernels_instead_of_compiling_beside_serving(
@@ -146,7 +146,7 @@ def test_a_torch_whose_fx_patches_cannot_be_isolated_keeps_eager_kernels_instead
     assert {d["note"] for d in pipe.runner.describe()} == {
         "compile_failed: no background compile on this torch (torch.fx patches could not be isolated)"}
     assert pipe.stats()["kernels"]["compile_failed"] == 2
-    assert pipe.generate(pipe.planner.plan(REQUEST)).image_bytes == eager_images
+    assert pipe.generate(pipe.validator.validate(REQUEST)).image_bytes == eager_images
 
 
 def test_the_step_scheduler_starts_background_compiles_and_rescales_a_swapped_buckets_time(tmp_path):

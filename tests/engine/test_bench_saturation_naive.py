@@ -19,7 +19,7 @@ import threading
 from pathlib import Path
 
 import pytest
-from scheduling import PlanningScheduler
+from scheduling import ValidatingScheduler
 
 from bcg_core import build_tiny
 
@@ -86,13 +86,13 @@ def test_a_naive_request_step_runs_one_unpadded_forward_of_all_its_rows(naive):
     config, reqs = naive
     assert config.runner.mode == "eager" and config.buckets.batch_sizes == [1]
     pipe = DiTPipeline(config, build_tiny())
-    plans = [pipe.planner.plan(r) for r in reqs]
+    plans = [pipe.validator.validate(r) for r in reqs]
     assert all(p.shape is None for p in plans)  # every request misses the naive table
     assert [p.rows for p in plans] == [2 * n for _, _, n in SIZES_AND_COUNTS]  # cond and uncond rows
     counter = ForwardsPerStep(pipe)
 
     async def main():
-        sched = PlanningScheduler(pipe)
+        sched = ValidatingScheduler(pipe)
         try:
             with sched.flight.cv:  # every request reaches the queue before the denoising thread admits any
                 tasks = [asyncio.ensure_future(sched.submit(p)) for p in plans]

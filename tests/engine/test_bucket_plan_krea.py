@@ -12,17 +12,17 @@ from bcg_core import BucketConfig
 
 from bcg_core.config import EngineConfig
 from bcg_core.planning.plan_costs import PlanCosts, evaluate
-from bcg_core.planning.samples import krea_rows, planning_planner, planning_table, traffic_from_rows
+from bcg_core.planning.samples import krea_rows, planning_validator, planning_table, traffic_from_rows
 from bcg_core.planning.table_search import search_table
 from bcg_core.table import BucketTable
 
 
 def _table(config: EngineConfig, batch, tiers, texts) -> BucketTable:
-    planner = planning_planner(config)
+    validator = planning_validator(config)
     cfg = BucketConfig(**{**config.buckets.model_dump(), "batch_sizes": list(batch), "resolutions": list(tiers),
                           "text_lengths": list(texts)})
-    side = -(-config.limits.min_side_px // planner.rules.pixels_per_token)
-    return BucketTable(cfg, planner.rules, side * side)
+    side = -(-config.limits.min_side_px // validator.rules.pixels_per_token)
+    return BucketTable(cfg, validator.rules, side * side)
 
 
 def test_growing_the_budget_never_makes_the_expected_cost_worse():
@@ -86,7 +86,7 @@ def test_a_masked_text_family_gets_text_buckets_that_hold_its_longest_prompt_wit
     half of the krea rows and scored on the second: the plan stays within 5% waste and 12 graphs on the held-out
     half (the issue's target; docs/PLANNER.md), and its largest text bucket holds the sample's longest prompt
     (capped at the encoder's cut), so none of its own traffic is a text miss (a longer prompt runs unpadded on
-    eager kernels, ``Planner.text_limit``; a table of ``[144]`` once refused a 173-token krea prompt with 422 on
+    eager kernels, ``RequestValidator.text_limit``; a table of ``[144]`` once refused a 173-token krea prompt with 422 on
     the GPU, before text misses were served). Finer text buckets on the common tier only
     (``text_lengths_by_resolution``) pad less than the table without them, and the replica's table rounds that
     tier's text among its own buckets."""
@@ -105,7 +105,7 @@ def test_a_masked_text_family_gets_text_buckets_that_hold_its_longest_prompt_wit
     assert len(table) == plan.score.graphs <= 12
     held_out = evaluate(table, second, costs)
     assert held_out.waste <= 0.05, held_out.waste
-    cap = planning_planner(config).spec.max_text_tokens
+    cap = planning_validator(config).spec.max_text_tokens
     longest = max(d.query.text_tokens for d in first.demands)
     assert plan.buckets.text_lengths[-1] >= min(cap or longest, longest), (plan.buckets.text_lengths, longest)
     # under a graph-memory budget too: the budget ladder starts from the smallest table at that text length

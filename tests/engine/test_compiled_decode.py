@@ -131,11 +131,11 @@ def test_the_pipeline_installs_it_only_with_a_compiled_tier_and_routes_the_famil
     pipe = DiTPipeline(eager, model)
     assert pipe.decoder is None and pipe.stats()["kernels"]["decode"] == {"enabled": False, "note": ""}
     request = GenerationRequest("a red fox in snow", n=1, width=256, height=256, num_inference_steps=1, seed=3)
-    ref = pipe.generate(pipe.planner.plan(request)).image_bytes
+    ref = pipe.generate(pipe.validator.validate(request)).image_bytes
     # what DiTPipeline does for a compiled tier, with the stand-ins: the family's own decode call goes through it
     decoder = install(model, compile_fn=Counted(), guarded=False, timer=timer("compiled"))
-    assert pipe.generate(pipe.planner.plan(request)).image_bytes == ref and decoder.wait(60)
-    assert pipe.generate(pipe.planner.plan(request)).image_bytes == ref and decoder.describe()["compiled_calls"] == 1
+    assert pipe.generate(pipe.validator.validate(request)).image_bytes == ref and decoder.wait(60)
+    assert pipe.generate(pipe.validator.validate(request)).image_bytes == ref and decoder.describe()["compiled_calls"] == 1
     compiled = EngineConfig(buckets=table, runner=RunnerConfig(kernels="compiled", compile_decode=True))
     assert DiTPipeline(compiled, model, prepare=False).decoder is decoder  # a compiled tier installs it, once
 

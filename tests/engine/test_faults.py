@@ -12,7 +12,7 @@ import logging
 
 import pytest
 import torch
-from scheduling import PlanningScheduler
+from scheduling import ValidatingScheduler
 
 from bcg_core import BucketConfig, DiTPipeline, GenerationRequest, build_tiny
 
@@ -54,19 +54,19 @@ def _fail_once(monkeypatch, name: str):
 def test_a_runtime_error_in_a_padded_forward_demotes_the_bucket_to_eager_and_the_request_is_served(
         tiny, monkeypatch, caplog):
     clean = DiTPipeline(EngineConfig(buckets=BUCKETS), tiny)
-    clean = clean.generate(clean.planner.plan(_req(seed=5)))
+    clean = clean.generate(clean.validator.validate(_req(seed=5)))
     pipe = DiTPipeline(EngineConfig(buckets=BUCKETS), tiny)
     pipe.runner.prepare()
     _fail_once(monkeypatch, "static_forward")
     with caplog.at_level(logging.ERROR, logger="bcg_core.runners.base"):
-        got = pipe.generate(pipe.planner.plan(_req(seed=5)))
+        got = pipe.generate(pipe.validator.validate(_req(seed=5)))
     assert same_image(got.image_bytes[0], clean.image_bytes[0])  # the faulted step ran unpadded: same image
     assert any(str(got.bucket) in r.getMessage() and "unpadded and eager" in r.getMessage() for r in caplog.records)
     row = next(b for b in pipe.metrics.snapshot()["buckets"] if b["key"] == str(got.bucket))
     assert row["faults"] == 1 and row["forwards_by_mode"]["eager"] == 2  # both steps: the fault, then demoted
     note = next(d["note"] for d in pipe.runner.describe() if d["key"] == str(got.bucket))
     assert note.startswith("runs unpadded and eager after a runtime error: RuntimeError: CUDA error")
-    again = pipe.generate(pipe.planner.plan(_req(seed=6)))  # no new fault: the bucket stays eager, serving goes on
+    again = pipe.generate(pipe.validator.validate(_req(seed=6)))  # no new fault: the bucket stays eager, serving goes on
     row = next(b for b in pipe.metrics.snapshot()["buckets"] if b["key"] == str(got.bucket))
     assert len(again.image_bytes) == 1 and row["faults"] == 1 and row["forwards_by_mode"]["eager"] == 4
 
@@ -79,7 +79,7 @@ def test_an_out_of_memory_error_is_not_swallowed_by_the_fallback(tiny, monkeypat
 
     monkeypatch.setattr(runner_mod, "static_forward", oom)
     with pytest.raises(torch.OutOfMemoryError):
-        pipe.generate(pipe.planner.plan(_req()))
+        pipe.generate(pipe.validator.validate(_req()))
     assert all(b["faults"] == 0 for b in pipe.metrics.snapshot()["buckets"])
 
 
@@ -87,7 +87,7 @@ def test_a_fused_replay_that_raises_runs_its_step_on_the_host_with_the_same_imag
     config = EngineConfig(buckets=BUCKETS, runner={"fused_step": "always"})
     clean = DiTPipeline(config, tiny)
     clean.prepare()
-    want = clean.generate(clean.planner.plan(_req(steps=3, seed=8)))
+    want = clean.generate(clean.validator.validate(_req(steps=3, seed=8)))
     pipe = DiTPipeline(config, tiny)
     pipe.prepare()
     assert pipe.fused.on
@@ -101,7 +101,7 @@ def test_a_fused_replay_that_raises_runs_its_step_on_the_host_with_the_same_imag
         return real(buffers)
 
     monkeypatch.setattr(pipe.model.adapter, "forward", flaky)
-    got = pipe.generate(pipe.planner.plan(_req(steps=3, seed=8)))
+    got = pipe.generate(pipe.validator.validate(_req(steps=3, seed=8)))
     assert got.image_bytes == want.image_bytes  # fused and host steps are bitwise equal
     assert pipe.fused.host_steps == {"bucket_fault": 1, "no_fused_graph": 2}  # then the bucket runs eager
     assert sum(b["faults"] for b in pipe.metrics.snapshot()["buckets"]) == 1
@@ -121,7 +121,7 @@ def test_a_step_that_runs_out_of_memory_is_answered_503_and_the_replica_keeps_se
     pipe.step = oom_once
 
     async def main():
-        sched = PlanningScheduler(pipe)
+        sched = ValidatingScheduler(pipe)
         try:
             first = await asyncio.gather(sched.submit(_req(seed=1)), return_exceptions=True)
             after = await sched.submit(_req(seed=2))
@@ -151,7 +151,7 @@ def test_a_request_that_waits_past_its_deadline_is_answered_503_not_left_hanging
     pipe.step = slow
 
     async def main():
-        sched = PlanningScheduler(pipe, max_rows=2, max_queue_wait_s=0.2)
+        sched = ValidatingScheduler(pipe, max_rows=2, max_queue_wait_s=0.2)
         try:
             first = asyncio.ensure_future(sched.submit(_req(n=1, steps=2, seed=1)))
             await asyncio.sleep(0.1)  # the first is admitted and holds the rows
@@ -169,16 +169,16 @@ def test_a_request_that_waits_past_its_deadline_is_answered_503_not_left_hanging
 
 def test_work_per_request_is_bounded_with_an_error_naming_the_limit():
     from bcg_core import LimitsConfig, RequestError
-    from bcg_core.planner import Planner
+    from bcg_core.validation import RequestValidator
 
-    planner = Planner.from_config(EngineConfig(limits=LimitsConfig(max_megapixel_steps=10.0)))
-    planner.plan(GenerationRequest("x", n=2, width=512, height=512, num_inference_steps=19))  # 9.96: allowed
+    validator = RequestValidator.from_config(EngineConfig(limits=LimitsConfig(max_megapixel_steps=10.0)))
+    validator.validate(GenerationRequest("x", n=2, width=512, height=512, num_inference_steps=19))  # 9.96: allowed
     with pytest.raises(RequestError) as e:
-        planner.plan(GenerationRequest("x", n=2, width=512, height=512, num_inference_steps=20))
+        validator.validate(GenerationRequest("x", n=2, width=512, height=512, num_inference_steps=20))
     assert e.value.field == "n" and e.value.status == 422
     assert "= 10 megapixel-steps, above limits.max_megapixel_steps 10" in e.value.message
     with pytest.raises(RequestError) as e:
-        planner.plan(GenerationRequest("x", n=1, width=1024, height=1024, num_inference_steps=20))
+        validator.validate(GenerationRequest("x", n=1, width=1024, height=1024, num_inference_steps=20))
     assert e.value.field == "num_inference_steps"
-    unbounded = Planner.from_config(EngineConfig(limits=LimitsConfig(max_megapixel_steps=None)))
-    assert unbounded.plan(GenerationRequest("x", n=10, width=2048, height=2048, num_inference_steps=50)).request.n == 10
+    unbounded = RequestValidator.from_config(EngineConfig(limits=LimitsConfig(max_megapixel_steps=None)))
+    assert unbounded.validate(GenerationRequest("x", n=10, width=2048, height=2048, num_inference_steps=50)).request.n == 10

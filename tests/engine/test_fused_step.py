@@ -23,7 +23,7 @@ from bcg_core.costs import Chunk, StepForwards
 from bcg_core.runners.fused import fused_update
 from bcg_core.families.tiny import TINY_TEXT_TOKENS
 from reference_gate import assert_same, bcg_pipeline, bcg_run, diffusers_run
-from scheduling import PlanningScheduler
+from scheduling import ValidatingScheduler
 from tiny.sd3 import build as build_sd3
 
 T = TINY_TEXT_TOKENS
@@ -90,7 +90,7 @@ def test_fused_steps_equal_host_steps_bit_for_bit(dtype, bf16, tiny_fp32):
     assert host.stats()["fused_step"] == {"enabled": False, "note": "off: runner.fused_step or the family has no "
                                           "fused step", "steps": 0, "host_steps": {}}
     reqs = [_req(n=2, steps=4, seed=1), _req(guidance=3.5, steps=3, seed=2, prompt="a blue sphere"), _req(seed=3, n=1)]
-    a = [fused.start(fused.planner.plan(r)) for r in reqs]
+    a = [fused.start(fused.validator.validate(r)) for r in reqs]
     b = [_twin(s) for s in a]
     fused.step(a[:1], fused.decider.for_states(a[:1]))
     host.step(b[:1], host.decider.for_states(b[:1]))  # the first request is one step ahead: later forwards mix steps
@@ -111,7 +111,7 @@ def test_fused_steps_equal_host_steps_bit_for_bit(dtype, bf16, tiny_fp32):
 
 def test_a_split_that_parts_an_image_from_its_uncond_row_runs_on_the_host(tiny_fp32):
     pipe = DiTPipeline(_config("always"), tiny_fp32)
-    state = pipe.start(pipe.planner.plan(_req(n=3, guidance=2.0)))  # rows c0 c1 c2 u0 | u1 u2
+    state = pipe.start(pipe.validator.validate(_req(n=3, guidance=2.0)))  # rows c0 c1 c2 u0 | u1 u2
     twin = _twin(state)
     key4, key8 = BucketKey(4, 256, T), BucketKey(8, 256, T)
     plan = StepForwards((Chunk(key4, 4, 0.0), Chunk(BucketKey(2, 256, T), 2, 0.0)), home=key8)
@@ -128,7 +128,7 @@ def test_a_split_that_parts_an_image_from_its_uncond_row_runs_on_the_host(tiny_f
 
 def test_a_scheduler_the_fused_update_does_not_cover_runs_on_the_host(tiny_fp32):
     pipe = DiTPipeline(_config("always"), tiny_fp32)
-    state = pipe.start(pipe.planner.plan(_req()))
+    state = pipe.start(pipe.validator.validate(_req()))
     state.scheduler.register_to_config(stochastic_sampling=True)  # this request's own scheduler copy
     pipe.step([state], pipe.decider.for_states([state]))
     assert pipe.fused.host_steps == {"scheduler": 1}
@@ -147,10 +147,10 @@ def test_a_fused_step_that_differs_by_one_rounding_is_turned_off_and_serving_goe
     pipe = DiTPipeline(_config("always"), bf16)
     info = pipe.stats()["fused_step"]
     assert not info["enabled"] and info["note"].startswith("off: the fused step differs from the host step")
-    result = pipe.generate(pipe.planner.plan(_req(seed=5)))
+    result = pipe.generate(pipe.validator.validate(_req(seed=5)))
     monkeypatch.undo()
     host = DiTPipeline(_config("never"), bf16)
-    reference = host.generate(host.planner.plan(_req(seed=5)))
+    reference = host.generate(host.validator.validate(_req(seed=5)))
     assert result.image_bytes == reference.image_bytes and pipe.fused.steps == 0
 
 
@@ -160,7 +160,7 @@ def test_the_step_scheduler_serves_fused_steps_with_the_host_paths_images(tiny_f
     reqs = [_req(n=2, seed=7), _req(guidance=4.0, seed=8, steps=2)]
 
     async def serve(pipe):
-        sched = PlanningScheduler(pipe)
+        sched = ValidatingScheduler(pipe)
         try:
             return [await sched.submit(r) for r in reqs], sched.stats()
         finally:

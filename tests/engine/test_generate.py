@@ -2,7 +2,7 @@
 
 ``generate`` drives the same start -> step -> finish hooks as the step scheduler, in the forwards the pipeline's
 decider chooses; the images must equal the family's hooks written out by hand, bit for bit. Only a
-:class:`~bcg_core.request.PlannedRequest` is accepted below the planner (validated once).
+:class:`~bcg_core.request.ValidatedRequest` is accepted below the validator (validated once).
 """
 
 import asyncio
@@ -44,7 +44,7 @@ def _req(prompt="a red cube", n=1, width=256, height=256, steps=1, guidance=1.0,
 def _reference_images(pipe: DiTPipeline, request: GenerationRequest) -> list[bytes]:
     """The single-request path written out from the family's step hooks (start, model_rows, the runner on the
     request's own bucket, advance, decode), without DiTPipeline.step."""
-    plan = pipe.planner.plan(request)
+    plan = pipe.validator.validate(request)
     state = pipe.model.start(plan)
     while not state.done:
         pipe.model.advance(state, pipe.runner.run(plan.lookup.key, pipe.model.model_rows(state)))
@@ -55,7 +55,7 @@ def _reference_images(pipe: DiTPipeline, request: GenerationRequest) -> list[byt
 def test_generate_is_the_family_hooks_bit_for_bit(pipe, guidance):
     req = _req("a corgi astronaut", n=2, steps=2, guidance=guidance, seed=5, negative_prompt="blurry")
     reference = _reference_images(pipe, req)
-    result = pipe.generate(pipe.planner.plan(req))
+    result = pipe.generate(pipe.validator.validate(req))
     assert result.image_bytes == reference
     key = BucketKey(4 if guidance > 1 else 2, 256, T)
     assert result.batch_size == 1 and result.bucket == key and result.hit and result.seed == 5 and result.steps == 2
@@ -65,22 +65,22 @@ def test_generate_is_the_family_hooks_bit_for_bit(pipe, guidance):
 
 
 def test_generate_and_the_scheduler_take_only_a_planned_request_and_trust_it(pipe, monkeypatch):
-    plan = pipe.planner.plan(_req(seed=3))
+    plan = pipe.validator.validate(_req(seed=3))
     calls = []
-    real = pipe.planner.plan
-    monkeypatch.setattr(pipe.planner, "plan", lambda r: calls.append(r) or real(r))
-    assert pipe.generate(plan).image_bytes == pipe.generate(pipe.planner.plan(_req(seed=3))).image_bytes
-    assert len(calls) == 1  # the caller's own planning only: a planned request is trusted, never planned again
-    with pytest.raises(TypeError, match=r"PlannedRequest.*pipe\.planner\.plan\(request\)"):
+    real = pipe.validator.validate
+    monkeypatch.setattr(pipe.validator, "validate", lambda r: calls.append(r) or real(r))
+    assert pipe.generate(plan).image_bytes == pipe.generate(pipe.validator.validate(_req(seed=3))).image_bytes
+    assert len(calls) == 1  # the caller's own planning only: a validated request is trusted, never planned again
+    with pytest.raises(TypeError, match=r"ValidatedRequest.*pipe\.validator\.plan\(request\)"):
         pipe.generate(_req(seed=3))  # a raw request is refused, not planned on a second path
     assert len(calls) == 1
     with pytest.raises(RequestError) as info:
-        pipe.planner.plan(_req(width=250))
+        pipe.validator.validate(_req(width=250))
     assert info.value.field == "size"
     sched = StepScheduler(pipe)
     try:
         async def main():
-            with pytest.raises(TypeError, match="PlannedRequest"):
+            with pytest.raises(TypeError, match="ValidatedRequest"):
                 await sched.submit(_req())
 
         asyncio.run(main())
@@ -101,14 +101,14 @@ def test_token_shares_split_by_rows_and_sum_exactly():
 
 
 def test_planning_while_requests_encode_in_other_threads_does_not_break_the_tokenizer(pipe):
-    """A fast tokenizer's padding and truncation are mutable state: counting tokens (the planner, on the
+    """A fast tokenizer's padding and truncation are mutable state: counting tokens (the validator, on the
     event loop) while another thread encodes (padding to the text length) made one of them fail."""
     stop, errors = threading.Event(), []
 
     def plan():
         while not stop.is_set():
             try:
-                assert pipe.planner.plan(_req("a lighthouse at dusk, oil on canvas")).prompt_tokens == 10
+                assert pipe.validator.validate(_req("a lighthouse at dusk, oil on canvas")).prompt_tokens == 10
             except Exception as e:  # noqa: BLE001
                 errors.append(e)
 
@@ -120,18 +120,18 @@ def test_planning_while_requests_encode_in_other_threads_does_not_break_the_toke
         except Exception as e:  # noqa: BLE001
             errors.append(e)
 
-    planners = [threading.Thread(target=plan)]
+    validators = [threading.Thread(target=plan)]
     encoders = [threading.Thread(target=encode) for _ in range(2)]  # two requests starting at once
     interval = sys.getswitchinterval()
-    sys.setswitchinterval(1e-5)  # the spinning planner hands the GIL back at once after each torch op
+    sys.setswitchinterval(1e-5)  # the spinning validator hands the GIL back at once after each torch op
     try:
-        for t in encoders + planners:
+        for t in encoders + validators:
             t.start()
         for t in encoders:
             t.join()
     finally:
         stop.set()
-        for t in planners:
+        for t in validators:
             t.join()
         sys.setswitchinterval(interval)
     assert not errors, errors[:3]

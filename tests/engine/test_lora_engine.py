@@ -75,7 +75,7 @@ def test_rows_of_different_adapters_in_one_forward_each_equal_diffusers(ckpt):
     folder, loras, pipe = ckpt
     reqs = [_req(seed=1), _req(seed=2, lora=(("a", 0.8),)), _req(seed=3, lora=(("b", -0.5),)),
             _req(seed=4, n=1, lora=(("a", 1.0), ("b", 0.6)))]
-    plans = [pipe.planner.plan(r) for r in reqs]
+    plans = [pipe.validator.validate(r) for r in reqs]
     sched = StepScheduler(pipe)
 
     async def run_all():
@@ -144,7 +144,7 @@ def test_a_step_mixing_adapter_rows_runs_as_two_where_the_measured_costs_say_so(
             sched = StepScheduler(pipe)
 
             async def run_all():
-                return await asyncio.gather(*(sched.submit(pipe.planner.plan(r)) for r in reqs))
+                return await asyncio.gather(*(sched.submit(pipe.validator.validate(r)) for r in reqs))
 
             try:
                 results = asyncio.run(run_all())
@@ -244,10 +244,10 @@ def test_a_pinned_slot_is_never_evicted_and_a_request_without_a_slot_gets_503(ck
 def test_an_adapter_that_cannot_be_served_is_a_422_and_the_pipeline_serves_on(ckpt, name, words):
     folder, loras, pipe = ckpt
     with pytest.raises(RequestError) as e:
-        pipe.generate(pipe.planner.plan(_req(lora=((name, 1.0),))))
+        pipe.generate(pipe.validator.validate(_req(lora=((name, 1.0),))))
     assert e.value.status == 422 and e.value.field == "lora" and words in e.value.message, e.value.message
     assert str(loras) not in e.value.message  # the folder is not shown to clients
-    assert pipe.generate(pipe.planner.plan(_req(lora=(("a", 0.5),)))).image_bytes  # serves on
+    assert pipe.generate(pipe.validator.validate(_req(lora=(("a", 0.5),)))).image_bytes  # serves on
     assert pipe.stats()["lora"]["pinned"] == {}
 
 
@@ -258,10 +258,10 @@ def test_an_adapter_that_cannot_be_served_is_a_422_and_the_pipeline_serves_on(ck
     ((("../a", 1.0),), "not an adapter name"),
     ((("a", 1.0), ("a", 0.5)), "named twice"),
 ])
-def test_the_planner_refuses_bad_lora_fields(ckpt, lora, words):
+def test_the_validator_refuses_bad_lora_fields(ckpt, lora, words):
     folder, loras, pipe = ckpt
     with pytest.raises(RequestError) as e:
-        pipe.planner.plan(_req(lora=lora))
+        pipe.validator.validate(_req(lora=lora))
     assert e.value.field == "lora" and words in e.value.message and "allowed:" in e.value.message
 
 
@@ -269,7 +269,7 @@ def test_adapters_on_a_pipeline_without_lora_dir_are_refused(ckpt):
     folder, loras, _ = ckpt
     plain = bcg_pipeline(folder, BUCKETS)
     with pytest.raises(RequestError) as e:
-        plain.planner.plan(_req(lora=(("a", 1.0),)))
+        plain.validator.validate(_req(lora=(("a", 1.0),)))
     assert "serves no LoRA adapters" in e.value.message
     assert plain.lora is None and plain.stats()["lora"] is None
 
@@ -293,9 +293,9 @@ def test_a_load_in_progress_never_stalls_other_requests(ckpt, monkeypatch):
     sched = StepScheduler(pipe)
 
     async def run():
-        waiting = asyncio.ensure_future(sched.submit(pipe.planner.plan(_req(seed=5, lora=(("slow", 1.0),)))))
+        waiting = asyncio.ensure_future(sched.submit(pipe.validator.validate(_req(seed=5, lora=(("slow", 1.0),)))))
         await asyncio.get_running_loop().run_in_executor(None, entered.wait, 30)
-        plain = await asyncio.wait_for(sched.submit(pipe.planner.plan(_req(seed=6))), 60)
+        plain = await asyncio.wait_for(sched.submit(pipe.validator.validate(_req(seed=6))), 60)
         assert not waiting.done()  # the load is still held: the plain request did not wait for it
         release.set()
         return plain, await asyncio.wait_for(waiting, 60)
@@ -328,7 +328,7 @@ def test_compiled_kernels_with_adapters_match_eager_and_load_precompiled_on_rest
     k = cold.stats()["kernels"]
     assert k["tier"] == "compiled" and k["compile_failed"] == 0 and k["precompiled"]["saves"] > 0, k
     req = _req(lora=(("a", 0.9), ("b", -0.4)))
-    got, want = cold.generate(cold.planner.plan(req)), eager.generate(eager.planner.plan(req))
+    got, want = cold.generate(cold.validator.validate(req)), eager.generate(eager.validator.validate(req))
     assert got.image_bytes and want.image_bytes
     ours, ref = bcg_run(cold, req).latents, bcg_run(eager, req).latents
     assert ((ours - ref).abs().max() / ref.abs().max()).item() <= max(k["rtol"], 1e-4)
@@ -358,20 +358,20 @@ def test_a_replaced_or_cut_file_is_loaded_again_or_refused_never_served_stale(ck
         bcg_run(pipe, _req(lora=((name, 1.0),)))
     (loras / "swap.safetensors").write_bytes(b"")
     with pytest.raises(RequestError) as e:
-        pipe.generate(pipe.planner.plan(_req(lora=(("swap", 1.0),))))
+        pipe.generate(pipe.validator.validate(_req(lora=(("swap", 1.0),))))
     assert e.value.status == 422 and "is not a LoRA file diffusers can read" in e.value.message
 
     bad = load_file(str(loras / "c.safetensors"))
     save_file({k: torch.full_like(v, float("nan")) for k, v in bad.items()}, str(loras / "nans.safetensors"))
     with pytest.raises(RequestError) as e:
-        pipe.generate(pipe.planner.plan(_req(lora=(("nans", 1.0),))))
+        pipe.generate(pipe.validator.validate(_req(lora=(("nans", 1.0),))))
     assert "NaN or infinite weights" in e.value.message
     (loras / "c").mkdir(exist_ok=True)
     shutil.copyfile(loras / "c.safetensors", loras / "c" / "pytorch_lora_weights.safetensors")
     names = pipe.lora.files.names()
     assert names.count("c") == 1 and "escape" not in names
     assert "swap" not in names and "nans" in names  # an empty file is no LoRA file; NaNs are found on reading
-    assert pipe.generate(pipe.planner.plan(_req(lora=(("a", 0.5),)))).image_bytes
+    assert pipe.generate(pipe.validator.validate(_req(lora=(("a", 0.5),)))).image_bytes
     assert pipe.stats()["lora"]["pinned"] == {}
 
 

@@ -36,16 +36,16 @@ def _pixels(png: bytes) -> np.ndarray:
 
 def test_same_request_and_seed_give_the_same_png(pipe):
     req = GenerationRequest("a corgi astronaut on the moon", n=1, width=256, height=256, num_inference_steps=2, seed=5)
-    a, b = pipe.generate(pipe.planner.plan(req)), pipe.generate(pipe.planner.plan(req))
+    a, b = pipe.generate(pipe.validator.validate(req)), pipe.generate(pipe.validator.validate(req))
     assert a.image_bytes == b.image_bytes
     img = Image.open(io.BytesIO(a.image_bytes[0]))
     assert img.size == (256, 256) and img.format == "PNG"
-    c = pipe.generate(pipe.planner.plan(GenerationRequest(**{**vars(req), "seed": 6})))
+    c = pipe.generate(pipe.validator.validate(GenerationRequest(**{**vars(req), "seed": 6})))
     assert c.image_bytes != a.image_bytes
 
 
 def test_image_does_not_depend_on_how_many_images_share_its_forward(pipe):
-    one, three = (pipe.generate(pipe.planner.plan(GenerationRequest("p. cubensis", n=n, width=256, height=272,
+    one, three = (pipe.generate(pipe.validator.validate(GenerationRequest("p. cubensis", n=n, width=256, height=272,
                                                                      num_inference_steps=2, seed=9))) for n in (1, 3))
     assert str(one.bucket) == "b2_i1024_m_t256" and str(three.bucket) == "b8_i1024_m_t256"  # 2 and 6 rows with CFG
     assert np.abs(_pixels(one.image_bytes[0]) - _pixels(three.image_bytes[0])).max() <= 1
@@ -53,7 +53,7 @@ def test_image_does_not_depend_on_how_many_images_share_its_forward(pipe):
 
 
 def test_padded_denoise_equals_the_unpadded_eager_denoise(pipe):
-    req = pipe.planner.plan(GenerationRequest("totem animal", n=3, width=256, height=320, num_inference_steps=3,
+    req = pipe.validator.validate(GenerationRequest("totem animal", n=3, width=256, height=320, num_inference_steps=3,
                                               seed=1, guidance_scale=4.0))
     key = req.lookup.key
     assert key is not None and key.batch == 8 and key.image_tokens == 1024  # 6 rows, 320 tokens: both padded
@@ -74,7 +74,7 @@ def test_counters_follow_hits_and_misses(tiny):
     for r in (GenerationRequest("a", n=1, width=256, height=256, num_inference_steps=1, seed=0),
               GenerationRequest("a", n=1, width=768, height=768, num_inference_steps=1, seed=0),  # no tier: miss
               GenerationRequest("a", n=1, width=256, height=256, num_inference_steps=1, guidance_scale=1.0, seed=0)):
-        p.generate(p.planner.plan(r))
+        p.generate(p.validator.validate(r))
     s = p.stats()
     by_key = {b["key"]: b for b in s["buckets"]}
     assert by_key["b2_i256_t256"]["requests"] == 1 and by_key["b2_i256_t256"]["hits"] == 1
@@ -87,7 +87,7 @@ def test_counters_follow_hits_and_misses(tiny):
 
 def test_padding_waste_is_measured_in_tokens(tiny):
     p = padded(DiTPipeline(SMALL, tiny))
-    p.generate(p.planner.plan(GenerationRequest("a", n=3, width=256, height=256, num_inference_steps=1,
+    p.generate(p.validator.validate(GenerationRequest("a", n=3, width=256, height=256, num_inference_steps=1,
                                                 seed=0)))  # 6 -> 8 rows
     b = {b["key"]: b for b in p.stats()["buckets"]}["b8_i256_t256"]
     assert b["real_tokens"] == 6 * (256 + 256) and b["padded_tokens"] == 8 * (256 + 256)
@@ -103,7 +103,7 @@ def test_saved_tiny_pipeline_loads_back_and_gives_the_same_image(tiny, tmp_path)
     assert loaded.rules.native_text_tokens == TINY_TEXT_TOKENS
     req = GenerationRequest("inmates with cow heads", n=1, width=256, height=256, num_inference_steps=2, seed=3)
     a, b = DiTPipeline(SMALL, tiny), DiTPipeline(SMALL.model_copy(update={"model": cfg}), loaded)
-    a, b = a.generate(a.planner.plan(req)), b.generate(b.planner.plan(req))
+    a, b = a.generate(a.validator.validate(req)), b.generate(b.validator.validate(req))
     assert a.image_bytes == b.image_bytes
 
 
@@ -177,18 +177,18 @@ def test_tiny_weights_are_seeded(tiny):
 def test_reject_policy_turns_a_miss_into_a_request_error(tiny):
     buckets = BucketConfig(**{**SMALL.buckets.model_dump(), "miss_policy": "reject"})
     with pytest.raises(RequestError) as e:  # an image miss (rows above the largest bucket are split, never missed)
-        DiTPipeline(EngineConfig(buckets=buckets), tiny).planner.plan(GenerationRequest("a", width=1024, height=1024))
+        DiTPipeline(EngineConfig(buckets=buckets), tiny).validator.validate(GenerationRequest("a", width=1024, height=1024))
     assert e.value.field == "size"
 
 
 def test_rows_above_the_largest_bucket_run_split_in_buckets(tiny):
-    """The planner splits rows above the largest batch bucket instead of missing them; with bucket forwards
+    """The validator splits rows above the largest batch bucket instead of missing them; with bucket forwards
     cheapest the decider runs them as the largest bucket plus the smallest bucket that holds the rest, never
     eager, even under the reject policy."""
     buckets = BucketConfig(**{**SMALL.buckets.model_dump(), "miss_policy": "reject"})
     p = padded(DiTPipeline(EngineConfig(buckets=buckets), tiny))
     r = GenerationRequest("a", n=5, width=256, height=256, num_inference_steps=1, guidance_scale=2.0, seed=3)
-    result = p.generate(p.planner.plan(r))  # 10 rows > 8: 8 + 2
+    result = p.generate(p.validator.validate(r))  # 10 rows > 8: 8 + 2
     assert len(result.image_bytes) == 5
     modes = {b["key"]: b["forwards_by_mode"] for b in p.stats()["buckets"]}
     assert modes["b8_i256_t256"]["static_eager"] == 1 and modes["b2_i256_t256"]["static_eager"] == 1
@@ -203,7 +203,7 @@ def test_a_cancelled_request_stops_before_its_next_step_and_is_not_counted(tiny)
     cancel = threading.Event()
     cancel.set()
     with pytest.raises(RequestCancelled):
-        p.generate(p.planner.plan(GenerationRequest("a", n=1, width=256, height=256, num_inference_steps=50, seed=0)),
+        p.generate(p.validator.validate(GenerationRequest("a", n=1, width=256, height=256, num_inference_steps=50, seed=0)),
                    cancel)
     assert p.stats()["totals"]["requests"] == 0
     assert sum(b["forwards"] for b in p.stats()["buckets"]) == 0  # no denoising step ran

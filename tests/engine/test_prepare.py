@@ -43,7 +43,7 @@ def _plan(pipe, image: bytes | None, **kw):
         base.update(width=32, height=32)
     else:
         base["strength"] = 0.75
-    return pipe.planner.plan(GenerationRequest(**{**base, **kw}))
+    return pipe.validator.validate(GenerationRequest(**{**base, **kw}))
 
 
 def _hold_encode(monkeypatch, vae) -> tuple[threading.Event, threading.Event, list]:

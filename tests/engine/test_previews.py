@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from scheduling import PlanningScheduler
+from scheduling import ValidatingScheduler
 
 from bcg_core.config import EngineConfig
 from bcg_core.pipeline import DiTPipeline
@@ -91,7 +91,7 @@ def test_each_family_previews_mid_denoise_latents(family, tmp_path):
     kwargs, buckets, size = FAMILIES[family]
     folder = importlib.import_module(f"tiny.{family}").build(tmp_path / family, **kwargs)
     pipe = bcg_pipeline(folder, buckets)
-    plan = pipe.planner.plan(GenerationRequest("a red cube", n=2, width=size, height=size, num_inference_steps=3,
+    plan = pipe.validator.validate(GenerationRequest("a red cube", n=2, width=size, height=size, num_inference_steps=3,
                                                guidance_scale=1.0, seed=0))
     state = pipe.start(plan)
     pipe.step([state], pipe.decider.for_states([state]))
@@ -126,7 +126,7 @@ async def _collect(sched: StepScheduler, request: GenerationRequest) -> list:
 
 
 def test_scheduler_streams_each_preview_of_each_image_then_the_result(pipe):
-    sched = PlanningScheduler(pipe)
+    sched = ValidatingScheduler(pipe)
     try:
         events = asyncio.run(_collect(sched, _request(n=2, width=512, height=256, partial_images=3,
                                                       output_format="webp")))
@@ -158,7 +158,7 @@ def test_a_slow_preview_holds_only_its_own_result_and_all_previews_come_first(pi
         return real(state, latents)
 
     monkeypatch.setattr(pipe.model, "preview", slow)
-    sched = PlanningScheduler(pipe)
+    sched = ValidatingScheduler(pipe)
 
     async def run():
         a = asyncio.ensure_future(_collect(sched, _request(num_inference_steps=3, partial_images=2)))

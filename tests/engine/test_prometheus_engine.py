@@ -26,9 +26,9 @@ def test_pipeline_records_one_step_latency_per_forward_and_the_exporter_matches_
     pipe = DiTPipeline(cfg, build_tiny())
     backend = FakeBackend()
     ex = BucketExporter(pipe.stats, pipe.metrics, lambda: {}, {k.shape for k in pipe.table.keys}, backend)
-    pipe.generate(pipe.planner.plan(GenerationRequest("a", n=1, width=256, height=256, num_inference_steps=2, seed=0)))
+    pipe.generate(pipe.validator.validate(GenerationRequest("a", n=1, width=256, height=256, num_inference_steps=2, seed=0)))
     miss = GenerationRequest("a", n=1, width=768, height=768, num_inference_steps=1, seed=0)  # no tier: a miss
-    pipe.generate(pipe.planner.plan(miss))
+    pipe.generate(pipe.validator.validate(miss))
     ex.push()
     stats = pipe.stats()
     b = {x["key"]: x for x in stats["buckets"]}["b2_i256_t256"]
@@ -48,12 +48,12 @@ def test_pipeline_records_one_step_latency_per_forward_and_the_exporter_matches_
 def test_the_step_scheduler_metrics_follow_its_stats():
     """``bcg_sched_*`` from a replica's step scheduler: forwards by kind, decisions, rows in flight, fill,
     waste and admission waits match ``StepScheduler.stats()`` after real requests; a second push adds nothing."""
-    from scheduling import PlanningScheduler
+    from scheduling import ValidatingScheduler
 
     cfg = EngineConfig(buckets=BucketConfig(batch_sizes=[1, 2, 4], resolutions=["256x256", "512x512"],
                                            text_lengths=[T]))
     pipe = DiTPipeline(cfg, build_tiny())
-    sched = PlanningScheduler(pipe)
+    sched = ValidatingScheduler(pipe)
     backend = FakeBackend()
     ex = BucketExporter.for_replica(pipe, sched, backend)
 

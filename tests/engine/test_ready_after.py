@@ -8,7 +8,7 @@ import io
 import numpy as np
 from PIL import Image
 
-from bcg_core import BucketConfig, GenerationRequest, Planner
+from bcg_core import BucketConfig, GenerationRequest, RequestValidator
 from bcg_core.config import EngineConfig, RunnerConfig
 from tests.engine.test_replica_cancel import make_replica
 
@@ -22,7 +22,7 @@ def _pixels(png: bytes) -> np.ndarray:
 
 def test_a_replica_past_ready_after_s_is_ready_with_its_largest_shape_and_serves_the_others_meanwhile():
     config = EngineConfig(buckets=TABLE, runner=RunnerConfig(ready_after_s=0.0))
-    request = Planner.from_config(config).plan(SMALL)
+    request = RequestValidator.from_config(config).validate(SMALL)
 
     async def scenario():
         replica = await make_replica(config.model_dump(mode="json"))

@@ -5,7 +5,7 @@ import asyncio
 import logging
 import time
 
-from bcg_core import BucketConfig, GenerationRequest, Planner
+from bcg_core import BucketConfig, GenerationRequest, RequestValidator
 from bcg_core.config import EngineConfig
 from deployments.dit import DiTReplica
 
@@ -21,7 +21,7 @@ async def make_replica(config: dict):
 
 
 def test_cancelling_a_generate_call_stops_its_worker_thread_early():
-    request = Planner.from_config(CONFIG).plan(GenerationRequest("a lighthouse", n=1, width=512, height=512,
+    request = RequestValidator.from_config(CONFIG).validate(GenerationRequest("a lighthouse", n=1, width=512, height=512,
                                                                  num_inference_steps=50, seed=1))
     replica = None
 

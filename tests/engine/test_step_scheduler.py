@@ -20,7 +20,7 @@ import pytest
 import torch
 from closeness import assert_close
 from reference_gate import pixels
-from scheduling import PlanningScheduler
+from scheduling import ValidatingScheduler
 
 from bcg_core import BucketConfig, BucketKey, DiTPipeline, GenerationRequest, RequestCancelled, build_tiny
 
@@ -53,7 +53,7 @@ def make_sched(pipe):
     made: list[StepScheduler] = []
 
     def make(**kw) -> StepScheduler:
-        s = PlanningScheduler(pipe, **kw)
+        s = ValidatingScheduler(pipe, **kw)
         made.append(s)
         return s
 
@@ -200,7 +200,7 @@ def test_a_request_padded_into_a_masked_tier_runs_eager_where_padding_does_not_p
     times were measured (or modelled) at the tier's size, so the decider scales them to the real tokens; priced at
     the tier's size, eager tied with the padded bucket and the bucket won."""
     req = _req(seed=140, width=320, height=256)
-    plan = pipe.planner.plan(req)
+    plan = pipe.validator.validate(req)
     q = plan.lookup.query
     assert plan.shape.image_mask and q.image_tokens == 320 and plan.shape.image_tokens == 512
     costs = CostModel.token_model(pipe.table.keys, graphs=False)
@@ -216,7 +216,7 @@ def test_a_request_padded_into_a_masked_tier_runs_eager_where_padding_does_not_p
     assert [[c.key for c in p.chunks] for _, p in log.steps] == [[None]] * 2
     shape = sched.stats()["shapes"][str(plan.shape)]
     assert shape["decisions"]["eager"] == 2 and shape["padded_token_waste"] == 0
-    assert same_image(result.image_bytes[0], pipe.generate(pipe.planner.plan(req)).image_bytes[0])
+    assert same_image(result.image_bytes[0], pipe.generate(pipe.validator.validate(req)).image_bytes[0])
 
 
 # -- per-row timesteps and splits, at the pipeline level ----------------------------------------------
@@ -227,8 +227,8 @@ def test_mixed_step_forward_equals_rows_run_one_request_at_a_time(pipe, monkeypa
 
     monkeypatch.setattr(pipe.decider, "costs", bucket_costs(pipe))  # padded bucket forwards, as the table places them
     a, b = _req(seed=1, steps=4, n=2), _req(prompt="a blue sphere", seed=2, steps=3, guidance=3.0)
-    together = [pipe.start(pipe.planner.plan(r)) for r in (a, b)]
-    alone = [pipe.start(pipe.planner.plan(r)) for r in (a, b)]
+    together = [pipe.start(pipe.validator.validate(r)) for r in (a, b)]
+    alone = [pipe.start(pipe.validator.validate(r)) for r in (a, b)]
     # a is one step ahead: every later forward mixes steps 1.. and 0..
     pipe.step([together[0]], pipe.decider.for_states([together[0]]))
     pipe.step([alone[0]], pipe.decider.for_states([alone[0]]))
@@ -248,18 +248,18 @@ def test_mixed_step_forward_equals_rows_run_one_request_at_a_time(pipe, monkeypa
 @torch.inference_mode()
 def test_split_plan_equals_one_forward(pipe):
     reqs = [_req(seed=3, n=3), _req(seed=4, n=2, guidance=2.0)]  # 3 + 4 rows
-    key8 = pipe.table.lookup(pipe.planner.plan(_req(n=8)).lookup.query).key
+    key8 = pipe.table.lookup(pipe.validator.validate(_req(n=8)).lookup.query).key
     key4 = BucketKey(4, key8.image_tokens, key8.text_tokens)
     split = StepForwards((Chunk(key4, 4, 0.0), Chunk(None, 3, 0.0)), home=key8)
-    one = [pipe.start(pipe.planner.plan(r)) for r in reqs]
-    two = [pipe.start(pipe.planner.plan(r)) for r in reqs]
+    one = [pipe.start(pipe.validator.validate(r)) for r in reqs]
+    two = [pipe.start(pipe.validator.validate(r)) for r in reqs]
     while not all(s.done for s in one):
         pipe.step(one, pipe.decider.for_states(one))
         pipe.step(two, split)
     for x, y in zip(one, two):
         assert_close(x.latents, y.latents)
     with pytest.raises(ValueError, match="the forwards run 4 rows"):
-        pipe.step([pipe.start(pipe.planner.plan(reqs[0]))], StepForwards((Chunk(key4, 4, 0.0),)))
+        pipe.step([pipe.start(pipe.validator.validate(reqs[0]))], StepForwards((Chunk(key4, 4, 0.0),)))
     modes = {b["key"]: b["forwards_by_mode"] for b in pipe.metrics.snapshot()["buckets"]}
     assert modes[str(key4)]["static_eager"] >= 2 and modes[str(key8)]["eager"] >= 2  # eager chunks counted
 
@@ -290,7 +290,7 @@ def test_image_does_not_depend_on_company(pipe, make_sched):
     assert joined.batch_size > 1 and alone.batch_size == 1
     for a, b in zip(alone.image_bytes, joined.image_bytes):
         assert same_image(a, b)
-    reference = pipe.generate(pipe.planner.plan(probe))  # the request-level path agrees too
+    reference = pipe.generate(pipe.validator.validate(probe))  # the request-level path agrees too
     for a, b in zip(alone.image_bytes, reference.image_bytes):
         assert same_image(a, b)
     assert not same_image(alone.image_bytes[0], alone.image_bytes[1])  # the tolerance discriminates (seed + 1)
@@ -323,7 +323,7 @@ def test_cancel_mid_flight_frees_the_rows_at_the_next_step(pipe, make_sched):
     st = sched.stats()
     assert st["rows_in_flight"] == 0 and st["running"] == 0 and st["bytes_in_flight"] == 0
     assert st["shapes"][SHAPE]["cancelled"] == 1 and st["shapes"][SHAPE]["completed"] == 1
-    for a, b in zip(result.image_bytes, pipe.generate(pipe.planner.plan(short)).image_bytes):
+    for a, b in zip(result.image_bytes, pipe.generate(pipe.validator.validate(short)).image_bytes):
         assert same_image(a, b)
 
 
@@ -448,7 +448,7 @@ def test_decode_batches_finished_requests_of_one_size(pipe, make_sched, monkeypa
     assert sorted(calls) == [1, 3]  # the two 256x256 requests in one decode call, the 256x512 one apart
     monkeypatch.setattr(pipe.model, "decode", decode)
     for r, req in zip(results, reqs):
-        for a, b in zip(r.image_bytes, pipe.generate(pipe.planner.plan(req)).image_bytes):
+        for a, b in zip(r.image_bytes, pipe.generate(pipe.validator.validate(req)).image_bytes):
             assert same_image(a, b)
         assert set(r.timings_ms) == {"queue", "encode", "denoise", "decode", "image_encode", "total"}
 
@@ -510,7 +510,7 @@ def test_nan_latents_fail_their_request_loudly_and_serving_goes_on(pipe, make_sc
     assert st["shapes"][SHAPE]["failed"] == 1 and st["rows_in_flight"] == 0 and st["running"] == 0
     poisoned.set()
     with pytest.raises(NonFiniteOutput):
-        pipe.generate(pipe.planner.plan(_req(seed=95)))
+        pipe.generate(pipe.validator.validate(_req(seed=95)))
 
 
 def test_a_nan_request_fails_alone_in_a_batched_decode(pipe):
@@ -525,7 +525,7 @@ def test_a_nan_request_fails_alone_in_a_batched_decode(pipe):
     fin = Finisher(pipe, decode_batch_images=8, encode_threads=1, release=released.append,
                    fail=lambda item, e, **kw: failed.append((item, e, kw)), done=None)
     fin._encode = lambda item, images: encoded.append((item, len(images)))
-    plans = [pipe.planner.plan(_req(seed=s)) for s in (96, 97)]
+    plans = [pipe.validator.validate(_req(seed=s)) for s in (96, 97)]
     items = [SimpleNamespace(cancel=threading.Event(), plan=p, state=pipe.start(p), done_event=None, decoded=0.0)
              for p in plans]
     with torch.inference_mode():
@@ -564,7 +564,7 @@ def test_burst_of_real_size_requests_all_answered_same_seed_same_image(tiny, mak
                               guidance_scale=1.0, seed=d.seed) for d in demo]
 
     async def main():
-        sched = PlanningScheduler(pipe, max_rows=12)
+        sched = ValidatingScheduler(pipe, max_rows=12)
         try:
             results = await asyncio.gather(*[sched.submit(r) for r in reqs])
             again = [await sched.submit(reqs[i]) for i in (0, len(reqs) - 1)]
@@ -635,7 +635,7 @@ def test_backpressure_follows_the_scheduler_capacity():
 
 def test_close_answers_whatever_is_left(pipe):
     async def main():
-        sched = PlanningScheduler(pipe, max_rows=2)
+        sched = ValidatingScheduler(pipe, max_rows=2)
         tasks = await submit_together(sched, [_req(seed=120, steps=30, n=2), _req(seed=121, steps=1, n=2)])
         await asyncio.sleep(0.1)
         await asyncio.to_thread(sched.close)
@@ -649,7 +649,7 @@ def test_a_request_above_the_largest_bucket_is_split_across_buckets(pipe, make_s
     """10 rows (5 images with guidance) on a table whose largest bucket is 8 (a miss in the batch dimension only):
     the step scheduler runs it in its shape's buckets, split."""
     big = _req(seed=130, n=5, guidance=2.0, steps=2)
-    plan = pipe.planner.plan(big)
+    plan = pipe.validator.validate(big)
     assert not plan.lookup.hit and [d.value for d in plan.lookup.missed] == ["batch"]
     assert plan.shape == BucketKey(8, 256, T).shape
 
@@ -662,7 +662,7 @@ def test_a_request_above_the_largest_bucket_is_split_across_buckets(pipe, make_s
     assert result.hit and str(result.bucket) == "b8_i256_t256" and result.missed == []
     assert [[(c.key.batch, c.rows) for c in p.chunks] for _, p in log.steps] == [[(8, 8), (2, 2)]] * 2
     assert sched.stats()["shapes"][SHAPE]["decisions"]["split"] == 2
-    for a, b in zip(result.image_bytes, pipe.generate(pipe.planner.plan(big)).image_bytes):
+    for a, b in zip(result.image_bytes, pipe.generate(pipe.validator.validate(big)).image_bytes):
         assert same_image(a, b)
 
 
@@ -681,7 +681,7 @@ def _served_miss(pipe: DiTPipeline, request: GenerationRequest):
     before = pipe.metrics.snapshot()["misses"]["forwards"]
 
     async def main():
-        sched = PlanningScheduler(pipe)
+        sched = ValidatingScheduler(pipe)
         try:
             log = StepLog(pipe)
             return log, await sched.submit(request)
@@ -698,7 +698,7 @@ def test_a_one_row_replica_serves_an_18_row_miss_in_one_forward_a_step(one_row):
     to fit the largest bucket forward, it ran as 18 forwards a step; on a CPU nothing bounds a miss's memory, so
     each step is one unpadded eager forward of all 18 rows."""
     big = _req(seed=132, n=9, width=384, height=256, guidance=2.0, steps=2)
-    plan = one_row.planner.plan(big)
+    plan = one_row.validator.validate(big)
     assert plan.shape is None and plan.rows == 18 and plan.lookup.query.tokens_per_row == 384 + T
     assert one_row.decider.miss.spare_bytes is None and one_row.decider.miss.bytes_per_row_token is None
     plans, result, forwards = _served_miss(one_row, big)
@@ -738,7 +738,7 @@ def _slow_decode(pipe, monkeypatch, seconds: float) -> threading.Event:
 
 
 def test_close_during_decode_answers_every_caller(pipe, monkeypatch):
-    sched = PlanningScheduler(pipe, encode_threads=1)
+    sched = ValidatingScheduler(pipe, encode_threads=1)
     entered = _slow_decode(pipe, monkeypatch, 1.0)
 
     async def main():
@@ -777,9 +777,9 @@ def test_the_memory_budget_holds_for_the_first_burst_of_a_group(pipe, make_sched
     from bcg_core.scheduler.admission import MISS_KEY, tensor_bytes as _tensor_bytes
 
     first = _req(width=size, height=size, seed=0)
-    assert pipe.planner.plan(first).lookup.hit == (size == 256)
+    assert pipe.validator.validate(first).lookup.hit == (size == 256)
     with torch.inference_mode():
-        one = _tensor_bytes(pipe.start(pipe.planner.plan(first)))
+        one = _tensor_bytes(pipe.start(pipe.validator.validate(first)))
     sched = make_sched(memory_budget_bytes=int(1.5 * one))
     _slow_decode(pipe, monkeypatch, 0.2)  # decoded requests still hold their tensors for a while
     peak = [0]
@@ -846,21 +846,21 @@ def test_counters_stay_consistent_with_cancellations_everywhere(pipe, make_sched
     assert "batch_totals" not in pipe.stats()  # the request-level batcher's counters are gone
 
 
-def test_the_planner_routes_and_accepts_rows_above_the_largest_bucket(tiny):
+def test_the_validator_routes_and_accepts_rows_above_the_largest_bucket(tiny):
     """Under ``miss_policy: reject`` a request above the largest batch bucket is planned with its shape (the step
     scheduler splits its rows), which routes it to its shape's owners; an image miss is refused."""
     from bcg_core.errors import BucketMissError
-    from bcg_core.planner import Planner
+    from bcg_core.validation import RequestValidator
     from deployments.routing import bucket_shape
 
     buckets = {"batch_sizes": [1, 2, 4, 8], "resolutions": ["256x256"], "text_lengths": [T], "miss_policy": "reject"}
     big = _req(n=5, guidance=2.0)  # 10 rows
-    step = Planner(ServeConfig.model_validate({"buckets": buckets}), tiny.spec, tiny.count_tokens)
-    plan = step.plan(big)
+    step = RequestValidator(ServeConfig.model_validate({"buckets": buckets}), tiny.spec, tiny.count_tokens)
+    plan = step.validate(big)
     assert not plan.lookup.hit and plan.shape == BucketKey(8, 256, T).shape and bucket_shape(plan) == SHAPE
     wide = _req(width=512, height=512)  # an image miss is refused by both
     with pytest.raises(BucketMissError):
-        step.plan(wide)
+        step.validate(wide)
 
 
 def test_the_scheduler_trims_the_heap_once_idle(make_sched):
@@ -903,10 +903,10 @@ def test_a_request_cancelled_between_admission_and_start_does_not_hold_back_its_
     monkeypatch.setattr(Admission, "admit", admit_then_cancel)
 
     async def main():
-        first = await asyncio.gather(sched.submit(pipe.planner.plan(_req(seed=71, width=512, height=256))),
+        first = await asyncio.gather(sched.submit(pipe.validator.validate(_req(seed=71, width=512, height=256))),
                                      return_exceptions=True)
         t0 = time.perf_counter()
-        second = await sched.submit(pipe.planner.plan(_req(seed=72, width=512, height=256)))
+        second = await sched.submit(pipe.validator.validate(_req(seed=72, width=512, height=256)))
         return first, second, time.perf_counter() - t0
 
     first, second, waited = run(main())

@@ -1,7 +1,7 @@
 """Request defaults: a request without ``num_inference_steps`` or ``guidance_scale`` (or ``true_cfg_scale``) gets
 what the family's diffusers pipeline gives a call without them, and the same image.
 
-For each family, on its tiny offline checkpoint (``tests/tiny/``): the model's spec, the ingress's planner and
+For each family, on its tiny offline checkpoint (``tests/tiny/``): the model's spec, the ingress's validator and
 ``GET /v1/models`` carry the defaults of the pipeline's ``__call__`` signature (read here with
 ``inspect.signature``, independently of ``bcg_core/families/defaults.py``), equal to the values the docs name;
 a request that omits them is served as the pipeline called without them (the reference gate); values set in the
@@ -16,7 +16,7 @@ import pytest
 import torch
 from diffusers import FluxPipeline, PixArtSigmaPipeline, QwenImagePipeline, SanaPipeline, StableDiffusion3Pipeline
 
-from bcg_core import BucketConfig, GenerationRequest, ModelConfig, Planner
+from bcg_core import BucketConfig, GenerationRequest, ModelConfig, RequestValidator
 from bcg_core.config import EngineConfig
 from bcg_core.models import describe_model
 from reference_gate import assert_same, bcg_pipeline, bcg_run, diffusers_run
@@ -91,9 +91,9 @@ def test_the_family_defaults_are_its_pipelines_signature_defaults(folders, case)
     if case != "flux-schnell":
         assert steps == spec.quality_steps[2 if case == "qwenimage" else 1]
     config = _config(folders[case], case)
-    planner = Planner.from_config(config)  # the ingress's: tokenizer and JSON configs only
+    validator = RequestValidator.from_config(config)  # the ingress's: tokenizer and JSON configs only
     size = CASES[case][3]
-    filled = planner.plan(GenerationRequest(PROMPT, width=size, height=size, seed=0)).request
+    filled = validator.validate(GenerationRequest(PROMPT, width=size, height=size, seed=0)).request
     assert (filled.num_inference_steps, filled.guidance_scale) == (steps, guidance)
     assert spec.true_cfg_scale(filled) == (true_cfg if true_cfg is not None else 1.0)
     card = _ingress(config)._model_card().bcg
@@ -107,13 +107,13 @@ def test_the_family_defaults_are_its_pipelines_signature_defaults(folders, case)
 @pytest.mark.parametrize("case", list(CASES))
 def test_values_set_in_the_config_win_over_the_familys(folders, case):
     size = CASES[case][3]
-    planner = Planner.from_config(_config(folders[case], case, default_steps=3, default_guidance_scale=2.0))
-    filled = planner.plan(GenerationRequest(PROMPT, width=size, height=size, seed=0)).request
+    validator = RequestValidator.from_config(_config(folders[case], case, default_steps=3, default_guidance_scale=2.0))
+    filled = validator.validate(GenerationRequest(PROMPT, width=size, height=size, seed=0)).request
     assert (filled.num_inference_steps, filled.guidance_scale) == (3, 2.0)
-    assert planner.plan(GenerationRequest(PROMPT, width=size, height=size, seed=0,
+    assert validator.validate(GenerationRequest(PROMPT, width=size, height=size, seed=0,
                                           quality="auto")).request.num_inference_steps == 3
-    clipped = Planner.from_config(_config(folders[case], case, max_steps=10, max_guidance_scale=1.5))
-    filled = clipped.plan(GenerationRequest(PROMPT, width=size, height=size, seed=0)).request
+    clipped = RequestValidator.from_config(_config(folders[case], case, max_steps=10, max_guidance_scale=1.5))
+    filled = clipped.validate(GenerationRequest(PROMPT, width=size, height=size, seed=0)).request
     steps, guidance, _ = _signature(CASES[case][1])
     assert filled.num_inference_steps == 10  # every family's default is above 10: clipped to max_steps
     assert filled.guidance_scale == (None if guidance is None else min(guidance, 1.5))
@@ -143,5 +143,5 @@ def test_the_default_size_is_what_the_pipeline_generates_without_a_size(folders,
     with torch.inference_mode():
         (image,) = pipe("a cat", num_inference_steps=1, generator=torch.Generator().manual_seed(0), **extra).images
     assert image.size == spec.default_size
-    planned = Planner.from_config(_config(folders[case], case, min_side_px=16)).plan(GenerationRequest("a cat", seed=1))
+    planned = RequestValidator.from_config(_config(folders[case], case, min_side_px=16)).validate(GenerationRequest("a cat", seed=1))
     assert (planned.request.width, planned.request.height) == spec.default_size

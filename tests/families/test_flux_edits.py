@@ -43,20 +43,20 @@ def _req(image: bytes | None = None, **kw) -> GenerationRequest:
 
 def test_image_to_image_equals_diffusers_alone_and_padded(flux):
     folder, pipe, image, _, _ = flux
-    plan = pipe.planner.plan(_req(image))
+    plan = pipe.validator.validate(_req(image))
     assert (plan.request.width, plan.request.height) == (32, 32)  # an edit's size: its image's
     assert plan.request.guidance_scale == 7.0  # FluxImg2ImgPipeline's default, not FluxPipeline's 3.5
     assert str(plan.lookup.key) == "b1_i64_t32"
     ours = bcg_run(pipe, plan.request)
     assert len(pipe.start(plan).timesteps) == 3  # 5 x 0.6 steps run (rounded up: steps - int(steps - steps x strength))
     assert_same(ours, diffusers_run(FluxImg2ImgPipeline, folder, plan.request, **REF), exact=True)
-    three = pipe.planner.plan(_req(image, n=3, seed=4, strength=0.8, guidance_scale=3.0)).request
+    three = pipe.validator.validate(_req(image, n=3, seed=4, strength=0.8, guidance_scale=3.0)).request
     assert_same(bcg_run(pipe, three), diffusers_run(FluxImg2ImgPipeline, folder, three, **REF))
 
 
 def test_inpainting_with_an_openai_mask_equals_diffusers(flux):
     folder, pipe, image, mask, theirs = flux
-    req = pipe.planner.plan(_req(image, mask=mask, n=2, seed=3)).request
+    req = pipe.validator.validate(_req(image, mask=mask, n=2, seed=3)).request
     ours = bcg_run(pipe, req)
     ref = diffusers_run(FluxInpaintPipeline, folder, req, mask_image=theirs, **REF)
     assert_same(ours, ref)
@@ -66,8 +66,8 @@ def test_inpainting_with_an_openai_mask_equals_diffusers(flux):
 
 def test_an_edit_joining_a_text_to_image_request_equals_diffusers(flux):
     folder, pipe, image, mask, theirs = flux
-    edit = pipe.planner.plan(_req(image, mask=mask, seed=8, strength=1.0, num_inference_steps=4)).request
-    text = pipe.planner.plan(GenerationRequest(prompt="an astronaut", n=1, width=32, height=32,
+    edit = pipe.validator.validate(_req(image, mask=mask, seed=8, strength=1.0, num_inference_steps=4)).request
+    text = pipe.validator.validate(GenerationRequest(prompt="an astronaut", n=1, width=32, height=32,
                                                num_inference_steps=5, seed=9)).request
     ours_edit, ours_text = bcg_run_joined(pipe, edit, text, head_start=2)
     assert_same(ours_edit, diffusers_run(FluxInpaintPipeline, folder, edit, mask_image=theirs, **REF))
@@ -86,7 +86,7 @@ def test_an_edit_joining_a_text_to_image_request_equals_diffusers(flux):
 def test_bad_edit_fields_are_refused_naming_the_field(flux, change, field, words):
     folder, pipe, image, mask, _ = flux
     with pytest.raises(RequestError) as e:
-        pipe.planner.plan(_req(**{"image": image, "mask": mask, **change}))
+        pipe.validator.validate(_req(**{"image": image, "mask": mask, **change}))
     assert e.value.field == field and words in e.value.message, e.value.message
 
 
@@ -97,7 +97,7 @@ def test_masks_that_are_not_served_are_refused(flux):
     nothing = png_bytes(Image.new("RGBA", (32, 32), (0, 0, 0, 255)))
     for mask, words in ((opaque, "no alpha channel"), (other, "the same size"), (nothing, "nothing to edit")):
         with pytest.raises(RequestError) as e:
-            pipe.planner.plan(_req(image, mask=mask))
+            pipe.validator.validate(_req(image, mask=mask))
         assert e.value.field == "mask" and words in e.value.message, e.value.message
     big = Image.new("RGB", (1, 1))
     buf = io.BytesIO()
@@ -106,5 +106,5 @@ def test_masks_that_are_not_served_are_refused(flux):
     data[16:24] = (100000).to_bytes(4, "big") + (100000).to_bytes(4, "big")  # the header claims 10^10 pixels
     data[29:33] = zlib.crc32(bytes(data[12:29])).to_bytes(4, "big")  # a valid IHDR chunk (its CRC)
     with pytest.raises(RequestError) as e:
-        pipe.planner.plan(_req(bytes(data)))
+        pipe.validator.validate(_req(bytes(data)))
     assert e.value.field == "image" and "max_input_pixels" in e.value.message

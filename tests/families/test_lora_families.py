@@ -202,9 +202,9 @@ def test_rows_with_other_adapters_in_one_forward_equal_diffusers_for_both(served
     # rows) joins: both requests' rows and a pad row share each forward of the 4-row bucket.
     other = served.req((("style-b", 1.2),), num_inference_steps=3, seed=3, **served.family.no_cfg)
     req = served.req(TWO, seed=7)
-    if served.pipe.planner.plan(req).rows == 1:  # FLUX: no CFG rows, so two images
+    if served.pipe.validator.validate(req).rows == 1:  # FLUX: no CFG rows, so two images
         req = dataclasses.replace(req, n=2)
-    assert [served.pipe.planner.plan(r).rows for r in (req, other)] == [2, 1]
+    assert [served.pipe.validator.validate(r).rows for r in (req, other)] == [2, 1]
     ours_req, ours_other = bcg_run_joined(served.pipe, req, other, head_start=1)
     assert_same(ours_req, served.ref(req))
     assert_same(ours_other, served.ref(other))
@@ -222,7 +222,7 @@ def test_each_adapter_and_its_scale_change_the_image(served):
 @pytest.mark.parametrize("served", ["sana"], indirect=True)
 def test_an_adapter_on_sanas_convolutions_is_refused_naming_the_layer(served):
     make_adapter(SanaPipeline, served.folder, "conv", ["conv_inverted"], rank=2, alpha=2)
-    plan = served.pipe.planner.plan(served.req((("conv", 1.0),)))
+    plan = served.pipe.validator.validate(served.req((("conv", 1.0),)))
     with pytest.raises(RequestError) as e:
         served.pipe.lease(plan)
     assert e.value.field == "lora"

@@ -37,7 +37,7 @@ from PIL import Image
 
 from bcg_core import (
     BucketConfig, BucketMetrics, BucketMissError, BucketTable, DenoiseInputs, Dim, EagerBucketRunner,
-    GenerationRequest, LimitsConfig, ModelSpec, PixArtAdapter, Planner, RequestError, ShapeQuery, ShapeRules,
+    GenerationRequest, LimitsConfig, ModelSpec, PixArtAdapter, RequestValidator, RequestError, ShapeQuery, ShapeRules,
 )
 from bcg_core.families import family_class
 from bcg_core.families.pixart import PIXART_SIGMA_MAX_TEXT_TOKENS, PixArtSigmaFamily, aspect_ratio_bins
@@ -84,7 +84,7 @@ def test_an_exact_bin_size_at_an_exact_text_bucket_equals_diffusers(pipe, folder
     assert _tokens(pipe, prompt) == 16  # exactly the text bucket
     req = GenerationRequest(prompt=prompt, n=1, width=256, height=256, num_inference_steps=3, guidance_scale=4.5,
                             seed=1)
-    plan = pipe.planner.plan(req)
+    plan = pipe.validator.validate(req)
     assert str(plan.lookup.key) == "b2_i256_t16_g16x16"  # [uncond, cond] rows, exact: nothing padded
     assert_same(bcg_run(pipe, req), diffusers_run(PixArtSigmaPipeline, folder, req))
 
@@ -95,8 +95,8 @@ def test_padded_rows_and_text_at_a_binned_size_equal_diffusers(pipe, folder):
     req = GenerationRequest(prompt="A Watercolor painting of a lighthouse at dusk", n=3, width=300, height=200,
                             num_inference_steps=4, guidance_scale=4.5, negative_prompt="blurry", seed=7)
     assert pipe.model.spec.generation_size(300, 200) == (304, 208)
-    key = pipe.planner.plan(req).lookup.key
-    assert Planner.from_config(pipe.config).plan(req).lookup.key == key  # the ingress: configs and tokenizer only
+    key = pipe.validator.validate(req).lookup.key
+    assert RequestValidator.from_config(pipe.config).validate(req).lookup.key == key  # the ingress: configs and tokenizer only
     assert key.batch == 8 and key.latent_hw == (13, 19)
     assert max(_tokens(pipe, req.prompt), _tokens(pipe, "blurry")) < key.text_tokens
     ours = bcg_run(pipe, req)
@@ -164,7 +164,7 @@ def test_true_cfg_scale_is_refused_with_its_field(pipe):
     req = GenerationRequest(prompt=PROMPT, width=256, height=256, num_inference_steps=2, guidance_scale=4.5,
                             seed=0, true_cfg_scale=4.0)
     with pytest.raises(RequestError) as e:
-        pipe.planner.plan(req)
+        pipe.validator.validate(req)
     assert e.value.field == "true_cfg_scale"
     with pytest.raises(RequestError) as e:
         pipe.model.spec.check(req)
@@ -199,13 +199,13 @@ def test_checkpoints_without_text_encoder_micro_conditions_or_a_bin_table_are_re
 
 
 def test_a_text_bucket_above_what_the_pipeline_feeds_is_refused_before_loading(folder):
-    from bcg_core import BucketConfig, ModelConfig, Planner
+    from bcg_core import BucketConfig, ModelConfig, RequestValidator
     from bcg_core.config import EngineConfig
 
     cfg = EngineConfig(model=ModelConfig(path=str(folder)), limits={"min_side_px": 16},
                       buckets=BucketConfig(**{**BUCKETS, "text_lengths": [16, 512]}))
     with pytest.raises(ValueError, match=r"feeds at most 300 text tokens, .* use text_lengths up to 300"):
-        Planner.from_config(cfg)  # the ingress's planner: tokenizer and JSON configs only
+        RequestValidator.from_config(cfg)  # the ingress's validator: tokenizer and JSON configs only
 
 
 def test_a_prompt_longer_than_the_largest_text_bucket_is_a_text_miss_that_equals_diffusers(pipe, folder):
@@ -216,7 +216,7 @@ def test_a_prompt_longer_than_the_largest_text_bucket_is_a_text_miss_that_equals
     long = " ".join(["a red cat"] * 60)
     assert _tokens(pipe, long) > 64
     req = GenerationRequest(long, n=1, width=256, height=256, num_inference_steps=2, guidance_scale=4.5, seed=0)
-    plan = pipe.planner.plan(req)
+    plan = pipe.validator.validate(req)
     assert not plan.lookup.hit and Dim.TEXT in plan.lookup.missed
     assert_same(bcg_run(pipe, req), diffusers_run(PixArtSigmaPipeline, folder, req))
 
@@ -226,7 +226,7 @@ def test_under_miss_policy_reject_a_prompt_longer_than_the_largest_text_bucket_i
     resolution tier's own text buckets is."""
     reject = bcg_pipeline(folder, {**BUCKETS, "miss_policy": "reject"})
     with pytest.raises(BucketMissError) as e:
-        reject.planner.plan(GenerationRequest(" ".join(["a red cat"] * 60), width=256, height=256, seed=0))
+        reject.validator.validate(GenerationRequest(" ".join(["a red cat"] * 60), width=256, height=256, seed=0))
     assert e.value.field == "prompt" and e.value.missed == ("text_tokens",)
     assert "above the largest text bucket 64 (buckets.miss_policy is reject" in e.value.message
 
@@ -243,7 +243,7 @@ def test_per_tier_text_buckets_pad_each_tier_to_its_own_buckets_and_equal_diffus
     for (w, h), want in (((256, 256), 16), ((300, 200), 64)):
         req = GenerationRequest(prompt="a red cube", n=1, width=w, height=h, num_inference_steps=2,
                                 guidance_scale=4.5, seed=3)
-        assert pipe.planner.plan(req).lookup.key.text_tokens == want
+        assert pipe.validator.validate(req).lookup.key.text_tokens == want
         assert_same(bcg_run(pipe, req), diffusers_run(PixArtSigmaPipeline, folder, req))
     assert run_verify(pipe.config)
 

@@ -72,7 +72,7 @@ def test_the_family_loads_from_the_registry_keyed_on_the_grid_with_masked_text(p
 def test_an_exact_bucket_without_a_negative_prompt_runs_no_cfg_and_equals_diffusers(pipe, folder):
     req = _req("a photo of a cat on a red chair", guidance_scale=7.0, seed=1)  # guidance_scale: ignored
     assert pipe.model.count_tokens(req.prompt) == 16  # exactly the text bucket
-    plan = pipe.planner.plan(req)
+    plan = pipe.validator.validate(req)
     assert not pipe.model.spec.uses_cfg(plan.request)  # true_cfg_scale defaults to 4.0, but no negative prompt
     assert str(plan.lookup.key) == "b1_i16_t16_g4x4"
     assert_same(bcg_run(pipe, req), diffusers_run(QwenImagePipeline, folder, req), exact=True)
@@ -83,13 +83,13 @@ def test_padded_rows_and_text_with_true_cfg_at_an_odd_grid_equal_diffusers(pipe,
     # to 32 with masked zeros; 208x144 is a 9x13 grid (odd sides: the centred RoPE's asymmetric case).
     req = _req("A watercolor painting of a lighthouse at dusk", n=3, width=208, height=144, num_inference_steps=4,
                negative_prompt="blurry", seed=7)
-    key = pipe.planner.plan(req).lookup.key
+    key = pipe.validator.validate(req).lookup.key
     assert (key.batch, key.text_tokens, key.latent_hw) == (8, 32, (9, 13))
     ours, ref = bcg_run(pipe, req), diffusers_run(QwenImagePipeline, folder, req)
     assert len(ours.pngs) == 3
     assert_same(ours, ref)
     # The decode alone is exact: diffusers' own final latents through our decode give its PNG bytes.
-    state = pipe.start(pipe.planner.plan(req))
+    state = pipe.start(pipe.validator.validate(req))
     state.latents = ref.latents
     assert pipe.finish(state) == ref.pngs
 
@@ -98,7 +98,7 @@ def test_a_prompt_longer_than_the_largest_text_bucket_is_a_text_miss_that_equals
     # miss_policy eager (the default): above the 32-token bucket, served unpadded on eager kernels
     req = _req(", ".join(["a lighthouse on a cliff at dusk"] * 6), seed=2)
     assert pipe.model.count_tokens(req.prompt) > 32
-    plan = pipe.planner.plan(req)
+    plan = pipe.validator.validate(req)
     assert not plan.lookup.hit and Dim.TEXT in plan.lookup.missed
     assert_same(bcg_run(pipe, req), diffusers_run(QwenImagePipeline, folder, req))
 
@@ -119,7 +119,7 @@ def test_cfg_runs_only_with_a_negative_prompt_and_true_cfg_scale_above_one(pipe)
     cases = [(None, None, False), (None, 5.0, False), ("", None, True), ("blurry", None, True),
              ("blurry", 1.0, False), ("blurry", 1.5, True)]
     for neg, scale, cfg in cases:
-        plan = pipe.planner.plan(_req(p, negative_prompt=neg, true_cfg_scale=scale))
+        plan = pipe.validator.validate(_req(p, negative_prompt=neg, true_cfg_scale=scale))
         assert fam.spec.uses_cfg(plan.request) is cfg, (neg, scale)
         assert plan.lookup.key.batch == (2 if cfg else 1)
         fam.spec.check(plan.request)  # nothing refused: every combination is a diffusers option

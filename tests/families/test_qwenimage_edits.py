@@ -6,7 +6,7 @@ The input image is 70x50, not a multiple of the 16-pixel token: the edit's size 
 (64x48, a 3x4 grid) and both sides resize it there. The mask is sent as OpenAI defines it (a PNG whose fully
 transparent pixels mark where to edit); diffusers gets the same region as its own mask (white = repaint), drawn
 here, not converted by bcg-serve. Alone at an exact bucket (bit-identical, byte-equal PNGs), at a padded batch,
-with true CFG (norm-rescaled, text padded), with every default left to the planner against every default left to
+with true CFG (norm-rescaled, text padded), with every default left to the validator against every default left to
 diffusers, and inside the forward of a text-to-image request that started two steps earlier: final latents within
 1e-5 relative and the same images (``reference_gate.assert_same``).
 """
@@ -55,29 +55,29 @@ def test_the_edit_pipelines_and_their_defaults_are_diffusers_own(qwen):
         assert pipeline_defaults(cls) == {"default_steps": 50, "default_guidance_scale": None,
                                           "default_true_cfg_scale": 4.0, "default_strength": 0.6}, cls
     for m in (None, mask):
-        req = pipe.planner.plan(GenerationRequest(prompt=PROMPT, image=image, mask=m, seed=1)).request
+        req = pipe.validator.validate(GenerationRequest(prompt=PROMPT, image=image, mask=m, seed=1)).request
         assert (req.width, req.height, req.num_inference_steps, req.strength) == (64, 48, 50, 0.6)
         assert req.guidance_scale is None and req.true_cfg_scale is None  # the family's true CFG default: 4.0
-        assert pipe.planner.plan(req).lookup.key.batch == 1  # no negative prompt: no CFG, as diffusers
-        neg = pipe.planner.plan(dataclasses.replace(req, negative_prompt="")).request
+        assert pipe.validator.validate(req).lookup.key.batch == 1  # no negative prompt: no CFG, as diffusers
+        neg = pipe.validator.validate(dataclasses.replace(req, negative_prompt="")).request
         assert pipe.model.spec.uses_cfg(neg) and pipe.model.spec.cfg_scale(neg) == 4.0
 
 
 def test_image_to_image_equals_diffusers_alone_and_padded(qwen):
     folder, pipe, image, _, _ = qwen
-    plan = pipe.planner.plan(_req(image))
+    plan = pipe.validator.validate(_req(image))
     assert str(plan.lookup.key) == "b1_i12_t16_g3x4"
     assert len(pipe.start(plan).timesteps) == 3  # 5 x 0.6 steps run (steps - int(steps - steps x strength))
     ours = bcg_run(pipe, plan.request)
     assert_same(ours, diffusers_run(QwenImageImg2ImgPipeline, folder, plan.request), exact=True)
-    three = pipe.planner.plan(_req(image, n=3, seed=4, strength=0.8)).request  # 3 rows in the 4-row bucket
-    assert pipe.planner.plan(three).lookup.key.batch == 4
+    three = pipe.validator.validate(_req(image, n=3, seed=4, strength=0.8)).request  # 3 rows in the 4-row bucket
+    assert pipe.validator.validate(three).lookup.key.batch == 4
     assert_same(bcg_run(pipe, three), diffusers_run(QwenImageImg2ImgPipeline, folder, three))
 
 
 def test_inpainting_with_an_openai_mask_equals_diffusers_and_keeps_the_known_region(qwen):
     folder, pipe, image, mask, theirs = qwen
-    plan = pipe.planner.plan(_req(image, mask=mask, seed=3))
+    plan = pipe.validator.validate(_req(image, mask=mask, seed=3))
     ours = bcg_run(pipe, plan.request)
     assert_same(ours, diffusers_run(QwenImageInpaintPipeline, folder, plan.request, mask_image=theirs), exact=True)
     keep, image_latents, _ = pipe.start(plan).extras["inpaint"]
@@ -90,14 +90,14 @@ def test_inpainting_with_an_openai_mask_equals_diffusers_and_keeps_the_known_reg
 
 
 def test_inpainting_with_every_default_equals_diffusers_with_every_default(qwen):
-    # Nothing but prompt, image, mask, size, seed and an empty negative prompt: the planner's defaults (50 steps,
+    # Nothing but prompt, image, mask, size, seed and an empty negative prompt: the validator's defaults (50 steps,
     # strength 0.6: 30 run; true CFG 4.0 with the norm rescale) against what QwenImageInpaintPipeline does for a
     # call that omits them (diffusers_run passes only what the request sets). 2 images x [cond, uncond] = 4 rows,
     # the negative prompt's text padded to the prompt's 16 tokens.
     folder, pipe, image, mask, theirs = qwen
     raw = GenerationRequest(prompt=PROMPT, image=image, mask=mask, n=2, width=64, height=48, negative_prompt="",
                             seed=5)
-    plan = pipe.planner.plan(raw)
+    plan = pipe.validator.validate(raw)
     assert str(plan.lookup.key) == "b4_i12_t16_g3x4" and len(pipe.start(plan).timesteps) == 30
     assert_same(bcg_run(pipe, raw), diffusers_run(QwenImageInpaintPipeline, folder, raw, mask_image=theirs))
 
@@ -106,10 +106,10 @@ def test_edits_joining_a_text_to_image_request_equal_diffusers(qwen):
     # The edit (true CFG 2.5, 2 rows) starts while a text-to-image request (1 row) is 2 steps in: one 3-row forward
     # in the 4-row bucket per step, each request at its own timestep.
     folder, pipe, image, mask, theirs = qwen
-    text = pipe.planner.plan(GenerationRequest(prompt="an astronaut riding a horse", width=64, height=48,
+    text = pipe.validator.validate(GenerationRequest(prompt="an astronaut riding a horse", width=64, height=48,
                                                num_inference_steps=5, seed=9)).request
     for m in (None, mask):
-        edit = pipe.planner.plan(_req(image, mask=m, seed=8, strength=1.0, num_inference_steps=4,
+        edit = pipe.validator.validate(_req(image, mask=m, seed=8, strength=1.0, num_inference_steps=4,
                                       negative_prompt="blurry", true_cfg_scale=2.5)).request
         ours_edit, ours_text = bcg_run_joined(pipe, edit, text, head_start=2)
         cls, kw = (QwenImageImg2ImgPipeline, {}) if m is None else (QwenImageInpaintPipeline, {"mask_image": theirs})
@@ -126,13 +126,13 @@ def test_edits_joining_a_text_to_image_request_equal_diffusers(qwen):
 def test_bad_edit_fields_are_refused_naming_the_field(qwen, change, field, words):
     folder, pipe, image, mask, _ = qwen
     with pytest.raises(RequestError) as e:
-        pipe.planner.plan(_req(**{"image": image, "mask": mask, **change}))
+        pipe.validator.validate(_req(**{"image": image, "mask": mask, **change}))
     assert e.value.field == field and words in e.value.message, e.value.message
 
 
 def test_a_strength_that_leaves_no_step_is_refused_at_start_too(qwen):
     folder, pipe, image, _, _ = qwen
-    plan = pipe.planner.plan(_req(image))
+    plan = pipe.validator.validate(_req(image))
     plan = dataclasses.replace(plan, request=dataclasses.replace(plan.request, strength=0.0))
     with pytest.raises(ValueError, match="leaves 0 steps"):
         pipe.start(plan)

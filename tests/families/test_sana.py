@@ -91,7 +91,7 @@ def test_an_exact_bin_size_at_an_exact_text_bucket_equals_diffusers_bit_for_bit(
     assert pipe.model.count_tokens(prompt) == 16  # exactly the text bucket (bos + instruction tail + prompt)
     req = GenerationRequest(prompt=prompt, n=1, width=512, height=512, num_inference_steps=3, guidance_scale=4.5,
                             seed=1)
-    assert str(pipe.planner.plan(req).lookup.key) == "b2_i256_t16_g16x16"  # [uncond, cond]: nothing padded
+    assert str(pipe.validator.validate(req).lookup.key) == "b2_i256_t16_g16x16"  # [uncond, cond]: nothing padded
     assert_same(bcg_run(pipe, req), _ref(folder, req), exact=True)
 
 
@@ -101,7 +101,7 @@ def test_padded_rows_and_text_at_a_binned_size_equal_diffusers(pipe, folder):
     req = GenerationRequest(prompt="portrait of an old man, studio lighting, 85mm", n=3, width=300, height=200,
                             num_inference_steps=4, guidance_scale=4.5, negative_prompt="blurry", seed=7)
     assert pipe.model.spec.generation_size(300, 200) == (608, 416)
-    key = pipe.planner.plan(req).lookup.key
+    key = pipe.validator.validate(req).lookup.key
     assert (key.batch, key.latent_hw, key.text_tokens) == (8, (13, 19), 16)
     ours = bcg_run(pipe, req)
     assert len(ours.pngs) == 3
@@ -113,7 +113,7 @@ def test_a_prompt_longer_than_the_largest_text_bucket_is_a_text_miss_that_equals
     req = GenerationRequest(prompt=", ".join(["a lighthouse on a cliff at dusk"] * 6), n=1, width=512, height=512,
                             num_inference_steps=2, guidance_scale=4.5, seed=2)
     assert pipe.model.count_tokens(req.prompt) > 32
-    plan = pipe.planner.plan(req)
+    plan = pipe.validator.validate(req)
     assert not plan.lookup.hit and Dim.TEXT in plan.lookup.missed
     assert_same(bcg_run(pipe, req), _ref(folder, req))
 
@@ -147,7 +147,7 @@ def test_learned_sigma_positions_euler_and_sde_steps_equal_diffusers(folders, va
 def test_dpm_timesteps_are_truncated_integers_and_reach_the_transformer_as_fp32(pipe):
     req = GenerationRequest(prompt="a red chair", n=1, width=512, height=512, num_inference_steps=4,
                             guidance_scale=1.0, seed=0)
-    state = pipe.start(pipe.planner.plan(req))
+    state = pipe.start(pipe.validator.validate(req))
     assert state.timesteps.dtype == torch.int64 and state.timesteps[0].item() == 999
     rows = pipe.model.model_rows(state)
     assert rows.timestep.dtype == torch.float32 and rows.timestep.tolist() == [999.0]
@@ -179,7 +179,7 @@ def test_the_text_key_holds_a_negative_prompt_longer_than_the_prompt(pipe):
     req = GenerationRequest(prompt="a cat", n=1, width=512, height=512, num_inference_steps=1, guidance_scale=4.5,
                             negative_prompt="blurry", seed=0)
     assert pipe.model.count_tokens("a cat") <= 4
-    assert pipe.planner.plan(req).lookup.query.text_tokens == 5
+    assert pipe.validator.validate(req).lookup.query.text_tokens == 5
 
 
 def test_generation_size_is_the_nearest_aspect_ratio_bin_of_the_sample_size(pipe):
@@ -206,7 +206,7 @@ def test_true_cfg_scale_is_refused_with_its_field(pipe):
     req = GenerationRequest(prompt="a cat", width=512, height=512, num_inference_steps=2, guidance_scale=4.5, seed=0,
                             true_cfg_scale=4.0)
     with pytest.raises(RequestError) as e:
-        pipe.planner.plan(req)
+        pipe.validator.validate(req)
     assert e.value.field == "true_cfg_scale"
     with pytest.raises(RequestError) as e:
         pipe.model.spec.check(req)

@@ -83,7 +83,7 @@ def _assert_batched(ours, ref) -> None:
 
 def _run_alone(pipe, request):
     """``request`` through ``pipe.step`` alone; returns (final state, the forwards of every step)."""
-    state = pipe.start(pipe.planner.plan(request))
+    state = pipe.start(pipe.validator.validate(request))
     forwards = []
     while not state.done:
         forwards.append(pipe.step([state], pipe.decider.for_states([state])))
@@ -138,15 +138,15 @@ def test_dynamic_shifting_takes_mu_from_the_latent_size_as_diffusers(folders, pi
                               guidance_scale=4.0, seed=1)
     large = GenerationRequest("a photo of a cat", n=1, width=64, height=96, num_inference_steps=3,
                               guidance_scale=4.0, seed=1)
-    t_small = pipe.start(pipe.planner.plan(small)).timesteps
-    t_large = pipe.start(pipe.planner.plan(large)).timesteps
+    t_small = pipe.start(pipe.validator.validate(small)).timesteps
+    t_large = pipe.start(pipe.validator.validate(large)).timesteps
     assert t_small[0] == t_large[0] == 1000 and t_large[1] > t_small[1]  # more tokens: larger mu
     assert_same(bcg_run(pipe, large), _ref(folders["dynamic"], large))
 
 
 def test_text_is_clip_padded_to_the_t5_width_then_t5_and_the_empty_negative_prompt_is_encoded(pipes):
     pipe = pipes["sd3"]
-    cfg = pipe.start(pipe.planner.plan(GenerationRequest("a photo of a cat", width=64, height=64,
+    cfg = pipe.start(pipe.validator.validate(GenerationRequest("a photo of a cat", width=64, height=64,
                                                          guidance_scale=2.0, seed=0)))
     assert cfg.cond.text.shape == (1, 77 + 256, 48) and cfg.cond.pooled.shape == (1, 32)
     assert cfg.cond.mask is None
@@ -155,7 +155,7 @@ def test_text_is_clip_padded_to_the_t5_width_then_t5_and_the_empty_negative_prom
     rows = pipe.model.model_rows(cfg)
     assert torch.equal(rows.text[0], cfg.uncond.text[0]) and torch.equal(rows.text[1], cfg.cond.text[0])
     assert torch.equal(rows.timestep, torch.full((2,), 1000.0))  # undivided, the scheduler's 0-1000 scale
-    plain = pipe.start(pipe.planner.plan(GenerationRequest("a photo of a cat", width=64, height=64,
+    plain = pipe.start(pipe.validator.validate(GenerationRequest("a photo of a cat", width=64, height=64,
                                                            guidance_scale=1.0, seed=0)))
     assert plain.uncond is None and pipe.model.model_rows(plain).rows == 1
 
@@ -163,7 +163,7 @@ def test_text_is_clip_padded_to_the_t5_width_then_t5_and_the_empty_negative_prom
 def test_true_cfg_scale_is_refused_naming_the_field(pipes):
     req = GenerationRequest("a photo of a cat", width=64, height=64, guidance_scale=4.0, true_cfg_scale=2.0)
     with pytest.raises(RequestError) as e:
-        pipes["sd3"].planner.plan(req)
+        pipes["sd3"].validator.validate(req)
     assert e.value.field == "true_cfg_scale" and "guidance_scale" in e.value.message
     with pytest.raises(RequestError) as e:
         pipes["sd3"].model.spec.check(req)
@@ -174,7 +174,7 @@ def test_a_size_beyond_the_position_table_is_refused_naming_the_size(pipes):
     # 33 tokens wide: beyond the tiny model's 32-position table
     req = GenerationRequest("a photo of a cat", width=528, height=64, guidance_scale=4.0, seed=0)
     with pytest.raises(RequestError) as e:  # refused when planned (the ingress plans alike), not served eager
-        pipes["sd3"].planner.plan(req)
+        pipes["sd3"].validator.validate(req)
     assert e.value.field == "size" and "32 tokens a side" in e.value.message and "512" in e.value.message
 
 
@@ -189,7 +189,7 @@ def test_text_longer_than_t5_reads_is_refused_instead_of_truncated(pipes, field)
     assert 256 < pipe.model.count_tokens(text) <= 333
     kw = {"prompt": text} if field == "prompt" else {"prompt": "a cat", "negative_prompt": text}
     with pytest.raises(RequestError) as e:  # refused when planned (ModelSpec.max_prompt_tokens), never cut
-        pipe.planner.plan(GenerationRequest(**kw, width=64, height=64, guidance_scale=4.0, seed=0))
+        pipe.validator.validate(GenerationRequest(**kw, width=64, height=64, guidance_scale=4.0, seed=0))
     assert e.value.field == field and "at most 256" in e.value.message
 
 
@@ -214,14 +214,14 @@ def test_a_scheduler_the_family_cannot_reproduce_is_a_load_error(folders, tmp_pa
 
 
 def test_a_resolution_beyond_the_position_table_is_refused_before_loading(folders):
-    from bcg_core import BucketConfig, ModelConfig, Planner
+    from bcg_core import BucketConfig, ModelConfig, RequestValidator
     from bcg_core.config import EngineConfig
 
     cfg = EngineConfig(model=ModelConfig(path=str(folders["sd3"])), limits={"min_side_px": 16},
                       buckets=BucketConfig(**{**BUCKETS, "resolutions": ["64x64", "1024x1024"]}))
     with pytest.raises(ValueError,
                        match=r"buckets.resolutions: 1024x1024 exceeds .* \(32 tokens a side\): sides up to 512"):
-        Planner.from_config(cfg)
+        RequestValidator.from_config(cfg)
 
 
 def test_an_fp32_checkpoint_served_in_bf16_runs_every_component_in_bf16(folders):
@@ -233,7 +233,7 @@ def test_an_fp32_checkpoint_served_in_bf16_runs_every_component_in_bf16(folders)
         buckets=BucketConfig(batch_sizes=[2], resolutions=["64x64"], text_lengths=[333]), limits=LimitsConfig(min_side_px=16)))
     p = pipe.model.pipe
     assert {m.dtype for m in (p.transformer, p.vae, p.text_encoder, p.text_encoder_2, p.text_encoder_3)} == {torch.bfloat16}
-    out = pipe.generate(pipe.planner.plan(GenerationRequest("a cat", width=64, height=64, num_inference_steps=1,
+    out = pipe.generate(pipe.validator.validate(GenerationRequest("a cat", width=64, height=64, num_inference_steps=1,
                                                             guidance_scale=4.0, seed=1)))
     assert str(out.bucket) == "b2_i16_t333_g4x4" and len(out.image_bytes) == 1
 
@@ -254,7 +254,7 @@ def test_a_checkpoint_without_t5_is_served_as_diffusers_serves_it(folders, pipes
     assert pipe.model.pipe.text_encoder_3 is None
     req = GenerationRequest("a photo of a cat sitting on a red chair", n=1, width=64, height=96,
                             num_inference_steps=3, guidance_scale=4.5, negative_prompt="blurry", seed=5)
-    state = pipe.start(pipe.planner.plan(req))
+    state = pipe.start(pipe.validator.validate(req))
     assert state.cond.text.shape == (1, 77 + 256, 48)
     assert torch.count_nonzero(state.cond.text[:, 77:]) == 0  # the T5 part: zeros, as the pipeline's
     ours = bcg_run(pipe, req)
@@ -273,14 +273,14 @@ def test_without_t5_prompts_are_counted_and_limited_by_clip(folders, pipes):
     pipe = pipes["no_t5"]
     long = " ".join(["a photo of a cat"] * 40)
     assert pipe.model.count_tokens(long) > 77
-    from bcg_core import ModelConfig, Planner
+    from bcg_core import ModelConfig, RequestValidator
     from bcg_core.config import EngineConfig
 
-    ingress = Planner.from_config(EngineConfig(model=ModelConfig(path=str(folders["no_t5"])),
+    ingress = RequestValidator.from_config(EngineConfig(model=ModelConfig(path=str(folders["no_t5"])),
                                                limits={"min_side_px": 16}, buckets=BucketConfig(**BUCKETS)))
-    for planner in (pipe.planner, ingress):  # the ingress plans from the tokenizers alone, the same way
+    for validator in (pipe.validator, ingress):  # the ingress plans from the tokenizers alone, the same way
         with pytest.raises(RequestError) as e:  # CLIP would cut it: refused, never truncated
-            planner.plan(GenerationRequest(long, width=64, height=64, guidance_scale=4.0, seed=0))
+            validator.validate(GenerationRequest(long, width=64, height=64, guidance_scale=4.0, seed=0))
         assert e.value.field == "prompt" and "at most 77" in e.value.message
 
 

@@ -69,7 +69,7 @@ def test_sd3_checkpoints_serve_both_edits_with_the_edit_pipelines_defaults(sd3):
     pipe = sd3["pipe"]
     assert pipe.model.spec.edit_pipelines == SD3_EDIT_PIPELINES
     for extra in ({}, {"mask": sd3["mask"]}):
-        r = pipe.planner.plan(GenerationRequest(prompt="a cat", image=sd3["image"], **extra)).request
+        r = pipe.validator.validate(GenerationRequest(prompt="a cat", image=sd3["image"], **extra)).request
         # StableDiffusion3Img2ImgPipeline / StableDiffusion3InpaintPipeline.__call__: 50 steps (text to image: 28),
         # guidance 7.0, strength 0.6; the size is the image's
         assert (r.num_inference_steps, r.guidance_scale, r.strength, r.width, r.height) == (50, 7.0, 0.6, 32, 32)
@@ -77,7 +77,7 @@ def test_sd3_checkpoints_serve_both_edits_with_the_edit_pipelines_defaults(sd3):
 
 def test_image_to_image_equals_diffusers_alone_and_padded(sd3):
     pipe, folder, image = sd3["pipe"], sd3["folder"], sd3["image"]
-    plan = pipe.planner.plan(_req(image))
+    plan = pipe.validator.validate(_req(image))
     assert str(plan.lookup.key).startswith("b2_")  # cond + uncond rows (guidance 7.0), an exact bucket
     state = pipe.start(plan)
     assert len(state.timesteps) == 3  # 5 x 0.6 steps run (steps - int(steps - steps x strength))
@@ -87,7 +87,7 @@ def test_image_to_image_equals_diffusers_alone_and_padded(sd3):
     ref = diffusers_run(StableDiffusion3Img2ImgPipeline, folder, plan.request)
     assert_same(bcg_run(pipe, plan.request), ref, exact=True)
     # 3 images without CFG: 3 rows padded to the 4-row bucket; diffusers takes the image once per generator
-    three = pipe.planner.plan(_req(image, n=3, seed=4, strength=0.8, guidance_scale=1.0)).request
+    three = pipe.validator.validate(_req(image, n=3, seed=4, strength=0.8, guidance_scale=1.0)).request
     ours = bcg_run(pipe, three)
     assert_same(ours, diffusers_run(StableDiffusion3Img2ImgPipeline, folder, three, image=[sd3["pil"]] * 3))
     one = bcg_run(pipe, dataclasses.replace(three, n=1, seed=5))  # image 1 of the three is the edit of seed 5 alone
@@ -98,22 +98,22 @@ def test_one_image_with_a_generator_per_image_fails_in_diffusers_image_to_image(
     """Why ``n > 1`` is checked against the image given ``n`` times: diffusers 0.42.1 encodes ``image[i : i + 1]``
     for every generator, an empty batch from one image. If this starts passing, diffusers fixed it: compare the
     ``n > 1`` gate with the one image instead."""
-    req = sd3["pipe"].planner.plan(_req(sd3["image"], n=2, num_inference_steps=2, guidance_scale=1.0)).request
+    req = sd3["pipe"].validator.validate(_req(sd3["image"], n=2, num_inference_steps=2, guidance_scale=1.0)).request
     with pytest.raises(RuntimeError):
         diffusers_run(StableDiffusion3Img2ImgPipeline, sd3["folder"], req)
 
 
 def test_dynamic_shifting_takes_mu_from_the_edit_size_as_diffusers(sd3):
-    req = sd3["dynamic_pipe"].planner.plan(_req(sd3["image"], strength=0.7)).request
+    req = sd3["dynamic_pipe"].validator.validate(_req(sd3["image"], strength=0.7)).request
     ours = bcg_run(sd3["dynamic_pipe"], req)
     assert_same(ours, diffusers_run(StableDiffusion3Img2ImgPipeline, sd3["dynamic"], req), exact=True)
-    plain = sd3["pipe"].planner.plan(_req(sd3["image"], strength=0.7)).request  # same weights, no shift: another result
+    plain = sd3["pipe"].validator.validate(_req(sd3["image"], strength=0.7)).request  # same weights, no shift: another result
     assert (bcg_run(sd3["pipe"], plain).latents - ours.latents).abs().max() > 1e-3
 
 
 def test_inpainting_with_an_openai_mask_equals_diffusers_latents_and_decodes_with_the_vae_shift(sd3):
     pipe, folder = sd3["pipe"], sd3["folder"]
-    req = pipe.planner.plan(_req(sd3["image"], mask=sd3["mask"], n=2, seed=3)).request
+    req = pipe.validator.validate(_req(sd3["image"], mask=sd3["mask"], n=2, seed=3)).request
     state = bcg_state(pipe, req)
     assert pipe.model.euler_step(state) is None  # the known-region blend runs on the host after every step
     mask, image_latents, _ = state.extras["inpaint"]
@@ -133,9 +133,9 @@ def test_inpainting_with_an_openai_mask_equals_diffusers_latents_and_decodes_wit
 def test_an_inpainting_edit_joining_a_text_to_image_request_equals_diffusers(sd3):
     pipe, folder = sd3["pipe"], sd3["folder"]
     # strength 1.0: the start is pure noise (is_strength_max), the image still gives the known region
-    edit = pipe.planner.plan(_req(sd3["image"], mask=sd3["mask"], seed=8, strength=1.0, num_inference_steps=4,
+    edit = pipe.validator.validate(_req(sd3["image"], mask=sd3["mask"], seed=8, strength=1.0, num_inference_steps=4,
                                   guidance_scale=1.0)).request
-    text = pipe.planner.plan(GenerationRequest(prompt="an astronaut", n=1, width=32, height=32,
+    text = pipe.validator.validate(GenerationRequest(prompt="an astronaut", n=1, width=32, height=32,
                                                num_inference_steps=5, guidance_scale=1.0, seed=9)).request
     ours_edit, ours_text = bcg_run_joined(pipe, edit, text, head_start=2)  # 1 + 1 rows share each forward
     ref = diffusers_run(StableDiffusion3InpaintPipeline, folder, edit, mask_image=sd3["theirs"])
@@ -150,7 +150,7 @@ def test_an_inpainting_edit_joining_a_text_to_image_request_equals_diffusers(sd3
 ])
 def test_bad_edit_fields_are_refused_naming_the_field(sd3, change, field, words):
     with pytest.raises(RequestError) as e:
-        sd3["pipe"].planner.plan(_req(**{"image": sd3["image"], "mask": sd3["mask"], **change}))
+        sd3["pipe"].validator.validate(_req(**{"image": sd3["image"], "mask": sd3["mask"], **change}))
     assert e.value.field == field and words in e.value.message, e.value.message
 
 

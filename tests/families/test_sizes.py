@@ -1,5 +1,5 @@
-"""The size rule is one rule: over HTTP (``POST /v1/images/generations``, the schema then the planner) and from Python
-(the application handle's ``images``, and a bare :class:`~bcg_core.Planner` as ``DiTPipeline`` uses it) a size is
+"""The size rule is one rule: over HTTP (``POST /v1/images/generations``, the schema then the validator) and from Python
+(the application handle's ``images``, and a bare :class:`~bcg_core.RequestValidator` as ``DiTPipeline`` uses it) a size is
 accepted or refused alike, with the same field and message.
 
 A family with resolution binning (PixArt-Sigma) takes any size within ``limits.min_side_px``..``max_side_px``
@@ -15,7 +15,7 @@ import json
 
 import pytest
 
-from bcg_core import GenerationRequest, Planner, RequestError
+from bcg_core import GenerationRequest, RequestValidator, RequestError
 from deployments.settings import ServeConfig
 from ingress_fakes import FakeDiT, bare_ingress, http_request
 from tiny import pixart, sd3
@@ -42,7 +42,7 @@ def served(request, tmp_path_factory):
 
 
 def _outcome(call):
-    """``("ok", width, height, grid)`` of a planned request, or ``("refused", field, message)``."""
+    """``("ok", width, height, grid)`` of a validated request, or ``("refused", field, message)``."""
     try:
         plan = call()
     except RequestError as e:
@@ -75,12 +75,12 @@ def _from_the_handle(ingress, dit, w: int, h: int):
 def test_a_size_is_accepted_or_refused_alike_over_http_and_from_python(served):
     family, config, ingress, dit = served
     _, _, accepted, refused = CASES[family]
-    planner = Planner.from_config(config)
-    binning = bool(planner.spec.size_bins)
+    validator = RequestValidator.from_config(config)
+    binning = bool(validator.spec.size_bins)
     assert binning == (family == "pixart")
     for size in accepted + refused:
         w, h = (int(v) for v in size.split("x"))
-        python = _outcome(lambda: planner.plan(GenerationRequest("a photo of a cat", width=w, height=h, n=1, seed=1,
+        python = _outcome(lambda: validator.validate(GenerationRequest("a photo of a cat", width=w, height=h, n=1, seed=1,
                                                                  num_inference_steps=1)))
         assert _over_http(ingress, dit, size) == python, size
         assert _from_the_handle(ingress, dit, w, h) == python, size
@@ -88,8 +88,8 @@ def test_a_size_is_accepted_or_refused_alike_over_http_and_from_python(served):
         if python[0] == "refused":
             assert python[1] == "size"
     if binning:  # any size in range: generated at its aspect-ratio bin, resized back
-        assert _outcome(lambda: planner.plan(GenerationRequest("a cat", width=300, height=200, seed=1,
+        assert _outcome(lambda: validator.validate(GenerationRequest("a cat", width=300, height=200, seed=1,
                                                                num_inference_steps=1)))[1:3] == (300, 200)
     else:  # the pixels per token, named with the nearest sizes
-        _, _, message = _outcome(lambda: planner.plan(GenerationRequest("a cat", width=72, height=72, seed=1)))
+        _, _, message = _outcome(lambda: validator.validate(GenerationRequest("a cat", width=72, height=72, seed=1)))
         assert "multiple of 16" in message and "64 or 80" in message

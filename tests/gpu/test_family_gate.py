@@ -60,8 +60,8 @@ def _req(fields: dict, **kw) -> GenerationRequest:
 
 def test_alone_at_its_bucket_replayed_as_a_graph_equals_diffusers_on_cuda(family):
     folder, pipe, cls, fields, ref = family
-    req = pipe.planner.plan(_req(fields)).request
-    key = str(pipe.planner.plan(req).lookup.key)
+    req = pipe.validator.validate(_req(fields)).request
+    key = str(pipe.validator.validate(req).lookup.key)
     before = {b["key"]: b["replays"] for b in pipe.stats()["buckets"]}.get(key, 0)
     ours = bcg_run(pipe, req)
     after = {b["key"]: b["replays"] for b in pipe.stats()["buckets"]}[key]
@@ -77,7 +77,7 @@ def test_flow_match_euler_families_fuse_their_steps_after_the_bitwise_check_on_c
     fuses = pipe.model.name in ("flux", "sd3")
     assert pipe.fused.on == fuses, pipe.fused.note
     if fuses:
-        req = pipe.planner.plan(_req(fields, seed=11)).request
+        req = pipe.validator.validate(_req(fields, seed=11)).request
         before = pipe.fused.steps
         ours = bcg_run(pipe, req)
         assert pipe.fused.steps - before == req.num_inference_steps and not pipe.fused.host_steps
@@ -87,8 +87,8 @@ def test_flow_match_euler_families_fuse_their_steps_after_the_bitwise_check_on_c
 
 def test_joining_a_running_request_in_one_graph_replay_equals_diffusers_on_cuda(family):
     folder, pipe, cls, fields, ref = family
-    a = pipe.planner.plan(_req(fields, seed=7)).request
-    b = pipe.planner.plan(_req(fields, n=2, seed=40, num_inference_steps=5, prompt="an astronaut riding a horse")).request
+    a = pipe.validator.validate(_req(fields, seed=7)).request
+    b = pipe.validator.validate(_req(fields, n=2, seed=40, num_inference_steps=5, prompt="an astronaut riding a horse")).request
     ours_a, ours_b = bcg_run_joined(pipe, a, b, head_start=2)
     for ours, req in ((ours_a, a), (ours_b, b)):
         assert_same(ours, diffusers_run(cls, folder, req, device="cuda", **ref), rtol=RTOL_CUDA,
@@ -106,8 +106,8 @@ def test_the_step_scheduler_with_measured_costs_equals_diffusers_on_cuda(family)
     folder, pipe, cls, fields, ref = family
     costs = pipe.measure_costs(pipe.table.keys, iters=1)
     assert costs.source == "measured" and costs.bucket_ms
-    a = pipe.planner.plan(_req(fields, seed=7))
-    b = pipe.planner.plan(_req(fields, n=2, seed=40, num_inference_steps=6, prompt="an astronaut riding a horse"))
+    a = pipe.validator.validate(_req(fields, seed=7))
+    b = pipe.validator.validate(_req(fields, n=2, seed=40, num_inference_steps=6, prompt="an astronaut riding a horse"))
     sched = StepScheduler(pipe, costs=costs)
 
     async def main():

@@ -59,7 +59,7 @@ def test_adapters_in_replayed_graphs_match_eager_in_each_tier(ckpt, kernels):
         bcg_pipeline(folder, BUCKETS, device="cuda", dtype=dtype, lora=lora)
     captures = sum(d.get("capture_s", 0) > 0 for d in pipe.runner.describe())
     reqs = [_req(seed=1), _req(seed=2, lora=(("a", 0.8),)), _req(seed=3, lora=(("a", 1.0), ("b", -0.6)))]
-    plans = [pipe.planner.plan(r) for r in reqs]
+    plans = [pipe.validator.validate(r) for r in reqs]
     leases = [pipe.lease(p) for p in plans]
     states = [pipe.start(p, lease=lease) for p, lease in zip(plans, leases)]
     while not all(s.done for s in states):
@@ -80,7 +80,7 @@ def test_adapters_in_replayed_graphs_match_eager_in_each_tier(ckpt, kernels):
 def test_fp32_graphs_with_adapters_equal_diffusers_on_cuda(ckpt):
     folder, loras = ckpt
     pipe = bcg_pipeline(folder, BUCKETS, device="cuda", lora={"dir": str(loras), **LORA})
-    req = pipe.planner.plan(_req(lora=(("a", 0.8), ("b", 0.5)))).request
+    req = pipe.validator.validate(_req(lora=(("a", 0.8), ("b", 0.5)))).request
     ours = bcg_run(pipe, req)
     theirs = diffusers_run(FluxPipeline, folder, req, device="cuda", lora_dir=loras, max_sequence_length=TEXT_TOKENS)
     err = ((ours.latents - theirs.latents).abs().max() / theirs.latents.abs().max()).item()
@@ -95,9 +95,9 @@ def test_forwards_without_adapter_rows_replay_the_plain_graph(ckpt):
     pipe = bcg_pipeline(folder, BUCKETS, device="cuda", lora={"dir": str(loras), **LORA})
     plain = bcg_pipeline(folder, BUCKETS, device="cuda")
     assert all(d["mode"] == "graph" and d["plain_graph"] for d in pipe.runner.describe())
-    req = pipe.planner.plan(_req(n=3, seed=4)).request
+    req = pipe.validator.validate(_req(n=3, seed=4)).request
     assert torch.equal(bcg_run(pipe, req).latents, bcg_run(plain, req).latents)
-    with_a = pipe.planner.plan(_req(n=3, seed=4, lora=(("a", 1.0),))).request
+    with_a = pipe.validator.validate(_req(n=3, seed=4, lora=(("a", 1.0),))).request
     assert not torch.equal(bcg_run(pipe, with_a).latents, bcg_run(plain, req).latents)
 
 

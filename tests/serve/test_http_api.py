@@ -176,7 +176,7 @@ BAD_INPUTS = [
     ("guidance-string", {"prompt": "x", "guidance_scale": "high"}, 422, "guidance_scale", ["0 to 30"]),
     ("seed-negative", {"prompt": "x", "seed": -1}, 422, "seed", ["'seed'", "from 0"]),
     ("true-cfg-over", {"prompt": "x", "true_cfg_scale": 31}, 422, "true_cfg_scale", ["0 to 30", "FLUX and Qwen-Image"]),
-    # the tiny default (BCGFluxPipeline) has no true CFG: a value the planner refuses, naming the field
+    # the tiny default (BCGFluxPipeline) has no true CFG: a value the validator refuses, naming the field
     ("true-cfg-not-an-option", {"prompt": "x", "true_cfg_scale": 2.0, "size": "256x256"}, 422, "true_cfg_scale",
      ["true_cfg_scale is not an option of BCGFluxPipeline", "guidance_scale"]),
     ("response-format-url", {"prompt": "x", "response_format": "url"}, 422, "response_format", ["'b64_json'"]),
@@ -233,7 +233,7 @@ def test_bad_input_gets_4xx_naming_the_field_and_allowed_values(client, case, bo
     _check_error(_post(client, body), status, param, fragments)
 
 
-def test_prompt_with_too_many_tokens_is_rejected_by_the_planner(client):
+def test_prompt_with_too_many_tokens_is_rejected_by_the_validator(client):
     prompt = " ".join(["x"] * 1500)  # 2999 characters (under the 4000 limit), ~1500 tokens
     assert len(prompt) <= 4000
     r = client.post(GEN, json=_good(prompt=prompt))
@@ -289,7 +289,7 @@ def test_server_keeps_serving_after_every_bad_input(client):
 
 def test_python_handle_returns_a_generation_result(serve_apps):
     """The application's handle (the ingress) plans a request or a dict of its fields, as HTTP does; the DiT
-    deployment's own handle takes only a planned request."""
+    deployment's own handle takes only a validated request."""
     from ray import serve
 
     from bcg_core.errors import RequestError
@@ -312,7 +312,7 @@ def test_python_handle_returns_a_generation_result(serve_apps):
         handle.images.remote(GenerationRequest(prompt="x", n=0, width=256, height=256)).result(timeout_s=120)
     assert info.value.field == "n"
     dit = serve.get_deployment_handle("DiTReplica", app_name=serve_apps.app_name)
-    with pytest.raises(TypeError, match="PlannedRequest"):
+    with pytest.raises(TypeError, match="ValidatedRequest"):
         dit.generate.remote(request).result(timeout_s=120)
     assert json.dumps(result.to_dict()["timings_ms"])  # JSON-friendly apart from the PNG bytes
 

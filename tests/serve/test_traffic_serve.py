@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from bcg_core import GenerationRequest, Planner, TrafficHistogram
+from bcg_core import GenerationRequest, RequestValidator, TrafficHistogram
 
 from deployments.settings import ServeConfig
 from bcg_core.planning.traffic import TrafficKey
@@ -24,11 +24,11 @@ def test_the_replica_records_what_it_accepts_and_buckets_shows_it(serve_apps):
     import httpx
     from ray import serve
 
-    planner = Planner.from_config(ServeConfig.model_validate({"buckets": {"batch_sizes": [1, 2, 4],
+    validator = RequestValidator.from_config(ServeConfig.model_validate({"buckets": {"batch_sizes": [1, 2, 4],
                                                                           "resolutions": ["256x256", "512x512"],
                                                                           "text_lengths": [256]}}))
     prompt = "a traffic histogram test prompt"
-    tokens = planner.count_tokens(prompt)
+    tokens = validator.count_tokens(prompt)
     one, two = (256, 256, 1, tokens, 1), (256, 256, 2, tokens, 1)
     body = {"prompt": prompt, "size": "256x256", "num_inference_steps": 1, "guidance_scale": 0.0, "seed": 5}
     with httpx.Client(base_url=serve_apps.base_url, timeout=120.0, trust_env=False) as client:
@@ -40,7 +40,7 @@ def test_the_replica_records_what_it_accepts_and_buckets_shows_it(serve_apps):
         # a request a Python caller planned and sent straight to the DiT deployment is counted too
         app_config = {"buckets": {"batch_sizes": [1, 2, 4], "resolutions": ["256x256", "512x512"],
                                   "text_lengths": [256], "miss_policy": "eager"}}  # the serve_apps "/" app's
-        plan = Planner.from_config(ServeConfig.model_validate(app_config)).plan(GenerationRequest(
+        plan = RequestValidator.from_config(ServeConfig.model_validate(app_config)).validate(GenerationRequest(
             prompt, n=1, width=256, height=256, num_inference_steps=1, guidance_scale=0.0, seed=6))
         dit = serve.get_deployment_handle("DiTReplica", app_name=serve_apps.app_name)
         dit.generate.remote(plan).result(timeout_s=120)

@@ -1,4 +1,4 @@
-"""``benchmarks/bench_saturation.py`` on the CPU: its pure parts and the naive table against the real planner (the
+"""``benchmarks/bench_saturation.py`` on the CPU: its pure parts and the naive table against the real validator (the
 tiny default's tokenizer, no weights). The end-to-end run is ``tests/serve/test_bench_saturation_serve.py``."""
 
 import importlib.util
@@ -65,7 +65,7 @@ def test_waste_with_a_scheduler_section_uses_its_fraction_or_its_token_counters(
     assert w["waste"] == pytest.approx(1 - 800 / 1300)
 
 
-# -- the naive table against the real planner ------------------------------------------------------------------
+# -- the naive table against the real validator ------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +86,7 @@ def _configs(model_cfg: dict, spec, counter, reqs, steps=20):
 
 
 def test_naive_config_makes_every_one_of_the_first_32_krea_requests_miss(tiny):
-    from bcg_core.planner import Planner
+    from bcg_core.validation import RequestValidator
 
     mc, spec, counter = tiny
     reqs = bench.replay_requests(32)
@@ -98,12 +98,12 @@ def test_naive_config_makes_every_one_of_the_first_32_krea_requests_miss(tiny):
     assert naive.buckets.miss_policy.value == "eager" and naive.buckets.batch_sizes == [1]
     assert naive.buckets.image_padding == "exact" and len(naive.buckets.resolutions) == 1
     assert naive.routing.max_ongoing_requests == 16  # admits the whole replay's concurrency: no 503
-    planner = Planner(naive, spec, counter)
-    plans, refused = bench.plan_all(planner, reqs, 20)
+    validator = RequestValidator(naive, spec, counter)
+    plans, refused = bench.plan_all(validator, reqs, 20)
     assert refused == [] and len(plans) == 32
     assert all(not p.lookup.hit for p in plans)
     assert all("image_tokens" in [d.value for d in p.lookup.missed] for p in plans)
-    assert bench.check_all_miss(planner, sent, 20) == []
+    assert bench.check_all_miss(validator, sent, 20) == []
     # the step server is the configured one on the asked kernels (naive: always eager), its table holds every request
     assert over["step"] == {"runner": {"kernels": "eager"}} and naive.runner.kernels == "eager"
     assert bench.server_overrides("step", {}, spec, reqs, 16, kernels="fp8") == {"runner": {"kernels": "fp8"}}
@@ -112,18 +112,18 @@ def test_naive_config_makes_every_one_of_the_first_32_krea_requests_miss(tiny):
     assert bench.server_overrides("step", {}, spec, reqs, 16, kernels="compiled", compile_decode=True) == {
         "runner": {"kernels": "compiled", "compile_decode": True}}
     assert "compile_decode" not in bench.server_overrides("naive", base, spec, reqs, 16, compile_decode=True)["runner"]
-    plans, refused = bench.plan_all(Planner(cfgs["step"], spec, counter), reqs, 20)
+    plans, refused = bench.plan_all(RequestValidator(cfgs["step"], spec, counter), reqs, 20)
     assert refused == [] and all(p.lookup.hit for p in plans)
 
 
 def test_naive_tier_of_a_binned_family_is_a_bin_no_request_is_binned_to():
     """PixArt-Sigma 512 (its spec as the family describes it: grid-keyed, masked text, the 512 bins): the
-    step table is the replay's bins, the naive tier an unused bin; the real planner checks both."""
+    step table is the replay's bins, the naive tier an unused bin; the real validator checks both."""
     from bcg_core.table import ShapeRules
     from deployments.settings import ServeConfig
     from bcg_core.families.base import ModelSpec
     from bcg_core.families.pixart import aspect_ratio_bins
-    from bcg_core.planner import Planner
+    from bcg_core.validation import RequestValidator
 
     spec = ModelSpec("pixart-512", "pixart", "PixArtSigmaPipeline", ShapeRules(16, True, None),
                      size_bins=aspect_ratio_bins(64), max_text_tokens=300)
@@ -139,8 +139,8 @@ def test_naive_tier_of_a_binned_family_is_a_bin_no_request_is_binned_to():
     assert base["buckets"]["text_lengths"] == [min(t for t in bench.TEXT_BUCKETS if t >= need)]
     tier = cfgs["naive"].buckets.resolutions[0]
     assert tier not in base["buckets"]["resolutions"]
-    assert bench.check_all_miss(Planner(cfgs["naive"], spec, count), reqs, 20) == []
-    plans, refused = bench.plan_all(Planner(cfgs["step"], spec, count), reqs, 20)
+    assert bench.check_all_miss(RequestValidator(cfgs["naive"], spec, count), reqs, 20) == []
+    plans, refused = bench.plan_all(RequestValidator(cfgs["step"], spec, count), reqs, 20)
     assert refused == [] and all(p.lookup.hit for p in plans)
     forced = bench.replay_requests(4, size="512x512")  # --size: one bin for every request
     assert {(r.width, r.height) for r in forced} == {(512, 512)}

@@ -20,7 +20,7 @@ from bcg_core.planning.samples import (
     planning_table,
     Traffic,
     krea_rows,
-    planning_planner,
+    planning_validator,
     traffic_from_gentd26,
     traffic_from_histogram,
     traffic_from_rows,
@@ -43,11 +43,11 @@ def _rows(*specs) -> list[dict[str, str]]:
 
 
 def _table(config: ServeConfig, batch, tiers, texts) -> BucketTable:
-    planner = planning_planner(config)
+    validator = planning_validator(config)
     cfg = BucketConfig(**{**config.buckets.model_dump(), "batch_sizes": list(batch), "resolutions": list(tiers),
                           "text_lengths": list(texts)})
-    side = -(-config.limits.min_side_px // planner.rules.pixels_per_token)
-    return BucketTable(cfg, planner.rules, side * side)
+    side = -(-config.limits.min_side_px // validator.rules.pixels_per_token)
+    return BucketTable(cfg, validator.rules, side * side)
 
 
 def test_one_exact_size_gets_one_exact_tier_and_no_waste():
@@ -62,17 +62,17 @@ def test_a_budget_of_one_graph_picks_the_best_single_bucket():
     traffic = traffic_from_rows(EXACT, _rows((512, 512, 1, 6), (512, 768, 2, 3), (768, 768, 4, 1)))
     costs = PlanCosts.token_count(EXACT)
     plan = search_table(EXACT, traffic, costs, max_graphs=1)
-    planner = planning_planner(EXACT)
+    validator = planning_validator(EXACT)
     tiers = sorted({d.size for d in traffic.demands})
     brute = min(evaluate(_table(EXACT, [b], [f"{w}x{h}"], [256]), traffic, costs).ms_per_image
                 for b, (w, h) in itertools.product(range(1, 9), tiers))
     assert plan.score.graphs == 1 and plan.score.ms_per_image == pytest.approx(brute)
-    assert planner.rules.native_text_tokens == 256 and plan.buckets.text_lengths == [256]
+    assert validator.rules.native_text_tokens == 256 and plan.buckets.text_lengths == [256]
 
 
 def test_the_planned_table_beats_a_coarse_batch_bucket():
     """3-image requests against a 16-row bucket: padding 13 rows costs more than an unpadded eager forward, so
-    that table serves them eager (no waste, no graph); the planner gives them a bucket that holds 3 rows."""
+    that table serves them eager (no waste, no graph); the validator gives them a bucket that holds 3 rows."""
     traffic = traffic_from_rows(EXACT, _rows((512, 512, 3, 10)))
     costs = PlanCosts.token_count(EXACT)
     coarse = evaluate(_table(EXACT, [16], ["512x512"], [256]), traffic, costs)
@@ -139,12 +139,12 @@ def test_gentd26_counts_joined_with_krea_sizes_and_a_recorded_histogram():
     assert search_table(config, traffic).score.graphs >= 1
     with pytest.raises(ValueError, match="at least one"):
         traffic_from_gentd26(config, trace, [])
-    planner = planning_planner(config)
+    validator = planning_validator(config)
     hist = TrafficHistogram()
     for req in (GenerationRequest("a cat", n=2, width=512, height=512, num_inference_steps=8, guidance_scale=1.0,
                                   seed=0),) * 3 + (GenerationRequest("a dog", n=1, width=768, height=512,
                                                                       num_inference_steps=8, seed=0),):
-        hist.record(planner.plan(req))
+        hist.record(validator.validate(req))
     traffic = traffic_from_histogram(config, hist.snapshot())
     rows = sorted((d.query.batch, d.images, d.weight) for d in traffic.demands)
     assert rows == [(2, 1, 1.0), (2, 2, 3.0)]  # the default guidance 3.5 adds uncond rows to the dog
@@ -178,17 +178,17 @@ def test_bcg_plan_writes_a_config_that_serves_a_report_and_a_plot(tmp_path, caps
     assert "bcg plan: error:" in capsys.readouterr().err
 
 
-def test_planner_limits_shape_the_traffic():
+def test_validator_limits_shape_the_traffic():
     config = ServeConfig(limits=LimitsConfig(max_images=4), buckets=BucketConfig(batch_sizes=[1, 2, 4, 8]))
     traffic = traffic_from_rows(config, _rows((512, 512, 9, 2), (512, 512, 1, 1)))
     assert traffic.refused == {"n": pytest.approx(2.0)} and traffic.requests == pytest.approx(1.0)
 
 
 def _histogram(config: ServeConfig, requests) -> dict:
-    planner = planning_planner(config)
+    validator = planning_validator(config)
     hist = TrafficHistogram()
     for r in requests:
-        hist.record(planner.plan(r))
+        hist.record(validator.validate(r))
     return hist.snapshot()
 
 

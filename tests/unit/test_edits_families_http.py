@@ -187,7 +187,7 @@ def test_an_edit_answers_the_engines_image_at_its_size_after_the_strengths_steps
     assert [(_decoded(p).format, _decoded(p).size) for p in pngs] == [("PNG", (SIZE, SIZE))] * 2
     assert result.size == f"{SIZE}x{SIZE}" and result.model_extra["bcg"]["steps"] == steps_run(STEPS, STRENGTH) == 3
     pipe = dit.pipe
-    plan = pipe.planner.plan(GenerationRequest(PROMPT, n=2, width=SIZE, height=SIZE, num_inference_steps=STEPS,
+    plan = pipe.validator.validate(GenerationRequest(PROMPT, n=2, width=SIZE, height=SIZE, num_inference_steps=STEPS,
                                                seed=seed, image=image, mask=mask if masked else None,
                                                strength=STRENGTH))
     assert dataclasses.asdict(served_plan.request) == dataclasses.asdict(plan.request)  # the client's fields, mapped
@@ -217,7 +217,7 @@ def test_a_streamed_edit_sends_a_preview_then_the_engines_image(served, masked):
     # no size sent: the edit's size is its image's (32x32, already a multiple of the token size)
     assert (served_plan.request.width, served_plan.request.height, served_plan.request.partial_images) == (
         SIZE, SIZE, 1)
-    plan = dit.pipe.planner.plan(GenerationRequest(PROMPT, num_inference_steps=STEPS, seed=seed, image=image,
+    plan = dit.pipe.validator.validate(GenerationRequest(PROMPT, num_inference_steps=STEPS, seed=seed, image=image,
                                                    mask=mask if masked else None, strength=STRENGTH,
                                                    partial_images=1))
     assert dataclasses.asdict(served_plan.request) == dataclasses.asdict(plan.request)
@@ -244,4 +244,4 @@ def test_a_family_without_edits_answers_422_naming_the_families_that_edit(family
         assert err["param"] == "image" and err["type"] == "invalid_request_error"
         assert f"(family {family}) is not served for edits" in err["message"]
         assert "edits are served for FLUX.1, SD3/SD3.5 and Qwen-Image" in err["message"]
-    assert not dit.sent  # refused by the planner, before any replica
+    assert not dit.sent  # refused by the validator, before any replica

@@ -1,6 +1,6 @@
 """``POST /v1/images/edits`` without Ray: the official ``openai`` client's multipart body (``images.edit``, through an
 ``httpx.MockTransport`` into the ingress's route) mapped onto ``GenerationRequest``, ``lora`` in its two multipart forms,
-every bad input answered 4xx in OpenAI's error shape naming the field (the image and mask checks are the planner's,
+every bad input answered 4xx in OpenAI's error shape naming the field (the image and mask checks are the validator's,
 :mod:`bcg_core.edits`), the body bound (413 before the upload is read whole), ``image_edit.*`` events,
 ``bcg.edits`` of ``GET /v1/models`` and ``/v1/images/variations`` naming the edits endpoint. Served for real:
 ``tests/serve/test_openai_client.py::test_openai_client_edits_an_image``."""
@@ -393,7 +393,7 @@ def test_the_image_is_read_by_its_header_before_any_decoding(ingress, monkeypatc
 
 def test_a_family_without_edits_refuses_the_image_naming_those_that_edit():
     ingress = _ingress()
-    ingress._planner.spec = dataclasses.replace(ingress._planner.spec, edit_pipelines=None, default_strength=None)
+    ingress._validator.spec = dataclasses.replace(ingress._validator.spec, edit_pipelines=None, default_strength=None)
     got, err = _edit(ingress, image=_png())
     assert (got, err["param"]) == (422, "image") and "edits are served for FLUX.1" in err["message"]
 
@@ -529,11 +529,11 @@ def test_the_model_card_says_which_edits_are_served(ingress):
     assert edits["pipelines"] == {"image-to-image": "FluxImg2ImgPipeline", "inpainting": "FluxInpaintPipeline"}
     assert edits["defaults"]["inpainting"] == {"num_inference_steps": 4, "guidance_scale": 3.5, "strength": 0.6}
     assert edits["max_input_pixels"] == 4096 * 4096 and edits["max_upload_bytes"] == 64 * 2**20
-    spec = ingress._planner.spec
+    spec = ingress._validator.spec
     from deployments.uploads import edits_card
 
     assert edits_card(dataclasses.replace(spec, edit_pipelines=None), ingress._config.limits) is None
-    # SD3's edit pipelines default to 50 steps: the card says what the planner gives, capped at max_steps
+    # SD3's edit pipelines default to 50 steps: the card says what the validator gives, capped at max_steps
     sd3 = dataclasses.replace(spec, edit_pipelines=("StableDiffusion3Img2ImgPipeline",
                                                     "StableDiffusion3InpaintPipeline"), default_strength=None)
     limits = ingress._config.limits.model_copy(update={"max_steps": 30})

@@ -126,7 +126,7 @@ def test_the_openapi_body_schema_has_the_entries_inline():
 def test_the_python_handle_takes_the_http_entries_too():
     r = as_generation_request({"prompt": "x", "lora": [{"name": "a", "scale": 0.5}, {"name": "b"}, ("c", 2.0)]})
     assert r.lora == (("a", 0.5), ("b", 1.0), ("c", 2.0))
-    assert as_generation_request({"prompt": "x", "lora": [("a", 0.5)]}).lora == [("a", 0.5)]  # the planner's to check
+    assert as_generation_request({"prompt": "x", "lora": [("a", 0.5)]}).lora == [("a", 0.5)]  # the validator's to check
 
 
 # -- the ingress: planning, the check against lora.dir, the model card ------------------------------------------
@@ -149,7 +149,7 @@ def test_a_request_with_adapters_is_planned_and_sent_with_them(tmp_path):
     assert [a.model_dump() for a in bcg_info(result, {}, 0, plan).lora] == said
 
 
-def test_the_planner_refuses_adapters_where_none_are_served():
+def test_the_validator_refuses_adapters_where_none_are_served():
     dit = FakeDiT()
     status, err = _error(_post(_ingress(dit), {"lora": [{"name": "style"}]}))
     assert status == 422 and err["param"] == "lora" and not dit.sent

@@ -29,14 +29,14 @@ def covered(table: OwnershipTable) -> set[str]:
 
 
 def test_demands_from_config_cover_every_shape_with_krea_shares(demands):
-    from bcg_core.planner import Planner
+    from bcg_core.validation import RequestValidator
 
-    assert set(demands) == {k.shape for k in Planner.from_config(EngineConfig()).table.keys}
+    assert set(demands) == {k.shape for k in RequestValidator.from_config(EngineConfig()).table.keys}
     assert sum(d.share for d in demands.values()) == pytest.approx(1.0)
     # 512x512 is about half of the krea requests (docs/DESIGN.md section 8) but a third of the work: shares are
     # weighted by padded tokens, so a 1024x1024 request counts ~4x
-    planner = Planner.from_config(EngineConfig())
-    by_requests = shape_shares(expected_load(planner, krea_rows(), by="requests").shares)
+    validator = RequestValidator.from_config(EngineConfig())
+    by_requests = shape_shares(expected_load(validator, krea_rows(), by="requests").shares)
     assert by_requests["i1024_t256"] == pytest.approx(0.49, abs=0.03)
     assert demands["i1024_t256"].share == pytest.approx(0.34, abs=0.03)
     assert demands["i4096_m_t256"].share > 2 * by_requests["i4096_m_t256"]

@@ -13,7 +13,7 @@ import pytest
 from pydantic import ValidationError
 from starlette.requests import Request
 
-from bcg_core import BucketConfig, GenerationRequest, Planner, RequestError, ShapeRules
+from bcg_core import BucketConfig, GenerationRequest, RequestValidator, RequestError, ShapeRules
 from bcg_core.config import EngineConfig
 from deployments.http_errors import validation_error_response
 from deployments.ingress import app
@@ -25,10 +25,10 @@ RULES = ShapeRules(pixels_per_token=16, grid_keyed=False, native_text_tokens=32)
 KEY = "sk-edits-5d1e7a90c3b2"
 
 
-def _planner() -> Planner:
+def _validator() -> RequestValidator:
     cfg = EngineConfig(buckets=BucketConfig(batch_sizes=[1, 2], resolutions=["256x256", "512x512"],
                                            text_lengths=[32]))
-    return Planner(cfg, RULES, count_tokens=lambda s, negative=False: 3)
+    return RequestValidator(cfg, RULES, count_tokens=lambda s, negative=False: 3)
 
 
 def _ingress(dit=None, config: dict | None = None):
@@ -45,7 +45,7 @@ def _error(answer) -> tuple[int, dict]:
 
 
 @pytest.mark.parametrize("body", [{"size": "auto"}, {}, {"size": None}])
-def test_size_auto_omitted_and_null_leave_the_size_to_the_planner(body):
+def test_size_auto_omitted_and_null_leave_the_size_to_the_validator(body):
     req = ImageGenerationRequest.model_validate({"prompt": "x", **body})
     assert req.size == "auto" and req.width_height() == (None, None)
 
@@ -60,14 +60,14 @@ def test_other_words_are_still_refused_naming_auto_and_wxh(size):
             "width and height from 256 to 2048") in err["message"]
 
 
-def test_size_auto_is_planned_and_checked_by_the_planner_at_the_models_default_size():
+def test_size_auto_is_planned_and_checked_by_the_validator_at_the_models_default_size():
     dit = FakeDiT()
     answer = asyncio.run(_ingress(dit).generate(_http({"prompt": "x", "size": "auto", "num_inference_steps": 1})))
     (_, plan), = dit.sent
     assert (plan.request.width, plan.request.height) == (512, 512) and answer.size == "512x512"  # the tiny default's
     assert plan.lookup.key.image_tokens == 1024  # the 512x512 bucket: planned like any size
 
-    # the planner checks the default size like any other: a server whose sides stop at 256 refuses it, saying why
+    # the validator checks the default size like any other: a server whose sides stop at 256 refuses it, saying why
     small = _ingress(FakeDiT(), {"buckets": {"batch_sizes": [1], "resolutions": ["256x256"]},
                                  "limits": {"min_side_px": 256, "max_side_px": 256}})
     status, err = _error(asyncio.run(small.generate(_http({"prompt": "x", "size": "auto"}))))
@@ -84,15 +84,15 @@ def test_size_auto_is_planned_and_checked_by_the_planner_at_the_models_default_s
 @pytest.mark.parametrize("alias,served", [("standard", "medium"), ("hd", "high")])
 def test_quality_aliases_are_planned_as_medium_and_high(alias, served):
     assert ImageGenerationRequest.model_validate({"prompt": "x", "quality": alias}).quality == alias
-    planner = _planner()
-    plan = planner.plan(GenerationRequest("a cat", quality=alias))
-    same = planner.plan(GenerationRequest("a cat", quality=served))
-    assert plan.request.quality == served  # a planned request holds a served value
+    validator = _validator()
+    plan = validator.validate(GenerationRequest("a cat", quality=alias))
+    same = validator.validate(GenerationRequest("a cat", quality=served))
+    assert plan.request.quality == served  # a validated request holds a served value
     assert plan.request.num_inference_steps == same.request.num_inference_steps == {"medium": 4, "high": 8}[served]
     # the config's quality section sets them too (standard follows medium)
     cfg = EngineConfig(buckets=BucketConfig(batch_sizes=[1], resolutions=["256x256"], text_lengths=[32]),
                        quality={served: 7})
-    planned = Planner(cfg, RULES, count_tokens=lambda s, negative=False: 3).plan(
+    planned = RequestValidator(cfg, RULES, count_tokens=lambda s, negative=False: 3).validate(
         GenerationRequest("a cat", width=256, height=256, quality=alias))
     assert planned.request.num_inference_steps == 7
 
@@ -115,7 +115,7 @@ def test_a_bad_quality_names_every_allowed_value_on_both_paths(quality):
     status, err = _error(validation_error_response(e.value, RequestLimits()))
     assert status == 422 and err["param"] == "quality" and ALLOWED_QUALITY in err["message"]
     with pytest.raises(RequestError) as e:
-        _planner().plan(GenerationRequest("a cat", quality=quality))
+        _validator().validate(GenerationRequest("a cat", quality=quality))
     assert e.value.field == "quality" and ALLOWED_QUALITY in e.value.message
 
 

@@ -16,7 +16,7 @@ from bcg_core.keys import BucketKey
 
 from bcg_core.table import ShapeRules
 from bcg_core.config import EngineConfig
-from bcg_core.planner import Planner
+from bcg_core.validation import RequestValidator
 from router import (
     Assignment,
     BucketDemand,
@@ -38,14 +38,14 @@ def _bytes(key: BucketKey) -> int:
 
 
 @pytest.fixture(scope="module")
-def planner() -> Planner:
-    return Planner(EngineConfig(), ShapeRules(16, False, 256), count_tokens=lambda s, negative=False: 3)
+def validator() -> RequestValidator:
+    return RequestValidator(EngineConfig(), ShapeRules(16, False, 256), count_tokens=lambda s, negative=False: 3)
 
 
 @pytest.fixture(scope="module")
-def demands(planner):
-    est = expected_load(planner, krea_rows())
-    return bucket_demands(est.shares, planner.table.keys, _bytes)
+def demands(validator):
+    est = expected_load(validator, krea_rows())
+    return bucket_demands(est.shares, validator.table.keys, _bytes)
 
 
 def _reps(n: int, budget: int = BUDGET, prefix: str = "r") -> list[ReplicaCapacity]:
@@ -66,8 +66,8 @@ def _check_consistent(a: Assignment):
 # ---------------------------------------------------------------------------------------------- load
 
 
-def test_expected_load_on_krea(planner):
-    est = expected_load(planner, krea_rows())
+def test_expected_load_on_krea(validator):
+    est = expected_load(validator, krea_rows())
     assert est.rows == 998 and est.skipped == 0
     assert sum(est.shares.values()) == pytest.approx(1.0)
     top = max(est.shares, key=est.shares.get)
@@ -76,7 +76,7 @@ def test_expected_load_on_krea(planner):
     assert est.shares[BucketKey(18, 1024, 256)] == pytest.approx(0.1826, abs=1e-3)  # 512x512 x9
 
 
-def test_expected_load_skips_and_weights(planner):
+def test_expected_load_skips_and_weights(validator):
     rows = [
         {"width": "512", "height": "512", "num_generations": ""},  # 1 request for 1 image
         {"width": "512", "height": "512", "num_generations": "9.0"},  # 1/9 of a request each
@@ -86,7 +86,7 @@ def test_expected_load_skips_and_weights(planner):
         {"width": "2048", "height": "2048", "num_generations": "1"},  # above every tier: a miss
         {"width": "512", "height": "512", "num_generations": "2.5"},  # not an integer
     ]
-    est = expected_load(planner, rows)
+    est = expected_load(validator, rows)
     assert (est.rows, est.skipped) == (7, 4)
     assert dict(est.shares) == pytest.approx({BucketKey(2, 1024, 256): 1 / (1 + 2 / 9),
                                               BucketKey(18, 1024, 256): (2 / 9) / (1 + 2 / 9)})

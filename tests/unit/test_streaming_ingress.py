@@ -89,7 +89,7 @@ def test_a_failure_mid_stream_is_one_error_event_the_official_client_raises():
     dit = _FailingStreamDit()
     ingress = _ingress(dit)
     req = ImageGenerationRequest(prompt="x", size="256x256", stream=True, partial_images=1)
-    plan = ingress._planner.plan(GenerationRequest("x", width=256, height=256, partial_images=1))
+    plan = ingress._validator.validate(GenerationRequest("x", width=256, height=256, partial_images=1))
 
     async def body() -> bytes:
         from deployments.routing import stream_dit

@@ -11,7 +11,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 from test_prometheus import FakeBackend
 
-from bcg_core import GenerationRequest, PlannedRequest, Planner, TrafficHistogram, load_traffic
+from bcg_core import GenerationRequest, ValidatedRequest, RequestValidator, TrafficHistogram, load_traffic
 
 from bcg_core.config import EngineConfig
 from bcg_core.table import BucketLookup
@@ -22,12 +22,12 @@ from deployments.ingress import merged_traffic
 from deployments.metrics import METRICS, BucketExporter
 
 
-def _plan(width=256, height=256, n=1, tokens=7, steps=1, cfg=False) -> PlannedRequest:
+def _plan(width=256, height=256, n=1, tokens=7, steps=1, cfg=False) -> ValidatedRequest:
     """A plan of the given shape, built by hand (the histogram reads only the request and the query rows)."""
     request = GenerationRequest("p", n=n, width=width, height=height, num_inference_steps=steps,
                                 guidance_scale=2.0 if cfg else 0.0, seed=0)
     query = ShapeQuery(n * (2 if cfg else 1), (width // 16) * (height // 16), 256)
-    return PlannedRequest(request, BucketLookup(query, None), tokens, (height // 16, width // 16), None)
+    return ValidatedRequest(request, BucketLookup(query, None), tokens, (height // 16, width // 16), None)
 
 
 def _shapes(snap: dict) -> dict[tuple, int]:
@@ -51,17 +51,17 @@ def test_requests_are_counted_by_size_n_prompt_tokens_and_steps():
     json.dumps(snap)  # JSON-safe
 
 
-def test_the_planner_count_is_recorded_not_the_padded_text_length():
+def test_the_validator_count_is_recorded_not_the_padded_text_length():
     cfg = EngineConfig.model_validate({"buckets": {"batch_sizes": [1, 2, 4], "resolutions": ["256x256"],
                                                   "text_lengths": [256]}})
-    planner = Planner.from_config(cfg)
-    plan = planner.plan(GenerationRequest("a lighthouse at dusk", n=2, width=256, height=256, num_inference_steps=1,
+    validator = RequestValidator.from_config(cfg)
+    plan = validator.validate(GenerationRequest("a lighthouse at dusk", n=2, width=256, height=256, num_inference_steps=1,
                                           guidance_scale=2.0))
     assert plan.lookup.query.text_tokens == 256  # the tiny model's fixed native text length
     h = TrafficHistogram()
     h.record(plan)
     (entry,) = h.snapshot()["shapes"]
-    assert entry["text_tokens"] == planner.count_tokens("a lighthouse at dusk") == plan.prompt_tokens < 256
+    assert entry["text_tokens"] == validator.count_tokens("a lighthouse at dusk") == plan.prompt_tokens < 256
     assert (entry["n"], entry["steps"], entry["cfg_count"]) == (2, 1, 1)  # guidance 2.0: uncond rows
 
 

@@ -1,7 +1,7 @@
-"""Planned once: the ingress plans a request, its PlannedRequest travels to the DiT replica, and the replica trusts it.
+"""Planned once: the ingress plans a request, its ValidatedRequest travels to the DiT replica, and the replica trusts it.
 
 No Ray cluster: the DiT replica and the ingress classes are built outside Serve, the DiT handle is a fake, and
-``Planner.plan`` is wrapped to count who plans what.
+``RequestValidator.validate`` is wrapped to count who plans what.
 """
 
 from __future__ import annotations
@@ -13,13 +13,13 @@ import pickle
 
 import pytest
 
-from bcg_core import BucketConfig, GenerationRequest, PlannedRequest, Planner
+from bcg_core import BucketConfig, GenerationRequest, ValidatedRequest, RequestValidator
 
 from deployments.settings import ServeConfig
 from deployments.dit import DiTReplica
 from deployments.routing import ReplicaUnavailable, call_dit
 from ingress_fakes import FakeDiT, bare_ingress, http_request as _http
-from plan_counting import PlanCounter
+from validation_counting import ValidationCounter
 
 CONFIG = ServeConfig(buckets=BucketConfig(batch_sizes=[1, 2], resolutions=["256x256"]))
 BODY = {"prompt": "a lighthouse at dusk", "n": 1, "size": "256x256", "num_inference_steps": 1,
@@ -38,16 +38,16 @@ async def _make_replica(config: dict):
 
 
 def test_the_replica_trusts_a_planned_request_and_refuses_a_raw_one(monkeypatch):
-    ingress_planner = Planner.from_config(CONFIG)
-    plan = ingress_planner.plan(GenerationRequest("a red cube", width=256, height=256, num_inference_steps=1,
+    ingress_validator = RequestValidator.from_config(CONFIG)
+    plan = ingress_validator.validate(GenerationRequest("a red cube", width=256, height=256, num_inference_steps=1,
                                                   guidance_scale=0.0))  # seed drawn by the ingress
-    counter = PlanCounter(monkeypatch)
+    counter = ValidationCounter(monkeypatch)
 
     async def serve_both():
         replica = await _make_replica(CONFIG.model_dump(mode="json"))
         planned = await replica.generate(pickle.loads(pickle.dumps(plan)))  # as it arrives through Ray
         assert counter.calls == []  # neither the scheduler nor the pipeline planned it
-        with pytest.raises(TypeError, match="PlannedRequest"):  # validated once, at the ingress
+        with pytest.raises(TypeError, match="ValidatedRequest"):  # validated once, at the ingress
             await replica.generate({"prompt": "a red cube", "width": 256, "height": 256,
                                     "num_inference_steps": 1, "guidance_scale": 0.0, "seed": plan.request.seed})
         return planned
@@ -60,12 +60,12 @@ def test_the_replica_trusts_a_planned_request_and_refuses_a_raw_one(monkeypatch)
 def test_the_ingress_plans_once_sends_the_plan_and_names_the_model_from_its_spec(monkeypatch):
     dit = FakeDiT()
     ingress = _ingress(dit)  # FakeDiT.stats raises: the model name must not come from a replica
-    counter = PlanCounter(monkeypatch)
+    counter = ValidationCounter(monkeypatch)
     answer = asyncio.run(ingress.generate(_http({**BODY, "model": "bcg-tiny-flux"})))
     assert answer.bcg.bucket == "b1_i256_t256" and answer.bcg.retries == 0
     assert len(counter.calls) == 1
     (shape, sent), = dit.sent
-    assert isinstance(sent, PlannedRequest) and shape == "i256_t256" == sent.lookup.key.shape
+    assert isinstance(sent, ValidatedRequest) and shape == "i256_t256" == sent.lookup.key.shape
     assert sent.request.seed is not None and answer.bcg.seed == sent.request.seed  # drawn by the ingress
     wrong = asyncio.run(ingress.generate(_http({**BODY, "model": "dall-e-3"})))
     assert wrong.status_code == 422 and json.loads(wrong.body)["error"]["param"] == "model"
@@ -80,12 +80,12 @@ def test_the_python_handle_path_sends_the_plan_too():
     request = {"prompt": "a red cube", "width": 256, "height": 256, "seed": 5}
     result = asyncio.run(_ingress(dit).images(request))
     (_, sent), = dit.sent
-    assert isinstance(sent, PlannedRequest) and sent.request.seed == 5 and result.seed == 5
+    assert isinstance(sent, ValidatedRequest) and sent.request.seed == 5 and result.seed == 5
 
 
 def test_a_resend_after_replica_death_carries_the_same_plan_and_seed():
-    planner = Planner.from_config(CONFIG)
-    plan = planner.plan(GenerationRequest("a red cube", width=256, height=256))  # seed drawn here, once
+    validator = RequestValidator.from_config(CONFIG)
+    plan = validator.validate(GenerationRequest("a red cube", width=256, height=256))  # seed drawn here, once
     dit = FakeDiT(fail=2)
     routed = asyncio.run(call_dit(dit, plan, max_retries=2, retry_wait_s=0.0))
     assert routed.retries == 2 and routed.result.seed == plan.request.seed
@@ -96,6 +96,6 @@ def test_a_resend_after_replica_death_carries_the_same_plan_and_seed():
 
 
 def test_a_plan_survives_pickling_unchanged():
-    plan = Planner.from_config(CONFIG).plan(GenerationRequest("a red cube", n=2, width=256, height=256))
+    plan = RequestValidator.from_config(CONFIG).validate(GenerationRequest("a red cube", n=2, width=256, height=256))
     again = pickle.loads(pickle.dumps(plan))
     assert again == plan and dataclasses.asdict(again) == dataclasses.asdict(plan)

@@ -1,9 +1,9 @@
-"""The one validation path: a :class:`~bcg_core.request.GenerationRequest` in, a planned request out.
+"""The one validation path: a :class:`~bcg_core.request.GenerationRequest` in, a validated request out.
 
-:meth:`Planner.plan` checks every field against the limits and the model (prompt tokens as the family encodes
+:meth:`RequestValidator.validate` checks every field against the limits and the model (prompt tokens as the family encodes
 them, the family's rules, resolution bins, the bucket table) and fills in the defaults; every limit message
-comes from here. The ingress plans each request once (tokenizer only, no weights), and everything below it
-(replica, step scheduler, pipeline) accepts only the :class:`~bcg_core.request.PlannedRequest` and trusts it.
+comes from here. The ingress validates each request once (tokenizer only, no weights), and everything below it
+(replica, step scheduler, pipeline) accepts only the :class:`~bcg_core.request.ValidatedRequest` and trusts it.
 docs/DESIGN.md section 2 says how a shape rounds up to its bucket.
 """
 
@@ -16,14 +16,14 @@ from typing import Callable
 
 from bcg_core.keys import Dim, ShapeQuery
 from bcg_core.request import (
-    MAX_PARTIAL_IMAGES, QUALITIES, QUALITY_ALIASES, SEED_MAX, GenerationRequest, PlannedRequest, steps_run,
+    MAX_PARTIAL_IMAGES, QUALITIES, QUALITY_ALIASES, SEED_MAX, GenerationRequest, ValidatedRequest, steps_run,
 )
 from bcg_core.table import BucketLookup, BucketTable, ShapeRules
 from bcg_core.config import EngineConfig, LimitsConfig, LoRAConfig, MissPolicy
 from bcg_core.errors import BucketMissError, RequestError, shown
 from bcg_core.families.base import ModelSpec
 
-__all__ = ["Planner", "engine_field_phrase", "invalid"]
+__all__ = ["RequestValidator", "engine_field_phrase", "invalid"]
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +34,7 @@ def _is_int(v) -> bool:
 
 def engine_field_phrase(name: str, limits: LimitsConfig, size_multiple: int | None = 16,
                         resolutions: tuple[str, ...] = (), lora: LoRAConfig | None = None) -> str | None:
-    """What request field ``name`` accepts under ``limits``: the one wording of every limit message (the planner's
+    """What request field ``name`` accepts under ``limits``: the one wording of every limit message (the validator's
     errors and the HTTP schema's type errors both use it). None for a field the engine does not validate.
 
     Args:
@@ -99,7 +99,7 @@ def invalid(name: str, got: object, reason: str, allowed: str | None) -> str:
     return f"invalid '{name}' (got {shown(got)}): {reason}" + (f"; allowed: {allowed}" if allowed else "")
 
 
-class Planner:
+class RequestValidator:
     """Validates requests and maps them to buckets.
 
     Args:
@@ -163,8 +163,8 @@ class Planner:
         return d
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> "Planner":
-        """A planner that loads only the model's tokenizer and JSON configs (cheap; for the ingress)."""
+    def from_config(cls, config: EngineConfig) -> "RequestValidator":
+        """A validator that loads only the model's tokenizer and JSON configs (cheap; for the ingress)."""
         from bcg_core.models import describe_model, load_tokenizer_counter
 
         return cls(config, describe_model(config.model), load_tokenizer_counter(config.model))
@@ -184,7 +184,7 @@ class Planner:
         cut = self.spec.max_text_tokens
         return max(cut, self.table.text_lengths[-1]) if cut is not None else self.table.text_lengths[-1]
 
-    def plan(self, request: GenerationRequest) -> PlannedRequest:
+    def validate(self, request: GenerationRequest) -> ValidatedRequest:
         """Validate every field of ``request``, fill defaults, and look its shape up in the table.
 
         Raises:
@@ -281,7 +281,7 @@ class Planner:
         if home is None and self.table.miss_policy is MissPolicy.REJECT:
             raise self._miss_error(filled, lookup)
         grid = self.rules.grid(*self.spec.generation_size(filled.width, filled.height))
-        return PlannedRequest(filled, lookup, tokens, grid, None if home is None else home.shape)
+        return ValidatedRequest(filled, lookup, tokens, grid, None if home is None else home.shape)
 
     def _bad(self, name: str, got: object, reason: str) -> RequestError:
         """The error of a refused field, in the one wording of limit messages (:func:`invalid`,

@@ -2,17 +2,17 @@
 
 import pytest
 
-from bcg_core import BucketConfig, Dim, GenerationRequest, MissPolicy, Planner, RequestError, ShapeRules
+from bcg_core import BucketConfig, Dim, GenerationRequest, MissPolicy, RequestValidator, RequestError, ShapeRules
 
 from bcg_core.config import EngineConfig
 
 RULES = ShapeRules(pixels_per_token=16, grid_keyed=False, native_text_tokens=32)
 
 
-def _planner(policy=MissPolicy.EAGER) -> Planner:
+def _validator(policy=MissPolicy.EAGER) -> RequestValidator:
     cfg = EngineConfig(buckets=BucketConfig(batch_sizes=[1, 2, 4, 8], resolutions=["256x256", "512x512"],
                                            text_lengths=[32], miss_policy=policy))
-    return Planner(cfg, RULES, count_tokens=lambda s, negative=False: len(s.split()) + 2)
+    return RequestValidator(cfg, RULES, count_tokens=lambda s, negative=False: len(s.split()) + 2)
 
 
 @pytest.mark.parametrize(
@@ -44,17 +44,17 @@ def _planner(policy=MissPolicy.EAGER) -> Planner:
 def test_bad_fields_are_named_with_allowed_values(kw, field, needle):
     req = GenerationRequest(**{"prompt": "a cat", **kw})
     with pytest.raises(RequestError) as e:
-        _planner().plan(req)
+        _validator().validate(req)
     assert e.value.field == field and needle in e.value.message and e.value.status == 422
 
 
 def test_defaults_are_filled_and_cfg_doubles_the_rows():
-    p = _planner().plan(GenerationRequest("a cat", n=3))
+    p = _validator().validate(GenerationRequest("a cat", n=3))
     r = p.request
     assert r.num_inference_steps == 4 and r.guidance_scale == 3.5 and r.negative_prompt is None and r.seed is not None
     assert p.lookup.query.batch == 6 and p.lookup.key.batch == 8
     assert p.lookup.query.text_tokens == 32  # fixed-length text: always the native length
-    q = _planner().plan(GenerationRequest("a cat", n=3, guidance_scale=1.0))
+    q = _validator().validate(GenerationRequest("a cat", n=3, guidance_scale=1.0))
     assert q.lookup.query.batch == 3 and q.lookup.key.batch == 4
 
 
@@ -70,15 +70,15 @@ def test_unset_defaults_are_the_familys_and_set_ones_win():
     count = lambda s, negative=False: 3  # noqa: E731
 
     def filled(spec, **limits):
-        planner = Planner(EngineConfig(buckets=buckets, limits=limits), spec, count)
-        return planner, planner.plan(GenerationRequest("a cat", seed=0)).request
+        validator = RequestValidator(EngineConfig(buckets=buckets, limits=limits), spec, count)
+        return validator, validator.validate(GenerationRequest("a cat", seed=0)).request
 
-    planner, r = filled(sd3_like)
+    validator, r = filled(sd3_like)
     assert (r.num_inference_steps, r.guidance_scale) == (28, 7.0)
-    assert planner.defaults == {"num_inference_steps": 28, "guidance_scale": 7.0}
-    planner, r = filled(qwen_like)
+    assert validator.defaults == {"num_inference_steps": 28, "guidance_scale": 7.0}
+    validator, r = filled(qwen_like)
     assert (r.num_inference_steps, r.guidance_scale) == (50, None)  # QwenImagePipeline's guidance_scale=None
-    assert planner.defaults == {"num_inference_steps": 50, "guidance_scale": None, "true_cfg_scale": 4.0}
+    assert validator.defaults == {"num_inference_steps": 50, "guidance_scale": None, "true_cfg_scale": 4.0}
     assert filled(sd3_like, default_steps=6, default_guidance_scale=1.0)[1].num_inference_steps == 6
     assert filled(sd3_like, default_steps=6, default_guidance_scale=1.0)[1].guidance_scale == 1.0
     _, r = filled(sd3_like, max_steps=20, max_guidance_scale=5.0)  # the family's above the limits: clipped
@@ -86,23 +86,23 @@ def test_unset_defaults_are_the_familys_and_set_ones_win():
 
 
 def test_eager_policy_returns_a_counted_miss_and_reject_policy_an_error_naming_the_field():
-    miss = _planner().plan(GenerationRequest("a cat", width=768, height=768))
+    miss = _validator().validate(GenerationRequest("a cat", width=768, height=768))
     assert not miss.lookup.hit and miss.lookup.missed == (Dim.IMAGE,) and miss.shape is None
     with pytest.raises(RequestError) as e:
-        _planner(MissPolicy.REJECT).plan(GenerationRequest("a cat", width=768, height=768))
+        _validator(MissPolicy.REJECT).validate(GenerationRequest("a cat", width=768, height=768))
     assert e.value.field == "size" and "256x256, 512x512" in e.value.message
-    split = _planner(MissPolicy.REJECT).plan(GenerationRequest("a cat", n=5))  # 10 rows: split, never refused
+    split = _validator(MissPolicy.REJECT).validate(GenerationRequest("a cat", n=5))  # 10 rows: split, never refused
     assert not split.lookup.hit and split.lookup.missed == (Dim.BATCH,) and split.shape == "i1024_t32"
 
 
 def test_sizes_between_tiers_round_up():
-    p = _planner().plan(GenerationRequest("a cat", width=512, height=320))
+    p = _validator().validate(GenerationRequest("a cat", width=512, height=320))
     assert p.lookup.query.image_tokens == 32 * 20 and p.lookup.key.image_tokens == 1024
 
 
 def test_a_miss_in_several_dimensions_names_them_all():
     with pytest.raises(RequestError) as e:
-        _planner(MissPolicy.REJECT).plan(GenerationRequest("a cat", n=5, width=768, height=768))
+        _validator(MissPolicy.REJECT).validate(GenerationRequest("a cat", n=5, width=768, height=768))
     assert e.value.field == "size" and "fits no resolution bucket" in e.value.message and "n=" not in e.value.message
     assert e.value.missed == ("image_tokens",)  # the rows of n=5 would be split: the batch never misses
 
@@ -111,5 +111,5 @@ def test_exact_padding_miss_explains_the_exact_rule():
     cfg = EngineConfig(buckets=BucketConfig(batch_sizes=[1, 2], resolutions=["256x256", "512x512"], text_lengths=[32],
                                            miss_policy="reject", image_padding="exact"))
     with pytest.raises(RequestError) as e:
-        Planner(cfg, RULES, count_tokens=lambda s, negative=False: 3).plan(GenerationRequest("a", width=384, height=512))
+        RequestValidator(cfg, RULES, count_tokens=lambda s, negative=False: 3).validate(GenerationRequest("a", width=384, height=512))
     assert "exactly a tier's number of image tokens" in e.value.message
