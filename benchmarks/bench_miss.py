@@ -24,7 +24,7 @@ transformer configs, bf16, with the random-weight stand-in text encoders of test
 3. For each miss size (``--sizes``; default 512x512 and 1024x1024 on CUDA, 384x256 on a CPU; sizes generated
    at the same size, as PixArt-Sigma's aspect-ratio bins make 512x512 and 1024x1024, are run once), a request
    of ``--rows`` rows (default 18: ``--rows / 2`` images with classifier-free guidance, ``guidance_scale`` 4.5,
-   or for FLUX-family models ``true_cfg_scale`` 4.0 with an empty negative prompt), planned by the pipeline's
+   or for FLUX-family models ``true_cfg_scale`` 4.0 with an empty negative prompt), validated by the pipeline's
    validator (the run stops if it hits the bucket) and started with ``pipe.start(plan)``, at ``--warmup +
    --iters`` denoising steps. Then, after ``--warmup`` untimed calls of each (default 2 on CUDA, 1 on a CPU),
    ``--iters`` times (default 10 on CUDA, 3 on a CPU) alternately:

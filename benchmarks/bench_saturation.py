@@ -28,7 +28,7 @@ on 127.0.0.1) and stopped with ``deployments.cli.local.stop_local`` before the n
   (the runner serialises forwards). ``--naive-max-ongoing 1`` serves them strictly one at a time instead.
 - ``planned`` (only when asked for in ``--servers``): the step scheduler on the table ``bcg plan`` chooses for the
   same model and limits from the packaged krea sample at ``--steps`` steps, at most ``--plan-max-graphs`` graphs
-  (:func:`planned_buckets`; ``--plan-costs measure``: on costs the validator measures on this GPU itself, ``bcg plan
+  (:func:`planned_buckets`; ``--plan-costs measure``: on costs the planner measures on this GPU itself, ``bcg plan
   --measure``). Each server's entry records its table's graphs, capture seconds and pool MiB.
 - ``step``: bcg-serve as configured, the step scheduler on the default table (``bcg_core/scheduler/step_scheduler.py``).
   If ``GET /v1/buckets`` then has no top-level ``scheduler`` section, the replica did not report a step
@@ -520,7 +520,7 @@ def planned_buckets(base: dict, steps: int, max_graphs: int, measure: bool = Fal
     ``steps`` steps with at most ``max_graphs`` graphs (``bcg_core/planning/table_search.py``): ``source`` as
     ``bcg plan --traffic`` takes it (``deployments.cli.plan_command.load_plan_traffic``: ``krea``, the packaged krea
     sample; ``gentd26`` or ``gentd26:PATH``, a GenTD26 trace joined with krea's sizes, for ``--mix gentd26``);
-    with ``measure`` on costs the validator measures on this GPU (``bcg plan --measure``), else on the token-count
+    with ``measure`` on costs the planner measures on this GPU (``bcg plan --measure``), else on the token-count
     model. The plan's cost source is in ``buckets.plan.costs``."""
     from bcg_core.planning.table_search import search_table
     from deployments.settings import ServeConfig

@@ -28,7 +28,7 @@ PYTHONPATH=$HOME/site:$PWD``::
     python benchmarks/bench_warm_start.py --model flux-dev --scratch /dev/shm --commit <sha> --out warm.json
 
 CPU smoke: ``--device cpu --tiny --max-graphs 2`` (tiny config, fp32, inductor's C++ backend, a fixed table of
-batches 1 and 2 at 256x256 instead of the validator's).
+batches 1 and 2 at 256x256 instead of the planner's).
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ def write_config(folder: Path, scratch: Path, args) -> Path:
 
     dtype = "float32" if args.tiny else "bfloat16"
     base = {"model": {"path": str(folder), "device": args.device, "dtype": dtype}}
-    # the CPU smoke checks the mechanics on a small table: the validator's krea sizes are 512² and up, which the tiny
+    # the CPU smoke checks the mechanics on a small table: the planner's krea sizes are 512² and up, which the tiny
     # model's VAE (4x) turns into 16k-token attention, tens of GB on a CPU
     buckets = ({"batch_sizes": [1, 2][:args.max_graphs], "resolutions": ["256x256"], "text_lengths": [512]}
                if args.tiny else planned_buckets(base, args.steps, args.max_graphs))

@@ -7,7 +7,7 @@ Two evaluations per model, each against the model's default table (``bcg_core.co
   lengths; the packaged 2024-12-06 burst, or ``--trace`` for the full trace) joined in order with krea sizes.
 
 Reported per evaluation and table: graphs, expected GPU ms per image, padded-token waste, share of requests
-no bucket holds (planned eager misses), from the validator's cost model (``--costs``: the token-count model of
+no bucket holds (planned eager misses), from the planner's cost model (``--costs``: the token-count model of
 a graph-replaying replica unless a ``bcg profile --json`` file is given). Models (``--models``):
 
 - ``tiny``: the embedded default (FLUX layout: token-count keyed, unmasked 256-token text);

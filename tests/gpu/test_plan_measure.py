@@ -1,4 +1,4 @@
-"""``bcg plan --measure`` on CUDA: the validator profiles the sample's buckets itself and plans with the fitted costs.
+"""``bcg plan --measure`` on CUDA: the planner profiles the sample's buckets itself and plans with the fitted costs.
 
 The model is the tests/tiny FLUX checkpoint (the embedded default's text encoder package is not on the GPU
 machine's path)."""

@@ -72,7 +72,7 @@ def test_a_budget_of_one_graph_picks_the_best_single_bucket():
 
 def test_the_planned_table_beats_a_coarse_batch_bucket():
     """3-image requests against a 16-row bucket: padding 13 rows costs more than an unpadded eager forward, so
-    that table serves them eager (no waste, no graph); the validator gives them a bucket that holds 3 rows."""
+    that table serves them eager (no waste, no graph); the planner gives them a bucket that holds 3 rows."""
     traffic = traffic_from_rows(EXACT, _rows((512, 512, 3, 10)))
     costs = PlanCosts.token_count(EXACT)
     coarse = evaluate(_table(EXACT, [16], ["512x512"], [256]), traffic, costs)
