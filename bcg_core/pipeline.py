@@ -290,7 +290,7 @@ class DiTPipeline:
             cancel: set by the caller to stop early; checked before every step and before the decode.
 
         Raises:
-            TypeError: ``plan`` is not a :class:`~bcg_core.request.ValidatedRequest` (plan a raw request first).
+            TypeError: ``plan`` is not a :class:`~bcg_core.request.ValidatedRequest` (validate a raw request first).
             RequestCancelled: ``cancel`` was set.
             ServiceUnavailable: its adapters did not load within ``lora.load_timeout_s``.
             NonFiniteOutput: its denoised latents hold NaN or inf (:func:`~bcg_core.errors.require_finite`).

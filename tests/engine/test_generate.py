@@ -64,15 +64,15 @@ def test_generate_is_the_family_hooks_bit_for_bit(pipe, guidance):
     assert pipe.metrics.counters(key).requests == 1
 
 
-def test_generate_and_the_scheduler_take_only_a_planned_request_and_trust_it(pipe, monkeypatch):
+def test_generate_and_the_scheduler_take_only_a_validated_request_and_trust_it(pipe, monkeypatch):
     plan = pipe.validator.validate(_req(seed=3))
     calls = []
     real = pipe.validator.validate
     monkeypatch.setattr(pipe.validator, "validate", lambda r: calls.append(r) or real(r))
     assert pipe.generate(plan).image_bytes == pipe.generate(pipe.validator.validate(_req(seed=3))).image_bytes
-    assert len(calls) == 1  # the caller's own planning only: a validated request is trusted, never planned again
-    with pytest.raises(TypeError, match=r"ValidatedRequest.*pipe\.validator\.plan\(request\)"):
-        pipe.generate(_req(seed=3))  # a raw request is refused, not planned on a second path
+    assert len(calls) == 1  # the caller's own validation only: a validated request is trusted, never validated again
+    with pytest.raises(TypeError, match=r"ValidatedRequest.*pipe\.validator\.validate\(request\)"):
+        pipe.generate(_req(seed=3))  # a raw request is refused, not validated on a second path
     assert len(calls) == 1
     with pytest.raises(RequestError) as info:
         pipe.validator.validate(_req(width=250))
