@@ -23,6 +23,7 @@ family's diffusers pipeline draws it; so the same request and seed give the same
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -377,7 +378,8 @@ class DiTPipeline:
     # -- introspection ------------------------------------------------------------------------------
 
     def stats(self) -> dict:
-        """Model, table, per-bucket counters and runner state, for ``GET /v1/buckets``."""
+        """Model, table, per-bucket counters and runner state (``capture``: the runner's
+        :class:`~bcg_core.runners.base.CaptureStats`), for ``GET /v1/buckets``."""
         snap = self.metrics.snapshot()
         state = {d["key"]: d for d in self.runner.describe()}
         for b in snap["buckets"]:
@@ -394,6 +396,7 @@ class DiTPipeline:
         snap["fused_step"] = self.fused.describe()
         snap["kernels"] = self._kernel_stats(self.runner.kernels, state)
         snap["lora"] = None if self.lora is None else self.lora.describe()
+        snap["capture"] = dataclasses.asdict(self.runner.stats)
         return snap
 
     def _kernel_stats(self, kernels: CompiledKernels | None, state: dict[str, dict]) -> dict:

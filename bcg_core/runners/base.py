@@ -157,6 +157,8 @@ class BucketRunner(Protocol):
     """It was built to serve :meth:`run_fused` (``runner.fused_step``)."""
     kernels: CompiledKernels | None
     """The compiled kernels of its padded forwards (``runner.kernels``), or None: eager kernels."""
+    stats: CaptureStats
+    """Its capture totals (``/v1/buckets`` ``capture``)."""
 
     def prepare(self, keys: Iterable[BucketKey] | None = None, defer_compiles: bool = False) -> None:
         """Make ``keys`` (every bucket when None) ready; idempotent. With compiled kernels and ``defer_compiles``, a
@@ -307,6 +309,10 @@ class CaptureStats:
     over_budget: int = 0
     lazy_captures: int = 0
     unprepared_forwards: int = 0
+    """CUDA graph runner: forwards of a bucket not captured yet (or not owned here), run unpadded and eager."""
+    lazy_prepares: int = 0
+    """Eager runner (CPU): buckets whose static buffers were allocated at their first forward (not prepared yet, or
+    not owned here)."""
     replay_errors: int = 0
     """Forwards whose replay raised at run time (not out of memory): the bucket was demoted to unpadded eager."""
     capture_s: float = 0.0

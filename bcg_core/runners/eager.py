@@ -22,7 +22,7 @@ from bcg_core.keys import BucketKey
 from bcg_core.metrics import BucketMetrics, ForwardMode
 from bcg_core.padding import DenoiseInputs, DiTAdapter
 from bcg_core.runners.base import (
-    BucketEntry, BucketFault, demote, eager_forward, entry_kernels, fill_fused, fused_buffers, is_out_of_memory,
+    BucketEntry, BucketFault, CaptureStats, demote, eager_forward, entry_kernels, fill_fused, fused_buffers, is_out_of_memory,
     padded_forward, static_forward,
 )
 from bcg_core.runners.kernels import CompileFailed, CompiledKernels, KernelTier
@@ -63,7 +63,8 @@ class EagerBucketRunner:
         """Buckets that asked for compiled kernels and run eager ones (their compile raised)."""
         self.keys = sorted(keys, key=lambda k: (-k.tokens, -k.batch, k.image_mask))  # largest first, as capture
         self._key_set = frozenset(self.keys)
-        self.lazy_prepares = 0
+        self.stats = CaptureStats()
+        """Its totals; only ``lazy_prepares`` counts here (nothing is captured)."""
         self.metrics = metrics
         self.device, self.dtype = device, dtype
         self.entries: dict[BucketKey, BucketEntry] = {}
@@ -161,7 +162,7 @@ class EagerBucketRunner:
                         raise KeyError(f"bucket {key} is not one of this runner's {len(self.keys)} buckets")
                     # Not owned here (routed to a non-owner after the fallback wait): allocate now, counted.
                     entry = self.entries[key] = self._entry(key)
-                    self.lazy_prepares += 1
+                    self.stats.lazy_prepares += 1
                 mode = ForwardMode.STATIC_EAGER
                 if not entry.buffers:  # demoted after a fault: unpadded
                     out, mode = eager_forward(self.adapter, inputs, self.device), ForwardMode.EAGER

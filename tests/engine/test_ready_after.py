@@ -37,6 +37,8 @@ def test_a_replica_past_ready_after_s_is_ready_with_its_largest_shape_and_serves
         try:
             before = await replica.generate(request)
             assert (await replica.record_routing_stats())["ready"] == [large]  # served before its shape was captured
+            # on the CPU its bucket's static buffers were allocated on the spot: /v1/buckets counts it
+            assert replica.stats()["capture"]["lazy_prepares"] >= 1
         finally:
             model.capture_lock.release()
         await model.capture_task
