@@ -103,7 +103,7 @@ from .schemas import (
 )
 from .memory import IdleTrimMiddleware, configure_ingress
 from .request_args import as_generation_request
-from .uploads import (BodyTooLarge, FormError, edit_fields, edits_card, form_not_json, read_body, read_form,
+from .uploads import (BodyTooLarge, FormError, edit_fields, edits_card, json_body_refusal, read_body, read_form,
                       upload_limit)
 
 __all__ = ["Ingress", "merged_traffic"]
@@ -379,8 +379,8 @@ class Ingress:
             body = await read_body(request, limits.limits.max_body_bytes)
         except BodyTooLarge as exc:
             return _too_large(exc, limits.limits.max_body_bytes, "limits.max_body_bytes")
-        if (why := form_not_json(request, body)) is not None:
-            return error_response(415, why)
+        if (refused := json_body_refusal(request, body)) is not None:  # a form body, a key sent twice
+            return error_response(refused[0], refused[1], param=refused[2])
         try:
             req = ImageGenerationRequest.model_validate_json(body, context={"limits": limits})
         except ValidationError as exc:

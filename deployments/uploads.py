@@ -28,8 +28,8 @@ from starlette.datastructures import FormData, UploadFile
 from starlette.formparsers import MultiPartException, MultiPartParser
 from starlette.requests import Request
 
-__all__ = ["BodyTooLarge", "FormError", "MULTIPART", "edit_fields", "edits_card", "form_not_json", "media_type",
-           "read_body", "read_form", "upload_limit"]
+__all__ = ["BodyTooLarge", "FormError", "MULTIPART", "edit_fields", "edits_card", "form_not_json", "json_body_refusal",
+           "media_type", "read_body", "read_form", "repeated_json_key", "upload_limit"]
 
 MULTIPART = "multipart/form-data"
 
@@ -125,6 +125,36 @@ def form_not_json(request: Request, body: bytes) -> str | None:
     if got == MULTIPART or (got == "application/x-www-form-urlencoded" and not body.lstrip().startswith(b"{")):
         return (f"POST {request.url.path} takes a JSON body, not {got}; an edit of an uploaded image is "
                 f"POST /v1/images/edits (multipart/form-data)")
+    return None
+
+
+def repeated_json_key(body: bytes) -> str | None:
+    """The first key a JSON ``body`` holds twice in one object (at any depth), or None: none, or not JSON (the
+    model's parser then names what is wrong). A JSON parser keeps the last of two, so ``{"n": 11, "n": 1}`` would
+    be served as ``n=1`` while ``{"n": 1, "n": 11}`` is refused; the body is refused instead, as an edit form's
+    field sent twice is."""
+    repeated: list[str] = []
+
+    def pairs(items: list[tuple[str, Any]]) -> dict:
+        keys = [k for k, _ in items]
+        if not repeated:
+            repeated.extend(k for k in keys if keys.count(k) > 1)
+        return dict(items)
+
+    try:
+        json.loads(body, object_pairs_hook=pairs)
+    except (ValueError, RecursionError):
+        return None
+    return repeated[0] if repeated else None
+
+
+def json_body_refusal(request: Request, body: bytes) -> tuple[int, str, str | None] | None:
+    """Why a JSON route refuses ``body`` before its model reads it, as ``(status, message, param)``, or None:
+    415 for a form body (:func:`form_not_json`), 422 for a key sent twice (:func:`repeated_json_key`)."""
+    if (why := form_not_json(request, body)) is not None:
+        return 415, why, None
+    if (key := repeated_json_key(body)) is not None:
+        return 422, f"'{key}' is sent more than once in the JSON body; send each field once", key
     return None
 
 
