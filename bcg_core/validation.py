@@ -57,7 +57,7 @@ def engine_field_phrase(name: str, limits: LimitsConfig, size_multiple: int | No
     if name == "size":
         each = "" if size_multiple is None else f", each a multiple of {size_multiple}"
         tiers = f"; bucketed sizes: {', '.join(resolutions)}" if resolutions else ""
-        return (f"'auto' (the model's default size, GET /v1/models: limits.default_size) or a string 'WxH' with width and height from "
+        return (f"'auto' (the model's default size, GET /v1/models: limits.default_size; for an edit the input image's) or a string 'WxH' with width and height from "
                 f"{lim.min_side_px} to {lim.max_side_px} pixels{each}{tiers}")
     if name == "seed":
         return f"an integer from 0 to {SEED_MAX - lim.max_images}"

@@ -56,7 +56,7 @@ def test_other_words_are_still_refused_naming_auto_and_wxh(size):
         ImageGenerationRequest.model_validate({"prompt": "x", "size": size})
     status, err = _error(validation_error_response(e.value, RequestLimits()))
     assert status == 422 and err["param"] == "size"
-    assert ("allowed: 'auto' (the model's default size, GET /v1/models: limits.default_size) or a string 'WxH' with "
+    assert ("allowed: 'auto' (the model's default size, GET /v1/models: limits.default_size; for an edit the input image's) or a string 'WxH' with "
             "width and height from 256 to 2048") in err["message"]
 
 
