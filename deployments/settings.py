@@ -306,6 +306,9 @@ def error_text(exc: BaseException, model: Any = None, what: str = "configuration
             fields = _section_fields(loc[:-1], model or ServeConfig) if e.get("type") == "extra_forbidden" else None
             if fields is not None:
                 close = difflib.get_close_matches(str(loc[-1]), fields, n=1)
+                if not close and len(loc) == 1:  # a section's key written at the top level
+                    close = [f"{s}.{loc[0]}" for s in fields if loc[0] in (_section_fields((s,), model or ServeConfig)
+                                                                             or ())][:1]
                 if loc[:-1] not in unknown:
                     unknown[loc[:-1]] = []
                     parts.append((loc[:-1], fields))

@@ -110,3 +110,13 @@ def test_the_step_schedulers_settings_have_their_own_section_and_an_old_runner_k
     old.write_text("runner:\n  max_queue_wait_s: 30\n")
     with pytest.raises(Exception, match="runner.max_queue_wait_s moved to scheduler.max_queue_wait_s"):
         load_config(config_path=old)
+
+
+def test_a_sections_key_written_at_the_top_level_is_pointed_to_its_section():
+    from deployments.settings import error_text
+
+    with pytest.raises(ValidationError) as e:
+        ServeConfig.model_validate({"max_rows_in_flight": 8, "kernels": "eager", "runer": {}})
+    text = error_text(e.value)
+    assert "max_rows_in_flight (did you mean 'scheduler.max_rows_in_flight'?)" in text
+    assert "kernels (did you mean 'runner.kernels'?)" in text and "runer (did you mean 'runner'?)" in text
