@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import json
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+from stub_http import StubServer
 from test_prometheus import FakeBackend
 
 from bcg_core import GenerationRequest, ValidatedRequest, RequestValidator, TrafficHistogram, load_traffic
@@ -208,41 +208,9 @@ def test_text_bucket_is_the_smallest_text_length_that_holds_the_tokens():
 # -- load_traffic from a server ------------------------------------------------------------------------------
 
 
-class _Server:
-    """A tiny HTTP server on 127.0.0.1 answering every GET with ``body`` (and recording the paths)."""
-
-    def __init__(self, body: bytes, status: int = 200):
-        paths = self.paths = []
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self):  # http.server's name
-                paths.append(self.path)
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *args):
-                pass
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        self.thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-
-    def __enter__(self):
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self.httpd.shutdown()
-        self.httpd.server_close()
-        self.thread.join(timeout=5)
-
-
 def test_load_traffic_reads_the_traffic_section_of_a_server():
     snap = _valid()
-    with _Server(json.dumps({"replica": "r1", "traffic": snap}).encode()) as server:
+    with StubServer(json.dumps({"replica": "r1", "traffic": snap}).encode()) as server:
         assert load_traffic(server.url + "/", timeout_s=5).snapshot() == snap
         assert load_traffic(server.url + "/v1/buckets", timeout_s=5).snapshot() == snap
         assert load_traffic(server.url + "/v1", timeout_s=5).snapshot() == snap  # the openai client's base URL
@@ -250,12 +218,12 @@ def test_load_traffic_reads_the_traffic_section_of_a_server():
 
 
 def test_load_traffic_names_the_url_when_the_section_is_missing_or_the_server_fails():
-    with _Server(json.dumps({"replica": "r1"}).encode()) as server, pytest.raises(ValueError) as missing:
+    with StubServer(json.dumps({"replica": "r1"}).encode()) as server, pytest.raises(ValueError) as missing:
         load_traffic(server.url, timeout_s=5)
     assert f"{server.url}/v1/buckets" in str(missing.value) and "no 'traffic' section" in str(missing.value)
-    with _Server(json.dumps({"traffic": None}).encode()) as server, pytest.raises(ValueError, match="traffic.record"):
+    with StubServer(json.dumps({"traffic": None}).encode()) as server, pytest.raises(ValueError, match="traffic.record"):
         load_traffic(server.url, timeout_s=5)
-    with _Server(b"{}", status=503) as server, pytest.raises(ConnectionError) as failed:
+    with StubServer(b"{}", status=503) as server, pytest.raises(ConnectionError) as failed:
         load_traffic(server.url, timeout_s=5)
     assert f"GET {server.url}/v1/buckets answered HTTP 503" in str(failed.value)
     url = server.url  # closed now: refused

@@ -1,11 +1,10 @@
 """What a benchmark waits for after ready (``deployments/cli/local.py``): every replica's owned shapes captured
 (``runner.ready_after_s`` lets a replica report ready before), read from ``/v1/buckets`` answers."""
 
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import json
 
 import pytest
+from stub_http import StubServer
 
 from deployments.cli.local import uncaptured_shapes, wait_captured
 
@@ -27,27 +26,10 @@ def test_uncaptured_shapes_reads_the_answering_replica_and_every_peers_heartbeat
 
 def test_wait_captured_polls_until_every_shape_is_captured_and_times_out_naming_the_rest():
     answers = iter([_answer([]), _answer(["i1024_t256"])])
-    final = _answer(["i1024_t256", "i256_t256"])
+    final = {"answer": _answer(["i1024_t256", "i256_t256"])}
 
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802 - http.server's name
-            body = json.dumps(next(answers, final)).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args):
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    url = f"http://127.0.0.1:{server.server_address[1]}"
-    try:
-        assert 0.9 <= wait_captured(url, timeout_s=20) < 20  # two polls 0.5 s apart before the third answers
-        final = _answer(["i1024_t256"])
+    with StubServer(lambda: json.dumps(next(answers, final["answer"])).encode()) as server:
+        assert 0.9 <= wait_captured(server.url, timeout_s=20) < 20  # two polls 0.5 s apart before the third answers
+        final["answer"] = _answer(["i1024_t256"])
         with pytest.raises(TimeoutError, match="i256_t256"):
-            wait_captured(url, timeout_s=1.2)
-    finally:
-        server.shutdown()
+            wait_captured(server.url, timeout_s=1.2)
