@@ -16,8 +16,9 @@ from __future__ import annotations
 import logging
 import socket
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from ..settings import ServeConfig
@@ -32,26 +33,35 @@ APP_NAME = "bcg"  # the Serve application start_local runs and stop_local delete
 _HEALTH_WAIT_S = 60.0
 
 
+def _poll(url: str, left: Callable[[Any], object], timeout_s: float,
+          request_timeout_s: float) -> tuple[float | None, object]:
+    """``GET url`` every 0.5 s until ``left(answer)`` (an ``httpx.Response``) is falsy: ``(seconds waited, None)``,
+    or after ``timeout_s`` ``(None, the last thing left)``: ``left``'s last value, or the last error."""
+    import httpx
+
+    t0 = time.monotonic()
+    last: object = "no attempt"
+    while time.monotonic() - t0 < timeout_s:
+        try:
+            last = left(httpx.get(url, timeout=request_timeout_s, trust_env=False))
+            if not last:
+                return time.monotonic() - t0, None
+        except httpx.HTTPError as exc:
+            last = f"{type(exc).__name__}: {exc}"
+        time.sleep(0.5)
+    return None, last
+
+
 def wait_healthy(url: str, timeout_s: float = _HEALTH_WAIT_S) -> None:
     """Poll ``GET {url}/healthz`` until it answers 200.
 
     Raises:
         TimeoutError: no healthy answer within ``timeout_s`` seconds (the message has the last error).
     """
-    import httpx
-
-    deadline = time.monotonic() + timeout_s
-    last = "no attempt"
-    while time.monotonic() < deadline:
-        try:
-            r = httpx.get(f"{url}/healthz", timeout=5.0, trust_env=False)
-            if r.status_code == 200:
-                return
-            last = f"HTTP {r.status_code}"
-        except httpx.HTTPError as exc:
-            last = f"{type(exc).__name__}: {exc}"
-        time.sleep(0.5)
-    raise TimeoutError(f"{url}/healthz did not answer 200 within {timeout_s:.0f} s (last: {last})")
+    waited, last = _poll(f"{url}/healthz", lambda r: None if r.status_code == 200 else f"HTTP {r.status_code}",
+                         timeout_s, 5.0)
+    if waited is None:
+        raise TimeoutError(f"{url}/healthz did not answer 200 within {timeout_s:.0f} s (last: {last})")
 
 
 def uncaptured_shapes(stats: dict) -> list[str]:
@@ -69,23 +79,14 @@ def wait_captured(url: str, timeout_s: float = _HEALTH_WAIT_S) -> float:
     seconds waited.
 
     Raises:
-        TimeoutError: shapes still uncaptured after ``timeout_s`` seconds (the message names them).
+        TimeoutError: shapes still uncaptured after ``timeout_s`` seconds (the message names them, or the last
+            error or HTTP status).
     """
-    import httpx
-
-    t0 = time.monotonic()
-    left: list[str] | str = "no answer"
-    while time.monotonic() - t0 < timeout_s:
-        try:
-            r = httpx.get(f"{url}/v1/buckets", timeout=30.0, trust_env=False)
-            if r.status_code == 200:
-                left = uncaptured_shapes(r.json())
-                if not left:
-                    return time.monotonic() - t0
-        except httpx.HTTPError as exc:
-            left = f"{type(exc).__name__}: {exc}"
-        time.sleep(0.5)
-    raise TimeoutError(f"{url} still captures {left} after {timeout_s:.0f} s")
+    waited, left = _poll(f"{url}/v1/buckets", lambda r: uncaptured_shapes(r.json()) if r.status_code == 200 else
+                         f"HTTP {r.status_code}", timeout_s, 30.0)
+    if waited is None:
+        raise TimeoutError(f"{url} still captures {left} after {timeout_s:.0f} s")
+    return waited
 
 
 def check_port_free(port: int, option: str = "--port", host: str = "127.0.0.1") -> None:
