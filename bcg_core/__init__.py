@@ -8,7 +8,13 @@ step scheduler are exported lazily: each pulls in heavier modules on first use. 
 import importlib
 
 from bcg_core.config import (
-    BucketConfig, LimitsConfig, MissPolicy, ModelConfig, RunnerConfig, parse_size, EngineConfig,
+    BucketConfig,
+    EngineConfig,
+    LimitsConfig,
+    MissPolicy,
+    ModelConfig,
+    RunnerConfig,
+    parse_size,
 )
 from bcg_core.errors import BucketMissError, RequestCancelled, RequestError
 from bcg_core.families import Family, ModelSpec, RequestState, TextRows

@@ -175,7 +175,7 @@ class BucketConfig(BaseModel):
         return v
 
     @model_validator(mode="after")
-    def _tier_texts_known(self) -> "BucketConfig":
+    def _tier_texts_known(self) -> BucketConfig:
         unknown = [s for s in self.text_lengths_by_resolution if s not in self.resolutions]
         if unknown:
             raise ValueError(f"text_lengths_by_resolution names {unknown}, which are not in resolutions "

@@ -20,7 +20,6 @@ from collections import Counter, deque
 from dataclasses import dataclass, field, replace
 
 from bcg_core.keys import BucketKey, Dim
-
 from bcg_core.table import BucketLookup
 
 __all__ = ["BucketCounters", "BucketMetrics", "FORWARD_MODES", "ForwardMode", "STEP_MS_BOUNDS", "STEP_SAMPLE_LIMIT",

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from bcg_core.config import ModelConfig
 from bcg_core.devices import resolve_device, torch_dtype
-from bcg_core.families import Family, ModelSpec, PIPELINE_CLASSES, family_class
+from bcg_core.families import PIPELINE_CLASSES, Family, ModelSpec, family_class
 from bcg_core.families.base import tokenizer_counter
 from bcg_core.text import SentenceTextEncoder, minilm_path
 

@@ -22,7 +22,6 @@ from typing import Protocol
 import torch
 
 from bcg_core.keys import BucketKey
-
 from bcg_core.table import ShapeRules
 
 __all__ = ["DenoiseInputs", "DiTAdapter", "GridMaskedTextAdapter", "copy_rows", "fill_masked_text"]

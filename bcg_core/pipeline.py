@@ -43,15 +43,21 @@ from bcg_core.lora.slots import install as install_lora, lease_for
 from bcg_core.metrics import BucketMetrics
 from bcg_core.models import load_model, load_seconds
 from bcg_core.padding import DenoiseInputs
-from bcg_core.validation import RequestValidator
 from bcg_core.request import GenerationResult, ValidatedRequest
 from bcg_core.results import build_result
 from bcg_core.runners.base import BucketFault, BucketRunner
 from bcg_core.runners.build import (  # re-exported: the runner config.runner asks for
-    InstalledKernels, build_runner, compiled_kernels, fused_wanted, installed_kernels, kernel_tier, runner_mode,
+    InstalledKernels,
+    build_runner,
+    compiled_kernels,
+    fused_wanted,
+    installed_kernels,
+    kernel_tier,
+    runner_mode,
 )
 from bcg_core.runners.decode import install as install_decode
 from bcg_core.runners.kernels import CompiledKernels, KernelTier, kernel_stats
+from bcg_core.validation import RequestValidator
 from bcg_core.verify import FusedStats
 
 log = logging.getLogger(__name__)

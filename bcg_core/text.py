@@ -45,7 +45,7 @@ class SentenceTextEncoder:
         self.pooled_dim = self.seq_dim
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, device: str | torch.device = "cpu") -> "SentenceTextEncoder":
+    def from_pretrained(cls, path: str | Path, device: str | torch.device = "cpu") -> SentenceTextEncoder:
         """Load tokenizer and model from a local folder (no hub access)."""
         from transformers import AutoModel, AutoTokenizer
 

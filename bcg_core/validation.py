@@ -11,17 +11,23 @@ from __future__ import annotations
 
 import logging
 import random
+from collections.abc import Callable
 from dataclasses import replace
-from typing import Callable
 
-from bcg_core.keys import Dim, ShapeQuery
-from bcg_core.request import (
-    MAX_PARTIAL_IMAGES, QUALITIES, QUALITY_ALIASES, SEED_MAX, GenerationRequest, ValidatedRequest, steps_run,
-)
-from bcg_core.table import BucketLookup, BucketTable, ShapeRules
 from bcg_core.config import EngineConfig, LimitsConfig, LoRAConfig, MissPolicy
 from bcg_core.errors import BucketMissError, RequestError, shown
 from bcg_core.families.base import ModelSpec
+from bcg_core.keys import Dim, ShapeQuery
+from bcg_core.request import (
+    MAX_PARTIAL_IMAGES,
+    QUALITIES,
+    QUALITY_ALIASES,
+    SEED_MAX,
+    GenerationRequest,
+    ValidatedRequest,
+    steps_run,
+)
+from bcg_core.table import BucketLookup, BucketTable, ShapeRules
 
 __all__ = ["RequestValidator", "engine_field_phrase", "invalid"]
 
@@ -163,7 +169,7 @@ class RequestValidator:
         return d
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> "RequestValidator":
+    def from_config(cls, config: EngineConfig) -> RequestValidator:
         """A validator that loads only the model's tokenizer and JSON configs (cheap; for the ingress)."""
         from bcg_core.models import describe_model, load_tokenizer_counter
 

@@ -57,9 +57,8 @@ def _time(fn, device: torch.device, iters: int) -> list[float]:
 @torch.inference_mode()
 def bench_vae(name: str, args, device: torch.device, dtype: torch.dtype) -> list[dict]:
     """Every batch of ``args.batches`` for one VAE: eager and compiled decode, side by side."""
-    import diffusers
-
     import bench_families
+    import diffusers
 
     cls, cfg_name, channels, down = VAES[name]
     config = dict(getattr(bench_families, cfg_name))

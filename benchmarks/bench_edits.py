@@ -298,10 +298,10 @@ def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; exit status 0 when every request succeeded."""
     raw = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(raw)
-    import torch
-
     import bench_lora
     import bench_saturation as bs
+    import torch
+
     from bcg_core.models import describe_model, load_tokenizer_counter
     from deployments.settings import ServeConfig
 

@@ -175,6 +175,7 @@ def random_transformer(cls, config: dict, device, dtype) -> torch.nn.Module:
 def _text_encoders(spec: BenchModel) -> dict:
     """Stand-in text encoders (random weights; real classes and output widths) with tiny offline tokenizers."""
     import transformers as tf
+
     from tiny.tokenizers import clip_tokenizer, t5_tokenizer
 
     widths = text_widths(spec.family, spec.transformer)
@@ -213,6 +214,7 @@ def _text_encoders(spec: BenchModel) -> dict:
 
 def _scheduler(family: str):
     from diffusers import DPMSolverMultistepScheduler, FlowMatchEulerDiscreteScheduler
+
     from tiny.pixart import PIXART_SIGMA_SCHEDULER
     from tiny.sana import SANA_SCHEDULER_CONFIG
 

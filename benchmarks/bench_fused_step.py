@@ -59,9 +59,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks"), str(ROOT / "tests")]
 
 from bcg_core import BucketConfig, DiTPipeline, GenerationRequest, LimitsConfig, ModelConfig
-
-from deployments.settings import ServeConfig
 from bcg_core.models import load_model
+from deployments.settings import ServeConfig
 
 CASES = [(1, 1), (4, 1), (8, 1), (4, 2)]
 """(requests, images per request) of every model: CFG on the odd requests, so 1, 6, 12 and 12 rows."""

@@ -35,11 +35,17 @@ from dataclasses import dataclass
 import torch
 
 from bcg_core import (
-    BucketKey, BucketMetrics, DiTAdapter, EagerBucketRunner, FluxAdapter, PixArtAdapter, SD3Adapter,
+    BucketKey,
+    BucketMetrics,
+    DiTAdapter,
+    EagerBucketRunner,
+    FluxAdapter,
+    PixArtAdapter,
+    SD3Adapter,
     parse_size,
 )
-from bcg_core.runners.cuda_graph import CudaGraphRunner
 from bcg_core.planning.profile import cuda_ms, kernel_floor
+from bcg_core.runners.cuda_graph import CudaGraphRunner
 from bcg_core.verify import BoundaryCase, random_inputs
 
 

@@ -52,9 +52,9 @@ def smooth_scene(size: int, seed: int = 0) -> np.ndarray:
 
 def served_image(size: int) -> np.ndarray:
     """The tiny default model's first image of a 4-step request at ``size`` x ``size`` (seed 0), decoded."""
-    from deployments.settings import ServeConfig
     from bcg_core.pipeline import DiTPipeline
     from bcg_core.request import GenerationRequest
+    from deployments.settings import ServeConfig
 
     cfg = ServeConfig.model_validate({"buckets": {"batch_sizes": [1], "resolutions": [f"{size}x{size}"],
                                                   "text_lengths": [256]}})

@@ -140,9 +140,8 @@ def kernel_split(replay, iters: int) -> dict:
     ``top`` (the 8 kernels with the most time: name cut to 90 characters, ms per replay, kind). Empty kinds when the
     profiler saw no kernel (``count`` 0).
     """
-    from torch.profiler import ProfilerActivity, profile
-
     from bench_families import cuda_events
+    from torch.profiler import ProfilerActivity, profile
 
     replay()
     torch.cuda.synchronize()

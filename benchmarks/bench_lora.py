@@ -78,10 +78,9 @@ def start_engine(config):
 def build_model(name: str, tiny: bool, scratch: str | None, device: str) -> tuple[dict, Path, str]:
     """``(model config mapping, checkpoint folder, family)``: ``flux-dev-width`` through ``bench_saturation``,
     ``sd3-medium`` through ``bench_families``."""
-    import torch
-
     import bench_families as bf
     import bench_saturation as bs
+    import torch
 
     if name == "flux-dev-width":
         cfg, folder, _ = bs.build_model(name, tiny, scratch, device)
@@ -260,9 +259,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(raw)
     if args.diffusers_requests is not None and args.diffusers_requests < 0:
         raise SystemExit(f"--diffusers-requests: 0 (skip) or more, got {args.diffusers_requests}")
+    import bench_saturation as bs
     import torch
 
-    import bench_saturation as bs
     from bcg_core.models import describe_model, load_tokenizer_counter
     from deployments.settings import ServeConfig
 

@@ -147,10 +147,10 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(measure(args.child, args.config, args.iters)), flush=True)
         return 0
     sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT / "tests"), str(ROOT)]
-    import torch
-
     import bench_lora as bl
     import bench_saturation as bs
+    import torch
+
     from bcg_core.models import describe_model, load_tokenizer_counter
     from deployments.settings import ServeConfig
 

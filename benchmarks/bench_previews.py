@@ -29,10 +29,10 @@ import time
 
 import torch
 
-from deployments.settings import ServeConfig
 from bcg_core.pipeline import DiTPipeline
 from bcg_core.request import GenerationRequest
 from bcg_core.scheduler.step_scheduler import StepScheduler
+from deployments.settings import ServeConfig
 
 
 def run_size(size: int, steps: int, trials: int, previews: int, n: int, device: str,

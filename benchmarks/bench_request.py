@@ -32,11 +32,10 @@ import time
 import torch
 
 from bcg_core import BucketConfig, DiTPipeline, GenerationRequest, parse_size, save_pipeline
-
-from deployments.settings import ServeConfig
 from bcg_core.config import LimitsConfig, ModelConfig, RunnerConfig
 from bcg_core.families.tiny import assemble_flux, tiny_transformer_config, tiny_vae_config
 from bcg_core.text import SentenceTextEncoder
+from deployments.settings import ServeConfig
 
 FLUX_VAE = dict(
     in_channels=3, out_channels=3, latent_channels=16, block_out_channels=(128, 256, 512, 512), layers_per_block=2,

@@ -523,8 +523,8 @@ def planned_buckets(base: dict, steps: int, max_graphs: int, measure: bool = Fal
     with ``measure`` on costs the planner measures on this GPU (``bcg plan --measure``), else on the token-count
     model. The plan's cost source is in ``buckets.plan.costs``."""
     from bcg_core.planning.table_search import search_table
-    from deployments.settings import ServeConfig
     from deployments.cli.plan_command import load_plan_traffic, measure_plan_costs
+    from deployments.settings import ServeConfig
 
     config = ServeConfig.model_validate(base)
     traffic = load_plan_traffic(config, source, steps=steps)
@@ -973,9 +973,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(raw)
     import torch
 
-    from deployments.settings import ServeConfig
     from bcg_core.models import describe_model, load_tokenizer_counter
     from bcg_core.validation import RequestValidator
+    from deployments.settings import ServeConfig
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device != "cuda" and args.model != "tiny" and not args.tiny:

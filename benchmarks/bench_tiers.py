@@ -76,6 +76,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks"), str(ROOT / "tests")]
 
 import bench_families  # noqa: E402
+
 from bcg_core import DiTPipeline, GenerationRequest, load_model  # noqa: E402
 from bcg_core.config import EngineConfig, LimitsConfig, ModelConfig, RunnerConfig  # noqa: E402
 

@@ -74,9 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--commit")
     args = ap.parse_args(raw)
     import torch
-    from diffusers import AutoencoderKL
-
     from bench_families import FLUX_VAE
+    from diffusers import AutoencoderKL
 
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available()
                           else ("cpu" if args.device == "auto" else args.device))

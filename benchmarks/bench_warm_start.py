@@ -79,7 +79,6 @@ def child(config_path: str) -> dict:
 def write_config(folder: Path, scratch: Path, args) -> Path:
     """The served config: the checkpoint at ``folder``, ``bcg plan``'s table, compiled kernels, a fresh cache."""
     import yaml
-
     from bench_saturation import planned_buckets
 
     dtype = "float32" if args.tiny else "bfloat16"
@@ -118,9 +117,8 @@ def main(argv: list[str] | None = None) -> int:
         print("RESULT " + json.dumps(child(args.child)), flush=True)
         return 0
 
-    import torch
-
     import bench_families
+    import torch
 
     spec = bench_families.bench_models(args.tiny)[args.model]
     scratch = Path(tempfile.mkdtemp(prefix="bcg-warm-", dir=args.scratch))

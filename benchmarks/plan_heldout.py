@@ -35,12 +35,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
-from deployments.settings import ServeConfig
 from bcg_core.planning.plan_costs import PlanCosts, TableScore, evaluate  # noqa: E402
-from bcg_core.planning.samples import (Traffic, krea_rows, planning_table, traffic_from_gentd26,  # noqa: E402
-                                       traffic_from_rows)
+from bcg_core.planning.samples import Traffic, krea_rows, planning_table, traffic_from_gentd26, traffic_from_rows  # noqa: E402
 from bcg_core.planning.table_search import search_table  # noqa: E402
 from deployments.cli.plan_command import GENTD26_CSV  # noqa: E402
+from deployments.settings import ServeConfig
 
 
 def _config(name: str, folder: Path) -> ServeConfig:

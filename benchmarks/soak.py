@@ -373,8 +373,8 @@ def model_config(args):
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import bench_saturation as bs
 
-    from deployments.settings import ServeConfig
     from bcg_core.models import describe_model, load_tokenizer_counter
+    from deployments.settings import ServeConfig
 
     model, folder, _ = bs.build_model(args.model, False, args.scratch, args.device)
     mc = ServeConfig.model_validate({"model": model}).model

@@ -60,8 +60,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from deployments.cli.demo import load_requests  # noqa: E402
 from soak import memory_at_rest  # noqa: E402
+
+from deployments.cli.demo import load_requests  # noqa: E402
 
 MIX = {"generate": 0.25, "stream": 0.15, "lora1": 0.15, "lora2": 0.10, "img2img": 0.125, "inpaint": 0.125,
        "bad": 0.10}

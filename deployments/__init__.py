@@ -2,10 +2,10 @@
 command line (:mod:`deployments.cli.main`; the local server in :mod:`deployments.cli.local`, the demo replay in
 :mod:`deployments.cli.demo`, the verify and profile tables in :mod:`deployments.cli.commands`)."""
 
+from .answers import sse_event
 from .app import AppArgs, build_app, load_config
 from .auth import ApiKeys
 from .dit import DiTReplica
-from .answers import sse_event
 from .http_errors import error_response, find_request_error, unauthorized_response, validation_error_response
 from .ingress import Ingress
 from .request_args import as_generation_request

@@ -25,19 +25,20 @@ default application, for ``serve run deployments.app:app``.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
-from .settings import ServeConfig, backpressure_limits, error_text, load_config
 from router.autoscaling import BucketLoadPolicy
 from router.shape_router import ShapeAwareRouter
 
 from .coordinator import BucketCoordinator
 from .dit import DiTReplica
 from .ingress import Ingress
+from .settings import ServeConfig, backpressure_limits, error_text, load_config
 
 __all__ = ["AppArgs", "app", "autoscaling_config", "build_app", "load_config", "replicas_conflict"]
 

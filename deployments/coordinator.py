@@ -18,10 +18,11 @@ import logging
 
 from ray import serve
 
-from .settings import ServeConfig
 from bcg_core.planning.traffic import TrafficHistogram
 from router.membership import OwnershipTable
 from router.ownership import demands_for_config
+
+from .settings import ServeConfig
 
 __all__ = ["DEPARTED_KEPT", "EARLIER", "BucketCoordinator"]
 

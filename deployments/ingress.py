@@ -70,13 +70,12 @@ from ray import serve
 from ray.serve.exceptions import BackPressureError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .settings import ServeConfig
 from bcg_core.errors import BucketMissError, RequestError, ServiceUnavailable
 from bcg_core.images import IMAGE_FORMATS
 from bcg_core.pipeline import GenerationResult
+from bcg_core.planning.traffic import TrafficHistogram
 from bcg_core.request import QUALITY_ALIASES, GenerationRequest, ValidatedRequest
 from bcg_core.validation import RequestValidator
-from bcg_core.planning.traffic import TrafficHistogram
 
 from .adapters import AdapterCatalog
 from .answers import bcg_info, image_events, ingress_timings, usage_of
@@ -90,6 +89,8 @@ from .http_errors import (
     unsupported_response,
     validation_error_response,
 )
+from .memory import IdleTrimMiddleware, configure_ingress
+from .request_args import as_generation_request
 from .routing import ACCEPTED, call_dit, overloaded, stream_dit
 from .schemas import (
     ErrorBody,
@@ -101,10 +102,17 @@ from .schemas import (
     ModelList,
     RequestLimits,
 )
-from .memory import IdleTrimMiddleware, configure_ingress
-from .request_args import as_generation_request
-from .uploads import (BodyTooLarge, FormError, edit_fields, edits_card, json_body_refusal, read_body, read_form,
-                      upload_limit)
+from .settings import ServeConfig
+from .uploads import (
+    BodyTooLarge,
+    FormError,
+    edit_fields,
+    edits_card,
+    json_body_refusal,
+    read_body,
+    read_form,
+    upload_limit,
+)
 
 __all__ = ["Ingress", "merged_traffic"]
 
@@ -357,17 +365,10 @@ class Ingress:
                                 retry_after_s=self._config.routing.retry_after_s)
         return dataclasses.replace(routed.result, retries=routed.retries)
 
-    @app.post(
-        "/v1/images/generations",
-        response_model=ImageGenerationResponse,
-        responses={**_ERROR_RESPONSES, 200: _IMAGES_200},
-        openapi_extra={
-            "requestBody": {
-                "required": True,
-                "content": {"application/json": {"schema": ImageGenerationRequest.body_schema()}},
-            }
-        },
-    )
+    @app.post("/v1/images/generations", response_model=ImageGenerationResponse,
+              responses={**_ERROR_RESPONSES, 200: _IMAGES_200},
+              openapi_extra={"requestBody": {"required": True, "content": {
+                  "application/json": {"schema": ImageGenerationRequest.body_schema()}}}})
     async def generate(self, request: Request):
         """Generate ``n`` images for a prompt (OpenAI ``images.generate``); with ``stream: true`` as Server-Sent
         Events (:func:`deployments.answers.image_events`)."""
@@ -387,17 +388,10 @@ class Ingress:
             return validation_error_response(exc, limits)
         return await self._serve(req, req.engine_request())
 
-    @app.post(
-        "/v1/images/edits",
-        response_model=ImageGenerationResponse,
-        responses={**_ERROR_RESPONSES, 200: _IMAGES_200},
-        openapi_extra={
-            "requestBody": {
-                "required": True,
-                "content": {"multipart/form-data": {"schema": ImageEditRequest.form_schema()}},
-            }
-        },
-    )
+    @app.post("/v1/images/edits", response_model=ImageGenerationResponse,
+              responses={**_ERROR_RESPONSES, 200: _IMAGES_200},
+              openapi_extra={"requestBody": {"required": True, "content": {
+                  "multipart/form-data": {"schema": ImageEditRequest.form_schema()}}}})
     async def edits(self, request: Request):
         """Edit an image (OpenAI ``images.edit``): image-to-image, or inpainting with a ``mask``; answered as a
         generation, with ``stream: true`` as ``image_edit.*`` Server-Sent Events."""

@@ -25,8 +25,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from bcg_core.config import LimitsConfig, LoRAConfig, parse_size
-from bcg_core.validation import engine_field_phrase
 from bcg_core.request import MAX_PARTIAL_IMAGES, GenerationRequest
+from bcg_core.validation import engine_field_phrase
 
 __all__ = [
     "BcgInfo",
@@ -377,7 +377,7 @@ class Usage(BaseModel):
     images: int = Field(description="Images generated (extension).")
 
     @classmethod
-    def of(cls, prompt_tokens: int, n: int, image_tokens: int, input_image_tokens: int = 0) -> "Usage":
+    def of(cls, prompt_tokens: int, n: int, image_tokens: int, input_image_tokens: int = 0) -> Usage:
         """The usage of ``n`` images of ``image_tokens`` tokens each for a prompt of ``prompt_tokens`` tokens (and an
         input image of ``input_image_tokens``, for an edit)."""
         out = n * image_tokens

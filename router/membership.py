@@ -35,8 +35,8 @@ With no measured load yet the prior is used. ``snapshot()["demand"]`` shows the 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Callable, Mapping
 
 from .ownership import DEFAULT_GRAPH_OVERHEAD_BYTES, Assignment, BucketDemand, ReplicaCapacity, assign
 

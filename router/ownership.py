@@ -18,14 +18,14 @@ the sum of its per-owner shares (a fraction of all requests).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Callable, Iterable, Mapping
 
-from bcg_core.planning.samples import KREA_CSV, krea_rows
-from bcg_core.keys import BucketKey
 from bcg_core.errors import RequestError
+from bcg_core.keys import BucketKey
 from bcg_core.models import ACTIVATION_FACTOR, estimate_graph_bytes, transformer_width
+from bcg_core.planning.samples import KREA_CSV, krea_rows
 from bcg_core.request import GenerationRequest
 from bcg_core.validation import RequestValidator
 
@@ -269,7 +269,7 @@ class Assignment:
         """Every ``(bucket, replica_id)`` ownership."""
         return frozenset((b, r) for b, rs in self.owners.items() for r in rs)
 
-    def moved_from(self, previous: "Assignment | None") -> int:
+    def moved_from(self, previous: Assignment | None) -> int:
         """Ownerships here that ``previous`` did not have: graphs some replica must newly capture.
 
         Against None every ownership counts.

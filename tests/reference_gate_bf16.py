@@ -147,7 +147,7 @@ class Deviation:
         """Same pixels and bit-identical latents."""
         return self.max_levels == 0 and not self.latent_rel
 
-    def worst(self, other: "Deviation") -> "Deviation":
+    def worst(self, other: Deviation) -> Deviation:
         """The larger of each field of ``self`` and ``other``."""
         rel = [r for r in (self.latent_rel, other.latent_rel) if r is not None]
         psnr = [p for p in (self.psnr_db, other.psnr_db) if p is not None]

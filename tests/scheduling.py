@@ -5,7 +5,7 @@ tests that drive it with :class:`~bcg_core.request.GenerationRequest` values val
 pipeline's own validator.
 """
 
-from bcg_core import GenerationRequest, ValidatedRequest, StepScheduler
+from bcg_core import GenerationRequest, StepScheduler, ValidatedRequest
 
 
 class ValidatingScheduler(StepScheduler):

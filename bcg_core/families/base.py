@@ -30,16 +30,17 @@ the capability's Protocol and implements its methods; the pipeline answers once,
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Protocol
+from typing import Any, ClassVar, Protocol
 
 import numpy as np
 import torch
 
-from bcg_core.table import ShapeRules
 from bcg_core.families.vae import serialize_stateful_vae
 from bcg_core.padding import DenoiseInputs, DiTAdapter
+from bcg_core.table import ShapeRules
 
 __all__ = [
     "QUALITY_STEPS", "Family", "ModelSpec", "RequestState", "TextRows", "concat_rows", "load_pipeline", "pad_text",
@@ -352,7 +353,7 @@ class Family(Protocol):
         ...
 
     @classmethod
-    def load(cls, path: Path, index: dict, device: torch.device, dtype: torch.dtype) -> "Family":
+    def load(cls, path: Path, index: dict, device: torch.device, dtype: torch.dtype) -> Family:
         """Load the checkpoint folder ``path`` (diffusers ``save_pretrained`` layout) onto ``device``."""
         ...
 

@@ -12,7 +12,7 @@ import functools
 __all__ = ["edit_defaults", "pipeline_defaults"]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def pipeline_defaults(pipeline_class: str) -> dict[str, float | int | None]:
     """What the diffusers pipeline ``pipeline_class`` does for a call that omits the request's options: the
     defaults of ``num_inference_steps``, ``guidance_scale`` and ``true_cfg_scale`` in the signature of its

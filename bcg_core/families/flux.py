@@ -37,12 +37,19 @@ import numpy as np
 import torch
 
 from bcg_core.capabilities import FusedStep, Previews
-from bcg_core.keys import BucketKey
-
-from bcg_core.table import ShapeRules
-from bcg_core.padding import DenoiseInputs, copy_rows
-from bcg_core.families.base import QUALITY_STEPS, ModelSpec, RequestState, TextRows, load_pipeline, read_json, tokenizer_counter
+from bcg_core.families.base import (
+    QUALITY_STEPS,
+    ModelSpec,
+    RequestState,
+    TextRows,
+    load_pipeline,
+    read_json,
+    tokenizer_counter,
+)
 from bcg_core.families.defaults import pipeline_defaults
+from bcg_core.keys import BucketKey
+from bcg_core.padding import DenoiseInputs, copy_rows
+from bcg_core.table import ShapeRules
 
 __all__ = ["FLUX_SCHEDULER_CONFIG", "FluxAdapter", "FluxFamily", "flux_image_ids"]
 
@@ -327,7 +334,7 @@ class FluxFamily(FusedStep, Previews):
         return tokenizer_counter(AutoTokenizer.from_pretrained(str(path / "tokenizer_2"), local_files_only=True))
 
     @classmethod
-    def load(cls, path: Path, index: dict, device: torch.device, dtype: torch.dtype) -> "FluxFamily":
+    def load(cls, path: Path, index: dict, device: torch.device, dtype: torch.dtype) -> FluxFamily:
         """Load with ``FluxPipeline.from_pretrained`` (local files only, :func:`load_pipeline`) onto ``device``."""
         from diffusers import FluxPipeline
 

@@ -19,8 +19,7 @@ import threading
 import torch
 
 from bcg_core.families.base import RequestState
-from bcg_core.families.edit_view import PipelineView, flow_edit_timesteps
-from bcg_core.families.edit_view import edit_pipeline as _edit_pipeline
+from bcg_core.families.edit_view import PipelineView, edit_pipeline as _edit_pipeline, flow_edit_timesteps
 
 __all__ = ["edit_pipeline", "start_edit"]
 

@@ -35,8 +35,8 @@ What diffusers 0.42.1 does (``pipelines/pixart_alpha/pipeline_pixart_sigma.py``,
 
 from __future__ import annotations
 
-import functools
 import copy
+import functools
 import threading
 from pathlib import Path
 from types import SimpleNamespace
@@ -45,10 +45,10 @@ import numpy as np
 import torch
 
 from bcg_core.capabilities import Previews
-from bcg_core.table import ShapeRules
-from bcg_core.padding import DenoiseInputs, GridMaskedTextAdapter
 from bcg_core.families.base import QUALITY_STEPS, ModelSpec, RequestState, TextRows, load_pipeline, pad_text, read_json
 from bcg_core.families.defaults import pipeline_defaults
+from bcg_core.padding import DenoiseInputs, GridMaskedTextAdapter
+from bcg_core.table import ShapeRules
 
 __all__ = ["PIXART_SIGMA_MAX_TEXT_TOKENS", "PixArtAdapter", "PixArtSigmaFamily", "aspect_ratio_bins"]
 
@@ -248,7 +248,7 @@ class PixArtSigmaFamily(Previews):
         return count
 
     @classmethod
-    def load(cls, path: Path, index: dict, device: torch.device, dtype: torch.dtype) -> "PixArtSigmaFamily":
+    def load(cls, path: Path, index: dict, device: torch.device, dtype: torch.dtype) -> PixArtSigmaFamily:
         """Load with ``PixArtSigmaPipeline.from_pretrained`` (local files only) and move to ``device``."""
         from diffusers import PixArtSigmaPipeline
 

@@ -38,8 +38,8 @@ scheduler with ``stochastic_sampling`` (its noise comes from the global RNG).
 
 from __future__ import annotations
 
-import functools
 import copy
+import functools
 import json
 import threading
 from pathlib import Path
@@ -48,13 +48,12 @@ import numpy as np
 import torch
 from diffusers.models.transformers.transformer_qwenimage import QwenDoubleStreamAttnProcessor2_0
 
-from bcg_core.keys import BucketKey
-
 from bcg_core.capabilities import Previews
-from bcg_core.table import ShapeRules
-from bcg_core.padding import DenoiseInputs, copy_rows, fill_masked_text
 from bcg_core.families.base import QUALITY_STEPS, ModelSpec, RequestState, TextRows, load_pipeline, pad_text
 from bcg_core.families.defaults import pipeline_defaults
+from bcg_core.keys import BucketKey
+from bcg_core.padding import DenoiseInputs, copy_rows, fill_masked_text
+from bcg_core.table import ShapeRules
 
 __all__ = ["QWEN_MAX_TEXT_TOKENS", "QwenImageAdapter", "QwenImageFamily", "TextMaskAttnProcessor"]
 
@@ -314,7 +313,7 @@ class QwenImageFamily(Previews):
         return count
 
     @classmethod
-    def load(cls, path: Path, index: dict, device: torch.device, dtype: torch.dtype) -> "QwenImageFamily":
+    def load(cls, path: Path, index: dict, device: torch.device, dtype: torch.dtype) -> QwenImageFamily:
         """Load with ``QwenImagePipeline.from_pretrained`` (local files only) and move to ``device``."""
         from diffusers import QwenImagePipeline
 

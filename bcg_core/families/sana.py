@@ -35,8 +35,8 @@ otherwise), and how this module does the same:
 
 from __future__ import annotations
 
-import functools
 import copy
+import functools
 import inspect
 import threading
 from pathlib import Path
@@ -45,10 +45,10 @@ import numpy as np
 import torch
 
 from bcg_core.capabilities import Previews
-from bcg_core.table import ShapeRules
-from bcg_core.padding import DenoiseInputs, GridMaskedTextAdapter
 from bcg_core.families.base import QUALITY_STEPS, ModelSpec, RequestState, TextRows, load_pipeline, pad_text, read_json
 from bcg_core.families.defaults import pipeline_defaults
+from bcg_core.padding import DenoiseInputs, GridMaskedTextAdapter
+from bcg_core.table import ShapeRules
 
 __all__ = ["SANA_MAX_TEXT_TOKENS", "SanaAdapter", "SanaFamily", "complex_human_instruction", "sana_bins"]
 
@@ -262,7 +262,7 @@ class SanaFamily(Previews):
         return _Counter(getattr(transformers, name).from_pretrained(str(path / "tokenizer"), local_files_only=True))
 
     @classmethod
-    def load(cls, path: Path, index: dict, device: torch.device, dtype: torch.dtype) -> "SanaFamily":
+    def load(cls, path: Path, index: dict, device: torch.device, dtype: torch.dtype) -> SanaFamily:
         """Load with ``SanaPipeline.from_pretrained`` (local files only) and move to ``device``."""
         from diffusers import SanaPipeline
 

@@ -38,22 +38,30 @@ Everything below reproduces ``diffusers/pipelines/stable_diffusion_3/pipeline_st
 
 from __future__ import annotations
 
-import functools
 import copy
+import functools
 import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, ClassVar
+from typing import ClassVar
 
 import numpy as np
 import torch
 
 from bcg_core.capabilities import FusedStep, Previews
-from bcg_core.keys import BucketKey
-
-from bcg_core.table import ShapeRules
-from bcg_core.padding import DenoiseInputs, copy_rows
-from bcg_core.families.base import QUALITY_STEPS, ModelSpec, RequestState, TextRows, load_pipeline, read_json, tokenizer_counter
+from bcg_core.families.base import (
+    QUALITY_STEPS,
+    ModelSpec,
+    RequestState,
+    TextRows,
+    load_pipeline,
+    read_json,
+    tokenizer_counter,
+)
 from bcg_core.families.defaults import pipeline_defaults
+from bcg_core.keys import BucketKey
+from bcg_core.padding import DenoiseInputs, copy_rows
+from bcg_core.table import ShapeRules
 
 __all__ = ["SD3Adapter", "SD3Family", "SD3_EDIT_PIPELINES", "SD3_MAX_SEQUENCE_LENGTH", "SD3_NATIVE_TEXT_TOKENS"]
 
@@ -301,7 +309,7 @@ class SD3Family(FusedStep, Previews):
         return tokenizer_counter(tok)
 
     @classmethod
-    def load(cls, path: Path, index: dict, device: torch.device, dtype: torch.dtype) -> "SD3Family":
+    def load(cls, path: Path, index: dict, device: torch.device, dtype: torch.dtype) -> SD3Family:
         """``StableDiffusion3Pipeline.from_pretrained(path)`` (local files only), moved to ``device``; a checkpoint
         saved without T5 is loaded with ``text_encoder_3=None, tokenizer_3=None``, as diffusers documents.
 
@@ -371,7 +379,8 @@ class SD3Family(FusedStep, Previews):
         fallbacks (``max_shift`` 1.16; ``StableDiffusion3Pipeline`` line 1016, the same in
         ``StableDiffusion3Img2ImgPipeline`` and ``StableDiffusion3InpaintPipeline``, whose helpers are copies)."""
         from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import (
-            calculate_shift, retrieve_timesteps,
+            calculate_shift,
+            retrieve_timesteps,
         )
 
         kwargs = {}

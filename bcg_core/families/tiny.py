@@ -65,10 +65,9 @@ class BCGFluxFamily(FluxFamily):
         return tokenizer_counter(AutoTokenizer.from_pretrained(str(path / "tokenizer"), local_files_only=True))
 
     @classmethod
-    def load(cls, path: Path, index: dict, device: torch.device, dtype: torch.dtype) -> "BCGFluxFamily":
+    def load(cls, path: Path, index: dict, device: torch.device, dtype: torch.dtype) -> BCGFluxFamily:
         """Load the transformer, VAE, scheduler and sentence encoder folders."""
         from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
-
         from transformers import AutoModel, AutoTokenizer
 
         from bcg_core.text import SentenceTextEncoder
@@ -81,7 +80,7 @@ class BCGFluxFamily(FluxFamily):
         return cls.assemble(path.name, cls.describe(path, index), transformer, vae, sched, text, device, dtype)
 
     @classmethod
-    def assemble(cls, name: str, spec: ModelSpec, transformer, vae, scheduler, text, device, dtype) -> "BCGFluxFamily":
+    def assemble(cls, name: str, spec: ModelSpec, transformer, vae, scheduler, text, device, dtype) -> BCGFluxFamily:
         """A family from parts already on ``device`` (the tiny default is built this way)."""
         from diffusers.image_processor import VaeImageProcessor
 

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from bcg_core.table import BucketTable
-from bcg_core.config import PlannedTraffic, EngineConfig
+from bcg_core.config import EngineConfig, PlannedTraffic
 from bcg_core.planning.plan_costs import PlanCosts, evaluate
 from bcg_core.planning.samples import planning_table, traffic_from_histogram
 from bcg_core.planning.table_search import search_table
+from bcg_core.table import BucketTable
 
 __all__ = ["DRIFT_POINTS", "DRIFT_RATIO", "drift_report", "plan_matches"]
 

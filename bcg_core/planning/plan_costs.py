@@ -27,10 +27,10 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
-from bcg_core.keys import BucketKey
-from bcg_core.table import BucketTable
 from bcg_core.config import EngineConfig
+from bcg_core.keys import BucketKey
 from bcg_core.planning.samples import Traffic
+from bcg_core.table import BucketTable
 
 __all__ = ["COMPILED_HIT_GAIN", "PlanCosts", "TableScore", "costs_from_profile", "evaluate"]
 

@@ -17,12 +17,12 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from importlib import resources
 
-from bcg_core.table import BucketTable
-from bcg_core.config import BucketConfig, ModelConfig, EngineConfig
+from bcg_core.config import BucketConfig, EngineConfig, ModelConfig
 from bcg_core.errors import RequestError
-from bcg_core.keys import ShapeQuery
 from bcg_core.families.defaults import edit_defaults
+from bcg_core.keys import ShapeQuery
 from bcg_core.request import GenerationRequest, steps_run
+from bcg_core.table import BucketTable
 from bcg_core.validation import RequestValidator
 
 __all__ = ["GENTD26_FILLER", "KREA_CSV", "Demand", "Traffic", "krea_rows", "planning_validator", "planning_table",

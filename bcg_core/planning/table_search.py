@@ -18,11 +18,11 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from bcg_core.table import BucketTable, ShapeRules
-from bcg_core.config import BucketConfig, PlannedTraffic, EngineConfig
-from bcg_core.validation import RequestValidator
+from bcg_core.config import BucketConfig, EngineConfig, PlannedTraffic
 from bcg_core.planning.plan_costs import PlanCosts, TableScore, evaluate
 from bcg_core.planning.samples import Traffic, planning_validator
+from bcg_core.table import BucketTable, ShapeRules
+from bcg_core.validation import RequestValidator
 
 __all__ = ["LADDER", "REJECT_PENALTY", "PlanPoint", "TableChoice", "profile_buckets", "search_table"]
 

@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-import logging
 from typing import Protocol
 
 import torch
@@ -53,7 +53,7 @@ def is_out_of_memory(exc: BaseException) -> bool:
     return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
 
 
-def demote(entry: "BucketEntry", exc: BaseException, metrics: BucketMetrics) -> None:
+def demote(entry: BucketEntry, exc: BaseException, metrics: BucketMetrics) -> None:
     """After a runtime error in bucket ``entry.key``'s padded forward (a CUDA error mid-replay, say): drop its
     graph and static buffers, so that every later forward of the bucket runs unpadded and eager, note why (shown in
     ``/v1/buckets``), count the fault (:meth:`BucketMetrics.record_fault`, ``ray_bcg_bucket_faults_total``) and log

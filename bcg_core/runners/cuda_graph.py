@@ -33,7 +33,6 @@ import logging
 import threading
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 import torch
 
@@ -44,11 +43,11 @@ from bcg_core.errors import first_line
 from bcg_core.keys import BucketKey
 from bcg_core.metrics import BucketMetrics, ForwardMode
 from bcg_core.padding import DenoiseInputs, DiTAdapter
-from bcg_core.runners.base import (  # capture_order, budget_allows, CaptureStats: re-exported here
+
+from bcg_core.runners.base import (  # isort: skip (500-line cap); re-exports capture_order, budget_allows, CaptureStats
     BucketEntry, BucketFault, CaptureStats, RunMode, budget_allows, capture_order, demote, eager_forward, entry_kernels,
-    fill_fused, fused_buffers, is_out_of_memory, static_forward,
-)
-from bcg_core.runners.kernels import CompileFailed, CompiledKernels, KernelTier
+    fill_fused, fused_buffers, is_out_of_memory, static_forward)
+from bcg_core.runners.kernels import CompiledKernels, CompileFailed, KernelTier
 from bcg_core.runners.precompiled import NotPrecompiled
 from bcg_core.verify import compile_entry
 

@@ -22,10 +22,19 @@ from bcg_core.keys import BucketKey
 from bcg_core.metrics import BucketMetrics, ForwardMode
 from bcg_core.padding import DenoiseInputs, DiTAdapter
 from bcg_core.runners.base import (
-    BucketEntry, BucketFault, CaptureStats, demote, eager_forward, entry_kernels, fill_fused, fused_buffers, is_out_of_memory,
-    padded_forward, static_forward,
+    BucketEntry,
+    BucketFault,
+    CaptureStats,
+    demote,
+    eager_forward,
+    entry_kernels,
+    fill_fused,
+    fused_buffers,
+    is_out_of_memory,
+    padded_forward,
+    static_forward,
 )
-from bcg_core.runners.kernels import CompileFailed, CompiledKernels, KernelTier
+from bcg_core.runners.kernels import CompiledKernels, CompileFailed, KernelTier
 from bcg_core.runners.precompiled import NotPrecompiled
 from bcg_core.verify import compile_entry
 

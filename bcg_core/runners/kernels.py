@@ -35,9 +35,10 @@ from collections.abc import Callable, Iterator
 import torch
 
 from bcg_core.errors import first_line
-from bcg_core.runners.precompiled import NotPrecompiled, PrecompiledBlocks, available
-from bcg_core.runners.attention import (
+
+from bcg_core.runners.attention import (  # isort: skip (kept compact: 500-line cap)
     BACKENDS, AttentionChoice, ChoiceStore, RecordedCalls, choose, compiling_under, model_signature, record_sdpa_calls)
+from bcg_core.runners.precompiled import NotPrecompiled, PrecompiledBlocks, available
 
 __all__ = ["FP8_AMAX_LB", "FP8_MIN_CAPABILITY", "FP8_RTOL", "REPEATED_BLOCKS", "CompileFailed", "CompileTimeout",
            "CompiledKernels", "KernelTier", "check_fp8", "fp8_layers", "quantize_fp8", "raise_recompile_limits",
@@ -300,8 +301,7 @@ class CompiledKernels:
                     traced.add(type(block).__qualname__)
                     log.debug("ahead-of-time compile failure", exc_info=True)
                     log.warning("ahead-of-time compile of %s raised (%s: %s); compiling it the plain way",
-                                type(block).__qualname__, type(e).__name__,
-                                first_line(e, limit=200))
+                                type(block).__qualname__, type(e).__name__, first_line(e, limit=200))
                 else:
                     return fn(block, *args, **kwargs)
             return compiled(*args, **kwargs)

@@ -159,7 +159,7 @@ def _numerics() -> tuple:
             torch.backends.cudnn.allow_tf32)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _class_code(cls: type) -> str:
     """``cls``'s source (read once per process: every block of a class asks for the same classes)."""
     try:

@@ -25,8 +25,8 @@ import torch
 from bcg_core.errors import RequestCancelled, non_finite_error
 from bcg_core.families import RequestState
 from bcg_core.images import encode_image
-from bcg_core.scheduler.admission import InFlight
 from bcg_core.results import build_result
+from bcg_core.scheduler.admission import InFlight
 
 __all__ = ["Finisher"]
 

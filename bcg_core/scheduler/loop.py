@@ -37,9 +37,9 @@ import time
 import torch
 
 from bcg_core import failpoints
+from bcg_core.devices import timing_mark
 from bcg_core.errors import RequestCancelled, ServiceUnavailable
 from bcg_core.metrics import token_shares
-from bcg_core.devices import timing_mark
 from bcg_core.pipeline import DiTPipeline
 from bcg_core.runners.base import is_out_of_memory
 from bcg_core.scheduler.admission import InFlight, tensor_bytes

@@ -17,10 +17,10 @@ from collections.abc import Sequence
 
 import torch
 
+from bcg_core.costs import DECISIONS, StepForwards
+from bcg_core.devices import elapsed_ms
 from bcg_core.keys import BucketKey, ShapeQuery
 from bcg_core.metrics import BucketMetrics
-from bcg_core.devices import elapsed_ms
-from bcg_core.costs import DECISIONS, StepForwards
 
 __all__ = ["FORWARD_KINDS", "ForwardKind", "SchedulerStats", "ShapeStats", "StepTimes", "WAITS_KEPT", "queue_lengths"]
 

@@ -21,14 +21,14 @@ from collections.abc import AsyncIterator, Callable
 
 import torch
 
+from bcg_core.costs import CostModel, cuda_spare_bytes
 from bcg_core.errors import RequestCancelled, RequestError
+from bcg_core.keys import BucketKey
 from bcg_core.pipeline import DiTPipeline, runner_mode
 from bcg_core.preview import PartialImage, preview_steps
-from bcg_core.keys import BucketKey
 from bcg_core.request import GenerationResult, ValidatedRequest
 from bcg_core.runners.background import BackgroundCompiles
 from bcg_core.scheduler.admission import Admission, InFlight
-from bcg_core.costs import CostModel, cuda_spare_bytes
 from bcg_core.scheduler.finish import Finisher
 from bcg_core.scheduler.flight import Flight
 from bcg_core.scheduler.load import LoadMeter

@@ -17,9 +17,10 @@ from __future__ import annotations
 import torch
 
 from bcg_core.keys import BucketKey
-from ..settings import ServeConfig
 from bcg_core.pipeline import DiTPipeline
 from bcg_core.verify import RTOL, BoundaryCase, boundary_cases, square_grid, verify_runner
+
+from ..settings import ServeConfig
 
 __all__ = ["RTOL", "cache_dir_arg", "run_profile", "run_verify", "run_warm", "verify_case_tokens", "verify_estimate"]
 

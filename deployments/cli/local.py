@@ -168,7 +168,7 @@ def api_server_metrics_url(timeout_s: float = 2.0) -> str | None:
     return f"http://{address}/metrics"
 
 
-def check_config(config_path: str | Path) -> "ServeConfig":
+def check_config(config_path: str | Path) -> ServeConfig:
     """Load a ServeConfig file and build its bucket table, without starting anything.
 
     A relative ``model.path`` is taken from the current directory. Cheap (the validator loads only the tokenizer
@@ -180,9 +180,10 @@ def check_config(config_path: str | Path) -> "ServeConfig":
         FileNotFoundError: ``config_path`` or the config's ``model.path`` does not exist, or ``lora.dir`` is not a
             directory.
     """
-    from ..settings import load_config
     from bcg_core.pipeline import runner_mode
     from bcg_core.validation import RequestValidator
+
+    from ..settings import load_config
 
     config = load_config(config_path=config_path)
     if config.model.path is not None:
@@ -210,8 +211,8 @@ def plan_notes(config: ServeConfig) -> list[str]:
     """What ``bcg config --check`` says of a ``buckets.plan`` block that a server would start with but not use as
     written: one that does not describe the table (hand-edited shapes; the replicas' drift check ignores it), and
     ``miss_policy: reject`` where the plan expected misses (those requests would be refused with 422)."""
-    from bcg_core.validation import RequestValidator
     from bcg_core.planning.drift import plan_matches
+    from bcg_core.validation import RequestValidator
 
     plan = config.buckets.plan
     if plan is None:
@@ -333,7 +334,7 @@ def bind_ray_to(host: str) -> None:
     ray_constants.ENABLE_RAY_CLUSTER = not loopback
 
 
-def start_local(config: "ServeConfig | None" = None, port: int = 8000, num_cpus: int = 4,
+def start_local(config: ServeConfig | None = None, port: int = 8000, num_cpus: int = 4,
                 quiet: bool = True, replicas: int | None = None, metrics_port: int = 0) -> str:
     """Start Ray and the bcg-serve application on ``127.0.0.1:port``; returns the base URL.
 

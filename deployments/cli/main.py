@@ -22,12 +22,11 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from ..settings import ServeConfig, error_text, load_config
-
 from ..app import replicas_conflict
+from ..settings import ServeConfig, error_text, load_config
 from .commands import cache_dir_arg, run_profile, run_verify
-from .demo import MAX_CONCURRENCY as _MAX_CONCURRENCY, demo_api_key, run_demo
 from .console import ready_text, watch_compiles
+from .demo import MAX_CONCURRENCY as _MAX_CONCURRENCY, demo_api_key, run_demo
 from .local import api_server_metrics_url, check_config, start_local, stop_local
 
 __all__ = ["config_text", "main"]
@@ -127,9 +126,8 @@ def _with_key_file(config: ServeConfig | None, path: str) -> ServeConfig:
     Raises:
         ValueError: the file cannot be read or holds no key (naming the file, never a key).
     """
-    from ..settings import api_key_digest
-
     from ..auth import read_key_file
+    from ..settings import api_key_digest
 
     config = config or ServeConfig()
     digests = [*config.auth.api_keys, *(api_key_digest(k) for k in read_key_file(path))]
@@ -147,8 +145,9 @@ def _replica_stats() -> dict | None:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from ..metrics import metrics_url
     from bcg_core.models import describe_model
+
+    from ..metrics import metrics_url
 
     config = check_config(args.config) if args.config else None
     if args.api_key_file is not None:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from .commands import run_profile
 from ..settings import ServeConfig
+from .commands import run_profile
 
 __all__ = ["GENTD26_CSV", "current_is_better", "load_plan_traffic", "measure_plan_costs", "output_problem", "plot_plan",
            "run_plan", "whole_count"]
@@ -36,8 +36,7 @@ def load_plan_traffic(config: ServeConfig, source: str, steps: int | None = None
     import csv
     from importlib import resources
 
-    from bcg_core.planning.samples import (krea_rows, traffic_from_gentd26, traffic_from_histogram,
-                                           traffic_from_rows)
+    from bcg_core.planning.samples import krea_rows, traffic_from_gentd26, traffic_from_histogram, traffic_from_rows
 
     if source == "krea":
         return traffic_from_rows(config, krea_rows(krea), steps=steps)

@@ -11,7 +11,13 @@ import torch
 import torch.nn.functional as F
 
 from bcg_core.runners.attention import (
-    AttentionChoice, ChoiceStore, choose, choose_backend, compiling_under, record_sdpa_calls)
+    AttentionChoice,
+    ChoiceStore,
+    choose,
+    choose_backend,
+    compiling_under,
+    record_sdpa_calls,
+)
 from bcg_core.runners.kernels import CompiledKernels
 
 CPU = torch.device("cpu")

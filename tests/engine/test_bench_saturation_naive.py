@@ -19,9 +19,9 @@ import threading
 from pathlib import Path
 
 import pytest
-from scheduling import ValidatingScheduler
 
 from bcg_core import build_tiny
+from scheduling import ValidatingScheduler
 
 ROOT = Path(__file__).resolve().parents[2]
 _PATH = ROOT / "benchmarks" / "bench_saturation.py"

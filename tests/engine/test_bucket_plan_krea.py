@@ -9,10 +9,9 @@ from __future__ import annotations
 import pytest
 
 from bcg_core import BucketConfig
-
 from bcg_core.config import EngineConfig
 from bcg_core.planning.plan_costs import PlanCosts, evaluate
-from bcg_core.planning.samples import krea_rows, planning_validator, planning_table, traffic_from_rows
+from bcg_core.planning.samples import krea_rows, planning_table, planning_validator, traffic_from_rows
 from bcg_core.planning.table_search import search_table
 from bcg_core.table import BucketTable
 

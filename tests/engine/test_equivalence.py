@@ -11,7 +11,13 @@ import torch
 from diffusers import FluxTransformer2DModel
 
 from bcg_core import (
-    BucketConfig, BucketMetrics, BucketTable, DenoiseInputs, EagerBucketRunner, FluxAdapter, LimitsConfig,
+    BucketConfig,
+    BucketMetrics,
+    BucketTable,
+    DenoiseInputs,
+    EagerBucketRunner,
+    FluxAdapter,
+    LimitsConfig,
     ShapeQuery,
 )
 from bcg_core.verify import boundary_cases, verify_runner

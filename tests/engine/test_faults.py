@@ -12,15 +12,14 @@ import logging
 
 import pytest
 import torch
-from scheduling import ValidatingScheduler
+from test_step_scheduler import same_image
 
 from bcg_core import BucketConfig, DiTPipeline, GenerationRequest, build_tiny
-
 from bcg_core.config import EngineConfig
-from bcg_core.runners import eager as runner_mod
 from bcg_core.errors import ServiceUnavailable
 from bcg_core.families.tiny import TINY_TEXT_TOKENS
-from test_step_scheduler import same_image
+from bcg_core.runners import eager as runner_mod
+from scheduling import ValidatingScheduler
 
 T = TINY_TEXT_TOKENS
 BUCKETS = BucketConfig(batch_sizes=[1, 2, 4], resolutions=["256x256"], text_lengths=[T])

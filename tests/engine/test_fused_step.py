@@ -20,8 +20,8 @@ import bcg_core.runners.fused as fused_mod
 from bcg_core import BucketConfig, BucketKey, DiTPipeline, GenerationRequest, ModelConfig, build_tiny
 from bcg_core.config import EngineConfig
 from bcg_core.costs import Chunk, StepForwards
-from bcg_core.runners.fused import fused_update
 from bcg_core.families.tiny import TINY_TEXT_TOKENS
+from bcg_core.runners.fused import fused_update
 from reference_gate import assert_same, bcg_pipeline, bcg_run, diffusers_run
 from scheduling import ValidatingScheduler
 from tiny.sd3 import build as build_sd3

@@ -13,9 +13,14 @@ import pytest
 import torch
 
 from bcg_core import (
-    BucketConfig, BucketKey, DiTPipeline, GenerationRequest, RequestError, StepScheduler, build_tiny,
+    BucketConfig,
+    BucketKey,
+    DiTPipeline,
+    GenerationRequest,
+    RequestError,
+    StepScheduler,
+    build_tiny,
 )
-
 from bcg_core.config import EngineConfig
 from bcg_core.families.tiny import TINY_TEXT_TOKENS
 from bcg_core.metrics import token_shares

@@ -419,11 +419,10 @@ def test_the_compile_check_covers_text_padding_where_the_family_pads_text(tmp_pa
     that leave a quarter of its text tokens to the padding. Blocks that go wrong only on padded text (NaN once the
     key-padding mask holds a pad: what the fp8 tier's zero-row quantization did) fail that check and the bucket keeps
     eager kernels; the full-text inputs alone would have passed them."""
-    from reference_gate import bcg_pipeline
-    from tiny.pixart import build
-
     from bcg_core.runners.eager import EagerBucketRunner
     from bcg_core.verify import text_pad_of
+    from reference_gate import bcg_pipeline
+    from tiny.pixart import build
 
     pipe = bcg_pipeline(build(tmp_path / "pixart"), {"batch_sizes": [2], "resolutions": ["256x256"],
                                                       "text_lengths": [16]})

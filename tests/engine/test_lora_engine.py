@@ -120,8 +120,8 @@ def test_a_step_mixing_adapter_rows_runs_as_two_where_the_measured_costs_say_so(
     compute-bound costs (time grows with rows, adapter rows 1.5x) a step of a plain request and an adapter request
     runs as two steps, plain rows on the plain forward; with launch-bound costs (one forward of any rows about as
     dear as another) it stays one. Either way each image equals its request served alone."""
-    from bcg_core.scheduler import StepScheduler
     from bcg_core.costs import CostModel
+    from bcg_core.scheduler import StepScheduler
 
     folder, loras, pipe = ckpt
     keys = sorted(pipe.table.keys, key=lambda k: k.batch)

@@ -8,13 +8,21 @@ import torch
 from PIL import Image
 
 from bcg_core import (
-    BucketConfig, CheckpointError, DiTPipeline, GenerationRequest, ModelConfig, RequestCancelled, RequestError, build_tiny, load_model, save_pipeline,
+    BucketConfig,
+    CheckpointError,
+    DiTPipeline,
+    GenerationRequest,
+    ModelConfig,
+    RequestCancelled,
+    RequestError,
+    build_tiny,
+    load_model,
+    save_pipeline,
 )
-
 from bcg_core.config import EngineConfig
 from bcg_core.families.tiny import TINY_TEXT_TOKENS
-from reference_gate import padded
 from bcg_core.models import describe_model
+from reference_gate import padded
 
 SMALL = EngineConfig(buckets=BucketConfig(batch_sizes=[1, 2, 4, 8], resolutions=["256x256", "512x512"],
                                          text_lengths=[TINY_TEXT_TOKENS]))

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from diffusers.models.transformers.transformer_flux import FluxTransformerBlock
 from diffusers.models.attention import JointTransformerBlock
+from diffusers.models.transformers.transformer_flux import FluxTransformerBlock
 
 from bcg_core.runners.precompiled import PrecompiledBlocks, available, block_signature, inputs_signature
 

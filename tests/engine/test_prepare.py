@@ -17,11 +17,11 @@ import pytest
 import torch
 from diffusers import FluxImg2ImgPipeline, FluxInpaintPipeline
 from PIL import Image
-from reference_gate import GateRun, assert_same, bcg_pipeline, diffusers_run, edit_masks, png_bytes
-from tiny.flux import TEXT_TOKENS, build
 
 from bcg_core import GenerationRequest, RequestCancelled
 from bcg_core.scheduler.step_scheduler import StepScheduler
+from reference_gate import GateRun, assert_same, bcg_pipeline, diffusers_run, edit_masks, png_bytes
+from tiny.flux import TEXT_TOKENS, build
 
 BUCKETS = dict(batch_sizes=[1, 2, 4], resolutions=["32x32", "64x64"], text_lengths=[TEXT_TOKENS])
 REF = dict(max_sequence_length=TEXT_TOKENS)

@@ -21,13 +21,13 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from scheduling import ValidatingScheduler
 
 from bcg_core.config import EngineConfig
 from bcg_core.pipeline import DiTPipeline
-from bcg_core.request import GenerationRequest
 from bcg_core.preview import LinearPreview, PartialImage, preview_steps
+from bcg_core.request import GenerationRequest
 from bcg_core.scheduler.step_scheduler import StepScheduler
+from scheduling import ValidatingScheduler
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
 

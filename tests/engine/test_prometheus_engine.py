@@ -9,11 +9,10 @@ import asyncio
 import pytest
 
 from bcg_core import BucketConfig, DiTPipeline, GenerationRequest, build_tiny
-
 from bcg_core.config import EngineConfig
+from bcg_core.families.tiny import TINY_TEXT_TOKENS
 from bcg_core.keys import BucketKey
 from bcg_core.metrics import BucketMetrics
-from bcg_core.families.tiny import TINY_TEXT_TOKENS
 from deployments.metrics import BucketExporter
 from fake_metrics import FakeBackend
 
@@ -93,8 +92,8 @@ def test_on_cuda_replays_captures_pool_bytes_and_step_times_are_exported():
     from diffusers import FluxTransformer2DModel
 
     from bcg_core import BucketTable, FluxAdapter
-    from bcg_core.runners.cuda_graph import CudaGraphRunner
     from bcg_core.pipeline import _StepTimer
+    from bcg_core.runners.cuda_graph import CudaGraphRunner
     from bcg_core.verify import BoundaryCase, random_inputs
 
     cuda, dtype = torch.device("cuda"), torch.bfloat16

@@ -18,19 +18,17 @@ import time
 import numpy as np
 import pytest
 import torch
-from closeness import assert_close
-from reference_gate import pixels
-from scheduling import ValidatingScheduler
 
 from bcg_core import BucketConfig, BucketKey, DiTPipeline, GenerationRequest, RequestCancelled, build_tiny
-
-from deployments.settings import ServeConfig
-from deployments.settings import backpressure_limits
 from bcg_core.costs import Chunk, CostModel, StepForwards, eager_row_counts
 from bcg_core.costs.miss_memory import MARGIN_BYTES
 from bcg_core.families.tiny import TINY_TEXT_TOKENS
-from bcg_core.scheduler.step_scheduler import StepScheduler
 from bcg_core.scheduler.stats import FORWARD_KINDS
+from bcg_core.scheduler.step_scheduler import StepScheduler
+from closeness import assert_close
+from deployments.settings import ServeConfig, backpressure_limits
+from reference_gate import pixels
+from scheduling import ValidatingScheduler
 
 T = TINY_TEXT_TOKENS
 CONFIG = ServeConfig(buckets=BucketConfig(batch_sizes=[1, 2, 4, 8], resolutions=["256x256", "256x512"],
@@ -885,8 +883,8 @@ def test_a_request_cancelled_between_admission_and_start_does_not_hold_back_its_
     """The first request of a new group is admitted alone (its tensors give the group's estimate); cancelled after
     admission, before its start, it must free the group as a failed start does, else every later request of the
     shape waits until ``max_queue_wait_s`` (then 503) under a memory budget."""
-    from bcg_core.scheduler.admission import Admission
     from bcg_core.errors import ServiceUnavailable
+    from bcg_core.scheduler.admission import Admission
 
     sched = make_sched(memory_budget_bytes=1 << 40, max_queue_wait_s=3.0)
     admit = Admission.admit

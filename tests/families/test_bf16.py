@@ -18,7 +18,15 @@ And the gate's rules themselves (:func:`reference_gate_bf16.check`) on made-up r
 
 import pytest
 
-from reference_gate_bf16 import FP8_LATENT_CAP, FP8_SCALE, FP32_ROUNDING_MAX, check, compare, fp32_is_rounding, measure_family
+from reference_gate_bf16 import (
+    FP8_LATENT_CAP,
+    FP8_SCALE,
+    FP32_ROUNDING_MAX,
+    check,
+    compare,
+    fp32_is_rounding,
+    measure_family,
+)
 
 
 def _dev(levels, share, rel):

@@ -36,8 +36,21 @@ from diffusers.pipelines.pixart_alpha.pipeline_pixart_alpha import ASPECT_RATIO_
 from PIL import Image
 
 from bcg_core import (
-    BucketConfig, BucketMetrics, BucketMissError, BucketTable, DenoiseInputs, Dim, EagerBucketRunner,
-    GenerationRequest, LimitsConfig, ModelSpec, PixArtAdapter, RequestValidator, RequestError, ShapeQuery, ShapeRules,
+    BucketConfig,
+    BucketMetrics,
+    BucketMissError,
+    BucketTable,
+    DenoiseInputs,
+    Dim,
+    EagerBucketRunner,
+    GenerationRequest,
+    LimitsConfig,
+    ModelSpec,
+    PixArtAdapter,
+    RequestError,
+    RequestValidator,
+    ShapeQuery,
+    ShapeRules,
 )
 from bcg_core.families import family_class
 from bcg_core.families.pixart import PIXART_SIGMA_MAX_TEXT_TOKENS, PixArtSigmaFamily, aspect_ratio_bins

@@ -25,12 +25,22 @@ import torch
 from diffusers import QwenImagePipeline
 
 from bcg_core import (
-    BucketConfig, BucketMetrics, BucketTable, DenoiseInputs, Dim, EagerBucketRunner, GenerationRequest,
-    LimitsConfig, ShapeQuery,
+    BucketConfig,
+    BucketMetrics,
+    BucketTable,
+    DenoiseInputs,
+    Dim,
+    EagerBucketRunner,
+    GenerationRequest,
+    LimitsConfig,
+    ShapeQuery,
 )
 from bcg_core.families import family_class
 from bcg_core.families.qwenimage import (
-    QWEN_MAX_TEXT_TOKENS, QwenImageAdapter, QwenImageFamily, TextMaskAttnProcessor,
+    QWEN_MAX_TEXT_TOKENS,
+    QwenImageAdapter,
+    QwenImageFamily,
+    TextMaskAttnProcessor,
 )
 from bcg_core.verify import boundary_cases, verify_runner
 from closeness import RTOL, assert_close, rel_err

@@ -27,12 +27,24 @@ from diffusers import SanaPipeline, SanaTransformer2DModel
 from diffusers.pipelines.pixart_alpha.pipeline_pixart_alpha import ASPECT_RATIO_512_BIN
 
 from bcg_core import (
-    BucketConfig, BucketMetrics, BucketTable, DenoiseInputs, Dim, EagerBucketRunner, GenerationRequest,
-    LimitsConfig, RequestError, ShapeQuery,
+    BucketConfig,
+    BucketMetrics,
+    BucketTable,
+    DenoiseInputs,
+    Dim,
+    EagerBucketRunner,
+    GenerationRequest,
+    LimitsConfig,
+    RequestError,
+    ShapeQuery,
 )
 from bcg_core.families import family_class
 from bcg_core.families.sana import (
-    SANA_MAX_TEXT_TOKENS, SanaAdapter, SanaFamily, complex_human_instruction, sana_bins,
+    SANA_MAX_TEXT_TOKENS,
+    SanaAdapter,
+    SanaFamily,
+    complex_human_instruction,
+    sana_bins,
 )
 from bcg_core.verify import boundary_cases, verify_runner
 from closeness import RTOL, assert_close, rel_err

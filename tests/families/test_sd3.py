@@ -34,8 +34,17 @@ from diffusers import SD3Transformer2DModel, StableDiffusion3Pipeline
 from PIL import Image
 
 from bcg_core import (
-    BucketConfig, BucketMetrics, BucketTable, DenoiseInputs, Dim, EagerBucketRunner, GenerationRequest, LimitsConfig,
-    RequestError, SD3Adapter, ShapeQuery,
+    BucketConfig,
+    BucketMetrics,
+    BucketTable,
+    DenoiseInputs,
+    Dim,
+    EagerBucketRunner,
+    GenerationRequest,
+    LimitsConfig,
+    RequestError,
+    SD3Adapter,
+    ShapeQuery,
 )
 from bcg_core.families.sd3 import SD3Family
 from bcg_core.verify import boundary_cases, verify_runner

@@ -21,7 +21,10 @@ import numpy as np
 import pytest
 import torch
 from diffusers import (
-    AutoencoderKL, StableDiffusion3Img2ImgPipeline, StableDiffusion3InpaintPipeline, StableDiffusion3Pipeline,
+    AutoencoderKL,
+    StableDiffusion3Img2ImgPipeline,
+    StableDiffusion3InpaintPipeline,
+    StableDiffusion3Pipeline,
 )
 from diffusers.image_processor import VaeImageProcessor
 from PIL import Image
@@ -29,7 +32,17 @@ from PIL import Image
 from bcg_core import GenerationRequest
 from bcg_core.errors import RequestError
 from bcg_core.families.sd3 import SD3_EDIT_PIPELINES, SD3Family
-from reference_gate import GateRun, assert_same, bcg_pipeline, bcg_run, bcg_run_joined, bcg_state, diffusers_run, edit_masks, png_bytes
+from reference_gate import (
+    GateRun,
+    assert_same,
+    bcg_pipeline,
+    bcg_run,
+    bcg_run_joined,
+    bcg_state,
+    diffusers_run,
+    edit_masks,
+    png_bytes,
+)
 from tiny.sd3 import build
 
 BUCKETS = dict(batch_sizes=[1, 2, 4], resolutions=["32x32"], text_lengths=[333])

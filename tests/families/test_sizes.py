@@ -15,7 +15,7 @@ import json
 
 import pytest
 
-from bcg_core import GenerationRequest, RequestValidator, RequestError
+from bcg_core import GenerationRequest, RequestError, RequestValidator
 from deployments.settings import ServeConfig
 from ingress_fakes import FakeDiT, bare_ingress, http_request
 from tiny import pixart, sd3

@@ -6,9 +6,8 @@ from __future__ import annotations
 import pytest
 
 from bcg_core import GenerationRequest
-
-from deployments.settings import ServeConfig
 from bcg_core.planning.table_search import search_table
+from deployments.settings import ServeConfig
 
 
 @pytest.mark.serve

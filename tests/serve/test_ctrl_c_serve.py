@@ -23,6 +23,7 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
+
 from listeners import listening
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -55,9 +55,8 @@ def test_each_family_is_served_over_http_and_answers_what_the_pipeline_gives(ser
     from ray import serve
 
     from bcg_core import DiTPipeline, GenerationRequest
-
-    from deployments.settings import load_config
     from deployments import build_app
+    from deployments.settings import load_config
 
     module, kwargs, buckets, body, bucket = CASES[family]
     folder = importlib.import_module(f"tiny.{module}").build(tmp_path / family, **kwargs)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+
 from listeners import listening, outside_loopback
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -34,9 +34,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-from listeners import listening, outside_loopback
 import yaml
 from PIL import Image
+
+from listeners import listening, outside_loopback
 
 ROOT = Path(__file__).resolve().parents[2]
 CPU_CONFIG = ROOT / "deploy" / "serve_config_cpu.yaml"

@@ -10,8 +10,9 @@ import time
 
 import httpx
 import pytest
-from sse import parse_sse
 from PIL import Image
+
+from sse import parse_sse
 
 pytestmark = pytest.mark.serve
 

@@ -6,9 +6,8 @@ from __future__ import annotations
 import pytest
 
 from bcg_core import GenerationRequest, RequestValidator, TrafficHistogram
-
-from deployments.settings import ServeConfig
 from bcg_core.planning.traffic import TrafficKey
+from deployments.settings import ServeConfig
 
 
 def _shapes(snap: dict) -> dict[tuple, int]:

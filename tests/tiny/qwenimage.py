@@ -111,7 +111,10 @@ def build(folder: Path, guidance_embeds: bool = False, scheduler: dict | None = 
     """
     import torch
     from diffusers import (
-        AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImagePipeline, QwenImageTransformer2DModel,
+        AutoencoderKLQwenImage,
+        FlowMatchEulerDiscreteScheduler,
+        QwenImagePipeline,
+        QwenImageTransformer2DModel,
     )
 
     folder = Path(folder)

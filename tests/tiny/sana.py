@@ -84,7 +84,10 @@ def build(folder: Path, *, learned_sigma: bool = False, pos_embed: bool = False,
         ``folder``.
     """
     from diffusers import (
-        AutoencoderDC, DPMSolverMultistepScheduler, FlowMatchEulerDiscreteScheduler, SanaPipeline,
+        AutoencoderDC,
+        DPMSolverMultistepScheduler,
+        FlowMatchEulerDiscreteScheduler,
+        SanaPipeline,
         SanaTransformer2DModel,
     )
     from transformers import Gemma2Config, Gemma2Model

@@ -69,7 +69,10 @@ def build(folder: Path, variant: str = "sd3", dual_attention: bool = True,
     """
     import torch
     from diffusers import (
-        AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline,
+        AutoencoderKL,
+        FlowMatchEulerDiscreteScheduler,
+        SD3Transformer2DModel,
+        StableDiffusion3Pipeline,
     )
     from transformers import T5Config, T5EncoderModel
 

@@ -9,8 +9,8 @@ import hmac
 
 import pytest
 
-from deployments.settings import ServeConfig, api_key_digest
 from deployments.auth import ApiKeys, read_key_file
+from deployments.settings import ServeConfig, api_key_digest
 
 CONFIG_KEY = "sk-config-3f9c1a7e5b2d"
 FILE_KEY = "sk-file-8e4b6d0c2a19"

@@ -12,9 +12,9 @@ from ray.serve._private.common import TimeStampedValue
 from ray.serve.autoscaling_policy import _apply_autoscaling_config
 from ray.serve.config import AutoscalingConfig, AutoscalingContext
 
-from deployments.settings import ServeConfig, backpressure_limits
 from bcg_core.scheduler.load import LoadMeter
 from deployments.app import autoscaling_config
+from deployments.settings import ServeConfig, backpressure_limits
 from router.autoscaling import BucketLoadPolicy, decide, parse_reports, replica_metrics
 from router.membership import OwnershipTable
 from router.ownership import BucketDemand

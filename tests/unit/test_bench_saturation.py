@@ -119,11 +119,11 @@ def test_naive_config_makes_every_one_of_the_first_32_krea_requests_miss(tiny):
 def test_naive_tier_of_a_binned_family_is_a_bin_no_request_is_binned_to():
     """PixArt-Sigma 512 (its spec as the family describes it: grid-keyed, masked text, the 512 bins): the
     step table is the replay's bins, the naive tier an unused bin; the real validator checks both."""
-    from bcg_core.table import ShapeRules
-    from deployments.settings import ServeConfig
     from bcg_core.families.base import ModelSpec
     from bcg_core.families.pixart import aspect_ratio_bins
+    from bcg_core.table import ShapeRules
     from bcg_core.validation import RequestValidator
+    from deployments.settings import ServeConfig
 
     spec = ModelSpec("pixart-512", "pixart", "PixArtSigmaPipeline", ShapeRules(16, True, None),
                      size_bins=aspect_ratio_bins(64), max_text_tokens=300)

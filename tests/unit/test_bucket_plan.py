@@ -13,21 +13,20 @@ import json
 import pytest
 
 from bcg_core import BucketConfig, GenerationRequest, LimitsConfig
-
-from deployments.settings import ServeConfig
 from bcg_core.planning.plan_costs import PlanCosts, costs_from_profile, evaluate
 from bcg_core.planning.samples import (
-    planning_table,
     Traffic,
     krea_rows,
+    planning_table,
     planning_validator,
     traffic_from_gentd26,
     traffic_from_histogram,
     traffic_from_rows,
 )
 from bcg_core.planning.table_search import search_table
-from bcg_core.table import BucketTable
 from bcg_core.planning.traffic import TrafficHistogram
+from bcg_core.table import BucketTable
+from deployments.settings import ServeConfig
 
 EXACT = ServeConfig(buckets=BucketConfig(image_padding="exact"))
 

@@ -1,15 +1,14 @@
 """Config checks that stop a server from starting with values no request could use or no device can run."""
 
 import pytest
-import yaml
 import torch
+import yaml
 from pydantic import ValidationError
 
 from bcg_core import BucketConfig, ModelConfig, RunnerConfig
-
-from deployments.settings import ServeConfig, load_config
 from bcg_core.devices import resolve_device
 from bcg_core.pipeline import runner_mode
+from deployments.settings import ServeConfig, load_config
 
 
 @pytest.mark.parametrize("kw,needle", [

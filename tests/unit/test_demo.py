@@ -9,9 +9,9 @@ import json
 import pytest
 import yaml
 
-from deployments.settings import ServeConfig
-from deployments.cli.main import config_text, main
 from deployments.cli.demo import SEED_MODULUS, DemoRequest, load_requests, read_requests
+from deployments.cli.main import config_text, main
+from deployments.settings import ServeConfig
 
 HEADER = "prompt,width,height,num_step,cfg_scale,seed,num_generations,is_grid,timestamp,sampler_flag,image_uri\n"
 

@@ -18,7 +18,6 @@ import zlib
 import httpx
 import pytest
 from PIL import Image
-from sse import parse_sse
 from starlette.datastructures import FormData, UploadFile
 from starlette.requests import Request
 
@@ -27,6 +26,7 @@ from deployments.schemas import ImageEditRequest
 from deployments.settings import ServeConfig
 from deployments.uploads import FormError, edit_fields
 from ingress_fakes import FakeDiT, bare_ingress
+from sse import parse_sse
 
 BUCKETS = {"batch_sizes": [1, 2], "resolutions": ["256x256", "512x512"], "text_lengths": [256]}
 KEY = "sk-edits-0b6e1d2c9a"

@@ -16,9 +16,9 @@ from ray.exceptions import RayTaskError
 from bcg_core.errors import RequestError, ServiceUnavailable
 from bcg_core.lora.config import LoRAConfig
 from deployments.adapters import AdapterCatalog
-from deployments.request_args import as_generation_request
 from deployments.http_errors import validation_error_response
 from deployments.metrics import BucketExporter
+from deployments.request_args import as_generation_request
 from deployments.schemas import ImageGenerationRequest, RequestLimits
 from deployments.settings import ServeConfig
 from fake_metrics import FakeBackend

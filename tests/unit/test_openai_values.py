@@ -13,7 +13,7 @@ import pytest
 from pydantic import ValidationError
 from starlette.requests import Request
 
-from bcg_core import BucketConfig, GenerationRequest, RequestValidator, RequestError, ShapeRules
+from bcg_core import BucketConfig, GenerationRequest, RequestError, RequestValidator, ShapeRules
 from bcg_core.config import EngineConfig
 from deployments.http_errors import validation_error_response
 from deployments.ingress import app

@@ -11,17 +11,15 @@ from pathlib import Path
 import pytest
 
 import router
-
-from bcg_core.keys import BucketKey
-
-from bcg_core.table import ShapeRules
 from bcg_core.config import EngineConfig
+from bcg_core.keys import BucketKey
+from bcg_core.table import ShapeRules
 from bcg_core.validation import RequestValidator
 from router import (
-    Assignment,
-    BucketDemand,
     DEFAULT_GRAPH_OVERHEAD_BYTES,
     DEFAULT_HOT_SHARE,
+    Assignment,
+    BucketDemand,
     ReplicaCapacity,
     assign,
     bucket_demands,

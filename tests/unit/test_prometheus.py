@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from bcg_core.families.tiny import TINY_TEXT_TOKENS
 from bcg_core.keys import BucketKey
 from bcg_core.metrics import STEP_MS_BOUNDS, BucketMetrics, histogram_quantile
-from bcg_core.families.tiny import TINY_TEXT_TOKENS
 from deployments.metrics import METRICS, BucketExporter
 from fake_metrics import FakeBackend
 
@@ -23,8 +23,8 @@ K1, K2 = BucketKey(1, 256, T), BucketKey(2, 256, T)
 
 
 def _lookup(key: BucketKey | None, rows: int = 1):
-    from bcg_core.table import BucketLookup
     from bcg_core.keys import Dim, ShapeQuery
+    from bcg_core.table import BucketLookup
 
     q = ShapeQuery(rows, 256, T)
     return BucketLookup(q, key, () if key is not None else (Dim.BATCH,))

@@ -8,6 +8,7 @@ import json
 
 import httpx
 import pytest
+
 from sse import parse_sse
 
 

@@ -8,18 +8,17 @@ import json
 import threading
 
 import pytest
-from stub_http import StubServer
 from test_prometheus import FakeBackend
 
-from bcg_core import GenerationRequest, ValidatedRequest, RequestValidator, TrafficHistogram, load_traffic
-
+from bcg_core import GenerationRequest, RequestValidator, TrafficHistogram, ValidatedRequest, load_traffic
 from bcg_core.config import EngineConfig
-from bcg_core.table import BucketLookup
 from bcg_core.keys import ShapeQuery
 from bcg_core.metrics import BucketMetrics
 from bcg_core.planning.traffic import TrafficKey, text_bucket
+from bcg_core.table import BucketLookup
 from deployments.ingress import merged_traffic
 from deployments.metrics import METRICS, BucketExporter
+from stub_http import StubServer
 
 
 def _plan(width=256, height=256, n=1, tokens=7, steps=1, cfg=False) -> ValidatedRequest:

@@ -13,11 +13,10 @@ import pickle
 
 import pytest
 
-from bcg_core import BucketConfig, GenerationRequest, ValidatedRequest, RequestValidator
-
-from deployments.settings import ServeConfig
+from bcg_core import BucketConfig, GenerationRequest, RequestValidator, ValidatedRequest
 from deployments.dit import DiTReplica
 from deployments.routing import ReplicaUnavailable, call_dit
+from deployments.settings import ServeConfig
 from ingress_fakes import FakeDiT, bare_ingress, http_request as _http
 from validation_counting import ValidationCounter
 

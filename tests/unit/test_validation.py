@@ -2,8 +2,7 @@
 
 import pytest
 
-from bcg_core import BucketConfig, Dim, GenerationRequest, MissPolicy, RequestValidator, RequestError, ShapeRules
-
+from bcg_core import BucketConfig, Dim, GenerationRequest, MissPolicy, RequestError, RequestValidator, ShapeRules
 from bcg_core.config import EngineConfig
 
 RULES = ShapeRules(pixels_per_token=16, grid_keyed=False, native_text_tokens=32)

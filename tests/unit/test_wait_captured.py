@@ -4,9 +4,9 @@
 import json
 
 import pytest
-from stub_http import StubServer
 
 from deployments.cli.local import uncaptured_shapes, wait_captured
+from stub_http import StubServer
 
 
 def _answer(ready: list[str], peer_ready: list[str] | None = None) -> dict:
