@@ -17,8 +17,8 @@ from bcg_core.lora.config import LoRAConfig
 from bcg_core.runtime_config import RunnerConfig, SchedulerConfig
 
 __all__ = [
-    "BucketConfig", "EngineConfig", "LimitsConfig", "LoRAConfig", "MissPolicy", "ModelConfig", "PlannedTraffic", "QualityConfig",
-    "RunnerConfig", "SchedulerConfig", "TrafficConfig", "parse_size",
+    "BucketConfig", "EngineConfig", "LimitsConfig", "LoRAConfig", "MissPolicy", "ModelConfig", "PlannedTraffic",
+    "QualityConfig", "RunnerConfig", "SchedulerConfig", "TrafficConfig", "parse_size",
 ]
 
 _SIZE_RE = re.compile(r"^([1-9][0-9]{0,5})x([1-9][0-9]{0,5})$")  # ASCII digits, no sign, space or leading 0
@@ -39,7 +39,8 @@ def parse_size(size: str) -> tuple[int, int]:
     """
     m = _SIZE_RE.match(size) if isinstance(size, str) else None
     if m is None:
-        raise ValueError(f"size {str(size)[:40]!r} is not of the form 'WxH' with positive integer pixels (for example '512x512')")
+        raise ValueError(f"size {str(size)[:40]!r} is not of the form 'WxH' with positive integer pixels "
+                         f"(for example '512x512')")
     w, h = int(m.group(1)), int(m.group(2))
     if w <= 0 or h <= 0:
         raise ValueError(f"size {size!r} must have positive width and height")
@@ -82,7 +83,8 @@ class PlannedTraffic(BaseModel):
     cost_lines: dict[str, float] = Field(default_factory=dict, description="That model's lines (graph_launch_ms, "
         "eager_launch_ms, ms_per_token, eager_ms_per_token, "
         "bytes_per_token): the drift check scores recorded traffic with the same costs.")
-    work: dict[str, float] = Field(default_factory=dict, description="Per bucket shape (and 'miss'), its share of the computed tokens: the ownership prior.")
+    work: dict[str, float] = Field(default_factory=dict, description="Per bucket shape (and 'miss'), its share of the "
+                                   "computed tokens: the ownership prior.")
 
     @model_validator(mode="after")
     def _lines_and_work(self) -> PlannedTraffic:
@@ -337,7 +339,7 @@ class EngineConfig(BaseModel):
             ValueError: every resolution outside the limits, and batch sizes above the most rows, in one message.
         """
         lim = self.limits
-        sides = dict(zip(self.buckets.resolutions, self.buckets.resolution_pairs()))
+        sides = dict(zip(self.buckets.resolutions, self.buckets.resolution_pairs(), strict=True))
         inside = [r for r, (w, h) in sides.items() if lim.min_side_px <= min(w, h) and max(w, h) <= lim.max_side_px]
         outside = [s for s in sides if s not in inside]
         problems = []

@@ -6,8 +6,8 @@ replicas exactly one misbehaves. It is armed once the claim file's folder exists
 for the whole cluster at start and creates the folder when the fault should happen.
 
 - ``BCG_FAILPOINT_CAPTURE_STALL="<seconds>:<claim file>"``: the replica that claims the file sleeps that long at
-  the start of its first capture (:meth:`deployments.replica.model.ReplicaModel.prepare` from ``DiTReplica.__init__``): a
-  replica stuck in capture.
+  the start of its first capture (:meth:`deployments.replica.model.ReplicaModel.prepare` from ``DiTReplica.__init__``):
+  a replica stuck in capture.
 - ``BCG_FAILPOINT_FORWARD_ERROR="<claim file>"``: the next padded bucket forward of the process that claims it
   (a replay on CUDA, the static-buffer forward on a CPU) raises ``RuntimeError("CUDA error: ... (simulated)")``:
   a CUDA error mid-replay (the runner demotes the bucket, :func:`bcg_core.runners.base.demote`).

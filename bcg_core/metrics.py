@@ -65,9 +65,9 @@ class BucketCounters:
     ``forwards`` counts every transformer forward; ``replays`` those that replayed a CUDA graph and
     ``unpadded_forwards`` those that ran unpadded and eager (the rest ran eagerly on static buffers).
     ``captures`` counts CUDA graph captures and ``capture_s`` their seconds. ``faults`` counts runtime errors
-    of the bucket's padded forward after which it runs unpadded and eager (:func:`bcg_core.runners.base.demote`). ``steps``, ``step_ms_sum``
-    (milliseconds) and ``step_ms_bins`` (non-cumulative counts per bin of :data:`STEP_MS_BOUNDS`, then ``+Inf``)
-    describe the latency of the denoising steps run on the bucket.
+    of the bucket's padded forward after which it runs unpadded and eager (:func:`bcg_core.runners.base.demote`).
+    ``steps``, ``step_ms_sum`` (milliseconds) and ``step_ms_bins`` (non-cumulative counts per bin of
+    :data:`STEP_MS_BOUNDS`, then ``+Inf``) describe the latency of the denoising steps run on the bucket.
     """
 
     requests: int = 0
@@ -114,7 +114,7 @@ class BucketCounters:
         with no steps) and ``buckets``: cumulative counts by upper bound (``"0.5"``, ``"1.0"`` ... ``"10000.0"``,
         ``"+Inf"``), the ``le`` labels and values of the exported histogram."""
         cumulative, n = {}, 0
-        for bound, c in zip([*STEP_MS_BOUNDS, float("inf")], self.step_ms_bins):
+        for bound, c in zip([*STEP_MS_BOUNDS, float("inf")], self.step_ms_bins, strict=True):
             n += c
             cumulative["+Inf" if bound == float("inf") else str(float(bound))] = n
         return {
@@ -291,11 +291,11 @@ class BucketMetrics:
 
         Per bucket: its key and dimensions, ``shape`` (the key without its batch dimension), ``requests``,
         ``hits``, ``forwards``, ``replays`` (forwards that replayed a CUDA graph), ``forwards_by_mode``
-        (:data:`FORWARD_MODES`), ``captures``, ``faults`` (runtime errors after which the bucket runs eager), ``real_tokens``, ``padded_tokens``,
-        ``padding_waste_pct`` (percent), ``padded_token_ratio`` (padded / real tokens, None with no traffic),
-        ``mean_latency_ms`` (per request) and ``step_latency_ms`` (per denoising step,
-        :meth:`BucketCounters.step_latency`). ``misses`` holds the same request, token, forward and step
-        counters for requests no bucket held (run unpadded), plus ``by_dim``.
+        (:data:`FORWARD_MODES`), ``captures``, ``faults`` (runtime errors after which the bucket runs eager),
+        ``real_tokens``, ``padded_tokens``, ``padding_waste_pct`` (percent), ``padded_token_ratio`` (padded / real
+        tokens, None with no traffic), ``mean_latency_ms`` (per request) and ``step_latency_ms`` (per denoising step,
+        :meth:`BucketCounters.step_latency`). ``misses`` holds the same request, token, forward and step counters for
+        requests no bucket held (run unpadded), plus ``by_dim``.
         """
         with self._lock:
             buckets = [

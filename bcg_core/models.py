@@ -61,8 +61,8 @@ def _check_component(path: Path, component: str, library: str, cls: str) -> None
         raise CheckpointError(f"{where} is listed in model_index.json but {folder} is missing; {fix}")
     if "Tokenizer" in cls:
         if not any((folder / f).is_file() for f in _TOKENIZER_FILES):
-            raise CheckpointError(f"{where}: {folder} holds no tokenizer files (none of {', '.join(_TOKENIZER_FILES)}); "
-                                  f"a tokenizer loaded from it would be empty; {fix}")
+            raise CheckpointError(f"{where}: {folder} holds no tokenizer files (none of "
+                                  f"{', '.join(_TOKENIZER_FILES)}); a tokenizer loaded from it would be empty; {fix}")
         return
     if "Scheduler" in cls:
         if not (folder / "scheduler_config.json").is_file():
@@ -109,7 +109,8 @@ def read_checkpoint(path: str | Path) -> dict:
     try:
         index = json.loads(index_file.read_text())
     except json.JSONDecodeError as e:
-        raise CheckpointError(f"{index_file} is not valid JSON ({e}); re-save the pipeline with save_pretrained") from None
+        raise CheckpointError(f"{index_file} is not valid JSON ({e}); re-save the pipeline with "
+                              f"save_pretrained") from None
     if not isinstance(index, dict):
         raise CheckpointError(f"{index_file} holds a JSON {type(index).__name__}, not an object naming the pipeline "
                               f"class and its components; re-save the pipeline with save_pretrained")

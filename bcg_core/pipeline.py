@@ -200,7 +200,7 @@ class DiTPipeline:
             a += chunk.rows
         out = torch.cat(outs) if len(outs) > 1 else outs[0]
         offset = 0
-        for state, part in zip(states, parts):
+        for state, part in zip(states, parts, strict=True):
             self.model.advance(state, out[offset : offset + part.rows])
             offset += part.rows
         return forwards
@@ -218,7 +218,7 @@ class DiTPipeline:
             return "scheduler"
         cond, uncond, owner = [], [], []  # per image, in row order of its cond row
         offset = 0
-        for i, (state, e, part) in enumerate(zip(states, steps, parts)):
+        for i, (state, e, part) in enumerate(zip(states, steps, parts, strict=True)):
             for j in range(state.n):
                 c = offset + e.cond + j
                 cond.append(c)
@@ -251,9 +251,9 @@ class DiTPipeline:
         return None
 
     def _fused_meta(self, *rows: tuple) -> torch.Tensor:
-        """The (4, m) meta tensor of a forward's images on the model's device (:func:`bcg_core.runners.fused.fused_update`),
-        remembered per composition: the same requests step together for many steps, so most steps reuse it
-        (at most :data:`_META_CACHE` kept)."""
+        """The (4, m) meta tensor of a forward's images on the model's device
+        (:func:`bcg_core.runners.fused.fused_update`), remembered per composition: the same requests step together for
+        many steps, so most steps reuse it (at most :data:`_META_CACHE` kept)."""
         from bcg_core.runners.fused import META_ROWS
 
         with self._meta_lock:  # the denoising thread and a prepare thread's check_fused

@@ -1,9 +1,9 @@
 """The engine's request, the validated request and the result: validated once (by the validator), trusted below.
 
 :class:`GenerationRequest` is what a caller asks for (``deployments/schemas.py`` maps OpenAI's fields onto it);
-:class:`ValidatedRequest` is what :meth:`bcg_core.validation.RequestValidator.validate` makes of it: every field validated, the
-defaults filled in, the exact shape looked up in the bucket table once. Replicas, the step scheduler and the
-pipeline accept only a :class:`ValidatedRequest`.
+:class:`ValidatedRequest` is what :meth:`bcg_core.validation.RequestValidator.validate` makes of it: every field
+validated, the defaults filled in, the exact shape looked up in the bucket table once. Replicas, the step scheduler and
+the pipeline accept only a :class:`ValidatedRequest`.
 """
 
 from __future__ import annotations
@@ -46,8 +46,8 @@ class GenerationRequest:
             ``FluxPipeline``/``QwenImagePipeline``; None: the pipeline's default); refused by other families.
         quality: OpenAI's ``quality``, ``"low"``, ``"medium"``, ``"high"`` or ``"auto"`` (or DALL-E 3's
             ``"standard"`` and ``"hd"``, served as ``"medium"`` and ``"high"``: :data:`QUALITY_ALIASES`): the step
-            count the config and the family set for it (:meth:`~bcg_core.families.ModelSpec.steps_for_quality`), used when
-            ``num_inference_steps`` is None. None: the default steps, as ``num_inference_steps``.
+            count the config and the family set for it (:meth:`~bcg_core.families.ModelSpec.steps_for_quality`), used
+            when ``num_inference_steps`` is None. None: the default steps, as ``num_inference_steps``.
         output_format: the image files' format, ``"png"``, ``"jpeg"`` or ``"webp"`` (:mod:`bcg_core.images`).
         output_compression: 0..100 for jpeg and webp (None: 100); None or 100 for png.
         partial_images: previews to stream while denoising, 0..3 (:mod:`bcg_core.preview`); 0 for a request
@@ -108,7 +108,8 @@ MAX_PARTIAL_IMAGES = 3
 
 @dataclass(frozen=True)
 class ValidatedRequest:
-    """A request validated once by :meth:`~bcg_core.validation.RequestValidator.validate`: defaults filled in, shape looked up.
+    """A request validated once by :meth:`~bcg_core.validation.RequestValidator.validate`: defaults filled in, shape
+    looked up.
 
     Attributes:
         request: the request with every default filled in (steps, guidance, negative prompt, seed).

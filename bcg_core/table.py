@@ -44,7 +44,8 @@ class ShapeRules:
         for name, v in (("width", width_px), ("height", height_px)):
             if v % m:
                 lo, hi = max(m, v - v % m), v - v % m + m
-                raise ValueError(f"{where} {width_px}x{height_px}: {name} {v} is not a multiple of {m}; use {lo} or {hi}")
+                raise ValueError(f"{where} {width_px}x{height_px}: {name} {v} is not a multiple of {m}; "
+                                 f"use {lo} or {hi}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,7 +102,7 @@ class BucketTable:
             )
         grids: list[tuple[int, int]] = []
         tier_texts: dict[object, set[int]] = {}
-        for s, (w, h) in zip(config.resolutions, config.resolution_pairs()):
+        for s, (w, h) in zip(config.resolutions, config.resolution_pairs(), strict=True):
             rules.check_size(w, h, where="buckets.resolutions:")
             g = rules.grid(w, h)
             grids.append(g)
@@ -114,7 +115,7 @@ class BucketTable:
         else:
             self.grids = ()
             by_tokens: dict[int, list[str]] = {}
-            for s, (h, w) in zip(config.resolutions, grids):
+            for s, (h, w) in zip(config.resolutions, grids, strict=True):
                 by_tokens.setdefault(h * w, []).append(s)
             for same in by_tokens.values():
                 if len(same) > 1:
@@ -150,7 +151,7 @@ class BucketTable:
             images = [(t, None, False) for t in self.image_tiers]
             if self.pad_images:
                 below = (0,) + self.image_tiers[:-1]
-                images += [(t, None, True) for t, prev in zip(self.image_tiers, below)
+                images += [(t, None, True) for t, prev in zip(self.image_tiers, below, strict=True)
                            if max(prev + 1, self.min_image_tokens) < t]
         return tuple(sorted(
             BucketKey(b, t, s, hw, m) for b in self.batch_sizes for t, hw, m in images

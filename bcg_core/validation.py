@@ -1,10 +1,10 @@
 """The one validation path: a :class:`~bcg_core.request.GenerationRequest` in, a validated request out.
 
-:meth:`RequestValidator.validate` checks every field against the limits and the model (prompt tokens as the family encodes
-them, the family's rules, resolution bins, the bucket table) and fills in the defaults; every limit message
-comes from here. The ingress validates each request once (tokenizer only, no weights), and everything below it
-(replica, step scheduler, pipeline) accepts only the :class:`~bcg_core.request.ValidatedRequest` and trusts it.
-docs/DESIGN.md section 2 says how a shape rounds up to its bucket.
+:meth:`RequestValidator.validate` checks every field against the limits and the model (prompt tokens as the family
+encodes them, the family's rules, resolution bins, the bucket table) and fills in the defaults; every limit message
+comes from here. The ingress validates each request once (tokenizer only, no weights), and everything below it (replica,
+step scheduler, pipeline) accepts only the :class:`~bcg_core.request.ValidatedRequest` and trusts it. docs/DESIGN.md
+section 2 says how a shape rounds up to its bucket.
 """
 
 from __future__ import annotations
@@ -63,8 +63,9 @@ def engine_field_phrase(name: str, limits: LimitsConfig, size_multiple: int | No
     if name == "size":
         each = "" if size_multiple is None else f", each a multiple of {size_multiple}"
         tiers = f"; bucketed sizes: {', '.join(resolutions)}" if resolutions else ""
-        return (f"'auto' (the model's default size, GET /v1/models: limits.default_size; for an edit the input image's) or a string 'WxH' with width and height from "
-                f"{lim.min_side_px} to {lim.max_side_px} pixels{each}{tiers}")
+        return ("'auto' (the model's default size, GET /v1/models: limits.default_size; for an edit the input "
+                f"image's) or a string 'WxH' with width and height from {lim.min_side_px} to {lim.max_side_px} "
+                f"pixels{each}{tiers}")
     if name == "seed":
         return f"an integer from 0 to {SEED_MAX - lim.max_images}"
     if name == "num_inference_steps":
@@ -85,8 +86,8 @@ def engine_field_phrase(name: str, limits: LimitsConfig, size_multiple: int | No
     if name == "partial_images":
         return f"an integer from 0 to {MAX_PARTIAL_IMAGES}, with stream: true"
     if name == "strength":
-        return ("a number above 0 and at most 1 (an edit runs about num_inference_steps x strength steps, rounded up as "
-                "diffusers' get_timesteps does)")
+        return ("a number above 0 and at most 1 (an edit runs about num_inference_steps x strength steps, rounded "
+                "up as diffusers' get_timesteps does)")
     if name in ("image", "mask"):
         return (f"one PNG, JPEG or WebP file of at most {limits.max_input_pixels} pixels"
                 + (", the image's size, with alpha: fully transparent pixels mark where to edit" if name == "mask"
@@ -126,9 +127,11 @@ class RequestValidator:
         spec.check_table(config.buckets)
         if spec.size_bins:
             bins = {(int(w), int(h)) for h, w in spec.size_bins.values()}
-            dead = [r for r, wh in zip(config.buckets.resolutions, config.buckets.resolution_pairs()) if wh not in bins]
+            dead = [r for r, wh in zip(config.buckets.resolutions, config.buckets.resolution_pairs(), strict=True)
+                    if wh not in bins]
             if dead:
-                near = sorted({f"{w}x{h}" for w, h in (spec.generation_size(*wh) for wh in config.buckets.resolution_pairs())})
+                near = sorted({f"{w}x{h}" for w, h in (spec.generation_size(*wh)
+                                                       for wh in config.buckets.resolution_pairs())})
                 raise ValueError(f"buckets.resolutions: {dead} are not aspect-ratio bins of this model: resolution "
                                  f"binning generates every image at a bin, so no request would reach them; use bins, "
                                  f"e.g. {', '.join(near)}")
@@ -264,9 +267,9 @@ class RequestValidator:
             raise bad("true_cfg_scale", tcfg, "out of range")
         self._check_output(r)
         lora = self._check_lora(r.lora)
-        filled = replace(r, lora=lora, strength=strength, num_inference_steps=steps, guidance_scale=None if g is None else float(g),
-                         negative_prompt=neg, seed=seed, true_cfg_scale=None if tcfg is None else float(tcfg),
-                         quality=quality)
+        filled = replace(r, lora=lora, strength=strength, num_inference_steps=steps,
+                         guidance_scale=None if g is None else float(g), negative_prompt=neg, seed=seed,
+                         true_cfg_scale=None if tcfg is None else float(tcfg), quality=quality)
         self.spec.check(filled)
         if self.spec.size_bins:
             gen_w, gen_h = self.spec.generation_size(r.width, r.height)
@@ -281,7 +284,8 @@ class RequestValidator:
             raise RequestError("prompt", f"prompt is {self._too_long(tokens)}; {self._limit_reason}")
         neg_tokens = self.count_tokens(neg or "", negative=True) if self.spec.uses_cfg(filled) else 0
         if neg_tokens > limit:
-            raise RequestError("negative_prompt", f"negative_prompt is {self._too_long(neg_tokens)}; {self._limit_reason}")
+            raise RequestError("negative_prompt",
+                               f"negative_prompt is {self._too_long(neg_tokens)}; {self._limit_reason}")
         lookup = self.table.lookup(self.query(filled, tokens, neg_tokens))
         home = lookup.key if lookup.hit else self.table.split_home(lookup)
         if home is None and self.table.miss_policy is MissPolicy.REJECT:
@@ -317,8 +321,8 @@ class RequestValidator:
         from bcg_core.families.defaults import edit_defaults
 
         if self.spec.edit_pipelines is None:
-            raise RequestError("image", f"'image': {self.spec.pipeline_class} (family {self.spec.family}) is not served "
-                                        f"for edits; edits are served for FLUX.1, SD3/SD3.5 and Qwen-Image "
+            raise RequestError("image", f"'image': {self.spec.pipeline_class} (family {self.spec.family}) is not "
+                                        f"served for edits; edits are served for FLUX.1, SD3/SD3.5 and Qwen-Image "
                                         f"(FluxPipeline, StableDiffusion3Pipeline and QwenImagePipeline "
                                         f"checkpoints) and the tiny default")
         image = read_image(r.image, self.limits.max_input_pixels)

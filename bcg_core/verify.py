@@ -217,7 +217,7 @@ def precision_deviation(adapter: DiTAdapter, key: BucketKey, device, dtype, seed
             t.data = t.data.to(wide)
         ref = adapter.forward_eager(inputs).to(wide)
     finally:
-        for t, data in zip(tensors, own):
+        for t, data in zip(tensors, own, strict=True):
             t.data = data
     return ((narrow - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
 

@@ -2,15 +2,15 @@
 
 Arrivals: the rows of a GenTD26 trace from ``--start`` to ``--end`` (default: 00:34 to 00:44 of
 ``bcg_core/data/alibaba_gentd26_burst_2024-12-06.csv``: 4 quiet minutes, the 3.5-minute burst of 00:38 to
-00:41:30 at about 20x the quiet rate, 2.5 quiet minutes; ``--trace`` reads another file, e.g. the full trace), each sent at its own timestamp divided by ``--compress``, with its own number of images
-(``num_images_per_prompt``, capped by ``--max-images``). The trace has no sizes or prompts: each request takes
-the prompt and size of a krea row (``bcg_core/data/krea_open_prompts_1k_flat.csv``) drawn with a seeded
-generator, each side scaled by ``--size-scale`` and rounded to the model's 16 pixels (the default 0.5 keeps the
-krea mix's shape, 512x768 -> 256x384, so that the tiny model on a CPU keeps up). ``--every K`` keeps every
-K-th arrival. Requests are sent open-loop (at their time, whatever is in flight) over HTTP; a 503 with
-``Retry-After`` is resent after it up to ``--retries`` times (:func:`deployments.cli.demo.apost_honouring_retry_after`:
-the wait clamped to 0.05..30 s, no resend later than 600 s after the first send; a 503 without the header is
-final). Sending stops at ``--deadline-s``.
+00:41:30 at about 20x the quiet rate, 2.5 quiet minutes; ``--trace`` reads another file, e.g. the full trace), each sent
+at its own timestamp divided by ``--compress``, with its own number of images (``num_images_per_prompt``, capped by
+``--max-images``). The trace has no sizes or prompts: each request takes the prompt and size of a krea row
+(``bcg_core/data/krea_open_prompts_1k_flat.csv``) drawn with a seeded generator, each side scaled by ``--size-scale``
+and rounded to the model's 16 pixels (the default 0.5 keeps the krea mix's shape, 512x768 -> 256x384, so that the tiny
+model on a CPU keeps up). ``--every K`` keeps every K-th arrival. Requests are sent open-loop (at their time, whatever
+is in flight) over HTTP; a 503 with ``Retry-After`` is resent after it up to ``--retries`` times
+(:func:`deployments.cli.demo.apost_honouring_retry_after`: the wait clamped to 0.05..30 s, no resend later than 600 s
+after the first send; a 503 without the header is final). Sending stops at ``--deadline-s``.
 
 The application autoscales by bucket load (``autoscaling.enabled``, :class:`router.autoscaling.BucketLoadPolicy`)
 from ``--min-replicas`` to ``--max-replicas``. Every ``--sample-s`` the script records the DiT deployment's
@@ -79,7 +79,7 @@ def trace_arrivals(path: str | None = None, start: str | None = None, end: str |
     times = [dt.datetime.fromisoformat(r["gmt_create"]) for r in rows]
     t0 = min(times)
     out = [{"t": (t - t0).total_seconds(), "n": int(float(r["num_images_per_prompt"] or 1)),
-            "steps": int(float(r["num_inference_steps"] or 30))} for t, r in zip(times, rows)]
+            "steps": int(float(r["num_inference_steps"] or 30))} for t, r in zip(times, rows, strict=True)]
     return sorted(out, key=lambda a: a["t"])
 
 
@@ -215,7 +215,8 @@ def plot(report: dict, path: str) -> None:
     ax2.set_xlabel(f"seconds (trace time / {a['compress']:g})")
     ax2.legend(loc="upper right", fontsize=8)
     span = f"{a['start'] or 'start'} to {a['end'] or 'end'}"
-    where = "fake GPU nodes, CPU" if a.get("fake_gpu_nodes", None) != 0 else f"{a.get('device')}, {a.get('dit_gpus')} GPU/replica"
+    where = ("fake GPU nodes, CPU" if a.get("fake_gpu_nodes", None) != 0
+             else f"{a.get('device')}, {a.get('dit_gpus')} GPU/replica")
     fig.suptitle(f"BucketLoadPolicy: {report['replay']['requests']} GenTD26 arrivals ({span}, every {a['every']}), "
                  f"krea sizes x{a['size_scale']:g}; {where}", fontsize=8)
     fig.tight_layout()
@@ -295,7 +296,8 @@ async def run(args) -> dict:
                    "images": sum(r.get("images", 0) for r in ok), "replay_s": round(replay_s, 2),
                    "send_span_s": round(requests[-1]["at"], 2) if requests else 0.0,
                    "latency_p50_s": sorted(r["latency_s"] for r in ok)[len(ok) // 2] if ok else None,
-                   "per_replica": {k: sum(1 for r in ok if r["replica"] == k) for k in sorted({r["replica"] for r in ok})}},
+                   "per_replica": {k: sum(1 for r in ok if r["replica"] == k)
+                                   for k in sorted({r["replica"] for r in ok})}},
         "peak_replicas": max((p["running"] for p in tl), default=0),
         "final_replicas": tl[-1]["running"] if tl else 0,
         "scale_events": scale_events(tl),

@@ -127,7 +127,8 @@ def run(name: str, config, reqs: list, warm: list, args) -> dict:
         entry["ready_s"] = round(time.perf_counter() - t0, 2)
         stats = sat._get_stats(url)
         entry["at_ready"] = {"pending": _pending(stats), "start": (stats.get("kernels") or {}).get("start"),
-                             "kernels": sorted({b.get("kernels") or "not prepared" for b in stats.get("buckets") or []})}
+                             "kernels": sorted({b.get("kernels") or "not prepared"
+                                                for b in stats.get("buckets") or []})}
         entry["at_ready"]["uncaptured_shapes"] = len(uncaptured_shapes(stats))
         print(f"[{name}] ready after {entry['ready_s']} s: {entry['at_ready']}", flush=True)
         watch = _DoneWatch(url) if name == "cold" else None
@@ -160,7 +161,8 @@ def run(name: str, config, reqs: list, warm: list, args) -> dict:
         stats = sat._get_stats(url)
         entry["kernels"] = {k: (stats.get("kernels") or {}).get(k) for k in ("tier", "start", "pending",
                                                                              "compile_failed", "compile_s")}
-        entry["buckets"] = [{k: b.get(k) for k in ("key", "mode", "kernels", "note")} for b in stats.get("buckets") or []]
+        entry["buckets"] = [{k: b.get(k) for k in ("key", "mode", "kernels", "note")}
+                            for b in stats.get("buckets") or []]
     finally:
         try:
             stop_local()
@@ -234,12 +236,14 @@ def main(argv: list[str] | None = None) -> int:
         for name in names:
             over = (sat.server_overrides("naive", base, spec, reqs + warm, args.concurrency) if name == "naive" else
                     {"runner": {"kernels": "eager"}} if name == "eager" else
-                    {"runner": {"kernels": args.kernels, "compile_in_background": True, "compile_cache_dir": str(cache)}})
+                    {"runner": {"kernels": args.kernels, "compile_in_background": True,
+                                "compile_cache_dir": str(cache)}})
             config = ServeConfig.model_validate(sat.merge(base, over))
             try:
                 result["servers"].append({**run(name, config, reqs, warm, args), "overrides": over})
             except Exception as e:  # noqa: BLE001 - one failing server must not lose the others' results
-                result["servers"].append({"server": name, "error": f"{type(e).__name__}: {e}"[:2000], "overrides": over})
+                result["servers"].append({"server": name, "error": f"{type(e).__name__}: {e}"[:2000],
+                                          "overrides": over})
                 print(f"[{name}] FAILED: {e}", flush=True)
             save()
     finally:

@@ -75,9 +75,9 @@ def bench_vae(name: str, args, device: torch.device, dtype: torch.dtype) -> list
     rows = []
     for batch in args.batches:
         z = torch.randn(batch, channels, side, side, device=device, dtype=dtype)
-        eager = lambda: vae.decode(z, return_dict=False)[0]  # noqa: E731
+        eager = lambda z=z: vae.decode(z, return_dict=False)[0]  # noqa: E731
         compiled_decode = torch.compile(vae.decode, dynamic=False)
-        compiled = lambda: compiled_decode(z, return_dict=False)[0]  # noqa: E731
+        compiled = lambda z=z, decode=compiled_decode: decode(z, return_dict=False)[0]  # noqa: E731
         ref = eager().float()
         t0 = time.perf_counter()
         out = compiled().float()

@@ -19,18 +19,18 @@ One model per invocation, in this process (no HTTP; the engine as a replica runs
    the ``encode`` timing is host time until the start returns: VAE-encode kernels still queued then finish inside
    the first step and are counted in ``denoise`` (the wall is exact).
 2. ``replay``: the first ``--requests`` (default 32) krea requests (``bench_saturation.replay_requests``: each its
-   own size, or ``--replay-size``, and image count, the data's seeds; ``--steps`` steps) through the step scheduler, ``--concurrency``
-   in flight (default 16), twice: ``plain`` (text to image only) and ``mixed``, where a seeded ``--edit-share`` of
-   them (default 0.1, exactly ``round(share x requests)``, at least one; :func:`assign_edits`) are edits instead
-   (same prompt, ``n``, steps and seed, ``--strength``), every other one of those (in request order, the first
-   one included) with a mask (:func:`mask_png` at its size): inpainting, the others image-to-image. Each edit's
-   input image is generated first (untimed): its own text-to-image request with ``n`` 1 at its size. Both replays
-   follow one untimed warm-up through the scheduler: one text-to-image request of each distinct (size, n)
+   own size, or ``--replay-size``, and image count, the data's seeds; ``--steps`` steps) through the step scheduler,
+   ``--concurrency`` in flight (default 16), twice: ``plain`` (text to image only) and ``mixed``, where a seeded
+   ``--edit-share`` of them (default 0.1, exactly ``round(share x requests)``, at least one; :func:`assign_edits`) are
+   edits instead (same prompt, ``n``, steps and seed, ``--strength``), every other one of those (in request order, the
+   first one included) with a mask (:func:`mask_png` at its size): inpainting, the others image-to-image. Each edit's
+   input image is generated first (untimed): its own text-to-image request with ``n`` 1 at its size. Both replays follow
+   one untimed warm-up through the scheduler: one text-to-image request of each distinct (size, n)
    (``bench_saturation.warmup_requests``) and each edit of the mixed replay once. Reported per replay: images/s,
-   per-request latency (submission to answer) p50 / p99 / mean overall and per kind, and ``image_steps`` (the sum
-   of ``n x`` steps run: the denoising work); ``ratios``, ``mixed / plain``, of images/s, p50, p99 and image_steps
-   (the last is the share of the denoising work left: about the throughput change fewer steps alone would give). Raw rows (kind, size, n, steps run, latency,
-   ``timings_ms``) are in the JSON.
+   per-request latency (submission to answer) p50 / p99 / mean overall and per kind, and ``image_steps`` (the sum of
+   ``n x`` steps run: the denoising work); ``ratios``, ``mixed / plain``, of images/s, p50, p99 and image_steps (the
+   last is the share of the denoising work left: about the throughput change fewer steps alone would give). Raw rows
+   (kind, size, n, steps run, latency, ``timings_ms``) are in the JSON.
 
 Models (``--model``): ``flux-dev-width`` (FLUX.1-dev's published width, 2 double and 4 single blocks, as
 ``bench_saturation``) and ``sd3-medium`` (``bench_families``' published SD3-medium transformer), random weights,
@@ -188,7 +188,8 @@ def run_single(pipe, size: tuple[int, int], steps: int, strength: float, repeats
 
     w, h = size
     text = GenerationRequest(PROMPT, n=1, width=w, height=h, num_inference_steps=steps, seed=7)
-    image = pipe.generate(pipe.validator.validate(text)).image_bytes[0]  # the input image, and text to image's untimed run
+    # the input image, and text to image's untimed run
+    image = pipe.generate(pipe.validator.validate(text)).image_bytes[0]
     plans = {k: pipe.validator.validate(as_edit(text, k, image, strength)) for k in KINDS}
     for k in KINDS[1:]:
         pipe.generate(plans[k])  # untimed: each edit path's first run
@@ -227,7 +228,7 @@ def replay(sched, pipe, requests: list, kinds: list[str], concurrency: int) -> t
                         "timings_ms": res.timings_ms}
 
         t0 = time.perf_counter()
-        rows = await asyncio.gather(*(one(p, k) for p, k in zip(plans, kinds)))
+        rows = await asyncio.gather(*(one(p, k) for p, k in zip(plans, kinds, strict=True)))
         return list(rows), time.perf_counter() - t0
 
     return asyncio.run(run())
@@ -343,9 +344,10 @@ def main(argv: list[str] | None = None) -> int:
             # the edits' input images: each its own text-to-image request, n 1, alone (untimed)
             images = {i: pipe.generate(pipe.validator.validate(dataclasses.replace(plain[i], n=1))).image_bytes[0]
                       for i, k in enumerate(kinds) if k != "text-to-image"}
-            mixed = [as_edit(r, k, images.get(i), args.strength) for i, (r, k) in enumerate(zip(plain, kinds))]
+            mixed = [as_edit(r, k, images.get(i), args.strength)
+                     for i, (r, k) in enumerate(zip(plain, kinds, strict=True))]
             warm = [bs.generation_request(r, args.steps) for r in bs.warmup_requests(demo, "shapes")]
-            edits = [(r, k) for r, k in zip(mixed, kinds) if k != "text-to-image"]
+            edits = [(r, k) for r, k in zip(mixed, kinds, strict=True) if k != "text-to-image"]
             replay(sched, pipe, warm + [r for r, _ in edits], ["text-to-image"] * len(warm) + [k for _, k in edits],
                    args.concurrency)
             result["replay_setup"] = {"requests": len(plain), "images": sum(r.n for r in plain),

@@ -53,9 +53,9 @@ for _p in (ROOT / "benchmarks", ROOT / "tests", ROOT):
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))
 
-from bcg_core import DiTPipeline, GenerationRequest, RequestValidator, describe_model, load_model
-from bcg_core.config import BucketConfig, EngineConfig, LimitsConfig, ModelConfig, RunnerConfig
-from bcg_core.verify import RTOL, boundary_cases, verify_runner
+from bcg_core import DiTPipeline, GenerationRequest, RequestValidator, describe_model, load_model  # noqa: E402
+from bcg_core.config import BucketConfig, EngineConfig, LimitsConfig, ModelConfig, RunnerConfig  # noqa: E402
+from bcg_core.verify import RTOL, boundary_cases, verify_runner  # noqa: E402
 
 PROMPT = "a photo of a cat sitting on a red chair"
 
@@ -194,7 +194,7 @@ def _text_encoders(spec: BenchModel) -> dict:
             bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id))
 
     if spec.family == "pixart":
-        return dict(zip(("tokenizer", "text_encoder"), t5(widths["t5"], 300)))
+        return dict(zip(("tokenizer", "text_encoder"), t5(widths["t5"], 300), strict=True))
     if spec.family == "sana":
         from tiny.sana import gemma_tokenizer
 
@@ -294,7 +294,8 @@ def exact_buckets(folder: Path, request: GenerationRequest, limits: LimitsConfig
     size = "{}x{}".format(*spec.generation_size(request.width, request.height))
     probe = BucketConfig(batch_sizes=[2 * limits.max_images], resolutions=[size],
                          text_lengths=[spec.rules.native_text_tokens or 300])
-    q = RequestValidator.from_config(EngineConfig(model=mc, limits=limits, buckets=probe)).validate(request).lookup.query
+    validator = RequestValidator.from_config(EngineConfig(model=mc, limits=limits, buckets=probe))
+    q = validator.validate(request).lookup.query
     return BucketConfig(batch_sizes=[q.batch], resolutions=[size], text_lengths=[q.text_tokens], miss_policy="reject")
 
 
@@ -343,7 +344,8 @@ def bench_case(model, folder: Path, case: str, n: int, args, device: torch.devic
                bcg=None, bcg_modes=None, speedup=None, floor_ms=None, floor_events=None, bcg_over_floor=None,
                eager_over_floor=None)
     if "graph" in pipes:
-        row.update(bcg=_medians(runs["graph"]), bcg_modes=dict(Counter(d["mode"] for d in pipes["graph"].runner.describe())))
+        row.update(bcg=_medians(runs["graph"]),
+                   bcg_modes=dict(Counter(d["mode"] for d in pipes["graph"].runner.describe())))
         row["speedup"] = round(row["eager"]["wall_ms"] / row["bcg"]["wall_ms"], 3)
         if not args.no_floor:
             floor, events = request_floor(pipes["graph"], req)
@@ -430,7 +432,7 @@ def format_table(header: list[str], rows: list[list]) -> str:
 
     cells = [header] + [[fmt(c) for c in r] for r in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
-    return "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in cells)
+    return "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in cells)
 
 
 def _table(header: list[str], rows: list[list]) -> None:

@@ -58,9 +58,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks"), str(ROOT / "tests")]
 
-from bcg_core import BucketConfig, DiTPipeline, GenerationRequest, LimitsConfig, ModelConfig
-from bcg_core.models import load_model
-from deployments.settings import ServeConfig
+from bcg_core import BucketConfig, DiTPipeline, GenerationRequest, LimitsConfig, ModelConfig  # noqa: E402
+from bcg_core.models import load_model  # noqa: E402
+from deployments.settings import ServeConfig  # noqa: E402
 
 CASES = [(1, 1), (4, 1), (8, 1), (4, 2)]
 """(requests, images per request) of every model: CFG on the odd requests, so 1, 6, 12 and 12 rows."""
@@ -142,7 +142,7 @@ def bench_case(pipes: dict[str, DiTPipeline], size: int, requests: int, n: int, 
             t2 = time.perf_counter()
             walls[path].append((t2 - t0) * 1e3 / args.steps)
             hosts[path].append((t1 - t0) * 1e3)
-    equal = all(torch.equal(a.latents, b.latents) for a, b in zip(states["fused"], states["host"]))
+    equal = all(torch.equal(a.latents, b.latents) for a, b in zip(states["fused"], states["host"], strict=True))
     med = {p: round(statistics.median(walls[p]), 3) for p in walls}
     return dict(size=f"{size}x{size}", requests=requests, n=n, rows=rows, bucket=str(lookup.key),
                 cfg_requests=sum(s.cfg for s in states["fused"]),

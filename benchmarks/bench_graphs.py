@@ -97,12 +97,12 @@ MODELS: dict[str, BenchModel] = {
     # Text: 77 CLIP + 256 T5 tokens (StableDiffusion3Pipeline, max_sequence_length=256).
     "sd3-medium": BenchModel("SD3Transformer2DModel", dict(
         sample_size=128, patch_size=2, in_channels=16, num_layers=24, attention_head_dim=64,
-        num_attention_heads=24, joint_attention_dim=4096, caption_projection_dim=1536, pooled_projection_dim=2048, out_channels=16,
-        pos_embed_max_size=192), 77 + 256, _sd3),
+        num_attention_heads=24, joint_attention_dim=4096, caption_projection_dim=1536, pooled_projection_dim=2048,
+        out_channels=16, pos_embed_max_size=192), 77 + 256, _sd3),
     "sd3-small": BenchModel("SD3Transformer2DModel", dict(
         sample_size=64, patch_size=2, in_channels=16, num_layers=2, attention_head_dim=64,
-        num_attention_heads=4, joint_attention_dim=256, caption_projection_dim=256, pooled_projection_dim=128, out_channels=16,
-        pos_embed_max_size=96), 77 + 256, _sd3),
+        num_attention_heads=4, joint_attention_dim=256, caption_projection_dim=256, pooled_projection_dim=128,
+        out_channels=16, pos_embed_max_size=96), 77 + 256, _sd3),
     # PixArt-alpha/PixArt-Sigma-XL-2-1024-MS transformer/config.json (huggingface.co, commit edfd592; later
     # copies of it name "use_additional_conditions": false, which PixArtSigmaPipeline's
     # added_cond_kwargs={"resolution": None, "aspect_ratio": None} requires): 28 layers, 16 heads of 72,
@@ -253,7 +253,8 @@ def main() -> None:
     model, adapter = build(args.model, dev, dtype)
     params_b = sum(p.numel() for p in model.parameters()) / 1e9
     text = MODELS[args.model].text_tokens
-    print(f"{args.model}: {params_b:.2f}B params, built in {time.perf_counter() - t0:.1f} s on {torch.cuda.get_device_name()}")
+    print(f"{args.model}: {params_b:.2f}B params, built in {time.perf_counter() - t0:.1f} s "
+          f"on {torch.cuda.get_device_name()}")
 
     cases = bench_cases(adapter, text, sizes, batches, args.with_masked)
     keys = [c.key for _, c in cases]
@@ -273,9 +274,9 @@ def main() -> None:
     for size, case in cases:
         x = random_inputs(adapter, case, dev, dtype)
         with torch.inference_mode():
-            eager = cuda_ms(lambda: adapter.forward_eager(x), args.iters)
-            floor, kernels = kernel_floor(lambda: adapter.forward_eager(x))
-        graph = cuda_ms(lambda: shared.run(case.key, x), args.iters)
+            eager = cuda_ms(lambda x=x: adapter.forward_eager(x), args.iters)
+            floor, kernels = kernel_floor(lambda x=x: adapter.forward_eager(x))
+        graph = cuda_ms(lambda key=case.key, x=x: shared.run(key, x), args.iters)
         entry = shared.entries[case.key]
         replay = cuda_ms(entry.graph.replay, args.iters)
         out = shared.run(case.key, x).float()

@@ -6,11 +6,13 @@ eager``) and ``compiled`` (``runner.kernels: compiled``, ``bcg_core/runners/kern
 compiled by inductor with static shapes, then captured into the bucket's graph), and with ``--tiers
 eager,compiled,fp8`` a third over a model of its own (``fp8``: compiled, with the repeated blocks' linear layers in
 float8 through torchao), and ``autotune`` (``compiled`` with ``runner.compile_mode: max-autotune-no-cudagraphs``;
-a model of its own when another compiled tier runs too). Each captures every bucket at prepare. Per bucket, in one process, alternating the two tiers per round:
+a model of its own when another compiled tier runs too). Each captures every bucket at prepare. Per bucket, in one
+process, alternating the two tiers per round:
 
 - ``eager_ms`` / ``compiled_ms``: one graph replay (one transformer forward at the bucket's full shape), the
   median over ``--rounds`` rounds of ``--iters`` replays timed with CUDA events;
-- ``ratio`` (and ``<tier>_ratio``): ``compiled_ms / eager_ms`` (below 1: compiled kernels are faster; the target is at most 0.85);
+- ``ratio`` (and ``<tier>_ratio``): ``compiled_ms / eager_ms`` (below 1: compiled kernels are faster; the target is at
+  most 0.85);
 - ``prepare_s``: the bucket's warm-up and capture seconds (with compiled kernels, its compile);
 - ``rel_err`` of each tier: ``max|padded - unpadded eager| / max|unpadded eager|`` at the bucket's exact shape
   (``bcg_core.verify.verify_runner``), against the tier's tolerance (``<tier>_rtol``: the dtype's

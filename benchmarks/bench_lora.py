@@ -278,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
                                    mix_draw=args.mix_draw)
         plain = [bs.generation_request(r, args.steps) for r in demo]
         entries = assign_adapters(plain, names, args.lora_share, args.two_share, args.zipf)
-        with_lora = [dataclasses.replace(r, lora=e) for r, e in zip(plain, entries)]
+        with_lora = [dataclasses.replace(r, lora=e) for r, e in zip(plain, entries, strict=True)]
         warm = [bs.generation_request(r, args.steps) for r in bs.warmup_requests(demo, "shapes")]
         mc = ServeConfig.model_validate({"model": cfg}).model
         base = bs.base_config(cfg, describe_model(mc), load_tokenizer_counter(mc), demo, args.steps)

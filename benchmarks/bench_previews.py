@@ -4,9 +4,9 @@ Two requests of one shape run together, step for step: A streams ``partial_image
 streams none. B's latency (``timings_ms["total"]``: submitted to answered, so on a GPU it includes the steps'
 device time) with A's previews on is compared with the same pair with A's previews off, interleaved,
 ``--trials`` times each (medians): ``ratio``. Also reported: B's ``timings_ms["denoise"]`` (the denoising
-thread's wall time over B's steps; on a GPU that is the time to *launch* them, the device runs behind). Also reported: the
-denoising thread's own share of each preview (``previews.handoff_ms_*``: the latent copy and the queue put)
-and the preview thread's time per preview (linear latent-to-RGB map, resize, encode).
+thread's wall time over B's steps; on a GPU that is the time to *launch* them, the device runs behind). Also reported:
+the denoising thread's own share of each preview (``previews.handoff_ms_*``: the latent copy and the queue put) and the
+preview thread's time per preview (linear latent-to-RGB map, resize, encode).
 
 Usage::
 

@@ -138,7 +138,8 @@ def main() -> None:
             totals.append(out.timings_ms["total"])
             parts.append(out.timings_ms)
         images[mode] = out.image_bytes
-        result[mode] = dict(prepare_s=round(prepare_s, 2), bucket=None if out.bucket is None else str(out.bucket), total_ms=round(statistics.median(totals[1:]), 1),
+        result[mode] = dict(prepare_s=round(prepare_s, 2), bucket=None if out.bucket is None else str(out.bucket),
+                            total_ms=round(statistics.median(totals[1:]), 1),
                             **{k + "_ms": round(statistics.median(p[k] for p in parts[1:]), 1)
                                for k in ("encode", "denoise", "decode")})
         print(mode, json.dumps(result[mode]))

@@ -121,8 +121,9 @@ async def _one(i: int, req: dict, via: str, handle, base_url: str, client, timeo
                 rec["error"] = data.get("error", {}).get("message", "")[:200]
         else:
             res = await asyncio.wait_for(handle.images.remote(req), timeout=timeout_s)
-            rec.update(status=200, bucket=None if res.bucket is None else str(res.bucket), replica=res.replica, owner=res.owner, batch_size=res.batch_size,
-                       retries=res.retries, images=len(res.image_bytes), server_ms=res.timings_ms)
+            rec.update(status=200, bucket=None if res.bucket is None else str(res.bucket), replica=res.replica,
+                       owner=res.owner, batch_size=res.batch_size, retries=res.retries, images=len(res.image_bytes),
+                       server_ms=res.timings_ms)
     except Exception as exc:  # noqa: BLE001 - every outcome is recorded
         status = getattr(exc, "status", None)
         rec.update(status=status or 599, error=f"{type(exc).__name__}: {str(exc)[:200]}")
@@ -212,7 +213,7 @@ async def ping_overhead(handles: dict, shapes: list[str], count: int) -> dict:
         out[name] = {"p50_ms": round(percentile(warm, 0.5), 3), "p99_ms": round(percentile(warm, 0.99), 3),
                      "mean_ms": round(statistics.mean(warm), 3)}
     for name in names[1:]:
-        diff = [a - b for a, b in zip(times[names[0]][skip:], times[name][skip:])]
+        diff = [a - b for a, b in zip(times[names[0]][skip:], times[name][skip:], strict=True)]
         out[f"{names[0]}_minus_{name}"] = {"p50_ms": round(percentile(diff, 0.5), 3),
                                            "p99_ms": round(percentile(diff, 0.99), 3)}
     return out

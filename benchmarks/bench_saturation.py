@@ -264,7 +264,10 @@ def summarize(rows: list[dict], wall_s: float, floor_s: float | None = None) -> 
     status = [r["status"] for r in rows if not r["ok"]]
     images = sum(r["images"] for r in ok)
     retries = [r.get("retries") for r in rows]
-    rnd = (lambda x, d=1: None if x is None else round(x, d))
+
+    def rnd(x, d=1):
+        return None if x is None else round(x, d)
+
     return {
         "requests": len(rows), "ok": len(ok), "failures": len(rows) - len(ok),
         "http_4xx": sum(1 for s in status if s is not None and 400 <= s < 500),
@@ -830,18 +833,19 @@ def run_server(name: str, config, replay_reqs: list, warmups: list, c1: list, ar
         waste = padded_token_waste(after, before)
         summary.update(padded_token_waste=None if waste["waste"] is None else round(waste["waste"], 4),
                        waste_source=waste["source"], waste_window=waste["window"],
-                       waste_buckets_replay=None if waste["buckets_replay"] is None else round(waste["buckets_replay"], 4),
+                       waste_buckets_replay=(None if waste["buckets_replay"] is None
+                                             else round(waste["buckets_replay"], 4)),
                        gpu_busy=None if not sampler.active else _round(busy_fraction(sampler.samples, t0, t1), 4),
                        gpu_samples=sum(1 for t, _ in sampler.samples if t0 <= t <= t1) if sampler.active else 0,
                        gpu_sampler=sampler.source)
         entry["requests"] = rows
         entry["stats"] = trim_stats(after)
         entry["decode"] = (after.get("kernels") or {}).get("decode")
-        graphs = [b for b in after.get("buckets") or [] if b.get("mode") == "graph"]
-        entry["graphs"] = {"count": len(after.get("buckets") or []), "captured": len(graphs),
-                           "capture_s": round(sum(float(b.get("capture_s") or 0) for b in after.get("buckets") or []), 2),
-                           "pool_mib": round(sum(int(b.get("pool_bytes") or 0) for b in after.get("buckets") or [])
-                                             / 2**20, 1)}
+        buckets = after.get("buckets") or []
+        graphs = [b for b in buckets if b.get("mode") == "graph"]
+        entry["graphs"] = {"count": len(buckets), "captured": len(graphs),
+                           "capture_s": round(sum(float(b.get("capture_s") or 0) for b in buckets), 2),
+                           "pool_mib": round(sum(int(b.get("pool_bytes") or 0) for b in buckets) / 2**20, 1)}
         entry["scheduler_reported"] = isinstance(after.get("scheduler"), dict)
         if name == "step" and not entry["scheduler_reported"]:
             print("[step] WARNING: GET /v1/buckets has no 'scheduler' section: the replica did not report its step "
@@ -875,11 +879,14 @@ def _table(header: list[str], rows: list[list]) -> str:
 
 def render(result: dict) -> str:
     """The plain-text table of a result (one row per server, then the ratios)."""
+
+    def pct(x):
+        return None if x is None else 100.0 * x
+
     rows = []
     for s in result["servers"]:
         m = s.get("summary") or {}
         lat = m.get("latency_ms") or {}
-        pct = (lambda x: None if x is None else 100.0 * x)
         rows.append([s["server"], f"{m.get('ok', '-')}/{m.get('requests', '-')}", m.get("http_4xx"), m.get("wall_s"),
                      m.get("images_per_s"), lat.get("p50"), lat.get("p99"), m.get("c1_p50_ms"),
                      pct(m.get("padded_token_waste")), pct(m.get("gpu_busy")), m.get("wall_over_floor"),

@@ -11,7 +11,8 @@ order). TF32 stays off on CUDA unless ``--tf32``.
 
 On the GPU machine::
 
-    python benchmarks/bench_vae_encode.py --sizes 512,1024 --batch 4 --dtype bfloat16 --out docs/bench/<date>_vae_encode_h200.json
+    python benchmarks/bench_vae_encode.py --sizes 512,1024 --batch 4 --dtype bfloat16 \\
+        --out docs/bench/<date>_vae_encode_h200.json
 
 On a CPU (slow at published sizes)::
 

@@ -160,7 +160,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"start {i} ({row['phase']}): ready in {row['ready_s']} s (process wall {wall} s; import "
                   f"{row['import_s']} s, weights {row['load_s']} s, {row['graphs']} graphs prepared in "
                   f"{row['prepare_s']} s), cache {k['start']}: {k['cache_hits']} hits, {k['cache_misses']} misses, "
-                  f"{len(row['on_eager'])} buckets on eager kernels, precompiled blocks {k.get('precompiled')}", flush=True)
+                  f"{len(row['on_eager'])} buckets on eager kernels, precompiled blocks {k.get('precompiled')}",
+                  flush=True)
             if args.out:
                 Path(args.out).write_text(json.dumps(result, indent=1))
     finally:

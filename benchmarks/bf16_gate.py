@@ -1,9 +1,9 @@
 """bcg-serve's bf16 images against diffusers' own bf16 pipeline, per family, beside diffusers' own deviations.
 
 For each family (the tiny random-weight checkpoints of ``tests/tiny/``, built offline), in bf16 on ``--device``,
-``tests/reference_gate_bf16.py`` (:func:`reference_gate_bf16.measure_family`) measures diffusers' own deviations (``batch``: alone
-against beside another prompt in a batch of two; ``kernel``: default SDPA backend against the math backend;
-``fp32``: bf16 against fp32) and bcg-serve's (``runner.kernels`` ``--kernels``) against diffusers alone for an
+``tests/reference_gate_bf16.py`` (:func:`reference_gate_bf16.measure_family`) measures diffusers' own deviations
+(``batch``: alone against beside another prompt in a batch of two; ``kernel``: default SDPA backend against the math
+backend; ``fp32``: bf16 against fp32) and bcg-serve's (``runner.kernels`` ``--kernels``) against diffusers alone for an
 exact bucket, image padding into a masked tier, text padding and a batched request, then applies the gate
 (:func:`reference_gate_bf16.check`). Each cell: largest pixel difference in levels / share of pixel values that differ /
 relative error of the final latents.
@@ -205,7 +205,8 @@ def main(argv: list[str] | None = None) -> int:
             print("gate:", v)
         if not r["fp32_is_rounding"]:
             print(f"note: {r['family']}: diffusers' bf16 image is another image than its fp32 one (latents "
-                  f"{r['bounds']['fp32']['latent_rel']:.2f} relative): no rounding, so the gate's bound leaves fp32 out")
+                  f"{r['bounds']['fp32']['latent_rel']:.2f} relative): no rounding, so the gate's bound leaves "
+                  f"fp32 out")
     return 1 if any(r["violations"] for r in results) else 0
 
 

@@ -511,7 +511,8 @@ def main(argv: list[str] | None = None) -> dict:
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     report.update(wall_s=round(time.perf_counter() - t0, 1), commit=_commit(),
-                  args={k: v for k, v in vars(args).items() if k not in ("claim_dir", "forward_dir", "oom_dir", "port")})
+                  args={k: v for k, v in vars(args).items()
+                        if k not in ("claim_dir", "forward_dir", "oom_dir", "port")})
     text = json.dumps(report, indent=1, default=str)
     if args.json:
         Path(args.json).write_text(text)

@@ -137,8 +137,9 @@ def company_cases(pipe: DiTPipeline, sizes: list[tuple[int, int]], seeds: int, s
         pipe.decider.set_costs(own_costs if placed == "decider" else bucket_costs(pipe), merge=False)
         for w, h in sizes:
             for i in range(seeds):
+                # req and row are called only within this iteration, so they read this iteration's values
                 def req(prompt: str, seed: int, n: int = 1) -> GenerationRequest:
-                    r = GenerationRequest(prompt, n=n, width=w, height=h, num_inference_steps=steps,
+                    r = GenerationRequest(prompt, n=n, width=w, height=h, num_inference_steps=steps,  # noqa: B023
                                           guidance_scale=guidance, seed=seed)
                     return pipe.validator.validate(r).request
 
@@ -147,9 +148,10 @@ def company_cases(pipe: DiTPipeline, sizes: list[tuple[int, int]], seeds: int, s
                 ref_img = _images(alone)[0]
 
                 def row(composition: str, run) -> None:
-                    dev = compare(_images(run)[0], ref_img, run.latents[:1], alone.latents[:1])
-                    rows.append({"model": model, "forwards": placed, "size": f"{w}x{h}", "seed": probe.seed,
-                                 "guidance": guidance, "composition": composition, **dev.to_json()})
+                    dev = compare(_images(run)[0], ref_img, run.latents[:1], alone.latents[:1])  # noqa: B023
+                    rows.append({"model": model, "forwards": placed, "size": f"{w}x{h}",  # noqa: B023
+                                 "seed": probe.seed, "guidance": guidance, "composition": composition,  # noqa: B023
+                                 **dev.to_json()})
 
                 for n, head in COMPOSITIONS:
                     if head is None:

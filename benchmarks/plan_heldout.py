@@ -39,7 +39,7 @@ from bcg_core.planning.plan_costs import PlanCosts, TableScore, evaluate  # noqa
 from bcg_core.planning.samples import Traffic, krea_rows, planning_table, traffic_from_gentd26, traffic_from_rows  # noqa: E402
 from bcg_core.planning.table_search import search_table  # noqa: E402
 from deployments.cli.plan_command import GENTD26_CSV  # noqa: E402
-from deployments.settings import ServeConfig
+from deployments.settings import ServeConfig  # noqa: E402
 
 
 def _config(name: str, folder: Path) -> ServeConfig:

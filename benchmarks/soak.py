@@ -334,7 +334,8 @@ async def soak(url: str, args) -> dict:
     d0, d1 = device_at_rest.get("after_warmup"), device_at_rest.get("end")
     if d0 and d1:
         dev = {"at_rest_after_warmup": d0, "at_rest_end": d1,
-               "change_at_rest_reserved": round((d1["reserved_bytes"] - d0["reserved_bytes"]) / d0["reserved_bytes"], 4),
+               "change_at_rest_reserved": round((d1["reserved_bytes"] - d0["reserved_bytes"])
+                                                / d0["reserved_bytes"], 4),
                "change_at_rest_allocated": round((d1["allocated_bytes"] - d0["allocated_bytes"])
                                                  / d0["allocated_bytes"], 4),
                "series": [(round(t, 1), a, r) for t, a, r in device_memory[:: max(1, len(device_memory) // 60)]]}

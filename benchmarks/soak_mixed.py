@@ -156,7 +156,7 @@ def slope_mb_per_min(series: list[tuple[float, float]]) -> float | None:
     ts, ys = [t for t, _ in series], [y for _, y in series]
     mt, my = statistics.fmean(ts), statistics.fmean(ys)
     den = sum((t - mt) ** 2 for t in ts)
-    return None if den == 0 else sum((t - mt) * (y - my) for t, y in zip(ts, ys)) / den * 60 / 2**20
+    return None if den == 0 else sum((t - mt) * (y - my) for t, y in zip(ts, ys, strict=True)) / den * 60 / 2**20
 
 
 def under_load_summary(series: list[tuple[float, dict[str, int]]], start_s: float, end_s: float,
@@ -459,8 +459,8 @@ async def soak(url: str, args) -> dict:
         "duration_s": args.duration_s, "mix": MIX,
         "sent": sum(sum(v.values()) for v in outcomes.values()), "outcomes": outcomes, "failures": details[:20],
         "at_rest": {**at_rest, "change_dit": change("dit_bytes"), "change_total": change("total_bytes"),
-                    "change_groups": {g: round((b["groups_mb"][g] - v) / v, 4) for g, v in a.get("groups_mb", {}).items()
-                                      if v and g in b.get("groups_mb", {})}},
+                    "change_groups": {g: round((b["groups_mb"][g] - v) / v, 4)
+                                     for g, v in a.get("groups_mb", {}).items() if v and g in b.get("groups_mb", {})}},
         "under_load": {"warmup_end_s": round(start, 1), "end_s": round(end_s, 1), "samples": len(series),
                        "summary": load,
                        "series_mb": [(round(t, 1), {g: round(v / 2**20, 1) for g, v in s.items()})

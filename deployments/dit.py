@@ -5,18 +5,19 @@ by shape) and captures only the bucket shapes it owns (every batch bucket of eac
 text bucket), largest shape first, then reports ready. Without a coordinator it captures every bucket. Once
 ``runner.ready_after_s`` has passed (and at least one shape is ready) it reports ready at once and captures the
 shapes left in the background, as it does shapes it gains later: a request of a shape not captured yet runs as one
-unpadded eager forward per step meanwhile (:meth:`~bcg_core.runners.cuda_graph.CudaGraphRunner.run`). With compiled kernels
-(``runner.compile_in_background``) a bucket whose blocks are not in the compile cache is captured with eager kernels
-and compiled after the replica is ready, then swapped in between steps (:mod:`bcg_core.runners.background`).
+unpadded eager forward per step meanwhile (:meth:`~bcg_core.runners.cuda_graph.CudaGraphRunner.run`). With compiled
+kernels (``runner.compile_in_background``) a bucket whose blocks are not in the compile cache is captured with eager
+kernels and compiled after the replica is ready, then swapped in between steps (:mod:`bcg_core.runners.background`).
 
 Serving: a request arrives as the ingress's :class:`~bcg_core.request.ValidatedRequest` (validated, seed filled in,
 bucket looked up) and is trusted as it is: the replica accepts nothing else and never validates it again. Requests
 go through the replica's :class:`~bcg_core.scheduler.step_scheduler.StepScheduler` (requests join and leave at step
 boundaries; each iteration runs one step of every request in flight, in the bucket forwards its measured cost
-model chooses). Generation is blocking torch work in worker threads, so the replica's event loop keeps answering ``stats``, health checks
-and ``record_routing_stats``; a cancelled call (its client went away) stops at the next denoising step.
-A streamed request (``stream: true`` at the ingress) comes through ``generate_stream``, an async generator
-called with ``handle.options(stream=True)``: its previews, then its result (:meth:`StepScheduler.submit_stream`).
+model chooses). Generation is blocking torch work in worker threads, so the replica's event loop keeps answering
+``stats``, health checks and ``record_routing_stats``; a cancelled call (its client went away) stops at the next
+denoising step. A streamed request (``stream: true`` at the ingress) comes through ``generate_stream``, an async
+generator called with ``handle.options(stream=True)``: its previews, then its result
+(:meth:`StepScheduler.submit_stream`).
 
 Cost model: with ``scheduler.measure_costs`` (``auto``: where graphs are captured), each
 shape's buckets are timed right after
@@ -180,7 +181,8 @@ class DiTReplica:
         ingress: the replica and its scheduler trust the plan)."""
         if not isinstance(planned, ValidatedRequest):
             raise TypeError(f"the DiT replica takes a ValidatedRequest, got {type(planned).__name__}: send requests "
-                            f"to the ingress, or validate them first (RequestValidator.from_config(config).validate(request))")
+                            f"to the ingress, or validate them first "
+                            f"(RequestValidator.from_config(config).validate(request))")
         if self._traffic is not None:
             self._traffic.record(planned)
         return planned
@@ -281,8 +283,9 @@ class DiTReplica:
     def stats(self) -> dict:
         """Per-bucket counters (:meth:`DiTPipeline.stats`) plus this replica's id, routing view, owner
         hits, the step scheduler's counters, the state of its Prometheus export (``metrics_export``: pushes, errors,
-        ``None`` when the exporter is off), ``device_memory`` (CUDA bytes allocated and reserved, None on a CPU) and the request shapes it accepted (``traffic``: a
-        :meth:`~bcg_core.planning.traffic.TrafficHistogram.snapshot`, ``None`` with ``traffic.record`` off)."""
+        ``None`` when the exporter is off), ``device_memory`` (CUDA bytes allocated and reserved, None on a CPU) and the
+        request shapes it accepted (``traffic``: a :meth:`~bcg_core.planning.traffic.TrafficHistogram.snapshot`,
+        ``None`` with ``traffic.record`` off)."""
         out = self._pipeline.stats()
         out["replica"] = self._id
         loads = self._loads()

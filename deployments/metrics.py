@@ -100,8 +100,8 @@ METRICS: tuple[MetricSpec, ...] = (
                "static padded buffers: every bucket on a CPU), eager (unpadded)."),
     MetricSpec("bcg_captures", "counter", _BUCKET, "captures", "CUDA graph captures of the bucket.", "captures"),
     MetricSpec("bcg_bucket_faults", "counter", _BUCKET, "errors",
-               "Runtime errors of the bucket's padded forward (e.g. a CUDA error mid-replay); after the first the bucket "
-               "runs unpadded and eager.", "faults"),
+               "Runtime errors of the bucket's padded forward (e.g. a CUDA error mid-replay); after the first the "
+               "bucket runs unpadded and eager.", "faults"),
     MetricSpec("bcg_capture_seconds", "counter", _BUCKET, "seconds",
                "Seconds spent capturing the bucket's CUDA graph (warm-up forwards included).", "capture_s"),
     MetricSpec("bcg_real_tokens", "counter", _BUCKET, "tokens",

@@ -3,8 +3,9 @@ shape in the request metadata.
 
 On the HTTP path the router sees a request's arguments only as opaque bytes, so the bucket shape travels in
 ``RequestMetadata.multiplexed_model_id`` (``handle.options(multiplexed_model_id=str(key))``, ``key`` the request's
-:class:`~router.routing_key.RoutingKey`), where :class:`router.shape_router.ShapeAwareRouter` reads it. The ingress uses :func:`call_dit` for HTTP requests
-and for its Python handle method ``Ingress.images``; code holding a DiT handle directly can use it too.
+:class:`~router.routing_key.RoutingKey`), where :class:`router.shape_router.ShapeAwareRouter` reads it. The ingress uses
+:func:`call_dit` for HTTP requests and for its Python handle method ``Ingress.images``; code holding a DiT handle
+directly can use it too.
 """
 
 from __future__ import annotations

@@ -3,9 +3,9 @@
 This module checks the *shape* of OpenAI's request: types (strict: no ``"2"`` for an integer, no ``true`` for a
 number), the values OpenAI's enumerations allow, ``WxH`` sizes, the served model name, previews only when
 streamed, and no unknown fields. Limits (``n``, sizes, steps, guidance, seeds, text length, output options) are
-the validator's to check, once, with the model (:meth:`bcg_core.validation.RequestValidator.validate`); the phrase of what each
-field accepts comes from :func:`bcg_core.validation.engine_field_phrase` on both paths. The served configuration comes in
-through pydantic's validation context as a :class:`RequestLimits`::
+the validator's to check, once, with the model (:meth:`bcg_core.validation.RequestValidator.validate`); the phrase of
+what each field accepts comes from :func:`bcg_core.validation.engine_field_phrase` on both paths. The served
+configuration comes in through pydantic's validation context as a :class:`RequestLimits`::
 
     ImageGenerationRequest.model_validate_json(body, context={"limits": RequestLimits(...)})
 
@@ -150,7 +150,8 @@ class ImageGenerationRequest(BaseModel):
     n: int | None = Field(default=1, description="Number of images, 1 to limits.max_images.")
     size: str | None = Field(
         default="auto",
-        description="'auto' (the model's default size: its diffusers pipeline's, GET /v1/models limits.default_size; 512x512 for the tiny default) or 'WxH' in pixels; each side from limits.min_side_px to "
+        description="'auto' (the model's default size: its diffusers pipeline's, GET /v1/models "
+        "limits.default_size; 512x512 for the tiny default) or 'WxH' in pixels; each side from limits.min_side_px to "
         "limits.max_side_px and a multiple of the model's pixels per token (16 for the default model).",
     )
     response_format: Literal["b64_json"] | None = Field(
@@ -180,8 +181,8 @@ class ImageGenerationRequest(BaseModel):
     partial_images: int | None = Field(
         default=None, description=f"Previews streamed while denoising, 0 to {MAX_PARTIAL_IMAGES} (with stream: "
         "true), at evenly spaced steps; a request with fewer steps gets fewer.")
-    seed: int | None = Field(default=None, description="Noise seed of image 0 (image i uses seed + i), 0 to 2**63-1-limits.max_images; "
-                      "omitted = random, reported back.")
+    seed: int | None = Field(default=None, description="Noise seed of image 0 (image i uses seed + i), 0 to "
+                      "2**63-1-limits.max_images; omitted = random, reported back.")
     num_inference_steps: int | None = Field(
         default=None, description="Denoising steps, 1 to limits.max_steps; omitted = the family's diffusers pipeline "
         "default (28 FLUX.1 and SD3, 20 PixArt-Sigma and SANA, 50 Qwen-Image, 4 the tiny default) unless the config "

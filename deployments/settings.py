@@ -75,8 +75,8 @@ class RoutingConfig(BaseModel):
     max_ongoing_requests: int | None = Field(
         default=None, ge=1, le=1024,
         description="Requests one DiT replica accepts at once (waiting in its scheduler or running). None: "
-        "derived from the scheduler's capacity (deployments.settings.backpressure_limits): scheduler.max_requests, else "
-        "2 x (scheduler.max_rows_in_flight // rows of a default request).",
+        "derived from the scheduler's capacity (deployments.settings.backpressure_limits): scheduler.max_requests, "
+        "else 2 x (scheduler.max_rows_in_flight // rows of a default request).",
     )
     max_queued_requests: int | None = Field(
         default=None, ge=1, le=100000,
@@ -426,9 +426,9 @@ def backpressure_limits(config: ServeConfig, dit_replicas: int = 1) -> Backpress
     ``rows`` of a default request: 2 with classifier-free guidance (``limits.default_guidance_scale > 1``, or
     unset: the family's default, which runs CFG for SD3, PixArt-Sigma, SANA and the tiny default; counted
     without loading the model, so FLUX.1 and Qwen-Image, whose default requests run one row, are counted at 2
-    too unless it is set to 1), else 1. ``batch_capacity`` (the requests a replica runs at once) is ``scheduler.max_rows_in_flight // rows``:
-    the step scheduler splits forwards across buckets (or runs them eager), so the largest batch bucket does
-    not bound it.
+    too unless it is set to 1), else 1. ``batch_capacity`` (the requests a replica runs at once) is
+    ``scheduler.max_rows_in_flight // rows``: the step scheduler splits forwards across buckets (or runs them eager), so
+    the largest batch bucket does not bound it.
 
     ``max_ongoing_requests``: ``scheduler.max_requests`` when set, else ``2 x batch_capacity`` (one set running, one
     waiting for admission).

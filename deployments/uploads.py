@@ -75,7 +75,7 @@ def edits_card(spec, limits) -> dict | None:
 
     if spec.edit_pipelines is None:
         return None
-    pipes = dict(zip(("image-to-image", "inpainting"), spec.edit_pipelines))
+    pipes = dict(zip(("image-to-image", "inpainting"), spec.edit_pipelines, strict=True))
     defaults = {}
     for mode in pipes:
         d = edit_defaults(spec, limits, mode == "inpainting")

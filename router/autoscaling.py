@@ -289,8 +289,8 @@ def decide(reports: Mapping[Any, ReplicaReport | None], *, target: int, now: flo
         ``(decision, new_state)``.
 
     Raises:
-        ValueError: a utilisation outside (0, 1], a non-positive drain time or max_ongoing_per_replica, negative delays or grace, or
-            ``min_replicas > max_replicas``.
+        ValueError: a utilisation outside (0, 1], a non-positive drain time or max_ongoing_per_replica, negative delays
+            or grace, or ``min_replicas > max_replicas``.
     """
     if not 0 < target_utilization <= 1 or backlog_drain_s <= 0 or max_ongoing_per_replica <= 0:
         raise ValueError(f"need 0 < target_utilization <= 1, backlog_drain_s > 0, max_ongoing_per_replica > 0; "

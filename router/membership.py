@@ -123,7 +123,8 @@ class OwnershipTable:
             return True
         return self.first_join is not None and self.clock() - self.first_join >= self.join_window_s
 
-    def join(self, replica_id: str, budget_bytes: int, owned: tuple[str, ...] = (), ready: tuple[str, ...] = ()) -> None:
+    def join(self, replica_id: str, budget_bytes: int, owned: tuple[str, ...] = (),
+             ready: tuple[str, ...] = ()) -> None:
         """Register (or re-register) a replica; reassigns when the first assignment exists.
 
         Args:

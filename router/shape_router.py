@@ -133,8 +133,8 @@ def _by_adapters(ranked: list[tuple[tuple, Any]], adapters: frozenset[str], slac
     if not adapters:
         return [[r for _, r in ranked]]
     holds = [adapters <= _shapes(_stats(r), "adapters") for _, r in ranked]
-    holders = [kr for kr, h in zip(ranked, holds) if h]
-    others = [kr for kr, h in zip(ranked, holds) if not h]
+    holders = [kr for kr, h in zip(ranked, holds, strict=True) if h]
+    others = [kr for kr, h in zip(ranked, holds, strict=True) if not h]
     if not holders or not others or min(k[load] for k, _ in holders) > min(k[load] for k, _ in others) + slack:
         return [[r for _, r in ranked]]
     return [[r for _, r in holders], [r for _, r in others]]
@@ -215,8 +215,8 @@ class ShapeAwareRouter(RequestRouter):
             request_router_kwargs={"fallback_wait_s": 2.0}))
 
     and call it with ``handle.options(multiplexed_model_id=str(key))``, ``key`` a :class:`RoutingKey` (see the
-    module docstring for the key and the ``record_routing_stats`` contract). Serve constructs one router per deployment handle
-    (in the calling process), so counts are per handle, not per deployment.
+    module docstring for the key and the ``record_routing_stats`` contract). Serve constructs one router per deployment
+    handle (in the calling process), so counts are per handle, not per deployment.
 
     Tiers: see :func:`rank_replicas`. ``choose_replicas`` always sets
     ``pending_request.routing_context.should_backoff = True``: Ray's base class looks at it only after

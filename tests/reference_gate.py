@@ -22,7 +22,8 @@ from bcg_core import BucketConfig, DiTPipeline, GenerationRequest, LimitsConfig,
 from bcg_core.config import EngineConfig
 from bcg_core.costs import CostModel
 
-__all__ = ["GateRun", "PIXEL_SHARE", "RTOL", "assert_same", "bcg_pipeline", "bcg_run", "bcg_state", "bucket_costs", "padded", "bcg_run_joined", "diffusers_run", "pixels"]
+__all__ = ["GateRun", "PIXEL_SHARE", "RTOL", "assert_same", "bcg_pipeline", "bcg_run", "bcg_state", "bucket_costs",
+           "padded", "bcg_run_joined", "diffusers_run", "pixels"]
 
 RTOL = 1e-5
 """Relative tolerance on the final latents (fp32 on CPU, docs/DESIGN.md section 4)."""
@@ -199,7 +200,7 @@ def assert_same(ours: GateRun, ref: GateRun, rtol: float = RTOL, exact: bool = F
     identical = torch.equal(ours.latents, ref.latents)
     assert identical or not exact, f"latents are not bit-identical to diffusers' (max relative {err:.2e})"
     assert len(ours.pngs) == len(ref.pngs)
-    for i, (a, b) in enumerate(zip(ours.pngs, ref.pngs)):
+    for i, (a, b) in enumerate(zip(ours.pngs, ref.pngs, strict=True)):
         if identical:
             assert a == b, f"image {i}: PNG differs from diffusers' own pipeline although the latents are identical"
             continue

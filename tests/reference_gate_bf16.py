@@ -25,10 +25,10 @@ bcg-serve (``runner.kernels`` as given, ``"eager"`` by default) and compares wit
   (:func:`reference_gate.bcg_run_joined`; 3 images' rows in a 4-row bucket, or 6 CFG rows in an 8-row one).
 
 :func:`check` is the gate (see there): bit-identical latents where diffusers' own are batch-exact, else within
-:data:`MARGIN` times diffusers' own deviations. Each comparison is a :class:`Deviation`: the largest difference of a pixel
-value in levels (0-255, the images as PIL gives them), the share of pixel values that differ, and the relative
-error ``max|a - b| / max|b|`` of the final latents (diffusers' from its step-end callback at the last step: the
-tensor it decodes).
+:data:`MARGIN` times diffusers' own deviations. Each comparison is a :class:`Deviation`: the largest difference of a
+pixel value in levels (0-255, the images as PIL gives them), the share of pixel values that differ, and the relative
+error ``max|a - b| / max|b|`` of the final latents (diffusers' from its step-end callback at the last step: the tensor
+it decodes).
 """
 
 from __future__ import annotations
@@ -317,7 +317,8 @@ def initial_noise(pipe):
         del pipe.prepare_latents  # the class's method again
 
 
-def bcg_image(pipe, request: GenerationRequest, other: GenerationRequest | None = None) -> tuple[np.ndarray, torch.Tensor]:
+def bcg_image(pipe, request: GenerationRequest,
+              other: GenerationRequest | None = None) -> tuple[np.ndarray, torch.Tensor]:
     """``request`` served by bcg-serve (``pipe``, a :class:`~bcg_core.DiTPipeline`): alone, or sharing its forwards
     with ``other``, which starts one step earlier.
 
@@ -380,13 +381,16 @@ def measure_family(name: str, device: str = "cpu", kernels: str = "eager", steps
                 if not torch.equal(noise32[0].float().cpu(), noise[0].float().cpu()):
                     raise RuntimeError(f"{name}: diffusers' fp32 run did not start from the bf16 run's noise")
                 image, ours = bcg_image(pipe, r, pair if label == "batched" else None)
-                devs = {"bcg": compare(image, alone[0], ours, lat), "batch": compare(beside[0], alone[0], lat_beside[:1], lat),
-                        "kernel": compare(math[0], alone[0], lat_math, lat), "fp32": compare(alone[0], full[0], lat, lat_full)}
+                devs = {"bcg": compare(image, alone[0], ours, lat),
+                        "batch": compare(beside[0], alone[0], lat_beside[:1], lat),
+                        "kernel": compare(math[0], alone[0], lat_math, lat),
+                        "fp32": compare(alone[0], full[0], lat, lat_full)}
                 worst[label] = worst[label].worst(devs["bcg"]) if label in worst else devs["bcg"]
                 for b in BOUNDS:
                     bounds[b] = bounds[b].worst(devs[b]) if b in bounds else devs[b]
-                rows.append({"case": label, "key": str(pipe.validator.validate(r).lookup.key), "tokens": count(r.prompt),
-                             "size": f"{r.width}x{r.height}", **{k: d.to_json() for k, d in devs.items()}})
+                rows.append({"case": label, "key": str(pipe.validator.validate(r).lookup.key),
+                             "tokens": count(r.prompt), "size": f"{r.width}x{r.height}",
+                             **{k: d.to_json() for k, d in devs.items()}})
         return {"family": name, "device": device, "kernels": kernels, "steps": steps,
                 "bounds": {b: d.to_json() for b, d in bounds.items()},
                 "cases": {c: d.to_json() for c, d in worst.items()}, "requests": rows}
@@ -493,6 +497,7 @@ def check(result: dict, margin: float = MARGIN) -> list[str]:
                            f"diffusers' batched decode ({allowed.max_levels} levels)")
             continue
         if dev.max_levels > margin * allowed.max_levels or (dev.latent_rel or 0) > margin * (allowed.latent_rel or 0):
-            out.append(f"{what}: {dev.max_levels} levels, latents {dev.latent_rel or 0:.2e} relative, beyond {margin:g} x "
-                       f"diffusers' own {allowed.max_levels} levels, {allowed.latent_rel or 0:.2e}")
+            out.append(f"{what}: {dev.max_levels} levels, latents {dev.latent_rel or 0:.2e} relative, "
+                       f"beyond {margin:g} x diffusers' own {allowed.max_levels} levels, "
+                       f"{allowed.latent_rel or 0:.2e}")
     return out

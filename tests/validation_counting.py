@@ -1,4 +1,5 @@
-"""A spy on ``RequestValidator.validate``: which validator validated how many requests (proves a validation is never redone)."""
+"""A spy on ``RequestValidator.validate``: which validator validated how many requests (proves a validation is never
+redone)."""
 
 from bcg_core import RequestValidator
 

@@ -70,8 +70,9 @@ def measure_costs(runner, adapter, keys: Sequence[BucketKey], inputs_for: Callab
         A ``measured`` :class:`CostModel`. The forwards go through the runner, so they count as forwards of
         their buckets in the metrics (``forwards_by_mode``). With ``slot_zero`` (LoRA adapters) ``bucket_ms``
         times each bucket's plain graph (no row has an adapter) and ``lora_ms`` its LoRA graph: the same inputs
-        with every row on slot 0, which computes every row's deltas as a real adapter does (zeros, at the same cost). On CUDA its
-        ``eager_bytes_per_row_token`` is the eager forwards' most peak bytes per row-token (:class:`ActivationPeaks`).
+        with every row on slot 0, which computes every row's deltas as a real adapter does (zeros, at the same cost). On
+        CUDA its ``eager_bytes_per_row_token`` is the eager forwards' most peak bytes per row-token
+        (:class:`ActivationPeaks`).
     """
     import torch
 

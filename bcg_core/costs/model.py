@@ -133,7 +133,8 @@ class StepForwards:
         return next((c.key for c in self.chunks if c.key is not None), None) or self.chunks[0].home or self.home
 
     def computed_tokens(self, tokens_per_row: int) -> int:
-        """Tokens the step computes: a bucket forward's padded tokens, an eager chunk's real rows x ``tokens_per_row``."""
+        """Tokens the step computes: a bucket forward's padded tokens, an eager chunk's real rows x
+        ``tokens_per_row``."""
         return sum(c.key.tokens if c.key is not None else c.rows * tokens_per_row for c in self.chunks)
 
 
@@ -317,7 +318,8 @@ class CostModel:
         return {
             "source": self.source, "eager": self.eager,
             "bucket_ms": {str(k): round(v, 4) for k, v in sorted(self.bucket_ms.items())},
-            "eager_ms": {s: {str(r): round(v, 4) for r, v in sorted(p.items())} for s, p in sorted(self.eager_ms.items())},
+            "eager_ms": {s: {str(r): round(v, 4) for r, v in sorted(p.items())}
+                         for s, p in sorted(self.eager_ms.items())},
             **({"lora_ms": {str(k): round(v, 4) for k, v in sorted(self.lora_ms.items())}} if self.lora_ms else {}),
         }
 

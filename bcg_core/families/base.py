@@ -142,7 +142,7 @@ class ModelSpec:
         Raises:
             ValueError: another ``quality``.
         """
-        family = dict(zip(("low", "medium", "high"), self.quality_steps), auto=default_steps)
+        family = dict(zip(("low", "medium", "high"), self.quality_steps, strict=True), auto=default_steps)
         if quality not in family:
             raise ValueError(f"quality {quality!r}; allowed: low, medium, high, auto")
         set_ = getattr(config, quality, None) if config is not None else None
@@ -180,7 +180,7 @@ class ModelSpec:
                              f"up to {self.max_text_tokens}")
         if self.max_grid_side is not None:
             px = self.max_grid_side * self.rules.pixels_per_token
-            for name, (w, h) in zip(config.resolutions, config.resolution_pairs()):
+            for name, (w, h) in zip(config.resolutions, config.resolution_pairs(), strict=True):
                 gh, gw = self.rules.grid(*self.generation_size(w, h))
                 if max(gh, gw) > self.max_grid_side:
                     raise ValueError(f"buckets.resolutions: {name} exceeds this model's position table "

@@ -69,7 +69,8 @@ def edit_defaults(spec, limits, inpaint: bool) -> dict[str, float | int | None]:
     read by :func:`pipeline_defaults`; a spec with edit defaults of its own (``spec.default_strength`` set: the
     tiny default) gives its own. ``limits.default_steps`` / ``default_guidance_scale`` win where set, and steps
     are capped at ``limits.max_steps`` (SD3's and Qwen-Image's edit pipelines default to 50). The validator
-    (:meth:`bcg_core.validation.RequestValidator.validate`) and ``GET /v1/models`` (``deployments/uploads.py``) both read this.
+    (:meth:`bcg_core.validation.RequestValidator.validate`) and ``GET /v1/models`` (``deployments/uploads.py``) both
+    read this.
 
     Raises:
         ValueError: ``spec`` serves no edits (``edit_pipelines`` None).

@@ -6,9 +6,9 @@ pipelines' ``get_timesteps`` and ``prepare_latents``), and an inpainting request
 every scheduler step, noised to the next timestep (``(1 - mask) * scale_noise(image_latents, t_next, noise) +
 mask * latents``, the pipeline's loop). Its forwards are text to image's: its rows share bucket forwards with
 any request of the same shape. Every preparation step calls the diffusers pipeline's own method on a view of
-the pipeline that holds the request's own scheduler (:class:`~bcg_core.families.edit_view.PipelineView`), in the pipeline's order, so the
-generators are drawn as diffusers draws them (the VAE's latent sample first, then the noise, then the masked
-image's sample).
+the pipeline that holds the request's own scheduler (:class:`~bcg_core.families.edit_view.PipelineView`), in the
+pipeline's order, so the generators are drawn as diffusers draws them (the VAE's latent sample first, then the noise,
+then the masked image's sample).
 """
 
 from __future__ import annotations

@@ -97,7 +97,8 @@ def start_edit(family, plan, cancel: threading.Event | None = None) -> RequestSt
     view = PipelineView(pipe, sched)
     timesteps, runs = flow_edit_timesteps(cls, view, req, device, calculate_shift, retrieve_timesteps)
     if runs < 1:
-        raise ValueError(f"strength {req.strength} of {req.num_inference_steps} steps leaves {runs} steps to run (diffusers raises too)")
+        raise ValueError(f"strength {req.strength} of {req.num_inference_steps} steps leaves {runs} steps to run "
+                         f"(diffusers raises too)")
     latent_timestep = timesteps[:1].repeat(req.n)
     channels = family.adapter.in_channels // 4
     gens = [torch.Generator("cpu").manual_seed(req.seed + i) for i in range(req.n)]

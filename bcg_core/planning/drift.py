@@ -58,8 +58,8 @@ def drift_report(config: EngineConfig, snapshot: Mapping, max_graphs: int | None
         out["note"] = "no recorded request the limits allow"
         return out
     # the plan's own costs (a profile's lines where it had one), so planned and recorded waste compare alike
-    costs = (PlanCosts.from_lines(plan_info.cost_lines, plan_info.costs) if plan_info is not None and plan_info.cost_lines
-             else PlanCosts.token_count(config))
+    costs = (PlanCosts.from_lines(plan_info.cost_lines, plan_info.costs)
+             if plan_info is not None and plan_info.cost_lines else PlanCosts.token_count(config))
     table = planning_table(config)
     now = evaluate(table, traffic, costs)
     out["recorded_waste"] = round(now.waste, 6)

@@ -152,7 +152,7 @@ def costs_from_profile(rows: Sequence[Mapping], fallback: PlanCosts) -> PlanCost
         n = len(xs)
         mx, my = sum(xs) / n, sum(ys) / n
         var = sum((x - mx) ** 2 for x in xs)
-        slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var else 0.0
+        slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var if var else 0.0
         return max(0.0, my - slope * mx), max(0.0, slope)
 
     xs = [p[0] for p in pts]
@@ -200,7 +200,8 @@ def _step(costs: PlanCosts, rows: int, keys: Sequence[BucketKey], per_row: int) 
         for c in range(1, min(r, largest) + 1):
             k = next(k for k in keys if k.batch >= c)
             ms, tok = best[r - c]
-            for cand in ((ms + costs.graph_ms(k), tok + k.tokens), (ms + costs.eager_ms(c * per_row), tok + c * per_row)):
+            for cand in ((ms + costs.graph_ms(k), tok + k.tokens),
+                         (ms + costs.eager_ms(c * per_row), tok + c * per_row)):
                 if cand[0] < best[r][0] - 1e-12:
                     best[r] = cand
     return best[rows]

@@ -81,8 +81,8 @@ class Traffic:
 
 
 def planning_validator(config: EngineConfig) -> RequestValidator:
-    """A :class:`~bcg_core.validation.RequestValidator` of ``config``'s model and limits whose table holds every valid prompt
-    (text bucket: the native length, else the family's encoder limit) and never rejects a miss: traffic is
+    """A :class:`~bcg_core.validation.RequestValidator` of ``config``'s model and limits whose table holds every valid
+    prompt (text bucket: the native length, else the family's encoder limit) and never rejects a miss: traffic is
     validated and shaped with it, independent of the table being planned.
 
     Raises:
@@ -198,7 +198,8 @@ def traffic_from_rows(config: EngineConfig, rows: Iterable[Mapping[str, str]], s
     return Traffic(demands, source, refused).merged()
 
 
-def traffic_from_requests(config: EngineConfig, requests: Iterable[GenerationRequest], source: str = "requests") -> Traffic:
+def traffic_from_requests(config: EngineConfig, requests: Iterable[GenerationRequest],
+                          source: str = "requests") -> Traffic:
     """Traffic of whole requests (each weighs one), e.g. the ones a replay sends; refusals counted by field."""
     validator = planning_validator(config)
     demands, refused = [], {}

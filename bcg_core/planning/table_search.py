@@ -3,7 +3,8 @@ budget and a graph cap.
 
 Input: a :class:`~bcg_core.planning.samples.Traffic` sample and a :class:`~bcg_core.planning.plan_costs.PlanCosts`
 cost model. Output: a :class:`TableChoice` whose :attr:`TableChoice.buckets` is the ``buckets`` section of a
-EngineConfig, chosen to minimise the expected GPU milliseconds per image (:func:`~bcg_core.planning.plan_costs.evaluate`).
+EngineConfig, chosen to minimise the expected GPU milliseconds per image
+(:func:`~bcg_core.planning.plan_costs.evaluate`).
 
 Search (:func:`search_table`): the best single bucket (one graph), then greedy growth: at each step the tier,
 text bucket or batch size whose addition lowers the expected cost most per graph added, within the graph cap

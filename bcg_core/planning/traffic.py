@@ -13,14 +13,14 @@ The snapshot (``version`` 1), JSON-safe::
                  "cfg_count": 9, "edit_count": 0}, ...]}
 
 ``shapes`` is sorted by ``count``, largest first (ties by key). ``text_tokens`` is the prompt's token count
-as the validator counted it (:attr:`bcg_core.request.ValidatedRequest.prompt_tokens`: the family's own tokenizer count, before
-any padding to a text bucket or to a fixed native length); the negative prompt's count is not part of the
-key (a plan does not keep it), so for masked-text families a long negative prompt can make a request's text
-dimension larger than ``text_tokens``. ``cfg_count`` is how many of ``count`` ran classifier-free guidance with
-uncond rows (two transformer rows per image). ``steps`` is the denoising steps the request runs: its
-``num_inference_steps``, or for an edit (``POST /v1/images/edits``) the share its ``strength`` runs
-(:attr:`~bcg_core.request.ValidatedRequest.steps_run`: 17 of 28 at 0.6), so ``bcg plan`` weighs an edit's bucket
-forwards as they run; ``edit_count`` is how many of ``count`` were edits.
+as the validator counted it (:attr:`bcg_core.request.ValidatedRequest.prompt_tokens`: the family's own tokenizer count,
+before any padding to a text bucket or to a fixed native length); the negative prompt's count is not part of the key (a
+plan does not keep it), so for masked-text families a long negative prompt can make a request's text dimension larger
+than ``text_tokens``. ``cfg_count`` is how many of ``count`` ran classifier-free guidance with uncond rows (two
+transformer rows per image). ``steps`` is the denoising steps the request runs: its ``num_inference_steps``, or for an
+edit (``POST /v1/images/edits``) the share its ``strength`` runs (:attr:`~bcg_core.request.ValidatedRequest.steps_run`:
+17 of 28 at 0.6), so ``bcg plan`` weighs an edit's bucket forwards as they run; ``edit_count`` is how many of ``count``
+were edits.
 
 Never imports Ray; reading a server uses ``urllib.request`` only.
 """
@@ -188,8 +188,8 @@ class TrafficHistogram:
         Raises:
             ValueError: naming the bad field: not a mapping, an unknown ``version``, a count that is not a
                 non-negative integer, a shape entry without a key field, a duplicate key, more shapes than
-                ``max_shapes``, ``cfg_count`` or ``edit_count`` above ``count``, an unparsable ``since``, or a ``total`` other
-                than ``sum(count) + dropped``.
+                ``max_shapes``, ``cfg_count`` or ``edit_count`` above ``count``, an unparsable ``since``, or a ``total``
+                other than ``sum(count) + dropped``.
         """
         if not isinstance(data, Mapping):
             raise ValueError(  # noqa: TRY004 - bad data, one error type

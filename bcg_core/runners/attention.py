@@ -44,8 +44,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["BACKENDS", "CANDIDATES", "ORDER_LOCK", "AttentionChoice", "ChoiceStore", "KeptValues", "RecordedCalls", "SdpaCall",
-           "attention_backend", "choose", "choose_backend", "compile_key", "compiling_under", "environment",
+__all__ = ["BACKENDS", "CANDIDATES", "ORDER_LOCK", "AttentionChoice", "ChoiceStore", "KeptValues", "RecordedCalls",
+           "SdpaCall", "attention_backend", "choose", "choose_backend", "compile_key", "compiling_under", "environment",
            "model_signature", "record_sdpa_calls", "time_backend"]
 
 log = logging.getLogger(__name__)
@@ -113,7 +113,7 @@ class _Recorder(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention:
             names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale")
-            a = {**dict(zip(names, args)), **kwargs}
+            a = {**dict(zip(names, args, strict=False)), **kwargs}
             mask = a.get("attn_mask")
             call = SdpaCall(tuple(a["query"].shape), tuple(a["key"].shape), tuple(a["value"].shape),
                             str(a["query"].dtype), None if mask is None else tuple(mask.shape),
@@ -216,9 +216,10 @@ def choose_backend(calls: RecordedCalls, device: torch.device, candidates: tuple
 ORDER_LOCK = threading.RLock()
 """Held while a compile sets SDPA's process-wide priority order (:func:`attention_backend`) or a backend is timed alone
 (:func:`time_backend`), and by every forward that picks its SDPA kernel at run time
-(:func:`bcg_core.runners.base.eager_forward`, a static forward of eager kernels): a compile in the background (:mod:`bcg_core.runners.background`) would otherwise hand such a forward its bucket's
-backend instead of PyTorch's default, and its bits would no longer be diffusers'. Graph replays and compiled code do
-not read the order (their kernel is baked in) and never wait on it."""
+(:func:`bcg_core.runners.base.eager_forward`, a static forward of eager kernels): a compile in the background
+(:mod:`bcg_core.runners.background`) would otherwise hand such a forward its bucket's backend instead of PyTorch's
+default, and its bits would no longer be diffusers'. Graph replays and compiled code do not read the order (their kernel
+is baked in) and never wait on it."""
 
 
 def attention_backend(backend: str | None) -> contextlib.AbstractContextManager:

@@ -27,16 +27,16 @@ The compile must not starve serving. Its thread is pinned (``os.sched_setaffinit
 Linux, inherited by the compiler processes inductor starts from it) to every CPU but the first
 :func:`reserved_cpus` ones, which stay free for the denoising, decode and HTTP threads, and runs at ``nice`` +10;
 Python's switch interval is shortened meanwhile (:data:`SWITCH_INTERVAL_S`), and the heap built before is frozen
-(``gc.freeze``: dynamo's allocations trigger full collections, each a pause of every thread, that would scan it). The bucket that served the most forwards
-so far is compiled first.
-What serving keeps meanwhile is measured in docs/BENCHMARKS.md (``benchmarks/bench_background_compile.py``).
+(``gc.freeze``: dynamo's allocations trigger full collections, each a pause of every thread, that would scan it). The
+bucket that served the most forwards so far is compiled first. What serving keeps meanwhile is measured in
+docs/BENCHMARKS.md (``benchmarks/bench_background_compile.py``).
 
 A compile must not break the requests served beside it. Inductor traces with ``torch.fx``'s ``Tracer`` (AOTAutograd's
 ``make_fx``, the pattern matcher), whose ``_Patcher`` replaces ``torch.nn.Module.__call__`` and ``__getattr__``
 process-wide while it traces: a module call on a serving thread in that window went through the tracer's wrapper and
 raised ``NameError: module is not installed as a submodule`` (seen in one CPU test run of three).
-:func:`~bcg_core.runners.fx_threads.isolate_fx_patches` binds every such patch to the thread that made it; background compiles run only where it
-could be installed (:meth:`BackgroundCompiles.start`).
+:func:`~bcg_core.runners.fx_threads.isolate_fx_patches` binds every such patch to the thread that made it; background
+compiles run only where it could be installed (:meth:`BackgroundCompiles.start`).
 """
 
 from __future__ import annotations
@@ -118,7 +118,8 @@ def compile_pending(runner, key: BucketKey, stream=None) -> tuple[str, float | N
     try:
         on_stream = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
         with runner.gate, torch.inference_mode(), on_stream:
-            new = BucketEntry(key, runner.adapter.allocate(key, runner.device, runner.dtype), kernels=KernelTier.COMPILED)
+            new = BucketEntry(key, runner.adapter.allocate(key, runner.device, runner.dtype),
+                              kernels=KernelTier.COMPILED)
             if runner.fused:
                 new.fused = fused_buffers(key.batch, runner.device)
             compile_entry(runner.kernels, runner.adapter, new, lambda: runner.adapter.forward(new.buffers))

@@ -369,7 +369,8 @@ class CudaGraphRunner(GraphReplay):
                         return out
                     entry = self.capture(key)
                     self.stats.lazy_captures += 1
-                    log.info("lazy capture of bucket %s (%d so far): %s", key, self.stats.lazy_captures, entry.mode.value)
+                    log.info("lazy capture of bucket %s (%d so far): %s", key, self.stats.lazy_captures,
+                             entry.mode.value)
                 try:
                     if entry.mode is RunMode.GRAPH:
                         failpoints.forward_error()
@@ -382,8 +383,7 @@ class CudaGraphRunner(GraphReplay):
                         mode = ForwardMode.GRAPH
                     elif entry.buffers:  # eager-only: capture failed or over budget
                         with entry_kernels(self.kernels, entry):
-                            out = static_forward(self.adapter, entry.buffers, inputs,
-                                                 plain=self.plain_forward)
+                            out = static_forward(self.adapter, entry.buffers, inputs, plain=self.plain_forward)
                         mode = ForwardMode.STATIC_EAGER
                     else:  # dropped after OOM, or demoted after a runtime error: unpadded eager
                         out = eager_forward(self.adapter, inputs, self.device)

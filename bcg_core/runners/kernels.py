@@ -403,7 +403,7 @@ class CompiledKernels:
             self._local.attention = None
             self.compile_s += time.perf_counter() - t0
             now_hits, now_misses = _fx_cache_counts()
-            loads, compiles = (a - b for a, b in zip(self._precompiled_counts(), before))
+            loads, compiles = (a - b for a, b in zip(self._precompiled_counts(), before, strict=True))
             self.cache_hits += now_hits - hits + loads
             self.cache_misses += now_misses - misses + compiles
 

@@ -127,7 +127,7 @@ class Finisher:
                 self._fail(item, e, failed=True)
             return
         now = time.perf_counter()
-        for item, imgs, ok in zip(live, images, finite):
+        for item, imgs, ok in zip(live, images, finite, strict=True):
             item.decoded = now
             if ok:
                 self._release(item)

@@ -2,10 +2,11 @@
 
 A request is *waiting* (in :class:`~bcg_core.scheduler.admission.Admission`), *starting* (admitted, its rows
 counted), *preparing* (an edit starting on the prepare thread, :mod:`bcg_core.scheduler.prepare`), *prepared*
-(started there, to be adopted by the denoising loop at its next step boundary), *running* (in its group: one bucket shape and token grid), *finishing* (denoised, being decoded and
-encoded) and *live* until its caller has its answer. :class:`Flight` keeps those sets, the rows and tensor bytes
-in flight and the per-shape counters, and is the one place a request leaves flight and is answered: the
-denoising loop, the decode thread, the preview thread and the asyncio front all go through it.
+(started there, to be adopted by the denoising loop at its next step boundary), *running* (in its group: one bucket
+shape and token grid), *finishing* (denoised, being decoded and encoded) and *live* until its caller has its answer.
+:class:`Flight` keeps those sets, the rows and tensor bytes in flight and the per-shape counters, and is the one place a
+request leaves flight and is answered: the denoising loop, the decode thread, the preview thread and the asyncio front
+all go through it.
 """
 
 from __future__ import annotations

@@ -97,10 +97,12 @@ class DenoisingLoop:
         """The denoising thread: wait for work, then iterate (module docstring) until the scheduler closes."""
         while True:
             with self._flight.cv:
-                while not self._flight.closed and not self._flight.admission.waiting and not self._flight.starting and not self._flight.running and not self._flight.prepared:
+                while (not self._flight.closed and not self._flight.admission.waiting and not self._flight.starting
+                       and not self._flight.running and not self._flight.prepared):
                     self._flight.cv.wait()
                 if self._flight.closed:
-                    leftover = [*self._flight.admission.waiting, *self._flight.starting, *self._flight.prepared, *(i for g in self._flight.running.values() for i in g)]
+                    leftover = [*self._flight.admission.waiting, *self._flight.starting, *self._flight.prepared,
+                                *(i for g in self._flight.running.values() for i in g)]
                     self._flight.admission.waiting.clear()
                     self._flight.starting.clear()
                     self._flight.prepared.clear()
@@ -251,7 +253,8 @@ class DenoisingLoop:
             live = []
             for item in items:
                 if item.cancel.is_set():
-                    self._flight.retire(item, RequestCancelled("the request was cancelled by its caller"), cancelled=True)
+                    self._flight.retire(item, RequestCancelled("the request was cancelled by its caller"),
+                                        cancelled=True)
                 else:
                     live.append(item)
             if live:
@@ -301,7 +304,7 @@ class DenoisingLoop:
             computed = self._flight.stats.count_step(shape, forwards, [(i.rows, i.plan.lookup.query) for i in items])
         key = forwards.counted_key
         self._step_times.add(begin, timing_mark(self._device), key, states)
-        for item, share in zip(items, token_shares(computed, [s.rows for s in states])):
+        for item, share in zip(items, token_shares(computed, [s.rows for s in states]), strict=True):
             if item.first_key is None and item.state.step_index == 1:
                 item.first_key = key if key is not None else item.plan.lookup.key
                 item.first_share = share

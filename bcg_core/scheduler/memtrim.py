@@ -11,14 +11,15 @@ request mix (krea sizes and image counts, steps 1/2/4, 30% streamed, 10% cancell
 requests: without trimming 1.70, 1.67, 2.00, 1.86, 2.02, 1.97, 2.03, 2.02, 2.04, 2.07 GB over 100 requests, while
 the live torch tensors stayed at 640 +- 5 MB and the Python objects at 522.4k (+300 over 90 requests);
 ``malloc_trim(0)`` at each of those points brought it to 1.21-1.29 GB. With :class:`IdleTrimmer` in the scheduler:
-1.23, 1.25, 1.26, 1.22, 1.30, 1.29 GB over 60 requests (a trim: 23 ms mean, 46 ms at most). ``benchmarks/soak.py --duration-s 120
---warmup-share 0.3`` (Ray, one replica), memory at rest after warm-up -> at the end: 1.85 -> 2.17 GB (+17.2%)
-before, 1.39 -> 1.37 GB (-1.3%) with it. ``MALLOC_ARENA_MAX=2`` does not help (+12%: the memory is in the heaps,
-not in extra arenas).
+1.23, 1.25, 1.26, 1.22, 1.30, 1.29 GB over 60 requests (a trim: 23 ms mean, 46 ms at most). ``benchmarks/soak.py
+--duration-s 120 --warmup-share 0.3`` (Ray, one replica), memory at rest after warm-up -> at the end: 1.85 -> 2.17 GB
+(+17.2%) before, 1.39 -> 1.37 GB (-1.3%) with it. ``MALLOC_ARENA_MAX=2`` does not help (+12%: the memory is in the
+heaps, not in extra arenas).
 
 ``malloc_trim(0)`` (glibc >= 2.8 releases whole free pages anywhere in every arena with ``madvise``, not only the
 heap's top; ``man 3 malloc_trim``) is called by :class:`IdleTrimmer` once the scheduler has had no request for
-a moment (``scheduler.trim_idle_s``), so it seldom competes with a request for the heap's locks. Elsewhere (musl, macOS) it is a no-op.
+a moment (``scheduler.trim_idle_s``), so it seldom competes with a request for the heap's locks. Elsewhere (musl, macOS)
+it is a no-op.
 """
 
 from __future__ import annotations

@@ -173,7 +173,7 @@ class EncodeRound:
                 log.warning("a batched VAE encode of %d edits failed; encoding each alone", len(group), exc_info=True)
                 parts = None
             if parts is not None:
-                for job, part in zip(group, parts):
+                for job, part in zip(group, parts, strict=True):
                     job.out = part
                 return
         for job in group:
@@ -280,7 +280,7 @@ class Preparer:
             except Exception as e:  # noqa: BLE001 - the thread goes on; the round's requests get the error
                 log.exception("a prepare round of %d edits failed", len(batch))
                 results = [(None, e)] * len(batch)
-            for item, (state, error) in zip(batch, results):
+            for item, (state, error) in zip(batch, results, strict=True):
                 self._ready(item, state, error)
             if stop:
                 return
@@ -298,7 +298,7 @@ class Preparer:
         self.rounds += 1
         self.vae_calls += len(rnd.calls)
         self.images_encoded += sum(rnd.calls)
-        for item, s in zip(batch, spent):
+        for item, s in zip(batch, spent, strict=True):
             item.edit_encode_s = s
         return results
 

@@ -8,7 +8,8 @@ requests in flight (:mod:`bcg_core.scheduler.flight`). Cancellation: a caller's 
 the request's cancel event; a waiting request leaves the queue at the next admission, a running one at the next
 step boundary, a finished one is not decoded. An edit (a request with an ``image``) starts on the prepare thread
 (:mod:`bcg_core.scheduler.prepare`: its image read, resized and VAE-encoded off the denoising thread, the images of
-the edits admitted together encoded in one VAE call) and joins the running requests at the next step boundary. :mod:`deployments.dit` owns one scheduler per replica.
+the edits admitted together encoded in one VAE call) and joins the running requests at the next step boundary.
+:mod:`deployments.dit` owns one scheduler per replica.
 """
 
 from __future__ import annotations
@@ -59,8 +60,8 @@ class StepScheduler:
         retry_after_s: the ``Retry-After`` seconds of a 503 it answers (a request expired in the queue, a step
             out of memory); the serving layer passes its ``routing.retry_after_s``.
         trim_idle_s: once no request has been submitted and not answered for this many seconds, give the C heap's
-            free memory back to the OS (:class:`~bcg_core.scheduler.memtrim.IdleTrimmer`: glibc ``malloc_trim``; without it the
-            resident memory at rest follows the largest requests served together). None: never.
+            free memory back to the OS (:class:`~bcg_core.scheduler.memtrim.IdleTrimmer`: glibc ``malloc_trim``; without
+            it the resident memory at rest follows the largest requests served together). None: never.
 
     Raises:
         ValueError: ``max_rows``, ``decode_batch_images`` or ``encode_threads`` below 1, ``fair_wait_s`` < 0.
@@ -218,7 +219,8 @@ class StepScheduler:
         if not isinstance(plan, ValidatedRequest):
             if lease is not None:
                 lease.release()
-            raise TypeError(f"the step scheduler takes a ValidatedRequest (RequestValidator.validate), got {type(plan).__name__}")
+            raise TypeError(f"the step scheduler takes a ValidatedRequest (RequestValidator.validate), "
+                            f"got {type(plan).__name__}")
         shape = plan.shape
         # requests share forwards only within one bucket shape and token grid; a miss runs alone
         group = (shape, plan.grid) if shape is not None else ("miss", next(self._miss_ids))
@@ -326,14 +328,16 @@ class StepScheduler:
             in_flight = self.flight.in_flight()
             out = self.flight.stats.describe(in_flight, list(self.flight.admission.waiting))
             return {
-                "kind": "step", "max_rows_in_flight": self.flight.admission.max_rows, "rows_in_flight": self.flight.rows,
-                "bytes_in_flight": self.flight.bytes, "memory_budget_bytes": self.flight.admission.memory_budget_bytes,
+                "kind": "step", "max_rows_in_flight": self.flight.admission.max_rows,
+                "rows_in_flight": self.flight.rows, "bytes_in_flight": self.flight.bytes,
+                "memory_budget_bytes": self.flight.admission.memory_budget_bytes,
                 "waiting": len(self.flight.admission.waiting), "starting": len(self.flight.starting),
                 "preparing": len(self.flight.preparing) + len(self.flight.prepared),
                 "running": sum(len(g) for g in self.flight.running.values()), "finishing": len(self.flight.finishing),
-                "iterations": self._loop.iterations, "busy_s": round(self._loop.busy_s, 3), "oom_steps": self._loop.oom_steps,
-                "adapter_splits": self._loop.adapter_splits,
-                "decode_batch_images": self._finisher.decode_batch_images, "fair_wait_s": self.flight.admission.fair_wait_s,
+                "iterations": self._loop.iterations, "busy_s": round(self._loop.busy_s, 3),
+                "oom_steps": self._loop.oom_steps, "adapter_splits": self._loop.adapter_splits,
+                "decode_batch_images": self._finisher.decode_batch_images,
+                "fair_wait_s": self.flight.admission.fair_wait_s,
                 **out, "costs": self.costs.describe(), "miss_memory": self.decider.miss.describe(),
                 "previews": self._previews.describe(),
                 "memory_trim": self._trimmer.describe() if self._trimmer is not None else None,

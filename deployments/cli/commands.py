@@ -128,7 +128,8 @@ def run_verify(config: ServeConfig, buckets: list[str] | None = None, rtol: floa
 
     _select(RequestValidator.from_config(config).table.keys, buckets)  # an unknown key fails before the model loads
     print("bcg verify: loading the model and building the runner (on a GPU: capturing "
-          f"{'the graphs of the buckets asked for' if buckets else 'every bucket graph'}) ...", file=progress, flush=True)
+          f"{'the graphs of the buckets asked for' if buckets else 'every bucket graph'}) ...",
+          file=progress, flush=True)
     pipe = _pipeline(config, prepare=False)
     model = pipe.model
     keys = set(_select(pipe.table.keys, buckets))
@@ -186,8 +187,8 @@ def run_verify(config: ServeConfig, buckets: list[str] | None = None, rtol: floa
         print(f"checked {len(order)} bucket{plural[0]} ({len(cases)} case{plural[1]}) in "
               f"{_duration(time.perf_counter() - started)}", file=progress, flush=True)
     described = {d["key"]: d for d in pipe.runner.describe()}
-    table = Table(title=f"bcg verify: {model.model_name} on {model.device} ({str(model.dtype).removeprefix('torch.')}), "
-                        f"rtol {tol:.3g}")
+    table = Table(title=f"bcg verify: {model.model_name} on {model.device} "
+                        f"({str(model.dtype).removeprefix('torch.')}), rtol {tol:.3g}")
     cols = ("bucket", "mode") + (("kernels",) if compiled is not None else ()) + (
         "cases", "shapes (rows x grid + text)", "max rel err", "result")
     _key_column(table, [str(v.key) for v in verdicts])

@@ -341,8 +341,8 @@ def start_local(config: ServeConfig | None = None, port: int = 8000, num_cpus: i
     A new local Ray instance is always started (``address="local"``), never a cluster found on the
     machine, bound where ``config.metrics.host`` says (default 127.0.0.1: every Ray service on loopback, see
     :func:`bind_ray_to`), with Ray's metrics exporter on ``metrics_port`` (read it back with
-    :func:`deployments.metrics.metrics_url`). ``serve.run`` returns once the replicas are ready (the DiT replica has built its
-    pipeline) and this function once ``/healthz`` answers too, so the caller can print readiness.
+    :func:`deployments.metrics.metrics_url`). ``serve.run`` returns once the replicas are ready (the DiT replica has
+    built its pipeline) and this function once ``/healthz`` answers too, so the caller can print readiness.
 
     Args:
         config: the configuration (see :func:`check_config`), or None for the embedded default.

@@ -402,10 +402,10 @@ def _parser() -> argparse.ArgumentParser:
                         "traffic sample: the packaged krea CSV (default), the packaged GenTD26 burst or a GenTD26-"
                         "style CSV (image counts joined with krea sizes), or a running server's recorded shape "
                         "histogram (--from URL) or an exported one (--from FILE). The objective is the expected GPU "
-                        "time per image (bcg_core/planning/table_search.py); costs measured on this GPU (--measure), from a `bcg "
-                        "profile --json` file, else the token-count model. Prints the chosen buckets with their share of requests and waste, "
-                        "request counts rounded to whole requests, and whether the current table is already as good or "
-                        "better (then --write needs --force).")
+                        "time per image (bcg_core/planning/table_search.py); costs measured on this GPU (--measure), "
+                        "from a `bcg profile --json` file, else the token-count model. Prints the chosen buckets with "
+                        "their share of requests and waste, request counts rounded to whole requests, and whether the "
+                        "current table is already as good or better (then --write needs --force).")
     pl.add_argument("--config", default=None, metavar="PATH",
                     help="ServeConfig YAML/JSON: the model, limits and current table (default: embedded)")
     pl.add_argument("--traffic", choices=("krea", "gentd26"), default="krea", help="packaged sample (default krea)")

@@ -74,7 +74,8 @@ def measure_plan_costs(config: ServeConfig, traffic, iters: int = 5, console=Non
     """The planner's own profile on a GPU (``bcg plan --measure``): capture and time the few buckets of
     :func:`bcg_core.planning.table_search.profile_buckets` (the sample's smallest, most requested and largest tier, its
     median text, 1 row and the most rows), then fit the plan's cost lines to them
-    (:func:`bcg_core.planning.plan_costs.costs_from_profile`: replay and eager milliseconds per token, pool bytes per token).
+    (:func:`bcg_core.planning.plan_costs.costs_from_profile`: replay and eager milliseconds per token, pool bytes per
+    token).
 
     Returns:
         A :class:`~bcg_core.planning.plan_costs.PlanCosts` whose ``source`` names the GPU.

@@ -47,7 +47,8 @@ class ReplicaModel:
         pipeline: the :class:`~bcg_core.pipeline.DiTPipeline`.
         scheduler: its :class:`~bcg_core.scheduler.step_scheduler.StepScheduler`.
         graph_budget_bytes: the graph memory this replica may use (``runner.graph_memory_budget_mib``, else 90% of
-            the GPU memory free once the model was loaded, else :data:`NO_BUDGET`); the coordinator assigns shapes by it.
+            the GPU memory free once the model was loaded, else :data:`NO_BUDGET`); the coordinator assigns shapes by
+            it.
     """
 
     def __init__(self, config: ServeConfig, pipeline: DiTPipeline, replica_id: str):

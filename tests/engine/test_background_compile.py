@@ -87,7 +87,7 @@ def test_a_cold_cache_serves_eager_kernels_at_once_then_swaps_compiled_ones_in_a
     # every image served while compiling was whole, and after the swap within a level of the eager kernels' image
     after = pipe.generate(pipe.validator.validate(REQUEST)).image_bytes
     for images in [*served, after]:
-        for a, b in zip(images, eager_images):
+        for a, b in zip(images, eager_images, strict=True):
             diff = np.abs(_pixels(a) - _pixels(b))
             assert diff.max() <= 1 and (diff > 0).mean() < 0.01, (diff.max(), (diff > 0).mean())
     assert not compiles.start()  # nothing pending: no thread

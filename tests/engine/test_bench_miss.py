@@ -45,7 +45,8 @@ def test_main_on_the_tiny_model_writes_every_field(tmp_path):
     assert case["tokens_per_row"] == 320 + 256 and case["chunks"] == [[4]]  # one unpadded forward of all its rows
     assert case["ms_step"] > 0 and case["ms_forward"] > 0 and len(case["step_ms"]) == len(case["forward_ms"]) == 1
     # the ratio of the unrounded medians; the reported ms are rounded to 1e-3, so allow that rounding
-    assert abs(case["ratio"] - case["ms_step"] / case["ms_forward"]) <= 1e-3 * (1 + case["ratio"]) / case["ms_forward"] + 1e-4
+    assert (abs(case["ratio"] - case["ms_step"] / case["ms_forward"])
+            <= 1e-3 * (1 + case["ratio"]) / case["ms_forward"] + 1e-4)
     assert isinstance(case["within_target"], bool) and case["peak_bytes_per_row_token"] is None
     chunked = r["chunked"]
     assert chunked["chunks"] == [[2, 2]] and chunked["scripted_bytes_per_row_token"] is True

@@ -103,7 +103,7 @@ def test_a_naive_request_step_runs_one_unpadded_forward_of_all_its_rows(naive):
 
     results = asyncio.run(main())
     assert [len(r.image_bytes) for r in results] == [n for _, _, n in SIZES_AND_COUNTS]
-    by_seed = {r.seed: p.rows for r, p in zip(reqs, plans)}
+    by_seed = {r.seed: p.rows for r, p in zip(reqs, plans, strict=True)}
     assert len(counter.steps) == STEPS * len(reqs)
     for step in counter.steps:
         assert len(step["seeds"]) == 1, f"a naive forward held rows of several requests: {step}"

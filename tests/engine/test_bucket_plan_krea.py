@@ -1,5 +1,5 @@
-"""The bucket planner (bcg_core/planning/table_search.py) on the whole krea sample: the searches that take seconds each on
-2 cores, and a masked-text family planned on the tests/tiny PixArt-Sigma checkpoint. The tiny default model, its
+"""The bucket planner (bcg_core/planning/table_search.py) on the whole krea sample: the searches that take seconds each
+on 2 cores, and a masked-text family planned on the tests/tiny PixArt-Sigma checkpoint. The tiny default model, its
 tokenizer only (no weights); the cost model is the token-count stand-in. The fast planner checks are
 ``tests/unit/test_bucket_plan.py``.
 """
@@ -29,12 +29,12 @@ def test_growing_the_budget_never_makes_the_expected_cost_worse():
     traffic = traffic_from_rows(config, krea_rows()[:400], steps=20)
     costs = PlanCosts.token_count(config)
     by_graphs = [search_table(config, traffic, costs, max_graphs=g).score.ms_per_image for g in range(2, 25, 2)]
-    assert all(b <= a + 1e-9 for a, b in zip(by_graphs, by_graphs[1:])), by_graphs
+    assert all(b <= a + 1e-9 for a, b in zip(by_graphs, by_graphs[1:], strict=False)), by_graphs
     assert by_graphs[-1] < by_graphs[0]
     first = search_table(config, traffic, costs, max_graphs=2)
     mib = [first.score.pool_bytes / 2**20 * f for f in (1.0, 1.5, 2, 3, 5, 10)]
     by_mib = [search_table(config, traffic, costs, budget_mib=m, max_graphs=12).score.ms_per_image for m in mib]
-    assert all(b <= a + 1e-9 for a, b in zip(by_mib, by_mib[1:])), by_mib
+    assert all(b <= a + 1e-9 for a, b in zip(by_mib, by_mib[1:], strict=False)), by_mib
     curve = [p.score.ms_per_image for p in search_table(config, traffic, costs, max_graphs=24).curve]
     assert curve == sorted(curve, reverse=True)  # the search path only adds buckets
 
@@ -85,10 +85,10 @@ def test_a_masked_text_family_gets_text_buckets_that_hold_its_longest_prompt_wit
     half of the krea rows and scored on the second: the plan stays within 5% waste and 12 graphs on the held-out
     half (the issue's target; docs/PLANNER.md), and its largest text bucket holds the sample's longest prompt
     (capped at the encoder's cut), so none of its own traffic is a text miss (a longer prompt runs unpadded on
-    eager kernels, ``RequestValidator.text_limit``; a table of ``[144]`` once refused a 173-token krea prompt with 422 on
-    the GPU, before text misses were served). Finer text buckets on the common tier only
-    (``text_lengths_by_resolution``) pad less than the table without them, and the replica's table rounds that
-    tier's text among its own buckets."""
+    eager kernels, ``RequestValidator.text_limit``; a table of ``[144]`` once refused a 173-token krea prompt with 422
+    on the GPU, before text misses were served). Finer text buckets on the common tier only
+    (``text_lengths_by_resolution``) pad less than the table without them, and the replica's table rounds that tier's
+    text among its own buckets."""
     from tiny.pixart import build
 
     path = build(tmp_path / "pixart-512", sample_size=64)

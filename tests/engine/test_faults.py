@@ -36,7 +36,8 @@ def _req(n=1, steps=2, seed=0) -> GenerationRequest:
 
 
 def _fail_once(monkeypatch, name: str):
-    """Make ``<name>`` as the eager runner calls it (``bcg_core.runners.eager``) raise :data:`SIMULATED` on its first call; returns the call counter."""
+    """Make ``<name>`` as the eager runner calls it (``bcg_core.runners.eager``) raise :data:`SIMULATED` on its first
+    call; returns the call counter."""
     real = getattr(runner_mod, name)
     calls = {"n": 0}
 
@@ -65,7 +66,8 @@ def test_a_runtime_error_in_a_padded_forward_demotes_the_bucket_to_eager_and_the
     assert row["faults"] == 1 and row["forwards_by_mode"]["eager"] == 2  # both steps: the fault, then demoted
     note = next(d["note"] for d in pipe.runner.describe() if d["key"] == str(got.bucket))
     assert note.startswith("runs unpadded and eager after a runtime error: RuntimeError: CUDA error")
-    again = pipe.generate(pipe.validator.validate(_req(seed=6)))  # no new fault: the bucket stays eager, serving goes on
+    # no new fault: the bucket stays eager, serving goes on
+    again = pipe.generate(pipe.validator.validate(_req(seed=6)))
     row = next(b for b in pipe.metrics.snapshot()["buckets"] if b["key"] == str(got.bucket))
     assert len(again.image_bytes) == 1 and row["faults"] == 1 and row["forwards_by_mode"]["eager"] == 4
 
@@ -180,4 +182,5 @@ def test_work_per_request_is_bounded_with_an_error_naming_the_limit():
         validator.validate(GenerationRequest("x", n=1, width=1024, height=1024, num_inference_steps=20))
     assert e.value.field == "num_inference_steps"
     unbounded = RequestValidator.from_config(EngineConfig(limits=LimitsConfig(max_megapixel_steps=None)))
-    assert unbounded.validate(GenerationRequest("x", n=10, width=2048, height=2048, num_inference_steps=50)).request.n == 10
+    big = GenerationRequest("x", n=10, width=2048, height=2048, num_inference_steps=50)
+    assert unbounded.validate(big).request.n == 10

@@ -54,9 +54,10 @@ def test_every_bucket_compiles_and_matches_the_unpadded_eager_forward(compiled):
 def test_a_generated_image_with_compiled_kernels_is_close_to_the_eager_one(compiled):
     eager = DiTPipeline.from_config(_config(kernels="eager"))
     request = GenerationRequest("a red fox in snow", n=2, width=256, height=256, num_inference_steps=2, seed=5)
-    ours, ref = compiled.generate(compiled.validator.validate(request)), eager.generate(eager.validator.validate(request))
+    ours = compiled.generate(compiled.validator.validate(request))
+    ref = eager.generate(eager.validator.validate(request))
     assert ours.bucket == ref.bucket and len(ours.image_bytes) == len(ref.image_bytes) == 2
-    for a, b in zip(ours.image_bytes, ref.image_bytes):
+    for a, b in zip(ours.image_bytes, ref.image_bytes, strict=True):
         diff = np.abs(_pixels(a) - _pixels(b))
         # fp32: the blocks' rounding differs by ~1e-7 relative, so at most one level on a few pixel values
         assert diff.max() <= 1 and (diff > 0).mean() < 0.01, (diff.max(), (diff > 0).mean())
@@ -132,7 +133,8 @@ case = boundary_cases(pipe.table, pipe.config.limits)[0]
 verdict, = verify_runner(pipe.model.adapter, pipe.runner, [case], pipe.model.device, pipe.model.dtype,
                          rtol=RTOL[pipe.model.dtype])
 stats = pipe.stats()
-print(json.dumps({**stats["kernels"], "passed": verdict.passed, "attention": [b["attention"] for b in stats["buckets"]]}))
+print(json.dumps({**stats["kernels"], "passed": verdict.passed,
+                  "attention": [b["attention"] for b in stats["buckets"]]}))
 """
 
 
@@ -162,7 +164,8 @@ def test_a_restart_reads_its_compiled_kernels_back_from_the_cache_dir(tmp_path):
     warm = start()
     assert warm["cache_hits"] >= cold["cache_misses"] and warm["cache_misses"] == 0 and warm["passed"], (cold, warm)
     assert (cold["start"], warm["start"]) == ("cold", "warm") and warm["compile_failed"] == 0
-    assert [a["source"] for a in cold["attention"]] == ["measured"] and cold["attention"][0]["backend"] in {"flash", "math"}
+    assert [a["source"] for a in cold["attention"]] == ["measured"]
+    assert cold["attention"][0]["backend"] in {"flash", "math"}
     assert set(cold["attention"][0]["times_ms"]) == {"flash", "math"}, cold["attention"]
     assert [(a["backend"], a["source"]) for a in warm["attention"]] == [(cold["attention"][0]["backend"], "cached")]
     if precompiled_available(torch.compile):  # torch 2.10+: each block shape is one file, loaded without a trace
@@ -280,9 +283,10 @@ def test_the_compiled_tolerance_comes_from_the_eager_forwards_own_rounding():
     deviation = precision_deviation(model.adapter, key, model.device, torch.bfloat16)
     assert 1e-4 < deviation < 5e-2  # bf16 rounding against float32
     assert [(t.data_ptr(), t.dtype) for t in tensors] == [(p, d) for p, d, _ in before]
-    assert all(torch.equal(t, v) for t, (_, _, v) in zip(tensors, before))
+    assert all(torch.equal(t, v) for t, (_, _, v) in zip(tensors, before, strict=True))
     rtol, note = kernel_tolerance("compiled", torch.bfloat16, deviation)
-    assert rtol == max(RTOL[torch.bfloat16], min(COMPILED_FACTOR * deviation, COMPILED_CAP)) and "eager rounding" in note
+    assert rtol == max(RTOL[torch.bfloat16], min(COMPILED_FACTOR * deviation, COMPILED_CAP))
+    assert "eager rounding" in note
     # a model whose bf16 forward is far from its float32 one (the full FLUX.1-dev with random weights: 0.50) still
     # gets a check that catches a broken compile
     assert kernel_tolerance("compiled", torch.bfloat16, 0.496)[0] == COMPILED_CAP == 0.1
@@ -381,7 +385,8 @@ def test_the_first_flux_single_block_gets_the_layout_its_successors_get():
     assert out["temb"] is None
     again = joint_views(out)  # what every later single block receives: passed through, no copy
     assert again is out
-    swapped = joint_views({"hidden_states": out["encoder_hidden_states"], "encoder_hidden_states": out["hidden_states"]})
+    swapped = joint_views({"hidden_states": out["encoder_hidden_states"],
+                           "encoder_hidden_states": out["hidden_states"]})
     assert torch.equal(swapped["hidden_states"], text)  # not text-first slices: put in that layout
 
 

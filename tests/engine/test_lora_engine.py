@@ -86,7 +86,7 @@ def test_rows_of_different_adapters_in_one_forward_each_equal_diffusers(ckpt):
     finally:
         sched.close()
     assert max(r.batch_size for r in results) > 1  # they shared forwards
-    for plan, result in zip(plans, results):
+    for plan, result in zip(plans, results, strict=True):
         ref = diffusers_run(FluxPipeline, folder, plan.request, lora_dir=loras, **REF)
         assert_same(bcg_run(pipe, plan.request), ref)  # alone: latents and images
         for ours, theirs in zip(result.image_bytes, ref.pngs, strict=True):  # shared: the scheduler's images
@@ -143,8 +143,8 @@ def test_a_step_mixing_adapter_rows_runs_as_two_where_the_measured_costs_say_so(
             assert not pipe.decider.split_adapters(shape, 0, 2) and not pipe.decider.split_adapters(None, 1, 1)
             sched = StepScheduler(pipe)
 
-            async def run_all():
-                return await asyncio.gather(*(sched.submit(pipe.validator.validate(r)) for r in reqs))
+            async def run_all():  # run at once below, with this iteration's scheduler
+                return await asyncio.gather(*(sched.submit(pipe.validator.validate(r)) for r in reqs))  # noqa: B023
 
             try:
                 results = asyncio.run(run_all())
@@ -152,7 +152,7 @@ def test_a_step_mixing_adapter_rows_runs_as_two_where_the_measured_costs_say_so(
             finally:
                 sched.close()
             assert (stats["adapter_splits"] > 0) is splits, stats["adapter_splits"]
-            for result, ref in zip(results, alone):
+            for result, ref in zip(results, alone, strict=True):
                 for ours, theirs in zip(result.image_bytes, ref.pngs, strict=True):
                     d = np.abs(pixels(ours) - pixels(theirs))
                     assert d.max() <= 1 and (d > 0).mean() <= PIXEL_SHARE

@@ -30,7 +30,8 @@ def test_flux_image_ids_keep_at_most_the_stated_number_of_grids():
         kept.append(adapter.image_ids(g, cpu, torch.float32))
     # the last IDS_CACHE_GRIDS grids are still the cached tensors (asked newest first, so none is evicted before it
     # is asked), every older one was dropped: an unbounded cache would keep all 400
-    alive = sum(adapter.image_ids(g, cpu, torch.float32) is t for g, t in zip(reversed(grids), reversed(kept)))
+    alive = sum(adapter.image_ids(g, cpu, torch.float32) is t
+                for g, t in zip(reversed(grids), reversed(kept), strict=True))
     assert alive == IDS_CACHE_GRIDS
     again = adapter.image_ids(grids[0], cpu, torch.float32)
     assert again is not first and torch.equal(again, flux_image_ids(grids[0]))  # computed anew, still right

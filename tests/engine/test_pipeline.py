@@ -176,7 +176,7 @@ def test_a_broken_checkpoint_is_a_start_up_error_naming_the_cause(tiny, tmp_path
 
 def test_tiny_weights_are_seeded(tiny):
     other = build_tiny(ModelConfig(seed=0))
-    for a, b in zip(tiny.adapter.model.parameters(), other.adapter.model.parameters()):
+    for a, b in zip(tiny.adapter.model.parameters(), other.adapter.model.parameters(), strict=True):
         assert torch.equal(a, b)
     third = build_tiny(ModelConfig(seed=1))
     assert not torch.equal(next(tiny.adapter.model.parameters()), next(third.adapter.model.parameters()))
@@ -185,7 +185,8 @@ def test_tiny_weights_are_seeded(tiny):
 def test_reject_policy_turns_a_miss_into_a_request_error(tiny):
     buckets = BucketConfig(**{**SMALL.buckets.model_dump(), "miss_policy": "reject"})
     with pytest.raises(RequestError) as e:  # an image miss (rows above the largest bucket are split, never missed)
-        DiTPipeline(EngineConfig(buckets=buckets), tiny).validator.validate(GenerationRequest("a", width=1024, height=1024))
+        DiTPipeline(EngineConfig(buckets=buckets), tiny).validator.validate(
+            GenerationRequest("a", width=1024, height=1024))
     assert e.value.field == "size"
 
 
@@ -211,7 +212,7 @@ def test_a_cancelled_request_stops_before_its_next_step_and_is_not_counted(tiny)
     cancel = threading.Event()
     cancel.set()
     with pytest.raises(RequestCancelled):
-        p.generate(p.validator.validate(GenerationRequest("a", n=1, width=256, height=256, num_inference_steps=50, seed=0)),
-                   cancel)
+        p.generate(p.validator.validate(GenerationRequest("a", n=1, width=256, height=256, num_inference_steps=50,
+                                                          seed=0)), cancel)
     assert p.stats()["totals"]["requests"] == 0
     assert sum(b["forwards"] for b in p.stats()["buckets"]) == 0  # no denoising step ran

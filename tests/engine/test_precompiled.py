@@ -74,14 +74,14 @@ def test_one_function_serves_every_block_loads_from_disk_and_rebuilds_a_torn_fil
         store = PrecompiledBlocks(tmp_path, OPTIONS, torch.device("cpu"))
         fn = store.function(a, (), x, "math")
         assert store.function(b, (), x, "math") is fn and store.saves == 1
-        for got, ref in zip(fn(b, **x), expect):  # b's own weights, not a's
+        for got, ref in zip(fn(b, **x), expect, strict=True):  # b's own weights, not a's
             torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
         (path,) = tmp_path.glob("FluxTransformerBlock-*.aot")
 
         restart = PrecompiledBlocks(tmp_path, OPTIONS, torch.device("cpu"))
         again = restart.function(b, (), x, "math")
         assert (restart.loads, restart.saves) == (1, 0)
-        for got, ref in zip(again(b, **x), expect):
+        for got, ref in zip(again(b, **x), expect, strict=True):
             torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
         flash = PrecompiledBlocks(tmp_path, OPTIONS, torch.device("cpu"))
         flash.function(b, (), x, "flash")
@@ -92,7 +92,7 @@ def test_one_function_serves_every_block_loads_from_disk_and_rebuilds_a_torn_fil
         torn = PrecompiledBlocks(tmp_path, OPTIONS, torch.device("cpu"))
         rebuilt = torn.function(b, (), x, "math")
         assert (torn.loads, torn.rebuilt, torn.saves) == (0, 1, 1)
-        for got, ref in zip(rebuilt(b, **x), expect):
+        for got, ref in zip(rebuilt(b, **x), expect, strict=True):
             torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
 
         # a bucket whose check failed: what its compile used is forgotten and its file deleted, never loaded again
@@ -126,7 +126,7 @@ def test_a_block_class_whose_ahead_of_time_compile_raises_is_traced_once_for_all
         with kernels.compiling(None):
             got = [blk(**x) for blk in model.blocks]
     assert len(attempts) == 1  # one attempt for the class, then every block is traced by dynamo
-    for g, e in zip(got, expect):
+    for g, e in zip(got, expect, strict=True):
         torch.testing.assert_close(g[1], e[1], rtol=1e-4, atol=1e-5)
 
 
@@ -140,7 +140,8 @@ def test_a_mode_other_than_default_compiles_ahead_of_time_as_its_inductor_option
     assert "mode" not in options and options["options"]["max_autotune"] is True
     assert options["options"]["guard_filter_fn"] is torch.compiler.skip_all_guards_unsafe
     assert "mode" in autotune and "options" not in autotune  # the caller's dict is left as it was
-    assert compile_options({**OPTIONS, "mode": "default"})["options"] == {"guard_filter_fn": torch.compiler.skip_all_guards_unsafe}
+    assert compile_options({**OPTIONS, "mode": "default"})["options"] == {
+        "guard_filter_fn": torch.compiler.skip_all_guards_unsafe}
     torch.manual_seed(0)
     block, x = _Linear(), {"hidden_states": torch.randn(4, 16)}  # a block of one matmul: autotuning it is quick
     with torch.no_grad():

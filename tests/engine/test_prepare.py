@@ -166,7 +166,8 @@ def test_a_failing_encode_answers_only_its_own_request(flux, monkeypatch):
         sched.close()
     assert isinstance(bad, RuntimeError) and "refuses black images" in str(bad)
     assert good.image_bytes and later.image_bytes
-    assert sum(s["failed"] for s in stats["shapes"].values()) == 1 and stats["rows_in_flight"] == 0 and stats["bytes_in_flight"] == 0
+    assert sum(s["failed"] for s in stats["shapes"].values()) == 1
+    assert stats["rows_in_flight"] == 0 and stats["bytes_in_flight"] == 0
     assert stats["preparing"] == 0 and stats["prepare"]["rounds"] == 2
 
 
@@ -218,5 +219,5 @@ def test_the_prepare_stage_keeps_the_state_equal_to_a_start_on_the_calling_threa
     assert error is None
     ref = pipe.start(plan)
     assert torch.equal(state.latents, ref.latents) and torch.equal(state.timesteps, ref.timesteps)
-    for x, y in zip(state.extras["inpaint"], ref.extras["inpaint"]):
+    for x, y in zip(state.extras["inpaint"], ref.extras["inpaint"], strict=True):
         assert torch.equal(x, y)

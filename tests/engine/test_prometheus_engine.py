@@ -25,7 +25,8 @@ def test_pipeline_records_one_step_latency_per_forward_and_the_exporter_matches_
     pipe = DiTPipeline(cfg, build_tiny())
     backend = FakeBackend()
     ex = BucketExporter(pipe.stats, pipe.metrics, lambda: {}, {k.shape for k in pipe.table.keys}, backend)
-    pipe.generate(pipe.validator.validate(GenerationRequest("a", n=1, width=256, height=256, num_inference_steps=2, seed=0)))
+    pipe.generate(pipe.validator.validate(GenerationRequest("a", n=1, width=256, height=256, num_inference_steps=2,
+                                                            seed=0)))
     miss = GenerationRequest("a", n=1, width=768, height=768, num_inference_steps=1, seed=0)  # no tier: a miss
     pipe.generate(pipe.validator.validate(miss))
     ex.push()

@@ -49,7 +49,7 @@ def test_a_replica_past_ready_after_s_is_ready_with_its_largest_shape_and_serves
 
     before, after = asyncio.run(scenario())
     assert len(before.image_bytes) == len(after.image_bytes) == 2
-    for a, b in zip(before.image_bytes, after.image_bytes):  # fp32 on the CPU: unpadded and bucketed agree
+    for a, b in zip(before.image_bytes, after.image_bytes, strict=True):  # fp32 on the CPU: unpadded and bucketed agree
         assert np.abs(_pixels(a) - _pixels(b)).max() <= 1
 
 

@@ -21,8 +21,8 @@ async def make_replica(config: dict):
 
 
 def test_cancelling_a_generate_call_stops_its_worker_thread_early():
-    request = RequestValidator.from_config(CONFIG).validate(GenerationRequest("a lighthouse", n=1, width=512, height=512,
-                                                                 num_inference_steps=50, seed=1))
+    request = RequestValidator.from_config(CONFIG).validate(
+        GenerationRequest("a lighthouse", n=1, width=512, height=512, num_inference_steps=50, seed=1))
     replica = None
 
     async def cancel_soon():

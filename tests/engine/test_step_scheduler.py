@@ -1,4 +1,5 @@
-"""The step scheduler (bcg_core/scheduler/: step_scheduler.py, loop.py, admission.py, flight.py) and its cost model (bcg_core/costs/), on the CPU.
+"""The step scheduler (bcg_core/scheduler/: step_scheduler.py, loop.py, admission.py, flight.py) and its cost model
+(bcg_core/costs/), on the CPU.
 
 Tiny default model, fp32. Closeness: rows that share a forward differ from the same rows run alone only in the
 reduction order of batched kernels (``tests/closeness.py``: latents within RTOL 1e-5); after the VAE and the
@@ -239,7 +240,7 @@ def test_mixed_step_forward_equals_rows_run_one_request_at_a_time(pipe, monkeypa
         while not s.done:
             pipe.step([s], pipe.decider.for_states([s]))
     assert mixed >= 2
-    for t, s in zip(together, alone):
+    for t, s in zip(together, alone, strict=True):
         assert_close(t.latents, s.latents)
 
 
@@ -254,7 +255,7 @@ def test_split_plan_equals_one_forward(pipe):
     while not all(s.done for s in one):
         pipe.step(one, pipe.decider.for_states(one))
         pipe.step(two, split)
-    for x, y in zip(one, two):
+    for x, y in zip(one, two, strict=True):
         assert_close(x.latents, y.latents)
     with pytest.raises(ValueError, match="the forwards run 4 rows"):
         pipe.step([pipe.start(pipe.validator.validate(reqs[0]))], StepForwards((Chunk(key4, 4, 0.0),)))
@@ -286,10 +287,10 @@ def test_image_does_not_depend_on_company(pipe, make_sched):
     shared = [states for states in probe_steps[3:] if len(states) > 1]  # the joined run's steps
     assert shared and any(len({i for _, i, _ in states}) > 1 for states in shared)  # at different steps
     assert joined.batch_size > 1 and alone.batch_size == 1
-    for a, b in zip(alone.image_bytes, joined.image_bytes):
+    for a, b in zip(alone.image_bytes, joined.image_bytes, strict=True):
         assert same_image(a, b)
     reference = pipe.generate(pipe.validator.validate(probe))  # the request-level path agrees too
-    for a, b in zip(alone.image_bytes, reference.image_bytes):
+    for a, b in zip(alone.image_bytes, reference.image_bytes, strict=True):
         assert same_image(a, b)
     assert not same_image(alone.image_bytes[0], alone.image_bytes[1])  # the tolerance discriminates (seed + 1)
 
@@ -321,7 +322,7 @@ def test_cancel_mid_flight_frees_the_rows_at_the_next_step(pipe, make_sched):
     st = sched.stats()
     assert st["rows_in_flight"] == 0 and st["running"] == 0 and st["bytes_in_flight"] == 0
     assert st["shapes"][SHAPE]["cancelled"] == 1 and st["shapes"][SHAPE]["completed"] == 1
-    for a, b in zip(result.image_bytes, pipe.generate(pipe.validator.validate(short)).image_bytes):
+    for a, b in zip(result.image_bytes, pipe.generate(pipe.validator.validate(short)).image_bytes, strict=True):
         assert same_image(a, b)
 
 
@@ -352,7 +353,7 @@ def test_admission_bounds_rows_and_lets_a_larger_request_run_alone(pipe, make_sc
         return sched, log, results
 
     sched, log, results = run(main())
-    assert len(results) == 4 and all(len(r.image_bytes) == r_.n for r, r_ in zip(results, reqs))
+    assert len(results) == 4 and all(len(r.image_bytes) == r_.n for r, r_ in zip(results, reqs, strict=True))
     rows = log.rows_per_step()
     six = [i for i, (states, _) in enumerate(log.steps) if any(seed == 40 for seed, _, _ in states)]
     assert all(r <= 4 for i, r in enumerate(rows) if i not in six)
@@ -384,8 +385,8 @@ def test_an_incompatible_head_does_not_block_other_shapes(pipe, make_sched):
 
 def _hot_and_rare(pipe, make_sched, fair_s: float):
     """Scripted arrivals: hot 256x256 requests of 2 rows, staggered (2 steps each, the second 3), so that one
-    finishes at every step boundary and at most 2 of the 4 rows are ever free; a rare 256x512 request of 4 rows arrives third. Returns the step log
-    and the rare request's result."""
+    finishes at every step boundary and at most 2 of the 4 rows are ever free; a rare 256x512 request of 4 rows arrives
+    third. Returns the step log and the rare request's result."""
     hot = [_req(seed=60 + i, steps=3 if i == 1 else 2, n=2) for i in range(10)]  # one finishes every step
     rare = _req(seed=99, steps=2, width=256, height=512, n=4)
 
@@ -436,7 +437,8 @@ def test_decode_batches_finished_requests_of_one_size(pipe, make_sched, monkeypa
         return decode(state)
 
     monkeypatch.setattr(pipe.model, "decode", counting)
-    reqs = [_req(seed=80, steps=2, n=2), _req(seed=81, steps=2, n=1), _req(seed=82, steps=2, n=1, width=256, height=512)]
+    reqs = [_req(seed=80, steps=2, n=2), _req(seed=81, steps=2, n=1),
+            _req(seed=82, steps=2, n=1, width=256, height=512)]
 
     async def main():
         sched = make_sched(decode_batch_images=8)
@@ -445,8 +447,8 @@ def test_decode_batches_finished_requests_of_one_size(pipe, make_sched, monkeypa
     results = run(main())
     assert sorted(calls) == [1, 3]  # the two 256x256 requests in one decode call, the 256x512 one apart
     monkeypatch.setattr(pipe.model, "decode", decode)
-    for r, req in zip(results, reqs):
-        for a, b in zip(r.image_bytes, pipe.generate(pipe.validator.validate(req)).image_bytes):
+    for r, req in zip(results, reqs, strict=True):
+        for a, b in zip(r.image_bytes, pipe.generate(pipe.validator.validate(req)).image_bytes, strict=True):
             assert same_image(a, b)
         assert set(r.timings_ms) == {"queue", "encode", "denoise", "decode", "image_encode", "total"}
 
@@ -574,8 +576,8 @@ def test_burst_of_real_size_requests_all_answered_same_seed_same_image(tiny, mak
     assert [len(r.image_bytes) for r in results] == [r.n for r in reqs]
     assert stats["waiting"] == 0 and stats["running"] == 0 and stats["rows_in_flight"] == 0
     assert sum(s["completed"] for s in stats["shapes"].values()) == len(reqs) + 2
-    for r, i in zip(again, (0, len(reqs) - 1)):
-        for a, b in zip(r.image_bytes, results[i].image_bytes):
+    for r, i in zip(again, (0, len(reqs) - 1), strict=True):
+        for a, b in zip(r.image_bytes, results[i].image_bytes, strict=True):
             assert same_image(a, b)
 
 
@@ -660,7 +662,7 @@ def test_a_request_above_the_largest_bucket_is_split_across_buckets(pipe, make_s
     assert result.hit and str(result.bucket) == "b8_i256_t256" and result.missed == []
     assert [[(c.key.batch, c.rows) for c in p.chunks] for _, p in log.steps] == [[(8, 8), (2, 2)]] * 2
     assert sched.stats()["shapes"][SHAPE]["decisions"]["split"] == 2
-    for a, b in zip(result.image_bytes, pipe.generate(pipe.validator.validate(big)).image_bytes):
+    for a, b in zip(result.image_bytes, pipe.generate(pipe.validator.validate(big)).image_bytes, strict=True):
         assert same_image(a, b)
 
 
@@ -821,8 +823,9 @@ def test_a_burst_of_arrivals_does_not_stall_the_requests_in_flight(pipe, make_sc
         await asyncio.gather(long, *burst)
 
     run(main())
-    gaps = sorted(b - a for a, b in zip(stamps, stamps[1:]))
-    assert gaps[-1] < 10 * gaps[len(gaps) // 2], f"largest gap {gaps[-1] * 1e3:.0f} ms, median {gaps[len(gaps) // 2] * 1e3:.0f} ms"
+    gaps = sorted(b - a for a, b in zip(stamps, stamps[1:], strict=False))
+    assert gaps[-1] < 10 * gaps[len(gaps) // 2], (f"largest gap {gaps[-1] * 1e3:.0f} ms, "
+                                                  f"median {gaps[len(gaps) // 2] * 1e3:.0f} ms")
 
 
 def test_counters_stay_consistent_with_cancellations_everywhere(pipe, make_sched):
@@ -862,8 +865,9 @@ def test_the_validator_routes_and_accepts_rows_above_the_largest_bucket(tiny):
 
 
 def test_the_scheduler_trims_the_heap_once_idle(make_sched):
-    """Once its last request is answered the scheduler hands the C heap's free memory back (bcg_core/scheduler/memtrim.py:
-    without it a CPU replica's memory at rest follows its largest requests); None turns it off."""
+    """Once its last request is answered the scheduler hands the C heap's free memory back
+    (bcg_core/scheduler/memtrim.py: without it a CPU replica's memory at rest follows its largest requests); None turns
+    it off."""
     async def main(sched):
         await sched.submit(_req(seed=3, steps=1))
 

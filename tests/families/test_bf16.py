@@ -1,4 +1,5 @@
-"""The bf16 gate on the CPU, small: padding cases in bf16 against diffusers' own bf16 pipeline (``tests/reference_gate_bf16.py``).
+"""The bf16 gate on the CPU, small: padding cases in bf16 against diffusers' own bf16 pipeline
+(``tests/reference_gate_bf16.py``).
 
 The full gate (every family and case, CPU or CUDA) is ``benchmarks/bf16_gate.py`` and ``tests/gpu/test_bf16_gate.py``;
 this module runs the cases where bf16 padding reaches the real tokens through another kernel path on a CPU, with the
@@ -33,9 +34,13 @@ def _dev(levels, share, rel):
     return {"max_levels": levels, "share": share, "latent_rel": rel}
 
 
-def _result(kernels="eager", batch=_dev(2, 0.2, 0.0), kernel=_dev(3, 0.3, 1e-2), fp32=_dev(7, 0.6, 2e-2), **cases):
-    return {"family": "x", "device": "cpu", "kernels": kernels, "bounds": {"batch": batch, "kernel": kernel,
-            "fp32": fp32}, "cases": cases}
+def _result(kernels="eager", batch=None, kernel=None, fp32=None, **cases):
+    """A gate result of ``cases``; diffusers' own deviations ``batch``, ``kernel`` and ``fp32`` default to 2, 3 and 7
+    levels."""
+    bounds = {"batch": _dev(2, 0.2, 0.0) if batch is None else batch,
+              "kernel": _dev(3, 0.3, 1e-2) if kernel is None else kernel,
+              "fp32": _dev(7, 0.6, 2e-2) if fp32 is None else fp32}
+    return {"family": "x", "device": "cpu", "kernels": kernels, "bounds": bounds, "cases": cases}
 
 
 def test_the_gate_demands_bit_identical_latents_where_diffusers_is_batch_exact():
@@ -67,7 +72,8 @@ def test_fp8_is_bounded_on_latents_by_16_bf16_roundings_and_reports_psnr():
 
     fp32, kernel = _dev(7, 0.6, 2e-3), _dev(3, 0.3, 1e-3)  # the larger, 2e-3, x 16 x margin 2: 6.4e-2
     assert FP8_SCALE == 16.0
-    assert check(_result(kernels="fp8", fp32=fp32, kernel=kernel, exact=_dev(120, 0.99, 6e-2))) == []  # pixels: not bounded
+    # pixels: not bounded
+    assert check(_result(kernels="fp8", fp32=fp32, kernel=kernel, exact=_dev(120, 0.99, 6e-2))) == []
     bad = check(_result(kernels="fp8", fp32=fp32, kernel=kernel, exact=_dev(3, 0.1, 7e-2)))
     assert len(bad) == 1 and "fp8" in bad[0]
     # the kernel deviation scales the bound where it is the larger rounding: 4e-3 x 16 x 2 = 0.128

@@ -143,5 +143,6 @@ def test_the_default_size_is_what_the_pipeline_generates_without_a_size(folders,
     with torch.inference_mode():
         (image,) = pipe("a cat", num_inference_steps=1, generator=torch.Generator().manual_seed(0), **extra).images
     assert image.size == spec.default_size
-    planned = RequestValidator.from_config(_config(folders[case], case, min_side_px=16)).validate(GenerationRequest("a cat", seed=1))
+    validator = RequestValidator.from_config(_config(folders[case], case, min_side_px=16))
+    planned = validator.validate(GenerationRequest("a cat", seed=1))
     assert (planned.request.width, planned.request.height) == spec.default_size

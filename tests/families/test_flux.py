@@ -3,8 +3,9 @@
 Tiny random-weight ``FluxPipeline`` checkpoints (dev with the guidance embedding, schnell without), built
 offline by ``tests/tiny/flux.py`` and loaded through ``model.path``. For each case the final packed latents
 must be within 1e-5 relative of ``FluxPipeline(output_type="latent")`` and the images the same as
-``output_type="pil"`` (``reference_gate.assert_same``: byte-equal PNGs at an exact bucket): at an exact bucket, padded (rows 3 -> 4, and a size one token-row below a tier in its
-masked bucket), and inside a forward shared with a request that started two steps earlier.
+``output_type="pil"`` (``reference_gate.assert_same``: byte-equal PNGs at an exact bucket): at an exact bucket, padded
+(rows 3 -> 4, and a size one token-row below a tier in its masked bucket), and inside a forward shared with a request
+that started two steps earlier.
 """
 
 import dataclasses

@@ -109,7 +109,8 @@ def test_padded_rows_and_text_at_a_binned_size_equal_diffusers(pipe, folder):
                             num_inference_steps=4, guidance_scale=4.5, negative_prompt="blurry", seed=7)
     assert pipe.model.spec.generation_size(300, 200) == (304, 208)
     key = pipe.validator.validate(req).lookup.key
-    assert RequestValidator.from_config(pipe.config).validate(req).lookup.key == key  # the ingress: configs and tokenizer only
+    # the ingress: configs and tokenizer only
+    assert RequestValidator.from_config(pipe.config).validate(req).lookup.key == key
     assert key.batch == 8 and key.latent_hw == (13, 19)
     assert max(_tokens(pipe, req.prompt), _tokens(pipe, "blurry")) < key.text_tokens
     ours = bcg_run(pipe, req)

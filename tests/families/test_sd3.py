@@ -85,7 +85,7 @@ def _assert_batched(ours, ref) -> None:
     err = ((ours.latents - ref.latents).abs().max() / ref.latents.abs().max()).item()
     assert err < RTOL, f"final latents differ from diffusers' by {err:.2e} relative"
     assert len(ours.pngs) == len(ref.pngs)
-    for a, b in zip(ours.pngs, ref.pngs):
+    for a, b in zip(ours.pngs, ref.pngs, strict=True):
         diff = np.abs(_pixels(a) - _pixels(b))
         assert diff.max() <= 1 and (diff > 0).mean() <= 0.01, (int(diff.max()), float((diff > 0).mean()))
 
@@ -239,11 +239,13 @@ def test_an_fp32_checkpoint_served_in_bf16_runs_every_component_in_bf16(folders)
 
     pipe = DiTPipeline.from_config(EngineConfig(
         model=ModelConfig(path=str(folders["sd3"]), device="cpu", dtype="bfloat16"),
-        buckets=BucketConfig(batch_sizes=[2], resolutions=["64x64"], text_lengths=[333]), limits=LimitsConfig(min_side_px=16)))
+        buckets=BucketConfig(batch_sizes=[2], resolutions=["64x64"], text_lengths=[333]),
+        limits=LimitsConfig(min_side_px=16)))
     p = pipe.model.pipe
-    assert {m.dtype for m in (p.transformer, p.vae, p.text_encoder, p.text_encoder_2, p.text_encoder_3)} == {torch.bfloat16}
+    components = (p.transformer, p.vae, p.text_encoder, p.text_encoder_2, p.text_encoder_3)
+    assert {m.dtype for m in components} == {torch.bfloat16}
     out = pipe.generate(pipe.validator.validate(GenerationRequest("a cat", width=64, height=64, num_inference_steps=1,
-                                                            guidance_scale=4.0, seed=1)))
+                                                                  guidance_scale=4.0, seed=1)))
     assert str(out.bucket) == "b2_i16_t333_g4x4" and len(out.image_bytes) == 1
 
 

@@ -120,7 +120,8 @@ def test_dynamic_shifting_takes_mu_from_the_edit_size_as_diffusers(sd3):
     req = sd3["dynamic_pipe"].validator.validate(_req(sd3["image"], strength=0.7)).request
     ours = bcg_run(sd3["dynamic_pipe"], req)
     assert_same(ours, diffusers_run(StableDiffusion3Img2ImgPipeline, sd3["dynamic"], req), exact=True)
-    plain = sd3["pipe"].validator.validate(_req(sd3["image"], strength=0.7)).request  # same weights, no shift: another result
+    # same weights, no shift: another result
+    plain = sd3["pipe"].validator.validate(_req(sd3["image"], strength=0.7)).request
     assert (bcg_run(sd3["pipe"], plain).latents - ours.latents).abs().max() > 1e-3
 
 

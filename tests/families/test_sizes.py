@@ -1,6 +1,6 @@
 """The size rule is one rule: over HTTP (``POST /v1/images/generations``, the schema then the validator) and from Python
-(the application handle's ``images``, and a bare :class:`~bcg_core.RequestValidator` as ``DiTPipeline`` uses it) a size is
-accepted or refused alike, with the same field and message.
+(the application handle's ``images``, and a bare :class:`~bcg_core.RequestValidator` as ``DiTPipeline`` uses it) a size
+is accepted or refused alike, with the same field and message.
 
 A family with resolution binning (PixArt-Sigma) takes any size within ``limits.min_side_px``..``max_side_px``
 (generated at its aspect-ratio bin, resized back); a family without (SD3) takes sizes whose sides are multiples of
@@ -80,8 +80,8 @@ def test_a_size_is_accepted_or_refused_alike_over_http_and_from_python(served):
     assert binning == (family == "pixart")
     for size in accepted + refused:
         w, h = (int(v) for v in size.split("x"))
-        python = _outcome(lambda: validator.validate(GenerationRequest("a photo of a cat", width=w, height=h, n=1, seed=1,
-                                                                 num_inference_steps=1)))
+        request = GenerationRequest("a photo of a cat", width=w, height=h, n=1, seed=1, num_inference_steps=1)
+        python = _outcome(lambda request=request: validator.validate(request))
         assert _over_http(ingress, dit, size) == python, size
         assert _from_the_handle(ingress, dit, w, h) == python, size
         assert python[0] == ("ok" if size in accepted else "refused"), (size, python)

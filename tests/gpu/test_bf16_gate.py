@@ -1,8 +1,8 @@
 """The bf16 gate on a GPU: every family's bf16 images, served through captured CUDA graphs, against diffusers' own
 bf16 pipeline on the same GPU, within the deviations diffusers shows itself there.
 
-``tests/reference_gate_bf16.py`` measures, per family (tiny checkpoints of ``tests/tiny/``, bf16, 4 steps, on CUDA) and in
-the same run, diffusers' own deviations (``batch``: the same image alone and in a batch of two beside a longer
+``tests/reference_gate_bf16.py`` measures, per family (tiny checkpoints of ``tests/tiny/``, bf16, 4 steps, on CUDA) and
+in the same run, diffusers' own deviations (``batch``: the same image alone and in a batch of two beside a longer
 prompt; ``kernel``: SDPA's default backend against the math backend; ``fp32``: bf16 against fp32) and bcg-serve's
 deviation from diffusers alone for an exact bucket, image padding into a masked tier (FLUX), text padding (the
 masked-text families) and a request sharing its forwards with another. :func:`reference_gate_bf16.check` is the gate:

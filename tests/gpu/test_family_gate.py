@@ -88,7 +88,8 @@ def test_flow_match_euler_families_fuse_their_steps_after_the_bitwise_check_on_c
 def test_joining_a_running_request_in_one_graph_replay_equals_diffusers_on_cuda(family):
     folder, pipe, cls, fields, ref = family
     a = pipe.validator.validate(_req(fields, seed=7)).request
-    b = pipe.validator.validate(_req(fields, n=2, seed=40, num_inference_steps=5, prompt="an astronaut riding a horse")).request
+    b = pipe.validator.validate(_req(fields, n=2, seed=40, num_inference_steps=5,
+                                     prompt="an astronaut riding a horse")).request
     ours_a, ours_b = bcg_run_joined(pipe, a, b, head_start=2)
     for ours, req in ((ours_a, a), (ours_b, b)):
         assert_same(ours, diffusers_run(cls, folder, req, device="cuda", **ref), rtol=RTOL_CUDA,
@@ -125,6 +126,6 @@ def test_the_step_scheduler_with_measured_costs_equals_diffusers_on_cuda(family)
     for ours, plan in ((ra, a), (rb, b)):
         theirs = diffusers_run(cls, folder, plan.request, device="cuda", **ref)
         assert len(ours.image_bytes) == len(theirs.pngs)
-        for x, y in zip(ours.image_bytes, theirs.pngs):
+        for x, y in zip(ours.image_bytes, theirs.pngs, strict=True):
             diff = abs(pixels(x) - pixels(y))
             assert diff.max() <= 1 and float((diff > 0).mean()) <= PIXELS_CUDA

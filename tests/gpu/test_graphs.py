@@ -95,7 +95,8 @@ def test_cfg_cond_and_uncond_rows_in_one_graph_match_separate_eager_runs(adapter
     assert c.data_ptr() != u.data_ptr()
     with torch.inference_mode():
         ref_c = adapter.forward_eager(cond.__class__(cond.latents, cond.text, cond.pooled, cond.timestep, cond.grid))
-        ref_u = adapter.forward_eager(cond.__class__(cond.latents, uncond.text, uncond.pooled, cond.timestep, cond.grid))
+        ref_u = adapter.forward_eager(cond.__class__(cond.latents, uncond.text, uncond.pooled, cond.timestep,
+                                                     cond.grid))
     for got, ref in ((c, ref_c), (u, ref_u)):
         assert ((got.float() - ref.float()).abs().max() / ref.float().abs().max()).item() < BF16_RTOL
     assert not torch.allclose(c, u)

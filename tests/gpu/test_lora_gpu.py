@@ -61,7 +61,7 @@ def test_adapters_in_replayed_graphs_match_eager_in_each_tier(ckpt, kernels):
     reqs = [_req(seed=1), _req(seed=2, lora=(("a", 0.8),)), _req(seed=3, lora=(("a", 1.0), ("b", -0.6)))]
     plans = [pipe.validator.validate(r) for r in reqs]
     leases = [pipe.lease(p) for p in plans]
-    states = [pipe.start(p, lease=lease) for p, lease in zip(plans, leases)]
+    states = [pipe.start(p, lease=lease) for p, lease in zip(plans, leases, strict=True)]
     while not all(s.done for s in states):
         live = [s for s in states if not s.done]
         pipe.step(live, pipe.decider.for_states(live))  # the three share each step's forward (3 rows -> bucket 4)
@@ -69,7 +69,7 @@ def test_adapters_in_replayed_graphs_match_eager_in_each_tier(ckpt, kernels):
         if lease is not None:
             lease.release()
     rtol = 1e-4 if kernels == "eager" else pipe.stats()["kernels"]["rtol"]
-    for plan, state in zip(plans, states):
+    for plan, state in zip(plans, states, strict=True):
         want = bcg_run(ref, plan.request).latents
         got = state.latents.float().cpu()
         err = ((got - want).abs().max() / want.abs().max()).item()

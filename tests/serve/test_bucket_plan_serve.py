@@ -32,7 +32,8 @@ def test_end_to_end_plan_serve_replay_and_the_measured_waste_is_the_predicted_on
                 for d in demo]
     plan = search_table(config, traffic_from_requests(config, requests), max_graphs=6)
     assert plan.costs["source"] == "token-count (eager runner)"
-    planned = ServeConfig.model_validate({**config.model_dump(mode="json"), "buckets": plan.buckets.model_dump(mode="json")})
+    planned = ServeConfig.model_validate({**config.model_dump(mode="json"),
+                                          "buckets": plan.buckets.model_dump(mode="json")})
     serve.run(build_app({"config": planned.model_dump(mode="json")}), name="bcg-planned", route_prefix="/planned")
     try:
         url = f"{serve_apps.base_url}/planned"

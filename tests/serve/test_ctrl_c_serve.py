@@ -45,8 +45,8 @@ def _listener_cmdline(root_pid: int, port: int) -> str:
 @pytest.mark.serve
 def test_ctrl_c_stops_bcg_serve_with_one_clean_last_line_and_the_dashboard_line_names_what_runs():
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "deployments.cli.main", "serve", "--port", "0", "--metrics-port", "0",
-                             "--num-cpus", "2", "--stop-after-s", "400"], cwd=ROOT, env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "deployments.cli.main", "serve", "--port", "0",
+                             "--metrics-port", "0", "--num-cpus", "2", "--stop-after-s", "400"], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     lines: list[str] = []
     try:

@@ -81,7 +81,7 @@ def test_each_family_is_served_over_http_and_answers_what_the_pipeline_gives(ser
         expect = local.generate(local.validator.validate(GenerationRequest(**fields, width=w, height=h)))
         # the replica's process may run torch with another thread count (other fp32 reduction order): the same
         # image up to one level on a rounding boundary (reference_gate.PIXEL_SHARE)
-        for ours, ref in zip(pngs, expect.image_bytes):
+        for ours, ref in zip(pngs, expect.image_bytes, strict=True):
             diff = np.abs(pixels(ours) - pixels(ref))
             assert diff.max() <= 1 and (diff > 0).mean() <= PIXEL_SHARE
     finally:

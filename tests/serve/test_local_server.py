@@ -26,8 +26,8 @@ _START_S = 240.0
 @pytest.mark.serve
 def test_bcg_serve_prints_readiness_once_serves_metrics_and_listens_on_loopback_only():
     env = {**os.environ, "RAY_metrics_report_interval_ms": "1000", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "deployments.cli.main", "serve", "--port", "0", "--metrics-port", "0",
-                             "--num-cpus", "2", "--stop-after-s", "300"], cwd=ROOT, env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "deployments.cli.main", "serve", "--port", "0",
+                             "--metrics-port", "0", "--num-cpus", "2", "--stop-after-s", "300"], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     lines: list[str] = []
     try:

@@ -72,7 +72,7 @@ def test_the_format_changes_the_file_not_the_image(client):
         return _image(client.post(GEN, json=_body(**kw)).json()["data"][0]["b64_json"])[1].tobytes()
 
     def mean_abs(a: bytes, b: bytes) -> float:
-        return sum(abs(x - y) for x, y in zip(a, b)) / len(a)
+        return sum(abs(x - y) for x, y in zip(a, b, strict=True)) / len(a)
 
     png = pixels(seed=5)
     assert mean_abs(png, pixels(seed=5, output_format="webp")) < 0.5 * mean_abs(png, pixels(seed=6))

@@ -58,7 +58,7 @@ def test_overload_answers_every_request_with_200_or_an_immediate_503(overload_ur
     refused = [a for a in answers if a[0] == 503]
     assert len(ok) >= 2 and refused, statuses
     slowest_ok = max(a[1] for a in ok)
-    for status, seconds, headers, body in refused:
+    for _, seconds, headers, body in refused:
         assert headers.get("retry-after") == "3"
         assert "capacity" in body["error"]["message"]
         assert seconds < slowest_ok  # refused without waiting for a slot

@@ -81,7 +81,7 @@ def test_keyed_calls_land_on_their_owners(echo_handle):
     first = [echo_handle.options(multiplexed_model_id=s).remote(s).result(timeout_s=30) for s in SHAPES]
     assert time.monotonic() - t0 < 15, "routing stats did not arrive"
     assert all(r["shape"] in r["owned"] for r in first)
-    owner_of = {s: r["replica"] for s, r in zip(SHAPES, first)}
+    owner_of = {s: r["replica"] for s, r in zip(SHAPES, first, strict=True)}
     assert len(set(owner_of.values())) == 3, owner_of
 
     shapes = [(SHAPES + [SHARED])[i % 4] for i in range(60)]
@@ -89,11 +89,11 @@ def test_keyed_calls_land_on_their_owners(echo_handle):
     responses = [echo_handle.options(multiplexed_model_id=s).remote(s) for s in shapes]
     results = [r.result(timeout_s=30) for r in responses]
     assert time.monotonic() - t0 < 15  # well inside the fallback window: no call waited for a fallback
-    for s, r in zip(shapes, results):
+    for s, r in zip(shapes, results, strict=True):
         assert r["shape"] == s and s in r["owned"], (s, r)
         if s != SHARED:
             assert r["replica"] == owner_of[s], (s, r, owner_of)
-    shared_on = {r["replica"] for s, r in zip(shapes, results) if s == SHARED}
+    shared_on = {r["replica"] for s, r in zip(shapes, results, strict=True) if s == SHARED}
     assert shared_on <= {owner_of[SHAPES[0]], owner_of[SHAPES[1]]}
 
     # un-keyed calls are not held back

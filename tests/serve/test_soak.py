@@ -8,20 +8,19 @@ no 5xx, every poll answered, the bucket table unchanged, and the replica's memor
 
 Memory at rest, and why it is judged this way (a run on a busy 2-core machine once measured +8.6% against the
 5%): what the bound protects against is memory that stays after the requests are gone (a leak, or the freed heap
-that glibc kept before the replica's idle trim, +17% in 2 minutes: ``bcg_core/scheduler/memtrim.py``). The old measurement
-waited a fixed 3 s after the client's last answer, which on a busy machine can land before the replica is at rest:
-an abandoned request still runs until its next step, and the idle trim comes ``scheduler.trim_idle_s`` after the
-replica's last request, so the sample could hold memory about to be given back, at either end. And a slow
-warm-up got through few requests, so memory made once on first use (the preview thread and its fitted decoder of
-the first streamed request) could fall after the baseline. ``benchmarks/soak.py`` now takes both measurements the
-same way, once the replica itself is at rest (``memory_at_rest``): no request in its step scheduler and its idle
-trim done (its own counters in ``GET /v1/buckets``), then the median of 5 samples, kept only if no request ran on
-the replica meanwhile (else it waits again); and its first two requests are a streamed one with previews and an
-abandoned one, so every kind of request has run before the baseline. The 5% bound is unchanged: measured this
-way on this 2-core machine under load (load average about 4), 1.332 GB -> 1.385 GB (+4.0%).
-``memory.rest.*.memory_mb`` splits the resident set (private heap ``RssAnon``, files, shared memory) for a
-failure's diagnosis. A replica that never gets to rest after the clients are gone (a request left in its
-scheduler) fails the test.
+that glibc kept before the replica's idle trim, +17% in 2 minutes: ``bcg_core/scheduler/memtrim.py``). The old
+measurement waited a fixed 3 s after the client's last answer, which on a busy machine can land before the replica is at
+rest: an abandoned request still runs until its next step, and the idle trim comes ``scheduler.trim_idle_s`` after the
+replica's last request, so the sample could hold memory about to be given back, at either end. And a slow warm-up got
+through few requests, so memory made once on first use (the preview thread and its fitted decoder of the first streamed
+request) could fall after the baseline. ``benchmarks/soak.py`` now takes both measurements the same way, once the
+replica itself is at rest (``memory_at_rest``): no request in its step scheduler and its idle trim done (its own
+counters in ``GET /v1/buckets``), then the median of 5 samples, kept only if no request ran on the replica meanwhile
+(else it waits again); and its first two requests are a streamed one with previews and an abandoned one, so every kind
+of request has run before the baseline. The 5% bound is unchanged: measured this way on this 2-core machine under load
+(load average about 4), 1.332 GB -> 1.385 GB (+4.0%). ``memory.rest.*.memory_mb`` splits the resident set (private heap
+``RssAnon``, files, shared memory) for a failure's diagnosis. A replica that never gets to rest after the clients are
+gone (a request left in its scheduler) fails the test.
 """
 
 from __future__ import annotations

@@ -33,7 +33,8 @@ def test_percentile_is_linear_between_order_statistics_as_numpy():
 
 
 def _stats(bucket_tokens, miss_tokens, scheduler=None):
-    out = {"buckets": [{"key": f"b{i}", "real_tokens": r, "padded_tokens": p} for i, (r, p) in enumerate(bucket_tokens)],
+    out = {"buckets": [{"key": f"b{i}", "real_tokens": r, "padded_tokens": p}
+                       for i, (r, p) in enumerate(bucket_tokens)],
            "misses": {"requests": 1, "real_tokens": miss_tokens[0], "padded_tokens": miss_tokens[1]}}
     if scheduler is not None:
         out["scheduler"] = scheduler
@@ -186,7 +187,8 @@ def test_ratios_against_naive():
 def test_small_helpers():
     assert bench.busy_fraction([(0.0, 100.0), (1.0, 50.0), (2.0, 0.0), (9.0, 100.0)], 0.5, 2.5) == 0.25
     assert bench.busy_fraction([(0.0, 100.0)], 1.0, 2.0) is None
-    assert bench.merge({"a": {"x": 1, "y": 2}, "b": 1}, {"a": {"y": 3}, "c": 4}) == {"a": {"x": 1, "y": 3}, "b": 1, "c": 4}
+    merged = bench.merge({"a": {"x": 1, "y": 2}, "b": 1}, {"a": {"y": 3}, "c": 4})
+    assert merged == {"a": {"x": 1, "y": 3}, "b": 1, "c": 4}
     assert bench.parse_servers("step, naive,step") == ["step", "naive"]
     with pytest.raises(ValueError, match="subset"):
         bench.parse_servers("naive,fast")
@@ -208,7 +210,8 @@ def test_gentd26_mix_keeps_krea_prompts_sizes_and_seeds_with_the_traces_image_co
     without text-to-image rows and an unknown mix are errors."""
     krea = bench.replay_requests(32)
     mixed = bench.replay_requests(32, mix="gentd26")
-    assert [(r.prompt, r.width, r.height, r.seed) for r in mixed] == [(r.prompt, r.width, r.height, r.seed) for r in krea]
+    assert ([(r.prompt, r.width, r.height, r.seed) for r in mixed]
+            == [(r.prompt, r.width, r.height, r.seed) for r in krea])
     assert mixed == bench.replay_requests(32, mix="gentd26") != bench.replay_requests(32, mix="gentd26", mix_seed=1)
     assert {r.n for r in mixed} <= {1, 2, 4, 8} and sum(r.n == 1 for r in mixed) > sum(r.n == 1 for r in krea)
     head = "predict_type,num_images_per_prompt,num_inference_steps,prompt_length\n"

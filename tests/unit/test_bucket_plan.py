@@ -1,4 +1,5 @@
-"""The bucket planner (bcg_core/planning/table_search.py) and ``bcg plan``, on synthetic traffic and the packaged samples.
+"""The bucket planner (bcg_core/planning/table_search.py) and ``bcg plan``, on synthetic traffic and the packaged
+samples.
 
 The tiny default model (FLUX layout, token-count keyed, native text 256), its tokenizer only (no weights). The
 cost model is the token-count stand-in unless a test scripts one. The searches over the whole krea sample (seconds
@@ -101,7 +102,8 @@ def test_bad_inputs_get_errors_that_name_the_fix():
     with pytest.raises(ValueError, match="max_graphs must be at least 1"):
         search_table(EXACT, traffic, max_graphs=0)
     mixed = traffic_from_rows(EXACT, _rows((512, 512, 1, 3), (100, 512, 1, 2)))
-    assert mixed.refused == {"size": pytest.approx(2.0)} and mixed.requests == pytest.approx(3.0)  # counted, not planned
+    # counted, not planned
+    assert mixed.refused == {"size": pytest.approx(2.0)} and mixed.requests == pytest.approx(3.0)
     with pytest.raises(ValueError, match="row 0: width and height are required"):
         traffic_from_rows(EXACT, [{"prompt": "x", "width": "", "height": "512"}])
 
@@ -213,7 +215,8 @@ def test_drift_from_the_plan_is_reported_with_what_a_new_plan_saves():
     assert report["drifted"] and report["recorded_waste"] == pytest.approx(1 - 1792 / 2560) and 0 < report["gain"] <= 1
     assert report["new_buckets"]["resolutions"] == ["768x512"] and "would save" in report["note"]
     profiled = costs_from_profile([{"key": "b1_i1024_t256", "graph_ms": 2.0, "eager_ms": 6.0},
-                                   {"key": "b4_i1024_t256", "graph_ms": 6.0, "eager_ms": 9.0}], PlanCosts.token_count(EXACT))
+                                   {"key": "b4_i1024_t256", "graph_ms": 6.0, "eager_ms": 9.0}],
+                                  PlanCosts.token_count(EXACT))
     by_profile = search_table(EXACT, traffic_from_rows(EXACT, _rows((512, 512, 1, 20))), profiled, max_graphs=4)
     assert by_profile.buckets.plan.costs == "profile"
     assert PlanCosts.from_lines(by_profile.buckets.plan.cost_lines, "profile") == profiled  # drift scores alike

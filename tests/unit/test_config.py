@@ -39,7 +39,8 @@ def test_every_unreachable_bucket_is_named_in_one_refusal():
 
 def test_default_steps_and_guidance_are_unset_meaning_the_familys_and_set_values_stay_valid():
     lim = ServeConfig().limits
-    assert lim.default_steps is None and lim.default_guidance_scale is None  # the family's (RequestValidator fills them)
+    # the family's (RequestValidator fills them)
+    assert lim.default_steps is None and lim.default_guidance_scale is None
     old = ServeConfig.model_validate({"limits": {"default_steps": 4, "default_guidance_scale": 3.5}}).limits
     assert (old.default_steps, old.default_guidance_scale) == (4, 3.5)
     with pytest.raises(ValidationError, match="exceeds max_steps"):

@@ -39,7 +39,8 @@ def test_progress_prints_a_line_per_change_and_one_final_line_per_replica():
     failed = CompileProgress(0.0)
     failed.lines(_stats(2, 0), 1.0)
     assert failed.lines(_stats(0, 0, failed=2), 9.0) == [  # every compile failed: not "every bucket compiled"
-        "bcg-serve: replica r1abcdef: no bucket compiled: 2 kept eager kernels (see /v1/buckets notes), 9 s after ready"]
+        "bcg-serve: replica r1abcdef: no bucket compiled: 2 kept eager kernels (see /v1/buckets notes), "
+        "9 s after ready"]
 
 
 def test_watch_returns_on_stop_or_timeout_and_stops_polling_once_every_replica_is_done():

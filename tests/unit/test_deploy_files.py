@@ -239,5 +239,5 @@ def test_rayservice_workers_request_gpus_and_the_head_none():
     scaling = _gpu_app()["args"]["config"]["autoscaling"]
     assert sum(n * (g // need["GPU"]) for n, g in per_pod) >= scaling["min_replicas"]
     assert sum(group["maxReplicas"] * (g // need["GPU"])
-               for group, (_, g) in zip(cluster["workerGroupSpecs"], per_pod)) >= scaling["max_replicas"]
+               for group, (_, g) in zip(cluster["workerGroupSpecs"], per_pod, strict=True)) >= scaling["max_replicas"]
     assert cluster["enableInTreeAutoscaling"] is True

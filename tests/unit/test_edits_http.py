@@ -1,7 +1,7 @@
 """``POST /v1/images/edits`` without Ray: the official ``openai`` client's multipart body (``images.edit``, through an
-``httpx.MockTransport`` into the ingress's route) mapped onto ``GenerationRequest``, ``lora`` in its two multipart forms,
-every bad input answered 4xx in OpenAI's error shape naming the field (the image and mask checks are the validator's,
-:mod:`bcg_core.edits`), the body bound (413 before the upload is read whole), ``image_edit.*`` events,
+``httpx.MockTransport`` into the ingress's route) mapped onto ``GenerationRequest``, ``lora`` in its two multipart
+forms, every bad input answered 4xx in OpenAI's error shape naming the field (the image and mask checks are the
+validator's, :mod:`bcg_core.edits`), the body bound (413 before the upload is read whole), ``image_edit.*`` events,
 ``bcg.edits`` of ``GET /v1/models`` and ``/v1/images/variations`` naming the edits endpoint. Served for real:
 ``tests/serve/test_openai_client.py::test_openai_client_edits_an_image``."""
 
@@ -70,7 +70,8 @@ def _broken_png() -> bytes:
     Image.frombytes("RGB", (64, 48), bytes(range(256)) * 36).save(buf, format="PNG")
     png = buf.getvalue()
     i = png.index(b"IDAT")
-    return png[:i - 4] + struct.pack(">I", 20) + b"IDAT" + png[i + 4:i + 24] + b"\0\0\0\0\x9e\x0c\xca\xca" + png[i + 24:]
+    return (png[:i - 4] + struct.pack(">I", 20) + b"IDAT" + png[i + 4:i + 24] + b"\0\0\0\0\x9e\x0c\xca\xca"
+            + png[i + 24:])
 
 
 def _ingress(dit=None, **config):
@@ -193,7 +194,7 @@ def test_an_edit_without_size_is_scaled_to_fit_the_side_limits(recorded, image, 
     dit, ingress = recorded
     result = _client(ingress).images.edit(image=_png(image), prompt="x")
     (_, plan), = dit.sent
-    assert (plan.request.width, plan.request.height) == want and result.size == "%dx%d" % want
+    assert (plan.request.width, plan.request.height) == want and result.size == "{}x{}".format(*want)
 
 
 def test_lora_from_extra_body_arrives_as_bracketed_fields_and_is_read(tmp_path):

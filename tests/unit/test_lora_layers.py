@@ -62,7 +62,7 @@ def _peft(plain: Block, adapters: list[AdapterWeights], x: torch.Tensor) -> torc
 
     def linear(layer, name, v, row):
         y = layer(v)
-        for s, w in zip(SLOTS[row].tolist(), SCALES[row].tolist()):
+        for s, w in zip(SLOTS[row].tolist(), SCALES[row].tolist(), strict=True):
             d = adapters[s - 1].layers.get(name) if s else None
             if d is not None:
                 y = y + (v @ d.A.t() @ d.B.t()) * d.scaling * w

@@ -1,5 +1,5 @@
-"""The idle trimmer (bcg_core/scheduler/memtrim.py): the C heap's free memory goes back to the OS once the step scheduler
-has no request in flight, never while one is."""
+"""The idle trimmer (bcg_core/scheduler/memtrim.py): the C heap's free memory goes back to the OS once the step
+scheduler has no request in flight, never while one is."""
 
 from __future__ import annotations
 

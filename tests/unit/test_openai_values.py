@@ -56,8 +56,8 @@ def test_other_words_are_still_refused_naming_auto_and_wxh(size):
         ImageGenerationRequest.model_validate({"prompt": "x", "size": size})
     status, err = _error(validation_error_response(e.value, RequestLimits()))
     assert status == 422 and err["param"] == "size"
-    assert ("allowed: 'auto' (the model's default size, GET /v1/models: limits.default_size; for an edit the input image's) or a string 'WxH' with "
-            "width and height from 256 to 2048") in err["message"]
+    assert ("allowed: 'auto' (the model's default size, GET /v1/models: limits.default_size; for an edit the input "
+            "image's) or a string 'WxH' with width and height from 256 to 2048") in err["message"]
 
 
 def test_size_auto_is_planned_and_checked_by_the_validator_at_the_models_default_size():
@@ -72,8 +72,8 @@ def test_size_auto_is_planned_and_checked_by_the_validator_at_the_models_default
                                  "limits": {"min_side_px": 256, "max_side_px": 256}})
     status, err = _error(asyncio.run(small.generate(_http({"prompt": "x", "size": "auto"}))))
     assert status == 422 and err["param"] == "size"
-    assert "width 512 is out of range" in err["message"] and "size 'auto', or omitted, is the model's default size 512x512" \
-        in err["message"]
+    assert "width 512 is out of range" in err["message"]
+    assert "size 'auto', or omitted, is the model's default size 512x512" in err["message"]
     status, err = _error(asyncio.run(small.generate(_http({"prompt": "x", "size": "512x512"}))))
     assert status == 422 and "'auto'" not in err["message"].split("allowed:")[0]  # the note is for 'auto' only
 

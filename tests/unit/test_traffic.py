@@ -54,8 +54,8 @@ def test_the_validator_count_is_recorded_not_the_padded_text_length():
     cfg = EngineConfig.model_validate({"buckets": {"batch_sizes": [1, 2, 4], "resolutions": ["256x256"],
                                                   "text_lengths": [256]}})
     validator = RequestValidator.from_config(cfg)
-    plan = validator.validate(GenerationRequest("a lighthouse at dusk", n=2, width=256, height=256, num_inference_steps=1,
-                                          guidance_scale=2.0))
+    plan = validator.validate(GenerationRequest("a lighthouse at dusk", n=2, width=256, height=256,
+                                                num_inference_steps=1, guidance_scale=2.0))
     assert plan.lookup.query.text_tokens == 256  # the tiny model's fixed native text length
     h = TrafficHistogram()
     h.record(plan)
@@ -220,7 +220,8 @@ def test_load_traffic_names_the_url_when_the_section_is_missing_or_the_server_fa
     with StubServer(json.dumps({"replica": "r1"}).encode()) as server, pytest.raises(ValueError) as missing:
         load_traffic(server.url, timeout_s=5)
     assert f"{server.url}/v1/buckets" in str(missing.value) and "no 'traffic' section" in str(missing.value)
-    with StubServer(json.dumps({"traffic": None}).encode()) as server, pytest.raises(ValueError, match="traffic.record"):
+    with (StubServer(json.dumps({"traffic": None}).encode()) as server,
+          pytest.raises(ValueError, match="traffic.record")):
         load_traffic(server.url, timeout_s=5)
     with StubServer(b"{}", status=503) as server, pytest.raises(ConnectionError) as failed:
         load_traffic(server.url, timeout_s=5)

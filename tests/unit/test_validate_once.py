@@ -1,4 +1,5 @@
-"""Planned once: the ingress plans a request, its ValidatedRequest travels to the DiT replica, and the replica trusts it.
+"""Planned once: the ingress plans a request, its ValidatedRequest travels to the DiT replica, and the replica trusts
+it.
 
 No Ray cluster: the DiT replica and the ingress classes are built outside Serve, the DiT handle is a fake, and
 ``RequestValidator.validate`` is wrapped to count who plans what.

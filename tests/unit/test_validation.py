@@ -110,5 +110,6 @@ def test_exact_padding_miss_explains_the_exact_rule():
     cfg = EngineConfig(buckets=BucketConfig(batch_sizes=[1, 2], resolutions=["256x256", "512x512"], text_lengths=[32],
                                            miss_policy="reject", image_padding="exact"))
     with pytest.raises(RequestError) as e:
-        RequestValidator(cfg, RULES, count_tokens=lambda s, negative=False: 3).validate(GenerationRequest("a", width=384, height=512))
+        RequestValidator(cfg, RULES, count_tokens=lambda s, negative=False: 3).validate(
+            GenerationRequest("a", width=384, height=512))
     assert "exactly a tier's number of image tokens" in e.value.message
