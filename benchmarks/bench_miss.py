@@ -251,7 +251,6 @@ def run_case(pipe, plan, warmup: int, iters: int, timed, cuda: bool) -> dict:
            "forward_ms": [round(x, 3) for x in forward_ms],
            "expected_bytes": None if per is None else int(per * rows * real),
            "peak_bytes_per_row_token": None if peak is None else round(peak, 3)}
-    del state, inputs
     return out
 
 
