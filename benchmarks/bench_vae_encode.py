@@ -1,6 +1,6 @@
 """Does encoding several edits' images in one VAE call pay? One batched ``vae.encode`` against one call per image.
 
-The step scheduler's prepare stage (``bcg_core/scheduler/prepare.py``) encodes the images of edits admitted
+The step scheduler's edit-start stage (``bcg_core/scheduler/edit_start.py``) encodes the images of edits admitted
 together in one VAE call on CUDA and one at a time on a CPU; this script is the measurement behind that choice.
 For each ``--sizes`` side S and ``--batch`` B: B random images (B, 3, S, S) in [-1, 1] through FLUX.1-dev's VAE
 (``bench_families.FLUX_VAE``: its published config, random weights) in ``--dtype``, ``vae.encode(x).latent_dist``'s

@@ -104,7 +104,7 @@ def replica_memory(app: str = "bcg") -> dict[str, int]:
     return out
 
 
-BUSY = ("waiting", "starting", "running", "finishing")
+BUSY = ("waiting", "starting", "encoding", "encoded", "running", "finishing")
 """Step scheduler counts (``GET /v1/buckets`` ``scheduler``) of requests it still holds."""
 ACTIVITY = ("admitted", "completed", "cancelled", "cancelled_waiting", "expired", "failed")
 """Per-shape scheduler counters that move when a request enters or leaves it."""

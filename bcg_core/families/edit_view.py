@@ -8,7 +8,7 @@ generator is drawn as diffusers draws it while the family's shared scheduler is 
 are the pipeline's, bound to the view, so a method they call (``_encode_vae_image``) sees the view's attributes too.
 
 Inside :func:`vae_encodes` on the calling thread, a view's ``vae.encode(x)`` goes to the given function instead
-(the step scheduler's prepare stage, :mod:`bcg_core.scheduler.prepare`, encodes the images of several edits in one
+(the step scheduler's edit-start stage, :mod:`bcg_core.scheduler.edit_start`, encodes the images of several edits in one
 VAE call that way); everything else of the VAE, and diffusers' sampling of the returned latent distribution with
 the request's own generators, stays as it is.
 """

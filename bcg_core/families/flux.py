@@ -200,7 +200,7 @@ class FluxAdapter:
             The ``(h * w, 3)`` ids; shared, not to be written to.
         """
         key = (grid, str(device), dtype)
-        with self._ids_lock:  # the step thread and the prepare thread (an edit's first step)
+        with self._ids_lock:  # the step thread and the edit-start thread (an edit's first step)
             ids = self._ids_cache.get(key)
             if ids is not None:
                 self._ids_cache.move_to_end(key)

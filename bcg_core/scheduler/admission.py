@@ -56,7 +56,7 @@ class InFlight:
     previews_pending: int = 0  # queued for the preview thread, not drawn yet
     held: GenerationResult | None = None  # the result, waiting for the request's pending previews
     lease: object | None = None  # its LoRA adapters' slots (bcg_core.lora.slots.Lease), released once answered
-    edit_encode_s: float | None = None  # an edit's seconds in VAE encodes on the prepare stage (None: no edit)
+    edit_encode_s: float | None = None  # an edit's seconds in VAE encodes on the edit-start stage (None: no edit)
 
     def answer(self, value: GenerationResult | BaseException) -> None:
         """Hand ``value`` to the caller's future, on the caller's event loop (thread-safe; nothing happens if the

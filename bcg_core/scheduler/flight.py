@@ -1,12 +1,12 @@
 """The requests one step scheduler holds, from submission to answer, under one lock.
 
-A request is *waiting* (in :class:`~bcg_core.scheduler.admission.Admission`), *starting* (admitted, its rows
-counted), *preparing* (an edit starting on the prepare thread, :mod:`bcg_core.scheduler.prepare`), *prepared*
-(started there, to be adopted by the denoising loop at its next step boundary), *running* (in its group: one bucket
-shape and token grid), *finishing* (denoised, being decoded and encoded) and *live* until its caller has its answer.
-:class:`Flight` keeps those sets, the rows and tensor bytes in flight and the per-shape counters, and is the one place a
-request leaves flight and is answered: the denoising loop, the decode thread, the preview thread and the asyncio front
-all go through it.
+A request is *waiting* (in :class:`~bcg_core.scheduler.admission.Admission`), *starting* (admitted, its rows counted),
+*encoding* (an edit starting on the edit-start thread, :mod:`bcg_core.scheduler.edit_start`: its image read,
+VAE-encoded), *encoded* (started there, to be adopted by the denoising loop at its next step boundary), *running* (in
+its group: one bucket shape and token grid), *finishing* (denoised, being decoded and its images encoded) and *live*
+until its caller has its answer. :class:`Flight` keeps those sets, the rows and tensor bytes in flight and the
+per-shape counters, and is the one place a request leaves flight and is answered: the denoising loop, the decode
+thread, the preview thread and the asyncio front all go through it.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ class Flight:
 
     Attributes:
         cv: the lock (a condition: the denoising loop waits on it for work).
-        starting, preparing, prepared, running, finishing, live: the requests in each state (module docstring).
+        starting, encoding, encoded, running, finishing, live: the requests in each state (module docstring).
         rows, bytes: transformer rows and request tensor bytes in flight.
         stats: the per-shape counters.
         closed: the scheduler is shutting down.
@@ -45,8 +45,8 @@ class Flight:
         self.admission = admission
         self.meter = meter
         self.starting: deque[InFlight] = deque()  # admitted (rows counted), not started yet
-        self.preparing: set[InFlight] = set()  # edits starting on the prepare thread
-        self.prepared: deque[InFlight] = deque()  # edits started there, not running yet
+        self.encoding: set[InFlight] = set()  # edits starting on the edit-start thread
+        self.encoded: deque[InFlight] = deque()  # edits started there, not running yet
         self.running: dict[tuple, list[InFlight]] = {}
         self.finishing: set[InFlight] = set()  # denoised, being decoded and encoded
         self.live: set[InFlight] = set()  # every request submitted and not answered yet
@@ -58,14 +58,14 @@ class Flight:
 
     def in_flight(self) -> list[InFlight]:
         """Starting (on either thread) and running requests (call with the lock held)."""
-        return [*self.starting, *self.preparing, *self.prepared, *(i for g in self.running.values() for i in g)]
+        return [*self.starting, *self.encoding, *self.encoded, *(i for g in self.running.values() for i in g)]
 
     def resolve(self, item: InFlight, value: GenerationResult | BaseException) -> None:
         """``item`` is answered: it leaves flight (its LoRA lease released) and its caller gets ``value``."""
         with self.cv:
             self.live.discard(item)
             self.finishing.discard(item)
-            self.preparing.discard(item)
+            self.encoding.discard(item)
             idle = not self.live
         if item.lease is not None:  # answered: no forward of it runs any more, its adapters' slots may go
             item.lease.release()

@@ -7,7 +7,7 @@ Requests join and leave at step boundaries. One denoising thread runs *iteration
    requests in flight, the starts of one boundary stop once they took as long as the last iteration's steps (at
    least one starts), so a burst of arrivals delays the requests in flight by about one iteration per boundary.
    An edit (a request with an ``image``) is not started here: its start, with its image's VAE encode, runs on the
-   prepare thread (:mod:`bcg_core.scheduler.prepare`, the edits of a boundary encoded together), which hands the
+   edit-start thread (:mod:`bcg_core.scheduler.edit_start`, the edits of a boundary encoded together), which hands the
    started request back; it joins the running requests at the next boundary.
 2. **Steps every group** in flight (one bucket shape and token grid; a request with more rows than the largest
    batch bucket belongs to its shape's group), oldest group first: one denoising step of every request of the
@@ -43,9 +43,9 @@ from bcg_core.metrics import token_shares
 from bcg_core.pipeline import DiTPipeline
 from bcg_core.runners.base import is_out_of_memory
 from bcg_core.scheduler.admission import InFlight, tensor_bytes
+from bcg_core.scheduler.edit_start import EditStarter, is_edit, use_on_stream
 from bcg_core.scheduler.finish import Finisher
 from bcg_core.scheduler.flight import Flight
-from bcg_core.scheduler.prepare import Preparer, is_edit, use_on_stream
 from bcg_core.scheduler.previews import PreviewWorker
 from bcg_core.scheduler.stats import StepTimes
 
@@ -63,19 +63,19 @@ class DenoisingLoop:
         finisher: takes requests whose last step is queued.
         previews: takes latent copies of streamed requests.
         retry_after_s: the ``Retry-After`` seconds of a 503 (an expired wait, an out-of-memory step).
-        prepare_batch: most edits started together on the prepare thread (one round).
+        edit_start_batch: most edits started together on the edit-start thread (one round).
         encode_batch_images: most images of one VAE encode call there.
 
     Attributes:
-        preparer: the prepare stage (:class:`~bcg_core.scheduler.prepare.Preparer`), started and closed by the
-            scheduler.
+        edit_starter: the edit-start stage (:class:`~bcg_core.scheduler.edit_start.EditStarter`), started and closed
+            by the scheduler.
         iterations: iterations run; busy_s: seconds spent starting and stepping; oom_steps: steps that ran out of
             device memory (their requests answered 503); adapter_splits: steps run as two, without and with LoRA
             adapters (:meth:`_step_group`).
     """
 
     def __init__(self, flight: Flight, pipeline: DiTPipeline, finisher: Finisher, previews: PreviewWorker,
-                 retry_after_s: float, prepare_batch: int = 8, encode_batch_images: int = 8):
+                 retry_after_s: float, edit_start_batch: int = 8, encode_batch_images: int = 8):
         self._flight = flight
         self.pipeline = pipeline
         self.decider = pipeline.decider
@@ -90,22 +90,22 @@ class DenoisingLoop:
         self.busy_s = 0.0
         self.oom_steps = 0
         self.adapter_splits = 0
-        self.preparer = Preparer(pipeline, prepare_batch, encode_batch_images, self._prepared,
-                                 lambda: self._flight.closed)
+        self.edit_starter = EditStarter(pipeline, edit_start_batch, encode_batch_images, self._encoded,
+                                        lambda: self._flight.closed)
 
     def run(self) -> None:
         """The denoising thread: wait for work, then iterate (module docstring) until the scheduler closes."""
         while True:
             with self._flight.cv:
                 while (not self._flight.closed and not self._flight.admission.waiting and not self._flight.starting
-                       and not self._flight.running and not self._flight.prepared):
+                       and not self._flight.running and not self._flight.encoded):
                     self._flight.cv.wait()
                 if self._flight.closed:
-                    leftover = [*self._flight.admission.waiting, *self._flight.starting, *self._flight.prepared,
+                    leftover = [*self._flight.admission.waiting, *self._flight.starting, *self._flight.encoded,
                                 *(i for g in self._flight.running.values() for i in g)]
                     self._flight.admission.waiting.clear()
                     self._flight.starting.clear()
-                    self._flight.prepared.clear()
+                    self._flight.encoded.clear()
                     self._flight.running.clear()
                     break
                 self._flight.starting.extend(self._admit_locked())
@@ -121,11 +121,11 @@ class DenoisingLoop:
             self._flight.resolve(item, RequestCancelled("the replica is shutting down"))
 
     def _start_some(self) -> None:
-        """Adopt the edits the prepare thread has started, hand it the edits admitted now (all together), and
+        """Adopt the edits the edit-start thread has started, hand it the edits admitted now (all together), and
         start the other admitted requests (text encoding, noise): with nothing running, all of them; else while
         the starts of this boundary took less than the last iteration's steps (at least one), so a burst of
         arrivals delays the requests in flight by about one iteration, not by every start at once."""
-        self._adopt_prepared()
+        self._adopt_encoded()
         with self._flight.cv:
             edits = [i for i in self._flight.starting if is_edit(i)]
             for item in edits:
@@ -182,38 +182,38 @@ class DenoisingLoop:
         return True
 
     def _hand_over(self, edits: list[InFlight]) -> None:
-        """Give admitted edits to the prepare thread; each holds its group's estimated bytes until it is adopted."""
+        """Give admitted edits to the edit-start thread; each holds its group's estimated bytes until it is adopted."""
         if not edits:
             return
         with self._flight.cv:
             for item in edits:
                 item.nbytes = self._flight.admission.estimate(item)
                 self._flight.bytes += item.nbytes
-                self._flight.preparing.add(item)
-        self.preparer.put_many(edits)
+                self._flight.encoding.add(item)
+        self.edit_starter.put_many(edits)
 
-    def _prepared(self, item: InFlight, state, error: BaseException | None) -> None:
-        """On the prepare thread: an edit's start finished; its state waits for the next boundary, or its error
+    def _encoded(self, item: InFlight, state, error: BaseException | None) -> None:
+        """On the edit-start thread: an edit's start finished; its state waits for the next boundary, or its error
         is its own (as a start on this thread). Once the scheduler is closing, its ``close`` answers it."""
         with self._flight.cv:
             if self._flight.closed:
                 return
-            self._flight.preparing.discard(item)
+            self._flight.encoding.discard(item)
             if error is None:
                 item.state = state
                 item.started = time.perf_counter()
-                self._flight.prepared.append(item)
+                self._flight.encoded.append(item)
                 self._flight.cv.notify_all()
                 return
             self._flight.admission.failed(item)
         self._flight.retire(item, error, failed=True)
 
-    def _adopt_prepared(self) -> None:
-        """The edits started on the prepare thread join the running requests (their measured bytes replace their
+    def _adopt_encoded(self) -> None:
+        """The edits started on the edit-start thread join the running requests (their measured bytes replace their
         estimate); on CUDA their tensors are marked used on this thread's stream first."""
         with self._flight.cv:
-            ready = list(self._flight.prepared)
-            self._flight.prepared.clear()
+            ready = list(self._flight.encoded)
+            self._flight.encoded.clear()
         for item in ready:
             if self._cuda:
                 use_on_stream(item.state, torch.cuda.current_stream(self._device))

@@ -1,13 +1,13 @@
 """The step scheduler's asyncio front: submit, stream, close, stats (one per replica, no Ray).
 
 :meth:`StepScheduler.submit` queues a validated request and awaits its answer; the work happens on threads: the
-denoising loop (:mod:`bcg_core.scheduler.loop`: admission, steps, retirement), the prepare thread of edits and its
-start threads (:mod:`bcg_core.scheduler.prepare`), the decode thread and encoding pool
+denoising loop (:mod:`bcg_core.scheduler.loop`: admission, steps, retirement), the edit-start thread of edits and
+its start threads (:mod:`bcg_core.scheduler.edit_start`), the decode thread and encoding pool
 (:mod:`bcg_core.scheduler.finish`) and the preview thread (:mod:`bcg_core.scheduler.previews`), all sharing the
 requests in flight (:mod:`bcg_core.scheduler.flight`). Cancellation: a caller's ``asyncio.CancelledError`` sets
 the request's cancel event; a waiting request leaves the queue at the next admission, a running one at the next
-step boundary, a finished one is not decoded. An edit (a request with an ``image``) starts on the prepare thread
-(:mod:`bcg_core.scheduler.prepare`: its image read, resized and VAE-encoded off the denoising thread, the images of
+step boundary, a finished one is not decoded. An edit (a request with an ``image``) starts on the edit-start thread
+(:mod:`bcg_core.scheduler.edit_start`: its image read, resized and VAE-encoded off the denoising thread, the images of
 the edits admitted together encoded in one VAE call) and joins the running requests at the next step boundary.
 :mod:`deployments.dit` owns one scheduler per replica.
 """
@@ -94,7 +94,7 @@ class StepScheduler:
         self._previews = PreviewWorker(pipeline.model, self._device, self.flight.preview_left,
                                        pipeline.capabilities.previews)
         self._loop = DenoisingLoop(self.flight, pipeline, self._finisher, self._previews, retry_after_s,
-                                   prepare_batch=decode_batch_images,
+                                   edit_start_batch=decode_batch_images,
                                    # batching encodes pays on a GPU (1.35-1.6x for 4 images at 512-1024 px on an
                                    # H200), not on a CPU at real widths (0.77x at 512 px): there each image alone
                                    encode_batch_images=decode_batch_images if self._cuda else 1)
@@ -200,7 +200,7 @@ class StepScheduler:
         ``denoise`` (its steps, sharing forwards), ``decode`` (waiting for and running the batched VAE decode),
         ``image_encode`` (PNG, JPEG or WebP encoding) and ``total``, milliseconds; with LoRA adapters,
         ``lora_load``: the part of ``queue`` spent waiting for them to load (0 when every one was resident); for an
-        edit, ``edit_encode``: the part of ``encode`` spent in its image's VAE encode on the prepare thread
+        edit, ``edit_encode``: the part of ``encode`` spent in its image's VAE encode on the edit-start thread
         (waiting for and running the VAE calls it shared with the edits started together).
 
         Args:
@@ -283,7 +283,7 @@ class StepScheduler:
             self._started = True
             self._previews.start()
             self._finisher.start()
-            self._loop.preparer.start()
+            self._loop.edit_starter.start()
             t = threading.Thread(target=self._loop.run, name="bcg-step", daemon=True)
             t.start()
             self._threads.append(t)
@@ -298,7 +298,7 @@ class StepScheduler:
         self.compiles.stop(timeout_s)
         for t in self._threads:
             t.join(timeout_s)
-        self._loop.preparer.close(timeout_s)
+        self._loop.edit_starter.close(timeout_s)
         self._finisher.close(timeout_s)
         if self._trimmer is not None:
             self._trimmer.close(timeout_s)
@@ -332,7 +332,7 @@ class StepScheduler:
                 "rows_in_flight": self.flight.rows, "bytes_in_flight": self.flight.bytes,
                 "memory_budget_bytes": self.flight.admission.memory_budget_bytes,
                 "waiting": len(self.flight.admission.waiting), "starting": len(self.flight.starting),
-                "preparing": len(self.flight.preparing) + len(self.flight.prepared),
+                "encoding": len(self.flight.encoding), "encoded": len(self.flight.encoded),
                 "running": sum(len(g) for g in self.flight.running.values()), "finishing": len(self.flight.finishing),
                 "iterations": self._loop.iterations, "busy_s": round(self._loop.busy_s, 3),
                 "oom_steps": self._loop.oom_steps, "adapter_splits": self._loop.adapter_splits,
@@ -342,5 +342,5 @@ class StepScheduler:
                 "previews": self._previews.describe(),
                 "memory_trim": self._trimmer.describe() if self._trimmer is not None else None,
                 "background_compiles": self.compiles.describe(),
-                "prepare": self._loop.preparer.describe(),
+                "edit_start": self._loop.edit_starter.describe(),
             }

@@ -1,4 +1,4 @@
-"""The prepare stage (bcg_core/scheduler/prepare.py): an edit's start and its image's VAE encode run off the
+"""The edit-start stage (bcg_core/scheduler/edit_start.py): an edit's start and its image's VAE encode run off the
 denoising thread, the images of edits admitted together are encoded in one VAE call, and served through the step
 scheduler an edit still equals diffusers' edit pipeline (final latents within 1e-5 relative, the same images).
 
@@ -30,7 +30,7 @@ TIMEOUT_S = 60.0
 
 @pytest.fixture(scope="module")
 def flux(tmp_path_factory):
-    folder = build(tmp_path_factory.mktemp("flux-prepare"), "dev")
+    folder = build(tmp_path_factory.mktemp("flux-edit-start"), "dev")
     rng = np.random.default_rng(1)
     images = [png_bytes(Image.fromarray(rng.integers(0, 256, (32, 32, 3), dtype=np.uint8))) for _ in range(2)]
     mask, theirs = edit_masks((32, 32), (8, 4, 24, 20))  # OpenAI's (transparent edits), diffusers' (white repaints)
@@ -79,9 +79,9 @@ def test_edits_admitted_together_share_one_vae_encode_and_equal_diffusers(flux):
     inpaint = _plan(pipe, b, mask=mask, seed=3)
     text = _plan(pipe, None, seed=9)
     sched = StepScheduler(pipe)
-    assert sched.stats()["prepare"]["batch_images"] == 1  # on a CPU each image alone (batching does not pay there)
-    sched._loop.preparer.batch_images = 8  # as on CUDA
-    sched._loop.preparer.gather_s = TIMEOUT_S  # the round waits for both starts: batching is not left to timing
+    assert sched.stats()["edit_start"]["batch_images"] == 1  # on a CPU each image alone (batching does not pay there)
+    sched._loop.edit_starter.batch_images = 8  # as on CUDA
+    sched._loop.edit_starter.gather_s = TIMEOUT_S  # the round waits for both starts: batching is not left to timing
     latents = {}
     put = sched._finisher.put
 
@@ -99,8 +99,8 @@ def test_edits_admitted_together_share_one_vae_encode_and_equal_diffusers(flux):
         stats = sched.stats()
     finally:
         sched.close()
-    assert stats["prepare"] == {"rounds": 1, "vae_calls": 2, "images_encoded": 3, "batch_requests": 8,
-                                "batch_images": 8}
+    assert stats["edit_start"] == {"rounds": 1, "vae_calls": 2, "images_encoded": 3, "batch_requests": 8,
+                                   "batch_images": 8}
     assert r_img.timings_ms["edit_encode"] > 0 and r_inp.timings_ms["edit_encode"] > 0
     assert "edit_encode" not in r_text.timings_ms
     assert_same(GateRun(latents[4], r_img.image_bytes),
@@ -110,7 +110,7 @@ def test_edits_admitted_together_share_one_vae_encode_and_equal_diffusers(flux):
 
 
 def test_an_edit_held_in_its_vae_encode_does_not_delay_text_to_image(flux, monkeypatch):
-    """While an edit's VAE encode is held open (on the prepare thread, not the denoising thread), a text-to-image
+    """While an edit's VAE encode is held open (on the edit-start thread, not the denoising thread), a text-to-image
     request is served to its answer; then the edit is too."""
     folder, pipe, (a, _), _, _ = flux
     entered, release, calls = _hold_encode(monkeypatch, pipe.model.vae)
@@ -120,7 +120,7 @@ def test_an_edit_held_in_its_vae_encode_does_not_delay_text_to_image(flux, monke
         edit = asyncio.ensure_future(sched.submit(_plan(pipe, a, seed=21)))
         await asyncio.get_running_loop().run_in_executor(None, entered.wait, TIMEOUT_S)
         plain = await asyncio.wait_for(sched.submit(_plan(pipe, None, seed=22)), TIMEOUT_S)
-        held = not edit.done() and sched.stats()["preparing"] == 1
+        held = not edit.done() and sched.stats()["encoding"] == 1
         release.set()
         return plain, held, await asyncio.wait_for(edit, TIMEOUT_S)
 
@@ -131,7 +131,7 @@ def test_an_edit_held_in_its_vae_encode_does_not_delay_text_to_image(flux, monke
         sched.close()
     assert held, "the text-to-image request waited for the edit's encode"
     (thread, held_s), = calls
-    assert plain.image_bytes and edited.image_bytes and thread == "bcg-prepare"
+    assert plain.image_bytes and edited.image_bytes and thread == "bcg-edit-start"
     assert edited.timings_ms["edit_encode"] >= held_s * 1e3  # its encode time counts the time it was held
     assert edited.timings_ms["encode"] >= edited.timings_ms["edit_encode"]
 
@@ -151,8 +151,8 @@ def test_a_failing_encode_answers_only_its_own_request(flux, monkeypatch):
     monkeypatch.setattr(vae, "encode", picky)
     black = png_bytes(Image.new("RGB", (32, 32)))
     sched = StepScheduler(pipe)
-    sched._loop.preparer.batch_images = 8
-    sched._loop.preparer.gather_s = TIMEOUT_S
+    sched._loop.edit_starter.batch_images = 8
+    sched._loop.edit_starter.gather_s = TIMEOUT_S
 
     async def main():
         tasks = await _together(sched, [_plan(pipe, black, seed=31), _plan(pipe, a, seed=32)])
@@ -168,10 +168,10 @@ def test_a_failing_encode_answers_only_its_own_request(flux, monkeypatch):
     assert good.image_bytes and later.image_bytes
     assert sum(s["failed"] for s in stats["shapes"].values()) == 1
     assert stats["rows_in_flight"] == 0 and stats["bytes_in_flight"] == 0
-    assert stats["preparing"] == 0 and stats["prepare"]["rounds"] == 2
+    assert stats["encoding"] == stats["encoded"] == 0 and stats["edit_start"]["rounds"] == 2
 
 
-def test_close_answers_an_edit_being_prepared_and_one_waiting(flux, monkeypatch):
+def test_close_answers_an_edit_being_encoded_and_one_waiting(flux, monkeypatch):
     folder, pipe, (a, b), _, _ = flux
     entered, release, _ = _hold_encode(monkeypatch, pipe.model.vae)
     sched = StepScheduler(pipe, max_rows=1)  # the second edit waits for the first one's row
@@ -179,7 +179,7 @@ def test_close_answers_an_edit_being_prepared_and_one_waiting(flux, monkeypatch)
     async def main():
         tasks = [asyncio.ensure_future(sched.submit(_plan(pipe, im, seed=40 + i))) for i, im in enumerate((a, b))]
         await asyncio.get_running_loop().run_in_executor(None, entered.wait, TIMEOUT_S)
-        queued = sched.stats()["waiting"], sched.stats()["preparing"]
+        queued = sched.stats()["waiting"], sched.stats()["encoding"]
         await asyncio.to_thread(sched.close, 0.5)
         return queued, await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), TIMEOUT_S)
 
@@ -192,29 +192,29 @@ def test_close_answers_an_edit_being_prepared_and_one_waiting(flux, monkeypatch)
     assert sched.stats()["rows_in_flight"] == 0 and sched.stats()["bytes_in_flight"] == 0
 
 
-def test_the_prepare_stage_keeps_the_state_equal_to_a_start_on_the_calling_thread(flux):
+def test_the_edit_start_stage_keeps_the_state_equal_to_a_start_on_the_calling_thread(flux):
     """A round of one edit returns the state :meth:`DiTPipeline.start` returns on the calling thread, bit for bit
     (a VAE call of one image is the VAE's own call)."""
-    from bcg_core.scheduler.prepare import Preparer
+    from bcg_core.scheduler.edit_start import EditStarter
 
     folder, pipe, (a, _), mask, _ = flux
     plan = _plan(pipe, a, mask=mask, seed=50, n=2)
     got = []
-    prep = Preparer(pipe, 4, 4, lambda item, state, error: got.append((state, error)), lambda: False)
-    prep.start()
+    starter = EditStarter(pipe, 4, 4, lambda item, state, error: got.append((state, error)), lambda: False)
+    starter.start()
 
     class Item:  # what the stage reads of an InFlight
         def __init__(self):
             self.plan, self.cancel, self.lease, self.edit_encode_s = plan, threading.Event(), None, None
 
     try:
-        prep.put_many([Item()])
+        starter.put_many([Item()])
         for _ in range(int(TIMEOUT_S * 10)):
             if got:
                 break
             threading.Event().wait(0.1)
     finally:
-        prep.close(5.0)
+        starter.close(5.0)
     (state, error), = got
     assert error is None
     ref = pipe.start(plan)

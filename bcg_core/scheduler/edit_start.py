@@ -1,24 +1,24 @@
-"""The prepare stage: an edit request's start (its image read, resized and VAE-encoded) off the denoising thread,
+"""The edit-start stage: an edit request's start (its image read, resized and VAE-encoded) off the denoising thread,
 the images of several edits encoded in one VAE call.
 
 An edit's start (:meth:`~bcg_core.pipeline.DiTPipeline.start` of a request with an ``image``: text rows, the image
 read and preprocessed, VAE-encoded, sampled and noised) takes tens to hundreds of milliseconds at 1024²; on the
-denoising thread it would stall every request in flight. The denoising loop hands its admitted edits to a
-:class:`Preparer` instead (text to image still starts on the denoising thread: its start is cheap). The prepare
+denoising thread it would stall every request in flight. The denoising loop hands its admitted edits to an
+:class:`EditStarter` instead (text to image still starts on the denoising thread: its start is cheap). The edit-start
 thread takes every edit queued (up to ``batch_requests``) as one *round*: each start runs on a worker thread of
 its own, in the family's and diffusers' own code, and each ``vae.encode(x)`` it makes through its
 :class:`~bcg_core.families.edit_view.PipelineView` (:func:`~bcg_core.families.edit_view.vae_encodes`) waits in
 the round's :class:`EncodeRound` until every start of the round waits there or has finished (or ``gather_s``
-passed since the first one came). Then the prepare thread encodes the waiting images of one VAE, size and dtype
+passed since the first one came). Then the edit-start thread encodes the waiting images of one VAE, size and dtype
 in one VAE call (at most ``batch_images`` images), and each start gets its own rows of it as a latent distribution
 of its own, which diffusers samples with the request's own generators, in its own order. A batched call differs
 from encoding each image alone only in the reduction order of batched kernels (about 1e-6 relative on the CPU;
-``tests/engine/test_prepare.py`` gates the final latents within 1e-5 of diffusers'). A batched call that raises
+``tests/engine/test_edit_start.py`` gates the final latents within 1e-5 of diffusers'). A batched call that raises
 is tried again one image at a time, so a failing encode is its own request's error.
 
-On CUDA the starts and the encodes run on the preparer's own stream, synchronised before the states are handed
+On CUDA the starts and the encodes run on the edit starter's own stream, synchronised before the states are handed
 back; the denoising loop adopts a ready state at its next step boundary (marking its tensors used on its own
-stream, so the caching allocator does not hand their memory to the prepare stream while a step still reads
+stream, so the caching allocator does not hand their memory to the edit-start stream while a step still reads
 them). Timing: the seconds a start spent in VAE encodes (waiting for and running the round's calls) become the
 result's ``timings_ms["edit_encode"]``.
 """
@@ -40,13 +40,13 @@ from bcg_core.families import RequestState
 from bcg_core.families.edit_view import vae_encodes
 from bcg_core.scheduler.admission import InFlight
 
-__all__ = ["EncodeRound", "Preparer", "is_edit", "use_on_stream"]
+__all__ = ["EditStarter", "EncodeRound", "is_edit", "use_on_stream"]
 
 log = logging.getLogger(__name__)
 
 
 def is_edit(item: InFlight) -> bool:
-    """Whether ``item`` starts on the prepare stage (an edit: its request has an ``image``)."""
+    """Whether ``item`` starts on the edit-start stage (an edit: its request has an ``image``)."""
     return item.plan.request.image is not None
 
 
@@ -91,7 +91,7 @@ class _Encode:
 
 class EncodeRound:
     """The rendezvous of one round's starts (module docstring): each start's ``vae.encode(x)`` waits in
-    :meth:`encode` until :meth:`serve`, on the prepare thread, has encoded it with the others waiting.
+    :meth:`encode` until :meth:`serve`, on the edit-start thread, has encoded it with the others waiting.
 
     Args:
         members: the starts of the round (each calls :meth:`leave` once, when it has finished).
@@ -133,7 +133,7 @@ class EncodeRound:
             self._cv.notify_all()
 
     def serve(self) -> None:
-        """On the prepare thread: encode what the starts wait for, in batches, until every start has left."""
+        """On the edit-start thread: encode what the starts wait for, in batches, until every start has left."""
         while True:
             with self._cv:
                 while self._active > 0 and not (self._waiting and (  # one image a call: nothing to gather
@@ -202,15 +202,15 @@ def _split(out, sizes: list[int]) -> list | None:
     return None
 
 
-class Preparer:
-    """The prepare thread of one step scheduler and its round's start threads (module docstring).
+class EditStarter:
+    """The edit-start thread of one step scheduler and its round's start threads (module docstring).
 
     Args:
         pipeline: the replica's pipeline (its ``start`` runs here; its model's device picks the stream).
         batch_requests: most edits of one round (and start threads).
         batch_images: most images of one VAE call (1: each image alone; the step scheduler batches on CUDA only,
             where it pays).
-        ready: ``ready(item, state, error)`` on the prepare thread once a start has finished: its state (error
+        ready: ``ready(item, state, error)`` on the edit-start thread once a start has finished: its state (error
             None) or the exception its start raised (state None).
         closed: whether the scheduler is closing (then a queued edit is left to ``close`` to answer).
         gather_s: see :class:`EncodeRound`.
@@ -227,7 +227,7 @@ class Preparer:
         self.gather_s = float(gather_s)
         self._ready, self._closed = ready, closed
         self._queue: queue.Queue = queue.Queue()
-        self._pool = ThreadPoolExecutor(max_workers=self.batch_requests, thread_name_prefix="bcg-prepare-start")
+        self._pool = ThreadPoolExecutor(max_workers=self.batch_requests, thread_name_prefix="bcg-edit-start-worker")
         device = pipeline.model.device
         self._cuda = torch.device(device).type == "cuda"
         self._stream = torch.cuda.Stream(device) if self._cuda else None
@@ -235,8 +235,8 @@ class Preparer:
         self.rounds = self.vae_calls = self.images_encoded = 0
 
     def start(self) -> None:
-        """Start the prepare thread."""
-        self._thread = threading.Thread(target=self._run, name="bcg-prepare", daemon=True)
+        """Start the edit-start thread."""
+        self._thread = threading.Thread(target=self._run, name="bcg-edit-start", daemon=True)
         self._thread.start()
 
     def put_many(self, items: list[InFlight]) -> None:
@@ -245,7 +245,7 @@ class Preparer:
             self._queue.put(item)
 
     def close(self, timeout_s: float) -> None:
-        """Stop the prepare thread after its round in progress (edits still queued are left to ``close``)."""
+        """Stop the edit-start thread after its round in progress (edits still queued are left to ``close``)."""
         self._queue.put(None)
         if self._thread is not None:
             self._thread.join(timeout_s)
@@ -278,7 +278,7 @@ class Preparer:
             try:
                 results = self._round(batch)
             except Exception as e:  # noqa: BLE001 - the thread goes on; the round's requests get the error
-                log.exception("a prepare round of %d edits failed", len(batch))
+                log.exception("an edit-start round of %d edits failed", len(batch))
                 results = [(None, e)] * len(batch)
             for item, (state, error) in zip(batch, results, strict=True):
                 self._ready(item, state, error)
