@@ -122,6 +122,14 @@ counted: ``--warmup shapes`` sends one request of each distinct (size, n) of the
 - ratios: ``images_per_s_vs_naive`` (step and planned images/s over naive's; None where either server failed
   requests), ``c1_vs_naive`` (each server's ``c1_p50_ms`` / naive's).
 
+Kernel tiers (``--kernels``): ``runner.kernels`` of the step and planned servers (naive: always eager). A list
+(``--kernels eager,compiled,fp8``) runs the step (and planned) server once per tier, named ``step-eager``,
+``step-compiled`` and so on, all against the one naive server in one run; with one tier the names stay ``step`` and
+``planned``. A server on compiled kernels (``compiled``, ``fp8``) waits after its warm-up until its background
+compiles are done (``GET /v1/buckets``: ``scheduler.background_compiles.pending`` 0, at most
+``--compile-wait-s``; ``compile_wait_s`` and ``pending_at_replay`` in its entry), so the replay times compiled
+graphs, not buckets still on eager kernels.
+
 With ``--compile-decode`` the step and planned servers run ``runner.compile_decode``: after the warm-up each waits
 (up to ``--decode-wait-s``) until its background decode compiles are done (``decode_wait_s``), so the replay
 decodes with what was kept; each server's entry has its ``decode`` section of ``/v1/buckets``.
@@ -156,6 +164,7 @@ for _p in (ROOT / "benchmarks", ROOT / "tests", ROOT):
         sys.path.insert(0, str(_p))
 
 SERVERS = ("naive", "step", "planned")
+KERNELS = ("eager", "compiled", "fp8")
 MODELS = ("tiny", "flux-dev-width", "pixart-512")
 FLUX_DEV_WIDTH_LAYERS = (2, 4)
 """(double-stream, single-stream) blocks of the ``flux-dev-width`` stand-in."""
@@ -292,17 +301,19 @@ def _ratio(a, b) -> float | None:
 
 def ratios(summaries: dict[str, dict]) -> dict:
     """Cross-server ratios of the per-server summaries (``{server: summary}``; a summary may lack fields when
-    its server failed): ``images_per_s_vs_naive`` (step, planned), ``c1_vs_naive`` (each server's
+    its server failed): ``images_per_s_vs_naive`` (each other server: step, planned, or ``step-<tier>`` and
+    ``planned-<tier>`` with several tiers), ``c1_vs_naive`` (each server's
     ``c1_p50_ms`` / naive's). None where a side is missing, and an images/s ratio None where a side failed
     requests (its images/s counts only the served ones, a different workload: a planned table that refused 17 of
     32 prompts once read 2.8x)."""
     ips = {k: (v or {}).get("images_per_s") if not (v or {}).get("failures") else None
            for k, v in summaries.items()}
     c1 = {k: (v or {}).get("c1_p50_ms") for k, v in summaries.items()}
+    others = [k for k in summaries if k != "naive"]
+    others = others if any(k.startswith("step") for k in others) else ["step", *others]  # step: always reported
     return {
-        "images_per_s_vs_naive": {k: _ratio(ips.get(k), ips.get("naive"))
-                                  for k in ("step", "planned") if k != "planned" or k in summaries},
-        "c1_vs_naive": {k: _ratio(c1.get(k), c1.get("naive")) for k in ("step", "planned") if k in summaries},
+        "images_per_s_vs_naive": {k: _ratio(ips.get(k), ips.get("naive")) for k in others},
+        "c1_vs_naive": {k: _ratio(c1.get(k), c1.get("naive")) for k in others if k in summaries},
         **({"planned_vs_step": _ratio(ips.get("planned"), ips.get("step"))} if "planned" in summaries else {}),
     }
 
@@ -312,6 +323,29 @@ def merge(base: dict, over: dict) -> dict:
     out = dict(base)
     for k, v in over.items():
         out[k] = merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def parse_kernels(text: str) -> list[str]:
+    """``"eager,compiled"`` -> ``["eager", "compiled"]`` (in the given order, no repeats).
+
+    Raises:
+        ValueError: a name that is not a kernel tier, or an empty list.
+    """
+    names = [s.strip() for s in text.split(",") if s.strip()]
+    bad = [s for s in names if s not in KERNELS]
+    if bad or not names:
+        raise ValueError(f"kernels must be a comma-separated subset of {','.join(KERNELS)}, got {text!r}")
+    return list(dict.fromkeys(names))
+
+
+def server_runs(servers: list[str], kernels: list[str]) -> list[tuple[str, str, str]]:
+    """``(name, server, tier)`` of each server to start, in order: naive once (eager kernels), step and planned
+    once per tier, named ``<server>-<tier>`` when more than one tier is asked for."""
+    out = []
+    for server in servers:
+        tiers = ["eager"] if server == "naive" else kernels
+        out += [(server if server == "naive" or len(kernels) == 1 else f"{server}-{t}", server, t) for t in tiers]
     return out
 
 
@@ -786,6 +820,23 @@ def wait_decode_compiles(url: str, timeout_s: float) -> float:
     return round(time.perf_counter() - t0, 1)
 
 
+def background_pending(stats: dict) -> int:
+    """Buckets still waiting for their background compile in a ``GET /v1/buckets`` answer
+    (``scheduler.background_compiles.pending``; 0 where the section is absent: nothing compiles)."""
+    return int(((stats.get("scheduler") or {}).get("background_compiles") or {}).get("pending") or 0)
+
+
+def wait_compiles(url: str, timeout_s: float, poll_s: float = 2.0) -> tuple[float, int]:
+    """Poll ``GET /v1/buckets`` every ``poll_s`` until no bucket waits for its background compile, at most
+    ``timeout_s``; ``(seconds waited, buckets still pending)``."""
+    t0 = time.perf_counter()
+    pending = background_pending(_get_stats(url))
+    while pending and time.perf_counter() - t0 < timeout_s:
+        time.sleep(poll_s)
+        pending = background_pending(_get_stats(url))
+    return round(time.perf_counter() - t0, 1), pending
+
+
 def trim_stats(stats: dict) -> dict:
     """The parts of a ``GET /v1/buckets`` answer kept in the JSON: totals, scheduler, fused step, misses
     and the buckets that served requests (without their step-latency histograms)."""
@@ -820,6 +871,10 @@ def run_server(name: str, config, replay_reqs: list, warmups: list, c1: list, ar
                                "seconds": round(time.perf_counter() - t0, 1)}
         if config.runner.compile_decode:
             entry["decode_wait_s"] = wait_decode_compiles(url, args.decode_wait_s)
+        if config.runner.kernels != "eager":
+            entry["compile_wait_s"], entry["pending_at_replay"] = wait_compiles(url, args.compile_wait_s)
+            print(f"[{name}] compiles done after {entry['compile_wait_s']} s more; "
+                  f"{entry['pending_at_replay']} bucket(s) still pending", flush=True)
         before = _get_stats(url)
         sampler.start()
         time.sleep(0.3 if sampler.active else 0)
@@ -847,8 +902,8 @@ def run_server(name: str, config, replay_reqs: list, warmups: list, c1: list, ar
                            "capture_s": round(sum(float(b.get("capture_s") or 0) for b in buckets), 2),
                            "pool_mib": round(sum(int(b.get("pool_bytes") or 0) for b in buckets) / 2**20, 1)}
         entry["scheduler_reported"] = isinstance(after.get("scheduler"), dict)
-        if name == "step" and not entry["scheduler_reported"]:
-            print("[step] WARNING: GET /v1/buckets has no 'scheduler' section: the replica did not report its step "
+        if name.startswith("step") and not entry["scheduler_reported"]:
+            print(f"[{name}] WARNING: GET /v1/buckets has no 'scheduler' section: the replica did not report its step "
                   "scheduler", flush=True)
         if c1:
             c = replay(url, c1, steps=args.steps, concurrency=1, **kw)
@@ -935,8 +990,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--plan-costs", choices=("measure", "token-count"), default="token-count",
                     help="costs of the planned table: measured on this GPU (bcg plan --measure) or the token-count "
                     "model (default)")
-    ap.add_argument("--kernels", choices=("eager", "compiled", "fp8"), default="eager",
-                    help="runner.kernels of the step and planned servers (naive: always eager)")
+    ap.add_argument("--kernels", type=parse_kernels, default=["eager"],
+                    help="runner.kernels of the step and planned servers, one tier or a list (eager,compiled,fp8: "
+                    "one step server per tier); naive: always eager")
+    ap.add_argument("--compile-wait-s", type=float, default=900.0,
+                    help="most seconds a compiled-kernel server waits for its background compiles before the replay")
     ap.add_argument("--compile-decode", action="store_true",
                     help="runner.compile_decode on the step and planned servers; after the warm-up each waits for "
                     "its decode compiles (up to --decode-wait-s) before the replay")
@@ -994,7 +1052,8 @@ def main(argv: list[str] | None = None) -> int:
     warm, c1 = warmup_requests(reqs, args.warmup), c1_requests(reqs, args.c1_requests)
     result: dict[str, Any] = {
         "benchmark": "saturation", **env, "command": shlex.join(["python", "benchmarks/bench_saturation.py", *raw]),
-        "argv": raw, "model": args.model, "tiny": args.tiny, "kernels": args.kernels,
+        "argv": raw, "model": args.model, "tiny": args.tiny,
+        "kernels": args.kernels[0] if len(args.kernels) == 1 else args.kernels,
         "replay": {"requests": len(reqs), "images": sum(r.n for r in reqs), "steps": args.steps,
                    "concurrency": args.concurrency, "size": args.size or "as in the data", "warmup": args.warmup,
                    "mix": args.mix, "trace": args.trace, "mix_seed": args.mix_seed, "mix_draw": args.mix_draw,
@@ -1018,16 +1077,17 @@ def main(argv: list[str] | None = None) -> int:
         source = "krea" if args.mix == "krea" else f"gentd26:{args.trace}" if args.trace else "gentd26"
         planned = (planned_buckets(base, args.steps, args.plan_max_graphs, args.plan_costs == "measure", source)
                    if "planned" in args.servers else None)
-        for name in args.servers if "naive" in args.servers else [*args.servers, "naive"]:
-            overrides[name] = server_overrides(name, base, spec, sent, args.concurrency, args.naive_max_ongoing,
-                                               planned, args.kernels, args.compile_decode)
+        runs = server_runs(args.servers, args.kernels)
+        for name, server, tier in runs if "naive" in args.servers else [*runs, *server_runs(["naive"], ["eager"])]:
+            overrides[name] = server_overrides(server, base, spec, sent, args.concurrency, args.naive_max_ongoing,
+                                               planned, tier, args.compile_decode)
             configs[name] = ServeConfig.model_validate(merge(base, overrides[name]))
         naive_validator = RequestValidator(configs["naive"], spec, counter)
         hits = check_all_miss(naive_validator, sent, args.steps)
         if hits:
             raise SystemExit(f"the naive table {configs['naive'].buckets.resolutions} holds {len(hits)} requests "
                              f"(e.g. {hits[0].lookup.key}): it must miss every one")
-        _, refused = plan_all(RequestValidator(configs[args.servers[0]], spec, counter), reqs, args.steps)
+        _, refused = plan_all(RequestValidator(configs[runs[0][0]], spec, counter), reqs, args.steps)
         result.update(base_config=base, planned_refusals=[f"{r.describe()}: {m}" for r, m in refused],
                       naive_tier=configs["naive"].buckets.resolutions[0])
         save()
@@ -1036,7 +1096,7 @@ def main(argv: list[str] | None = None) -> int:
             floor = gpu_floor(configs["naive"], reqs, args.steps, args.floor_steps)
             result["floor"] = floor
             save()
-        for name in args.servers:
+        for name, _, _ in runs:
             entry: dict[str, Any] = {"server": name, "overrides": overrides[name],
                                      "config": configs[name].model_dump(mode="json")}
             try:
