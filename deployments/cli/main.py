@@ -12,12 +12,13 @@ timings (:mod:`deployments.cli.commands`), ``plan`` chooses the bucket table fro
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import signal
 import sys
 import textwrap
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from pydantic import BaseModel
@@ -144,6 +145,30 @@ def _replica_stats() -> dict | None:
         return None
 
 
+@contextlib.contextmanager
+def shutdown_signals(previous: dict[int, Any]) -> Iterator[None]:
+    """While the server shuts down, a second Ctrl-C (SIGINT or SIGTERM) does not cut the graceful stop short: it
+    prints that requests in flight are finishing and how to stop at once; a third raises ``KeyboardInterrupt`` (the
+    replicas are then killed with Ray, dropping what they held). ``previous``: the handlers to restore afterwards,
+    by signal (empty: the server never became ready, and nothing is installed)."""
+    presses: list[int] = []
+
+    def during_shutdown(signum: int, frame: Any) -> None:
+        presses.append(signum)
+        if len(presses) > 1:
+            raise KeyboardInterrupt
+        print("bcg-serve: still shutting down: requests in flight are finishing; press Ctrl-C again to stop now "
+              "and drop them", file=sys.stderr, flush=True)
+
+    for s in previous:
+        signal.signal(s, during_shutdown)
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
     from bcg_core.models import describe_model
 
@@ -186,9 +211,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                f"--stop-after-s {args.stop_after_s:g}")
         print(f"bcg-serve: shutting down ({why}) ...", flush=True)
     finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-        stop_local()
+        with shutdown_signals(previous):
+            stop_local()
     if previous:  # it was ready: one last line, after Ray's processes are gone
         print(f"bcg-serve: stopped ({why}); served {url}", flush=True)
     return 0
