@@ -128,10 +128,10 @@ class DiTPipeline:
 
     # -- the step-level interface -------------------------------------------------------------------
 
-    def start(self, plan: ValidatedRequest, cancel: threading.Event | None = None, lease=None) -> RequestState:
+    def start(self, validated: ValidatedRequest, cancel: threading.Event | None = None, lease=None) -> RequestState:
         """A validated request at step 0: encoded text, initial latents, its own scheduler (family hook); with
         ``lease`` (its adapters' :class:`~bcg_core.lora.slots.Lease`), its rows carry those slots."""
-        state = self.model.start(plan, cancel)
+        state = self.model.start(validated, cancel)
         if lease is not None:
             state.extras["lora"] = lease
         return state
@@ -284,7 +284,7 @@ class DiTPipeline:
 
     # -- one request, synchronously ------------------------------------------------------------------
 
-    def generate(self, plan: ValidatedRequest, cancel: threading.Event | None = None) -> GenerationResult:
+    def generate(self, validated: ValidatedRequest, cancel: threading.Event | None = None) -> GenerationResult:
         """Denoise and decode one validated request on this thread, alone: start, one :meth:`step` per denoising
         step in the forwards :attr:`decider` decides (as the step scheduler runs a request that has its shape to
         itself), finish. For tests and scripts; a replica serves through :class:`~bcg_core.scheduler.StepScheduler`.
@@ -293,45 +293,45 @@ class DiTPipeline:
         path, as the ingress validates what it serves): ``pipe.generate(pipe.validator.validate(request))``.
 
         Args:
-            plan: the validated request (trusted as it is).
+            validated: the validated request (trusted as it is).
             cancel: set by the caller to stop early; checked before every step and before the decode.
 
         Raises:
-            TypeError: ``plan`` is not a :class:`~bcg_core.request.ValidatedRequest` (validate a raw request first).
+            TypeError: ``validated`` is not a :class:`~bcg_core.request.ValidatedRequest` (validate a request first).
             RequestCancelled: ``cancel`` was set.
             ServiceUnavailable: its adapters did not load within ``lora.load_timeout_s``.
             NonFiniteOutput: its denoised latents hold NaN or inf (:func:`~bcg_core.errors.require_finite`).
         """
-        if not isinstance(plan, ValidatedRequest):
-            raise TypeError(f"generate takes a ValidatedRequest, got {type(plan).__name__}: validate it first with "
-                            f"pipe.validator.validate(request), the one validation path")
-        lease = self.lease(plan)
+        if not isinstance(validated, ValidatedRequest):
+            raise TypeError(f"generate takes a ValidatedRequest, got {type(validated).__name__}: validate it first "
+                            f"with pipe.validator.validate(request), the one validation path")
+        lease = self.lease(validated)
         try:
-            return self._generate(plan, cancel, lease)
+            return self._generate(validated, cancel, lease)
         finally:
             if lease is not None:
                 lease.release()
 
-    def lease(self, plan: ValidatedRequest):
-        """The slots of ``plan``'s adapters, waiting here for their load (:func:`~bcg_core.lora.slots.lease_for`);
+    def lease(self, validated: ValidatedRequest):
+        """The slots of ``validated``'s adapters, waiting here for their load (:func:`~bcg_core.lora.slots.lease_for`);
         None for a request without adapters."""
-        return lease_for(self.lora, plan.request.lora)
+        return lease_for(self.lora, validated.request.lora)
 
-    def _generate(self, plan: ValidatedRequest, cancel: threading.Event | None, lease) -> GenerationResult:
+    def _generate(self, validated: ValidatedRequest, cancel: threading.Event | None, lease) -> GenerationResult:
         t0 = time.perf_counter()
-        state = self.start(plan, cancel, lease)
+        state = self.start(validated, cancel, lease)
         if state.latents.is_cuda:  # its encodes' kernels end here, not inside the first step's time
             torch.cuda.synchronize(state.latents.device)
         t1 = time.perf_counter()
         key, share = None, 0
         while not state.done and not state.cancelled:
-            forwards = self.decider.decide(plan.shape, state.rows, plan.lookup.query.tokens_per_row)
+            forwards = self.decider.decide(validated.shape, state.rows, validated.lookup.query.tokens_per_row)
             begin = timing_mark(self.model.device)
             self.step([state], forwards)
             end = timing_mark(self.model.device)
             if state.step_index == 1:
-                key = forwards.counted_key or plan.key
-                share = forwards.computed_tokens(plan.lookup.query.tokens // max(1, plan.rows))
+                key = forwards.counted_key or validated.key
+                share = forwards.computed_tokens(validated.lookup.query.tokens // max(1, validated.rows))
             if isinstance(end, torch.cuda.Event):
                 end.synchronize()
             ms = elapsed_ms(begin, end)
@@ -346,7 +346,7 @@ class DiTPipeline:
         files = [encode_image(image, r.output_format, r.output_compression) for image in images]
         t4 = time.perf_counter()
         ms = lambda a, b: round((b - a) * 1e3, 2)  # noqa: E731
-        return build_result(plan, files, key, share, 1, self.metrics, {
+        return build_result(validated, files, key, share, 1, self.metrics, {
             "encode": ms(t0, t1), "denoise": ms(t1, t2), "decode": ms(t2, t3), "image_encode": ms(t3, t4),
             "total": ms(t0, t4)})
 

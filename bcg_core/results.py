@@ -13,12 +13,12 @@ from bcg_core.table import BucketLookup
 __all__ = ["build_result"]
 
 
-def build_result(plan: ValidatedRequest, files: list[bytes], key: BucketKey | None, padded_tokens: int, company: int,
-                 metrics: BucketMetrics, timings_ms: dict[str, float]) -> GenerationResult:
+def build_result(validated: ValidatedRequest, files: list[bytes], key: BucketKey | None, padded_tokens: int,
+                 company: int, metrics: BucketMetrics, timings_ms: dict[str, float]) -> GenerationResult:
     """The result of a finished request, recorded in ``metrics`` (:meth:`BucketMetrics.record_request`).
 
     Args:
-        plan: the validated request.
+        validated: the validated request.
         files: its image files, in order (image ``i`` from seed ``seed + i``).
         key: the bucket its first step was counted under (:attr:`~bcg_core.costs.StepForwards.counted_key`); None
             for a miss.
@@ -30,12 +30,12 @@ def build_result(plan: ValidatedRequest, files: list[bytes], key: BucketKey | No
     A request whose rows were split across its shape's buckets (a miss in the batch dimension only) is a hit of
     the bucket it was counted under; a miss in another dimension reports only those dimensions.
     """
-    missed = () if key is not None else tuple(d for d in plan.lookup.missed if d is not Dim.BATCH)
-    metrics.record_request(BucketLookup(plan.lookup.query, key, missed), timings_ms["total"],
+    missed = () if key is not None else tuple(d for d in validated.lookup.missed if d is not Dim.BATCH)
+    metrics.record_request(BucketLookup(validated.lookup.query, key, missed), timings_ms["total"],
                            padded_tokens=padded_tokens)
-    r = plan.request
+    r = validated.request
     return GenerationResult(
         image_bytes=files, seed=r.seed, bucket=key, hit=key is not None, missed=[d.value for d in missed],
-        real_tokens=plan.lookup.query.tokens, padded_tokens=padded_tokens, steps=plan.steps_run,
+        real_tokens=validated.lookup.query.tokens, padded_tokens=padded_tokens, steps=validated.steps_run,
         timings_ms=timings_ms, batch_size=company, image_format=r.output_format,
     )

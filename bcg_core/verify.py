@@ -437,23 +437,23 @@ def check_fused(pipe) -> bool:
     for cfg in (False, True):
         for key in keys:
             try:
-                plan = pipe.validator.validate(_check_request(pipe, key, cfg))
+                validated = pipe.validator.validate(_check_request(pipe, key, cfg))
             except RequestError:
                 continue
-            if pipe.model.spec.uses_cfg(plan.request) != cfg:
+            if pipe.model.spec.uses_cfg(validated.request) != cfg:
                 break  # this family never runs that way
-            if plan.lookup.hit and pipe.runner.fuses(plan.lookup.key):
-                cases.append(plan)
+            if validated.lookup.hit and pipe.runner.fuses(validated.lookup.key):
+                cases.append(validated)
                 break
     if not cases:
         pipe.fused.note = "not checked yet: no prepared bucket with a fused graph"
         return False
     leases = [None] + ([_SlotZero()] if pipe.lora is not None else [])  # both graphs of a LoRA deployment
-    for plan, lease in ((p, le) for p in cases for le in leases):
+    for validated, lease in ((p, le) for p in cases for le in leases):
         from bcg_core.costs import Chunk, StepForwards
 
-        forwards = StepForwards((Chunk(plan.key, plan.rows, 0.0),))
-        host = pipe.start(plan, lease=lease)
+        forwards = StepForwards((Chunk(validated.key, validated.rows, 0.0),))
+        host = pipe.start(validated, lease=lease)
         mine = dataclasses.replace(host, latents=host.latents.clone(), scheduler=copy.deepcopy(host.scheduler),
                                    step_ms=[])
         for _ in range(min(2, len(host.timesteps))):
@@ -468,7 +468,7 @@ def check_fused(pipe) -> bool:
             if not torch.equal(host.latents, mine.latents):
                 diff = (host.latents.float() - mine.latents.float()).abs()
                 pipe.fused.checked = True
-                pipe.fused.note = (f"off: the fused step differs from the host step on {plan.lookup.key} "
+                pipe.fused.note = (f"off: the fused step differs from the host step on {validated.lookup.key} "
                                    f"(cfg {host.cfg}): {int((diff > 0).sum())} of {diff.numel()} latent "
                                    f"values, max |d| {float(diff.max()):.3g}")
                 log.warning("fused step %s", pipe.fused.note)

@@ -6,7 +6,7 @@ One model per invocation, in this process (no HTTP; the engine as a replica runs
 1. ``single``: one request alone at ``--size`` (default 1024x1024, ``n`` 1, ``--steps`` steps), three ways,
    interleaved ``--repeats`` times (default 5) after one untimed run of each: ``text-to-image``; ``image-to-image``
    of that request's own image at ``--strength`` (default 0.6); ``inpainting``, the same with an OpenAI mask (opaque,
-   its centre half of each side fully transparent: edit there). Each run is planned first (the ingress's work:
+   its centre half of each side fully transparent: edit there). Each run is validated first (the ingress's work:
    the image read, the bucket looked up), then ``DiTPipeline.generate`` (the request alone, in the forwards the
    step scheduler gives a request that has its shape to itself) is timed: ``wall_ms`` (from a device sync to the
    images, which end in a host copy), and the split of its ``timings_ms``: ``encode`` (text encoders, noise and,
@@ -190,36 +190,36 @@ def run_single(pipe, size: tuple[int, int], steps: int, strength: float, repeats
     text = GenerationRequest(PROMPT, n=1, width=w, height=h, num_inference_steps=steps, seed=7)
     # the input image, and text to image's untimed run
     image = pipe.generate(pipe.validator.validate(text)).image_bytes[0]
-    plans = {k: pipe.validator.validate(as_edit(text, k, image, strength)) for k in KINDS}
+    validated_requests = {k: pipe.validator.validate(as_edit(text, k, image, strength)) for k in KINDS}
     for k in KINDS[1:]:
-        pipe.generate(plans[k])  # untimed: each edit path's first run
+        pipe.generate(validated_requests[k])  # untimed: each edit path's first run
     runs: dict[str, list[dict]] = {k: [] for k in KINDS}
     for _ in range(repeats):
         for k in KINDS:
             _sync(pipe.model.device)
             t0 = time.perf_counter()
-            res = pipe.generate(plans[k])
+            res = pipe.generate(validated_requests[k])
             wall = time.perf_counter() - t0
-            runs[k].append({"wall_ms": round(wall * 1e3, 2), "steps_run": plans[k].steps_run,
+            runs[k].append({"wall_ms": round(wall * 1e3, 2), "steps_run": validated_requests[k].steps_run,
                             "timings_ms": res.timings_ms})
     return runs
 
 
 def replay(sched, pipe, requests: list, kinds: list[str], concurrency: int) -> tuple[list[dict], float]:
-    """Serve ``requests`` through the step scheduler, ``concurrency`` in flight, each planned first (untimed, as
-    the ingress plans it); ``(rows, wall seconds)``. A request that fails is a row with ``ok`` False."""
-    plans = [pipe.validator.validate(r) for r in requests]
+    """Serve ``requests`` through the step scheduler, ``concurrency`` in flight, each validated first (untimed,
+    as the ingress validates it); ``(rows, wall seconds)``. A request that fails is a row with ``ok`` False."""
+    validated_requests = [pipe.validator.validate(r) for r in requests]
 
     async def run():
         gate = asyncio.Semaphore(concurrency)
 
-        async def one(plan, kind):
+        async def one(validated, kind):
             async with gate:
                 t = time.perf_counter()
-                row = {"kind": kind, "size": f"{plan.request.width}x{plan.request.height}", "n": plan.request.n,
-                       "steps_run": plan.steps_run}
+                r = validated.request
+                row = {"kind": kind, "size": f"{r.width}x{r.height}", "n": r.n, "steps_run": validated.steps_run}
                 try:
-                    res = await sched.submit(plan)
+                    res = await sched.submit(validated)
                 except Exception as e:  # noqa: BLE001 - a failed request is counted, the replay goes on
                     return {**row, "ok": False, "images": 0, "latency_ms": None, "error": f"{type(e).__name__}: {e}"}
                 return {**row, "ok": True, "images": len(res.image_bytes),
@@ -228,7 +228,7 @@ def replay(sched, pipe, requests: list, kinds: list[str], concurrency: int) -> t
                         "timings_ms": res.timings_ms}
 
         t0 = time.perf_counter()
-        rows = await asyncio.gather(*(one(p, k) for p, k in zip(plans, kinds, strict=True)))
+        rows = await asyncio.gather(*(one(p, k) for p, k in zip(validated_requests, kinds, strict=True)))
         return list(rows), time.perf_counter() - t0
 
     return asyncio.run(run())

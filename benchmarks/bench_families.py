@@ -322,7 +322,7 @@ def bench_case(model, folder: Path, case: str, n: int, args, device: torch.devic
         pipes[mode] = DiTPipeline(cfg, model)  # graph: captures its one bucket here
         _sync()
         prepare_s[mode] = round(time.perf_counter() - t0, 2)
-    plan = pipes["eager"].validator.validate(req)
+    validated = pipes["eager"].validator.validate(req)
 
     def timed(mode: str) -> tuple[float, dict]:
         _sync()
@@ -337,9 +337,9 @@ def bench_case(model, folder: Path, case: str, n: int, args, device: torch.devic
     for i in range(args.repeats):  # alternating, and alternating which mode goes first
         for mode in modes if i % 2 == 0 else modes[::-1]:
             runs[mode].append(timed(mode))
-    lk = plan.lookup
+    lk = validated.lookup
     row = dict(case=case, n=n, size=f"{size}x{size}", steps=steps, guidance_scale=guidance,
-               cfg=pipes["eager"].validator.spec.uses_cfg(plan.request), bucket=str(lk.key), rows=lk.query.batch,
+               cfg=pipes["eager"].validator.spec.uses_cfg(validated.request), bucket=str(lk.key), rows=lk.query.batch,
                exact=lk.hit and lk.key.tokens == lk.query.tokens, prepare_s=prepare_s, eager=_medians(runs["eager"]),
                bcg=None, bcg_modes=None, speedup=None, floor_ms=None, floor_events=None, bcg_over_floor=None,
                eager_over_floor=None)

@@ -121,8 +121,8 @@ def bench_case(pipes: dict[str, DiTPipeline], size: int, requests: int, n: int, 
                  else dict(guidance_scale=guidance if cfg else 1.0, negative_prompt="blurry" if cfg else None))
         reqs.append(GenerationRequest(f"a lighthouse, study {i}", n=n, width=size, height=size,
                                       num_inference_steps=args.steps * (args.rounds + 1) + 1, seed=i, **extra))
-    plans = [pipes["fused"].validator.validate(r) for r in reqs]
-    states = {"fused": [pipes["fused"].start(p) for p in plans]}
+    validated_requests = [pipes["fused"].validator.validate(r) for r in reqs]
+    states = {"fused": [pipes["fused"].start(p) for p in validated_requests]}
     states["host"] = [_twin(s) for s in states["fused"]]
     rows = sum(s.rows for s in states["fused"])
     lookup = None

@@ -59,9 +59,9 @@ def served_image(size: int) -> np.ndarray:
     cfg = ServeConfig.model_validate({"buckets": {"batch_sizes": [1], "resolutions": [f"{size}x{size}"],
                                                   "text_lengths": [256]}})
     pipe = DiTPipeline.from_config(cfg)
-    plan = pipe.validator.validate(GenerationRequest("a lighthouse at dusk", width=size, height=size,
+    validated = pipe.validator.validate(GenerationRequest("a lighthouse at dusk", width=size, height=size,
                                                num_inference_steps=4, guidance_scale=0.0, seed=0))
-    state = pipe.start(plan)
+    state = pipe.start(validated)
     while not state.done:
         pipe.step([state], pipe.decider.for_states([state]))
     return pipe.model.decode(state)[0]

@@ -25,7 +25,7 @@ transformer configs, bf16, with the random-weight stand-in text encoders of test
    at the same size, as PixArt-Sigma's aspect-ratio bins make 512x512 and 1024x1024, are run once), a request
    of ``--rows`` rows (default 18: ``--rows / 2`` images with classifier-free guidance, ``guidance_scale`` 4.5,
    or for FLUX-family models ``true_cfg_scale`` 4.0 with an empty negative prompt), validated by the pipeline's
-   validator (the run stops if it hits the bucket) and started with ``pipe.start(plan)``, at ``--warmup +
+   validator (the run stops if it hits the bucket) and started with ``pipe.start(validated)``, at ``--warmup +
    --iters`` denoising steps. Then, after ``--warmup`` untimed calls of each (default 2 on CUDA, 1 on a CPU),
    ``--iters`` times (default 10 on CUDA, 3 on a CPU) alternately:
 
@@ -193,13 +193,13 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return None if a is None or not b else round(a / b, 4)
 
 
-def run_case(pipe, plan, warmup: int, iters: int, timed, cuda: bool) -> dict:
+def run_case(pipe, validated, warmup: int, iters: int, timed, cuda: bool) -> dict:
     """Time one miss (see the module docstring, step 3): its normal-path step (a) against one unpadded eager forward
     of its rows (b), alternately, after ``warmup`` untimed calls of each.
 
     Args:
         pipe: the :class:`~bcg_core.pipeline.DiTPipeline`.
-        plan: the miss's validated request, at ``warmup + iters`` steps or more.
+        validated: the miss's validated request, at ``warmup + iters`` steps or more.
         warmup: untimed calls of each before timing.
         iters: timed calls of each.
         timed: :func:`make_timer`'s timer.
@@ -214,8 +214,8 @@ def run_case(pipe, plan, warmup: int, iters: int, timed, cuda: bool) -> dict:
 
     from bcg_core.costs.miss_memory import ActivationPeaks
 
-    real = plan.lookup.query.tokens_per_row
-    state = pipe.start(plan)
+    real = validated.lookup.query.tokens_per_row
+    state = pipe.start(validated)
     inputs = pipe.model.model_rows(state)  # the same rows as the step's, at its first step
     rows = inputs.rows
     chunks: list[list[int]] = []
@@ -264,8 +264,8 @@ def spare_for(rows: int, per_row_bytes: float) -> int:
     return int(math.ceil(max(usable + MARGIN_BYTES, usable / (1 - MARGIN_FRACTION))))
 
 
-def run_chunked(pipe, plan, chunks: int, warmup: int, iters: int, timed, cuda: bool) -> dict:
-    """The chunked case (module docstring, step 4): ``plan``'s miss with a scripted spare memory that holds
+def run_chunked(pipe, validated, chunks: int, warmup: int, iters: int, timed, cuda: bool) -> dict:
+    """The chunked case (module docstring, step 4): ``validated``'s miss with a scripted spare memory that holds
     ``ceil(rows / chunks)`` rows; the decider's source and figure are restored afterwards.
 
     Returns:
@@ -276,14 +276,14 @@ def run_chunked(pipe, plan, chunks: int, warmup: int, iters: int, timed, cuda: b
     source, figure = miss.spare_bytes, miss.bytes_per_row_token
     scripted = figure is None
     per = SCRIPTED_BYTES_PER_ROW_TOKEN if scripted else figure
-    per_chunk = -(-plan.rows // max(1, chunks))
-    spare = spare_for(per_chunk, per * plan.lookup.query.tokens_per_row)
+    per_chunk = -(-validated.rows // max(1, chunks))
+    spare = spare_for(per_chunk, per * validated.lookup.query.tokens_per_row)
     try:
         if scripted:
             miss.set_bytes_per_row_token(per)
         miss.spare_bytes = lambda: spare
         usable = miss.usable_bytes()
-        entry = run_case(pipe, plan, warmup, iters, timed, cuda)
+        entry = run_case(pipe, validated, warmup, iters, timed, cuda)
     finally:
         miss.spare_bytes = source
         miss.set_bytes_per_row_token(figure)
@@ -411,13 +411,13 @@ def main(argv: list[str] | None = None) -> int:
                             "usable_bytes": miss.usable_bytes(), "spare_source": miss.spare_bytes is not None}
         save()
         timed = make_timer(cuda)
-        plans = {}
+        validated_requests = {}
         for (w, h), gen in sizes:
-            plan = pipe.validator.validate(cfg_request(spec, args.rows, w, h, steps))
-            if plan.shape is not None:
-                raise SystemExit(f"{w}x{h} hits bucket {plan.lookup.key}: the table must miss every size")
-            plans[(w, h)] = plan
-            entry = run_case(pipe, plan, warmup, iters, timed, cuda)
+            validated = pipe.validator.validate(cfg_request(spec, args.rows, w, h, steps))
+            if validated.shape is not None:
+                raise SystemExit(f"{w}x{h} hits bucket {validated.lookup.key}: the table must miss every size")
+            validated_requests[(w, h)] = validated
+            entry = run_case(pipe, validated, warmup, iters, timed, cuda)
             entry = {"case": "miss", "size": f"{w}x{h}", "generated_at": f"{gen[0]}x{gen[1]}", **entry,
                      "within_target": entry["ratio"] is not None and entry["ratio"] <= TARGET_RATIO}
             result["cases"].append(entry)
@@ -427,7 +427,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.chunks:
             (w, h), gen = sizes[-1]
             base = result["cases"][-1]
-            entry = run_chunked(pipe, plans[(w, h)], args.chunks, warmup, iters, timed, cuda)
+            entry = run_chunked(pipe, validated_requests[(w, h)], args.chunks, warmup, iters, timed, cuda)
             result["chunked"] = {"case": "chunked", "asked_chunks": args.chunks, "size": f"{w}x{h}",
                                  "generated_at": f"{gen[0]}x{gen[1]}", **entry,
                                  "vs_one_forward": _ratio(entry["ms_step"], base["ms_forward"])}

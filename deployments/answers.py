@@ -31,11 +31,12 @@ def sse_event(event: str, data: dict) -> bytes:
     return f"event: {event}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
 
 
-def usage_of(plan) -> Usage:
+def usage_of(validated) -> Usage:
     """OpenAI's ``usage`` of a validated request (:class:`~deployments.schemas.Usage`): its prompt tokens (and an
     edit's input image, one image's transformer image tokens) in, its images' transformer image tokens out."""
-    tokens = plan.lookup.query.image_tokens
-    return Usage.of(plan.prompt_tokens, plan.request.n, tokens, tokens if plan.request.image is not None else 0)
+    tokens = validated.lookup.query.image_tokens
+    edited = tokens if validated.request.image is not None else 0
+    return Usage.of(validated.prompt_tokens, validated.request.n, tokens, edited)
 
 
 def ingress_timings(result: GenerationResult, sent: float) -> dict[str, float]:
@@ -48,15 +49,15 @@ def ingress_timings(result: GenerationResult, sent: float) -> dict[str, float]:
     return timings
 
 
-def bcg_info(result: GenerationResult, timings: dict[str, float], retries: int, plan: ValidatedRequest) -> BcgInfo:
-    """The ``bcg`` extension of the answer to ``plan``: how its replica served it, and its adapters (``lora``)."""
-    lora = [LoraAdapter(name=name, scale=scale) for name, scale in plan.request.lora] or None
+def bcg_info(result: GenerationResult, timings: dict[str, float], retries: int, validated: ValidatedRequest) -> BcgInfo:
+    """The ``bcg`` extension of the answer to ``validated``: how its replica served it, and its adapters (``lora``)."""
+    lora = [LoraAdapter(name=name, scale=scale) for name, scale in validated.request.lora] or None
     return BcgInfo(bucket=None if result.bucket is None else str(result.bucket), hit=result.hit,
                    missed=list(result.missed), seed=result.seed, steps=result.steps, timings_ms=timings,
                    replica=result.replica, owner=result.owner, batch_size=result.batch_size, retries=retries, lora=lora)
 
 
-async def image_events(plan: ValidatedRequest, req: ImageGenerationRequest, events, t0: float,
+async def image_events(validated: ValidatedRequest, req: ImageGenerationRequest, events, t0: float,
                        kind: str = "image_generation"):
     """The Server-Sent Events of a streamed request: ``image_generation.partial_image`` per preview and image,
     then ``image_generation.completed`` per image, in the shapes of the ``openai`` client's
@@ -65,13 +66,13 @@ async def image_events(plan: ValidatedRequest, req: ImageGenerationRequest, even
     The client going away closes this generator, which cancels the request on the replica.
 
     Args:
-        plan, req: the request, validated and as sent.
+        validated, req: the request, validated and as sent.
         events: :func:`~deployments.routing.stream_dit` of it, past :data:`~deployments.routing.ACCEPTED`.
-        t0: ``time.perf_counter()`` when the plan was sent.
+        t0: ``time.perf_counter()`` when the validated request was sent.
         kind: the events' prefix: ``image_generation``, or ``image_edit`` for an edit (the client's
             ``ImageEditPartialImageEvent`` and ``ImageEditCompletedEvent``).
     """
-    r = plan.request
+    r = validated.request
     common = {"background": "opaque", "output_format": r.output_format, "quality": r.quality or "auto",
               "size": f"{r.width}x{r.height}"}
     try:
@@ -83,8 +84,8 @@ async def image_events(plan: ValidatedRequest, req: ImageGenerationRequest, even
                         "created_at": int(time.time()), "partial_image_index": event.index, **common,
                         "image_index": event.image_index, "step": event.step})
                     continue
-                usage = usage_of(plan).model_dump()
-                bcg = bcg_info(event, ingress_timings(event, t0), 0, plan).model_dump()
+                usage = usage_of(validated).model_dump()
+                bcg = bcg_info(event, ingress_timings(event, t0), 0, validated).model_dump()
                 for i, data in enumerate(event.image_bytes):
                     yield sse_event(f"{kind}.completed", {
                         "type": f"{kind}.completed", "b64_json": b64encode(data).decode("ascii"),

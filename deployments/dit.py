@@ -146,9 +146,9 @@ class DiTReplica:
         Raises:
             TypeError: ``request`` is not a validated request.
         """
-        planned = self._accept(request)
+        validated = self._accept(request)
         key = RoutingKey.parse(serve.get_multiplexed_model_id())
-        return self._served_result(await self._scheduler.submit(planned), key)
+        return self._served_result(await self._scheduler.submit(validated), key)
 
     async def generate_stream(self, request: ValidatedRequest):
         """:meth:`generate` for a streamed request (``handle.options(stream=True)``): yields
@@ -163,29 +163,29 @@ class DiTReplica:
         """
         from .routing import ACCEPTED
 
-        planned = self._accept(request)
+        validated = self._accept(request)
         key = RoutingKey.parse(serve.get_multiplexed_model_id())
-        lease = await self._scheduler.lease(planned)  # an adapter it cannot serve is refused before ACCEPTED
+        lease = await self._scheduler.lease(validated)  # an adapter it cannot serve is refused before ACCEPTED
         handed = False
         try:
             yield ACCEPTED
             handed = True
-            async for event in self._scheduler.submit_stream(planned, lease=lease):
+            async for event in self._scheduler.submit_stream(validated, lease=lease):
                 yield self._served_result(event, key) if isinstance(event, GenerationResult) else event
         finally:
             if not handed and lease is not None:  # the caller left before the stream began
                 lease.release()
 
-    def _accept(self, planned: ValidatedRequest) -> ValidatedRequest:
-        """``planned``, counted in the traffic histogram; anything else is refused (validated once, at the
-        ingress: the replica and its scheduler trust the plan)."""
-        if not isinstance(planned, ValidatedRequest):
-            raise TypeError(f"the DiT replica takes a ValidatedRequest, got {type(planned).__name__}: send requests "
+    def _accept(self, validated: ValidatedRequest) -> ValidatedRequest:
+        """``validated``, counted in the traffic histogram; anything else is refused (validated once, at the
+        ingress: the replica and its scheduler trust it)."""
+        if not isinstance(validated, ValidatedRequest):
+            raise TypeError(f"the DiT replica takes a ValidatedRequest, got {type(validated).__name__}: send requests "
                             f"to the ingress, or validate them first "
                             f"(RequestValidator.from_config(config).validate(request))")
         if self._traffic is not None:
-            self._traffic.record(planned)
-        return planned
+            self._traffic.record(validated)
+        return validated
 
     def _served_result(self, result: GenerationResult, key: RoutingKey) -> GenerationResult:
         """Count who served ``result`` (owner or not) and name this replica in it; ``key`` is the routing key it

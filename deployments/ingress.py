@@ -37,8 +37,8 @@ Python handle callers use ``Ingress.images`` (same validation and routing). Each
 once, on the ingress's one validation thread, so the event loop stays free while an edit's image is decoded
 (:class:`~bcg_core.validation.RequestValidator`: validation, defaults, the seed, the bucket lookup), and its
 :class:`~bcg_core.request.ValidatedRequest` travels to the DiT deployment, which trusts it, with its bucket shape in the
-request metadata (:mod:`deployments.routing`); the same plan (the same seed) is resent when its replica dies
-mid-request (answered 503 only if that keeps happening). The served model name (a request's ``model``) comes
+request metadata (:mod:`deployments.routing`); the same validated request (the same seed) is resent when its replica
+dies mid-request (answered 503 only if that keeps happening). The served model name (a request's ``model``) comes
 from the model's spec (``describe_model``: the checkpoint's JSON configs), known at start.
 
 Every error is answered in OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``: 413 for a
@@ -268,11 +268,11 @@ class Ingress:
         """``self._validator.validate(request)`` on the validation thread (raises its :class:`RequestError`)."""
         return await asyncio.get_running_loop().run_in_executor(self._validating, self._validator.validate, request)
 
-    async def _check_adapters(self, plan) -> None:
+    async def _check_adapters(self, validated) -> None:
         """A validated request naming an adapter with no file in ``lora.dir`` raises RequestError (HTTP 422 listing
         the adapters; :meth:`~deployments.adapters.AdapterCatalog.check`); the replica decides the rest."""
         if self._adapters is not None:
-            await self._adapters.check(plan.request.lora)
+            await self._adapters.check(validated.request.lora)
 
     @app.get("/v1/models", response_model=ModelList, responses={401: {"model": ErrorBody}})
     async def models(self, request: Request):
@@ -344,8 +344,8 @@ class Ingress:
     async def images(self, request: GenerationRequest | dict) -> GenerationResult:
         """Python handle entry point: ``serve.get_app_handle(name).images.remote({...})``.
 
-        Plans the request (same validation as HTTP) and sends its plan to an owner of its bucket shape, exactly
-        as the HTTP route does; the replica trusts it and does not validate it again.
+        Validates the request (as HTTP does) and sends it to an owner of its bucket shape, exactly as the HTTP
+        route does; the replica trusts it and does not validate it again.
 
         Args:
             request: a :class:`GenerationRequest` or a dict of its fields (``prompt`` required).
@@ -359,9 +359,9 @@ class Ingress:
             ServiceUnavailable: the replica's adapter slots stayed full for ``lora.load_timeout_s``.
             ReplicaUnavailable: the serving replica died on every attempt.
         """
-        plan = await self._validate(as_generation_request(request))
-        await self._check_adapters(plan)
-        routed = await call_dit(self._dit, plan, self._config.routing.max_retries,
+        validated = await self._validate(as_generation_request(request))
+        await self._check_adapters(validated)
+        routed = await call_dit(self._dit, validated, self._config.routing.max_retries,
                                 retry_after_s=self._config.routing.retry_after_s)
         return dataclasses.replace(routed.result, retries=routed.retries)
 
@@ -412,12 +412,12 @@ class Ingress:
                                  kind="image_edit")
 
     async def _serve(self, req: ImageGenerationRequest, request: GenerationRequest, kind: str = "image_generation"):
-        """Plan ``request`` (``req``: its validated HTTP body), send it to a DiT replica and answer: JSON, or with
+        """Validate ``request`` (``req``: its validated HTTP body), send it to a DiT replica and answer: JSON, or with
         ``stream: true`` Server-Sent Events of ``kind``; every refusal in OpenAI's error shape. The one path of
         generations and edits."""
         try:
-            plan = await self._validate(request)
-            await self._check_adapters(plan)
+            validated = await self._validate(request)
+            await self._check_adapters(validated)
         except RequestError as exc:
             if isinstance(exc, BucketMissError):
                 self._rejected_requests += 1
@@ -438,7 +438,7 @@ class Ingress:
                                        f"{str(exc)[:80]}); allowed: one PNG, JPEG or WebP file each", param="image")
         t0 = time.perf_counter()
         if req.stream:
-            events = stream_dit(self._dit, plan, self._config.routing.retry_after_s)
+            events = stream_dit(self._dit, validated, self._config.routing.retry_after_s)
             try:  # answer 200 only once a replica took the request: a refusal stays a plain 4xx or 503
                 first = await anext(events)
                 if first != ACCEPTED:
@@ -447,10 +447,10 @@ class Ingress:
             except Exception as exc:  # noqa: BLE001 - every failure is answered, the server keeps serving
                 await events.aclose()
                 return self._failure(exc)
-            return StreamingResponse(self._events(plan, req, events, t0, kind), media_type="text/event-stream",
+            return StreamingResponse(self._events(validated, req, events, t0, kind), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         try:
-            routed = await call_dit(self._dit, plan, self._config.routing.max_retries,
+            routed = await call_dit(self._dit, validated, self._config.routing.max_retries,
                                     retry_after_s=self._config.routing.retry_after_s)
             result = routed.result
         except Exception as exc:  # noqa: BLE001 - every failure is answered, the server keeps serving
@@ -460,10 +460,10 @@ class Ingress:
             created=int(time.time()),
             data=[ImageData(b64_json=b64encode(data).decode("ascii")) for data in result.image_bytes],
             output_format=result.image_format,
-            quality=plan.request.quality if plan.request.quality != "auto" else None,  # standard, hd: mapped
-            size=f"{plan.request.width}x{plan.request.height}",
-            usage=usage_of(plan),
-            bcg=bcg_info(result, timings, routed.retries, plan),
+            quality=validated.request.quality if validated.request.quality != "auto" else None,  # standard, hd: mapped
+            size=f"{validated.request.width}x{validated.request.height}",
+            usage=usage_of(validated),
+            bcg=bcg_info(result, timings, routed.retries, validated),
         )
 
     @app.get("/metrics", include_in_schema=False)

@@ -41,16 +41,17 @@ class ReplicaUnavailable(ServiceUnavailable):
     retry once a replacement is up)."""
 
 
-def routing_key(plan: ValidatedRequest) -> RoutingKey:
+def routing_key(validated: ValidatedRequest) -> RoutingKey:
     """The routing key of a validated request: its bucket shape (:attr:`ValidatedRequest.shape`, e.g. ``"i1024_t256"``),
     or ``""`` for a miss (no owner: any replica, eagerly), and its LoRA adapters' names (replicas holding them are
     preferred)."""
-    return RoutingKey.of(str(plan.shape) if plan.shape is not None else "", (n for n, _ in plan.request.lora))
+    shape = str(validated.shape) if validated.shape is not None else ""
+    return RoutingKey.of(shape, (n for n, _ in validated.request.lora))
 
 
-def bucket_shape(plan: ValidatedRequest) -> str:
+def bucket_shape(validated: ValidatedRequest) -> str:
     """:func:`routing_key` in its wire form, the ``multiplexed_model_id`` a call carries (``"i1024_t256|lora=ink"``)."""
-    return str(routing_key(plan))
+    return str(routing_key(validated))
 
 
 @dataclass
@@ -61,14 +62,14 @@ class Routed:
     retries: int
 
 
-async def call_dit(handle, plan: ValidatedRequest, max_retries: int = 2, retry_wait_s: float = 0.5,
+async def call_dit(handle, validated: ValidatedRequest, max_retries: int = 2, retry_wait_s: float = 0.5,
                    retry_after_s: float = 2.0) -> Routed:
-    """Send ``plan`` to the DiT deployment, keyed by its bucket shape; resend when the replica dies.
+    """Send ``validated`` to the DiT deployment, keyed by its bucket shape; resend when the replica dies.
 
-    The replica trusts the plan (validated, seed filled in, bucket looked up) and does not validate it again. A
+    The replica trusts the validated request (seed filled in, bucket looked up) and does not validate it again. A
     replica that dies mid-request (``RayActorError``: killed, node lost, out of memory) fails its in-flight
-    calls; generation is deterministic per seed and has no side effects, so the same plan (the same seed) is
-    resent (the router skips the dead replica) up to ``max_retries`` times, ``retry_wait_s`` apart.
+    calls; generation is deterministic per seed and has no side effects, so the same validated request (the same
+    seed) is resent (the router skips the dead replica) up to ``max_retries`` times, ``retry_wait_s`` apart.
 
     Raises:
         RequestError: the replica refused the request (bad field, miss under the reject policy).
@@ -76,12 +77,12 @@ async def call_dit(handle, plan: ValidatedRequest, max_retries: int = 2, retry_w
             once, with ``retry_after_s`` for the client.
         ReplicaUnavailable: every attempt met a dead replica (with ``retry_after_s`` for the client).
     """
-    shape = bucket_shape(plan)
+    shape = bucket_shape(validated)
     routed = handle.options(multiplexed_model_id=shape)
     last: BaseException | None = None
     for attempt in range(max_retries + 1):
         try:
-            result = await routed.generate.remote(plan)
+            result = await routed.generate.remote(validated)
             return Routed(result, attempt)
         except BackPressureError as exc:
             raise overloaded(exc, retry_after_s) from None
@@ -104,8 +105,8 @@ def overloaded(exc: BackPressureError, retry_after_s: float) -> Overloaded:
                       f"after {retry_after_s:g} s", retry_after_s=retry_after_s)
 
 
-async def stream_dit(handle, plan: ValidatedRequest, retry_after_s: float = 2.0):
-    """Stream ``plan`` from the DiT deployment (``DiTReplica.generate_stream``), keyed by its bucket shape:
+async def stream_dit(handle, validated: ValidatedRequest, retry_after_s: float = 2.0):
+    """Stream ``validated`` from the DiT deployment (``DiTReplica.generate_stream``), keyed by its bucket shape:
     yields :data:`ACCEPTED` once the replica took it, then its previews, then its :class:`GenerationResult`.
 
     Not resent when the replica dies: previews may already have reached the client, so the failure is the
@@ -117,7 +118,7 @@ async def stream_dit(handle, plan: ValidatedRequest, retry_after_s: float = 2.0)
         Overloaded: the deployment's queue for this caller is full (with ``retry_after_s``).
         ReplicaUnavailable: the replica died mid-stream.
     """
-    gen = handle.options(multiplexed_model_id=bucket_shape(plan), stream=True).generate_stream.remote(plan)
+    gen = handle.options(multiplexed_model_id=bucket_shape(validated), stream=True).generate_stream.remote(validated)
     finished = False
     try:
         async for event in gen:

@@ -401,7 +401,7 @@ class BcgInfo(BaseModel):
                                          "to the step scheduler), 'encode', 'denoise', 'decode', 'image_encode' and "
                                          "'total' (request-level batching gives 'queue', 'encode', 'denoise', "
                                          "'decode' and 'total'); at the ingress: 'route' (waiting in Ray Serve's "
-                                         "queues and in transit: 'ingress' - 'total') and 'ingress' (plan sent to "
+                                         "queues and in transit: 'ingress' - 'total') and 'ingress' (request sent to "
                                          "result back).")
     replica: str | None = Field(default=None, description="Id of the DiT replica that served the request.")
     owner: bool | None = Field(default=None, description="True when that replica owns the request's bucket shape "

@@ -121,12 +121,12 @@ def expected_load(table_validator: RequestValidator, rows: Iterable[Mapping[str,
             width, height = _int_field(row, "width"), _int_field(row, "height")
             if width is None or height is None:
                 raise ValueError("no size")
-            plan = table_validator.validate(GenerationRequest(prompt="x", n=n, width=width, height=height,
+            validated = table_validator.validate(GenerationRequest(prompt="x", n=n, width=width, height=height,
                                                         guidance_scale=guidance_scale, seed=0))
         except (RequestError, ValueError, TypeError):
             skipped += 1
             continue
-        key = plan.lookup.key
+        key = validated.lookup.key
         if key is None:
             skipped += 1
             continue

@@ -1,6 +1,6 @@
 """The ingress without Ray, for the tests that call its routes as plain methods: :func:`bare_ingress` (the class under
-``serve.ingress``'s ASGI wrapper), :class:`FakeDiT` (a DiT deployment handle that records the plans sent) and
-:func:`http_request` (a Starlette request holding a JSON body)."""
+``serve.ingress``'s ASGI wrapper), :class:`FakeDiT` (a DiT deployment handle that records the validated requests
+sent) and :func:`http_request` (a Starlette request holding a JSON body)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from bcg_core.request import GenerationResult
 
 
 class FakeDiT:
-    """A DiT deployment handle: records what ``options(...).generate.remote`` was sent as ``(shape, plan)``; the
+    """A DiT deployment handle: records what ``options(...).generate.remote`` was sent as ``(shape, validated)``; the
     first ``fail`` calls raise RayActorError (the replica died), then each answers with one image; ``stats`` must
     never be called."""
 
@@ -35,13 +35,13 @@ class FakeDiT:
     def stats(self):
         raise AssertionError("the ingress asked a DiT replica for its stats")
 
-    async def remote(self, plan):
-        plan = pickle.loads(pickle.dumps(plan))  # what Ray does to it on the way
-        self.sent.append((self._shape, plan))
+    async def remote(self, validated):
+        validated = pickle.loads(pickle.dumps(validated))  # what Ray does to it on the way
+        self.sent.append((self._shape, validated))
         if len(self.sent) <= self.fail:
             raise RayActorError()
-        return GenerationResult(image_bytes=[b"\x89PNG\r\n\x1a\n"], seed=plan.request.seed,
-                                bucket=str(plan.lookup.key), hit=True, missed=[], real_tokens=1,
+        return GenerationResult(image_bytes=[b"\x89PNG\r\n\x1a\n"], seed=validated.request.seed,
+                                bucket=str(validated.lookup.key), hit=True, missed=[], real_tokens=1,
                                 padded_tokens=1, steps=1, timings_ms={})
 
 

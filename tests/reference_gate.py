@@ -133,9 +133,9 @@ def diffusers_run(pipeline_cls, folder, request: GenerationRequest, device: str 
 def bcg_state(pipe: DiTPipeline, request: GenerationRequest):
     """Denoise ``request`` alone through the step-level loop (its adapters leased first, released after); the
     finished :class:`~bcg_core.families.RequestState`, not decoded."""
-    plan = pipe.validator.validate(request)
-    lease = pipe.lease(plan)
-    state = pipe.start(plan, lease=lease)
+    validated = pipe.validator.validate(request)
+    lease = pipe.lease(validated)
+    state = pipe.start(validated, lease=lease)
     while not state.done:
         pipe.step([state], pipe.decider.for_states([state]))
     if lease is not None:

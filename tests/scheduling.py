@@ -11,7 +11,7 @@ from bcg_core import GenerationRequest, StepScheduler, ValidatedRequest
 class ValidatingScheduler(StepScheduler):
     """:class:`StepScheduler` whose ``submit`` validates a raw request first (tests only)."""
 
-    async def submit(self, plan: ValidatedRequest | GenerationRequest, on_preview=None, lease=None):
-        if isinstance(plan, GenerationRequest):
-            plan = self.pipeline.validator.validate(plan)
-        return await super().submit(plan, on_preview, lease)
+    async def submit(self, validated: ValidatedRequest | GenerationRequest, on_preview=None, lease=None):
+        if isinstance(validated, GenerationRequest):
+            validated = self.pipeline.validator.validate(validated)
+        return await super().submit(validated, on_preview, lease)

@@ -73,19 +73,19 @@ class StepDecider:
 
     def for_states(self, states: Sequence) -> StepForwards:
         """The forwards of one step of ``states`` (:class:`~bcg_core.families.RequestState`, one token grid, as
-        :meth:`~bcg_core.pipeline.DiTPipeline.step` runs them together): :meth:`decide` for their rows, on their
-        planned shape. States of several shapes (a direct caller's mix: the step scheduler groups by shape) run on the
-        shape with the most image and text tokens, whose buckets hold every row (masked text pads up); a miss among
-        them runs the step unpadded and eager. The real tokens per row are the most of any state's.
+        :meth:`~bcg_core.pipeline.DiTPipeline.step` runs them together): :meth:`decide` for their rows, on the shape
+        their validation looked up. States of several shapes (a direct caller's mix: the step scheduler groups by
+        shape) run on the shape with the most image and text tokens, whose buckets hold every row (masked text pads
+        up); a miss among them runs the step unpadded and eager. The real tokens per row are the most of any state's.
 
         Raises:
             ValueError: no states.
         """
         if not states:
             raise ValueError("a step needs at least one request")
-        shapes = {s.plan.shape for s in states}
+        shapes = {s.validated.shape for s in states}
         shape = None if None in shapes else max(shapes, key=lambda sh: (sh.image_tokens, sh.text_tokens))
-        real = max(s.plan.lookup.query.tokens_per_row for s in states)
+        real = max(s.validated.lookup.query.tokens_per_row for s in states)
         return self.decide(shape, sum(s.rows for s in states), real)
 
     def split_adapters(self, shape: BucketShape | None, plain_rows: int, adapter_rows: int) -> bool:

@@ -66,7 +66,7 @@ FLUX.1-schnell is distilled for 1-4 steps; QwenImagePipeline's default, 50, is i
 @dataclass(frozen=True)
 class ModelSpec:
     """What the ingress needs to know about a model without loading its weights, and the family's request
-    rules that follow from it (pure functions of the request: the ingress and the replica plan alike).
+    rules that follow from it (pure functions of the request: the ingress and the replica validate alike).
 
     Attributes:
         name: served model name (the checkpoint folder's name, or ``bcg-tiny-flux``).
@@ -246,7 +246,7 @@ class RequestState:
     """One request in flight at the step level: everything its denoising loop carries between steps.
 
     Attributes:
-        plan: the validated request with its bucket lookup (:class:`~bcg_core.request.ValidatedRequest`).
+        validated: the validated request with its bucket lookup (:class:`~bcg_core.request.ValidatedRequest`).
         cond: the prompt's text rows.
         uncond: the negative prompt's text rows when the request runs classifier-free guidance with uncond
             rows, else None (the *CFG pairing*: every image has one cond row and, with CFG, one uncond row,
@@ -262,7 +262,7 @@ class RequestState:
         step_ms: milliseconds of each finished step as seen by this request.
     """
 
-    plan: Any
+    validated: Any
     cond: TextRows
     uncond: TextRows | None
     latents: torch.Tensor
@@ -277,7 +277,7 @@ class RequestState:
     @property
     def request(self):
         """The validated :class:`~bcg_core.request.GenerationRequest`."""
-        return self.plan.request
+        return self.validated.request
 
     @property
     def n(self) -> int:
@@ -362,7 +362,7 @@ class Family(Protocol):
         negative prompt (SANA prefixes only prompts with its instruction; as :meth:`token_counter`)."""
         ...
 
-    def start(self, plan, cancel: threading.Event | None = None) -> RequestState:
+    def start(self, validated, cancel: threading.Event | None = None) -> RequestState:
         """Encode, draw the initial latents and set up the request's own scheduler (step 0)."""
         ...
 

@@ -367,17 +367,17 @@ class FluxFamily(FusedStep, Previews):
             return self._encoder(prompt)
 
     @torch.inference_mode()
-    def start(self, plan, cancel: threading.Event | None = None) -> RequestState:
+    def start(self, validated, cancel: threading.Event | None = None) -> RequestState:
         """Encode, draw packed noise as ``FluxPipeline.prepare_latents`` and set the shifted schedule; an edit (an
         ``image``) starts from its image (:func:`~bcg_core.families.flux_edit.start_edit`)."""
         from diffusers.pipelines.flux.pipeline_flux import FluxPipeline, calculate_shift, retrieve_timesteps
         from diffusers.utils.torch_utils import randn_tensor
 
-        req = plan.request
+        req = validated.request
         if req.image is not None:
             from bcg_core.families.flux_edit import start_edit
 
-            return start_edit(self, plan, cancel)
+            return start_edit(self, validated, cancel)
         cond = self.encode(req.prompt)
         uncond = self.encode(req.negative_prompt or "") if self.spec.uses_cfg(req) else None
         h, w = self.rules.grid(req.width, req.height)
@@ -399,7 +399,7 @@ class FluxFamily(FusedStep, Previews):
         extras = {}
         if self.guidance_embeds:  # FluxPipeline: torch.full([1], guidance_scale, float32).expand(batch)
             extras["guidance"] = torch.full([1], float(req.guidance_scale), device=self.device, dtype=torch.float32)
-        return RequestState(plan, cond, uncond, latents, sched, timesteps, (h, w), extras=extras, cancel=cancel)
+        return RequestState(validated, cond, uncond, latents, sched, timesteps, (h, w), extras=extras, cancel=cancel)
 
     def model_rows(self, state: RequestState) -> DenoiseInputs:
         """Cond rows (one per image), then with true CFG the uncond rows; timestep ``t / 1000`` per row."""

@@ -35,7 +35,7 @@ def edit_pipeline(family, inpaint: bool):
 
 
 @torch.inference_mode()
-def start_edit(family, plan, cancel: threading.Event | None = None) -> RequestState:
+def start_edit(family, validated, cancel: threading.Event | None = None) -> RequestState:
     """An edit request at its first step (module docstring): text rows, latents from its image, its scheduler with
     the strength's timesteps; an inpainting request keeps ``extras["inpaint"]`` = ``(mask, image_latents,
     noise)``, packed (n, tokens, 64) each."""
@@ -43,7 +43,7 @@ def start_edit(family, plan, cancel: threading.Event | None = None) -> RequestSt
 
     from bcg_core.edits import read_image, read_mask
 
-    req = plan.request
+    req = validated.request
     inpaint = req.mask is not None
     pipe = edit_pipeline(family, inpaint)
     cls = type(pipe)
@@ -75,4 +75,4 @@ def start_edit(family, plan, cancel: threading.Event | None = None) -> RequestSt
     if family.guidance_embeds:
         extras["guidance"] = torch.full([1], float(req.guidance_scale), device=device, dtype=torch.float32)
     h, w = family.rules.grid(width, height)
-    return RequestState(plan, cond, uncond, latents, sched, timesteps, (h, w), extras=extras, cancel=cancel)
+    return RequestState(validated, cond, uncond, latents, sched, timesteps, (h, w), extras=extras, cancel=cancel)

@@ -266,13 +266,13 @@ class PixArtSigmaFamily(Previews):
     # -- the step-level loop ------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def start(self, plan, cancel: threading.Event | None = None) -> RequestState:
+    def start(self, validated, cancel: threading.Event | None = None) -> RequestState:
         """Encode (prompt, and negative prompt with CFG), set the request's own timesteps, draw the noise at
         the bin size from generators seeded ``seed + i``."""
         from diffusers import PixArtSigmaPipeline
         from diffusers.pipelines.pixart_alpha.pipeline_pixart_sigma import retrieve_timesteps
 
-        req = plan.request
+        req = validated.request
         cfg = self.spec.uses_cfg(req)
         gen_w, gen_h = self.spec.generation_size(req.width, req.height)
         with self._lock:
@@ -291,7 +291,7 @@ class PixArtSigmaFamily(Previews):
                                                       self.device, gens)
         extras = {"size": (req.width, req.height), "generation_size": (gen_w, gen_h),
                   "step_kwargs": self.pipe.prepare_extra_step_kwargs(gens, 0.0)}
-        return RequestState(plan, cond, uncond, latents, sched, timesteps, self.rules.grid(gen_w, gen_h),
+        return RequestState(validated, cond, uncond, latents, sched, timesteps, self.rules.grid(gen_w, gen_h),
                             extras=extras, cancel=cancel)
 
     @torch.inference_mode()

@@ -61,13 +61,13 @@ def edit_pipeline(family, inpaint: bool):
 
 
 @torch.inference_mode()
-def start_edit(family, plan, cancel: threading.Event | None = None) -> RequestState:
+def start_edit(family, validated, cancel: threading.Event | None = None) -> RequestState:
     """An edit request of the Qwen-Image ``family`` at its first step (module docstring).
 
     Args:
         family: the :class:`~bcg_core.families.qwenimage.QwenImageFamily`.
-        plan: the validated request; ``request.image`` set (``request.mask`` too for inpainting), its size, steps and
-            strength filled by the validator (the image and mask already read and checked there).
+        validated: the validated request; ``request.image`` set (``request.mask`` too for inpainting), its size,
+            steps and strength filled by the validator (the image and mask already read and checked there).
         cancel: the request's cancel event.
 
     Returns:
@@ -84,7 +84,7 @@ def start_edit(family, plan, cancel: threading.Event | None = None) -> RequestSt
 
     from bcg_core.edits import read_image, read_mask
 
-    req = plan.request
+    req = validated.request
     inpaint = req.mask is not None
     pipe = edit_pipeline(family, inpaint)
     cls = type(pipe)
@@ -120,4 +120,4 @@ def start_edit(family, plan, cancel: threading.Event | None = None) -> RequestSt
         latents = cls.prepare_latents(view, init_image, latent_timestep, req.n, channels, height, width, dtype,
                                       device, gens)
     grid = family.rules.grid(width, height)
-    return RequestState(plan, cond, uncond, latents, sched, timesteps, grid, extras=extras, cancel=cancel)
+    return RequestState(validated, cond, uncond, latents, sched, timesteps, grid, extras=extras, cancel=cancel)

@@ -340,16 +340,16 @@ class QwenImageFamily(Previews):
         return TextRows(text, text.new_zeros(1, 0), mask)
 
     @torch.inference_mode()
-    def start(self, plan, cancel: threading.Event | None = None) -> RequestState:
+    def start(self, validated, cancel: threading.Event | None = None) -> RequestState:
         """Encode, draw packed noise with ``prepare_latents`` and set the shifted schedule (P:565-635); an edit (an
         ``image``) starts from its image (:func:`~bcg_core.families.qwen_edit.start_edit`)."""
         from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift, retrieve_timesteps
 
-        req = plan.request
+        req = validated.request
         if req.image is not None:
             from bcg_core.families.qwen_edit import start_edit
 
-            return start_edit(self, plan, cancel)
+            return start_edit(self, validated, cancel)
         cond = self.encode(req.prompt)
         uncond = self.encode(req.negative_prompt) if self.spec.uses_cfg(req) else None
         gens = [torch.Generator("cpu").manual_seed(req.seed + i) for i in range(req.n)]
@@ -364,7 +364,7 @@ class QwenImageFamily(Previews):
         timesteps, _ = retrieve_timesteps(sched, steps, self.device, sigmas=sigmas, mu=mu)
         sched.set_begin_index(0)
         grid = self.rules.grid(req.width, req.height)
-        return RequestState(plan, cond, uncond, latents, sched, timesteps, grid, cancel=cancel)
+        return RequestState(validated, cond, uncond, latents, sched, timesteps, grid, cancel=cancel)
 
     def model_rows(self, state: RequestState) -> DenoiseInputs:
         """Cond rows (one per image), then with CFG the uncond rows, text padded (masked) to the longer;

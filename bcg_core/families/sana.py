@@ -280,12 +280,12 @@ class SanaFamily(Previews):
     # -- the step-level loop ------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def start(self, plan, cancel: threading.Event | None = None) -> RequestState:
+    def start(self, validated, cancel: threading.Event | None = None) -> RequestState:
         """Encode (prompt, and the negative prompt with CFG) with ``encode_prompt`` as ``__call__`` does, set the
         request's own timesteps, draw fp32 noise at the bin size from generators seeded ``seed + i``."""
         from diffusers.pipelines.sana.pipeline_sana import retrieve_timesteps
 
-        req = plan.request
+        req = validated.request
         cfg = self.spec.uses_cfg(req)
         gen_w, gen_h = self.spec.generation_size(req.width, req.height)
         with self._counter.lock:  # the tokenizer's padding_side is shared state
@@ -302,7 +302,7 @@ class SanaFamily(Previews):
                                             self.device, gens)
         extras = {"size": (req.width, req.height), "generation_size": (gen_w, gen_h),
                   "step_kwargs": self.pipe.prepare_extra_step_kwargs(gens, 0.0)}
-        return RequestState(plan, cond, uncond, latents, sched, timesteps, self.rules.grid(gen_w, gen_h),
+        return RequestState(validated, cond, uncond, latents, sched, timesteps, self.rules.grid(gen_w, gen_h),
                             extras=extras, cancel=cancel)
 
     @torch.inference_mode()

@@ -333,7 +333,7 @@ class SD3Family(FusedStep, Previews):
     # -- the step-level loop ------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def start(self, plan, cancel: threading.Event | None = None) -> RequestState:
+    def start(self, validated, cancel: threading.Event | None = None) -> RequestState:
         """Encode (``encode_prompt``), draw latents (``prepare_latents``) and set this request's scheduler; an edit
         (an ``image``) starts from its image instead (:func:`~bcg_core.families.sd3_edit.start_edit`).
 
@@ -343,11 +343,11 @@ class SD3Family(FusedStep, Previews):
         Raises:
             RequestError: as :meth:`check`.
         """
-        req, pipe = plan.request, self.pipe
+        req, pipe = validated.request, self.pipe
         if req.image is not None:
             from bcg_core.families.sd3_edit import start_edit
 
-            return start_edit(self, plan, cancel)
+            return start_edit(self, validated, cancel)
         cond, uncond = self.encode_text(req)
         width, height = self.spec.generation_size(req.width, req.height)
         generators = [torch.Generator("cpu").manual_seed(req.seed + i) for i in range(req.n)]
@@ -355,7 +355,7 @@ class SD3Family(FusedStep, Previews):
                                        self.device, generators)
         scheduler = copy.deepcopy(pipe.scheduler)
         timesteps = self.set_timesteps(scheduler, req.num_inference_steps, height, width)
-        return RequestState(plan=plan, cond=cond, uncond=uncond, latents=latents, scheduler=scheduler,
+        return RequestState(validated=validated, cond=cond, uncond=uncond, latents=latents, scheduler=scheduler,
                             timesteps=timesteps, grid=self.rules.grid(width, height), cancel=cancel)
 
     def encode_text(self, req) -> tuple[TextRows, TextRows | None]:

@@ -65,14 +65,14 @@ def edit_pipeline(family, inpaint: bool):
 
 
 @torch.inference_mode()
-def start_edit(family, plan, cancel: threading.Event | None = None) -> RequestState:
+def start_edit(family, validated, cancel: threading.Event | None = None) -> RequestState:
     """An SD3 edit request at its first step (module docstring): its text rows, its scheduler at the strength's
     timesteps and its latents from its image.
 
     Args:
         family: the :class:`~bcg_core.families.sd3.SD3Family`.
-        plan: a validated request with ``image`` set (and ``mask`` for inpainting), its size (a multiple of the token
-            size, the validator's), ``strength`` and ``seed`` filled in.
+        validated: a validated request with ``image`` set (and ``mask`` for inpainting), its size (a multiple of the
+            token size, the validator's), ``strength`` and ``seed`` filled in.
 
     Returns:
         A state at step 0 whose ``timesteps`` are the last ``steps_run`` of the schedule; ``latents``
@@ -84,7 +84,7 @@ def start_edit(family, plan, cancel: threading.Event | None = None) -> RequestSt
     """
     from bcg_core.edits import read_image, read_mask
 
-    req = plan.request
+    req = validated.request
     inpaint = req.mask is not None
     pipe = edit_pipeline(family, inpaint)
     cls = type(pipe)
@@ -116,5 +116,5 @@ def start_edit(family, plan, cancel: threading.Event | None = None) -> RequestSt
         # memory layout)
         init_image = pipe.image_processor.preprocess([image] * req.n, height=height, width=width)
         latents = cls.prepare_latents(view, init_image, latent_timestep, 1, req.n, dtype, device, gens)
-    return RequestState(plan=plan, cond=cond, uncond=uncond, latents=latents, scheduler=sched, timesteps=timesteps,
-                        grid=family.rules.grid(width, height), extras=extras, cancel=cancel)
+    return RequestState(validated=validated, cond=cond, uncond=uncond, latents=latents, scheduler=sched,
+                        timesteps=timesteps, grid=family.rules.grid(width, height), extras=extras, cancel=cancel)

@@ -153,17 +153,17 @@ def _float(row: Mapping[str, str], name: str) -> float | None:
 
 def _demand(validator: RequestValidator, request: GenerationRequest, weight: float, text_tokens: int | None,
             refused: dict[str, float]) -> Demand | None:
-    """``request`` planned (validated, defaults filled, shaped); refusals counted by the field the limits name."""
+    """``request`` validated (defaults filled, shaped); refusals counted by the field the limits name."""
     try:
-        plan = validator.validate(request)
+        validated = validator.validate(request)
     except RequestError as e:
         refused[e.field] = refused.get(e.field, 0.0) + weight
         return None
-    query = plan.lookup.query
+    query = validated.lookup.query
     if text_tokens is not None and validator.rules.native_text_tokens is None:
-        query = validator.query(plan.request, text_tokens)
-    r = plan.request
-    return Demand(query, r.n, plan.steps_run, weight, (r.width, r.height))
+        query = validator.query(validated.request, text_tokens)
+    r = validated.request
+    return Demand(query, r.n, validated.steps_run, weight, (r.width, r.height))
 
 
 def traffic_from_rows(config: EngineConfig, rows: Iterable[Mapping[str, str]], source: str = "krea",

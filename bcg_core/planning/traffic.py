@@ -12,15 +12,15 @@ The snapshot (``version`` 1), JSON-safe::
      "shapes": [{"width": 512, "height": 512, "n": 1, "text_tokens": 23, "steps": 4, "count": 9,
                  "cfg_count": 9, "edit_count": 0}, ...]}
 
-``shapes`` is sorted by ``count``, largest first (ties by key). ``text_tokens`` is the prompt's token count
-as the validator counted it (:attr:`bcg_core.request.ValidatedRequest.prompt_tokens`: the family's own tokenizer count,
-before any padding to a text bucket or to a fixed native length); the negative prompt's count is not part of the key (a
-plan does not keep it), so for masked-text families a long negative prompt can make a request's text dimension larger
-than ``text_tokens``. ``cfg_count`` is how many of ``count`` ran classifier-free guidance with uncond rows (two
-transformer rows per image). ``steps`` is the denoising steps the request runs: its ``num_inference_steps``, or for an
-edit (``POST /v1/images/edits``) the share its ``strength`` runs (:attr:`~bcg_core.request.ValidatedRequest.steps_run`:
-17 of 28 at 0.6), so ``bcg plan`` weighs an edit's bucket forwards as they run; ``edit_count`` is how many of ``count``
-were edits.
+``shapes`` is sorted by ``count``, largest first (ties by key). ``text_tokens`` is the prompt's token count as the
+validator counted it (:attr:`bcg_core.request.ValidatedRequest.prompt_tokens`: the family's own tokenizer count, before
+any padding to a text bucket or to a fixed native length); the negative prompt's count is not part of the key (a
+validated request does not keep it), so for masked-text families a long negative prompt can make a request's text
+dimension larger than ``text_tokens``. ``cfg_count`` is how many of ``count`` ran classifier-free guidance with uncond
+rows (two transformer rows per image). ``steps`` is the denoising steps the request runs: its ``num_inference_steps``,
+or for an edit (``POST /v1/images/edits``) the share its ``strength`` runs
+(:attr:`~bcg_core.request.ValidatedRequest.steps_run`: 17 of 28 at 0.6), so ``bcg plan`` weighs an edit's bucket
+forwards as they run; ``edit_count`` is how many of ``count`` were edits.
 
 Never imports Ray; reading a server uses ``urllib.request`` only.
 """
@@ -133,23 +133,23 @@ class TrafficHistogram:
             return self._counts.get(TrafficKey(*key), 0)
 
     @staticmethod
-    def key_of(plan) -> TrafficKey:
+    def key_of(validated) -> TrafficKey:
         """The :class:`TrafficKey` of a :class:`~bcg_core.request.ValidatedRequest` (defaults already filled in)."""
-        r = plan.request
-        return TrafficKey(int(r.width), int(r.height), int(r.n), int(plan.prompt_tokens), int(plan.steps_run))
+        r = validated.request
+        return TrafficKey(int(r.width), int(r.height), int(r.n), int(validated.prompt_tokens), int(validated.steps_run))
 
-    def record(self, plan) -> None:
+    def record(self, validated) -> None:
         """Count one accepted request.
 
         Args:
-            plan: its :class:`~bcg_core.request.ValidatedRequest`; whether it ran CFG is read from its rows
+            validated: its :class:`~bcg_core.request.ValidatedRequest`; whether it ran CFG is read from its rows
                 (``lookup.query.batch`` above ``n``: uncond rows were added), whether it is an edit from its
                 ``image``.
         """
-        key = self.key_of(plan)
-        cfg = 1 if plan.lookup.query.batch > plan.request.n else 0
+        key = self.key_of(validated)
+        cfg = 1 if validated.lookup.query.batch > validated.request.n else 0
         with self._lock:
-            self._add(key, 1, cfg, 1 if plan.request.image is not None else 0)
+            self._add(key, 1, cfg, 1 if validated.request.image is not None else 0)
 
     def _add(self, key: TrafficKey, count: int, cfg: int, edits: int = 0) -> None:
         """Add ``count`` requests of ``key`` (``cfg`` of them with CFG rows, ``edits`` of them edits); the caller

@@ -33,7 +33,7 @@ __all__ = ["Admission", "Admitted", "InFlight", "tensor_bytes"]
 class InFlight:
     """One submitted request and what the step scheduler tracks of it (times are ``time.perf_counter()``)."""
 
-    plan: ValidatedRequest
+    validated: ValidatedRequest
     rows: int
     group: tuple
     shape: BucketShape | None
@@ -207,4 +207,4 @@ def _basis(item: InFlight) -> tuple[tuple, int]:
     (``("miss", n)``, :meth:`~bcg_core.scheduler.step_scheduler.StepScheduler.submit`) is its own."""
     if item.group[:1] != MISS_KEY:
         return item.group, item.rows
-    return MISS_KEY, item.rows * max(1, item.plan.lookup.query.tokens_per_row)
+    return MISS_KEY, item.rows * max(1, item.validated.lookup.query.tokens_per_row)

@@ -47,7 +47,7 @@ log = logging.getLogger(__name__)
 
 def is_edit(item: InFlight) -> bool:
     """Whether ``item`` starts on the edit-start stage (an edit: its request has an ``image``)."""
-    return item.plan.request.image is not None
+    return item.validated.request.image is not None
 
 
 def _tensors(obj, depth: int = 0):
@@ -316,7 +316,7 @@ class EditStarter:
 
         try:
             with self._on_stream(), vae_encodes(encode):
-                return self._pipeline.start(item.plan, item.cancel, item.lease), None
+                return self._pipeline.start(item.validated, item.cancel, item.lease), None
         except Exception as e:  # noqa: BLE001 - this request's own error
             return None, e
         finally:

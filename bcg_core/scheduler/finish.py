@@ -139,8 +139,8 @@ class Finisher:
         """Fail ``item``, whose latents hold NaN or inf (:func:`~bcg_core.errors.non_finite_error`: HTTP 500,
         counted as failed in its shape's stats), and log it."""
         error = non_finite_error(item.state.latents)
-        log.error("a request of %d images (%dx%d) failed: %s", item.state.n, item.plan.request.width,
-                  item.plan.request.height, error)
+        log.error("a request of %d images (%dx%d) failed: %s", item.state.n, item.validated.request.width,
+                  item.validated.request.height, error)
         self._release(item)
         self._fail(item, error, failed=True)
 
@@ -164,7 +164,7 @@ class Finisher:
         """Encode ``images`` in the pool (the request's ``output_format``, :func:`~bcg_core.images.encode_image`);
         the last one done resolves the caller's future."""
         files: list[bytes | None] = [None] * len(images)
-        fmt, compression = item.plan.request.output_format, item.plan.request.output_compression
+        fmt, compression = item.validated.request.output_format, item.validated.request.output_compression
         remaining = [len(images)]
         lock = threading.Lock()
         t0 = time.perf_counter()
@@ -195,7 +195,7 @@ class Finisher:
             return
         t_end = time.perf_counter()
         ms = lambda a, b: round((b - a) * 1e3, 2)  # noqa: E731
-        self._done(item, build_result(item.plan, files, item.first_key, item.first_share, item.company,
+        self._done(item, build_result(item.validated, files, item.first_key, item.first_share, item.company,
                                       self._pipeline.metrics, {
             "queue": ms(item.submitted, item.admitted), "encode": ms(item.admitted, item.started),
             "denoise": ms(item.started, item.denoised), "decode": ms(item.denoised, item.decoded),

@@ -230,7 +230,7 @@ class DenoisingLoop:
         if not self._admitted(item):
             return
         try:
-            item.state = self.pipeline.start(item.plan, item.cancel, item.lease)
+            item.state = self.pipeline.start(item.validated, item.cancel, item.lease)
         except Exception as e:  # noqa: BLE001 - this request's own error
             with self._flight.cv:
                 self._flight.admission.failed(item)
@@ -264,8 +264,8 @@ class DenoisingLoop:
         """One step of a group's requests: in one step, or, where rows with and without LoRA adapters mix and
         the cost model expects it to be cheaper (:meth:`~bcg_core.costs.StepDecider.split_adapters`),
         in two: the requests without adapters on the plain graphs, those with adapters on the LoRA graphs."""
-        adapters = [i for i in items if i.plan.request.lora]
-        plain = [i for i in items if not i.plan.request.lora]
+        adapters = [i for i in items if i.validated.request.lora]
+        plain = [i for i in items if not i.validated.request.lora]
         if adapters and plain and self.decider.split_adapters(items[0].shape, sum(i.rows for i in plain),
                                                               sum(i.rows for i in adapters)):
             self.adapter_splits += 1
@@ -279,7 +279,7 @@ class DenoisingLoop:
         shape = items[0].shape
         rows = sum(s.rows for s in states)
         # one token grid per group: every row has the first request's real tokens
-        forwards = self.decider.decide(shape, rows, items[0].plan.lookup.query.tokens_per_row)
+        forwards = self.decider.decide(shape, rows, items[0].validated.lookup.query.tokens_per_row)
         begin = timing_mark(self._device)
         try:
             failpoints.step_oom()
@@ -301,12 +301,13 @@ class DenoisingLoop:
                 self._flight.retire(item, e, failed=True)
             return
         with self._flight.cv:
-            computed = self._flight.stats.count_step(shape, forwards, [(i.rows, i.plan.lookup.query) for i in items])
+            queries = [(i.rows, i.validated.lookup.query) for i in items]
+            computed = self._flight.stats.count_step(shape, forwards, queries)
         key = forwards.counted_key
         self._step_times.add(begin, timing_mark(self._device), key, states)
         for item, share in zip(items, token_shares(computed, [s.rows for s in states]), strict=True):
             if item.first_key is None and item.state.step_index == 1:
-                item.first_key = key if key is not None else item.plan.lookup.key
+                item.first_key = key if key is not None else item.validated.lookup.key
                 item.first_share = share
             item.company = max(item.company, len(items))
         for item in items:

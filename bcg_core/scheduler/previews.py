@@ -10,7 +10,7 @@ settings in the request's ``output_format`` and hands it to the request's callba
 :class:`~bcg_core.preview.PartialImage`; then it tells the scheduler the preview left the queue.
 
 Pure threads and torch, no Ray. The requests it handles are the step scheduler's: objects with ``state``
-(:class:`~bcg_core.families.RequestState`), ``plan``, ``shape``, ``cancel`` (a ``threading.Event``),
+(:class:`~bcg_core.families.RequestState`), ``validated``, ``shape``, ``cancel`` (a ``threading.Event``),
 ``on_preview`` (a callable taking a :class:`PartialImage`) and ``preview_at`` (steps with a preview).
 """
 
@@ -149,7 +149,7 @@ class PreviewWorker:
                         images = self.model.preview(item.state, latents)
                 else:
                     images = self.model.preview(item.state, latents)
-            r = item.plan.request
+            r = item.validated.request
             files = [encode_image(resize_image(im, r.width, r.height), r.output_format, r.output_compression,
                                   fast=True) for im in images]
         except Exception:  # noqa: BLE001 - a preview that fails is skipped; the request goes on

@@ -168,9 +168,9 @@ class StepScheduler:
 
     # -- the request path ---------------------------------------------------------------------------
 
-    async def lease(self, plan: ValidatedRequest):
-        """The slots of ``plan``'s LoRA adapters (:meth:`~bcg_core.lora.slots.AdapterSlots.lease_async`, waiting for
-        their load off the denoising thread), or None for a request without adapters. A streamed request takes it
+    async def lease(self, validated: ValidatedRequest):
+        """The slots of ``validated``'s LoRA adapters (:meth:`~bcg_core.lora.slots.AdapterSlots.lease_async`, waiting
+        for their load off the denoising thread), or None for a request without adapters. A streamed request takes it
         before its stream is accepted (so an adapter that cannot be served is still a plain 422 or 503) and hands
         it to :meth:`submit`.
 
@@ -179,15 +179,16 @@ class StepScheduler:
             ServiceUnavailable: its adapters did not load within ``lora.load_timeout_s`` (``Retry-After``:
                 this scheduler's ``retry_after_s``).
         """
-        if not plan.request.lora:
+        if not validated.request.lora:
             return None
         lora = self.pipeline.lora
         if lora is None:
             raise RequestError("lora", "lora: this deployment serves no LoRA adapters (lora.dir is unset)")
-        return await lora.lease_async(tuple(n for n, _ in plan.request.lora), tuple(s for _, s in plan.request.lora),
+        adapters = validated.request.lora
+        return await lora.lease_async(tuple(n for n, _ in adapters), tuple(s for _, s in adapters),
                                       retry_after_s=self.retry_after_s)
 
-    async def submit(self, plan: ValidatedRequest, on_preview: Callable[[PartialImage], None] | None = None,
+    async def submit(self, validated: ValidatedRequest, on_preview: Callable[[PartialImage], None] | None = None,
                      lease=None) -> GenerationResult:
         """Queue a request, wait for its images, and return its result.
 
@@ -204,34 +205,34 @@ class StepScheduler:
         (waiting for and running the VAE calls it shared with the edits started together).
 
         Args:
-            plan: the request as the validator made it (trusted: it is not validated again).
+            validated: the request as the validator made it (trusted: it is not validated again).
             lease: its adapters' lease from :meth:`lease` (None: taken here when it has adapters); released once
                 the request is answered, or here if it never queues.
 
         Raises:
-            TypeError: ``plan`` is not a :class:`~bcg_core.request.ValidatedRequest` (nothing is queued).
+            TypeError: ``validated`` is not a :class:`~bcg_core.request.ValidatedRequest` (nothing is queued).
             RequestCancelled: its cancel event was set.
             RequestError: an adapter of its ``lora`` that cannot be served (HTTP 422, naming it and why).
             ServiceUnavailable: its adapters did not load within ``lora.load_timeout_s`` (HTTP 503).
             asyncio.CancelledError: the caller was cancelled; the request leaves at the next step boundary.
             Exception: whatever broke its start or a forward it took part in.
         """
-        if not isinstance(plan, ValidatedRequest):
+        if not isinstance(validated, ValidatedRequest):
             if lease is not None:
                 lease.release()
             raise TypeError(f"the step scheduler takes a ValidatedRequest (RequestValidator.validate), "
-                            f"got {type(plan).__name__}")
-        shape = plan.shape
+                            f"got {type(validated).__name__}")
+        shape = validated.shape
         # requests share forwards only within one bucket shape and token grid; a miss runs alone
-        group = (shape, plan.grid) if shape is not None else ("miss", next(self._miss_ids))
+        group = (shape, validated.grid) if shape is not None else ("miss", next(self._miss_ids))
         loop = asyncio.get_running_loop()
-        item = InFlight(plan, plan.lookup.query.batch, group, shape, threading.Event(), loop.create_future(), loop,
-                        time.perf_counter())
-        if on_preview is not None and self._previews.available and plan.request.partial_images > 0:
+        item = InFlight(validated, validated.lookup.query.batch, group, shape, threading.Event(), loop.create_future(),
+                        loop, time.perf_counter())
+        if on_preview is not None and self._previews.available and validated.request.partial_images > 0:
             item.on_preview = on_preview
-            item.preview_at = preview_steps(plan.steps_run, plan.request.partial_images)
+            item.preview_at = preview_steps(validated.steps_run, validated.request.partial_images)
         # its adapters are resident before it queues: the denoising thread never waits for a load
-        item.lease = lease if lease is not None else await self.lease(plan)
+        item.lease = lease if lease is not None else await self.lease(validated)
         self._ensure_started()
         self.meter.arrive(shape)
         with self.flight.cv:
@@ -250,7 +251,8 @@ class StepScheduler:
                 self.flight.cv.notify_all()
             raise
 
-    async def submit_stream(self, plan: ValidatedRequest, lease=None) -> AsyncIterator[PartialImage | GenerationResult]:
+    async def submit_stream(self, validated: ValidatedRequest,
+                            lease=None) -> AsyncIterator[PartialImage | GenerationResult]:
         """:meth:`submit` as an async iterator: the request's previews (:class:`~bcg_core.preview.PartialImage`,
         as they are drawn), then its :class:`GenerationResult`: the result waits for the request's own previews
         that were queued before its last step (so every preview taken comes first; one dropped because the
@@ -267,7 +269,7 @@ class StepScheduler:
         def submit(on_preview):
             nonlocal queued
             queued = True
-            return self.submit(plan, on_preview=on_preview, lease=lease)
+            return self.submit(validated, on_preview=on_preview, lease=lease)
 
         try:
             async for event in stream_events(submit):

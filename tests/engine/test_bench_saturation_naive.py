@@ -86,16 +86,16 @@ def test_a_naive_request_step_runs_one_unpadded_forward_of_all_its_rows(naive):
     config, reqs = naive
     assert config.runner.mode == "eager" and config.buckets.batch_sizes == [1]
     pipe = DiTPipeline(config, build_tiny())
-    plans = [pipe.validator.validate(r) for r in reqs]
-    assert all(p.shape is None for p in plans)  # every request misses the naive table
-    assert [p.rows for p in plans] == [2 * n for _, _, n in SIZES_AND_COUNTS]  # cond and uncond rows
+    validated_requests = [pipe.validator.validate(r) for r in reqs]
+    assert all(p.shape is None for p in validated_requests)  # every request misses the naive table
+    assert [p.rows for p in validated_requests] == [2 * n for _, _, n in SIZES_AND_COUNTS]  # cond and uncond rows
     counter = ForwardsPerStep(pipe)
 
     async def main():
         sched = ValidatingScheduler(pipe)
         try:
             with sched.flight.cv:  # every request reaches the queue before the denoising thread admits any
-                tasks = [asyncio.ensure_future(sched.submit(p)) for p in plans]
+                tasks = [asyncio.ensure_future(sched.submit(p)) for p in validated_requests]
                 await asyncio.sleep(0)
             return await asyncio.wait_for(asyncio.gather(*tasks), 300)
         finally:
@@ -103,7 +103,7 @@ def test_a_naive_request_step_runs_one_unpadded_forward_of_all_its_rows(naive):
 
     results = asyncio.run(main())
     assert [len(r.image_bytes) for r in results] == [n for _, _, n in SIZES_AND_COUNTS]
-    by_seed = {r.seed: p.rows for r, p in zip(reqs, plans, strict=True)}
+    by_seed = {r.seed: p.rows for r, p in zip(reqs, validated_requests, strict=True)}
     assert len(counter.steps) == STEPS * len(reqs)
     for step in counter.steps:
         assert len(step["seeds"]) == 1, f"a naive forward held rows of several requests: {step}"

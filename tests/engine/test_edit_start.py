@@ -37,7 +37,7 @@ def flux(tmp_path_factory):
     return folder, bcg_pipeline(folder, BUCKETS), images, mask, theirs
 
 
-def _plan(pipe, image: bytes | None, **kw):
+def _validated(pipe, image: bytes | None, **kw):
     base = dict(prompt="a photo of a cat", n=1, num_inference_steps=4, seed=11, image=image)
     if image is None:
         base.update(width=32, height=32)
@@ -63,10 +63,10 @@ def _hold_encode(monkeypatch, vae) -> tuple[threading.Event, threading.Event, li
     return entered, release, calls
 
 
-async def _together(sched: StepScheduler, plans) -> list[asyncio.Task]:
-    """Submit ``plans`` so that the denoising thread admits them at one step boundary."""
+async def _together(sched: StepScheduler, validated_requests) -> list[asyncio.Task]:
+    """Submit ``validated_requests`` so that the denoising thread admits them at one step boundary."""
     with sched.flight.cv:
-        tasks = [asyncio.ensure_future(sched.submit(p)) for p in plans]
+        tasks = [asyncio.ensure_future(sched.submit(p)) for p in validated_requests]
         await asyncio.sleep(0)
     return tasks
 
@@ -75,9 +75,9 @@ def test_edits_admitted_together_share_one_vae_encode_and_equal_diffusers(flux):
     """Image to image (2 images) and inpainting, admitted together: their images in one VAE call (the inpainting
     request's masked image after, alone), and each equals its diffusers pipeline, with ``edit_encode`` timed."""
     folder, pipe, (a, b), mask, theirs = flux
-    img2img = _plan(pipe, a, n=2, seed=4)
-    inpaint = _plan(pipe, b, mask=mask, seed=3)
-    text = _plan(pipe, None, seed=9)
+    img2img = _validated(pipe, a, n=2, seed=4)
+    inpaint = _validated(pipe, b, mask=mask, seed=3)
+    text = _validated(pipe, None, seed=9)
     sched = StepScheduler(pipe)
     assert sched.stats()["edit_start"]["batch_images"] == 1  # on a CPU each image alone (batching does not pay there)
     sched._loop.edit_starter.batch_images = 8  # as on CUDA
@@ -86,7 +86,7 @@ def test_edits_admitted_together_share_one_vae_encode_and_equal_diffusers(flux):
     put = sched._finisher.put
 
     def record(item):
-        latents[item.plan.request.seed] = item.state.latents.float().clone()
+        latents[item.validated.request.seed] = item.state.latents.float().clone()
         put(item)
 
     sched._finisher.put = record
@@ -117,9 +117,9 @@ def test_an_edit_held_in_its_vae_encode_does_not_delay_text_to_image(flux, monke
     sched = StepScheduler(pipe)
 
     async def main():
-        edit = asyncio.ensure_future(sched.submit(_plan(pipe, a, seed=21)))
+        edit = asyncio.ensure_future(sched.submit(_validated(pipe, a, seed=21)))
         await asyncio.get_running_loop().run_in_executor(None, entered.wait, TIMEOUT_S)
-        plain = await asyncio.wait_for(sched.submit(_plan(pipe, None, seed=22)), TIMEOUT_S)
+        plain = await asyncio.wait_for(sched.submit(_validated(pipe, None, seed=22)), TIMEOUT_S)
         held = not edit.done() and sched.stats()["encoding"] == 1
         release.set()
         return plain, held, await asyncio.wait_for(edit, TIMEOUT_S)
@@ -155,9 +155,9 @@ def test_a_failing_encode_answers_only_its_own_request(flux, monkeypatch):
     sched._loop.edit_starter.gather_s = TIMEOUT_S
 
     async def main():
-        tasks = await _together(sched, [_plan(pipe, black, seed=31), _plan(pipe, a, seed=32)])
+        tasks = await _together(sched, [_validated(pipe, black, seed=31), _validated(pipe, a, seed=32)])
         out = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), TIMEOUT_S)
-        return out, await asyncio.wait_for(sched.submit(_plan(pipe, a, seed=33)), TIMEOUT_S)
+        return out, await asyncio.wait_for(sched.submit(_validated(pipe, a, seed=33)), TIMEOUT_S)
 
     try:
         (bad, good), later = asyncio.run(main())
@@ -177,7 +177,7 @@ def test_close_answers_an_edit_being_encoded_and_one_waiting(flux, monkeypatch):
     sched = StepScheduler(pipe, max_rows=1)  # the second edit waits for the first one's row
 
     async def main():
-        tasks = [asyncio.ensure_future(sched.submit(_plan(pipe, im, seed=40 + i))) for i, im in enumerate((a, b))]
+        tasks = [asyncio.ensure_future(sched.submit(_validated(pipe, im, seed=40 + i))) for i, im in enumerate((a, b))]
         await asyncio.get_running_loop().run_in_executor(None, entered.wait, TIMEOUT_S)
         queued = sched.stats()["waiting"], sched.stats()["encoding"]
         await asyncio.to_thread(sched.close, 0.5)
@@ -198,14 +198,14 @@ def test_the_edit_start_stage_keeps_the_state_equal_to_a_start_on_the_calling_th
     from bcg_core.scheduler.edit_start import EditStarter
 
     folder, pipe, (a, _), mask, _ = flux
-    plan = _plan(pipe, a, mask=mask, seed=50, n=2)
+    validated = _validated(pipe, a, mask=mask, seed=50, n=2)
     got = []
     starter = EditStarter(pipe, 4, 4, lambda item, state, error: got.append((state, error)), lambda: False)
     starter.start()
 
     class Item:  # what the stage reads of an InFlight
         def __init__(self):
-            self.plan, self.cancel, self.lease, self.edit_encode_s = plan, threading.Event(), None, None
+            self.validated, self.cancel, self.lease, self.edit_encode_s = validated, threading.Event(), None, None
 
     try:
         starter.put_many([Item()])
@@ -217,7 +217,7 @@ def test_the_edit_start_stage_keeps_the_state_equal_to_a_start_on_the_calling_th
         starter.close(5.0)
     (state, error), = got
     assert error is None
-    ref = pipe.start(plan)
+    ref = pipe.start(validated)
     assert torch.equal(state.latents, ref.latents) and torch.equal(state.timesteps, ref.timesteps)
     for x, y in zip(state.extras["inpaint"], ref.extras["inpaint"], strict=True):
         assert torch.equal(x, y)

@@ -49,10 +49,10 @@ def _req(prompt="a red cube", n=1, width=256, height=256, steps=1, guidance=1.0,
 def _reference_images(pipe: DiTPipeline, request: GenerationRequest) -> list[bytes]:
     """The single-request path written out from the family's step hooks (start, model_rows, the runner on the
     request's own bucket, advance, decode), without DiTPipeline.step."""
-    plan = pipe.validator.validate(request)
-    state = pipe.model.start(plan)
+    validated = pipe.validator.validate(request)
+    state = pipe.model.start(validated)
     while not state.done:
-        pipe.model.advance(state, pipe.runner.run(plan.lookup.key, pipe.model.model_rows(state)))
+        pipe.model.advance(state, pipe.runner.run(validated.lookup.key, pipe.model.model_rows(state)))
     return pipe.finish(state)
 
 
@@ -70,11 +70,11 @@ def test_generate_is_the_family_hooks_bit_for_bit(pipe, guidance):
 
 
 def test_generate_and_the_scheduler_take_only_a_validated_request_and_trust_it(pipe, monkeypatch):
-    plan = pipe.validator.validate(_req(seed=3))
+    validated = pipe.validator.validate(_req(seed=3))
     calls = []
     real = pipe.validator.validate
     monkeypatch.setattr(pipe.validator, "validate", lambda r: calls.append(r) or real(r))
-    assert pipe.generate(plan).image_bytes == pipe.generate(pipe.validator.validate(_req(seed=3))).image_bytes
+    assert pipe.generate(validated).image_bytes == pipe.generate(pipe.validator.validate(_req(seed=3))).image_bytes
     assert len(calls) == 1  # the caller's own validation only: a validated request is trusted, never validated again
     with pytest.raises(TypeError, match=r"ValidatedRequest.*pipe\.validator\.validate\(request\)"):
         pipe.generate(_req(seed=3))  # a raw request is refused, not validated on a second path
@@ -105,12 +105,12 @@ def test_token_shares_split_by_rows_and_sum_exactly():
         token_shares(5, [2, 0])
 
 
-def test_planning_while_requests_encode_in_other_threads_does_not_break_the_tokenizer(pipe):
+def test_validating_while_requests_encode_in_other_threads_does_not_break_the_tokenizer(pipe):
     """A fast tokenizer's padding and truncation are mutable state: counting tokens (the validator, on the
     event loop) while another thread encodes (padding to the text length) made one of them fail."""
     stop, errors = threading.Event(), []
 
-    def plan():
+    def validate():
         while not stop.is_set():
             try:
                 assert pipe.validator.validate(_req("a lighthouse at dusk, oil on canvas")).prompt_tokens == 10
@@ -125,7 +125,7 @@ def test_planning_while_requests_encode_in_other_threads_does_not_break_the_toke
         except Exception as e:  # noqa: BLE001
             errors.append(e)
 
-    validators = [threading.Thread(target=plan)]
+    validators = [threading.Thread(target=validate)]
     encoders = [threading.Thread(target=encode) for _ in range(2)]  # two requests starting at once
     interval = sys.getswitchinterval()
     sys.setswitchinterval(1e-5)  # the spinning validator hands the GIL back at once after each torch op

@@ -75,25 +75,25 @@ def test_rows_of_different_adapters_in_one_forward_each_equal_diffusers(ckpt):
     folder, loras, pipe = ckpt
     reqs = [_req(seed=1), _req(seed=2, lora=(("a", 0.8),)), _req(seed=3, lora=(("b", -0.5),)),
             _req(seed=4, n=1, lora=(("a", 1.0), ("b", 0.6)))]
-    plans = [pipe.validator.validate(r) for r in reqs]
+    validated_requests = [pipe.validator.validate(r) for r in reqs]
     sched = StepScheduler(pipe)
 
     async def run_all():
-        return await asyncio.gather(*(sched.submit(p) for p in plans))
+        return await asyncio.gather(*(sched.submit(p) for p in validated_requests))
 
     try:
         results = asyncio.run(run_all())
     finally:
         sched.close()
     assert max(r.batch_size for r in results) > 1  # they shared forwards
-    for plan, result in zip(plans, results, strict=True):
-        ref = diffusers_run(FluxPipeline, folder, plan.request, lora_dir=loras, **REF)
-        assert_same(bcg_run(pipe, plan.request), ref)  # alone: latents and images
+    for validated, result in zip(validated_requests, results, strict=True):
+        ref = diffusers_run(FluxPipeline, folder, validated.request, lora_dir=loras, **REF)
+        assert_same(bcg_run(pipe, validated.request), ref)  # alone: latents and images
         for ours, theirs in zip(result.image_bytes, ref.pngs, strict=True):  # shared: the scheduler's images
             d = np.abs(pixels(ours) - pixels(theirs))
             assert d.max() <= 1 and (d > 0).mean() <= PIXEL_SHARE
-    plain = bcg_run(pipe, dataclasses.replace(plans[1].request, lora=()))
-    assert (plain.latents - bcg_run(pipe, plans[1].request).latents).abs().max() > 1e-2  # the adapter acts
+    plain = bcg_run(pipe, dataclasses.replace(validated_requests[1].request, lora=()))
+    assert (plain.latents - bcg_run(pipe, validated_requests[1].request).latents).abs().max() > 1e-2  # the adapter acts
     assert pipe.stats()["lora"]["pinned"] == {}  # every lease was released
 
 

@@ -91,9 +91,9 @@ def test_each_family_previews_mid_denoise_latents(family, tmp_path):
     kwargs, buckets, size = FAMILIES[family]
     folder = importlib.import_module(f"tiny.{family}").build(tmp_path / family, **kwargs)
     pipe = bcg_pipeline(folder, buckets)
-    plan = pipe.validator.validate(GenerationRequest("a red cube", n=2, width=size, height=size, num_inference_steps=3,
-                                               guidance_scale=1.0, seed=0))
-    state = pipe.start(plan)
+    validated = pipe.validator.validate(GenerationRequest("a red cube", n=2, width=size, height=size,
+                                                          num_inference_steps=3, guidance_scale=1.0, seed=0))
+    state = pipe.start(validated)
     pipe.step([state], pipe.decider.for_states([state]))
     images = pipe.model.preview(state, state.latents.clone())
     gen_w, gen_h = pipe.model.spec.generation_size(size, size)

@@ -199,12 +199,12 @@ def test_a_request_padded_into_a_masked_tier_runs_eager_where_padding_does_not_p
     times were measured (or modelled) at the tier's size, so the decider scales them to the real tokens; priced at
     the tier's size, eager tied with the padded bucket and the bucket won."""
     req = _req(seed=140, width=320, height=256)
-    plan = pipe.validator.validate(req)
-    q = plan.lookup.query
-    assert plan.shape.image_mask and q.image_tokens == 320 and plan.shape.image_tokens == 512
+    validated = pipe.validator.validate(req)
+    q = validated.lookup.query
+    assert validated.shape.image_mask and q.image_tokens == 320 and validated.shape.image_tokens == 512
     costs = CostModel.token_model(pipe.table.keys, graphs=False)
-    keys = [k for k in pipe.table.keys if k.shape == plan.shape]
-    assert costs.choose(plan.shape, 1, keys).decision == "fill"  # at the tier's size: a tie, to the bucket
+    keys = [k for k in pipe.table.keys if k.shape == validated.shape]
+    assert costs.choose(validated.shape, 1, keys).decision == "fill"  # at the tier's size: a tie, to the bucket
 
     async def main():
         sched = make_sched(costs=costs)
@@ -213,7 +213,7 @@ def test_a_request_padded_into_a_masked_tier_runs_eager_where_padding_does_not_p
 
     sched, log, result = run(main())
     assert [[c.key for c in p.chunks] for _, p in log.steps] == [[None]] * 2
-    shape = sched.stats()["shapes"][str(plan.shape)]
+    shape = sched.stats()["shapes"][str(validated.shape)]
     assert shape["decisions"]["eager"] == 2 and shape["padded_token_waste"] == 0
     assert same_image(result.image_bytes[0], pipe.generate(pipe.validator.validate(req)).image_bytes[0])
 
@@ -525,9 +525,9 @@ def test_a_nan_request_fails_alone_in_a_batched_decode(pipe):
     fin = Finisher(pipe, decode_batch_images=8, encode_threads=1, release=released.append,
                    fail=lambda item, e, **kw: failed.append((item, e, kw)), done=None)
     fin._encode = lambda item, images: encoded.append((item, len(images)))
-    plans = [pipe.validator.validate(_req(seed=s)) for s in (96, 97)]
-    items = [SimpleNamespace(cancel=threading.Event(), plan=p, state=pipe.start(p), done_event=None, decoded=0.0)
-             for p in plans]
+    validated_requests = [pipe.validator.validate(_req(seed=s)) for s in (96, 97)]
+    items = [SimpleNamespace(cancel=threading.Event(), validated=p, state=pipe.start(p), done_event=None, decoded=0.0)
+             for p in validated_requests]
     with torch.inference_mode():
         items[1].state.latents[0, 0].fill_(float("inf"))
     fin._decode(items)
@@ -649,9 +649,9 @@ def test_a_request_above_the_largest_bucket_is_split_across_buckets(pipe, make_s
     """10 rows (5 images with guidance) on a table whose largest bucket is 8 (a miss in the batch dimension only):
     the step scheduler runs it in its shape's buckets, split."""
     big = _req(seed=130, n=5, guidance=2.0, steps=2)
-    plan = pipe.validator.validate(big)
-    assert not plan.lookup.hit and [d.value for d in plan.lookup.missed] == ["batch"]
-    assert plan.shape == BucketKey(8, 256, T).shape
+    validated = pipe.validator.validate(big)
+    assert not validated.lookup.hit and [d.value for d in validated.lookup.missed] == ["batch"]
+    assert validated.shape == BucketKey(8, 256, T).shape
 
     async def main():
         sched = make_sched(costs=_scripted({1: 1.0, 2: 1.1, 4: 1.3, 8: 2.0}, {1: 5.0, 8: 40.0}))
@@ -698,8 +698,8 @@ def test_a_one_row_replica_serves_an_18_row_miss_in_one_forward_a_step(one_row):
     to fit the largest bucket forward, it ran as 18 forwards a step; on a CPU nothing bounds a miss's memory, so
     each step is one unpadded eager forward of all 18 rows."""
     big = _req(seed=132, n=9, width=384, height=256, guidance=2.0, steps=2)
-    plan = one_row.validator.validate(big)
-    assert plan.shape is None and plan.rows == 18 and plan.lookup.query.tokens_per_row == 384 + T
+    validated = one_row.validator.validate(big)
+    assert validated.shape is None and validated.rows == 18 and validated.lookup.query.tokens_per_row == 384 + T
     assert one_row.decider.miss.spare_bytes is None and one_row.decider.miss.bytes_per_row_token is None
     plans, result, forwards = _served_miss(one_row, big)
     assert plans == [[(None, 18)]] * 2 and forwards == 2
@@ -848,7 +848,7 @@ def test_counters_stay_consistent_with_cancellations_everywhere(pipe, make_sched
 
 
 def test_the_validator_routes_and_accepts_rows_above_the_largest_bucket(tiny):
-    """Under ``miss_policy: reject`` a request above the largest batch bucket is planned with its shape (the step
+    """Under ``miss_policy: reject`` a request above the largest batch bucket is validated with its shape (the step
     scheduler splits its rows), which routes it to its shape's owners; an image miss is refused."""
     from bcg_core.errors import BucketMissError
     from bcg_core.validation import RequestValidator
@@ -857,8 +857,9 @@ def test_the_validator_routes_and_accepts_rows_above_the_largest_bucket(tiny):
     buckets = {"batch_sizes": [1, 2, 4, 8], "resolutions": ["256x256"], "text_lengths": [T], "miss_policy": "reject"}
     big = _req(n=5, guidance=2.0)  # 10 rows
     step = RequestValidator(ServeConfig.model_validate({"buckets": buckets}), tiny.spec, tiny.count_tokens)
-    plan = step.validate(big)
-    assert not plan.lookup.hit and plan.shape == BucketKey(8, 256, T).shape and bucket_shape(plan) == SHAPE
+    validated = step.validate(big)
+    assert not validated.lookup.hit and validated.shape == BucketKey(8, 256, T).shape
+    assert bucket_shape(validated) == SHAPE
     wide = _req(width=512, height=512)  # an image miss is refused by both
     with pytest.raises(BucketMissError):
         step.validate(wide)
@@ -897,7 +898,7 @@ def test_a_request_cancelled_between_admission_and_start_does_not_hold_back_its_
     def admit_then_cancel(self, rows, nbytes, now):
         out = admit(self, rows, nbytes, now)
         for item in out.start:
-            if item.plan.request.seed == 71 and not cancelled:
+            if item.validated.request.seed == 71 and not cancelled:
                 item.cancel.set()  # its caller goes away right after admission
                 cancelled.append(item)
         return out

@@ -144,5 +144,5 @@ def test_the_default_size_is_what_the_pipeline_generates_without_a_size(folders,
         (image,) = pipe("a cat", num_inference_steps=1, generator=torch.Generator().manual_seed(0), **extra).images
     assert image.size == spec.default_size
     validator = RequestValidator.from_config(_config(folders[case], case, min_side_px=16))
-    planned = validator.validate(GenerationRequest("a cat", seed=1))
-    assert (planned.request.width, planned.request.height) == spec.default_size
+    validated = validator.validate(GenerationRequest("a cat", seed=1))
+    assert (validated.request.width, validated.request.height) == spec.default_size

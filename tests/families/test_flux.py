@@ -33,31 +33,31 @@ def _req(**kw) -> GenerationRequest:
     return GenerationRequest(**{**base, **kw})
 
 
-def _planned(pipe, req):
+def _validated(pipe, req):
     return pipe.validator.validate(req).request
 
 
 def test_flux_exact_bucket_equals_diffusers(flux):
     variant, folder, pipe = flux
-    req = _planned(pipe, _req())
+    req = _validated(pipe, _req())
     assert str(pipe.validator.validate(req).lookup.key) == "b2_i64_t32"
     assert_same(bcg_run(pipe, req), diffusers_run(FluxPipeline, folder, req, **REF), exact=True)
 
 
 def test_flux_padded_rows_and_masked_image_tokens_equal_diffusers(flux):
     variant, folder, pipe = flux
-    rows = _planned(pipe, _req(n=3))  # 3 rows in the 4-row bucket, pad rows copy row 0
+    rows = _validated(pipe, _req(n=3))  # 3 rows in the 4-row bucket, pad rows copy row 0
     assert str(pipe.validator.validate(rows).lookup.key) == "b4_i64_t32"
     assert_same(bcg_run(pipe, rows), diffusers_run(FluxPipeline, folder, rows, **REF))
-    below = _planned(pipe, _req(n=1, width=64, height=60))  # 16 x 15 = 240 tokens in the masked 256 tier
+    below = _validated(pipe, _req(n=1, width=64, height=60))  # 16 x 15 = 240 tokens in the masked 256 tier
     assert str(pipe.validator.validate(below).lookup.key) == "b1_i256_m_t32"
     assert_same(bcg_run(pipe, below), diffusers_run(FluxPipeline, folder, below, **REF))
 
 
 def test_flux_request_joining_a_running_one_equals_diffusers(flux):
     variant, folder, pipe = flux
-    a = _planned(pipe, _req(n=1, seed=3, num_inference_steps=4, guidance_scale=5.0))
-    b = _planned(pipe, _req(n=2, prompt="an astronaut riding a horse", seed=40, num_inference_steps=5))
+    a = _validated(pipe, _req(n=1, seed=3, num_inference_steps=4, guidance_scale=5.0))
+    b = _validated(pipe, _req(n=2, prompt="an astronaut riding a horse", seed=40, num_inference_steps=5))
     ours_a, ours_b = bcg_run_joined(pipe, a, b, head_start=2)
     assert_same(ours_a, diffusers_run(FluxPipeline, folder, a, **REF))
     assert_same(ours_b, diffusers_run(FluxPipeline, folder, b, **REF))
@@ -65,18 +65,18 @@ def test_flux_request_joining_a_running_one_equals_diffusers(flux):
 
 def test_flux_true_cfg_with_a_negative_prompt_equals_diffusers(flux):
     variant, folder, pipe = flux
-    req = _planned(pipe, _req(n=1, negative_prompt="blurry, low quality", true_cfg_scale=2.5))
+    req = _validated(pipe, _req(n=1, negative_prompt="blurry, low quality", true_cfg_scale=2.5))
     assert pipe.validator.validate(req).lookup.query.batch == 2  # one cond and one uncond row
     assert_same(bcg_run(pipe, req), diffusers_run(FluxPipeline, folder, req, true_cfg_scale=2.5, **REF))
     # true_cfg_scale > 1 without a negative prompt is no CFG, as in diffusers
-    plain = _planned(pipe, dataclasses.replace(req, negative_prompt=None))
+    plain = _validated(pipe, dataclasses.replace(req, negative_prompt=None))
     assert pipe.validator.validate(plain).lookup.query.batch == 1
 
 
 def test_flux_guidance_scale_is_the_embedding_not_cfg(flux):
     variant, folder, pipe = flux
-    plan = pipe.validator.validate(_req(n=1, guidance_scale=7.0))
-    assert plan.lookup.query.batch == 1  # no uncond rows for guidance_scale, dev or schnell
+    validated = pipe.validator.validate(_req(n=1, guidance_scale=7.0))
+    assert validated.lookup.query.batch == 1  # no uncond rows for guidance_scale, dev or schnell
     assert pipe.model.guidance_embeds is (variant == "dev")
 
 

@@ -43,13 +43,14 @@ def _req(image: bytes | None = None, **kw) -> GenerationRequest:
 
 def test_image_to_image_equals_diffusers_alone_and_padded(flux):
     folder, pipe, image, _, _ = flux
-    plan = pipe.validator.validate(_req(image))
-    assert (plan.request.width, plan.request.height) == (32, 32)  # an edit's size: its image's
-    assert plan.request.guidance_scale == 7.0  # FluxImg2ImgPipeline's default, not FluxPipeline's 3.5
-    assert str(plan.lookup.key) == "b1_i64_t32"
-    ours = bcg_run(pipe, plan.request)
-    assert len(pipe.start(plan).timesteps) == 3  # 5 x 0.6 steps run (rounded up: steps - int(steps - steps x strength))
-    assert_same(ours, diffusers_run(FluxImg2ImgPipeline, folder, plan.request, **REF), exact=True)
+    validated = pipe.validator.validate(_req(image))
+    assert (validated.request.width, validated.request.height) == (32, 32)  # an edit's size: its image's
+    assert validated.request.guidance_scale == 7.0  # FluxImg2ImgPipeline's default, not FluxPipeline's 3.5
+    assert str(validated.lookup.key) == "b1_i64_t32"
+    ours = bcg_run(pipe, validated.request)
+    # 5 x 0.6 steps run (rounded up: steps - int(steps - steps x strength))
+    assert len(pipe.start(validated).timesteps) == 3
+    assert_same(ours, diffusers_run(FluxImg2ImgPipeline, folder, validated.request, **REF), exact=True)
     three = pipe.validator.validate(_req(image, n=3, seed=4, strength=0.8, guidance_scale=3.0)).request
     assert_same(bcg_run(pipe, three), diffusers_run(FluxImg2ImgPipeline, folder, three, **REF))
 

@@ -222,9 +222,9 @@ def test_each_adapter_and_its_scale_change_the_image(served):
 @pytest.mark.parametrize("served", ["sana"], indirect=True)
 def test_an_adapter_on_sanas_convolutions_is_refused_naming_the_layer(served):
     make_adapter(SanaPipeline, served.folder, "conv", ["conv_inverted"], rank=2, alpha=2)
-    plan = served.pipe.validator.validate(served.req((("conv", 1.0),)))
+    validated = served.pipe.validator.validate(served.req((("conv", 1.0),)))
     with pytest.raises(RequestError) as e:
-        served.pipe.lease(plan)
+        served.pipe.lease(validated)
     assert e.value.field == "lora"
     assert "transformer_blocks.0.ff.conv_inverted" in e.value.message
     assert "not a linear layer" in e.value.message

@@ -6,7 +6,7 @@ is served through :class:`~bcg_core.DiTPipeline` and compared with diffusers on 
 generators: final latents within 1e-5 relative and byte-equal PNGs. Cases: an exact bin size at an exact text
 bucket; rows and text padded up to a bucket at a size that is generated at its aspect-ratio bin and resized
 back; a request joining another that started steps earlier (one forward per step, each at its own step).
-Plus the planning rules: token counts after the pipeline's caption preprocessing, the bin table, and the
+Plus the validation rules: token counts after the pipeline's caption preprocessing, the bin table, and the
 refused options.
 
 Text buckets here are multiples of 16: on an AVX-512 CPU the masked cross-attention over 8 (or 24 with more than
@@ -97,8 +97,8 @@ def test_an_exact_bin_size_at_an_exact_text_bucket_equals_diffusers(pipe, folder
     assert _tokens(pipe, prompt) == 16  # exactly the text bucket
     req = GenerationRequest(prompt=prompt, n=1, width=256, height=256, num_inference_steps=3, guidance_scale=4.5,
                             seed=1)
-    plan = pipe.validator.validate(req)
-    assert str(plan.lookup.key) == "b2_i256_t16_g16x16"  # [uncond, cond] rows, exact: nothing padded
+    validated = pipe.validator.validate(req)
+    assert str(validated.lookup.key) == "b2_i256_t16_g16x16"  # [uncond, cond] rows, exact: nothing padded
     assert_same(bcg_run(pipe, req), diffusers_run(PixArtSigmaPipeline, folder, req))
 
 
@@ -230,8 +230,8 @@ def test_a_prompt_longer_than_the_largest_text_bucket_is_a_text_miss_that_equals
     long = " ".join(["a red cat"] * 60)
     assert _tokens(pipe, long) > 64
     req = GenerationRequest(long, n=1, width=256, height=256, num_inference_steps=2, guidance_scale=4.5, seed=0)
-    plan = pipe.validator.validate(req)
-    assert not plan.lookup.hit and Dim.TEXT in plan.lookup.missed
+    validated = pipe.validator.validate(req)
+    assert not validated.lookup.hit and Dim.TEXT in validated.lookup.missed
     assert_same(bcg_run(pipe, req), diffusers_run(PixArtSigmaPipeline, folder, req))
 
 

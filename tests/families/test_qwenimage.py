@@ -82,9 +82,9 @@ def test_the_family_loads_from_the_registry_keyed_on_the_grid_with_masked_text(p
 def test_an_exact_bucket_without_a_negative_prompt_runs_no_cfg_and_equals_diffusers(pipe, folder):
     req = _req("a photo of a cat on a red chair", guidance_scale=7.0, seed=1)  # guidance_scale: ignored
     assert pipe.model.count_tokens(req.prompt) == 16  # exactly the text bucket
-    plan = pipe.validator.validate(req)
-    assert not pipe.model.spec.uses_cfg(plan.request)  # true_cfg_scale defaults to 4.0, but no negative prompt
-    assert str(plan.lookup.key) == "b1_i16_t16_g4x4"
+    validated = pipe.validator.validate(req)
+    assert not pipe.model.spec.uses_cfg(validated.request)  # true_cfg_scale defaults to 4.0, but no negative prompt
+    assert str(validated.lookup.key) == "b1_i16_t16_g4x4"
     assert_same(bcg_run(pipe, req), diffusers_run(QwenImagePipeline, folder, req), exact=True)
 
 
@@ -108,8 +108,8 @@ def test_a_prompt_longer_than_the_largest_text_bucket_is_a_text_miss_that_equals
     # miss_policy eager (the default): above the 32-token bucket, served unpadded on eager kernels
     req = _req(", ".join(["a lighthouse on a cliff at dusk"] * 6), seed=2)
     assert pipe.model.count_tokens(req.prompt) > 32
-    plan = pipe.validator.validate(req)
-    assert not plan.lookup.hit and Dim.TEXT in plan.lookup.missed
+    validated = pipe.validator.validate(req)
+    assert not validated.lookup.hit and Dim.TEXT in validated.lookup.missed
     assert_same(bcg_run(pipe, req), diffusers_run(QwenImagePipeline, folder, req))
 
 
@@ -129,10 +129,10 @@ def test_cfg_runs_only_with_a_negative_prompt_and_true_cfg_scale_above_one(pipe)
     cases = [(None, None, False), (None, 5.0, False), ("", None, True), ("blurry", None, True),
              ("blurry", 1.0, False), ("blurry", 1.5, True)]
     for neg, scale, cfg in cases:
-        plan = pipe.validator.validate(_req(p, negative_prompt=neg, true_cfg_scale=scale))
-        assert fam.spec.uses_cfg(plan.request) is cfg, (neg, scale)
-        assert plan.lookup.key.batch == (2 if cfg else 1)
-        fam.spec.check(plan.request)  # nothing refused: every combination is a diffusers option
+        validated = pipe.validator.validate(_req(p, negative_prompt=neg, true_cfg_scale=scale))
+        assert fam.spec.uses_cfg(validated.request) is cfg, (neg, scale)
+        assert validated.lookup.key.batch == (2 if cfg else 1)
+        fam.spec.check(validated.request)  # nothing refused: every combination is a diffusers option
     assert fam.spec.cfg_scale(_req(p, negative_prompt="x")) == 4.0
 
 

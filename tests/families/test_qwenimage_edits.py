@@ -65,11 +65,11 @@ def test_the_edit_pipelines_and_their_defaults_are_diffusers_own(qwen):
 
 def test_image_to_image_equals_diffusers_alone_and_padded(qwen):
     folder, pipe, image, _, _ = qwen
-    plan = pipe.validator.validate(_req(image))
-    assert str(plan.lookup.key) == "b1_i12_t16_g3x4"
-    assert len(pipe.start(plan).timesteps) == 3  # 5 x 0.6 steps run (steps - int(steps - steps x strength))
-    ours = bcg_run(pipe, plan.request)
-    assert_same(ours, diffusers_run(QwenImageImg2ImgPipeline, folder, plan.request), exact=True)
+    validated = pipe.validator.validate(_req(image))
+    assert str(validated.lookup.key) == "b1_i12_t16_g3x4"
+    assert len(pipe.start(validated).timesteps) == 3  # 5 x 0.6 steps run (steps - int(steps - steps x strength))
+    ours = bcg_run(pipe, validated.request)
+    assert_same(ours, diffusers_run(QwenImageImg2ImgPipeline, folder, validated.request), exact=True)
     three = pipe.validator.validate(_req(image, n=3, seed=4, strength=0.8)).request  # 3 rows in the 4-row bucket
     assert pipe.validator.validate(three).lookup.key.batch == 4
     assert_same(bcg_run(pipe, three), diffusers_run(QwenImageImg2ImgPipeline, folder, three))
@@ -77,15 +77,15 @@ def test_image_to_image_equals_diffusers_alone_and_padded(qwen):
 
 def test_inpainting_with_an_openai_mask_equals_diffusers_and_keeps_the_known_region(qwen):
     folder, pipe, image, mask, theirs = qwen
-    plan = pipe.validator.validate(_req(image, mask=mask, seed=3))
-    ours = bcg_run(pipe, plan.request)
-    assert_same(ours, diffusers_run(QwenImageInpaintPipeline, folder, plan.request, mask_image=theirs), exact=True)
-    keep, image_latents, _ = pipe.start(plan).extras["inpaint"]
+    validated = pipe.validator.validate(_req(image, mask=mask, seed=3))
+    ours = bcg_run(pipe, validated.request)
+    assert_same(ours, diffusers_run(QwenImageInpaintPipeline, folder, validated.request, mask_image=theirs), exact=True)
+    keep, image_latents, _ = pipe.start(validated).extras["inpaint"]
     keep = keep == 0  # packed (1, 12, 64): tokens outside the region, every channel
     assert keep.any() and not keep.all()
     assert torch.equal(ours.latents[keep], image_latents[keep])  # after the last step: the image's own latents
     assert (ours.latents[~keep] - image_latents[~keep]).abs().max() > 1e-2
-    plain = bcg_run(pipe, dataclasses.replace(plan.request, mask=None))  # image to image moves the kept region too
+    plain = bcg_run(pipe, dataclasses.replace(validated.request, mask=None))  # image to image moves the kept region too
     assert (plain.latents[keep] - ours.latents[keep]).abs().max() > 1e-3
 
 
@@ -97,8 +97,8 @@ def test_inpainting_with_every_default_equals_diffusers_with_every_default(qwen)
     folder, pipe, image, mask, theirs = qwen
     raw = GenerationRequest(prompt=PROMPT, image=image, mask=mask, n=2, width=64, height=48, negative_prompt="",
                             seed=5)
-    plan = pipe.validator.validate(raw)
-    assert str(plan.lookup.key) == "b4_i12_t16_g3x4" and len(pipe.start(plan).timesteps) == 30
+    validated = pipe.validator.validate(raw)
+    assert str(validated.lookup.key) == "b4_i12_t16_g3x4" and len(pipe.start(validated).timesteps) == 30
     assert_same(bcg_run(pipe, raw), diffusers_run(QwenImageInpaintPipeline, folder, raw, mask_image=theirs))
 
 
@@ -132,7 +132,7 @@ def test_bad_edit_fields_are_refused_naming_the_field(qwen, change, field, words
 
 def test_a_strength_that_leaves_no_step_is_refused_at_start_too(qwen):
     folder, pipe, image, _, _ = qwen
-    plan = pipe.validator.validate(_req(image))
-    plan = dataclasses.replace(plan, request=dataclasses.replace(plan.request, strength=0.0))
+    validated = pipe.validator.validate(_req(image))
+    validated = dataclasses.replace(validated, request=dataclasses.replace(validated.request, strength=0.0))
     with pytest.raises(ValueError, match="leaves 0 steps"):
-        pipe.start(plan)
+        pipe.start(validated)

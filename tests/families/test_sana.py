@@ -6,7 +6,7 @@ with diffusers on the same folder, request and generators: final latents within 
 PNGs where the latents are bit-identical. Cases: an exact bin size at an exact text bucket; rows and text
 padded up at a size generated at its aspect-ratio bin and resized back; a request joining another that started
 steps earlier; learned sigma + sin-cos positions + flow-match Euler, and SDE-DPM-Solver (noise drawn in each
-step from the request's generators). Plus the planning rules (token counts with the complex human
+step from the request's generators). Plus the validation rules (token counts with the complex human
 instruction, the bin table, refused options and checkpoints) and, on a bare ``SanaTransformer2DModel``, the
 bucket gates of docs/DESIGN.md section 4 (every bucket at its boundary shapes, pad-value invariance, stale data).
 
@@ -125,8 +125,8 @@ def test_a_prompt_longer_than_the_largest_text_bucket_is_a_text_miss_that_equals
     req = GenerationRequest(prompt=", ".join(["a lighthouse on a cliff at dusk"] * 6), n=1, width=512, height=512,
                             num_inference_steps=2, guidance_scale=4.5, seed=2)
     assert pipe.model.count_tokens(req.prompt) > 32
-    plan = pipe.validator.validate(req)
-    assert not plan.lookup.hit and Dim.TEXT in plan.lookup.missed
+    validated = pipe.validator.validate(req)
+    assert not validated.lookup.hit and Dim.TEXT in validated.lookup.missed
     assert_same(bcg_run(pipe, req), _ref(folder, req))
 
 
@@ -166,7 +166,7 @@ def test_dpm_timesteps_are_truncated_integers_and_reach_the_transformer_as_fp32(
     assert state.latents.dtype == torch.float32 and state.latents.shape == (1, 32, 16, 16)
 
 
-# -- planning rules -----------------------------------------------------------------------------------
+# -- validation rules ---------------------------------------------------------------------------------
 
 
 def test_token_counts_are_what_encode_prompt_keeps_with_the_instruction_and_without_it(pipe, folder):

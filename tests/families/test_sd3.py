@@ -182,7 +182,7 @@ def test_true_cfg_scale_is_refused_naming_the_field(pipes):
 def test_a_size_beyond_the_position_table_is_refused_naming_the_size(pipes):
     # 33 tokens wide: beyond the tiny model's 32-position table
     req = GenerationRequest("a photo of a cat", width=528, height=64, guidance_scale=4.0, seed=0)
-    with pytest.raises(RequestError) as e:  # refused when planned (the ingress plans alike), not served eager
+    with pytest.raises(RequestError) as e:  # refused when validated (the ingress validates alike), not served eager
         pipes["sd3"].validator.validate(req)
     assert e.value.field == "size" and "32 tokens a side" in e.value.message and "512" in e.value.message
 
@@ -197,7 +197,7 @@ def test_text_longer_than_t5_reads_is_refused_instead_of_truncated(pipes, field)
     text = " ".join(words)
     assert 256 < pipe.model.count_tokens(text) <= 333
     kw = {"prompt": text} if field == "prompt" else {"prompt": "a cat", "negative_prompt": text}
-    with pytest.raises(RequestError) as e:  # refused when planned (ModelSpec.max_prompt_tokens), never cut
+    with pytest.raises(RequestError) as e:  # refused when validated (ModelSpec.max_prompt_tokens), never cut
         pipe.validator.validate(GenerationRequest(**kw, width=64, height=64, guidance_scale=4.0, seed=0))
     assert e.value.field == field and "at most 256" in e.value.message
 
@@ -289,7 +289,7 @@ def test_without_t5_prompts_are_counted_and_limited_by_clip(folders, pipes):
 
     ingress = RequestValidator.from_config(EngineConfig(model=ModelConfig(path=str(folders["no_t5"])),
                                                limits={"min_side_px": 16}, buckets=BucketConfig(**BUCKETS)))
-    for validator in (pipe.validator, ingress):  # the ingress plans from the tokenizers alone, the same way
+    for validator in (pipe.validator, ingress):  # the ingress validates from the tokenizers alone, the same way
         with pytest.raises(RequestError) as e:  # CLIP would cut it: refused, never truncated
             validator.validate(GenerationRequest(long, width=64, height=64, guidance_scale=4.0, seed=0))
         assert e.value.field == "prompt" and "at most 77" in e.value.message

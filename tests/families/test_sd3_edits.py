@@ -90,15 +90,15 @@ def test_sd3_checkpoints_serve_both_edits_with_the_edit_pipelines_defaults(sd3):
 
 def test_image_to_image_equals_diffusers_alone_and_padded(sd3):
     pipe, folder, image = sd3["pipe"], sd3["folder"], sd3["image"]
-    plan = pipe.validator.validate(_req(image))
-    assert str(plan.lookup.key).startswith("b2_")  # cond + uncond rows (guidance 7.0), an exact bucket
-    state = pipe.start(plan)
+    validated = pipe.validator.validate(_req(image))
+    assert str(validated.lookup.key).startswith("b2_")  # cond + uncond rows (guidance 7.0), an exact bucket
+    state = pipe.start(validated)
     assert len(state.timesteps) == 3  # 5 x 0.6 steps run (steps - int(steps - steps x strength))
     step = pipe.model.euler_step(state)  # the fused form starts at the strength's first step, uncond rows first
     assert step is not None and step.cond == 1 and step.uncond == 0
     assert torch.equal(step.dt, state.scheduler.sigmas[3] - state.scheduler.sigmas[2])
-    ref = diffusers_run(StableDiffusion3Img2ImgPipeline, folder, plan.request)
-    assert_same(bcg_run(pipe, plan.request), ref, exact=True)
+    ref = diffusers_run(StableDiffusion3Img2ImgPipeline, folder, validated.request)
+    assert_same(bcg_run(pipe, validated.request), ref, exact=True)
     # 3 images without CFG: 3 rows padded to the 4-row bucket; diffusers takes the image once per generator
     three = pipe.validator.validate(_req(image, n=3, seed=4, strength=0.8, guidance_scale=1.0)).request
     ours = bcg_run(pipe, three)

@@ -44,10 +44,10 @@ def served(request, tmp_path_factory):
 def _outcome(call):
     """``("ok", width, height, grid)`` of a validated request, or ``("refused", field, message)``."""
     try:
-        plan = call()
+        validated = call()
     except RequestError as e:
         return "refused", e.field, e.message
-    return "ok", plan.request.width, plan.request.height, plan.grid
+    return "ok", validated.request.width, validated.request.height, validated.grid
 
 
 def _over_http(ingress, dit, size: str):
@@ -57,8 +57,8 @@ def _over_http(ingress, dit, size: str):
     if getattr(answer, "status_code", 200) != 200:
         error = json.loads(answer.body)["error"]
         return "refused", error["param"], error["message"]
-    (_, plan), = dit.sent[before:]
-    return "ok", plan.request.width, plan.request.height, plan.grid
+    (_, validated), = dit.sent[before:]
+    return "ok", validated.request.width, validated.request.height, validated.grid
 
 
 def _from_the_handle(ingress, dit, w: int, h: int):
@@ -68,8 +68,8 @@ def _from_the_handle(ingress, dit, w: int, h: int):
                                     "num_inference_steps": 1}))
     except RequestError as e:
         return "refused", e.field, e.message
-    (_, plan), = dit.sent[before:]
-    return "ok", plan.request.width, plan.request.height, plan.grid
+    (_, validated), = dit.sent[before:]
+    return "ok", validated.request.width, validated.request.height, validated.grid
 
 
 def test_a_size_is_accepted_or_refused_alike_over_http_and_from_python(served):

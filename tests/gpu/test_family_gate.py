@@ -123,8 +123,8 @@ def test_the_step_scheduler_with_measured_costs_equals_diffusers_on_cuda(family)
     finally:
         sched.close()
     assert stats["costs"]["source"] == "measured" and sum(stats["forwards"].values()) > 0
-    for ours, plan in ((ra, a), (rb, b)):
-        theirs = diffusers_run(cls, folder, plan.request, device="cuda", **ref)
+    for ours, validated in ((ra, a), (rb, b)):
+        theirs = diffusers_run(cls, folder, validated.request, device="cuda", **ref)
         assert len(ours.image_bytes) == len(theirs.pngs)
         for x, y in zip(ours.image_bytes, theirs.pngs, strict=True):
             diff = abs(pixels(x) - pixels(y))

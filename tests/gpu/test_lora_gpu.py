@@ -59,9 +59,9 @@ def test_adapters_in_replayed_graphs_match_eager_in_each_tier(ckpt, kernels):
         bcg_pipeline(folder, BUCKETS, device="cuda", dtype=dtype, lora=lora)
     captures = sum(d.get("capture_s", 0) > 0 for d in pipe.runner.describe())
     reqs = [_req(seed=1), _req(seed=2, lora=(("a", 0.8),)), _req(seed=3, lora=(("a", 1.0), ("b", -0.6)))]
-    plans = [pipe.validator.validate(r) for r in reqs]
-    leases = [pipe.lease(p) for p in plans]
-    states = [pipe.start(p, lease=lease) for p, lease in zip(plans, leases, strict=True)]
+    validated_requests = [pipe.validator.validate(r) for r in reqs]
+    leases = [pipe.lease(p) for p in validated_requests]
+    states = [pipe.start(p, lease=lease) for p, lease in zip(validated_requests, leases, strict=True)]
     while not all(s.done for s in states):
         live = [s for s in states if not s.done]
         pipe.step(live, pipe.decider.for_states(live))  # the three share each step's forward (3 rows -> bucket 4)
@@ -69,11 +69,11 @@ def test_adapters_in_replayed_graphs_match_eager_in_each_tier(ckpt, kernels):
         if lease is not None:
             lease.release()
     rtol = 1e-4 if kernels == "eager" else pipe.stats()["kernels"]["rtol"]
-    for plan, state in zip(plans, states, strict=True):
-        want = bcg_run(ref, plan.request).latents
+    for validated, state in zip(validated_requests, states, strict=True):
+        want = bcg_run(ref, validated.request).latents
         got = state.latents.float().cpu()
         err = ((got - want).abs().max() / want.abs().max()).item()
-        assert err <= rtol, (kernels, plan.request.lora, err, rtol)
+        assert err <= rtol, (kernels, validated.request.lora, err, rtol)
     assert sum(d.get("capture_s", 0) > 0 for d in pipe.runner.describe()) == captures  # no capture for a load
 
 

@@ -288,7 +288,7 @@ def test_server_keeps_serving_after_every_bad_input(client):
 
 
 def test_python_handle_returns_a_generation_result(serve_apps):
-    """The application's handle (the ingress) plans a request or a dict of its fields, as HTTP does; the DiT
+    """The application's handle (the ingress) validates a request or a dict of its fields, as HTTP does; the DiT
     deployment's own handle takes only a validated request."""
     from ray import serve
 

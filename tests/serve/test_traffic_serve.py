@@ -36,13 +36,13 @@ def test_the_replica_records_what_it_accepts_and_buckets_shows_it(serve_apps):
         assert client.post("/v1/images/generations", json={**body, "n": 2}).status_code == 200
         bad = client.post("/v1/images/generations", json={**body, "n": 99})  # refused: never reaches a replica
         assert bad.status_code == 422
-        # a request a Python caller planned and sent straight to the DiT deployment is counted too
+        # a request a Python caller validated and sent straight to the DiT deployment is counted too
         app_config = {"buckets": {"batch_sizes": [1, 2, 4], "resolutions": ["256x256", "512x512"],
                                   "text_lengths": [256], "miss_policy": "eager"}}  # the serve_apps "/" app's
-        plan = RequestValidator.from_config(ServeConfig.model_validate(app_config)).validate(GenerationRequest(
+        validated = RequestValidator.from_config(ServeConfig.model_validate(app_config)).validate(GenerationRequest(
             prompt, n=1, width=256, height=256, num_inference_steps=1, guidance_scale=0.0, seed=6))
         dit = serve.get_deployment_handle("DiTReplica", app_name=serve_apps.app_name)
-        dit.generate.remote(plan).result(timeout_s=120)
+        dit.generate.remote(validated).result(timeout_s=120)
         answer = client.get("/v1/buckets").json()
     after = answer["traffic"]
     assert _count(after, one) == _count(before, one) + 2 and _count(after, two) == _count(before, two) + 1

@@ -2,15 +2,16 @@
 ``images.edit`` (through an ``httpx.MockTransport`` into the ingress's route, as ``test_edits_http.py``) against the
 tiny FLUX.1, SD3 and Qwen-Image checkpoints (``tests/tiny/``), with and without a mask, streamed and not.
 
-The ingress (:func:`ingress_fakes.bare_ingress`, its routes as plain methods) plans each request and sends its plan
-to :class:`_EngineDiT`, a DiT handle whose "replica" is this process: a real :class:`~bcg_core.DiTPipeline` on the
-checkpoint and its :class:`~bcg_core.scheduler.StepScheduler`, which serves the plan as ``DiTReplica.generate`` and
-``generate_stream`` do (the plan pickled on the way, as Ray sends it; a streamed request's acceptance, previews, then
-its result). Each answer must hold the image at the requested size, report ``bcg.steps`` as the steps the strength
-runs (:func:`bcg_core.request.steps_run`, fewer than asked for), and be the very image the engine gives for the same
-request planned from the client's fields in this process (``DiTPipeline.generate``): byte-equal PNGs. Whether a
-masked edit keeps the opaque region of its input is up to the model (diffusers' own inpainting pipelines blend
-latents, not pixels), so it is not asserted; ``tests/families/test_*_edits.py`` gate the engine against diffusers.
+The ingress (:func:`ingress_fakes.bare_ingress`, its routes as plain methods) validates each request and sends it to
+:class:`_EngineDiT`, a DiT handle whose "replica" is this process: a real :class:`~bcg_core.DiTPipeline` on the
+checkpoint and its :class:`~bcg_core.scheduler.StepScheduler`, which serves the validated request as
+``DiTReplica.generate`` and ``generate_stream`` do (pickled on the way, as Ray sends it; a streamed request's
+acceptance, previews, then its result). Each answer must hold the image at the requested size, report ``bcg.steps`` as
+the steps the strength runs (:func:`bcg_core.request.steps_run`, fewer than asked for), and be the very image the
+engine gives for the same request validated from the client's fields in this process (``DiTPipeline.generate``):
+byte-equal PNGs. Whether a masked edit keeps the opaque region of its input is up to the model (diffusers' own
+inpainting pipelines blend latents, not pixels), so it is not asserted; ``tests/families/test_*_edits.py`` gate the
+engine against diffusers.
 
 A family without edit pipelines (PixArt-Sigma, SANA: their tiny checkpoints' JSON configs, no weights loaded) is
 answered 422 with param ``image``, naming the families that edit.
@@ -65,7 +66,8 @@ def _config(folder, text_lengths: list[int]) -> ServeConfig:
 
 
 class _Streamed:
-    """What ``handle.options(stream=True).generate_stream.remote(plan)`` returns: an async iterator of the replica's
+    """What ``handle.options(stream=True).generate_stream.remote(validated)`` returns: an async iterator of the
+    replica's
     events that the caller may ``cancel()`` (which closes the scheduler's stream: the request stops at its next
     step)."""
 
@@ -83,34 +85,34 @@ class _Streamed:
 
 class _EngineDiT:
     """A DiT deployment handle served in this process by ``pipe`` and its step scheduler, as ``DiTReplica`` serves a
-    plan (``generate``: the result; ``generate_stream``: ``ACCEPTED``, the previews, the result). ``plans``: the plans
-    received, after a pickle round trip (what Ray does to them)."""
+    validated request (``generate``: the result; ``generate_stream``: ``ACCEPTED``, the previews, the result).
+    ``received``: the validated requests received, after a pickle round trip (what Ray does to them)."""
 
     def __init__(self, pipe):
         from bcg_core.scheduler import StepScheduler
 
         self.pipe = pipe
         self.scheduler = StepScheduler.from_pipeline(pipe)
-        self.plans: list = []
+        self.received: list = []
 
     def options(self, multiplexed_model_id: str = "", stream: bool = False):
         return SimpleNamespace(generate=SimpleNamespace(remote=self._generate),
-                               generate_stream=SimpleNamespace(remote=lambda plan: _Streamed(self._stream(plan))))
+                               generate_stream=SimpleNamespace(remote=lambda v: _Streamed(self._stream(v))))
 
-    def _received(self, plan):
-        plan = pickle.loads(pickle.dumps(plan))
-        self.plans.append(plan)
-        return plan
+    def _received(self, validated):
+        validated = pickle.loads(pickle.dumps(validated))
+        self.received.append(validated)
+        return validated
 
-    async def _generate(self, plan):
-        return await self.scheduler.submit(self._received(plan))
+    async def _generate(self, validated):
+        return await self.scheduler.submit(self._received(validated))
 
-    async def _stream(self, plan):
+    async def _stream(self, validated):
         from deployments.routing import ACCEPTED
 
-        plan = self._received(plan)
+        validated = self._received(validated)
         yield ACCEPTED
-        async for event in self.scheduler.submit_stream(plan):
+        async for event in self.scheduler.submit_stream(validated):
             yield event
 
 
@@ -181,18 +183,18 @@ def test_an_edit_answers_the_engines_image_at_its_size_after_the_strengths_steps
         image=("photo.png", image, "image/png"), **_mask_part(mask, masked),
         prompt=PROMPT, n=2, size=f"{SIZE}x{SIZE}", response_format="b64_json",
         extra_body={"seed": seed, "num_inference_steps": STEPS, "strength": STRENGTH})
-    served_plan = dit.plans[-1]
-    assert (served_plan.request.mask is not None) is masked and served_plan.request.image == image
+    sent = dit.received[-1]
+    assert (sent.request.mask is not None) is masked and sent.request.image == image
     pngs = [base64.b64decode(d.b64_json, validate=True) for d in result.data]
     assert [(_decoded(p).format, _decoded(p).size) for p in pngs] == [("PNG", (SIZE, SIZE))] * 2
     assert result.size == f"{SIZE}x{SIZE}" and result.model_extra["bcg"]["steps"] == steps_run(STEPS, STRENGTH) == 3
     pipe = dit.pipe
-    plan = pipe.validator.validate(GenerationRequest(PROMPT, n=2, width=SIZE, height=SIZE, num_inference_steps=STEPS,
-                                               seed=seed, image=image, mask=mask if masked else None,
-                                               strength=STRENGTH))
-    assert dataclasses.asdict(served_plan.request) == dataclasses.asdict(plan.request)  # the client's fields, mapped
-    assert plan.steps_run == 3
-    expected = pipe.generate(plan)
+    validated = pipe.validator.validate(GenerationRequest(PROMPT, n=2, width=SIZE, height=SIZE,
+                                                          num_inference_steps=STEPS, seed=seed, image=image,
+                                                          mask=mask if masked else None, strength=STRENGTH))
+    assert dataclasses.asdict(sent.request) == dataclasses.asdict(validated.request)  # the client's fields, mapped
+    assert validated.steps_run == 3
+    expected = pipe.generate(validated)
     assert expected.steps == 3 and pngs == expected.image_bytes  # the engine's images, byte for byte
     assert pngs[0] != pngs[1]  # image i has its own noise (seed + i)
 
@@ -213,15 +215,15 @@ def test_a_streamed_edit_sends_a_preview_then_the_engines_image(served, masked):
     assert done.model_extra["bcg"]["steps"] == steps_run(STEPS, STRENGTH)
     final = base64.b64decode(done.b64_json, validate=True)
     assert _decoded(final).size == (SIZE, SIZE)
-    served_plan = dit.plans[-1]
+    sent = dit.received[-1]
     # no size sent: the edit's size is its image's (32x32, already a multiple of the token size)
-    assert (served_plan.request.width, served_plan.request.height, served_plan.request.partial_images) == (
+    assert (sent.request.width, sent.request.height, sent.request.partial_images) == (
         SIZE, SIZE, 1)
-    plan = dit.pipe.validator.validate(GenerationRequest(PROMPT, num_inference_steps=STEPS, seed=seed, image=image,
-                                                   mask=mask if masked else None, strength=STRENGTH,
-                                                   partial_images=1))
-    assert dataclasses.asdict(served_plan.request) == dataclasses.asdict(plan.request)
-    assert [final] == dit.pipe.generate(plan).image_bytes
+    validated = dit.pipe.validator.validate(GenerationRequest(PROMPT, num_inference_steps=STEPS, seed=seed,
+                                                              image=image, mask=mask if masked else None,
+                                                              strength=STRENGTH, partial_images=1))
+    assert dataclasses.asdict(sent.request) == dataclasses.asdict(validated.request)
+    assert [final] == dit.pipe.generate(validated).image_bytes
 
 
 @pytest.mark.parametrize("family, resolution", [("pixart", "256x256"), ("sana", "512x512")])  # an aspect-ratio bin

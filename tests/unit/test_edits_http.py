@@ -150,10 +150,10 @@ def test_the_clients_fields_and_extensions_reach_the_engine_request(recorded):
         size="256x256", output_format="webp", output_compression=70, quality="low", response_format="b64_json",
         user="u1", extra_body={"seed": 7, "num_inference_steps": 4, "guidance_scale": 2.5, "negative_prompt": "fog",
                                "strength": 0.5})
-    (_, plan), = dit.sent
-    r = plan.request
+    (_, validated), = dit.sent
+    r = validated.request
     assert (r.prompt, r.n, r.width, r.height, r.seed, r.negative_prompt) == ("a blue door", 2, 256, 256, 7, "fog")
-    assert (r.num_inference_steps, r.guidance_scale, r.strength, plan.steps_run) == (4, 2.5, 0.5, 2)
+    assert (r.num_inference_steps, r.guidance_scale, r.strength, validated.steps_run) == (4, 2.5, 0.5, 2)
     assert (r.output_format, r.output_compression, r.quality, r.partial_images) == ("webp", 70, "low", 0)
     assert r.image == image and r.mask == mask  # the files' bytes, untouched
     assert result.size == "256x256" and result.usage.input_tokens_details.image_tokens == 256  # the input image
@@ -163,9 +163,9 @@ def test_the_clients_fields_and_extensions_reach_the_engine_request(recorded):
 def test_an_edit_without_size_takes_its_images_size_rounded_down_to_the_token_size(recorded):
     dit, ingress = recorded
     result = _client(ingress).images.edit(image=_png((300, 260)), prompt="x")
-    (_, plan), = dit.sent
-    assert (plan.request.width, plan.request.height) == (288, 256) and result.size == "288x256"
-    assert plan.request.mask is None and plan.request.strength == 0.6  # image-to-image, the default strength
+    (_, validated), = dit.sent
+    assert (validated.request.width, validated.request.height) == (288, 256) and result.size == "288x256"
+    assert validated.request.mask is None and validated.request.strength == 0.6  # image-to-image, the default strength
 
 
 def test_a_photo_tagged_as_turned_is_edited_upright_as_it_is_shown(recorded):
@@ -193,8 +193,8 @@ def test_a_photo_tagged_as_turned_is_edited_upright_as_it_is_shown(recorded):
 def test_an_edit_without_size_is_scaled_to_fit_the_side_limits(recorded, image, want):
     dit, ingress = recorded
     result = _client(ingress).images.edit(image=_png(image), prompt="x")
-    (_, plan), = dit.sent
-    assert (plan.request.width, plan.request.height) == want and result.size == "{}x{}".format(*want)
+    (_, validated), = dit.sent
+    assert (validated.request.width, validated.request.height) == want and result.size == "{}x{}".format(*want)
 
 
 def test_lora_from_extra_body_arrives_as_bracketed_fields_and_is_read(tmp_path):
@@ -211,7 +211,7 @@ def test_lora_from_extra_body_arrives_as_bracketed_fields_and_is_read(tmp_path):
     client.images.edit(image=_png(), prompt="x", extra_body={"lora": [{"name": "ink"}, {"name": "water"}]})
     client.images.edit(image=_png(), prompt="x", extra_body={"lora": json.dumps([{"name": "ink"},
                                                                                  {"name": "water", "scale": -1}])})
-    assert [plan.request.lora for _, plan in dit.sent] == [
+    assert [validated.request.lora for _, validated in dit.sent] == [
         (("ink", 0.5), ("water", 1.0)), (("ink", 1.0), ("water", 1.0)), (("ink", 1.0), ("water", -1.0))]
     # the client sends every name, then every scale: an entry without a scale beside one with cannot be placed
     with pytest.raises(openai.UnprocessableEntityError) as e:
@@ -377,8 +377,8 @@ def test_a_png_with_small_text_chunks_is_still_edited(recorded):
                        (b"iCCP", b"icc\0\0" + zlib.compress(bytes(3000)))])
     got, body = _edit(ingress, image=small, size="256x256")
     assert got == 200, body
-    (_, plan), = dit.sent
-    assert plan.request.image == small
+    (_, validated), = dit.sent
+    assert validated.request.image == small
 
 
 def test_the_image_is_read_by_its_header_before_any_decoding(ingress, monkeypatch):
@@ -489,8 +489,8 @@ class _StreamDiT:
     def generate_stream(self):
         return self
 
-    def remote(self, plan):
-        self.plan = plan
+    def remote(self, validated):
+        self.validated = validated
         return self
 
     def __aiter__(self):
@@ -504,10 +504,10 @@ class _StreamDiT:
         from deployments.routing import ACCEPTED
 
         yield ACCEPTED
-        if self.plan.request.partial_images:
+        if self.validated.request.partial_images:
             yield PartialImage(0, 0, 1, b"preview")
         yield GenerationResult(image_bytes=[b"final"], seed=1, bucket=None, hit=False, missed=["batch"],
-                               real_tokens=1, padded_tokens=1, steps=self.plan.steps_run, timings_ms={})
+                               real_tokens=1, padded_tokens=1, steps=self.validated.steps_run, timings_ms={})
 
 
 def test_a_streamed_edit_sends_image_edit_events_the_client_parses():

@@ -130,16 +130,16 @@ def test_the_python_handle_takes_the_http_entries_too():
     assert as_generation_request({"prompt": "x", "lora": [("a", 0.5)]}).lora == [("a", 0.5)]  # the validator's to check
 
 
-# -- the ingress: planning, the check against lora.dir, the model card ------------------------------------------
+# -- the ingress: validation, the check against lora.dir, the model card ----------------------------------------
 
 
-def test_a_request_with_adapters_is_planned_and_sent_with_them(tmp_path):
+def test_a_request_with_adapters_is_validated_and_sent_with_them(tmp_path):
     loras = _folder(tmp_path, "style", "ink")
     dit = FakeDiT()
     answer = _post(_ingress(dit, {"dir": str(loras)}), {"lora": [{"name": "style", "scale": 0.5}, {"name": "ink"}]})
     assert len(answer.data) == 1
-    (_, plan), = dit.sent
-    assert plan.request.lora == (("style", 0.5), ("ink", 1.0))
+    (_, validated), = dit.sent
+    assert validated.request.lora == (("style", 0.5), ("ink", 1.0))
     said = [{"name": "style", "scale": 0.5}, {"name": "ink", "scale": 1.0}]  # bcg.lora: as applied, defaults filled
     assert [a.model_dump() for a in answer.bcg.lora] == said
     from bcg_core.pipeline import GenerationResult
@@ -147,7 +147,7 @@ def test_a_request_with_adapters_is_planned_and_sent_with_them(tmp_path):
 
     result = GenerationResult(image_bytes=[], seed=1, bucket=None, hit=False, missed=[], real_tokens=1, padded_tokens=1,
                               steps=1, timings_ms={})
-    assert [a.model_dump() for a in bcg_info(result, {}, 0, plan).lora] == said
+    assert [a.model_dump() for a in bcg_info(result, {}, 0, validated).lora] == said
 
 
 def test_the_validator_refuses_adapters_where_none_are_served():
@@ -303,8 +303,8 @@ class _RefusingDiT(FakeDiT):
         super().__init__()
         self.error = error
 
-    async def remote(self, plan):
-        self.sent.append((self._shape, plan))
+    async def remote(self, validated):
+        self.sent.append((self._shape, validated))
         raise RayTaskError("generate", "Traceback ...", self.error).as_instanceof_cause()
 
 

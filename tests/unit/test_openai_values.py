@@ -60,12 +60,13 @@ def test_other_words_are_still_refused_naming_auto_and_wxh(size):
             "image's) or a string 'WxH' with width and height from 256 to 2048") in err["message"]
 
 
-def test_size_auto_is_planned_and_checked_by_the_validator_at_the_models_default_size():
+def test_size_auto_is_resolved_and_checked_by_the_validator_at_the_models_default_size():
     dit = FakeDiT()
     answer = asyncio.run(_ingress(dit).generate(_http({"prompt": "x", "size": "auto", "num_inference_steps": 1})))
-    (_, plan), = dit.sent
-    assert (plan.request.width, plan.request.height) == (512, 512) and answer.size == "512x512"  # the tiny default's
-    assert plan.lookup.key.image_tokens == 1024  # the 512x512 bucket: planned like any size
+    (_, validated), = dit.sent
+    r = validated.request
+    assert (r.width, r.height) == (512, 512) and answer.size == "512x512"  # the tiny default's
+    assert validated.lookup.key.image_tokens == 1024  # the 512x512 bucket: looked up like any size
 
     # the validator checks the default size like any other: a server whose sides stop at 256 refuses it, saying why
     small = _ingress(FakeDiT(), {"buckets": {"batch_sizes": [1], "resolutions": ["256x256"]},
@@ -82,27 +83,27 @@ def test_size_auto_is_planned_and_checked_by_the_validator_at_the_models_default
 
 
 @pytest.mark.parametrize("alias,served", [("standard", "medium"), ("hd", "high")])
-def test_quality_aliases_are_planned_as_medium_and_high(alias, served):
+def test_quality_aliases_are_validated_as_medium_and_high(alias, served):
     assert ImageGenerationRequest.model_validate({"prompt": "x", "quality": alias}).quality == alias
     validator = _validator()
-    plan = validator.validate(GenerationRequest("a cat", quality=alias))
+    validated = validator.validate(GenerationRequest("a cat", quality=alias))
     same = validator.validate(GenerationRequest("a cat", quality=served))
-    assert plan.request.quality == served  # a validated request holds a served value
-    assert plan.request.num_inference_steps == same.request.num_inference_steps == {"medium": 4, "high": 8}[served]
+    assert validated.request.quality == served  # a validated request holds a served value
+    assert validated.request.num_inference_steps == same.request.num_inference_steps == {"medium": 4, "high": 8}[served]
     # the config's quality section sets them too (standard follows medium)
     cfg = EngineConfig(buckets=BucketConfig(batch_sizes=[1], resolutions=["256x256"], text_lengths=[32]),
                        quality={served: 7})
-    planned = RequestValidator(cfg, RULES, count_tokens=lambda s, negative=False: 3).validate(
+    validated = RequestValidator(cfg, RULES, count_tokens=lambda s, negative=False: 3).validate(
         GenerationRequest("a cat", width=256, height=256, quality=alias))
-    assert planned.request.num_inference_steps == 7
+    assert validated.request.num_inference_steps == 7
 
 
 @pytest.mark.parametrize("alias,served,steps", [("standard", "medium", 4), ("hd", "high", 8)])
 def test_the_answer_reports_the_quality_served(alias, served, steps):
     dit = FakeDiT()
     answer = asyncio.run(_ingress(dit).generate(_http({"prompt": "x", "size": "256x256", "quality": alias})))
-    (_, plan), = dit.sent
-    assert answer.quality == served and plan.request.num_inference_steps == steps
+    (_, validated), = dit.sent
+    assert answer.quality == served and validated.request.num_inference_steps == steps
 
 
 ALLOWED_QUALITY = "'low', 'medium', 'high', 'auto', 'standard' (= 'medium'), 'hd' (= 'high')"

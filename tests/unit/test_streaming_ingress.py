@@ -29,7 +29,7 @@ class _FailingStreamDit:
     def generate_stream(self):
         return self
 
-    def remote(self, plan):
+    def remote(self, validated):
         return self
 
     def __aiter__(self):
@@ -90,14 +90,14 @@ def test_a_failure_mid_stream_is_one_error_event_the_official_client_raises():
     dit = _FailingStreamDit()
     ingress = _ingress(dit)
     req = ImageGenerationRequest(prompt="x", size="256x256", stream=True, partial_images=1)
-    plan = ingress._validator.validate(GenerationRequest("x", width=256, height=256, partial_images=1))
+    validated = ingress._validator.validate(GenerationRequest("x", width=256, height=256, partial_images=1))
 
     async def body() -> bytes:
         from deployments.routing import stream_dit
 
-        events = stream_dit(dit, plan)
+        events = stream_dit(dit, validated)
         assert await anext(events) == "bcg:accepted"
-        return b"".join([chunk async for chunk in ingress._events(plan, req, events, 0.0)])
+        return b"".join([chunk async for chunk in ingress._events(validated, req, events, 0.0)])
 
     raw = asyncio.run(body())
     events = parse_sse(raw)

@@ -21,8 +21,8 @@ from deployments.metrics import METRICS, BucketExporter
 from stub_http import StubServer
 
 
-def _plan(width=256, height=256, n=1, tokens=7, steps=1, cfg=False) -> ValidatedRequest:
-    """A plan of the given shape, built by hand (the histogram reads only the request and the query rows)."""
+def _validated(width=256, height=256, n=1, tokens=7, steps=1, cfg=False) -> ValidatedRequest:
+    """A validated request of the given shape, built by hand (the histogram reads only its request and query rows)."""
     request = GenerationRequest("p", n=n, width=width, height=height, num_inference_steps=steps,
                                 guidance_scale=2.0 if cfg else 0.0, seed=0)
     query = ShapeQuery(n * (2 if cfg else 1), (width // 16) * (height // 16), 256)
@@ -39,9 +39,9 @@ def _shapes(snap: dict) -> dict[tuple, int]:
 def test_requests_are_counted_by_size_n_prompt_tokens_and_steps():
     h = TrafficHistogram()
     for _ in range(3):
-        h.record(_plan(512, 768, n=2, tokens=40, steps=4, cfg=True))
-    h.record(_plan(512, 768, n=2, tokens=41, steps=4))  # one more prompt token: another shape
-    h.record(_plan(768, 512, n=2, tokens=40, steps=4))  # width and height are not interchangeable
+        h.record(_validated(512, 768, n=2, tokens=40, steps=4, cfg=True))
+    h.record(_validated(512, 768, n=2, tokens=41, steps=4))  # one more prompt token: another shape
+    h.record(_validated(768, 512, n=2, tokens=40, steps=4))  # width and height are not interchangeable
     snap = h.snapshot()
     assert snap["total"] == 5 and snap["dropped"] == 0 and snap["max_shapes"] == 512 and snap["version"] == 1
     assert _shapes(snap) == {(512, 768, 2, 40, 4): 3, (512, 768, 2, 41, 4): 1, (768, 512, 2, 40, 4): 1}
@@ -54,23 +54,23 @@ def test_the_validator_count_is_recorded_not_the_padded_text_length():
     cfg = EngineConfig.model_validate({"buckets": {"batch_sizes": [1, 2, 4], "resolutions": ["256x256"],
                                                   "text_lengths": [256]}})
     validator = RequestValidator.from_config(cfg)
-    plan = validator.validate(GenerationRequest("a lighthouse at dusk", n=2, width=256, height=256,
+    validated = validator.validate(GenerationRequest("a lighthouse at dusk", n=2, width=256, height=256,
                                                 num_inference_steps=1, guidance_scale=2.0))
-    assert plan.lookup.query.text_tokens == 256  # the tiny model's fixed native text length
+    assert validated.lookup.query.text_tokens == 256  # the tiny model's fixed native text length
     h = TrafficHistogram()
-    h.record(plan)
+    h.record(validated)
     (entry,) = h.snapshot()["shapes"]
-    assert entry["text_tokens"] == validator.count_tokens("a lighthouse at dusk") == plan.prompt_tokens < 256
+    assert entry["text_tokens"] == validator.count_tokens("a lighthouse at dusk") == validated.prompt_tokens < 256
     assert (entry["n"], entry["steps"], entry["cfg_count"]) == (2, 1, 1)  # guidance 2.0: uncond rows
 
 
 def test_shapes_beyond_the_bound_are_counted_as_dropped_never_lost():
     h = TrafficHistogram(max_shapes=2)
-    h.record(_plan(tokens=1))
-    h.record(_plan(tokens=2))
-    h.record(_plan(tokens=3))  # a third shape: dropped
-    h.record(_plan(tokens=3))
-    h.record(_plan(tokens=1))  # a kept shape still counts
+    h.record(_validated(tokens=1))
+    h.record(_validated(tokens=2))
+    h.record(_validated(tokens=3))  # a third shape: dropped
+    h.record(_validated(tokens=3))
+    h.record(_validated(tokens=1))  # a kept shape still counts
     snap = h.snapshot()
     assert _shapes(snap) == {(256, 256, 1, 1, 1): 2, (256, 256, 1, 2, 1): 1}
     assert snap["dropped"] == 2 and snap["total"] == 5 == sum(_shapes(snap).values()) + snap["dropped"]
@@ -82,18 +82,18 @@ def test_the_snapshot_is_sorted_by_count_largest_first():
     h = TrafficHistogram()
     for tokens, times in ((5, 1), (6, 4), (7, 2), (8, 4)):
         for _ in range(times):
-            h.record(_plan(tokens=tokens))
+            h.record(_validated(tokens=tokens))
     snap = h.snapshot()
     assert [(s["text_tokens"], s["count"]) for s in snap["shapes"]] == [(6, 4), (8, 4), (7, 2), (5, 1)]
 
 
 def test_concurrent_records_keep_the_total_exact():
     h = TrafficHistogram(max_shapes=8)
-    plans = [_plan(tokens=t) for t in range(12)]  # 12 shapes, 8 kept
+    validated_requests = [_validated(tokens=t) for t in range(12)]  # 12 shapes, 8 kept
 
     def work():
         for _ in range(500):
-            for p in plans:
+            for p in validated_requests:
                 h.record(p)
 
     threads = [threading.Thread(target=work) for _ in range(4)]
@@ -110,7 +110,7 @@ def test_concurrent_records_keep_the_total_exact():
 def test_save_and_load_round_trip(tmp_path):
     h = TrafficHistogram(max_shapes=3)
     for tokens in (1, 1, 2, 3, 4):
-        h.record(_plan(tokens=tokens, cfg=tokens == 1))
+        h.record(_validated(tokens=tokens, cfg=tokens == 1))
     path = tmp_path / "traffic.json"
     h.save(path)
     again = TrafficHistogram.load(path)
@@ -128,9 +128,9 @@ def test_save_and_load_round_trip(tmp_path):
 
 def _valid() -> dict:
     h = TrafficHistogram(max_shapes=4)
-    h.record(_plan(tokens=3, cfg=True))
-    h.record(_plan(tokens=3))
-    h.record(_plan(tokens=9))
+    h.record(_validated(tokens=3, cfg=True))
+    h.record(_validated(tokens=3))
+    h.record(_validated(tokens=9))
     return h.snapshot()
 
 
@@ -139,11 +139,11 @@ def test_an_edit_is_recorded_with_the_steps_it_runs_and_counted_as_an_edit():
     ``bcg plan`` weighs its forwards as they run; ``edit_count`` survives a snapshot, a merge and a reload."""
     import dataclasses
 
-    edit = _plan(512, 512, steps=28)
+    edit = _validated(512, 512, steps=28)
     edit = dataclasses.replace(edit, request=dataclasses.replace(edit.request, image=b"png", strength=0.6))
     h = TrafficHistogram()
     h.record(edit)
-    h.record(_plan(512, 512, steps=28))
+    h.record(_validated(512, 512, steps=28))
     snap = h.snapshot()
     assert {(s["steps"], s["count"], s["edit_count"]) for s in snap["shapes"]} == {(17, 1, 1), (28, 1, 0)}
     both = TrafficHistogram.merged([snap, TrafficHistogram.from_snapshot(snap)]).snapshot()
@@ -180,12 +180,12 @@ def test_from_snapshot_names_the_bad_field(field, edit):
 def test_merge_sums_counts_totals_and_dropped_and_keeps_the_earlier_start():
     a = TrafficHistogram(max_shapes=2, since="2025-01-02T00:00:00+00:00")
     b = TrafficHistogram(max_shapes=2, since="2025-01-01T00:00:00+00:00")
-    a.record(_plan(tokens=1, cfg=True))
-    a.record(_plan(tokens=2))
-    a.record(_plan(tokens=5))  # dropped in a
-    b.record(_plan(tokens=1))
-    b.record(_plan(tokens=3))
-    b.record(_plan(tokens=3))
+    a.record(_validated(tokens=1, cfg=True))
+    a.record(_validated(tokens=2))
+    a.record(_validated(tokens=5))  # dropped in a
+    b.record(_validated(tokens=1))
+    b.record(_validated(tokens=3))
+    b.record(_validated(tokens=3))
     both = TrafficHistogram.merged([a.snapshot(), b])
     snap = both.snapshot()
     assert snap["max_shapes"] == 4 and snap["since"] == "2025-01-01T00:00:00+00:00"
@@ -236,9 +236,9 @@ def test_load_traffic_names_the_url_when_the_section_is_missing_or_the_server_fa
 
 def test_the_ingress_merges_every_replicas_traffic_once():
     here, there = TrafficHistogram(), TrafficHistogram()
-    here.record(_plan(tokens=1))
-    there.record(_plan(tokens=1))
-    there.record(_plan(tokens=2))
+    here.record(_validated(tokens=1))
+    there.record(_validated(tokens=1))
+    there.record(_validated(tokens=2))
     stale_here = TrafficHistogram().snapshot()  # the answering replica's last heartbeat: older than its stats
     stats = {"replica": "a", "traffic": here.snapshot()}
     ownership = {"replicas": {"a": {"stats": {"served": {}, "traffic": stale_here}},
@@ -263,7 +263,7 @@ def test_the_traffic_of_a_replica_that_left_stays_in_the_merged_histogram():
     def hist(*tokens: int) -> dict:
         h = TrafficHistogram()
         for t in tokens:
-            h.record(_plan(tokens=t))
+            h.record(_validated(tokens=t))
         return h.snapshot()
 
     def total(coord, here: str, traffic: dict | None) -> int:  # what /v1/buckets answers from replica `here`
@@ -312,10 +312,10 @@ def test_traffic_counters_are_pushed_by_their_increase_with_bounded_tags():
     ex = BucketExporter(lambda: {"buckets": [], "misses": {}}, BucketMetrics([]), backend=backend,
                         traffic=h.snapshot, text_lengths=[256, 64])
     assert {"bcg_traffic_requests", "bcg_traffic_dropped"} <= {s.name for s in METRICS}
-    h.record(_plan(512, 768, n=2, tokens=10, steps=4))
-    h.record(_plan(512, 768, n=2, tokens=20, steps=4))  # another shape, the same text bucket: one series
-    h.record(_plan(256, 256, tokens=100))
-    h.record(_plan(256, 256, tokens=300))  # a fourth shape: dropped
+    h.record(_validated(512, 768, n=2, tokens=10, steps=4))
+    h.record(_validated(512, 768, n=2, tokens=20, steps=4))  # another shape, the same text bucket: one series
+    h.record(_validated(256, 256, tokens=100))
+    h.record(_validated(256, 256, tokens=300))  # a fourth shape: dropped
     ex.push()
     m = backend.m["bcg_traffic_requests"]
     assert m.total(size="512x768", n="2", steps="4", text="64") == 2
@@ -327,8 +327,8 @@ def test_traffic_counters_are_pushed_by_their_increase_with_bounded_tags():
     before = backend.calls()
     ex.push()
     assert backend.calls() == before  # nothing new: no counter moves
-    h.record(_plan(512, 768, n=2, tokens=10, steps=4))
-    h.record(_plan(512, 768, n=2, tokens=600, steps=4))  # a new shape past the bound: dropped
+    h.record(_validated(512, 768, n=2, tokens=10, steps=4))
+    h.record(_validated(512, 768, n=2, tokens=600, steps=4))  # a new shape past the bound: dropped
     ex.push()
     assert m.calls[-1] == (1, {"size": "512x768", "n": "2", "steps": "4", "text": "64"})  # the increase only
     assert m.total(size="512x768") == 3 and backend.m["bcg_traffic_dropped"].total() == 2

@@ -1,8 +1,8 @@
-"""Planned once: the ingress plans a request, its ValidatedRequest travels to the DiT replica, and the replica trusts
-it.
+"""Validated once: the ingress validates a request, its ValidatedRequest travels to the DiT replica, and the replica
+trusts it.
 
 No Ray cluster: the DiT replica and the ingress classes are built outside Serve, the DiT handle is a fake, and
-``RequestValidator.validate`` is wrapped to count who plans what.
+``RequestValidator.validate`` is wrapped to count who validates what.
 """
 
 from __future__ import annotations
@@ -37,27 +37,27 @@ async def _make_replica(config: dict):
     return replica
 
 
-def test_the_replica_trusts_a_planned_request_and_refuses_a_raw_one(monkeypatch):
+def test_the_replica_trusts_a_validated_request_and_refuses_a_raw_one(monkeypatch):
     ingress_validator = RequestValidator.from_config(CONFIG)
-    plan = ingress_validator.validate(GenerationRequest("a red cube", width=256, height=256, num_inference_steps=1,
-                                                  guidance_scale=0.0))  # seed drawn by the ingress
+    validated = ingress_validator.validate(  # seed drawn by the ingress
+        GenerationRequest("a red cube", width=256, height=256, num_inference_steps=1, guidance_scale=0.0))
     counter = ValidationCounter(monkeypatch)
 
     async def serve_both():
         replica = await _make_replica(CONFIG.model_dump(mode="json"))
-        planned = await replica.generate(pickle.loads(pickle.dumps(plan)))  # as it arrives through Ray
-        assert counter.calls == []  # neither the scheduler nor the pipeline planned it
+        result = await replica.generate(pickle.loads(pickle.dumps(validated)))  # as it arrives through Ray
+        assert counter.calls == []  # neither the scheduler nor the pipeline validated it
         with pytest.raises(TypeError, match="ValidatedRequest"):  # validated once, at the ingress
             await replica.generate({"prompt": "a red cube", "width": 256, "height": 256,
-                                    "num_inference_steps": 1, "guidance_scale": 0.0, "seed": plan.request.seed})
-        return planned
+                                    "num_inference_steps": 1, "guidance_scale": 0.0, "seed": validated.request.seed})
+        return result
 
-    planned = asyncio.run(serve_both())
+    result = asyncio.run(serve_both())
     assert counter.calls == []
-    assert planned.seed == plan.request.seed and str(planned.bucket) == str(plan.lookup.key) == "b1_i256_t256"
+    assert result.seed == validated.request.seed and str(result.bucket) == str(validated.lookup.key) == "b1_i256_t256"
 
 
-def test_the_ingress_plans_once_sends_the_plan_and_names_the_model_from_its_spec(monkeypatch):
+def test_the_ingress_validates_once_sends_the_validated_request_and_names_the_model_from_its_spec(monkeypatch):
     dit = FakeDiT()
     ingress = _ingress(dit)  # FakeDiT.stats raises: the model name must not come from a replica
     counter = ValidationCounter(monkeypatch)
@@ -75,7 +75,7 @@ def test_the_ingress_plans_once_sends_the_plan_and_names_the_model_from_its_spec
     assert len(dit.sent) == 1  # bad input never reached a replica
 
 
-def test_the_python_handle_path_sends_the_plan_too():
+def test_the_python_handle_path_sends_the_validated_request_too():
     dit = FakeDiT()
     request = {"prompt": "a red cube", "width": 256, "height": 256, "seed": 5}
     result = asyncio.run(_ingress(dit).images(request))
@@ -83,19 +83,20 @@ def test_the_python_handle_path_sends_the_plan_too():
     assert isinstance(sent, ValidatedRequest) and sent.request.seed == 5 and result.seed == 5
 
 
-def test_a_resend_after_replica_death_carries_the_same_plan_and_seed():
+def test_a_resend_after_replica_death_carries_the_same_validated_request_and_seed():
     validator = RequestValidator.from_config(CONFIG)
-    plan = validator.validate(GenerationRequest("a red cube", width=256, height=256))  # seed drawn here, once
+    validated = validator.validate(GenerationRequest("a red cube", width=256, height=256))  # seed drawn here, once
     dit = FakeDiT(fail=2)
-    routed = asyncio.run(call_dit(dit, plan, max_retries=2, retry_wait_s=0.0))
-    assert routed.retries == 2 and routed.result.seed == plan.request.seed
+    routed = asyncio.run(call_dit(dit, validated, max_retries=2, retry_wait_s=0.0))
+    assert routed.retries == 2 and routed.result.seed == validated.request.seed
     assert [s for s, _ in dit.sent] == ["i256_t256"] * 3
-    assert all(p == plan for _, p in dit.sent)  # the same plan each time: same seed, same bucket
+    assert all(p == validated for _, p in dit.sent)  # the same validated request each time: same seed, same bucket
     with pytest.raises(ReplicaUnavailable):
-        asyncio.run(call_dit(FakeDiT(fail=5), plan, max_retries=1, retry_wait_s=0.0))
+        asyncio.run(call_dit(FakeDiT(fail=5), validated, max_retries=1, retry_wait_s=0.0))
 
 
-def test_a_plan_survives_pickling_unchanged():
-    plan = RequestValidator.from_config(CONFIG).validate(GenerationRequest("a red cube", n=2, width=256, height=256))
-    again = pickle.loads(pickle.dumps(plan))
-    assert again == plan and dataclasses.asdict(again) == dataclasses.asdict(plan)
+def test_a_validated_request_survives_pickling_unchanged():
+    validator = RequestValidator.from_config(CONFIG)
+    validated = validator.validate(GenerationRequest("a red cube", n=2, width=256, height=256))
+    again = pickle.loads(pickle.dumps(validated))
+    assert again == validated and dataclasses.asdict(again) == dataclasses.asdict(validated)

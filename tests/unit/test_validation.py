@@ -1,4 +1,4 @@
-"""Request validation and planning: each bad field gets an error naming it and the allowed values."""
+"""Request validation: each bad field gets an error naming it and the allowed values."""
 
 import pytest
 
