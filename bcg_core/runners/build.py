@@ -24,7 +24,8 @@ from bcg_core.metrics import BucketMetrics
 from bcg_core.models import weights_stamp
 from bcg_core.runners.base import BucketRunner
 from bcg_core.runners.eager import EagerBucketRunner
-from bcg_core.runners.kernels import CompiledKernels, KernelTier, check_fp8, quantize_fp8
+from bcg_core.runners.fp8 import check_fp8, quantize_fp8
+from bcg_core.runners.kernels import CompiledKernels, KernelTier
 from bcg_core.verify import derived_tolerance
 
 log = logging.getLogger(__name__)
@@ -38,7 +39,7 @@ def runner_mode(config: EngineConfig, device: torch.device | None = None) -> str
 
     Raises:
         ValueError: ``runner.mode: graph`` without CUDA, ``model.device: cuda`` where none is visible, or
-            ``runner.kernels: fp8`` where float8 cannot run (:func:`~bcg_core.runners.kernels.check_fp8`).
+            ``runner.kernels: fp8`` where float8 cannot run (:func:`~bcg_core.runners.fp8.check_fp8`).
     """
     device = device or resolve_device(config.model.device)
     mode = config.runner.mode
@@ -115,7 +116,7 @@ def compiled_kernels(config: EngineConfig, model: Family, keys: list) -> Compile
     once per checkpoint's weights and kept beside the compile cache; not measured for ``fp8``, whose bound is
     stated). For ``fp8``
     the repeated blocks' linear layers are then turned to float8, in place, once
-    (:func:`~bcg_core.runners.kernels.quantize_fp8`; the count is kept as :attr:`InstalledKernels.fp8_layers`).
+    (:func:`~bcg_core.runners.fp8.quantize_fp8`; the count is kept as :attr:`InstalledKernels.fp8_layers`).
 
     Args:
         keys: the buckets the runner serves (each block may hold one static compile per shape).

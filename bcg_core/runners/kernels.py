@@ -9,22 +9,24 @@
   bcg-serve owns the CUDA graphs: inductor's own (``mode="reduce-overhead"``) stay off, and its kernels are
   captured into the bucket's graph in the shared pool like eager ones.
 - ``fp8`` (:attr:`KernelTier.FP8`): ``compiled``, with the linear layers of the repeated blocks in float8
-  (:func:`quantize_fp8`: torchao's ``Float8DynamicActivationFloat8WeightConfig``, per-row scales: each
-  activation row and each weight output channel scaled on its own). Modulation (the adaptive norms' linear
-  layers), the embedders and the final projection stay in bf16. Needs a GPU with float8 matmuls (compute
-  capability 8.9 or newer: Ada, Hopper) and torchao; anything else is a start-up error (:func:`check_fp8`).
+  (:func:`~bcg_core.runners.fp8.quantize_fp8`: torchao's ``Float8DynamicActivationFloat8WeightConfig``, per-row
+  scales: each activation row and each weight output channel scaled on its own). Modulation (the adaptive norms'
+  linear layers), the embedders and the final projection stay in bf16. Needs a GPU with float8 matmuls (compute
+  capability 8.9 or newer: Ada, Hopper) and torchao; anything else is a start-up error
+  (:func:`~bcg_core.runners.fp8.check_fp8`). The float8 layers are in :mod:`bcg_core.runners.fp8`; its compile
+  check bound (:data:`FP8_RTOL`) is here, beside the compile check's other parts.
 
 :class:`CompiledKernels` installs the compiled blocks beside the eager ones and switches per forward
 (:meth:`CompiledKernels.active`): a bucket whose compile failed, an unpadded eager forward (a miss, whose shapes
 vary) and every forward outside a bucket keep eager kernels, so a failed compile costs speed, never service. A
-server compiles a bucket not in the cache after it serves (:mod:`bcg_core.runners.background`). On a CPU the same
-code runs (inductor's C++ backend), which is what CI exercises; only the capture into a CUDA graph needs a GPU.
+server compiles a bucket not in the cache after it serves (:mod:`bcg_core.runners.background`). A compile is bounded
+by ``runner.compile_timeout_s`` (:func:`~bcg_core.runners.deadline.compile_deadline`). On a CPU the same code runs
+(inductor's C++ backend), which is what CI exercises; only the capture into a CUDA graph needs a GPU.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import enum
 import logging
 import os
@@ -35,13 +37,20 @@ from collections.abc import Callable, Iterator
 import torch
 
 from bcg_core.errors import first_line
-
-from bcg_core.runners.attention import (  # isort: skip (kept compact: 500-line cap)
-    BACKENDS, AttentionChoice, ChoiceStore, RecordedCalls, choose, compiling_under, model_signature, record_sdpa_calls)
+from bcg_core.runners.attention import (
+    BACKENDS,
+    AttentionChoice,
+    ChoiceStore,
+    RecordedCalls,
+    choose,
+    compiling_under,
+    model_signature,
+    record_sdpa_calls,
+)
+from bcg_core.runners.deadline import CompileTimeout, compile_deadline
 from bcg_core.runners.precompiled import NotPrecompiled, PrecompiledBlocks, available
 
-__all__ = ["FP8_AMAX_LB", "FP8_MIN_CAPABILITY", "FP8_RTOL", "REPEATED_BLOCKS", "CompileFailed", "CompileTimeout",
-           "CompiledKernels", "KernelTier", "check_fp8", "fp8_layers", "quantize_fp8", "raise_recompile_limits",
+__all__ = ["FP8_RTOL", "REPEATED_BLOCKS", "CompileFailed", "CompiledKernels", "KernelTier", "raise_recompile_limits",
            "repeated_blocks", "use_cache_dir"]
 
 log = logging.getLogger(__name__)
@@ -55,74 +64,7 @@ class KernelTier(str, enum.Enum):
     COMPILED = "compiled"
     """Regional ``torch.compile`` of the repeated transformer blocks (this module's docstring)."""
     FP8 = "fp8"
-    """``compiled`` with the repeated blocks' linear layers in float8 (:func:`quantize_fp8`)."""
-
-
-FP8_MIN_CAPABILITY = (8, 9)
-"""CUDA compute capability of the first GPUs with float8 tensor cores (Ada Lovelace 8.9; Hopper is 9.0)."""
-
-
-def check_fp8(device: torch.device) -> None:
-    """Refuse the ``fp8`` tier where it cannot run.
-
-    Raises:
-        ValueError: ``device`` is not a CUDA GPU of compute capability :data:`FP8_MIN_CAPABILITY` or newer, or
-            torchao is not installed; the message names the device and the fix.
-    """
-    device = torch.device(device)
-    if device.type != "cuda":
-        raise ValueError(f"runner.kernels 'fp8' needs a CUDA GPU with float8 matmuls (compute capability "
-                         f"{FP8_MIN_CAPABILITY[0]}.{FP8_MIN_CAPABILITY[1]} or newer: Ada, Hopper); the model runs on "
-                         f"{device.type}: use 'compiled' or 'eager'")
-    cap = torch.cuda.get_device_capability(device)
-    if cap < FP8_MIN_CAPABILITY:
-        raise ValueError(f"runner.kernels 'fp8' needs compute capability {FP8_MIN_CAPABILITY[0]}."
-                         f"{FP8_MIN_CAPABILITY[1]} or newer (float8 matmuls); {torch.cuda.get_device_name(device)} "
-                         f"has {cap[0]}.{cap[1]}: use 'compiled' or 'eager'")
-    import importlib.util
-
-    if importlib.util.find_spec("torchao") is None:
-        raise ValueError("runner.kernels 'fp8' needs torchao (pip install torchao): its float8 linear layers "
-                         "are what the tier runs")
-
-
-FP8_AMAX_LB = 1e-12
-"""Lower bound of an activation row's absolute maximum when its float8 scale is chosen (torchao's
-``activation_value_lb``; the value is torchao float8 training's ``EPS`` in ``torchao/float8/float8_utils.py``).
-Without it an all-zero row gets scale ``0 / 448`` and quantizes to ``0 / 0 = NaN``: padded text tokens of
-PixArt-Sigma and SANA reach the cross-attention's ``to_k`` / ``to_v`` as zero rows where the caption projection
-has zero biases, and NaN keys and values masked out of attention still poison every row (``0 x NaN``); measured
-on an H200, every fp8 image of both families was NaN with random weights (docs/BENCHMARKS.md, 2026-12-04). With
-it a zero row quantizes to zeros and gives the layer's bias, exactly as in bf16."""
-
-
-def fp8_layers(transformer: torch.nn.Module) -> list[str]:
-    """Names of the linear layers :func:`quantize_fp8` turns to float8: those inside the repeated blocks
-    (:func:`repeated_blocks`), except the adaptive norms' modulation layers (a name with ``norm``) and any layer
-    with an all-zero weight row (its per-channel float8 scale would be 0, and the row ``0 / 0 = NaN``: such a
-    layer stays in bf16)."""
-    blocks = {id(b) for b in repeated_blocks(transformer)}
-    prefixes = [name + "." for name, m in transformer.named_modules() if id(m) in blocks]
-    return [name for name, m in transformer.named_modules()
-            if isinstance(m, torch.nn.Linear) and any(name.startswith(p) for p in prefixes) and "norm" not in name
-            and m.weight.device.type != "meta" and bool(m.weight.detach().abs().amax(dim=1).gt(0).all())]
-
-
-def quantize_fp8(transformer: torch.nn.Module) -> int:
-    """Turn :func:`fp8_layers` of ``transformer`` to float8, in place (torchao ``quantize_`` with
-    ``Float8DynamicActivationFloat8WeightConfig(granularity=PerRow())``: weights stored in float8_e4m3fn with one
-    scale per output channel, activations quantized per row at run time, each row's absolute maximum at least
-    :data:`FP8_AMAX_LB` so that a zero row stays zero). Returns the layers changed."""
-    from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
-
-    names = set(fp8_layers(transformer))
-    # set_inductor_config=False: torchao's default turns on inductor's coordinate-descent tuning process-wide
-    # (torchao.quantization.utils.recommended_inductor_config_setter), which changes every other compile in the
-    # process and, on an H200 with torch 2.11, crashed Triton while tuning FLUX blocks (docs/BENCHMARKS.md).
-    config = Float8DynamicActivationFloat8WeightConfig(granularity=PerRow(), activation_value_lb=FP8_AMAX_LB,
-                                                       set_inductor_config=False)
-    quantize_(transformer, config, filter_fn=lambda module, fqn: fqn in names)
-    return len(names)
+    """``compiled`` with the repeated blocks' linear layers in float8 (:func:`~bcg_core.runners.fp8.quantize_fp8`)."""
 
 
 def raise_recompile_limits(per_code: int, accumulated: int) -> None:
@@ -172,11 +114,6 @@ that one compiled graph per bucket shape serves every block of the class (:func:
 class CompileFailed(RuntimeError):
     """A bucket's compile (or its first compiled forward) raised, passed ``runner.compile_timeout_s``, or its
     compiled forward failed the check against the eager one; the bucket keeps eager kernels."""
-
-
-class CompileTimeout(BaseException):
-    """Raised inside a compile past its deadline (:meth:`CompiledKernels.compiling`); a ``BaseException``, so that
-    dynamo's and inductor's ``except Exception`` handlers let it through."""
 
 
 FP8_RTOL = 0.25
@@ -369,9 +306,10 @@ class CompiledKernels:
         capture). With ``attention`` (a backend name), compiles in the block trace SDPA to that backend and their
         cache entries are keyed by it (:func:`~bcg_core.runners.attention.compiling_under`).
 
-        The deadline: a timer thread raises :class:`CompileTimeout` inside this thread when the block passes
-        :attr:`timeout_s` (CPython's ``PyThreadState_SetAsyncExc``; it arrives at the next Python bytecode, so a long
-        call into C++ ends first). The compile unwinds through its own ``with`` blocks (dynamo's compile lock is
+        The deadline (:func:`~bcg_core.runners.deadline.compile_deadline`): a timer thread raises
+        :class:`~bcg_core.runners.deadline.CompileTimeout` inside this thread when the block passes :attr:`timeout_s`
+        (CPython's ``PyThreadState_SetAsyncExc``; it arrives at the next Python bytecode, so a long call into C++ ends
+        first). The compile unwinds through its own ``with`` blocks (dynamo's compile lock is
         released) and nothing of it is kept: the bucket keeps eager kernels.
 
         Raises:
@@ -386,7 +324,7 @@ class CompiledKernels:
         if self.precompiled is not None:
             self.precompiled.begin()
         try:
-            with self.active(), compiling_under(attention), _deadline(self.timeout_s):
+            with self.active(), compiling_under(attention), compile_deadline(self.timeout_s):
                 yield
         except (torch.OutOfMemoryError, NotPrecompiled):
             raise
@@ -411,46 +349,6 @@ class CompiledKernels:
         """``(loads, compiles)`` of :attr:`precompiled`: files read, and compiles (they bypass the FX graph cache)."""
         p = self.precompiled
         return (p.loads, p.saves + p.unsaved) if p is not None else (0, 0)
-
-
-@contextlib.contextmanager
-def _deadline(seconds: float | None) -> Iterator[None]:
-    """Raise :class:`CompileTimeout` in this thread if the block is still running after ``seconds`` (None: never).
-
-    The exception is set again every :data:`_REFIRE_S` until the block ends: one that lands where Python swallows
-    exceptions (a ``__del__``, a weakref or gc callback print "Exception ignored" and go on) would otherwise let
-    the compile run to its end. A pending exception that the timer set just as the block ended is withdrawn
-    before leaving, so it never lands in the caller's code."""
-    if not seconds:
-        yield
-        return
-    tid, lock, done = threading.get_ident(), threading.Lock(), threading.Event()
-    state = {"armed": True, "fired": False}
-
-    def fire() -> None:
-        wait = seconds
-        while not done.wait(wait):
-            with lock:
-                if not state["armed"]:
-                    return
-                state["fired"] = True
-                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(tid), ctypes.py_object(CompileTimeout))
-            wait = _REFIRE_S
-
-    timer = threading.Thread(target=fire, name="bcg-compile-deadline", daemon=True)
-    timer.start()
-    try:
-        yield
-    finally:
-        done.set()
-        with lock:
-            state["armed"] = False
-            if state["fired"]:  # withdraw it if it has not been raised yet
-                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(tid), None)
-
-
-_REFIRE_S = 0.05
-"""Seconds between repeats of a compile deadline's exception (:func:`_deadline`)."""
 
 
 def kernel_stats(kernels: CompiledKernels | None, state: dict[str, dict]) -> dict:

@@ -96,7 +96,7 @@ def test_fp8_is_refused_at_start_where_float8_cannot_run_and_names_its_layers():
     """On a CPU (CI) the fp8 tier is a start-up error naming the requirement, before any model loads; the layers it
     would turn to float8 are the repeated blocks' linear layers without the adaptive norms' modulation."""
     from bcg_core.pipeline import runner_mode
-    from bcg_core.runners.kernels import fp8_layers
+    from bcg_core.runners.fp8 import fp8_layers
 
     with pytest.raises(ValueError, match=r"runner.kernels 'fp8' needs a CUDA GPU with float8 matmuls \(compute "
                                          r"capability 8.9 or newer: Ada, Hopper\); the model runs on cpu"):

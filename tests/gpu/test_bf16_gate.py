@@ -36,7 +36,7 @@ pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CU
 
 
 def _fp8_runs() -> bool:
-    from bcg_core.runners.kernels import check_fp8
+    from bcg_core.runners.fp8 import check_fp8
 
     try:
         check_fp8(torch.device("cuda"))

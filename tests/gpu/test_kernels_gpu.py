@@ -78,7 +78,7 @@ def test_fp8_kernels_capture_and_leave_inductor_settings_alone(table, new_adapte
     pytest.importorskip("torchao")
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("float8 matmuls need compute capability 8.9")
-    from bcg_core.runners.kernels import quantize_fp8
+    from bcg_core.runners.fp8 import quantize_fp8
 
     before = torch._inductor.config.coordinate_descent_tuning
     adapter = new_adapter()
@@ -124,13 +124,14 @@ def test_fp8_keeps_a_zero_activation_row_zero_so_padded_text_cannot_poison_the_i
     """PixArt-Sigma's padded text tokens reach the cross-attention's ``to_k`` / ``to_v`` as zero rows where the
     caption projection's biases are zero (random weights). Without a lower bound on a row's absolute maximum the
     row's float8 scale is 0 and it quantizes to NaN, which masked attention spreads to every image token
-    (``kernels.FP8_AMAX_LB``). A layer with an all-zero weight row stays in bf16."""
+    (``fp8.FP8_AMAX_LB``). A layer with an all-zero weight row stays in bf16."""
     pytest.importorskip("torchao")
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("float8 matmuls need compute capability 8.9")
     from diffusers import PixArtTransformer2DModel
 
-    from bcg_core.runners.kernels import FP8_RTOL, fp8_layers, quantize_fp8
+    from bcg_core.runners.fp8 import fp8_layers, quantize_fp8
+    from bcg_core.runners.kernels import FP8_RTOL
 
     torch.manual_seed(0)
     model = PixArtTransformer2DModel(num_attention_heads=2, attention_head_dim=32, in_channels=4, out_channels=8,
