@@ -5,7 +5,8 @@ Lifecycle (the contract of :class:`~bcg_core.runners.base.BucketRunner`):
 - :meth:`CudaGraphRunner.prepare` runs before the replica reports ready. Buckets are captured largest
   first (by padded tokens) into one shared memory pool (``torch.cuda.graph_pool_handle``), so smaller
   buckets reuse the larger ones' pool blocks. Per bucket: static buffers, warm-up forwards on a side
-  stream (their peak memory is the bucket's estimate), a budget check, then the capture. The first
+  stream (their peak memory is the bucket's estimate), a budget check, then the capture (the steps of one
+  capture are :class:`~bcg_core.runners.graph_record.GraphRecorder`'s, a base class of the runner). The first
   capture of the first ``prepare`` runs under ``torch.cuda.set_sync_debug_mode("error")`` to surface hidden
   host syncs. It is
   idempotent and says per bucket whether a graph exists (:attr:`BucketEntry.mode`).
@@ -28,7 +29,6 @@ No random numbers are drawn inside a graph: the pipeline draws noise on the CPU 
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
@@ -39,7 +39,6 @@ import torch
 from bcg_core import failpoints
 from bcg_core.capabilities import GraphReplay, supports_plain_forward
 from bcg_core.devices import cuda_ms
-from bcg_core.errors import first_line
 from bcg_core.keys import BucketKey
 from bcg_core.metrics import BucketMetrics, ForwardMode
 from bcg_core.padding import DenoiseInputs, DiTAdapter
@@ -47,6 +46,7 @@ from bcg_core.padding import DenoiseInputs, DiTAdapter
 from bcg_core.runners.base import (  # isort: skip (500-line cap); re-exports capture_order, budget_allows, CaptureStats
     BucketEntry, BucketFault, CaptureStats, RunMode, budget_allows, capture_order, demote, eager_forward, entry_kernels,
     fill_fused, fused_buffers, is_out_of_memory, static_forward)
+from bcg_core.runners.graph_record import GraphRecorder
 from bcg_core.runners.kernels import CompiledKernels, CompileFailed, KernelTier
 from bcg_core.runners.precompiled import NotPrecompiled
 from bcg_core.verify import compile_entry
@@ -58,7 +58,7 @@ log = logging.getLogger(__name__)
 MiB = 1 << 20
 
 
-class CudaGraphRunner(GraphReplay):
+class CudaGraphRunner(GraphRecorder, GraphReplay):
     """One CUDA graph per bucket, all in one shared memory pool.
 
     Args:
@@ -162,35 +162,6 @@ class CudaGraphRunner(GraphReplay):
                 self.metrics.record_capture(key, entry.capture_s)
             return entry
 
-    def _forward(self, buffers: dict[str, torch.Tensor], fused: dict[str, torch.Tensor] | None, plain: bool = False):
-        """The work a bucket's graph holds: the forward (``plain``: without LoRA rows), then with ``fused`` the
-        fused step's update."""
-        out = self.adapter.forward_plain(buffers) if plain else self.adapter.forward(buffers)
-        if fused is None:
-            return out, None
-        from bcg_core.runners.fused import fused_update
-
-        return out, fused_update(out, buffers["latents"], fused["meta"], fused["dt"])
-
-    def _warmup(self, buffers: dict[str, torch.Tensor], fused: dict[str, torch.Tensor] | None = None,
-                iters: int | None = None) -> int:
-        """``iters`` (default ``warmup_iters``) warm-up forwards on a side stream; returns their peak memory above
-        the starting allocation."""
-        torch.cuda.synchronize(self.device)
-        base = torch.cuda.memory_allocated(self.device)
-        torch.cuda.reset_peak_memory_stats(self.device)
-        # One side stream for every warm-up: each new stream would get (and keep) its own cuBLAS workspace.
-        if self._side is None:
-            self._side = torch.cuda.Stream(self.device)
-        side = self._side
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side), torch.inference_mode():
-            for _ in range(self.warmup_iters if iters is None else iters):
-                self._forward(buffers, fused)
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        torch.cuda.synchronize(self.device)
-        return torch.cuda.max_memory_allocated(self.device) - base
-
     def _eager_kernels(self, entry: BucketEntry, why: str) -> None:
         """``entry`` keeps eager kernels from now on: noted, counted and logged."""
         entry.kernels = KernelTier.EAGER
@@ -278,54 +249,6 @@ class CudaGraphRunner(GraphReplay):
         self.stats.capture_s += entry.capture_s
         self.stats.pool_bytes += grown
         return entry
-
-    def _record(self, graph, entry: BucketEntry, sync_debug: bool, plain: bool = False):
-        """Capture ``entry``'s forward (with its kernels) into ``graph`` in the shared pool; its static outputs.
-
-        The capture's error mode is ``thread_local``: calls that are unsafe during a capture are refused on this
-        thread only. A replica captures while it serves (shapes newly assigned when a peer leaves,
-        ``deployments/dit.py``; lazy captures). The denoising thread waits meanwhile (``run`` takes this runner's
-        lock), but the decode, preview and edit-encode threads and the LoRA loader go on; under the default
-        ``global`` mode a ``cudaMalloc`` or a stream synchronization of theirs would fail during the capture. Their
-        work is on streams of their own (PyTorch's streams are non-blocking), so none of it is recorded into the
-        graph. A device-wide synchronization (``torch.cuda.synchronize()``, which the decode's background compile
-        makes while inductor times kernels) still invalidates a capture in any mode: that capture fails and its
-        bucket runs eager-only, as any failed capture. While another thread allocates, ``pool_bytes`` (reserved
-        memory before and after the capture) can count its allocations too."""
-        with (self._sync_debug(sync_debug), torch.inference_mode(), entry_kernels(self.kernels, entry),
-              torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local")):
-            output, nxt = self._forward(entry.buffers, entry.fused, plain)
-        torch.cuda.synchronize(self.device)
-        return output, nxt
-
-    def _capture_plain(self, entry: BucketEntry) -> None:
-        """With LoRA adapters: capture ``entry``'s forward without the deltas as its second graph, over the same
-        buffers and pool (``entry.plain``), so forwards whose rows carry no adapter cost what they cost without
-        ``lora.dir`` (the deltas read each layer's input and rewrite its output: about 11% of a forward at
-        FLUX.1-dev width, docs/BENCHMARKS.md). A failure leaves the bucket on its one graph, which serves those
-        rows too (slot 0): noted and logged, never raised."""
-        graph = torch.cuda.CUDAGraph()
-        try:  # no warm-up of its own: its kernels are the LoRA graph's, warmed up and compiled before it
-            output, nxt = self._record(graph, entry, False, plain=True)
-        except Exception as e:  # noqa: BLE001 - the bucket still serves every row through its LoRA graph
-            torch.cuda.synchronize(self.device)
-            entry.note = "; ".join(n for n in (entry.note, f"no graph without LoRA: {type(e).__name__}: "
-                                                           f"{first_line(e, '')}"[:200]) if n)
-            log.warning("bucket %s: no graph without LoRA deltas: %s", entry.key, entry.note)
-            return
-        entry.plain = (graph, output, nxt)
-
-    @contextlib.contextmanager
-    def _sync_debug(self, on: bool):
-        if not on:
-            yield
-            return
-        old = torch.cuda.get_sync_debug_mode()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            yield
-        finally:
-            torch.cuda.set_sync_debug_mode(old)
 
     def _dropped(self, key: BucketKey, why: str) -> BucketEntry:
         torch.cuda.synchronize(self.device)
