@@ -14,7 +14,8 @@ import pytest
 from bcg_core.families.tiny import TINY_TEXT_TOKENS
 from bcg_core.keys import BucketKey
 from bcg_core.metrics import STEP_MS_BOUNDS, BucketMetrics, histogram_quantile
-from deployments.metrics import METRICS, BucketExporter
+from deployments.metric_specs import METRICS
+from deployments.metrics import BucketExporter
 from fake_metrics import FakeBackend
 
 ROOT = Path(__file__).resolve().parents[2]
