@@ -594,23 +594,24 @@ def server_overrides(server: str, base: dict, spec, requests: list, concurrency:
     return over
 
 
-def plan_all(validator, requests: list, steps: int) -> tuple[list, list[tuple[Any, str]]]:
-    """Plan every request as the ingress would: ``(plans, refused)``, ``refused`` as ``(request, message)``."""
+def validate_all(validator, requests: list, steps: int) -> tuple[list, list[tuple[Any, str]]]:
+    """Validate every request as the ingress would: ``(validated, refused)``, ``refused`` as
+    ``(request, message)``."""
     from bcg_core.errors import RequestError
 
-    plans, refused = [], []
+    validated, refused = [], []
     for r in requests:
         try:
-            plans.append(validator.validate(generation_request(r, steps)))
+            validated.append(validator.validate(generation_request(r, steps)))
         except RequestError as e:
             refused.append((r, e.message))
-    return plans, refused
+    return validated, refused
 
 
 def check_all_miss(validator, requests: list, steps: int) -> list:
     """The requests that would HIT a bucket of ``validator``'s table (the naive table must leave none)."""
-    plans, _ = plan_all(validator, requests, steps)
-    return [p for p in plans if p.lookup.hit]
+    validated, _ = validate_all(validator, requests, steps)
+    return [p for p in validated if p.lookup.hit]
 
 
 # -- GPU sampling ----------------------------------------------------------------------------------------------
@@ -738,10 +739,10 @@ def build_model(name: str, tiny: bool, scratch: str | None, device: str) -> tupl
     return {"path": str(folder), "dtype": dtype, "device": device}, folder, info
 
 
-def floor_key(plan, spec) -> tuple:
+def floor_key(validated, spec) -> tuple:
     """The floor's shape key of a validated request: (width, height, n, guidance, text tokens or None)."""
-    r = plan.request
-    text = plan.lookup.query.text_tokens if spec.rules.native_text_tokens is None else None
+    r = validated.request
+    text = validated.lookup.query.text_tokens if spec.rules.native_text_tokens is None else None
     return (r.width, r.height, r.n, r.guidance_scale, text)
 
 
@@ -767,9 +768,9 @@ def gpu_floor(config, requests: list, steps: int, floor_steps: int | None = None
     model = load_model(config.model)
     pipe = DiTPipeline(config, model)
     try:
-        plans, refused = plan_all(pipe.validator, requests, steps)
+        validated, refused = validate_all(pipe.validator, requests, steps)
         groups: dict[tuple, list] = {}
-        for p in plans:
+        for p in validated:
             groups.setdefault(floor_key(p, pipe.validator.spec), []).append(p)
         k = floor_steps if floor_steps is not None and 2 <= floor_steps < steps else None
         shapes = []
@@ -1087,7 +1088,7 @@ def main(argv: list[str] | None = None) -> int:
         if hits:
             raise SystemExit(f"the naive table {configs['naive'].buckets.resolutions} holds {len(hits)} requests "
                              f"(e.g. {hits[0].lookup.key}): it must miss every one")
-        _, refused = plan_all(RequestValidator(configs[runs[0][0]], spec, counter), reqs, args.steps)
+        _, refused = validate_all(RequestValidator(configs[runs[0][0]], spec, counter), reqs, args.steps)
         result.update(base_config=base, planned_refusals=[f"{r.describe()}: {m}" for r, m in refused],
                       naive_tier=configs["naive"].buckets.resolutions[0])
         save()

@@ -100,7 +100,7 @@ def test_naive_config_makes_every_one_of_the_first_32_krea_requests_miss(tiny):
     assert naive.buckets.image_padding == "exact" and len(naive.buckets.resolutions) == 1
     assert naive.routing.max_ongoing_requests == 16  # admits the whole replay's concurrency: no 503
     validator = RequestValidator(naive, spec, counter)
-    validated_requests, refused = bench.plan_all(validator, reqs, 20)
+    validated_requests, refused = bench.validate_all(validator, reqs, 20)
     assert refused == [] and len(validated_requests) == 32
     assert all(not p.lookup.hit for p in validated_requests)
     assert all("image_tokens" in [d.value for d in p.lookup.missed] for p in validated_requests)
@@ -113,7 +113,7 @@ def test_naive_config_makes_every_one_of_the_first_32_krea_requests_miss(tiny):
     assert bench.server_overrides("step", {}, spec, reqs, 16, kernels="compiled", compile_decode=True) == {
         "runner": {"kernels": "compiled", "compile_decode": True}}
     assert "compile_decode" not in bench.server_overrides("naive", base, spec, reqs, 16, compile_decode=True)["runner"]
-    validated_requests, refused = bench.plan_all(RequestValidator(cfgs["step"], spec, counter), reqs, 20)
+    validated_requests, refused = bench.validate_all(RequestValidator(cfgs["step"], spec, counter), reqs, 20)
     assert refused == [] and all(p.lookup.hit for p in validated_requests)
 
 
@@ -141,7 +141,7 @@ def test_naive_tier_of_a_binned_family_is_a_bin_no_request_is_binned_to():
     tier = cfgs["naive"].buckets.resolutions[0]
     assert tier not in base["buckets"]["resolutions"]
     assert bench.check_all_miss(RequestValidator(cfgs["naive"], spec, count), reqs, 20) == []
-    validated_requests, refused = bench.plan_all(RequestValidator(cfgs["step"], spec, count), reqs, 20)
+    validated_requests, refused = bench.validate_all(RequestValidator(cfgs["step"], spec, count), reqs, 20)
     assert refused == [] and all(p.lookup.hit for p in validated_requests)
     forced = bench.replay_requests(4, size="512x512")  # --size: one bin for every request
     assert {(r.width, r.height) for r in forced} == {(512, 512)}
