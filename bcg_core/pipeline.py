@@ -58,7 +58,7 @@ from bcg_core.runners.build import (  # re-exported: the runner config.runner as
 from bcg_core.runners.decode import install as install_decode
 from bcg_core.runners.kernels import CompiledKernels, KernelTier, kernel_stats
 from bcg_core.validation import RequestValidator
-from bcg_core.verify import FusedStats
+from bcg_core.verify_fused import FusedStats
 
 log = logging.getLogger(__name__)
 
@@ -271,8 +271,8 @@ class DiTPipeline:
 
     def check_fused(self) -> bool:
         """Prove the fused step bitwise equal to the host step on this device before any request uses it
-        (:func:`bcg_core.verify.check_fused`); returns True when it is on."""
-        from bcg_core.verify import check_fused
+        (:func:`bcg_core.verify_fused.check_fused`); returns True when it is on."""
+        from bcg_core.verify_fused import check_fused
 
         return check_fused(self)
 
@@ -357,7 +357,7 @@ class DiTPipeline:
         grid-keyed families, else the most square grid of exactly ``key.image_tokens`` tokens among the sizes
         the limits allow (the largest grid below it when none is exact); ``key.text_tokens`` real text tokens.
         """
-        from bcg_core.verify import BoundaryCase, random_inputs
+        from bcg_core.verify_inputs import BoundaryCase, random_inputs
 
         case = BoundaryCase(key, rows, self._example_grid(key), key.text_tokens)
         return random_inputs(self.model.adapter, case, self.model.device, self.model.dtype, seed)

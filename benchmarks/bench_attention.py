@@ -31,7 +31,7 @@ from bench_masked_attention import graph_ms  # noqa: E402
 
 from bcg_core.keys import BucketKey  # noqa: E402
 from bcg_core.models import load_model  # noqa: E402
-from bcg_core.verify import BoundaryCase, random_inputs  # noqa: E402
+from bcg_core.verify_inputs import BoundaryCase, random_inputs  # noqa: E402
 
 BUCKETS = ("b1_i4096_t512", "b2_i1024_t512", "b4_i4096_t512", "b2_i4096_m_t512")
 

@@ -12,7 +12,7 @@ script measures whether that costs replay speed, and how long each way compiles,
 - each mode runs in its own process (dynamo's caches and inductor's on-disk cache start empty: a cold compile);
   ``batch-warm`` and ``dynamic-warm`` run ``batch`` and ``dynamic`` again on the cache they filled (a restart);
 - per bucket shape (rows x size at the model's text bucket, as ``benchmarks/bench_graphs.py`` builds them, random
-  inputs from :func:`bcg_core.verify.random_inputs`): ``compile_s``, the wall time of the first forward with the
+  inputs from :func:`bcg_core.verify_inputs.random_inputs`): ``compile_s``, the wall time of the first forward with the
   compiled blocks (the compile and one forward; ~0 where an earlier shape's code is reused); ``graph_ms``, the
   median replay of a CUDA graph captured around that forward (20 replays, CUDA events); ``eager_graph_ms``, the
   same for the eager blocks (the ``eager`` tier); ``rel_err``, max |compiled - eager| / max |eager| of the output;
@@ -129,7 +129,7 @@ def worker(args) -> dict:
     from bench_graphs import bench_cases
 
     from bcg_core.runners.kernels import raise_recompile_limits, repeated_blocks
-    from bcg_core.verify import random_inputs
+    from bcg_core.verify_inputs import random_inputs
 
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

@@ -55,7 +55,8 @@ for _p in (ROOT / "benchmarks", ROOT / "tests", ROOT):
 
 from bcg_core import DiTPipeline, GenerationRequest, RequestValidator, describe_model, load_model  # noqa: E402
 from bcg_core.config import BucketConfig, EngineConfig, LimitsConfig, ModelConfig, RunnerConfig  # noqa: E402
-from bcg_core.verify import RTOL, boundary_cases, verify_runner  # noqa: E402
+from bcg_core.verify import RTOL, verify_runner  # noqa: E402
+from bcg_core.verify_inputs import boundary_cases  # noqa: E402
 
 PROMPT = "a photo of a cat sitting on a red chair"
 

@@ -46,7 +46,7 @@ from bcg_core import (
 )
 from bcg_core.planning.profile import cuda_ms, kernel_floor
 from bcg_core.runners.cuda_graph import CudaGraphRunner
-from bcg_core.verify import BoundaryCase, random_inputs
+from bcg_core.verify_inputs import BoundaryCase, random_inputs
 
 
 @dataclass(frozen=True)

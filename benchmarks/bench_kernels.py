@@ -54,7 +54,8 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks"), str(ROOT / "tests")]
 from bcg_core import BucketConfig, DiTPipeline, LimitsConfig  # noqa: E402
 from bcg_core.config import RunnerConfig, SchedulerConfig  # noqa: E402
 from bcg_core.models import load_model  # noqa: E402
-from bcg_core.verify import RTOL, BoundaryCase, random_inputs, verify_runner  # noqa: E402
+from bcg_core.verify import RTOL, verify_runner  # noqa: E402
+from bcg_core.verify_inputs import BoundaryCase, random_inputs  # noqa: E402
 from deployments.settings import ServeConfig  # noqa: E402
 
 MODELS = {  # name: (bench_fused_step model, sizes in pixels)

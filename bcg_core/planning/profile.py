@@ -16,7 +16,7 @@ import torch
 from bcg_core.devices import cuda_ms
 from bcg_core.padding import DiTAdapter
 from bcg_core.runners.base import BucketRunner
-from bcg_core.verify import BoundaryCase, random_inputs
+from bcg_core.verify_inputs import BoundaryCase, random_inputs
 
 __all__ = ["ProfileRow", "cuda_ms", "kernel_floor", "profile_case"]
 

@@ -4,7 +4,7 @@ config, as tables (``bcg plan`` is in :mod:`deployments.cli.plan_command`).
 Both load the configured model and build the runner the config asks for (CUDA graphs on a GPU, static
 eager buffers on a CPU), exactly as a replica does, then:
 
-- ``verify`` runs every bucket's boundary shapes (:func:`bcg_core.verify.boundary_cases`) padded
+- ``verify`` runs every bucket's boundary shapes (:func:`bcg_core.verify_inputs.boundary_cases`) padded
   through the runner and unpadded through the adapter's eager forward, and prints the worst relative
   error and pass or fail per bucket (tolerance from the dtype: docs/DESIGN.md section 4);
 - ``warm`` compiles every bucket with the config's compiled kernels ahead of a start, filling the compile cache;
@@ -18,7 +18,8 @@ import torch
 
 from bcg_core.keys import BucketKey
 from bcg_core.pipeline import DiTPipeline
-from bcg_core.verify import RTOL, BoundaryCase, boundary_cases, square_grid, verify_runner
+from bcg_core.verify import RTOL, verify_runner
+from bcg_core.verify_inputs import BoundaryCase, boundary_cases, square_grid
 
 from ..settings import ServeConfig
 

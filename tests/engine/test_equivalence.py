@@ -20,7 +20,8 @@ from bcg_core import (
     LimitsConfig,
     ShapeQuery,
 )
-from bcg_core.verify import boundary_cases, verify_runner
+from bcg_core.verify import verify_runner
+from bcg_core.verify_inputs import boundary_cases
 from closeness import RTOL, assert_close
 
 TEXT = 12

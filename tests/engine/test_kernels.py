@@ -17,7 +17,8 @@ from bcg_core.config import RunnerConfig
 from bcg_core.pipeline import DiTPipeline
 from bcg_core.runners.kernels import FP8_RTOL, CompiledKernels, KernelTier, repeated_blocks
 from bcg_core.runners.precompiled import available as precompiled_available
-from bcg_core.verify import RTOL, boundary_cases, verify_runner
+from bcg_core.verify import RTOL, verify_runner
+from bcg_core.verify_inputs import boundary_cases
 
 TABLE = BucketConfig(batch_sizes=[1, 2], resolutions=["256x256"], text_lengths=[256])
 
@@ -125,7 +126,8 @@ import json, sys
 from bcg_core import BucketConfig, EngineConfig
 from bcg_core.config import RunnerConfig
 from bcg_core.pipeline import DiTPipeline
-from bcg_core.verify import RTOL, boundary_cases, verify_runner
+from bcg_core.verify import RTOL, verify_runner
+from bcg_core.verify_inputs import boundary_cases
 config = EngineConfig(buckets=BucketConfig(batch_sizes=[1], resolutions=["256x256"], text_lengths=[256]),
                       runner=RunnerConfig(kernels="compiled", compile_cache_dir=sys.argv[1]))
 pipe = DiTPipeline.from_config(config)
@@ -425,7 +427,7 @@ def test_the_compile_check_covers_text_padding_where_the_family_pads_text(tmp_pa
     key-padding mask holds a pad: what the fp8 tier's zero-row quantization did) fail that check and the bucket keeps
     eager kernels; the full-text inputs alone would have passed them."""
     from bcg_core.runners.eager import EagerBucketRunner
-    from bcg_core.verify import text_pad_of
+    from bcg_core.verify_inputs import text_pad_of
     from reference_gate import bcg_pipeline
     from tiny.pixart import build
 

@@ -164,7 +164,8 @@ def test_bucket_checks_cover_the_graph_for_adapter_rows_too(ckpt, monkeypatch):
     """``bcg verify``'s padded-against-unpadded check runs each case through both of a LoRA deployment's bucket
     paths (no adapter rows; slot-0 adapter rows), each within the check's bound."""
     import bcg_core.lora.layers as layers
-    from bcg_core.verify import boundary_cases, verify_runner
+    from bcg_core.verify import verify_runner
+    from bcg_core.verify_inputs import boundary_cases
 
     folder, loras, pipe = ckpt
     calls = []

@@ -95,7 +95,7 @@ def test_on_cuda_replays_captures_pool_bytes_and_step_times_are_exported():
     from bcg_core import BucketTable, FluxAdapter
     from bcg_core.pipeline import _StepTimer
     from bcg_core.runners.cuda_graph import CudaGraphRunner
-    from bcg_core.verify import BoundaryCase, random_inputs
+    from bcg_core.verify_inputs import BoundaryCase, random_inputs
 
     cuda, dtype = torch.device("cuda"), torch.bfloat16
     torch.manual_seed(0)

@@ -54,7 +54,8 @@ from bcg_core import (
 )
 from bcg_core.families import family_class
 from bcg_core.families.pixart import PIXART_SIGMA_MAX_TEXT_TOKENS, PixArtSigmaFamily, aspect_ratio_bins
-from bcg_core.verify import boundary_cases, verify_runner
+from bcg_core.verify import verify_runner
+from bcg_core.verify_inputs import boundary_cases
 from closeness import RTOL, assert_close, rel_err
 from reference_gate import assert_same, bcg_pipeline, bcg_run, bcg_run_joined, diffusers_run
 from tiny.pixart import build

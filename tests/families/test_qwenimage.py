@@ -42,7 +42,8 @@ from bcg_core.families.qwenimage import (
     QwenImageFamily,
     TextMaskAttnProcessor,
 )
-from bcg_core.verify import boundary_cases, verify_runner
+from bcg_core.verify import verify_runner
+from bcg_core.verify_inputs import boundary_cases
 from closeness import RTOL, assert_close, rel_err
 from reference_gate import assert_same, bcg_pipeline, bcg_run, bcg_run_joined, diffusers_run
 from tiny.qwenimage import build

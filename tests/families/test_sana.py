@@ -46,7 +46,8 @@ from bcg_core.families.sana import (
     complex_human_instruction,
     sana_bins,
 )
-from bcg_core.verify import boundary_cases, verify_runner
+from bcg_core.verify import verify_runner
+from bcg_core.verify_inputs import boundary_cases
 from closeness import RTOL, assert_close, rel_err
 from reference_gate import assert_same, bcg_pipeline, bcg_run, bcg_run_joined, diffusers_run
 from tiny.sana import build

@@ -14,7 +14,8 @@ from bcg_core.runners.base import RunMode
 from bcg_core.runners.cuda_graph import CudaGraphRunner
 from bcg_core.runners.kernels import CompiledKernels
 from bcg_core.runners.precompiled import available
-from bcg_core.verify import boundary_cases, verify_runner
+from bcg_core.verify import verify_runner
+from bcg_core.verify_inputs import boundary_cases
 
 pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
               pytest.mark.skipif(not available(torch.compile), reason="torch without ahead-of-time compile")]

@@ -5,7 +5,8 @@ import torch
 
 from bcg_core import LimitsConfig, RunMode, ShapeQuery
 from bcg_core.runners.cuda_graph import CudaGraphRunner, capture_order
-from bcg_core.verify import BoundaryCase, boundary_cases, random_inputs, verify_runner
+from bcg_core.verify import verify_runner
+from bcg_core.verify_inputs import BoundaryCase, boundary_cases, random_inputs
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

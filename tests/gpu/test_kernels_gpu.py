@@ -8,7 +8,8 @@ import torch
 from bcg_core import BucketMetrics, LimitsConfig
 from bcg_core.runners.cuda_graph import CudaGraphRunner
 from bcg_core.runners.kernels import CompiledKernels, KernelTier
-from bcg_core.verify import boundary_cases, verify_runner
+from bcg_core.verify import verify_runner
+from bcg_core.verify_inputs import boundary_cases
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
