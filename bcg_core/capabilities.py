@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     import numpy as np
     import torch
 
-    from bcg_core.families.base import RequestState
+    from bcg_core.families.state import RequestState
     from bcg_core.padding import DenoiseInputs
     from bcg_core.runners.fused import EulerStep
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import importlib
 
-from bcg_core.families.base import Family, ModelSpec, RequestState, TextRows, concat_rows, pad_text, read_json
+from bcg_core.families.base import Family, ModelSpec, read_json
+from bcg_core.families.state import RequestState, TextRows, concat_rows, pad_text
 
 __all__ = [
     "Family", "ModelSpec", "PIPELINE_CLASSES", "RequestState", "TextRows", "UnknownPipelineClass",

@@ -37,16 +37,9 @@ import numpy as np
 import torch
 
 from bcg_core.capabilities import FusedStep, Previews
-from bcg_core.families.base import (
-    QUALITY_STEPS,
-    ModelSpec,
-    RequestState,
-    TextRows,
-    load_pipeline,
-    read_json,
-    tokenizer_counter,
-)
+from bcg_core.families.base import QUALITY_STEPS, ModelSpec, load_pipeline, read_json, tokenizer_counter
 from bcg_core.families.defaults import pipeline_defaults
+from bcg_core.families.state import RequestState, TextRows
 from bcg_core.keys import BucketKey
 from bcg_core.padding import DenoiseInputs, copy_rows
 from bcg_core.table import ShapeRules

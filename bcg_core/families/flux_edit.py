@@ -18,8 +18,8 @@ import threading
 
 import torch
 
-from bcg_core.families.base import RequestState
 from bcg_core.families.edit_view import PipelineView, edit_pipeline as _edit_pipeline, flow_edit_timesteps
+from bcg_core.families.state import RequestState
 
 __all__ = ["edit_pipeline", "start_edit"]
 

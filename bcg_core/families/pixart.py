@@ -45,8 +45,9 @@ import numpy as np
 import torch
 
 from bcg_core.capabilities import Previews
-from bcg_core.families.base import QUALITY_STEPS, ModelSpec, RequestState, TextRows, load_pipeline, pad_text, read_json
+from bcg_core.families.base import QUALITY_STEPS, ModelSpec, load_pipeline, read_json
 from bcg_core.families.defaults import pipeline_defaults
+from bcg_core.families.state import RequestState, TextRows, pad_text
 from bcg_core.padding import DenoiseInputs, GridMaskedTextAdapter
 from bcg_core.table import ShapeRules
 

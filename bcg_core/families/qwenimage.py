@@ -49,8 +49,9 @@ import torch
 from diffusers.models.transformers.transformer_qwenimage import QwenDoubleStreamAttnProcessor2_0
 
 from bcg_core.capabilities import Previews
-from bcg_core.families.base import QUALITY_STEPS, ModelSpec, RequestState, TextRows, load_pipeline, pad_text
+from bcg_core.families.base import QUALITY_STEPS, ModelSpec, load_pipeline
 from bcg_core.families.defaults import pipeline_defaults
+from bcg_core.families.state import RequestState, TextRows, pad_text
 from bcg_core.keys import BucketKey
 from bcg_core.padding import DenoiseInputs, copy_rows, fill_masked_text
 from bcg_core.table import ShapeRules

@@ -14,8 +14,9 @@ from pathlib import Path
 import torch
 
 from bcg_core.config import ModelConfig
-from bcg_core.families.base import QUALITY_STEPS, ModelSpec, TextRows, tokenizer_counter
+from bcg_core.families.base import QUALITY_STEPS, ModelSpec, tokenizer_counter
 from bcg_core.families.flux import FLUX_SCHEDULER_CONFIG, FluxFamily
+from bcg_core.families.state import TextRows
 from bcg_core.table import ShapeRules
 from bcg_core.text import SentenceTextEncoder, minilm_path
 
