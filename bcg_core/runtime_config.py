@@ -75,7 +75,7 @@ class RunnerConfig(BaseModel):
         "derived at start (bcg_core/verify.py kernel_tolerance): for 'compiled' max(the dtype's padding tolerance, "
         "min(2 x the eager forward's own rounding error against float32, measured on the smallest bucket, 0.1)); "
         "for 'fp8' "
-        "the stated bound 0.25 (bcg_core/runners/kernels.py FP8_RTOL).",
+        "the stated bound 0.25 (bcg_core/runners/fp8.py FP8_RTOL).",
     )
     compile_cache_dir: str | None = Field(
         default=None,

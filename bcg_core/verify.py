@@ -148,12 +148,12 @@ def kernel_tolerance(tier: str, dtype: torch.dtype, deviation: float | None) -> 
     - ``compiled``: ``max(RTOL, min(COMPILED_FACTOR x deviation, COMPILED_CAP))``, ``deviation`` being the eager
       forward's own rounding error in this dtype (:func:`precision_deviation`); :data:`RTOL` when it could not be
       measured.
-    - ``fp8``: the stated bound :data:`~bcg_core.runners.kernels.FP8_RTOL`.
+    - ``fp8``: the stated bound :data:`~bcg_core.runners.fp8.FP8_RTOL`.
 
     Returns:
         ``(rtol, note)``, the note saying how it was derived (for logs, ``bcg verify`` and ``/v1/buckets``).
     """
-    from bcg_core.runners.kernels import FP8_RTOL
+    from bcg_core.runners.fp8 import FP8_RTOL
 
     base = RTOL[dtype]
     if tier == "fp8":

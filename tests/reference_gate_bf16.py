@@ -45,7 +45,7 @@ import numpy as np
 import torch
 
 from bcg_core import GenerationRequest
-from bcg_core.runners.kernels import FP8_RTOL
+from bcg_core.runners.fp8 import FP8_RTOL
 from reference_gate import bcg_pipeline, bcg_run, bcg_run_joined, pixels
 
 __all__ = ["BOUNDS", "CASES", "Deviation", "FAMILIES", "FamilyCase", "MARGIN", "allowance", "bcg_image",
@@ -424,7 +424,7 @@ only ever a rounding."""
 FP8_LATENT_CAP = FP8_RTOL / MARGIN
 """The most the ``fp8`` tier's latent allowance may be before :data:`MARGIN` (so at most ``FP8_RTOL``, 0.25, after
 it: two float8 e4m3 steps, the bound each fp8 bucket forward is checked to when it is prepared,
-``bcg_core/runners/kernels.py``). Without it, 16 x a large rounding deviation (0.025 x 16 x 2 = 0.8) would come
+``bcg_core/runners/fp8.py``). Without it, 16 x a large rounding deviation (0.025 x 16 x 2 = 0.8) would come
 near admitting another image (1.2-1.7 relative)."""
 
 

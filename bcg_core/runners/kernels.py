@@ -13,8 +13,8 @@
   scales: each activation row and each weight output channel scaled on its own). Modulation (the adaptive norms'
   linear layers), the embedders and the final projection stay in bf16. Needs a GPU with float8 matmuls (compute
   capability 8.9 or newer: Ada, Hopper) and torchao; anything else is a start-up error
-  (:func:`~bcg_core.runners.fp8.check_fp8`). The float8 layers are in :mod:`bcg_core.runners.fp8`; its compile
-  check bound (:data:`FP8_RTOL`) is here, beside the compile check's other parts.
+  (:func:`~bcg_core.runners.fp8.check_fp8`). The float8 layers and the tier's compile check bound
+  (:data:`~bcg_core.runners.fp8.FP8_RTOL`) are in :mod:`bcg_core.runners.fp8`.
 
 :class:`CompiledKernels` installs the compiled blocks beside the eager ones and switches per forward
 (:meth:`CompiledKernels.active`): a bucket whose compile failed, an unpadded eager forward (a miss, whose shapes
@@ -50,7 +50,7 @@ from bcg_core.runners.attention import (
 from bcg_core.runners.deadline import CompileTimeout, compile_deadline
 from bcg_core.runners.precompiled import NotPrecompiled, PrecompiledBlocks, available
 
-__all__ = ["FP8_RTOL", "REPEATED_BLOCKS", "CompileFailed", "CompiledKernels", "KernelTier", "raise_recompile_limits",
+__all__ = ["REPEATED_BLOCKS", "CompileFailed", "CompiledKernels", "KernelTier", "raise_recompile_limits",
            "repeated_blocks", "use_cache_dir"]
 
 log = logging.getLogger(__name__)
@@ -114,16 +114,6 @@ that one compiled graph per bucket shape serves every block of the class (:func:
 class CompileFailed(RuntimeError):
     """A bucket's compile (or its first compiled forward) raised, passed ``runner.compile_timeout_s``, or its
     compiled forward failed the check against the eager one; the bucket keeps eager kernels."""
-
-
-FP8_RTOL = 0.25
-"""Stated bound of the ``fp8`` tier's check: a bucket's compiled forward may deviate from the eager forward of the
-same float8 model (whose linear layers quantize too, through torchao's eager path) by this much relative to its
-largest value: two float8 e4m3 steps (3 mantissa bits, so one step is 2^-3 = 12.5% of a value), since the two
-paths quantize activations on their own and may round a value one step apart. Measured: 5-8e-3 on the tiny test
-model, 0.11 and 0.12 on the full FLUX.1-dev transformer at 1 x 4096 image tokens (random weights, H200,
-docs/BENCHMARKS.md), where 0.1 failed both buckets. A broken compile deviates by O(1) or NaN. The deviation of fp8
-images from bf16 ones is the bf16 gate's to report, not this check's."""
 
 
 def repeated_blocks(transformer: torch.nn.Module) -> list[torch.nn.Module]:

@@ -15,7 +15,8 @@ from PIL import Image
 from bcg_core import BucketConfig, EngineConfig, GenerationRequest
 from bcg_core.config import RunnerConfig
 from bcg_core.pipeline import DiTPipeline
-from bcg_core.runners.kernels import FP8_RTOL, CompiledKernels, KernelTier, repeated_blocks
+from bcg_core.runners.fp8 import FP8_RTOL
+from bcg_core.runners.kernels import CompiledKernels, KernelTier, repeated_blocks
 from bcg_core.runners.precompiled import available as precompiled_available
 from bcg_core.verify import RTOL, verify_runner
 from bcg_core.verify_inputs import boundary_cases

@@ -131,8 +131,7 @@ def test_fp8_keeps_a_zero_activation_row_zero_so_padded_text_cannot_poison_the_i
         pytest.skip("float8 matmuls need compute capability 8.9")
     from diffusers import PixArtTransformer2DModel
 
-    from bcg_core.runners.fp8 import fp8_layers, quantize_fp8
-    from bcg_core.runners.kernels import FP8_RTOL
+    from bcg_core.runners.fp8 import FP8_RTOL, fp8_layers, quantize_fp8
 
     torch.manual_seed(0)
     model = PixArtTransformer2DModel(num_attention_heads=2, attention_head_dim=32, in_channels=4, out_channels=8,
