@@ -101,7 +101,7 @@ def engine_field_phrase(name: str, limits: LimitsConfig, size_multiple: int | No
 
 
 def invalid(name: str, got: object, reason: str, allowed: str | None) -> str:
-    """The message of a refused field: ``invalid 'n' (got 11): 11 is out of range; allowed: an integer from 1 to
+    """The message of a refused field: ``invalid 'n' (got 11): out of range; allowed: an integer from 1 to
     10`` (the HTTP schema's type errors read the same)."""
     return f"invalid '{name}' (got {shown(got)}): {reason}" + (f"; allowed: {allowed}" if allowed else "")
 
@@ -209,7 +209,7 @@ class RequestValidator:
             raise bad("prompt", r.prompt, "it must contain visible text (it holds only control, format or zero-width "
                                           "characters)")
         if len(r.prompt) > lim.max_prompt_chars:
-            raise bad("prompt", f"{len(r.prompt)} characters", f"it has {len(r.prompt)} characters")
+            raise bad("prompt", f"{len(r.prompt)} characters", "too long")
         if not _is_int(r.n) or not 1 <= r.n <= lim.max_images:
             raise bad("n", r.n, "out of range")
         edit = self._edit_defaults(r)  # the edit pipeline's defaults; None for text to image
@@ -227,7 +227,7 @@ class RequestValidator:
             try:
                 self.rules.check_size(r.width, r.height)
             except ValueError as e:
-                raise bad("size", size, str(e)) from None
+                raise bad("size", size, str(e).removeprefix(f"size {size}: ")) from None  # the size: quoted once
         if r.quality is not None and (not isinstance(r.quality, str)
                                       or (r.quality not in QUALITIES and r.quality not in QUALITY_ALIASES)):
             raise bad("quality", r.quality, "not a served quality")

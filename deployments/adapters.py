@@ -191,7 +191,7 @@ class AdapterCatalog:
         missing = await asyncio.to_thread(self._unknown, missing)
         if not missing:
             return
-        from bcg_core.validation import engine_field_phrase, invalid
+        from bcg_core.validation import engine_field_phrase
 
         allowed = engine_field_phrase("lora", LimitsConfig(), lora=self.config)  # the lora phrase reads no limit
         with self._lock:
@@ -204,5 +204,5 @@ class AdapterCatalog:
         what = "; ".join([*(f"{why}: a link that leaves the folder is not served" for why in links),
                           *([f"no adapter {absent} in lora.dir"] if absent else [])])
         reason = f"{what} (adapters: {shown or 'none'}; GET /v1/models lists them)"
-        refused = list(missing)
-        raise RequestError("lora", invalid("lora", refused[0] if len(refused) == 1 else refused, reason, allowed))
+        # the reason names each refused adapter, so the message quotes no "got" before it
+        raise RequestError("lora", f"invalid 'lora': {reason}; allowed: {allowed}")

@@ -91,44 +91,64 @@ def validation_error_response(exc: ValidationError, limits: RequestLimits,
 
     Returns:
         400 when the body is not JSON, else 422; ``param`` is the first field at fault and the message
-        lists every fault, each with the values its field accepts (a fault inside a field, such as an entry of
-        ``lora``, also says where: ``lora[0].scale``).
+        lists every fault once, each with the values its field accepts (a fault inside a field, such as an entry of
+        ``lora``, also says where: ``lora[0].scale``). Each value sent is quoted once, each list of allowed values
+        given once: the unknown fields are named together before the list of fields, the faults inside one field
+        together before what the field accepts, and an enumeration's values only in ``allowed``.
     """
     fields = ", ".join(model.model_fields)
-    messages: list[str] = []
+    # (kind, field) -> its pieces, in the order first met: ("unknown", "") the unknown fields, named in one message;
+    # ("inside", field) the faults inside a field (lora entries), in one message; ("text", i) a message of its own
+    parts: dict[tuple[str, str], list[str]] = {}
     param: str | None = None
     status = 422
-    for err in exc.errors(include_url=False):
+    for i, err in enumerate(exc.errors(include_url=False)):
         loc = [str(p) for p in err.get("loc", ())]
         name = loc[0] if loc else None
         kind = err.get("type", "")
         msg = str(err.get("msg", "")).removeprefix("Value error, ")
+        own = ("text", str(i))
         if kind == "json_invalid":
             status = 400
-            messages.append(f"request body is not valid JSON ({err.get('ctx', {}).get('error', msg)}); "
-                            f"send a JSON object with the fields {fields}")
+            parts[own] = [f"request body is not valid JSON ({err.get('ctx', {}).get('error', msg)}); "
+                          f"send a JSON object with the fields {fields}"]
             continue
         if name is None:
-            messages.append(f"request body must be a JSON object with the fields {fields} ({msg})")
+            parts[own] = [f"request body must be a JSON object with the fields {fields} ({msg})"]
             continue
         param = param or name
-        if len(loc) > 1:  # inside a field (an entry of lora): the field, where in it, and what the field accepts
-            where = _path(loc)
-            if kind == "extra_forbidden":
-                what = f"unknown key '{loc[-1]}' at {where}"
-            elif kind == "missing":
-                what = f"{where} is missing"
-            else:
-                what = (f"got {shown(err['input'], 40)} at {where}" if "input" in err else f"at {where}") + f": {msg}"
-            messages.append(f"invalid '{name}' ({what}); allowed: {http_field_phrase(name, limits)}")
+        if len(loc) > 1:  # inside a field (an entry of lora): where in it; the field's message says what it accepts
+            parts.setdefault(("inside", name), []).append(_inner_fault(err, loc, msg))
         elif kind == "extra_forbidden":
-            messages.append(f"unknown field '{name}'; allowed fields: {fields}")
+            parts.setdefault(("unknown", ""), []).append(f"'{name}'")
         elif kind == "missing":
-            messages.append(f"'{name}' is required: {http_field_phrase(name, limits)}")
+            parts[own] = [f"'{name}' is required: {http_field_phrase(name, limits)}"]
         else:
+            reason = "not a served value" if kind == "literal_error" else msg  # the values: in 'allowed' only
             got = f" (got {shown(err['input'], 40)})" if "input" in err else ""
-            messages.append(f"invalid '{name}'{got}: {msg}; allowed: {http_field_phrase(name, limits)}")
+            parts[own] = [f"invalid '{name}'{got}: {reason}; allowed: {http_field_phrase(name, limits)}"]
+    messages = []
+    for (kind, name), pieces in parts.items():
+        if kind == "unknown":
+            messages.append(f"unknown field{'s' if len(pieces) > 1 else ''} {', '.join(pieces)}; allowed fields: "
+                            f"{fields}")
+        elif kind == "inside":
+            messages.append(f"invalid '{name}' ({'; '.join(pieces)}); allowed: {http_field_phrase(name, limits)}")
+        else:
+            messages.extend(pieces)
     return error_response(status, "; ".join(messages) or str(exc), param=param)
+
+
+def _inner_fault(err: dict, loc: list[str], msg: str) -> str:
+    """One fault inside a field, where it is: ``unknown key 'weight' at lora[0]``, ``lora[0].name is missing``,
+    ``got 'x' at lora[0].scale: Input should be a valid number``."""
+    kind = err.get("type", "")
+    if kind == "extra_forbidden":
+        return f"unknown key '{loc[-1]}' at {_path(loc[:-1])}"
+    where = _path(loc)
+    if kind == "missing":
+        return f"{where} is missing"
+    return (f"got {shown(err['input'], 40)} at {where}" if "input" in err else f"at {where}") + f": {msg}"
 
 
 def find_request_error(exc: BaseException) -> RequestError | None:

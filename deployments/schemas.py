@@ -218,7 +218,7 @@ class ImageGenerationRequest(BaseModel):
     def _model(cls, v: str | None, info: ValidationInfo) -> str | None:
         name = _limits(info).model_name
         if v is not None and name is not None and v != name:
-            raise ValueError(f"model {v!r} is not served here")
+            raise ValueError("not served here")  # the error message quotes the value
         return v
 
     @field_validator("lora", mode="before")
@@ -227,7 +227,7 @@ class ImageGenerationRequest(BaseModel):
         # before the entries are read: a long list is refused by its length alone
         lora = _limits(info).lora
         if isinstance(v, list) and lora is not None and lora.dir is not None and len(v) > lora.max_per_request:
-            raise ValueError(f"{len(v)} adapters are more than lora.max_per_request {lora.max_per_request}")
+            raise ValueError(f"more entries than lora.max_per_request {lora.max_per_request}")
         return v
 
     @field_validator("n")
@@ -240,7 +240,10 @@ class ImageGenerationRequest(BaseModel):
     def _size(cls, v: str | None) -> str:
         if v is None or v == "auto":  # OpenAI's "auto": the default size (width_height), checked by the validator
             return "auto"
-        w, h = parse_size(v)  # ValueError names the expected form; ranges are the validator's
+        try:
+            w, h = parse_size(v)  # ranges are the validator's
+        except ValueError:  # parse_size's message quotes the value, which the error message quotes already
+            raise ValueError("not of the form 'WxH' with positive integer pixels (for example '512x512')") from None
         return f"{w}x{h}"
 
     @field_validator("response_format")
