@@ -43,13 +43,14 @@ class RunnerConfig(BaseModel):
         default="auto",
         description="The kernels of every bucket's padded forward (bcg_core/runners/kernels.py): 'eager' is "
         "PyTorch's eager kernels (diffusers' exact bits); 'compiled' compiles the transformer's repeated blocks "
-        "with torch.compile (inductor, static shapes, one compile per bucket shape) and captures those kernels in "
-        "the bucket's graph; 'fp8' is 'compiled' with the repeated blocks' linear layers in float8 through torchao "
-        "(per-row scales; modulation, embedders and the final projection stay bf16; needs a GPU of compute "
-        "capability 8.9 or newer, refused at start elsewhere). 'auto': 'compiled' on CUDA, 'eager' on a CPU. "
-        "Every compiled bucket's forward is checked against its eager forward (runner.compile_rtol); a bucket "
-        "whose compile fails, passes runner.compile_timeout_s or fails that check keeps eager kernels (noted and "
-        "counted in /v1/buckets). Misses (unpadded forwards) always run eager kernels.",
+        "with torch.compile (inductor; one compile per token shape and batch class, runner.compile_batch_dynamic) "
+        "and captures those kernels in the bucket's graph; 'fp8' is 'compiled' with the repeated blocks' linear "
+        "layers in float8 through torchao (per-row scales; modulation, embedders and the final projection stay "
+        "bf16; needs a GPU of compute capability 8.9 or newer, refused at start elsewhere). 'auto': 'compiled' on "
+        "CUDA, 'eager' on a CPU. Every compiled bucket's forward is checked against its eager forward "
+        "(runner.compile_rtol); a bucket whose compile fails, passes runner.compile_timeout_s or fails that check "
+        "keeps eager kernels (noted and counted in /v1/buckets). Misses (unpadded forwards) always run eager "
+        "kernels.",
     )
     ready_after_s: float | None = Field(
         default=20.0, ge=0.0, le=86400.0,
@@ -92,6 +93,14 @@ class RunnerConfig(BaseModel):
         "kept beside the compile cache so a restart reuses it; 'default': PyTorch's own priority; a name: that "
         "backend first. Shown per bucket as 'attention' in /v1/buckets. Buckets on eager kernels always keep "
         "PyTorch's own choice (diffusers' bits).",
+    )
+    compile_batch_dynamic: bool = Field(
+        default=True,
+        description="With compiled kernels: the buckets of one token shape and more than one row share one compile, "
+        "their batch dimension left dynamic (bcg_core/runners/kernels.py shared_batch); one row, and inputs too "
+        "large for 32-bit indexing at any batch, compile per shape. On an H100 (FLUX.1-dev width, 1-8 rows) it "
+        "compiled 12 graphs in 42.8 s instead of 24 in 65.9 s, replaying within 3% of static shapes "
+        "(docs/BENCHMARKS.md 2026-12-07). False: one static compile per bucket shape.",
     )
     compile_mode: Literal["default", "max-autotune-no-cudagraphs"] = Field(
         default="default",

@@ -126,7 +126,8 @@ def compiled_kernels(config: EngineConfig, model: Family, keys: list) -> Compile
         return None
     installed = installed_kernels(model.adapter.model)
     kernels = installed.compiled
-    if kernels is None or kernels.mode != config.runner.compile_mode:
+    if kernels is None or (kernels.mode, kernels.batch_dynamic) != (config.runner.compile_mode,
+                                                                   config.runner.compile_batch_dynamic):
         if config.runner.compile_rtol is not None:
             rtol, note = config.runner.compile_rtol, "runner.compile_rtol"
         else:
@@ -138,7 +139,8 @@ def compiled_kernels(config: EngineConfig, model: Family, keys: list) -> Compile
         kernels = CompiledKernels(model.adapter.model, mode=config.runner.compile_mode,
                                   max_shapes=max(64, 2 * len(keys)), cache_dir=config.runner.compile_cache_dir,
                                   timeout_s=config.runner.compile_timeout_s, rtol=rtol,
-                                  attention=config.runner.attention)
+                                  attention=config.runner.attention,
+                                  batch_dynamic=config.runner.compile_batch_dynamic)
         kernels.rtol_note = note
         log.info("compiled kernels (%s): each bucket checked against eager within %.3g (%s)", tier.value, rtol, note)
         installed.compiled = kernels

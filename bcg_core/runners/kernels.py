@@ -2,7 +2,9 @@
 
 - ``eager`` (:attr:`KernelTier.EAGER`): PyTorch's eager kernels, exactly diffusers' bits.
 - ``compiled`` (:attr:`KernelTier.COMPILED`): the transformer's repeated blocks compiled by ``torch.compile``
-  (inductor, ``dynamic=False``, ``fullgraph=True``: one static-shape compile per bucket shape), the rest eager.
+  (inductor, ``dynamic=False``, ``fullgraph=True``), the rest eager: one compile per token shape for the buckets of
+  more than one row, their batch dimension left dynamic (:func:`shared_batch`, ``runner.compile_batch_dynamic``),
+  and one per token shape at one row.
   This is regional compilation as diffusers' ``ModelMixin.compile_repeated_blocks`` does it, on the blocks its
   ``_repeated_blocks`` names (FLUX.1, Qwen-Image) or, for transformers that name none, on their transformer
   blocks (:data:`REPEATED_BLOCKS`: SD3, PixArt-Sigma, SANA); a transformer with neither is compiled whole.
@@ -111,6 +113,37 @@ INPUT_LAYOUTS: dict[str, Callable[[dict], dict]] = {"FluxSingleTransformerBlock"
 that one compiled graph per bucket shape serves every block of the class (:func:`_joint_views`)."""
 
 
+INDEX_MARGIN = 64
+"""A block's inputs share a compile across batch sizes only while each input has fewer than ``2**31 / INDEX_MARGIN``
+elements: the block's largest intermediates (the MLP's 4x hidden width, q, k and v) then stay within 32-bit
+indexing at every batch of the class, whatever batch it was traced at. Larger inputs compile per exact shape."""
+
+
+def shared_batch(args: tuple, kwargs: dict) -> int | None:
+    """Leave the batch dimension of a block call's inputs dynamic, so that every bucket of one token shape and more
+    than one row shares one compile (``torch._dynamo.maybe_mark_dynamic`` on dimension 0 of each tensor input whose
+    first size is the batch: ``hidden_states``' first size). Measured on an H100 (FLUX.1-dev width, 1-8 rows at
+    1,024 and 4,096 tokens): 12 graphs compiled in 42.8 s instead of 24 in 65.9 s, and the replay of each bucket's
+    CUDA graph within 3% of static shapes' (``benchmarks/bench_compile_shapes.py``, docs/BENCHMARKS.md
+    2026-12-07). A batch of one stays specialized (dynamo specializes sizes 0 and 1), and so do inputs too large
+    for :data:`INDEX_MARGIN`.
+
+    Returns:
+        The batch size marked dynamic, or None where the call compiles for its exact shape.
+    """
+    hidden = kwargs.get("hidden_states", args[0] if args else None)
+    if not isinstance(hidden, torch.Tensor) or hidden.ndim < 2 or hidden.shape[0] < 2:
+        return None
+    rows = hidden.shape[0]
+    tensors = [v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)]
+    if any(t.numel() * INDEX_MARGIN >= 2**31 for t in tensors):
+        return None
+    for t in tensors:
+        if t.ndim >= 2 and t.shape[0] == rows:
+            torch._dynamo.maybe_mark_dynamic(t, 0)
+    return rows
+
+
 class CompileFailed(RuntimeError):
     """A bucket's compile (or its first compiled forward) raised, passed ``runner.compile_timeout_s``, or its
     compiled forward failed the check against the eager one; the bucket keeps eager kernels."""
@@ -130,7 +163,7 @@ class CompiledKernels:
     Each repeated block's ``forward`` is replaced by a switch: inside :meth:`active` it calls
     ``compile_fn(original forward)``, elsewhere the original. Parameters, buffers, state dict and hooks are the
     block's own (nothing is copied or renamed). Dynamo's recompile limits are raised so that every bucket shape
-    gets its own static compile instead of falling back to eager after eight shapes.
+    gets its own compile instead of falling back to eager after eight shapes.
 
     Args:
         transformer: the family's transformer (an ``nn.Module``), already on its device and dtype.
@@ -149,6 +182,8 @@ class CompiledKernels:
             (:mod:`bcg_core.runners.precompiled`: a warm start loads it without tracing), where this torch has the
             API and ``compile_fn`` is ``torch.compile``; a block whose ahead-of-time compile raises is compiled the
             plain way.
+        batch_dynamic: buckets of one token shape and more than one row share one compile (:func:`shared_batch`;
+            ``runner.compile_batch_dynamic``); False: one compile per bucket shape.
 
     Raises:
         ValueError: a mode that would capture inductor's own CUDA graphs.
@@ -156,11 +191,14 @@ class CompiledKernels:
 
     def __init__(self, transformer: torch.nn.Module, compile_fn: Callable = torch.compile, mode: str = "default",
                  max_shapes: int = 256, cache_dir: str | None = None, timeout_s: float | None = None,
-                 rtol: float | None = None, attention: str = "auto", precompile: bool = True):
+                 rtol: float | None = None, attention: str = "auto", precompile: bool = True,
+                 batch_dynamic: bool = True):
         if "cudagraphs" not in mode and mode != "default":
             raise ValueError(f"inductor mode {mode!r} captures CUDA graphs of its own; bcg-serve owns the graphs: "
                              f"use 'default' or 'max-autotune-no-cudagraphs'")
         self.mode = mode
+        self.batch_dynamic = batch_dynamic
+        """Buckets of one token shape and more than one row share a compile (:func:`shared_batch`)."""
         self.cache_dir = use_cache_dir(cache_dir) if cache_dir else None
         self.timeout_s = timeout_s
         """Seconds one bucket's compile may take (``runner.compile_timeout_s``); None: no bound."""
@@ -216,12 +254,14 @@ class CompiledKernels:
             if not getattr(local, "on", False):
                 return eager(*args, **kwargs)
             kwargs = layout(kwargs) if layout else kwargs
+            batch = shared_batch(args, kwargs) if self.batch_dynamic else None
             pre, probe = self.precompiled, getattr(local, "cached_only", False)
             if probe and (pre is None or type(block).__qualname__ in traced):
                 raise NotPrecompiled(f"{type(block).__qualname__} compiles through dynamo, never loaded whole")
             if pre is not None and type(block).__qualname__ not in traced:
                 try:
-                    fn = pre.function(block, args, kwargs, getattr(local, "attention", None), load_only=probe)
+                    fn = pre.function(block, args, kwargs, getattr(local, "attention", None), load_only=probe,
+                                      batch=batch)
                 except (CompileTimeout, torch.OutOfMemoryError, NotPrecompiled):
                     raise
                 except Exception as e:  # noqa: BLE001 - e.g. a tensor subclass it cannot serialize
@@ -358,7 +398,8 @@ def kernel_stats(kernels: CompiledKernels | None, state: dict[str, dict]) -> dic
     start = "eager" if k is None else "warm" if warm else "partial" if hits else "cold"
     pre, names = None if k is None else k.precompiled, ("loads", "saves", "rebuilt", "unsaved", "discarded")
     return {
-        "mode": k and k.mode, "regional": k and k.regional, "rtol": k and k.rtol, "rtol_from": k and k.rtol_note,
+        "mode": k and k.mode, "batch_dynamic": k and k.batch_dynamic, "regional": k and k.regional,
+        "rtol": k and k.rtol, "rtol_from": k and k.rtol_note,
         "compile_s": round(k.compile_s, 3) if k else 0.0, "compile_failed": on_eager.count(False),
         "pending": on_eager.count(True), "compile_timeouts": k.timeouts if k else 0, "timeout_s": k and k.timeout_s,
         "cache_dir": k and k.cache_dir, "cache_hits": hits, "cache_misses": misses, "start": start,

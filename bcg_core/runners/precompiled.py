@@ -93,8 +93,11 @@ def _attributes(obj) -> list:
     return out
 
 
-def _tensor(t: torch.Tensor) -> tuple:
-    return (tuple(t.shape), tuple(t.stride()), str(t.dtype), str(t.device), type(t).__qualname__, t.requires_grad)
+def _tensor(t: torch.Tensor, batch: int | None = None) -> tuple:
+    shape = tuple(t.shape)
+    if batch is not None and t.ndim >= 2 and shape[0] == batch:  # a dynamic batch dimension (shared_batch)
+        shape = ("B", *shape[1:])
+    return (shape, tuple(t.stride()), str(t.dtype), str(t.device), type(t).__qualname__, t.requires_grad)
 
 
 def block_signature(block: torch.nn.Module) -> str:
@@ -108,10 +111,13 @@ def block_signature(block: torch.nn.Module) -> str:
     return repr(parts)
 
 
-def inputs_signature(args: tuple, kwargs: dict) -> str:
+def inputs_signature(args: tuple, kwargs: dict, batch: int | None = None) -> str:
     """A text of a call's inputs: each tensor's :func:`_tensor` and the index of the first input sharing its
     storage, every other value's ``repr`` (None, numbers, flags; a value of another kind by its class name), and
-    whether autograd records."""
+    whether autograd records. With ``batch`` (a batch dimension left dynamic:
+    :func:`~bcg_core.runners.kernels.shared_batch`), a tensor whose first size is ``batch`` reads ``B`` there, so
+    every batch of the class has one signature (strides and offsets stay exact: a layout that depends on the batch
+    is another signature)."""
     storages: dict[int, int] = {}
     index = [0]
 
@@ -120,7 +126,7 @@ def inputs_signature(args: tuple, kwargs: dict) -> str:
             ptr = v.untyped_storage().data_ptr()
             first = storages.setdefault(ptr, index[0])
             index[0] += 1
-            return ("T", _tensor(v), first, v.storage_offset())
+            return ("T", _tensor(v, batch), first, v.storage_offset())
         if isinstance(v, (tuple, list)):
             return (type(v).__name__, tuple(one(x) for x in v))
         if isinstance(v, dict):
@@ -266,18 +272,22 @@ class PrecompiledBlocks:
         return f"{self._block(block)[0]}-{hashlib.sha256(text.encode()).hexdigest()[:40]}"
 
     def function(self, block: torch.nn.Module, args: tuple, kwargs: dict, attention: str | None,
-                 load_only: bool = False) -> Callable:
+                 load_only: bool = False, batch: int | None = None) -> Callable:
         """The compiled ``run(block, *args, **kwargs)`` for this block structure and these inputs: from memory,
         else from disk, else compiled now (``aot_compile`` with ``args``, ``kwargs`` as the example) and written
         (atomically: a temp file renamed). Call it inside the bucket's compile context (SDPA backend, cache key,
         deadline: :meth:`~bcg_core.runners.kernels.CompiledKernels.compiling`).
+
+        With ``batch`` (the inputs' batch dimension marked dynamic), one function serves every batch size above 1
+        of these token shapes (:func:`inputs_signature`); buckets of several batch sizes may then choose different
+        SDPA backends, so the in-memory key holds the backend too.
 
         Raises:
             NotPrecompiled: with ``load_only``, where neither memory nor a readable file holds it (nothing is
                 compiled: the probe of a warm start, :meth:`~bcg_core.runners.kernels.CompiledKernels.cached_only`).
             Whatever ``aot_compile`` raises (the caller turns it into a bucket on eager kernels).
         """
-        key = repr((self._block(block)[1], inputs_signature(args, kwargs)))
+        key = repr((self._block(block)[1], inputs_signature(args, kwargs, batch), attention if batch else None))
         used = getattr(self._used, "keys", None)
         if used is not None:
             used.add(key)

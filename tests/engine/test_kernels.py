@@ -53,6 +53,22 @@ def test_every_bucket_compiles_and_matches_the_unpadded_eager_forward(compiled):
     assert stats["model"]["load_s"] > 0 and stats["kernels"]["prepare_s"] >= stats["kernels"]["compile_s"]
 
 
+def test_buckets_of_one_token_shape_and_several_rows_share_one_compile():
+    """``runner.compile_batch_dynamic`` (the default): the 2- and 4-row buckets of one size compile once per block
+    class (their batch dimension dynamic), the 1-row bucket once more; every bucket still matches its unpadded eager
+    forward."""
+    table = BucketConfig(batch_sizes=[1, 2, 4], resolutions=["256x256"], text_lengths=[256])
+    pipe = DiTPipeline.from_config(EngineConfig(buckets=table, runner=RunnerConfig(kernels="compiled")))
+    stats = pipe.stats()["kernels"]
+    assert stats["batch_dynamic"] is True and stats["compile_failed"] == 0
+    # two block classes (FLUX's double- and single-stream blocks) x (1 row, 2 and 4 rows): 4 compiles, not 6
+    assert stats["cache_hits"] + stats["cache_misses"] == 4, stats
+    model = pipe.model
+    verdicts = verify_runner(model.adapter, pipe.runner, boundary_cases(pipe.table, pipe.config.limits),
+                             model.device, model.dtype, rtol=RTOL[model.dtype])
+    assert verdicts and all(v.passed for v in verdicts), [(str(v.key), v.max_rel_err) for v in verdicts]
+
+
 def test_a_generated_image_with_compiled_kernels_is_close_to_the_eager_one(compiled):
     eager = DiTPipeline.from_config(_config(kernels="eager"))
     request = GenerationRequest("a red fox in snow", n=2, width=256, height=256, num_inference_steps=2, seed=5)

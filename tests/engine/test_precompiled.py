@@ -21,10 +21,10 @@ def _flux_block(seed: int) -> FluxTransformerBlock:
     return FluxTransformerBlock(dim=64, num_attention_heads=2, attention_head_dim=32).eval()
 
 
-def _inputs(tokens: int = 16) -> dict:
+def _inputs(tokens: int = 16, rows: int = 2) -> dict:
     g = torch.Generator().manual_seed(tokens)
-    return dict(hidden_states=torch.randn(2, tokens, 64, generator=g),
-                encoder_hidden_states=torch.randn(2, 8, 64, generator=g), temb=torch.randn(2, 64, generator=g),
+    return dict(hidden_states=torch.randn(rows, tokens, 64, generator=g),
+                encoder_hidden_states=torch.randn(rows, 8, 64, generator=g), temb=torch.randn(rows, 64, generator=g),
                 image_rotary_emb=(torch.randn(tokens + 8, 32, generator=g), torch.randn(tokens + 8, 32, generator=g)))
 
 
@@ -64,6 +64,46 @@ def test_inputs_differing_in_shape_stride_or_aliasing_get_their_own_signature():
     outside = inputs_signature((), x)
     with torch.inference_mode():
         assert inputs_signature((), x) != outside
+
+
+def test_a_dynamic_batch_dimension_gives_every_batch_of_one_token_shape_one_signature():
+    two, four = _inputs(rows=2), _inputs(rows=4)
+    assert inputs_signature((), two) != inputs_signature((), four)  # static shapes: one signature per batch
+    assert inputs_signature((), two, batch=2) == inputs_signature((), four, batch=4)
+    assert inputs_signature((), two, batch=2) != inputs_signature((), _inputs(20, rows=4), batch=4)  # tokens differ
+    # the rotary tables (tokens x channels) keep their sizes: only a first size equal to the batch reads B
+    assert "(24, 32)" in inputs_signature((), four, batch=4) and "('B', 16, 64)" in inputs_signature((), four, batch=4)
+
+
+def test_one_function_serves_every_batch_size_above_one_with_a_dynamic_batch_dimension(tmp_path):
+    from bcg_core.runners.kernels import shared_batch
+
+    block = _flux_block(0)
+    store = PrecompiledBlocks(tmp_path, OPTIONS, torch.device("cpu"))
+    with torch.no_grad():
+        x2, x4 = _inputs(rows=2), _inputs(rows=4)
+        fn = store.function(block, (), x2, "math", batch=shared_batch((), x2))
+        assert store.function(block, (), x4, "math", batch=shared_batch((), x4)) is fn and store.saves == 1
+        for got, ref in zip(fn(block, **x4), block(**x4), strict=True):  # traced at 2 rows, run at 4
+            torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
+        restart = PrecompiledBlocks(tmp_path, OPTIONS, torch.device("cpu"))
+        x3 = _inputs(rows=3)
+        again = restart.function(block, (), x3, "math", load_only=True, batch=shared_batch((), x3))
+        assert (restart.loads, restart.saves) == (1, 0)
+        for got, ref in zip(again(block, **x3), block(**x3), strict=True):
+            torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
+        # another SDPA backend at the same shapes is another function, in memory as on disk
+        store.function(block, (), x4, "flash", batch=4)
+        assert store.saves == 2
+
+
+def test_one_row_and_inputs_too_large_for_32_bit_indexing_compile_per_shape(monkeypatch):
+    from bcg_core.runners import kernels
+
+    assert kernels.shared_batch((), _inputs(rows=1)) is None
+    assert kernels.shared_batch((), _inputs(rows=3)) == 3
+    monkeypatch.setattr(kernels, "INDEX_MARGIN", 2**31 // (3 * 16 * 64) + 1)  # hidden_states now too large
+    assert kernels.shared_batch((), _inputs(rows=3)) is None
 
 
 def test_one_function_serves_every_block_loads_from_disk_and_rebuilds_a_torn_file(tmp_path):
@@ -114,7 +154,7 @@ def test_a_block_class_whose_ahead_of_time_compile_raises_is_traced_once_for_all
 
     attempts = []
 
-    def unserializable(self, block, args, kwargs, attention, load_only=False):
+    def unserializable(self, block, args, kwargs, attention, load_only=False, batch=None):
         attempts.append(block)
         raise RuntimeError("cannot serialize this tensor subclass")
 
