@@ -47,7 +47,8 @@ not JSON (or not readable multipart), 415 for an edit not sent as ``multipart/fo
 form, 422 for a field that fails validation (the message names the field and the values it accepts), 503
 when no replica could serve it (under overload at once, with ``Retry-After``: backpressure from
 ``routing.max_queued_requests``), 500 for a server fault (the answers: :mod:`deployments.http_errors`; usage,
-``bcg`` and the event stream: :mod:`deployments.answers`).
+``bcg`` and the event stream: :mod:`deployments.answers`; the model card, ``/v1/buckets``'s additions and
+``/metrics``'s pointer: :mod:`deployments.introspection`).
 """
 
 # No ``from __future__ import annotations`` here: FastAPI reads the route signatures (``request: Request``)
@@ -71,10 +72,8 @@ from ray.serve.exceptions import BackPressureError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from bcg_core.errors import BucketMissError, RequestError, ServiceUnavailable
-from bcg_core.images import IMAGE_FORMATS
 from bcg_core.pipeline import GenerationResult
-from bcg_core.planning.traffic import TrafficHistogram
-from bcg_core.request import QUALITY_ALIASES, GenerationRequest, ValidatedRequest
+from bcg_core.request import GenerationRequest, ValidatedRequest
 from bcg_core.validation import RequestValidator
 
 from .adapters import AdapterCatalog
@@ -89,6 +88,7 @@ from .http_errors import (
     unsupported_response,
     validation_error_response,
 )
+from .introspection import ingress_view, metrics_pointer, model_card
 from .memory import IdleTrimMiddleware, configure_ingress
 from .request_args import as_generation_request
 from .routing import ACCEPTED, call_dit, overloaded, stream_dit
@@ -114,7 +114,7 @@ from .uploads import (
     upload_limit,
 )
 
-__all__ = ["Ingress", "merged_traffic"]
+__all__ = ["Ingress"]
 
 logger = logging.getLogger("ray.serve")
 
@@ -131,35 +131,6 @@ _IMAGES_200 = {"description": "The images as JSON; with `stream: true` Server-Se
                               "(`<kind>.partial_image`, then `<kind>.completed` per image; kind `image_generation`, "
                               "or `image_edit` for an edit).",
                "content": {"text/event-stream": {"schema": {"type": "string"}}}}
-
-COORDINATOR_TIMEOUT_S = 2.0
-"""Seconds ``/v1/buckets`` waits for the ownership coordinator's snapshot; past it ``ownership`` is an error note
-(the coordinator is being restarted) and the rest of the stats are answered."""
-
-
-def merged_traffic(stats: dict, ownership: dict) -> dict | None:
-    """Every replica's traffic histogram summed (:meth:`TrafficHistogram.merged`), for ``/v1/buckets``.
-
-    The answering replica's is ``stats["traffic"]``; the others' that of their last heartbeat (``ownership
-    ["replicas"][id]["stats"]["traffic"]``), and gone replicas' ``ownership["departed_traffic"]``, both removed
-    from ``ownership`` so the answer holds each once. An invalid snapshot is left out (logged). Returns the
-    merged snapshot, or None when no replica records traffic."""
-    here = stats.get("replica")
-    parts = [stats["traffic"]] if stats.get("traffic") is not None else []
-    for replica, view in (ownership.get("replicas") or {}).items():
-        reported = view.get("stats") or {}
-        snap = reported.pop("traffic", None)
-        if snap is not None and replica != here:
-            parts.append(snap)
-    parts += [snap for replica, snap in (ownership.pop("departed_traffic", None) or {}).items() if replica != here]
-    good: list[TrafficHistogram] = []
-    for snap in parts:
-        try:
-            good.append(TrafficHistogram.from_snapshot(snap))
-        except ValueError:
-            logger.exception("a replica's traffic snapshot is invalid; left out of /v1/buckets traffic")
-    return TrafficHistogram.merged(good).snapshot() if good else None
-
 
 @app.exception_handler(RequestValidationError)
 async def _fastapi_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -246,23 +217,7 @@ class Ingress:
         return {"status": "ok"}
 
     def _model_card(self) -> ModelCard:
-        validator = self._validator
-        spec, table, lim = validator.spec, validator.table, self._config.limits
-        quality = {q: spec.steps_for_quality(q, self._config.quality, validator.default_steps, lim.max_steps)
-                   for q in ("low", "medium", "high", "auto")}
-        return ModelCard(id=self._model_name, created=self._started, bcg={
-            "family": spec.family, "pipeline_class": spec.pipeline_class,
-            "buckets": {**table.describe_limits(), "count": len(table)},
-            "limits": {"max_images": lim.max_images, "min_side_px": lim.min_side_px, "max_side_px": lim.max_side_px,
-                       "size_multiple": table.rules.pixels_per_token, "max_steps": lim.max_steps,
-                       "default_steps": validator.default_steps, "default_size": "{}x{}".format(*spec.default_size)},
-            "defaults": validator.defaults,
-            "quality_steps": quality,
-            "quality_aliases": dict(QUALITY_ALIASES),
-            "output_formats": list(IMAGE_FORMATS),
-            "lora": None if self._adapters is None else self._adapters.card(),
-            "edits": self._edits,
-        })
+        return model_card(self._validator, self._config, self._model_name, self._started, self._adapters, self._edits)
 
     async def _validate(self, request: GenerationRequest) -> ValidatedRequest:
         """``self._validator.validate(request)`` on the validation thread (raises its :class:`RequestError`)."""
@@ -302,9 +257,9 @@ class Ingress:
     async def buckets(self, request: Request):
         """Per-bucket counters of the DiT replica (``DiTPipeline.stats()``), plus the misses this ingress
         rejected under the reject policy (``misses.rejected``, ``misses.rejected_by_dim``) and, with a
-        coordinator, ``ownership`` and every replica's ``traffic`` merged (:func:`merged_traffic`). When every
-        DiT slot and queue place is taken the call is answered 503 with ``Retry-After`` in OpenAI's error shape,
-        like a generation request."""
+        coordinator, ``ownership`` and every replica's ``traffic`` merged
+        (:func:`~deployments.introspection.ingress_view`). When every DiT slot and queue place is taken the call is
+        answered 503 with ``Retry-After`` in OpenAI's error shape, like a generation request."""
         refused = self._refused(request)
         if refused is not None:
             return refused
@@ -313,19 +268,7 @@ class Ingress:
         except BackPressureError as exc:
             full = overloaded(exc, self._config.routing.retry_after_s)
             return unavailable_response(full.message, full.retry_after_s, param="request")
-        misses = stats.setdefault("misses", {})
-        misses["rejected"] = self._rejected_requests
-        misses["rejected_by_dim"] = {d: self._rejected.get(d, 0) for d in ("batch", "image_tokens", "text_tokens")}
-        if self._coord is not None:
-            try:
-                stats["ownership"] = await asyncio.wait_for(self._coord.snapshot.remote(), COORDINATOR_TIMEOUT_S)
-            except Exception as exc:  # noqa: BLE001 - a coordinator being restarted must not fail the stats
-                stats["ownership"] = {"error": f"the ownership coordinator did not answer within "
-                                               f"{COORDINATOR_TIMEOUT_S:g} s ({type(exc).__name__}); it is "
-                                               f"restarted by Serve and rebuilds ownership from the replicas' "
-                                               f"heartbeats"}
-            stats["traffic"] = merged_traffic(stats, stats["ownership"])
-        return stats
+        return await ingress_view(stats, self._rejected_requests, self._rejected, self._coord)
 
     @staticmethod
     def _failure(exc: BaseException) -> JSONResponse:
@@ -470,19 +413,8 @@ class Ingress:
     async def metrics_elsewhere(self) -> JSONResponse:
         """Not on the API port: a 404 in OpenAI's error shape naming the URL of Ray's Prometheus exporter on this
         replica's node (the one metrics source, docs/OPERATIONS.md "Metrics"). No key asked for: it reveals
-        only the address."""
-        import ray
-
-        from .metrics import metrics_url
-
-        try:
-            url = await asyncio.to_thread(metrics_url, ray.get_runtime_context().get_node_id())
-        except Exception:  # noqa: BLE001 - the pointer is best effort; the answer stays a 404
-            url = None
-        where = (f"at {url} (this node's exporter; every Ray node serves its own)" if url else
-                 "at http://<node>:<metrics export port>/metrics on each Ray node")
-        return error_response(404, f"GET /metrics: Prometheus metrics are served by Ray's exporter, not on the API "
-                              f"port: {where}; see docs/OPERATIONS.md#metrics-prometheus", code="not_found")
+        only the address (:func:`~deployments.introspection.metrics_pointer`)."""
+        return await metrics_pointer()
 
     @app.post("/v1/images/variations", **_unsupported_route({
         "image": {"type": "string", "format": "binary"}}))

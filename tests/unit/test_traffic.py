@@ -16,7 +16,7 @@ from bcg_core.keys import ShapeQuery
 from bcg_core.metrics import BucketMetrics
 from bcg_core.planning.traffic import TrafficKey, text_bucket
 from bcg_core.table import BucketLookup
-from deployments.ingress import merged_traffic
+from deployments.introspection import merged_traffic
 from deployments.metrics import METRICS, BucketExporter
 from stub_http import StubServer
 
