@@ -100,7 +100,8 @@ def test_the_step_schedulers_settings_have_their_own_section_and_an_old_runner_k
 
     config = ServeConfig.model_validate({"scheduler": {"max_rows_in_flight": 16, "fair_wait_s": 0.5}})
     assert (config.scheduler.max_rows_in_flight, config.scheduler.fair_wait_s) == (16, 0.5)
-    assert set(SCHEDULER_KEYS) == set(SchedulerConfig.model_fields)
+    # the keys that moved from runner: (a knob added to the scheduler later is only a SchedulerConfig field)
+    assert set(SCHEDULER_KEYS) <= set(SchedulerConfig.model_fields)
     assert not set(SCHEDULER_KEYS) & set(RunnerConfig.model_fields)
     with pytest.raises(ValidationError) as e:
         ServeConfig.model_validate({"runner": {"kernels": "eager", "max_rows_in_flight": 16, "trim_idle_s": None}})
