@@ -4,7 +4,7 @@
 The console script of ``pyproject.toml`` (``bcg = "deployments.cli.main:main"``), also run as
 ``python -m deployments.cli.main``.
 ``demo`` replays real requests (:mod:`deployments.cli.demo`), ``serve`` runs the local server until stopped
-(:mod:`deployments.cli.local`), ``verify`` and ``profile`` print tables of the engine's correctness gates and
+(:mod:`deployments.cli.serve_command`), ``verify`` and ``profile`` print tables of the engine's correctness gates and
 timings (:mod:`deployments.cli.commands`), ``plan`` chooses the bucket table from traffic
 (:mod:`bcg_core.planning.table_search`), ``config`` prints the embedded default ``ServeConfig``.
 """
@@ -12,23 +12,17 @@ timings (:mod:`deployments.cli.commands`), ``plan`` chooses the bucket table fro
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import signal
 import sys
 import textwrap
-import threading
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 from pydantic import BaseModel
 
-from ..app import replicas_conflict
 from ..settings import ServeConfig, error_text, load_config
 from .commands import cache_dir_arg, run_profile, run_verify
-from .console import ready_text, watch_compiles
 from .demo import MAX_CONCURRENCY as _MAX_CONCURRENCY, demo_api_key, run_demo
-from .local import api_server_metrics_url, check_config, start_local, stop_local
+from .serve_command import run_serve
 
 __all__ = ["config_text", "main"]
 
@@ -119,103 +113,6 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(requests=args.requests, steps=args.steps, concurrency=args.concurrency, out=args.out,
                     port=args.port, url=args.url, config=args.config, timeout_s=args.timeout_s,
                     num_cpus=args.num_cpus, quiet=not args.verbose, api_key_file=args.api_key_file)
-
-
-def _with_key_file(config: ServeConfig | None, path: str) -> ServeConfig:
-    """``config`` (the default when None) that also accepts the keys of the file ``path``, held as digests.
-
-    Raises:
-        ValueError: the file cannot be read or holds no key (naming the file, never a key).
-    """
-    from ..auth import read_key_file
-    from ..settings import api_key_digest
-
-    config = config or ServeConfig()
-    digests = [*config.auth.api_keys, *(api_key_digest(k) for k in read_key_file(path))]
-    return config.model_copy(update={"auth": config.auth.model_copy(update={"api_keys": digests})})
-
-
-def _replica_stats() -> dict | None:
-    """One DiT replica's ``stats()`` (None when none answers in 10 s): for the console only."""
-    from ray import serve
-
-    try:
-        return serve.get_deployment_handle("DiTReplica", "bcg").stats.remote().result(timeout_s=10)
-    except Exception:  # noqa: BLE001 - a note on the console only; the server serves either way
-        return None
-
-
-@contextlib.contextmanager
-def shutdown_signals(previous: dict[int, Any]) -> Iterator[None]:
-    """While the server shuts down, a second Ctrl-C (SIGINT or SIGTERM) does not cut the graceful stop short: it
-    prints that requests in flight are finishing and how to stop at once; a third raises ``KeyboardInterrupt`` (the
-    replicas are then killed with Ray, dropping what they held). ``previous``: the handlers to restore afterwards,
-    by signal (empty: the server never became ready, and nothing is installed)."""
-    presses: list[int] = []
-
-    def during_shutdown(signum: int, frame: Any) -> None:
-        presses.append(signum)
-        if len(presses) > 1:
-            raise KeyboardInterrupt
-        print("bcg-serve: still shutting down: requests in flight are finishing; press Ctrl-C again to stop now "
-              "and drop them", file=sys.stderr, flush=True)
-
-    for s in previous:
-        signal.signal(s, during_shutdown)
-    try:
-        yield
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-
-
-def _cmd_serve(args: argparse.Namespace) -> int:
-    from bcg_core.models import describe_model
-
-    from ..metrics import metrics_url
-
-    config = check_config(args.config) if args.config else None
-    if args.api_key_file is not None:
-        config = _with_key_file(config, args.api_key_file)
-    if config is not None:
-        conflict = replicas_conflict(config, None if args.replicas is None else f"--replicas {args.replicas}")
-        if conflict:
-            print(f"bcg serve: error: {conflict} (in {args.config})", file=sys.stderr)
-            return 2
-    config = config or ServeConfig()
-    if args.metrics_host is not None:
-        config = config.model_copy(update={"metrics": config.metrics.model_copy(update={"host": args.metrics_host})})
-    metrics_port = config.metrics.port if args.metrics_port is None else args.metrics_port
-    model = describe_model(config.model).name
-
-    stop = threading.Event()
-    got: list[int] = []  # the signal that stopped it
-
-    def on_signal(signum: int, frame: Any) -> None:
-        got.append(signum)
-        stop.set()
-
-    previous: dict[int, Any] = {}
-    try:
-        url = start_local(config, args.port, args.num_cpus, quiet=not args.verbose, replicas=args.replicas,
-                          metrics_port=metrics_port)
-        # After ray.init: Ray's core worker installs its own SIGTERM handler, which would kill the
-        # process without shutting Serve down.
-        previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-        lora = (_replica_stats() or {}).get("lora") if config.lora.dir is not None else None
-        print(ready_text(url, model, metrics_url(), config.auth.enabled, lora, api_server_metrics_url()), flush=True)
-        # compiled kernels on a cold cache: progress lines until every bucket is compiled (deployments/compile_watch.py)
-        stopped = watch_compiles(stop, args.stop_after_s, _replica_stats, lambda s: print(s, flush=True),
-                                 args.replicas or 1)
-        why = (("Ctrl-C" if got[0] == signal.SIGINT else signal.Signals(got[0]).name) if stopped else
-               f"--stop-after-s {args.stop_after_s:g}")
-        print(f"bcg-serve: shutting down ({why}) ...", flush=True)
-    finally:
-        with shutdown_signals(previous):
-            stop_local()
-    if previous:  # it was ready: one last line, after Ray's processes are gone
-        print(f"bcg-serve: stopped ({why}); served {url}", flush=True)
-    return 0
 
 
 def _load(path: str | None) -> ServeConfig:
@@ -376,7 +273,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--stop-after-s", type=_positive_float, default=None, metavar="T",
                    help="stop by itself T seconds after it is ready (default: run until Ctrl-C)")
     s.add_argument("--verbose", action="store_true", help="show Ray's and the replicas' logs")
-    s.set_defaults(func=_cmd_serve)
+    s.set_defaults(func=run_serve)
 
     v = sub.add_parser("verify", help="check every bucket against an unpadded eager run (pass/fail per bucket)",
                        description="Load the model, build the runner the config asks for (CUDA graphs on a "

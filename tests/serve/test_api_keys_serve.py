@@ -28,11 +28,11 @@ def auth_url(serve_apps, tmp_path_factory):
     from ray import serve
 
     from deployments import build_app
-    from deployments.cli.main import _with_key_file
+    from deployments.cli.serve_command import with_key_file
 
     path = tmp_path_factory.mktemp("keys") / "keys.txt"
     path.write_text(f"# bcg serve --api-key-file\n{FILE_KEY}\n")
-    config = _with_key_file(ServeConfig.model_validate(AUTH_CONFIG), str(path))
+    config = with_key_file(ServeConfig.model_validate(AUTH_CONFIG), str(path))
     serve.run(build_app({"config": config.model_dump(mode="json")}), name="bcg-auth", route_prefix="/auth")
     try:
         yield f"{serve_apps.base_url}/auth"

@@ -66,11 +66,12 @@ def test_check_compares_with_every_digest_whichever_matches(monkeypatch):
 
 
 def test_serve_api_key_file_adds_digests_and_a_bad_file_stops_before_ray(tmp_path, capsys):
-    from deployments.cli.main import _with_key_file, main
+    from deployments.cli.main import main
+    from deployments.cli.serve_command import with_key_file
 
     path = tmp_path / "keys.txt"
     path.write_text(FILE_KEY + "\n")
-    cfg = _with_key_file(ServeConfig.model_validate({"auth": {"api_keys": [CONFIG_KEY]}}), str(path))
+    cfg = with_key_file(ServeConfig.model_validate({"auth": {"api_keys": [CONFIG_KEY]}}), str(path))
     assert cfg.auth.api_keys == [api_key_digest(CONFIG_KEY), api_key_digest(FILE_KEY)]
     (tmp_path / "empty.txt").write_text("\n")
     assert main(["serve", "--api-key-file", str(tmp_path / "empty.txt"), "--port", "0"]) == 2

@@ -1,4 +1,4 @@
-"""``bcg serve``'s shutdown under repeated Ctrl-C (``deployments/cli/main.py`` ``shutdown_signals``): while the
+"""``bcg serve``'s shutdown under repeated Ctrl-C (``deployments/cli/serve_command.py`` ``shutdown_signals``): while the
 application drains, a second Ctrl-C says what is happening and does not cut the stop short; a third stops at once."""
 
 import os
@@ -6,7 +6,7 @@ import signal
 
 import pytest
 
-from deployments.cli.main import shutdown_signals
+from deployments.cli.serve_command import shutdown_signals
 
 
 def _previous():
