@@ -130,6 +130,7 @@ def run(name: str, config, reqs: list, warm: list, args) -> dict:
                              "kernels": sorted({b.get("kernels") or "not prepared"
                                                 for b in stats.get("buckets") or []})}
         entry["at_ready"]["uncaptured_shapes"] = len(uncaptured_shapes(stats))
+        entry["replica_start"] = stats.get("start")  # load, join, capture, cost timing: where ready_s went
         print(f"[{name}] ready after {entry['ready_s']} s: {entry['at_ready']}", flush=True)
         watch = _DoneWatch(url) if name == "cold" else None
         if watch is None:  # the baselines are timed on their graphs: every shape captured first

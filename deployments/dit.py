@@ -102,10 +102,12 @@ class DiTReplica:
     """
 
     async def __init__(self, config: dict, coordinator=None):
+        begin = time.perf_counter()
         self._config = ServeConfig.model_validate(config)
         configure_heap(self._config.runner)  # before the weights: large buffers get their own mmap
         self._id = _replica_id()
         self._model = model = await ReplicaModel.load(self._config, self._id)
+        self._start = {"load_s": round(time.perf_counter() - begin, 3)}
         self._pipeline, self._scheduler = model.pipeline, model.scheduler
         self._served: Counter[str] = Counter()  # "owner", "non_owner", "unkeyed"
         self._served_by_shape: Counter[str] = Counter()
@@ -113,12 +115,16 @@ class DiTReplica:
             TrafficHistogram(self._config.traffic.max_shapes) if self._config.traffic.record else None)
         self._drift = DriftWatch(self._config, self._traffic, len(self._pipeline.table), self._id)
         self._membership = Membership(coordinator, self._id, model.graph_budget_bytes)
+        t0 = time.perf_counter()
         owned = await self._membership.join(model.shapes)
+        self._start["join_s"] = round(time.perf_counter() - t0, 3)
         # heartbeats start now, so a long capture below never lets the lease expire
         self._membership.start_heartbeats(self._config.routing.stats_period_s, self._routing_view,
                                           self._heartbeat_stats, model.capture_in_background)
         t0 = time.perf_counter()
         rest = await asyncio.to_thread(model.prepare, sorted(owned), True, self._config.runner.ready_after_s)
+        self._start.update(prepare_s=round(time.perf_counter() - t0, 3), costs_s=round(model.costs_s, 3),
+                           shapes_left=len(rest), ready_s=round(time.perf_counter() - begin, 3))
         logger.info("replica %s owns %d of %d shapes %s, %d prepared in %.1f s%s", self._id, len(owned),
                     len(model.by_shape), sorted(owned), len(owned) - len(rest), time.perf_counter() - t0,
                     f" (runner.ready_after_s; capturing {rest} in the background)" if rest else "")
@@ -285,7 +291,11 @@ class DiTReplica:
         hits, the step scheduler's counters, the state of its Prometheus export (``metrics_export``: pushes, errors,
         ``None`` when the exporter is off), ``device_memory`` (CUDA bytes allocated and reserved, None on a CPU) and the
         request shapes it accepted (``traffic``: a :meth:`~bcg_core.planning.traffic.TrafficHistogram.snapshot`,
-        ``None`` with ``traffic.record`` off)."""
+        ``None`` with ``traffic.record`` off), and ``start``: where the replica's start went, in seconds from its
+        constructor's first line: ``load_s`` (config, weights, pipeline and scheduler built), ``join_s`` (ownership
+        joined), ``prepare_s`` (the capture before ready, ``runner.ready_after_s`` bounding it; ``costs_s`` of it
+        timing the cost model's forwards), ``shapes_left`` (captured after ready) and ``ready_s`` (the whole start;
+        what ``bcg serve`` waits for beyond it is Ray's and Serve's own start)."""
         out = self._pipeline.stats()
         out["replica"] = self._id
         loads = self._loads()
@@ -298,6 +308,7 @@ class DiTReplica:
         out["device_memory"] = self._model.device_memory()
         out["traffic"] = self._traffic.snapshot() if self._traffic is not None else None
         out["plan_drift"] = self._drift.report
+        out["start"] = self._start
         return out
 
     def ping(self) -> str:

@@ -63,6 +63,8 @@ class ReplicaModel:
         self.capture_lock = threading.Lock()
         self.capture_task: asyncio.Task | None = None
         self._capturing_since: float | None = None  # time.monotonic() when the running capture began
+        self.costs_s = 0.0
+        """Seconds spent timing the cost model's forwards (:meth:`_measure_costs`) since the replica started."""
         self.scheduler = StepScheduler.from_pipeline(
             pipeline, load_window_s=config.autoscaling.look_back_period_s,
             retry_after_s=config.routing.retry_after_s)
@@ -146,10 +148,13 @@ class ReplicaModel:
         """Time ``shape``'s prepared buckets and its eager forwards for the step scheduler's cost model; a
         failed measurement leaves the shape on the token-count stand-in (logged). ``scheduler.measure_costs`` says
         whether to measure (:meth:`~bcg_core.scheduler.StepScheduler.measure_costs`)."""
+        t0 = time.perf_counter()
         try:
             self.scheduler.measure_costs(keys)
         except Exception:
             logger.exception("replica %s: measuring the costs of shape %s failed", self._id, shape)
+        finally:
+            self.costs_s += time.perf_counter() - t0
 
     def capture_in_background(self, shapes: list[str]) -> None:
         """Prepare ``shapes`` in a worker thread, after the capture started before (``capture_task``). Call on the

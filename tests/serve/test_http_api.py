@@ -125,6 +125,11 @@ def test_buckets_endpoint_describes_the_table(client):
     assert stats["table"]["miss_policy"] == "eager"
     assert {"requests", "hits", "misses"} <= set(stats["totals"])
     assert isinstance(stats["model"]["name"], str)
+    # where the replica's start went: its phases add up to no more than the whole
+    start = stats["start"]
+    assert set(start) == {"load_s", "join_s", "prepare_s", "costs_s", "shapes_left", "ready_s"}, start
+    assert 0 < start["load_s"] and 0 <= start["costs_s"] <= start["prepare_s"]
+    assert start["load_s"] + start["join_s"] + start["prepare_s"] <= start["ready_s"] + 0.01
 
 
 def test_healthz(client, reject_client):
