@@ -107,18 +107,13 @@ def _graph_ms(fn, device: torch.device, iters: int = 20) -> float:
 
 
 def batch_dynamic(compiled):
-    """``compiled`` (a static-shape ``torch.compile``) called with the batch dimension of its inputs left to vary:
-    every tensor input whose first size is the batch (``hidden_states``' first size, when above 1) is marked
-    ``maybe_mark_dynamic`` on it, so batch sizes 2, 3, 4 ... of one token shape share one compile (a batch of 1
-    stays specialized, as dynamo specializes sizes 0 and 1)."""
+    """``compiled`` (a static-shape ``torch.compile``) called with the batch dimension of its inputs left to vary,
+    as the server's ``compiled`` tier does (:func:`bcg_core.runners.kernels.shared_batch`): batch sizes 2, 3, 4 ...
+    of one token shape share one compile (a batch of 1 stays specialized, as dynamo specializes sizes 0 and 1)."""
+    from bcg_core.runners.kernels import shared_batch
 
     def forward(*args, **kwargs):
-        hidden = kwargs.get("hidden_states", args[0] if args else None)
-        rows = hidden.shape[0] if isinstance(hidden, torch.Tensor) else 1
-        if rows > 1:
-            for v in (*args, *kwargs.values()):
-                if isinstance(v, torch.Tensor) and v.ndim >= 2 and v.shape[0] == rows:
-                    torch._dynamo.maybe_mark_dynamic(v, 0)
+        shared_batch(args, kwargs)
         return compiled(*args, **kwargs)
 
     return forward
