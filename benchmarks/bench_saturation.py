@@ -154,6 +154,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -809,16 +810,26 @@ def _get_stats(url: str) -> dict:
     return r.json()
 
 
-def wait_decode_compiles(url: str, timeout_s: float) -> float:
-    """Poll ``GET /v1/buckets`` until no latent shape of ``kernels.decode`` is ``pending`` (the warm-up's decodes
-    queued them), at most ``timeout_s``; the seconds waited."""
+def _wait_stats(url: str, left: Callable[[dict], Any], timeout_s: float, poll_s: float) -> tuple[float, Any]:
+    """Poll ``GET /v1/buckets`` every ``poll_s`` until ``left(answer)`` is falsy, at most ``timeout_s``;
+    ``(seconds waited, left's last value)``."""
     t0 = time.perf_counter()
-    while time.perf_counter() - t0 < timeout_s:
-        shapes = ((_get_stats(url).get("kernels") or {}).get("decode") or {}).get("shapes") or {}
-        if not any(s.get("state") == "pending" for s in shapes.values()):
-            break
-        time.sleep(2.0)
-    return round(time.perf_counter() - t0, 1)
+    value = left(_get_stats(url))
+    while value and time.perf_counter() - t0 < timeout_s:
+        time.sleep(poll_s)
+        value = left(_get_stats(url))
+    return round(time.perf_counter() - t0, 1), value
+
+
+def _decode_pending(stats: dict) -> bool:
+    shapes = ((stats.get("kernels") or {}).get("decode") or {}).get("shapes") or {}
+    return any(s.get("state") == "pending" for s in shapes.values())
+
+
+def wait_decode_compiles(url: str, timeout_s: float) -> float:
+    """Poll ``GET /v1/buckets`` every 2 s until no latent shape of ``kernels.decode`` is ``pending`` (the warm-up's
+    decodes queued them), at most ``timeout_s``; the seconds waited."""
+    return _wait_stats(url, _decode_pending, timeout_s, 2.0)[0]
 
 
 def background_pending(stats: dict) -> int:
@@ -830,12 +841,7 @@ def background_pending(stats: dict) -> int:
 def wait_compiles(url: str, timeout_s: float, poll_s: float = 2.0) -> tuple[float, int]:
     """Poll ``GET /v1/buckets`` every ``poll_s`` until no bucket waits for its background compile, at most
     ``timeout_s``; ``(seconds waited, buckets still pending)``."""
-    t0 = time.perf_counter()
-    pending = background_pending(_get_stats(url))
-    while pending and time.perf_counter() - t0 < timeout_s:
-        time.sleep(poll_s)
-        pending = background_pending(_get_stats(url))
-    return round(time.perf_counter() - t0, 1), pending
+    return _wait_stats(url, background_pending, timeout_s, poll_s)
 
 
 def trim_stats(stats: dict) -> dict:
