@@ -10,6 +10,8 @@ them can do is declared here, one runtime-checkable ``typing.Protocol`` per capa
 - :class:`Previews` (a family): cheap streamed previews of mid-denoise latents: every family here.
 - :class:`PlainForward` (a padding adapter): a forward without LoRA rows beside the one with them, which a bucket
   captures as its plain graph (:class:`~bcg_core.lora.rows.LoRAAdapter`).
+- :class:`StepCache` (a family): its transformer takes diffusers' step cache (``CacheMixin.enable_cache``), which
+  bcg-serve runs per request inside a batched step (:mod:`bcg_core.step_cache`): FLUX.1, Qwen-Image, the tiny default.
 - :class:`GraphReplay` (a runner): replays captured CUDA graphs (:class:`~bcg_core.runners.cuda_graph.CudaGraphRunner`).
 
 :class:`FamilyCapabilities` and :class:`RunnerCapabilities` answer, once, where the pipeline is built (a runner
@@ -17,7 +19,7 @@ answers :func:`supports_plain_forward` for its adapter once, where it is built),
 asks a family, adapter or runner what it has: ``tests/unit/test_layout.py`` fails on ``hasattr`` or ``getattr``
 applied to one outside this module.
 
-Adding a capability (the step cache next): a Protocol here, a field of the record that answers it, and its
+Adding a capability: a Protocol here, a field of the record that answers it, and its
 implementations (the classes that inherit the Protocol).
 """
 
@@ -35,7 +37,7 @@ if TYPE_CHECKING:
     from bcg_core.runners.fused import EulerStep
 
 __all__ = ["FamilyCapabilities", "FusedStep", "GraphReplay", "PlainForward", "Previews", "RunnerCapabilities",
-           "supports_plain_forward"]
+           "StepCache", "supports_plain_forward"]
 
 
 @runtime_checkable
@@ -59,6 +61,19 @@ class Previews(Protocol):
         any size (the caller resizes them to the requested size). Called on the replica's preview thread, never
         the denoising thread; each family here uses its VAE's fitted linear latent-to-RGB map
         (:class:`~bcg_core.preview.LinearPreview`) rather than a decode."""
+        ...
+
+
+@runtime_checkable
+class StepCache(Protocol):
+    """A family whose transformer takes diffusers' step cache (``CacheMixin``, with blocks diffusers'
+    ``TransformerBlockRegistry`` describes), which :mod:`bcg_core.step_cache` runs per request inside a batched step.
+    Its :class:`~bcg_core.families.ModelSpec` lists the methods in ``cache_methods``."""
+
+    def cache_contexts(self, state: RequestState) -> list[tuple[str, slice]]:
+        """``(name, rows)`` of each cache context of ``state``'s transformer rows (:meth:`model_rows`' order), as the
+        family's diffusers pipeline runs the transformer under ``cache_context(name)``: e.g. FLUX.1's ``"cond"``
+        rows and, with true CFG, its ``"uncond"`` rows, each deciding on its own."""
         ...
 
 
@@ -102,17 +117,19 @@ class FamilyCapabilities:
         fused_step: the family is a :class:`FusedStep`.
         previews: the family is a :class:`Previews`.
         plain_forward: its adapter is a :class:`PlainForward` (LoRA adapters are installed).
+        step_cache: the family is a :class:`StepCache`.
     """
 
     fused_step: bool = False
     previews: bool = False
     plain_forward: bool = False
+    step_cache: bool = False
 
     @classmethod
     def of(cls, family) -> FamilyCapabilities:
         """The capabilities of ``family`` with its adapter as it is now (after LoRA is installed)."""
         return cls(fused_step=isinstance(family, FusedStep), previews=isinstance(family, Previews),
-                   plain_forward=supports_plain_forward(family.adapter))
+                   plain_forward=supports_plain_forward(family.adapter), step_cache=isinstance(family, StepCache))
 
 
 @dataclass(frozen=True)

@@ -57,6 +57,10 @@ from bcg_core.runners.build import (  # re-exported: the runner config.runner as
 )
 from bcg_core.runners.decode import install as install_decode
 from bcg_core.runners.kernels import CompiledKernels, KernelTier, kernel_stats
+from bcg_core.step_cache.spec import parse_cache
+from bcg_core.step_cache.split import installed_split
+from bcg_core.step_cache.state import ContextCache, RequestCache
+from bcg_core.step_cache.step import CACHE_EXTRA, cached_forward, request_cache
 from bcg_core.validation import RequestValidator
 from bcg_core.verify_fused import FusedStats
 
@@ -134,6 +138,10 @@ class DiTPipeline:
         state = self.model.start(validated, cancel)
         if lease is not None:
             state.extras["lora"] = lease
+        spec = parse_cache(validated.request.cache)
+        if spec is not None and self.capabilities.step_cache:
+            state.extras[CACHE_EXTRA] = RequestCache(spec, [ContextCache(name, rows) for name, rows
+                                                            in self.model.cache_contexts(state)])
         return state
 
     def _rows(self, state: RequestState) -> DenoiseInputs:
@@ -178,6 +186,15 @@ class DiTPipeline:
         inputs = concat_rows(parts)
         if forwards.rows != inputs.rows:
             raise ValueError(f"the forwards run {forwards.rows} rows, the step has {inputs.rows}")
+        cached = any(request_cache(s) is not None for s in states)
+        if cached:
+            if fused:
+                raise ValueError("this step cannot run fused: step_cache")
+            if fused is None and self.fused.on:
+                self.fused.host("step_cache")
+            out = cached_forward(self, installed_split(self.model.adapter.model), states, parts, inputs, forwards)
+            self._advance(states, parts, out)
+            return forwards
         if fused or (fused is None and self.fused.on):
             spans = [(c.key, c.rows) for c in forwards.chunks]
             try:
@@ -198,12 +215,15 @@ class DiTPipeline:
             rows = inputs.select(slice(a, a + chunk.rows)) if len(forwards.chunks) > 1 else inputs
             outs.append(self.runner.run(chunk.key or chunk.home or forwards.home, rows, eager=chunk.key is None))
             a += chunk.rows
-        out = torch.cat(outs) if len(outs) > 1 else outs[0]
+        self._advance(states, parts, torch.cat(outs) if len(outs) > 1 else outs[0])
+        return forwards
+
+    def _advance(self, states: Sequence[RequestState], parts: list[DenoiseInputs], out: torch.Tensor) -> None:
+        """Each state's guidance and scheduler step (family hook) on its slice of the step's output ``out``."""
         offset = 0
         for state, part in zip(states, parts, strict=True):
             self.model.advance(state, out[offset : offset + part.rows])
             offset += part.rows
-        return forwards
 
     def _fused_step(self, states: Sequence[RequestState], parts: list[DenoiseInputs], inputs: DenoiseInputs,
                     spans: list[tuple[BucketKey | None, int]]) -> str | None:

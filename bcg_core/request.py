@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from bcg_core.keys import BucketKey, BucketShape
+from bcg_core.step_cache.spec import FirstBlockCache, NoCache
 from bcg_core.table import BucketLookup
 
 __all__ = ["GenerationRequest", "GenerationResult", "MAX_PARTIAL_IMAGES", "ValidatedRequest", "QUALITIES",
@@ -61,6 +62,9 @@ class GenerationRequest:
         lora: LoRA adapters, ``((name, scale), ...)``: each a name in ``lora.dir`` and its weight (diffusers'
             ``set_adapters`` weight, ``|scale| <= lora.max_scale``), at most ``lora.max_per_request``, names
             unique (:mod:`bcg_core.lora`). Empty: the base model.
+        cache: the step cache it asks for (:mod:`bcg_core.step_cache`: a
+            :class:`~bcg_core.step_cache.FirstBlockCache`, or :class:`~bcg_core.step_cache.NoCache` for none); None:
+            the config's ``cache.default``, which the validator fills in (a validated request holds a spec, never None).
     """
 
     prompt: str
@@ -80,6 +84,7 @@ class GenerationRequest:
     image: bytes | None = None
     mask: bytes | None = None
     strength: float | None = None
+    cache: FirstBlockCache | NoCache | None = None
 
     def __repr__(self) -> str:  # image files are bytes: show their sizes, not their contents
         files = {k: f"<{len(v)} bytes>" for k in ("image", "mask") if (v := getattr(self, k)) is not None}

@@ -71,12 +71,14 @@ class StepDecider:
         share = 1.0 if real_per_row is None else real_per_row / max(1, shape.tokens_per_row)
         return costs.choose(shape, rows, keys, share)
 
-    def for_states(self, states: Sequence) -> StepForwards:
+    def for_states(self, states: Sequence, rows: int | None = None) -> StepForwards:
         """The forwards of one step of ``states`` (:class:`~bcg_core.families.RequestState`, one token grid, as
         :meth:`~bcg_core.pipeline.DiTPipeline.step` runs them together): :meth:`decide` for their rows, on the shape
         their validation looked up. States of several shapes (a direct caller's mix: the step scheduler groups by
         shape) run on the shape with the most image and text tokens, whose buckets hold every row (masked text pads
         up); a miss among them runs the step unpadded and eager. The real tokens per row are the most of any state's.
+        ``rows``: decide for that many of their rows instead of all (the step cache's rows that compute their
+        remaining blocks, :mod:`bcg_core.step_cache.step`).
 
         Raises:
             ValueError: no states.
@@ -86,7 +88,7 @@ class StepDecider:
         shapes = {s.validated.shape for s in states}
         shape = None if None in shapes else max(shapes, key=lambda sh: (sh.image_tokens, sh.text_tokens))
         real = max(s.validated.lookup.query.tokens_per_row for s in states)
-        return self.decide(shape, sum(s.rows for s in states), real)
+        return self.decide(shape, sum(s.rows for s in states) if rows is None else rows, real)
 
     def split_adapters(self, shape: BucketShape | None, plain_rows: int, adapter_rows: int) -> bool:
         """Whether a step of ``shape`` whose rows mix requests without adapters (``plain_rows``) and with them

@@ -110,6 +110,9 @@ class ModelSpec:
         edit_pipelines: the diffusers pipelines whose results this model's edits equal, ``(image-to-image,
             inpainting)`` class names (``FluxImg2ImgPipeline``, ``FluxInpaintPipeline``), or None where bcg-serve
             serves no edits of this family (a request with an image is refused, naming the families that edit).
+        cache_methods: the step-cache methods its transformer takes (:data:`bcg_core.step_cache.METHODS`, e.g.
+            ``("first_block",)``), where the family is a :class:`~bcg_core.capabilities.StepCache`; empty: a request
+            with a ``cache`` is refused.
     """
 
     name: str
@@ -129,6 +132,7 @@ class ModelSpec:
     default_size: tuple[int, int] = (512, 512)
     default_strength: float | None = None
     edit_pipelines: tuple[str, str] | None = None
+    cache_methods: tuple[str, ...] = ()
 
     def steps_for_quality(self, quality: str, config, default_steps: int, max_steps: int) -> int:
         """Denoising steps of OpenAI's ``quality`` for this model.

@@ -36,12 +36,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bcg_core.capabilities import FusedStep, Previews
+from bcg_core.capabilities import FusedStep, Previews, StepCache
 from bcg_core.families.base import QUALITY_STEPS, ModelSpec, load_pipeline, read_json, tokenizer_counter
 from bcg_core.families.defaults import pipeline_defaults
 from bcg_core.families.state import RequestState, TextRows
 from bcg_core.keys import BucketKey
 from bcg_core.padding import DenoiseInputs, copy_rows
+from bcg_core.step_cache.spec import METHODS as CACHE_METHODS
 from bcg_core.table import ShapeRules
 
 __all__ = ["FLUX_SCHEDULER_CONFIG", "FluxAdapter", "FluxFamily", "flux_image_ids"]
@@ -242,7 +243,7 @@ class FluxAdapter:
         )
 
 
-class FluxFamily(FusedStep, Previews):
+class FluxFamily(FusedStep, Previews, StepCache):
     """A ``FluxPipeline`` checkpoint (FLUX.1-dev or -schnell), served step by step.
 
     Build with :meth:`load`. Request fields: ``guidance_scale`` feeds FLUX.1-dev's guidance embedding (and is
@@ -315,7 +316,7 @@ class FluxFamily(FusedStep, Previews):
             guidance_embeds=bool(tr.get("guidance_embeds", False)), cfg_rule="true_cfg",
             quality_steps=QUALITY_STEPS["flux-dev" if tr.get("guidance_embeds", False) else "flux-schnell"],
             edit_pipelines=("FluxImg2ImgPipeline", "FluxInpaintPipeline") if index["_class_name"] == "FluxPipeline"
-            else None,
+            else None, cache_methods=CACHE_METHODS,
             **{"default_size": (FLUX_DEFAULT_SAMPLE_SIZE * scale,) * 2, **defaults},
         )
 
@@ -421,6 +422,12 @@ class FluxFamily(FusedStep, Previews):
 
             blend_known_region(state, dtype)
         state.step_index += 1
+
+    def cache_contexts(self, state: RequestState) -> list[tuple[str, slice]]:
+        """``FluxPipeline`` runs the cond rows under ``cache_context("cond")`` and, with true CFG, the uncond rows under
+        ``cache_context("uncond")`` (pipeline_flux.py ``__call__``): :meth:`model_rows`' two halves."""
+        n = state.n
+        return [("cond", slice(0, n))] + ([("uncond", slice(n, 2 * n))] if state.cfg else [])
 
     def euler_step(self, state: RequestState):
         """The fused form of the next step (:func:`bcg_core.runners.fused.euler_step`): cond rows first, then with

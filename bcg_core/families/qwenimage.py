@@ -48,12 +48,13 @@ import numpy as np
 import torch
 from diffusers.models.transformers.transformer_qwenimage import QwenDoubleStreamAttnProcessor2_0
 
-from bcg_core.capabilities import Previews
+from bcg_core.capabilities import Previews, StepCache
 from bcg_core.families.base import QUALITY_STEPS, ModelSpec, load_pipeline
 from bcg_core.families.defaults import pipeline_defaults
 from bcg_core.families.state import RequestState, TextRows, pad_text
 from bcg_core.keys import BucketKey
 from bcg_core.padding import DenoiseInputs, copy_rows, fill_masked_text
+from bcg_core.step_cache.spec import METHODS as CACHE_METHODS
 from bcg_core.table import ShapeRules
 
 __all__ = ["QWEN_MAX_TEXT_TOKENS", "QwenImageAdapter", "QwenImageFamily", "TextMaskAttnProcessor"]
@@ -235,7 +236,7 @@ def _refusals(transformer: dict, scheduler: dict) -> list[str]:
     return why
 
 
-class QwenImageFamily(Previews):
+class QwenImageFamily(Previews, StepCache):
     """A ``QwenImagePipeline`` checkpoint, served step by step (see the module docstring).
 
     Request fields: ``negative_prompt`` (None: no CFG) and ``true_cfg_scale`` (None: 4.0) decide true CFG;
@@ -289,7 +290,7 @@ class QwenImageFamily(Previews):
             max_text_tokens=QWEN_MAX_TEXT_TOKENS, quality_steps=QUALITY_STEPS["qwenimage"],
             default_size=(QWEN_DEFAULT_SAMPLE_SIZE * scale,) * 2,
             edit_pipelines=("QwenImageImg2ImgPipeline", "QwenImageInpaintPipeline")
-            if index["_class_name"] == "QwenImagePipeline" else None,
+            if index["_class_name"] == "QwenImagePipeline" else None, cache_methods=CACHE_METHODS,
             **pipeline_defaults(index["_class_name"]),
         )
 
@@ -379,6 +380,12 @@ class QwenImageFamily(Previews):
         mask = torch.cat([p.mask.expand(n, -1) for p in parts])
         timestep = state.timestep.expand(x.shape[0]).to(lat.dtype) / 1000
         return DenoiseInputs(x, text, lat.new_zeros(x.shape[0], 0), timestep, state.grid, text_mask=mask)
+
+    def cache_contexts(self, state: RequestState) -> list[tuple[str, slice]]:
+        """``QwenImagePipeline`` runs the cond rows under ``cache_context("cond")`` and, with true CFG, the uncond rows
+        under ``cache_context("uncond")`` (P:644-667): :meth:`model_rows`' two halves."""
+        n = state.n
+        return [("cond", slice(0, n))] + ([("uncond", slice(n, 2 * n))] if state.cfg else [])
 
     @torch.inference_mode()
     def advance(self, state: RequestState, output: torch.Tensor) -> None:

@@ -17,6 +17,7 @@ from bcg_core.config import ModelConfig
 from bcg_core.families.base import QUALITY_STEPS, ModelSpec, tokenizer_counter
 from bcg_core.families.flux import FLUX_SCHEDULER_CONFIG, FluxFamily
 from bcg_core.families.state import TextRows
+from bcg_core.step_cache.spec import METHODS as CACHE_METHODS
 from bcg_core.table import ShapeRules
 from bcg_core.text import SentenceTextEncoder, minilm_path
 
@@ -119,9 +120,11 @@ def tiny_vae_config() -> dict:
     )
 
 
-TINY_EDITS = dict(edit_pipelines=("FluxImg2ImgPipeline", "FluxInpaintPipeline"), default_strength=0.6)
+TINY_EDITS = dict(edit_pipelines=("FluxImg2ImgPipeline", "FluxInpaintPipeline"), default_strength=0.6,
+                  cache_methods=CACHE_METHODS)
 """The tiny default serves edits through the FLUX.1 edit path (:mod:`bcg_core.families.flux_edit`) with its own
-request defaults (few steps for a CPU) and the edit pipelines' strength, 0.6."""
+request defaults (few steps for a CPU) and the edit pipelines' strength, 0.6; and FLUX.1's step cache (its
+transformer is FLUX's)."""
 
 
 def tiny_spec(name: str = TINY_NAME, text_tokens: int = TINY_TEXT_TOKENS, pixels_per_token: int = 16) -> ModelSpec:

@@ -136,6 +136,11 @@ def compiled_kernels(config: EngineConfig, model: Family, keys: list) -> Compile
         if tier is KernelTier.FP8 and not installed.fp8_layers:
             check_fp8(model.device)
             installed.fp8_layers = quantize_fp8(model.adapter.model)  # in place: every forward, misses too
+        from bcg_core.step_cache.split import split_installed
+
+        if split_installed(model.adapter.model):  # the split's wrappers would be compiled as the blocks' forwards
+            raise RuntimeError("the step cache's block split is installed on this transformer before its compiled "
+                               "kernels: build the compiled pipeline first")
         kernels = CompiledKernels(model.adapter.model, mode=config.runner.compile_mode,
                                   max_shapes=max(64, 2 * len(keys)), cache_dir=config.runner.compile_cache_dir,
                                   timeout_s=config.runner.compile_timeout_s, rtol=rtol,

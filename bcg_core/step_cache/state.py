@@ -1,0 +1,78 @@
+"""A request's step-cache state: what its cache contexts keep between steps, on the model's device, with the request.
+
+diffusers keeps one First Block Cache state per *cache context*: ``FluxPipeline`` and ``QwenImagePipeline`` run the
+transformer once under ``cache_context("cond")`` for the prompt's rows and, with true classifier-free guidance, once
+under ``cache_context("uncond")`` for the negative prompt's rows; each decides on its own rows (all of the request's
+images together) and resets when the pipeline call ends (``maybe_free_model_hooks``). bcg-serve keeps the same
+contexts per request (:class:`ContextCache`, rows named by the family:
+:meth:`~bcg_core.capabilities.StepCache.cache_contexts`), in :class:`RequestCache`, which lives in the request's
+state and is dropped with it when it finishes, fails or is cancelled: nothing of one request is ever read by another.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from bcg_core.step_cache.spec import FirstBlockCache
+
+__all__ = ["ContextCache", "RequestCache"]
+
+
+@dataclass
+class ContextCache:
+    """One cache context of one request (diffusers' ``FBCSharedBlockState`` of that context).
+
+    Attributes:
+        name: the context's name, as the diffusers pipeline names it (``"cond"``, ``"uncond"``).
+        rows: its rows among the request's transformer rows (:meth:`~bcg_core.families.Family.model_rows`' order).
+        previous: the head block's residual at the last computed step, ``(rows, S, D)`` over the image stream's real
+            tokens (diffusers' ``head_block_residual``); None before the first step.
+        hidden, encoder: the remaining blocks' residuals at the last computed step, ``(rows, S, D)`` and
+            ``(rows, T, D)`` (``T`` the request's own text tokens; ``encoder`` None for a transformer whose head
+            block has no text stream): diffusers' ``tail_block_residuals``.
+        computed, reused: steps in which this context ran its remaining blocks, and in which it reused them.
+    """
+
+    name: str
+    rows: slice
+    previous: torch.Tensor | None = None
+    hidden: torch.Tensor | None = None
+    encoder: torch.Tensor | None = None
+    computed: int = 0
+    reused: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        """Device bytes it holds."""
+        return sum(t.numel() * t.element_size() for t in (self.previous, self.hidden, self.encoder) if t is not None)
+
+
+@dataclass
+class RequestCache:
+    """The step cache of one request: its spec and its contexts.
+
+    Attributes:
+        spec: the cache it asked for (or the server's default).
+        contexts: its cache contexts, in row order.
+    """
+
+    spec: FirstBlockCache
+    contexts: list[ContextCache] = field(default_factory=list)
+
+    @property
+    def nbytes(self) -> int:
+        """Device bytes its contexts hold (three ``(rows, tokens, D)`` tensors per context once it computed)."""
+        return sum(c.nbytes for c in self.contexts)
+
+    def describe(self) -> dict:
+        """The answer's ``bcg.cache``: the method and its settings, and per context the steps computed and reused
+        (``{"method": "first_block", "threshold": 0.12, "steps": {"cond": {"computed": 20, "reused": 8}}}``)."""
+        return {**self.spec.model_dump(), "steps": {c.name: {"computed": c.computed, "reused": c.reused}
+                                                    for c in self.contexts}}
+
+    def free(self) -> None:
+        """Drop every tensor it holds (a finished or cancelled request)."""
+        for c in self.contexts:
+            c.previous = c.hidden = c.encoder = None

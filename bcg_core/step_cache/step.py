@@ -1,0 +1,167 @@
+"""One denoising step of several requests with the First Block Cache, decided per request inside the batched step.
+
+:func:`cached_forward` replaces the step's transformer forwards (:meth:`bcg_core.pipeline.DiTPipeline.step`) when a
+request in it has a cache:
+
+1. **Head.** Every row runs the transformer's first block (:class:`~bcg_core.step_cache.split.HeadPhase`) in the
+   step's own forwards. Rows whose context holds a cached residual get it added to the head's output, so the head
+   forward's output is already each such row's *reused* step.
+2. **Decide.** Each cache context of each request (:class:`~bcg_core.step_cache.state.ContextCache`: its cond rows,
+   its uncond rows) compares its head residual with the one of its last computed step, over its own rows and real
+   tokens, as diffusers' ``FBCHeadBlockHook._should_compute_remaining_blocks`` does for a pipeline call:
+   ``mean|r - r_prev| / mean|r_prev|`` in the tensors' dtype; it computes where that is above the threshold, or
+   where it has no previous step. One host synchronization reads every context's decision.
+3. **Tail.** The rows that compute (those of contexts that compute, and every row of a request without a cache) run
+   the remaining blocks (:class:`~bcg_core.step_cache.split.TailPhase`) in the forwards the step decider chooses for
+   that many rows (:meth:`~bcg_core.costs.StepDecider.decide`: the smallest buckets that hold them), and their
+   contexts keep the new residuals.
+
+A row's result is diffusers' output of the same step for that request: the reused step adds the same residual to
+the same head output, and the computed step runs the same blocks on it. The bucket forwards run on static buffers
+or unpadded (CUDA graphs of the two halves are not captured yet: on a graph runner both halves run unpadded and eager).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from bcg_core.families.state import RequestState
+from bcg_core.padding import DenoiseInputs
+from bcg_core.step_cache.split import BlockSplit, HeadPhase, TailPhase
+from bcg_core.step_cache.state import ContextCache, RequestCache
+
+__all__ = ["CACHE_EXTRA", "cached_forward", "request_cache"]
+
+CACHE_EXTRA = "step_cache"
+"""Key of a request's :class:`~bcg_core.step_cache.state.RequestCache` in ``RequestState.extras``."""
+
+
+def request_cache(state: RequestState) -> RequestCache | None:
+    """The step cache of ``state``, or None (the request asked for none)."""
+    return state.extras.get(CACHE_EXTRA)
+
+
+def _contexts(states: Sequence[RequestState],
+              parts: Sequence[DenoiseInputs]) -> list[tuple[ContextCache, slice, int, float]]:
+    """``(context, its rows among the step's rows, its request's own text tokens, its threshold)`` of every cached
+    request."""
+    out, offset = [], 0
+    for state, part in zip(states, parts, strict=True):
+        cache = request_cache(state)
+        if cache is not None:
+            for c in cache.contexts:
+                out.append((c, slice(offset + c.rows.start, offset + c.rows.stop), part.text_tokens,
+                            cache.spec.threshold))
+        offset += part.rows
+    return out
+
+
+def _head(pipe, split: BlockSplit, inputs: DenoiseInputs, forwards, contexts) -> tuple:
+    """Step 1: the head forwards. Returns ``(reused output (N, S, C), head hidden (N, S, D), head encoder (N, T, D)
+    or None, head residual (N, S, D))`` over the step's ``N`` rows and real tokens."""
+    residual_of: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+    for c, rows, *_ in contexts:
+        if c.hidden is not None:
+            for j, r in enumerate(range(rows.start, rows.stop)):
+                residual_of[r] = (c.hidden[j], None if c.encoder is None else c.encoder[j])
+    outs, hidden, encoder, residual = [], [], [], []
+    k, t, a = inputs.image_tokens, inputs.text_tokens, 0
+    for chunk in forwards.chunks:
+        b = a + chunk.rows
+        rows = inputs.select(slice(a, b)) if len(forwards.chunks) > 1 else inputs
+        phase = HeadPhase({r - a: residual_of[r] for r in range(a, b) if r in residual_of})
+        with split.phase(phase):
+            outs.append(_run(pipe, chunk, forwards, rows))
+        hidden.append(phase.hidden[: chunk.rows, :k])
+        residual.append(phase.residual[: chunk.rows, :k])
+        if phase.encoder is not None:
+            encoder.append(phase.encoder[: chunk.rows, :t])
+        a = b
+    cat = lambda xs: (torch.cat(xs) if len(xs) > 1 else xs[0]) if xs else None  # noqa: E731
+    return cat(outs), cat(hidden), cat(encoder), cat(residual)
+
+
+def _run(pipe, chunk, forwards, rows: DenoiseInputs) -> torch.Tensor:
+    """One forward of a chunk under the phase set on this thread: padded on its bucket's static buffers, or unpadded
+    (a miss, an eager chunk, or any chunk of a runner that replays graphs, whose graphs hold the whole forward)."""
+    eager = chunk.key is None or pipe.runner_capabilities.graphs
+    return pipe.runner.run(chunk.key or chunk.home or forwards.home, rows, eager=eager)
+
+
+def _decide(contexts, residual: torch.Tensor) -> list[bool]:
+    """Step 2: whether each context computes its remaining blocks (see the module docstring)."""
+    compute: list[bool | None] = []
+    ratios = []
+    for c, rows, *_ in contexts:
+        if c.previous is None:
+            compute.append(True)
+            continue
+        r = residual[rows]
+        # diffusers' FBCHeadBlockHook._should_compute_remaining_blocks, in the tensors' dtype
+        ratios.append((r - c.previous).abs().mean() / c.previous.abs().mean())
+        compute.append(None)
+    if ratios:
+        values = iter(torch.stack(ratios).tolist())  # the step's one host synchronization
+        compute = [v if v is not None else next(values) for v in compute]
+        return [v if isinstance(v, bool) else v > threshold
+                for v, (_, _, _, threshold) in zip(compute, contexts, strict=True)]
+    return [True] * len(contexts)
+
+
+def cached_forward(pipe, split: BlockSplit, states: Sequence[RequestState], parts: Sequence[DenoiseInputs],
+                   inputs: DenoiseInputs, forwards) -> torch.Tensor:
+    """The step's transformer output with the First Block Cache (see the module docstring).
+
+    Args:
+        pipe: the :class:`~bcg_core.pipeline.DiTPipeline` (its runner, step decider and runner capabilities).
+        split: the transformer's :class:`~bcg_core.step_cache.split.BlockSplit`.
+        states, parts: the step's requests and their rows (:meth:`~bcg_core.families.Family.model_rows`).
+        inputs: the step's rows, ``parts`` concatenated.
+        forwards: the step's forwards (the head runs in them).
+
+    Returns:
+        (inputs.rows, inputs.image_tokens, out_channels): each row's output, as :meth:`runner.run
+        <bcg_core.runners.BucketRunner.run>` returns it; every context's counts and residuals updated.
+    """
+    contexts = _contexts(states, parts)
+    reused, hidden, encoder, residual = _head(pipe, split, inputs, forwards, contexts)
+    decisions = _decide(contexts, residual)
+    compute = [True] * inputs.rows
+    for (c, rows, *_), computes in zip(contexts, decisions, strict=True):
+        if not computes:
+            c.reused += 1
+            for r in range(rows.start, rows.stop):
+                compute[r] = False
+    idx = [r for r in range(inputs.rows) if compute[r]]
+    if not idx:
+        return reused
+    sub = inputs.select(idx)
+    tail_forwards = pipe.decider.for_states(states, rows=len(idx))
+    outs, res_hidden, res_encoder, a = [], [], [], 0
+    k, t = inputs.image_tokens, inputs.text_tokens
+    for chunk in tail_forwards.chunks:
+        b = a + chunk.rows
+        pick = idx[a:b]
+        phase = TailPhase(hidden[pick], None if encoder is None else encoder[pick])
+        with split.phase(phase):
+            outs.append(_run(pipe, chunk, tail_forwards, sub.select(slice(a, b))))
+        res_hidden.append(phase.residual_hidden[: chunk.rows, :k])
+        if phase.residual_encoder is not None:
+            res_encoder.append(phase.residual_encoder[: chunk.rows, :t])
+        a = b
+    computed = torch.cat(outs) if len(outs) > 1 else outs[0]
+    res_hidden_all = torch.cat(res_hidden) if len(res_hidden) > 1 else res_hidden[0]
+    res_encoder_all = (torch.cat(res_encoder) if len(res_encoder) > 1 else res_encoder[0]) if res_encoder else None
+    out = reused.clone()
+    out[idx] = computed.to(out.dtype)
+    at = {r: i for i, r in enumerate(idx)}
+    for (c, rows, own_text, _), computes in zip(contexts, decisions, strict=True):
+        if computes:
+            pos = [at[r] for r in range(rows.start, rows.stop)]
+            c.previous = residual[rows].clone()
+            c.hidden = res_hidden_all[pos].clone()
+            c.encoder = None if res_encoder_all is None else res_encoder_all[pos, :own_text].clone()
+            c.computed += 1
+    return out
