@@ -88,7 +88,7 @@ def edit_masks(size: tuple[int, int], box: tuple[int, int, int, int]):
 
 
 def diffusers_run(pipeline_cls, folder, request: GenerationRequest, device: str = "cpu",
-                  load_kwargs: dict | None = None, lora_dir=None, **call_kwargs) -> GateRun:
+                  load_kwargs: dict | None = None, lora_dir=None, setup=None, **call_kwargs) -> GateRun:
     """Run the diffusers pipeline itself on ``request`` (its ``seed`` must be set), fp32 on ``device``.
 
     ``load_kwargs`` go to ``from_pretrained`` (e.g. ``text_encoder_3=None, tokenizer_3=None`` for an SD3
@@ -99,11 +99,15 @@ def diffusers_run(pipeline_cls, folder, request: GenerationRequest, device: str 
     are read from ``lora_dir`` with ``load_lora_weights(path, adapter_name=name)`` and weighted by
     ``set_adapters(names, scales)``, as a diffusers user applies them. An edit's ``image`` is passed as its PIL
     image and its ``strength`` as set; an inpainting mask is the caller's (``mask_image=``, in diffusers' own
-    convention, white where to repaint), so the gate does not take bcg-serve's conversion on trust.
+    convention, white where to repaint), so the gate does not take bcg-serve's conversion on trust. ``setup(pipe)``
+    runs on the loaded pipeline before the calls (e.g. ``pipe.transformer.enable_cache(...)``, as a diffusers user
+    turns a step cache on).
     """
     pipe = pipeline_cls.from_pretrained(str(folder), torch_dtype=torch.float32, local_files_only=True,
                                         **(load_kwargs or {})).to(device)
     pipe.set_progress_bar_config(disable=True)
+    if setup is not None:
+        setup(pipe)
     if request.lora:
         from pathlib import Path
 

@@ -21,8 +21,10 @@ TEXT_TOKENS = 32
 """``max_sequence_length`` the tiny pipelines are saved for (``bcg_text_tokens``) and called with."""
 
 
-def build(folder: Path, variant: str = "dev") -> Path:
-    """Write a tiny ``FluxPipeline`` (``variant`` ``"dev"`` or ``"schnell"``) to ``folder``; returns it."""
+def build(folder: Path, variant: str = "dev", layers: tuple[int, int] = (1, 1)) -> Path:
+    """Write a tiny ``FluxPipeline`` (``variant`` ``"dev"`` or ``"schnell"``) to ``folder``; returns it. ``layers``:
+    its double- and single-stream blocks (the step cache's gate uses more, so that blocks sit between the first and
+    the last)."""
     import json
 
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
@@ -33,7 +35,7 @@ def build(folder: Path, variant: str = "dev") -> Path:
     torch.manual_seed(0)
     clip_tok, t5_tok = clip_tokenizer(), t5_tokenizer()
     transformer = FluxTransformer2DModel(
-        patch_size=1, in_channels=64, num_layers=1, num_single_layers=1, attention_head_dim=16,
+        patch_size=1, in_channels=64, num_layers=layers[0], num_single_layers=layers[1], attention_head_dim=16,
         num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32,
         guidance_embeds=variant == "dev", axes_dims_rope=(4, 6, 6),
     )

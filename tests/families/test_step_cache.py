@@ -1,0 +1,170 @@
+"""The step cache's gate: the same steps computed and the same latents as diffusers' own First Block Cache.
+
+For each request, diffusers' pipeline runs on the same tiny checkpoint with ``transformer.enable_cache(
+FirstBlockCacheConfig(threshold))`` (``bcg_core.step_cache.to_diffusers``), and bcg-serve serves the request with
+``cache={"method": "first_block", "threshold": ...}`` through :class:`~bcg_core.DiTPipeline` on padded buckets
+(``reference_gate.bcg_pipeline``). The gate: final latents within 1e-5 relative (fp32, CPU), and the same number of
+steps whose remaining blocks ran. diffusers' count is the number of forwards of the last block's ``proj_out`` (the
+skipped blocks' layers never run); bcg-serve's is the request's ``bcg.cache`` report
+(:meth:`~bcg_core.step_cache.RequestCache.describe`).
+
+Cases: FLUX.1 (2 double and 2 single blocks, so blocks sit between the first and the last) alone at thresholds from
+all computed to nearly all reused; true CFG, whose cond and uncond rows decide apart as FluxPipeline's two cache
+contexts; three requests with different caches (one without) sharing every step's forwards, one of them started
+steps earlier, each equal to its own diffusers run; Qwen-Image alone; and the contexts dropped with the request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from diffusers import FluxPipeline, QwenImagePipeline
+
+from bcg_core import GenerationRequest
+from bcg_core.step_cache import FirstBlockCache, NoCache, request_cache, to_diffusers
+from reference_gate import GateRun, assert_same, bcg_pipeline, diffusers_run
+from tiny import flux as tiny_flux, qwenimage as tiny_qwen
+
+FLUX_BUCKETS = {"resolutions": ["64x64"], "batch_sizes": [1, 2, 4, 8], "text_lengths": [tiny_flux.TEXT_TOKENS]}
+QWEN_BUCKETS = {"batch_sizes": [1, 2, 4], "resolutions": ["64x64"], "text_lengths": [16, 32]}
+STEPS = 12
+
+
+@pytest.fixture(scope="module")
+def flux_folder(tmp_path_factory) -> Path:
+    return tiny_flux.build(tmp_path_factory.mktemp("flux-cache") / "tiny-flux", "dev", layers=(2, 2))
+
+
+@pytest.fixture(scope="module")
+def flux_pipe(flux_folder):
+    return bcg_pipeline(flux_folder, FLUX_BUCKETS)
+
+
+def _diffusers_cached(pipeline_cls, folder, request: GenerationRequest, last_block, **kwargs) -> tuple[GateRun, int]:
+    """diffusers' run of ``request`` with its cache enabled on the transformer; ``(run, steps computed)`` (one
+    pipeline call's forwards of the last block's ``proj_out``: its contexts' computed steps summed)."""
+    calls: list[int] = [0]
+
+    def setup(pipe):
+        if isinstance(request.cache, FirstBlockCache):
+            pipe.transformer.enable_cache(to_diffusers(request.cache))
+        last_block(pipe.transformer).register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+
+    run = diffusers_run(pipeline_cls, folder, replace(request, cache=None), setup=setup, **kwargs)
+    assert calls[0] % 2 == 0  # diffusers_run calls the pipeline twice (latents, then images)
+    return run, calls[0] // 2
+
+
+def _flux_last(transformer):
+    return transformer.single_transformer_blocks[-1].proj_out
+
+
+def _computed(state) -> int:
+    cache = request_cache(state)
+    return sum(c["computed"] for c in cache.describe()["steps"].values())
+
+
+def _serve(pipe, requests: list[GenerationRequest], head_start: dict[int, int] | None = None) -> list:
+    """Serve ``requests`` sharing every step (request ``i`` joins after ``head_start[i]`` steps of the first);
+    their finished states."""
+    head_start = head_start or {}
+    states = [None] * len(requests)
+    steps = 0
+    while True:
+        for i, r in enumerate(requests):
+            if states[i] is None and steps >= head_start.get(i, 0):
+                states[i] = pipe.start(pipe.validator.validate(r))
+        live = [s for s in states if s is not None and not s.done]
+        if not live and all(s is not None for s in states):
+            return states
+        pipe.step(live, pipe.decider.for_states(live))
+        steps += 1
+
+
+def _flux_request(threshold: float | None, **kw) -> GenerationRequest:
+    fields = dict(prompt="a red fox in the snow", n=1, width=64, height=64, num_inference_steps=STEPS, seed=3,
+                  guidance_scale=3.5)
+    fields.update(kw)
+    return GenerationRequest(**fields, cache=NoCache() if threshold is None else FirstBlockCache(threshold=threshold))
+
+
+@pytest.mark.parametrize("threshold", [0.05, 0.3, 0.6, 2.0])
+def test_flux_alone_computes_the_steps_diffusers_computes(flux_folder, flux_pipe, threshold):
+    request = _flux_request(threshold)
+    ref, ref_computed = _diffusers_cached(FluxPipeline, flux_folder, request, _flux_last,
+                                          max_sequence_length=tiny_flux.TEXT_TOKENS)
+    (state,) = _serve(flux_pipe, [request])
+    assert _computed(state) == ref_computed
+    assert_same(GateRun(state.latents.float().cpu(), flux_pipe.finish(state)), ref)
+    if threshold >= 0.6:
+        assert ref_computed < STEPS  # the case reuses steps
+    if threshold == 0.05:
+        assert ref_computed == STEPS
+
+
+def test_flux_true_cfg_decides_cond_and_uncond_apart(flux_folder, flux_pipe):
+    request = _flux_request(0.5, n=2, negative_prompt="blurry, dark", true_cfg_scale=2.0)
+    ref, ref_computed = _diffusers_cached(FluxPipeline, flux_folder, request, _flux_last,
+                                          max_sequence_length=tiny_flux.TEXT_TOKENS)
+    (state,) = _serve(flux_pipe, [request])
+    steps = request_cache(state).describe()["steps"]
+    assert set(steps) == {"cond", "uncond"}
+    assert all(s["computed"] + s["reused"] == STEPS for s in steps.values())
+    assert _computed(state) == ref_computed
+    assert ref_computed < 2 * STEPS
+    assert_same(GateRun(state.latents.float().cpu(), flux_pipe.finish(state)), ref)
+
+
+def test_requests_with_different_caches_share_steps_and_each_equals_its_own_run(flux_folder, flux_pipe):
+    requests = [_flux_request(0.5, n=2, seed=11, prompt="a lighthouse at dusk"),
+                _flux_request(2.0, seed=5, prompt="a bowl of ramen"),
+                _flux_request(None, seed=7, prompt="a paper boat")]
+    states = _serve(flux_pipe, requests, head_start={1: 0, 0: 3, 2: 5})
+    for request, state in zip(requests, states, strict=True):
+        ref, ref_computed = _diffusers_cached(FluxPipeline, flux_folder, request, _flux_last,
+                                              max_sequence_length=tiny_flux.TEXT_TOKENS)
+        if isinstance(request.cache, FirstBlockCache):
+            assert _computed(state) == ref_computed
+        else:
+            assert request_cache(state) is None and ref_computed == STEPS
+        assert_same(GateRun(state.latents.float().cpu(), flux_pipe.finish(state)), ref)
+    assert _computed(states[1]) < STEPS  # the shared steps mixed rows that reused with rows that computed
+
+
+def test_qwenimage_alone_computes_the_steps_diffusers_computes(tmp_path):
+    folder = tiny_qwen.build(tmp_path / "tiny-qwen-image")
+    pipe = bcg_pipeline(folder, QWEN_BUCKETS)
+    request = GenerationRequest(prompt="a cat on a windowsill", n=1, width=64, height=64, num_inference_steps=STEPS,
+                                seed=2, cache=FirstBlockCache(threshold=0.6))
+    ref, ref_computed = _diffusers_cached(QwenImagePipeline, folder, request,
+                                          lambda t: t.transformer_blocks[-1].img_mlp)
+    (state,) = _serve(pipe, [request])
+    assert _computed(state) == ref_computed < STEPS
+    assert_same(GateRun(state.latents.float().cpu(), pipe.finish(state)), ref)
+
+
+def test_a_request_without_cache_has_no_contexts_and_a_cached_one_holds_device_tensors(flux_pipe):
+    plain, cached = _serve(flux_pipe, [_flux_request(None), _flux_request(0.6, seed=9)])
+    assert request_cache(plain) is None
+    cache = request_cache(cached)
+    assert cache.nbytes > 0
+    cache.free()
+    assert cache.nbytes == 0 and all(c.previous is None for c in cache.contexts)
+
+
+def test_the_split_blocks_run_unchanged_outside_a_phase(flux_folder):
+    from bcg_core.step_cache import installed_split
+
+    pipe = bcg_pipeline(flux_folder, FLUX_BUCKETS)  # a model of its own: no split installed yet
+    state = pipe.start(pipe.validator.validate(_flux_request(None, seed=4)))
+    inputs = pipe.model.model_rows(state)
+    with torch.inference_mode():
+        before = pipe.model.adapter.forward_eager(inputs)
+        split = installed_split(pipe.model.adapter.model)
+        after = pipe.model.adapter.forward_eager(inputs)
+    assert split is installed_split(pipe.model.adapter.model)  # installed once per transformer
+    assert split.names[0] == "transformer_blocks.0" and split.names[-1] == "single_transformer_blocks.1"
+    assert torch.equal(before, after)
