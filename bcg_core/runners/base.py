@@ -66,6 +66,7 @@ def demote(entry: BucketEntry, exc: BaseException, metrics: BucketMetrics) -> No
     entry.plain = None
     entry.buffers = {}
     entry.fused = None
+    entry.pieces = None
     entry.note = f"runs unpadded and eager after a runtime error: {type(exc).__name__}: {first}"[:300]
     metrics.record_fault(entry.key)
     log.error("bucket %s: its padded forward raised %s; the bucket now runs unpadded and eager", entry.key,
@@ -126,6 +127,9 @@ class BucketEntry:
     pending: bool = False
     """Compiled kernels are asked for and not compiled yet (a cold cache, ``prepare(defer_compiles=True)``): the
     bucket serves eager kernels until :mod:`bcg_core.runners.background` compiles, checks and swaps it in."""
+    pieces: object | None = None
+    """Its step-cache graphs (:class:`~bcg_core.runners.piecewise.CachePieces`), captured at its first cached step;
+    None before, False where their capture failed (its halves run unpadded and eager)."""
     fused: dict[str, torch.Tensor] | None = None
     """With a fused step (:mod:`bcg_core.runners.fused`): its ``meta`` (4, B) and ``dt`` (B,) fp32 buffers, and under a
     captured graph its static ``next`` latents output; None otherwise."""
@@ -185,6 +189,13 @@ class BucketRunner(Protocol):
     def run(self, key: BucketKey | None, inputs: DenoiseInputs, eager: bool = False) -> torch.Tensor:
         """One forward: (inputs.rows, inputs.image_tokens, out_channels), a new tensor; unpadded when ``key``
         is None or ``eager`` (counted as an eager forward of ``key``)."""
+        ...
+
+    def run_piece(self, key: BucketKey | None, inputs: DenoiseInputs, phase, split,
+                  eager: bool = False) -> torch.Tensor:
+        """One half of a step-cache step (``phase``: a :class:`~bcg_core.step_cache.split.HeadPhase` or
+        :class:`~bcg_core.step_cache.split.TailPhase` of ``split``) on bucket ``key``, as :meth:`run` runs a whole
+        forward; ``phase`` receives the half's outputs (:mod:`bcg_core.runners.piecewise`)."""
         ...
 
     def describe(self) -> list[dict]:
@@ -319,6 +330,10 @@ class CaptureStats:
     pool_bytes: int = 0
     compile_failed: int = 0
     """Buckets that asked for compiled kernels and run eager ones: the compile or the compiled capture raised."""
+    piece_captures: int = 0
+    """Buckets whose step-cache graphs (head and tail halves, :mod:`bcg_core.runners.piecewise`) were captured."""
+    piece_failures: int = 0
+    """Buckets whose step-cache graphs failed to capture or to replay: their halves run unpadded and eager."""
     swaps: int = 0
     """Buckets whose graph of eager kernels was replaced by one of compiled kernels, compiled in the background
     (:mod:`bcg_core.runners.background`)."""

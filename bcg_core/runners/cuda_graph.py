@@ -48,6 +48,7 @@ from bcg_core.runners.base import (  # isort: skip (500-line cap); re-exports ca
     fill_fused, fused_buffers, is_out_of_memory, static_forward)
 from bcg_core.runners.graph_record import GraphRecorder
 from bcg_core.runners.kernels import CompiledKernels, CompileFailed, KernelTier
+from bcg_core.runners.piecewise import PiecewiseReplay
 from bcg_core.runners.precompiled import NotPrecompiled
 from bcg_core.verify import compile_entry
 
@@ -58,7 +59,7 @@ log = logging.getLogger(__name__)
 MiB = 1 << 20
 
 
-class CudaGraphRunner(GraphRecorder, GraphReplay):
+class CudaGraphRunner(GraphRecorder, PiecewiseReplay, GraphReplay):
     """One CUDA graph per bucket, all in one shared memory pool.
 
     Args:
@@ -415,7 +416,7 @@ class CudaGraphRunner(GraphRecorder, GraphReplay):
             {"key": str(e.key), "mode": e.mode.value if e.buffers or e.mode is RunMode.GRAPH else "dropped",
              "kernels": e.kernels.value, "pool_bytes": e.pool_bytes, "capture_s": round(e.capture_s, 4),
              "compile_rel_err": e.compile_err_json, "attention": e.attention_json, "forwards": e.forwards,
-             "pending": e.pending,
+             "pending": e.pending, "step_cache_graphs": e.pieces is not None and e.pieces is not False,
              **({"plain_graph": e.plain is not None} if self.plain_forward else {}),
              "note": e.note}
             for e in self.entries.values()

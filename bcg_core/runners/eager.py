@@ -35,6 +35,7 @@ from bcg_core.runners.base import (
     static_forward,
 )
 from bcg_core.runners.kernels import CompiledKernels, CompileFailed, KernelTier
+from bcg_core.runners.piecewise import eager_piece
 from bcg_core.runners.precompiled import NotPrecompiled
 from bcg_core.verify import compile_entry
 
@@ -187,6 +188,12 @@ class EagerBucketRunner:
                 entry.forwards += 1
         self.metrics.record_forward(key, ForwardMode.EAGER if key is None or eager else mode)
         return out
+
+    def run_piece(self, key: BucketKey | None, inputs: DenoiseInputs, phase, split,
+                  eager: bool = False) -> torch.Tensor:
+        """One half of a step-cache step: :meth:`run` under ``phase`` (:func:`~bcg_core.runners.piecewise.eager_piece`):
+        on the bucket's static buffers, or unpadded for a miss or with ``eager``."""
+        return eager_piece(self, key, inputs, phase, split, eager)
 
     def fuses(self, key: BucketKey) -> bool:
         """True for a prepared bucket of a runner built with ``fused=True``."""

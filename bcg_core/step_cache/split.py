@@ -31,7 +31,7 @@ from collections.abc import Iterator
 
 import torch
 
-__all__ = ["BlockSplit", "HeadPhase", "TailPhase", "installed_split", "split_installed"]
+__all__ = ["BlockSplit", "HeadPhase", "TailPhase", "installed_split", "pad_rows", "split_installed"]
 
 HEAD, MIDDLE, TAIL = "head", "middle", "tail"
 
@@ -86,6 +86,15 @@ class _Streams:
         return tuple(out)
 
 
+def pad_rows(out: torch.Tensor, rows: dict[int, torch.Tensor]) -> torch.Tensor:
+    """Write per-row tensors of real tokens into ``out`` (``(B, L, D)``, e.g. a graph's input buffer): row ``i``
+    starts with ``rows[i]`` (``(l, D)``, ``l <= L``), everything else zero. Returns ``out``."""
+    out.zero_()
+    for i, t in rows.items():
+        out[i, : t.shape[0]].copy_(t)
+    return out
+
+
 def _padded(like: torch.Tensor, rows: dict[int, torch.Tensor]) -> torch.Tensor:
     """A zero tensor shaped as ``like`` (``(B, L, D)``), row ``i`` starting with ``rows[i]`` (``(l, D)``, ``l <= L``):
     per-row tensors of real tokens placed in a forward's padded layout (pad tokens and pad rows zero)."""
@@ -109,8 +118,12 @@ class HeadPhase:
         residual: ``hidden - hidden_in``, ``(B, S, D)``: what the cache decision compares between steps.
     """
 
-    def __init__(self, residuals: dict[int, tuple[torch.Tensor, torch.Tensor | None]] | None = None):
+    def __init__(self, residuals: dict[int, tuple[torch.Tensor, torch.Tensor | None]] | None = None,
+                 static: tuple[torch.Tensor, torch.Tensor | None] | None = None):
         self.residuals = residuals or {}
+        self.static = static
+        """A captured graph's padded residual buffers ``(B, S, D)``, ``(B, T, D)``, used as they are (filled before each
+        replay) instead of :attr:`residuals`."""
         self.hidden: torch.Tensor | None = None
         self.encoder: torch.Tensor | None = None
         self.residual: torch.Tensor | None = None
@@ -121,12 +134,14 @@ class HeadPhase:
             return streams.pack(hidden_in, encoder_in)
         hidden, encoder = streams.outputs(forward(*args, **kwargs))
         self.hidden, self.encoder, self.residual = hidden, encoder, hidden - hidden_in
-        res_hidden = _padded(hidden, {i: h for i, (h, _) in self.residuals.items()})
+        if self.static is not None:
+            res_hidden, res_encoder = self.static
+        else:
+            res_hidden = _padded(hidden, {i: h for i, (h, _) in self.residuals.items()})
+            res_encoder = None if encoder is None else _padded(
+                encoder, {i: e for i, (_, e) in self.residuals.items() if e is not None})
         # FBCHeadBlockHook: tail_block_residuals[0] + output[hidden], tail_block_residuals[1] + output[encoder]
-        if encoder is None:
-            return streams.pack(res_hidden + hidden, None)
-        res_encoder = _padded(encoder, {i: e for i, (_, e) in self.residuals.items() if e is not None})
-        return streams.pack(res_hidden + hidden, res_encoder + encoder)
+        return streams.pack(res_hidden + hidden, None if encoder is None else res_encoder + encoder)
 
 
 class TailPhase:
@@ -142,13 +157,19 @@ class TailPhase:
             block's outputs minus the head outputs (diffusers' ``tail_block_residuals``).
     """
 
-    def __init__(self, hidden: torch.Tensor, encoder: torch.Tensor | None):
+    def __init__(self, hidden: torch.Tensor, encoder: torch.Tensor | None, static: bool = False):
         self.hidden, self.encoder = hidden, encoder
+        self.static = static
+        """``hidden`` and ``encoder`` are a captured graph's padded input buffers (``(B, S, D)``, ``(B, T, D)``, filled
+        before each replay), used as they are."""
         self._padded: tuple[torch.Tensor, torch.Tensor | None] | None = None
         self.residual_hidden: torch.Tensor | None = None
         self.residual_encoder: torch.Tensor | None = None
 
     def block(self, role: str, streams: _Streams, forward, args: tuple, kwargs: dict):
+        if role == HEAD and self.static:  # computed in the head half, placed in the graph's input buffers
+            self._padded = (self.hidden, self.encoder)
+            return streams.pack(self.hidden, self.encoder)
         if role == HEAD:  # computed in the head half
             hidden_in, encoder_in = streams.inputs(args, kwargs)
             hidden = _padded(hidden_in, dict(enumerate(self.hidden)))

@@ -17,8 +17,9 @@ request in it has a cache:
    contexts keep the new residuals.
 
 A row's result is diffusers' output of the same step for that request: the reused step adds the same residual to
-the same head output, and the computed step runs the same blocks on it. The bucket forwards run on static buffers
-or unpadded (CUDA graphs of the two halves are not captured yet: on a graph runner both halves run unpadded and eager).
+the same head output, and the computed step runs the same blocks on it. On a CUDA graph runner each half of a bucket
+replays a graph of its own, captured at the bucket's first cached step (:mod:`bcg_core.runners.piecewise`); on the
+eager runner the halves run on the bucket's static buffers.
 """
 
 from __future__ import annotations
@@ -72,8 +73,7 @@ def _head(pipe, split: BlockSplit, inputs: DenoiseInputs, forwards, contexts) ->
         b = a + chunk.rows
         rows = inputs.select(slice(a, b)) if len(forwards.chunks) > 1 else inputs
         phase = HeadPhase({r - a: residual_of[r] for r in range(a, b) if r in residual_of})
-        with split.phase(phase):
-            outs.append(_run(pipe, chunk, forwards, rows))
+        outs.append(_run(pipe, split, chunk, forwards, rows, phase))
         hidden.append(phase.hidden[: chunk.rows, :k])
         residual.append(phase.residual[: chunk.rows, :k])
         if phase.encoder is not None:
@@ -83,11 +83,10 @@ def _head(pipe, split: BlockSplit, inputs: DenoiseInputs, forwards, contexts) ->
     return cat(outs), cat(hidden), cat(encoder), cat(residual)
 
 
-def _run(pipe, chunk, forwards, rows: DenoiseInputs) -> torch.Tensor:
-    """One forward of a chunk under the phase set on this thread: padded on its bucket's static buffers, or unpadded
-    (a miss, an eager chunk, or any chunk of a runner that replays graphs, whose graphs hold the whole forward)."""
-    eager = chunk.key is None or pipe.runner_capabilities.graphs
-    return pipe.runner.run(chunk.key or chunk.home or forwards.home, rows, eager=eager)
+def _run(pipe, split: BlockSplit, chunk, forwards, rows: DenoiseInputs, phase) -> torch.Tensor:
+    """One half-forward of a chunk (:meth:`~bcg_core.runners.BucketRunner.run_piece`): a replay of its bucket's graph
+    of that half, a forward on its static buffers, or unpadded (a miss or an eager chunk)."""
+    return pipe.runner.run_piece(chunk.key or chunk.home or forwards.home, rows, phase, split, eager=chunk.key is None)
 
 
 def _decide(contexts, residual: torch.Tensor) -> list[bool]:
@@ -145,8 +144,7 @@ def cached_forward(pipe, split: BlockSplit, states: Sequence[RequestState], part
         b = a + chunk.rows
         pick = idx[a:b]
         phase = TailPhase(hidden[pick], None if encoder is None else encoder[pick])
-        with split.phase(phase):
-            outs.append(_run(pipe, chunk, tail_forwards, sub.select(slice(a, b))))
+        outs.append(_run(pipe, split, chunk, tail_forwards, sub.select(slice(a, b)), phase))
         res_hidden.append(phase.residual_hidden[: chunk.rows, :k])
         if phase.residual_encoder is not None:
             res_encoder.append(phase.residual_encoder[: chunk.rows, :t])

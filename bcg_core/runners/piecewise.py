@@ -1,0 +1,181 @@
+"""Piecewise capture: a bucket's step-cache halves as two CUDA graphs of their own, beside its whole-forward graph.
+
+A step in which some request caches (:mod:`bcg_core.step_cache.step`) runs the transformer in two halves: the head
+(first block, each row's cached residual added: the reused step) over every row, then the tail (the remaining
+blocks) over the rows that compute. :class:`PiecewiseReplay` (a base class of
+:class:`~bcg_core.runners.cuda_graph.CudaGraphRunner`) captures each half of a bucket as a graph of its own, in the
+runner's shared memory pool, the first time a cached step runs on that bucket, and replays them after:
+
+- the head graph reads the bucket's input buffers and a padded residual buffer pair ``(B, S, D)`` / ``(B, T, D)``
+  (filled before each replay: each row's cached residual, zeros elsewhere) and leaves the head block's outputs and
+  residual and the reused output in the pool;
+- the tail graph reads the bucket's input buffers and a padded head-output buffer pair and leaves the computed
+  output and the remaining blocks' residuals.
+
+What a replay leaves in the pool is overwritten by the next replay of any graph of the pool, so every output is
+cloned (its real rows and tokens) before the next replay. A step where no request caches replays the bucket's
+whole-forward graph as before: requests that do not cache pay nothing. A bucket whose halves fail to capture runs
+them unpadded and eager (noted, counted in :attr:`~bcg_core.runners.base.CaptureStats.piece_failures`).
+
+:meth:`run_piece` is what the cached step calls, on every runner: the eager runner runs the half on the bucket's
+static buffers (or unpadded) under the phase (:func:`eager_piece`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from bcg_core.errors import first_line
+from bcg_core.keys import BucketKey
+from bcg_core.metrics import ForwardMode
+from bcg_core.padding import DenoiseInputs
+from bcg_core.runners.base import RunMode, entry_kernels, is_out_of_memory
+from bcg_core.step_cache.split import BlockSplit, HeadPhase, TailPhase, pad_rows
+
+__all__ = ["CachePieces", "PiecewiseReplay", "eager_piece"]
+
+log = logging.getLogger("bcg_core.runners.cuda_graph")
+
+
+def eager_piece(runner, key: BucketKey | None, inputs: DenoiseInputs, phase: HeadPhase | TailPhase,
+                split: BlockSplit, eager: bool) -> torch.Tensor:
+    """One half of a cached step without a graph of its own: ``runner.run`` under ``phase`` (on the bucket's static
+    buffers, or unpadded with ``eager`` or ``key`` None)."""
+    with split.phase(phase):
+        return runner.run(key, inputs, eager=eager)
+
+
+@dataclass
+class CachePieces:
+    """A bucket's two step-cache graphs and their static buffers (see the module docstring)."""
+
+    head: object
+    head_phase: HeadPhase
+    head_out: torch.Tensor
+    tail: object
+    tail_phase: TailPhase
+    tail_out: torch.Tensor
+    capture_s: float = 0.0
+
+
+class PiecewiseReplay:
+    """:meth:`run_piece` for a runner that replays CUDA graphs (a base class of
+    :class:`~bcg_core.runners.cuda_graph.CudaGraphRunner`, which provides the attributes used here)."""
+
+    def run_piece(self, key: BucketKey | None, inputs: DenoiseInputs, phase: HeadPhase | TailPhase,
+                  split: BlockSplit, eager: bool = False) -> torch.Tensor:
+        """One half of a cached step on bucket ``key``: a replay of the bucket's graph of that half (captured on
+        the bucket's first cached step), or unpadded and eager (a miss, ``eager``, a bucket without a graph, or
+        one whose halves did not capture). ``phase`` receives the half's outputs over the real rows and tokens
+        (new tensors).
+
+        Returns:
+            (inputs.rows, inputs.image_tokens, out_channels), a new tensor.
+        """
+        with self._lock:
+            entry = None if key is None or eager else self.entries.get(key)
+            if entry is None or entry.mode is not RunMode.GRAPH:
+                return eager_piece(self, key, inputs, phase, split, eager=True)
+            pieces = self._pieces_of(entry, split)
+            if pieces is None:
+                return eager_piece(self, key, inputs, phase, split, eager=True)
+            try:
+                out = self._replay_piece(entry, pieces, inputs, phase)
+            except RuntimeError as e:
+                if is_out_of_memory(e):
+                    raise
+                entry.pieces = False
+                entry.note = f"{entry.note}; step-cache graphs dropped: {type(e).__name__}: {first_line(e, '')}"[:300]
+                self.stats.piece_failures += 1
+                log.error("bucket %s: a step-cache graph raised %s; its halves run unpadded and eager", key, e)
+                return eager_piece(self, key, inputs, phase, split, eager=True)
+            entry.forwards += 1
+        self.metrics.record_forward(key, ForwardMode.GRAPH)
+        return out
+
+    def _replay_piece(self, entry, pieces: CachePieces, inputs: DenoiseInputs,
+                      phase: HeadPhase | TailPhase) -> torch.Tensor:
+        rows, k, t = inputs.rows, inputs.image_tokens, inputs.text_tokens
+        self.adapter.fill(entry.buffers, inputs)
+        if isinstance(phase, HeadPhase):
+            static = pieces.head_phase
+            res_hidden, res_encoder = static.static
+            pad_rows(res_hidden, {i: h for i, (h, _) in phase.residuals.items()})
+            if res_encoder is not None:
+                pad_rows(res_encoder, {i: e for i, (_, e) in phase.residuals.items() if e is not None})
+            pieces.head.replay()
+            phase.hidden = static.hidden[:rows, :k].clone()
+            phase.residual = static.residual[:rows, :k].clone()
+            phase.encoder = None if static.encoder is None else static.encoder[:rows, :t].clone()
+            return self.adapter.unpad(pieces.head_out, inputs).clone()
+        static = pieces.tail_phase
+        pad_rows(static.hidden, dict(enumerate(phase.hidden)))
+        if static.encoder is not None:
+            pad_rows(static.encoder, dict(enumerate(phase.encoder)))
+        pieces.tail.replay()
+        phase.residual_hidden = static.residual_hidden[:rows, :k].clone()
+        phase.residual_encoder = None if static.residual_encoder is None else static.residual_encoder[:rows, :t].clone()
+        return self.adapter.unpad(pieces.tail_out, inputs).clone()
+
+    def _pieces_of(self, entry, split: BlockSplit) -> CachePieces | None:
+        """The bucket's step-cache graphs, captured now if they are not yet; None where they failed (noted)."""
+        if entry.pieces is False:
+            return None
+        if entry.pieces is not None:
+            return entry.pieces
+        with self.gate:
+            try:
+                entry.pieces = self._capture_pieces(entry, split)
+            except Exception as e:  # noqa: BLE001 - the bucket's halves then run unpadded and eager
+                torch.cuda.synchronize(self.device)
+                if isinstance(e, torch.cuda.OutOfMemoryError):
+                    torch.cuda.empty_cache()
+                entry.pieces = False
+                entry.note = f"{entry.note}; no step-cache graphs: {type(e).__name__}: {first_line(e, '')}"[:300]
+                self.stats.piece_failures += 1
+                log.warning("bucket %s: step-cache graphs not captured (%s); its halves run unpadded and eager",
+                            entry.key, entry.note)
+                return None
+        return entry.pieces
+
+    def _capture_pieces(self, entry, split: BlockSplit) -> CachePieces:
+        """Capture ``entry``'s head and tail graphs (see the module docstring) into the shared pool."""
+        t0 = time.perf_counter()
+        buffers = entry.buffers
+        probe = HeadPhase()
+        with torch.inference_mode(), entry_kernels(self.kernels, entry), split.phase(probe):
+            self.adapter.forward(buffers)  # the halves' stream shapes
+        zeros = lambda x: None if x is None else torch.zeros_like(x)  # noqa: E731
+        head = HeadPhase(static=(zeros(probe.hidden), zeros(probe.encoder)))
+        tail = TailPhase(zeros(probe.hidden), zeros(probe.encoder), static=True)
+        del probe
+        graphs, outs = [], []
+        for phase in (head, tail):
+            self._warm_piece(entry, split, phase)
+            graph = torch.cuda.CUDAGraph()
+            with (torch.inference_mode(), entry_kernels(self.kernels, entry), split.phase(phase),
+                  torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local")):
+                outs.append(self.adapter.forward(buffers))
+            torch.cuda.synchronize(self.device)
+            graphs.append(graph)
+        pieces = CachePieces(graphs[0], head, outs[0], graphs[1], tail, outs[1], time.perf_counter() - t0)
+        self.stats.piece_captures += 1
+        log.info("bucket %s: step-cache graphs captured in %.2f s", entry.key, pieces.capture_s)
+        return pieces
+
+    def _warm_piece(self, entry, split: BlockSplit, phase) -> None:
+        """Warm-up forwards of one half on the side stream before its capture (as every capture's warm-up)."""
+        if self._side is None:
+            self._side = torch.cuda.Stream(self.device)
+        side = self._side
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with (torch.cuda.stream(side), torch.inference_mode(), entry_kernels(self.kernels, entry),
+              split.phase(phase)):
+            for _ in range(self.warmup_iters):
+                self.adapter.forward(entry.buffers)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        torch.cuda.synchronize(self.device)
