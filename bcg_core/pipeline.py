@@ -59,7 +59,7 @@ from bcg_core.runners.decode import install as install_decode
 from bcg_core.runners.kernels import CompiledKernels, KernelTier, kernel_stats
 from bcg_core.step_cache.spec import parse_cache
 from bcg_core.step_cache.split import installed_split
-from bcg_core.step_cache.state import ContextCache, RequestCache
+from bcg_core.step_cache.state import ContextCache, RequestCache, reserve_bytes
 from bcg_core.step_cache.step import CACHE_EXTRA, cached_forward, request_cache
 from bcg_core.validation import RequestValidator
 from bcg_core.verify_fused import FusedStats
@@ -140,8 +140,10 @@ class DiTPipeline:
             state.extras["lora"] = lease
         spec = parse_cache(validated.request.cache)
         if spec is not None and self.capabilities.step_cache:
-            state.extras[CACHE_EXTRA] = RequestCache(spec, [ContextCache(name, rows) for name, rows
-                                                            in self.model.cache_contexts(state)])
+            query = validated.lookup.query
+            state.extras[CACHE_EXTRA] = RequestCache(
+                spec, [ContextCache(name, rows) for name, rows in self.model.cache_contexts(state)],
+                reserve_bytes(self.model.adapter.model, state.rows, query.image_tokens, query.text_tokens))
         return state
 
     def _rows(self, state: RequestState) -> DenoiseInputs:

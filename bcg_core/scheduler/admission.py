@@ -25,6 +25,7 @@ from bcg_core.families import RequestState
 from bcg_core.keys import BucketKey, BucketShape
 from bcg_core.preview import PartialImage
 from bcg_core.request import GenerationResult, ValidatedRequest
+from bcg_core.step_cache.state import RequestCache
 
 __all__ = ["Admission", "Admitted", "InFlight", "tensor_bytes"]
 
@@ -77,7 +78,8 @@ class InFlight:
 
 def tensor_bytes(state: RequestState) -> int:
     """Bytes of a request state's tensors held while it is in flight: latents, text rows, and the tensors of its
-    ``extras`` (an inpainting edit's mask, image latents and noise: about 3x its latents), two levels down."""
+    ``extras`` (an inpainting edit's mask, image latents and noise: about 3x its latents), two levels down; a step
+    cache's (:class:`~bcg_core.step_cache.RequestCache`) as it will hold them once computed, from the start."""
     total = state.latents.numel() * state.latents.element_size()
     for rows in (state.cond, state.uncond):
         if rows is None:
@@ -92,6 +94,8 @@ def tensor_bytes(state: RequestState) -> int:
             return obj.numel() * obj.element_size()
         if depth < 2 and isinstance(obj, (tuple, list)):
             return sum(extra(o, depth + 1) for o in obj)
+        if isinstance(obj, RequestCache):
+            return obj.budget_bytes
         return 0  # a LoRA lease, a guidance float ...: nothing held per request here
     return total + sum(extra(v) for v in state.extras.values())
 

@@ -20,6 +20,7 @@ from bcg_core.request import GenerationResult
 from bcg_core.scheduler.admission import Admission, InFlight
 from bcg_core.scheduler.load import LoadMeter
 from bcg_core.scheduler.stats import SchedulerStats, queue_lengths
+from bcg_core.step_cache.step import request_cache
 
 __all__ = ["Flight"]
 
@@ -89,7 +90,11 @@ class Flight:
 
     def retire(self, item: InFlight, error: BaseException | None, cancelled: bool = False,
                failed: bool = False) -> None:
-        """Take a started ``item`` out of flight (its rows and bytes freed); with ``error``, answer it."""
+        """Take a started ``item`` out of flight (its rows and bytes freed, its step cache dropped); with ``error``,
+        answer it."""
+        cache = None if item.state is None else request_cache(item.state)
+        if cache is not None:
+            cache.free()
         with self.cv:
             self.leave_running(item)
             self.bytes -= item.nbytes

@@ -48,6 +48,7 @@ from bcg_core.scheduler.finish import Finisher
 from bcg_core.scheduler.flight import Flight
 from bcg_core.scheduler.previews import PreviewWorker
 from bcg_core.scheduler.stats import StepTimes
+from bcg_core.step_cache.step import request_cache
 
 __all__ = ["DenoisingLoop"]
 
@@ -318,8 +319,12 @@ class DenoisingLoop:
                 self._finish_denoise(item)
 
     def _finish_denoise(self, item: InFlight) -> None:
-        """A request's last step is queued: record its event and hand it to the decode thread."""
+        """A request's last step is queued: its step cache dropped, its event recorded, and it is handed to the
+        decode thread."""
         item.denoised = time.perf_counter()
+        cache = request_cache(item.state)
+        if cache is not None:
+            cache.free()
         if self._cuda:
             ev = torch.cuda.Event()
             ev.record(torch.cuda.current_stream(self._device))

@@ -17,7 +17,26 @@ import torch
 
 from bcg_core.step_cache.spec import FirstBlockCache
 
-__all__ = ["ContextCache", "RequestCache"]
+__all__ = ["ContextCache", "RequestCache", "reserve_bytes"]
+
+
+def reserve_bytes(transformer: torch.nn.Module, rows: int, image_tokens: int, text_tokens: int) -> int:
+    """Device bytes a request's contexts hold once they computed: per row, the head residual and the remaining
+    blocks' residual over its image tokens and their text-stream residual, ``(2 * image_tokens + text_tokens) * D``
+    elements of the transformer's dtype, ``D = num_attention_heads * attention_head_dim`` (the blocks' width in
+    FLUX.1's and Qwen-Image's configs); 0 for a transformer whose config does not say.
+
+    Args:
+        transformer: the diffusers transformer.
+        rows: the request's transformer rows (images, x2 with CFG).
+        image_tokens, text_tokens: tokens per row.
+    """
+    config = transformer.config
+    heads, dim = config.get("num_attention_heads"), config.get("attention_head_dim")
+    if not heads or not dim:
+        return 0
+    element = next(transformer.parameters()).element_size()
+    return rows * (2 * image_tokens + text_tokens) * int(heads) * int(dim) * element
 
 
 @dataclass
@@ -60,11 +79,19 @@ class RequestCache:
 
     spec: FirstBlockCache
     contexts: list[ContextCache] = field(default_factory=list)
+    reserved_bytes: int = 0
+    """What its contexts will hold once they computed (:func:`reserve_bytes`): counted by admission from the start,
+    before any step has filled them."""
 
     @property
     def nbytes(self) -> int:
         """Device bytes its contexts hold (three ``(rows, tokens, D)`` tensors per context once it computed)."""
         return sum(c.nbytes for c in self.contexts)
+
+    @property
+    def budget_bytes(self) -> int:
+        """The bytes admission counts for it: :attr:`reserved_bytes`, or what it holds where that is more."""
+        return max(self.reserved_bytes, self.nbytes)
 
     def describe(self) -> dict:
         """The answer's ``bcg.cache``: the method and its settings, and per context the steps computed and reused

@@ -168,3 +168,16 @@ def test_the_split_blocks_run_unchanged_outside_a_phase(flux_folder):
     assert split is installed_split(pipe.model.adapter.model)  # installed once per transformer
     assert split.names[0] == "transformer_blocks.0" and split.names[-1] == "single_transformer_blocks.1"
     assert torch.equal(before, after)
+
+
+def test_admission_counts_the_cache_from_the_start_and_the_reserve_is_what_it_holds(flux_pipe):
+    from bcg_core.scheduler.admission import tensor_bytes
+
+    plain = flux_pipe.start(flux_pipe.validator.validate(_flux_request(None, seed=1)))
+    cached = flux_pipe.start(flux_pipe.validator.validate(_flux_request(0.6, seed=1, n=2, negative_prompt="dark",
+                                                                        true_cfg_scale=2.0)))
+    cache = request_cache(cached)
+    assert cache.nbytes == 0 < cache.reserved_bytes
+    assert tensor_bytes(cached) - tensor_bytes(plain) > cache.reserved_bytes  # 4 rows of latents and text too
+    flux_pipe.step([cached], flux_pipe.decider.for_states([cached]))  # the first step computes every context
+    assert cache.nbytes == cache.reserved_bytes == cache.budget_bytes
