@@ -68,6 +68,8 @@ class BucketCounters:
     of the bucket's padded forward after which it runs unpadded and eager (:func:`bcg_core.runners.base.demote`).
     ``steps``, ``step_ms_sum`` (milliseconds) and ``step_ms_bins`` (non-cumulative counts per bin of
     :data:`STEP_MS_BOUNDS`, then ``+Inf``) describe the latency of the denoising steps run on the bucket.
+    ``cache_reused_rows`` and ``cache_computed_rows`` count the rows of requests with a step cache whose first block
+    ran on the bucket (:mod:`bcg_core.step_cache`), by whether they reused the remaining blocks or computed them.
     """
 
     requests: int = 0
@@ -84,6 +86,8 @@ class BucketCounters:
     steps: int = 0
     step_ms_sum: float = 0.0
     step_ms_bins: list[int] = field(default_factory=lambda: [0] * (len(STEP_MS_BOUNDS) + 1))
+    cache_reused_rows: int = 0
+    cache_computed_rows: int = 0
 
     @property
     def padding_waste_pct(self) -> float:
@@ -232,6 +236,14 @@ class BucketMetrics:
             c.replays += int(mode is ForwardMode.GRAPH)
             c.unpadded_forwards += int(not mode.padded)
 
+    def record_cache(self, key: BucketKey | None, reused: int, computed: int) -> None:
+        """Count the rows of cached requests whose first block ran on bucket ``key`` (None: unpadded) in one step:
+        ``reused`` reused the remaining blocks' residual, ``computed`` ran them (:mod:`bcg_core.step_cache`)."""
+        with self._lock:
+            c = self._of(key)
+            c.cache_reused_rows += reused
+            c.cache_computed_rows += computed
+
     def record_capture(self, key: BucketKey, seconds: float) -> None:
         """Count one CUDA graph capture of bucket ``key`` that took ``seconds`` (warm-up included)."""
         with self._lock:
@@ -294,7 +306,9 @@ class BucketMetrics:
         (:data:`FORWARD_MODES`), ``captures``, ``faults`` (runtime errors after which the bucket runs eager),
         ``real_tokens``, ``padded_tokens``, ``padding_waste_pct`` (percent), ``padded_token_ratio`` (padded / real
         tokens, None with no traffic), ``mean_latency_ms`` (per request) and ``step_latency_ms`` (per denoising step,
-        :meth:`BucketCounters.step_latency`). ``misses`` holds the same request, token, forward and step counters for
+        :meth:`BucketCounters.step_latency`), ``cache_reused_rows`` and ``cache_computed_rows`` (rows of requests with a
+        step cache whose first block ran on it, by whether they reused or computed the remaining blocks). ``misses``
+        holds the same request, token, forward and step counters for
         requests no bucket held (run unpadded), plus ``by_dim``.
         """
         with self._lock:
@@ -310,6 +324,7 @@ class BucketMetrics:
                     "padded_token_ratio": _round(c.padded_token_ratio, 4),
                     "mean_latency_ms": round(c.mean_latency_ms, 2),
                     "step_latency_ms": c.step_latency(),
+                    "cache_reused_rows": c.cache_reused_rows, "cache_computed_rows": c.cache_computed_rows,
                 }
                 for k, c in sorted(self._buckets.items())
             ]

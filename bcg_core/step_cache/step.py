@@ -109,6 +109,17 @@ def _decide(contexts, residual: torch.Tensor) -> list[bool]:
     return [True] * len(contexts)
 
 
+def _count(pipe, forwards, cached: list[bool | None]) -> None:
+    """Count the cached rows per bucket their first block ran on
+    (:meth:`~bcg_core.metrics.BucketMetrics.record_cache`)."""
+    a = 0
+    for chunk in forwards.chunks:
+        rows = cached[a : a + chunk.rows]
+        if any(r is not None for r in rows):
+            pipe.metrics.record_cache(chunk.key, rows.count(False), rows.count(True))
+        a += chunk.rows
+
+
 def cached_forward(pipe, split: BlockSplit, states: Sequence[RequestState], parts: Sequence[DenoiseInputs],
                    inputs: DenoiseInputs, forwards) -> torch.Tensor:
     """The step's transformer output with the First Block Cache (see the module docstring).
@@ -128,11 +139,13 @@ def cached_forward(pipe, split: BlockSplit, states: Sequence[RequestState], part
     reused, hidden, encoder, residual = _head(pipe, split, inputs, forwards, contexts)
     decisions = _decide(contexts, residual)
     compute = [True] * inputs.rows
+    cached = [None] * inputs.rows  # per row of a cached request: whether it computes
     for (c, rows, *_), computes in zip(contexts, decisions, strict=True):
         if not computes:
             c.reused += 1
-            for r in range(rows.start, rows.stop):
-                compute[r] = False
+        for r in range(rows.start, rows.stop):
+            compute[r] = cached[r] = computes
+    _count(pipe, forwards, cached)
     idx = [r for r in range(inputs.rows) if compute[r]]
     if not idx:
         return reused

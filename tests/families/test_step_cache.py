@@ -181,3 +181,14 @@ def test_admission_counts_the_cache_from_the_start_and_the_reserve_is_what_it_ho
     assert tensor_bytes(cached) - tensor_bytes(plain) > cache.reserved_bytes  # 4 rows of latents and text too
     flux_pipe.step([cached], flux_pipe.decider.for_states([cached]))  # the first step computes every context
     assert cache.nbytes == cache.reserved_bytes == cache.budget_bytes
+
+
+def test_metrics_count_reused_and_computed_rows_per_bucket(flux_folder):
+    pipe = bcg_pipeline(flux_folder, FLUX_BUCKETS)
+    a, b = _serve(pipe, [_flux_request(2.0, n=2, seed=21), _flux_request(None, seed=22)])
+    buckets = pipe.metrics.snapshot()["buckets"]
+    reused = sum(bk["cache_reused_rows"] for bk in buckets)
+    computed = sum(bk["cache_computed_rows"] for bk in buckets)
+    steps = request_cache(a).describe()["steps"]["cond"]
+    assert reused == 2 * steps["reused"] > 0 and computed == 2 * steps["computed"]  # two rows each step
+    assert request_cache(b) is None
