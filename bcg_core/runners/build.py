@@ -26,6 +26,7 @@ from bcg_core.runners.base import BucketRunner
 from bcg_core.runners.eager import EagerBucketRunner
 from bcg_core.runners.fp8 import check_fp8, quantize_fp8
 from bcg_core.runners.kernels import CompiledKernels, KernelTier
+from bcg_core.step_cache.split import split_of
 from bcg_core.verify import derived_tolerance
 
 log = logging.getLogger(__name__)
@@ -136,16 +137,15 @@ def compiled_kernels(config: EngineConfig, model: Family, keys: list) -> Compile
         if tier is KernelTier.FP8 and not installed.fp8_layers:
             check_fp8(model.device)
             installed.fp8_layers = quantize_fp8(model.adapter.model)  # in place: every forward, misses too
-        from bcg_core.step_cache.split import split_installed
+        def install() -> CompiledKernels:
+            return CompiledKernels(model.adapter.model, mode=config.runner.compile_mode,
+                                   max_shapes=max(64, 2 * len(keys)), cache_dir=config.runner.compile_cache_dir,
+                                   timeout_s=config.runner.compile_timeout_s, rtol=rtol,
+                                   attention=config.runner.attention,
+                                   batch_dynamic=config.runner.compile_batch_dynamic)
 
-        if split_installed(model.adapter.model):  # the split's wrappers would be compiled as the blocks' forwards
-            raise RuntimeError("the step cache's block split is installed on this transformer before its compiled "
-                               "kernels: build the compiled pipeline first")
-        kernels = CompiledKernels(model.adapter.model, mode=config.runner.compile_mode,
-                                  max_shapes=max(64, 2 * len(keys)), cache_dir=config.runner.compile_cache_dir,
-                                  timeout_s=config.runner.compile_timeout_s, rtol=rtol,
-                                  attention=config.runner.attention,
-                                  batch_dynamic=config.runner.compile_batch_dynamic)
+        split = split_of(model.adapter.model)  # a step cache's split installed first: the kernels go under it
+        kernels = install() if split is None else split.around(install)
         kernels.rtol_note = note
         log.info("compiled kernels (%s): each bucket checked against eager within %.3g (%s)", tier.value, rtol, note)
         installed.compiled = kernels

@@ -31,7 +31,7 @@ from collections.abc import Iterator
 
 import torch
 
-__all__ = ["BlockSplit", "HeadPhase", "TailPhase", "installed_split", "pad_rows", "split_installed"]
+__all__ = ["BlockSplit", "HeadPhase", "TailPhase", "installed_split", "pad_rows", "split_of"]
 
 HEAD, MIDDLE, TAIL = "head", "middle", "tail"
 
@@ -189,8 +189,8 @@ class BlockSplit:
     :func:`installed_split`).
 
     Each block's ``forward`` is wrapped: with no phase set on the calling thread it runs as before (the compiled
-    tier's switch included: install the split after the compiled kernels); inside :meth:`phase` it runs as the
-    phase says.
+    tier's switch included: kernels installed later go under the wrappers, :meth:`around`); inside :meth:`phase` it
+    runs as the phase says.
 
     Args:
         transformer: a diffusers transformer whose block lists diffusers' hooks know.
@@ -208,10 +208,26 @@ class BlockSplit:
         self.names = [name for name, _ in blocks]
         self._local = threading.local()
         streams: dict[type, _Streams] = {}
+        self._blocks: list[tuple[torch.nn.Module, object, str, _Streams]] = []
+        """Per block: the module, the forward the split wraps, its role and its stream layout."""
         for i, (_, block) in enumerate(blocks):
             s = streams.setdefault(type(block), _Streams(type(block)))
             role = HEAD if i == 0 else TAIL if i == len(blocks) - 1 else MIDDLE
+            self._blocks.append((block, block.forward, role, s))
             block.forward = self._wrap(block.forward, role, s)
+
+    def around(self, install):
+        """Call ``install()`` with the blocks' own forwards in place (the split's wrappers taken off), then wrap
+        whatever forwards it installed: compiled kernels installed on a model whose split is already installed
+        compile the blocks, never the split's switch. Returns what ``install`` returns."""
+        for block, inner, _, _ in self._blocks:
+            block.forward = inner
+        try:
+            return install()
+        finally:
+            for i, (block, _, role, streams) in enumerate(self._blocks):
+                self._blocks[i] = (block, block.forward, role, streams)
+                block.forward = self._wrap(block.forward, role, streams)
 
     def _wrap(self, forward, role: str, streams: _Streams):
         local = self._local
@@ -255,6 +271,6 @@ def installed_split(transformer: torch.nn.Module) -> BlockSplit:
         return split
 
 
-def split_installed(transformer: torch.nn.Module) -> bool:
-    """Whether :func:`installed_split` wrapped ``transformer``'s blocks (compiled kernels must be installed before)."""
-    return transformer in _SPLITS
+def split_of(transformer: torch.nn.Module) -> BlockSplit | None:
+    """The :class:`BlockSplit` installed on ``transformer``, or None (none installed yet)."""
+    return _SPLITS.get(transformer)

@@ -192,3 +192,27 @@ def test_metrics_count_reused_and_computed_rows_per_bucket(flux_folder):
     steps = request_cache(a).describe()["steps"]["cond"]
     assert reused == 2 * steps["reused"] > 0 and computed == 2 * steps["computed"]  # two rows each step
     assert request_cache(b) is None
+
+
+def test_compiled_kernels_installed_after_the_split_go_under_it(flux_folder):
+    from bcg_core.runners.kernels import CompiledKernels
+    from bcg_core.step_cache import installed_split
+
+    pipe = bcg_pipeline(flux_folder, FLUX_BUCKETS)
+    transformer = pipe.model.adapter.model
+    (before,) = _serve(pipe, [_flux_request(0.6, seed=31)])  # installs the split
+    split = installed_split(transformer)
+    given = []
+
+    def compile_fn(fn, **options):
+        given.append(fn)
+        return fn
+
+    kernels = split.around(lambda: CompiledKernels(transformer, compile_fn=compile_fn, precompile=False))
+    assert given and not any(getattr(fn, "bcg_block_split", False) for fn in given)  # the blocks, not the switch
+    blocks = [transformer.transformer_blocks[0], transformer.single_transformer_blocks[-1]]
+    assert all(getattr(b.forward, "bcg_block_split", False) for b in blocks)
+    with kernels.active():
+        (after,) = _serve(pipe, [_flux_request(0.6, seed=31)])
+    assert request_cache(after).describe() == request_cache(before).describe()
+    assert torch.equal(after.latents, before.latents)
