@@ -121,7 +121,10 @@ def bench_models(tiny: bool) -> dict[str, BenchModel]:
               "pixart-sigma-1024": BenchModel("pixart", pix, SDXL_VAE),
               "sd3-medium": BenchModel("sd3", MODELS["sd3-medium"].config, SD3_VAE),
               "sana-1.6b-1024": BenchModel("sana", SANA_1600M, DC_AE),
-              "flux-dev": BenchModel("flux", MODELS["flux-dev"].config, FLUX_VAE)}
+              "flux-dev": BenchModel("flux", MODELS["flux-dev"].config, FLUX_VAE),
+              # FLUX.1-dev's width with 2 double and 4 single blocks (bench_saturation.FLUX_DEV_WIDTH_LAYERS)
+              "flux-dev-width": BenchModel("flux", dict(MODELS["flux-dev"].config, num_layers=2, num_single_layers=4),
+                                           FLUX_VAE)}
     if tiny:
         configs = {f: _tiny_configs(f) for f in dict.fromkeys(m.family for m in models.values())}
         models = {name: BenchModel(m.family, *configs[m.family]) for name, m in models.items()}
@@ -145,6 +148,7 @@ CASES = {  # case: (model, size, size with --tiny, steps, guidance_scale)
     "sd3-1024": ("sd3-medium", 1024, 96, 20, 7.0),
     "sana-1024": ("sana-1.6b-1024", 1024, 512, 20, 4.5),
     "flux-dev-1024": ("flux-dev", 1024, 64, 28, 3.5),  # FLUX.1-dev: guidance embedding, no CFG
+    "flux-dev-width-512": ("flux-dev-width", 512, 64, 20, 3.5),  # launch-bound: a reused step is a few kernels
 }
 CLASSES = {  # family: (pipeline, transformer, VAE)
     "pixart": ("PixArtSigmaPipeline", "PixArtTransformer2DModel", "AutoencoderKL"),

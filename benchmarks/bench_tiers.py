@@ -51,6 +51,15 @@ datasheets, and 1978.9 dense FP8 for ``bcg-fp8``; elsewhere none (``of_peak`` is
 so ``bcg-eager``'s VAE stays eager); after its first request the mode waits for the background decode compile, and
 its ``decode_compile`` reports the wait and each latent shape's state and eager / compiled ms.
 
+Step cache (``--cache-threshold T``): every mode runs with First Block Cache at threshold ``T``: diffusers' modes
+with ``transformer.enable_cache(FirstBlockCacheConfig(threshold=T))`` (on the compiled copy too), bcg-serve's with
+the request's ``cache={"method": "first_block", "threshold": T}``. ``--cache-search T1,T2,...`` first runs diffusers'
+eager pipeline once per threshold and takes the one whose computed share of the steps is closest to a half
+(``cache_search``: steps computed per threshold), since random weights do not show real skip rates: both sides are
+compared at the same config, with the steps each computed reported per mode (``computed_steps``: diffusers' counted
+at the last block's first layer, which runs only when the remaining blocks do; bcg-serve's from the answer's
+``bcg.cache``).
+
 CPU smoke: ``--device cpu --tiny --repeats 1`` (fp32 tiny configs; bcg modes without graphs, no ``bcg-fp8``).
 """
 
@@ -83,7 +92,8 @@ from bcg_core.config import EngineConfig, LimitsConfig, ModelConfig, RunnerConfi
 TABLE = {"wall ms": "wall_ms", "x diffusers": "vs_diffusers", "served ms": "served_ms",  # header: key per mode
          "x served": "served_vs_diffusers", "first ms": "first_ms", "denoise ms": "denoise_ms",
          "decode ms": "decode_ms", "PNG ms": "image_encode_ms", "TFLOP/fwd": "forward_tflop", "fwds": "forwards",
-         "TFLOPS/wall": "tflops_over_wall", "denoise TFLOPS": "denoise_tflops", "of peak": "of_peak"}
+         "TFLOPS/wall": "tflops_over_wall", "denoise TFLOPS": "denoise_tflops", "of peak": "of_peak",
+         "computed steps": "computed_steps"}
 MODES = ("diffusers", "diffusers-compiled", "bcg-eager", "bcg-compiled", "bcg-fp8")
 HOPPER_SXM_PEAK_TFLOPS = (989.4, 1978.9)  # dense BF16, FP8 tensor-core TFLOPS: NVIDIA H100 / H200 SXM datasheets
 
@@ -93,20 +103,48 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def diffusers_pipeline(folder: Path, dtype: torch.dtype, device: torch.device, compiled: bool):
+def diffusers_pipeline(folder: Path, dtype: torch.dtype, device: torch.device, compiled: bool,
+                       cache: float | None = None):
     """The checkpoint's own diffusers pipeline; with ``compiled``, its transformer compiled as diffusers documents
-    (regional where the transformer names repeated blocks, whole otherwise)."""
+    (regional where the transformer names repeated blocks, whole otherwise); with ``cache``, First Block Cache at
+    that threshold (``transformer.enable_cache``), and a counter of the steps whose remaining blocks ran
+    (``pipe.computed``: forwards of the last block's first layer)."""
     import diffusers
 
     index = json.loads((folder / "model_index.json").read_text())
     pipe = getattr(diffusers, index["_class_name"]).from_pretrained(str(folder), torch_dtype=dtype).to(device)
     pipe.set_progress_bar_config(disable=True)
+    if cache is not None:
+        from bcg_core.step_cache import FirstBlockCache, to_diffusers
+        from bcg_core.step_cache.split import block_names
+
+        pipe.transformer.enable_cache(to_diffusers(FirstBlockCache(threshold=cache)))
+        pipe.computed = [0]
+        tail = dict(pipe.transformer.named_modules())[block_names(pipe.transformer)[-1]]
+        next(tail.children()).register_forward_hook(lambda *_: pipe.computed.__setitem__(0, pipe.computed[0] + 1))
     if compiled:
         if getattr(pipe.transformer, "_repeated_blocks", None):
             pipe.transformer.compile_repeated_blocks(fullgraph=True)
         else:
             pipe.transformer.compile(fullgraph=True)
     return pipe
+
+
+def cache_search(folder: Path, req: GenerationRequest, thresholds: list[float], dtype, device) -> dict:
+    """diffusers' eager pipeline with First Block Cache at each threshold: the steps it computed for ``req``."""
+    out = {}
+    for t in thresholds:
+        pipe = diffusers_pipeline(folder, dtype, device, False, cache=t)
+        gens = [torch.Generator("cpu").manual_seed(req.seed + i) for i in range(req.n)]
+        pipe(prompt=req.prompt, num_images_per_prompt=req.n, width=req.width, height=req.height,
+             num_inference_steps=req.num_inference_steps, guidance_scale=req.guidance_scale, generator=gens,
+             output_type="latent")
+        out[str(t)] = pipe.computed[0]
+        print(f"cache search: threshold {t}: {pipe.computed[0]} of {req.num_inference_steps} steps computed",
+              flush=True)
+        del pipe
+        gc.collect()
+    return out
 
 
 def peak_tflops(args, device: torch.device) -> tuple[float | None, float | None]:
@@ -177,6 +215,16 @@ def bench_case(case: str, folder: Path, model, args, device: torch.device, dtype
     size, steps = (tiny_size, 2) if args.tiny else (size, steps if args.steps is None else args.steps)
     req = GenerationRequest(bench_families.PROMPT, n=args.n, width=size, height=size, num_inference_steps=steps,
                             guidance_scale=guidance, seed=1)
+    searched = None
+    if args.cache_search:
+        searched = cache_search(folder, req, args.cache_search, getattr(torch, dtype), device)
+        args.cache_threshold = min(searched, key=lambda t: (abs(searched[t] / steps - 0.5), -float(t)))
+        args.cache_threshold = float(args.cache_threshold)
+        print(f"cache search: threshold {args.cache_threshold} chosen", flush=True)
+    if args.cache_threshold is not None:
+        from bcg_core.step_cache import FirstBlockCache
+
+        req = dataclasses.replace(req, cache=FirstBlockCache(threshold=args.cache_threshold))
     limits = LimitsConfig(min_side_px=16)
     buckets = bench_families.exact_buckets(folder, req, limits)
     mc = ModelConfig(path=str(folder), device=device.type, dtype=dtype)
@@ -187,7 +235,7 @@ def bench_case(case: str, folder: Path, model, args, device: torch.device, dtype
         f"{side}: {c['forward_tflop']:.4g} TFLOP ({c['rows']} rows, {c['text_tokens']} text tokens) x {c['forwards']}"
         for side, c in compute.items()), flush=True)
     runs: dict[str, list] = {}
-    calls, first, prepare, decode_compile = {}, {}, {}, {}
+    calls, first, prepare, decode_compile, computed = {}, {}, {}, {}, {}
     for mode in args.modes:
         t0 = time.perf_counter()
         if mode.startswith("bcg"):
@@ -198,16 +246,25 @@ def bench_case(case: str, folder: Path, model, args, device: torch.device, dtype
                                                                 compile_decode=decode)),
                                load_model(mc) if kernels == "fp8" or decode else model)
 
-            def call(pipe=pipe):
-                return pipe.generate(pipe.validator.validate(req)).timings_ms
+            def call(pipe=pipe, mode=mode):
+                result = pipe.generate(pipe.validator.validate(req))
+                report = getattr(result, "cache", None)
+                if report:
+                    computed[mode] = sum(s["computed"] for s in report["steps"].values())
+                return result.timings_ms
         else:
-            pipe = diffusers_pipeline(folder, getattr(torch, dtype), device, mode == "diffusers-compiled")
+            pipe = diffusers_pipeline(folder, getattr(torch, dtype), device, mode == "diffusers-compiled",
+                                      cache=args.cache_threshold)
 
-            def call(pipe=pipe):
+            def call(pipe=pipe, mode=mode):
+                if args.cache_threshold is not None:
+                    pipe.computed[0] = 0
                 gens = [torch.Generator("cpu").manual_seed(req.seed + i) for i in range(req.n)]
                 images = pipe(prompt=req.prompt, num_images_per_prompt=req.n, width=req.width, height=req.height,
                               num_inference_steps=req.num_inference_steps, guidance_scale=req.guidance_scale,
                               generator=gens).images
+                if args.cache_threshold is not None:
+                    computed[mode] = pipe.computed[0]
                 return {"images": images}
         _sync()
         prepare[mode] = round(time.perf_counter() - t0, 2)
@@ -246,6 +303,8 @@ def bench_case(case: str, folder: Path, model, args, device: torch.device, dtype
         # at PIL images, so its PNG encoding is added)
         if mode in decode_compile:
             out[mode]["decode_compile"] = decode_compile[mode]
+        if mode in computed:
+            out[mode]["computed_steps"] = computed[mode]
         png = out[mode]["image_encode_ms"] or 0.0
         out[mode]["served_ms"] = round(out[mode]["wall_ms"] + (png if mode.startswith("diffusers") else 0.0), 1)
     base = out.get("diffusers", {}).get("wall_ms")
@@ -256,6 +315,7 @@ def bench_case(case: str, folder: Path, model, args, device: torch.device, dtype
         r["served_vs_diffusers"] = round(served / r["served_ms"], 3) if served else None
         r.update(rates(r, compute[mode.split("-")[0]], fp8 if mode == "bcg-fp8" else bf16))
     return dict(case=case, n=args.n, size=f"{size}x{size}", steps=steps, guidance_scale=guidance,
+                cache_threshold=args.cache_threshold, cache_search=searched,
                 bucket=buckets.model_dump(), forward_tflop=compute["diffusers"]["forward_tflop"],
                 forwards=compute["diffusers"]["forwards"], compute=compute, modes=out)
 
@@ -273,6 +333,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--compile-decode", action="store_true",
                     help="runner.compile_decode in bcg-compiled and bcg-fp8 (each then loads its own model); after "
                     "the first request the mode waits for its decode compile")
+    ap.add_argument("--cache-threshold", type=float, default=None,
+                    help="First Block Cache at this threshold in every mode (module docstring)")
+    ap.add_argument("--cache-search", type=lambda s: [float(x) for x in s.split(",")], default=None,
+                    help="thresholds to try on diffusers' eager pipeline first; the one computing about half the "
+                    "steps is used")
     ap.add_argument("--scratch", help="folder for the checkpoints (default: a temp dir)")
     ap.add_argument("--out", help="write the JSON result here")
     ap.add_argument("--commit", help="git commit to record")
@@ -302,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
             row["built"] = info
             result["cases"].append(row)
             print(f"\n{case} n={args.n}\n" + bench_families.format_table(["mode", *TABLE], [
-                [mode] + [r[k] for k in TABLE.values()] for mode, r in row["modes"].items()]), flush=True)
+                [mode] + [r.get(k) for k in TABLE.values()] for mode, r in row["modes"].items()]), flush=True)
         finally:
             model = None
             gc.collect()

@@ -31,7 +31,7 @@ from collections.abc import Iterator
 
 import torch
 
-__all__ = ["BlockSplit", "HeadPhase", "TailPhase", "installed_split", "pad_rows", "split_of"]
+__all__ = ["BlockSplit", "block_names", "HeadPhase", "TailPhase", "installed_split", "pad_rows", "split_of"]
 
 HEAD, MIDDLE, TAIL = "head", "middle", "tail"
 
@@ -47,6 +47,12 @@ def _block_lists(transformer: torch.nn.Module) -> list[tuple[str, torch.nn.Modul
         if name in _ALL_TRANSFORMER_BLOCK_IDENTIFIERS and isinstance(child, torch.nn.ModuleList):
             blocks += [(f"{name}.{i}", b) for i, b in enumerate(child)]
     return blocks
+
+
+def block_names(transformer: torch.nn.Module) -> list[str]:
+    """The names of the transformer's blocks in the order its forward runs them (the first is the head, the last
+    the tail), as diffusers' ``apply_first_block_cache`` orders them."""
+    return [name for name, _ in _block_lists(transformer)]
 
 
 class _Streams:
