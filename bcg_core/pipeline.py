@@ -143,7 +143,7 @@ class DiTPipeline:
             query = validated.lookup.query
             state.extras[CACHE_EXTRA] = RequestCache(
                 spec, [ContextCache(name, rows) for name, rows in self.model.cache_contexts(state)],
-                reserve_bytes(self.model.adapter.model, state.rows, query.image_tokens, query.text_tokens))
+                reserve_bytes(self.model.adapter.model, spec, state.rows, query.image_tokens, query.text_tokens))
         return state
 
     def _rows(self, state: RequestState) -> DenoiseInputs:

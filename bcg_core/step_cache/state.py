@@ -15,22 +15,33 @@ from dataclasses import dataclass, field
 
 import torch
 
-from bcg_core.step_cache.spec import FirstBlockCache
+from bcg_core.step_cache.spec import FirstBlockCache, TaylorSeerCache
 
 __all__ = ["ContextCache", "RequestCache", "reserve_bytes"]
 
 
-def reserve_bytes(transformer: torch.nn.Module, rows: int, image_tokens: int, text_tokens: int) -> int:
-    """Device bytes a request's contexts hold once they computed: per row, the head residual and the remaining
-    blocks' residual over its image tokens and their text-stream residual, ``(2 * image_tokens + text_tokens) * D``
-    elements of the transformer's dtype, ``D = num_attention_heads * attention_head_dim`` (the blocks' width in
-    FLUX.1's and Qwen-Image's configs); 0 for a transformer whose config does not say.
+def reserve_bytes(transformer: torch.nn.Module, spec: FirstBlockCache | TaylorSeerCache, rows: int, image_tokens: int,
+                  text_tokens: int) -> int:
+    """Device bytes a request's contexts hold once they computed.
+
+    First Block Cache: per row, the head residual and the remaining blocks' residual over its image tokens and their
+    text-stream residual, ``(2 * image_tokens + text_tokens) * D`` elements of the transformer's dtype,
+    ``D = num_attention_heads * attention_head_dim`` (the blocks' width in FLUX.1's and Qwen-Image's configs).
+    TaylorSeer: per row, ``max_order + 1`` factors of ``image_tokens * C`` elements of ``taylor_factors_dtype``,
+    ``C`` the output projection's width (``proj_out.out_features``). 0 where the transformer's config does not say.
 
     Args:
         transformer: the diffusers transformer.
+        spec: the request's cache.
         rows: the request's transformer rows (images, x2 with CFG).
         image_tokens, text_tokens: tokens per row.
     """
+    if isinstance(spec, TaylorSeerCache):
+        proj = transformer.get_submodule("proj_out") if hasattr(transformer, "proj_out") else None
+        if not isinstance(proj, torch.nn.Linear):
+            return 0
+        element = torch.empty((), dtype=getattr(torch, spec.taylor_factors_dtype)).element_size()
+        return rows * (spec.max_order + 1) * image_tokens * proj.out_features * element
     config = transformer.config
     heads, dim = config.get("num_attention_heads"), config.get("attention_head_dim")
     if not heads or not dim:
@@ -51,7 +62,12 @@ class ContextCache:
         hidden, encoder: the remaining blocks' residuals at the last computed step, ``(rows, S, D)`` and
             ``(rows, T, D)`` (``T`` the request's own text tokens; ``encoder`` None for a transformer whose head
             block has no text stream): diffusers' ``tail_block_residuals``.
-        computed, reused: steps in which this context ran its remaining blocks, and in which it reused them.
+        computed, reused: steps in which this context ran its remaining blocks (TaylorSeer: the transformer), and
+            in which it reused them (TaylorSeer: predicted the output).
+        calls: TaylorSeer: the context's steps so far (diffusers' ``TaylorSeerState.current_step`` + 1).
+        factors: TaylorSeer: the Taylor expansion of the transformer's output over the context's rows, one
+            ``(rows, S, C)`` tensor per order (``taylor_factors_dtype``), from the last computed step.
+        last_update: TaylorSeer: the step whose output last updated :attr:`factors`; None before the first.
     """
 
     name: str
@@ -61,11 +77,15 @@ class ContextCache:
     encoder: torch.Tensor | None = None
     computed: int = 0
     reused: int = 0
+    calls: int = 0
+    factors: list[torch.Tensor] | None = None
+    last_update: int | None = None
 
     @property
     def nbytes(self) -> int:
         """Device bytes it holds."""
-        return sum(t.numel() * t.element_size() for t in (self.previous, self.hidden, self.encoder) if t is not None)
+        tensors = [self.previous, self.hidden, self.encoder, *(self.factors or [])]
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
 @dataclass
@@ -77,7 +97,7 @@ class RequestCache:
         contexts: its cache contexts, in row order.
     """
 
-    spec: FirstBlockCache
+    spec: FirstBlockCache | TaylorSeerCache
     contexts: list[ContextCache] = field(default_factory=list)
     reserved_bytes: int = 0
     """What its contexts will hold once they computed (:func:`reserve_bytes`): counted by admission from the start,
@@ -102,4 +122,4 @@ class RequestCache:
     def free(self) -> None:
         """Drop every tensor it holds (a finished or cancelled request)."""
         for c in self.contexts:
-            c.previous = c.hidden = c.encoder = None
+            c.previous = c.hidden = c.encoder = c.factors = None

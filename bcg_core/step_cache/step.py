@@ -1,4 +1,4 @@
-"""One denoising step of several requests with the First Block Cache, decided per request inside the batched step.
+"""One denoising step of several requests with their step caches, decided per request inside the batched step.
 
 :func:`cached_forward` replaces the step's transformer forwards (:meth:`bcg_core.pipeline.DiTPipeline.step`) when a
 request in it has a cache:
@@ -24,12 +24,14 @@ eager runner the halves run on the bucket's static buffers.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
 
 from bcg_core.families.state import RequestState
 from bcg_core.padding import DenoiseInputs
+from bcg_core.step_cache.spec import FirstBlockCache, TaylorSeerCache
 from bcg_core.step_cache.split import BlockSplit, HeadPhase, TailPhase
 from bcg_core.step_cache.state import ContextCache, RequestCache
 
@@ -44,17 +46,15 @@ def request_cache(state: RequestState) -> RequestCache | None:
     return state.extras.get(CACHE_EXTRA)
 
 
-def _contexts(states: Sequence[RequestState],
-              parts: Sequence[DenoiseInputs]) -> list[tuple[ContextCache, slice, int, float]]:
-    """``(context, its rows among the step's rows, its request's own text tokens, its threshold)`` of every cached
+def _contexts(states: Sequence[RequestState], parts: Sequence[DenoiseInputs]) -> list[tuple]:
+    """``(context, its rows among the step's rows, its request's own text tokens, its cache spec)`` of every cached
     request."""
     out, offset = [], 0
     for state, part in zip(states, parts, strict=True):
         cache = request_cache(state)
         if cache is not None:
             for c in cache.contexts:
-                out.append((c, slice(offset + c.rows.start, offset + c.rows.stop), part.text_tokens,
-                            cache.spec.threshold))
+                out.append((c, slice(offset + c.rows.start, offset + c.rows.stop), part.text_tokens, cache.spec))
         offset += part.rows
     return out
 
@@ -104,8 +104,8 @@ def _decide(contexts, residual: torch.Tensor) -> list[bool]:
     if ratios:
         values = iter(torch.stack(ratios).tolist())  # the step's one host synchronization
         compute = [v if v is not None else next(values) for v in compute]
-        return [v if isinstance(v, bool) else v > threshold
-                for v, (_, _, _, threshold) in zip(compute, contexts, strict=True)]
+        return [v if isinstance(v, bool) else v > spec.threshold
+                for v, (_, _, _, spec) in zip(compute, contexts, strict=True)]
     return [True] * len(contexts)
 
 
@@ -120,22 +120,9 @@ def _count(pipe, forwards, cached: list[bool | None]) -> None:
         a += chunk.rows
 
 
-def cached_forward(pipe, split: BlockSplit, states: Sequence[RequestState], parts: Sequence[DenoiseInputs],
-                   inputs: DenoiseInputs, forwards) -> torch.Tensor:
-    """The step's transformer output with the First Block Cache (see the module docstring).
-
-    Args:
-        pipe: the :class:`~bcg_core.pipeline.DiTPipeline` (its runner, step decider and runner capabilities).
-        split: the transformer's :class:`~bcg_core.step_cache.split.BlockSplit`.
-        states, parts: the step's requests and their rows (:meth:`~bcg_core.families.Family.model_rows`).
-        inputs: the step's rows, ``parts`` concatenated.
-        forwards: the step's forwards (the head runs in them).
-
-    Returns:
-        (inputs.rows, inputs.image_tokens, out_channels): each row's output, as :meth:`runner.run
-        <bcg_core.runners.BucketRunner.run>` returns it; every context's counts and residuals updated.
-    """
-    contexts = _contexts(states, parts)
+def _first_block(pipe, split: BlockSplit, states, inputs: DenoiseInputs, forwards, contexts) -> torch.Tensor:
+    """Steps 1-3 of the module docstring over ``inputs`` (``contexts``: the First Block Cache ones, their rows among
+    ``inputs``' rows; every other row computes). Returns the rows' outputs, (N, S, C)."""
     reused, hidden, encoder, residual = _head(pipe, split, inputs, forwards, contexts)
     decisions = _decide(contexts, residual)
     compute = [True] * inputs.rows
@@ -175,4 +162,102 @@ def cached_forward(pipe, split: BlockSplit, states: Sequence[RequestState], part
             c.hidden = res_hidden_all[pos].clone()
             c.encoder = None if res_encoder_all is None else res_encoder_all[pos, :own_text].clone()
             c.computed += 1
+    return out
+
+
+def _whole(pipe, inputs: DenoiseInputs, forwards) -> torch.Tensor:
+    """The rows' whole forwards, as a step without a cache runs them (the bucket's whole-forward graph)."""
+    outs, a = [], 0
+    for chunk in forwards.chunks:
+        rows = inputs.select(slice(a, a + chunk.rows)) if len(forwards.chunks) > 1 else inputs
+        outs.append(pipe.runner.run(chunk.key or chunk.home or forwards.home, rows, eager=chunk.key is None))
+        a += chunk.rows
+    return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+
+def _taylor_update(c: ContextCache, spec: TaylorSeerCache, output: torch.Tensor, step: int) -> None:
+    """A computed step's output ``(rows, S, C)`` into the context's Taylor factors, as diffusers'
+    ``TaylorSeerState.update``: divided differences up to ``max_order`` over the steps since the last update, kept
+    in ``taylor_factors_dtype``."""
+    dtype = getattr(torch, spec.taylor_factors_dtype)
+    factors = [output]
+    if c.last_update is not None:
+        delta = step - c.last_update
+        for j in range(spec.max_order):
+            prev = c.factors[j] if j < len(c.factors) else None
+            if prev is None or prev.shape != factors[j].shape:
+                break
+            factors.append((factors[j] - prev.to(output.dtype)) / delta)
+    c.factors = [f.to(dtype) for f in factors]
+    c.last_update = step
+
+
+def _taylor_predict(c: ContextCache, step: int, dtype: torch.dtype) -> torch.Tensor:
+    """The context's predicted output at ``step``, ``(rows, S, C)`` in ``dtype``, as diffusers'
+    ``TaylorSeerState.predict``: ``sum_i factor_i * offset**i / i!``, ``offset`` the steps since the last update."""
+    offset = step - c.last_update
+    out = torch.zeros_like(c.factors[0], dtype=dtype)
+    for order, factor in enumerate(c.factors):
+        out = out + factor.to(dtype) * (offset**order / math.factorial(order))
+    return out
+
+
+def cached_forward(pipe, split: BlockSplit, states: Sequence[RequestState], parts: Sequence[DenoiseInputs],
+                   inputs: DenoiseInputs, forwards) -> torch.Tensor:
+    """The step's transformer output with each request's step cache (see the module docstring).
+
+    TaylorSeer contexts (:class:`~bcg_core.step_cache.TaylorSeerCache`) decide by their step alone: a context that
+    predicts this step gets its rows' output from its Taylor expansion and runs no forward; one that computes runs
+    its rows' whole forward with the others and updates its expansion from the output. First Block Cache contexts
+    decide as steps 1-3 say. The rows left to run (every row but the predicted ones) run in the step's forwards, or,
+    where rows were predicted, in those the step decider chooses for the rest.
+
+    Args:
+        pipe: the :class:`~bcg_core.pipeline.DiTPipeline` (its runner, step decider and metrics).
+        split: the transformer's :class:`~bcg_core.step_cache.split.BlockSplit`.
+        states, parts: the step's requests and their rows (:meth:`~bcg_core.families.Family.model_rows`).
+        inputs: the step's rows, ``parts`` concatenated.
+        forwards: the step's forwards.
+
+    Returns:
+        (inputs.rows, inputs.image_tokens, out_channels): each row's output, as :meth:`runner.run
+        <bcg_core.runners.BucketRunner.run>` returns it; every context's counts and state updated.
+    """
+    contexts = _contexts(states, parts)
+    predicted: dict[int, torch.Tensor] = {}  # row -> its predicted output (S, C)
+    updates = []  # TaylorSeer contexts that compute: (context, spec, rows, step)
+    for c, rows, _, spec in contexts:
+        if not isinstance(spec, TaylorSeerCache):
+            continue
+        step = c.calls
+        c.calls += 1
+        if spec.computes(step):
+            updates.append((c, spec, rows, step))
+            c.computed += 1
+            continue
+        c.reused += 1
+        for j, out in enumerate(_taylor_predict(c, step, pipe.model.dtype)):
+            predicted[rows.start + j] = out
+    run = [r for r in range(inputs.rows) if r not in predicted]
+    first_block = [e for e in contexts if isinstance(e[3], FirstBlockCache)]
+    out_run = None
+    if run:
+        sub, sub_forwards = inputs, forwards
+        if predicted:
+            sub, sub_forwards = inputs.select(run), pipe.decider.for_states(states, rows=len(run))
+        pos = {r: i for i, r in enumerate(run)}
+        remap = lambda rows: slice(pos[rows.start], pos[rows.start] + rows.stop - rows.start)  # noqa: E731
+        out_run = (_first_block(pipe, split, states, sub, sub_forwards,
+                                [(c, remap(rows), text, spec) for c, rows, text, spec in first_block])
+                   if first_block else _whole(pipe, sub, sub_forwards))
+        for c, spec, rows, step in updates:
+            _taylor_update(c, spec, out_run[remap(rows)], step)
+        if not predicted:
+            return out_run
+    like = out_run if out_run is not None else next(iter(predicted.values()))
+    out = like.new_empty((inputs.rows, *like.shape[-2:]))
+    for r, o in predicted.items():
+        out[r] = o.to(out.dtype)
+    if out_run is not None:
+        out[run] = out_run.to(out.dtype)
     return out

@@ -24,7 +24,7 @@ import torch
 from diffusers import FluxPipeline, QwenImagePipeline
 
 from bcg_core import GenerationRequest
-from bcg_core.step_cache import FirstBlockCache, NoCache, request_cache, to_diffusers
+from bcg_core.step_cache import FirstBlockCache, NoCache, TaylorSeerCache, request_cache, to_diffusers
 from reference_gate import GateRun, assert_same, bcg_pipeline, diffusers_run
 from tiny import flux as tiny_flux, qwenimage as tiny_qwen
 
@@ -49,7 +49,7 @@ def _diffusers_cached(pipeline_cls, folder, request: GenerationRequest, last_blo
     calls: list[int] = [0]
 
     def setup(pipe):
-        if isinstance(request.cache, FirstBlockCache):
+        if isinstance(request.cache, FirstBlockCache | TaylorSeerCache):
             pipe.transformer.enable_cache(to_diffusers(request.cache))
         last_block(pipe.transformer).register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
 
@@ -84,11 +84,14 @@ def _serve(pipe, requests: list[GenerationRequest], head_start: dict[int, int] |
         steps += 1
 
 
-def _flux_request(threshold: float | None, **kw) -> GenerationRequest:
+def _flux_request(threshold, **kw) -> GenerationRequest:
+    """A FLUX.1 request; ``threshold``: a First Block Cache threshold, a cache spec, or None (no cache)."""
     fields = dict(prompt="a red fox in the snow", n=1, width=64, height=64, num_inference_steps=STEPS, seed=3,
                   guidance_scale=3.5)
     fields.update(kw)
-    return GenerationRequest(**fields, cache=NoCache() if threshold is None else FirstBlockCache(threshold=threshold))
+    cache = (NoCache() if threshold is None else threshold if not isinstance(threshold, float | int)
+             else FirstBlockCache(threshold=threshold))
+    return GenerationRequest(**fields, cache=cache)
 
 
 @pytest.mark.parametrize("threshold", [0.05, 0.3, 0.6, 2.0])
@@ -188,7 +191,7 @@ def test_metrics_count_reused_and_computed_rows_per_bucket(flux_folder):
     a, b = _serve(pipe, [_flux_request(2.0, n=2, seed=21), _flux_request(None, seed=22)])
     buckets = pipe.metrics.snapshot()["buckets"]
     reused = sum(bk["cache_reused_rows"] for bk in buckets)
-    computed = sum(bk["cache_computed_rows"] for bk in buckets)
+    computed = sum(bk["cache_computed_rows"] for bk in buckets)  # First Block Cache rows: counted where they ran
     steps = request_cache(a).describe()["steps"]["cond"]
     assert reused == 2 * steps["reused"] > 0 and computed == 2 * steps["computed"]  # two rows each step
     assert request_cache(b) is None
@@ -216,3 +219,69 @@ def test_compiled_kernels_installed_after_the_split_go_under_it(flux_folder):
         (after,) = _serve(pipe, [_flux_request(0.6, seed=31)])
     assert request_cache(after).describe() == request_cache(before).describe()
     assert torch.equal(after.latents, before.latents)
+
+
+TAYLOR = [TaylorSeerCache(), TaylorSeerCache(cache_interval=3, max_order=2, disable_cache_before_step=2),
+          TaylorSeerCache(cache_interval=4, disable_cache_before_step=1, disable_cache_after_step=9,
+                          taylor_factors_dtype="float32")]
+"""TaylorSeer configs: diffusers' defaults, a second order, fp32 factors with a cool-down. Alone at an exact bucket
+each is bit-identical to diffusers. Where rows share a forward (CFG rows, other requests) the forward differs from
+diffusers' separate calls by ~1e-7 (fp32 reduction order), which can move a factor across a bfloat16 rounding
+boundary (diffusers' default ``taylor_factors_dtype``): 4e-4 relative in the final latents was measured. The shared
+cases therefore keep fp32 factors, where the 1e-5 gate holds."""
+TAYLOR_FP32 = [t.model_copy(update={"taylor_factors_dtype": "float32"}) for t in TAYLOR]
+
+
+@pytest.mark.parametrize("spec", TAYLOR, ids=["defaults", "order2", "fp32-cooldown"])
+def test_flux_taylorseer_computes_and_predicts_as_diffusers(flux_folder, flux_pipe, spec):
+    request = _flux_request(spec)
+    ref, ref_computed = _diffusers_cached(FluxPipeline, flux_folder, request, _flux_last,
+                                          max_sequence_length=tiny_flux.TEXT_TOKENS)
+    (state,) = _serve(flux_pipe, [request])
+    assert _computed(state) == ref_computed == sum(spec.computes(i) for i in range(STEPS)) < STEPS
+    assert_same(GateRun(state.latents.float().cpu(), flux_pipe.finish(state)), ref)
+
+
+def test_taylorseer_first_block_and_plain_requests_share_steps(flux_folder, flux_pipe):
+    requests = [_flux_request(TAYLOR_FP32[1], n=2, seed=41, negative_prompt="grey", true_cfg_scale=2.0),
+                _flux_request(0.6, seed=42, prompt="a glass of water"),
+                _flux_request(None, seed=43, prompt="a kite"),
+                _flux_request(TAYLOR_FP32[0], seed=44, prompt="an old map")]
+    states = _serve(flux_pipe, requests, head_start={0: 0, 1: 1, 2: 2, 3: 4})
+    for request, state in zip(requests, states, strict=True):
+        ref, ref_computed = _diffusers_cached(FluxPipeline, flux_folder, request, _flux_last,
+                                              max_sequence_length=tiny_flux.TEXT_TOKENS)
+        assert (_computed(state) if request_cache(state) else STEPS) == ref_computed
+        assert_same(GateRun(state.latents.float().cpu(), flux_pipe.finish(state)), ref)
+
+
+def test_qwenimage_taylorseer_as_diffusers(tmp_path):
+    folder = tiny_qwen.build(tmp_path / "tiny-qwen-image")
+    pipe = bcg_pipeline(folder, QWEN_BUCKETS)
+    request = GenerationRequest(prompt="a cat on a windowsill", n=1, width=64, height=64, num_inference_steps=STEPS,
+                                seed=2, negative_prompt="blurry", cache=TAYLOR_FP32[1])
+    ref, ref_computed = _diffusers_cached(QwenImagePipeline, folder, request,
+                                          lambda t: t.transformer_blocks[-1].img_mlp)
+    (state,) = _serve(pipe, [request])
+    assert _computed(state) == ref_computed < 2 * STEPS
+    assert_same(GateRun(state.latents.float().cpu(), pipe.finish(state)), ref)
+
+
+def test_taylorseer_refuses_what_it_does_not_serve():
+    from pydantic import ValidationError
+
+    from bcg_core.step_cache import parse_cache
+
+    with pytest.raises(ValidationError, match="lite mode"):
+        parse_cache({"method": "taylor_seer", "use_lite_mode": False})
+    with pytest.raises(ValidationError, match="disable_cache_before_step"):
+        parse_cache({"method": "taylor_seer", "disable_cache_before_step": 0, "cache_interval": 3})
+    assert parse_cache({"method": "taylor_seer", "disable_cache_before_step": 0, "cache_interval": 1}).computes(0)
+
+
+def test_taylorseer_reserve_is_what_its_factors_hold(flux_pipe):
+    state = flux_pipe.start(flux_pipe.validator.validate(_flux_request(TAYLOR[1], seed=8, n=2)))
+    cache = request_cache(state)
+    for _ in range(4):  # steps 0, 1 and 3 compute (2 predicts): the third computed step fills the second order
+        flux_pipe.step([state], flux_pipe.decider.for_states([state]))
+    assert cache.nbytes == cache.reserved_bytes > 0

@@ -1,8 +1,8 @@
 """The step cache on a GPU: each bucket's halves replayed as graphs of their own, equal to diffusers' own cache.
 
 The tiny FLUX.1 checkpoint with 2 double and 2 single blocks (``tests/tiny/flux.py``), fp32 on CUDA, served with
-CUDA graphs on padded buckets: requests with different First Block Cache thresholds and one without share every
-step, against diffusers' ``FluxPipeline`` with ``enable_cache(FirstBlockCacheConfig)`` on CUDA. Same steps computed;
+CUDA graphs on padded buckets: requests with different First Block Cache thresholds, one with TaylorSeer and one
+without share every step, against diffusers' ``FluxPipeline`` with ``enable_cache(FirstBlockCacheConfig)`` on CUDA. Same steps computed;
 latents within 1e-4 relative (the GPU gate's bound, ``tests/gpu/test_family_gate.py``); the halves ran as graph
 replays (``step_cache_graphs`` in ``/v1/buckets``' bucket entries) and the whole-forward graphs still serve the
 steps without a cache.
@@ -15,7 +15,7 @@ import torch
 from diffusers import FluxPipeline
 
 from bcg_core import GenerationRequest
-from bcg_core.step_cache import FirstBlockCache, NoCache, request_cache, to_diffusers
+from bcg_core.step_cache import FirstBlockCache, NoCache, TaylorSeerCache, request_cache, to_diffusers
 from reference_gate import GateRun, assert_same, bcg_pipeline, diffusers_run
 from tiny import flux as tiny_flux
 
@@ -28,7 +28,8 @@ STEPS = 12
 
 def _request(threshold, **kw) -> GenerationRequest:
     fields = dict(prompt="a red fox in the snow", n=1, width=64, height=64, num_inference_steps=STEPS, seed=3,
-                  guidance_scale=3.5, cache=NoCache() if threshold is None else FirstBlockCache(threshold=threshold))
+                  guidance_scale=3.5, cache=NoCache() if threshold is None else threshold if isinstance(
+                      threshold, TaylorSeerCache) else FirstBlockCache(threshold=threshold))
     fields.update(kw)
     return GenerationRequest(**fields)
 
@@ -37,7 +38,7 @@ def _reference(folder, request):
     calls = [0]
 
     def setup(pipe):
-        if isinstance(request.cache, FirstBlockCache):
+        if isinstance(request.cache, FirstBlockCache | TaylorSeerCache):
             pipe.transformer.enable_cache(to_diffusers(request.cache))
         pipe.transformer.single_transformer_blocks[-1].proj_out.register_forward_hook(
             lambda *_: calls.__setitem__(0, calls[0] + 1))
@@ -52,9 +53,10 @@ def _reference(folder, request):
 def test_cached_steps_replay_their_halves_and_equal_diffusers(tmp_path):
     folder = tiny_flux.build(tmp_path / "flux", "dev", layers=(2, 2))
     pipe = bcg_pipeline(folder, BUCKETS, device="cuda")
-    requests = [_request(0.5, n=2, seed=11), _request(2.0, seed=5), _request(None, seed=7)]
-    states = [None] * 3
-    joins = {1: 0, 0: 3, 2: 5}
+    taylor = TaylorSeerCache(cache_interval=3, max_order=2, disable_cache_before_step=2, taylor_factors_dtype="float32")
+    requests = [_request(0.5, n=2, seed=11), _request(2.0, seed=5), _request(None, seed=7), _request(taylor, seed=9)]
+    states = [None] * 4
+    joins = {1: 0, 0: 3, 2: 5, 3: 1}
     step = 0
     while True:
         for i, r in enumerate(requests):
