@@ -2,10 +2,10 @@
 
 The tiny FLUX.1 checkpoint with 2 double and 2 single blocks (``tests/tiny/flux.py``), fp32 on CUDA, served with
 CUDA graphs on padded buckets: requests with different First Block Cache thresholds, one with TaylorSeer and one
-without share every step, against diffusers' ``FluxPipeline`` with ``enable_cache(FirstBlockCacheConfig)`` on CUDA. Same steps computed;
-latents within 1e-4 relative (the GPU gate's bound, ``tests/gpu/test_family_gate.py``); the halves ran as graph
-replays (``step_cache_graphs`` in ``/v1/buckets``' bucket entries) and the whole-forward graphs still serve the
-steps without a cache.
+without share every step, against diffusers' ``FluxPipeline`` with ``enable_cache(...)`` on CUDA. Same steps
+computed; latents within 1e-4 relative (the GPU gate's bound, ``tests/gpu/test_family_gate.py``); the halves ran
+as graph replays (``step_cache_graphs`` in ``/v1/buckets``' bucket entries) and the whole-forward graphs still
+serve the steps without a cache.
 """
 
 from __future__ import annotations
