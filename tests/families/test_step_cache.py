@@ -285,3 +285,23 @@ def test_taylorseer_reserve_is_what_its_factors_hold(flux_pipe):
     for _ in range(4):  # steps 0, 1 and 3 compute (2 predicts): the third computed step fills the second order
         flux_pipe.step([state], flux_pipe.decider.for_states([state]))
     assert cache.nbytes == cache.reserved_bytes > 0
+
+
+@pytest.mark.parametrize("cache", [FirstBlockCache(threshold=0.6), TAYLOR[1]], ids=["first_block", "taylor_seer"])
+def test_qwenimage_image_to_image_with_a_cache_as_diffusers(tmp_path, cache):
+    import numpy as np
+    from diffusers import QwenImageImg2ImgPipeline
+    from PIL import Image
+
+    from reference_gate import png_bytes
+
+    folder = tiny_qwen.build(tmp_path / "tiny-qwen-image")
+    pipe = bcg_pipeline(folder, QWEN_BUCKETS)
+    image = png_bytes(Image.fromarray(np.random.default_rng(0).integers(0, 256, (64, 64, 3), dtype=np.uint8)))
+    request = pipe.validator.validate(GenerationRequest(prompt="a cat on a windowsill", n=1, num_inference_steps=16,
+                                                        seed=5, image=image, strength=0.8, cache=cache)).request
+    ref, ref_computed = _diffusers_cached(QwenImageImg2ImgPipeline, folder, request,
+                                          lambda t: t.transformer_blocks[-1].img_mlp)
+    (state,) = _serve(pipe, [request])
+    assert _computed(state) == ref_computed < len(state.timesteps)
+    assert_same(GateRun(state.latents.float().cpu(), pipe.finish(state)), ref)
