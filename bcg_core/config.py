@@ -1,4 +1,5 @@
-"""Typed configuration of the engine: model, bucket table, request limits, runner, scheduler, quality steps, traffic.
+"""Typed configuration of the engine: model, bucket table, request limits, runner, scheduler, quality steps, traffic,
+LoRA adapters and the step cache.
 
 Every field is documented; every check raises a ``ValueError`` (surfaced by pydantic as a ``ValidationError``)
 whose message names the bad value and the fix. :class:`EngineConfig` is what the engine reads; the serving layer's
@@ -15,10 +16,11 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from bcg_core.lora.config import LoRAConfig
 from bcg_core.runtime_config import RunnerConfig, SchedulerConfig
+from bcg_core.step_cache.spec import StepCacheConfig
 
 __all__ = [
     "BucketConfig", "EngineConfig", "LimitsConfig", "LoRAConfig", "MissPolicy", "ModelConfig", "PlannedTraffic",
-    "QualityConfig", "RunnerConfig", "SchedulerConfig", "TrafficConfig", "parse_size",
+    "QualityConfig", "RunnerConfig", "SchedulerConfig", "StepCacheConfig", "TrafficConfig", "parse_size",
 ]
 
 _SIZE_RE = re.compile(r"^([1-9][0-9]{0,5})x([1-9][0-9]{0,5})$")  # ASCII digits, no sign, space or leading 0
@@ -310,7 +312,8 @@ class QualityConfig(BaseModel):
 
 class EngineConfig(BaseModel):
     """What the engine reads: model, bucket table, request limits, runner, step scheduler, quality steps, traffic
-    recording (the runner and scheduler sections are defined in :mod:`bcg_core.runtime_config`).
+    recording, LoRA adapters and the step cache (the runner and scheduler sections are defined in
+    :mod:`bcg_core.runtime_config`, the cache section in :mod:`bcg_core.step_cache.spec`).
 
     The serving layer's :class:`deployments.settings.ServeConfig` adds routing, autoscaling and API keys; the
     engine takes either (it reads only these sections).
@@ -330,6 +333,12 @@ class EngineConfig(BaseModel):
     )
     quality: QualityConfig = Field(default_factory=QualityConfig, description="Steps of OpenAI's quality values.")
     lora: LoRAConfig = Field(default_factory=LoRAConfig, description="LoRA adapters per request (off by default).")
+    cache: StepCacheConfig = Field(
+        default_factory=StepCacheConfig,
+        description="The step cache (diffusers' First Block Cache) of a request that omits 'cache' (off by default); "
+        "a request's own cache wins, and a model whose transformer takes no cache (SD3, PixArt-Sigma, SANA) ignores "
+        "it (docs/API.md: Step cache).",
+    )
 
     @model_validator(mode="after")
     def _reachable_buckets(self) -> EngineConfig:

@@ -172,6 +172,11 @@ class GenerationResult:
         replica, owner, retries: filled in by the Ray Serve layer (``deployments/``): the DiT replica that
             served the request, whether it owns the request's bucket shape (None for a miss), and how many
             times the request was resent; the pipeline leaves them at None, None and 0.
+        image_format: the format of :attr:`image_bytes` (``png``, ``jpeg``, ``webp``).
+        cache: the step cache it ran with and what it did, the answer's ``bcg.cache``
+            (:meth:`~bcg_core.step_cache.RequestCache.describe`: ``{"method": "first_block", "threshold": 0.12,
+            "steps": {"cond": {"computed": 20, "reused": 8}}}``, per cache context the steps whose remaining blocks
+            ran and those that reused their residual); None when it ran without one.
     """
 
     image_bytes: list[bytes]
@@ -188,6 +193,7 @@ class GenerationResult:
     owner: bool | None = None
     retries: int = 0
     image_format: str = "png"
+    cache: dict | None = None
 
     def to_dict(self) -> dict:
         """A plain dict (image files kept as bytes; the bucket as its string)."""

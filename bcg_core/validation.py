@@ -14,6 +14,7 @@ import random
 from collections.abc import Callable
 from dataclasses import replace
 
+from bcg_core.cache_field import cache_phrase, check_cache, default_cache
 from bcg_core.config import EngineConfig, LimitsConfig, LoRAConfig, MissPolicy
 from bcg_core.errors import BucketMissError, RequestError, shown
 from bcg_core.families.base import ModelSpec
@@ -39,7 +40,8 @@ def _is_int(v) -> bool:
 
 
 def engine_field_phrase(name: str, limits: LimitsConfig, size_multiple: int | None = 16,
-                        resolutions: tuple[str, ...] = (), lora: LoRAConfig | None = None) -> str | None:
+                        resolutions: tuple[str, ...] = (), lora: LoRAConfig | None = None,
+                        cache_methods: tuple[str, ...] | None = None) -> str | None:
     """What request field ``name`` accepts under ``limits``: the one wording of every limit message (the validator's
     errors and the HTTP schema's type errors both use it). None for a field the engine does not validate.
 
@@ -50,6 +52,7 @@ def engine_field_phrase(name: str, limits: LimitsConfig, size_multiple: int | No
             a family with resolution binning (any size: generated at its aspect-ratio bin, resized back).
         resolutions: the bucket resolution tiers, named in the ``size`` phrase.
         lora: the ``lora`` section, for the ``lora`` phrase.
+        cache_methods: the model's step-cache methods, for the ``cache`` phrase (None: every method served).
     """
     from bcg_core.images import IMAGE_FORMATS
 
@@ -97,6 +100,8 @@ def engine_field_phrase(name: str, limits: LimitsConfig, size_multiple: int | No
             return "nothing: this deployment serves no LoRA adapters (lora.dir is unset)"
         return (f"a list of at most {lora.max_per_request} {{\"name\": ..., \"scale\": ...}} with distinct names of "
                 f"adapters in GET /v1/models and scales from {-lora.max_scale:g} to {lora.max_scale:g}")
+    if name == "cache":
+        return cache_phrase(cache_methods)
     return None
 
 
@@ -139,6 +144,10 @@ class RequestValidator:
         self.table = BucketTable(config.buckets, rules, min_image_tokens=min_side * min_side)
         self.count_tokens = count_tokens
         self.default_steps, self.default_guidance_scale = self._defaults(config.limits, spec)
+        self.default_cache = default_cache(config.cache, spec)
+        if config.cache.default is not None and config.cache.default != self.default_cache:
+            log.warning("cache.default %s is ignored: %s (family %s) takes no such step cache (methods: %s)",
+                        config.cache.default.model_dump(), spec.pipeline_class, spec.family, spec.cache_methods)
 
     @staticmethod
     def _defaults(lim: LimitsConfig, spec: ModelSpec) -> tuple[int, float | None]:
@@ -194,7 +203,8 @@ class RequestValidator:
         return max(cut, self.table.text_lengths[-1]) if cut is not None else self.table.text_lengths[-1]
 
     def validate(self, request: GenerationRequest) -> ValidatedRequest:
-        """Validate every field of ``request``, fill defaults, and look its shape up in the table.
+        """Validate every field of ``request``, fill defaults (the step cache's: :mod:`bcg_core.cache_field`), and look
+        its shape up in the table.
 
         Raises:
             RequestError: naming the first bad field and its allowed values; also for a miss under the
@@ -267,7 +277,8 @@ class RequestValidator:
             raise bad("true_cfg_scale", tcfg, "out of range")
         self._check_output(r)
         lora = self._check_lora(r.lora)
-        filled = replace(r, lora=lora, strength=strength, num_inference_steps=steps,
+        cache = self.default_cache if r.cache is None else check_cache(r.cache, self.spec)
+        filled = replace(r, lora=lora, cache=cache, strength=strength, num_inference_steps=steps,
                          guidance_scale=None if g is None else float(g), negative_prompt=neg, seed=seed,
                          true_cfg_scale=None if tcfg is None else float(tcfg), quality=quality)
         self.spec.check(filled)
@@ -298,7 +309,8 @@ class RequestValidator:
         :func:`engine_field_phrase`)."""
         multiple = None if self.spec.size_bins else self.rules.pixels_per_token
         return RequestError(name, invalid(name, got, reason, engine_field_phrase(
-            name, self.limits, multiple, tuple(self.config.buckets.resolutions), self.config.lora)))
+            name, self.limits, multiple, tuple(self.config.buckets.resolutions), self.config.lora,
+            self.spec.cache_methods)))
 
     def _edit_defaults(self, r: GenerationRequest) -> dict | None:
         """For an edit (``image`` set): its image read and checked (:mod:`bcg_core.edits`) and the defaults of the

@@ -18,6 +18,7 @@ import torch
 from bcg_core.errors import RequestError
 from bcg_core.keys import BucketKey
 from bcg_core.request import GenerationRequest
+from bcg_core.step_cache.spec import NoCache
 
 __all__ = ["FusedStats", "check_fused"]
 
@@ -133,12 +134,13 @@ def check_fused(pipe) -> bool:
 
 
 def _check_request(pipe, key: BucketKey, cfg: bool) -> GenerationRequest:
-    """A request of one image whose shape is bucket ``key``'s tier, asking for CFG when ``cfg``."""
+    """A request of one image whose shape is bucket ``key``'s tier, asking for CFG when ``cfg``, and for no step cache
+    (a cached step never runs fused; the config's ``cache.default`` must not turn the check off)."""
     spec = pipe.model.spec
     gh, gw = pipe._example_grid(key)
     ppt = pipe.table.rules.pixels_per_token
     fields = dict(prompt="a lighthouse on a cliff at dusk", n=1, width=gw * ppt, height=gh * ppt,
-                  num_inference_steps=2, seed=0)
+                  num_inference_steps=2, seed=0, cache=NoCache())
     if cfg:
         fields["negative_prompt"] = "blurry"
         if spec.cfg_rule == "true_cfg":

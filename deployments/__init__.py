@@ -9,18 +9,13 @@ from .dit import DiTReplica
 from .http_errors import error_response, find_request_error, unauthorized_response, validation_error_response
 from .ingress import Ingress
 from .request_args import as_generation_request
+from .responses import BcgInfo, ImageData, ImageGenerationResponse, ModelCard, ModelList, Usage
 from .schemas import (
-    BcgInfo,
     ErrorBody,
     ErrorDetail,
-    ImageData,
     ImageEditRequest,
     ImageGenerationRequest,
-    ImageGenerationResponse,
-    ModelCard,
-    ModelList,
     RequestLimits,
-    Usage,
     http_field_phrase,
 )
 

@@ -18,7 +18,8 @@ from bcg_core.preview import PartialImage
 from bcg_core.request import ValidatedRequest
 
 from .http_errors import find_request_error
-from .schemas import BcgInfo, ErrorDetail, ImageGenerationRequest, LoraAdapter, Usage
+from .responses import BcgInfo, Usage
+from .schemas import ErrorDetail, ImageGenerationRequest, LoraAdapter
 
 __all__ = ["bcg_info", "image_events", "ingress_timings", "sse_event", "usage_of"]
 
@@ -32,7 +33,7 @@ def sse_event(event: str, data: dict) -> bytes:
 
 
 def usage_of(validated) -> Usage:
-    """OpenAI's ``usage`` of a validated request (:class:`~deployments.schemas.Usage`): its prompt tokens (and an
+    """OpenAI's ``usage`` of a validated request (:class:`~deployments.responses.Usage`): its prompt tokens (and an
     edit's input image, one image's transformer image tokens) in, its images' transformer image tokens out."""
     tokens = validated.lookup.query.image_tokens
     edited = tokens if validated.request.image is not None else 0
@@ -50,11 +51,13 @@ def ingress_timings(result: GenerationResult, sent: float) -> dict[str, float]:
 
 
 def bcg_info(result: GenerationResult, timings: dict[str, float], retries: int, validated: ValidatedRequest) -> BcgInfo:
-    """The ``bcg`` extension of the answer to ``validated``: how its replica served it, and its adapters (``lora``)."""
+    """The ``bcg`` extension of the answer to ``validated``: how its replica served it, its adapters (``lora``) and what
+    its step cache did (``cache``)."""
     lora = [LoraAdapter(name=name, scale=scale) for name, scale in validated.request.lora] or None
     return BcgInfo(bucket=None if result.bucket is None else str(result.bucket), hit=result.hit,
                    missed=list(result.missed), seed=result.seed, steps=result.steps, timings_ms=timings,
-                   replica=result.replica, owner=result.owner, batch_size=result.batch_size, retries=retries, lora=lora)
+                   replica=result.replica, owner=result.owner, batch_size=result.batch_size, retries=retries, lora=lora,
+                   cache=result.cache)
 
 
 async def image_events(validated: ValidatedRequest, req: ImageGenerationRequest, events, t0: float,

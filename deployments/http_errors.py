@@ -117,7 +117,12 @@ def validation_error_response(exc: ValidationError, limits: RequestLimits,
             parts[own] = [f"request body must be a JSON object with the fields {fields} ({msg})"]
             continue
         param = param or name
-        if len(loc) > 1:  # inside a field (an entry of lora): where in it; the field's message says what it accepts
+        if name == "cache" and (len(loc) > 1 or kind.startswith("union_tag")):  # inside the cache: by key, not tag
+            parts.setdefault(("inside", name), []).append(_cache_fault(err, loc, msg))
+        elif name == "cache" and kind != "extra_forbidden":  # not an object at all
+            got = f" (got {shown(err['input'], 40)})" if "input" in err else ""
+            parts[own] = [f"invalid 'cache'{got}: not an object; allowed: {http_field_phrase(name, limits)}"]
+        elif len(loc) > 1:  # inside a field (an entry of lora): where in it; the field's message says what it accepts
             parts.setdefault(("inside", name), []).append(_inner_fault(err, loc, msg))
         elif kind == "extra_forbidden":
             parts.setdefault(("unknown", ""), []).append(f"'{name}'")
@@ -149,6 +154,20 @@ def _inner_fault(err: dict, loc: list[str], msg: str) -> str:
     if kind == "missing":
         return f"{where} is missing"
     return (f"got {shown(err['input'], 40)} at {where}" if "input" in err else f"at {where}") + f": {msg}"
+
+
+def _cache_fault(err: dict, loc: list[str], msg: str) -> str:
+    """One fault inside ``cache``, named by the key of the engine's cache model (the tag pydantic puts in the location,
+    ``cache.first_block.threshold``, left out): ``got 11 at cache.threshold: ...``, ``got 'fbc' at cache.method: not a
+    served method``, ``cache.method is missing``."""
+    kind = err.get("type", "")
+    if kind == "union_tag_invalid":
+        sent = err.get("input")
+        return f"got {shown(sent.get('method') if isinstance(sent, dict) else sent, 40)} at cache.method: not a " \
+               f"served method"
+    if kind == "union_tag_not_found":
+        return "cache.method is missing"
+    return _inner_fault(err, [loc[0], *loc[2:]], msg)
 
 
 def find_request_error(exc: BaseException) -> RequestError | None:

@@ -3,7 +3,7 @@
 Routes (relative to the application's route prefix):
 
 - ``POST /v1/images/generations``: body :class:`~deployments.schemas.ImageGenerationRequest`, answer
-  :class:`~deployments.schemas.ImageGenerationResponse`; with ``stream: true`` Server-Sent Events instead
+  :class:`~deployments.responses.ImageGenerationResponse`; with ``stream: true`` Server-Sent Events instead
   (``image_generation.partial_image`` per preview and image, then ``image_generation.completed`` per image, the
   shapes the ``openai`` client parses; the DiT replica streams them through ``DiTReplica.generate_stream``).
 - ``GET /v1/buckets``: one DiT replica's ``DiTReplica.stats()`` (its per-bucket counters, routing view,
@@ -17,7 +17,8 @@ Routes (relative to the application's route prefix):
   bounds the image and mask (:mod:`bcg_core.edits`).
 - ``GET /v1/models`` (and ``GET /v1/models/{id}``): the served model in OpenAI's list format, with the bucket
   table, the limits, the step count of each ``quality``, the LoRA adapters in ``lora.dir`` (``lora``, null
-  without it) and the edits it serves (``edits``, null for a family without) under ``bcg``.
+  without it), the edits it serves (``edits``, null for a family without) and its step cache (``cache_methods``,
+  ``cache_default``) under ``bcg``.
 - ``GET /healthz``: ``{"status": "ok"}``; never asks for a key.
 - ``POST /v1/images/variations``: not served; answered 404 in OpenAI's error shape (code ``unsupported_endpoint``)
   saying to use ``/v1/images/edits``, without reading the body, after the API key check
@@ -91,17 +92,9 @@ from .http_errors import (
 from .introspection import ingress_view, metrics_pointer, model_card
 from .memory import IdleTrimMiddleware, configure_ingress
 from .request_args import as_generation_request
+from .responses import ImageData, ImageGenerationResponse, ModelCard, ModelList
 from .routing import ACCEPTED, call_dit, overloaded, stream_dit
-from .schemas import (
-    ErrorBody,
-    ImageData,
-    ImageEditRequest,
-    ImageGenerationRequest,
-    ImageGenerationResponse,
-    ModelCard,
-    ModelList,
-    RequestLimits,
-)
+from .schemas import ErrorBody, ImageEditRequest, ImageGenerationRequest, RequestLimits
 from .settings import ServeConfig
 from .uploads import (
     BodyTooLarge,
@@ -204,6 +197,7 @@ class Ingress:
             model_name=self._model_name,
             resolutions=tuple(self._config.buckets.resolutions),
             lora=self._config.lora,
+            cache_methods=self._validator.spec.cache_methods,
         )
 
     def _refused(self, request: Request) -> JSONResponse | None:

@@ -19,7 +19,7 @@ from bcg_core.validation import RequestValidator
 
 from .adapters import AdapterCatalog
 from .http_errors import error_response
-from .schemas import ModelCard
+from .responses import ModelCard
 from .settings import ServeConfig
 
 __all__ = ["COORDINATOR_TIMEOUT_S", "ingress_view", "merged_traffic", "metrics_pointer", "model_card"]
@@ -78,8 +78,8 @@ async def ingress_view(stats: dict, rejected: int, rejected_by_dim: Counter[str]
 def model_card(validator: RequestValidator, config: ServeConfig, name: str, created: int,
                adapters: AdapterCatalog | None, edits: dict | None) -> ModelCard:
     """The served model's card (``GET /v1/models``): ``name``, served since ``created``, with its bucket table, the
-    limits, the steps of each ``quality``, the ``adapters`` in ``lora.dir`` and the ``edits`` it serves under
-    ``bcg``."""
+    limits, the steps of each ``quality``, the ``adapters`` in ``lora.dir``, the ``edits`` it serves and its step
+    cache (``cache_methods``, ``cache_default``) under ``bcg``."""
     spec, table, lim = validator.spec, validator.table, config.limits
     quality = {q: spec.steps_for_quality(q, config.quality, validator.default_steps, lim.max_steps)
                for q in ("low", "medium", "high", "auto")}
@@ -95,6 +95,8 @@ def model_card(validator: RequestValidator, config: ServeConfig, name: str, crea
         "output_formats": list(IMAGE_FORMATS),
         "lora": None if adapters is None else adapters.card(),
         "edits": edits,
+        "cache_methods": list(spec.cache_methods),
+        "cache_default": None if validator.default_cache.method == "none" else validator.default_cache.model_dump(),
     })
 
 

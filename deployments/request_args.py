@@ -17,7 +17,10 @@ _REQUEST_FIELDS = tuple(f.name for f in dataclasses.fields(GenerationRequest))
 def as_generation_request(request: GenerationRequest | dict) -> GenerationRequest:
     """Accept a :class:`GenerationRequest` or a mapping of its fields. A mapping's ``lora`` entries may be
     ``(name, scale)`` pairs or, as over HTTP, ``{"name": ..., "scale": ...}`` mappings (scale omitted: 1.0); the
-    validator checks them.
+    validator checks them. Its ``cache`` may be a :class:`~bcg_core.step_cache.FirstBlockCache` or
+    :class:`~bcg_core.step_cache.NoCache`, or, as over HTTP, a mapping (``{"method": "first_block", "threshold":
+    0.12}``, ``{"method": "none"}``), which the validator reads and checks (:func:`bcg_core.cache_field.check_cache`);
+    None or no ``cache``: the server's ``cache.default``.
 
     Raises:
         RequestError: a mapping with an unknown field or without ``prompt`` (field ``"request"``).

@@ -1,4 +1,5 @@
-"""Request and response bodies of the HTTP API (OpenAI Images API compatible, plus BCG extensions).
+"""Request and error bodies of the HTTP API (OpenAI Images API compatible, plus BCG extensions); the answers' bodies
+are in :mod:`deployments.responses`.
 
 This module checks the *shape* of OpenAI's request: types (strict: no ``"2"`` for an integer, no ``true`` for a
 number), the values OpenAI's enumerations allow, ``WxH`` sizes, the served model name, previews only when
@@ -15,6 +16,11 @@ Without a context the defaults of :class:`bcg_core.config.LimitsConfig` apply.
 before anything else reads it: at most ``lora.max_per_request`` entries (:data:`MAX_LORA_ENTRIES` without a
 configured section), names of at most :data:`MAX_LORA_NAME_CHARS` characters; the validator checks the names, scales
 and duplicates, the ingress whether each name is in ``lora.dir``, the replica whether the file can be served.
+
+``cache`` (the step cache per request, docs/API.md "Step cache") is one of the engine's own cache models
+(:data:`bcg_core.step_cache.spec.StepCacheSpec`, told apart by ``method``), read as strictly as the rest of the JSON
+body (no ``"0.1"`` or ``true`` for a threshold); the validator checks it against the model's cache methods and fills
+in the server's default.
 """
 
 from __future__ import annotations
@@ -22,27 +28,22 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationInfo, field_validator
 
 from bcg_core.config import LimitsConfig, LoRAConfig, parse_size
 from bcg_core.request import MAX_PARTIAL_IMAGES, GenerationRequest
+from bcg_core.step_cache.spec import NoCache, StepCacheSpec
 from bcg_core.validation import engine_field_phrase
 
 __all__ = [
-    "BcgInfo",
     "ErrorBody",
     "ErrorDetail",
-    "ImageData",
     "ImageEditRequest",
     "ImageGenerationRequest",
-    "ImageGenerationResponse",
     "LoraAdapter",
     "MAX_LORA_ENTRIES",
     "MAX_LORA_NAME_CHARS",
-    "ModelCard",
-    "ModelList",
     "RequestLimits",
-    "Usage",
     "http_field_phrase",
     "inline_refs",
 ]
@@ -66,6 +67,8 @@ MAX_LORA_NAME_CHARS = 128
 DEFAULT_LORA_SCALE = 1.0
 """The scale of a ``lora`` entry that omits it: diffusers' ``set_adapters`` default weight."""
 
+_CACHE: TypeAdapter = TypeAdapter(StepCacheSpec)
+
 @dataclass(frozen=True)
 class RequestLimits:
     """What the served configuration allows; handed to validation through the pydantic context.
@@ -78,6 +81,7 @@ class RequestLimits:
         resolutions: the bucket resolution tiers (for messages only).
         lora: the served ``lora`` section (its ``max_per_request`` bounds a request's ``lora`` entries; the
             ``lora`` phrase of :func:`http_field_phrase`); None: no adapters served.
+        cache_methods: the served model's step-cache methods (the ``cache`` phrase); None: every method served.
     """
 
     limits: LimitsConfig = field(default_factory=LimitsConfig)
@@ -85,6 +89,7 @@ class RequestLimits:
     model_name: str | None = None
     resolutions: tuple[str, ...] = ()
     lora: LoRAConfig | None = None
+    cache_methods: tuple[str, ...] | None = None
 
 
 def _limits(info: ValidationInfo) -> RequestLimits:
@@ -103,7 +108,8 @@ def http_field_phrase(name: str, limits: RequestLimits) -> str:
     Returns:
         A short phrase such as ``"an integer from 1 to 10"``.
     """
-    engine = engine_field_phrase(name, limits.limits, limits.size_multiple, limits.resolutions, limits.lora)
+    engine = engine_field_phrase(name, limits.limits, limits.size_multiple, limits.resolutions, limits.lora,
+                                 limits.cache_methods)
     if engine is not None:
         return engine
     if name == "model":
@@ -138,7 +144,7 @@ class LoraAdapter(BaseModel):
 class ImageGenerationRequest(BaseModel):
     """Body of ``POST /v1/images/generations``: OpenAI's fields plus the BCG extensions.
 
-    ``null`` for a field with a default means the default.
+    ``null`` for a field with a default means the default, except ``cache``: ``null`` there asks for no cache.
     """
 
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
@@ -212,6 +218,16 @@ class ImageGenerationRequest(BaseModel):
         "lora.max_per_request entries with distinct names listed by GET /v1/models (bcg.lora.adapters), scales "
         "within lora.max_scale. Rows of different adapters share one forward. Omitted, null or [] = the base model.",
     )
+    cache: StepCacheSpec | None = Field(
+        default=None,
+        description="The step cache of this request, one of diffusers' by its method (docs/API.md: Step cache): "
+        "{\"method\": \"first_block\", \"threshold\": t}, First Block Cache, reuses the transformer's remaining "
+        "blocks' residual in each step where the first block's output residual changed by at most t (relative mean "
+        "absolute change, 0 to 10; omitted: 0.05, diffusers' default) since the last computed step. {\"method\": "
+        "\"none\"} or null: no cache. Omitted: the server's cache.default. The methods a model takes: GET "
+        "/v1/models bcg.cache_methods (FLUX.1, Qwen-Image and the tiny default); bcg.cache reports the steps "
+        "computed and reused.",
+    )
 
     @field_validator("model")
     @classmethod
@@ -229,6 +245,14 @@ class ImageGenerationRequest(BaseModel):
         if isinstance(v, list) and lora is not None and lora.dir is not None and len(v) > lora.max_per_request:
             raise ValueError(f"more entries than lora.max_per_request {lora.max_per_request}")
         return v
+
+    @field_validator("cache", mode="wrap")
+    @classmethod
+    def _cache(cls, v, handler):
+        # the engine's cache models are lax; a JSON body is read strictly (a form's text fields laxly, as sent)
+        if v is None or isinstance(v, BaseModel):
+            return handler(v)
+        return _CACHE.validate_python(v, strict=bool(cls.model_config.get("strict")))
 
     @field_validator("n")
     @classmethod
@@ -267,8 +291,16 @@ class ImageGenerationRequest(BaseModel):
     @classmethod
     def body_schema(cls) -> dict:
         """The JSON schema of the request body for the OpenAPI document: :meth:`model_json_schema` with the
-        ``lora`` entries' model written in place (:func:`inline_refs`)."""
-        return inline_refs(cls.model_json_schema())
+        ``lora`` entries' and ``cache``'s models written in place (:func:`inline_refs`); each ``cache`` model requires
+        its ``method`` (the tag that tells them apart), and the discriminator keeps no mapping (its ``#/$defs``
+        targets are written in place)."""
+        schema = inline_refs(cls.model_json_schema())
+        for option in schema["properties"]["cache"]["anyOf"]:
+            if "discriminator" in option:
+                option["discriminator"] = {"propertyName": "method"}
+                for model in option["oneOf"]:
+                    model["required"] = ["method"]
+        return schema
 
     def engine_request(self, **edit) -> GenerationRequest:
         """The engine's request of this body (``edit``: an edit's ``image``, ``mask`` and ``strength``); previews
@@ -279,7 +311,15 @@ class ImageGenerationRequest(BaseModel):
             guidance_scale=self.guidance_scale, negative_prompt=self.negative_prompt, seed=self.seed,
             true_cfg_scale=self.true_cfg_scale, quality=self.quality, output_format=self.image_format(),
             output_compression=self.output_compression,
-            partial_images=(self.partial_images or 0) if self.stream else 0, lora=self.lora_entries(), **edit)
+            partial_images=(self.partial_images or 0) if self.stream else 0, lora=self.lora_entries(),
+            cache=self.cache_spec(), **edit)
+
+    def cache_spec(self) -> BaseModel | None:
+        """``cache`` as :attr:`bcg_core.request.GenerationRequest.cache`: the cache sent, :class:`NoCache` for an
+        explicit ``null`` (no cache, whatever the server's default), None when omitted (the server's default)."""
+        if self.cache is None and "cache" in self.model_fields_set:
+            return NoCache()
+        return self.cache
 
     def lora_entries(self) -> tuple[tuple[str, float], ...]:
         """``lora`` as :attr:`bcg_core.request.GenerationRequest.lora`: ``((name, scale), ...)``; ``()`` when
@@ -318,7 +358,7 @@ class ImageEditRequest(ImageGenerationRequest):
     @classmethod
     def form_schema(cls) -> dict:
         """The ``multipart/form-data`` schema of the body for the OpenAPI document: :meth:`body_schema` with no
-        ``null`` alternatives (a form part is sent or omitted) and ``lora`` as its JSON text field."""
+        ``null`` alternatives (a form part is sent or omitted) and ``lora`` and ``cache`` as their JSON text fields."""
         schema = cls.body_schema()
         props = {}
         for name, prop in schema["properties"].items():
@@ -329,6 +369,10 @@ class ImageEditRequest(ImageGenerationRequest):
         props["lora"] = {"type": "string", "description": "LoRA adapters as a JSON list of {\"name\": ..., "
                          "\"scale\": ...} in one text field; the openai client's extra_body={\"lora\": [...]} sends "
                          "the fields lora[][name] and lora[][scale] instead, read the same."}
+        props["cache"] = {"type": "string", "description": "The step cache as JSON in one text field, e.g. "
+                          "{\"method\": \"first_block\", \"threshold\": 0.12}; the openai client's "
+                          "extra_body={\"cache\": {...}} sends the fields cache[method] and cache[threshold] instead, "
+                          "read the same."}
         return {**schema, "properties": props}
 
 
@@ -349,110 +393,6 @@ def inline_refs(schema: dict) -> dict:
         return node
 
     return walk(schema)
-
-
-class ImageData(BaseModel):
-    """One generated image."""
-
-    b64_json: str = Field(description="Base64 of an image file in the answer's output_format.")
-
-
-class UsageDetails(BaseModel):
-    """Tokens of one side of :class:`Usage`, by kind."""
-
-    image_tokens: int = Field(description="Image tokens: the transformer's image tokens (latent patches).")
-    text_tokens: int = Field(description="Text tokens, as the model's tokenizer counts them.")
-
-
-class Usage(BaseModel):
-    """OpenAI's ``usage``, where its fields mean something here.
-
-    ``input_tokens``: the prompt's text tokens (the family's tokenizer, special tokens included; the negative
-    prompt is not counted), plus an edit's input image as the transformer's image tokens of one image at the
-    answer's size. ``output_tokens``: the transformer's image tokens of every image
-    (``n`` x tokens per image, at the generation size). ``images``: the image count (an extension).
-    """
-
-    input_tokens: int = Field(description="Text tokens of the prompt (plus an edit's input image tokens).")
-    input_tokens_details: UsageDetails
-    output_tokens: int = Field(description="Image tokens generated: n x the transformer's image tokens per image.")
-    output_tokens_details: UsageDetails
-    total_tokens: int = Field(description="input_tokens + output_tokens.")
-    images: int = Field(description="Images generated (extension).")
-
-    @classmethod
-    def of(cls, prompt_tokens: int, n: int, image_tokens: int, input_image_tokens: int = 0) -> Usage:
-        """The usage of ``n`` images of ``image_tokens`` tokens each for a prompt of ``prompt_tokens`` tokens (and an
-        input image of ``input_image_tokens``, for an edit)."""
-        out = n * image_tokens
-        inp = prompt_tokens + input_image_tokens
-        return cls(input_tokens=inp,
-                   input_tokens_details=UsageDetails(image_tokens=input_image_tokens, text_tokens=prompt_tokens),
-                   output_tokens=out, output_tokens_details=UsageDetails(image_tokens=out, text_tokens=0),
-                   total_tokens=inp + out, images=n)
-
-
-class BcgInfo(BaseModel):
-    """How the request was served (extension of the OpenAI response)."""
-
-    bucket: str | None = Field(description="Bucket key, e.g. 'b2_i1024_t256'; null on a miss (eager run).")
-    hit: bool = Field(description="True when a bucket held the request.")
-    missed: list[str] = Field(description="Key dimensions that missed: 'batch', 'image_tokens', 'text_tokens'.")
-    seed: int = Field(description="Seed used (the request's, or the random one drawn for it).")
-    steps: int | None = Field(default=None, description="Denoising steps run (num_inference_steps, or quality's).")
-    timings_ms: dict[str, float] = Field(description="Milliseconds on the replica: 'queue' (waiting for admission "
-                                         "to the step scheduler), 'encode', 'denoise', 'decode', 'image_encode' and "
-                                         "'total' (request-level batching gives 'queue', 'encode', 'denoise', "
-                                         "'decode' and 'total'); at the ingress: 'route' (waiting in Ray Serve's "
-                                         "queues and in transit: 'ingress' - 'total') and 'ingress' (request sent to "
-                                         "result back).")
-    replica: str | None = Field(default=None, description="Id of the DiT replica that served the request.")
-    owner: bool | None = Field(default=None, description="True when that replica owns the request's bucket shape "
-                               "(shape-aware routing); null for a miss.")
-    batch_size: int = Field(default=1, description="Most requests that shared one denoising step's forwards with "
-                            "this one (1: it ran alone).")
-    retries: int = Field(default=0, description="Times the request was resent because its replica died.")
-    lora: list[LoraAdapter] | None = Field(default=None, description="The LoRA adapters the images were made with "
-                                           "and their scales, as the request named them; null: none.")
-
-
-class ImageGenerationResponse(BaseModel):
-    """Body of a successful ``POST /v1/images/generations``."""
-
-    created: int = Field(description="Unix time in seconds.")
-    data: list[ImageData] = Field(description="n images, in order.")
-    background: Literal["opaque"] = Field(default="opaque", description="Always 'opaque'.")
-    output_format: Literal["png", "jpeg", "webp"] = Field(default="png", description="Format of the images.")
-    quality: Literal["low", "medium", "high"] | None = Field(
-        default=None, description="The request's quality ('standard' reads 'medium', 'hd' 'high'); null when "
-        "omitted or 'auto'.")
-    size: str = Field(description="'WxH' of the images.")
-    usage: Usage
-    bcg: BcgInfo
-
-
-class ModelCard(BaseModel):
-    """One entry of ``GET /v1/models`` (OpenAI's model object, plus ``bcg``)."""
-
-    id: str = Field(description="The served model name (a request's 'model').")
-    object: Literal["model"] = "model"
-    created: int = Field(description="Unix time the ingress started, seconds.")
-    owned_by: str = Field(default="bcg-serve", description="Always 'bcg-serve'.")
-    bcg: dict = Field(description="Extension: family, pipeline class, the bucket table summarised (batch sizes, "
-                      "resolutions, text lengths, bucket count, miss policy), the request limits, the defaults of a "
-                      "request that omits them (num_inference_steps, guidance_scale, and true_cfg_scale for FLUX and "
-                      "Qwen-Image: the family's diffusers pipeline's unless the config's limits set them), the "
-                      "step count of each quality, lora: the adapters in lora.dir and the LoRA limits (null "
-                      "without lora.dir), and edits: the edit modes served ('image-to-image', 'inpainting'), their "
-                      "diffusers pipelines and defaults, the mask convention and the upload bounds (null for a "
-                      "family that serves no edits).")
-
-
-class ModelList(BaseModel):
-    """Body of ``GET /v1/models``: OpenAI's list format."""
-
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
 
 
 class ErrorDetail(BaseModel):

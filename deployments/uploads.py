@@ -10,9 +10,10 @@ validation thread.
 The official ``openai`` client sends ``images.edit`` as ``multipart/form-data``: the image as the file part
 ``image`` (a list of images: one ``image[]`` part each), ``mask`` as a file part, every other argument as a text
 field (``"2"``, ``"true"``, ``"0.5"``), and ``extra_body`` too, where a list of objects becomes bracketed fields
-grouped by key (``lora[][name]`` for every entry, then ``lora[][scale]``; see :func:`_lora_entries`).
-:func:`edit_fields` reads those, ``lora`` also as one JSON text field (``-F 'lora=[{"name": "watercolor", "scale":
-0.8}]'``), and refuses with :class:`FormError` (naming the field) what no field of the request can be: several
+grouped by key (``lora[][name]`` for every entry, then ``lora[][scale]``; see :func:`_lora_entries`) and an object
+one field per key (``cache[method]``, ``cache[threshold]``). :func:`edit_fields` reads those, ``lora`` and ``cache``
+also as one JSON text field (``-F 'lora=[{"name": "watercolor", "scale": 0.8}]'``, ``-F 'cache={"method":
+"first_block"}'``), and refuses with :class:`FormError` (naming the field) what no field of the request can be: several
 images or masks, a file where text belongs and text where a file belongs, a field sent twice. :func:`edits_card` is
 ``bcg.edits`` of ``GET /v1/models``: the edits the model serves and these bounds.
 """
@@ -44,6 +45,7 @@ MAX_TEXT_FIELD_BYTES = 2**20
 
 _IMAGE = re.compile(r"image(\[\d*\])?")
 _LORA = re.compile(r"lora\[(\d*)\](?:\[([^\[\]]*)\])?")
+_CACHE = re.compile(r"cache\[([^\[\]]+)\]")
 _BOOLEANS = ("stream",)
 """The form's true/false fields: only ``true`` or ``false`` (any case) is read, as the ``openai`` client sends them,
 not the other spellings pydantic's lax mode takes (``yes``, ``on``, ``1``, ...)."""
@@ -233,6 +235,16 @@ def _lora_entries(parts: list[tuple[str, str, str]]) -> list:
     return [{key: values[i] for key, values in columns.items()} for i in range(max(counts.values()))]
 
 
+def _cache_json(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError as exc:
+        raise FormError(422, "cache", f"invalid 'cache' (got {text[:40]!r}): it is not JSON ({exc}); send a JSON "
+                                      f"object such as {{\"method\": \"first_block\", \"threshold\": 0.12}} in one "
+                                      f"form field, or the fields cache[method] and cache[threshold] (the openai "
+                                      f"client's extra_body)") from None
+
+
 def _lora_json(text: str) -> Any:
     try:
         return json.loads(text)
@@ -245,12 +257,13 @@ def _lora_json(text: str) -> Any:
 
 async def edit_fields(form: FormData) -> dict[str, Any]:
     """The fields of :class:`~deployments.schemas.ImageEditRequest` in a parsed form: ``image`` and ``mask`` as the
-    bytes of their files, ``lora`` as a list, every other field as its text (the schema converts and checks them).
+    bytes of their files, ``lora`` as a list, ``cache`` as a mapping, every other field as its text (the schema
+    converts and checks them).
 
     Raises:
         FormError: 422 naming the field: more than one image (the model edits one) or mask, ``image`` or ``mask``
             sent as text, a file for any other field, a field sent twice, ``stream`` other than true or false,
-            ``lora`` both as JSON and bracketed, or not JSON.
+            ``lora`` or ``cache`` both as JSON and bracketed, or not JSON.
     """
     try:
         return await _fields(form)
@@ -263,6 +276,7 @@ async def _fields(form: FormData) -> dict[str, Any]:
     images: list[bytes] = []
     masks: list[bytes] = []
     lora_parts: list[tuple[str, str, str]] = []
+    cache_keys: dict[str, str] = {}
     for name, value in form.multi_items():
         is_file = isinstance(value, UploadFile)
         target = "image" if _IMAGE.fullmatch(name) else name
@@ -278,6 +292,12 @@ async def _fields(form: FormData) -> dict[str, Any]:
         lora = _LORA.fullmatch(name)
         if lora is not None:
             lora_parts.append((lora.group(1), lora.group(2) or "", value))
+            continue
+        cache = _CACHE.fullmatch(name)
+        if cache is not None:  # cache[method], cache[threshold]: the openai client's extra_body={"cache": {...}}
+            if cache.group(1) in cache_keys:
+                raise FormError(422, "cache", f"'{name}' is sent more than once; send each field once")
+            cache_keys[cache.group(1)] = value
             continue
         if name in fields:
             raise FormError(422, name, f"'{name}' is sent more than once; send each field once")
@@ -300,4 +320,11 @@ async def _fields(form: FormData) -> dict[str, Any]:
         fields["lora"] = _lora_json(fields["lora"])
     elif lora_parts:
         fields["lora"] = _lora_entries(lora_parts)
+    if "cache" in fields:
+        if cache_keys:
+            raise FormError(422, "cache", "'cache' is sent both as JSON and as bracketed fields (cache[method]); send "
+                                          "one of them")
+        fields["cache"] = _cache_json(fields["cache"])
+    elif cache_keys:
+        fields["cache"] = cache_keys  # the threshold as text: the edit schema reads it as a number
     return fields

@@ -201,4 +201,5 @@ class Finisher:
             "denoise": ms(item.started, item.denoised), "decode": ms(item.denoised, item.decoded),
             "image_encode": ms(encode_t0, t_end), "total": ms(item.submitted, t_end),
             **({"lora_load": round(item.lease.waited_s * 1e3, 2)} if item.lease is not None else {}),
-            **({"edit_encode": round(item.edit_encode_s * 1e3, 2)} if item.edit_encode_s is not None else {})}))
+            **({"edit_encode": round(item.edit_encode_s * 1e3, 2)} if item.edit_encode_s is not None else {})},
+            state=item.state))

@@ -1,5 +1,5 @@
 """OpenAI Images API fields over HTTP (``conftest.serve_apps``): output formats, quality, the no-op fields,
-``usage``, the ingress timings, and ``GET /v1/models``."""
+``usage``, the ingress timings, the step cache's ``bcg.cache``, and ``GET /v1/models``."""
 
 from __future__ import annotations
 
@@ -120,6 +120,20 @@ def test_timings_include_queue_wait_and_the_route_through_ray(client):
     t = client.post(GEN, json=_body()).json()["bcg"]["timings_ms"]
     assert {"queue", "encode", "denoise", "decode", "image_encode", "total", "route", "ingress"} <= set(t)
     assert t["ingress"] >= t["total"] - 1 and t["route"] >= 0 and t["queue"] >= 0
+
+
+def test_a_step_cache_is_served_through_ray_and_reported_in_bcg(client):
+    """``cache`` crosses the ingress, Ray and the replica's step scheduler; ``bcg.cache`` comes back from its finish
+    path (threshold 10: every step after the first reuses; threshold 0: every step computes)."""
+    steps = 3
+    for threshold, computed in ((10.0, 1), (0.0, steps)):
+        r = client.post(GEN, json=_body(num_inference_steps=steps, cache={"method": "first_block",
+                                                                           "threshold": threshold}))
+        assert r.status_code == 200, r.text
+        assert r.json()["bcg"]["cache"] == {"method": "first_block", "threshold": threshold,
+                                            "steps": {"cond": {"computed": computed, "reused": steps - computed}}}
+    assert client.post(GEN, json=_body(cache=None)).json()["bcg"]["cache"] is None
+    assert "first_block" in client.get("/v1/models").json()["data"][0]["bcg"]["cache_methods"]
 
 
 def test_models_lists_the_served_model_with_its_bucket_table(client):

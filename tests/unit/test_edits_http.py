@@ -220,6 +220,30 @@ def test_lora_from_extra_body_arrives_as_bracketed_fields_and_is_read(tmp_path):
     assert e.value.body["param"] == "lora" and "give every entry a scale" in e.value.body["message"]
 
 
+def test_cache_from_extra_body_arrives_as_bracketed_fields_and_is_read():
+    import openai
+
+    from bcg_core.step_cache import FirstBlockCache, NoCache
+
+    dit = FakeDiT()
+    client = _client(_ingress(dit))
+    client.images.edit(image=_png(), prompt="x", extra_body={"cache": {"method": "first_block", "threshold": 0.12}})
+    client.images.edit(image=_png(), prompt="x", extra_body={"cache": json.dumps({"method": "none"})})
+    client.images.edit(image=_png(), prompt="x")
+    assert [validated.request.cache for _, validated in dit.sent] == [FirstBlockCache(threshold=0.12), NoCache(),
+                                                                      NoCache()]
+    with pytest.raises(openai.UnprocessableEntityError) as e:
+        client.images.edit(image=_png(), prompt="x", extra_body={"cache": {"method": "first_block", "threshold": "x"}})
+    assert e.value.body["param"] == "cache" and "got 'x' at cache.threshold" in e.value.body["message"]
+    assert len(dit.sent) == 3
+    for items, says in [([("cache", "{method: none}")], "it is not JSON"),
+                        ([("cache", "{}"), ("cache[method]", "none")], "both as JSON and as bracketed fields"),
+                        ([("cache[method]", "none"), ("cache[method]", "first_block")], "sent more than once")]:
+        with pytest.raises(FormError) as e:
+            asyncio.run(edit_fields(_form(("image", b"x"), *items)))
+        assert e.value.field == "cache" and says in e.value.message
+
+
 def _form(*items) -> FormData:
     return FormData([(k, UploadFile(io.BytesIO(v), filename="f") if isinstance(v, bytes) else v) for k, v in items])
 
