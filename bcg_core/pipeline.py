@@ -370,7 +370,7 @@ class DiTPipeline:
         ms = lambda a, b: round((b - a) * 1e3, 2)  # noqa: E731
         return build_result(validated, files, key, share, 1, self.metrics, {
             "encode": ms(t0, t1), "denoise": ms(t1, t2), "decode": ms(t2, t3), "image_encode": ms(t3, t4),
-            "total": ms(t0, t4)})
+            "total": ms(t0, t4)}, state=state)
 
     # -- the cost model's measurements ---------------------------------------------------------------
 

@@ -52,8 +52,6 @@ def test_the_step_schedulers_results_report_each_requests_cache(pipe):
     assert default.to_dict()["cache"] == default.cache
 
 
-@pytest.mark.xfail(strict=True, reason="DiTPipeline._generate does not hand its state to build_result yet "
-                                       "(bcg_core/pipeline.py: build_result(..., state=state))")
 def test_the_synchronous_generate_reports_the_cache_too(pipe):
     result = pipe.generate(pipe.validator.validate(_req(3)))
     assert result.cache == {"method": "first_block", "threshold": 10.0,
