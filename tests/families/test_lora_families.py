@@ -237,3 +237,19 @@ def test_pixart_sigma_refuses_lora_dir_at_start(tmp_path):
     with pytest.raises(ValueError, match="PixArtSigmaPipeline .*has no LoRA loader in diffusers"):
         bcg_pipeline(folder, buckets, lora={"dir": str(tmp_path / "loras")})
     assert bcg_pipeline(folder, buckets).lora is None  # without lora.dir it is served as before
+
+
+def test_a_cached_request_with_adapters_equals_diffusers_with_its_cache(served):
+    from bcg_core.step_cache import FirstBlockCache, request_cache, to_diffusers
+
+    if not served.pipe.model.spec.cache_methods:
+        pytest.skip(f"{served.name}'s transformer takes no step cache")
+    cache = FirstBlockCache(threshold=0.6)
+    req = served.req(TWO, seed=7, num_inference_steps=10, cache=cache)
+    ref = diffusers_run(served.family.pipeline_cls, served.folder, dataclasses.replace(req, cache=None),
+                        lora_dir=served.loras, setup=lambda p: p.transformer.enable_cache(to_diffusers(cache)),
+                        **served.family.call)
+    state = bcg_state(served.pipe, req)
+    steps = request_cache(state).describe()["steps"]
+    assert sum(s["reused"] for s in steps.values()) > 0  # the case reuses steps
+    assert_same(GateRun(state.latents.float().cpu(), served.pipe.finish(state)), ref)
