@@ -305,3 +305,21 @@ def test_qwenimage_image_to_image_with_a_cache_as_diffusers(tmp_path, cache):
     (state,) = _serve(pipe, [request])
     assert _computed(state) == ref_computed < len(state.timesteps)
     assert_same(GateRun(state.latents.float().cpu(), pipe.finish(state)), ref)
+
+
+@pytest.mark.parametrize("cache", [FirstBlockCache(threshold=0.6), TAYLOR[1]], ids=["first_block", "taylor_seer"])
+def test_bf16_alone_at_an_exact_bucket_is_bit_identical_to_diffusers_bf16_with_its_cache(flux_folder, cache):
+    """The bf16 gate's cached case: FLUX.1's latents are batch-exact in diffusers, so a request alone at an exact
+    bucket must give diffusers' bf16 bits, decisions included (they are taken in the tensors' dtype on both sides)."""
+    pipe = bcg_pipeline(flux_folder, FLUX_BUCKETS, dtype="bfloat16")
+    request = _flux_request(cache, seed=13)
+    ref_pipe = FluxPipeline.from_pretrained(str(flux_folder), torch_dtype=torch.bfloat16, local_files_only=True)
+    ref_pipe.set_progress_bar_config(disable=True)
+    ref_pipe.transformer.enable_cache(to_diffusers(cache))
+    with torch.inference_mode():
+        ref = ref_pipe(prompt=request.prompt, width=64, height=64, num_inference_steps=STEPS, guidance_scale=3.5,
+                       generator=torch.Generator("cpu").manual_seed(request.seed), output_type="latent",
+                       max_sequence_length=tiny_flux.TEXT_TOKENS).images
+    (state,) = _serve(pipe, [request])
+    assert sum(s["reused"] for s in request_cache(state).describe()["steps"].values()) > 0
+    assert torch.equal(state.latents.to(ref.dtype), ref)
