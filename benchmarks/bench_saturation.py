@@ -30,6 +30,9 @@ on 127.0.0.1) and stopped with ``deployments.cli.local.stop_local`` before the n
   same model and limits from the packaged krea sample at ``--steps`` steps, at most ``--plan-max-graphs`` graphs
   (:func:`planned_buckets`; ``--plan-costs measure``: on costs the planner measures on this GPU itself, ``bcg plan
   --measure``). Each server's entry records its table's graphs, capture seconds and pool MiB.
+- ``cached`` (only when asked for, with ``--cache``): ``step`` with ``cache.default`` set to ``--cache`` (e.g.
+  First Block Cache at one threshold), so every request of the replay caches (``bcg_core/step_cache``); compare it
+  with ``step`` in the same run.
 - ``step``: bcg-serve as configured, the step scheduler on the default table (``bcg_core/scheduler/step_scheduler.py``).
   If ``GET /v1/buckets`` then has no top-level ``scheduler`` section, the replica did not report a step
   scheduler: a warning is printed and the JSON says so (``scheduler_reported: false``).
@@ -164,7 +167,7 @@ for _p in (ROOT / "benchmarks", ROOT / "tests", ROOT):
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))
 
-SERVERS = ("naive", "step", "planned")
+SERVERS = ("naive", "step", "planned", "cached")
 KERNELS = ("eager", "compiled", "fp8")
 MODELS = ("tiny", "flux-dev-width", "pixart-512")
 FLUX_DEV_WIDTH_LAYERS = (2, 4)
@@ -175,9 +178,11 @@ RUNNER_OVERRIDES = {
     "naive": {"mode": "eager", "kernels": "eager"},
     "step": {},
     "planned": {},
+    "cached": {},
 }
-"""``runner`` overrides of each server (naive also gets its bucket table and admission limits; ``step`` and
-``planned`` get ``runner.kernels`` from ``--kernels``)."""
+"""``runner`` overrides of each server (naive also gets its bucket table and admission limits; ``step``, ``planned``
+and ``cached`` get ``runner.kernels`` from ``--kernels``; ``cached`` is ``step`` with ``cache.default`` set to
+``--cache``, so every request of the replay caches)."""
 
 
 # -- pure parts ------------------------------------------------------------------------------------------------
@@ -573,16 +578,25 @@ def planned_buckets(base: dict, steps: int, max_graphs: int, measure: bool = Fal
 
 def server_overrides(server: str, base: dict, spec, requests: list, concurrency: int,
                      naive_max_ongoing: int | None = None, planned: dict | None = None,
-                     kernels: str = "eager", compile_decode: bool = False) -> dict:
+                     kernels: str = "eager", compile_decode: bool = False, cache: dict | None = None) -> dict:
     """The config overrides of ``server`` on ``base`` (see the module docstring); ``planned``: the ``planned``
     server's buckets (:func:`planned_buckets`); ``kernels``: ``runner.kernels`` of the ``step`` and ``planned``
     servers (the naive server always runs eager kernels: what a user's own server runs); ``compile_decode``:
-    ``runner.compile_decode`` of those two (``--compile-decode``)."""
+    ``runner.compile_decode`` of those two (``--compile-decode``); ``cache``: the ``cached`` server's
+    ``cache.default`` (``--cache``).
+
+    Raises:
+        ValueError: the ``cached`` server without ``cache``."""
     over: dict[str, Any] = {"runner": {"kernels": kernels, **RUNNER_OVERRIDES[server]}}
     if compile_decode and server != "naive":
         over["runner"]["compile_decode"] = True
     if server == "planned" and planned is not None:
         over["buckets"] = planned
+    if server == "cached":
+        if cache is None:
+            raise ValueError("the cached server needs --cache, e.g. "
+                             "'{\"method\": \"first_block\", \"threshold\": 0.4}'")
+        over["cache"] = {"default": cache}
     if server == "naive":
         from deployments.settings import ServeConfig
 
@@ -991,8 +1005,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--concurrency", type=int, default=16, help="requests in flight (1..16)")
     ap.add_argument("--servers", type=parse_servers, default=["naive", "step"],
-                    help="subset of naive,request,step,planned (planned: the step scheduler on the table bcg plan "
-                    "chooses from the packaged krea sample)")
+                    help="subset of naive,step,planned,cached (planned: the step scheduler on the table bcg plan "
+                    "chooses from the packaged krea sample; cached: step with --cache as every request's cache)")
     ap.add_argument("--plan-max-graphs", type=int, default=12, help="graph cap of the planned table (default 12)")
     ap.add_argument("--plan-costs", choices=("measure", "token-count"), default="token-count",
                     help="costs of the planned table: measured on this GPU (bcg plan --measure) or the token-count "
@@ -1006,6 +1020,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="runner.compile_decode on the step and planned servers; after the warm-up each waits for "
                     "its decode compiles (up to --decode-wait-s) before the replay")
     ap.add_argument("--decode-wait-s", type=float, default=300.0)
+    ap.add_argument("--cache", type=json.loads, default=None,
+                    help="the cached server's cache.default, as JSON: e.g. '{\"method\": \"first_block\", "
+                    "\"threshold\": 0.4}' (every request of its replay caches)")
     ap.add_argument("--port", type=int, default=0, help="HTTP port on 127.0.0.1 (0: a free one)")
     ap.add_argument("--size", help="send every request at this WxH size instead of its own")
     ap.add_argument("--batch-sizes", type=lambda s: [int(x) for x in s.split(",")],
@@ -1087,7 +1104,7 @@ def main(argv: list[str] | None = None) -> int:
         runs = server_runs(args.servers, args.kernels)
         for name, server, tier in runs if "naive" in args.servers else [*runs, *server_runs(["naive"], ["eager"])]:
             overrides[name] = server_overrides(server, base, spec, sent, args.concurrency, args.naive_max_ongoing,
-                                               planned, tier, args.compile_decode)
+                                               planned, tier, args.compile_decode, args.cache)
             configs[name] = ServeConfig.model_validate(merge(base, overrides[name]))
         naive_validator = RequestValidator(configs["naive"], spec, counter)
         hits = check_all_miss(naive_validator, sent, args.steps)

@@ -82,7 +82,8 @@ def _configs(model_cfg: dict, spec, counter, reqs, steps=20):
     from deployments.settings import ServeConfig
 
     base = bench.base_config(model_cfg, spec, counter, reqs, steps)
-    over = {s: bench.server_overrides(s, base, spec, reqs, 16) for s in bench.SERVERS}
+    cache = {"method": "first_block", "threshold": 0.4}
+    over = {s: bench.server_overrides(s, base, spec, reqs, 16, cache=cache) for s in bench.SERVERS}
     return base, over, {s: ServeConfig.model_validate(bench.merge(base, o)) for s, o in over.items()}
 
 
@@ -115,6 +116,13 @@ def test_naive_config_makes_every_one_of_the_first_32_krea_requests_miss(tiny):
     assert "compile_decode" not in bench.server_overrides("naive", base, spec, reqs, 16, compile_decode=True)["runner"]
     validated_requests, refused = bench.validate_all(RequestValidator(cfgs["step"], spec, counter), reqs, 20)
     assert refused == [] and all(p.lookup.hit for p in validated_requests)
+    # the cached server: the step server whose every request takes --cache (the tiny default takes a step cache)
+    assert over["cached"] == {"runner": {"kernels": "eager"}, "cache": {"default": {"method": "first_block",
+                                                                                    "threshold": 0.4}}}
+    cached = bench.validate_all(RequestValidator(cfgs["cached"], spec, counter), reqs, 20)[0]
+    assert all(p.request.cache.threshold == 0.4 for p in cached)
+    with pytest.raises(ValueError, match="--cache"):
+        bench.server_overrides("cached", base, spec, reqs, 16)
 
 
 def test_naive_tier_of_a_binned_family_is_a_bin_no_request_is_binned_to():
