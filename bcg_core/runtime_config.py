@@ -56,7 +56,9 @@ class RunnerConfig(BaseModel):
         default=20.0, ge=0.0, le=86400.0,
         description="A replica reports ready once this many seconds of capture have passed and at least one of its "
         "shapes is captured (largest first); the rest are captured in the background, their requests served by "
-        "unpadded eager forwards meanwhile (deployments/dit.py). None: capture every shape before ready.",
+        "unpadded eager forwards meanwhile (deployments/dit.py); the cost model's timing of the shapes captured before "
+        "ready runs after it too (the token-count stand-in prices them meanwhile). None: capture and time every shape "
+        "before ready.",
     )
     compile_in_background: bool = Field(
         default=True,

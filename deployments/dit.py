@@ -128,7 +128,7 @@ class DiTReplica:
         logger.info("replica %s owns %d of %d shapes %s, %d prepared in %.1f s%s", self._id, len(owned),
                     len(model.by_shape), sorted(owned), len(owned) - len(rest), time.perf_counter() - t0,
                     f" (runner.ready_after_s; capturing {rest} in the background)" if rest else "")
-        if rest:  # runner.ready_after_s passed: ready now, the rest captured as gained shapes are
+        if rest or model.unmeasured:  # runner.ready_after_s: ready now; costs timed and the rest captured after
             model.capture_in_background(rest)
         self._metrics = MetricsPush.start(self._pipeline, self._scheduler, self._traffic, self._drift, self._id)
         self._drift.start()

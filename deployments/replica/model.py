@@ -65,6 +65,9 @@ class ReplicaModel:
         self._capturing_since: float | None = None  # time.monotonic() when the running capture began
         self.costs_s = 0.0
         """Seconds spent timing the cost model's forwards (:meth:`_measure_costs`) since the replica started."""
+        self.unmeasured: list[str] = []
+        """Shapes prepared before ready whose costs are timed after it (``runner.ready_after_s``: the token-count
+        stand-in prices them meanwhile), by the background capture (:meth:`capture_in_background`)."""
         self.scheduler = StepScheduler.from_pipeline(
             pipeline, load_window_s=config.autoscaling.look_back_period_s,
             retry_after_s=config.routing.retry_after_s)
@@ -109,11 +112,15 @@ class ReplicaModel:
         """Prepare (capture on CUDA) every batch bucket of ``shapes``, largest shape first; each shape is
         ready as soon as its buckets are. Runs in a worker thread. ``initial``: the capture at start (where the
         ``capture_stall`` failpoint of :mod:`bcg_core.failpoints` can fire). ``ready_after_s``: stop once this many
-        seconds have passed and at least one shape is ready (None: prepare every shape).
+        seconds have passed and at least one shape is ready (None: prepare every shape); with it, the shapes
+        prepared are not timed for the cost model now but after ready (:attr:`unmeasured`, timed by
+        :meth:`capture_in_background` before it prepares the rest): their forwards are most of a start's cost
+        measurement, which a request waiting for ready need not wait for.
 
         Returns:
             The shapes left unprepared (empty unless ``ready_after_s`` passed), largest first. Background compiles
-            start only once none is left (a capture and a compile would share the CPUs and the GPU)."""
+            start only once none is left and every shape is timed (a capture, a timing and a compile would share the
+            CPUs and the GPU)."""
         left: list[str] = []
         with self.capture_lock:
             self._capturing_since = started = time.monotonic()
@@ -132,12 +139,15 @@ class ReplicaModel:
                         break
                     t0 = time.perf_counter()
                     self.pipeline.prepare(keys, defer_compiles=self.config.runner.compile_in_background)
-                    self._measure_costs(s, keys)
+                    if ready_after_s is None:
+                        self._measure_costs(s, keys)
+                    else:
+                        self.unmeasured.append(s)
                     self.ready.add(s)
                     logger.info("replica %s: shape %s ready (%d buckets, %.1f s), %d of %d shapes", self._id, s,
                                 len(keys), time.perf_counter() - t0, i, len(order))
                 self.scheduler.measure_memory_budget()  # after capture and cost measurement
-                if not left:
+                if not left and not self.unmeasured:
                     # buckets on eager kernels for want of a cached compile: compiled, checked and swapped in now
                     self.scheduler.compile_in_background()
             finally:
@@ -156,14 +166,22 @@ class ReplicaModel:
         finally:
             self.costs_s += time.perf_counter() - t0
 
+    def measure_deferred(self) -> None:
+        """Time the shapes prepared before ready (:attr:`unmeasured`) for the cost model, in a worker thread."""
+        with self.capture_lock:
+            while self.unmeasured:
+                s = self.unmeasured.pop(0)
+                self._measure_costs(s, self.by_shape[s])
+
     def capture_in_background(self, shapes: list[str]) -> None:
-        """Prepare ``shapes`` in a worker thread, after the capture started before (``capture_task``). Call on the
-        replica's event loop."""
+        """Time the shapes prepared before ready (:meth:`measure_deferred`), then prepare ``shapes``, in a worker
+        thread, after the capture started before (``capture_task``). Call on the replica's event loop."""
         previous = self.capture_task
 
         async def run() -> None:
             if previous is not None:
                 await asyncio.shield(previous)
+            await asyncio.to_thread(self.measure_deferred)
             await asyncio.to_thread(self.prepare, shapes)
 
         self.capture_task = asyncio.get_running_loop().create_task(run())

@@ -62,3 +62,24 @@ def test_without_ready_after_s_every_shape_is_captured_before_ready():
 
     view, task = asyncio.run(scenario())
     assert view["ready"] == view["owned"] and len(view["owned"]) > 1 and task is None
+
+
+def test_costs_of_the_shapes_captured_before_ready_are_timed_after_it():
+    from bcg_core.config import SchedulerConfig
+
+    config = EngineConfig(buckets=TABLE, runner=RunnerConfig(ready_after_s=0.0),
+                          scheduler=SchedulerConfig(measure_costs="always"))
+
+    async def scenario():
+        replica = await make_replica(config.model_dump(mode="json"))
+        model = replica._model
+        order = sorted(model.shapes, key=lambda s: -max(k.tokens for k in model.by_shape[s]))
+        at_ready = (list(model.unmeasured), model.costs_s, replica.stats()["start"]["costs_s"])
+        await model.capture_task
+        measured = set(model.scheduler.costs.bucket_ms)
+        return order, at_ready, model.unmeasured, model.costs_s, measured, model.by_shape[order[0]]
+
+    order, (unmeasured, costs_s, reported), left, costs_after, measured, large = asyncio.run(scenario())
+    assert unmeasured == [order[0]] and costs_s == 0.0 == reported  # nothing timed before ready
+    assert left == [] and costs_after > 0.0  # timed by the background task, before it captured the rest
+    assert set(large) <= measured
