@@ -73,7 +73,8 @@ def test_bench_smoke_records_which_text_encoders_are_stand_ins(bench_run):
     _, data, _ = bench_run
     expect = {"pixart-sigma-512": ["T5EncoderModel"], "pixart-sigma-1024": ["T5EncoderModel"],
               "sd3-medium": ["CLIPTextModelWithProjection"] * 2 + ["T5EncoderModel"],
-              "sana-1.6b-1024": ["Gemma2Model"], "flux-dev": ["CLIPTextModel", "T5EncoderModel"]}
+              "sana-1.6b-1024": ["Gemma2Model"], "flux-dev": ["CLIPTextModel", "T5EncoderModel"],
+              "flux-dev-width": ["CLIPTextModel", "T5EncoderModel"]}
     assert set(data["models"]) == set(expect)
     for name, info in data["models"].items():
         encoders = info["text_encoders"]
