@@ -38,7 +38,11 @@ _MODELS: dict[str, type[BaseModel]] = {m.model_fields["method"].default: m
 
 
 def _value_phrase(field) -> str:
-    """What one key of a cache model takes, from its type and bounds: ``a number from 0 to 10 (omitted: 0.05)``."""
+    """What one key of a cache model takes, from its type and bounds (``a number from 0 to 10 (omitted: 0.05)``), or
+    as its field says (``json_schema_extra["allowed"]``: a rule the type does not show)."""
+    extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
+    if "allowed" in extra:
+        return f"{extra['allowed']} (omitted: {json.dumps(field.default)})"
     kinds = set(typing.get_args(field.annotation)) or {field.annotation}
     bounds = {type(m).__name__: m for m in field.metadata}
     kind = "an integer" if int in kinds else "a number" if float in kinds else "true or false" if bool in kinds \

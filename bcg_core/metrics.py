@@ -68,8 +68,9 @@ class BucketCounters:
     of the bucket's padded forward after which it runs unpadded and eager (:func:`bcg_core.runners.base.demote`).
     ``steps``, ``step_ms_sum`` (milliseconds) and ``step_ms_bins`` (non-cumulative counts per bin of
     :data:`STEP_MS_BOUNDS`, then ``+Inf``) describe the latency of the denoising steps run on the bucket.
-    ``cache_reused_rows`` and ``cache_computed_rows`` count the rows of requests with a step cache whose first block
-    ran on the bucket (:mod:`bcg_core.step_cache`), by whether they reused the remaining blocks or computed them.
+    ``cache_reused_rows`` and ``cache_computed_rows`` count the rows of requests with a step cache in the bucket's
+    steps (:mod:`bcg_core.step_cache`), by whether they reused (First Block Cache: the remaining blocks' residual;
+    TaylorSeer: the predicted output) or computed; a row of an unpadded chunk counts under its shape's bucket.
     """
 
     requests: int = 0
@@ -237,8 +238,9 @@ class BucketMetrics:
             c.unpadded_forwards += int(not mode.padded)
 
     def record_cache(self, key: BucketKey | None, reused: int, computed: int) -> None:
-        """Count the rows of cached requests whose first block ran on bucket ``key`` (None: unpadded) in one step:
-        ``reused`` reused the remaining blocks' residual, ``computed`` ran them (:mod:`bcg_core.step_cache`)."""
+        """Count the rows of cached requests of one step on bucket ``key`` (None: a miss): ``reused`` reused
+        (the remaining blocks' residual, or TaylorSeer's prediction), ``computed`` computed
+        (:mod:`bcg_core.step_cache`)."""
         with self._lock:
             c = self._of(key)
             c.cache_reused_rows += reused
@@ -335,6 +337,7 @@ class BucketMetrics:
                 "by_dim": dict(self._miss_by_dim), "mean_latency_ms": round(m.mean_latency_ms, 2),
                 "real_tokens": m.real_tokens, "padded_tokens": m.padded_tokens, "forwards_by_mode": m.forwards_by_mode,
                 "step_latency_ms": m.step_latency(),
+                "cache_reused_rows": m.cache_reused_rows, "cache_computed_rows": m.cache_computed_rows,
             }
             totals = {"requests": hits + self._miss.requests, "hits": hits, "misses": self._miss.requests}
         return {"buckets": buckets, "misses": misses, "totals": totals}

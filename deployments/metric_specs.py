@@ -64,11 +64,12 @@ METRICS: tuple[MetricSpec, ...] = (
                "Runtime errors of the bucket's padded forward (e.g. a CUDA error mid-replay); after the first the "
                "bucket runs unpadded and eager.", "faults"),
     MetricSpec("bcg_step_cache_reused_rows", "counter", _BUCKET, "rows",
-               "Rows of requests with a step cache whose first block ran on the bucket and that reused the remaining "
-               "blocks' residual (First Block Cache) instead of computing them.", "cache_reused_rows"),
+               "Rows of requests with a step cache in the bucket's steps that reused instead of computing: the "
+               "remaining blocks' residual (First Block Cache) or the predicted output (TaylorSeer).",
+               "cache_reused_rows"),
     MetricSpec("bcg_step_cache_computed_rows", "counter", _BUCKET, "rows",
-               "Rows of requests with a step cache whose first block ran on the bucket and that computed the "
-               "remaining blocks.", "cache_computed_rows"),
+               "Rows of requests with a step cache in the bucket's steps that computed (First Block Cache: the "
+               "remaining blocks; TaylorSeer: the whole forward).", "cache_computed_rows"),
     MetricSpec("bcg_capture_seconds", "counter", _BUCKET, "seconds",
                "Seconds spent capturing the bucket's CUDA graph (warm-up forwards included).", "capture_s"),
     MetricSpec("bcg_real_tokens", "counter", _BUCKET, "tokens",

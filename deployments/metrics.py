@@ -197,7 +197,9 @@ class BucketExporter:
         rows.append({"key": MISS, "requests": misses.get("requests", 0), "hits": 0,
                      "forwards_by_mode": misses.get("forwards_by_mode", {}),
                      "real_tokens": misses.get("real_tokens", 0), "padded_tokens": misses.get("padded_tokens", 0),
-                     "step_latency_ms": misses.get("step_latency_ms", {})})
+                     "step_latency_ms": misses.get("step_latency_ms", {}),
+                     "cache_reused_rows": misses.get("cache_reused_rows", 0),
+                     "cache_computed_rows": misses.get("cache_computed_rows", 0)})
         for row in rows:
             tags = {"bucket": row["key"], "shape": _shape_of(row["key"])}
             for spec in METRICS:

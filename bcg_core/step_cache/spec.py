@@ -64,15 +64,18 @@ class TaylorSeerCache(BaseModel):
     method: Literal["taylor_seer"] = "taylor_seer"
     cache_interval: int = Field(default=5, ge=1, le=1000,
                                 description="After the first steps, compute every this many steps; predict between.")
-    disable_cache_before_step: int = Field(default=3, ge=0, le=1000,
-                                           description="The steps before this one all compute (the expansion's data).")
+    disable_cache_before_step: int = Field(
+        default=3, ge=0, le=1000, description="The steps before this one all compute (the expansion's data).",
+        json_schema_extra={"allowed": "an integer from 0 to 1000, 0 only with cache_interval 1"})
     disable_cache_after_step: int | None = Field(default=None, ge=0, le=1000,
                                                  description="From this step on every step computes; None: never.")
     max_order: int = Field(default=1, ge=0, le=4, description="Highest order of the Taylor expansion.")
     taylor_factors_dtype: str = Field(default="bfloat16", description="The dtype the expansion's factors are kept "
-                                      "in: bfloat16 (diffusers' default), float16 or float32.")
+                                      "in: bfloat16 (diffusers' default), float16 or float32.",
+                                      json_schema_extra={"allowed": "one of " + ", ".join(TAYLOR_DTYPES)})
     use_lite_mode: bool = Field(default=True, description="Must be true: the output predicted, the blocks skipped "
-                                "(diffusers' default is false, attention outputs predicted: not served).")
+                                "(diffusers' default is false, attention outputs predicted: not served).",
+                                json_schema_extra={"allowed": "true"})
 
     @field_validator("taylor_factors_dtype")
     @classmethod

@@ -110,13 +110,14 @@ def _decide(contexts, residual: torch.Tensor) -> list[bool]:
 
 
 def _count(pipe, forwards, cached: list[bool | None]) -> None:
-    """Count the cached rows per bucket their first block ran on
-    (:meth:`~bcg_core.metrics.BucketMetrics.record_cache`)."""
+    """Count the First Block Cache rows per bucket their first block ran on, an unpadded chunk under its shape's
+    bucket as its forward is counted (:meth:`~bcg_core.metrics.BucketMetrics.record_cache`; a miss: the miss
+    counters)."""
     a = 0
     for chunk in forwards.chunks:
         rows = cached[a : a + chunk.rows]
         if any(r is not None for r in rows):
-            pipe.metrics.record_cache(chunk.key, rows.count(False), rows.count(True))
+            pipe.metrics.record_cache(chunk.key or chunk.home or forwards.home, rows.count(False), rows.count(True))
         a += chunk.rows
 
 
@@ -238,6 +239,9 @@ def cached_forward(pipe, split: BlockSplit, states: Sequence[RequestState], part
         c.reused += 1
         for j, out in enumerate(_taylor_predict(c, step, pipe.model.dtype)):
             predicted[rows.start + j] = out
+    if updates or predicted:  # TaylorSeer rows, under the step's bucket (its home; a miss: the miss counters)
+        pipe.metrics.record_cache(forwards.home or forwards.chunks[0].key, len(predicted),
+                                  sum(rows.stop - rows.start for _, _, rows, _ in updates))
     run = [r for r in range(inputs.rows) if r not in predicted]
     first_block = [e for e in contexts if isinstance(e[3], FirstBlockCache)]
     out_run = None

@@ -186,14 +186,29 @@ def test_admission_counts_the_cache_from_the_start_and_the_reserve_is_what_it_ho
     assert cache.nbytes == cache.reserved_bytes == cache.budget_bytes
 
 
-def test_metrics_count_reused_and_computed_rows_per_bucket(flux_folder):
+@pytest.mark.parametrize("costs", ["buckets", "eager"])
+def test_metrics_count_reused_and_computed_rows_per_bucket(flux_folder, costs):
+    """Every cached row of every step is counted, under the bucket its step ran on; with ``eager`` costs each step
+    runs unpadded (as a CPU's cost model often chooses), counted under the shape's bucket as its forwards are."""
+    from bcg_core.costs import CostModel
+
     pipe = bcg_pipeline(flux_folder, FLUX_BUCKETS)
-    a, b = _serve(pipe, [_flux_request(2.0, n=2, seed=21), _flux_request(None, seed=22)])
-    buckets = pipe.metrics.snapshot()["buckets"]
-    reused = sum(bk["cache_reused_rows"] for bk in buckets)
-    computed = sum(bk["cache_computed_rows"] for bk in buckets)  # First Block Cache rows: counted where they ran
-    steps = request_cache(a).describe()["steps"]["cond"]
-    assert reused == 2 * steps["reused"] > 0 and computed == 2 * steps["computed"]  # two rows each step
+    if costs == "eager":  # bucket forwards priced far above unpadded ones: every chunk runs unpadded
+        shapes = {k.shape for k in pipe.table.keys}
+        pipe.decider.set_costs(CostModel({k: 1e6 for k in pipe.table.keys},
+                                         {s: {r: 1.0 * r for r in (1, 2, 4, 8)} for s in shapes}), merge=False)
+    a, b, c = _serve(pipe, [_flux_request(2.0, n=2, seed=21), _flux_request(None, seed=22),
+                            _flux_request(TAYLOR[0], seed=23)])
+    snap = pipe.metrics.snapshot()
+    rows = [*snap["buckets"], snap["misses"]]
+    reused = sum(bk["cache_reused_rows"] for bk in rows)
+    computed = sum(bk["cache_computed_rows"] for bk in rows)
+    fbc, taylor = request_cache(a).describe()["steps"]["cond"], request_cache(c).describe()["steps"]["cond"]
+    assert reused == 2 * fbc["reused"] + taylor["reused"] and fbc["reused"] > 0 and taylor["reused"] > 0
+    assert computed == 2 * fbc["computed"] + taylor["computed"]
+    assert snap["misses"]["cache_reused_rows"] == 0  # no miss here: every row under a bucket
+    modes = {m for bk in snap["buckets"] for m, n in bk["forwards_by_mode"].items() if n}
+    assert modes == ({"eager"} if costs == "eager" else {"static_eager"})
     assert request_cache(b) is None
 
 
