@@ -122,11 +122,11 @@ def diffusers_pipeline(folder: Path, dtype: torch.dtype, device: torch.device, c
         pipe.computed = [0]
         tail = dict(pipe.transformer.named_modules())[block_names(pipe.transformer)[-1]]
         next(tail.children()).register_forward_hook(lambda *_: pipe.computed.__setitem__(0, pipe.computed[0] + 1))
-    if compiled:
+    if compiled:  # with a cache hook on the blocks, its decision (torch.compiler.disable) breaks the graph there
         if getattr(pipe.transformer, "_repeated_blocks", None):
-            pipe.transformer.compile_repeated_blocks(fullgraph=True)
+            pipe.transformer.compile_repeated_blocks(fullgraph=cache is None)
         else:
-            pipe.transformer.compile(fullgraph=True)
+            pipe.transformer.compile(fullgraph=cache is None)
     return pipe
 
 
