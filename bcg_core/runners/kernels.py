@@ -2,9 +2,10 @@
 
 - ``eager`` (:attr:`KernelTier.EAGER`): PyTorch's eager kernels, exactly diffusers' bits.
 - ``compiled`` (:attr:`KernelTier.COMPILED`): the transformer's repeated blocks compiled by ``torch.compile``
-  (inductor, ``dynamic=False``, ``fullgraph=True``), the rest eager: one compile per token shape for the buckets of
-  more than one row, their batch dimension left dynamic (:func:`shared_batch`, ``runner.compile_batch_dynamic``),
-  and one per token shape at one row.
+  (inductor, ``dynamic=False``, ``fullgraph=True``), the rest eager: one compile per bucket shape, or with
+  ``runner.compile_batch_dynamic`` (off: it failed inside CUDA graph capture on an H100) one per token shape for the
+  buckets of more than one row, their batch dimension left dynamic (:func:`shared_batch`), and one per token shape
+  at one row.
   This is regional compilation as diffusers' ``ModelMixin.compile_repeated_blocks`` does it, on the blocks its
   ``_repeated_blocks`` names (FLUX.1, Qwen-Image) or, for transformers that name none, on their transformer
   blocks (:data:`REPEATED_BLOCKS`: SD3, PixArt-Sigma, SANA); a transformer with neither is compiled whole.
@@ -183,7 +184,8 @@ class CompiledKernels:
             API and ``compile_fn`` is ``torch.compile``; a block whose ahead-of-time compile raises is compiled the
             plain way.
         batch_dynamic: buckets of one token shape and more than one row share one compile (:func:`shared_batch`;
-            ``runner.compile_batch_dynamic``); False: one compile per bucket shape.
+            ``runner.compile_batch_dynamic``); False (the default): one compile per bucket shape. On an H100 the
+            shared compile failed inside CUDA graph capture (tests/gpu/test_kernels_gpu.py, 2026-12-07).
 
     Raises:
         ValueError: a mode that would capture inductor's own CUDA graphs.
@@ -192,7 +194,7 @@ class CompiledKernels:
     def __init__(self, transformer: torch.nn.Module, compile_fn: Callable = torch.compile, mode: str = "default",
                  max_shapes: int = 256, cache_dir: str | None = None, timeout_s: float | None = None,
                  rtol: float | None = None, attention: str = "auto", precompile: bool = True,
-                 batch_dynamic: bool = True):
+                 batch_dynamic: bool = False):
         if "cudagraphs" not in mode and mode != "default":
             raise ValueError(f"inductor mode {mode!r} captures CUDA graphs of its own; bcg-serve owns the graphs: "
                              f"use 'default' or 'max-autotune-no-cudagraphs'")
