@@ -235,24 +235,25 @@ def _lora_entries(parts: list[tuple[str, str, str]]) -> list:
     return [{key: values[i] for key, values in columns.items()} for i in range(max(counts.values()))]
 
 
-def _cache_json(text: str) -> Any:
+def _form_json(field: str, text: str, example: str, fields: str) -> Any:
+    """A form field sent as a JSON text (``lora``, ``cache``), parsed; a 422 naming ``field``, a JSON ``example`` and
+    the bracketed ``fields`` the openai client's ``extra_body`` sends instead, where it is not JSON."""
     try:
         return json.loads(text)
     except ValueError as exc:
-        raise FormError(422, "cache", f"invalid 'cache' (got {text[:40]!r}): it is not JSON ({exc}); send a JSON "
-                                      f"object such as {{\"method\": \"first_block\", \"threshold\": 0.12}} in one "
-                                      f"form field, or the fields cache[method] and cache[threshold] (the openai "
-                                      f"client's extra_body)") from None
+        raise FormError(422, field, f"invalid '{field}' (got {text[:40]!r}): it is not JSON ({exc}); send a JSON "
+                                    f"{example} in one form field, or the fields {fields} (the openai client's "
+                                    f"extra_body)") from None
+
+
+def _cache_json(text: str) -> Any:
+    return _form_json("cache", text, 'object such as {"method": "first_block", "threshold": 0.12}',
+                      "cache[method] and cache[threshold]")
 
 
 def _lora_json(text: str) -> Any:
-    try:
-        return json.loads(text)
-    except ValueError as exc:
-        raise FormError(422, "lora", f"invalid 'lora' (got {text[:40]!r}): it is not JSON ({exc}); send a JSON list "
-                                     f"such as [{{\"name\": \"watercolor\", \"scale\": 0.8}}] in one form field, or "
-                                     f"the fields lora[][name] and lora[][scale] (the openai client's extra_body)") \
-            from None
+    return _form_json("lora", text, 'list such as [{"name": "watercolor", "scale": 0.8}]',
+                      "lora[][name] and lora[][scale]")
 
 
 async def edit_fields(form: FormData) -> dict[str, Any]:
