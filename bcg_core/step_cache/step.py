@@ -1,7 +1,9 @@
 """One denoising step of several requests with their step caches, decided per request inside the batched step.
 
 :func:`cached_forward` replaces the step's transformer forwards (:meth:`bcg_core.pipeline.DiTPipeline.step`) when a
-request in it has a cache:
+request in it has a cache. TaylorSeer contexts decide by their step alone, before any forward: those that predict
+take their rows' output from their Taylor expansion and leave the step's forwards; those that compute run their
+rows' whole forward and update the expansion from it. First Block Cache contexts then run:
 
 1. **Head.** Every row runs the transformer's first block (:class:`~bcg_core.step_cache.split.HeadPhase`) in the
    step's own forwards. Rows whose context holds a cached residual get it added to the head's output, so the head
