@@ -130,24 +130,40 @@ def form_not_json(request: Request, body: bytes) -> str | None:
     return None
 
 
+class _Pairs(dict):
+    """A JSON object as :func:`repeated_json_key` reads it: its keys, with those sent more than once."""
+
+    repeated: list[str]
+
+
 def repeated_json_key(body: bytes) -> str | None:
-    """The first key a JSON ``body`` holds twice in one object (at any depth), or None: none, or not JSON (the
-    model's parser then names what is wrong). A JSON parser keeps the last of two, so ``{"n": 11, "n": 1}`` would
-    be served as ``n=1`` while ``{"n": 1, "n": 11}`` is refused; the body is refused instead, as an edit form's
-    field sent twice is."""
-    repeated: list[str] = []
+    """Where a JSON ``body`` holds a key twice in one object (at any depth), as a path from the top
+    (``"n"``, ``"cache.method"``, ``"lora[0].name"``: the first such object in document order), or None: none, or
+    not JSON (the model's parser then names what is wrong). A JSON parser keeps the last of two, so
+    ``{"n": 11, "n": 1}`` would be served as ``n=1`` while ``{"n": 1, "n": 11}`` is refused; the body is refused
+    instead, as an edit form's field sent twice is."""
 
     def pairs(items: list[tuple[str, Any]]) -> dict:
+        obj = _Pairs(items)
         keys = [k for k, _ in items]
-        if not repeated:
-            repeated.extend(k for k in keys if keys.count(k) > 1)
-        return dict(items)
+        obj.repeated = [k for k in dict.fromkeys(keys) if keys.count(k) > 1]
+        return obj
+
+    def find(value: Any, path: str) -> str | None:
+        if isinstance(value, _Pairs):
+            if value.repeated:
+                return f"{path}.{value.repeated[0]}" if path else value.repeated[0]
+            items = ((f"{path}.{k}" if path else k, v) for k, v in value.items())
+        elif isinstance(value, list):
+            items = ((f"{path}[{i}]", v) for i, v in enumerate(value))
+        else:
+            return None
+        return next((hit for p, v in items if (hit := find(v, p)) is not None), None)
 
     try:
-        json.loads(body, object_pairs_hook=pairs)
+        return find(json.loads(body, object_pairs_hook=pairs), "")
     except (ValueError, RecursionError):
         return None
-    return repeated[0] if repeated else None
 
 
 def json_body_refusal(request: Request, body: bytes) -> tuple[int, str, str | None] | None:
@@ -155,8 +171,9 @@ def json_body_refusal(request: Request, body: bytes) -> tuple[int, str, str | No
     415 for a form body (:func:`form_not_json`), 422 for a key sent twice (:func:`repeated_json_key`)."""
     if (why := form_not_json(request, body)) is not None:
         return 415, why, None
-    if (key := repeated_json_key(body)) is not None:
-        return 422, f"'{key}' is sent more than once in the JSON body; send each field once", key
+    if (key := repeated_json_key(body)) is not None:  # the param is the request's field that holds it
+        return 422, f"'{key}' is sent more than once in the JSON body; send each field once", \
+            key.split(".")[0].split("[")[0]
     return None
 
 
