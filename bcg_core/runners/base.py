@@ -236,10 +236,11 @@ def fill_fused(fused: dict[str, torch.Tensor], meta: torch.Tensor, dt: torch.Ten
 
 def entry_kernels(kernels, entry: BucketEntry):
     """The context a padded forward of ``entry`` runs in: ``kernels`` (a
-    :class:`~bcg_core.runners.kernels.CompiledKernels`) switched on when the bucket runs compiled kernels, else
-    SDPA's default priority order on CUDA (:func:`sdpa_default_order`)."""
+    :class:`~bcg_core.runners.kernels.CompiledKernels`) switched on when the bucket runs compiled kernels, under the
+    bucket's SDPA backend (the key its compiled functions were kept under), else SDPA's default priority order on
+    CUDA (:func:`sdpa_default_order`)."""
     if entry.kernels is KernelTier.COMPILED and kernels is not None:
-        return kernels.active()
+        return kernels.active(attention=entry.attention.backend if entry.attention is not None else None)
     latents = entry.buffers.get("latents")
     return sdpa_default_order(latents.device if latents is not None else torch.device("cpu"))
 

@@ -283,14 +283,19 @@ class CompiledKernels:
         return bool(getattr(self._local, "on", False))
 
     @contextlib.contextmanager
-    def active(self, on: bool = True) -> Iterator[None]:
-        """Forwards on this thread run the compiled blocks (``on``) or the eager ones, until the block exits."""
-        before = self.on
+    def active(self, on: bool = True, attention: str | None = None) -> Iterator[None]:
+        """Forwards on this thread run the compiled blocks (``on``) or the eager ones, until the block exits. With
+        ``attention`` (the bucket's SDPA backend, :attr:`~bcg_core.runners.base.BucketEntry.attention`), the blocks'
+        functions are looked up under that backend, as the bucket's compile keyed them (a compile shared across batch
+        sizes keeps one function per backend: :meth:`~bcg_core.runners.precompiled.PrecompiledBlocks.function`)."""
+        before = self.on, getattr(self._local, "attention", None)
         self._local.on = on
+        if attention is not None:
+            self._local.attention = attention
         try:
             yield
         finally:
-            self._local.on = before
+            self._local.on, self._local.attention = before
 
     def attention_for(self, key, forward: Callable[[], object], device: torch.device) -> AttentionChoice:
         """The SDPA backend of bucket ``key``'s compiled forward: kept from an earlier call for ``key``; else with
