@@ -120,10 +120,25 @@ elements: the block's largest intermediates (the MLP's 4x hidden width, q, k and
 indexing at every batch of the class, whatever batch it was traced at. Larger inputs compile per exact shape."""
 
 
+def _tensors(values, depth: int = 0):
+    """The tensors among ``values``, and inside the dicts, tuples and lists among them, two levels down: a block's
+    inputs as its caller passes them (FLUX.1's masked tier passes its key-padding mask, whose first size is the
+    batch, inside ``joint_attention_kwargs``)."""
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            yield v
+        elif depth < 2 and isinstance(v, dict):
+            yield from _tensors(v.values(), depth + 1)
+        elif depth < 2 and isinstance(v, (tuple, list)):
+            yield from _tensors(v, depth + 1)
+
+
 def shared_batch(args: tuple, kwargs: dict) -> int | None:
     """Leave the batch dimension of a block call's inputs dynamic, so that every bucket of one token shape and more
     than one row shares one compile (``torch._dynamo.maybe_mark_dynamic`` on dimension 0 of each tensor input whose
-    first size is the batch: ``hidden_states``' first size). Measured on an H100 (FLUX.1-dev width, 1-8 rows at
+    first size is the batch: ``hidden_states``' first size; tensors inside the inputs' dicts and tuples too, as the
+    masked tier's key-padding mask in ``joint_attention_kwargs``: left static, its batch would specialize the
+    compile to the batch it was traced at). Measured on an H100 (FLUX.1-dev width, 1-8 rows at
     1,024 and 4,096 tokens): 12 graphs compiled in 42.8 s instead of 24 in 65.9 s, and the replay of each bucket's
     CUDA graph within 3% of static shapes' (``benchmarks/bench_compile_shapes.py``, docs/BENCHMARKS.md
     2026-12-07). A batch of one stays specialized (dynamo specializes sizes 0 and 1), and so do inputs too large
@@ -136,7 +151,7 @@ def shared_batch(args: tuple, kwargs: dict) -> int | None:
     if not isinstance(hidden, torch.Tensor) or hidden.ndim < 2 or hidden.shape[0] < 2:
         return None
     rows = hidden.shape[0]
-    tensors = [v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)]
+    tensors = list(_tensors((*args, *kwargs.values())))
     if any(t.numel() * INDEX_MARGIN >= 2**31 for t in tensors):
         return None
     for t in tensors:

@@ -76,6 +76,24 @@ def test_buckets_of_one_token_shape_and_several_rows_share_one_compile():
     assert pre is None or (pre.loads, pre.saves, pre.unsaved) == before
 
 
+def test_a_masked_tier_shares_its_batch_compile_too(tmp_path):
+    """FLUX.1's masked tier passes its key-padding mask inside ``joint_attention_kwargs``: its batch dimension is
+    left dynamic with the other inputs (``shared_batch``), or the shared compile specializes to the batch it was
+    traced at and its next batch fails (``expected size 2==4``: found on an H100, reproduced here)."""
+    table = BucketConfig(batch_sizes=[2, 4], resolutions=["256x256", "512x512"], text_lengths=[256])
+    pipe = DiTPipeline.from_config(EngineConfig(buckets=table, runner=RunnerConfig(
+        kernels="compiled", compile_batch_dynamic=True, compile_cache_dir=str(tmp_path))))
+    stats = pipe.stats()["kernels"]
+    assert any(k.image_mask for k in pipe.table.keys)
+    assert stats["compile_failed"] == 0 and {d["kernels"] for d in pipe.runner.describe()} == {"compiled"}
+    # three image tiers (256, 1024, 1024 masked) x two block classes, each shared by its 2 and 4 rows
+    assert stats["cache_hits"] + stats["cache_misses"] == 6, stats
+    model = pipe.model
+    verdicts = verify_runner(model.adapter, pipe.runner, boundary_cases(pipe.table, pipe.config.limits),
+                             model.device, model.dtype, rtol=RTOL[model.dtype])
+    assert verdicts and all(v.passed for v in verdicts), [(str(v.key), v.max_rel_err) for v in verdicts]
+
+
 def test_a_generated_image_with_compiled_kernels_is_close_to_the_eager_one(compiled):
     eager = DiTPipeline.from_config(_config(kernels="eager"))
     request = GenerationRequest("a red fox in snow", n=2, width=256, height=256, num_inference_steps=2, seed=5)
