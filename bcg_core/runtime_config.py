@@ -101,8 +101,9 @@ class RunnerConfig(BaseModel):
         description="With compiled kernels: the buckets of one token shape and more than one row share one compile, "
         "their batch dimension left dynamic (bcg_core/runners/kernels.py shared_batch); one row, and inputs too "
         "large for 32-bit indexing at any batch, compile per shape. Off by default: inside the server's CUDA graph "
-        "capture on an H100 it failed (a host copy during capture, a batch-4 compile run at 2 rows; "
-        "tests/gpu/test_kernels_gpu.py, docs/BENCHMARKS.md 2026-12-07 second entry), though alone it compiled 12 "
+        "capture on an H100 it failed (tests/gpu/test_kernels_gpu.py, docs/BENCHMARKS.md 2026-12-07 second entry); "
+        "both causes are fixed and tested on the CPU (replays looked the shared compile up without the bucket's "
+        "SDPA backend; the masked tier's mask kept a static batch), the GPU test is yet to pass. Alone it compiled 12 "
         "graphs in 42.8 s instead of 24 in 65.9 s. False: one static compile per bucket shape.",
     )
     compile_mode: Literal["default", "max-autotune-no-cudagraphs"] = Field(
