@@ -338,3 +338,50 @@ def test_bf16_alone_at_an_exact_bucket_is_bit_identical_to_diffusers_bf16_with_i
     (state,) = _serve(pipe, [request])
     assert sum(s["reused"] for s in request_cache(state).describe()["steps"].values()) > 0
     assert torch.equal(state.latents.to(ref.dtype), ref)
+
+
+def test_the_graph_halves_static_buffers_give_what_the_per_row_halves_give(flux_pipe):
+    """The halves as the CUDA graph runner captures them (``bcg_core/runners/piecewise.py``: padded static
+    buffers filled by ``pad_rows`` before each replay, ``HeadPhase(static=...)``, ``TailPhase(static=True)``) compute
+    what the per-row halves of the eager path compute, bit for bit, on a bucket with padded rows."""
+    from bcg_core.step_cache import installed_split
+    from bcg_core.step_cache.split import HeadPhase, TailPhase, pad_rows
+
+    pipe = flux_pipe
+    split = installed_split(pipe.model.adapter.model)
+    key = next(k for k in pipe.table.keys if k.batch == 4)
+    inputs = pipe.example_inputs(key, 3, seed=7)  # 3 real rows in a 4-row bucket
+    buffers = pipe.model.adapter.allocate(key, pipe.model.device, pipe.model.dtype)
+    pipe.model.adapter.fill(buffers, inputs)
+    adapter, k, t = pipe.model.adapter, inputs.image_tokens, inputs.text_tokens
+    with torch.inference_mode():
+        probe = HeadPhase()
+        with split.phase(probe):
+            adapter.forward(buffers)
+        gen = torch.Generator().manual_seed(0)
+        residuals = {i: (torch.randn(k, probe.hidden.shape[-1], generator=gen),
+                         torch.randn(t, probe.encoder.shape[-1], generator=gen)) for i in (0, 2)}  # row 1: none
+        lazy = HeadPhase(residuals)
+        with split.phase(lazy):
+            lazy_out = adapter.forward(buffers)
+        static = HeadPhase(static=(pad_rows(torch.empty_like(probe.hidden), {i: h for i, (h, _) in residuals.items()}),
+                                   pad_rows(torch.empty_like(probe.encoder),
+                                            {i: e for i, (_, e) in residuals.items()})))
+        with split.phase(static):
+            static_out = adapter.forward(buffers)
+        assert torch.equal(lazy_out, static_out) and torch.equal(lazy.residual, static.residual)
+        rows = [0, 2]
+        lazy_tail = TailPhase(lazy.hidden[rows, :k], lazy.encoder[rows, :t])
+        sub = inputs.select(rows)
+        sub_buffers = adapter.allocate(key, pipe.model.device, pipe.model.dtype)
+        adapter.fill(sub_buffers, sub)
+        with split.phase(lazy_tail):
+            lazy_tail_out = adapter.forward(sub_buffers)
+        static_tail = TailPhase(pad_rows(torch.empty_like(probe.hidden), dict(enumerate(lazy.hidden[rows, :k]))),
+                                pad_rows(torch.empty_like(probe.encoder), dict(enumerate(lazy.encoder[rows, :t]))),
+                                static=True)
+        with split.phase(static_tail):
+            static_tail_out = adapter.forward(sub_buffers)
+    assert torch.equal(lazy_tail_out, static_tail_out)
+    assert torch.equal(lazy_tail.residual_hidden, static_tail.residual_hidden)
+    assert torch.equal(lazy_tail.residual_encoder, static_tail.residual_encoder)
