@@ -6,19 +6,15 @@
 configs are checked on the meta device only (sizes and the stand-in text widths they imply).
 """
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import diffusers
 import pytest
 import torch
 
-_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_families.py"
-_spec = importlib.util.spec_from_file_location("bench_families", _PATH)
-bench = sys.modules.setdefault("bench_families", importlib.util.module_from_spec(_spec))
-_spec.loader.exec_module(bench)
+from benchmark_scripts import load
+
+bench = load("bench_families")
 
 ENV_KEYS = {"date", "commit", "dirty", "torch", "cuda", "diffusers", "transformers", "device", "gpu"}
 

@@ -1,19 +1,14 @@
 """The GPU benchmark's model table and construction path, checked on the CPU (no timing, no capture)."""
 
-import importlib.util
-import sys
-from pathlib import Path
 
 import diffusers
 import pytest
 import torch
 
 from bcg_core import FluxAdapter, PixArtAdapter, SD3Adapter
+from benchmark_scripts import load
 
-_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_graphs.py"
-_spec = importlib.util.spec_from_file_location("bench_graphs", _PATH)
-bench = sys.modules.setdefault("bench_graphs", importlib.util.module_from_spec(_spec))
-_spec.loader.exec_module(bench)
+bench = load("bench_graphs")
 
 
 @pytest.mark.parametrize("name, adapter_cls, params_b, text", [

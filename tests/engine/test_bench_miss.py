@@ -4,18 +4,12 @@ spare memory leaves room for exactly the rows asked, in both regimes of the marg
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 from bcg_core.costs.miss_memory import MARGIN_BYTES, MissMemory
+from benchmark_scripts import load
 
-ROOT = Path(__file__).resolve().parents[2]
-_PATH = ROOT / "benchmarks" / "bench_miss.py"
-_spec = importlib.util.spec_from_file_location("bench_miss", _PATH)
-bench = sys.modules.setdefault("bench_miss", importlib.util.module_from_spec(_spec))
-_spec.loader.exec_module(bench)
+bench = load("bench_miss")
 
 
 def test_the_scripted_spare_memory_holds_the_rows_asked_and_not_one_more():

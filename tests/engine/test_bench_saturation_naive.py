@@ -13,21 +13,15 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import importlib.util
-import sys
 import threading
-from pathlib import Path
 
 import pytest
 
 from bcg_core import build_tiny
+from benchmark_scripts import load
 from scheduling import ValidatingScheduler
 
-ROOT = Path(__file__).resolve().parents[2]
-_PATH = ROOT / "benchmarks" / "bench_saturation.py"
-_spec = importlib.util.spec_from_file_location("bench_saturation", _PATH)
-bench = sys.modules.setdefault("bench_saturation", importlib.util.module_from_spec(_spec))
-_spec.loader.exec_module(bench)
+bench = load("bench_saturation")
 
 STEPS = 2
 SIZES_AND_COUNTS = [(256, 256, 1), (384, 256, 2), (256, 384, 4), (320, 256, 3)]

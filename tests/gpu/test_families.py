@@ -1,8 +1,5 @@
 """SD3 and PixArt-Sigma under CUDA graphs: replay equals eager at every boundary, exact fits bit for bit."""
 
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -11,13 +8,11 @@ from bcg_core import BucketConfig, BucketMetrics, BucketTable, LimitsConfig
 from bcg_core.runners.cuda_graph import CudaGraphRunner
 from bcg_core.verify import verify_runner
 from bcg_core.verify_inputs import BoundaryCase, boundary_cases, random_inputs
+from benchmark_scripts import load
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
-_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_graphs.py"
-_spec = importlib.util.spec_from_file_location("bench_graphs", _PATH)
-bench = sys.modules.setdefault("bench_graphs", importlib.util.module_from_spec(_spec))
-_spec.loader.exec_module(bench)
+bench = load("bench_graphs")
 
 CUDA, BF16 = torch.device("cuda"), torch.bfloat16
 

@@ -8,33 +8,24 @@ Runs ``benchmarks/bench_previews.py``'s measurement (B's ``timings_ms["total"]``
 width, 1.03 for PixArt-Sigma 512 (``docs/bench/2026-12-02_previews_gpu_h200.json``).
 """
 
-import importlib.util
 import shutil
 import sys
-from pathlib import Path
 
 import pytest
 import torch
+
+from benchmark_scripts import BENCHMARKS, load
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 SLOWDOWN_BOUND = 1.25
 """The bound of docs/API.md, the same as tests/engine/test_previews.py's on the CPU."""
 
-_BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
-
-
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, _BENCH / f"{name}.py")
-    module = sys.modules.setdefault(name, importlib.util.module_from_spec(spec))
-    spec.loader.exec_module(module)
-    return module
-
 
 @pytest.mark.parametrize("model", ["flux-dev-width", "pixart-512"])
 def test_previews_slow_the_request_sharing_their_steps_at_most_the_bound(model, tmp_path):
-    sys.path.insert(0, str(_BENCH))
-    saturation, previews = _load("bench_saturation"), _load("bench_previews")
+    sys.path.insert(0, str(BENCHMARKS))
+    saturation, previews = load("bench_saturation"), load("bench_previews")
     config, folder, _ = saturation.build_model(model, False, str(tmp_path), "cuda")
     try:
         row = previews.run_size(512, steps=8, trials=3, previews=3, n=2, device="cuda", model=config)

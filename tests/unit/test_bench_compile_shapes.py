@@ -1,16 +1,12 @@
 """``benchmarks/bench_compile_shapes.py``'s ``batch`` mode: which inputs get their batch dimension marked dynamic
 (the GPU measurement itself runs on the GPU machine; its CPU smoke is the script with ``--device cpu``)."""
 
-import importlib.util
-import sys
-from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("bench_compile_shapes", ROOT / "benchmarks" / "bench_compile_shapes.py")
-bench = sys.modules.setdefault("bench_compile_shapes", importlib.util.module_from_spec(_spec))
-_spec.loader.exec_module(bench)
+from benchmark_scripts import load
+
+bench = load("bench_compile_shapes")
 
 
 def test_batch_dynamic_marks_the_batch_dimension_of_batched_inputs_only(monkeypatch):

@@ -1,17 +1,12 @@
 """``benchmarks/bench_saturation.py`` on the CPU: its pure parts and the naive table against the real validator (the
 tiny default's tokenizer, no weights). The end-to-end run is ``tests/serve/test_bench_saturation_serve.py``."""
 
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-_PATH = ROOT / "benchmarks" / "bench_saturation.py"
-_spec = importlib.util.spec_from_file_location("bench_saturation", _PATH)
-bench = sys.modules.setdefault("bench_saturation", importlib.util.module_from_spec(_spec))
-_spec.loader.exec_module(bench)
+from benchmark_scripts import load
+
+bench = load("bench_saturation")
 
 
 # -- percentiles -----------------------------------------------------------------------------------------------

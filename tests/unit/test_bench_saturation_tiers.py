@@ -2,20 +2,14 @@
 servers it starts, their names and overrides, the ratios against the one naive server, and the wait for background
 compiles before a compiled server's replay (against a stub ``GET /v1/buckets``)."""
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
+from benchmark_scripts import load
 from stub_http import StubServer
 
-ROOT = Path(__file__).resolve().parents[2]
-_PATH = ROOT / "benchmarks" / "bench_saturation.py"
-_spec = importlib.util.spec_from_file_location("bench_saturation", _PATH)
-bench = sys.modules.setdefault("bench_saturation", importlib.util.module_from_spec(_spec))
-_spec.loader.exec_module(bench)
+bench = load("bench_saturation")
 
 
 def test_parse_kernels_keeps_order_and_refuses_unknown_tiers():
