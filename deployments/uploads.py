@@ -331,18 +331,16 @@ async def _fields(form: FormData) -> dict[str, Any]:
         fields["image"] = images[0]
     if masks:
         fields["mask"] = masks[0]
-    if "lora" in fields:
-        if lora_parts:
-            raise FormError(422, "lora", "'lora' is sent both as JSON and as bracketed fields (lora[][name]); send "
-                                         "one of them")
-        fields["lora"] = _lora_json(fields["lora"])
-    elif lora_parts:
-        fields["lora"] = _lora_entries(lora_parts)
-    if "cache" in fields:
-        if cache_keys:
-            raise FormError(422, "cache", "'cache' is sent both as JSON and as bracketed fields (cache[method]); send "
-                                          "one of them")
-        fields["cache"] = _cache_json(fields["cache"])
-    elif cache_keys:
-        fields["cache"] = cache_keys  # the threshold as text: the edit schema reads it as a number
+    # a JSON field sent as one JSON text, or as the bracketed fields the openai client's extra_body sends (the cache's
+    # threshold then as text: the edit schema reads it as a number)
+    for name, parts, from_json, from_parts, example in (
+            ("lora", lora_parts, _lora_json, _lora_entries, "lora[][name]"),
+            ("cache", cache_keys, _cache_json, dict, "cache[method]")):
+        if name in fields:
+            if parts:
+                raise FormError(422, name, f"'{name}' is sent both as JSON and as bracketed fields ({example}); send "
+                                           f"one of them")
+            fields[name] = from_json(fields[name])
+        elif parts:
+            fields[name] = from_parts(parts)
     return fields
