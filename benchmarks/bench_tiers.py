@@ -248,7 +248,7 @@ def bench_case(case: str, folder: Path, model, args, device: torch.device, dtype
 
             def call(pipe=pipe, mode=mode):
                 result = pipe.generate(pipe.validator.validate(req))
-                report = getattr(result, "cache", None)
+                report = result.cache
                 if report:
                     computed[mode] = sum(s["computed"] for s in report["steps"].values())
                 return result.timings_ms

@@ -94,6 +94,13 @@ class TaylorSeerCache(BaseModel):
                              "TaylorSeer's lite mode: omit use_lite_mode or set it to true")
         return self
 
+    @property
+    def factors_dtype(self):
+        """:attr:`taylor_factors_dtype` as the ``torch.dtype`` the factors are kept in."""
+        import torch
+
+        return getattr(torch, self.taylor_factors_dtype)
+
     def computes(self, step: int) -> bool:
         """Whether the transformer runs at ``step`` (0-based: the context's calls before it), as diffusers'
         ``TaylorSeerCacheHook._measure_should_compute``: the first steps, every ``cache_interval``-th after them,
@@ -142,7 +149,6 @@ def to_diffusers(spec: FirstBlockCache | TaylorSeerCache):
     """The diffusers config of ``spec``, for ``transformer.enable_cache`` (the gate's reference, and what a user of
     diffusers writes for the same cache): ``FirstBlockCacheConfig(threshold=...)`` or
     ``TaylorSeerCacheConfig(..., use_lite_mode=True)``."""
-    import torch
     from diffusers import FirstBlockCacheConfig, TaylorSeerCacheConfig
 
     if isinstance(spec, FirstBlockCache):
@@ -150,7 +156,7 @@ def to_diffusers(spec: FirstBlockCache | TaylorSeerCache):
     return TaylorSeerCacheConfig(cache_interval=spec.cache_interval,
                                  disable_cache_before_step=spec.disable_cache_before_step,
                                  disable_cache_after_step=spec.disable_cache_after_step, max_order=spec.max_order,
-                                 taylor_factors_dtype=getattr(torch, spec.taylor_factors_dtype), use_lite_mode=True)
+                                 taylor_factors_dtype=spec.factors_dtype, use_lite_mode=True)
 
 
 class StepCacheConfig(BaseModel):

@@ -37,10 +37,10 @@ def reserve_bytes(transformer: torch.nn.Module, spec: FirstBlockCache | TaylorSe
         image_tokens, text_tokens: tokens per row.
     """
     if isinstance(spec, TaylorSeerCache):
-        proj = transformer.get_submodule("proj_out") if hasattr(transformer, "proj_out") else None
+        proj = getattr(transformer, "proj_out", None)
         if not isinstance(proj, torch.nn.Linear):
             return 0
-        element = torch.empty((), dtype=getattr(torch, spec.taylor_factors_dtype)).element_size()
+        element = torch.empty((), dtype=spec.factors_dtype).element_size()
         return rows * (spec.max_order + 1) * image_tokens * proj.out_features * element
     config = transformer.config
     heads, dim = config.get("num_attention_heads"), config.get("attention_head_dim")

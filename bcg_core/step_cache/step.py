@@ -182,7 +182,7 @@ def _taylor_update(c: ContextCache, spec: TaylorSeerCache, output: torch.Tensor,
     """A computed step's output ``(rows, S, C)`` into the context's Taylor factors, as diffusers'
     ``TaylorSeerState.update``: divided differences up to ``max_order`` over the steps since the last update, kept
     in ``taylor_factors_dtype``."""
-    dtype = getattr(torch, spec.taylor_factors_dtype)
+    dtype = spec.factors_dtype
     factors = [output]
     if c.last_update is not None:
         delta = step - c.last_update
