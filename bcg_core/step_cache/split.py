@@ -102,12 +102,9 @@ def pad_rows(out: torch.Tensor, rows: dict[int, torch.Tensor]) -> torch.Tensor:
 
 
 def _padded(like: torch.Tensor, rows: dict[int, torch.Tensor]) -> torch.Tensor:
-    """A zero tensor shaped as ``like`` (``(B, L, D)``), row ``i`` starting with ``rows[i]`` (``(l, D)``, ``l <= L``):
-    per-row tensors of real tokens placed in a forward's padded layout (pad tokens and pad rows zero)."""
-    out = torch.zeros_like(like)
-    for i, t in rows.items():
-        out[i, : t.shape[0]] = t.to(out.dtype)
-    return out
+    """Per-row tensors of real tokens placed in a new tensor of a forward's padded layout, shaped as ``like``
+    (:func:`pad_rows`)."""
+    return pad_rows(torch.empty_like(like), rows)
 
 
 class HeadPhase:
