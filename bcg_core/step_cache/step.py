@@ -92,23 +92,14 @@ def _run(pipe, split: BlockSplit, chunk, forwards, rows: DenoiseInputs, phase) -
 
 
 def _decide(contexts, residual: torch.Tensor) -> list[bool]:
-    """Step 2: whether each context computes its remaining blocks (see the module docstring)."""
-    compute: list[bool | None] = []
-    ratios = []
-    for c, rows, *_ in contexts:
-        if c.previous is None:
-            compute.append(True)
-            continue
-        r = residual[rows]
-        # diffusers' FBCHeadBlockHook._should_compute_remaining_blocks, in the tensors' dtype
-        ratios.append((r - c.previous).abs().mean() / c.previous.abs().mean())
-        compute.append(None)
-    if ratios:
-        values = iter(torch.stack(ratios).tolist())  # the step's one host synchronization
-        compute = [v if v is not None else next(values) for v in compute]
-        return [v if isinstance(v, bool) else v > spec.threshold
-                for v, (_, _, _, spec) in zip(compute, contexts, strict=True)]
-    return [True] * len(contexts)
+    """Step 2: whether each context computes its remaining blocks (see the module docstring): always without a
+    previous computed step, else where its change is above its threshold."""
+    # diffusers' FBCHeadBlockHook._should_compute_remaining_blocks, in the tensors' dtype
+    ratios = {i: (residual[rows] - c.previous).abs().mean() / c.previous.abs().mean()
+              for i, (c, rows, *_) in enumerate(contexts) if c.previous is not None}
+    # one host synchronization reads every context's ratio
+    values = dict(zip(ratios, torch.stack(list(ratios.values())).tolist(), strict=True)) if ratios else {}
+    return [i not in values or values[i] > spec.threshold for i, (*_, spec) in enumerate(contexts)]
 
 
 def _count(pipe, forwards, cached: list[bool | None]) -> None:
