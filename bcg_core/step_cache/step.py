@@ -81,8 +81,12 @@ def _head(pipe, split: BlockSplit, inputs: DenoiseInputs, forwards, contexts) ->
         if phase.encoder is not None:
             encoder.append(phase.encoder[: chunk.rows, :t])
         a = b
-    cat = lambda xs: (torch.cat(xs) if len(xs) > 1 else xs[0]) if xs else None  # noqa: E731
-    return cat(outs), cat(hidden), cat(encoder), cat(residual)
+    return _cat(outs), _cat(hidden), _cat(encoder), _cat(residual)
+
+
+def _cat(parts: list[torch.Tensor]) -> torch.Tensor | None:
+    """The chunks' tensors in row order (the one tensor itself where there is one; None for none)."""
+    return (torch.cat(parts) if len(parts) > 1 else parts[0]) if parts else None
 
 
 def _run(pipe, split: BlockSplit, chunk, forwards, rows: DenoiseInputs, phase) -> torch.Tensor:
@@ -119,15 +123,14 @@ def _first_block(pipe, split: BlockSplit, states, inputs: DenoiseInputs, forward
     ``inputs``' rows; every other row computes). Returns the rows' outputs, (N, S, C)."""
     reused, hidden, encoder, residual = _head(pipe, split, inputs, forwards, contexts)
     decisions = _decide(contexts, residual)
-    compute = [True] * inputs.rows
-    cached = [None] * inputs.rows  # per row of a cached request: whether it computes
+    cached = [None] * inputs.rows  # per row of a cached request: whether it computes (the others always do)
     for (c, rows, *_), computes in zip(contexts, decisions, strict=True):
         if not computes:
             c.reused += 1
         for r in range(rows.start, rows.stop):
-            compute[r] = cached[r] = computes
+            cached[r] = computes
     _count(pipe, forwards, cached)
-    idx = [r for r in range(inputs.rows) if compute[r]]
+    idx = [r for r, computes in enumerate(cached) if computes is not False]
     if not idx:
         return reused
     sub = inputs.select(idx)
@@ -143,11 +146,9 @@ def _first_block(pipe, split: BlockSplit, states, inputs: DenoiseInputs, forward
         if phase.residual_encoder is not None:
             res_encoder.append(phase.residual_encoder[: chunk.rows, :t])
         a = b
-    computed = torch.cat(outs) if len(outs) > 1 else outs[0]
-    res_hidden_all = torch.cat(res_hidden) if len(res_hidden) > 1 else res_hidden[0]
-    res_encoder_all = (torch.cat(res_encoder) if len(res_encoder) > 1 else res_encoder[0]) if res_encoder else None
-    out = reused.clone()
-    out[idx] = computed.to(out.dtype)
+    res_hidden_all, res_encoder_all = _cat(res_hidden), _cat(res_encoder)
+    out = reused  # a new tensor of this step's: the computed rows replace their reused outputs in it
+    out[idx] = _cat(outs).to(out.dtype)
     at = {r: i for i, r in enumerate(idx)}
     for (c, rows, own_text, _), computes in zip(contexts, decisions, strict=True):
         if computes:
@@ -166,7 +167,7 @@ def _whole(pipe, inputs: DenoiseInputs, forwards) -> torch.Tensor:
         rows = inputs.select(slice(a, a + chunk.rows)) if len(forwards.chunks) > 1 else inputs
         outs.append(pipe.runner.run(chunk.key or chunk.home or forwards.home, rows, eager=chunk.key is None))
         a += chunk.rows
-    return torch.cat(outs) if len(outs) > 1 else outs[0]
+    return _cat(outs)
 
 
 def _taylor_update(c: ContextCache, spec: TaylorSeerCache, output: torch.Tensor, step: int) -> None:
