@@ -212,13 +212,21 @@ class DiTPipeline:
             if fused:
                 raise ValueError(f"this step cannot run fused: {why}")
             self.fused.host(why)
+        self._advance(states, parts, self.run_forwards(inputs, forwards))
+        return forwards
+
+    def run_forwards(self, inputs: DenoiseInputs, forwards: StepForwards) -> torch.Tensor:
+        """``inputs``' rows through ``forwards``' chunks in row order: each chunk on its bucket (padded; its whole
+        forward) or unpadded and eager (``key`` None).
+
+        Returns:
+            (inputs.rows, inputs.image_tokens, out_channels), a new tensor."""
         outs, a = [], 0
         for chunk in forwards.chunks:
             rows = inputs.select(slice(a, a + chunk.rows)) if len(forwards.chunks) > 1 else inputs
             outs.append(self.runner.run(chunk.key or chunk.home or forwards.home, rows, eager=chunk.key is None))
             a += chunk.rows
-        self._advance(states, parts, torch.cat(outs) if len(outs) > 1 else outs[0])
-        return forwards
+        return torch.cat(outs) if len(outs) > 1 else outs[0]
 
     def _advance(self, states: Sequence[RequestState], parts: list[DenoiseInputs], out: torch.Tensor) -> None:
         """Each state's guidance and scheduler step (family hook) on its slice of the step's output ``out``."""

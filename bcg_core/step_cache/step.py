@@ -160,16 +160,6 @@ def _first_block(pipe, split: BlockSplit, states, inputs: DenoiseInputs, forward
     return out
 
 
-def _whole(pipe, inputs: DenoiseInputs, forwards) -> torch.Tensor:
-    """The rows' whole forwards, as a step without a cache runs them (the bucket's whole-forward graph)."""
-    outs, a = [], 0
-    for chunk in forwards.chunks:
-        rows = inputs.select(slice(a, a + chunk.rows)) if len(forwards.chunks) > 1 else inputs
-        outs.append(pipe.runner.run(chunk.key or chunk.home or forwards.home, rows, eager=chunk.key is None))
-        a += chunk.rows
-    return _cat(outs)
-
-
 def _taylor_update(c: ContextCache, spec: TaylorSeerCache, output: torch.Tensor, step: int) -> None:
     """A computed step's output ``(rows, S, C)`` into the context's Taylor factors, as diffusers'
     ``TaylorSeerState.update``: divided differences up to ``max_order`` over the steps since the last update, kept
@@ -247,7 +237,7 @@ def cached_forward(pipe, split: BlockSplit, states: Sequence[RequestState], part
         remap = lambda rows: slice(pos[rows.start], pos[rows.start] + rows.stop - rows.start)  # noqa: E731
         out_run = (_first_block(pipe, split, states, sub, sub_forwards,
                                 [(c, remap(rows), text, spec) for c, rows, text, spec in first_block])
-                   if first_block else _whole(pipe, sub, sub_forwards))
+                   if first_block else pipe.run_forwards(sub, sub_forwards))
         for c, spec, rows, step in updates:
             _taylor_update(c, spec, out_run[remap(rows)], step)
         if not predicted:
