@@ -168,14 +168,7 @@ class PiecewiseReplay:
         return pieces
 
     def _warm_piece(self, entry, split: BlockSplit, phase) -> None:
-        """Warm-up forwards of one half on the side stream before its capture (as every capture's warm-up)."""
-        if self._side is None:
-            self._side = torch.cuda.Stream(self.device)
-        side = self._side
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with (torch.cuda.stream(side), torch.inference_mode(), entry_kernels(self.kernels, entry),
-              split.phase(phase)):
-            for _ in range(self.warmup_iters):
-                self.adapter.forward(entry.buffers)
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        torch.cuda.synchronize(self.device)
+        """Warm-up forwards of one half before its capture: every capture's side-stream warm-up
+        (:meth:`~bcg_core.runners.graph_record.GraphRecorder._warmup`) under the bucket's kernels and the phase."""
+        with entry_kernels(self.kernels, entry), split.phase(phase):
+            self._warmup(entry.buffers)
