@@ -19,11 +19,11 @@ from __future__ import annotations
 import json
 import typing
 
-from pydantic import BaseModel, TypeAdapter, ValidationError
+from pydantic import BaseModel, ValidationError
 
 from bcg_core.errors import RequestError, shown
 from bcg_core.families.base import ModelSpec
-from bcg_core.step_cache.spec import METHODS, NoCache, StepCacheConfig, StepCacheSpec
+from bcg_core.step_cache.spec import METHODS, NoCache, StepCacheConfig, StepCacheSpec, read_cache
 
 __all__ = ["CACHE_FAMILIES", "cache_phrase", "check_cache", "default_cache"]
 
@@ -31,7 +31,6 @@ CACHE_FAMILIES = "FLUX.1, Qwen-Image (FluxPipeline and QwenImagePipeline checkpo
 """The families whose transformer takes a step cache, as messages name them (each declares
 :class:`~bcg_core.capabilities.StepCache`; SD3, PixArt-Sigma and SANA do not)."""
 
-_ADAPTER: TypeAdapter = TypeAdapter(StepCacheSpec)
 _MODELS: dict[str, type[BaseModel]] = {m.model_fields["method"].default: m
                                        for m in typing.get_args(typing.get_args(StepCacheSpec)[0])}
 """Each cache model of :data:`~bcg_core.step_cache.spec.StepCacheSpec` by its ``method``."""
@@ -121,7 +120,7 @@ def check_cache(value: object, spec: ModelSpec) -> BaseModel:
     """
     methods = spec.cache_methods
     try:
-        cache = _ADAPTER.validate_python(value)  # a model instance passes as it is
+        cache = read_cache(value)
     except ValidationError as exc:
         raise RequestError("cache", _message(value, _faults(exc), methods)) from None
     if isinstance(cache, NoCache) or cache.method in methods:

@@ -32,7 +32,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator, model_validator
 
 __all__ = ["METHODS", "FirstBlockCache", "NoCache", "StepCacheConfig", "StepCacheSpec", "TaylorSeerCache",
-           "parse_cache", "to_diffusers"]
+           "parse_cache", "read_cache", "to_diffusers"]
 
 MAX_THRESHOLD = 10.0
 """Largest ``threshold`` taken: the relative change is rarely above 1; diffusers takes any float, but a threshold
@@ -126,6 +126,17 @@ METHODS: tuple[str, ...] = ("first_block", "taylor_seer")
 _ADAPTER: TypeAdapter = TypeAdapter(StepCacheSpec)
 
 
+def read_cache(value) -> FirstBlockCache | TaylorSeerCache | NoCache:
+    """A ``cache`` value (a mapping such as ``{"method": "first_block", "threshold": 0.1}``, or a cache model, which
+    passes as it is) as its cache model.
+
+    Raises:
+        pydantic.ValidationError: an unknown method or field, or a value out of range (the messages name the field
+            and the allowed values).
+    """
+    return _ADAPTER.validate_python(value)
+
+
 def parse_cache(value) -> FirstBlockCache | TaylorSeerCache | None:
     """A request's or a config's ``cache`` value as the cache it asks for.
 
@@ -139,9 +150,7 @@ def parse_cache(value) -> FirstBlockCache | TaylorSeerCache | None:
         pydantic.ValidationError: an unknown method or field, or a value out of range (the messages name the field
             and the allowed values).
     """
-    if value is None:
-        return None
-    spec = value if isinstance(value, FirstBlockCache | TaylorSeerCache | NoCache) else _ADAPTER.validate_python(value)
+    spec = None if value is None else read_cache(value)
     return None if isinstance(spec, NoCache) else spec
 
 
@@ -171,8 +180,3 @@ class StepCacheConfig(BaseModel):
     default: StepCacheSpec | None = Field(
         default=None, description="The cache of a request that omits `cache`: e.g. {method: first_block, "
         "threshold: 0.12}; None: no cache unless a request asks for one.")
-
-    @property
-    def default_cache(self) -> FirstBlockCache | TaylorSeerCache | None:
-        """:attr:`default` as :func:`parse_cache` gives it (None for ``{"method": "none"}``)."""
-        return parse_cache(self.default)
