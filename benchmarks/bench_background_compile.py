@@ -54,7 +54,8 @@ SERVERS = ("naive", "eager", "cold", "warm")
 
 
 def _pending(stats: dict) -> int | None:
-    return ((stats.get("scheduler") or {}).get("background_compiles") or {}).get("pending")
+    """Buckets pending their background compile (None where the answer has no such section, recorded as null)."""
+    return sat.background_compiles(stats).get("pending")
 
 
 def _round_of(url: str, reqs: list, args, png_dir: Path) -> dict:
@@ -102,7 +103,7 @@ class _DoneWatch:
             except Exception:  # noqa: BLE001 - the next poll tries again
                 continue
             self.polls += 1
-            self.last = (stats.get("scheduler") or {}).get("background_compiles") or {}
+            self.last = sat.background_compiles(stats)
             if self.captured_at is None and not uncaptured_shapes(stats):
                 self.captured_at = time.perf_counter()
             if self.captured_at is not None and _pending(stats) == 0 and not self.last.get("running"):

@@ -846,10 +846,15 @@ def wait_decode_compiles(url: str, timeout_s: float) -> float:
     return _wait_stats(url, _decode_pending, timeout_s, 2.0)[0]
 
 
+def background_compiles(stats: dict) -> dict:
+    """The ``scheduler.background_compiles`` section of a ``GET /v1/buckets`` answer (``{}`` where it is absent)."""
+    return (stats.get("scheduler") or {}).get("background_compiles") or {}
+
+
 def background_pending(stats: dict) -> int:
     """Buckets still waiting for their background compile in a ``GET /v1/buckets`` answer
     (``scheduler.background_compiles.pending``; 0 where the section is absent: nothing compiles)."""
-    return int(((stats.get("scheduler") or {}).get("background_compiles") or {}).get("pending") or 0)
+    return int(background_compiles(stats).get("pending") or 0)
 
 
 def wait_compiles(url: str, timeout_s: float, poll_s: float = 2.0) -> tuple[float, int]:
