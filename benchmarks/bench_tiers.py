@@ -51,14 +51,15 @@ datasheets, and 1978.9 dense FP8 for ``bcg-fp8``; elsewhere none (``of_peak`` is
 so ``bcg-eager``'s VAE stays eager); after its first request the mode waits for the background decode compile, and
 its ``decode_compile`` reports the wait and each latent shape's state and eager / compiled ms.
 
-Step cache (``--cache-threshold T``): every mode runs with First Block Cache at threshold ``T``: diffusers' modes
-with ``transformer.enable_cache(FirstBlockCacheConfig(threshold=T))`` (on the compiled copy too), bcg-serve's with
-the request's ``cache={"method": "first_block", "threshold": T}``. ``--cache-search T1,T2,...`` first runs diffusers'
-eager pipeline once per threshold and takes the one whose computed share of the steps is closest to a half
-(``cache_search``: steps computed per threshold), since random weights do not show real skip rates: both sides are
-compared at the same config, with the steps each computed reported per mode (``computed_steps``: diffusers' counted
-at the last block's first layer, which runs only when the remaining blocks do; bcg-serve's from the answer's
-``bcg.cache``).
+Step cache (``--cache-threshold T``): every mode but ``diffusers-uncached`` (diffusers' eager pipeline without the
+hook: the baseline of each mode's ``served_vs_diffusers_uncached``) runs with First Block Cache at threshold ``T``:
+diffusers' modes with ``transformer.enable_cache(FirstBlockCacheConfig(threshold=T))`` (on the compiled copy too),
+bcg-serve's with the request's ``cache={"method": "first_block", "threshold": T}``. ``--cache-search T1,T2,...``
+first runs diffusers' eager pipeline once per threshold and takes the one whose computed share of the steps is
+closest to a half (``cache_search``: steps computed per threshold), since random weights do not show real skip
+rates: both sides are compared at the same config, with the steps each computed reported per mode
+(``computed_steps``: diffusers' counted at the last block's first layer, which runs only when the remaining blocks
+do; bcg-serve's from the answer's ``bcg.cache``).
 
 CPU smoke: ``--device cpu --tiny --repeats 1`` (fp32 tiny configs; bcg modes without graphs, no ``bcg-fp8``).
 """
@@ -66,9 +67,11 @@ CPU smoke: ``--device cpu --tiny --repeats 1`` (fp32 tiny configs; bcg modes wit
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import gc
 import io
+import itertools
 import json
 import shutil
 import statistics
@@ -93,8 +96,8 @@ TABLE = {"wall ms": "wall_ms", "x diffusers": "vs_diffusers", "served ms": "serv
          "x served": "served_vs_diffusers", "first ms": "first_ms", "denoise ms": "denoise_ms",
          "decode ms": "decode_ms", "PNG ms": "image_encode_ms", "TFLOP/fwd": "forward_tflop", "fwds": "forwards",
          "TFLOPS/wall": "tflops_over_wall", "denoise TFLOPS": "denoise_tflops", "of peak": "of_peak",
-         "computed steps": "computed_steps"}
-MODES = ("diffusers", "diffusers-compiled", "bcg-eager", "bcg-compiled", "bcg-fp8")
+         "computed steps": "computed_steps", "x uncached": "served_vs_diffusers_uncached"}
+MODES = ("diffusers", "diffusers-uncached", "diffusers-compiled", "bcg-eager", "bcg-compiled", "bcg-fp8")
 HOPPER_SXM_PEAK_TFLOPS = (989.4, 1978.9)  # dense BF16, FP8 tensor-core TFLOPS: NVIDIA H100 / H200 SXM datasheets
 
 
@@ -103,16 +106,26 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
+def shared_twin(module: torch.nn.Module) -> torch.nn.Module:
+    """A copy of ``module`` whose parameters and buffers are ``module``'s own tensors (no new weight memory), with
+    modules of its own: its cache hooks and compiled blocks stay on the copy. Each diffusers mode runs such a twin of
+    one loaded transformer, so the full FLUX.1-dev (24 GB in bf16) fits one H100 beside bcg-serve's two models."""
+    memo = {id(t): t for t in itertools.chain(module.parameters(), module.buffers())}
+    return copy.deepcopy(module, memo)
+
+
 def diffusers_pipeline(folder: Path, dtype: torch.dtype, device: torch.device, compiled: bool,
-                       cache: float | None = None):
+                       cache: float | None = None, weights: torch.nn.Module | None = None):
     """The checkpoint's own diffusers pipeline; with ``compiled``, its transformer compiled as diffusers documents
     (regional where the transformer names repeated blocks, whole otherwise); with ``cache``, First Block Cache at
     that threshold (``transformer.enable_cache``), and a counter of the steps whose remaining blocks ran
-    (``pipe.computed``: forwards of the last block's first layer)."""
+    (``pipe.computed``: forwards of the last block's first layer); with ``weights`` (a loaded transformer of the
+    same checkpoint), a :func:`shared_twin` of it instead of loading the transformer again."""
     import diffusers
 
     index = json.loads((folder / "model_index.json").read_text())
-    pipe = getattr(diffusers, index["_class_name"]).from_pretrained(str(folder), torch_dtype=dtype).to(device)
+    extra = {} if weights is None else {"transformer": shared_twin(weights)}
+    pipe = getattr(diffusers, index["_class_name"]).from_pretrained(str(folder), torch_dtype=dtype, **extra).to(device)
     pipe.set_progress_bar_config(disable=True)
     if cache is not None:
         from bcg_core.step_cache import FirstBlockCache, to_diffusers
@@ -130,11 +143,12 @@ def diffusers_pipeline(folder: Path, dtype: torch.dtype, device: torch.device, c
     return pipe
 
 
-def cache_search(folder: Path, req: GenerationRequest, thresholds: list[float], dtype, device) -> dict:
+def cache_search(folder: Path, req: GenerationRequest, thresholds: list[float], dtype, device,
+                 weights: torch.nn.Module | None = None) -> dict:
     """diffusers' eager pipeline with First Block Cache at each threshold: the steps it computed for ``req``."""
     out = {}
     for t in thresholds:
-        pipe = diffusers_pipeline(folder, dtype, device, False, cache=t)
+        pipe = diffusers_pipeline(folder, dtype, device, False, cache=t, weights=weights)
         gens = [torch.Generator("cpu").manual_seed(req.seed + i) for i in range(req.n)]
         pipe(prompt=req.prompt, num_images_per_prompt=req.n, width=req.width, height=req.height,
              num_inference_steps=req.num_inference_steps, guidance_scale=req.guidance_scale, generator=gens,
@@ -180,16 +194,17 @@ def one_forward(transformer: torch.nn.Module, call) -> dict:
                 latents=list(latents.shape), text_tokens=None if text is None else text.shape[1])
 
 
-def count_compute(folder: Path, model, cfg: EngineConfig, req: GenerationRequest, device: torch.device) -> dict:
+def count_compute(folder: Path, model, cfg: EngineConfig, req: GenerationRequest, device: torch.device,
+                  weights: torch.nn.Module | None = None) -> dict:
     """One forward's FLOPs as diffusers' eager pipeline runs the request and as bcg-serve's exact bucket runs it
     (:func:`one_forward`); each with ``forwards`` = steps x forwards per step."""
     one_step = dataclasses.replace(req, num_inference_steps=1)
-    pipe = diffusers_pipeline(folder, model.dtype, device, compiled=False)
+    pipe = diffusers_pipeline(folder, model.dtype, device, compiled=False, weights=weights)
     out = dict(diffusers=one_forward(pipe.transformer, lambda: pipe(
         prompt=req.prompt, num_images_per_prompt=req.n, width=req.width, height=req.height, num_inference_steps=1,
         guidance_scale=req.guidance_scale, generator=torch.Generator("cpu").manual_seed(req.seed),
         output_type="latent")))
-    pipe = None  # its weights freed before the modes load theirs
+    pipe = None  # freed before the modes load theirs
     gc.collect()
     eager = DiTPipeline(cfg.model_copy(update={"runner": RunnerConfig(mode="eager", kernels="eager")}), model)
     out["bcg"] = one_forward(model.adapter.model, lambda: eager.generate(eager.validator.validate(one_step)))
@@ -216,8 +231,10 @@ def bench_case(case: str, folder: Path, model, args, device: torch.device, dtype
     req = GenerationRequest(bench_families.PROMPT, n=args.n, width=size, height=size, num_inference_steps=steps,
                             guidance_scale=guidance, seed=1)
     searched = None
+    # diffusers' transformer, loaded once: every diffusers pipeline below runs a twin of it (shared_twin)
+    weights = diffusers_pipeline(folder, getattr(torch, dtype), device, False).transformer
     if args.cache_search:
-        searched = cache_search(folder, req, args.cache_search, getattr(torch, dtype), device)
+        searched = cache_search(folder, req, args.cache_search, getattr(torch, dtype), device, weights)
         args.cache_threshold = min(searched, key=lambda t: (abs(searched[t] / steps - 0.5), -float(t)))
         args.cache_threshold = float(args.cache_threshold)
         print(f"cache search: threshold {args.cache_threshold} chosen", flush=True)
@@ -230,7 +247,8 @@ def bench_case(case: str, folder: Path, model, args, device: torch.device, dtype
     mc = ModelConfig(path=str(folder), device=device.type, dtype=dtype)
     graph = "graph" if device.type == "cuda" else "eager"
     # counted before the modes: bcg-compiled compiles the shared model's blocks in place
-    compute = count_compute(folder, model, EngineConfig(model=mc, buckets=buckets, limits=limits), req, device)
+    compute = count_compute(folder, model, EngineConfig(model=mc, buckets=buckets, limits=limits), req, device,
+                            weights)
     print(f"{case}: one forward, " + "; ".join(
         f"{side}: {c['forward_tflop']:.4g} TFLOP ({c['rows']} rows, {c['text_tokens']} text tokens) x {c['forwards']}"
         for side, c in compute.items()), flush=True)
@@ -253,17 +271,18 @@ def bench_case(case: str, folder: Path, model, args, device: torch.device, dtype
                     computed[mode] = sum(s["computed"] for s in report["steps"].values())
                 return result.timings_ms
         else:
+            cache = None if mode == "diffusers-uncached" else args.cache_threshold
             pipe = diffusers_pipeline(folder, getattr(torch, dtype), device, mode == "diffusers-compiled",
-                                      cache=args.cache_threshold)
+                                      cache=cache, weights=weights)
 
-            def call(pipe=pipe, mode=mode):
-                if args.cache_threshold is not None:
+            def call(pipe=pipe, mode=mode, cache=cache):
+                if cache is not None:
                     pipe.computed[0] = 0
                 gens = [torch.Generator("cpu").manual_seed(req.seed + i) for i in range(req.n)]
                 images = pipe(prompt=req.prompt, num_images_per_prompt=req.n, width=req.width, height=req.height,
                               num_inference_steps=req.num_inference_steps, guidance_scale=req.guidance_scale,
                               generator=gens).images
-                if args.cache_threshold is not None:
+                if cache is not None:
                     computed[mode] = pipe.computed[0]
                 return {"images": images}
         _sync()
@@ -309,10 +328,13 @@ def bench_case(case: str, folder: Path, model, args, device: torch.device, dtype
         out[mode]["served_ms"] = round(out[mode]["wall_ms"] + (png if mode.startswith("diffusers") else 0.0), 1)
     base = out.get("diffusers", {}).get("wall_ms")
     served = out.get("diffusers", {}).get("served_ms")
+    uncached = out.get("diffusers-uncached", {}).get("served_ms")
     bf16, fp8 = peak_tflops(args, device)
     for mode, r in out.items():
         r["vs_diffusers"] = round(base / r["wall_ms"], 3) if base else None
         r["served_vs_diffusers"] = round(served / r["served_ms"], 3) if served else None
+        if uncached:
+            r["served_vs_diffusers_uncached"] = round(uncached / r["served_ms"], 3)
         r.update(rates(r, compute[mode.split("-")[0]], fp8 if mode == "bcg-fp8" else bf16))
     return dict(case=case, n=args.n, size=f"{size}x{size}", steps=steps, guidance_scale=guidance,
                 cache_threshold=args.cache_threshold, cache_search=searched,

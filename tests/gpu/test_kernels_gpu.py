@@ -30,6 +30,21 @@ def test_compiled_kernels_are_captured_in_every_bucket_graph_and_replay_within_t
     assert not kernels.on  # the compiled blocks are switched on only inside bucket forwards
 
 
+def test_a_shared_batch_compile_is_captured_in_every_bucket_graph_and_replays_within_tolerance(table, new_adapter):
+    """``runner.compile_batch_dynamic``: buckets of one token shape share one compile with a dynamic batch
+    (:func:`~bcg_core.runners.kernels.shared_batch`). Every bucket captures it, nothing compiles inside a capture
+    (the in-memory key holds the bucket's SDPA backend) and each replays within the bf16 tolerance."""
+    adapter = new_adapter()
+    kernels = CompiledKernels(adapter.model, batch_dynamic=True)
+    runner = CudaGraphRunner(adapter, table.keys, BucketMetrics(table.keys), CUDA, torch.bfloat16, kernels=kernels)
+    runner.prepare()
+    assert runner.graph_count == len(table.keys) and runner.stats.compile_failed == 0, runner.stats
+    assert {d["kernels"] for d in runner.describe()} == {"compiled"}
+    verdicts = verify_runner(adapter, runner, boundary_cases(table, LimitsConfig()), CUDA, torch.bfloat16,
+                             rtol=BF16_RTOL)
+    assert all(v.passed for v in verdicts), [(str(v.key), v.max_rel_err) for v in verdicts if not v.passed]
+
+
 def test_with_the_compile_check_one_warm_up_forward_precedes_the_capture(table, new_adapter, monkeypatch):
     """With the check on (``rtol``), a bucket runs ``warmup_iters - 1`` side-stream warm-ups: the check runs the
     compiled forward once more (then the eager one) before the capture. Every bucket still captures its compiled
