@@ -43,6 +43,7 @@ class StepDecider:
         self._by_shape: dict[BucketShape, list[BucketKey]] = {}
         for k in keys:
             self._by_shape.setdefault(k.shape, []).append(k)
+        self._pieces_seen = 0
 
     def set_costs(self, costs: CostModel, merge: bool = True) -> None:
         """Use ``costs`` from now on: merged over the current model (a shape captured later adds its times), or
@@ -51,10 +52,29 @@ class StepDecider:
         self.miss.observe(costs.eager_bytes_per_row_token)
         self.costs = costs if not merge or self.costs is self.fallback else self.costs.merged(costs)
 
-    def decide(self, shape: BucketShape | None, rows: int, real_per_row: int | None = None) -> StepForwards:
+    def observe_pieces(self, runner) -> None:
+        """Take the step-cache halves' measured shares of ``runner`` (:attr:`~bcg_core.runners.BucketRunner.
+        piece_shares`) into the cost model once more of its buckets' halves were captured
+        (``runner.stats.piece_captures``; one integer compare per cached step otherwise)."""
+        captured = runner.stats.piece_captures
+        if captured == self._pieces_seen:
+            return
+        self._pieces_seen = captured
+        shares = runner.piece_shares
+        if not shares:
+            return
+        costs = self.costs  # one snapshot: set_costs may swap it from the capture thread
+        merged = costs.merged(CostModel({}, source=costs.source, eager=costs.eager, piece_shares=shares))
+        if costs is self.fallback:
+            self.fallback = merged
+        self.costs = merged
+
+    def decide(self, shape: BucketShape | None, rows: int, real_per_row: int | None = None,
+               phase: str | None = None) -> StepForwards:
         """The forwards of one step of ``rows`` rows of ``shape``. ``real_per_row``: the rows' real tokens
         (:attr:`~bcg_core.keys.ShapeQuery.tokens_per_row`), fewer than the shape's in a masked tier, where an eager
-        chunk computes fewer tokens than a bucket forward (None: the shape's).
+        chunk computes fewer tokens than a bucket forward (None: the shape's). ``phase``: ``"head"`` or ``"tail"``,
+        forwards of that half of a cached step, priced by the measured halves (:meth:`CostModel.choose`).
 
         A miss (``shape`` None) runs unpadded and eager, in one forward while its activations fit the memory the
         replica can spare now, else in as few, as even chunks as fit (:meth:`~.miss_memory.MissMemory.chunk_rows`).
@@ -69,16 +89,16 @@ class StepDecider:
         keys = [k for k in every if k in prepared] or every
         costs = self.costs if any(k in self.costs.bucket_ms for k in keys) else self.fallback
         share = 1.0 if real_per_row is None else real_per_row / max(1, shape.tokens_per_row)
-        return costs.choose(shape, rows, keys, share)
+        return costs.choose(shape, rows, keys, share, phase)
 
-    def for_states(self, states: Sequence, rows: int | None = None) -> StepForwards:
+    def for_states(self, states: Sequence, rows: int | None = None, phase: str | None = None) -> StepForwards:
         """The forwards of one step of ``states`` (:class:`~bcg_core.families.RequestState`, one token grid, as
         :meth:`~bcg_core.pipeline.DiTPipeline.step` runs them together): :meth:`decide` for their rows, on the shape
         their validation looked up. States of several shapes (a direct caller's mix: the step scheduler groups by
         shape) run on the shape with the most image and text tokens, whose buckets hold every row (masked text pads
         up); a miss among them runs the step unpadded and eager. The real tokens per row are the most of any state's.
         ``rows``: decide for that many of their rows instead of all (the step cache's rows that compute their
-        remaining blocks, :mod:`bcg_core.step_cache.step`).
+        remaining blocks, :mod:`bcg_core.step_cache.step`), ``phase`` the half they run (:meth:`decide`).
 
         Raises:
             ValueError: no states.
@@ -88,7 +108,7 @@ class StepDecider:
         shapes = {s.validated.shape for s in states}
         shape = None if None in shapes else max(shapes, key=lambda sh: (sh.image_tokens, sh.text_tokens))
         real = max(s.validated.lookup.query.tokens_per_row for s in states)
-        return self.decide(shape, sum(s.rows for s in states) if rows is None else rows, real)
+        return self.decide(shape, sum(s.rows for s in states) if rows is None else rows, real, phase)
 
     def split_adapters(self, shape: BucketShape | None, plain_rows: int, adapter_rows: int) -> bool:
         """Whether a step of ``shape`` whose rows mix requests without adapters (``plain_rows``) and with them

@@ -19,6 +19,11 @@ miss runs in one eager forward while its activations fit the memory the replica 
 Every row of a step is computed before any request advances, so a split never separates an image's cond
 and uncond rows across steps.
 
+A cached step (:mod:`bcg_core.step_cache`) runs two halves: the head (first block) over every row and the tail
+(remaining blocks) over the rows that compute. Their forwards are priced at the whole forward's time times each
+half's share, measured against the whole-forward graph when the halves are captured (:attr:`CostModel.piece_shares`);
+the head's share is what a reused row costs.
+
 Where the times come from (:attr:`CostModel.source`):
 
 - ``measured`` (:func:`~.measure.measure_costs`, at prepare): each bucket's forward through its runner (on CUDA a graph
@@ -42,7 +47,7 @@ from dataclasses import dataclass, field
 
 from bcg_core.keys import BucketKey
 
-__all__ = ["DECISIONS", "PAD_MARGIN", "Chunk", "CostModel", "Decision", "StepForwards"]
+__all__ = ["DECISIONS", "PAD_MARGIN", "PHASES", "Chunk", "CostModel", "Decision", "StepForwards"]
 
 class Decision(str, enum.Enum):
     """How a step's rows ran (:attr:`StepForwards.decision`)."""
@@ -60,6 +65,10 @@ class Decision(str, enum.Enum):
 DECISIONS = tuple(d.value for d in Decision)
 """The :class:`Decision` values, in order (counter keys of ``/v1/buckets``)."""
 
+
+PHASES = ("head", "tail")
+"""The halves of a cached step (:mod:`bcg_core.step_cache.step`): the first block over every row, the remaining
+blocks over the rows that compute; :meth:`CostModel.choose` prices their forwards (``phase``)."""
 
 PAD_MARGIN = 0.05
 """A larger bucket than the smallest that holds a chunk is chosen only when it is measured more than 5%
@@ -152,6 +161,11 @@ class CostModel:
         eager_bytes_per_row_token: the most activation bytes per row x real token of the unpadded eager forwards
             :func:`~.measure.measure_costs` timed (CUDA only; None: not measured), for
             :class:`~.miss_memory.MissMemory`.
+        piece_shares: with the step cache, each bucket's head and tail halves' milliseconds as shares of its
+            whole forward's, ``(head, tail)``, measured together with CUDA events when the halves are captured
+            (:meth:`~bcg_core.runners.piecewise.PiecewiseReplay.time_pieces`). The head over a row is what a
+            reused row costs (its first block, the residual added, the output layers); :meth:`choose` prices a
+            half's forwards with them (``phase``).
 
     Raises:
         ValueError: a negative time, or an eager measurement at 0 rows or fewer.
@@ -163,12 +177,15 @@ class CostModel:
     eager: bool = True
     lora_ms: dict[BucketKey, float] = field(default_factory=dict)
     eager_bytes_per_row_token: float | None = None
+    piece_shares: dict[BucketKey, tuple[float, float]] = field(default_factory=dict)
     _chosen: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     """Plans already chosen, by (shape, rows, buckets): the times do not change, and every step asks."""
 
     def __post_init__(self):
         if any(v < 0 for v in (*self.bucket_ms.values(), *self.lora_ms.values())):
             raise ValueError("bucket forward times must be >= 0 ms")
+        if any(not 0 <= v <= 2 for pair in self.piece_shares.values() for v in pair):
+            raise ValueError(f"step-cache half shares must be in 0..2 of the whole forward: {self.piece_shares}")
         for shape, points in self.eager_ms.items():
             if any(r < 1 for r in points) or any(v < 0 for v in points.values()):
                 raise ValueError(f"eager times of {shape} need row counts >= 1 and times >= 0 ms: {points}")
@@ -240,7 +257,24 @@ class CostModel:
         slope = (points[b] - points[a]) / (b - a)
         return max(0.0, points[a] + slope * (rows - a))
 
-    def choose(self, shape: str, rows: int, buckets: Sequence[BucketKey], share: float = 1.0) -> StepForwards:
+    def phase_share(self, key: BucketKey, phase: str | None, shape: str | None = None) -> float:
+        """What one forward of ``phase`` (``"head"`` or ``"tail"`` of the step cache; None: the whole forward) on
+        bucket ``key`` costs, as a share of its whole forward: :attr:`piece_shares` where measured, else the mean of
+        the measured buckets of its shape (of ``shape``, for an eager chunk's ``key`` None), else 1.0 (priced as
+        the whole forward)."""
+        if phase is None:
+            return 1.0
+        if phase not in PHASES:
+            raise ValueError(f"phase {phase!r} is not a step-cache half; allowed: {', '.join(PHASES)} or None")
+        i = PHASES.index(phase)
+        if key is not None and key in self.piece_shares:
+            return self.piece_shares[key][i]
+        shape = key.shape if key is not None else shape
+        same = [v[i] for k, v in self.piece_shares.items() if k.shape == shape]
+        return sum(same) / len(same) if same else 1.0
+
+    def choose(self, shape: str, rows: int, buckets: Sequence[BucketKey], share: float = 1.0,
+               phase: str | None = None) -> StepForwards:
         """The cheapest forwards for ``rows`` real rows of ``shape`` on its ``buckets`` (module docstring).
 
         Args:
@@ -249,6 +283,8 @@ class CostModel:
             buckets: the shape's bucket keys that can run (prepared), any order.
             share: real tokens per row over the shape's (:meth:`eager_cost`): an eager chunk computes only
                 those, a bucket forward all of the shape's.
+            phase: ``"head"`` or ``"tail"``: forwards of that half of a cached step (:mod:`bcg_core.step_cache`),
+                each priced at its whole forward's time times :meth:`phase_share`; None: whole forwards.
 
         Returns:
             The plan; ties go to fewer forwards, then to buckets over eager.
@@ -259,15 +295,17 @@ class CostModel:
         if rows < 1:
             raise ValueError(f"a step needs at least 1 row, got {rows}")
         share = min(1.0, round(share, 4))
-        memo = (shape, rows, frozenset(buckets), share)
+        memo = (shape, rows, frozenset(buckets), share, phase)
         chosen = self._chosen.get(memo)
         if chosen is None:
-            chosen = self._chosen[memo] = self._cheapest(shape, rows, buckets, share)
+            chosen = self._chosen[memo] = self._cheapest(shape, rows, buckets, share, phase)
         return chosen
 
-    def _cheapest(self, shape: str, rows: int, buckets: Sequence[BucketKey], share: float) -> StepForwards:
+    def _cheapest(self, shape: str, rows: int, buckets: Sequence[BucketKey], share: float,
+                  phase: str | None = None) -> StepForwards:
         """The dynamic program of :meth:`choose` (module docstring)."""
-        keys = sorted((k for k in buckets if k in self.bucket_ms), key=lambda k: (k.batch, self.bucket_ms[k]))
+        bucket_ms = {k: self.bucket_ms[k] * self.phase_share(k, phase) for k in buckets if k in self.bucket_ms}
+        keys = sorted(bucket_ms, key=lambda k: (k.batch, bucket_ms[k]))
         largest = max((k.batch for k in keys), default=0)
         eager_ok = self.eager and shape in self.eager_ms
         if not keys and not eager_ok:
@@ -277,10 +315,11 @@ class CostModel:
         for c in range(1, max_chunk + 1):
             best: Chunk | None = None
             for k in keys:  # smallest first: a larger bucket must be cheaper by more than the noise margin
-                if k.batch >= c and (best is None or self.bucket_ms[k] < best.ms * (1 - PAD_MARGIN)):
-                    best = Chunk(k, c, self.bucket_ms[k])
+                if k.batch >= c and (best is None or bucket_ms[k] < best.ms * (1 - PAD_MARGIN)):
+                    best = Chunk(k, c, bucket_ms[k])
             if eager_ok:
                 e = self.eager_cost(shape, c, share)
+                e = None if e is None else e * self.phase_share(None, phase, shape)
                 if e is not None and (best is None or e < best.ms):
                     home = next((k for k in keys if k.batch >= c), keys[-1] if keys else None)
                     best = Chunk(None, c, e, home)
@@ -313,14 +352,19 @@ class CostModel:
         return self.lora_ms[key] / self.bucket_ms[key]
 
     def describe(self) -> dict:
-        """JSON-ready view for ``/v1/buckets``: the source, bucket milliseconds, eager milliseconds by rows, and
-        with adapters each bucket's milliseconds with adapter rows (``lora_ms``)."""
+        """JSON-ready view for ``/v1/buckets``: the source, bucket milliseconds, eager milliseconds by rows, with
+        adapters each bucket's milliseconds with adapter rows (``lora_ms``), and once a bucket's step-cache halves
+        are measured their shares of its whole forward (``step_cache_shares``: ``head``, what a reused row costs,
+        and ``tail``)."""
         return {
             "source": self.source, "eager": self.eager,
             "bucket_ms": {str(k): round(v, 4) for k, v in sorted(self.bucket_ms.items())},
             "eager_ms": {s: {str(r): round(v, 4) for r, v in sorted(p.items())}
                          for s, p in sorted(self.eager_ms.items())},
             **({"lora_ms": {str(k): round(v, 4) for k, v in sorted(self.lora_ms.items())}} if self.lora_ms else {}),
+            **({"step_cache_shares": {str(k): {"head": round(h, 4), "tail": round(t, 4)}
+                                      for k, (h, t) in sorted(self.piece_shares.items())}}
+               if self.piece_shares else {}),
         }
 
     def merged(self, other: CostModel) -> CostModel:
@@ -331,4 +375,5 @@ class CostModel:
         source = other.source if other.source == self.source else f"{self.source}+{other.source}"
         per = [b for b in (self.eager_bytes_per_row_token, other.eager_bytes_per_row_token) if b is not None]
         return CostModel({**self.bucket_ms, **other.bucket_ms}, eager, source, self.eager and other.eager,
-                         {**self.lora_ms, **other.lora_ms}, max(per, default=None))
+                         {**self.lora_ms, **other.lora_ms}, max(per, default=None),
+                         {**self.piece_shares, **other.piece_shares})

@@ -198,6 +198,12 @@ class BucketRunner(Protocol):
         forward; ``phase`` receives the half's outputs (:mod:`bcg_core.runners.piecewise`)."""
         ...
 
+    @property
+    def piece_shares(self) -> dict[BucketKey, tuple[float, float]]:
+        """Per bucket whose step-cache halves were captured and timed, ``(head, tail)`` over its whole forward
+        (:meth:`~bcg_core.runners.piecewise.PiecewiseReplay.time_pieces`); empty where none was."""
+        ...
+
     def describe(self) -> list[dict]:
         """Per-bucket state for ``/v1/buckets``: key, mode, pool_bytes, capture_s, note."""
         ...

@@ -195,6 +195,12 @@ class EagerBucketRunner:
         on the bucket's static buffers, or unpadded for a miss or with ``eager``."""
         return eager_piece(self, key, inputs, phase, split, eager)
 
+    @property
+    def piece_shares(self) -> dict[BucketKey, tuple[float, float]]:
+        """Measured step-cache half shares (:attr:`~bcg_core.runners.piecewise.PiecewiseReplay.piece_shares`): none
+        here, the halves have no graphs of their own to time."""
+        return {}
+
     def fuses(self, key: BucketKey) -> bool:
         """True for a prepared bucket of a runner built with ``fused=True``."""
         return self.fused and key in self.entries and bool(self.entries[key].buffers)

@@ -12,6 +12,12 @@ runner's shared memory pool, the first time a cached step runs on that bucket, a
 - the tail graph reads the bucket's input buffers and a padded head-output buffer pair and leaves the computed
   output and the remaining blocks' residuals.
 
+Right after the capture, the bucket's whole-forward graph and each half are replayed and timed together with CUDA
+events (:meth:`PiecewiseReplay.time_pieces`): the halves' shares of the whole forward
+(:attr:`PiecewiseReplay.piece_shares`), which the cost model prices cached steps with
+(:attr:`~bcg_core.costs.CostModel.piece_shares`) and ``/v1/buckets`` shows. The head's share is what a reused row
+costs.
+
 What a replay leaves in the pool is overwritten by the next replay of any graph of the pool, so every output is
 cloned (its real rows and tokens) before the next replay. A step where no request caches replays the bucket's
 whole-forward graph as before: requests that do not cache pay nothing. A bucket whose halves fail to capture runs
@@ -60,11 +66,26 @@ class CachePieces:
     tail_phase: TailPhase
     tail_out: torch.Tensor
     capture_s: float = 0.0
+    shares: tuple[float, float] | None = None
+    """The head's and the tail's replay time over the whole-forward graph's (:meth:`PiecewiseReplay.time_pieces`);
+    None where the bucket has no whole-forward graph to compare with."""
+
+
+PIECE_TIMING_ITERS = 3
+"""Replays of each graph (whole, head, tail) timed at a bucket's piecewise capture; the median is kept. Three
+after one warm-up: the replays are a few milliseconds each, and a capture happens once per bucket while serving."""
 
 
 class PiecewiseReplay:
     """:meth:`run_piece` for a runner that replays CUDA graphs (a base class of
     :class:`~bcg_core.runners.cuda_graph.CudaGraphRunner`, which provides the attributes used here)."""
+
+    @property
+    def piece_shares(self) -> dict[BucketKey, tuple[float, float]]:
+        """Per bucket whose halves are captured and timed: ``(head, tail)`` replay time over its whole forward's
+        (:meth:`time_pieces`)."""
+        return {k: e.pieces.shares for k, e in list(self.entries.items())
+                if isinstance(e.pieces, CachePieces) and e.pieces.shares is not None}
 
     def run_piece(self, key: BucketKey | None, inputs: DenoiseInputs, phase: HeadPhase | TailPhase,
                   split: BlockSplit, eager: bool = False) -> torch.Tensor:
@@ -163,9 +184,26 @@ class PiecewiseReplay:
             torch.cuda.synchronize(self.device)
             graphs.append(graph)
         pieces = CachePieces(graphs[0], head, outs[0], graphs[1], tail, outs[1], time.perf_counter() - t0)
+        pieces.shares = self.time_pieces(entry, pieces)
         self.stats.piece_captures += 1
-        log.info("bucket %s: step-cache graphs captured in %.2f s", entry.key, pieces.capture_s)
+        log.info("bucket %s: step-cache graphs captured in %.2f s (head %s, tail %s of the whole forward)", entry.key,
+                 pieces.capture_s, *(f"{x:.2f}" for x in pieces.shares or (float("nan"),) * 2))
         return pieces
+
+    def time_pieces(self, entry, pieces: CachePieces, iters: int = PIECE_TIMING_ITERS) -> tuple[float, float] | None:
+        """The head's and the tail's graph replay milliseconds over the bucket's whole-forward graph's, timed
+        together with CUDA events (:func:`~bcg_core.devices.cuda_ms`, median of ``iters`` after one warm-up), right
+        after the halves' capture, before anything reads the pool: what the replays leave there is overwritten by
+        the step's own replays. None where the bucket has no whole-forward graph."""
+        if entry.graph is None:
+            return None
+        from bcg_core.devices import cuda_ms
+
+        whole = cuda_ms(entry.graph.replay, iters, warmup=1)
+        if whole <= 0:
+            return None
+        head, tail = (cuda_ms(g.replay, iters, warmup=1) for g in (pieces.head, pieces.tail))
+        return min(2.0, head / whole), min(2.0, tail / whole)
 
     def _warm_piece(self, entry, split: BlockSplit, phase) -> None:
         """Warm-up forwards of one half before its capture: every capture's side-stream warm-up

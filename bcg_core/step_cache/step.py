@@ -15,8 +15,9 @@ rows' whole forward and update the expansion from it. First Block Cache contexts
    where it has no previous step. One host synchronization reads every context's decision.
 3. **Tail.** The rows that compute (those of contexts that compute, and every row of a request without a cache) run
    the remaining blocks (:class:`~bcg_core.step_cache.split.TailPhase`) in the forwards the step decider chooses for
-   that many rows (:meth:`~bcg_core.costs.StepDecider.decide`: the smallest buckets that hold them), and their
-   contexts keep the new residuals.
+   that many rows (:meth:`~bcg_core.costs.StepDecider.decide` for the tail half: the smallest buckets that hold
+   them, priced by the halves' measured shares, :attr:`~bcg_core.costs.CostModel.piece_shares`), and their contexts
+   keep the new residuals.
 
 A row's result is diffusers' output of the same step for that request: the reused step adds the same residual to
 the same head output, and the computed step runs the same blocks on it. On a CUDA graph runner each half of a bucket
@@ -134,7 +135,7 @@ def _first_block(pipe, split: BlockSplit, states, inputs: DenoiseInputs, forward
     if not idx:
         return reused
     sub = inputs.select(idx)
-    tail_forwards = pipe.decider.for_states(states, rows=len(idx))
+    tail_forwards = pipe.decider.for_states(states, rows=len(idx), phase="tail")
     outs, res_hidden, res_encoder, a = [], [], [], 0
     k, t = inputs.image_tokens, inputs.text_tokens
     for chunk in tail_forwards.chunks:
@@ -208,6 +209,7 @@ def cached_forward(pipe, split: BlockSplit, states: Sequence[RequestState], part
         (inputs.rows, inputs.image_tokens, out_channels): each row's output, as :meth:`runner.run
         <bcg_core.runners.BucketRunner.run>` returns it; every context's counts and state updated.
     """
+    pipe.decider.observe_pieces(pipe.runner)  # halves captured at an earlier cached step: their measured shares
     contexts = _contexts(states, parts)
     predicted: dict[int, torch.Tensor] = {}  # row -> its predicted output (S, C)
     updates = []  # TaylorSeer contexts that compute: (context, spec, rows, step)

@@ -70,6 +70,13 @@ def test_cached_steps_replay_their_halves_and_equal_diffusers(tmp_path):
     graphs = [b for b in pipe.runner.describe() if b["step_cache_graphs"]]
     assert graphs, pipe.runner.describe()
     assert pipe.runner.stats.piece_captures == len(graphs) and pipe.runner.stats.piece_failures == 0
+    # each captured bucket's halves were timed against its whole forward, and the cost model prices cached steps
+    # with those shares (the head over a row: what a reused row costs)
+    shares = pipe.runner.piece_shares
+    assert set(shares) == {b["key"] for b in graphs} or {str(k) for k in shares} == {b["key"] for b in graphs}
+    assert all(0 < head < 1 and 0 < tail <= 1.2 for head, tail in shares.values()), shares
+    assert pipe.decider.costs.piece_shares == shares
+    assert "step_cache_shares" in pipe.decider.costs.describe()
     for request, state in zip(requests, states, strict=True):
         ref, computed = _reference(folder, request)
         cache = request_cache(state)
