@@ -53,13 +53,14 @@ _WEIGHT_SUFFIXES = (".safetensors", ".bin")
 
 def _check_component(path: Path, component: str, library: str, cls: str) -> None:
     """Raise :class:`CheckpointError` unless ``path / component`` holds what ``save_pretrained`` writes for a
-    ``cls`` of ``library``: a tokenizer's files; a scheduler's config; a model's config and weights."""
+    ``cls`` of ``library``: a tokenizer's (or a processor's, which holds its tokenizer's) files; a scheduler's config;
+    a model's config and weights."""
     folder = path / component
     where = f"checkpoint {str(path)!r}: component {component!r} ({cls})"
     fix = "copy the whole folder that pipeline.save_pretrained wrote"
     if not folder.is_dir():
         raise CheckpointError(f"{where} is listed in model_index.json but {folder} is missing; {fix}")
-    if "Tokenizer" in cls:
+    if "Tokenizer" in cls or cls.endswith("Processor"):  # FLUX.2 [dev]: a PixtralProcessor wraps its tokenizer
         if not any((folder / f).is_file() for f in _TOKENIZER_FILES):
             raise CheckpointError(f"{where}: {folder} holds no tokenizer files (none of "
                                   f"{', '.join(_TOKENIZER_FILES)}); a tokenizer loaded from it would be empty; {fix}")

@@ -24,6 +24,8 @@ PIPELINE_CLASSES: dict[str, tuple[str, str]] = {
     "PixArtSigmaPipeline": ("pixart", "PixArtSigmaFamily"),
     "SanaPipeline": ("sana", "SanaFamily"),
     "QwenImagePipeline": ("qwenimage", "QwenImageFamily"),
+    "Flux2Pipeline": ("flux2", "Flux2Family"),
+    "Flux2KleinPipeline": ("flux2", "Flux2Family"),
 }
 """``model_index.json`` ``_class_name`` -> (module of this package, class implementing :class:`Family`)."""
 

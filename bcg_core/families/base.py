@@ -56,10 +56,13 @@ QUALITY_STEPS: dict[str, tuple[int, int, int]] = {
     "pixart": (10, 20, 40),
     "sana": (10, 20, 40),
     "qwenimage": (20, 30, 50),
+    "flux2": (20, 30, 50),
+    "flux2-distilled": (2, 4, 8),
 }
 """Steps of ``quality`` low / medium / high per family. ``medium``: the diffusers pipeline's default
 ``num_inference_steps`` (FluxPipeline and StableDiffusion3Pipeline 28, PixArtSigmaPipeline and SanaPipeline 20);
-FLUX.1-schnell is distilled for 1-4 steps; QwenImagePipeline's default, 50, is its ``high``; the tiny default
+FLUX.1-schnell is distilled for 1-4 steps; QwenImagePipeline's and both FLUX.2 pipelines' default, 50, is their
+``high``; distilled FLUX.2 [klein] checkpoints are published for 4 steps; the tiny default
 (random weights) takes few steps so a CPU serves it quickly. docs/API.md's quality table repeats them."""
 
 
@@ -77,7 +80,8 @@ class ModelSpec:
         cfg_rule: when classifier-free guidance adds uncond rows: ``"guidance_scale"`` when
             ``guidance_scale > 1`` (SD3, PixArt, SANA, the tiny default: ``do_classifier_free_guidance`` of
             their pipelines), ``"true_cfg"`` when ``true_cfg_scale > 1`` and a negative prompt is given
-            (``FluxPipeline``, ``QwenImagePipeline``).
+            (``FluxPipeline``, ``QwenImagePipeline``), ``"none"``: never (FLUX.2 [dev]'s ``Flux2Pipeline`` and
+            distilled [klein] checkpoints: no uncond forward; a ``negative_prompt`` is refused, not ignored).
         default_true_cfg_scale: ``true_cfg_scale`` when a request omits it (the pipeline's default, read as
             ``default_steps``: 1.0 for FLUX, 4.0 for Qwen-Image); None where the family has no such option (a
             request that sets it is refused).
@@ -161,6 +165,8 @@ class ModelSpec:
         """True when ``request`` runs classifier-free guidance with uncond rows (see :attr:`cfg_rule`)."""
         if self.cfg_rule == "true_cfg":
             return self.true_cfg_scale(request) > 1.0 and request.negative_prompt is not None
+        if self.cfg_rule == "none":
+            return False
         return not self.guidance_embeds and request.guidance_scale is not None and request.guidance_scale > 1.0
 
     def cfg_scale(self, request) -> float:
@@ -194,7 +200,8 @@ class ModelSpec:
         """Refuse request fields this family's pipeline has no counterpart for.
 
         Raises:
-            RequestError: ``true_cfg_scale`` set on a family without true CFG (field ``true_cfg_scale``); a size
+            RequestError: ``true_cfg_scale`` set on a family without true CFG (field ``true_cfg_scale``); a
+                ``negative_prompt`` where ``cfg_rule`` is ``"none"`` (field ``negative_prompt``); a size
                 whose token grid exceeds :attr:`max_grid_side` (field ``size``; diffusers raises there too).
         """
         from bcg_core.errors import RequestError
@@ -203,6 +210,10 @@ class ModelSpec:
             raise RequestError(
                 "true_cfg_scale", f"true_cfg_scale is not an option of {self.pipeline_class} (family {self.family}); "
                 f"leave it unset and use guidance_scale (classifier-free guidance above 1)")
+        if self.cfg_rule == "none" and getattr(request, "negative_prompt", None) is not None:
+            raise RequestError(
+                "negative_prompt", f"negative_prompt is not an option of this {self.pipeline_class} checkpoint "
+                f"(family {self.family}): it runs no classifier-free guidance; leave it unset")
         if self.max_grid_side is not None:
             h, w = self.rules.grid(*self.generation_size(request.width, request.height))
             if max(h, w) > self.max_grid_side:

@@ -1,0 +1,356 @@
+"""FLUX.2 family: ``Flux2Pipeline`` ([dev]: Mistral-family text encoder, guidance embedding) and
+``Flux2KleinPipeline`` ([klein]: Qwen3-family text encoder; classifier-free guidance unless ``is_distilled``), both
+with ``Flux2Transformer2DModel`` and ``AutoencoderKLFlux2``.
+
+What diffusers 0.42.1 does (``pipelines/flux2/pipeline_flux2.py``, D; ``pipeline_flux2_klein.py``, K;
+``models/transformers/transformer_flux2.py``, T) and what this module reuses:
+
+- Text: ``encode_prompt`` (D, K; called here) wraps the prompt in a chat template ([dev]: Mistral's, with the
+  pipeline's ``system_message``; [klein]: Qwen3's, ``enable_thinking=False``), tokenizes it padded to
+  ``max_sequence_length`` (512, the ``__call__`` default) with ``truncation=True``, runs the LM with its attention
+  mask and stacks the hidden states of ``text_encoder_out_layers`` ((10, 20, 30) / (9, 18, 27), the defaults) into
+  (1, 512, 3 x hidden) embeddings. The transformer gets all 512 rows, padding included, with **no mask**. Text ids
+  (``_prepare_text_ids``): (t, h, w, l) = (0, 0, 0, i).
+- Latents: ``prepare_latents`` (called here) draws (n, 4 x C, H/16, W/16) noise with ``randn_tensor`` from the
+  request's generators in the text embeddings' dtype, packs it to tokens (n, h * w, 128) and gives the latent ids
+  (``_prepare_latent_ids``: (0, row, column, 0), int64).
+- Schedule: sigmas ``linspace(1, 1/N, N)``, ``mu = compute_empirical_mu(h * w, N)`` (not FLUX.1's
+  ``calculate_shift``: it depends on the step count too), ``retrieve_timesteps``, ``set_begin_index(0)``.
+- Step: ``timestep = t.expand(rows).to(latents.dtype) / 1000`` (T multiplies by 1000 again). [dev] passes
+  ``guidance = full([1], guidance_scale, float32).expand(rows)`` to the guidance embedding (not CFG, no negative
+  prompt). [klein] passes no guidance; with ``guidance_scale > 1`` and not ``is_distilled`` it runs a second
+  forward on the negative prompt (``""``, or ``negative_prompt_embeds``) and takes ``neg + s * (cond - neg)``;
+  here the uncond rows ride in the cond rows' forward, and a request's ``negative_prompt`` is encoded as a user of
+  diffusers passes it through ``negative_prompt_embeds``. Distilled [klein] ignores ``guidance_scale``.
+- Decode: ``_unpack_latents_with_ids``, the VAE's batch-norm statistics undone
+  (``z * sqrt(bn.running_var + batch_norm_eps) + bn.running_mean``, inline in D/K ``__call__``),
+  ``_unpatchify_latents``, ``vae.decode``, ``image_processor.postprocess``.
+
+Padding contract (:class:`Flux2Adapter`, the FLUX.1 contract of :class:`~bcg_core.families.flux.FluxAdapter`):
+
+- batch: pad rows copy real row 0 and are dropped after the forward.
+- text: its native length only (the key's text dimension is ``max_sequence_length``, from ``bcg_text_tokens`` in
+  ``model_index.json`` or the pipeline's default 512), unmasked, as the pipeline feeds it; nothing is padded by
+  bcg-serve. A prompt whose templated tokens exceed it is refused (the pipeline would cut it silently).
+- image tokens: positions come in as id tensors, so a tier holds any grid of its token count unmasked; a masked
+  tier (``key.image_mask``) also holds smaller grids: pad tokens are zero latents with zero ids, and a boolean
+  key-padding mask (B, 1, 1, T + S) goes through ``joint_attention_kwargs`` to every attention (T's double- and
+  single-stream processors take ``attention_mask``); every other op is per token (norms, MLPs) or per row
+  (modulation), so real tokens are unchanged.
+- ids stay int64 as diffusers passes them (T casts them to float32 for the RoPE); in the model dtype bf16 would
+  round positions above 256.
+
+Not served yet: reference images (the pipelines' ``image``; requests with an image are refused), LoRA, the step
+cache, previews and the fused step.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import inspect
+import threading
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from bcg_core.families.base import QUALITY_STEPS, ModelSpec, load_pipeline, read_json
+from bcg_core.families.defaults import pipeline_defaults
+from bcg_core.families.flux import FluxAdapter
+from bcg_core.families.state import RequestState, TextRows
+from bcg_core.keys import BucketKey
+from bcg_core.padding import DenoiseInputs
+from bcg_core.table import ShapeRules
+
+__all__ = ["Flux2Adapter", "Flux2Family", "flux2_latent_ids", "flux2_text_ids"]
+
+FLUX2_DEFAULT_SAMPLE_SIZE = 128
+"""Latent pixels per side of a call without ``height``/``width`` (``default_sample_size`` in both pipelines'
+``__init__``): x the VAE factor 8, 1024x1024."""
+
+IDS_CACHE_GRIDS = 64
+"""Most latent-id tables kept per process (one per grid and device), as FLUX.1's adapter keeps."""
+
+
+def _pipeline_class(name: str):
+    import diffusers
+
+    return getattr(diffusers, name)
+
+
+@functools.lru_cache(maxsize=IDS_CACHE_GRIDS)
+def flux2_latent_ids(grid: tuple[int, int], device: str = "cpu") -> torch.Tensor:
+    """FLUX.2 image position ids of token grid ``grid`` = (h, w), from ``Flux2Pipeline._prepare_latent_ids``.
+
+    Returns:
+        (h * w, 4) int64 on ``device``: (0, row, column, 0) per token; shared (cached), not to be written to.
+    """
+    from diffusers import Flux2Pipeline
+
+    h, w = grid
+    return Flux2Pipeline._prepare_latent_ids(torch.empty(1, 0, h, w))[0].to(device)
+
+
+@functools.lru_cache(maxsize=8)
+def flux2_text_ids(tokens: int, device: str = "cpu") -> torch.Tensor:
+    """FLUX.2 text position ids of ``tokens`` text tokens, from ``Flux2Pipeline._prepare_text_ids``.
+
+    Returns:
+        (tokens, 4) int64 on ``device``: (0, 0, 0, i) for token i; shared (cached), not to be written to.
+    """
+    from diffusers import Flux2Pipeline
+
+    return Flux2Pipeline._prepare_text_ids(torch.empty(1, tokens, 0))[0].to(device)
+
+
+class Flux2Adapter(FluxAdapter):
+    """FLUX.2 architecture (``Flux2Transformer2DModel``): FLUX.1's padding (module docstring) with FLUX.2's inputs.
+
+    Differences from :class:`~bcg_core.families.flux.FluxAdapter`, whose row, token and mask handling it keeps: no
+    pooled projection (``DenoiseInputs.pooled`` is (rows, 0)); 4-axis int64 ids ((S, 4) image, (T, 4) text);
+    ``guidance`` only where the pipeline passes it ([dev]).
+
+    Layout: ``latents`` (rows, h * w, in_channels) packed tokens; ``text`` (rows, T, joint_attention_dim) at the
+    native length; ``timestep`` (rows,) ``t / 1000`` in the latents' dtype; ``guidance`` (rows,) or None. Output:
+    (rows, h * w, out_channels).
+
+    Args:
+        model: a ``Flux2Transformer2DModel``.
+        native_text_tokens: the text length the pipeline feeds (``max_sequence_length``).
+        vae_scale_factor: pixels per latent pixel (8 for ``AutoencoderKLFlux2``).
+        guidance: the pipeline passes ``guidance`` (``Flux2Pipeline``; ``Flux2KleinPipeline`` passes None).
+    """
+
+    family = "flux2"
+    timestep_max = 1.0
+    pooled_dim = 0
+
+    def __init__(self, model: torch.nn.Module, native_text_tokens: int, vae_scale_factor: int = 8,
+                 guidance: bool = True):
+        cfg = model.config
+        self.model = model
+        # The pipelines pack 2x2 latent pixels into one token (prepare_latents), then patch_size=1.
+        self.rules = ShapeRules(pixels_per_token=vae_scale_factor * 2 * int(cfg.patch_size), grid_keyed=False,
+                                native_text_tokens=native_text_tokens)
+        self.in_channels = int(cfg.in_channels)
+        self.out_channels = int(cfg.out_channels or cfg.in_channels)
+        self.seq_dim = int(cfg.joint_attention_dim)
+        self.guidance_embeds = bool(guidance)
+
+    def allocate(self, key: BucketKey, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """FLUX.1's static buffers (:meth:`FluxAdapter.allocate`) with FLUX.2's ids: ``img_ids`` (S, 4) and
+        ``txt_ids`` (T, 4), int64; ``pooled`` is (B, 0)."""
+        buf = super().allocate(key, device, dtype)
+        buf["img_ids"] = torch.zeros(key.image_tokens, 4, device=device, dtype=torch.int64)  # (S, 4)
+        buf["txt_ids"] = torch.zeros(key.text_tokens, 4, device=device, dtype=torch.int64)  # (T, 4)
+        return buf
+
+    def fill(self, buffers: dict[str, torch.Tensor], inputs: DenoiseInputs) -> None:
+        """:meth:`FluxAdapter.fill` (rows, masked image tokens, zero pad ids), then the text ids.
+
+        Raises:
+            ValueError: the inputs do not fit the buffers (as :meth:`FluxAdapter.fill`).
+        """
+        super().fill(buffers, inputs)
+        ids = buffers["txt_ids"]
+        ids.copy_(flux2_text_ids(ids.shape[0], str(ids.device)))
+
+    def image_ids(self, grid: tuple[int, int], device, dtype=None) -> torch.Tensor:
+        """:func:`flux2_latent_ids` on ``device`` (``dtype`` is ignored: ids stay int64, as diffusers passes them)."""
+        return flux2_latent_ids(tuple(grid), str(device))
+
+    def _call(self, latents, text, pooled, timestep, img_ids, txt_ids, guidance, attention_kwargs):
+        # As Flux2Pipeline.__call__ / Flux2KleinPipeline.__call__ call the transformer (no pooled projection).
+        return self.model(
+            hidden_states=latents, timestep=timestep, guidance=guidance, encoder_hidden_states=text,
+            txt_ids=txt_ids, img_ids=img_ids, joint_attention_kwargs=attention_kwargs, return_dict=False,
+        )[0]
+
+    def forward_eager(self, inputs: DenoiseInputs) -> torch.Tensor:
+        """Unpadded, unmasked reference forward, exactly as the pipelines call the transformer."""
+        p = next(self.model.parameters())
+        cast = lambda x: x.to(device=p.device, dtype=p.dtype)  # noqa: E731
+        guidance = cast(inputs.guidance) if self.guidance_embeds and inputs.guidance is not None else None
+        return self._call(cast(inputs.latents), cast(inputs.text), None, cast(inputs.timestep),
+                          flux2_latent_ids(tuple(inputs.grid), str(p.device)),
+                          flux2_text_ids(inputs.text_tokens, str(p.device)), guidance, None)
+
+
+class Flux2Family:
+    """A ``Flux2Pipeline`` or ``Flux2KleinPipeline`` checkpoint, served step by step (module docstring).
+
+    Request fields: ``guidance_scale`` feeds [dev]'s guidance embedding; on [klein] above 1 it runs classifier-free
+    guidance against ``negative_prompt`` (default ``""``, the pipeline's) unless the checkpoint ``is_distilled``
+    (then it is ignored, as diffusers ignores it). A ``negative_prompt`` where no CFG can run ([dev], distilled
+    [klein]) is refused (:class:`ModelSpec` ``cfg_rule="none"``).
+
+    Args:
+        name: served model name.
+        spec: the model's :class:`ModelSpec`.
+        pipe: the loaded pipeline on ``device``; its methods do the work.
+        counter: ``prompt -> tokens`` (:meth:`token_counter`).
+    """
+
+    name = "flux2"
+    pipeline_classes = ("Flux2Pipeline", "Flux2KleinPipeline")
+    lora_loader = None
+
+    def __init__(self, name: str, spec: ModelSpec, pipe, counter, device: torch.device, dtype: torch.dtype):
+        self.model_name = name
+        self.spec = spec
+        self.rules = spec.rules
+        self.guidance_embeds = spec.guidance_embeds
+        self.pipe = pipe
+        self.vae = pipe.vae
+        self.adapter = Flux2Adapter(pipe.transformer, spec.rules.native_text_tokens, pipe.vae_scale_factor,
+                                    guidance=spec.guidance_embeds)
+        self._counter = counter
+        self._lock = threading.Lock()
+        self.device, self.dtype = device, dtype
+
+    # -- checkpoint ---------------------------------------------------------------------------------
+
+    @classmethod
+    def describe(cls, path: Path, index: dict) -> ModelSpec:
+        """Spec from ``transformer/`` and ``vae/`` configs and ``model_index.json`` (``is_distilled``); request
+        defaults from the pipeline's ``__call__`` signature (:func:`pipeline_defaults`: 50 steps, guidance 4.0, both
+        pipelines); the text length is ``bcg_text_tokens`` or ``__call__``'s ``max_sequence_length`` (512).
+
+        Raises:
+            ValueError: another pipeline class.
+        """
+        kind = index["_class_name"]
+        if kind not in cls.pipeline_classes:
+            raise ValueError(f"{kind!r} is not a FLUX.2 pipeline ({', '.join(cls.pipeline_classes)})")
+        tr = read_json(path / "transformer" / "config.json")
+        vae = read_json(path / "vae" / "config.json")
+        scale = 2 ** (len(vae["block_out_channels"]) - 1)  # the pipelines' vae_scale_factor
+        default_tokens = inspect.signature(_pipeline_class(kind).__call__).parameters["max_sequence_length"].default
+        tokens = int(index.get("bcg_text_tokens", default_tokens))
+        dev = kind == "Flux2Pipeline"
+        distilled = bool(index.get("is_distilled", False)) and not dev
+        return ModelSpec(
+            name=path.name, family=cls.name, pipeline_class=kind,
+            rules=ShapeRules(pixels_per_token=scale * 2 * int(tr.get("patch_size", 1)), grid_keyed=False,
+                             native_text_tokens=tokens),
+            guidance_embeds=dev, cfg_rule="guidance_scale" if not (dev or distilled) else "none",
+            quality_steps=QUALITY_STEPS["flux2-distilled" if distilled else "flux2"],
+            default_size=(FLUX2_DEFAULT_SAMPLE_SIZE * scale,) * 2, **pipeline_defaults(kind),
+        )
+
+    @classmethod
+    def token_counter(cls, path: Path, index: dict):
+        """``prompt -> tokens`` of the templated prompt as the pipeline tokenizes it before padding or cutting it
+        ([dev]: ``format_input`` with the pipeline's ``system_message`` through the tokenizer's chat template;
+        [klein]: the Qwen3 chat template with ``enable_thinking=False``, then the tokenizer), untruncated, so that a
+        prompt over ``max_sequence_length`` is refused rather than cut. Tokenizer only, no weights."""
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(str(path / "tokenizer"), local_files_only=True)
+        if index["_class_name"] == "Flux2Pipeline":
+            from diffusers import Flux2Pipeline
+            from diffusers.pipelines.flux2.pipeline_flux2 import format_input
+
+            system = Flux2Pipeline(scheduler=None, vae=None, text_encoder=None, tokenizer=tok,
+                                   transformer=None).system_message
+
+            def count(prompt: str, negative: bool = False) -> int:
+                ids = tok.apply_chat_template(format_input(prompts=[prompt], system_message=system),
+                                              add_generation_prompt=False, tokenize=True, return_dict=True)
+                return len(ids["input_ids"][0])
+            return count
+
+        def count_qwen3(prompt: str, negative: bool = False) -> int:
+            text = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                           add_generation_prompt=True, enable_thinking=False)
+            return len(tok(text)["input_ids"])
+        return count_qwen3
+
+    @classmethod
+    def load(cls, path: Path, index: dict, device: torch.device, dtype: torch.dtype) -> Flux2Family:
+        """Load with the checkpoint's pipeline class ``from_pretrained`` (local files only, :func:`load_pipeline`)."""
+        spec = cls.describe(path, index)
+        pipe = load_pipeline(_pipeline_class(index["_class_name"]), path, device, dtype)
+        return cls(path.name, spec, pipe, cls.token_counter(path, index), device, dtype)
+
+    # -- validation hooks ---------------------------------------------------------------------------
+
+    def count_tokens(self, prompt: str, negative: bool = False) -> int:
+        """Templated tokens of ``prompt`` (see :meth:`token_counter`; negative prompts alike)."""
+        with self._lock:
+            return self._counter(prompt)
+
+    # -- the step-level loop ------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def encode(self, prompt: str) -> TextRows:
+        """One prompt through ``encode_prompt`` at the native length: (1, T, D) embeddings, pooled (1, 0), no mask."""
+        with self._lock:
+            text, _ = self.pipe.encode_prompt(prompt=[prompt], device=self.device, num_images_per_prompt=1,
+                                              max_sequence_length=self.rules.native_text_tokens)
+        return TextRows(text, text.new_zeros(1, 0))
+
+    @torch.inference_mode()
+    def start(self, validated, cancel: threading.Event | None = None) -> RequestState:
+        """Encode (and, with CFG, the negative prompt), draw packed noise with ``prepare_latents`` and set the
+        schedule with ``compute_empirical_mu`` (D:907-957)."""
+        from diffusers.pipelines.flux2.pipeline_flux2 import compute_empirical_mu, retrieve_timesteps
+
+        req = validated.request
+        cond = self.encode(req.prompt)
+        uncond = self.encode(req.negative_prompt or "") if self.spec.uses_cfg(req) else None
+        gens = [torch.Generator("cpu").manual_seed(req.seed + i) for i in range(req.n)]
+        latents, latent_ids = self.pipe.prepare_latents(
+            batch_size=req.n, num_latents_channels=self.adapter.in_channels // 4, height=req.height,
+            width=req.width, dtype=cond.text.dtype, device=self.device, generator=gens)
+        sched = copy.deepcopy(self.pipe.scheduler)
+        steps = req.num_inference_steps
+        sigmas = None if getattr(sched.config, "use_flow_sigmas", False) else np.linspace(1.0, 1 / steps, steps)
+        mu = compute_empirical_mu(image_seq_len=latents.shape[1], num_steps=steps)
+        timesteps, _ = retrieve_timesteps(sched, steps, self.device, sigmas=sigmas, mu=mu)
+        sched.set_begin_index(0)
+        extras = {"latent_ids": latent_ids}
+        if self.guidance_embeds:  # Flux2Pipeline: torch.full([1], guidance_scale, float32).expand(batch)
+            extras["guidance"] = torch.full([1], float(req.guidance_scale), device=self.device, dtype=torch.float32)
+        grid = self.rules.grid(req.width, req.height)
+        return RequestState(validated, cond, uncond, latents, sched, timesteps, grid, extras=extras, cancel=cancel)
+
+    def model_rows(self, state: RequestState) -> DenoiseInputs:
+        """Cond rows (one per image), then with CFG the uncond rows; timestep ``t.to(latents.dtype) / 1000``."""
+        n, lat = state.n, state.latents
+        parts = [state.cond] + ([state.uncond] if state.cfg else [])
+        x = torch.cat([lat] * len(parts)) if len(parts) > 1 else lat
+        text = torch.cat([p.text.expand(n, -1, -1) for p in parts])
+        timestep = state.timestep.expand(x.shape[0]).to(lat.dtype) / 1000
+        guidance = state.extras.get("guidance")
+        if guidance is not None:
+            guidance = guidance.expand(x.shape[0])
+        return DenoiseInputs(x, text, lat.new_zeros(x.shape[0], 0), timestep, state.grid, guidance)
+
+    def advance(self, state: RequestState, output: torch.Tensor) -> None:
+        """``neg + guidance_scale * (cond - neg)`` with CFG ([klein], K:864-876), then the request's
+        flow-matching Euler step."""
+        noise = output[: state.n]
+        if state.cfg:
+            neg = output[state.n :]
+            noise = neg + self.spec.cfg_scale(state.request) * (noise - neg)
+        state.latents = state.scheduler.step(noise, state.timestep, state.latents, return_dict=False)[0]
+        state.step_index += 1
+
+    def unpacked_latents(self, latents: torch.Tensor, latent_ids: torch.Tensor) -> torch.Tensor:
+        """Packed latents (n, h * w, 128) as the VAE takes them: ``_unpack_latents_with_ids``, batch-norm
+        statistics undone, ``_unpatchify_latents`` (D:1017-1024, K:906-916): (n, 32, 2h, 2w); what
+        ``Flux2KleinPipeline(output_type="latent")`` returns."""
+        pipe, vae = self.pipe, self.pipe.vae
+        z = pipe._unpack_latents_with_ids(latents, latent_ids)
+        mean = vae.bn.running_mean.view(1, -1, 1, 1).to(z.device, z.dtype)
+        std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps).to(z.device, z.dtype)
+        return pipe._unpatchify_latents(z * std + mean)
+
+    @torch.inference_mode()
+    def decode(self, state: RequestState) -> list[np.ndarray]:
+        """:meth:`unpacked_latents`, ``vae.decode``, ``postprocess`` to uint8 RGB."""
+        z = self.unpacked_latents(state.latents, state.extras["latent_ids"])
+        image = self.vae.decode(z.to(self.vae.device), return_dict=False)[0]
+        return [np.asarray(im) for im in self.pipe.image_processor.postprocess(image, output_type="pil")]
