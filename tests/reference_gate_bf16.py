@@ -38,6 +38,7 @@ import dataclasses
 import importlib
 import inspect
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -89,6 +90,9 @@ class FamilyCase:
         text_padded_min, text_padded_prompts: the ``text_padded`` case's prompts have at least this many tokens, and
             there are at most that many of them (:func:`case_requests`).
         image_padded_sizes: ``(width, height)`` of each ``image_padded`` request (empty: buckets hold exact grids).
+        noise_input: ``(pipeline, noise, request) -> latents`` for the ``fp32`` run where the pipeline's ``latents=``
+            takes another layout than its ``prepare_latents`` returns (:func:`flux2_noise`); None: the noise as
+            recorded.
     """
 
     builder: str
@@ -101,6 +105,17 @@ class FamilyCase:
     text_padded_min: int = 9
     text_padded_prompts: int = 4
     image_padded_sizes: tuple[tuple[int, int], ...] = ()
+    noise_input: Callable[..., torch.Tensor] | None = None
+
+
+def flux2_noise(pipe, noise: torch.Tensor, request: GenerationRequest) -> torch.Tensor:
+    """FLUX.2's recorded noise as its pipelines' ``latents=`` takes it: ``prepare_latents`` returns packed tokens
+    (n, h * w, 128) but reads a given ``latents`` as (n, 128, h, w) (it builds the ids from that shape), so the tokens
+    go back through the pipeline's own ``_unpack_latents_with_ids`` (the token grid as ``prepare_latents`` takes it
+    from the size: ``pipe.vae_scale_factor * 2`` pixels a token)."""
+    px = pipe.vae_scale_factor * 2
+    ids = pipe._prepare_latent_ids(torch.empty(noise.shape[0], 0, request.height // px, request.width // px))
+    return pipe._unpack_latents_with_ids(noise, ids)
 
 
 FAMILIES: dict[str, FamilyCase] = {
@@ -118,11 +133,21 @@ FAMILIES: dict[str, FamilyCase] = {
     "sana": FamilyCase("sana", "SanaPipeline",
                        {"batch_sizes": [1, 2, 4, 8], "resolutions": ["512x512"], "text_lengths": [16, 32]},
                        {"width": 512, "height": 512, "guidance_scale": 4.5}, masked_text=True),
+    "flux2": FamilyCase("flux2", "Flux2Pipeline",
+                        {"batch_sizes": [1, 2, 4], "resolutions": ["32x32", "64x64"], "text_lengths": [96]},
+                        {"width": 64, "height": 64, "guidance_scale": 4.0}, {"variant": "dev"},
+                        {"max_sequence_length": 96}, image_padded_sizes=((64, 60), (52, 44), (48, 48)),
+                        noise_input=flux2_noise),
+    "flux2-klein": FamilyCase("flux2", "Flux2KleinPipeline",
+                              {"batch_sizes": [1, 2, 4], "resolutions": ["32x32", "64x64"], "text_lengths": [96]},
+                              {"width": 64, "height": 64, "guidance_scale": 4.0}, {"variant": "klein"},
+                              {"max_sequence_length": 96}, noise_input=flux2_noise),
     "qwenimage": FamilyCase("qwenimage", "QwenImagePipeline",
                             {"batch_sizes": [1, 2, 4], "resolutions": ["64x64"], "text_lengths": [16, 32]},
                             {"width": 64, "height": 64}, masked_text=True),
 }
-"""The five families as the gate runs them (tiny checkpoints of ``tests/tiny/``)."""
+"""The families as the gate runs them (tiny checkpoints of ``tests/tiny/``; FLUX.2 twice: [dev], and [klein] with
+its CFG)."""
 
 
 @dataclass
@@ -377,7 +402,8 @@ def measure_family(name: str, device: str = "cpu", kernels: str = "eager", steps
                 math, lat_math = diffusers_images(ref, [r], attention=torch.nn.attention.SDPBackend.MATH, **kw)
                 # the bf16 run's own noise: a CPU generator draws other numbers in bf16 than in fp32 (initial_noise)
                 with initial_noise(ref32) as noise32:
-                    full, lat_full = diffusers_images(ref32, [r], latents=noise[0].float(), **kw)
+                    start = noise[0] if case.noise_input is None else case.noise_input(ref32, noise[0], r)
+                    full, lat_full = diffusers_images(ref32, [r], latents=start.float(), **kw)
                 if not torch.equal(noise32[0].float().cpu(), noise[0].float().cpu()):
                     raise RuntimeError(f"{name}: diffusers' fp32 run did not start from the bf16 run's noise")
                 image, ours = bcg_image(pipe, r, pair if label == "batched" else None)
