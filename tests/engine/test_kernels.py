@@ -314,6 +314,22 @@ def test_a_real_compile_stopped_at_its_deadline_leaves_torch_compile_usable(tmp_
     assert later.stats()["buckets"][0]["compile_rel_err"] <= k["rtol"]
 
 
+def test_the_rounding_measure_is_skipped_where_the_widened_copies_do_not_fit_beside_the_own_tensors(monkeypatch):
+    """The own bf16 tensors stay alive while the float32 copies exist (they are given back after), so the measure
+    needs the copies' full float32 bytes free, not their difference: with free memory for 4 bytes a weight (80%
+    usable: 3.2) it is skipped (None, the dtype's tolerance then), where counting 2 bytes a weight would have run it
+    and run out of memory (the full FLUX.1-dev beside a second copy on an H100)."""
+    from bcg_core.verify import precision_deviation
+
+    model = DiTPipeline.from_config(_config()).model
+    model.adapter.model.to(torch.bfloat16)
+    numel = sum(t.numel() for t in (*model.adapter.model.parameters(), *model.adapter.model.buffers())
+                if t.is_floating_point())
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (4 * numel, 8 * numel))
+    key = min(DiTPipeline(_config(), model, prepare=False).table.keys, key=lambda k: k.tokens)
+    assert precision_deviation(model.adapter, key, "cuda", torch.bfloat16) is None
+
+
 def test_the_compiled_tolerance_comes_from_the_eager_forwards_own_rounding():
     """``runner.compile_rtol`` None: the check's tolerance is max(dtype tolerance, 2 x the eager forward's rounding
     error against a wider dtype), measured with the model's own tensors widened and then given back untouched."""
