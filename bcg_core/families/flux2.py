@@ -40,8 +40,9 @@ Padding contract (:class:`Flux2Adapter`, the FLUX.1 contract of :class:`~bcg_cor
 - ids stay int64 as diffusers passes them (T casts them to float32 for the RoPE); in the model dtype bf16 would
   round positions above 256.
 
-Not served yet: reference images (the pipelines' ``image``; requests with an image are refused), LoRA, the step
-cache, previews and the fused step.
+The fused step (:mod:`bcg_core.runners.fused`) runs [klein]'s ``neg + s * (cond - neg)`` and the Euler update in the
+bucket's graph, as FLUX.1's. Not served yet: reference images (the pipelines' ``image``; requests with an image are
+refused), LoRA, the step cache and previews.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from bcg_core.capabilities import FusedStep
 from bcg_core.families.base import QUALITY_STEPS, ModelSpec, load_pipeline, read_json
 from bcg_core.families.defaults import pipeline_defaults
 from bcg_core.families.flux import FluxAdapter
@@ -177,7 +179,7 @@ class Flux2Adapter(FluxAdapter):
                           flux2_text_ids(inputs.text_tokens, str(p.device)), guidance, None)
 
 
-class Flux2Family:
+class Flux2Family(FusedStep):
     """A ``Flux2Pipeline`` or ``Flux2KleinPipeline`` checkpoint, served step by step (module docstring).
 
     Request fields: ``guidance_scale`` feeds [dev]'s guidance embedding; on [klein] above 1 it runs classifier-free
@@ -337,6 +339,14 @@ class Flux2Family:
             noise = neg + self.spec.cfg_scale(state.request) * (noise - neg)
         state.latents = state.scheduler.step(noise, state.timestep, state.latents, return_dict=False)[0]
         state.step_index += 1
+
+    def euler_step(self, state: RequestState):
+        """The fused form of the next step (:func:`bcg_core.runners.fused.euler_step`): cond rows first, then with CFG
+        the uncond rows, ``neg + guidance_scale * (cond - neg)`` as :meth:`advance`."""
+        from bcg_core.runners.fused import euler_step
+
+        scale = self.spec.cfg_scale(state.request) if state.cfg else 1.0
+        return euler_step(state, 0, state.n if state.cfg else None, scale, self.dtype)
 
     def unpacked_latents(self, latents: torch.Tensor, latent_ids: torch.Tensor) -> torch.Tensor:
         """Packed latents (n, h * w, 128) as the VAE takes them: ``_unpack_latents_with_ids``, batch-norm

@@ -135,6 +135,26 @@ def test_klein_cfg_with_the_default_and_a_given_negative_prompt_equals_diffusers
     assert_same(bcg_run(pipe, neg), ref)
 
 
+def test_the_fused_step_equals_diffusers(flux2):
+    """``runner.fused_step: always`` (CFG and the Euler update inside the bucket forward; on a GPU inside its graph):
+    the same latents as diffusers, bit for bit alone at an exact bucket."""
+    variant, folder, _ = flux2
+    pipe = bcg_pipeline(folder, BUCKETS, fused_step="always")
+    assert pipe.fused.on, pipe.fused.note
+    req = _validated(pipe, _req(n=1, guidance_scale=3.5, num_inference_steps=3))  # [klein]: 2 rows with CFG
+    before = pipe.fused.steps
+    ours = bcg_run(pipe, req)
+    assert pipe.fused.steps == before + 3
+    assert_same(ours, reference(variant, folder, pipe, req), exact=variant != "klein")
+    a = _validated(pipe, _req(n=1, seed=3, num_inference_steps=3, guidance_scale=5.0))
+    b = _validated(pipe, _req(n=1, prompt="an astronaut riding a horse", seed=40, num_inference_steps=4,
+                              guidance_scale=1.0))
+    ours_a, ours_b = bcg_run_joined(pipe, a, b, head_start=2)
+    assert pipe.fused.steps == before + 3 + 2 + 3  # b alone twice, then a and b together three times
+    assert_same(ours_a, reference(variant, folder, pipe, a))
+    assert_same(ours_b, reference(variant, folder, pipe, b))
+
+
 def test_token_counts_are_what_the_encoder_reads_and_longer_prompts_are_refused(flux2):
     variant, folder, pipe = flux2
     fam = pipe.model
