@@ -59,7 +59,9 @@ first runs diffusers' eager pipeline once per threshold and takes the one whose 
 closest to a half (``cache_search``: steps computed per threshold), since random weights do not show real skip
 rates: both sides are compared at the same config, with the steps each computed reported per mode
 (``computed_steps``: diffusers' counted at the last block's first layer, which runs only when the remaining blocks
-do; bcg-serve's from the answer's ``bcg.cache``).
+do, and not for ``diffusers-compiled``, whose compiled blocks run no forward hook; bcg-serve's from the answer's
+``bcg.cache``), and for bcg-serve's modes on CUDA graphs the halves' measured shares of the whole forward
+(``step_cache_shares``, :attr:`bcg_core.costs.CostModel.piece_shares`).
 
 CPU smoke: ``--device cpu --tiny --repeats 1`` (fp32 tiny configs; bcg modes without graphs, no ``bcg-fp8``).
 """
@@ -253,7 +255,7 @@ def bench_case(case: str, folder: Path, model, args, device: torch.device, dtype
         f"{side}: {c['forward_tflop']:.4g} TFLOP ({c['rows']} rows, {c['text_tokens']} text tokens) x {c['forwards']}"
         for side, c in compute.items()), flush=True)
     runs: dict[str, list] = {}
-    calls, first, prepare, decode_compile, computed = {}, {}, {}, {}, {}
+    calls, first, prepare, decode_compile, computed, shares = {}, {}, {}, {}, {}, {}
     for mode in args.modes:
         t0 = time.perf_counter()
         if mode.startswith("bcg"):
@@ -269,6 +271,7 @@ def bench_case(case: str, folder: Path, model, args, device: torch.device, dtype
                 report = result.cache
                 if report:
                     computed[mode] = sum(s["computed"] for s in report["steps"].values())
+                    shares[mode] = pipe.decider.costs.describe().get("step_cache_shares")
                 return result.timings_ms
         else:
             cache = None if mode == "diffusers-uncached" else args.cache_threshold
@@ -282,7 +285,7 @@ def bench_case(case: str, folder: Path, model, args, device: torch.device, dtype
                 images = pipe(prompt=req.prompt, num_images_per_prompt=req.n, width=req.width, height=req.height,
                               num_inference_steps=req.num_inference_steps, guidance_scale=req.guidance_scale,
                               generator=gens).images
-                if cache is not None:
+                if cache is not None and mode != "diffusers-compiled":  # compiled blocks run no forward hook
                     computed[mode] = pipe.computed[0]
                 return {"images": images}
         _sync()
@@ -324,6 +327,8 @@ def bench_case(case: str, folder: Path, model, args, device: torch.device, dtype
             out[mode]["decode_compile"] = decode_compile[mode]
         if mode in computed:
             out[mode]["computed_steps"] = computed[mode]
+        if shares.get(mode):  # the step-cache halves' measured shares of the whole forward (CUDA graphs only)
+            out[mode]["step_cache_shares"] = shares[mode]
         png = out[mode]["image_encode_ms"] or 0.0
         out[mode]["served_ms"] = round(out[mode]["wall_ms"] + (png if mode.startswith("diffusers") else 0.0), 1)
     base = out.get("diffusers", {}).get("wall_ms")
