@@ -3,9 +3,9 @@
 - ``eager`` (:attr:`KernelTier.EAGER`): PyTorch's eager kernels, exactly diffusers' bits.
 - ``compiled`` (:attr:`KernelTier.COMPILED`): the transformer's repeated blocks compiled by ``torch.compile``
   (inductor, ``dynamic=False``, ``fullgraph=True``), the rest eager: one compile per bucket shape, or with
-  ``runner.compile_batch_dynamic`` (off: it failed inside CUDA graph capture on an H100) one per token shape for the
-  buckets of more than one row, their batch dimension left dynamic (:func:`shared_batch`), and one per token shape
-  at one row.
+  ``runner.compile_batch_dynamic`` (off until a server's cold start with it is measured on a GPU) one per token
+  shape for the buckets of more than one row, their batch dimension left dynamic (:func:`shared_batch`), and one
+  per token shape at one row.
   This is regional compilation as diffusers' ``ModelMixin.compile_repeated_blocks`` does it, on the blocks its
   ``_repeated_blocks`` names (FLUX.1, Qwen-Image) or, for transformers that name none, on their transformer
   blocks (:data:`REPEATED_BLOCKS`: SD3, PixArt-Sigma, SANA); a transformer with neither is compiled whole.
@@ -200,7 +200,8 @@ class CompiledKernels:
             plain way.
         batch_dynamic: buckets of one token shape and more than one row share one compile (:func:`shared_batch`;
             ``runner.compile_batch_dynamic``); False (the default): one compile per bucket shape. On an H100 the
-            shared compile failed inside CUDA graph capture (tests/gpu/test_kernels_gpu.py, 2026-12-07).
+            shared compile failed inside CUDA graph capture (2026-12-07); both causes fixed, its GPU test
+            (tests/gpu/test_kernels_gpu.py) passes; off until a server's cold start with it is measured.
 
     Raises:
         ValueError: a mode that would capture inductor's own CUDA graphs.
