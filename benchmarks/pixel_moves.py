@@ -14,7 +14,7 @@ Two sweeps on the CPU, each over seeds, sizes and compositions, reporting every 
 - ``masked`` (bf16): the tiny real-layout FLUX checkpoint served by bcg-serve at sizes padded into a masked image
   tier (``runner.kernels: eager``, bucket forwards), against diffusers' own bf16 ``FluxPipeline`` alone on the same
   request, with diffusers' own attention-backend deviation beside it (the same call with SDPA's math backend,
-  :func:`reference_gate_bf16.diffusers_images`). The figure of README.md "What each kernel tier guarantees".
+  :func:`reference_gate_bf16.diffusers_images`). The figure of docs/CORRECTNESS.md.
 
 Each comparison: the largest difference of one pixel value in levels (0-255), the share of pixel values that differ
 and the relative error ``max|a - b| / max|b|`` of the final latents (:func:`reference_gate_bf16.compare`).

@@ -233,9 +233,9 @@ def case_requests(case: FamilyCase, count, req) -> dict[str, list[GenerationRequ
     ``exact``: one prompt whose token count is a text bucket's (any prompt for native-length text). ``image_padded``:
     the exact prompt at each of ``case.image_padded_sizes``. ``text_padded``: up to ``case.text_padded_prompts``
     prompts of distinct token counts, each padded to its text bucket by a count that is not a multiple of 16 (in
-    bf16 on a CPU a multiple of 16 keeps the attention kernel's vector lanes, README "What each kernel tier
-    guarantees"). ``batched``: the exact prompt; :func:`measure_family` serves it sharing its forwards with a
-    two-image request of the company's prompt.
+    bf16 on a CPU a multiple of 16 keeps the attention kernel's vector lanes, docs/CORRECTNESS.md). ``batched``:
+    the exact prompt; :func:`measure_family` serves it sharing its forwards with a two-image request of the
+    company's prompt.
     """
     lengths = sorted(case.buckets["text_lengths"])
     exact = prompt_with_tokens(count, lengths) if case.masked_text else WORDS_PROMPT
