@@ -58,11 +58,12 @@ QUALITY_STEPS: dict[str, tuple[int, int, int]] = {
     "qwenimage": (20, 30, 50),
     "flux2": (20, 30, 50),
     "flux2-distilled": (2, 4, 8),
+    "zimage": (20, 30, 50),
 }
 """Steps of ``quality`` low / medium / high per family. ``medium``: the diffusers pipeline's default
 ``num_inference_steps`` (FluxPipeline and StableDiffusion3Pipeline 28, PixArtSigmaPipeline and SanaPipeline 20);
-FLUX.1-schnell is distilled for 1-4 steps; QwenImagePipeline's and both FLUX.2 pipelines' default, 50, is their
-``high``; distilled FLUX.2 [klein] checkpoints are published for 4 steps; the tiny default
+FLUX.1-schnell is distilled for 1-4 steps; QwenImagePipeline's, both FLUX.2 pipelines' and ZImagePipeline's
+default, 50, is their ``high``; distilled FLUX.2 [klein] checkpoints are published for 4 steps; the tiny default
 (random weights) takes few steps so a CPU serves it quickly. docs/API.md's quality table repeats them."""
 
 
@@ -81,7 +82,8 @@ class ModelSpec:
             ``guidance_scale > 1`` (SD3, PixArt, SANA, the tiny default: ``do_classifier_free_guidance`` of
             their pipelines), ``"true_cfg"`` when ``true_cfg_scale > 1`` and a negative prompt is given
             (``FluxPipeline``, ``QwenImagePipeline``), ``"none"``: never (FLUX.2 [dev]'s ``Flux2Pipeline`` and
-            distilled [klein] checkpoints: no uncond forward; a ``negative_prompt`` is refused, not ignored).
+            distilled [klein] checkpoints: no uncond forward; a ``negative_prompt`` is refused, not ignored),
+            ``"guidance_positive"`` when ``guidance_scale > 0`` (``ZImagePipeline``'s ``do_classifier_free_guidance``).
         default_true_cfg_scale: ``true_cfg_scale`` when a request omits it (the pipeline's default, read as
             ``default_steps``: 1.0 for FLUX, 4.0 for Qwen-Image); None where the family has no such option (a
             request that sets it is refused).
@@ -167,6 +169,8 @@ class ModelSpec:
             return self.true_cfg_scale(request) > 1.0 and request.negative_prompt is not None
         if self.cfg_rule == "none":
             return False
+        if self.cfg_rule == "guidance_positive":
+            return request.guidance_scale is not None and request.guidance_scale > 0.0
         return not self.guidance_embeds and request.guidance_scale is not None and request.guidance_scale > 1.0
 
     def cfg_scale(self, request) -> float:
