@@ -26,6 +26,7 @@ PIPELINE_CLASSES: dict[str, tuple[str, str]] = {
     "QwenImagePipeline": ("qwenimage", "QwenImageFamily"),
     "Flux2Pipeline": ("flux2", "Flux2Family"),
     "Flux2KleinPipeline": ("flux2", "Flux2Family"),
+    "ZImagePipeline": ("zimage", "ZImageFamily"),
 }
 """``model_index.json`` ``_class_name`` -> (module of this package, class implementing :class:`Family`)."""
 

@@ -1,0 +1,447 @@
+"""Z-Image family: ``ZImagePipeline`` checkpoints (Z-Image and Z-Image-Turbo) with ``ZImageTransformer2DModel``, a
+single-stream DiT over one joint sequence of image and caption tokens, a Qwen3-family text encoder and a FLUX.1 VAE.
+
+What diffusers 0.42.1 does (``pipelines/z_image/pipeline_z_image.py``, P; ``models/transformers/
+transformer_z_image.py``, T) and what this module reuses:
+
+- Text: ``encode_prompt`` / ``_encode_prompt`` (called here) wrap the prompt in the tokenizer's chat template with
+  ``enable_thinking=True``, tokenize padded to ``max_sequence_length`` (512) with ``truncation=True``, read the LM's
+  ``hidden_states[-2]`` and keep only the real tokens: a list of (L_i, cap_feat_dim) tensors, one length per
+  prompt. A prompt whose templated tokens exceed 512 is refused here (the pipeline would cut it silently).
+- Latents: ``prepare_latents`` (called here) draws (n, C, 2h, 2w) fp32 noise with ``randn_tensor`` from the
+  request's generators (the latent image: the transformer patchifies 2x2 itself).
+- Schedule: ``get_default_z_image_sigmas`` (``linspace(1, 1/N, N)``), ``calculate_shift`` of the h * w tokens from
+  the scheduler config, ``retrieve_timesteps`` (all called here), ``set_begin_index(0)``.
+- Step: the transformer gets ``timestep = (1000 - t) / 1000`` (fp32, reversed: 0 is noise) and the latents cast to
+  its dtype; its output is *negated* before ``scheduler.step``.
+- CFG: on whenever ``guidance_scale > 0`` (not > 1), against ``negative_prompt`` (default ``""``), with
+  ``pred = pos + s * (pos - neg)`` (cond rows first). ``cfg_normalization`` c > 0 caps ``|pred|`` at
+  ``c * |pos|`` per image (norms over the whole latent image); ``cfg_truncation`` c <= 1 turns guidance off (one
+  forward, no uncond rows) at every step whose ``(1000 - t) / 1000`` exceeds c. Both are pipeline call options
+  without a request field here: a checkpoint serves them from ``bcg_cfg_normalization`` / ``bcg_cfg_truncation``
+  in ``model_index.json`` (the ``__call__`` defaults, off, when absent). A truncated request's uncond rows leave
+  the step loop at the first truncated step (its ``RequestState.rows`` halves, as diffusers' forward does).
+- Decode: ``z / scaling_factor + shift_factor``, ``vae.decode``, ``image_processor.postprocess``.
+
+Padding contract (:class:`ZImageAdapter`). T's forward takes per-row lists and pads them itself:
+
+1. Each caption of L tokens is padded to ``Lc = ceil(L / 32) * 32`` (``SEQ_MULTI_OF``) with ``cap_pad_token``
+   (a learned vector, written over the embedded pad slots) at RoPE positions ``(1 + i, 0, 0)``, i < Lc; each image
+   of S = h * w tokens to ``Si = ceil(S / 32) * 32`` with ``x_pad_token`` at position (0, 0, 0); image token
+   (r, c) sits at ``(Lc + 1, r, c)``. These internal pads are **attended**: they are part of the model's input,
+   and no mask hides them.
+2. Rows of different lengths are then right-padded to the longest (``pad_sequence``) and a (B, L) boolean key
+   mask hides that batch padding; all rows of one length: no mask. The joint sequence is ``[image Si, caption
+   Lc]``: the noise refiner runs on the image part, the context refiner on the caption part, the main layers on
+   both.
+
+bcg-serve keys on the token grid (``grid_keyed``: every row of a bucket has the same Si) and on the real caption
+tokens L (masked text buckets, at most 512). A bucket of T text tokens holds ``Tc = ceil(T / 32) * 32`` caption
+slots per row: slots [0, L) real, [L, Lc) the model's own ``cap_pad_token`` (attended, positions as T gives them),
+[Lc, Tc) bcg-serve's padding (zero, position 0, hidden by the key mask in the context refiner and the main layers).
+Pad rows copy real row 0. T's list interface decides the mask and the positions from Python lengths, so a CUDA
+graph cannot hold varying L: :meth:`ZImageAdapter.forward` is a fixed-shape entry built from T's own modules
+(``_patchify_image``, ``all_x_embedder``, ``t_embedder``, ``noise_refiner``, ``cap_embedder``,
+``context_refiner``, ``layers``, ``all_final_layer``, ``rope_embedder``, ``create_coordinate_grid``,
+``unpatchify``) that takes the per-row positions and the key mask as tensors. Every op but attention is per token
+or per row, and attention gives hidden keys weight zero, so real and model-pad tokens see exactly the keys T's own
+forward gives them: a padded bucket equals the unpadded forward (``tests/families/test_zimage.py``), and a row
+alone whose Lc fills Tc equals it bit for bit where the attention kernel ignores an all-True mask bit for bit.
+
+Not served yet: LoRA (``ZImageLoraLoaderMixin``), the fused step, previews, edits (``ZImageImg2ImgPipeline``), the
+Omni and ControlNet variants; T has no ``CacheMixin``, so no step cache.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import threading
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from bcg_core.families.base import QUALITY_STEPS, ModelSpec, load_pipeline, read_json
+from bcg_core.families.defaults import pipeline_defaults
+from bcg_core.families.state import RequestState, TextRows, pad_text
+from bcg_core.keys import BucketKey
+from bcg_core.padding import DenoiseInputs, copy_rows, fill_masked_text
+from bcg_core.table import ShapeRules
+
+__all__ = ["ZImageAdapter", "ZImageFamily", "seq_multiple"]
+
+ZIMAGE_DEFAULT_SIDE_PX = 1024
+"""``ZImagePipeline.__call__``'s size without ``height``/``width`` (``height or 1024``)."""
+
+PATCH, F_PATCH = 2, 1
+"""The ``patch_size`` / ``f_patch_size`` ``ZImagePipeline`` runs (the forward's defaults; it passes neither)."""
+
+
+def seq_multiple() -> int:
+    """``SEQ_MULTI_OF`` of diffusers' Z-Image transformer (32): each row's image and caption lengths round up to it."""
+    from diffusers.models.transformers.transformer_z_image import SEQ_MULTI_OF
+
+    return SEQ_MULTI_OF
+
+
+def _round_up(n, m: int):
+    return (n + m - 1) // m * m
+
+
+class ZImageAdapter:
+    """Z-Image architecture (``ZImageTransformer2DModel``): keyed on the grid, masked caption buckets (module
+    docstring, "Padding contract").
+
+    Layout: ``DenoiseInputs.latents`` (rows, C, 2h, 2w) the latent image; ``text`` (rows, T, cap_feat_dim) with
+    ``text_mask`` (rows, T) whose True entries are a prefix (the real tokens, as :func:`pad_text` leaves them) or
+    None (all real); ``pooled`` (rows, 0); ``timestep`` (rows,) ``(1000 - t) / 1000`` in fp32. Output: (rows, C,
+    2h, 2w) in the model dtype, not negated (the transformer's own output).
+
+    Args:
+        model: a ``ZImageTransformer2DModel`` whose ``all_patch_size`` holds 2 and ``all_f_patch_size`` 1.
+        vae_scale_factor: pixels per latent pixel (8 for the FLUX.1 VAE).
+        max_text_tokens: most caption tokens the pipeline keeps (``max_sequence_length``, 512).
+
+    Raises:
+        ValueError: a transformer without the 2x2 / 1 patch embedder the pipeline uses.
+    """
+
+    family = "zimage"
+    timestep_max = 1.0
+    guidance_embeds = False
+    pooled_dim = 0
+
+    def __init__(self, model: torch.nn.Module, vae_scale_factor: int = 8, max_text_tokens: int = 512):
+        cfg = model.config
+        if PATCH not in tuple(cfg.all_patch_size) or F_PATCH not in tuple(cfg.all_f_patch_size):
+            raise ValueError(f"ZImageTransformer2DModel all_patch_size {cfg.all_patch_size} / all_f_patch_size "
+                             f"{cfg.all_f_patch_size}: ZImagePipeline runs patch {PATCH}, f_patch {F_PATCH}")
+        self.model = model
+        self.rules = ShapeRules(pixels_per_token=vae_scale_factor * PATCH, grid_keyed=True, native_text_tokens=None)
+        self.in_channels = int(cfg.in_channels)
+        self.seq_dim = int(cfg.cap_feat_dim)
+        self.max_text_tokens = max_text_tokens
+        self.multiple = seq_multiple()
+        self._embed_key = f"{PATCH}-{F_PATCH}"
+
+    def example_latents(self, rows: int, grid: tuple[int, int], generator: torch.Generator) -> torch.Tensor:
+        """Latent images (rows, C, 2h, 2w), standard normal, CPU fp32."""
+        return torch.randn(rows, self.in_channels, grid[0] * PATCH, grid[1] * PATCH, generator=generator)
+
+    def allocate(self, key: BucketKey, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """Static buffers of ``key`` (shapes in the comments; Si = h * w and Tc = T rounded up to 32).
+
+        Raises:
+            ValueError: a key without a grid, or with more text tokens than the pipeline ever keeps.
+        """
+        if key.latent_hw is None:
+            raise ValueError(f"bucket {key} has no latent_hw: Z-Image buckets are keyed on the latent grid")
+        if key.text_tokens > self.max_text_tokens:
+            raise ValueError(f"bucket {key}: {key.text_tokens} text tokens exceed the {self.max_text_tokens} that "
+                             f"ZImagePipeline keeps (max_sequence_length); use text_lengths up to "
+                             f"{self.max_text_tokens}")
+        (h, w), b = key.latent_hw, key.batch
+        si, tc = _round_up(h * w, self.multiple), _round_up(key.text_tokens, self.multiple)
+        return {
+            "latents": torch.zeros(b, self.in_channels, h * PATCH, w * PATCH, device=device, dtype=dtype),
+            "text": torch.zeros(b, tc, self.seq_dim, device=device, dtype=dtype),  # (B, Tc, D_cap)
+            "text_mask": torch.zeros(b, tc, device=device, dtype=torch.bool),  # (B, Tc) real caption tokens
+            "cap_keep": torch.zeros(b, tc, device=device, dtype=torch.bool),  # (B, Tc) attended: [0, Lc)
+            "cap_ids": torch.zeros(b, tc, 3, device=device, dtype=torch.int32),  # (B, Tc, 3) RoPE positions
+            "img_ids": torch.zeros(b, si, 3, device=device, dtype=torch.int32),  # (B, Si, 3) RoPE positions
+            "timestep": torch.zeros(b, device=device, dtype=torch.float32),  # (B,) (1000 - t) / 1000
+        }
+
+    def fill(self, buffers: dict[str, torch.Tensor], inputs: DenoiseInputs) -> None:
+        """Copy ``inputs`` into the buffers and write each row's positions and key mask from its caption length
+        (tensor ops only: no host sync). Every element is written, so nothing of an earlier request survives.
+
+        Raises:
+            ValueError: the inputs do not fit (more rows, another grid, more text tokens).
+        """
+        lat, text, real = buffers["latents"], buffers["text"], buffers["text_mask"]
+        b, _, hh, ww = lat.shape
+        tc = text.shape[1]
+        n, s = inputs.rows, inputs.text_tokens
+        if n > b or tuple(inputs.latents.shape[1:]) != tuple(lat.shape[1:]) or s > tc or inputs.guidance is not None:
+            raise ValueError(f"inputs of {n} rows x latents {tuple(inputs.latents.shape[1:])} x {s} text tokens do not "
+                             f"fit bucket buffers of {b} rows x latents {tuple(lat.shape[1:])} x {tc} caption slots "
+                             f"(Z-Image takes no guidance input)")
+        copy_rows(lat, inputs.latents)
+        fill_masked_text(text, real, inputs)
+        copy_rows(buffers["timestep"], inputs.timestep)
+        m = self.multiple
+        lc = _round_up(real.sum(dim=1), m)  # (B,) caption slots the model attends: L rounded up to 32
+        slot = torch.arange(tc, device=text.device)
+        keep = buffers["cap_keep"]
+        keep.copy_(slot[None, :] < lc[:, None])
+        cap_ids = buffers["cap_ids"]
+        cap_ids.zero_()
+        cap_ids[..., 0] = torch.where(keep, slot[None, :] + 1, 0)  # T: grid (Lc, 1, 1) from (1, 0, 0)
+        img_ids = buffers["img_ids"]
+        h, w = hh // PATCH, ww // PATCH
+        grid = self.model.create_coordinate_grid((1, h, w), (0, 0, 0), device=img_ids.device).flatten(0, 2)
+        img_ids.zero_()  # the model's own pad tokens [h * w, Si) sit at (0, 0, 0)
+        img_ids[:, : h * w, 1:] = grid[:, 1:]
+        img_ids[:, : h * w, 0] = (lc + 1)[:, None].to(img_ids.dtype)  # T: image frame axis starts at Lc + 1
+
+    def forward(self, buffers: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Padded, masked forward over the static buffers (module docstring): (B, C, 2h, 2w)."""
+        return self._padded(buffers["latents"], buffers["text"], buffers["text_mask"], buffers["cap_keep"],
+                            buffers["cap_ids"], buffers["img_ids"], buffers["timestep"])
+
+    def _padded(self, latents, text, real, keep, cap_ids, img_ids, timestep) -> torch.Tensor:
+        # T.forward's basic (non-omni) path on fixed shapes; T's line order kept, its modules reused.
+        mdl = self.model
+        b, _, hh, ww = latents.shape
+        s, si, tc = (hh // PATCH) * (ww // PATCH), img_ids.shape[1], text.shape[1]
+        adaln = mdl.t_embedder(timestep * mdl.t_scale).type_as(latents)
+        x = torch.stack([mdl._patchify_image(img.unsqueeze(1), PATCH, F_PATCH)[0] for img in latents])  # (B, S, P)
+        if si > s:  # the model's own pad tokens: any value here, x_pad_token after the embedding
+            x = torch.cat([x, x[:, -1:].expand(b, si - s, x.shape[2])], dim=1)
+        x = mdl.all_x_embedder[self._embed_key](x.flatten(0, 1))
+        x_pad = (torch.arange(si, device=x.device) >= s).repeat(b).unsqueeze(-1)
+        x = torch.where(x_pad, mdl.x_pad_token, x).view(b, si, -1)
+        x_freqs = mdl.rope_embedder(img_ids.flatten(0, 1)).view(b, si, -1)
+        for layer in mdl.noise_refiner:  # every row has Si image tokens: no mask, as T
+            x = layer(x, None, x_freqs, adaln)
+        cap = mdl.cap_embedder(text.flatten(0, 1))
+        cap_pad = (keep & ~real).flatten().unsqueeze(-1)
+        cap = torch.where(cap_pad, mdl.cap_pad_token, cap).view(b, tc, -1)
+        cap_freqs = mdl.rope_embedder(cap_ids.flatten(0, 1)).view(b, tc, -1)
+        for layer in mdl.context_refiner:
+            cap = layer(cap, keep, cap_freqs)
+        unified = torch.cat([x, cap], dim=1)
+        freqs = torch.cat([x_freqs, cap_freqs], dim=1)
+        mask = torch.cat([keep.new_ones(b, si), keep], dim=1)
+        for layer in mdl.layers:
+            unified = layer(unified, mask, freqs, adaln)
+        out = mdl.all_final_layer[self._embed_key](unified, c=adaln)
+        images = mdl.unpatchify(list(out.unbind(0)), [(1, hh, ww)] * b, PATCH, F_PATCH)  # T keeps the first S
+        return torch.stack(images)[:, :, 0]
+
+    def unpad(self, output: torch.Tensor, inputs: DenoiseInputs) -> torch.Tensor:
+        """Rows ``[0, inputs.rows)`` of ``output`` (caption padding leaves no trace in the image output)."""
+        return output[: inputs.rows]
+
+    def forward_eager(self, inputs: DenoiseInputs) -> torch.Tensor:
+        """Unpadded reference forward, exactly as ``ZImagePipeline.__call__`` calls the transformer (P:533-541):
+        per-row lists of (C, 1, 2h, 2w) latents and (L_i, D) captions (the mask's real tokens)."""
+        p = next(self.model.parameters())
+        lat = inputs.latents.to(device=p.device, dtype=p.dtype).unsqueeze(2)
+        text = inputs.text.to(device=p.device, dtype=p.dtype)
+        caps = list(text.unbind(0)) if inputs.text_mask is None else [
+            t[m.to(p.device)] for t, m in zip(text.unbind(0), inputs.text_mask.unbind(0), strict=True)]
+        out = self.model(list(lat.unbind(0)), inputs.timestep.to(device=p.device, dtype=torch.float32), caps,
+                         return_dict=False)[0]
+        return torch.stack(out)[:, :, 0]
+
+
+class ZImageFamily:
+    """A ``ZImagePipeline`` checkpoint, served step by step (see the module docstring).
+
+    Request fields: ``guidance_scale`` (default 5.0, the pipeline's) above 0 runs CFG against ``negative_prompt``
+    (default ``""``); ``true_cfg_scale`` is refused. ``cfg_normalization`` and ``cfg_truncation`` come from the
+    checkpoint (``bcg_cfg_normalization``, ``bcg_cfg_truncation`` in ``model_index.json``).
+
+    Args:
+        name: served model name.
+        spec: the model's :class:`ModelSpec`.
+        pipe: the loaded ``ZImagePipeline`` on ``device``; its methods do the work.
+        counter: ``prompt -> tokens`` (:meth:`token_counter`).
+        cfg_normalization: the pipeline's ``cfg_normalization`` (0: off; True reads as 1.0, as the pipeline's
+            ``float()``).
+        cfg_truncation: the pipeline's ``cfg_truncation`` (1.0: never truncated).
+    """
+
+    name = "zimage"
+    pipeline_classes = ("ZImagePipeline",)
+    lora_loader = None
+
+    def __init__(self, name: str, spec: ModelSpec, pipe, counter, device: torch.device, dtype: torch.dtype,
+                 cfg_normalization: float = 0.0, cfg_truncation: float | None = 1.0):
+        self.model_name = name
+        self.spec = spec
+        self.rules = spec.rules
+        self.guidance_embeds = False
+        self.pipe = pipe
+        self.vae = pipe.vae
+        self.adapter = ZImageAdapter(pipe.transformer, pipe.vae_scale_factor, spec.max_text_tokens)
+        self.cfg_normalization = float(cfg_normalization)
+        self.cfg_truncation = cfg_truncation
+        self._counter = counter
+        self._lock = threading.Lock()
+        self.device, self.dtype = device, dtype
+
+    # -- checkpoint ---------------------------------------------------------------------------------
+
+    @staticmethod
+    def text_tokens(index: dict) -> int:
+        """``max_sequence_length``: ``bcg_text_tokens`` of ``model_index.json``, else ``__call__``'s default (512)."""
+        from diffusers import ZImagePipeline
+
+        default = inspect.signature(ZImagePipeline.__call__).parameters["max_sequence_length"].default
+        return int(index.get("bcg_text_tokens", default))
+
+    @classmethod
+    def describe(cls, path: Path, index: dict) -> ModelSpec:
+        """Spec from ``transformer/``, ``vae/`` and ``scheduler/`` configs; request defaults from
+        ``ZImagePipeline.__call__``'s signature (:func:`pipeline_defaults`: 50 steps, guidance 5.0).
+
+        Raises:
+            ValueError: another pipeline class, a transformer without the 2x2 patch embedder, or a scheduler with
+                ``stochastic_sampling`` (noise from the global RNG).
+        """
+        kind = index["_class_name"]
+        if kind not in cls.pipeline_classes:
+            raise ValueError(f"{kind!r} is not a Z-Image pipeline ({', '.join(cls.pipeline_classes)})")
+        tr = read_json(path / "transformer" / "config.json")
+        vae = read_json(path / "vae" / "config.json")
+        sched = read_json(path / "scheduler" / "scheduler_config.json")
+        if PATCH not in tuple(tr.get("all_patch_size", (PATCH,))):
+            raise ValueError(f"{path.name}: transformer all_patch_size {tr['all_patch_size']}: ZImagePipeline runs "
+                             f"patch size {PATCH}")
+        if sched.get("stochastic_sampling"):
+            raise ValueError(f"{path.name}: scheduler stochastic_sampling=true draws its noise from the global RNG "
+                             f"(not reproducible)")
+        scale = 2 ** (len(vae["block_out_channels"]) - 1)  # ZImagePipeline.__init__'s vae_scale_factor
+        tokens = cls.text_tokens(index)
+        return ModelSpec(
+            name=path.name, family=cls.name, pipeline_class=kind,
+            rules=ShapeRules(pixels_per_token=scale * PATCH, grid_keyed=True, native_text_tokens=None),
+            cfg_rule="guidance_positive", max_prompt_tokens=tokens, max_text_tokens=tokens,
+            quality_steps=QUALITY_STEPS["zimage"], default_size=(ZIMAGE_DEFAULT_SIDE_PX,) * 2,
+            **pipeline_defaults(kind),
+        )
+
+    @classmethod
+    def token_counter(cls, path: Path, index: dict):
+        """``prompt -> tokens`` of the templated prompt as ``_encode_prompt`` tokenizes it (the chat template with
+        ``enable_thinking=True``), untruncated, so that a prompt over ``max_sequence_length`` is refused rather
+        than cut. Tokenizer only, no weights."""
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(str(path / "tokenizer"), local_files_only=True)
+
+        def count(prompt: str, negative: bool = False) -> int:
+            text = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                           add_generation_prompt=True, enable_thinking=True)
+            return len(tok(text)["input_ids"])
+        return count
+
+    @classmethod
+    def load(cls, path: Path, index: dict, device: torch.device, dtype: torch.dtype) -> ZImageFamily:
+        """Load with ``ZImagePipeline.from_pretrained`` (local files only, :func:`load_pipeline`)."""
+        from diffusers import ZImagePipeline
+
+        spec = cls.describe(path, index)
+        pipe = load_pipeline(ZImagePipeline, path, device, dtype)
+        return cls(path.name, spec, pipe, cls.token_counter(path, index), device, dtype,
+                   cfg_normalization=float(index.get("bcg_cfg_normalization", 0.0)),
+                   cfg_truncation=index.get("bcg_cfg_truncation", 1.0))
+
+    # -- validation hooks ---------------------------------------------------------------------------
+
+    def count_tokens(self, prompt: str, negative: bool = False) -> int:
+        """Templated tokens of ``prompt`` (see :meth:`token_counter`; negative prompts alike)."""
+        with self._lock:
+            return self._counter(prompt)
+
+    # -- the step-level loop ------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def encode(self, prompt: str) -> TextRows:
+        """One prompt through ``encode_prompt``: (1, L, D) embeddings of its real tokens, an all-True (1, L) mask."""
+        with self._lock:  # a fresh list: _encode_prompt writes the templated prompt into it
+            (text,), _ = self.pipe.encode_prompt(prompt=[prompt], device=self.device,
+                                                 do_classifier_free_guidance=False,
+                                                 max_sequence_length=self.spec.max_text_tokens)
+        text = text.unsqueeze(0)
+        return TextRows(text, text.new_zeros(1, 0), torch.ones(1, text.shape[1], device=text.device, dtype=torch.bool))
+
+    @torch.inference_mode()
+    def start(self, validated, cancel: threading.Event | None = None) -> RequestState:
+        """Encode (and, with CFG, the negative prompt), draw fp32 noise with ``prepare_latents`` and set the schedule
+        (P:420-470)."""
+        from diffusers.pipelines.z_image.pipeline_z_image import (
+            calculate_shift,
+            get_default_z_image_sigmas,
+            retrieve_timesteps,
+        )
+
+        req = validated.request
+        cond = self.encode(req.prompt)
+        uncond = self.encode(req.negative_prompt or "") if self.spec.uses_cfg(req) else None
+        gens = [torch.Generator("cpu").manual_seed(req.seed + i) for i in range(req.n)]
+        latents = self.pipe.prepare_latents(req.n, self.adapter.in_channels, req.height, req.width, torch.float32,
+                                            self.device, gens)
+        sched = copy.deepcopy(self.pipe.scheduler)
+        c = sched.config
+        mu = calculate_shift((latents.shape[2] // 2) * (latents.shape[3] // 2), c.get("base_image_seq_len", 256),
+                             c.get("max_image_seq_len", 4096), c.get("base_shift", 0.5), c.get("max_shift", 1.15))
+        steps = req.num_inference_steps
+        timesteps, _ = retrieve_timesteps(sched, steps, self.device, sigmas=get_default_z_image_sigmas(steps), mu=mu)
+        sched.set_begin_index(0)
+        extras = {}
+        trunc = self.cfg_truncation
+        if uncond is not None and trunc is not None and float(trunc) <= 1:  # P:486-489
+            extras["t_norms"] = ((1000 - timesteps.float()) / 1000).tolist()
+        state = RequestState(validated, cond, uncond, latents, sched, timesteps, self.rules.grid(req.width, req.height),
+                             extras=extras, cancel=cancel)
+        self._truncate(state)
+        return state
+
+    def _truncate(self, state: RequestState) -> None:
+        """Drop the uncond rows from the first step whose ``(1000 - t) / 1000`` exceeds ``cfg_truncation``
+        (P:498-500: guidance 0 there, one forward); the normalised times grow, so they never come back."""
+        norms = state.extras.get("t_norms")
+        if state.cfg and norms is not None and not state.done and norms[state.step_index] > self.cfg_truncation:
+            state.uncond = None
+
+    def model_rows(self, state: RequestState) -> DenoiseInputs:
+        """Cond rows (one per image), then with CFG the uncond rows (P:506-509), text padded (masked) to the longer;
+        timestep ``(1000 - t) / 1000`` per row (P:495-496)."""
+        n, lat = state.n, state.latents
+        parts = [state.cond] + ([state.uncond] if state.cfg else [])
+        tokens = max(p.tokens for p in parts)
+        parts = [pad_text(p, tokens) for p in parts]
+        x = torch.cat([lat] * len(parts)) if len(parts) > 1 else lat
+        text = torch.cat([p.text.expand(n, -1, -1) for p in parts])
+        mask = torch.cat([p.mask.expand(n, -1) for p in parts])
+        timestep = (1000 - state.timestep.expand(x.shape[0])) / 1000
+        return DenoiseInputs(x, text, lat.new_zeros(x.shape[0], 0), timestep, state.grid, text_mask=mask)
+
+    @torch.inference_mode()
+    def advance(self, state: RequestState, output: torch.Tensor) -> None:
+        """CFG ``pos + s * (pos - neg)`` per image, capped by ``cfg_normalization`` (P:543-564), the negated
+        prediction through the request's scheduler step (P:566-570); then :meth:`_truncate` for the next step."""
+        n = state.n
+        if state.cfg:
+            scale = self.spec.cfg_scale(state.request)
+            preds = []
+            for j in range(n):
+                pos, neg = output[j].float(), output[n + j].float()
+                pred = pos + scale * (pos - neg)
+                if self.cfg_normalization > 0.0:
+                    ori_pos_norm = torch.linalg.vector_norm(pos)
+                    new_pos_norm = torch.linalg.vector_norm(pred)
+                    max_new_norm = ori_pos_norm * self.cfg_normalization
+                    if new_pos_norm > max_new_norm:
+                        pred = pred * (max_new_norm / new_pos_norm)
+                preds.append(pred)
+            noise = torch.stack(preds)
+        else:
+            noise = output[:n].float()
+        state.latents = state.scheduler.step(-noise, state.timestep, state.latents, return_dict=False)[0]
+        state.step_index += 1
+        self._truncate(state)
+
+    @torch.inference_mode()
+    def decode(self, state: RequestState) -> list[np.ndarray]:
+        """``z / scaling_factor + shift_factor``, ``vae.decode``, ``postprocess`` to uint8 RGB (P:583-588)."""
+        vae = self.vae
+        latents = state.latents.to(vae.dtype)
+        latents = (latents / vae.config.scaling_factor) + vae.config.shift_factor
+        image = vae.decode(latents, return_dict=False)[0]
+        return [np.asarray(im) for im in self.pipe.image_processor.postprocess(image, output_type="pil")]
