@@ -145,6 +145,11 @@ FAMILIES: dict[str, FamilyCase] = {
     "qwenimage": FamilyCase("qwenimage", "QwenImagePipeline",
                             {"batch_sizes": [1, 2, 4], "resolutions": ["64x64"], "text_lengths": [16, 32]},
                             {"width": 64, "height": 64}, masked_text=True),
+    # Z-Image rounds each caption up to 32 slots itself: bucket 48 holds 64 slots, so a 17-32 token caption leaves 32
+    # of them to bcg-serve's mask; 16 holds 32, the model's own (an exact fit)
+    "zimage": FamilyCase("zimage", "ZImagePipeline",
+                         {"batch_sizes": [1, 2, 4], "resolutions": ["32x32"], "text_lengths": [16, 48]},
+                         {"width": 32, "height": 32, "guidance_scale": 4.0}, masked_text=True, text_padded_min=17),
 }
 """The families as the gate runs them (tiny checkpoints of ``tests/tiny/``; FLUX.2 twice: [dev], and [klein] with
 its CFG)."""

@@ -150,13 +150,14 @@ def test_diffusers_bf16_against_its_fp32_is_a_rounding_here(tmp_path):
     ("flux", ("exact", "image_padded"), 3),
     ("flux2", ("exact", "image_padded"), 3),
     ("flux2-klein", ("exact", "batched"), 2),  # CFG rows beside another request's rows
+    ("zimage", ("exact", "text_padded", "batched"), 2),
 ])
 def test_bf16_padding_on_the_cpu_is_within_diffusers_own_deviations(family, cases, per_case, tmp_path):
     result = measure_family(family, cases=cases, per_case=per_case, folder=tmp_path)
     assert set(result["cases"]) == set(cases)
     padded = [r for r in result["requests"] if r["case"] in ("text_padded", "image_padded")]
     assert len(padded) == (per_case if {"text_padded", "image_padded"} & set(cases) else 0)
-    if family == "qwenimage":
+    if family in ("qwenimage", "zimage"):
         assert all((int(r["key"].split("_t")[1].split("_")[0]) - r["tokens"]) % 16 for r in padded)
     else:
         assert all("_m_" in r["key"] for r in padded)  # masked tiers
