@@ -318,6 +318,8 @@ class DiTPipeline:
         """Denoise and decode one validated request on this thread, alone: start, one :meth:`step` per denoising
         step in the forwards :attr:`decider` decides (as the step scheduler runs a request that has its shape to
         itself), finish. For tests and scripts; a replica serves through :class:`~bcg_core.scheduler.StepScheduler`.
+        The host does not wait for the device between steps (each step's time is two CUDA events, read once the
+        loop has ended), so a launch-bound step's host work overlaps the step before it, as in the step scheduler.
 
         A :class:`~bcg_core.request.GenerationRequest` is validated first, by :attr:`validator` (the one validation
         path, as the ingress validates what it serves): ``pipe.generate(pipe.validator.validate(request))``.
@@ -354,19 +356,20 @@ class DiTPipeline:
             torch.cuda.synchronize(state.latents.device)
         t1 = time.perf_counter()
         key, share = None, 0
+        marks = []  # per step (its bucket, begin, end): read after the loop, so no step waits for the device
         while not state.done and not state.cancelled:
             forwards = self.decider.decide(validated.shape, state.rows, validated.lookup.query.tokens_per_row)
             begin = timing_mark(self.model.device)
             self.step([state], forwards)
-            end = timing_mark(self.model.device)
+            marks.append((forwards.counted_key, begin, timing_mark(self.model.device)))
             if state.step_index == 1:
                 key = forwards.counted_key or validated.key
                 share = forwards.computed_tokens(validated.lookup.query.tokens // max(1, validated.rows))
-            if isinstance(end, torch.cuda.Event):
-                end.synchronize()
-            ms = elapsed_ms(begin, end)
-            state.step_ms.append(ms)
-            self.metrics.record_steps(forwards.counted_key, [ms])
+        if marks and isinstance(marks[-1][2], torch.cuda.Event):
+            marks[-1][2].synchronize()
+        for counted, begin, end in marks:
+            state.step_ms.append(elapsed_ms(begin, end))
+            self.metrics.record_steps(counted, state.step_ms[-1:])
         if state.cancelled:
             raise RequestCancelled("the request was cancelled by its caller")
         t2 = time.perf_counter()
