@@ -271,7 +271,7 @@ def bench_case(case: str, folder: Path, model, args, device: torch.device, dtype
                 report = result.cache
                 if report:
                     computed[mode] = sum(s["computed"] for s in report["steps"].values())
-                    shares[mode] = pipe.decider.costs.describe().get("step_cache_shares")
+                    shares[mode] = pipe.decider.costs.describe()
                 return result.timings_ms
         else:
             cache = None if mode == "diffusers-uncached" else args.cache_threshold
@@ -327,8 +327,9 @@ def bench_case(case: str, folder: Path, model, args, device: torch.device, dtype
             out[mode]["decode_compile"] = decode_compile[mode]
         if mode in computed:
             out[mode]["computed_steps"] = computed[mode]
-        if shares.get(mode):  # the step-cache halves' measured shares of the whole forward (CUDA graphs only)
-            out[mode]["step_cache_shares"] = shares[mode]
+        if shares.get(mode, {}).get("step_cache_shares"):  # the halves' measured shares (CUDA graphs only)
+            out[mode]["step_cache_shares"] = shares[mode]["step_cache_shares"]
+            out[mode]["bucket_ms"] = shares[mode]["bucket_ms"]  # the whole forward's replay, the shares' base
         png = out[mode]["image_encode_ms"] or 0.0
         out[mode]["served_ms"] = round(out[mode]["wall_ms"] + (png if mode.startswith("diffusers") else 0.0), 1)
     base = out.get("diffusers", {}).get("wall_ms")
