@@ -141,12 +141,9 @@ def _check_request(pipe, key: BucketKey, cfg: bool) -> GenerationRequest:
     ppt = pipe.table.rules.pixels_per_token
     fields = dict(prompt="a lighthouse on a cliff at dusk", n=1, width=gw * ppt, height=gh * ppt,
                   num_inference_steps=2, seed=0, cache=NoCache())
+    if cfg and spec.cfg_rule == "none":
+        cfg = False  # never runs CFG: the caller sees uses_cfg() differ and skips the case
+    fields.update(spec.cfg_fields(cfg))
     if cfg:
         fields["negative_prompt"] = "blurry"
-        if spec.cfg_rule == "true_cfg":
-            fields["true_cfg_scale"] = 4.0
-        else:
-            fields["guidance_scale"] = 4.5
-    elif spec.cfg_rule != "true_cfg":
-        fields["guidance_scale"] = 1.0
     return GenerationRequest(**fields)

@@ -177,6 +177,29 @@ class ModelSpec:
         """The scale of the CFG combination ``uncond + s * (cond - uncond)``."""
         return self.true_cfg_scale(request) if self.cfg_rule == "true_cfg" else float(request.guidance_scale)
 
+    def cfg_fields(self, cfg: bool, guidance: float = 4.5) -> dict:
+        """Request fields that make a request of this model run with classifier-free guidance (``cfg``) or without,
+        by :attr:`cfg_rule`: true CFG takes ``true_cfg_scale`` 4.0 and a negative prompt, else nothing; the
+        ``guidance_scale`` rules take ``guidance`` (above 1) or, without CFG, 1.0 (``"guidance_scale"``) or 0.0
+        (``"guidance_positive"``: Z-Image runs CFG at any scale above 0); ``"none"`` sets nothing.
+
+        Used where a tool makes requests of a given shape (the planner's histogram traffic, the fused step's
+        check), so that each family's rows are counted as its pipeline runs them.
+
+        Raises:
+            ValueError: ``cfg`` for a family that never runs classifier-free guidance (``cfg_rule`` ``"none"``).
+        """
+        if self.cfg_rule == "none":
+            if cfg:
+                raise ValueError(f"{self.pipeline_class} runs no classifier-free guidance")
+            return {}
+        if self.cfg_rule == "true_cfg":
+            return {"true_cfg_scale": 4.0, "negative_prompt": " "} if cfg else {}
+        if cfg:
+            return {"guidance_scale": guidance}
+        return {"guidance_scale": 0.0 if self.cfg_rule == "guidance_positive" else 1.0}
+
+
     def check_table(self, config) -> None:
         """Refuse a bucket table this model cannot serve, before anything loads (the replica would fail at
         capture otherwise).

@@ -272,13 +272,10 @@ def traffic_from_histogram(config: EngineConfig, snapshot: Mapping) -> Traffic:
         for cfg, count in ((True, cfg_count), (False, int(s["count"]) - cfg_count)):
             if count <= 0:
                 continue
-            extra = {}
-            if cfg:
-                extra = ({"true_cfg_scale": 4.0, "negative_prompt": " "} if spec.cfg_rule == "true_cfg"
-                         else {"guidance_scale": min(config.limits.max_guidance_scale,
-                                                     max(4.5, validator.default_guidance_scale or 0.0))})
-            elif spec.cfg_rule != "true_cfg":
-                extra = {"guidance_scale": 1.0}
+            if cfg and spec.cfg_rule == "none":
+                continue  # recorded by a replica of another config; this model never runs CFG
+            extra = spec.cfg_fields(cfg, min(config.limits.max_guidance_scale,
+                                             max(4.5, validator.default_guidance_scale or 0.0)))
             req = GenerationRequest("x", n=int(s["n"]), width=int(s["width"]), height=int(s["height"]), seed=0,
                                     num_inference_steps=int(s["steps"]), **extra)
             d = _demand(validator, req, float(count), int(s["text_tokens"]), refused)

@@ -223,3 +223,21 @@ def test_without_the_key_mask_or_the_models_own_pads_the_output_would_change(pip
         assert not torch.allclose(adapter.forward(buf), ref, rtol=1e-3)
         buf["cap_keep"].copy_(keep & buf["text_mask"])  # the model's own cap_pad_token slots [5, 32) hidden
         assert not torch.allclose(adapter.forward(buf), ref, rtol=1e-3)
+
+
+def test_the_planner_counts_rows_as_the_pipeline_runs_them(pipe):
+    """A replica's shape histogram replayed by the planner (``traffic_from_histogram``): requests recorded without
+    CFG plan one row per image (guidance 0: Z-Image runs CFG at any scale above 0, so the planner's usual 1.0 would
+    have doubled them), those with CFG two; the fused step's check asks for the same rows."""
+    from bcg_core.planning.samples import traffic_from_histogram
+    from bcg_core.planning.traffic import TrafficHistogram
+    from bcg_core.verify_fused import _check_request
+
+    hist = TrafficHistogram()
+    for guidance in (0.0, 0.0, 5.0):
+        hist.record(pipe.validator.validate(_req(n=2, guidance_scale=guidance)))
+    traffic = traffic_from_histogram(pipe.config, hist.snapshot())
+    assert sorted((d.query.batch, d.images, d.weight) for d in traffic.demands) == [(2, 2, 2.0), (4, 2, 1.0)]
+    key = pipe.table.keys[0]
+    for cfg in (False, True):
+        assert pipe.model.spec.uses_cfg(pipe.validator.validate(_check_request(pipe, key, cfg)).request) == cfg

@@ -113,3 +113,21 @@ def test_exact_padding_miss_explains_the_exact_rule():
         RequestValidator(cfg, RULES, count_tokens=lambda s, negative=False: 3).validate(
             GenerationRequest("a", width=384, height=512))
     assert "exactly a tier's number of image tokens" in e.value.message
+
+
+@pytest.mark.parametrize("rule,guidance_embeds", [("guidance_scale", False), ("true_cfg", False),
+                                                  ("guidance_positive", False), ("none", True)])
+def test_cfg_fields_make_requests_that_run_as_asked(rule, guidance_embeds):
+    """``ModelSpec.cfg_fields``: the fields a tool gives a request of a given shape so that the family runs it with
+    or without classifier-free guidance (uncond rows), under each rule."""
+    from bcg_core.families import ModelSpec
+
+    spec = ModelSpec("m", "x", "XPipeline", RULES, cfg_rule=rule, guidance_embeds=guidance_embeds,
+                     default_true_cfg_scale=1.0 if rule == "true_cfg" else None)
+    for cfg in (False, True):
+        if cfg and rule == "none":
+            with pytest.raises(ValueError, match="runs no classifier-free guidance"):
+                spec.cfg_fields(cfg)
+            continue
+        req = GenerationRequest("a cat", seed=0, **{"guidance_scale": 3.5, **spec.cfg_fields(cfg)})
+        assert spec.uses_cfg(req) == cfg, (rule, cfg)
