@@ -33,6 +33,12 @@ on 127.0.0.1) and stopped with ``deployments.cli.local.stop_local`` before the n
 - ``cached`` (only when asked for, with ``--cache``): ``step`` with ``cache.default`` set to ``--cache`` (e.g.
   First Block Cache at one threshold), so every request of the replay caches (``bcg_core/step_cache``); compare it
   with ``step`` in the same run.
+- ``half-cached`` (only when asked for, with ``--cache``): ``step`` (no ``cache.default``) where every
+  even-numbered request of the replay carries ``--cache`` in its body and the odd-numbered ones ask for none
+  (:func:`half_cached`; its warm-up requests all cache, so every bucket's piecewise graphs are captured before the
+  replay). Every server reports the latency of the odd-numbered requests (``others_latency_ms``), so
+  ``ratios.others_latency_vs_step`` says what sharing steps with caching requests costs the requests that do not
+  cache.
 - ``step``: bcg-serve as configured, the step scheduler on the default table (``bcg_core/scheduler/step_scheduler.py``).
   If ``GET /v1/buckets`` then has no top-level ``scheduler`` section, the replica did not report a step
   scheduler: a warning is printed and the JSON says so (``scheduler_reported: false``).
@@ -167,7 +173,7 @@ for _p in (ROOT / "benchmarks", ROOT / "tests", ROOT):
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))
 
-SERVERS = ("naive", "step", "planned", "cached")
+SERVERS = ("naive", "step", "planned", "cached", "half-cached")
 KERNELS = ("eager", "compiled", "fp8")
 MODELS = ("tiny", "flux-dev-width", "pixart-512")
 FLUX_DEV_WIDTH_LAYERS = (2, 4)
@@ -179,6 +185,7 @@ RUNNER_OVERRIDES = {
     "step": {},
     "planned": {},
     "cached": {},
+    "half-cached": {},
 }
 """``runner`` overrides of each server (naive also gets its bucket table and admission limits; ``step``, ``planned``
 and ``cached`` get ``runner.kernels`` from ``--kernels``; ``cached`` is ``step`` with ``cache.default`` set to
@@ -305,22 +312,45 @@ def _ratio(a, b) -> float | None:
     return round(a / b, 3) if a is not None and b else None
 
 
+def half_cached(requests: list, cache: dict, every: bool = False) -> list:
+    """``requests`` with ``cache`` in the body of each even-numbered one (``DemoRequest.number``), or of every one
+    (``every``: the half-cached server's warm-up); the odd-numbered ones ask for no cache."""
+    return [dataclasses.replace(r, cache=cache) if every or r.number % 2 == 0 else r for r in requests]
+
+
+def others_latency(rows: list[dict]) -> dict:
+    """p50 / p99 / mean latency (ms) of the odd-numbered requests that succeeded (those the half-cached server
+    sends without a cache), from :func:`result_row` rows."""
+    lat = [r["latency_ms"] for r in rows if r["ok"] and r["number"] % 2 == 1]
+    return {"requests": len(lat), "p50": _round(percentile(lat, 50), 1), "p99": _round(percentile(lat, 99), 1),
+            "mean": _round(sum(lat) / len(lat), 1) if lat else None}
+
+
 def ratios(summaries: dict[str, dict]) -> dict:
     """Cross-server ratios of the per-server summaries (``{server: summary}``; a summary may lack fields when
     its server failed): ``images_per_s_vs_naive`` (each other server: step, planned, or ``step-<tier>`` and
     ``planned-<tier>`` with several tiers), ``c1_vs_naive`` (each server's
-    ``c1_p50_ms`` / naive's). None where a side is missing, and an images/s ratio None where a side failed
+    ``c1_p50_ms`` / naive's), ``cached_vs_step`` (images/s), ``others_latency_vs_step`` (the half-cached server's
+    :func:`others_latency` p50 and p99 over the step server's, of the same requests). None where a side is
+    missing, and an images/s ratio None where a side failed
     requests (its images/s counts only the served ones, a different workload: a planned table that refused 17 of
     32 prompts once read 2.8x)."""
     ips = {k: (v or {}).get("images_per_s") if not (v or {}).get("failures") else None
            for k, v in summaries.items()}
     c1 = {k: (v or {}).get("c1_p50_ms") for k, v in summaries.items()}
+
+    def not_cached(summary: dict | None) -> dict:
+        return (summary or {}).get("others_latency_ms") or {}
     others = [k for k in summaries if k != "naive"]
     others = others if any(k.startswith("step") for k in others) else ["step", *others]  # step: always reported
     return {
         "images_per_s_vs_naive": {k: _ratio(ips.get(k), ips.get("naive")) for k in others},
         "c1_vs_naive": {k: _ratio(c1.get(k), c1.get("naive")) for k in others if k in summaries},
         **({"planned_vs_step": _ratio(ips.get("planned"), ips.get("step"))} if "planned" in summaries else {}),
+        **({"cached_vs_step": _ratio(ips.get("cached"), ips.get("step"))} if "cached" in summaries else {}),
+        **({"others_latency_vs_step": {q: _ratio(not_cached(summaries["half-cached"]).get(q),
+                                                 not_cached(summaries.get("step")).get(q)) for q in ("p50", "p99")}}
+           if "half-cached" in summaries else {}),
     }
 
 
@@ -592,11 +622,12 @@ def server_overrides(server: str, base: dict, spec, requests: list, concurrency:
         over["runner"]["compile_decode"] = True
     if server == "planned" and planned is not None:
         over["buckets"] = planned
-    if server == "cached":
+    if server in ("cached", "half-cached"):
         if cache is None:
-            raise ValueError("the cached server needs --cache, e.g. "
+            raise ValueError(f"the {server} server needs --cache, e.g. "
                              "'{\"method\": \"first_block\", \"threshold\": 0.4}'")
-        over["cache"] = {"default": cache}
+        if server == "cached":
+            over["cache"] = {"default": cache}
     if server == "naive":
         from deployments.settings import ServeConfig
 
@@ -911,6 +942,7 @@ def run_server(name: str, config, replay_reqs: list, warmups: list, c1: list, ar
         after = _get_stats(url)
         rows = [result_row(r) for r in results]
         summary = summarize(rows, t1 - t0, floor_s)
+        summary["others_latency_ms"] = others_latency(rows)
         waste = padded_token_waste(after, before)
         summary.update(padded_token_waste=None if waste["waste"] is None else round(waste["waste"], 4),
                        waste_source=waste["source"], waste_window=waste["window"],
@@ -975,8 +1007,9 @@ def render(result: dict) -> str:
     table = _table(["server", "ok/req", "4xx", "wall s", "img/s", "p50 ms", "p99 ms", "c1 p50 ms", "waste %",
                     "GPU busy %", "wall/floor", "error"], rows)
     r = result["ratios"]
-    return (f"{table}\nimages/s vs naive: {r['images_per_s_vs_naive']}; c1 vs naive: {r['c1_vs_naive']}; floor: "
-            f"{(result.get('floor') or {}).get('floor_s')} s")
+    extra = "".join(f"; {k.replace('_', ' ')}: {r[k]}" for k in ("cached_vs_step", "others_latency_vs_step") if k in r)
+    return (f"{table}\nimages/s vs naive: {r['images_per_s_vs_naive']}; c1 vs naive: {r['c1_vs_naive']}{extra}; "
+            f"floor: {(result.get('floor') or {}).get('floor_s')} s")
 
 
 def _env(args, device: str) -> dict:
@@ -1010,8 +1043,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--concurrency", type=int, default=16, help="requests in flight (1..16)")
     ap.add_argument("--servers", type=parse_servers, default=["naive", "step"],
-                    help="subset of naive,step,planned,cached (planned: the step scheduler on the table bcg plan "
-                    "chooses from the packaged krea sample; cached: step with --cache as every request's cache)")
+                    help="subset of naive,step,planned,cached,half-cached (planned: the step scheduler on the table "
+                    "bcg plan chooses from the packaged krea sample; cached: step with --cache as every request's "
+                    "cache; half-cached: step with --cache in every even-numbered request)")
     ap.add_argument("--plan-max-graphs", type=int, default=12, help="graph cap of the planned table (default 12)")
     ap.add_argument("--plan-costs", choices=("measure", "token-count"), default="token-count",
                     help="costs of the planned table: measured on this GPU (bcg plan --measure) or the token-count "
@@ -1129,7 +1163,10 @@ def main(argv: list[str] | None = None) -> int:
             entry: dict[str, Any] = {"server": name, "overrides": overrides[name],
                                      "config": configs[name].model_dump(mode="json")}
             try:
-                entry.update(run_server(name, configs[name], reqs, warm, c1, args, floor and floor["floor_s"]))
+                sent_reqs, sent_warm = ((half_cached(reqs, args.cache), half_cached(warm, args.cache, every=True))
+                                        if name.startswith("half-cached") else (reqs, warm))
+                entry.update(run_server(name, configs[name], sent_reqs, sent_warm, c1, args,
+                                        floor and floor["floor_s"]))
             except Exception as e:  # noqa: BLE001 - one failing server must not lose the others' results
                 entry["error"] = f"{type(e).__name__}: {e}"[:2000]
                 result["errors"].append(f"{name}: {entry['error']}")

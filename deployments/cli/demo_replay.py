@@ -56,6 +56,8 @@ class DemoRequest:
         height: image height in pixels.
         n: images requested (the row's ``num_generations``; 1 when empty).
         seed: the row's seed modulo :data:`SEED_MODULUS`, or None when empty (the server picks one).
+        cache: the request's ``cache`` extension (a step cache, e.g. ``{"method": "first_block", "threshold":
+            0.5}``), or None: the server's default.
     """
 
     number: int
@@ -65,6 +67,7 @@ class DemoRequest:
     height: int
     n: int
     seed: int | None
+    cache: dict | None = None
 
     @property
     def size(self) -> str:
@@ -86,6 +89,8 @@ class DemoRequest:
         }
         if self.seed is not None:
             body["seed"] = self.seed
+        if self.cache is not None:
+            body["cache"] = dict(self.cache)
         return body
 
     def image_name(self, image: int) -> str:

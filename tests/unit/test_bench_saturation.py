@@ -187,6 +187,28 @@ def test_ratios_against_naive():
     assert r["images_per_s_vs_naive"] == {"step": None, "planned": None}  # 15 of 32 served: not comparable
 
 
+def test_half_cached_requests_and_the_others_latency():
+    """The half-cached server: even-numbered requests carry the cache in their body, odd ones none; every server
+    reports the odd ones' latency, and the ratios compare the half-cached server's with the step server's."""
+    from deployments.cli.demo_replay import DemoRequest
+
+    cache = {"method": "first_block", "threshold": 0.5}
+    reqs = [DemoRequest(i, i - 1, f"p{i}", 512, 512, 1, i) for i in range(1, 5)]
+    sent = bench.half_cached(reqs, cache)
+    assert [r.body(20).get("cache") for r in sent] == [None, cache, None, cache]
+    assert all(r.body(20)["cache"] == cache for r in bench.half_cached(reqs, cache, every=True))
+    rows = [{"number": i, "ok": ok, "latency_ms": ms} for i, ok, ms in
+            ((1, True, 100.0), (2, True, 50.0), (3, True, 300.0), (4, True, 60.0), (5, False, 1.0))]
+    assert bench.others_latency(rows) == {"requests": 2, "p50": 200.0, "p99": 298.0, "mean": 200.0}
+    r = bench.ratios({"step": {"images_per_s": 2.0, "others_latency_ms": {"p50": 200.0, "p99": 400.0}},
+                      "cached": {"images_per_s": 3.4},
+                      "half-cached": {"images_per_s": 2.6, "others_latency_ms": {"p50": 210.0, "p99": 380.0}}})
+    assert r["cached_vs_step"] == 1.7 and r["others_latency_vs_step"] == {"p50": 1.05, "p99": 0.95}
+    assert bench.server_overrides("half-cached", {}, None, reqs, 16, cache=cache) == {"runner": {"kernels": "eager"}}
+    with pytest.raises(ValueError, match="half-cached server needs --cache"):
+        bench.server_overrides("half-cached", {}, None, reqs, 16)
+
+
 def test_small_helpers():
     assert bench.busy_fraction([(0.0, 100.0), (1.0, 50.0), (2.0, 0.0), (9.0, 100.0)], 0.5, 2.5) == 0.25
     assert bench.busy_fraction([(0.0, 100.0)], 1.0, 2.0) is None
