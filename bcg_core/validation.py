@@ -307,7 +307,7 @@ class RequestValidator:
     def _bad(self, name: str, got: object, reason: str) -> RequestError:
         """The error of a refused field, in the one wording of limit messages (:func:`invalid`,
         :func:`engine_field_phrase`)."""
-        multiple = None if self.spec.size_bins else self.rules.pixels_per_token
+        multiple = None if self.spec.size_bins else self.spec.size_step
         return RequestError(name, invalid(name, got, reason, engine_field_phrase(
             name, self.limits, multiple, tuple(self.config.buckets.resolutions), self.config.lora,
             self.spec.cache_methods)))

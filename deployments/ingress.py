@@ -193,7 +193,7 @@ class Ingress:
     def _request_limits(self) -> RequestLimits:
         return RequestLimits(
             limits=self._config.limits,
-            size_multiple=None if self._validator.spec.size_bins else self._validator.table.rules.pixels_per_token,
+            size_multiple=None if self._validator.spec.size_bins else self._validator.spec.size_step,
             model_name=self._model_name,
             resolutions=tuple(self._config.buckets.resolutions),
             lora=self._config.lora,

@@ -87,7 +87,7 @@ def model_card(validator: RequestValidator, config: ServeConfig, name: str, crea
         "family": spec.family, "pipeline_class": spec.pipeline_class,
         "buckets": {**table.describe_limits(), "count": len(table)},
         "limits": {"max_images": lim.max_images, "min_side_px": lim.min_side_px, "max_side_px": lim.max_side_px,
-                   "size_multiple": table.rules.pixels_per_token, "max_steps": lim.max_steps,
+                   "size_multiple": spec.size_step, "max_steps": lim.max_steps,
                    "default_steps": validator.default_steps, "default_size": "{}x{}".format(*spec.default_size)},
         "defaults": validator.defaults,
         "quality_steps": quality,

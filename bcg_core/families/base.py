@@ -59,12 +59,14 @@ QUALITY_STEPS: dict[str, tuple[int, int, int]] = {
     "flux2": (20, 30, 50),
     "flux2-distilled": (2, 4, 8),
     "zimage": (20, 30, 50),
+    "qwenimage21": (20, 30, 40),
 }
 """Steps of ``quality`` low / medium / high per family. ``medium``: the diffusers pipeline's default
 ``num_inference_steps`` (FluxPipeline and StableDiffusion3Pipeline 28, PixArtSigmaPipeline and SanaPipeline 20);
 FLUX.1-schnell is distilled for 1-4 steps; QwenImagePipeline's, both FLUX.2 pipelines' and ZImagePipeline's
-default, 50, is their ``high``; distilled FLUX.2 [klein] checkpoints are published for 4 steps; the tiny default
-(random weights) takes few steps so a CPU serves it quickly. docs/API.md's quality table repeats them."""
+default, 50, is their ``high``, and QwenImage21Pipeline's 40 its; distilled FLUX.2 [klein] checkpoints are published
+for 4 steps; the tiny default (random weights) takes few steps so a CPU serves it quickly. docs/API.md's quality
+table repeats them."""
 
 
 @dataclass(frozen=True)
@@ -116,6 +118,13 @@ class ModelSpec:
         edit_pipelines: the diffusers pipelines whose results this model's edits equal, ``(image-to-image,
             inpainting)`` class names (``FluxImg2ImgPipeline``, ``FluxInpaintPipeline``), or None where bcg-serve
             serves no edits of this family (a request with an image is refused, naming the families that edit).
+        size_multiple: pixels each side must be a multiple of where the pipeline needs more than the token size
+            (Qwen-Image 2.1: 32, two 16-pixel tokens per encoder image slot; its pipeline rounds other sizes down),
+            else None. A request of another size is refused (:meth:`check`), and so is a bucket resolution of one
+            (:meth:`check_table`).
+        output_alpha: the family's decode gives (height, width, 4) RGBA images, as its diffusers pipeline's PIL
+            images are (Qwen-Image 2.1's VAE decodes four channels), served as they are; JPEG, which holds no alpha,
+            is then refused (:meth:`check`). False: (height, width, 3) RGB.
         cache_methods: the step-cache methods its transformer takes (:data:`bcg_core.step_cache.METHODS`, e.g.
             ``("first_block",)``), where the family is a :class:`~bcg_core.capabilities.StepCache`; empty: a request
             with a ``cache`` is refused.
@@ -139,6 +148,14 @@ class ModelSpec:
     default_strength: float | None = None
     edit_pipelines: tuple[str, str] | None = None
     cache_methods: tuple[str, ...] = ()
+    size_multiple: int | None = None
+    output_alpha: bool = False
+
+    @property
+    def size_step(self) -> int:
+        """Pixels each side of a request must be a multiple of: :attr:`size_multiple` where set, else the token
+        size (``rules.pixels_per_token``)."""
+        return self.size_multiple or self.rules.pixels_per_token
 
     def steps_for_quality(self, quality: str, config, default_steps: int, max_steps: int) -> int:
         """Denoising steps of OpenAI's ``quality`` for this model.
@@ -199,7 +216,6 @@ class ModelSpec:
             return {"guidance_scale": guidance}
         return {"guidance_scale": 0.0 if self.cfg_rule == "guidance_positive" else 1.0}
 
-
     def check_table(self, config) -> None:
         """Refuse a bucket table this model cannot serve, before anything loads (the replica would fail at
         capture otherwise).
@@ -208,13 +224,20 @@ class ModelSpec:
             config: the :class:`~bcg_core.config.BucketConfig`.
 
         Raises:
-            ValueError: a text bucket above :attr:`max_text_tokens`, or a resolution whose token grid exceeds
-                :attr:`max_grid_side`; the message names the values allowed.
+            ValueError: a text bucket above :attr:`max_text_tokens`, a resolution whose token grid exceeds
+                :attr:`max_grid_side`, or one whose sides are not multiples of :attr:`size_multiple` (no request
+                could reach it); the message names the values allowed.
         """
         if self.max_text_tokens is not None and config.all_text_lengths()[-1] > self.max_text_tokens:
             raise ValueError(f"buckets.text_lengths: {config.all_text_lengths()}: {self.pipeline_class} feeds at most "
                              f"{self.max_text_tokens} text tokens, so a larger bucket never fills; use text_lengths "
                              f"up to {self.max_text_tokens}")
+        m = self.size_multiple
+        if m is not None:
+            off = [n for n, (w, h) in zip(config.resolutions, config.resolution_pairs(), strict=True) if w % m or h % m]
+            if off:
+                raise ValueError(f"buckets.resolutions: {off}: {self.pipeline_class} generates sides that are "
+                                 f"multiples of {m} pixels, so no request reaches them; use multiples of {m}")
         if self.max_grid_side is not None:
             px = self.max_grid_side * self.rules.pixels_per_token
             for name, (w, h) in zip(config.resolutions, config.resolution_pairs(), strict=True):
@@ -229,7 +252,9 @@ class ModelSpec:
         Raises:
             RequestError: ``true_cfg_scale`` set on a family without true CFG (field ``true_cfg_scale``); a
                 ``negative_prompt`` where ``cfg_rule`` is ``"none"`` (field ``negative_prompt``); a size
-                whose token grid exceeds :attr:`max_grid_side` (field ``size``; diffusers raises there too).
+                whose token grid exceeds :attr:`max_grid_side` (field ``size``; diffusers raises there too) or whose
+                sides are not multiples of :attr:`size_multiple` (field ``size``; diffusers would round them down);
+                ``output_format`` ``"jpeg"`` where :attr:`output_alpha` (JPEG holds no alpha).
         """
         from bcg_core.errors import RequestError
 
@@ -241,6 +266,14 @@ class ModelSpec:
             raise RequestError(
                 "negative_prompt", f"negative_prompt is not an option of this {self.pipeline_class} checkpoint "
                 f"(family {self.family}): it runs no classifier-free guidance; leave it unset")
+        m = self.size_multiple
+        if m is not None and (request.width % m or request.height % m):
+            raise RequestError("size", f"size {request.width}x{request.height}: {self.pipeline_class} generates sides "
+                                       f"that are multiples of {m} pixels; use multiples of {m}")
+        if self.output_alpha and getattr(request, "output_format", None) == "jpeg":
+            raise RequestError("output_format", f"output_format 'jpeg': {self.pipeline_class} generates RGBA images "
+                                                f"(its VAE decodes an alpha channel) and JPEG holds no alpha; use "
+                                                f"'png' or 'webp'")
         if self.max_grid_side is not None:
             h, w = self.rules.grid(*self.generation_size(request.width, request.height))
             if max(h, w) > self.max_grid_side:
@@ -327,8 +360,9 @@ class Family(Protocol):
         ...
 
     def decode(self, state: RequestState) -> list[np.ndarray]:
-        """``n`` images as (height, width, 3) uint8 arrays at the requested size, as diffusers'
-        ``output_type="pil"`` gives them (``VaeImageProcessor.postprocess``)."""
+        """``n`` images as (height, width, 3) uint8 arrays at the requested size ((height, width, 4) RGBA where
+        :attr:`ModelSpec.output_alpha`), as diffusers' ``output_type="pil"`` gives them
+        (``VaeImageProcessor.postprocess``)."""
         ...
 
 
