@@ -23,10 +23,13 @@ A 2-step 64x64 run takes well under a second on a CPU.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 from pathlib import Path
 
-__all__ = ["QWEN3_VL_CHAT_TEMPLATE", "build", "processor_class", "qwen3_vl_processor", "without_torchvision"]
+__all__ = ["QWEN3_VL_CHAT_TEMPLATE", "build", "loadable", "processor_class", "qwen3_vl_processor",
+           "without_torchvision"]
 
 QWEN3_VL_CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
@@ -41,6 +44,7 @@ its system message, to count the tokens it drops)."""
 _VL_SPECIAL = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 
 
+@functools.cache
 def processor_class():
     """``Qwen3VLProcessor`` where torchvision is installed; else a subclass without its video processor.
 
@@ -50,7 +54,7 @@ def processor_class():
     real class. :func:`without_torchvision` makes ``transformers.Qwen3VLProcessor`` name it while a test loads the
     checkpoint, whose files keep the real class names.
     """
-    from transformers import Qwen3VLProcessor
+    from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor  # the real one, even when patched
     from transformers.utils import is_torchvision_available
 
     if is_torchvision_available():
@@ -70,6 +74,22 @@ def without_torchvision(monkeypatch) -> None:
     import transformers
 
     monkeypatch.setattr(transformers, "Qwen3VLProcessor", processor_class())
+
+
+@contextlib.contextmanager
+def loadable():
+    """Within the block, ``transformers.Qwen3VLProcessor`` names :func:`processor_class` (as :func:`without_torchvision`
+    does for a test), so that the checkpoint loads on a machine without torchvision outside pytest's ``monkeypatch``
+    (``reference_gate_bf16.FamilyCase.loading``, ``benchmarks/bf16_gate.py``); the original name is restored after.
+    Building needs no patch: :func:`build` saves the real class names."""
+    import transformers
+
+    original = transformers.Qwen3VLProcessor
+    transformers.Qwen3VLProcessor = processor_class()
+    try:
+        yield
+    finally:
+        transformers.Qwen3VLProcessor = original
 
 
 def qwen3_vl_processor():

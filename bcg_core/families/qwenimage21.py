@@ -1,0 +1,487 @@
+"""Qwen-Image 2.1 family: ``QwenImage21Pipeline`` checkpoints (``QwenImage21Transformer2DModel``, a single-stream
+block-causal DiT; a Qwen3-VL text encoder; the 16x RGBA ``AutoencoderKLQwenImage21``). Text to image.
+
+What diffusers 0.42.1 does (``pipelines/qwenimage21/pipeline_qwenimage21.py``, P; ``models/transformers/
+transformer_qwenimage21.py``, T) and what this module reuses:
+
+- Text: ``encode_prompt`` (called here; P:240-393) wraps the prompt in ``prompt_template_t2i`` (a raw string, not
+  the chat template; an empty prompt becomes ``" "``), runs Qwen3-VL with its final RMSNorm hooked off and drops
+  the system turn's ``_drop_idx`` tokens; the rest is **not truncated** (Qwen-Image 1 cuts at 512). A prompt is
+  limited by the encoder's positions and T's RoPE table (8192 positions) instead: :meth:`QwenImage21Family.
+  count_tokens` counts exactly the tokens kept, and a prompt over ``ModelSpec.max_prompt_tokens`` is refused.
+- Latents: ``prepare_latents`` (called here; P:452-491) draws (n, 1, 64, h, w) noise with ``randn_tensor`` in the
+  text embeddings' dtype and flattens it to (n, h * w, 64) tokens (``_pack_latents``: 2.1 consumes latents
+  unpatched, 16 pixels per token; Qwen-Image 1 packs 2x2 patches of 8-pixel latents). Sides must be multiples of
+  32 (P:640-642 rounds others down: refused here instead, ``ModelSpec.size_multiple``).
+- Schedule: sigmas ``linspace(1, 1/N, N)``, ``calculate_shift`` of the h * w tokens, ``retrieve_timesteps`` (both
+  called here), ``set_begin_index(0)`` (P:731-747, 767). A checkpoint with ``sample_sigmas`` (a fixed sigma grid
+  that replaces the request's step count, P:732-735) is refused at load.
+- Step: ``timestep = t.expand(rows).to(latents.dtype) / 1000`` (P:782-786); ``scheduler.step`` (P:816). True CFG
+  only with ``true_cfg_scale > 1`` (**default 1.0**, Qwen-Image 1's 4.0) and a negative prompt (``""`` counts, and
+  is encoded as ``" "``): ``neg + s * (cond - neg)`` with **no norm rescale** (Qwen-Image 1 rescales), P:798-813.
+- Decode: ``_unpack_latents``, ``z * latents_std + latents_mean``, ``vae.decode(...)[0][:, :, 0]``,
+  ``image_processor.postprocess`` (P:840-854): **RGBA** images (the VAE decodes 4 channels), served as diffusers
+  gives them (``ModelSpec.output_alpha``: PNG and WebP keep the alpha, JPEG is refused).
+
+Padding contract (:class:`QwenImage21Adapter`). T joins one sequence ``[text L][target image S]`` (condition
+images, not served yet, would sit inside the text at the encoder's image slots). Attention is block-causal: text
+tokens see only earlier text, the target image sees everything (T's ``QwenImage21AttnProcessor`` runs it as one
+attention per text segment plus one for the target, T:504-546). RoPE (``QwenImage21Rope``, T:655-713): text token
+i sits at (i, i, i); the target's frame axis sits at L (where its text ends) and its height and width on a grid
+centred on zero. With ``causal_condition`` the text is modulated from t = 0 (T:944-953). A bucket of T text tokens
+holds ``[text L][pads T - L][target S]``: pads are zero vectors after the real text, at positions L..T-1, hidden as
+keys by the mask (they come after every real text token, so causal text attention from a real token never reaches
+them; the target's key mask drops them); the target's frame position is the row's own L, written per row into the
+bucket's rotary buffer. Every other op is per token or per row, so a padded row equals the row alone, and rows of
+different L share one forward. Pad rows copy real row 0.
+
+This is *not* what diffusers does with a batch of prompts of different lengths: T reads the layout of row 0 of a
+right-padded batch, so every row's target frame sits at the longest prompt's length, and a short prompt batched
+beside a long one is another image than alone (5e-4 relative on the tiny checkpoint in fp32). bcg-serve gives every
+request what diffusers gives it alone (``tests/families/test_qwenimage21.py``).
+
+T's own forward builds positions and segments from Python lists (``tolist()``), which a CUDA graph cannot hold;
+:meth:`QwenImage21Adapter.forward` is a fixed-shape entry built from T's modules (``img_in``, ``txt_in``,
+``time_text_embed``, ``modulation``, the blocks, ``norm_out``, ``proj_out``, ``pos_embed.freqs``) and its
+``_qwenimage21_prepare_qkv``, with the per-row rotary and masks as tensors (:class:`BucketAttnProcessor`).
+
+Not served yet: condition images (P's ``image``: an edit request is refused with a 422 naming the families that
+edit), LoRA (``QwenImageLoraLoaderMixin``; ``lora.dir`` set: start-up error), previews, the fused step, the step
+cache (T has ``CacheMixin``), ``sample_sigmas`` checkpoints, and diffusers' prefix KV cache (``use_kv_cache``,
+P's default: every bucket forward recomputes the text prefix; on the tiny checkpoint both settings give
+bit-identical latents in fp32 on a CPU).
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21AttnProcessor
+
+from bcg_core.families.base import QUALITY_STEPS, ModelSpec, load_pipeline, read_json
+from bcg_core.families.defaults import pipeline_defaults
+from bcg_core.families.state import RequestState, TextRows, pad_text
+from bcg_core.keys import BucketKey
+from bcg_core.padding import DenoiseInputs, copy_rows, fill_masked_text
+from bcg_core.table import ShapeRules
+
+__all__ = ["BucketAttnProcessor", "QwenImage21Adapter", "QwenImage21Family"]
+
+QWEN21_PIXELS_PER_TOKEN = 16
+"""``QwenImage21Pipeline.vae_scale_factor`` (hard-coded 16; patch size 1)."""
+
+QWEN21_SIZE_MULTIPLE = 32
+"""P's ``multiple_of = vae_scale_factor * 2``: the encoder's image slots hold 2x2 latent tokens."""
+
+QWEN21_ROPE_POSITIONS = 8192
+"""Non-negative positions of ``QwenImage21Rope`` (``torch.arange(8192)``): text position i and the target's frame L
+index it, so L < 8192 (beyond it the index runs into the negative table)."""
+
+
+@dataclass(frozen=True)
+class BucketMasks:
+    """The bucket forward's attention masks, handed to :class:`BucketAttnProcessor` as ``attention_mask``.
+
+    Attributes:
+        text_len: text slots T of the bucket.
+        text: (B, 1, T, T) bool, causal and real keys only: what the text queries attend.
+        keys: (B, 1, 1, T + S) bool, real text keys and every image key: what the target queries attend.
+        rotary: (B, T + S, D_rope / 2) complex per-row positions (module docstring).
+    """
+
+    text_len: int
+    text: torch.Tensor
+    keys: torch.Tensor
+    rotary: torch.Tensor
+
+
+def _rope(x: torch.Tensor, rotary: torch.Tensor) -> torch.Tensor:
+    # T's apply_rotary_emb_qwen(use_real=False) with a per-row table: (B, S, H, D) x (B, S, D / 2) complex.
+    x_rotated = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+    return torch.view_as_real(x_rotated * rotary[:, :, None]).flatten(3).type_as(x)
+
+
+class BucketAttnProcessor(QwenImage21AttnProcessor):
+    """``QwenImage21AttnProcessor`` that also takes :class:`BucketMasks` as ``attention_mask``: the block-causal
+    attention of one text segment and the target (T's prefill, T:504-546) with per-row RoPE and key masks. Given
+    anything else it *is* the diffusers processor (:meth:`QwenImage21Adapter.forward_eager` sees no change)."""
+
+    def __call__(self, attn, hidden_states, attention_mask=None, rotary_emb=None, layer_cache=None,
+                 kv_cache_mode=None, cache_write_slice=None, segments=None, key_valid=None):
+        """``hidden_states`` (B, T + S, dim) -> (B, T + S, dim). With :class:`BucketMasks`: text queries [0, T)
+        attend text keys causally, real keys only; target queries [T, T + S) attend every real key (T:521-546
+        with one text segment); the other arguments are unused (no KV cache)."""
+        if not isinstance(attention_mask, BucketMasks):
+            return super().__call__(attn, hidden_states, attention_mask, rotary_emb, layer_cache, kv_cache_mode,
+                                    cache_write_slice, segments, key_valid)
+        from diffusers.models.attention_dispatch import dispatch_attention_fn
+        from diffusers.models.transformers.transformer_qwenimage21 import _qwenimage21_prepare_qkv
+
+        m, t = attention_mask, attention_mask.text_len
+        query, key, value, _ = _qwenimage21_prepare_qkv(attn, hidden_states, None, None, None, None)
+        query, key = _rope(query, m.rotary), _rope(key, m.rotary)
+        text = dispatch_attention_fn(query[:, :t], key[:, :t], value[:, :t], attn_mask=m.text, dropout_p=0.0,
+                                     backend=None, parallel_config=self._parallel_config)
+        image = dispatch_attention_fn(query[:, t:], key, value, attn_mask=m.keys, dropout_p=0.0, backend=None,
+                                      parallel_config=self._parallel_config)
+        out = torch.cat([text, image], dim=1).flatten(2, 3).type_as(query)
+        return attn.to_out[1](attn.to_out[0](out))
+
+
+class QwenImage21Adapter:
+    """Qwen-Image 2.1 architecture: keyed on the grid (the target's RoPE grid), masked text buckets (module
+    docstring, "Padding contract").
+
+    Layout: ``DenoiseInputs.latents`` (rows, h * w, 64) tokens; ``text`` (rows, T, context_in_dim) with
+    ``text_mask`` (rows, T) whose True entries are a prefix, or None; ``pooled`` (rows, 0); ``timestep`` (rows,)
+    ``t / 1000`` in the latents' dtype. Output: (rows, h * w, 64), the target tokens.
+
+    Args:
+        model: a ``QwenImage21Transformer2DModel`` with the stock processor on every block (replaced by
+            :class:`BucketAttnProcessor`).
+        max_text_tokens: most text tokens a bucket may hold.
+
+    Raises:
+        ValueError: another attention processor, or a patch size other than 1.
+    """
+
+    family = "qwenimage21"
+    timestep_max = 1.0
+    guidance_embeds = False
+    pooled_dim = 0
+
+    def __init__(self, model: torch.nn.Module, max_text_tokens: int = QWEN21_ROPE_POSITIONS - 1):
+        cfg = model.config
+        if int(cfg.patch_size) != 1:
+            raise ValueError(f"QwenImage21Transformer2DModel patch_size {cfg.patch_size}: QwenImage21Pipeline feeds "
+                             f"unpatched latents (patch_size 1)")
+        self.model = model
+        self.rules = ShapeRules(pixels_per_token=QWEN21_PIXELS_PER_TOKEN, grid_keyed=True, native_text_tokens=None)
+        self.in_channels = int(cfg.in_channels)
+        self.seq_dim = int(cfg.context_in_dim)
+        self.max_text_tokens = max_text_tokens
+        self._tables: dict[torch.device, list[torch.Tensor]] = {}
+        for block in model.transformer_blocks:
+            if type(block.attn.processor) is QwenImage21AttnProcessor:
+                block.attn.set_processor(BucketAttnProcessor())
+            elif not isinstance(block.attn.processor, BucketAttnProcessor):
+                raise ValueError(f"QwenImage21Adapter needs the stock QwenImage21AttnProcessor on every block, found "
+                                 f"{type(block.attn.processor).__name__}")
+
+    def example_latents(self, rows: int, grid: tuple[int, int], generator: torch.Generator) -> torch.Tensor:
+        """Latent tokens (rows, h * w, 64), standard normal, CPU fp32."""
+        return torch.randn(rows, grid[0] * grid[1], self.in_channels, generator=generator)
+
+    def allocate(self, key: BucketKey, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """Static buffers of ``key`` (shapes in the comments; S = h * w).
+
+        Raises:
+            ValueError: a key without a grid, or with more text tokens than the RoPE table holds.
+        """
+        if key.latent_hw is None:
+            raise ValueError(f"bucket {key} has no latent_hw: Qwen-Image 2.1 buckets are keyed on the latent grid")
+        if key.text_tokens > self.max_text_tokens:
+            raise ValueError(f"bucket {key}: {key.text_tokens} text tokens exceed the {self.max_text_tokens} this "
+                             f"model can place; use text_lengths up to {self.max_text_tokens}")
+        (h, w), b, t = key.latent_hw, key.batch, key.text_tokens
+        rope = sum(self.model.config.axes_dims_rope) // 2
+        return {
+            "latents": torch.zeros(b, h, w, self.in_channels, device=device, dtype=dtype),  # (B, h, w, C)
+            "text": torch.zeros(b, t, self.seq_dim, device=device, dtype=dtype),  # (B, T, D_ctx)
+            "text_mask": torch.zeros(b, t, device=device, dtype=torch.bool),  # (B, T) real tokens
+            "rotary": torch.zeros(b, t + h * w, rope, device=device, dtype=torch.complex64),  # (B, T + S, D/2)
+            "timestep": torch.zeros(b, device=device, dtype=dtype),  # (B,) t / 1000
+        }
+
+    def fill(self, buffers: dict[str, torch.Tensor], inputs: DenoiseInputs) -> None:
+        """Copy ``inputs`` into the buffers and write each row's RoPE from its text length (tensor ops only). Every
+        element is written, so nothing of an earlier request survives.
+
+        Raises:
+            ValueError: the inputs do not fit (more rows, another grid, more text tokens, a guidance input).
+        """
+        lat, text, real = buffers["latents"], buffers["text"], buffers["text_mask"]
+        b, h, w, c = lat.shape
+        t = text.shape[1]
+        if (inputs.rows > b or tuple(inputs.grid) != (h, w) or tuple(inputs.latents.shape[1:]) != (h * w, c)
+                or inputs.text_tokens > t or inputs.guidance is not None):
+            raise ValueError(f"inputs of {inputs.rows} rows x grid {tuple(inputs.grid)} x {inputs.text_tokens} text "
+                             f"tokens do not fit bucket buffers of {b} rows x grid {(h, w)} x {t} text tokens "
+                             f"(Qwen-Image 2.1 takes no guidance input)")
+        copy_rows(lat.view(b, h * w, c), inputs.latents)
+        fill_masked_text(text, real, inputs)
+        copy_rows(buffers["timestep"], inputs.timestep)
+        dev = text.device
+        length = real.sum(dim=1)  # (B,) real text tokens L per row
+        text_pos = torch.arange(t, device=dev).expand(b, t)
+        # T's QwenImage21Rope.forward: the target's frame axis at L, height and width centred on zero.
+        hh = torch.arange(-(h - h // 2), h // 2, device=dev).repeat_interleave(w)
+        ww = torch.arange(-(w - w // 2), w // 2, device=dev).repeat(h)
+        frame = torch.cat([text_pos, length[:, None].expand(b, h * w)], dim=1)
+        height = torch.cat([text_pos, hh.expand(b, h * w)], dim=1)
+        width = torch.cat([text_pos, ww.expand(b, h * w)], dim=1)
+        f = self._rope_tables(dev)
+        buffers["rotary"].copy_(torch.cat([f[0][frame], f[1][height], f[2][width]], dim=-1))
+
+    def _rope_tables(self, device: torch.device) -> list[torch.Tensor]:
+        """``QwenImage21Rope.freqs`` (per axis (8192 + 1024, D_axis / 2) complex64, a plain list the model keeps on
+        the CPU and T's forward copies over on every call) on ``device``, copied once."""
+        tables = self._tables.get(device)
+        if tables is None:
+            tables = self._tables[device] = [f.to(device) for f in self.model.pos_embed.freqs]
+        return tables
+
+    def forward(self, buffers: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Padded, masked forward over the static buffers (module docstring): (B, h * w, 64)."""
+        mdl, lat, text, real = self.model, buffers["latents"], buffers["text"], buffers["text_mask"]
+        b, t, s = lat.shape[0], text.shape[1], lat.shape[1] * lat.shape[2]
+        hidden = mdl.img_in(lat.flatten(1, 2))
+        joint = torch.cat([mdl.txt_in(text), hidden], dim=1)
+        timestep = buffers["timestep"].to(hidden.dtype)
+        target = None
+        if mdl.config.causal_condition:  # T: an extra t = 0 row for text tokens
+            timestep = torch.cat([timestep, timestep.new_zeros(1)], dim=0)
+            target = torch.arange(t + s, device=lat.device) >= t
+        temb = mdl.time_text_embed(timestep, hidden)
+        modulation = mdl.modulation(temb)
+        causal = torch.ones(t, t, device=lat.device, dtype=torch.bool).tril()
+        masks = BucketMasks(t, causal[None, None] & real[:, None, None, :],
+                            torch.cat([real, real.new_ones(b, s)], dim=1)[:, None, None, :], buffers["rotary"])
+        for block in mdl.transformer_blocks:
+            joint = block(hidden_states=joint, modulation=modulation, attention_mask=masks, target_token_mask=target)
+        return mdl.proj_out(mdl.norm_out(joint, temb, target))[:, t:]
+
+    def unpad(self, output: torch.Tensor, inputs: DenoiseInputs) -> torch.Tensor:
+        """Rows ``[0, inputs.rows)`` of ``output`` (text padding leaves no trace in the target tokens)."""
+        return output[: inputs.rows]
+
+    def forward_eager(self, inputs: DenoiseInputs) -> torch.Tensor:
+        """Unpadded reference forward, as ``QwenImage21Pipeline.__call__`` calls the transformer (without its KV
+        cache): each row alone (its own text length), mask None, ``img_mask`` the text's slots plus S / 4 target
+        slots."""
+        p = next(self.model.parameters())
+        h, w = inputs.grid
+        outs = []
+        for i in range(inputs.rows):
+            text = inputs.text[i: i + 1]
+            if inputs.text_mask is not None:
+                text = text[:, inputs.text_mask[i].to(text.device)]
+            img_mask = torch.zeros(1, text.shape[1] + h * w // 4, dtype=torch.bool, device=p.device)
+            img_mask[:, text.shape[1]:] = True
+            outs.append(self.model(
+                hidden_states=inputs.latents[i: i + 1].to(device=p.device, dtype=p.dtype),
+                encoder_hidden_states=text.to(device=p.device, dtype=p.dtype),
+                timestep=inputs.timestep[i: i + 1].to(device=p.device, dtype=p.dtype),
+                img_shapes=[[(1, h, w)]], img_mask=img_mask, return_dict=False)[0][:, -h * w:])
+        return torch.cat(outs)
+
+
+class QwenImage21Family:
+    """A ``QwenImage21Pipeline`` checkpoint, served step by step (see the module docstring).
+
+    Request fields: ``negative_prompt`` and ``true_cfg_scale`` (default 1.0: no CFG) decide true CFG, as diffusers;
+    ``guidance_scale`` is accepted and unused (the pipeline has none). Sizes are multiples of 32 pixels.
+
+    Args:
+        name: served model name.
+        spec: the model's :class:`ModelSpec`.
+        pipe: the loaded ``QwenImage21Pipeline`` on ``device``; its methods (``encode_prompt``, ``prepare_latents``,
+            ``_unpack_latents``, ``image_processor``) do the work.
+        counter: ``prompt -> tokens`` (:meth:`token_counter`).
+    """
+
+    name = "qwenimage21"
+    pipeline_classes = ("QwenImage21Pipeline",)
+    lora_loader = None
+
+    def __init__(self, name: str, spec: ModelSpec, pipe, counter, device: torch.device, dtype: torch.dtype):
+        self.model_name = name
+        self.spec = spec
+        self.rules = spec.rules
+        self.guidance_embeds = False
+        self.pipe = pipe
+        self.vae = pipe.vae
+        self.adapter = QwenImage21Adapter(pipe.transformer, spec.max_text_tokens)
+        self._counter = counter
+        self._lock = threading.Lock()
+        self.device, self.dtype = device, dtype
+
+    # -- checkpoint ---------------------------------------------------------------------------------
+
+    @staticmethod
+    def _processor(path: Path):
+        import transformers  # looked up at call time: the class the pipeline's from_pretrained also resolves
+
+        return transformers.Qwen3VLProcessor.from_pretrained(str(path / "processor"), local_files_only=True)
+
+    @staticmethod
+    def default_side() -> int:
+        """Pixels a side of a request without a size: ``__call__``'s ``output_resolution`` default (1024; P:635-636
+        ``height or output_resolution``), read from the installed diffusers."""
+        import inspect
+
+        from diffusers import QwenImage21Pipeline
+
+        return int(inspect.signature(QwenImage21Pipeline.__call__).parameters["output_resolution"].default)
+
+    @classmethod
+    def describe(cls, path: Path, index: dict) -> ModelSpec:
+        """Spec from ``model_index.json`` and the ``transformer/`` and ``text_encoder/`` configs; request defaults from
+        ``QwenImage21Pipeline.__call__``'s signature (:func:`pipeline_defaults`: 40 steps, true CFG 1.0, no guidance).
+        The prompt limit is the smaller of the RoPE table's 8191 text positions and the encoder's
+        ``max_position_embeddings`` less the system tokens the pipeline drops (the encoder reads them too).
+
+        Raises:
+            ValueError: another pipeline class, ``sample_sigmas`` set (the Turbo grid), a patch size other than 1.
+        """
+        kind = index["_class_name"]
+        if kind not in cls.pipeline_classes:
+            raise ValueError(f"{kind!r} is not a Qwen-Image 2.1 pipeline ({', '.join(cls.pipeline_classes)})")
+        if index.get("sample_sigmas"):
+            raise ValueError(f"{path.name}: sample_sigmas is set (a Turbo checkpoint): QwenImage21Pipeline then "
+                             f"ignores num_inference_steps; not served yet")
+        tr = read_json(path / "transformer" / "config.json")
+        if int(tr.get("patch_size", 1)) != 1:
+            raise ValueError(f"{path.name}: transformer patch_size {tr['patch_size']}: QwenImage21Pipeline feeds "
+                             f"unpatched latents")
+        te = read_json(path / "text_encoder" / "config.json")
+        positions = int(te.get("text_config", te).get("max_position_embeddings", QWEN21_ROPE_POSITIONS))
+        limit = min(QWEN21_ROPE_POSITIONS - 1, positions - cls.token_counter(path, index).drop)
+        return ModelSpec(
+            name=path.name, family=cls.name, pipeline_class=kind,
+            rules=ShapeRules(pixels_per_token=QWEN21_PIXELS_PER_TOKEN, grid_keyed=True, native_text_tokens=None),
+            cfg_rule="true_cfg", max_prompt_tokens=limit, max_text_tokens=limit,
+            quality_steps=QUALITY_STEPS["qwenimage21"], default_size=(cls.default_side(),) * 2,
+            size_multiple=QWEN21_SIZE_MULTIPLE, output_alpha=True,
+            **pipeline_defaults(kind),
+        )
+
+    @classmethod
+    def token_counter(cls, path: Path, index: dict):
+        """``(prompt, negative=False) -> tokens`` that ``encode_prompt`` keeps: the templated prompt's tokens less the
+        ``_drop_idx`` dropped, untruncated (the pipeline truncates nothing). Template, drop count and image token
+        are read from a ``QwenImage21Pipeline`` holding only the processor, so they cannot drift from diffusers.
+        The counter's ``drop`` attribute is the drop count.
+
+        Raises (from the counter):
+            RequestError: the text holds the encoder's ``<|image_pad|>`` token (field ``prompt``, or
+                ``negative_prompt`` with ``negative``): a condition image's slot (P:321-325). Diffusers cannot run
+                it either: ``Qwen3VLProcessor`` refuses image tokens without images (a ValueError).
+        """
+        from diffusers import QwenImage21Pipeline
+
+        from bcg_core.errors import RequestError
+
+        skel = QwenImage21Pipeline(scheduler=None, vae=None, text_encoder=None, processor=cls._processor(path),
+                                   transformer=None)
+        tok, template, drop, image = (skel.processor.tokenizer, skel.prompt_template_t2i, skel._drop_idx,
+                                      skel._img_token_id)
+
+        def count(prompt: str, negative: bool = False) -> int:
+            ids = tok(template.format(prompt or " "))["input_ids"]  # P: an empty prompt becomes " "
+            if image in ids:
+                field = "negative_prompt" if negative else "prompt"
+                raise RequestError(field, f"{field} holds the text encoder's image token "
+                                          f"{tok.convert_ids_to_tokens(image)!r}, which marks a condition image's "
+                                          f"place; condition images are not served: remove it")
+            return len(ids) - drop
+
+        count.drop = drop
+        return count
+
+    @classmethod
+    def load(cls, path: Path, index: dict, device: torch.device, dtype: torch.dtype) -> QwenImage21Family:
+        """Load with ``QwenImage21Pipeline.from_pretrained`` (local files only, :func:`load_pipeline`). The processor
+        (``Qwen3VLProcessor``) needs torchvision for its video processor."""
+        from diffusers import QwenImage21Pipeline
+
+        spec = cls.describe(path, index)
+        pipe = load_pipeline(QwenImage21Pipeline, path, device, dtype)
+        return cls(path.name, spec, pipe, cls.token_counter(path, index), device, dtype)
+
+    # -- validation hooks ---------------------------------------------------------------------------
+
+    def count_tokens(self, prompt: str, negative: bool = False) -> int:
+        """Text tokens of ``prompt`` in the key (see :meth:`token_counter`; negative prompts alike)."""
+        with self._lock:
+            return self._counter(prompt, negative)
+
+    # -- the step-level loop ------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def encode(self, prompt: str) -> TextRows:
+        """One prompt through ``encode_prompt``: (1, L, D) embeddings, an all-True (1, L) mask."""
+        with self._lock:
+            text, _, slots = self.pipe.encode_prompt(prompt=[prompt], device=self.device)
+        if bool(slots.any()):
+            raise ValueError("the prompt's encoding holds image slots; condition images are not served yet")
+        return TextRows(text, text.new_zeros(1, 0), torch.ones(1, text.shape[1], device=text.device, dtype=torch.bool))
+
+    @torch.inference_mode()
+    def start(self, validated, cancel: threading.Event | None = None) -> RequestState:
+        """Encode (and, with true CFG, the negative prompt), draw noise with ``prepare_latents`` and set the shifted
+        schedule (P:677-747, 767).
+
+        Raises:
+            ValueError: an edit request (``request.image``: condition images are not served; the validator refuses
+                them first).
+        """
+        from diffusers.pipelines.qwenimage21.pipeline_qwenimage21 import calculate_shift, retrieve_timesteps
+
+        req = validated.request
+        if req.image is not None:
+            raise ValueError("Qwen-Image 2.1 condition images are not served yet")
+        cond = self.encode(req.prompt)
+        uncond = self.encode(req.negative_prompt) if self.spec.uses_cfg(req) else None
+        gens = [torch.Generator("cpu").manual_seed(req.seed + i) for i in range(req.n)]
+        latents, _ = self.pipe.prepare_latents(None, req.n, self.adapter.in_channels, req.height, req.width,
+                                               cond.text.dtype, self.device, gens)
+        sched = copy.deepcopy(self.pipe.scheduler)
+        c = sched.config
+        mu = calculate_shift(latents.shape[1], c.get("base_image_seq_len", 256), c.get("max_image_seq_len", 4096),
+                             c.get("base_shift", 0.5), c.get("max_shift", 1.15))
+        steps = req.num_inference_steps
+        timesteps, _ = retrieve_timesteps(sched, steps, self.device, sigmas=np.linspace(1.0, 1 / steps, steps), mu=mu)
+        sched.set_begin_index(0)
+        return RequestState(validated, cond, uncond, latents, sched, timesteps,
+                            self.rules.grid(req.width, req.height), cancel=cancel)
+
+    def model_rows(self, state: RequestState) -> DenoiseInputs:
+        """Cond rows (one per image), then with CFG the uncond rows, text padded (masked) to the longer; timestep
+        ``t.to(latents.dtype) / 1000`` per row (P:782-786)."""
+        n, lat = state.n, state.latents
+        parts = [state.cond] + ([state.uncond] if state.cfg else [])
+        tokens = max(p.tokens for p in parts)
+        parts = [pad_text(p, tokens) for p in parts]
+        x = torch.cat([lat] * len(parts)) if len(parts) > 1 else lat
+        text = torch.cat([p.text.expand(n, -1, -1) for p in parts])
+        mask = torch.cat([p.mask.expand(n, -1) for p in parts])
+        timestep = state.timestep.expand(x.shape[0]).to(lat.dtype) / 1000
+        return DenoiseInputs(x, text, lat.new_zeros(x.shape[0], 0), timestep, state.grid, text_mask=mask)
+
+    @torch.inference_mode()
+    def advance(self, state: RequestState, output: torch.Tensor) -> None:
+        """True CFG ``neg + s * (cond - neg)`` (P:798-813), then the request's scheduler step (P:816)."""
+        noise_pred = output[: state.n]
+        if state.cfg:
+            neg_noise_pred = output[state.n:]
+            noise_pred = neg_noise_pred + self.spec.cfg_scale(state.request) * (noise_pred - neg_noise_pred)
+        state.latents = state.scheduler.step(noise_pred, state.timestep, state.latents, return_dict=False)[0]
+        state.step_index += 1
+
+    @torch.inference_mode()
+    def decode(self, state: RequestState) -> list[np.ndarray]:
+        """``_unpack_latents``, ``z * latents_std + latents_mean``, the first frame decoded, ``postprocess``
+        (P:840-854): (height, width, 4) uint8 RGBA, as diffusers' PIL images."""
+        pipe, vae, req = self.pipe, self.vae, state.request
+        latents = pipe._unpack_latents(state.latents, req.height, req.width, pipe.vae_scale_factor).to(vae.dtype)
+        z, dev, dt = vae.config.z_dim, latents.device, latents.dtype
+        mean = torch.tensor(vae.config.latents_mean).view(1, z, 1, 1, 1).to(dev, dt)
+        std = torch.tensor(vae.config.latents_std).view(1, z, 1, 1, 1).to(dev, dt)
+        image = vae.decode(latents * std + mean, return_dict=False)[0][:, :, 0]
+        return [np.asarray(im) for im in pipe.image_processor.postprocess(image, output_type="pil")]
