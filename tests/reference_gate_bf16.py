@@ -14,8 +14,8 @@ dtype and device:
   (``torch.nn.attention.sdpa_kernel(SDPBackend.MATH)``): what a change of attention kernel alone does;
 - ``fp32``: the bf16 image against diffusers' fp32 image (the scale of bf16 itself; the bound of compiled kernels).
 
-Per family (the five of ``tests/tiny/``, random weights, bf16, 4 steps), :func:`measure_family` serves through
-bcg-serve (``runner.kernels`` as given, ``"eager"`` by default) and compares with diffusers alone:
+Per family (the tiny checkpoints of ``tests/tiny/``, random weights, bf16, 4 steps), :func:`measure_family` serves
+through bcg-serve (``runner.kernels`` as given, ``"eager"`` by default) and compares with diffusers alone:
 
 - ``exact``: a request alone at an exact bucket;
 - ``image_padded``: sizes padded into a masked image tier (FLUX only: the other families key buckets on the grid);
@@ -93,6 +93,8 @@ class FamilyCase:
         noise_input: ``(pipeline, noise, request) -> latents`` for the ``fp32`` run where the pipeline's ``latents=``
             takes another layout than its ``prepare_latents`` returns (:func:`flux2_noise`); None: the noise as
             recorded.
+        loading: ``() -> context manager`` within which the checkpoint loads (Qwen-Image 2.1's processor needs
+            torchvision, else :func:`tiny.qwenimage21.loadable`); None: no context.
     """
 
     builder: str
@@ -106,6 +108,11 @@ class FamilyCase:
     text_padded_prompts: int = 4
     image_padded_sizes: tuple[tuple[int, int], ...] = ()
     noise_input: Callable[..., torch.Tensor] | None = None
+    loading: Callable[[], contextlib.AbstractContextManager] | None = None
+
+    def load_context(self) -> contextlib.AbstractContextManager:
+        """:attr:`loading`'s context, or a context that does nothing."""
+        return self.loading() if self.loading is not None else contextlib.nullcontext()
 
 
 def flux2_noise(pipe, noise: torch.Tensor, request: GenerationRequest) -> torch.Tensor:
@@ -150,6 +157,10 @@ FAMILIES: dict[str, FamilyCase] = {
     "zimage": FamilyCase("zimage", "ZImagePipeline",
                          {"batch_sizes": [1, 2, 4], "resolutions": ["32x32"], "text_lengths": [16, 48]},
                          {"width": 32, "height": 32, "guidance_scale": 4.0}, masked_text=True, text_padded_min=17),
+    "qwenimage21": FamilyCase("qwenimage21", "QwenImage21Pipeline",
+                              {"batch_sizes": [1, 2, 4], "resolutions": ["64x64"], "text_lengths": [16, 32]},
+                              {"width": 64, "height": 64}, masked_text=True,
+                              loading=lambda: importlib.import_module("tiny.qwenimage21").loadable()),
 }
 """The families as the gate runs them (tiny checkpoints of ``tests/tiny/``; FLUX.2 twice: [dev], and [klein] with
 its CFG)."""
@@ -271,7 +282,8 @@ def load_diffusers(case: FamilyCase, folder: Path, device: str, dtype: torch.dty
     components get ``torch_dtype``; such a transformer is cast, as with ``accelerate`` (and as bcg-serve loads it).
     """
     cls = getattr(importlib.import_module("diffusers"), case.pipeline)
-    pipe = cls.from_pretrained(str(folder), torch_dtype=dtype, local_files_only=True)
+    with case.load_context():
+        pipe = cls.from_pretrained(str(folder), torch_dtype=dtype, local_files_only=True)
     if pipe.transformer.dtype != dtype:
         pipe.transformer.to(dtype=dtype)
     pipe.to(device)
@@ -385,7 +397,8 @@ def measure_family(name: str, device: str = "cpu", kernels: str = "eager", steps
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(folder) if folder is not None else Path(tmp)
         built = importlib.import_module(f"tiny.{case.builder}").build(root / name, **case.build_kwargs)
-        pipe = bcg_pipeline(built, case.buckets, device=device, dtype="bfloat16", kernels=kernels)
+        with case.load_context():
+            pipe = bcg_pipeline(built, case.buckets, device=device, dtype="bfloat16", kernels=kernels)
         ref = load_diffusers(case, built, device, torch.bfloat16)
         ref32 = load_diffusers(case, built, device, torch.float32)
         count = pipe.model.count_tokens

@@ -15,6 +15,10 @@ bounds measured in the same run:
   attention-backend deviations. Their latents are batch-exact in diffusers, so an exact bucket must be bit-identical.
 - FLUX.2 [klein] with CFG, alone and sharing its forwards with another request: its cond and uncond rows run in one
   forward where diffusers runs two; diffusers' latents are batch-exact, so bit-identical latents are demanded.
+- Z-Image and Qwen-Image 2.1 captions padded by counts that are not multiples of 16, an exact bucket and a request
+  sharing its forwards with another. Qwen-Image 2.1's diffusers is not batch-exact beyond rounding: a batch of
+  prompts of different lengths puts every row's image at the longest prompt's RoPE frame position (5e-4 relative
+  in fp32 on its tiny checkpoint), inside its bf16 batch bound (about 5e-3).
 
 And the gate's rules themselves (:func:`reference_gate_bf16.check`) on made-up results.
 """
@@ -151,13 +155,14 @@ def test_diffusers_bf16_against_its_fp32_is_a_rounding_here(tmp_path):
     ("flux2", ("exact", "image_padded"), 3),
     ("flux2-klein", ("exact", "batched"), 2),  # CFG rows beside another request's rows
     ("zimage", ("exact", "text_padded", "batched"), 2),
+    ("qwenimage21", ("exact", "text_padded", "batched"), 3),
 ])
 def test_bf16_padding_on_the_cpu_is_within_diffusers_own_deviations(family, cases, per_case, tmp_path):
     result = measure_family(family, cases=cases, per_case=per_case, folder=tmp_path)
     assert set(result["cases"]) == set(cases)
     padded = [r for r in result["requests"] if r["case"] in ("text_padded", "image_padded")]
     assert len(padded) == (per_case if {"text_padded", "image_padded"} & set(cases) else 0)
-    if family in ("qwenimage", "zimage"):
+    if family in ("qwenimage", "zimage", "qwenimage21"):
         assert all((int(r["key"].split("_t")[1].split("_")[0]) - r["tokens"]) % 16 for r in padded)
     else:
         assert all("_m_" in r["key"] for r in padded)  # masked tiers
