@@ -14,13 +14,20 @@ import inspect
 
 import pytest
 import torch
-from diffusers import FluxPipeline, PixArtSigmaPipeline, QwenImagePipeline, SanaPipeline, StableDiffusion3Pipeline
+from diffusers import (
+    FluxPipeline,
+    PixArtSigmaPipeline,
+    QwenImage21Pipeline,
+    QwenImagePipeline,
+    SanaPipeline,
+    StableDiffusion3Pipeline,
+)
 
 from bcg_core import BucketConfig, GenerationRequest, ModelConfig, RequestValidator
 from bcg_core.config import EngineConfig
 from bcg_core.models import describe_model
 from reference_gate import assert_same, bcg_pipeline, bcg_run, diffusers_run
-from tiny import flux, pixart, qwenimage, sana, sd3
+from tiny import flux, pixart, qwenimage, qwenimage21, sana, sd3
 
 CASES = {
     # case: (builder, pipeline class, bucket table, size, diffusers call kwargs)
@@ -38,6 +45,8 @@ CASES = {
              dict(batch_sizes=[1, 2], resolutions=["512x512"], text_lengths=[32]), 512, {}),
     "qwenimage": (lambda d: qwenimage.build(d), QwenImagePipeline,
                   dict(batch_sizes=[1, 2], resolutions=["64x64"], text_lengths=[32]), 64, {}),
+    "qwenimage21": (lambda d: qwenimage21.build(d), QwenImage21Pipeline,
+                    dict(batch_sizes=[1, 2], resolutions=["64x64"], text_lengths=[32]), 64, {}),
 }
 
 DOCUMENTED = {
@@ -49,6 +58,7 @@ DOCUMENTED = {
     "pixart": (20, 4.5, None),
     "sana": (20, 4.5, None),
     "qwenimage": (50, None, 4.0),
+    "qwenimage21": (40, None, 1.0),  # no guidance_scale in its __call__ at all
 }
 
 PROMPT = "a photo of a cat"
@@ -60,10 +70,16 @@ def folders(tmp_path_factory):
     return {case: build(root / case) for case, (build, *_rest) in CASES.items()}
 
 
+@pytest.fixture(autouse=True)
+def _loadable(monkeypatch):
+    qwenimage21.without_torchvision(monkeypatch)  # Qwen-Image 2.1's processor without torchvision
+
+
 def _signature(pipeline_cls) -> tuple[int, float | None, float | None]:
     params = inspect.signature(pipeline_cls.__call__).parameters
     true_cfg = params["true_cfg_scale"].default if "true_cfg_scale" in params else None
-    return params["num_inference_steps"].default, params["guidance_scale"].default, true_cfg
+    guidance = params["guidance_scale"].default if "guidance_scale" in params else None
+    return params["num_inference_steps"].default, guidance, true_cfg
 
 
 def _config(folder, case: str, **limits) -> EngineConfig:
@@ -87,9 +103,9 @@ def test_the_family_defaults_are_its_pipelines_signature_defaults(folders, case)
         f"{pipeline_cls.__name__}'s defaults changed: update the docs and DOCUMENTED")
     spec = describe_model(ModelConfig(path=str(folders[case])))
     assert (spec.default_steps, spec.default_guidance_scale, spec.default_true_cfg_scale) == (steps, guidance, true_cfg)
-    # quality's table names the pipeline's default: medium (high for Qwen-Image; schnell is distilled for 1-4)
+    # quality's table names the pipeline's default: medium (high for Qwen-Image and 2.1; schnell is distilled for 1-4)
     if case != "flux-schnell":
-        assert steps == spec.quality_steps[2 if case == "qwenimage" else 1]
+        assert steps == spec.quality_steps[2 if case in ("qwenimage", "qwenimage21") else 1]
     config = _config(folders[case], case)
     validator = RequestValidator.from_config(config)  # the ingress's: tokenizer and JSON configs only
     size = CASES[case][3]
@@ -102,6 +118,7 @@ def test_the_family_defaults_are_its_pipelines_signature_defaults(folders, case)
         shown["true_cfg_scale"] = true_cfg
     assert card["defaults"] == shown
     assert card["limits"]["default_steps"] == steps and card["quality_steps"]["auto"] == steps
+    assert card["limits"]["size_multiple"] == (32 if case == "qwenimage21" else spec.rules.pixels_per_token)
 
 
 @pytest.mark.parametrize("case", list(CASES))
