@@ -1,7 +1,8 @@
 """Image files: encoding decoded images as PNG, JPEG or WebP (Pillow), the answer's ``output_format``.
 
-A family's decode gives (height, width, 3) uint8 RGB arrays; :func:`encode_image` turns one into the bytes of
-an image file. The replica's encoder threads call it (never the denoising thread, never an event loop): the
+A family's decode gives (height, width, 3) uint8 RGB arrays (RGBA, (height, width, 4), where its pipeline's images
+carry alpha: ``ModelSpec.output_alpha``, whose requests cannot ask for JPEG); :func:`encode_image` turns one into the
+bytes of an image file. The replica's encoder threads call it (never the denoising thread, never an event loop): the
 step scheduler's ``scheduler.encode_threads`` pool (:mod:`bcg_core.scheduler.finish`), or the calling thread of
 :meth:`~bcg_core.pipeline.DiTPipeline.generate`.
 
@@ -32,7 +33,7 @@ def encode_image(image: np.ndarray, fmt: str = "png", compression: int | None = 
     """The bytes of ``image`` as a ``fmt`` file.
 
     Args:
-        image: (height, width, 3) uint8 RGB.
+        image: (height, width, 3) uint8 RGB, or (height, width, 4) RGBA for PNG and WebP (they keep the alpha).
         fmt: ``"png"`` (PIL's default settings, lossless), ``"jpeg"`` or ``"webp"``.
         compression: 0..100 for JPEG and WebP (Pillow ``quality``; None: :data:`DEFAULT_COMPRESSION`); must be
             None or 100 for PNG.
