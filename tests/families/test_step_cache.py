@@ -340,6 +340,36 @@ def test_bf16_alone_at_an_exact_bucket_is_bit_identical_to_diffusers_bf16_with_i
     assert torch.equal(state.latents.to(ref.dtype), ref)
 
 
+def test_bf16_requests_with_different_caches_sharing_steps_are_bit_identical_to_diffusers_bf16(flux_folder):
+    """The bf16 gate's shared case: three FLUX.1 requests (two First Block Cache thresholds, one without a cache)
+    share steps at an exact bucket, joining at different steps, so reused and computed rows of different requests
+    run in one head forward and computed rows in one tail forward. FLUX.1's latents are batch-exact in diffusers, so
+    each must give diffusers' bf16 bits alone with its own cache, and the same computed steps."""
+    pipe = bcg_pipeline(flux_folder, FLUX_BUCKETS, dtype="bfloat16")
+    requests = [_flux_request(0.6, n=2, seed=11, prompt="a lighthouse at dusk"),
+                _flux_request(2.0, seed=5, prompt="a bowl of ramen"),
+                _flux_request(None, seed=7, prompt="a paper boat")]
+    states = _serve(pipe, requests, head_start={1: 0, 0: 2, 2: 3})
+    ref_pipe = FluxPipeline.from_pretrained(str(flux_folder), torch_dtype=torch.bfloat16, local_files_only=True)
+    ref_pipe.set_progress_bar_config(disable=True)
+    for request, state in zip(requests, states, strict=True):
+        if isinstance(request.cache, FirstBlockCache):
+            ref_pipe.transformer.enable_cache(to_diffusers(request.cache))
+        computed = []
+        hook = _flux_last(ref_pipe.transformer).register_forward_hook(lambda *a, out=computed: out.append(1))
+        with torch.inference_mode():
+            ref = ref_pipe(prompt=request.prompt, num_images_per_prompt=request.n, width=64, height=64,
+                           num_inference_steps=STEPS, guidance_scale=3.5, output_type="latent",
+                           generator=[torch.Generator("cpu").manual_seed(request.seed + i) for i in range(request.n)],
+                           max_sequence_length=tiny_flux.TEXT_TOKENS).images  # bcg-serve: image i's seed is seed + i
+        hook.remove()
+        if isinstance(request.cache, FirstBlockCache):
+            ref_pipe.transformer.disable_cache()
+            assert _computed(state) == len(computed)
+        assert torch.equal(state.latents.to(ref.dtype), ref), request.prompt
+    assert _computed(states[1]) < STEPS  # the shared steps mixed rows that reused with rows that computed
+
+
 def test_the_graph_halves_static_buffers_give_what_the_per_row_halves_give(flux_pipe):
     """The halves as the CUDA graph runner captures them (``bcg_core/runners/piecewise.py``: padded static
     buffers filled by ``pad_rows`` before each replay, ``HeadPhase(static=...)``, ``TailPhase(static=True)``) compute
