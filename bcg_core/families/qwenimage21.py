@@ -337,14 +337,16 @@ class QwenImage21Family:
         ``max_position_embeddings`` less the system tokens the pipeline drops (the encoder reads them too).
 
         Raises:
-            ValueError: another pipeline class, ``sample_sigmas`` set (the Turbo grid), a patch size other than 1.
+            ValueError: another pipeline class, ``sample_sigmas`` set (a sigma grid the model author configured, whose
+                length replaces the request's step count, P:177-180 and 732-735), a patch size other than 1.
         """
         kind = index["_class_name"]
         if kind not in cls.pipeline_classes:
             raise ValueError(f"{kind!r} is not a Qwen-Image 2.1 pipeline ({', '.join(cls.pipeline_classes)})")
         if index.get("sample_sigmas"):
-            raise ValueError(f"{path.name}: sample_sigmas is set (a Turbo checkpoint): QwenImage21Pipeline then "
-                             f"ignores num_inference_steps; not served yet")
+            raise ValueError(f"{path.name}: model_index.json sets sample_sigmas ({len(index['sample_sigmas'])} "
+                             f"steps): QwenImage21Pipeline then runs that grid whatever num_inference_steps is; "
+                             f"checkpoints with sample_sigmas are not served yet")
         tr = read_json(path / "transformer" / "config.json")
         if int(tr.get("patch_size", 1)) != 1:
             raise ValueError(f"{path.name}: transformer patch_size {tr['patch_size']}: QwenImage21Pipeline feeds "

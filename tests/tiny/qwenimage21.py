@@ -135,7 +135,7 @@ def build(folder: Path, causal_condition: bool = True, sample_sigmas: list[float
 
     Args:
         causal_condition: the transformer flag (the released checkpoint's True).
-        sample_sigmas: the pipeline config of the Turbo checkpoint (refused by the family).
+        sample_sigmas: the pipeline's ``sample_sigmas`` config (a fixed sigma grid; refused by the family).
     """
     import torch
     from diffusers import (
