@@ -1,4 +1,5 @@
-"""Input images of edit requests (image-to-image and inpainting): read, bounded and checked before any model work.
+"""Input images of edit requests (image-to-image, inpainting and reference edits): read, bounded and checked before any
+model work.
 
 An edit request carries the bytes of one image file (PNG, JPEG or WebP) and, for inpainting, a mask file. OpenAI's
 mask convention holds: the mask is an image of the same size with an alpha channel, and its fully transparent
@@ -12,6 +13,10 @@ small file that decodes to gigapixels (a decompression bomb) is refused without 
 An image whose EXIF orientation says it is shown turned (a phone's portrait photo: 4032x3024 pixels tagged
 "rotate 90") is turned upright once decoded (``PIL.ImageOps.exif_transpose``, as diffusers' ``load_image`` does),
 so the edit, its default size and the mask it must match are those of the picture as every viewer shows it.
+
+A reference edit (a family whose pipeline takes ``image`` as reference images: FLUX.2) sends one or several images and
+neither a mask nor a strength; :func:`read_references` reads each and checks it against the pipeline's own rules
+(:class:`~bcg_core.families.references.ReferenceImages`).
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import struct
 
 from bcg_core.errors import RequestError
 
-__all__ = ["EDIT_FORMATS", "MASK_FORMATS", "read_image", "read_mask"]
+__all__ = ["EDIT_FORMATS", "MASK_FORMATS", "read_image", "read_mask", "read_references"]
 
 EDIT_FORMATS = ("PNG", "JPEG", "WEBP")
 """Pillow formats an input image may have."""
@@ -168,3 +173,51 @@ def read_mask(data: bytes, size: tuple[int, int], max_pixels: int):
     if edit.getextrema()[1] == 0:
         raise RequestError("mask", "'mask' has no fully transparent pixel, so there is nothing to edit")
     return edit
+
+
+def read_references(request, rules, max_pixels: int) -> tuple[tuple[tuple[int, int], ...], tuple[int, int]]:
+    """A reference edit's images read and checked, as the validator takes them.
+
+    Args:
+        request: the :class:`~bcg_core.request.GenerationRequest` (its ``image`` set: one file or a tuple of them).
+        rules: the model's :class:`~bcg_core.families.references.ReferenceImages`.
+        max_pixels: ``limits.max_input_pixels``, the most pixels of each file (read from its header first).
+
+    Returns:
+        ``(grids, size)``: each reference's token grid ``(h, w)`` as the pipeline encodes it
+        (:meth:`~bcg_core.families.references.ReferenceImages.grid`), and ``(width, height)`` of the first as the
+        pipeline resizes it: the size of an edit that names none (``Flux2Pipeline.__call__``: ``height = height or
+        image_height``).
+
+    Raises:
+        RequestError: ``mask`` sent (a reference edit has none), ``strength`` sent (its target starts from pure noise),
+            more than ``rules.max_images`` images, or an image that is not served (:func:`read_image`) or that the
+            pipeline refuses (a side below ``rules.min_side``, an aspect ratio above ``rules.max_aspect``; field
+            ``image``, naming which image of several).
+    """
+    pipe = rules.pipeline
+    if request.mask is not None:
+        raise RequestError("mask", f"'mask': edits of {pipe} are reference edits (the images condition a new image, "
+                                   f"nothing is masked or inpainted); send no mask")
+    if request.strength is not None:
+        raise RequestError("strength", f"'strength': edits of {pipe} are reference edits, whose image starts from pure "
+                                       f"noise (no image-to-image strength); send no strength")
+    files = request.images
+    if len(files) > rules.max_images:
+        raise RequestError("image", f"'image': {len(files)} reference images were sent; {pipe} takes at most "
+                                    f"{rules.max_images} (limits of the model, GET /v1/models: bcg.edits)")
+    grids, first = [], None
+    for i, data in enumerate(files):
+        which = f"image {i + 1} of {len(files)}" if len(files) > 1 else "the image"
+        try:
+            im = read_image(data, max_pixels)
+        except RequestError as e:
+            if len(files) == 1:
+                raise
+            raise RequestError("image", e.message.replace("'image'", f"'image' ({which})", 1)) from None
+        why = rules.refusal(*im.size)
+        if why is not None:
+            raise RequestError("image", f"'image': {which} {why}")
+        grids.append(rules.grid(*im.size))
+        first = first or rules.size(*im.size)
+    return tuple(grids), first

@@ -53,6 +53,9 @@ class DenoiseInputs:
             refuse a mask.
         lora_slots, lora_scales: (rows, K) int64 and float32: each row's LoRA slots and scales
             (:mod:`bcg_core.lora.layers`; slot 0 is no adapter), or None (no adapter on any row).
+        references: token grids ``(h, w)`` of reference images whose tokens follow the grid's in every row's image
+            stream (FLUX.2 reference edits: ``latents`` (rows, h * w + sum of theirs, C), the reference tokens
+            conditioning, not denoised); ``()`` for none. Rows of one forward share it (and so their position ids).
     """
 
     latents: torch.Tensor
@@ -64,6 +67,7 @@ class DenoiseInputs:
     text_mask: torch.Tensor | None = None
     lora_slots: torch.Tensor | None = None
     lora_scales: torch.Tensor | None = None
+    references: tuple[tuple[int, int], ...] = ()
 
     @property
     def rows(self) -> int:
@@ -72,7 +76,8 @@ class DenoiseInputs:
 
     @property
     def image_tokens(self) -> int:
-        """Real image tokens per row (dim 1 of packed latents; ``h * w`` of the grid for image latents)."""
+        """Real image tokens per row (dim 1 of packed latents, references included; ``h * w`` of the grid for image
+        latents)."""
         return self.latents.shape[1] if self.latents.ndim == 3 else self.grid[0] * self.grid[1]
 
     @property
@@ -84,7 +89,8 @@ class DenoiseInputs:
         """The same inputs restricted to some rows (a split step's chunk; tests of batch invariance)."""
         pick = lambda t: None if t is None else t[rows]  # noqa: E731
         return DenoiseInputs(self.latents[rows], self.text[rows], self.pooled[rows], self.timestep[rows], self.grid,
-                             pick(self.guidance), pick(self.text_mask), pick(self.lora_slots), pick(self.lora_scales))
+                             pick(self.guidance), pick(self.text_mask), pick(self.lora_slots), pick(self.lora_scales),
+                             self.references)
 
 
 class DiTAdapter(Protocol):

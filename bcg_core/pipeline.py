@@ -275,8 +275,8 @@ class DiTPipeline:
             outs.append(self.runner.run_fused(key, rows, meta, dt[lo:hi]))
         nxt = torch.cat(outs) if len(outs) > 1 else outs[0]
         k = 0
-        for state in states:
-            commit_euler(state, nxt[k : k + state.n])
+        for state, e in zip(states, steps, strict=True):
+            commit_euler(state, nxt[k : k + state.n], e.tokens)
             k += state.n
         return None
 

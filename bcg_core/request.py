@@ -54,7 +54,9 @@ class GenerationRequest:
         partial_images: previews to stream while denoising, 0..3 (:mod:`bcg_core.preview`); 0 for a request
             that is not streamed.
         image: an edit's input image file (PNG, JPEG or WebP bytes, :mod:`bcg_core.edits`); None for text to
-            image. With ``mask``: inpainting, else image-to-image, through the family's diffusers edit pipelines.
+            image. With ``mask``: inpainting, else image-to-image, through the family's diffusers edit pipelines. For
+            a family with reference edits (:attr:`~bcg_core.families.ModelSpec.references`: FLUX.2) its reference
+            image, or a tuple of several files: its reference images, in order (:attr:`images`).
         mask: an inpainting mask file of the image's size; its fully transparent pixels mark where to edit.
         strength: how far an edit moves from its image, 0 to 1 (None: the edit pipeline's default, 0.6 in
             diffusers 0.42.1): the request runs the last ``num_inference_steps * strength`` of its steps, rounded
@@ -81,13 +83,21 @@ class GenerationRequest:
     output_compression: int | None = None
     partial_images: int = 0
     lora: tuple[tuple[str, float], ...] = ()
-    image: bytes | None = None
+    image: bytes | tuple[bytes, ...] | None = None
     mask: bytes | None = None
     strength: float | None = None
     cache: FirstBlockCache | NoCache | None = None
 
+    @property
+    def images(self) -> tuple[bytes, ...]:
+        """The edit's input image files, in order: ``()`` for text to image, one for a single ``image``."""
+        if self.image is None:
+            return ()
+        return tuple(self.image) if isinstance(self.image, (tuple, list)) else (self.image,)
+
     def __repr__(self) -> str:  # image files are bytes: show their sizes, not their contents
-        files = {k: f"<{len(v)} bytes>" for k in ("image", "mask") if (v := getattr(self, k)) is not None}
+        files = {k: " + ".join(f"<{len(f)} bytes>" for f in (self.images if k == "image" else (v,)))
+                 for k in ("image", "mask") if (v := getattr(self, k)) is not None}
         fields = ", ".join(f"{k}={files.get(k, repr(getattr(self, k)))}" for k in self.__dataclass_fields__)
         return f"GenerationRequest({fields})"
 
@@ -126,6 +136,10 @@ class ValidatedRequest:
             the largest batch bucket (a miss in the batch dimension only), its shape's, across whose batch
             buckets the step scheduler splits its rows (it routes to that shape's owners and is never refused
             for its rows). None for a miss in another dimension: its rows run unpadded and eager, alone.
+        references: the token grids ``(h, w)`` of a reference edit's reference images, in order, as its family encodes
+            them (:class:`~bcg_core.families.references.ReferenceImages`); their tokens follow the target's in the image
+            stream and count in ``lookup.query.image_tokens``. Requests share forwards only where their grids and
+            references are equal (the step scheduler's groups). ``()`` for any other request.
     """
 
     request: GenerationRequest
@@ -133,6 +147,7 @@ class ValidatedRequest:
     prompt_tokens: int
     grid: tuple[int, int]
     shape: BucketShape | None
+    references: tuple[tuple[int, int], ...] = ()
 
     @property
     def rows(self) -> int:

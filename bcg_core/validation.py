@@ -252,11 +252,15 @@ class RequestValidator:
         if not _is_int(steps) or not 1 <= steps <= lim.max_steps:
             raise bad("num_inference_steps", steps, "out of range")
         strength, runs = self._strength(r, edit, steps)
-        work = r.width * r.height * r.n * runs / 1e6
+        refs = edit["references"] if edit is not None else ()
+        px = self.rules.pixels_per_token
+        ref_px = sum(h * w for h, w in refs) * px * px  # a reference edit's images go through every step too
+        work = (r.width * r.height + ref_px) * r.n * runs / 1e6
         if lim.max_megapixel_steps is not None and work > lim.max_megapixel_steps:
             field = "n" if r.n > 1 else "num_inference_steps" if steps > 1 else "size"
             ran = f"{runs} steps (its strength's share of {steps})" if runs != steps else f"{steps} steps"
-            raise RequestError(field, f"the request asks for {r.width}x{r.height} x {r.n} images x {ran} = "
+            also = f" (plus its reference images' {ref_px} pixels)" if refs else ""
+            raise RequestError(field, f"the request asks for {r.width}x{r.height}{also} x {r.n} images x {ran} = "
                                       f"{work:.0f} megapixel-steps, above limits.max_megapixel_steps "
                                       f"{lim.max_megapixel_steps:g}; lower n, num_inference_steps or size")
         g = (self.default_guidance_scale if edit is None else edit["guidance"]) if r.guidance_scale is None \
@@ -297,12 +301,12 @@ class RequestValidator:
         if neg_tokens > limit:
             raise RequestError("negative_prompt",
                                f"negative_prompt is {self._too_long(neg_tokens)}; {self._limit_reason}")
-        lookup = self.table.lookup(self.query(filled, tokens, neg_tokens))
+        lookup = self.table.lookup(self.query(filled, tokens, neg_tokens, refs))
         home = lookup.key if lookup.hit else self.table.split_home(lookup)
         if home is None and self.table.miss_policy is MissPolicy.REJECT:
-            raise self._miss_error(filled, lookup)
+            raise self._miss_error(filled, lookup, refs)
         grid = self.rules.grid(*self.spec.generation_size(filled.width, filled.height))
-        return ValidatedRequest(filled, lookup, tokens, grid, None if home is None else home.shape)
+        return ValidatedRequest(filled, lookup, tokens, grid, None if home is None else home.shape, refs)
 
     def _bad(self, name: str, got: object, reason: str) -> RequestError:
         """The error of a refused field, in the one wording of limit messages (:func:`invalid`,
@@ -315,13 +319,16 @@ class RequestValidator:
     def _edit_defaults(self, r: GenerationRequest) -> dict | None:
         """For an edit (``image`` set): its image read and checked (:mod:`bcg_core.edits`) and the defaults of the
         family's edit pipeline (image-to-image, or inpainting with a ``mask``): ``steps`` and ``guidance``
-        (``limits.default_steps`` / ``default_guidance_scale`` where set), ``strength``, and ``image_size``, the
-        image's size with each side rounded down to the model's token size (the size of an edit without one).
+        (``limits.default_steps`` / ``default_guidance_scale`` where set), ``strength``, ``image_size``, the
+        image's size with each side rounded down to the model's token size (the size of an edit without one), and
+        ``references`` ``()``. A reference edit (:attr:`ModelSpec.references`: FLUX.2) has its pipeline's own
+        defaults (text to image's: the same ``__call__``), ``strength`` None, ``image_size`` its first image's as the
+        pipeline resizes it and ``references`` the images' token grids (:func:`~bcg_core.edits.read_references`).
         None for text to image.
 
         Raises:
-            RequestError: a mask without an image, a family without edits (naming the families that edit), or an
-                image or mask that is not served (:mod:`bcg_core.edits`).
+            RequestError: a mask without an image, a family without edits (naming the families that edit), several
+                images where the family edits one, or an image or mask that is not served (:mod:`bcg_core.edits`).
         """
         if r.image is None:
             if r.mask is not None:
@@ -329,19 +336,27 @@ class RequestValidator:
             if r.strength is not None:
                 raise RequestError("strength", "'strength' applies to edits (POST /v1/images/edits) only")
             return None
-        from bcg_core.edits import read_image, read_mask
+        from bcg_core.edits import read_image, read_mask, read_references
         from bcg_core.families.defaults import edit_defaults
 
+        if self.spec.references is not None:
+            refs, size = read_references(r, self.spec.references, self.limits.max_input_pixels)
+            return {"steps": self.default_steps, "guidance": self.default_guidance_scale, "strength": None,
+                    "image_size": size, "references": refs}
         if self.spec.edit_pipelines is None:
             raise RequestError("image", f"'image': {self.spec.pipeline_class} (family {self.spec.family}) is not "
                                         f"served for edits; edits are served for FLUX.1, SD3/SD3.5 and Qwen-Image "
                                         f"(FluxPipeline, StableDiffusion3Pipeline and QwenImagePipeline "
-                                        f"checkpoints) and the tiny default")
-        image = read_image(r.image, self.limits.max_input_pixels)
+                                        f"checkpoints) and the tiny default; reference-image edits for FLUX.2 "
+                                        f"(Flux2Pipeline and Flux2KleinPipeline checkpoints)")
+        if len(r.images) > 1:
+            raise RequestError("image", f"'image': {len(r.images)} images were sent; {self.spec.pipeline_class} edits "
+                                        f"one image (several reference images are served for FLUX.2 checkpoints)")
+        image = read_image(r.images[0], self.limits.max_input_pixels)
         if r.mask is not None:
             read_mask(r.mask, image.size, self.limits.max_input_pixels)
         return {**edit_defaults(self.spec, self.limits, r.mask is not None),
-                "image_size": self._edit_size(image.width, image.height)}
+                "image_size": self._edit_size(image.width, image.height), "references": ()}
 
     def _edit_size(self, width: int, height: int) -> tuple[int, int]:
         """The size of an edit that sends none: its image's, scaled (aspect kept) to fit ``limits.min_side_px`` ..
@@ -360,7 +375,7 @@ class RequestValidator:
 
     def _strength(self, r: GenerationRequest, edit: dict | None, steps: int) -> tuple[float | None, int]:
         """``(strength, steps run)`` (:func:`~bcg_core.request.steps_run`); text to image: ``(None, steps)``."""
-        if edit is None:
+        if edit is None or edit["references"]:  # text to image, or a reference edit (its target starts from noise)
             return None, steps
         s = edit["strength"] if r.strength is None else r.strength
         if isinstance(s, bool) or not isinstance(s, (int, float)) or not 0.0 < s <= 1.0:
@@ -441,15 +456,19 @@ class RequestValidator:
         """Transformer rows of ``request``: ``n``, doubled when classifier-free guidance adds uncond rows."""
         return request.n * (2 if self.spec.uses_cfg(request) else 1)
 
-    def query(self, request: GenerationRequest, prompt_tokens: int, negative_tokens: int = 0) -> ShapeQuery:
+    def query(self, request: GenerationRequest, prompt_tokens: int, negative_tokens: int = 0,
+              references: tuple[tuple[int, int], ...] = ()) -> ShapeQuery:
         """The exact forward shape of a validated request (at its generation size: the aspect-ratio bin of
-        families with resolution binning)."""
+        families with resolution binning); a reference edit's image stream also holds its ``references``' tokens
+        (token grids, :attr:`~bcg_core.request.ValidatedRequest.references`)."""
         grid = self.rules.grid(*self.spec.generation_size(request.width, request.height))
         native = self.rules.native_text_tokens
         text = native if native is not None else max(prompt_tokens, negative_tokens)
-        return ShapeQuery(self.rows(request), grid[0] * grid[1], text, grid if self.rules.grid_keyed else None)
+        image = grid[0] * grid[1] + sum(h * w for h, w in references)
+        return ShapeQuery(self.rows(request), image, text, grid if self.rules.grid_keyed else None)
 
-    def _miss_error(self, request: GenerationRequest, lookup: BucketLookup) -> BucketMissError:
+    def _miss_error(self, request: GenerationRequest, lookup: BucketLookup,
+                    references: tuple[tuple[int, int], ...] = ()) -> BucketMissError:
         """One error naming every dimension that missed; ``field`` is the first one's request field. The batch
         dimension never misses: the step scheduler splits rows above the largest batch bucket."""
         t = self.table
@@ -463,8 +482,11 @@ class RequestValidator:
                     rule = "exactly these sizes"
                 else:
                     rule = "sizes with exactly a tier's number of image tokens"
-                parts.append(("size", f"size {request.width}x{request.height} fits no resolution bucket; served "
-                                      f"tiers: {', '.join(t.config.resolutions)} ({rule})"))
+                refs = sum(h * w for h, w in references)
+                also = (f" with its reference images' {refs} tokens ({lookup.query.image_tokens} image tokens in "
+                        f"all; a tier of 'WxH' holds W x H / {self.rules.pixels_per_token ** 2})") if refs else ""
+                parts.append(("size", f"size {request.width}x{request.height}{also} fits no resolution bucket; "
+                                      f"served tiers: {', '.join(t.config.resolutions)} ({rule})"))
             else:
                 q = lookup.query
                 texts = t.texts_for(q.image_tokens, q.latent_hw)

@@ -34,10 +34,12 @@ def sse_event(event: str, data: dict) -> bytes:
 
 def usage_of(validated) -> Usage:
     """OpenAI's ``usage`` of a validated request (:class:`~deployments.responses.Usage`): its prompt tokens (and an
-    edit's input image, one image's transformer image tokens) in, its images' transformer image tokens out."""
+    edit's input image, one image's transformer image tokens; a reference edit's, its references' tokens) in, its
+    images' transformer image tokens out."""
     tokens = validated.lookup.query.image_tokens
-    edited = tokens if validated.request.image is not None else 0
-    return Usage.of(validated.prompt_tokens, validated.request.n, tokens, edited)
+    refs = sum(h * w for h, w in validated.references)  # a reference edit's stream also holds its references
+    edited = (refs or tokens) if validated.request.image is not None else 0
+    return Usage.of(validated.prompt_tokens, validated.request.n, tokens - refs, edited)
 
 
 def ingress_timings(result: GenerationResult, sent: float) -> dict[str, float]:

@@ -345,7 +345,8 @@ class Ingress:
             return error_response(exc.status, exc.message, param=exc.field)
         except ValidationError as exc:
             return validation_error_response(exc, limits, ImageEditRequest)
-        return await self._serve(req, req.engine_request(image=req.image, mask=req.mask, strength=req.strength),
+        image = tuple(req.image) if isinstance(req.image, list) else req.image  # several: reference images
+        return await self._serve(req, req.engine_request(image=image, mask=req.mask, strength=req.strength),
                                  kind="image_edit")
 
     async def _serve(self, req: ImageGenerationRequest, request: GenerationRequest, kind: str = "image_generation"):
@@ -362,10 +363,15 @@ class Ingress:
             message = exc.message
             if exc.field == "size" and req.size == "auto":
                 px = self._validator.rules.pixels_per_token
-                message += (" (for an edit, size 'auto', or omitted, is its image's size scaled into the side "
-                            f"limits, each side a multiple of {px})" if request.image is not None else
-                            " (size 'auto', or omitted, is the model's default size {}x{})".format(
-                                *self._validator.spec.default_size))
+                refs = self._validator.spec.references
+                if request.image is not None and refs is not None:
+                    message += (f" (for a reference edit, size 'auto', or omitted, is its first image's size as "
+                                f"{refs.pipeline} resizes it; send a size)")
+                else:
+                    message += (" (for an edit, size 'auto', or omitted, is its image's size scaled into the side "
+                                f"limits, each side a multiple of {px})" if request.image is not None else
+                                " (size 'auto', or omitted, is the model's default size {}x{})".format(
+                                    *self._validator.spec.default_size))
             return error_response(exc.status, message, param=exc.field)
         except Exception as exc:  # noqa: BLE001 - an input file Pillow fails on in a way bcg_core.edits misses
             if request.image is None:

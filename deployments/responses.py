@@ -32,8 +32,9 @@ class Usage(BaseModel):
 
     ``input_tokens``: the prompt's text tokens (the family's tokenizer, special tokens included; the negative
     prompt is not counted), plus an edit's input image as the transformer's image tokens of one image at the
-    answer's size. ``output_tokens``: the transformer's image tokens of every image
-    (``n`` x tokens per image, at the generation size). ``images``: the image count (an extension).
+    answer's size (a reference edit's: its reference images' tokens). ``output_tokens``: the transformer's image
+    tokens of every image (``n`` x tokens per image, at the generation size). ``images``: the image count (an
+    extension).
     """
 
     input_tokens: int = Field(description="Text tokens of the prompt (plus an edit's input image tokens).")

@@ -345,20 +345,24 @@ class ImageEditRequest(ImageGenerationRequest):
 
     model_config = ConfigDict(extra="forbid", strict=False, frozen=True)
 
-    image: bytes = Field(description="The image to edit: one PNG, JPEG or WebP file of at most "
-                         "limits.max_input_pixels pixels (a file part named 'image', or one 'image[]' part).")
+    image: bytes | list[bytes] = Field(
+        description="The image to edit: one PNG, JPEG or WebP file of at most limits.max_input_pixels pixels (a file "
+        "part named 'image', or one 'image[]' part); for FLUX.2 models, 1 to bcg.edits.max_reference_images "
+        "reference images (one 'image[]' part each, in order).")
     mask: bytes | None = Field(default=None, description="Inpainting: a PNG or WebP with alpha of the image's size "
                                "whose fully transparent pixels mark where to edit (OpenAI's convention); omitted = "
                                "image-to-image (the whole image moves by strength).")
     strength: float | None = Field(default=None, description="How far the edit moves from the image, above 0 and at "
                                    "most 1: the edit runs the last num_inference_steps x strength steps of its "
                                    "schedule, rounded up (28 x 0.6: 17), as diffusers' edit pipelines; bcg.steps "
-                                   "reports them. Omitted = the edit pipeline's default, 0.6.")
+                                   "reports them. Omitted = the edit pipeline's default, 0.6. FLUX.2's reference "
+                                   "edits take none (their image starts from noise).")
 
     @classmethod
     def form_schema(cls) -> dict:
         """The ``multipart/form-data`` schema of the body for the OpenAPI document: :meth:`body_schema` with no
-        ``null`` alternatives (a form part is sent or omitted) and ``lora`` and ``cache`` as their JSON text fields."""
+        ``null`` alternatives (a form part is sent or omitted), ``image`` a file part (several reference images: one
+        ``image[]`` part each) and ``lora`` and ``cache`` as their JSON text fields."""
         schema = cls.body_schema()
         props = {}
         for name, prop in schema["properties"].items():
@@ -366,6 +370,7 @@ class ImageEditRequest(ImageGenerationRequest):
             if len(options) == 1:
                 prop = {**{k: v for k, v in prop.items() if k not in ("anyOf", "default")}, **options[0]}
             props[name] = prop
+        props["image"] = {"type": "string", "format": "binary", "description": props["image"]["description"]}
         props["lora"] = {"type": "string", "description": "LoRA adapters as a JSON list of {\"name\": ..., "
                          "\"scale\": ...} in one text field; the openai client's extra_body={\"lora\": [...]} sends "
                          "the fields lora[][name] and lora[][scale] instead, read the same."}

@@ -14,7 +14,8 @@ grouped by key (``lora[][name]`` for every entry, then ``lora[][scale]``; see :f
 one field per key (``cache[method]``, ``cache[threshold]``). :func:`edit_fields` reads those, ``lora`` and ``cache``
 also as one JSON text field (``-F 'lora=[{"name": "watercolor", "scale": 0.8}]'``, ``-F 'cache={"method":
 "first_block"}'``), and refuses with :class:`FormError` (naming the field) what no field of the request can be: several
-images or masks, a file where text belongs and text where a file belongs, a field sent twice. :func:`edits_card` is
+masks, a file where text belongs and text where a file belongs, a field sent twice. Several images are read in the order
+sent (FLUX.2's reference images; the validator refuses them for a model that edits one image). :func:`edits_card` is
 ``bcg.edits`` of ``GET /v1/models``: the edits the model serves and these bounds.
 """
 
@@ -35,7 +36,8 @@ __all__ = ["BodyTooLarge", "FormError", "MULTIPART", "edit_fields", "edits_card"
 MULTIPART = "multipart/form-data"
 
 MAX_FORM_FILES = 32
-"""Most file parts read (OpenAI takes up to 16 images; more than one is a 422 on ``image``, see :func:`edit_fields`)."""
+"""Most file parts read (OpenAI takes up to 16 images; the validator bounds them by the model: one, or FLUX.2's
+reference images)."""
 
 MAX_FORM_FIELDS = 128
 """Most text fields read (the ``openai`` client sends at most ~20, plus two per ``lora`` entry)."""
@@ -72,9 +74,27 @@ class FormError(Exception):
 def edits_card(spec, limits) -> dict | None:
     """``bcg.edits`` of ``GET /v1/models`` for the model ``spec`` under ``limits``: the edit modes served, their
     diffusers pipelines and request defaults (the validator's: the spec's own where it has them, else the pipeline's,
-    the config's limits first), the mask convention and the upload bounds; None for a family without edits."""
+    the config's limits first), the mask convention and the upload bounds; for reference edits (FLUX.2) the mode
+    ``reference``, its pipeline, ``max_reference_images`` and the reference rules instead of a mask; None for a family
+    without edits."""
     from bcg_core.families.defaults import edit_defaults
 
+    refs = spec.references
+    if refs is not None:
+        steps = limits.default_steps if limits.default_steps is not None else min(spec.default_steps,
+                                                                                  limits.max_steps)
+        guidance = limits.default_guidance_scale if limits.default_guidance_scale is not None \
+            else spec.default_guidance_scale
+        return {"modes": ["reference"], "pipelines": {"reference": refs.pipeline},
+                "defaults": {"reference": {"num_inference_steps": steps, "guidance_scale": guidance,
+                                           "strength": None}},
+                "max_reference_images": refs.max_images,
+                "reference": f"1 to {refs.max_images} images (image[] parts, in order) condition a new image that "
+                             f"starts from noise; no mask, no strength; each side at least {refs.min_side} pixels, "
+                             f"aspect ratio up to {refs.max_aspect:g}:1; resized to {refs.max_area} pixels of area "
+                             f"where larger, sides cut down to multiples of {refs.multiple}; size 'auto' is the first "
+                             f"image's",
+                "max_input_pixels": limits.max_input_pixels, "max_upload_bytes": upload_limit(limits)}
     if spec.edit_pipelines is None:
         return None
     pipes = dict(zip(("image-to-image", "inpainting"), spec.edit_pipelines, strict=True))
@@ -278,10 +298,13 @@ async def edit_fields(form: FormData) -> dict[str, Any]:
     bytes of their files, ``lora`` as a list, ``cache`` as a mapping, every other field as its text (the schema
     converts and checks them).
 
+    Several images (``image[]`` parts, or ``image`` sent more than once) come as a list, in the order sent (a
+    model that edits one image refuses them in the validator, which knows the model).
+
     Raises:
-        FormError: 422 naming the field: more than one image (the model edits one) or mask, ``image`` or ``mask``
-            sent as text, a file for any other field, a field sent twice, ``stream`` other than true or false,
-            ``lora`` or ``cache`` both as JSON and bracketed, or not JSON.
+        FormError: 422 naming the field: more than one mask, ``image`` or ``mask`` sent as text, a file for any other
+            field, a field sent twice, ``stream`` other than true or false, ``lora`` or ``cache`` both as JSON and
+            bracketed, or not JSON.
     """
     try:
         return await _fields(form)
@@ -322,13 +345,10 @@ async def _fields(form: FormData) -> dict[str, Any]:
         if name in _BOOLEANS and value.lower() not in ("true", "false"):
             raise FormError(422, name, f"'{name}' is {value[:20]!r}; allowed: true or false")
         fields[name] = value
-    if len(images) > 1:
-        raise FormError(422, "image", f"{len(images)} images were sent; this model edits one image: send one 'image' "
-                                      f"file (the mask goes in 'mask')")
     if len(masks) > 1:
         raise FormError(422, "mask", f"{len(masks)} masks were sent; send at most one 'mask' file")
     if images:
-        fields["image"] = images[0]
+        fields["image"] = images[0] if len(images) == 1 else images
     if masks:
         fields["mask"] = masks[0]
     # a JSON field sent as one JSON text, or as the bracketed fields the openai client's extra_body sends (the cache's

@@ -98,7 +98,7 @@ def diffusers_run(pipeline_cls, folder, request: GenerationRequest, device: str 
     unset is left to the pipeline's default, as a diffusers user who omits it). The request's ``lora`` adapters
     are read from ``lora_dir`` with ``load_lora_weights(path, adapter_name=name)`` and weighted by
     ``set_adapters(names, scales)``, as a diffusers user applies them. An edit's ``image`` is passed as its PIL
-    image and its ``strength`` as set; an inpainting mask is the caller's (``mask_image=``, in diffusers' own
+    image (several, a reference edit's: a list of them, in order) and its ``strength`` as set; an inpainting mask is the caller's (``mask_image=``, in diffusers' own
     convention, white where to repaint), so the gate does not take bcg-serve's conversion on trust. ``setup(pipe)``
     runs on the loaded pipeline before the calls (e.g. ``pipe.transformer.enable_cache(...)``, as a diffusers user
     turns a step cache on).
@@ -120,10 +120,11 @@ def diffusers_run(pipeline_cls, folder, request: GenerationRequest, device: str 
     for name in ("num_inference_steps", "guidance_scale", "negative_prompt", "true_cfg_scale", "strength"):
         if getattr(request, name) is not None and name not in kwargs:  # unset: the pipeline's own default
             kwargs[name] = getattr(request, name)
-    if request.image is not None and "image" not in kwargs:  # an edit: its image as the user's PIL image
+    if request.image is not None and "image" not in kwargs:  # an edit: its image(s) as the user's PIL images
         from PIL import Image
 
-        kwargs["image"] = Image.open(io.BytesIO(request.image)).convert("RGB")
+        images = [Image.open(io.BytesIO(data)).convert("RGB") for data in request.images]
+        kwargs["image"] = images[0] if isinstance(request.image, bytes) else images
 
     def gens():
         return [torch.Generator("cpu").manual_seed(request.seed + i) for i in range(request.n)]

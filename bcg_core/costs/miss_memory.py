@@ -86,7 +86,7 @@ class ActivationPeaks:
         out = fn()
         torch.cuda.synchronize(self.device)
         peak = max(0, torch.cuda.max_memory_allocated(self.device) - start)
-        self.per_row_token.append(peak / (inputs.rows * (inputs.grid[0] * inputs.grid[1] + inputs.text.shape[1])))
+        self.per_row_token.append(peak / (inputs.rows * (inputs.image_tokens + inputs.text.shape[1])))
         return out
 
     @property

@@ -40,6 +40,7 @@ from typing import ClassVar, Protocol
 import numpy as np
 import torch
 
+from bcg_core.families.references import ReferenceImages
 from bcg_core.families.state import RequestState
 from bcg_core.families.vae import serialize_stateful_vae
 from bcg_core.padding import DenoiseInputs, DiTAdapter
@@ -117,7 +118,12 @@ class ModelSpec:
             guidance, this strength); None: an edit takes its edit pipeline's defaults.
         edit_pipelines: the diffusers pipelines whose results this model's edits equal, ``(image-to-image,
             inpainting)`` class names (``FluxImg2ImgPipeline``, ``FluxInpaintPipeline``), or None where bcg-serve
-            serves no edits of this family (a request with an image is refused, naming the families that edit).
+            serves no image-to-image or inpainting edits of this family (a request with an image is refused, naming
+            the families that edit, unless it takes :attr:`references`).
+        references: where the family's pipeline takes ``image`` as reference images (FLUX.2: appended to the image
+            stream, conditioning every step, the target denoised from pure noise; no ``strength``, no mask), their
+            rules (:class:`~bcg_core.families.references.ReferenceImages`): an edit of this model is a reference edit.
+            None: the family has no reference edits.
         size_multiple: pixels each side must be a multiple of where the pipeline needs more than the token size
             (Qwen-Image 2.1: 32, two 16-pixel tokens per encoder image slot; its pipeline rounds other sizes down),
             else None. A request of another size is refused (:meth:`check`), and so is a bucket resolution of one
@@ -147,6 +153,7 @@ class ModelSpec:
     default_size: tuple[int, int] = (512, 512)
     default_strength: float | None = None
     edit_pipelines: tuple[str, str] | None = None
+    references: ReferenceImages | None = None
     cache_methods: tuple[str, ...] = ()
     size_multiple: int | None = None
     output_alpha: bool = False

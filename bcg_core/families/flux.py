@@ -146,7 +146,8 @@ class FluxAdapter:
         """Copy ``inputs`` into the buffers, padding rows with row 0 and image tokens with masked zeros.
 
         Raises:
-            ValueError: if the inputs do not fit the buffers (more rows, tokens or a different text length).
+            ValueError: if the inputs do not fit the buffers (more rows, tokens or a different text length), or their
+                image tokens are not their image stream's (:meth:`stream_ids`).
         """
         lat = buffers["latents"]
         b, s, _ = lat.shape
@@ -155,7 +156,9 @@ class FluxAdapter:
         masked = "attn_mask" in buffers
         if inputs.text_mask is not None:
             raise ValueError("FLUX was trained on unmasked fixed-length text: inputs.text_mask must be None")
-        if n > b or k > s or (k < s and not masked) or inputs.text_tokens != t or inputs.grid[0] * inputs.grid[1] != k:
+        ids = buffers["img_ids"]
+        stream = self.stream_ids(inputs, ids.device, ids.dtype)
+        if n > b or k > s or (k < s and not masked) or inputs.text_tokens != t or stream.shape[0] != k:
             raise ValueError(
                 f"inputs of {n} rows x {k} image tokens x {inputs.text_tokens} text tokens (grid {inputs.grid}) "
                 f"do not fit bucket buffers of {b} rows x {s} image tokens x {t} text tokens"
@@ -170,8 +173,7 @@ class FluxAdapter:
             if inputs.guidance is None:
                 raise ValueError("this FLUX model is guidance-distilled: inputs.guidance is required")
             copy_rows(buffers["guidance"], inputs.guidance)
-        ids = buffers["img_ids"]
-        ids[:k].copy_(self.image_ids(inputs.grid, ids.device, ids.dtype))
+        ids[:k].copy_(stream)
         if k < s:
             ids[k:].zero_()
         buffers["txt_ids"].zero_()
@@ -180,6 +182,17 @@ class FluxAdapter:
             mask[..., : t + k].fill_(True)
             if k < s:
                 mask[..., t + k :].fill_(False)
+
+    def stream_ids(self, inputs: DenoiseInputs, device, dtype) -> torch.Tensor:
+        """Position ids of ``inputs``' image stream: its grid's (:meth:`image_ids`; FLUX.1 takes no reference images).
+
+        Raises:
+            ValueError: ``inputs.references`` set.
+        """
+        if inputs.references:
+            raise ValueError(f"{type(self.model).__name__} takes no reference images (inputs.references "
+                             f"{inputs.references})")
+        return self.image_ids(inputs.grid, device, dtype)
 
     def image_ids(self, grid: tuple[int, int], device, dtype) -> torch.Tensor:
         """Cached :func:`flux_image_ids` (one small tensor per grid and device): the last :data:`IDS_CACHE_GRIDS`

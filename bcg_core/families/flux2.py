@@ -40,9 +40,21 @@ Padding contract (:class:`Flux2Adapter`, the FLUX.1 contract of :class:`~bcg_cor
 - ids stay int64 as diffusers passes them (T casts them to float32 for the RoPE); in the model dtype bf16 would
   round positions above 256.
 
+Reference edits (the pipelines' ``image``: ``POST /v1/images/edits`` with one or several images, no mask, no
+strength; :mod:`bcg_core.families.flux2_edit`): each reference's tokens follow the target's in every row's image
+stream, with ids (10 + 10 * i, row, column, 0) for reference ``i``. Their padding contract is the one above, the
+reference tokens counted as real image tokens:
+
+- the key's image tokens are the target's plus every reference's (the validator counts them before any decoding,
+  :class:`~bcg_core.families.references.ReferenceImages`); an exact tier holds them unmasked, a masked tier pads after
+  them (zero latents, zero ids, masked keys), and a larger stream than the largest tier is a miss (unpadded, eager).
+- rows share a forward only with rows of the same target grid and reference grids (the step scheduler's groups,
+  ``DenoiseInputs.references``): the transformer takes one ``img_ids`` for the whole batch (T:1322-1323 keeps row 0),
+  so a reference edit never shares a forward with text to image, nor with references of other sizes.
+- only the target's tokens of the output go to the scheduler step (host and fused step alike).
+
 The fused step (:mod:`bcg_core.runners.fused`) runs [klein]'s ``neg + s * (cond - neg)`` and the Euler update in the
-bucket's graph, as FLUX.1's. Not served yet: reference images (the pipelines' ``image``; requests with an image are
-refused), LoRA, the step cache and previews.
+bucket's graph, as FLUX.1's. Not served yet: LoRA, the step cache and previews.
 """
 
 from __future__ import annotations
@@ -60,16 +72,22 @@ from bcg_core.capabilities import FusedStep
 from bcg_core.families.base import QUALITY_STEPS, ModelSpec, load_pipeline, read_json
 from bcg_core.families.defaults import pipeline_defaults
 from bcg_core.families.flux import FluxAdapter
+from bcg_core.families.references import ReferenceImages
 from bcg_core.families.state import RequestState, TextRows
 from bcg_core.keys import BucketKey
 from bcg_core.padding import DenoiseInputs
 from bcg_core.table import ShapeRules
 
-__all__ = ["Flux2Adapter", "Flux2Family", "flux2_latent_ids", "flux2_text_ids"]
+__all__ = ["Flux2Adapter", "Flux2Family", "flux2_latent_ids", "flux2_reference_ids", "flux2_text_ids"]
 
 FLUX2_DEFAULT_SAMPLE_SIZE = 128
 """Latent pixels per side of a call without ``height``/``width`` (``default_sample_size`` in both pipelines'
 ``__init__``): x the VAE factor 8, 1024x1024."""
+
+FLUX2_REFERENCE_IMAGES = {"Flux2Pipeline": 6, "Flux2KleinPipeline": 4}
+"""Most reference images of an edit, per pipeline (the pipelines set none): Black Forest Labs' published maxima
+(docs.bfl.ai, "Reference images per model": [dev] "recommended max 6", [klein] 4B and 9B "up to 4");
+``bcg_reference_images`` in ``model_index.json`` overrides it."""
 
 IDS_CACHE_GRIDS = 64
 """Most latent-id tables kept per process (one per grid and device), as FLUX.1's adapter keeps."""
@@ -92,6 +110,20 @@ def flux2_latent_ids(grid: tuple[int, int], device: str = "cpu") -> torch.Tensor
 
     h, w = grid
     return Flux2Pipeline._prepare_latent_ids(torch.empty(1, 0, h, w))[0].to(device)
+
+
+@functools.lru_cache(maxsize=IDS_CACHE_GRIDS)
+def flux2_reference_ids(grids: tuple[tuple[int, int], ...], device: str = "cpu") -> torch.Tensor:
+    """FLUX.2 position ids of reference images of token grids ``grids`` (in order), from
+    ``Flux2Pipeline._prepare_image_ids`` (D:407-454; ``prepare_image_latents`` calls it, D:668).
+
+    Returns:
+        (sum of h * w, 4) int64 on ``device``: (10 + 10 * i, row, column, 0) for the tokens of reference ``i``, one
+        time index per reference (distinct from the target's 0); shared (cached), not to be written to.
+    """
+    from diffusers import Flux2Pipeline
+
+    return Flux2Pipeline._prepare_image_ids([torch.empty(1, 0, h, w) for h, w in grids])[0].to(device)
 
 
 @functools.lru_cache(maxsize=8)
@@ -162,6 +194,15 @@ class Flux2Adapter(FluxAdapter):
         """:func:`flux2_latent_ids` on ``device`` (``dtype`` is ignored: ids stay int64, as diffusers passes them)."""
         return flux2_latent_ids(tuple(grid), str(device))
 
+    def stream_ids(self, inputs: DenoiseInputs, device, dtype=None) -> torch.Tensor:
+        """Ids of ``inputs``' image stream: the grid's (:meth:`image_ids`), then its reference images'
+        (:func:`flux2_reference_ids`), as the pipelines concatenate them (``torch.cat([latent_ids,
+        image_latent_ids], dim=1)``, D:972, K:848): (image_tokens, 4) int64."""
+        ids = self.image_ids(inputs.grid, device)
+        if not inputs.references:
+            return ids
+        return torch.cat([ids, flux2_reference_ids(tuple(inputs.references), str(device))])
+
     def _call(self, latents, text, pooled, timestep, img_ids, txt_ids, guidance, attention_kwargs):
         # As Flux2Pipeline.__call__ / Flux2KleinPipeline.__call__ call the transformer (no pooled projection).
         return self.model(
@@ -175,8 +216,8 @@ class Flux2Adapter(FluxAdapter):
         cast = lambda x: x.to(device=p.device, dtype=p.dtype)  # noqa: E731
         guidance = cast(inputs.guidance) if self.guidance_embeds and inputs.guidance is not None else None
         return self._call(cast(inputs.latents), cast(inputs.text), None, cast(inputs.timestep),
-                          flux2_latent_ids(tuple(inputs.grid), str(p.device)),
-                          flux2_text_ids(inputs.text_tokens, str(p.device)), guidance, None)
+                          self.stream_ids(inputs, p.device), flux2_text_ids(inputs.text_tokens, str(p.device)),
+                          guidance, None)
 
 
 class Flux2Family(FusedStep):
@@ -185,7 +226,8 @@ class Flux2Family(FusedStep):
     Request fields: ``guidance_scale`` feeds [dev]'s guidance embedding; on [klein] above 1 it runs classifier-free
     guidance against ``negative_prompt`` (default ``""``, the pipeline's) unless the checkpoint ``is_distilled``
     (then it is ignored, as diffusers ignores it). A ``negative_prompt`` where no CFG can run ([dev], distilled
-    [klein]) is refused (:class:`ModelSpec` ``cfg_rule="none"``).
+    [klein]) is refused (:class:`ModelSpec` ``cfg_rule="none"``). An ``image`` (one file or several) makes a reference
+    edit (module docstring, :mod:`bcg_core.families.flux2_edit`).
 
     Args:
         name: served model name.
@@ -217,7 +259,9 @@ class Flux2Family(FusedStep):
     def describe(cls, path: Path, index: dict) -> ModelSpec:
         """Spec from ``transformer/`` and ``vae/`` configs and ``model_index.json`` (``is_distilled``); request
         defaults from the pipeline's ``__call__`` signature (:func:`pipeline_defaults`: 50 steps, guidance 4.0, both
-        pipelines); the text length is ``bcg_text_tokens`` or ``__call__``'s ``max_sequence_length`` (512).
+        pipelines); the text length is ``bcg_text_tokens`` or ``__call__``'s ``max_sequence_length`` (512); reference
+        edits (:attr:`ModelSpec.references`): ``check_image_input``'s bounds, ``vae_scale_factor * 2``-pixel sides,
+        :data:`FLUX2_REFERENCE_IMAGES` (or ``bcg_reference_images``) images at most.
 
         Raises:
             ValueError: another pipeline class.
@@ -232,13 +276,23 @@ class Flux2Family(FusedStep):
         tokens = int(index.get("bcg_text_tokens", default_tokens))
         dev = kind == "Flux2Pipeline"
         distilled = bool(index.get("is_distilled", False)) and not dev
+        from diffusers.pipelines.flux2.image_processor import Flux2ImageProcessor
+
+        from bcg_core.families.flux2_edit import FLUX2_REFERENCE_AREA
+
+        check = inspect.signature(Flux2ImageProcessor.check_image_input).parameters
+
+        references = ReferenceImages(
+            pipeline=kind, max_images=int(index.get("bcg_reference_images", FLUX2_REFERENCE_IMAGES[kind])),
+            max_area=FLUX2_REFERENCE_AREA, multiple=scale * 2, min_side=int(check["min_side_length"].default),
+            max_aspect=float(check["max_aspect_ratio"].default))
         return ModelSpec(
             name=path.name, family=cls.name, pipeline_class=kind,
             rules=ShapeRules(pixels_per_token=scale * 2 * int(tr.get("patch_size", 1)), grid_keyed=False,
                              native_text_tokens=tokens),
             guidance_embeds=dev, cfg_rule="guidance_scale" if not (dev or distilled) else "none",
             quality_steps=QUALITY_STEPS["flux2-distilled" if distilled else "flux2"],
-            default_size=(FLUX2_DEFAULT_SAMPLE_SIZE * scale,) * 2, **pipeline_defaults(kind),
+            default_size=(FLUX2_DEFAULT_SAMPLE_SIZE * scale,) * 2, references=references, **pipeline_defaults(kind),
         )
 
     @classmethod
@@ -312,27 +366,39 @@ class Flux2Family(FusedStep):
         mu = compute_empirical_mu(image_seq_len=latents.shape[1], num_steps=steps)
         timesteps, _ = retrieve_timesteps(sched, steps, self.device, sigmas=sigmas, mu=mu)
         sched.set_begin_index(0)
-        extras = {"latent_ids": latent_ids}
+        extras = {}
         if self.guidance_embeds:  # Flux2Pipeline: torch.full([1], guidance_scale, float32).expand(batch)
             extras["guidance"] = torch.full([1], float(req.guidance_scale), device=self.device, dtype=torch.float32)
         grid = self.rules.grid(req.width, req.height)
-        return RequestState(validated, cond, uncond, latents, sched, timesteps, grid, extras=extras, cancel=cancel)
+        state = RequestState(validated, cond, uncond, latents, sched, timesteps, grid, extras=extras, cancel=cancel)
+        if req.image is not None:  # a reference edit: its references' tokens, encoded once (no generator drawn)
+            from bcg_core.families.flux2_edit import reference_latents
+
+            state.extras["reference_latents"] = reference_latents(self, state)
+        return state
 
     def model_rows(self, state: RequestState) -> DenoiseInputs:
-        """Cond rows (one per image), then with CFG the uncond rows; timestep ``t.to(latents.dtype) / 1000``."""
+        """Cond rows (one per image), then with CFG the uncond rows; timestep ``t.to(latents.dtype) / 1000``. A
+        reference edit's rows, cond and uncond alike, carry its reference tokens after the target's (D:970-972,
+        K:846-848; ``DenoiseInputs.references`` their token grids): (rows, S + S_r, 128)."""
         n, lat = state.n, state.latents
         parts = [state.cond] + ([state.uncond] if state.cfg else [])
-        x = torch.cat([lat] * len(parts)) if len(parts) > 1 else lat
+        refs = state.extras.get("reference_latents")  # (1, S_r, 128)
+        x = lat if refs is None else torch.cat([lat, refs.expand(n, -1, -1)], dim=1)
+        x = torch.cat([x] * len(parts)) if len(parts) > 1 else x
         text = torch.cat([p.text.expand(n, -1, -1) for p in parts])
         timestep = state.timestep.expand(x.shape[0]).to(lat.dtype) / 1000
         guidance = state.extras.get("guidance")
         if guidance is not None:
             guidance = guidance.expand(x.shape[0])
-        return DenoiseInputs(x, text, lat.new_zeros(x.shape[0], 0), timestep, state.grid, guidance)
+        return DenoiseInputs(x, text, lat.new_zeros(x.shape[0], 0), timestep, state.grid, guidance,
+                             references=tuple(state.validated.references) if refs is not None else ())
 
     def advance(self, state: RequestState, output: torch.Tensor) -> None:
         """``neg + guidance_scale * (cond - neg)`` with CFG ([klein], K:864-876), then the request's
-        flow-matching Euler step."""
+        flow-matching Euler step, on the target's tokens only (``noise_pred[:, :latents.size(1)]``, D:985, K:862:
+        a reference edit's reference tokens are dropped)."""
+        output = output[:, : state.latents.shape[1]]
         noise = output[: state.n]
         if state.cfg:
             neg = output[state.n :]
@@ -346,7 +412,8 @@ class Flux2Family(FusedStep):
         from bcg_core.runners.fused import euler_step
 
         scale = self.spec.cfg_scale(state.request) if state.cfg else 1.0
-        return euler_step(state, 0, state.n if state.cfg else None, scale, self.dtype)
+        tokens = state.latents.shape[1] if "reference_latents" in state.extras else None
+        return euler_step(state, 0, state.n if state.cfg else None, scale, self.dtype, tokens)
 
     def unpacked_latents(self, latents: torch.Tensor, latent_ids: torch.Tensor) -> torch.Tensor:
         """Packed latents (n, h * w, 128) as the VAE takes them: ``_unpack_latents_with_ids``, batch-norm
@@ -360,7 +427,11 @@ class Flux2Family(FusedStep):
 
     @torch.inference_mode()
     def decode(self, state: RequestState) -> list[np.ndarray]:
-        """:meth:`unpacked_latents`, ``vae.decode``, ``postprocess`` to uint8 RGB."""
-        z = self.unpacked_latents(state.latents, state.extras["latent_ids"])
+        """:meth:`unpacked_latents`, ``vae.decode``, ``postprocess`` to uint8 RGB: one image per row of
+        ``state.latents`` (the decode thread merges requests of one size into one state: the ids are the grid's, one
+        row per latent row, not one request's ``latent_ids`` of ``prepare_latents``, which has its own rows only)."""
+        lat = state.latents
+        ids = flux2_latent_ids(tuple(state.grid), str(lat.device)).expand(lat.shape[0], -1, -1)
+        z = self.unpacked_latents(lat, ids)
         image = self.vae.decode(z.to(self.vae.device), return_dict=False)[0]
         return [np.asarray(im) for im in self.pipe.image_processor.postprocess(image, output_type="pil")]

@@ -139,18 +139,23 @@ def pad_text(rows: TextRows, tokens: int) -> TextRows:
 def concat_rows(parts: list[DenoiseInputs]) -> DenoiseInputs:
     """The rows of several requests (each at its own step) as the inputs of one forward.
 
-    Rows keep their order (request by request). All parts must share one grid; masked text is padded to the
-    longest part with masked zeros (unmasked text must already share one length). Where some parts carry LoRA
-    entries, the others' rows get slot 0 with scale 0 (no adapter); where none do, the forward has none.
+    Rows keep their order (request by request). All parts must share one grid and reference layout
+    (:attr:`~bcg_core.padding.DenoiseInputs.references`); masked text is padded to the longest part with masked zeros
+    (unmasked text must already share one length). Where some parts carry LoRA entries, the others' rows get slot 0
+    with scale 0 (no adapter); where none do, the forward has none.
 
     Raises:
-        ValueError: parts of different grids, or unmasked text of different lengths.
+        ValueError: parts of different grids or reference layouts, or unmasked text of different lengths.
     """
     if len(parts) == 1:
         return parts[0]
     grids = {p.grid for p in parts}
     if len(grids) > 1:
         raise ValueError(f"rows of different token grids {sorted(grids)} cannot share one forward")
+    layouts = {p.references for p in parts}
+    if len(layouts) > 1:
+        raise ValueError(f"rows of different reference images (token grids {sorted(layouts)}) cannot share one "
+                         f"forward: their image streams have different position ids")
     masked = [p.text_mask is not None for p in parts]
     if any(masked) and not all(masked):
         raise ValueError("masked and unmasked text rows cannot share one forward")
@@ -184,4 +189,5 @@ def concat_rows(parts: list[DenoiseInputs]) -> DenoiseInputs:
         text_mask=torch.cat(masks) if masked[0] else None,
         lora_slots=None if lora is None else torch.cat(slots),
         lora_scales=None if lora is None else torch.cat(scales),
+        references=parts[0].references,
     )

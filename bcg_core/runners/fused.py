@@ -48,21 +48,26 @@ class EulerStep:
         scale: the CFG scale ``s`` of ``u + s * (c - u)`` (unused without CFG).
         dt: ``sigmas[i + 1] - sigmas[i]``, a 0-dim fp32 tensor on the sigmas' device, computed exactly as
             ``FlowMatchEulerDiscreteScheduler.step`` computes it.
+        tokens: the tokens of ``state.latents`` where its rows' image stream holds more (FLUX.2 reference edits: the
+            reference tokens follow, and their updated values are dropped, as the pipeline keeps
+            ``noise_pred[:, :latents.size(1)]``); None: every token of the output is the request's.
     """
 
     cond: int
     uncond: int | None
     scale: float
     dt: torch.Tensor
+    tokens: int | None = None
 
 
-def euler_step(state, cond: int, uncond: int | None, scale: float, dtype: torch.dtype) -> EulerStep | None:
+def euler_step(state, cond: int, uncond: int | None, scale: float, dtype: torch.dtype,
+               tokens: int | None = None) -> EulerStep | None:
     """The fused form of ``state``'s next step, or None where it must run on the host.
 
     Args:
         state: a :class:`~bcg_core.families.RequestState` whose model rows' latents are ``state.latents``
-            (repeated for the uncond rows).
-        cond, uncond, scale: see :class:`EulerStep`.
+            (repeated for the uncond rows; with ``tokens``, followed by other tokens in each row).
+        cond, uncond, scale, tokens: see :class:`EulerStep`.
         dtype: the model's dtype; the latents must be in it (the fused graph reads them from the bucket's
             static latents buffer).
 
@@ -81,12 +86,13 @@ def euler_step(state, cond: int, uncond: int | None, scale: float, dtype: torch.
     dts = state.extras.get("euler_dt")
     if dts is None:  # every step's dt at once: elementwise the same fp32 subtraction, one kernel per request
         dts = state.extras["euler_dt"] = sched.sigmas[1:] - sched.sigmas[:-1]
-    return EulerStep(cond, uncond, float(scale), dts[sched.step_index])
+    return EulerStep(cond, uncond, float(scale), dts[sched.step_index], tokens)
 
 
-def commit_euler(state, latents: torch.Tensor) -> None:
-    """Finish a fused step of ``state``: its next latents, and the step counters that ``step()`` advances."""
-    state.latents = latents
+def commit_euler(state, latents: torch.Tensor, tokens: int | None = None) -> None:
+    """Finish a fused step of ``state``: its next latents (the first ``tokens`` of each row where set:
+    :attr:`EulerStep.tokens`), and the step counters that ``step()`` advances."""
+    state.latents = latents if tokens is None else latents[:, :tokens]
     state.scheduler._step_index += 1
     state.step_index += 1
 

@@ -154,6 +154,8 @@ class Finisher:
             return [self._pipeline.model.decode(states[0])]
         merged = dataclasses.replace(states[0], latents=torch.cat([s.latents for s in states]))
         images = self._pipeline.model.decode(merged)
+        if len(images) != merged.n:  # a family decode that reads more than the latents: fail, never hang
+            raise ValueError(f"the family's decode of {merged.n} merged images gave {len(images)}")
         out, a = [], 0
         for s in states:
             out.append(images[a : a + s.n])

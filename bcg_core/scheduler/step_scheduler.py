@@ -223,8 +223,9 @@ class StepScheduler:
             raise TypeError(f"the step scheduler takes a ValidatedRequest (RequestValidator.validate), "
                             f"got {type(validated).__name__}")
         shape = validated.shape
-        # requests share forwards only within one bucket shape and token grid; a miss runs alone
-        group = (shape, validated.grid) if shape is not None else ("miss", next(self._miss_ids))
+        # requests share forwards only within one bucket shape, token grid and reference layout (FLUX.2's reference
+        # images: its transformer takes one set of image position ids for every row); a miss runs alone
+        group = (shape, validated.grid, validated.references) if shape is not None else ("miss", next(self._miss_ids))
         loop = asyncio.get_running_loop()
         item = InFlight(validated, validated.lookup.query.batch, group, shape, threading.Event(), loop.create_future(),
                         loop, time.perf_counter())
