@@ -113,11 +113,11 @@ class ModelCard(BaseModel):
                       "request that omits them (num_inference_steps, guidance_scale, and true_cfg_scale for FLUX and "
                       "Qwen-Image: the family's diffusers pipeline's unless the config's limits set them), the "
                       "step count of each quality, lora: the adapters in lora.dir and the LoRA limits (null "
-                      "without lora.dir), edits: the edit modes served ('image-to-image', 'inpainting'), their "
-                      "diffusers pipelines and defaults, the mask convention and the upload bounds (null for a "
-                      "family that serves no edits), cache_methods: the step-cache methods the model takes "
-                      "(['first_block'], or [] for a model without one), and cache_default: the cache of a request "
-                      "that omits 'cache' (null: none).")
+                      "without lora.dir), edits: the edit modes served ('image-to-image', 'inpainting', or FLUX.2's "
+                      "'reference' with max_reference_images), their diffusers pipelines and defaults, the mask "
+                      "convention and the upload bounds (null for a family that serves no edits), cache_methods: "
+                      "the step-cache methods the model takes (['first_block'], or [] for a model without one), and "
+                      "cache_default: the cache of a request that omits 'cache' (null: none).")
 
 
 class ModelList(BaseModel):

@@ -14,7 +14,8 @@ inpainting pipelines blend latents, not pixels), so it is not asserted; ``tests/
 engine against diffusers.
 
 A family without edit pipelines (PixArt-Sigma, SANA: their tiny checkpoints' JSON configs, no weights loaded) is
-answered 422 with param ``image``, naming the families that edit.
+answered 422 with param ``image``, naming the families that edit. A FLUX.2 reference edit of two images (``image[]``
+parts) answers the engine's image (``tests/families/test_flux2_edits.py`` gates it against diffusers).
 """
 
 from __future__ import annotations
@@ -247,3 +248,48 @@ def test_a_family_without_edits_answers_422_naming_the_families_that_edit(family
         assert f"(family {family}) is not served for edits" in err["message"]
         assert "edits are served for FLUX.1, SD3/SD3.5 and Qwen-Image" in err["message"]
     assert not dit.sent  # refused by the validator, before any replica
+
+
+def test_a_flux2_reference_edit_of_two_images_answers_the_engines_image(tmp_path):
+    """FLUX.2 [dev]: the official client's ``images.edit(image=[a, b])`` sends two ``image[]`` parts; the engine gets
+    both, in order, as reference images (no strength, no mask), and the answer is the engine's own image at the size
+    sent, its usage counting the references' tokens as input. The card says the edits are reference edits; a strength
+    is refused naming it (the image starts from noise)."""
+    import openai
+
+    from bcg_core import DiTPipeline
+    from tiny.flux2 import TEXT_TOKENS, build
+
+    folder = build(tmp_path / "flux2", "dev")
+    config = ServeConfig.model_validate({
+        "model": {"path": str(folder), "device": "cpu", "dtype": "float32"},
+        "buckets": {"batch_sizes": [1, 2], "resolutions": [f"{SIZE}x{SIZE}", "128x128"],
+                    "text_lengths": [TEXT_TOKENS]},
+        "limits": {"min_side_px": 16, "max_side_px": 1024}, "routing": {"shape_aware": False}})
+    dit = _EngineDiT(DiTPipeline.from_config(config))
+    rng = np.random.default_rng(3)
+    refs = [png_bytes(Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))) for w, h in ((64, 64),
+                                                                                                      (80, 64))]
+    try:
+        ingress = bare_ingress(dit, config)
+        card = ingress._model_card().bcg["edits"]
+        assert card["modes"] == ["reference"] and card["max_reference_images"] == 6
+        assert card["pipelines"] == {"reference": "Flux2Pipeline"} and card["defaults"]["reference"]["strength"] is None
+        client = _client(ingress)
+        result = client.images.edit(image=[("a.png", refs[0], "image/png"), ("b.png", refs[1], "image/png")],
+                                    prompt=PROMPT, size=f"{SIZE}x{SIZE}", response_format="b64_json",
+                                    extra_body={"seed": 4, "num_inference_steps": 2})
+        sent = dit.received[-1]
+        assert sent.request.image == tuple(refs) and sent.references == ((16, 16), (16, 20))
+        assert str(sent.lookup.key) == f"b1_i1024_m_t{TEXT_TOKENS}"  # 64 + 256 + 320 tokens in the masked tier
+        png = base64.b64decode(result.data[0].b64_json, validate=True)
+        assert _decoded(png).size == (SIZE, SIZE) and result.model_extra["bcg"]["steps"] == 2
+        assert result.usage.input_tokens_details.image_tokens == 576 and result.usage.output_tokens == 64
+        validated = dit.pipe.validator.validate(GenerationRequest(PROMPT, width=SIZE, height=SIZE, seed=4,
+                                                                  num_inference_steps=2, image=tuple(refs)))
+        assert [png] == dit.pipe.generate(validated).image_bytes  # the engine's image, byte for byte
+        with pytest.raises(openai.UnprocessableEntityError) as e:
+            client.images.edit(image=("a.png", refs[0], "image/png"), prompt=PROMPT, extra_body={"strength": 0.5})
+        assert e.value.body["param"] == "strength" and "reference edits" in e.value.body["message"]
+    finally:
+        dit.scheduler.close()
