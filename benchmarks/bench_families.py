@@ -13,13 +13,23 @@ padded): ``eager`` (``runner.mode: eager``) and ``bcg`` (``runner.mode: graph``)
 mode, then ``--repeats`` requests per mode, alternating; median wall and encode/denoise/decode; ``speedup`` = eager
 / bcg wall; GPU floor = summed CUDA kernel times of one bcg request (torch.profiler). JSON written after each case.
 
+FLUX.2 and Z-Image (bf16, random weights): ``flux2-klein-1024`` is FLUX.2 [klein] 4B's published transformer (the base
+checkpoint's way: not distilled, so guidance 4.0 runs CFG), ``flux2-dev-slice-1024`` FLUX.2 [dev]'s published width
+with 2 of its 8 double- and 12 of its 48 single-stream blocks (:data:`FLUX2_DEV_SLICE_LAYERS`), ``zimage-1024``
+Z-Image's published transformer with the non-Turbo scheduler and defaults (50 steps, guidance 5.0: CFG); their text
+encoders are stand-ins of the published class and width with only the layers the pipeline reads
+(:func:`text_encoder_layers`); VAEs at the published configs (``AutoencoderKLFlux2``; FLUX.1's for Z-Image).
+
 On the GPU machine, after ``mkdir -p $HOME/site && tar xJf .gpu/site.tar.xz -C $HOME/site &&
-export PYTHONPATH=$HOME/site:$PWD`` (scratch needs ~25 GB free for flux-dev, ~5 GB for the others)::
+export PYTHONPATH=$HOME/site:$PWD`` (scratch needs ~25 GB free for flux-dev, ~18 GB for flux2-dev-slice, ~13 GB for
+zimage, ~8 GB for flux2-klein, ~5 GB for the others)::
 
     python benchmarks/bench_families.py verify --out verify_families.json
     python benchmarks/bench_families.py bench --scratch /dev/shm --out bench_families.json \\
         --cases pixart-512,pixart-1024,sd3-512,sd3-1024,sana-1024
     python benchmarks/bench_families.py bench --scratch /dev/shm --out bench_flux.json --cases flux-dev-1024
+    python benchmarks/bench_families.py bench --scratch /dev/shm --out bench_flux2_zimage.json \\
+        --cases flux2-klein-1024,flux2-dev-slice-1024,zimage-1024
 
 CPU smoke (tests/engine/test_bench_families.py; tiny configs and tables, fp32, eager only)::
 
@@ -59,6 +69,8 @@ from bcg_core.verify import RTOL, verify_runner  # noqa: E402
 from bcg_core.verify_inputs import boundary_cases  # noqa: E402
 
 PROMPT = "a photo of a cat sitting on a red chair"
+FLUX2_TINY_TEXT = 96
+"""``bcg_text_tokens`` of the tiny FLUX.2 checkpoints (``tiny.flux2.TEXT_TOKENS``): their only text bucket."""
 
 # -- verify: tiny checkpoints (tests/tiny) and the bucket tables of tests/families/test_*.py ---------------------
 
@@ -76,6 +88,12 @@ VERIFY = {  # name: (tests/tiny module, build kwargs, bucket table)
     "pixart": ("pixart", {}, _t(["256x256", "304x208", "208x304"], [16, 32, 64])),
     "sana": ("sana", {}, _t(["512x512", "608x416", "416x608"], [8, 16, 32])),
     "qwenimage": ("qwenimage", {}, _t(["64x64", "208x144", "144x208"], [8, 16, 32])),
+    # FLUX.2: text at the tiny checkpoint's native length only (bcg_text_tokens, tiny.flux2.TEXT_TOKENS); 64x64 has
+    # a masked 256-token tier below it (tests/families/test_flux2.py)
+    "flux2-dev": ("flux2", {"variant": "dev"}, _t(["32x32", "64x64"], [FLUX2_TINY_TEXT], (1, 2, 4))),
+    "flux2-klein": ("flux2", {"variant": "klein"}, _t(["32x32", "64x64"], [FLUX2_TINY_TEXT], (1, 2, 4))),
+    # Z-Image: grid-keyed; 40x36 is a 10 x 9 grid (90 tokens, padded to 96 inside the model); masked captions
+    "zimage": ("zimage", {}, _t(["32x32", "40x36"], [32, 64], (1, 2, 4))),
 }
 VERIFY_LIMITS = dict(min_side_px=16, max_side_px=1024)  # as tests/reference_gate.py
 
@@ -101,19 +119,53 @@ SANA_1600M = dict(  # Efficient-Large-Model/Sana_1600M_1024px_diffusers transfor
     norm_eps=1e-6, interpolation_scale=None)
 
 
+# FLUX.2 transformers: diffusers' scripts/convert_flux2_to_diffusers.py (get_flux2_transformer_config: "flux2-dev",
+# the model_id black-forest-labs/FLUX.2-dev, 32.2B; "klein-4b", FLUX.2 [klein] 4B, 3.9B, whose transformer the
+# distilled FLUX.2-klein-4B and the base FLUX.2-klein-base-4B share: the script tells them apart only by is_distilled);
+# Flux2Transformer2DModel's defaults in diffusers 0.42.1 are the [dev] config. The joint_attention_dim is 3 x the text
+# encoder's width (text_encoder_out_layers stacks 3 hidden layers): Mistral Small 3.1's 5120, Qwen3-4B's 2560.
+FLUX2_DEV = dict(patch_size=1, in_channels=128, num_layers=8, num_single_layers=48, attention_head_dim=128,
+                 num_attention_heads=48, joint_attention_dim=15360, timestep_guidance_channels=256, mlp_ratio=3.0,
+                 axes_dims_rope=(32, 32, 32, 32), rope_theta=2000, eps=1e-6, guidance_embeds=True)
+FLUX2_KLEIN_4B = dict(FLUX2_DEV, num_layers=5, num_single_layers=20, num_attention_heads=24, joint_attention_dim=7680,
+                      guidance_embeds=False)
+FLUX2_DEV_SLICE_LAYERS = (2, 12)
+"""Double- and single-stream blocks of the FLUX.2 [dev] slice: a quarter of the published 8 + 48 (the same 1:6 mix),
+8.67B parameters (17.3 GB in bf16; the blocks 0.98B / 0.49B each, 0.81B embedders and modulation) at the published
+width 6144, so that bench_tiers' three resident copies (diffusers' transformer, bcg-serve's, and the one ``bcg-fp8``
+loads in bf16 before turning it to float8: 52 GB) fit an 80 GB GPU; the whole 32.2B [dev] is 64 GB in bf16 alone."""
+FLUX2_VAE: dict = {}
+"""``AutoencoderKLFlux2``'s defaults: the config the conversion script builds the published FLUX.2 VAE into
+(``AutoencoderKLFlux2()`` in its ``main``): 32 latent channels, 2x2 patch, batch-norm statistics, 84M parameters."""
+# Z-Image: Tongyi-MAI/Z-Image and Z-Image-Turbo transformer/config.json (the same 6.15B S3-DiT; copied verbatim by
+# the loaders that ship it without the hub, e.g. "DEFAULT_ZIMAGE_TRANSFORMER_CONFIG" of _diffusers_version
+# 0.36.0.dev0); ZImageTransformer2DModel's defaults are the same but axes_lens (1024, 512, 512).
+ZIMAGE = dict(all_patch_size=(2,), all_f_patch_size=(1,), in_channels=16, dim=3840, n_layers=30, n_refiner_layers=2,
+              n_heads=30, n_kv_heads=30, norm_eps=1e-5, qk_norm=True, cap_feat_dim=2560, rope_theta=256.0,
+              t_scale=1000.0, axes_dims=(32, 48, 48), axes_lens=(1536, 512, 512))
+ZIMAGE_SCHEDULER = dict(num_train_timesteps=1000, shift=6.0, use_dynamic_shifting=False)
+"""Tongyi-MAI/Z-Image (the non-Turbo base) scheduler/scheduler_config.json; Turbo's has shift 3.0
+(``tiny.zimage.ZIMAGE_SCHEDULER_CONFIG``). Its VAE is FLUX.1's (:data:`FLUX_VAE`: vae/config.json, 16 channels,
+scaling 0.3611, shift 0.1159)."""
+
 BenchModel = namedtuple("BenchModel", "family transformer vae")  # family; transformer and VAE constructor configs
+TINY = {"flux2": ("flux2", {"variant": "dev"}), "flux2-klein": ("flux2", {"variant": "klein"})}
+"""``family: (tests/tiny module, build kwargs)`` where they are not ``(family, {})``."""
 
 
 def _tiny_configs(family: str) -> tuple[dict, dict]:
-    """Transformer and VAE configs of the family's tests/tiny checkpoint (built into a temp dir, read back)."""
+    """Transformer and VAE configs of the family's tests/tiny checkpoint (:data:`TINY`; built into a temp dir, read
+    back)."""
+    module, kwargs = TINY.get(family, (family, {}))
     with tempfile.TemporaryDirectory() as tmp:
-        folder = importlib.import_module(f"tiny.{family}").build(Path(tmp) / family)
+        folder = importlib.import_module(f"tiny.{module}").build(Path(tmp) / family, **kwargs)
         cfgs = (json.loads((folder / c / "config.json").read_text()) for c in ("transformer", "vae"))
         return tuple({k: v for k, v in c.items() if not k.startswith("_")} for c in cfgs)
 
 
 def bench_models(tiny: bool) -> dict[str, BenchModel]:
-    """The published configs (transformers of ``bench_graphs.MODELS``), or with ``tiny`` those of tests/tiny."""
+    """The published configs (transformers of ``bench_graphs.MODELS`` and the FLUX.2 / Z-Image ones above), or with
+    ``tiny`` those of tests/tiny (same families, tiny widths)."""
     from bench_graphs import MODELS
 
     pix = MODELS["pixart-sigma"].config  # PixArt-Sigma-XL-2-1024-MS; the 512-MS has sample_size 64, scale 1
@@ -124,7 +176,11 @@ def bench_models(tiny: bool) -> dict[str, BenchModel]:
               "flux-dev": BenchModel("flux", MODELS["flux-dev"].config, FLUX_VAE),
               # FLUX.1-dev's width with 2 double and 4 single blocks (bench_saturation.FLUX_DEV_WIDTH_LAYERS)
               "flux-dev-width": BenchModel("flux", dict(MODELS["flux-dev"].config, num_layers=2, num_single_layers=4),
-                                           FLUX_VAE)}
+                                           FLUX_VAE),
+              "flux2-klein-4b": BenchModel("flux2-klein", FLUX2_KLEIN_4B, FLUX2_VAE),
+              "flux2-dev-slice": BenchModel("flux2", dict(FLUX2_DEV, num_layers=FLUX2_DEV_SLICE_LAYERS[0],
+                                                          num_single_layers=FLUX2_DEV_SLICE_LAYERS[1]), FLUX2_VAE),
+              "zimage": BenchModel("zimage", ZIMAGE, FLUX_VAE)}
     if tiny:
         configs = {f: _tiny_configs(f) for f in dict.fromkeys(m.family for m in models.values())}
         models = {name: BenchModel(m.family, *configs[m.family]) for name, m in models.items()}
@@ -133,7 +189,13 @@ def bench_models(tiny: bool) -> dict[str, BenchModel]:
 
 def text_widths(family: str, tr: dict) -> dict:
     """Output widths the transformer reads: T5 / Gemma2 sequence width, CLIP widths (SD3: CLIP-L + CLIP-G, 768 +
-    1280 of the 2048 pooled channels; FLUX: CLIP-L's pooled 768)."""
+    1280 of the 2048 pooled channels; FLUX: CLIP-L's pooled 768); FLUX.2: the LM's hidden width, a third of
+    ``joint_attention_dim`` (three hidden layers stacked: Mistral Small 3.1's 5120 for [dev], Qwen3-4B's 2560 for
+    [klein] 4B); Z-Image: ``cap_feat_dim`` (Qwen3-4B's 2560)."""
+    if family in ("flux2", "flux2-klein"):
+        return {"mistral" if family == "flux2" else "qwen3": tr["joint_attention_dim"] // 3}
+    if family == "zimage":
+        return {"qwen3": tr["cap_feat_dim"]}
     if family in ("pixart", "sana"):
         return {"t5" if family == "pixart" else "gemma": tr["caption_channels"]}
     pooled = tr["pooled_projection_dim"]
@@ -149,13 +211,23 @@ CASES = {  # case: (model, size, size with --tiny, steps, guidance_scale)
     "sana-1024": ("sana-1.6b-1024", 1024, 512, 20, 4.5),
     "flux-dev-1024": ("flux-dev", 1024, 64, 28, 3.5),  # FLUX.1-dev: guidance embedding, no CFG
     "flux-dev-width-512": ("flux-dev-width", 512, 64, 20, 3.5),  # launch-bound: a reused step is a few kernels
+    # FLUX.2 and Z-Image: each pipeline's __call__ defaults (bcg_core.families.defaults.pipeline_defaults: 50 steps;
+    # guidance 4.0 FLUX.2, 5.0 Z-Image); bench_tiers' --steps runs fewer where the GPU time is short
+    "flux2-klein-1024": ("flux2-klein-4b", 1024, 64, 50, 4.0),  # klein base, not distilled: CFG (2 rows) against ""
+    "flux2-dev-slice-1024": ("flux2-dev-slice", 1024, 64, 50, 4.0),  # [dev]: guidance embedding, no CFG
+    "zimage-1024": ("zimage", 1024, 64, 50, 5.0),  # Z-Image (not Turbo's 8-9 steps, guidance 0): CFG above 0
 }
 CLASSES = {  # family: (pipeline, transformer, VAE)
     "pixart": ("PixArtSigmaPipeline", "PixArtTransformer2DModel", "AutoencoderKL"),
     "sd3": ("StableDiffusion3Pipeline", "SD3Transformer2DModel", "AutoencoderKL"),
     "sana": ("SanaPipeline", "SanaTransformer2DModel", "AutoencoderDC"),
     "flux": ("FluxPipeline", "FluxTransformer2DModel", "AutoencoderKL"),
+    "flux2": ("Flux2Pipeline", "Flux2Transformer2DModel", "AutoencoderKLFlux2"),
+    "flux2-klein": ("Flux2KleinPipeline", "Flux2Transformer2DModel", "AutoencoderKLFlux2"),
+    "zimage": ("ZImagePipeline", "ZImageTransformer2DModel", "AutoencoderKL"),
 }
+PIPELINE_KWARGS = {"flux2-klein": {"is_distilled": False}}
+"""Further pipeline constructor arguments per family (``model_index.json``): [klein] as the base checkpoint, CFG on."""
 
 
 def random_transformer(cls, config: dict, device, dtype) -> torch.nn.Module:
@@ -177,6 +249,65 @@ def random_transformer(cls, config: dict, device, dtype) -> torch.nn.Module:
     return model.eval()
 
 
+def text_encoder_layers(family: str) -> int:
+    """Hidden layers of the family's stand-in LM: FLUX.2 stacks the hidden states of the pipeline's default
+    ``text_encoder_out_layers`` ((10, 20, 30) [dev], (9, 18, 27) [klein], read from ``__call__``'s signature), so the
+    stand-in has one more than the last of them (31, 28; the published LMs have 40 and 36); Z-Image reads
+    ``hidden_states[-2]``: 2. The depth does not enter the denoising time, only the encode's."""
+    if family == "zimage":
+        return 2
+    import inspect
+
+    import diffusers
+
+    cls = getattr(diffusers, CLASSES[family][0])
+    return max(inspect.signature(cls.__call__).parameters["text_encoder_out_layers"].default) + 1
+
+
+def _qwen3_tokenizer():
+    """The tiny Qwen2 tokenizer with ``<think>`` tokens and Qwen3's chat template (as tests/tiny/flux2.py [klein]
+    and tests/tiny/zimage.py build theirs)."""
+    from tiny.flux2 import QWEN3_CHAT_TEMPLATE
+    from tiny.qwenimage import qwen2_tokenizer
+
+    tok = qwen2_tokenizer()
+    tok.add_tokens(["<think>", "</think>"])
+    tok.chat_template = QWEN3_CHAT_TEMPLATE
+    return tok
+
+
+def _lm_encoder(family: str, width: int):
+    """FLUX.2's / Z-Image's stand-in LM: the published class at the published hidden ``width``, random weights, with
+    :func:`text_encoder_layers` layers of 2 heads of 64 (1 KV head) and a 256-wide MLP (the published 32 / 8 heads
+    of 128 and 32768 / 9728-wide MLPs would be the encode's cost only); tiny offline tokenizers (tests/tiny).
+
+    Returns:
+        ``(tokenizer, model)``: [dev] ``Mistral3ForConditionalGeneration`` (a 1-layer Pixtral vision tower that text
+        prompts never run) with the Mistral-style tokenizer of ``tiny.flux2``; [klein] ``Qwen3ForCausalLM``,
+        Z-Image ``Qwen3Model``, with :func:`_qwen3_tokenizer`.
+    """
+    import transformers as tf
+
+    layers = text_encoder_layers(family)
+    lm = dict(hidden_size=width, intermediate_size=256, num_hidden_layers=layers, num_attention_heads=2,
+              num_key_value_heads=1, head_dim=64, max_position_embeddings=1024)
+    if family == "flux2":
+        from tiny.flux2 import mistral_tokenizer
+
+        tok = mistral_tokenizer()
+        ids = dict(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+        return tok, tf.Mistral3ForConditionalGeneration(tf.Mistral3Config(
+            text_config=dict(model_type="mistral", vocab_size=len(tok), rms_norm_eps=1e-5, rope_theta=1e9,
+                             sliding_window=None, **lm, **ids),
+            vision_config=dict(model_type="pixtral", hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                               intermediate_size=16, image_size=32, patch_size=8, num_channels=3, head_dim=8),
+            image_token_index=tok.convert_tokens_to_ids("[IMG]"), spatial_merge_size=2))
+    tok = _qwen3_tokenizer()
+    config = tf.Qwen3Config(vocab_size=len(tok), bos_token_id=tok.convert_tokens_to_ids("<|endoftext|>"),
+                            eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"), pad_token_id=tok.pad_token_id, **lm)
+    return tok, (tf.Qwen3ForCausalLM if family == "flux2-klein" else tf.Qwen3Model)(config)
+
+
 def _text_encoders(spec: BenchModel) -> dict:
     """Stand-in text encoders (random weights; real classes and output widths) with tiny offline tokenizers."""
     import transformers as tf
@@ -184,6 +315,8 @@ def _text_encoders(spec: BenchModel) -> dict:
     from tiny.tokenizers import clip_tokenizer, t5_tokenizer
 
     widths = text_widths(spec.family, spec.transformer)
+    if spec.family in ("flux2", "flux2-klein", "zimage"):
+        return dict(zip(("tokenizer", "text_encoder"), _lm_encoder(spec.family, *widths.values()), strict=True))
 
     def t5(width, max_length):
         tok = t5_tokenizer(max_length=max_length)
@@ -225,13 +358,30 @@ def _scheduler(family: str):
 
     if family in ("pixart", "sana"):
         return DPMSolverMultistepScheduler(**(PIXART_SIGMA_SCHEDULER if family == "pixart" else SANA_SCHEDULER_CONFIG))
+    if family == "zimage":
+        return FlowMatchEulerDiscreteScheduler(**ZIMAGE_SCHEDULER)
+    # FLUX.1-dev scheduler_config.json; FLUX.2's conversion script saves this very one (from_pretrained of FLUX.1-dev's
+    # scheduler), and its pipelines pass mu (compute_empirical_mu) themselves
     flux = dict(use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15, base_image_seq_len=256,
-                max_image_seq_len=4096)  # FLUX.1-dev scheduler_config.json
-    return FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0, **(flux if family == "flux" else {}))
+                max_image_seq_len=4096)
+    return FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0,
+                                           **(flux if family in ("flux", "flux2", "flux2-klein") else {}))
 
 
 def _params(m: torch.nn.Module) -> int:
     return sum(p.numel() for p in m.parameters())
+
+
+def _text_width(m: torch.nn.Module) -> int:
+    """Output width of a stand-in text encoder (T5's ``d_model``; a multimodal LM's text model's hidden size)."""
+    cfg = m.config.get_text_config()
+    return getattr(cfg, "d_model", None) or cfg.hidden_size
+
+
+def _text_layers(m: torch.nn.Module) -> int:
+    """Layers of a stand-in text encoder (of its text model)."""
+    cfg = m.config.get_text_config()
+    return getattr(cfg, "num_layers", None) or cfg.num_hidden_layers
 
 
 def build_checkpoint(spec: BenchModel, folder: Path, device, dtype) -> dict:
@@ -245,11 +395,10 @@ def build_checkpoint(spec: BenchModel, folder: Path, device, dtype) -> dict:
         vae = vae_cls(**spec.vae).to(dtype).eval()
         text = {k: v.to(dtype).eval() if isinstance(v, torch.nn.Module) else v
                 for k, v in _text_encoders(spec).items()}
-    pipe_cls(transformer=transformer, vae=vae, scheduler=_scheduler(spec.family), **text).save_pretrained(folder)
-    stand_ins = {k: dict(cls=type(m).__name__, stand_in=True, random_weights=True,
-                         width=getattr(m.config, "d_model", None) or m.config.hidden_size,
-                         layers=getattr(m.config, "num_layers", None) or m.config.num_hidden_layers,
-                         params_m=round(_params(m) / 1e6, 1))
+    pipe_cls(transformer=transformer, vae=vae, scheduler=_scheduler(spec.family), **text,
+             **PIPELINE_KWARGS.get(spec.family, {})).save_pretrained(folder)
+    stand_ins = {k: dict(cls=type(m).__name__, stand_in=True, random_weights=True, width=_text_width(m),
+                         layers=_text_layers(m), params_m=round(_params(m) / 1e6, 1))
                  for k, m in text.items() if isinstance(m, torch.nn.Module)}
     info = dict(pipeline=pipe_cls.__name__, transformer=tr_cls.__name__, params_b=round(_params(transformer) / 1e9, 3),
                 vae=vae_cls.__name__, vae_params_m=round(_params(vae) / 1e6, 1), text_encoders=stand_ins)

@@ -7,8 +7,8 @@ weights, bf16, the real VAE config, random stand-in text encoders), one checkpoi
 - ``diffusers``: the family's diffusers pipeline, ``from_pretrained`` of that folder, called with the request's
   prompt, size, steps, guidance and one CPU generator per image (as bcg-serve seeds them);
 - ``diffusers-compiled``: a second copy of it with ``transformer.compile_repeated_blocks(fullgraph=True)`` (FLUX.1,
-  Qwen-Image: diffusers' documented one line), or ``torch.compile(transformer, fullgraph=True)`` where the
-  transformer names no repeated blocks;
+  FLUX.2, Z-Image, Qwen-Image: diffusers' documented one line; their transformers name ``_repeated_blocks``), or
+  ``torch.compile(transformer, fullgraph=True)`` where the transformer names no repeated blocks;
 - ``bcg-eager`` / ``bcg-compiled`` / ``bcg-fp8``: :class:`~bcg_core.pipeline.DiTPipeline` with the one bucket that
   holds the request exactly (nothing padded), ``runner.mode: graph``, ``runner.kernels`` eager, compiled or fp8
   (eager and compiled share one loaded model; fp8 turns its linear layers to float8 in place, so it loads its own).
@@ -25,6 +25,12 @@ On the GPU machine, after ``mkdir -p $HOME/site && tar xJf .gpu/site.tar.xz -C $
 PYTHONPATH=$HOME/site:$PWD``::
 
     python benchmarks/bench_tiers.py --cases flux-dev-1024 --scratch /dev/shm --commit <sha> --out tiers.json
+    python benchmarks/bench_tiers.py --cases flux2-klein-1024 \
+        --modes diffusers,diffusers-compiled,bcg-compiled,bcg-fp8 --steps 10 --repeats 2 --scratch /dev/shm \
+        --commit <sha> --out tiers_flux2-klein.json
+
+(cases of ``bench_families.CASES``: pixart-512, pixart-1024, sd3-512, sd3-1024, sana-1024, flux-dev-1024,
+flux-dev-width-512, flux2-klein-1024, flux2-dev-slice-1024, zimage-1024.)
 
 Compute accounting (``compute`` per case, and per mode): before the modes, one transformer forward of the request's
 exact shape is counted with ``torch.utils.flop_counter.FlopCounterMode`` (one eager forward, no grad), as each side
@@ -32,8 +38,12 @@ runs it. A forward pre-hook on the transformer records its real args/kwargs duri
 eager pipeline with ``output_type="latent"``; an eager ``DiTPipeline`` over the exact bucket), which also counts
 the forwards per step; the first call's inputs are then run once under the counter. The rows are the rows a
 denoising step runs: classifier-free guidance rows included where the family batches them (PixArt, SD3, Sana: 2n),
-FLUX.1-dev one row per image (guidance embedding). The two sides differ only in text length where bcg-serve runs the
-prompt's text bucket and diffusers its padded ``max_sequence_length`` (PixArt, Sana). FlopCounterMode counts the
+FLUX.1-dev and FLUX.2 [dev] one row per image (guidance embedding). FLUX.2 [klein] with CFG: diffusers runs two
+forwards per step (cond, then uncond), bcg-serve one of 2n rows; Z-Image batches its 2n CFG rows on both sides, and
+bcg-serve's fixed-shape Z-Image forward (the transformer's modules one by one, not its ``forward``) is counted on its
+bucket buffers (:func:`one_forward`'s ``adapter``). The two sides differ only in text length where bcg-serve runs the
+prompt's text bucket and diffusers its padded ``max_sequence_length`` (PixArt, Sana; Z-Image's exact caption bucket
+holds the same 32-slot blocks the transformer rounds a caption to). FlopCounterMode counts the
 matrix products only: mm/addmm/bmm/baddbmm, ``_scaled_mm``, convolutions and SDPA attention (QK^T and PV; the flash,
 efficient and cudnn kernels, and here the CPU's fused one as well); not elementwise ops, norms, softmax or
 activations, so it is the tensor-core work a peak figure is about. Reported: per case ``forward_tflop`` (TFLOP of
@@ -41,6 +51,9 @@ one forward, as diffusers runs it) and ``forwards`` (steps x forwards per step);
 ``forward_tflop`` and ``forwards``, ``tflops_over_wall`` (forward_tflop x forwards / wall s: a lower bound, as the
 wall also holds encode and decode), ``denoise_tflops`` (the same over the denoise split, where the mode has one:
 bcg-serve's modes) and ``of_peak`` (denoise_tflops / peak; ``wall_of_peak`` from the wall, for every mode).
+
+``peak_gpu_gb`` per case: ``torch.cuda.max_memory_allocated`` from loading bcg-serve's model to the case's end, every
+mode's pipeline resident together (diffusers' transformer, once, shared by its modes; bcg-serve's; ``bcg-fp8``'s own).
 
 ``--peak-tflops``: the GPU's dense bf16 peak (fp32 with ``--tiny``). Default on CUDA where the GPU's name holds
 "H100" or "H200" (not "PCIe" or "NVL"): 989.4 TFLOPS, the dense BF16 tensor-core figure of NVIDIA's H100 / H200 SXM
@@ -63,7 +76,8 @@ do, and not for ``diffusers-compiled``, whose compiled blocks run no forward hoo
 ``bcg.cache``), and for bcg-serve's modes on CUDA graphs the halves' measured shares of the whole forward
 (``step_cache_shares``, :attr:`bcg_core.costs.CostModel.piece_shares`).
 
-CPU smoke: ``--device cpu --tiny --repeats 1`` (fp32 tiny configs; bcg modes without graphs, no ``bcg-fp8``).
+CPU smoke: ``--device cpu --tiny --repeats 1`` (fp32 tiny configs; bcg modes without graphs, no ``bcg-fp8``;
+tests/engine/test_bench_tiers.py runs the FLUX.2 and Z-Image cases with ``--modes diffusers,bcg-eager``).
 """
 
 from __future__ import annotations
@@ -174,26 +188,69 @@ def peak_tflops(args, device: torch.device) -> tuple[float | None, float | None]
     return None, None
 
 
-def one_forward(transformer: torch.nn.Module, call) -> dict:
+def _batch_shape(x) -> list[int] | None:
+    """``x``'s shape; for a per-row list of tensors (Z-Image's transformer takes its latents and captions so), the
+    row count before the first row's shape; None for None."""
+    if x is None:
+        return None
+    if isinstance(x, (list, tuple)):
+        return [len(x), *x[0].shape]
+    return list(x.shape)
+
+
+def one_forward(transformer: torch.nn.Module, call, adapter=None) -> dict:
     """FLOPs of one ``transformer`` forward with the real inputs of its first call during ``call()`` (a 1-step
     request), and how many forwards that step ran. CPU's fused SDPA kernel is counted as the CUDA ones are. (The
     counter's per-module counts around the whole 1-step call, keyed by the transformer's class name, agree on torch
-    2.13; the hook also gives the rows and forwards per step, and runs nothing else under the counter.)"""
-    seen = []
+    2.13; the hook also gives the rows and forwards per step, and runs nothing else under the counter.)
+
+    ``adapter`` (bcg-serve's side): a padding adapter whose bucket forward may not call ``transformer`` itself
+    (Z-Image's fixed-shape forward runs the transformer's modules one by one); where the transformer's own forward
+    never ran during ``call()``, the adapter's ``forward(buffers)`` calls are recorded instead, and the first one is
+    counted on its buffers (rows, latents and text tokens read from them).
+
+    Raises:
+        RuntimeError: neither the transformer's forward nor the adapter's ran during ``call()``.
+    """
+    seen, buffers = [], []
     hook = transformer.register_forward_pre_hook(lambda m, a, kw: seen.append((a, kw)), with_kwargs=True)
+    own = adapter is not None and "forward" in vars(adapter)
+    if adapter is not None:
+        real = adapter.forward
+
+        def recording(bufs):
+            buffers.append(bufs)
+            return real(bufs)
+        adapter.forward = recording
     try:
         call()
     finally:
         hook.remove()
-    args, kwargs = seen[0]
+        if adapter is not None:
+            if own:
+                adapter.forward = real
+            else:
+                del adapter.forward
     sdpa_cpu = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu:
                 lambda q, k, v, *_, out_shape=None, **__: flop_counter.sdpa_flop_count(q, k, v)}
-    with torch.no_grad(), flop_counter.FlopCounterMode(display=False, custom_mapping=sdpa_cpu) as counter:
-        transformer(*args, **kwargs)
-    latents = kwargs.get("hidden_states", args[0] if args else None)
-    text = kwargs.get("encoder_hidden_states")
-    return dict(forward_tflop=counter.get_total_flops() / 1e12, per_step=len(seen), rows=latents.shape[0],
-                latents=list(latents.shape), text_tokens=None if text is None else text.shape[1])
+    if seen:
+        args, kwargs = seen[0]
+        with torch.no_grad(), flop_counter.FlopCounterMode(display=False, custom_mapping=sdpa_cpu) as counter:
+            transformer(*args, **kwargs)
+        # Z-Image: forward(x, t, cap_feats) with per-row lists; the others name hidden_states (and the text)
+        latents = _batch_shape(kwargs.get("hidden_states", kwargs.get("x", args[0] if args else None)))
+        text = _batch_shape(kwargs.get("encoder_hidden_states", kwargs.get("cap_feats", args[2] if len(args) > 2
+                                                                             else None)))
+        per_step = len(seen)
+    elif buffers:
+        with torch.no_grad(), flop_counter.FlopCounterMode(display=False, custom_mapping=sdpa_cpu) as counter:
+            adapter.forward(buffers[0])
+        latents, text = _batch_shape(buffers[0]["latents"]), _batch_shape(buffers[0].get("text"))
+        per_step = len(buffers)
+    else:
+        raise RuntimeError(f"no forward of {type(transformer).__name__} ran during the counted call")
+    return dict(forward_tflop=counter.get_total_flops() / 1e12, per_step=per_step, rows=latents[0], latents=latents,
+                text_tokens=None if text is None or len(text) < 3 else text[1])
 
 
 def count_compute(folder: Path, model, cfg: EngineConfig, req: GenerationRequest, device: torch.device,
@@ -209,7 +266,8 @@ def count_compute(folder: Path, model, cfg: EngineConfig, req: GenerationRequest
     pipe = None  # freed before the modes load theirs
     gc.collect()
     eager = DiTPipeline(cfg.model_copy(update={"runner": RunnerConfig(mode="eager", kernels="eager")}), model)
-    out["bcg"] = one_forward(model.adapter.model, lambda: eager.generate(eager.validator.validate(one_step)))
+    out["bcg"] = one_forward(model.adapter.model, lambda: eager.generate(eager.validator.validate(one_step)),
+                             adapter=model.adapter)
     for side in out.values():
         side["forwards"] = req.num_inference_steps * side["per_step"]
     return out
@@ -355,7 +413,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--n", type=int, default=1, help="images per request")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--steps", type=int, help="denoising steps of every case (default: the case's own, "
-                    "bench_families.CASES: 28 for FLUX.1-dev, 20 for the others; --tiny always runs 2)")
+                    "bench_families.CASES: 28 for FLUX.1-dev, 50 (the pipelines' defaults) for FLUX.2 and Z-Image, "
+                    "20 for the others; --tiny always runs 2)")
     ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke: tiny configs, fp32, 2 steps")
     ap.add_argument("--compile-decode", action="store_true",
@@ -386,13 +445,19 @@ def main(argv: list[str] | None = None) -> int:
     for case in args.cases.split(","):
         name = bench_families.CASES[case][0]
         folder = Path(tempfile.mkdtemp(prefix=f"bcg-tiers-{name}-", dir=args.scratch))
+        model = None
         try:
             t0 = time.perf_counter()
             info = bench_families.build_checkpoint(models[name], folder, device, getattr(torch, dtype))
             info["build_save_s"] = round(time.perf_counter() - t0, 1)
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
             model = load_model(ModelConfig(path=str(folder), device=device.type, dtype=dtype))
             row = bench_case(case, folder, model, args, device, dtype)
             row["built"] = info
+            # every mode's pipeline stays resident to the end of the case: the peak holds them all
+            row["peak_gpu_gb"] = (round(torch.cuda.max_memory_allocated(device) / 1e9, 2) if device.type == "cuda"
+                                  else None)
             result["cases"].append(row)
             print(f"\n{case} n={args.n}\n" + bench_families.format_table(["mode", *TABLE], [
                 [mode] + [r.get(k) for k in TABLE.values()] for mode, r in row["modes"].items()]), flush=True)
