@@ -1,20 +1,30 @@
-"""SD3 and PixArt-Sigma under CUDA graphs: replay equals eager at every boundary, exact fits bit for bit."""
+"""SD3 and PixArt-Sigma under CUDA graphs: replay equals eager at every boundary, exact fits bit for bit.
 
+FLUX.2 [dev], [klein] and Z-Image: their tiny checkpoints (tests/tiny) loaded through ``model.path`` with every bucket
+of ``benchmarks/bench_families.py``'s ``VERIFY`` table captured as a CUDA graph, in fp32 and bf16; each bucket's
+boundary cases replayed against the unpadded eager forward within ``bcg_core.verify.RTOL`` (fp32 1e-5, bf16 2e-2), as
+``bench_families.py verify`` checks every family.
+"""
+
+import importlib
 
 import pytest
 import torch
 
 from bcg_core import BucketConfig, BucketMetrics, BucketTable, LimitsConfig
 from bcg_core.runners.cuda_graph import CudaGraphRunner
-from bcg_core.verify import verify_runner
+from bcg_core.verify import RTOL, verify_runner
 from bcg_core.verify_inputs import BoundaryCase, boundary_cases, random_inputs
 from benchmark_scripts import load
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 bench = load("bench_graphs")
+families = load("bench_families")
 
 CUDA, BF16 = torch.device("cuda"), torch.bfloat16
+CHECKPOINT_FAMILIES = ("flux2-dev", "flux2-klein", "zimage")
+"""Families of ``bench_families.VERIFY`` whose buckets are checked here from their tiny checkpoints."""
 
 FAMILIES = {
     # name: (resolutions, text buckets); SD3 text is fixed at the model's native length.
@@ -57,3 +67,15 @@ def test_exact_fit_replay_equals_eager_bit_for_bit(family):
         with torch.inference_mode():
             ref = adapter.forward_eager(x)
         assert torch.equal(runner.run(key, x), ref), str(key)
+
+
+@pytest.mark.usefixtures("no_tf32")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("name", CHECKPOINT_FAMILIES)
+def test_checkpoint_family_buckets_replayed_as_graphs_equal_unpadded_eager(name, dtype, tmp_path):
+    module, kwargs, table = families.VERIFY[name]
+    folder = importlib.import_module(f"tiny.{module}").build(tmp_path / name, **kwargs)
+    r = families._verify_one(name, folder, dtype, table, LimitsConfig(**families.VERIFY_LIMITS), CUDA)
+    assert r["modes"] == {"graph": r["buckets"]}, r["modes"]  # every bucket captured, none left eager
+    assert r["buckets"] == r["checked"] == r["passed"] > 0 and not r["unreached"], r
+    assert r["failed"] == [] and r["max_rel_err"] <= r["rtol"] == RTOL[getattr(torch, dtype)], r

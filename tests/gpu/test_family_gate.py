@@ -8,6 +8,11 @@ diffusers' need not sum in the same order (fp32 attention and convolutions pick 
 latents must agree within 1e-4 relative and the images within one level on at most 1% of the pixel values.
 TF32 is off in this module (cuDNN turns it on for convolutions by default, and the VAE then amplifies a 1e-7
 difference of the latents into one-level flips on ~1.5% of the pixels).
+
+FLUX.2 [dev] and [klein] (CFG against ``""``, the base checkpoint's way) are served at the tiny checkpoints' text
+length (``bcg_text_tokens``, diffusers called with the same ``max_sequence_length``); [klein]'s
+``output_type="latent"`` answer is unpacked and un-normalised, so bcg-serve's packed final latents are compared in that
+layout (:func:`_as_diffusers`). Z-Image with CFG and a negative prompt, grid-keyed buckets, masked captions.
 """
 
 import importlib
@@ -16,7 +21,8 @@ import pytest
 import torch
 
 from bcg_core import GenerationRequest
-from reference_gate import assert_same, bcg_pipeline, bcg_run, bcg_run_joined, diffusers_run
+from reference_gate import GateRun, assert_same, bcg_pipeline, bcg_run, bcg_run_joined, diffusers_run
+from tiny.flux2 import TEXT_TOKENS as FLUX2_TEXT
 from tiny.qwenimage21 import loadable, without_torchvision
 
 pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
@@ -44,7 +50,18 @@ CASES = {
     "qwenimage21": ("qwenimage21", {}, "QwenImage21Pipeline",
                     {"batch_sizes": [1, 2, 4, 8], "resolutions": ["64x64"], "text_lengths": [16, 32]},
                     {"width": 64, "height": 64, "negative_prompt": "blurry", "true_cfg_scale": 4.0}, {}),
+    "flux2-dev": ("flux2", {"variant": "dev"}, "Flux2Pipeline",
+                  {"batch_sizes": [1, 2, 4], "resolutions": ["32x32", "64x64"], "text_lengths": [FLUX2_TEXT]},
+                  {"width": 32, "height": 32, "guidance_scale": 4.0}, {"max_sequence_length": FLUX2_TEXT}),
+    "flux2-klein": ("flux2", {"variant": "klein"}, "Flux2KleinPipeline",
+                    {"batch_sizes": [1, 2, 4, 8], "resolutions": ["32x32", "64x64"], "text_lengths": [FLUX2_TEXT]},
+                    {"width": 32, "height": 32, "guidance_scale": 4.0}, {"max_sequence_length": FLUX2_TEXT}),
+    "zimage": ("zimage", {}, "ZImagePipeline",
+               {"batch_sizes": [1, 2, 4, 8], "resolutions": ["32x32", "40x36"], "text_lengths": [32, 64]},
+               {"width": 32, "height": 32, "guidance_scale": 4.0, "negative_prompt": "blurry"}, {}),
 }
+FUSING = ("flux", "sd3", "flux2")
+"""Families whose steps run fused once the start-up check passes (flow-match Euler, plain CFG or none)."""
 
 
 
@@ -68,6 +85,23 @@ def _req(fields: dict, **kw) -> GenerationRequest:
                                 "num_inference_steps": 4, **fields, **kw})
 
 
+def _as_diffusers(pipe, ours: GateRun, req: GenerationRequest) -> GateRun:
+    """``ours`` in the layout of the diffusers pipeline's ``output_type="latent"`` answer: ``Flux2KleinPipeline``
+    returns its final latents unpacked, with the VAE's batch-norm statistics undone
+    (:meth:`~bcg_core.families.flux2.Flux2Family.unpacked_latents`, which reproduces it bit for bit,
+    tests/families/test_flux2.py); every other pipeline here (``Flux2Pipeline`` included) returns what the step loop
+    holds, and ``ours`` is returned as it is."""
+    if pipe.model.spec.pipeline_class != "Flux2KleinPipeline":
+        return ours
+    from diffusers import Flux2Pipeline
+
+    fam = pipe.model
+    ids = Flux2Pipeline._prepare_latent_ids(torch.empty(req.n, 0, *fam.rules.grid(req.width, req.height)))
+    with torch.inference_mode():
+        lat = fam.unpacked_latents(ours.latents.to(fam.device, fam.dtype), ids.to(fam.device))
+    return GateRun(lat.float().cpu(), ours.pngs)
+
+
 def test_alone_at_its_bucket_replayed_as_a_graph_equals_diffusers_on_cuda(family):
     folder, pipe, cls, fields, ref = family
     req = pipe.validator.validate(_req(fields)).request
@@ -76,23 +110,23 @@ def test_alone_at_its_bucket_replayed_as_a_graph_equals_diffusers_on_cuda(family
     ours = bcg_run(pipe, req)
     after = {b["key"]: b["replays"] for b in pipe.stats()["buckets"]}[key]
     assert after - before == req.num_inference_steps  # every step replayed its bucket's graph
-    assert_same(ours, diffusers_run(cls, folder, req, device="cuda", **ref), rtol=RTOL_CUDA,
+    assert_same(_as_diffusers(pipe, ours, req), diffusers_run(cls, folder, req, device="cuda", **ref), rtol=RTOL_CUDA,
                 pixel_share=PIXELS_CUDA)
 
 
 def test_flow_match_euler_families_fuse_their_steps_after_the_bitwise_check_on_cuda(family):
-    """FLUX.1 and SD3 (flow-match Euler, plain CFG) run each step as one replay of the fused graph, after the
-    start-up check found it bit for bit equal to the host path; the other families keep the host path."""
+    """FLUX.1, SD3 and FLUX.2 (flow-match Euler, plain CFG or none) run each step as one replay of the fused graph,
+    after the start-up check found it bit for bit equal to the host path; the other families keep the host path."""
     folder, pipe, cls, fields, ref = family
-    fuses = pipe.model.name in ("flux", "sd3")
+    fuses = pipe.model.name in FUSING
     assert pipe.fused.on == fuses, pipe.fused.note
     if fuses:
         req = pipe.validator.validate(_req(fields, seed=11)).request
         before = pipe.fused.steps
         ours = bcg_run(pipe, req)
         assert pipe.fused.steps - before == req.num_inference_steps and not pipe.fused.host_steps
-        assert_same(ours, diffusers_run(cls, folder, req, device="cuda", **ref), rtol=RTOL_CUDA,
-                    pixel_share=PIXELS_CUDA)
+        assert_same(_as_diffusers(pipe, ours, req), diffusers_run(cls, folder, req, device="cuda", **ref),
+                    rtol=RTOL_CUDA, pixel_share=PIXELS_CUDA)
 
 
 def test_joining_a_running_request_in_one_graph_replay_equals_diffusers_on_cuda(family):
@@ -102,8 +136,8 @@ def test_joining_a_running_request_in_one_graph_replay_equals_diffusers_on_cuda(
                                      prompt="an astronaut riding a horse")).request
     ours_a, ours_b = bcg_run_joined(pipe, a, b, head_start=2)
     for ours, req in ((ours_a, a), (ours_b, b)):
-        assert_same(ours, diffusers_run(cls, folder, req, device="cuda", **ref), rtol=RTOL_CUDA,
-                    pixel_share=PIXELS_CUDA)
+        assert_same(_as_diffusers(pipe, ours, req), diffusers_run(cls, folder, req, device="cuda", **ref),
+                    rtol=RTOL_CUDA, pixel_share=PIXELS_CUDA)
 
 
 def test_the_step_scheduler_with_measured_costs_equals_diffusers_on_cuda(family):
