@@ -339,6 +339,8 @@ class RequestValidator:
         from bcg_core.edits import read_image, read_mask, read_references
         from bcg_core.families.defaults import edit_defaults
 
+        if not r.images:  # an empty list of files
+            raise RequestError("image", "'image' holds no file; send the image to edit as the file part 'image'")
         if self.spec.references is not None:
             refs, size = read_references(r, self.spec.references, self.limits.max_input_pixels)
             return {"steps": self.default_steps, "guidance": self.default_guidance_scale, "strength": None,

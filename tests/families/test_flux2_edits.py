@@ -227,6 +227,7 @@ def test_the_validators_reference_sizes_are_the_pipelines_own(checkpoints):
     (dict(image=_noise(48, 64, 0)), "image", "at least 64 pixels"),
     (dict(image=_noise(64, 576, 0)), "image", "aspect ratio 9.0:1"),
     (dict(image=(_noise(64, 64, 0), b"not an image")), "image", "'image' (image 2 of 2) is not an image file"),
+    (dict(image=()), "image", "'image' holds no file"),
 ])
 def test_what_a_reference_edit_cannot_be_is_refused_naming_the_field(checkpoints, change, field, words):
     _, pipe = checkpoints("dev")
