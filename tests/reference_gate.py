@@ -98,10 +98,10 @@ def diffusers_run(pipeline_cls, folder, request: GenerationRequest, device: str 
     unset is left to the pipeline's default, as a diffusers user who omits it). The request's ``lora`` adapters
     are read from ``lora_dir`` with ``load_lora_weights(path, adapter_name=name)`` and weighted by
     ``set_adapters(names, scales)``, as a diffusers user applies them. An edit's ``image`` is passed as its PIL
-    image (several, a reference edit's: a list of them, in order) and its ``strength`` as set; an inpainting mask is the caller's (``mask_image=``, in diffusers' own
-    convention, white where to repaint), so the gate does not take bcg-serve's conversion on trust. ``setup(pipe)``
-    runs on the loaded pipeline before the calls (e.g. ``pipe.transformer.enable_cache(...)``, as a diffusers user
-    turns a step cache on).
+    image (several, a reference edit's: a list of them, in order) and its ``strength`` as set; an inpainting mask
+    is the caller's (``mask_image=``, in diffusers' own convention, white where to repaint), so the gate does not
+    take bcg-serve's conversion on trust. ``setup(pipe)`` runs on the loaded pipeline before the calls (e.g.
+    ``pipe.transformer.enable_cache(...)``, as a diffusers user turns a step cache on).
     """
     pipe = pipeline_cls.from_pretrained(str(folder), torch_dtype=torch.float32, local_files_only=True,
                                         **(load_kwargs or {})).to(device)
