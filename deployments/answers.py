@@ -63,7 +63,7 @@ def bcg_info(result: GenerationResult, timings: dict[str, float], retries: int, 
 
 
 async def image_events(validated: ValidatedRequest, req: ImageGenerationRequest, events, t0: float,
-                       kind: str = "image_generation"):
+                       kind: str = "image_generation", background: str = "opaque"):
     """The Server-Sent Events of a streamed request: ``image_generation.partial_image`` per preview and image,
     then ``image_generation.completed`` per image, in the shapes of the ``openai`` client's
     ``ImageGenPartialImageEvent`` and ``ImageGenCompletedEvent`` (plus ``image_index`` and, on completed
@@ -76,9 +76,10 @@ async def image_events(validated: ValidatedRequest, req: ImageGenerationRequest,
         t0: ``time.perf_counter()`` when the validated request was sent.
         kind: the events' prefix: ``image_generation``, or ``image_edit`` for an edit (the client's
             ``ImageEditPartialImageEvent`` and ``ImageEditCompletedEvent``).
+        background: what the served model's images are: ``opaque``, or ``transparent`` where they carry alpha.
     """
     r = validated.request
-    common = {"background": "opaque", "output_format": r.output_format, "quality": r.quality or "auto",
+    common = {"background": background, "output_format": r.output_format, "quality": r.quality or "auto",
               "size": f"{r.width}x{r.height}"}
     try:
         async with contextlib.aclosing(events):

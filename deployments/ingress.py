@@ -188,6 +188,7 @@ class Ingress:
         # decoded off the event loop
         self._validating = ThreadPoolExecutor(1, thread_name_prefix="bcg-validate")
         self._edits = edits_card(self._validator.spec, self._config.limits)
+        self._background = "transparent" if self._validator.spec.output_alpha else "opaque"  # what the images are
         configure_ingress(self._config)  # large buffers mmapped; the heap trimmed once idle
 
     def _request_limits(self) -> RequestLimits:
@@ -198,6 +199,7 @@ class Ingress:
             resolutions=tuple(self._config.buckets.resolutions),
             lora=self._config.lora,
             cache_methods=self._validator.spec.cache_methods,
+            output_alpha=self._validator.spec.output_alpha,
         )
 
     def _refused(self, request: Request) -> JSONResponse | None:
@@ -390,7 +392,8 @@ class Ingress:
             except Exception as exc:  # noqa: BLE001 - every failure is answered, the server keeps serving
                 await events.aclose()
                 return self._failure(exc)
-            return StreamingResponse(self._events(validated, req, events, t0, kind), media_type="text/event-stream",
+            return StreamingResponse(self._events(validated, req, events, t0, kind, self._background),
+                                     media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         try:
             routed = await call_dit(self._dit, validated, self._config.routing.max_retries,
@@ -401,6 +404,7 @@ class Ingress:
         timings = ingress_timings(result, t0)
         return ImageGenerationResponse(
             created=int(time.time()),
+            background=self._background,
             data=[ImageData(b64_json=b64encode(data).decode("ascii")) for data in result.image_bytes],
             output_format=result.image_format,
             quality=validated.request.quality if validated.request.quality != "auto" else None,  # standard, hd: mapped

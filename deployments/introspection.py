@@ -78,7 +78,8 @@ async def ingress_view(stats: dict, rejected: int, rejected_by_dim: Counter[str]
 def model_card(validator: RequestValidator, config: ServeConfig, name: str, created: int,
                adapters: AdapterCatalog | None, edits: dict | None) -> ModelCard:
     """The served model's card (``GET /v1/models``): ``name``, served since ``created``, with its bucket table, the
-    limits, the steps of each ``quality``, the ``adapters`` in ``lora.dir``, the ``edits`` it serves and its step
+    limits, the steps of each ``quality``, the image formats and what the images are (``background``:
+    ``transparent`` where they carry alpha), the ``adapters`` in ``lora.dir``, the ``edits`` it serves and its step
     cache (``cache_methods``, ``cache_default``) under ``bcg``."""
     spec, table, lim = validator.spec, validator.table, config.limits
     quality = {q: spec.steps_for_quality(q, config.quality, validator.default_steps, lim.max_steps)
@@ -92,7 +93,8 @@ def model_card(validator: RequestValidator, config: ServeConfig, name: str, crea
         "defaults": validator.defaults,
         "quality_steps": quality,
         "quality_aliases": dict(QUALITY_ALIASES),
-        "output_formats": list(IMAGE_FORMATS),
+        "output_formats": [f for f in IMAGE_FORMATS if not (spec.output_alpha and f == "jpeg")],  # JPEG: no alpha
+        "background": "transparent" if spec.output_alpha else "opaque",
         "lora": None if adapters is None else adapters.card(),
         "edits": edits,
         "cache_methods": list(spec.cache_methods),

@@ -91,7 +91,9 @@ class ImageGenerationResponse(BaseModel):
 
     created: int = Field(description="Unix time in seconds.")
     data: list[ImageData] = Field(description="n images, in order.")
-    background: Literal["opaque"] = Field(default="opaque", description="Always 'opaque'.")
+    background: Literal["opaque", "transparent"] = Field(
+        default="opaque", description="What the images are: 'opaque' (RGB), or 'transparent' where the model's "
+        "images carry alpha (RGBA: Qwen-Image 2.1).")
     output_format: Literal["png", "jpeg", "webp"] = Field(default="png", description="Format of the images.")
     quality: Literal["low", "medium", "high"] | None = Field(
         default=None, description="The request's quality ('standard' reads 'medium', 'hd' 'high'); null when "

@@ -49,13 +49,12 @@ __all__ = [
 ]
 
 NO_OP_VALUES: dict[str, tuple[str, ...]] = {
-    "background": ("auto", "opaque"),
     "moderation": ("auto", "low"),
     "style": ("vivid",),
 }
-"""OpenAI fields accepted only with the values that change nothing here: images are always opaque (no
-transparent background), no content moderation runs (so ``low`` asks for no less than is done), and ``style``
-(a retired DALL-E 3 option) keeps its default ``vivid``, which means nothing to these models."""
+"""OpenAI fields accepted only with the values that change nothing here: no content moderation runs (so ``low`` asks
+for no less than is done), and ``style`` (a retired DALL-E 3 option) keeps its default ``vivid``, which means nothing
+to these models. ``background`` takes what the served model's images are (:func:`background_values`)."""
 
 MAX_LORA_ENTRIES = 16
 """Most ``lora`` entries the schema reads at all (the highest ``lora.max_per_request`` a config may set); the
@@ -82,6 +81,8 @@ class RequestLimits:
         lora: the served ``lora`` section (its ``max_per_request`` bounds a request's ``lora`` entries; the
             ``lora`` phrase of :func:`http_field_phrase`); None: no adapters served.
         cache_methods: the served model's step-cache methods (the ``cache`` phrase); None: every method served.
+        output_alpha: the served model's images carry alpha (RGBA: Qwen-Image 2.1's VAE decodes it); ``background``
+            takes ``'transparent'`` then, ``'opaque'`` otherwise (and ``'auto'`` always): what the images are.
     """
 
     limits: LimitsConfig = field(default_factory=LimitsConfig)
@@ -90,6 +91,12 @@ class RequestLimits:
     resolutions: tuple[str, ...] = ()
     lora: LoRAConfig | None = None
     cache_methods: tuple[str, ...] | None = None
+    output_alpha: bool = False
+
+
+def background_values(limits: RequestLimits) -> tuple[str, str]:
+    """``background`` values a request may give: ``'auto'`` and what the served model's images are."""
+    return ("auto", "transparent" if limits.output_alpha else "opaque")
 
 
 def _limits(info: ValidationInfo) -> RequestLimits:
@@ -118,6 +125,9 @@ def http_field_phrase(name: str, limits: RequestLimits) -> str:
         return "'b64_json'"
     if name in ("user", "safety_identifier"):
         return "a string (ignored)"
+    if name == "background":
+        return (", ".join(repr(v) for v in background_values(limits)) + " (what this model's images are: "
+                + ("RGBA, with alpha)" if limits.output_alpha else "RGB, no alpha)"))
     if name in NO_OP_VALUES:
         return ", ".join(repr(v) for v in NO_OP_VALUES[name]) + " (the values that change nothing here)"
     if name == "stream":
@@ -176,8 +186,10 @@ class ImageGenerationRequest(BaseModel):
         default=None, description="A denoising step count each, set per family and in the config's quality "
         "section (GET /v1/models shows them); DALL-E 3's 'standard' and 'hd' are served as 'medium' and 'high'; "
         "num_inference_steps wins. Omitted = the default steps (GET /v1/models: defaults).")
-    background: Literal["auto", "opaque"] | None = Field(default=None, description="Only 'auto' or 'opaque': "
-                                                         "images are opaque.")
+    background: Literal["auto", "opaque", "transparent"] | None = Field(
+        default=None, description="'auto', or what the served model's images are: 'opaque' (RGB; every family but "
+        "Qwen-Image 2.1) or 'transparent' (RGBA: Qwen-Image 2.1, whose VAE decodes an alpha channel); the other is "
+        "refused. GET /v1/models: bcg.output_alpha.")
     moderation: Literal["auto", "low"] | None = Field(default=None, description="Only 'auto' or 'low': no "
                                                       "moderation runs here.")
     style: Literal["vivid"] | None = Field(default=None, description="Only 'vivid' (DALL-E 3's default): no "
@@ -253,6 +265,13 @@ class ImageGenerationRequest(BaseModel):
         if v is None or isinstance(v, BaseModel):
             return handler(v)
         return _CACHE.validate_python(v, strict=bool(cls.model_config.get("strict")))
+
+    @field_validator("background")
+    @classmethod
+    def _background(cls, v: str | None, info: ValidationInfo) -> str | None:
+        if v is not None and v not in background_values(_limits(info)):
+            raise ValueError("not a served value")  # the error message quotes the value and the allowed ones
+        return v
 
     @field_validator("n")
     @classmethod

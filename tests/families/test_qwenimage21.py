@@ -290,3 +290,32 @@ def test_the_bucket_forward_holds_without_causal_condition(pipe):
         out = adapter.unpad(adapter.forward(buf), x)
         assert_close(out, adapter.forward_eager(x))
         assert not torch.allclose(out, pipe.model.adapter.forward_eager(x), rtol=1e-3)  # the flag changes it
+
+
+def test_over_http_background_and_formats_say_the_images_carry_alpha(folder):
+    """The ingress of a Qwen-Image 2.1 checkpoint: its answers' ``background`` is ``transparent`` (RGBA images), a
+    request asking for ``opaque`` is a 422 naming the values this model takes, and ``GET /v1/models`` lists no JPEG."""
+    import asyncio
+
+    from deployments.settings import ServeConfig
+    from ingress_fakes import FakeDiT, bare_ingress, http_request
+
+    config = ServeConfig.model_validate({
+        "model": {"path": str(folder), "device": "cpu", "dtype": "float32"},
+        "buckets": {"batch_sizes": [1, 2], "resolutions": ["64x64"], "text_lengths": [32]},
+        "limits": {"min_side_px": 16, "max_side_px": 1024}, "routing": {"shape_aware": False}})
+    ingress = bare_ingress(FakeDiT(), config)
+
+    def answer(body):
+        return asyncio.run(ingress.generate(http_request({"prompt": "a fox", "size": "64x64", "seed": 1, **body})))
+
+    refused = answer({"background": "opaque"})
+    assert refused.status_code == 422
+    err = json.loads(refused.body)["error"]
+    assert err["param"] == "background" and "allowed: 'auto', 'transparent'" in err["message"]
+    for body in ({}, {"background": "transparent"}, {"background": "auto"}):
+        assert answer(body).background == "transparent"
+    card = asyncio.run(ingress.models(http_request({})))
+    card = json.loads(card.body) if hasattr(card, "body") else card.model_dump()
+    bcg = card["data"][0]["bcg"]
+    assert bcg["background"] == "transparent" and "jpeg" not in bcg["output_formats"]
