@@ -25,11 +25,21 @@ from bcg_core.errors import RequestError, shown
 from bcg_core.families.base import ModelSpec
 from bcg_core.step_cache.spec import METHODS, NoCache, StepCacheConfig, StepCacheSpec, read_cache
 
-__all__ = ["CACHE_FAMILIES", "cache_phrase", "check_cache", "default_cache"]
+__all__ = ["CACHE_FAMILIES", "METHOD_FAMILIES", "cache_phrase", "check_cache", "default_cache"]
 
-CACHE_FAMILIES = "FLUX.1, Qwen-Image (FluxPipeline and QwenImagePipeline checkpoints) and the tiny default"
-"""The families whose transformer takes a step cache, as messages name them (each declares
-:class:`~bcg_core.capabilities.StepCache`; SD3, PixArt-Sigma and SANA do not)."""
+METHOD_FAMILIES: dict[str, str] = {
+    "first_block": "FLUX.1, Qwen-Image (FluxPipeline and QwenImagePipeline checkpoints) and the tiny default",
+    "taylor_seer": "FLUX.1, Qwen-Image, FLUX.2 [klein] (FluxPipeline, QwenImagePipeline and Flux2KleinPipeline "
+                   "checkpoints) and the tiny default",
+}
+"""The families that take each cache method, as messages name them: those whose diffusers transformer runs it
+(each declares :class:`~bcg_core.capabilities.StepCache` and lists the method in its ``cache_methods``). FLUX.2
+[klein] takes TaylorSeer only (diffusers' First Block Cache fails on FLUX.2's blocks); FLUX.2 [dev] takes none (its
+pipeline sets no cache context, where every diffusers cache hook fails)."""
+
+CACHE_FAMILIES = (f"{METHOD_FAMILIES['first_block']}, and taylor_seer alone for FLUX.2 [klein] (Flux2KleinPipeline "
+                  f"checkpoints)")
+"""The families whose transformer takes a step cache, as messages name them (:data:`METHOD_FAMILIES` together)."""
 
 _MODELS: dict[str, type[BaseModel]] = {m.model_fields["method"].default: m
                                        for m in typing.get_args(typing.get_args(StepCacheSpec)[0])}
@@ -125,7 +135,8 @@ def check_cache(value: object, spec: ModelSpec) -> BaseModel:
         raise RequestError("cache", _message(value, _faults(exc), methods)) from None
     if isinstance(cache, NoCache) or cache.method in methods:
         return cache
-    takes = f"takes only {', '.join(methods)}" if methods else "takes no step cache"
+    takes = (f"takes only {', '.join(methods)} ({cache.method} is served for {METHOD_FAMILIES[cache.method]})"
+             if methods else "takes no step cache")
     raise RequestError("cache", _message(cache.model_dump(), f"{spec.pipeline_class} (family {spec.family}) {takes}",
                                          methods))
 

@@ -11,7 +11,8 @@ them can do is declared here, one runtime-checkable ``typing.Protocol`` per capa
 - :class:`PlainForward` (a padding adapter): a forward without LoRA rows beside the one with them, which a bucket
   captures as its plain graph (:class:`~bcg_core.lora.rows.LoRAAdapter`).
 - :class:`StepCache` (a family): its transformer takes diffusers' step cache (``CacheMixin.enable_cache``), which
-  bcg-serve runs per request inside a batched step (:mod:`bcg_core.step_cache`): FLUX.1, Qwen-Image, the tiny default.
+  bcg-serve runs per request inside a batched step (:mod:`bcg_core.step_cache`): FLUX.1, Qwen-Image, the tiny default,
+  and FLUX.2, whose [klein] checkpoints take TaylorSeer only (its ``ModelSpec.cache_methods`` say which).
 - :class:`GraphReplay` (a runner): replays captured CUDA graphs (:class:`~bcg_core.runners.cuda_graph.CudaGraphRunner`).
 
 :class:`FamilyCapabilities` and :class:`RunnerCapabilities` answer, once, where the pipeline is built (a runner

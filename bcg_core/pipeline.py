@@ -57,7 +57,7 @@ from bcg_core.runners.build import (  # re-exported: the runner config.runner as
 )
 from bcg_core.runners.decode import install as install_decode
 from bcg_core.runners.kernels import CompiledKernels, KernelTier, kernel_stats
-from bcg_core.step_cache.spec import parse_cache
+from bcg_core.step_cache.spec import FirstBlockCache, parse_cache
 from bcg_core.step_cache.split import installed_split
 from bcg_core.step_cache.state import ContextCache, RequestCache, reserve_bytes
 from bcg_core.step_cache.step import CACHE_EXTRA, cached_forward, request_cache
@@ -188,13 +188,16 @@ class DiTPipeline:
         inputs = concat_rows(parts)
         if forwards.rows != inputs.rows:
             raise ValueError(f"the forwards run {forwards.rows} rows, the step has {inputs.rows}")
-        cached = any(request_cache(s) is not None for s in states)
-        if cached:
+        caches = [c for c in map(request_cache, states) if c is not None]
+        if caches:
             if fused:
                 raise ValueError("this step cannot run fused: step_cache")
             if fused is None and self.fused.on:
                 self.fused.host("step_cache")
-            out = cached_forward(self, installed_split(self.model.adapter.model), states, parts, inputs, forwards)
+            # the block split only where a First Block Cache runs its halves (TaylorSeer runs whole forwards)
+            split = (installed_split(self.model.adapter.model)
+                     if any(isinstance(c.spec, FirstBlockCache) for c in caches) else None)
+            out = cached_forward(self, split, states, parts, inputs, forwards)
             self._advance(states, parts, out)
             return forwards
         if fused or (fused is None and self.fused.on):

@@ -237,7 +237,8 @@ class ImageGenerationRequest(BaseModel):
         "blocks' residual in each step where the first block's output residual changed by at most t (relative mean "
         "absolute change, 0 to 10; omitted: 0.05, diffusers' default) since the last computed step. {\"method\": "
         "\"none\"} or null: no cache. Omitted: the server's cache.default. The methods a model takes: GET "
-        "/v1/models bcg.cache_methods (FLUX.1, Qwen-Image and the tiny default); bcg.cache reports the steps "
+        "/v1/models bcg.cache_methods (FLUX.1, Qwen-Image and the tiny default; FLUX.2 [klein]: taylor_seer only); "
+        "bcg.cache reports the steps "
         "computed and reused.",
     )
 

@@ -54,7 +54,27 @@ reference tokens counted as real image tokens:
 - only the target's tokens of the output go to the scheduler step (host and fused step alike).
 
 The fused step (:mod:`bcg_core.runners.fused`) runs [klein]'s ``neg + s * (cond - neg)`` and the Euler update in the
-bucket's graph, as FLUX.1's. Not served yet: LoRA, the step cache and previews.
+bucket's graph, as FLUX.1's.
+
+Step cache (:class:`~bcg_core.capabilities.StepCache`, :data:`FLUX2_CACHE_METHODS`): T is a ``CacheMixin`` and both
+of its block classes are in diffusers' ``TransformerBlockRegistry``, but of diffusers' two served methods only
+TaylorSeer (lite mode) runs, and only on [klein]:
+
+- [klein] runs the cond forward under ``cache_context("cond")`` and the CFG forward under ``cache_context("uncond")``
+  (K:850, K:865), so each decides on its own rows, as FLUX.1's (:meth:`Flux2Family.cache_contexts`). TaylorSeer lite
+  hooks ``proj_out`` (the transformer's output: nothing follows it in T's forward) and returns zeros from every
+  block on a predicted step, so the output is the prediction over the whole image stream, a reference edit's
+  reference tokens included (their rows of the prediction are dropped with the output's, as the pipeline drops them).
+- diffusers' First Block Cache fails on T: its last block is a ``Flux2SingleTransformerBlock``, which returns the
+  joint text-and-image stream as one tensor, while the first (a ``Flux2TransformerBlock``) returns the two streams,
+  so ``FBCBlockHook``'s tail residual ``output - head_block_output`` subtracts a list from a tensor (``TypeError`` at
+  the first step). There is no diffusers result to equal: ``first_block`` is refused on FLUX.2 (422 on ``cache``,
+  naming the models that take it), and the block split refuses the transformer
+  (:class:`~bcg_core.step_cache.split.BlockSplit`).
+- [dev] (D) calls the transformer under no cache context, so every diffusers cache hook raises ``No cache context is
+  set`` at the first step: [dev] takes no step cache (``cache`` other than none is a 422).
+
+Not served yet: LoRA and previews.
 """
 
 from __future__ import annotations
@@ -68,7 +88,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bcg_core.capabilities import FusedStep
+from bcg_core.capabilities import FusedStep, StepCache
 from bcg_core.families.base import QUALITY_STEPS, ModelSpec, load_pipeline, read_json
 from bcg_core.families.defaults import pipeline_defaults
 from bcg_core.families.flux import FluxAdapter
@@ -91,6 +111,10 @@ FLUX2_REFERENCE_IMAGES = {"Flux2Pipeline": 6, "Flux2KleinPipeline": 4}
 
 IDS_CACHE_GRIDS = 64
 """Most latent-id tables kept per process (one per grid and device), as FLUX.1's adapter keeps."""
+
+FLUX2_CACHE_METHODS: dict[str, tuple[str, ...]] = {"Flux2Pipeline": (), "Flux2KleinPipeline": ("taylor_seer",)}
+"""Step-cache methods per pipeline (:attr:`ModelSpec.cache_methods`): those diffusers 0.42.1 runs on the pipeline
+(module docstring): [dev] none (no cache context), [klein] TaylorSeer (First Block Cache fails on T's blocks)."""
 
 
 def _pipeline_class(name: str):
@@ -220,14 +244,15 @@ class Flux2Adapter(FluxAdapter):
                           guidance, None)
 
 
-class Flux2Family(FusedStep):
+class Flux2Family(FusedStep, StepCache):
     """A ``Flux2Pipeline`` or ``Flux2KleinPipeline`` checkpoint, served step by step (module docstring).
 
     Request fields: ``guidance_scale`` feeds [dev]'s guidance embedding; on [klein] above 1 it runs classifier-free
     guidance against ``negative_prompt`` (default ``""``, the pipeline's) unless the checkpoint ``is_distilled``
     (then it is ignored, as diffusers ignores it). A ``negative_prompt`` where no CFG can run ([dev], distilled
     [klein]) is refused (:class:`ModelSpec` ``cfg_rule="none"``). An ``image`` (one file or several) makes a reference
-    edit (module docstring, :mod:`bcg_core.families.flux2_edit`).
+    edit (module docstring, :mod:`bcg_core.families.flux2_edit`). A ``cache`` is served where diffusers runs one
+    (:data:`FLUX2_CACHE_METHODS`: TaylorSeer on [klein]).
 
     Args:
         name: served model name.
@@ -292,7 +317,8 @@ class Flux2Family(FusedStep):
                              native_text_tokens=tokens),
             guidance_embeds=dev, cfg_rule="guidance_scale" if not (dev or distilled) else "none",
             quality_steps=QUALITY_STEPS["flux2-distilled" if distilled else "flux2"],
-            default_size=(FLUX2_DEFAULT_SAMPLE_SIZE * scale,) * 2, references=references, **pipeline_defaults(kind),
+            default_size=(FLUX2_DEFAULT_SAMPLE_SIZE * scale,) * 2, references=references,
+            cache_methods=FLUX2_CACHE_METHODS[kind], **pipeline_defaults(kind),
         )
 
     @classmethod
@@ -405,6 +431,19 @@ class Flux2Family(FusedStep):
             noise = neg + self.spec.cfg_scale(state.request) * (noise - neg)
         state.latents = state.scheduler.step(noise, state.timestep, state.latents, return_dict=False)[0]
         state.step_index += 1
+
+    def cache_contexts(self, state: RequestState) -> list[tuple[str, slice]]:
+        """``Flux2KleinPipeline`` runs the cond rows under ``cache_context("cond")`` and, with CFG, the uncond rows
+        under ``cache_context("uncond")`` (K:850, K:865): :meth:`model_rows`' two halves, a reference edit's alike.
+
+        Raises:
+            ValueError: a [dev] checkpoint (``Flux2Pipeline`` sets no cache context: it takes no step cache).
+        """
+        if not self.spec.cache_methods:
+            raise ValueError(f"{self.spec.pipeline_class} runs its transformer under no cache context, so diffusers' "
+                             f"step caches fail on it: it takes no step cache")
+        n = state.n
+        return [("cond", slice(0, n))] + ([("uncond", slice(n, 2 * n))] if state.cfg else [])
 
     def euler_step(self, state: RequestState):
         """The fused form of the next step (:func:`bcg_core.runners.fused.euler_step`): cond rows first, then with CFG

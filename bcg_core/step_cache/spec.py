@@ -22,7 +22,9 @@ A ``cache`` of ``null`` (or ``{"method": "none"}``) asks for no cache, whatever 
 
 Which transformers take a cache is the family's to say (:class:`~bcg_core.capabilities.StepCache`): in diffusers
 0.42.1 those with ``CacheMixin`` whose blocks diffusers' ``TransformerBlockRegistry`` describes (FLUX.1, Qwen-Image,
-and the tiny default's FLUX architecture); SD3, PixArt-Sigma and SANA take none.
+and the tiny default's FLUX architecture), where diffusers' pipeline runs the hook: FLUX.2 [klein] takes TaylorSeer
+only (diffusers' First Block Cache fails on FLUX.2's single-stream last block) and FLUX.2 [dev] none (its pipeline
+sets no cache context); SD3, PixArt-Sigma and SANA take none.
 """
 
 from __future__ import annotations

@@ -16,7 +16,9 @@ forwards of the same transformer, each with the blocks set to one *phase* (:clas
 
 Everything outside the blocks (embeddings, ``norm_out``, ``proj_out``) runs in both halves, as in both of
 diffusers' paths. Which block outputs are the image and text streams is diffusers' own record of each block class
-(``TransformerBlockRegistry``: FLUX.1's double and single blocks return ``(encoder, hidden)``).
+(``TransformerBlockRegistry``: FLUX.1's double and single blocks return ``(encoder, hidden)``). A transformer whose
+first and last blocks differ in that layout (FLUX.2: its single blocks return one joint stream) is refused, as
+diffusers' hook fails on it.
 
 The phase is per thread (the step thread sets it around its forwards; a background compile's forwards on another
 thread see none), so the blocks run unchanged everywhere else.
@@ -199,8 +201,10 @@ class BlockSplit:
         transformer: a diffusers transformer whose block lists diffusers' hooks know.
 
     Raises:
-        ValueError: fewer than two blocks, or a block class diffusers' ``TransformerBlockRegistry`` does not
-            describe.
+        ValueError: fewer than two blocks, a block class diffusers' ``TransformerBlockRegistry`` does not describe,
+            or a first and a last block of different stream layouts (one returns a text stream, the other none:
+            FLUX.2's double-stream first and single-stream last block), where diffusers' ``FBCBlockHook`` fails (its
+            tail residual subtracts the head's two outputs from the tail's one: ``TypeError``).
     """
 
     def __init__(self, transformer: torch.nn.Module):
@@ -208,9 +212,16 @@ class BlockSplit:
         if len(blocks) < 2:
             raise ValueError(f"{type(transformer).__name__} has {len(blocks)} block(s) in its block lists; the first "
                              f"block cache needs a first block and at least one more")
+        streams: dict[type, _Streams] = {}
+        head, tail = (streams.setdefault(type(b), _Streams(type(b))) for b in (blocks[0][1], blocks[-1][1]))
+        if (head.encoder_index is None) != (tail.encoder_index is None):
+            with_text, without = (blocks[0], blocks[-1]) if tail.encoder_index is None else (blocks[-1], blocks[0])
+            raise ValueError(f"{type(transformer).__name__}: its first block {blocks[0][0]} and its last block "
+                             f"{blocks[-1][0]} differ in stream layout ({type(with_text[1]).__name__} returns a text "
+                             f"stream, {type(without[1]).__name__} none), where diffusers' First Block Cache fails "
+                             f"(FBCBlockHook's tail residual): this transformer takes no first block cache")
         self.names = [name for name, _ in blocks]
         self._local = threading.local()
-        streams: dict[type, _Streams] = {}
         self._blocks: list[tuple[torch.nn.Module, object, str, _Streams]] = []
         """Per block: the module, the forward the split wraps, its role and its stream layout."""
         for i, (_, block) in enumerate(blocks):

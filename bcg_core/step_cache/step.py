@@ -188,7 +188,7 @@ def _taylor_predict(c: ContextCache, step: int, dtype: torch.dtype) -> torch.Ten
     return out
 
 
-def cached_forward(pipe, split: BlockSplit, states: Sequence[RequestState], parts: Sequence[DenoiseInputs],
+def cached_forward(pipe, split: BlockSplit | None, states: Sequence[RequestState], parts: Sequence[DenoiseInputs],
                    inputs: DenoiseInputs, forwards) -> torch.Tensor:
     """The step's transformer output with each request's step cache (see the module docstring).
 
@@ -200,7 +200,8 @@ def cached_forward(pipe, split: BlockSplit, states: Sequence[RequestState], part
 
     Args:
         pipe: the :class:`~bcg_core.pipeline.DiTPipeline` (its runner, step decider and metrics).
-        split: the transformer's :class:`~bcg_core.step_cache.split.BlockSplit`.
+        split: the transformer's :class:`~bcg_core.step_cache.split.BlockSplit`; None where no request of the step
+            has a First Block Cache (TaylorSeer runs whole forwards: a transformer the split refuses takes it).
         states, parts: the step's requests and their rows (:meth:`~bcg_core.families.Family.model_rows`).
         inputs: the step's rows, ``parts`` concatenated.
         forwards: the step's forwards.
@@ -208,9 +209,14 @@ def cached_forward(pipe, split: BlockSplit, states: Sequence[RequestState], part
     Returns:
         (inputs.rows, inputs.image_tokens, out_channels): each row's output, as :meth:`runner.run
         <bcg_core.runners.BucketRunner.run>` returns it; every context's counts and state updated.
+
+    Raises:
+        ValueError: a First Block Cache context with ``split`` None.
     """
     pipe.decider.observe_pieces(pipe.runner)  # halves captured at an earlier cached step: their measured shares
     contexts = _contexts(states, parts)
+    if split is None and any(isinstance(spec, FirstBlockCache) for *_, spec in contexts):  # before any state moves
+        raise ValueError("a First Block Cache step needs the transformer's block split (split is None)")
     predicted: dict[int, torch.Tensor] = {}  # row -> its predicted output (S, C)
     updates = []  # TaylorSeer contexts that compute: (context, spec, rows, step)
     for c, rows, _, spec in contexts:

@@ -12,6 +12,12 @@ Cases: FLUX.1 (2 double and 2 single blocks, so blocks sit between the first and
 all computed to nearly all reused; true CFG, whose cond and uncond rows decide apart as FluxPipeline's two cache
 contexts; three requests with different caches (one without) sharing every step's forwards, one of them started
 steps earlier, each equal to its own diffusers run; Qwen-Image alone; and the contexts dropped with the request.
+
+FLUX.2 (``tests/tiny/flux2.py``): diffusers 0.42.1 runs TaylorSeer on [klein] only. [klein] (2 double and 2 single
+blocks) with TaylorSeer alone at an exact bucket is bit-identical to diffusers (three configs); its CFG rows decide as
+the pipeline's ``cond`` and ``uncond`` contexts; requests with different caches (one without) share steps; a reference
+edit's prediction covers the reference tokens; bf16 with CFG at an exact bucket gives diffusers' bf16 bits. First
+Block Cache on FLUX.2 and any cache on [dev] are refused, and diffusers' own failures there are checked.
 """
 
 from __future__ import annotations
@@ -21,12 +27,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from diffusers import FluxPipeline, QwenImagePipeline
+from diffusers import Flux2KleinPipeline, FluxPipeline, QwenImagePipeline
 
 from bcg_core import GenerationRequest
 from bcg_core.step_cache import FirstBlockCache, NoCache, TaylorSeerCache, request_cache, to_diffusers
 from reference_gate import GateRun, assert_same, bcg_pipeline, diffusers_run
-from tiny import flux as tiny_flux, qwenimage as tiny_qwen
+from tiny import flux as tiny_flux, flux2 as tiny_flux2, qwenimage as tiny_qwen
 
 FLUX_BUCKETS = {"resolutions": ["64x64"], "batch_sizes": [1, 2, 4, 8], "text_lengths": [tiny_flux.TEXT_TOKENS]}
 QWEN_BUCKETS = {"batch_sizes": [1, 2, 4], "resolutions": ["64x64"], "text_lengths": [16, 32]}
@@ -242,8 +248,8 @@ TAYLOR = [TaylorSeerCache(), TaylorSeerCache(cache_interval=3, max_order=2, disa
 """TaylorSeer configs: diffusers' defaults, a second order, fp32 factors with a cool-down. Alone at an exact bucket
 each is bit-identical to diffusers. Where rows share a forward (CFG rows, other requests) the forward differs from
 diffusers' separate calls by ~1e-7 (fp32 reduction order), which can move a factor across a bfloat16 rounding
-boundary (diffusers' default ``taylor_factors_dtype``): 4e-4 relative in the final latents was measured. The shared
-cases therefore keep fp32 factors, where the 1e-5 gate holds."""
+boundary (diffusers' default ``taylor_factors_dtype``): 4e-4 relative in the final latents was measured (FLUX.2
+[klein] with CFG: 1.8e-3). The shared cases therefore keep fp32 factors, where the 1e-5 gate holds."""
 TAYLOR_FP32 = [t.model_copy(update={"taylor_factors_dtype": "float32"}) for t in TAYLOR]
 
 
@@ -415,3 +421,162 @@ def test_the_graph_halves_static_buffers_give_what_the_per_row_halves_give(flux_
     assert torch.equal(lazy_tail_out, static_tail_out)
     assert torch.equal(lazy_tail.residual_hidden, static_tail.residual_hidden)
     assert torch.equal(lazy_tail.residual_encoder, static_tail.residual_encoder)
+
+
+# -- FLUX.2: TaylorSeer on [klein]; First Block Cache and [dev] refused, as diffusers fails on them -------------------
+
+FLUX2_BUCKETS = {"resolutions": ["32x32", "64x80"], "batch_sizes": [1, 2, 4], "text_lengths": [tiny_flux2.TEXT_TOKENS]}
+"""32x32: 64 tokens (text to image); 64x80: 320 tokens, a 32x32 target with one 64x64 reference exactly."""
+
+
+@pytest.fixture(scope="module")
+def klein_folder(tmp_path_factory) -> Path:
+    return tiny_flux2.build(tmp_path_factory.mktemp("flux2-cache") / "tiny-klein", "klein", layers=(2, 2))
+
+
+@pytest.fixture(scope="module")
+def klein_pipe(klein_folder):
+    return bcg_pipeline(klein_folder, FLUX2_BUCKETS)
+
+
+def _klein_request(cache, **kw) -> GenerationRequest:
+    """A [klein] request (no CFG unless ``guidance_scale`` > 1 is given); ``cache`` a spec or None (no cache)."""
+    fields = dict(prompt="a red fox in the snow", n=1, width=32, height=32, num_inference_steps=STEPS, seed=3,
+                  guidance_scale=1.0)
+    return GenerationRequest(**{**fields, **kw}, cache=NoCache() if cache is None else cache)
+
+
+def _klein_reference(folder, request: GenerationRequest, dtype=torch.float32) -> tuple[GateRun, int]:
+    """diffusers' ``Flux2KleinPipeline`` run of ``request`` with its cache enabled: its packed final latents (the
+    step-end callback at the last step; ``output_type="latent"`` unpacks them), PNGs, and its computed steps (forwards
+    of the last block's attention: a predicted step's blocks return zeros without running; CFG's two contexts
+    summed)."""
+    last = []
+
+    def keep(p, i, t, tensors):
+        if i == p.num_timesteps - 1:
+            last.append(tensors["latents"].float().clone())
+        return {}
+
+    run, computed = _diffusers_cached(Flux2KleinPipeline, folder, request,
+                                      lambda t: t.single_transformer_blocks[-1].attn,
+                                      max_sequence_length=tiny_flux2.TEXT_TOKENS, callback_on_step_end=keep)
+    assert len(last) == 2 and torch.equal(last[0], last[1])  # the latent call and the pil call
+    return GateRun(last[0], run.pngs), computed
+
+
+@pytest.mark.parametrize("spec", TAYLOR, ids=["defaults", "order2", "fp32-cooldown"])
+def test_flux2_klein_taylorseer_alone_at_an_exact_bucket_is_diffusers_bit_for_bit(klein_folder, klein_pipe, spec):
+    request = _klein_request(spec)
+    ref, ref_computed = _klein_reference(klein_folder, request)
+    (state,) = _serve(klein_pipe, [request])
+    assert str(klein_pipe.validator.validate(request).lookup.key) == f"b1_i64_t{tiny_flux2.TEXT_TOKENS}"  # exact
+    assert _computed(state) == ref_computed == sum(spec.computes(i) for i in range(STEPS)) < STEPS
+    assert_same(GateRun(state.latents.float().cpu(), klein_pipe.finish(state)), ref, exact=True)
+
+
+def test_flux2_klein_cfg_cond_and_uncond_contexts_as_diffusers(klein_folder, klein_pipe):
+    request = _klein_request(TAYLOR_FP32[1], n=2, guidance_scale=4.0, seed=5)
+    ref, ref_computed = _klein_reference(klein_folder, request)
+    (state,) = _serve(klein_pipe, [request])
+    steps = request_cache(state).describe()["steps"]
+    assert set(steps) == {"cond", "uncond"} and all(s["computed"] + s["reused"] == STEPS for s in steps.values())
+    assert _computed(state) == ref_computed < 2 * STEPS
+    assert_same(GateRun(state.latents.float().cpu(), klein_pipe.finish(state)), ref)
+
+
+def test_flux2_klein_requests_with_different_caches_share_steps_and_each_equals_its_own_run(klein_folder,
+                                                                                            klein_pipe):
+    requests = [_klein_request(TAYLOR_FP32[1], n=2, guidance_scale=3.0, seed=11, prompt="a lighthouse at dusk"),
+                _klein_request(TAYLOR_FP32[2], seed=5, prompt="a bowl of ramen"),
+                _klein_request(None, seed=7, prompt="a paper boat")]
+    states = _serve(klein_pipe, requests, head_start={1: 0, 0: 2, 2: 3})
+    for request, state in zip(requests, states, strict=True):
+        ref, ref_computed = _klein_reference(klein_folder, request)
+        assert (_computed(state) if request_cache(state) else STEPS) == ref_computed
+        assert_same(GateRun(state.latents.float().cpu(), klein_pipe.finish(state)), ref)
+
+
+def test_flux2_klein_reference_edit_predicts_the_whole_image_stream_as_diffusers(klein_folder, klein_pipe):
+    """A reference edit's rows carry the reference tokens after the target's; TaylorSeer's prediction covers them (the
+    output of ``proj_out`` over the whole stream, as diffusers' hook predicts it), and only the target's tokens
+    advance."""
+    import numpy as np
+    from PIL import Image
+
+    from reference_gate import png_bytes
+
+    image = png_bytes(Image.fromarray(np.random.default_rng(0).integers(0, 256, (64, 64, 3), dtype=np.uint8)))
+    validated = klein_pipe.validator.validate(_klein_request(TAYLOR_FP32[1], image=image, guidance_scale=3.5))
+    assert str(validated.lookup.key) == f"b2_i320_t{tiny_flux2.TEXT_TOKENS}"  # 64 target + 256 reference tokens
+    ref, ref_computed = _klein_reference(klein_folder, validated.request)
+    (state,) = _serve(klein_pipe, [validated.request])
+    assert request_cache(state).contexts[0].factors[0].shape[1] == 320  # the references' tokens predicted too
+    assert _computed(state) == ref_computed < 2 * STEPS
+    assert_same(GateRun(state.latents.float().cpu(), klein_pipe.finish(state)), ref)
+
+
+def test_flux2_klein_bf16_cfg_alone_at_an_exact_bucket_is_bit_identical_to_diffusers_bf16(klein_folder):
+    """The bf16 gate's cached FLUX.2 case: [klein]'s cond and uncond rows share one forward where diffusers runs two;
+    its latents are batch-exact in diffusers (``tests/families/test_bf16.py``), so diffusers' bf16 bits are demanded,
+    with TaylorSeer's defaults (bfloat16 factors)."""
+    pipe = bcg_pipeline(klein_folder, FLUX2_BUCKETS, dtype="bfloat16")
+    request = _klein_request(TAYLOR[0], guidance_scale=4.0, seed=13)
+    ref_pipe = Flux2KleinPipeline.from_pretrained(str(klein_folder), torch_dtype=torch.bfloat16, local_files_only=True)
+    ref_pipe.set_progress_bar_config(disable=True)
+    ref_pipe.transformer.enable_cache(to_diffusers(request.cache))
+    last = []
+
+    def keep(p, i, t, tensors):
+        if i == p.num_timesteps - 1:
+            last.append(tensors["latents"].clone())
+        return {}
+
+    with torch.inference_mode():
+        ref_pipe(prompt=request.prompt, width=32, height=32, num_inference_steps=STEPS, guidance_scale=4.0,
+                 generator=torch.Generator("cpu").manual_seed(request.seed), output_type="latent",
+                 max_sequence_length=tiny_flux2.TEXT_TOKENS, callback_on_step_end=keep)
+    (state,) = _serve(pipe, [request])
+    assert state.latents.dtype == torch.bfloat16 and request_cache(state).describe()["steps"]["uncond"]["reused"] > 0
+    assert torch.equal(state.latents, last[0])
+
+
+def test_flux2_takes_what_diffusers_runs_and_refuses_the_rest_naming_the_models_that_take_it(tmp_path, klein_folder,
+                                                                                              klein_pipe):
+    """diffusers 0.42.1 runs no First Block Cache on FLUX.2 (its single-stream last block breaks the hook's tail
+    residual) and no cache at all on [dev] (``Flux2Pipeline`` sets no cache context): bcg-serve refuses what has no
+    diffusers result to equal, with a 422 on ``cache``. Each refusal's cause is checked in diffusers itself, so a
+    diffusers that runs them fails here."""
+    from diffusers import FirstBlockCacheConfig, Flux2Pipeline
+
+    from bcg_core.errors import RequestError
+    from bcg_core.step_cache import installed_split
+
+    dev_folder = tiny_flux2.build(tmp_path / "tiny-dev", "dev")
+    dev = bcg_pipeline(dev_folder, FLUX2_BUCKETS)
+    assert klein_pipe.model.spec.cache_methods == ("taylor_seer",) and dev.model.spec.cache_methods == ()
+    with pytest.raises(RequestError) as e:
+        klein_pipe.validator.validate(_klein_request(FirstBlockCache(threshold=0.3)))
+    assert (e.value.field, e.value.status) == ("cache", 422)
+    assert "Flux2KleinPipeline (family flux2) takes only taylor_seer (first_block is served for FLUX.1, Qwen-Image " \
+           "(FluxPipeline and QwenImagePipeline checkpoints) and the tiny default)" in e.value.message
+    for cache in (FirstBlockCache(), TaylorSeerCache()):
+        with pytest.raises(RequestError, match=r"Flux2Pipeline \(family flux2\) takes no step cache.*FLUX\.2 \[kle"):
+            dev.validator.validate(_klein_request(cache, guidance_scale=4.0))
+    assert request_cache(dev.start(dev.validator.validate(_klein_request(None, guidance_scale=4.0)))) is None
+    with pytest.raises(ValueError, match="differ in stream layout"):  # the split refuses FLUX.2's transformer
+        installed_split(klein_pipe.model.adapter.model)
+
+    def run(cls, folder, config):
+        pipe = cls.from_pretrained(str(folder), local_files_only=True)
+        pipe.set_progress_bar_config(disable=True)
+        pipe.transformer.enable_cache(config)
+        with torch.inference_mode():
+            pipe(prompt="a fox", width=32, height=32, num_inference_steps=2, output_type="latent",
+                 max_sequence_length=tiny_flux2.TEXT_TOKENS)
+
+    with pytest.raises(TypeError, match="unsupported operand"):
+        run(Flux2KleinPipeline, klein_folder, FirstBlockCacheConfig(threshold=0.3))
+    for config in (FirstBlockCacheConfig(threshold=0.3), to_diffusers(TaylorSeerCache())):
+        with pytest.raises(ValueError, match="No cache context is set"):
+            run(Flux2Pipeline, dev_folder, config)

@@ -14,7 +14,7 @@ import pytest
 from bcg_core.cache_field import cache_phrase
 from bcg_core.errors import RequestError
 from bcg_core.request import GenerationResult
-from bcg_core.step_cache import METHODS, FirstBlockCache, NoCache
+from bcg_core.step_cache import METHODS, FirstBlockCache, NoCache, TaylorSeerCache
 from deployments.answers import bcg_info
 from deployments.settings import ServeConfig
 from ingress_fakes import FakeDiT, bare_ingress, http_request
@@ -185,3 +185,35 @@ def test_the_openapi_body_schema_has_the_cache_models_inline_each_requiring_its_
     assert union["discriminator"] == {"propertyName": "method"}
     assert all(m["required"] == ["method"] for m in union["oneOf"])
     assert {m["properties"]["method"]["const"] for m in union["oneOf"]} == {*METHODS, "none"}
+
+
+@pytest.mark.parametrize("variant", ["dev", "klein"])
+def test_flux2_lists_what_diffusers_runs_on_it_and_refuses_first_block(tmp_path, variant):
+    """FLUX.2 [klein] takes TaylorSeer only (diffusers' First Block Cache fails on FLUX.2's blocks), [dev] no cache
+    (its pipeline sets no cache context): ``GET /v1/models`` says so, a default of another method is ignored, and a
+    request for one is a 422 on ``cache`` naming the models that take it."""
+    from tiny import flux2
+
+    folder = flux2.build(tmp_path / variant, variant)
+    dit = FakeDiT()
+    ingress = _ingress(dit, default={"method": "taylor_seer"}, model={"path": str(folder), "device": "cpu",
+                                                                      "dtype": "float32"},
+                       limits={"min_side_px": 16, "max_side_px": 1024},
+                       buckets={**BUCKETS, "text_lengths": [flux2.TEXT_TOKENS]})
+    card = ingress._model_card().bcg
+    taylor = variant == "klein"
+    assert card["cache_methods"] == (["taylor_seer"] if taylor else [])
+    assert card["cache_default"] == ({"method": "taylor_seer", "cache_interval": 5, "disable_cache_before_step": 3,
+                                      "disable_cache_after_step": None, "max_order": 1,
+                                      "taylor_factors_dtype": "bfloat16", "use_lite_mode": True} if taylor else None)
+    status, err = _error(_post(ingress, {"cache": {"method": "first_block", "threshold": 0.1}}))
+    assert (status, err["param"]) == (422, "cache") and not dit.sent
+    if taylor:
+        assert "Flux2KleinPipeline (family flux2) takes only taylor_seer (first_block is served for FLUX.1, " \
+               "Qwen-Image (FluxPipeline and QwenImagePipeline checkpoints) and the tiny default)" in err["message"]
+        assert '"method": "taylor_seer"' in err["message"] and '"method": "first_block"' not in err["message"]
+    else:
+        assert "Flux2Pipeline (family flux2) takes no step cache" in err["message"]
+        assert "taylor_seer alone for FLUX.2 [klein] (Flux2KleinPipeline checkpoints)" in err["message"]
+    _post(ingress, {})
+    assert dit.sent[0][1].request.cache == (TaylorSeerCache() if taylor else NoCache())
