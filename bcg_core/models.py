@@ -245,17 +245,30 @@ def estimate_graph_bytes(key, hidden_size: int, dtype_bytes: int, factor: float 
 
 
 def transformer_width(model_path: str | None) -> int:
-    """Transformer width (``num_attention_heads * attention_head_dim``) from the checkpoint's
-    ``transformer/config.json`` (the tiny default's config when ``model_path`` is None).
+    """Transformer width (the channels of each token of its stream) of the checkpoint at ``model_path`` (the tiny
+    default's when None), asked of its family (:meth:`~bcg_core.families.Family.transformer_width`), which reads the
+    keys its transformer class takes from ``transformer/config.json`` (``num_attention_heads * attention_head_dim``
+    for most; Z-Image's ``dim``).
 
     Raises:
-        FileNotFoundError: the checkpoint has no ``transformer/config.json``.
+        CheckpointError: ``model_path`` is not a servable checkpoint folder (:func:`read_checkpoint`), or its
+            transformer config lacks a key its family reads (naming the key and the file).
     """
-    from bcg_core.families.tiny import tiny_transformer_config
+    from bcg_core.families.base import read_json
+    from bcg_core.families.tiny import BCGFluxFamily, tiny_transformer_config
 
-    cfg = tiny_transformer_config(384) if model_path is None else \
-        json.loads((Path(model_path) / "transformer" / "config.json").read_text())
-    return int(cfg["num_attention_heads"]) * int(cfg["attention_head_dim"])
+    if model_path is None:
+        return BCGFluxFamily.transformer_width(tiny_transformer_config(384))
+    path = Path(model_path)
+    index = read_checkpoint(path)
+    family = family_class(index["_class_name"])
+    config_file = path / "transformer" / "config.json"
+    try:
+        return int(family.transformer_width(read_json(config_file)))
+    except KeyError as e:
+        raise CheckpointError(f"{config_file} has no {e}, which {index['_class_name']} (family {family.name}) reads "
+                              f"its transformer's width from; copy the whole folder that pipeline.save_pretrained "
+                              f"wrote") from None
 
 
 def weights_stamp(path: str | Path | None) -> str | None:

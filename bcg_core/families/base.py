@@ -46,7 +46,7 @@ from bcg_core.families.vae import serialize_stateful_vae
 from bcg_core.padding import DenoiseInputs, DiTAdapter
 from bcg_core.table import ShapeRules
 
-__all__ = ["QUALITY_STEPS", "Family", "ModelSpec", "load_pipeline", "read_json", "tokenizer_counter"]
+__all__ = ["QUALITY_STEPS", "Family", "ModelSpec", "heads_width", "load_pipeline", "read_json", "tokenizer_counter"]
 
 
 QUALITY_STEPS: dict[str, tuple[int, int, int]] = {
@@ -338,6 +338,17 @@ class Family(Protocol):
         ...
 
     @classmethod
+    def transformer_width(cls, config: dict) -> int:
+        """The transformer's hidden width (channels of each token of its stream) from its ``transformer/config.json``
+        ``config``, read by the keys this family's transformer class takes (:func:`heads_width` for most; Z-Image's
+        ``dim``): what a bucket's activation bytes scale with (:func:`bcg_core.models.estimate_graph_bytes`).
+
+        Raises:
+            KeyError: the config lacks a key the family reads.
+        """
+        ...
+
+    @classmethod
     def token_counter(cls, path: Path, index: dict) -> Callable[..., int]:
         """``(prompt, negative=False) -> text tokens`` of the text dimension of the bucket key, counted as the
         pipeline encodes a prompt or (``negative=True``) a negative prompt (tokenizers only, no weights)."""
@@ -411,6 +422,17 @@ def load_pipeline(pipeline_cls, path: Path, device: torch.device, dtype: torch.d
             component.eval()
             serialize_stateful_vae(component)
     return pipe
+
+
+def heads_width(config: dict) -> int:
+    """``num_attention_heads * attention_head_dim`` of a transformer config: the hidden width of FLUX.1, FLUX.2, SD3,
+    PixArt-Sigma, SANA, Qwen-Image and Qwen-Image 2.1 transformers (their ``inner_dim``); their families'
+    :meth:`Family.transformer_width`.
+
+    Raises:
+        KeyError: the config lacks either key.
+    """
+    return int(config["num_attention_heads"]) * int(config["attention_head_dim"])
 
 
 def tokenizer_counter(tokenizer) -> Callable[..., int]:

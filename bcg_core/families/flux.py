@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from bcg_core.capabilities import FusedStep, Previews, StepCache
-from bcg_core.families.base import QUALITY_STEPS, ModelSpec, load_pipeline, read_json, tokenizer_counter
+from bcg_core.families.base import QUALITY_STEPS, ModelSpec, heads_width, load_pipeline, read_json, tokenizer_counter
 from bcg_core.families.defaults import pipeline_defaults
 from bcg_core.families.state import RequestState, TextRows
 from bcg_core.keys import BucketKey
@@ -276,6 +276,7 @@ class FluxFamily(FusedStep, Previews, StepCache):
     name = "flux"
     pipeline_classes = ("FluxPipeline",)
     lora_loader = "FluxPipeline"
+    transformer_width = staticmethod(heads_width)
 
     def __init__(self, name: str, spec: ModelSpec, transformer, vae, scheduler, image_processor, encoder, counter,
                  device: torch.device, dtype: torch.dtype):

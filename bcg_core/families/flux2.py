@@ -89,7 +89,7 @@ import numpy as np
 import torch
 
 from bcg_core.capabilities import FusedStep, StepCache
-from bcg_core.families.base import QUALITY_STEPS, ModelSpec, load_pipeline, read_json
+from bcg_core.families.base import QUALITY_STEPS, ModelSpec, heads_width, load_pipeline, read_json
 from bcg_core.families.defaults import pipeline_defaults
 from bcg_core.families.flux import FluxAdapter
 from bcg_core.families.references import ReferenceImages
@@ -264,6 +264,7 @@ class Flux2Family(FusedStep, StepCache):
     name = "flux2"
     pipeline_classes = ("Flux2Pipeline", "Flux2KleinPipeline")
     lora_loader = None
+    transformer_width = staticmethod(heads_width)
 
     def __init__(self, name: str, spec: ModelSpec, pipe, counter, device: torch.device, dtype: torch.dtype):
         self.model_name = name

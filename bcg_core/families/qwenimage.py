@@ -49,7 +49,7 @@ import torch
 from diffusers.models.transformers.transformer_qwenimage import QwenDoubleStreamAttnProcessor2_0
 
 from bcg_core.capabilities import Previews, StepCache
-from bcg_core.families.base import QUALITY_STEPS, ModelSpec, load_pipeline
+from bcg_core.families.base import QUALITY_STEPS, ModelSpec, heads_width, load_pipeline
 from bcg_core.families.defaults import pipeline_defaults
 from bcg_core.families.state import RequestState, TextRows, pad_text
 from bcg_core.keys import BucketKey
@@ -253,6 +253,7 @@ class QwenImageFamily(Previews, StepCache):
     name = "qwenimage"
     pipeline_classes = ("QwenImagePipeline",)
     lora_loader = "QwenImagePipeline"
+    transformer_width = staticmethod(heads_width)
 
     def __init__(self, name: str, spec: ModelSpec, pipe, counter, device: torch.device, dtype: torch.dtype):
         self.model_name = name

@@ -63,7 +63,7 @@ import numpy as np
 import torch
 from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21AttnProcessor
 
-from bcg_core.families.base import QUALITY_STEPS, ModelSpec, load_pipeline, read_json
+from bcg_core.families.base import QUALITY_STEPS, ModelSpec, heads_width, load_pipeline, read_json
 from bcg_core.families.defaults import pipeline_defaults
 from bcg_core.families.state import RequestState, TextRows, pad_text
 from bcg_core.keys import BucketKey
@@ -298,6 +298,7 @@ class QwenImage21Family:
     name = "qwenimage21"
     pipeline_classes = ("QwenImage21Pipeline",)
     lora_loader = None
+    transformer_width = staticmethod(heads_width)
 
     def __init__(self, name: str, spec: ModelSpec, pipe, counter, device: torch.device, dtype: torch.dtype):
         self.model_name = name

@@ -45,7 +45,7 @@ import numpy as np
 import torch
 
 from bcg_core.capabilities import Previews
-from bcg_core.families.base import QUALITY_STEPS, ModelSpec, load_pipeline, read_json
+from bcg_core.families.base import QUALITY_STEPS, ModelSpec, heads_width, load_pipeline, read_json
 from bcg_core.families.defaults import pipeline_defaults
 from bcg_core.families.state import RequestState, TextRows, pad_text
 from bcg_core.padding import DenoiseInputs, GridMaskedTextAdapter
@@ -200,6 +200,7 @@ class SanaFamily(Previews):
     name = "sana"
     pipeline_classes = ("SanaPipeline",)
     lora_loader = "SanaPipeline"
+    transformer_width = staticmethod(heads_width)
     guidance_embeds = False
 
     def __init__(self, spec: ModelSpec, pipe, device: torch.device, dtype: torch.dtype):

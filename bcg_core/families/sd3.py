@@ -49,7 +49,7 @@ import numpy as np
 import torch
 
 from bcg_core.capabilities import FusedStep, Previews
-from bcg_core.families.base import QUALITY_STEPS, ModelSpec, load_pipeline, read_json, tokenizer_counter
+from bcg_core.families.base import QUALITY_STEPS, ModelSpec, heads_width, load_pipeline, read_json, tokenizer_counter
 from bcg_core.families.defaults import pipeline_defaults
 from bcg_core.families.state import RequestState, TextRows
 from bcg_core.keys import BucketKey
@@ -227,6 +227,7 @@ class SD3Family(FusedStep, Previews):
     name: ClassVar[str] = "sd3"
     pipeline_classes: ClassVar[tuple[str, ...]] = ("StableDiffusion3Pipeline",)
     lora_loader: ClassVar[str | None] = "StableDiffusion3Pipeline"
+    transformer_width = staticmethod(heads_width)
 
     def __init__(self, spec: ModelSpec, pipe, device: torch.device, dtype: torch.dtype):
         self.model_name = spec.name

@@ -259,6 +259,12 @@ class ZImageFamily:
     pipeline_classes = ("ZImagePipeline",)
     lora_loader = None
 
+    @staticmethod
+    def transformer_width(config: dict) -> int:
+        """``dim`` of the ``ZImageTransformer2DModel`` config (its hidden width, ``n_heads`` x head size; the config
+        has no ``num_attention_heads`` / ``attention_head_dim``)."""
+        return int(config["dim"])
+
     def __init__(self, name: str, spec: ModelSpec, pipe, counter, device: torch.device, dtype: torch.dtype,
                  cfg_normalization: float = 0.0, cfg_truncation: float | None = 1.0):
         self.model_name = name
