@@ -316,9 +316,9 @@ class QwenImage21Family:
 
     @staticmethod
     def _processor(path: Path):
-        import transformers  # looked up at call time: the class the pipeline's from_pretrained also resolves
+        from bcg_core.families.qwen3vl import load_processor  # without the video processor: no torchvision needed
 
-        return transformers.Qwen3VLProcessor.from_pretrained(str(path / "processor"), local_files_only=True)
+        return load_processor(path / "processor")
 
     @staticmethod
     def default_side() -> int:
@@ -399,12 +399,12 @@ class QwenImage21Family:
 
     @classmethod
     def load(cls, path: Path, index: dict, device: torch.device, dtype: torch.dtype) -> QwenImage21Family:
-        """Load with ``QwenImage21Pipeline.from_pretrained`` (local files only, :func:`load_pipeline`). The processor
-        (``Qwen3VLProcessor``) needs torchvision for its video processor."""
+        """Load with ``QwenImage21Pipeline.from_pretrained`` (local files only, :func:`load_pipeline`), its processor
+        loaded without the video processor (:mod:`bcg_core.families.qwen3vl`: no torchvision needed)."""
         from diffusers import QwenImage21Pipeline
 
         spec = cls.describe(path, index)
-        pipe = load_pipeline(QwenImage21Pipeline, path, device, dtype)
+        pipe = load_pipeline(QwenImage21Pipeline, path, device, dtype, processor=cls._processor(path))
         return cls(path.name, spec, pipe, cls.token_counter(path, index), device, dtype)
 
     # -- validation hooks ---------------------------------------------------------------------------

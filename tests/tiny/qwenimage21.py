@@ -24,7 +24,6 @@ A 2-step 64x64 run takes well under a second on a CPU.
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 from pathlib import Path
 
@@ -44,33 +43,22 @@ its system message, to count the tokens it drops)."""
 _VL_SPECIAL = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 
 
-@functools.cache
 def processor_class():
-    """``Qwen3VLProcessor`` where torchvision is installed; else a subclass without its video processor.
-
-    ``Qwen3VLProcessor`` requires a ``BaseVideoProcessor``, which transformers 5.25 builds only with torchvision, and
-    this CPU machine's torch 2.13 has no torchvision that imports beside it. The pipeline never passes videos, so the
-    subclass (attributes ``image_processor`` and ``tokenizer`` only) tokenizes and processes images exactly as the
-    real class. :func:`without_torchvision` makes ``transformers.Qwen3VLProcessor`` name it while a test loads the
-    checkpoint, whose files keep the real class names.
+    """bcg-serve's ``Qwen3VLProcessor`` without its video processor (:class:`bcg_core.families.qwen3vl.
+    Qwen3VLProcessorWithoutVideo`, the class the family loads the processor with): transformers 5.25 builds
+    ``Qwen3VLProcessor``'s video processor only with torchvision, which this CPU machine's torch 2.13 has none of that
+    imports beside it. :func:`without_torchvision` makes ``transformers.Qwen3VLProcessor`` name it while a test runs
+    diffusers' own ``QwenImage21Pipeline.from_pretrained``; the checkpoint's files keep the real class names.
     """
-    from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor  # the real one, even when patched
-    from transformers.utils import is_torchvision_available
-
-    if is_torchvision_available():
-        return Qwen3VLProcessor
-
-    class Qwen3VLProcessorWithoutVideo(Qwen3VLProcessor):
-        def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
-            super().__init__(image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
+    from bcg_core.families.qwen3vl import Qwen3VLProcessorWithoutVideo
 
     return Qwen3VLProcessorWithoutVideo
 
 
 def without_torchvision(monkeypatch) -> None:
     """Point ``transformers.Qwen3VLProcessor`` at :func:`processor_class` for the test (pytest's ``monkeypatch``), so
-    ``QwenImage21Pipeline.from_pretrained`` and the family load the tiny checkpoint on a machine without torchvision;
-    a no-op where torchvision is installed."""
+    that diffusers' own ``QwenImage21Pipeline.from_pretrained`` loads the tiny checkpoint (which has no video processor)
+    on a machine without torchvision; the family needs no patch (it loads the processor with that class itself)."""
     import transformers
 
     monkeypatch.setattr(transformers, "Qwen3VLProcessor", processor_class())
@@ -79,9 +67,10 @@ def without_torchvision(monkeypatch) -> None:
 @contextlib.contextmanager
 def loadable():
     """Within the block, ``transformers.Qwen3VLProcessor`` names :func:`processor_class` (as :func:`without_torchvision`
-    does for a test), so that the checkpoint loads on a machine without torchvision outside pytest's ``monkeypatch``
-    (``reference_gate_bf16.FamilyCase.loading``, ``benchmarks/bf16_gate.py``); the original name is restored after.
-    Building needs no patch: :func:`build` saves the real class names."""
+    does for a test), so that diffusers' own ``from_pretrained`` loads the checkpoint on a machine without torchvision
+    outside pytest's ``monkeypatch`` (``reference_gate_bf16.FamilyCase.loading``, ``benchmarks/bf16_gate.py``); the
+    original name is restored after. Building needs no patch (:func:`build` saves the real class names), and neither
+    does the family (:mod:`bcg_core.families.qwen3vl`)."""
     import transformers
 
     original = transformers.Qwen3VLProcessor
