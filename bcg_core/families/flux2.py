@@ -74,7 +74,10 @@ TaylorSeer (lite mode) runs, and only on [klein]:
 - [dev] (D) calls the transformer under no cache context, so every diffusers cache hook raises ``No cache context is
   set`` at the first step: [dev] takes no step cache (``cache`` other than none is a 422).
 
-Not served yet: LoRA and previews.
+Previews (:class:`~bcg_core.capabilities.Previews`): mid-denoise latents unpacked as the decode unpacks them
+(:meth:`Flux2Family.unpacked_latents`), then the VAE's fitted linear latent-to-RGB map (:mod:`bcg_core.preview`).
+
+Not served yet: LoRA (diffusers' ``Flux2LoraLoaderMixin``; ``lora.dir`` set: start-up error).
 """
 
 from __future__ import annotations
@@ -88,7 +91,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bcg_core.capabilities import FusedStep, StepCache
+from bcg_core.capabilities import FusedStep, Previews, StepCache
 from bcg_core.families.base import QUALITY_STEPS, ModelSpec, heads_width, load_pipeline, read_json
 from bcg_core.families.defaults import pipeline_defaults
 from bcg_core.families.flux import FluxAdapter
@@ -244,7 +247,7 @@ class Flux2Adapter(FluxAdapter):
                           guidance, None)
 
 
-class Flux2Family(FusedStep, StepCache):
+class Flux2Family(FusedStep, Previews, StepCache):
     """A ``Flux2Pipeline`` or ``Flux2KleinPipeline`` checkpoint, served step by step (module docstring).
 
     Request fields: ``guidance_scale`` feeds [dev]'s guidance embedding; on [klein] above 1 it runs classifier-free
@@ -464,6 +467,20 @@ class Flux2Family(FusedStep, StepCache):
         mean = vae.bn.running_mean.view(1, -1, 1, 1).to(z.device, z.dtype)
         std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps).to(z.device, z.dtype)
         return pipe._unpatchify_latents(z * std + mean)
+
+    @functools.cached_property
+    def _preview(self):
+        from bcg_core.preview import vae_preview
+
+        return vae_preview(self.vae, self.pipe.vae_scale_factor)
+
+    @torch.inference_mode()
+    def preview(self, state: RequestState, latents: torch.Tensor) -> list[np.ndarray]:
+        """``n`` previews of mid-denoise ``latents`` (a copy of ``state.latents``, packed tokens):
+        :meth:`unpacked_latents` as :meth:`decode`, then the VAE's fitted linear latent-to-RGB map
+        (:class:`~bcg_core.preview.LinearPreview`): (h, w, 3) uint8 at latent resolution (1/8 of the size)."""
+        ids = flux2_latent_ids(tuple(state.grid), str(latents.device)).expand(latents.shape[0], -1, -1)
+        return self._preview(self.unpacked_latents(latents, ids))
 
     @torch.inference_mode()
     def decode(self, state: RequestState) -> list[np.ndarray]:

@@ -45,8 +45,11 @@ T's own forward builds positions and segments from Python lists (``tolist()``), 
 ``time_text_embed``, ``modulation``, the blocks, ``norm_out``, ``proj_out``, ``pos_embed.freqs``) and its
 ``_qwenimage21_prepare_qkv``, with the per-row rotary and masks as tensors (:class:`BucketAttnProcessor`).
 
+Previews (:class:`~bcg_core.capabilities.Previews`): the latents unpacked and un-normalised as the decode does, then the
+VAE's fitted linear latent-to-RGB map (:mod:`bcg_core.preview`, fitted on opaque pictures): RGB, no alpha.
+
 Not served yet: condition images (P's ``image``: an edit request is refused with a 422 naming the families that
-edit), LoRA (``QwenImageLoraLoaderMixin``; ``lora.dir`` set: start-up error), previews, the fused step, the step
+edit), LoRA (``QwenImageLoraLoaderMixin``; ``lora.dir`` set: start-up error), the fused step, the step
 cache (T has ``CacheMixin``), ``sample_sigmas`` checkpoints, and diffusers' prefix KV cache (``use_kv_cache``,
 P's default: every bucket forward recomputes the text prefix; on the tiny checkpoint both settings give
 bit-identical latents in fp32 on a CPU).
@@ -55,6 +58,7 @@ bit-identical latents in fp32 on a CPU).
 from __future__ import annotations
 
 import copy
+import functools
 import threading
 from pathlib import Path
 
@@ -62,6 +66,7 @@ import numpy as np
 import torch
 from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21AttnProcessor
 
+from bcg_core.capabilities import Previews
 from bcg_core.families.base import QUALITY_STEPS, ModelSpec, heads_width, load_pipeline, read_json
 from bcg_core.families.defaults import pipeline_defaults
 from bcg_core.families.qwenimage21_attention import BucketAttnProcessor, BucketMasks
@@ -231,7 +236,7 @@ class QwenImage21Adapter:
         return torch.cat(outs)
 
 
-class QwenImage21Family:
+class QwenImage21Family(Previews):
     """A ``QwenImage21Pipeline`` checkpoint, served step by step (see the module docstring).
 
     Request fields: ``negative_prompt`` and ``true_cfg_scale`` (default 1.0: no CFG) decide true CFG, as diffusers;
@@ -427,14 +432,39 @@ class QwenImage21Family:
         state.latents = state.scheduler.step(noise_pred, state.timestep, state.latents, return_dict=False)[0]
         state.step_index += 1
 
+    def unpacked_latents(self, latents: torch.Tensor, width: int, height: int, dtype: torch.dtype) -> torch.Tensor:
+        """Packed ``latents`` (n, h * w, 64) as the VAE takes them: ``_unpack_latents``, then ``z * latents_std +
+        latents_mean`` in ``dtype`` (P:840-850): (n, z_dim, 1, h, w)."""
+        pipe, vae = self.pipe, self.vae
+        latents = pipe._unpack_latents(latents, height, width, pipe.vae_scale_factor).to(dtype)
+        z, dev = vae.config.z_dim, latents.device
+        mean = torch.tensor(vae.config.latents_mean).view(1, z, 1, 1, 1).to(dev, dtype)
+        std = torch.tensor(vae.config.latents_std).view(1, z, 1, 1, 1).to(dev, dtype)
+        return latents * std + mean
+
+    @functools.cached_property
+    def _preview(self):
+        from bcg_core.preview import LazyPreview, vae_latents
+
+        def encode(x: torch.Tensor) -> torch.Tensor:  # opaque RGBA pictures, one frame in, one latent frame out
+            return vae_latents(self.vae, torch.cat([x, torch.ones_like(x[:, :1])], dim=1)[:, :, None])[:, :, 0]
+
+        return LazyPreview(encode, self.pipe.vae_scale_factor)
+
+    @torch.inference_mode()
+    def preview(self, state: RequestState, latents: torch.Tensor) -> list[np.ndarray]:
+        """``n`` previews of mid-denoise ``latents`` (a copy of ``state.latents``, packed tokens): unpacked and
+        un-normalised as :meth:`decode`, then the VAE's fitted linear latent-to-RGB map (:class:`~bcg_core.preview.
+        LinearPreview`, fitted on opaque pictures): (h, w, 3) uint8 RGB at latent resolution (1/16 of the size), no
+        alpha."""
+        req = state.request
+        return self._preview(self.unpacked_latents(latents, req.width, req.height, torch.float32)[:, :, 0])
+
     @torch.inference_mode()
     def decode(self, state: RequestState) -> list[np.ndarray]:
-        """``_unpack_latents``, ``z * latents_std + latents_mean``, the first frame decoded, ``postprocess``
-        (P:840-854): (height, width, 4) uint8 RGBA, as diffusers' PIL images."""
-        pipe, vae, req = self.pipe, self.vae, state.request
-        latents = pipe._unpack_latents(state.latents, req.height, req.width, pipe.vae_scale_factor).to(vae.dtype)
-        z, dev, dt = vae.config.z_dim, latents.device, latents.dtype
-        mean = torch.tensor(vae.config.latents_mean).view(1, z, 1, 1, 1).to(dev, dt)
-        std = torch.tensor(vae.config.latents_std).view(1, z, 1, 1, 1).to(dev, dt)
-        image = vae.decode(latents * std + mean, return_dict=False)[0][:, :, 0]
-        return [np.asarray(im) for im in pipe.image_processor.postprocess(image, output_type="pil")]
+        """:meth:`unpacked_latents`, the first frame decoded, ``postprocess`` (P:840-854): (height, width, 4) uint8
+        RGBA, as diffusers' PIL images."""
+        req = state.request
+        latents = self.unpacked_latents(state.latents, req.width, req.height, self.vae.dtype)
+        image = self.vae.decode(latents, return_dict=False)[0][:, :, 0]
+        return [np.asarray(im) for im in self.pipe.image_processor.postprocess(image, output_type="pil")]

@@ -48,13 +48,17 @@ or per row, and attention gives hidden keys weight zero, so real and model-pad t
 forward gives them: a padded bucket equals the unpadded forward (``tests/families/test_zimage.py``), and a row
 alone whose Lc fills Tc equals it bit for bit where the attention kernel ignores an all-True mask bit for bit.
 
-Not served yet: LoRA (``ZImageLoraLoaderMixin``), the fused step, previews, edits (``ZImageImg2ImgPipeline``), the
-Omni and ControlNet variants; T has no ``CacheMixin``, so no step cache.
+Previews (:class:`~bcg_core.capabilities.Previews`): the latent image unscaled as the decode does, then the VAE's fitted
+linear latent-to-RGB map (:mod:`bcg_core.preview`).
+
+Not served yet: LoRA (``ZImageLoraLoaderMixin``), the fused step, edits (``ZImageImg2ImgPipeline``), the Omni and
+ControlNet variants; T has no ``CacheMixin``, so no step cache.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 import threading
 from pathlib import Path
@@ -62,6 +66,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from bcg_core.capabilities import Previews
 from bcg_core.families.base import QUALITY_STEPS, ModelSpec, load_pipeline, read_json
 from bcg_core.families.defaults import pipeline_defaults
 from bcg_core.families.state import RequestState, TextRows, pad_text
@@ -238,7 +243,7 @@ class ZImageAdapter:
         return torch.stack(out)[:, :, 0]
 
 
-class ZImageFamily:
+class ZImageFamily(Previews):
     """A ``ZImagePipeline`` checkpoint, served step by step (see the module docstring).
 
     Request fields: ``guidance_scale`` (default 5.0, the pipeline's) above 0 runs CFG against ``negative_prompt``
@@ -442,6 +447,20 @@ class ZImageFamily:
         state.latents = state.scheduler.step(-noise, state.timestep, state.latents, return_dict=False)[0]
         state.step_index += 1
         self._truncate(state)
+
+    @functools.cached_property
+    def _preview(self):
+        from bcg_core.preview import vae_preview
+
+        return vae_preview(self.vae, self.pipe.vae_scale_factor)
+
+    @torch.inference_mode()
+    def preview(self, state: RequestState, latents: torch.Tensor) -> list[np.ndarray]:
+        """``n`` previews of mid-denoise ``latents`` (a copy of ``state.latents``): ``z / scaling_factor +
+        shift_factor`` as :meth:`decode`, then the VAE's fitted linear latent-to-RGB map
+        (:class:`~bcg_core.preview.LinearPreview`): (h, w, 3) uint8 at latent resolution (1/8 of the size)."""
+        vae = self.vae
+        return self._preview(latents.float() / vae.config.scaling_factor + vae.config.shift_factor)
 
     @torch.inference_mode()
     def decode(self, state: RequestState) -> list[np.ndarray]:

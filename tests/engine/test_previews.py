@@ -79,6 +79,9 @@ FAMILIES = {  # family -> (builder kwargs, bucket table, request size)
     "pixart": ({}, {"batch_sizes": [2], "resolutions": ["256x256"], "text_lengths": [32]}, 256),
     "sana": ({}, {"batch_sizes": [2], "resolutions": ["512x512"], "text_lengths": [32]}, 512),
     "qwenimage": ({}, {"batch_sizes": [2], "resolutions": ["64x64"], "text_lengths": [32]}, 64),
+    "flux2": ({"variant": "dev"}, {"batch_sizes": [2], "resolutions": ["32x32"], "text_lengths": [96]}, 32),
+    "zimage": ({}, {"batch_sizes": [2], "resolutions": ["32x32"], "text_lengths": [32]}, 32),
+    "qwenimage21": ({}, {"batch_sizes": [2], "resolutions": ["64x64"], "text_lengths": [32]}, 64),
 }
 
 
@@ -95,6 +98,7 @@ def test_each_family_previews_mid_denoise_latents(family, tmp_path):
                                                           num_inference_steps=3, guidance_scale=1.0, seed=0))
     state = pipe.start(validated)
     pipe.step([state], pipe.decider.for_states([state]))
+    assert pipe.capabilities.previews  # the step scheduler takes previews of it (without, partial_images gets none)
     images = pipe.model.preview(state, state.latents.clone())
     gen_w, gen_h = pipe.model.spec.generation_size(size, size)
     model = pipe.model  # pixels per latent pixel of the tiny VAE (fewer blocks than the real ones)
@@ -103,6 +107,28 @@ def test_each_family_previews_mid_denoise_latents(family, tmp_path):
     for im in images:
         assert im.dtype == np.uint8 and im.shape == (gen_h // factor, gen_w // factor, 3)
     assert not np.array_equal(images[0], images[1])  # two seeds, two previews
+
+
+def test_a_streamed_qwenimage21_request_gets_its_previews_before_its_rgba_images(tmp_path):
+    """The families added last (FLUX.2, Z-Image, Qwen-Image 2.1) answered ``partial_images`` with the completed event
+    alone; here the RGBA one: RGB previews at the requested size, then the RGBA images."""
+    from reference_gate import bcg_pipeline
+    from tiny.qwenimage21 import build
+
+    pipe = bcg_pipeline(build(tmp_path / "qwen21"), FAMILIES["qwenimage21"][1])
+    sched = ValidatingScheduler(pipe)
+    try:
+        events = asyncio.run(_collect(sched, GenerationRequest("a red cube", n=2, width=64, height=64,
+                                                               num_inference_steps=4, partial_images=3, seed=1)))
+    finally:
+        sched.close()
+    previews, result = events[:-1], events[-1]
+    assert sorted((p.image_index, p.step) for p in previews) == [(i, s) for i in (0, 1) for s in (1, 2, 3)]
+    for p in previews:
+        with Image.open(io.BytesIO(p.data)) as img:
+            assert img.size == (64, 64) and img.mode == "RGB"
+    with Image.open(io.BytesIO(result.image_bytes[0])) as img:
+        assert img.mode == "RGBA"
 
 
 # -- the scheduler: previews streamed, their size and format, and their cost ----------------------------------
