@@ -314,7 +314,8 @@ class Family(Protocol):
     """``_class_name`` values of ``model_index.json`` this family loads."""
     lora_loader: ClassVar[str | None]
     """The diffusers pipeline class whose ``lora_state_dict`` reads this family's LoRA files
-    (:mod:`bcg_core.lora.files`), or None where diffusers has no LoRA loader for it (PixArt-Sigma)."""
+    (:mod:`bcg_core.lora.files`), or None where bcg-serve serves no adapters for it: PixArt-Sigma (diffusers has no
+    LoRA loader for it), FLUX.2, Z-Image and Qwen-Image 2.1 (not yet; :func:`bcg_core.lora.slots.unserved`)."""
 
     model_name: str
     spec: ModelSpec

@@ -27,7 +27,7 @@ from bcg_core.errors import RequestError, ServiceUnavailable
 from bcg_core.lora.files import AdapterError, AdapterFiles, AdapterWeights
 from bcg_core.lora.layers import LoRALayers
 
-__all__ = ["AdapterSlots", "Lease", "cost_note"]
+__all__ = ["AdapterSlots", "Lease", "check_served", "cost_note", "unserved"]
 
 log = logging.getLogger(__name__)
 
@@ -361,8 +361,9 @@ def install(config, model) -> AdapterSlots | None:
     ``model.adapter``, and return the replica's slots. None when ``lora.dir`` is unset (nothing changes).
 
     Raises:
-        ValueError: a family whose diffusers pipeline has no LoRA loader (PixArt-Sigma), or a ``lora.dir`` that is
-            not a folder, or ``lora.targets`` that match no linear layer.
+        ValueError: a family that serves no adapters (:func:`unserved`: PixArt-Sigma, whose diffusers pipeline has no
+            LoRA loader; FLUX.2, Z-Image and Qwen-Image 2.1, not served yet), or a ``lora.dir`` that is not a folder,
+            or ``lora.targets`` that match no linear layer.
     """
     cfg = config.lora
     if cfg.dir is None:
@@ -373,14 +374,56 @@ def install(config, model) -> AdapterSlots | None:
 
     loader = model.lora_loader
     if loader is None:
-        raise ValueError(f"lora.dir is set but {model.spec.pipeline_class} (family {model.spec.family}) has no LoRA "
-                         f"loader in diffusers, so no adapter of it can be read as diffusers reads it; unset lora.dir")
+        raise ValueError(unserved(loader, model.spec.pipeline_class, model.spec.family))
     layers = LoRALayers(model.adapter.model, cfg.slots, cfg.max_rank, cfg.max_per_request, cfg.targets)
     files = AdapterFiles(cfg.dir, getattr(diffusers, loader), layers.shapes(), cfg.max_rank)
     model.adapter = LoRAAdapter(model.adapter, layers)
     note = cost_note(len(layers.layers), layers.delta_share, cfg.max_per_request, cfg.max_rank)
     log.log(logging.WARNING if layers.delta_share > DELTA_SHARE_WARN else logging.INFO, "lora: %s", note)
     return AdapterSlots(files, layers, cfg.load_timeout_s, cfg.host_cache)
+
+
+def unserved(loader: str | None, pipeline_class: str, family: str) -> str | None:
+    """Why ``lora.dir`` cannot be served for a ``pipeline_class`` checkpoint whose family reads adapters with
+    ``loader`` (:attr:`~bcg_core.families.Family.lora_loader`), or None where it can. A family without a loader is
+    told apart by the installed diffusers: where its pipeline has a LoRA loader mixin (FLUX.2's
+    ``Flux2LoraLoaderMixin``, Z-Image's, Qwen-Image 2.1's), bcg-serve does not serve adapters for that family yet;
+    where it has none (PixArt-Sigma), no adapter of it can be read as diffusers reads it."""
+    if loader is not None:
+        return None
+    import diffusers
+
+    mixins = [c.__name__ for c in getattr(getattr(diffusers, pipeline_class, None), "__mro__", ())
+              if c.__name__.endswith("LoraLoaderMixin")]
+    if mixins:
+        return (f"lora.dir is set but {pipeline_class} (family {family}) takes no adapters here: bcg-serve does not "
+                f"serve LoRA adapters for this family yet (diffusers loads them with {mixins[0]}, outside bcg-serve's "
+                f"per-request adapter rows); unset lora.dir")
+    return (f"lora.dir is set but {pipeline_class} (family {family}) has no LoRA loader in diffusers, so no adapter "
+            f"of it can be read as diffusers reads it; unset lora.dir")
+
+
+def check_served(model_config) -> None:
+    """Refuse ``lora.dir`` for the configured model before anything loads (``bcg config --check``, ``bcg serve``
+    before Ray starts), as :func:`install` would at a replica's start: its checkpoint's family, read from
+    ``model_index.json`` only (the tiny default, ``model.path`` None, serves adapters).
+
+    Raises:
+        ValueError: the model's family serves no adapters (:func:`unserved`), or the folder is not a servable
+            checkpoint (:func:`bcg_core.models.read_checkpoint`).
+    """
+    if model_config.path is None:
+        return
+    from pathlib import Path
+
+    from bcg_core.families import family_class
+    from bcg_core.models import read_checkpoint
+
+    kind = read_checkpoint(Path(model_config.path))["_class_name"]
+    family = family_class(kind)
+    reason = unserved(family.lora_loader, kind, family.name)
+    if reason is not None:
+        raise ValueError(reason)
 
 
 def cost_note(layers: int, share: float, max_per_request: int, max_rank: int) -> str:

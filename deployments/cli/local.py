@@ -175,8 +175,9 @@ def check_config(config_path: str | Path) -> ServeConfig:
     and the checkpoint's JSON configs), so a bad file fails with its own message before Ray starts.
 
     Raises:
-        ValueError: a bad file, config value or bucket table (pydantic's ValidationError is a ValueError), or
-            ``lora.targets`` that match no linear layer of the transformer (built on the meta device).
+        ValueError: a bad file, config value or bucket table (pydantic's ValidationError is a ValueError),
+            ``lora.dir`` set for a model whose family serves no LoRA adapters, or ``lora.targets`` that match no
+            linear layer of the transformer (built on the meta device).
         FileNotFoundError: ``config_path`` or the config's ``model.path`` does not exist, or ``lora.dir`` is not a
             directory.
     """
@@ -195,6 +196,9 @@ def check_config(config_path: str | Path) -> ServeConfig:
 
         read_key_file(config.auth.api_key_file)
     if config.lora.dir is not None:  # read by every replica at start, maybe in another working directory
+        from bcg_core.lora.slots import check_served
+
+        check_served(config.model)  # a family that serves no adapters: its replicas would fail at start
         if not Path(config.lora.dir).is_dir():
             raise FileNotFoundError(f"lora.dir {config.lora.dir!r} is not a directory: create it, or unset lora.dir")
         lora = config.lora.model_copy(update={"dir": str(Path(config.lora.dir).resolve())})
