@@ -2,9 +2,10 @@
 
 :meth:`RequestValidator.validate` checks every field against the limits and the model (prompt tokens as the family
 encodes them, the family's rules, resolution bins, the bucket table) and fills in the defaults; every limit message
-comes from here. The ingress validates each request once (tokenizer only, no weights), and everything below it (replica,
-step scheduler, pipeline) accepts only the :class:`~bcg_core.request.ValidatedRequest` and trusts it. docs/DESIGN.md
-section 2 says how a shape rounds up to its bucket.
+comes from here, in the wording of :mod:`bcg_core.field_phrases`. The ingress validates each request once (tokenizer
+only, no weights), and everything below it (replica, step scheduler, pipeline) accepts only the
+:class:`~bcg_core.request.ValidatedRequest` and trusts it. docs/DESIGN.md section 2 says how a shape rounds up to its
+bucket.
 """
 
 from __future__ import annotations
@@ -14,10 +15,11 @@ import random
 from collections.abc import Callable
 from dataclasses import replace
 
-from bcg_core.cache_field import cache_phrase, check_cache, default_cache
-from bcg_core.config import EngineConfig, LimitsConfig, LoRAConfig, MissPolicy
-from bcg_core.errors import BucketMissError, RequestError, shown
+from bcg_core.cache_field import check_cache, default_cache
+from bcg_core.config import EngineConfig, LimitsConfig, MissPolicy
+from bcg_core.errors import BucketMissError, RequestError
 from bcg_core.families.base import ModelSpec
+from bcg_core.field_phrases import engine_field_phrase, invalid
 from bcg_core.keys import Dim, ShapeQuery
 from bcg_core.request import (
     MAX_PARTIAL_IMAGES,
@@ -37,78 +39,6 @@ log = logging.getLogger(__name__)
 
 def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
-
-
-def engine_field_phrase(name: str, limits: LimitsConfig, size_multiple: int | None = 16,
-                        resolutions: tuple[str, ...] = (), lora: LoRAConfig | None = None,
-                        cache_methods: tuple[str, ...] | None = None) -> str | None:
-    """What request field ``name`` accepts under ``limits``: the one wording of every limit message (the validator's
-    errors and the HTTP schema's type errors both use it). None for a field the engine does not validate.
-
-    Args:
-        name: a field of :class:`~bcg_core.request.GenerationRequest` (``size`` for width and height).
-        limits: the served limits.
-        size_multiple: width and height must be multiples of it (the model's pixels per token side); None for
-            a family with resolution binning (any size: generated at its aspect-ratio bin, resized back).
-        resolutions: the bucket resolution tiers, named in the ``size`` phrase.
-        lora: the ``lora`` section, for the ``lora`` phrase.
-        cache_methods: the model's step-cache methods, for the ``cache`` phrase (None: every method served).
-    """
-    from bcg_core.images import IMAGE_FORMATS
-
-    lim = limits
-    if name == "prompt":
-        return f"a non-empty string of at most {lim.max_prompt_chars} characters"
-    if name == "negative_prompt":
-        return f"a string of at most {lim.max_prompt_chars} characters"
-    if name == "n":
-        return f"an integer from 1 to {lim.max_images}"
-    if name == "size":
-        each = "" if size_multiple is None else f", each a multiple of {size_multiple}"
-        tiers = f"; bucketed sizes: {', '.join(resolutions)}" if resolutions else ""
-        return ("'auto' (the model's default size, GET /v1/models: limits.default_size; for an edit the input "
-                f"image's) or a string 'WxH' with width and height from {lim.min_side_px} to {lim.max_side_px} "
-                f"pixels{each}{tiers}")
-    if name == "seed":
-        return f"an integer from 0 to {SEED_MAX - lim.max_images}"
-    if name == "num_inference_steps":
-        return f"an integer from 1 to {lim.max_steps}"
-    if name == "guidance_scale":
-        return f"a number from 0 to {lim.max_guidance_scale:g} (above 1 enables classifier-free guidance)"
-    if name == "true_cfg_scale":
-        return (f"a number from 0 to {lim.max_guidance_scale:g} (FLUX and Qwen-Image only: true CFG with a "
-                f"negative_prompt)")
-    if name == "output_format":
-        return ", ".join(repr(f) for f in IMAGE_FORMATS) + " ('gif' and 'svg' are not served)"
-    if name == "output_compression":
-        return ("an integer from 0 to 100 for output_format 'jpeg' or 'webp' (100 keeps the most detail); omit it "
-                "for 'png'")
-    if name == "quality":
-        aliases = ", ".join(f"{a!r} (= {q!r})" for a, q in QUALITY_ALIASES.items())
-        return ", ".join(repr(q) for q in QUALITIES) + f", {aliases} (a step count each; see /v1/models)"
-    if name == "partial_images":
-        return f"an integer from 0 to {MAX_PARTIAL_IMAGES}, with stream: true"
-    if name == "strength":
-        return ("a number above 0 and at most 1 (an edit runs about num_inference_steps x strength steps, rounded "
-                "up as diffusers' get_timesteps does)")
-    if name in ("image", "mask"):
-        return (f"one PNG, JPEG or WebP file of at most {limits.max_input_pixels} pixels"
-                + (", the image's size, with alpha: fully transparent pixels mark where to edit" if name == "mask"
-                   else ""))
-    if name == "lora":
-        if lora is None or lora.dir is None:
-            return "nothing: this deployment serves no LoRA adapters (lora.dir is unset)"
-        return (f"a list of at most {lora.max_per_request} {{\"name\": ..., \"scale\": ...}} with distinct names of "
-                f"adapters in GET /v1/models and scales from {-lora.max_scale:g} to {lora.max_scale:g}")
-    if name == "cache":
-        return cache_phrase(cache_methods)
-    return None
-
-
-def invalid(name: str, got: object, reason: str, allowed: str | None) -> str:
-    """The message of a refused field: ``invalid 'n' (got 11): out of range; allowed: an integer from 1 to
-    10`` (the HTTP schema's type errors read the same)."""
-    return f"invalid '{name}' (got {shown(got)}): {reason}" + (f"; allowed: {allowed}" if allowed else "")
 
 
 class RequestValidator:
