@@ -14,7 +14,7 @@ __all__ = ["engine_field_phrase", "invalid"]
 
 def engine_field_phrase(name: str, limits: LimitsConfig, size_multiple: int | None = 16,
                         resolutions: tuple[str, ...] = (), lora: LoRAConfig | None = None,
-                        cache_methods: tuple[str, ...] | None = None) -> str | None:
+                        cache_methods: tuple[str, ...] | None = None, guidance: str | None = None) -> str | None:
     """What request field ``name`` accepts under ``limits``: the one wording of every limit message (the validator's
     errors and the HTTP schema's type errors both use it). None for a field the engine does not validate.
 
@@ -26,6 +26,8 @@ def engine_field_phrase(name: str, limits: LimitsConfig, size_multiple: int | No
         resolutions: the bucket resolution tiers, named in the ``size`` phrase.
         lora: the ``lora`` section, for the ``lora`` phrase.
         cache_methods: the model's step-cache methods, for the ``cache`` phrase (None: every method served).
+        guidance: what ``guidance_scale`` does for the model (:meth:`~bcg_core.families.ModelSpec.guidance_role`), for
+            the ``guidance_scale`` phrase; None: classifier-free guidance above 1 (a model without other rules).
     """
     from bcg_core.images import IMAGE_FORMATS
 
@@ -47,10 +49,11 @@ def engine_field_phrase(name: str, limits: LimitsConfig, size_multiple: int | No
     if name == "num_inference_steps":
         return f"an integer from 1 to {lim.max_steps}"
     if name == "guidance_scale":
-        return f"a number from 0 to {lim.max_guidance_scale:g} (above 1 enables classifier-free guidance)"
+        role = guidance or "above 1 enables classifier-free guidance"
+        return f"a number from 0 to {lim.max_guidance_scale:g} ({role})"
     if name == "true_cfg_scale":
-        return (f"a number from 0 to {lim.max_guidance_scale:g} (FLUX and Qwen-Image only: true CFG with a "
-                f"negative_prompt)")
+        return (f"a number from 0 to {lim.max_guidance_scale:g} (FLUX.1, Qwen-Image and Qwen-Image 2.1 only: true CFG "
+                f"above 1 with a negative_prompt)")
     if name == "output_format":
         return ", ".join(repr(f) for f in IMAGE_FORMATS) + " ('gif' and 'svg' are not served)"
     if name == "output_compression":

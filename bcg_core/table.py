@@ -38,9 +38,10 @@ class ShapeRules:
         """Token grid ``(h, w)`` of an image of ``width_px`` x ``height_px`` pixels."""
         return height_px // self.pixels_per_token, width_px // self.pixels_per_token
 
-    def check_size(self, width_px: int, height_px: int, where: str = "size") -> None:
-        """Raise ``ValueError`` if a side is not a multiple of :attr:`pixels_per_token`."""
-        m = self.pixels_per_token
+    def check_size(self, width_px: int, height_px: int, where: str = "size", multiple: int | None = None) -> None:
+        """Raise ``ValueError`` if a side is not a multiple of :attr:`pixels_per_token` (or of ``multiple``, where the
+        model needs more: :attr:`~bcg_core.families.ModelSpec.size_step`), naming the nearest multiples."""
+        m = multiple or self.pixels_per_token
         for name, v in (("width", width_px), ("height", height_px)):
             if v % m:
                 lo, hi = max(m, v - v % m), v - v % m + m

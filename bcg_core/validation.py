@@ -165,7 +165,7 @@ class RequestValidator:
                 raise bad("size", size, f"{name} {v} is out of range")
         if not self.spec.size_bins:  # with binning any size is served (generated at its bin, resized back)
             try:
-                self.rules.check_size(r.width, r.height)
+                self.rules.check_size(r.width, r.height, multiple=self.spec.size_step)
             except ValueError as e:
                 raise bad("size", size, str(e).removeprefix(f"size {size}: ")) from None  # the size: quoted once
         if r.quality is not None and (not isinstance(r.quality, str)
@@ -244,7 +244,7 @@ class RequestValidator:
         multiple = None if self.spec.size_bins else self.spec.size_step
         return RequestError(name, invalid(name, got, reason, engine_field_phrase(
             name, self.limits, multiple, tuple(self.config.buckets.resolutions), self.config.lora,
-            self.spec.cache_methods)))
+            self.spec.cache_methods, self.spec.guidance_role())))
 
     def _edit_defaults(self, r: GenerationRequest) -> dict | None:
         """For an edit (``image`` set): its image read and checked (:mod:`bcg_core.edits`) and the defaults of the

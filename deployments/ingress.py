@@ -200,6 +200,7 @@ class Ingress:
             lora=self._config.lora,
             cache_methods=self._validator.spec.cache_methods,
             output_alpha=self._validator.spec.output_alpha,
+            guidance=self._validator.spec.guidance_role(),
         )
 
     def _refused(self, request: Request) -> JSONResponse | None:

@@ -83,6 +83,8 @@ class RequestLimits:
         cache_methods: the served model's step-cache methods (the ``cache`` phrase); None: every method served.
         output_alpha: the served model's images carry alpha (RGBA: Qwen-Image 2.1's VAE decodes it); ``background``
             takes ``'transparent'`` then, ``'opaque'`` otherwise (and ``'auto'`` always): what the images are.
+        guidance: what ``guidance_scale`` does for the served model (:meth:`bcg_core.families.ModelSpec.
+            guidance_role`), for the ``guidance_scale`` phrase; None: classifier-free guidance above 1.
     """
 
     limits: LimitsConfig = field(default_factory=LimitsConfig)
@@ -92,6 +94,7 @@ class RequestLimits:
     lora: LoRAConfig | None = None
     cache_methods: tuple[str, ...] | None = None
     output_alpha: bool = False
+    guidance: str | None = None
 
 
 def background_values(limits: RequestLimits) -> tuple[str, str]:
@@ -116,7 +119,7 @@ def http_field_phrase(name: str, limits: RequestLimits) -> str:
         A short phrase such as ``"an integer from 1 to 10"``.
     """
     engine = engine_field_phrase(name, limits.limits, limits.size_multiple, limits.resolutions, limits.lora,
-                                 limits.cache_methods)
+                                 limits.cache_methods, limits.guidance)
     if engine is not None:
         return engine
     if name == "model":

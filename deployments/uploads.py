@@ -293,6 +293,18 @@ def _lora_json(text: str) -> Any:
                       "lora[][name] and lora[][scale]")
 
 
+def _file_refusal(name: str) -> FormError:
+    """The 422 of a file part named ``name``, which is neither ``image`` nor ``mask``: a text field of the edit sent as
+    a file, or a name no field has (``images``), then named as unknown with the fields the form takes."""
+    from .schemas import ImageEditRequest
+
+    files = "the files are 'image' (several images: one 'image[]' part each) and 'mask'"
+    if name in ImageEditRequest.model_fields or _LORA.fullmatch(name) or _CACHE.fullmatch(name):
+        return FormError(422, name, f"'{name}' was sent as a file, but it is a text field; {files}")
+    return FormError(422, name, f"unknown field '{name}' (sent as a file; {files}); allowed fields: "
+                                f"{', '.join(ImageEditRequest.model_fields)}")
+
+
 async def edit_fields(form: FormData) -> dict[str, Any]:
     """The fields of :class:`~deployments.schemas.ImageEditRequest` in a parsed form: ``image`` and ``mask`` as the
     bytes of their files, ``lora`` as a list, ``cache`` as a mapping, every other field as its text (the schema
@@ -328,8 +340,7 @@ async def _fields(form: FormData) -> dict[str, Any]:
             (images if target == "image" else masks).append(await value.read())
             continue
         if is_file:
-            raise FormError(422, name, f"'{name}' was sent as a file; only 'image' and 'mask' are files, '{name}' is "
-                                       f"a text field")
+            raise _file_refusal(name)
         lora = _LORA.fullmatch(name)
         if lora is not None:
             lora_parts.append((lora.group(1), lora.group(2) or "", value))

@@ -197,6 +197,22 @@ class ModelSpec:
             return request.guidance_scale is not None and request.guidance_scale > 0.0
         return not self.guidance_embeds and request.guidance_scale is not None and request.guidance_scale > 1.0
 
+    def guidance_role(self) -> str:
+        """What ``guidance_scale`` does for this model, for messages (the ``guidance_scale`` phrase of limit errors,
+        the ``true_cfg_scale`` refusal): a guidance embedding (FLUX.1-dev, FLUX.2 [dev]), classifier-free guidance
+        above 1 (:attr:`cfg_rule` ``"guidance_scale"``) or above 0 (``"guidance_positive"``: Z-Image), or nothing
+        (true CFG families: FLUX.1-schnell, Qwen-Image, Qwen-Image 2.1; ``"none"``: distilled FLUX.2 [klein])."""
+        if self.guidance_embeds:
+            return "it feeds this model's guidance embedding; no classifier-free guidance"
+        if self.cfg_rule == "guidance_positive":
+            return "above 0 enables classifier-free guidance"
+        if self.cfg_rule == "true_cfg":
+            return ("this model ignores it: its classifier-free guidance is true_cfg_scale above 1 with a "
+                    "negative_prompt")
+        if self.cfg_rule == "none":
+            return "this model ignores it: it runs no classifier-free guidance"
+        return "above 1 enables classifier-free guidance"
+
     def cfg_scale(self, request) -> float:
         """The scale of the CFG combination ``uncond + s * (cond - uncond)``."""
         return self.true_cfg_scale(request) if self.cfg_rule == "true_cfg" else float(request.guidance_scale)
@@ -268,15 +284,17 @@ class ModelSpec:
         if self.default_true_cfg_scale is None and getattr(request, "true_cfg_scale", None) is not None:
             raise RequestError(
                 "true_cfg_scale", f"true_cfg_scale is not an option of {self.pipeline_class} (family {self.family}); "
-                f"leave it unset and use guidance_scale (classifier-free guidance above 1)")
+                f"leave it unset (guidance_scale: {self.guidance_role()})")
         if self.cfg_rule == "none" and getattr(request, "negative_prompt", None) is not None:
             raise RequestError(
                 "negative_prompt", f"negative_prompt is not an option of this {self.pipeline_class} checkpoint "
                 f"(family {self.family}): it runs no classifier-free guidance; leave it unset")
-        m = self.size_multiple
-        if m is not None and (request.width % m or request.height % m):
-            raise RequestError("size", f"size {request.width}x{request.height}: {self.pipeline_class} generates sides "
-                                       f"that are multiples of {m} pixels; use multiples of {m}")
+        if self.size_multiple is not None:
+            try:
+                self.rules.check_size(request.width, request.height, multiple=self.size_multiple)
+            except ValueError as e:
+                raise RequestError("size", f"{e} ({self.pipeline_class} generates sides that are multiples of "
+                                           f"{self.size_multiple} pixels)") from None
         if self.output_alpha and getattr(request, "output_format", None) == "jpeg":
             raise RequestError("output_format", f"output_format 'jpeg': {self.pipeline_class} generates RGBA images "
                                                 f"(its VAE decodes an alpha channel) and JPEG holds no alpha; use "

@@ -174,7 +174,8 @@ def test_over_long_prompts_and_the_encoders_image_token_are_refused(pipe, folder
 
 
 def test_sizes_off_32_pixels_jpeg_output_and_edits_are_refused(pipe):
-    for kw, field, match in ((dict(width=48), "size", "multiples of 32"), (dict(height=80), "size", "multiples of 32"),
+    for kw, field, match in ((dict(width=48), "size", "not a multiple of 32; use 32 or 64"),
+                             (dict(height=80), "size", "not a multiple of 32; use 64 or 96"),
                              (dict(output_format="jpeg"), "output_format", "RGBA"),
                              (dict(image=b"x"), "image", "not served for edits")):
         with pytest.raises(RequestError, match=match) as e:

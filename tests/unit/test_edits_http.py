@@ -275,7 +275,10 @@ def test_lora_forms_json_brackets_and_indices():
     ([("mask", b"m"), ("mask", b"n")], "mask", "2 masks were sent"),
     ([("mask", "not a file")], "mask", "'mask' must be a file part"),
     ([("prompt", b"a file")], "prompt", "'prompt' was sent as a file"),
-    ([("markup", b"png")], "markup", "only 'image' and 'mask' are files"),
+    ([("markup", b"png")], "markup", "the files are 'image' (several images: one 'image[]' part each) and 'mask'"),
+    ([("images", b"png")], "images", "unknown field 'images' (sent as a file; the files are 'image'"),
+    ([("images", b"png")], "images", "allowed fields: prompt, model, n, size"),
+    ([("prompt", b"a file")], "prompt", "but it is a text field"),
     ([("n", "1"), ("n", "2")], "n", "sent more than once"),
     ([("stream", "yes")], "stream", "'stream' is 'yes'; allowed: true or false"),
 ])
