@@ -229,13 +229,13 @@ class LimitsConfig(BaseModel):
     default_steps: int | None = Field(
         default=None, ge=1,
         description="num_inference_steps when a request omits it (and quality). None: the family's, its diffusers "
-        "pipeline's __call__ default (FLUX.1 and SD3 28, PixArt-Sigma and SANA 20, Qwen-Image 50; the tiny default "
-        "4), clipped to max_steps; GET /v1/models shows it.")
+        "pipeline's __call__ default (FLUX.1 and SD3 28, PixArt-Sigma and SANA 20, Qwen-Image, FLUX.2 and Z-Image 50, "
+        "Qwen-Image 2.1 40; the tiny default 4), clipped to max_steps; GET /v1/models shows it.")
     default_guidance_scale: float | None = Field(
         default=None, ge=0.0,
         description="guidance_scale when a request omits it. None: the family's, its diffusers pipeline's __call__ "
-        "default (FLUX.1 3.5, SD3 7.0, PixArt-Sigma and SANA 4.5, Qwen-Image none: it has no guidance input; the "
-        "tiny default 3.5), clipped to max_guidance_scale; GET /v1/models shows it.")
+        "default (FLUX.1 3.5, SD3 7.0, PixArt-Sigma and SANA 4.5, FLUX.2 4.0, Z-Image 5.0, Qwen-Image and Qwen-Image "
+        "2.1 none: no guidance input; the tiny default 3.5), clipped to max_guidance_scale; GET /v1/models shows it.")
     max_guidance_scale: float = Field(default=30.0, gt=0.0, description="Largest guidance_scale.")
     max_prompt_chars: int = Field(default=4000, ge=1, description="Longest prompt in characters.")
     max_body_bytes: int = Field(default=65536, ge=1024, description="Largest HTTP request body in bytes.")

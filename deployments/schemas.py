@@ -206,26 +206,29 @@ class ImageGenerationRequest(BaseModel):
                       "2**63-1-limits.max_images; omitted = random, reported back.")
     num_inference_steps: int | None = Field(
         default=None, description="Denoising steps, 1 to limits.max_steps; omitted = the family's diffusers pipeline "
-        "default (28 FLUX.1 and SD3, 20 PixArt-Sigma and SANA, 50 Qwen-Image, 4 the tiny default) unless the config "
-        "sets limits.default_steps (GET /v1/models: defaults)."
+        "default (28 FLUX.1 and SD3, 20 PixArt-Sigma and SANA, 50 Qwen-Image, FLUX.2 and Z-Image, 40 Qwen-Image 2.1, "
+        "4 the tiny default) unless the config sets limits.default_steps (GET /v1/models: defaults)."
     )
     guidance_scale: float | None = Field(
         default=None,
         description="Guidance scale, 0 to limits.max_guidance_scale. Classifier-free guidance for SD3, PixArt-Sigma, "
-        "SANA and the tiny default: above 1 runs cond + uncond rows (2n transformer rows). FLUX.1-dev: its guidance "
-        "embedding (no uncond rows); FLUX.1-schnell and Qwen-Image ignore it, as their diffusers pipelines do. "
-        "Omitted = the family's diffusers pipeline default (3.5 FLUX.1, 7.0 SD3, 4.5 PixArt-Sigma and SANA, unset "
-        "Qwen-Image, 3.5 the tiny default) unless the config sets limits.default_guidance_scale (GET /v1/models: "
-        "defaults).",
+        "SANA, FLUX.2 [klein] (not distilled) and the tiny default: above 1 runs cond + uncond rows (2n transformer "
+        "rows); Z-Image: above 0. FLUX.1-dev and FLUX.2 [dev]: their guidance embedding (no uncond rows); "
+        "FLUX.1-schnell, Qwen-Image, Qwen-Image 2.1 and distilled FLUX.2 [klein] ignore it, as their diffusers "
+        "pipelines do. Omitted = the family's diffusers pipeline default (3.5 FLUX.1, 7.0 SD3, 4.5 PixArt-Sigma and "
+        "SANA, 4.0 FLUX.2, 5.0 Z-Image, unset Qwen-Image and Qwen-Image 2.1, 3.5 the tiny default) unless the config "
+        "sets limits.default_guidance_scale (GET /v1/models: defaults).",
     )
     negative_prompt: str | None = Field(
         default=None, description="Text to guide away from (the uncond rows of CFG). Omitted = the family's default: "
-        "\"\" for SD3, PixArt-Sigma, SANA; none for FLUX and Qwen-Image, which then run no true CFG.")
+        "\"\" for SD3, PixArt-Sigma, SANA, FLUX.2 [klein] and Z-Image; none for FLUX.1, Qwen-Image and Qwen-Image "
+        "2.1, which then run no true CFG. FLUX.2 [dev] and distilled [klein] (no CFG) answer 422 when it is set.")
     true_cfg_scale: float | None = Field(
         default=None,
-        description="True classifier-free guidance scale of FLUX and Qwen-Image (their pipelines' true_cfg_scale), 0 "
-        "to limits.max_guidance_scale: above 1, with a negative_prompt, runs cond + uncond rows. Omitted = the "
-        "pipeline's default (1.0 FLUX, 4.0 Qwen-Image). Other families answer 422 when it is set.",
+        description="True classifier-free guidance scale of FLUX.1, Qwen-Image and Qwen-Image 2.1 (their pipelines' "
+        "true_cfg_scale), 0 to limits.max_guidance_scale: above 1, with a negative_prompt, runs cond + uncond rows. "
+        "Omitted = the pipeline's default (1.0 FLUX.1, 4.0 Qwen-Image, 1.0 Qwen-Image 2.1). Other families answer "
+        "422 when it is set.",
     )
     lora: list[LoraAdapter] | None = Field(
         default=None, max_length=MAX_LORA_ENTRIES,

@@ -67,7 +67,7 @@ QUALITY_STEPS: dict[str, tuple[int, int, int]] = {
 FLUX.1-schnell is distilled for 1-4 steps; QwenImagePipeline's, both FLUX.2 pipelines' and ZImagePipeline's
 default, 50, is their ``high``, and QwenImage21Pipeline's 40 its; distilled FLUX.2 [klein] checkpoints are published
 for 4 steps; the tiny default (random weights) takes few steps so a CPU serves it quickly. docs/API.md's quality
-table repeats them."""
+table repeats them (``tests/unit/test_api_tables.py`` checks it)."""
 
 
 @dataclass(frozen=True)
