@@ -180,7 +180,8 @@ BAD_INPUTS = [
     ("guidance-over", {"prompt": "x", "guidance_scale": 30.5}, 422, "guidance_scale", ["0 to 30"]),
     ("guidance-string", {"prompt": "x", "guidance_scale": "high"}, 422, "guidance_scale", ["0 to 30"]),
     ("seed-negative", {"prompt": "x", "seed": -1}, 422, "seed", ["'seed'", "from 0"]),
-    ("true-cfg-over", {"prompt": "x", "true_cfg_scale": 31}, 422, "true_cfg_scale", ["0 to 30", "FLUX and Qwen-Image"]),
+    ("true-cfg-over", {"prompt": "x", "true_cfg_scale": 31}, 422, "true_cfg_scale",
+     ["0 to 30", "FLUX.1, Qwen-Image and Qwen-Image 2.1 only"]),
     # the tiny default (BCGFluxPipeline) has no true CFG: a value the validator refuses, naming the field
     ("true-cfg-not-an-option", {"prompt": "x", "true_cfg_scale": 2.0, "size": "256x256"}, 422, "true_cfg_scale",
      ["true_cfg_scale is not an option of BCGFluxPipeline", "guidance_scale"]),
