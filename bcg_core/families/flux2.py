@@ -92,9 +92,10 @@ import numpy as np
 import torch
 
 from bcg_core.capabilities import FusedStep, Previews, StepCache
-from bcg_core.families.base import QUALITY_STEPS, ModelSpec, heads_width, load_pipeline, read_json
+from bcg_core.families.base import QUALITY_STEPS, ModelSpec, heads_width, read_json
 from bcg_core.families.defaults import pipeline_defaults
 from bcg_core.families.flux import FluxAdapter
+from bcg_core.families.pixtral import load_flux2_pipeline, processor_tokenizer
 from bcg_core.families.references import ReferenceImages
 from bcg_core.families.state import RequestState, TextRows
 from bcg_core.keys import BucketKey
@@ -333,7 +334,8 @@ class Flux2Family(FusedStep, Previews, StepCache):
         prompt over ``max_sequence_length`` is refused rather than cut. Tokenizer only, no weights."""
         from transformers import AutoTokenizer
 
-        tok = AutoTokenizer.from_pretrained(str(path / "tokenizer"), local_files_only=True)
+        tok = (processor_tokenizer(path, index)
+               or AutoTokenizer.from_pretrained(str(path / "tokenizer"), local_files_only=True))
         if index["_class_name"] == "Flux2Pipeline":
             from diffusers import Flux2Pipeline
             from diffusers.pipelines.flux2.pipeline_flux2 import format_input
@@ -355,9 +357,10 @@ class Flux2Family(FusedStep, Previews, StepCache):
 
     @classmethod
     def load(cls, path: Path, index: dict, device: torch.device, dtype: torch.dtype) -> Flux2Family:
-        """Load with the checkpoint's pipeline class ``from_pretrained`` (local files only, :func:`load_pipeline`)."""
+        """Load with the checkpoint's pipeline class ``from_pretrained`` (local files only, :func:`load_pipeline`; a
+        [dev] ``PixtralProcessor`` as its tokenizer: :func:`~bcg_core.families.pixtral.load_flux2_pipeline`)."""
         spec = cls.describe(path, index)
-        pipe = load_pipeline(_pipeline_class(index["_class_name"]), path, device, dtype)
+        pipe = load_flux2_pipeline(_pipeline_class(index["_class_name"]), path, index, device, dtype)
         return cls(path.name, spec, pipe, cls.token_counter(path, index), device, dtype)
 
     # -- validation hooks ---------------------------------------------------------------------------
