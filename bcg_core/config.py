@@ -145,6 +145,13 @@ class BucketConfig(BaseModel):
         "tiers from the next tier up with a key-padding mask (a second graph per tier; exact fits keep the "
         "unmasked graph, whose attention kernels are faster); 'exact' serves only exact tier sizes.",
     )
+    frames: list[int] = Field(
+        default_factory=list,
+        description="Video models only (Wan): the frame counts (a request's num_frames, 1 plus a multiple of the "
+        "VAE's temporal factor, 4 for Wan: e.g. [81]) of the video tiers; every resolution is a tier at each of "
+        "them, keyed on its exact latent frames x grid. Empty for image models (a start-up error otherwise); a "
+        "video model's config without buckets gets its family's default table (frames [81] at 832x480 for Wan).",
+    )
     miss_policy: MissPolicy = Field(default=MissPolicy.EAGER, description="What to do on a bucket miss.")
     plan: PlannedTraffic | None = Field(
         default=None,
@@ -156,6 +163,11 @@ class BucketConfig(BaseModel):
     @classmethod
     def _ascending(cls, v: list[int], info) -> list[int]:
         return _check_ascending(info.field_name, v)
+
+    @field_validator("frames")
+    @classmethod
+    def _frames(cls, v: list[int]) -> list[int]:
+        return _check_ascending("frames", v) if v else v
 
     @field_validator("resolutions")
     @classmethod
@@ -237,6 +249,9 @@ class LimitsConfig(BaseModel):
         "default (FLUX.1 3.5, SD3 7.0, PixArt-Sigma and SANA 4.5, FLUX.2 4.0, Z-Image 5.0, Qwen-Image and Qwen-Image "
         "2.1 none: no guidance input; the tiny default 3.5), clipped to max_guidance_scale; GET /v1/models shows it.")
     max_guidance_scale: float = Field(default=30.0, gt=0.0, description="Largest guidance_scale.")
+    max_frames: int = Field(default=129, ge=1, le=100000,
+                            description="Video models only: the largest num_frames of a request (Wan 2.1 and 2.2 "
+                            "generate 81 by default).")
     max_prompt_chars: int = Field(default=4000, ge=1, description="Longest prompt in characters.")
     max_body_bytes: int = Field(default=65536, ge=1024, description="Largest HTTP request body in bytes.")
     max_input_pixels: int = Field(default=4096 * 4096, ge=1, description="Most pixels of an edit's input image or "
@@ -248,7 +263,8 @@ class LimitsConfig(BaseModel):
         default=1000.0, gt=0.0,
         description="Most work one request may ask for: width x height x n x num_inference_steps, in millions of "
         "pixel-steps (the default admits 10 images at 1024x1024 and 50 steps, 524; refuses 10 at 2048x2048 and 50 "
-        "steps, 2097), so that one request cannot hold a replica for minutes. None: no limit.",
+        "steps, 2097), so that one request cannot hold a replica for minutes; a video counts each of its latent "
+        "frames as an image (Wan's default 832x480, 81 frames = 21 latent frames, 50 steps: 419). None: no limit.",
     )
 
     @model_validator(mode="after")

@@ -14,7 +14,8 @@ __all__ = ["engine_field_phrase", "invalid"]
 
 def engine_field_phrase(name: str, limits: LimitsConfig, size_multiple: int | None = 16,
                         resolutions: tuple[str, ...] = (), lora: LoRAConfig | None = None,
-                        cache_methods: tuple[str, ...] | None = None, guidance: str | None = None) -> str | None:
+                        cache_methods: tuple[str, ...] | None = None, guidance: str | None = None,
+                        frame_stride: int | None = None) -> str | None:
     """What request field ``name`` accepts under ``limits``: the one wording of every limit message (the validator's
     errors and the HTTP schema's type errors both use it). None for a field the engine does not validate.
 
@@ -28,6 +29,8 @@ def engine_field_phrase(name: str, limits: LimitsConfig, size_multiple: int | No
         cache_methods: the model's step-cache methods, for the ``cache`` phrase (None: every method served).
         guidance: what ``guidance_scale`` does for the model (:meth:`~bcg_core.families.ModelSpec.guidance_role`), for
             the ``guidance_scale`` phrase; None: classifier-free guidance above 1 (a model without other rules).
+        frame_stride: a video model's pixel frames per latent frame (:attr:`~bcg_core.table.ShapeRules.frame_stride`),
+            for the ``num_frames`` phrase; None: an image model (``num_frames`` is not one of its fields).
     """
     from bcg_core.images import IMAGE_FORMATS
 
@@ -64,6 +67,13 @@ def engine_field_phrase(name: str, limits: LimitsConfig, size_multiple: int | No
         return ", ".join(repr(q) for q in QUALITIES) + f", {aliases} (a step count each; see /v1/models)"
     if name == "partial_images":
         return f"an integer from 0 to {MAX_PARTIAL_IMAGES}, with stream: true"
+    if name == "num_frames":
+        if frame_stride is None:
+            return "nothing: this model generates images (num_frames is for video models)"
+        m = frame_stride
+        most = (lim.max_frames - 1) // m * m + 1
+        return (f"an integer 1 plus a multiple of {m} from 1 to {most} ({', '.join(str(1 + m * k) for k in range(3))}, "
+                f"..., {most})")
     if name == "strength":
         return ("a number above 0 and at most 1 (an edit runs about num_inference_steps x strength steps, rounded "
                 "up as diffusers' get_timesteps does)")

@@ -16,6 +16,7 @@ Each family module of :mod:`bcg_core.families` holds its adapter, implementing :
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -40,13 +41,15 @@ class DenoiseInputs:
     - SD3, PixArt: latents (rows, in_channels, h * patch, w * patch), the VAE latent image; timestep on
       the scheduler's 0-1000 scale, undivided (``StableDiffusion3Pipeline``: ``t.expand(batch)``;
       ``PixArtSigmaPipeline``: ``current_timestep.expand(batch)``).
+    - Wan (video): latents (rows, in_channels, frames, h * patch, w * patch), the VAE latent video; ``grid``
+      ``(frames, h, w)``.
 
     Attributes:
         latents: the latents in the family's layout (above).
         text: (rows, text_tokens, seq_dim) text-encoder sequence embeddings.
         pooled: (rows, pooled_dim) pooled text embeddings (pooled_dim 0 for families without them).
         timestep: (rows,) denoising time on the family's scale (above).
-        grid: (h, w) token grid of the image; ``h * w == image_tokens``.
+        grid: (h, w) token grid of the image, ``h * w == image_tokens``; ``(frames, h, w)`` of a video (its product).
         guidance: (rows,) guidance scale for guidance-distilled models (FLUX.1-dev), else None.
         text_mask: (rows, text_tokens) bool, True for real tokens, for families trained with a text
             key-padding mask (PixArt); None means every token is real. Families trained on unmasked text
@@ -76,9 +79,9 @@ class DenoiseInputs:
 
     @property
     def image_tokens(self) -> int:
-        """Real image tokens per row (dim 1 of packed latents, references included; ``h * w`` of the grid for image
-        latents)."""
-        return self.latents.shape[1] if self.latents.ndim == 3 else self.grid[0] * self.grid[1]
+        """Real image tokens per row (dim 1 of packed latents, references included; the product of the grid for image
+        and video latents: ``h * w``, ``frames * h * w``)."""
+        return self.latents.shape[1] if self.latents.ndim == 3 else math.prod(self.grid)
 
     @property
     def text_tokens(self) -> int:

@@ -86,6 +86,9 @@ class DiTPipeline:
 
     def __init__(self, config: EngineConfig, model: Family, runner: BucketRunner | None = None,
                  prepare: bool = True):
+        from bcg_core.families.defaults import family_buckets
+
+        config = family_buckets(config, model.spec)  # a video family's own table where the config sets none
         self.config = config
         self.model = model
         self.lora = install_lora(config, model)
@@ -311,16 +314,36 @@ class DiTPipeline:
 
     def finish(self, state: RequestState) -> list[bytes]:
         """Image files of a finished request's ``n`` images (family decode, then Pillow's encoder for its
-        ``output_format``, :func:`~bcg_core.images.encode_image`); ``NonFiniteOutput`` for NaN or inf latents."""
+        ``output_format``, :func:`~bcg_core.images.encode_image`); ``NonFiniteOutput`` for NaN or inf latents.
+
+        Raises:
+            TypeError: a video model (its requests finish with :meth:`finish_videos`).
+        """
+        if self.model.spec.video:
+            raise TypeError(f"{self.model.spec.pipeline_class} generates videos: finish its requests with "
+                            f"finish_videos")
         images, r = self.model.decode(require_finite(state)), state.request
         return [encode_image(image, r.output_format, r.output_compression) for image in images]
+
+    def finish_videos(self, state: RequestState) -> list:
+        """A video model's finished request as its ``n`` videos, each a (num_frames, height, width, 3) uint8 numpy
+        array (the family's decode); ``NonFiniteOutput`` for NaN or inf latents.
+
+        Raises:
+            TypeError: an image model (its requests finish with :meth:`finish`).
+        """
+        if not self.model.spec.video:
+            raise TypeError(f"{self.model.spec.pipeline_class} generates images: finish its requests with finish")
+        return self.model.decode(require_finite(state))
 
     # -- one request, synchronously ------------------------------------------------------------------
 
     def generate(self, validated: ValidatedRequest, cancel: threading.Event | None = None) -> GenerationResult:
         """Denoise and decode one validated request on this thread, alone: start, one :meth:`step` per denoising
         step in the forwards :attr:`decider` decides (as the step scheduler runs a request that has its shape to
-        itself), finish. For tests and scripts; a replica serves through :class:`~bcg_core.scheduler.StepScheduler`.
+        itself), finish. A video model's result carries its videos (:attr:`GenerationResult.videos`: one
+        (num_frames, height, width, 3) uint8 array per video) and no image files. For tests and scripts; a replica
+        serves through :class:`~bcg_core.scheduler.StepScheduler`.
         The host does not wait for the device between steps (each step's time is two CUDA events, read once the
         loop has ended), so a launch-bound step's host work overlaps the step before it, as in the step scheduler.
 
@@ -379,12 +402,13 @@ class DiTPipeline:
         images = self.model.decode(require_finite(state))
         t3 = time.perf_counter()
         r = state.request
-        files = [encode_image(image, r.output_format, r.output_compression) for image in images]
+        video = self.model.spec.video  # a video's frames are the result as they are (encoding them is the caller's)
+        files = [] if video else [encode_image(image, r.output_format, r.output_compression) for image in images]
         t4 = time.perf_counter()
         ms = lambda a, b: round((b - a) * 1e3, 2)  # noqa: E731
         return build_result(validated, files, key, share, 1, self.metrics, {
             "encode": ms(t0, t1), "denoise": ms(t1, t2), "decode": ms(t2, t3), "image_encode": ms(t3, t4),
-            "total": ms(t0, t4)}, state=state)
+            "total": ms(t0, t4)}, state=state, videos=images if video else None)
 
     # -- the cost model's measurements ---------------------------------------------------------------
 
@@ -398,10 +422,10 @@ class DiTPipeline:
         case = BoundaryCase(key, rows, self._example_grid(key), key.text_tokens)
         return random_inputs(self.model.adapter, case, self.model.device, self.model.dtype, seed)
 
-    def _example_grid(self, key: BucketKey) -> tuple[int, int]:
-        """The token grid that fills ``key``'s tier (see :meth:`example_inputs`)."""
-        if key.latent_hw is not None:
-            return tuple(key.latent_hw)
+    def _example_grid(self, key: BucketKey) -> tuple[int, ...]:
+        """The token grid that fills ``key``'s tier (see :meth:`example_inputs`; ``(frames, h, w)`` for a video)."""
+        if key.grid is not None:
+            return tuple(key.grid)
         step = self.table.rules.pixels_per_token
         lim = self.config.limits
         sides = range(-(-lim.min_side_px // step), lim.max_side_px // step + 1)

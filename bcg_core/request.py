@@ -24,7 +24,7 @@ SEED_MAX = 2**63 - 1
 
 @dataclass
 class GenerationRequest:
-    """One text-to-image request.
+    """One text-to-image (or, for a video model, text-to-video) request.
 
     Attributes:
         prompt: the text.
@@ -64,6 +64,10 @@ class GenerationRequest:
         lora: LoRA adapters, ``((name, scale), ...)``: each a name in ``lora.dir`` and its weight (diffusers'
             ``set_adapters`` weight, ``|scale| <= lora.max_scale``), at most ``lora.max_per_request``, names
             unique (:mod:`bcg_core.lora`). Empty: the base model.
+        num_frames: frames of each video, for a video model (Wan) only: ``1 + k * frame_stride`` (1, 5, 9, ..., 81;
+            :attr:`~bcg_core.table.ShapeRules.frame_stride`, the VAE's temporal factor, 4 for Wan) up to
+            ``limits.max_frames``; None: the family's pipeline default (81 for ``WanPipeline``) on a video model. Set on
+            an image model it is refused. ``n`` is then the number of videos, each of ``num_frames`` frames.
         cache: the step cache it asks for (:mod:`bcg_core.step_cache`: a
             :class:`~bcg_core.step_cache.FirstBlockCache`, or :class:`~bcg_core.step_cache.NoCache` for none); None:
             the config's ``cache.default``, which the validator fills in (a validated request holds a spec, never None).
@@ -87,6 +91,7 @@ class GenerationRequest:
     mask: bytes | None = None
     strength: float | None = None
     cache: FirstBlockCache | NoCache | None = None
+    num_frames: int | None = None
 
     @property
     def images(self) -> tuple[bytes, ...]:
@@ -131,7 +136,8 @@ class ValidatedRequest:
         lookup: the bucket table's answer for its exact forward shape (``lookup.query``: rows, image and text
             tokens; ``lookup.key`` on a hit; ``lookup.missed`` on a miss).
         prompt_tokens: tokens of its prompt, counted as its family encodes it.
-        grid: its token grid ``(h, w)`` at its generation size (the aspect-ratio bin of binning families).
+        grid: its token grid ``(h, w)`` at its generation size (the aspect-ratio bin of binning families); for a
+            video, ``(latent frames, h, w)``.
         shape: the bucket shape whose buckets run its rows: the hit's, or, for a request with more rows than
             the largest batch bucket (a miss in the batch dimension only), its shape's, across whose batch
             buckets the step scheduler splits its rows (it routes to that shape's owners and is never refused
@@ -192,6 +198,10 @@ class GenerationResult:
             (:meth:`~bcg_core.step_cache.RequestCache.describe`: ``{"method": "first_block", "threshold": 0.12,
             "steps": {"cond": {"computed": 20, "reused": 8}}}``, per cache context the steps whose remaining blocks
             ran and those that reused their residual); None when it ran without one.
+        videos: for a video model's request, its ``n`` videos in order (video ``i`` from seed ``seed + i``), each a
+            (num_frames, height, width, 3) uint8 numpy array of RGB frames, as diffusers' ``output_type="pil"``
+            frames are (``VideoProcessor.postprocess_video``); :attr:`image_bytes` is then empty (encoding them, e.g.
+            to mp4, is the caller's). None for an image model's request.
     """
 
     image_bytes: list[bytes]
@@ -209,9 +219,11 @@ class GenerationResult:
     retries: int = 0
     image_format: str = "png"
     cache: dict | None = None
+    videos: list | None = None
 
     def to_dict(self) -> dict:
-        """A plain dict (image files kept as bytes; the bucket as its string)."""
+        """A plain dict (image files kept as bytes; the bucket as its string; video frames as copies of their
+        arrays)."""
         d = asdict(self)
         d["bucket"] = None if self.bucket is None else str(self.bucket)
         return d

@@ -17,7 +17,7 @@ __all__ = ["build_result"]
 
 def build_result(validated: ValidatedRequest, files: list[bytes], key: BucketKey | None, padded_tokens: int,
                  company: int, metrics: BucketMetrics, timings_ms: dict[str, float],
-                 state: RequestState | None = None) -> GenerationResult:
+                 state: RequestState | None = None, videos: list | None = None) -> GenerationResult:
     """The result of a finished request, recorded in ``metrics`` (:meth:`BucketMetrics.record_request`).
 
     Args:
@@ -31,6 +31,8 @@ def build_result(validated: ValidatedRequest, files: list[bytes], key: BucketKey
         timings_ms: milliseconds by phase; ``total`` is recorded as the request's latency.
         state: its finished state, whose step cache (:func:`~bcg_core.step_cache.request_cache`) the result reports
             as ``cache``; None: reported as none.
+        videos: a video model's videos (``files`` then empty), each a (num_frames, height, width, 3) uint8 array;
+            None for images.
 
     A request whose rows were split across its shape's buckets (a miss in the batch dimension only) is a hit of
     the bucket it was counted under; a miss in another dimension reports only those dimensions.
@@ -44,5 +46,5 @@ def build_result(validated: ValidatedRequest, files: list[bytes], key: BucketKey
         image_bytes=files, seed=r.seed, bucket=key, hit=key is not None, missed=[d.value for d in missed],
         real_tokens=validated.lookup.query.tokens, padded_tokens=padded_tokens, steps=validated.steps_run,
         timings_ms=timings_ms, batch_size=company, image_format=r.output_format,
-        cache=None if cache is None else cache.describe(),
+        cache=None if cache is None else cache.describe(), videos=videos,
     )

@@ -10,6 +10,7 @@ and why; :mod:`bcg_core.keys` defines the key.
 from __future__ import annotations
 
 import bisect
+import math
 from dataclasses import dataclass
 
 from bcg_core.config import BucketConfig, MissPolicy
@@ -28,11 +29,38 @@ class ShapeRules:
             image dimension never rounds up.
         native_text_tokens: fixed unmasked text length the model was trained with, or None when the
             model was trained with a text key-padding mask (then any text bucket list is valid).
+        frame_stride: for a video family (Wan), pixel frames per latent frame after the first (the VAE's temporal
+            compression, 4): a request's ``num_frames`` must be ``1 + k * frame_stride`` and it has
+            ``(num_frames - 1) / frame_stride + 1`` latent frames, each a grid of tokens; None for an image family.
     """
 
     pixels_per_token: int
     grid_keyed: bool
     native_text_tokens: int | None
+    frame_stride: int | None = None
+
+    @property
+    def video(self) -> bool:
+        """True for a video family (:attr:`frame_stride` set)."""
+        return self.frame_stride is not None
+
+    def latent_frames(self, num_frames: int) -> int:
+        """Latent frames of a video of ``num_frames`` frames: ``(num_frames - 1) // frame_stride + 1``.
+
+        Raises:
+            ValueError: an image family, or ``num_frames`` that is not ``1 + k * frame_stride`` (k >= 0), naming the
+                nearest allowed counts.
+        """
+        m = self.frame_stride
+        if m is None:
+            raise ValueError("num_frames: this model generates images, not videos")
+        if num_frames < 1 or (num_frames - 1) % m:
+            lo = max(1, num_frames - (num_frames - 1) % m)
+            hi = lo + m if num_frames > lo else lo
+            near = f"use {lo} or {hi}" if lo != hi else f"use {lo}"
+            first = ", ".join(str(1 + m * k) for k in range(3))
+            raise ValueError(f"num_frames {num_frames} is not 1 plus a multiple of {m} ({first}, ...); {near}")
+        return (num_frames - 1) // m + 1
 
     def grid(self, width_px: int, height_px: int) -> tuple[int, int]:
         """Token grid ``(h, w)`` of an image of ``width_px`` x ``height_px`` pixels."""
@@ -103,16 +131,23 @@ class BucketTable:
             )
         grids: list[tuple[int, int]] = []
         tier_texts: dict[object, set[int]] = {}
+        frames = self._latent_frames(config, rules)
         for s, (w, h) in zip(config.resolutions, config.resolution_pairs(), strict=True):
             rules.check_size(w, h, where="buckets.resolutions:")
             g = rules.grid(w, h)
             grids.append(g)
-            tier_texts.setdefault(g if rules.grid_keyed else g[0] * g[1], set()).update(config.texts_of(s))
+            for tier in ([(f, *g) for f in frames] if frames else [g] if rules.grid_keyed else [g[0] * g[1]]):
+                tier_texts.setdefault(tier, set()).update(config.texts_of(s))
         self._tier_texts: dict[object, tuple[int, ...]] = {k: tuple(sorted(v)) for k, v in tier_texts.items()}
         self._tier_text_up = {k: self._round_up_array(v) for k, v in self._tier_texts.items()}
+        self.frames: tuple[int, ...] = tuple(frames)
+        """Latent frames of the video tiers (``buckets.frames`` through :meth:`ShapeRules.latent_frames`); ``()`` for
+        an image family."""
         if rules.grid_keyed:
-            self.grids: tuple[tuple[int, int], ...] = tuple(sorted(set(grids)))
-            self.image_tiers: tuple[int, ...] = tuple(sorted({h * w for h, w in self.grids}))
+            self.grids: tuple[tuple[int, ...], ...] = tuple(sorted(
+                {(f, *g) for f in frames for g in grids} if frames else set(grids)))
+            """The token grids of the tiers: ``(h, w)``, or ``(frames, h, w)`` for a video family."""
+            self.image_tiers: tuple[int, ...] = tuple(sorted({math.prod(g) for g in self.grids}))
         else:
             self.grids = ()
             by_tokens: dict[int, list[str]] = {}
@@ -136,6 +171,32 @@ class BucketTable:
         self._keys = self._all_keys()
 
     @staticmethod
+    def _latent_frames(config: BucketConfig, rules: ShapeRules) -> list[int]:
+        """Latent frames of ``buckets.frames`` (video families), ascending; ``[]`` for an image family.
+
+        Raises:
+            ValueError: frames set for an image family, none for a video family, or a count the family cannot
+                generate (naming the allowed counts).
+        """
+        if not rules.video:
+            if config.frames:
+                raise ValueError(f"buckets.frames: {config.frames}: this model generates images, not videos; leave "
+                                 f"frames empty")
+            return []
+        if not rules.grid_keyed:
+            raise ValueError("a video family's shape rules must be grid-keyed (its RoPE spans frames x h x w)")
+        if not config.frames:
+            raise ValueError("buckets.frames is empty: this model generates videos, and its buckets hold one frame "
+                             "count each; list the num_frames to serve, e.g. frames: [81]")
+        out = []
+        for n in config.frames:
+            try:
+                out.append(rules.latent_frames(n))
+            except ValueError as e:
+                raise ValueError(f"buckets.frames: {e}") from None
+        return sorted(set(out))
+
+    @staticmethod
     def _round_up_array(values: tuple[int, ...]) -> tuple[int, ...]:
         """``arr[v]`` = smallest bucket value >= v, for v in 0..max(values)."""
         return tuple(values[bisect.bisect_left(values, v)] for v in range(values[-1] + 1))
@@ -147,7 +208,7 @@ class BucketTable:
 
     def _all_keys(self) -> tuple[BucketKey, ...]:
         if self.rules.grid_keyed:
-            images = [(h * w, (h, w), False) for h, w in self.grids]
+            images = [(math.prod(g), g, False) for g in self.grids]
         else:
             images = [(t, None, False) for t in self.image_tiers]
             if self.pad_images:
@@ -155,16 +216,19 @@ class BucketTable:
                 images += [(t, None, True) for t, prev in zip(self.image_tiers, below, strict=True)
                            if max(prev + 1, self.min_image_tokens) < t]
         return tuple(sorted(
-            BucketKey(b, t, s, hw, m) for b in self.batch_sizes for t, hw, m in images
-            for s in self._tier_texts[hw if hw is not None else t]
+            BucketKey(b, t, s, None if g is None else g[-2:], m, g[0] if g is not None and len(g) == 3 else None)
+            for b in self.batch_sizes for t, g, m in images
+            for s in self._tier_texts[g if g is not None else t]
         ))
 
-    def texts_for(self, image_tokens: int, latent_hw: tuple[int, int] | None = None) -> tuple[int, ...]:
-        """Text buckets of the tier that serves ``image_tokens`` (or the grid ``latent_hw`` of a grid-keyed family),
-        ascending: its ``text_lengths_by_resolution`` entry, else ``text_lengths``; every text bucket of the table
-        when no tier holds the image."""
+    def texts_for(self, image_tokens: int, latent_hw: tuple[int, int] | None = None,
+                  frames: int | None = None) -> tuple[int, ...]:
+        """Text buckets of the tier that serves ``image_tokens`` (or the grid ``latent_hw`` of a grid-keyed family,
+        with its latent ``frames`` for a video family), ascending: its ``text_lengths_by_resolution`` entry, else
+        ``text_lengths``; every text bucket of the table when no tier holds the image."""
         if self.rules.grid_keyed:
-            return self._tier_texts.get(latent_hw, self.text_lengths)
+            tier = latent_hw if frames is None or latent_hw is None else (frames, *latent_hw)
+            return self._tier_texts.get(tier, self.text_lengths)
         if image_tokens not in self._tier_set and self.pad_images and 0 < image_tokens < len(self._image_up):
             image_tokens = self._image_up[image_tokens]
         return self._tier_texts.get(image_tokens, self.text_lengths)
@@ -180,13 +244,13 @@ class BucketTable:
 
         Returns:
             A hit with the key, or a miss listing every dimension that exceeds the largest bucket (or, for
-            grid-keyed families, whose grid is not a tier).
+            grid-keyed families, whose grid, with its frames for a video family, is not a tier).
         """
         image_missed: list[Dim] = []
         hw, masked = None, False
         t = query.image_tokens
         if self.rules.grid_keyed:
-            hw = query.latent_hw
+            hw = query.grid
             if hw not in self._grid_set:
                 image_missed.append(Dim.IMAGE)
         elif t not in self._tier_set:
@@ -202,7 +266,7 @@ class BucketTable:
         missed += image_missed
         if missed:
             return BucketLookup(query, None, tuple(missed))
-        return BucketLookup(query, BucketKey(b, t, s, hw, masked))
+        return BucketLookup(query, BucketKey(b, t, s, None if hw is None else hw[-2:], masked, query.frames))
 
     def split_home(self, lookup: BucketLookup) -> BucketKey | None:
         """For a lookup that missed only in the batch dimension (more rows than the largest batch bucket): the
@@ -211,7 +275,7 @@ class BucketTable:
         if lookup.hit or set(lookup.missed) != {Dim.BATCH}:
             return None
         q = lookup.query
-        return self.lookup(ShapeQuery(self.batch_sizes[-1], q.image_tokens, q.text_tokens, q.latent_hw)).key
+        return self.lookup(ShapeQuery(self.batch_sizes[-1], q.image_tokens, q.text_tokens, q.latent_hw, q.frames)).key
 
     @staticmethod
     def _up(arr: tuple[int, ...], v: int, dim: Dim, missed: list[Dim]) -> int:
@@ -226,6 +290,7 @@ class BucketTable:
             "batch_sizes": list(self.batch_sizes),
             "image_tokens": list(self.image_tiers),
             "grids": [list(g) for g in self.grids] or None,
+            "frames": list(self.config.frames) or None,
             "text_tokens": list(self.text_lengths),
             "text_tokens_by_resolution": {k: list(v) for k, v in self.config.text_lengths_by_resolution.items()}
             or None,

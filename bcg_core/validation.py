@@ -55,6 +55,9 @@ class RequestValidator:
     def __init__(self, config: EngineConfig, spec: ModelSpec | ShapeRules, count_tokens: Callable[[str], int]):
         if isinstance(spec, ShapeRules):
             spec = ModelSpec("model", "generic", "", spec)
+        from bcg_core.families.defaults import family_buckets
+
+        config = family_buckets(config, spec)  # a video family's own table where the config sets none
         self.config = config
         self.spec = spec
         self.limits = config.limits
@@ -152,6 +155,7 @@ class RequestValidator:
             raise bad("prompt", f"{len(r.prompt)} characters", "too long")
         if not _is_int(r.n) or not 1 <= r.n <= lim.max_images:
             raise bad("n", r.n, "out of range")
+        frames = self._frames(r)  # a video's latent frames (the transformer's), 1 for an image
         edit = self._edit_defaults(r)  # the edit pipeline's defaults; None for text to image
         if edit is not None and (r.width is None or r.height is None):  # an edit's size: its image's
             w, h = edit["image_size"]
@@ -185,12 +189,14 @@ class RequestValidator:
         refs = edit["references"] if edit is not None else ()
         px = self.rules.pixels_per_token
         ref_px = sum(h * w for h, w in refs) * px * px  # a reference edit's images go through every step too
-        work = (r.width * r.height + ref_px) * r.n * runs / 1e6
+        work = (r.width * r.height + ref_px) * r.n * frames * runs / 1e6
         if lim.max_megapixel_steps is not None and work > lim.max_megapixel_steps:
             field = "n" if r.n > 1 else "num_inference_steps" if steps > 1 else "size"
             ran = f"{runs} steps (its strength's share of {steps})" if runs != steps else f"{steps} steps"
             also = f" (plus its reference images' {ref_px} pixels)" if refs else ""
-            raise RequestError(field, f"the request asks for {r.width}x{r.height}{also} x {r.n} images x {ran} = "
+            also += f" x {frames} latent frames" if self.spec.video else ""
+            kind = "videos" if self.spec.video else "images"
+            raise RequestError(field, f"the request asks for {r.width}x{r.height}{also} x {r.n} {kind} x {ran} = "
                                       f"{work:.0f} megapixel-steps, above limits.max_megapixel_steps "
                                       f"{lim.max_megapixel_steps:g}; lower n, num_inference_steps or size")
         g = (self.default_guidance_scale if edit is None else edit["guidance"]) if r.guidance_scale is None \
@@ -214,7 +220,9 @@ class RequestValidator:
         cache = self.default_cache if r.cache is None else check_cache(r.cache, self.spec)
         filled = replace(r, lora=lora, cache=cache, strength=strength, num_inference_steps=steps,
                          guidance_scale=None if g is None else float(g), negative_prompt=neg, seed=seed,
-                         true_cfg_scale=None if tcfg is None else float(tcfg), quality=quality)
+                         true_cfg_scale=None if tcfg is None else float(tcfg), quality=quality,
+                         num_frames=r.num_frames if r.num_frames is not None or not self.spec.video
+                         else self.spec.default_frames)
         self.spec.check(filled)
         if self.spec.size_bins:
             gen_w, gen_h = self.spec.generation_size(r.width, r.height)
@@ -235,8 +243,32 @@ class RequestValidator:
         home = lookup.key if lookup.hit else self.table.split_home(lookup)
         if home is None and self.table.miss_policy is MissPolicy.REJECT:
             raise self._miss_error(filled, lookup, refs)
-        grid = self.rules.grid(*self.spec.generation_size(filled.width, filled.height))
+        grid = lookup.query.grid or self.rules.grid(*self.spec.generation_size(filled.width, filled.height))
         return ValidatedRequest(filled, lookup, tokens, grid, None if home is None else home.shape, refs)
+
+    def _frames(self, r: GenerationRequest) -> int:
+        """A video request's latent frames (its ``num_frames``, or the family's default, through
+        :meth:`~bcg_core.table.ShapeRules.latent_frames`); 1 for an image model's request.
+
+        Raises:
+            RequestError: ``num_frames`` on an image model, out of 1..``limits.max_frames`` or not ``1 + k x
+                frame_stride``; ``partial_images`` on a video model (no previews of videos).
+        """
+        if not self.spec.video:
+            if r.num_frames is not None:
+                raise RequestError("num_frames", f"invalid 'num_frames' (got {r.num_frames!r}): "
+                                                 f"{self.spec.pipeline_class} (family {self.spec.family}) generates "
+                                                 f"images, not videos; leave num_frames unset")
+            return 1
+        if r.partial_images:
+            raise self._bad("partial_images", r.partial_images, "previews are not served for videos; send 0")
+        nf = self.spec.default_frames if r.num_frames is None else r.num_frames
+        if not _is_int(nf) or not 1 <= nf <= self.limits.max_frames:
+            raise self._bad("num_frames", nf, "out of range")
+        try:
+            return self.rules.latent_frames(nf)
+        except ValueError as e:
+            raise self._bad("num_frames", nf, str(e).removeprefix(f"num_frames {nf} ")) from None
 
     def _bad(self, name: str, got: object, reason: str) -> RequestError:
         """The error of a refused field, in the one wording of limit messages (:func:`invalid`,
@@ -244,7 +276,7 @@ class RequestValidator:
         multiple = None if self.spec.size_bins else self.spec.size_step
         return RequestError(name, invalid(name, got, reason, engine_field_phrase(
             name, self.limits, multiple, tuple(self.config.buckets.resolutions), self.config.lora,
-            self.spec.cache_methods, self.spec.guidance_role())))
+            self.spec.cache_methods, self.spec.guidance_role(), self.rules.frame_stride)))
 
     def _edit_defaults(self, r: GenerationRequest) -> dict | None:
         """For an edit (``image`` set): its image read and checked (:mod:`bcg_core.edits`) and the defaults of the
@@ -396,8 +428,9 @@ class RequestValidator:
         grid = self.rules.grid(*self.spec.generation_size(request.width, request.height))
         native = self.rules.native_text_tokens
         text = native if native is not None else max(prompt_tokens, negative_tokens)
-        image = grid[0] * grid[1] + sum(h * w for h, w in references)
-        return ShapeQuery(self.rows(request), image, text, grid if self.rules.grid_keyed else None)
+        frames = self.rules.latent_frames(request.num_frames) if self.spec.video else None
+        image = grid[0] * grid[1] * (frames or 1) + sum(h * w for h, w in references)
+        return ShapeQuery(self.rows(request), image, text, grid if self.rules.grid_keyed else None, frames)
 
     def _miss_error(self, request: GenerationRequest, lookup: BucketLookup,
                     references: tuple[tuple[int, int], ...] = ()) -> BucketMissError:
@@ -407,7 +440,13 @@ class RequestValidator:
         parts: list[tuple[str, str]] = []
         missed = tuple(d for d in lookup.missed if d is not Dim.BATCH)
         for dim in missed:
-            if dim is Dim.IMAGE:
+            if dim is Dim.IMAGE and self.spec.video:
+                q = lookup.query
+                parts.append(("size", f"size {request.width}x{request.height} at {request.num_frames} frames "
+                                      f"({q.frames} latent frames) fits no video bucket; served tiers: "
+                                      f"{', '.join(t.config.resolutions)} at num_frames {t.config.frames} (exactly "
+                                      f"these sizes and frame counts)"))
+            elif dim is Dim.IMAGE:
                 if t.pad_images:
                     rule = "any size with at most as many pixels as a tier"
                 elif self.rules.grid_keyed:
@@ -421,7 +460,7 @@ class RequestValidator:
                                       f"served tiers: {', '.join(t.config.resolutions)} ({rule})"))
             else:
                 q = lookup.query
-                texts = t.texts_for(q.image_tokens, q.latent_hw)
+                texts = t.texts_for(q.image_tokens, q.latent_hw, q.frames)
                 where = "" if texts == t.text_lengths else f" of its resolution tier ({list(texts)})"
                 parts.append(("prompt", f"prompt needs {q.text_tokens} text tokens, above the largest "
                                         f"text bucket{where} {texts[-1]} (buckets.miss_policy is reject; under "

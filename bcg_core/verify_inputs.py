@@ -15,6 +15,7 @@ and seeded random transformer inputs of a shape.
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass
 
 import torch
@@ -29,11 +30,12 @@ __all__ = ["BoundaryCase", "boundary_cases", "bucket_inputs", "random_inputs", "
 
 @dataclass(frozen=True)
 class BoundaryCase:
-    """One request shape to check: ``rows`` transformer rows of an image with token grid ``grid``."""
+    """One request shape to check: ``rows`` transformer rows of an image with token grid ``grid`` (a video's:
+    ``(frames, h, w)``)."""
 
     key: BucketKey
     rows: int
-    grid: tuple[int, int]
+    grid: tuple[int, ...]
     text_tokens: int
 
 
@@ -56,7 +58,7 @@ def boundary_cases(table: BucketTable, limits: LimitsConfig) -> list[BoundaryCas
         prev_b = max([b for b in table.batch_sizes if b < key.batch], default=0)
         rows = sorted({key.batch, key.batch - 1, prev_b + 1} - {0})
         if table.rules.grid_keyed:
-            image = [key.latent_hw]
+            image = [key.grid]  # (h, w), or a video's (frames, h, w)
         else:
             prev_t = max([t for t in table.image_tiers if t < key.image_tokens], default=0)
             mapped = [g for g in grids if prev_t < g[0] * g[1] <= key.image_tokens]
@@ -67,11 +69,13 @@ def boundary_cases(table: BucketTable, limits: LimitsConfig) -> list[BoundaryCas
             below = [max(under, key=lambda g: g[0] * g[1])] if under else []
             smallest = [min(mapped, key=lambda g: g[0] * g[1])]
             image = sorted({*exact, *below, *smallest})
-        prev_s = max([s for s in table.texts_for(key.image_tokens, key.latent_hw) if s < key.text_tokens], default=0)
+        prev_s = max([s for s in table.texts_for(key.image_tokens, key.latent_hw, key.frames) if s < key.text_tokens],
+                     default=0)
         texts = sorted({key.text_tokens} if table.rules.native_text_tokens else
                        {key.text_tokens, key.text_tokens - 1, prev_s + 1} - {0})
         for r, g, s in itertools.product(rows, image, texts):
-            lk = table.lookup(ShapeQuery(r, g[0] * g[1], s, g if table.rules.grid_keyed else None))
+            frames = g[0] if len(g) == 3 else None
+            lk = table.lookup(ShapeQuery(r, math.prod(g), s, g[-2:] if table.rules.grid_keyed else None, frames))
             if lk.key is not None:
                 out[(r, g, s)] = BoundaryCase(lk.key, r, g, s)
     return sorted(out.values(), key=lambda c: (c.key, c.rows, c.grid, c.text_tokens))
@@ -109,10 +113,10 @@ def bucket_inputs(adapter: DiTAdapter, key: BucketKey, device, dtype, seed: int 
                   text_pad: int = 0) -> DenoiseInputs:
     """Seeded random inputs (:func:`random_inputs`) that fill bucket ``key``: all its rows and text tokens (but the
     last ``text_pad``, left to the bucket's text padding), and its image tokens as a near-square grid
-    (``key.latent_hw`` for grid-keyed families); a masked bucket gets one grid column fewer, so that its padding
-    mask is exercised."""
-    if key.latent_hw is not None:
-        grid = key.latent_hw
+    (``key.grid`` for grid-keyed families: a video's ``(frames, h, w)``); a masked bucket gets one grid column fewer,
+    so that its padding mask is exercised."""
+    if key.grid is not None:
+        grid = key.grid
     else:
         h, w = square_grid(key.image_tokens)
         grid = (h, w - 1) if key.image_mask and w > 1 else (h, w)

@@ -28,6 +28,7 @@ PIPELINE_CLASSES: dict[str, tuple[str, str]] = {
     "Flux2KleinPipeline": ("flux2", "Flux2Family"),
     "ZImagePipeline": ("zimage", "ZImageFamily"),
     "QwenImage21Pipeline": ("qwenimage21", "QwenImage21Family"),
+    "WanPipeline": ("wan", "WanFamily"),
 }
 """``model_index.json`` ``_class_name`` -> (module of this package, class implementing :class:`Family`)."""
 

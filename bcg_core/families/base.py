@@ -61,13 +61,14 @@ QUALITY_STEPS: dict[str, tuple[int, int, int]] = {
     "flux2-distilled": (2, 4, 8),
     "zimage": (20, 30, 50),
     "qwenimage21": (20, 30, 40),
+    "wan": (20, 30, 50),
 }
 """Steps of ``quality`` low / medium / high per family. ``medium``: the diffusers pipeline's default
 ``num_inference_steps`` (FluxPipeline and StableDiffusion3Pipeline 28, PixArtSigmaPipeline and SanaPipeline 20);
-FLUX.1-schnell is distilled for 1-4 steps; QwenImagePipeline's, both FLUX.2 pipelines' and ZImagePipeline's
-default, 50, is their ``high``, and QwenImage21Pipeline's 40 its; distilled FLUX.2 [klein] checkpoints are published
-for 4 steps; the tiny default (random weights) takes few steps so a CPU serves it quickly. docs/API.md's quality
-table repeats them (``tests/unit/test_api_tables.py`` checks it)."""
+FLUX.1-schnell is distilled for 1-4 steps; QwenImagePipeline's, both FLUX.2 pipelines', ZImagePipeline's and
+WanPipeline's default, 50, is their ``high``, and QwenImage21Pipeline's 40 its; distilled FLUX.2 [klein] checkpoints
+are published for 4 steps; the tiny default (random weights) takes few steps so a CPU serves it quickly. docs/API.md's
+quality table repeats them (``tests/unit/test_api_tables.py`` checks it)."""
 
 
 @dataclass(frozen=True)
@@ -134,6 +135,12 @@ class ModelSpec:
         cache_methods: the step-cache methods its transformer takes (:data:`bcg_core.step_cache.METHODS`, e.g.
             ``("first_block",)``), where the family is a :class:`~bcg_core.capabilities.StepCache`; empty: a request
             with a ``cache`` is refused.
+        default_frames: a video family's ``num_frames`` of a request that omits it (the pipeline's ``__call__``
+            default: 81 for ``WanPipeline``); None for an image family (``rules.frame_stride`` None).
+        default_buckets: the ``buckets`` section a config that sets none gets for this model (a video family's: one
+            exact tier at its default size and frames, since the image defaults would capture graphs of videos at
+            five image sizes), as :class:`~bcg_core.config.BucketConfig` fields; None: the config's own defaults
+            (:func:`~bcg_core.families.defaults.family_buckets`).
     """
 
     name: str
@@ -157,6 +164,31 @@ class ModelSpec:
     cache_methods: tuple[str, ...] = ()
     size_multiple: int | None = None
     output_alpha: bool = False
+    default_frames: int | None = None
+    default_buckets: dict | None = None
+
+    @property
+    def video(self) -> bool:
+        """True for a video family: its requests carry ``num_frames`` and its results videos
+        (:attr:`~bcg_core.request.GenerationResult.videos`), never image files."""
+        return self.rules.video
+
+    def check_output(self, video: bool) -> None:
+        """Refuse a request for the other kind of output: ``video`` True (a caller asking for videos, e.g. the videos
+        API) on an image model, or False (the images API) on a video model.
+
+        Raises:
+            RequestError: field ``model``, naming what the model generates and where to ask for it.
+        """
+        from bcg_core.errors import RequestError
+
+        if video and not self.video:
+            raise RequestError("model", f"model {self.name!r} ({self.pipeline_class}) generates images, not videos; "
+                                        f"ask for images (POST /v1/images/generations), or serve a video model "
+                                        f"(WanPipeline) for videos")
+        if not video and self.video:
+            raise RequestError("model", f"model {self.name!r} ({self.pipeline_class}) generates videos, not images; "
+                                        f"ask for videos (POST /v1/videos)")
 
     @property
     def size_step(self) -> int:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 
-__all__ = ["edit_defaults", "pipeline_defaults"]
+__all__ = ["edit_defaults", "family_buckets", "pipeline_defaults"]
 
 
 @functools.cache
@@ -29,7 +29,8 @@ def pipeline_defaults(pipeline_class: str) -> dict[str, float | int | None]:
         PixArtSigmaPipeline and SanaPipeline 20, 4.5; QwenImagePipeline 50, None, true CFG 4.0. Also
         ``"default_size": (width, height)`` where the signature gives both as integers (SanaPipeline: 1024x1024;
         the other pipelines compute theirs from the checkpoint, see :attr:`ModelSpec.default_size`), and
-        ``"default_strength"`` where it has a ``strength`` (the edit pipelines: 0.6).
+        ``"default_strength"`` where it has a ``strength`` (the edit pipelines: 0.6), and ``"default_frames"`` where
+        it has an integer ``num_frames`` (video pipelines: ``WanPipeline`` 81; with ``default_size`` 832x480).
 
     Raises:
         ValueError: diffusers has no such pipeline, or its ``__call__`` has no ``num_inference_steps`` default.
@@ -60,6 +61,9 @@ def pipeline_defaults(pipeline_class: str) -> dict[str, float | int | None]:
     width, height = default("width"), default("height")
     if isinstance(width, int) and isinstance(height, int):  # SanaPipeline: 1024x1024; the others compute theirs
         out["default_size"] = (width, height)
+    frames = default("num_frames")
+    if isinstance(frames, int):  # video pipelines (WanPipeline: 81)
+        out["default_frames"] = frames
     return out
 
 
@@ -86,3 +90,20 @@ def edit_defaults(spec, limits, inpaint: bool) -> dict[str, float | int | None]:
     guidance = limits.default_guidance_scale if limits.default_guidance_scale is not None \
         else d["default_guidance_scale"]
     return {"steps": steps, "guidance": guidance, "strength": d.get("default_strength", 0.6)}
+
+
+def family_buckets(config, spec):
+    """``config`` (an :class:`~bcg_core.config.EngineConfig`, or a serving config that extends it) with the family's
+    default table (:attr:`~bcg_core.families.ModelSpec.default_buckets`) where the config sets no ``buckets`` section
+    and the family has one (a video family: Wan's 832x480 at 81 frames); else ``config`` itself. The validator and
+    the pipeline both build their table from what this returns, so the ingress and the replica agree.
+
+    Raises:
+        pydantic.ValidationError: the family's default table does not fit the config (e.g. its size outside
+            ``limits``), naming the field.
+    """
+    if spec.default_buckets is None or "buckets" in config.model_fields_set:
+        return config
+    from bcg_core.config import BucketConfig
+
+    return config.model_copy(update={"buckets": BucketConfig(**spec.default_buckets)})

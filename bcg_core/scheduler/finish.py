@@ -131,7 +131,10 @@ class Finisher:
             item.decoded = now
             if ok:
                 self._release(item)
-                self._encode(item, imgs)
+                if self._pipeline.model.spec.video:  # a video's frames are its result: nothing to encode here
+                    self._finish(item, [], now, videos=imgs)
+                else:
+                    self._encode(item, imgs)
             else:  # its images are dropped; the VAE decodes each image alone, so its company's are unaffected
                 self._non_finite(item)
 
@@ -185,9 +188,9 @@ class Finisher:
         for i, image in enumerate(images):
             self._pool.submit(one, i, image)
 
-    def _finish(self, item: InFlight, files: list, encode_t0: float) -> None:
-        """The last image of ``item`` is encoded: build its result (:func:`~bcg_core.results.build_result`) and hand
-        it over."""
+    def _finish(self, item: InFlight, files: list, encode_t0: float, videos: list | None = None) -> None:
+        """The last image of ``item`` is encoded (or, for a video model, its ``videos`` decoded): build its result
+        (:func:`~bcg_core.results.build_result`) and hand it over."""
         failed = next((p for p in files if isinstance(p, BaseException)), None)
         if failed is not None:
             self._fail(item, failed, failed=True)
@@ -204,4 +207,4 @@ class Finisher:
             "image_encode": ms(encode_t0, t_end), "total": ms(item.submitted, t_end),
             **({"lora_load": round(item.lease.waited_s * 1e3, 2)} if item.lease is not None else {}),
             **({"edit_encode": round(item.edit_encode_s * 1e3, 2)} if item.edit_encode_s is not None else {})},
-            state=item.state))
+            state=item.state, videos=videos))

@@ -14,6 +14,8 @@ eager buffers on a CPU), exactly as a replica does, then:
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from bcg_core.keys import BucketKey
@@ -54,7 +56,7 @@ def verify_case_tokens(case: BoundaryCase) -> int:
     """Tokens one ``bcg verify`` case computes: its bucket's padded forward (:attr:`BucketKey.tokens`) plus the
     unpadded eager forward of its rows (``rows x (image + text tokens)``). ``bcg verify`` weighs its progress and
     time estimate by this count, as the token-count cost model does (a forward's time grows with its tokens)."""
-    return case.key.tokens + case.rows * (case.grid[0] * case.grid[1] + case.text_tokens)
+    return case.key.tokens + case.rows * (math.prod(case.grid) + case.text_tokens)
 
 
 def verify_estimate(small: tuple[int, float], large: tuple[int, float], tokens: list[int]) -> tuple[float, str]:
@@ -329,7 +331,7 @@ def run_profile(config: ServeConfig, buckets: list[str] | None = None, iters: in
     for key in _select(pipe.table.keys, buckets):
         if key.image_mask:
             continue  # a masked bucket's exact fit is its unmasked twin
-        grid = key.latent_hw or square_grid(key.image_tokens)
+        grid = key.grid or square_grid(key.image_tokens)
         rows.append(profile_case(model.adapter, pipe.runner, BoundaryCase(key, key.batch, grid, key.text_tokens),
                                  model.device, model.dtype, iters))
     table = Table(title=f"bcg profile: {model.model_name} on {torch.cuda.get_device_name()}")

@@ -14,12 +14,12 @@ import pytest
 import torch
 
 from bcg_core.models import CheckpointError, transformer_width
-from tiny import flux, flux2, pixart, qwenimage, qwenimage21, sana, sd3, zimage
+from tiny import flux, flux2, pixart, qwenimage, qwenimage21, sana, sd3, wan, zimage
 
 BUILDERS = {
     "flux": flux.build, "sd3": sd3.build, "pixart": pixart.build, "sana": sana.build, "qwenimage": qwenimage.build,
     "flux2-dev": flux2.build, "flux2-klein": lambda d: flux2.build(d, "klein"), "zimage": zimage.build,
-    "qwenimage21": qwenimage21.build,
+    "qwenimage21": qwenimage21.build, "wan": wan.build,
 }
 
 

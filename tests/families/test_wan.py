@@ -1,0 +1,188 @@
+"""Wan reference gate: bcg-serve gives what diffusers' ``WanPipeline`` gives from the same folder, request and seed.
+
+Tiny random-weight Wan 2.1 checkpoint in the real layout (``tests/tiny/wan.py``: UMT5 encoder,
+``WanTransformer3DModel``, ``AutoencoderKLWan``, UniPC with Wan's flow shift). Final latents (``output_type="latent"``)
+within 1e-5 relative, fp32: a video alone at an exact bucket (bit-identical, and its frames equal diffusers' own
+``output_type="pil"`` frames), and a video with CFG and a negative prompt sharing each step's forward with another
+request of another prompt and seed that joined a step later, in one bucket with a pad row (its decoded frames equal
+diffusers' decode of those latents). Also: the padded bucket forward against the unpadded one at every boundary, the
+prompt limit, a Wan 2.2 checkpoint refused, and the engine's CPU entry (``DiTPipeline.generate``) returning frames.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+from diffusers import WanPipeline
+
+from bcg_core import BucketConfig, BucketMetrics, BucketTable, EagerBucketRunner, GenerationRequest, LimitsConfig
+from bcg_core.errors import RequestError
+from bcg_core.families import family_class
+from bcg_core.families.wan import WanAdapter, WanFamily
+from bcg_core.verify import verify_runner
+from bcg_core.verify_inputs import boundary_cases
+from closeness import RTOL
+from reference_gate import bcg_pipeline, bcg_state
+from tiny.wan import build
+
+BUCKETS = dict(batch_sizes=[1, 2, 4], resolutions=["48x32"], text_lengths=[512], frames=[5])
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return build(tmp_path_factory.mktemp("wan"))
+
+
+@pytest.fixture(scope="module")
+def pipe(folder):
+    return bcg_pipeline(folder, BUCKETS)
+
+
+@pytest.fixture(scope="module")
+def ref(folder):
+    p = WanPipeline.from_pretrained(str(folder), torch_dtype=torch.float32, local_files_only=True)
+    p.set_progress_bar_config(disable=True)
+    return p
+
+
+def _req(**kw) -> GenerationRequest:
+    base = dict(prompt="a photo of a cat", n=1, width=48, height=32, num_frames=5, num_inference_steps=3, seed=11)
+    return GenerationRequest(**{**base, **kw})
+
+
+def _call(ref, r: GenerationRequest, output_type: str):
+    """``WanPipeline`` itself on ``r`` (one CPU generator per video, seeded ``seed + i``)."""
+    gens = [torch.Generator("cpu").manual_seed(r.seed + i) for i in range(r.n)]
+    kw = {} if r.negative_prompt is None else {"negative_prompt": r.negative_prompt}
+    with torch.inference_mode():
+        return ref(prompt=r.prompt, height=r.height, width=r.width, num_frames=r.num_frames, num_videos_per_prompt=r.n,
+                   num_inference_steps=r.num_inference_steps, guidance_scale=r.guidance_scale, generator=gens,
+                   output_type=output_type, **kw).frames
+
+
+def _pil_frames(videos) -> list[np.ndarray]:
+    """diffusers' ``output_type="pil"`` videos (lists of PIL frames) as (frames, H, W, 3) uint8 arrays."""
+    return [np.stack([np.asarray(f) for f in video]) for video in videos]
+
+
+def _decode_as_diffusers(ref, latents: torch.Tensor) -> list[np.ndarray]:
+    """``WanPipeline.__call__``'s decode of ``latents`` (P:626-640), to PIL frames."""
+    vae = ref.vae
+    mean = torch.tensor(vae.config.latents_mean).view(1, vae.config.z_dim, 1, 1, 1)
+    std = 1.0 / torch.tensor(vae.config.latents_std).view(1, vae.config.z_dim, 1, 1, 1)
+    with torch.inference_mode():
+        video = vae.decode(latents / std + mean, return_dict=False)[0]
+    return _pil_frames(ref.video_processor.postprocess_video(video, output_type="pil"))
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+def test_the_checkpoint_loads_as_the_wan_family_with_the_pipelines_defaults(pipe):
+    fam, spec = pipe.model, pipe.model.spec
+    assert family_class(spec.pipeline_class) is WanFamily and isinstance(fam.adapter, WanAdapter)
+    assert (spec.default_steps, spec.default_guidance_scale, spec.default_size, spec.default_frames) == (
+        50, 5.0, (832, 480), 81)
+    assert spec.video and spec.rules.frame_stride == 4 and spec.rules.native_text_tokens == 512
+    assert spec.rules.pixels_per_token == 16 and spec.max_prompt_tokens == 512
+    assert spec.default_buckets == dict(batch_sizes=[1, 2], resolutions=["832x480"], text_lengths=[512], frames=[81])
+    v = pipe.validator.validate(_req(num_frames=None, guidance_scale=None))
+    assert (v.request.num_frames, v.request.guidance_scale, v.rows) == (81, 5.0, 2)  # CFG above 1: two rows
+    assert v.grid == (21, 2, 3) and not v.lookup.hit  # 81 frames are no tier of this table
+
+
+def test_a_video_alone_at_an_exact_bucket_equals_diffusers_bit_for_bit(pipe, ref):
+    r = pipe.validator.validate(_req(guidance_scale=1.0)).request  # no CFG: one row, bucket b1
+    v = pipe.validator.validate(r)
+    assert str(v.key) == "b1_i12_t512_g2x2x3" and v.grid == (2, 2, 3)
+    state = bcg_state(pipe, r)
+    theirs = _call(ref, r, "latent")
+    assert theirs.shape == (1, 16, 2, 4, 6) and torch.equal(state.latents, theirs)
+    ours = pipe.finish_videos(state)
+    want = _pil_frames(_call(ref, r, "pil"))
+    assert len(ours) == 1 and ours[0].shape == (5, 32, 48, 3) and ours[0].dtype == np.uint8
+    assert np.array_equal(ours[0], want[0])
+
+
+def test_cfg_with_a_negative_prompt_beside_another_request_in_a_padded_bucket_equals_diffusers(pipe, ref):
+    a = pipe.validator.validate(_req(guidance_scale=4.0, negative_prompt="blurry, low quality", seed=5,
+                                     num_inference_steps=2)).request
+    b = pipe.validator.validate(_req(prompt="a watercolor painting of a lighthouse at dusk", guidance_scale=1.0,
+                                     seed=40)).request
+    va, vb = pipe.validator.validate(a), pipe.validator.validate(b)
+    sb = pipe.start(vb)
+    pipe.step([sb], pipe.decider.for_states([sb]))  # b runs one step alone, then a joins it
+    sa = pipe.start(va)
+    keys = []
+    while not (sa.done and sb.done):
+        live = [s for s in (sa, sb) if not s.done]
+        forwards = pipe.decider.for_states(live)
+        keys.append((sum(s.rows for s in live), [str(c.key) for c in forwards.chunks]))
+        pipe.step(live, forwards)
+    assert keys[0] == (3, ["b4_i12_t512_g2x2x3"])  # a's cond and uncond rows, b's row and one pad row
+    theirs = {}
+    for state, r in ((sa, a), (sb, b)):
+        theirs[r.seed] = _call(ref, r, "latent")
+        assert _rel(state.latents, theirs[r.seed]) < RTOL, r.prompt
+        ours = pipe.finish_videos(state)
+        assert np.array_equal(ours[0], _decode_as_diffusers(ref, state.latents)[0])
+    plain = _call(ref, replace(a, negative_prompt=None), "latent")  # the negative prompt matters: the gate can fail
+    assert _rel(plain, theirs[a.seed]) > 1e-3
+
+
+def test_two_videos_of_one_request_through_the_engines_cpu_entry(pipe, ref):
+    """``DiTPipeline.generate``: the result carries the frames (``videos``), no image files; video i from seed + i."""
+    r = pipe.validator.validate(_req(n=2, guidance_scale=1.0, seed=3))
+    result = pipe.generate(r)
+    assert result.image_bytes == [] and len(result.videos) == 2 and str(result.bucket) == "b2_i12_t512_g2x2x3"
+    want = _pil_frames(_call(ref, r.request, "pil"))
+    assert [v.shape for v in result.videos] == [(5, 32, 48, 3)] * 2
+    for ours, theirs in zip(result.videos, want, strict=True):
+        assert np.abs(ours.astype(int) - theirs.astype(int)).max() <= 1  # a batch of 2: reduction order may differ
+    assert not np.array_equal(result.videos[0], result.videos[1])
+    with pytest.raises(TypeError, match="finish_videos"):
+        pipe.finish(pipe.start(r))
+
+
+def test_padded_bucket_run_equals_unpadded_eager_run_at_every_boundary(pipe):
+    adapter = pipe.model.adapter
+    table = BucketTable(BucketConfig(**BUCKETS), adapter.rules)
+    runner = EagerBucketRunner(adapter, table.keys, BucketMetrics(table.keys), CPU, torch.float32)
+    runner.prepare()
+    cases = boundary_cases(table, LimitsConfig(min_side_px=16, max_side_px=64))
+    assert {c.key for c in cases} == set(table.keys) and {c.grid for c in cases} == {(2, 2, 3)}
+    verdicts = verify_runner(adapter, runner, cases, CPU, torch.float32, rtol=RTOL)
+    assert not [(str(v.key), v.max_rel_err) for v in verdicts if not v.passed]
+
+
+def test_token_counts_are_what_the_encoder_reads_and_longer_prompts_are_refused(pipe, folder):
+    fam = pipe.model
+    seen = []
+    hook = fam.pipe.text_encoder.register_forward_pre_hook(lambda m, args: seen.append(int(args[1].sum())))
+    ingress = WanFamily.token_counter(folder, {"_class_name": "WanPipeline"})
+    try:
+        for prompt in ["a photo of a cat", "  spaced   out  ", "an astronaut &amp; a horse"]:
+            fam.encode(prompt)
+            assert fam.count_tokens(prompt) == ingress(prompt) == seen[-1], prompt
+    finally:
+        hook.remove()
+    long = " ".join(["a watercolor painting of a lighthouse"] * 90)
+    assert fam.count_tokens(long) > 512
+    with pytest.raises(RequestError, match="at most 512 tokens") as e:
+        pipe.validator.validate(_req(prompt=long))
+    assert e.value.field == "prompt"
+    with pytest.raises(RequestError) as e:
+        pipe.validator.validate(_req(true_cfg_scale=2.0))
+    assert e.value.field == "true_cfg_scale"
+
+
+def test_a_wan_2_2_checkpoint_with_two_experts_is_refused_naming_why(tmp_path):
+    index = {"_class_name": "WanPipeline", "boundary_ratio": 0.875,
+             "transformer_2": ["diffusers", "WanTransformer3DModel"]}
+    with pytest.raises(ValueError, match="two experts .* is not served yet; serve a Wan 2.1 checkpoint"):
+        WanFamily.describe(tmp_path, index)
