@@ -18,9 +18,11 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from bcg_core.config import EngineConfig
 
+from .videos.config import VideosConfig
+
 __all__ = [
     "AuthConfig", "AutoscalingSettings", "BackpressureLimits", "LOOPBACK", "MetricsConfig", "RoutingConfig",
-    "ServeConfig", "api_key_digest", "backpressure_limits", "error_text", "load_config", "read_yaml",
+    "ServeConfig", "VideosConfig", "api_key_digest", "backpressure_limits", "error_text", "load_config", "read_yaml",
 ]
 
 API_KEY_DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
@@ -270,6 +272,9 @@ class ServeConfig(EngineConfig):
     auth: AuthConfig = Field(default_factory=AuthConfig, description="API keys (stored as SHA-256 digests).")
     metrics: MetricsConfig = Field(default_factory=MetricsConfig,
                                    description="Prometheus port and bind address of a local server (bcg serve).")
+    videos: VideosConfig = Field(default_factory=VideosConfig,
+                                 description="Video jobs (/v1/videos): the job store's folder and database, leases, "
+                                 "retention (deployments/videos/config.py).")
 
 
 def _section_fields(loc: tuple, model: Any) -> list[str] | None:
