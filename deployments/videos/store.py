@@ -260,9 +260,11 @@ class VideoStore:
             The claimed job, or None when no job is queued.
 
         Raises:
-            ValueError: a bad owner.
+            ValueError: a bad owner, or ``models`` given as one string.
         """
         _text("owner", owner, 200)
+        if isinstance(models, str):
+            raise ValueError(f"models must be a collection of model ids, e.g. [{models!r}], not a string")
         self._expire_leases(self._clock())
         while True:
             with writing(self._engine) as conn:

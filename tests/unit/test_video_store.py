@@ -314,6 +314,17 @@ def test_delete_removes_the_job_and_its_files_even_while_it_runs(store):
     assert store.counts() == {"queued": 0, "in_progress": 0, "completed": 0, "failed": 0}
 
 
+def test_a_claim_takes_the_oldest_queued_job_of_the_models_asked(store):
+    a = store.create(**JOB)
+    b = store.create(**{**JOB, "model": "wan2.1-i2v"})
+    c = store.create(**JOB)
+    assert store.claim("w1", models=["wan2.1-i2v"]).id == b.id
+    assert store.claim("w1", models={"other"}) is None
+    assert [store.claim("w2").id, store.claim("w2").id, store.claim("w2")] == [a.id, c.id, None]
+    with pytest.raises(ValueError, match=r"models must be a collection of model ids, e.g. \['wan'\]"):
+        store.claim("w3", models="wan")
+
+
 def test_release_gives_a_stopping_workers_jobs_back_without_counting_the_attempt(store):
     a, b = store.create(**JOB), store.create(**JOB)
     store.claim("w1"), store.claim("w1")
