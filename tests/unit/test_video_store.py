@@ -402,23 +402,29 @@ class _nothing:
 # -- PostgreSQL: a real server, started here -------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def postgres(tmp_path_factory):
-    """A PostgreSQL server of ``pgserver`` (bundled binaries) in a temporary folder; its SQLAlchemy URL factory."""
+def postgres():
+    """A PostgreSQL server of ``pgserver`` (bundled binaries) in a temporary folder; its SQLAlchemy URL factory.
+
+    The folder is not pytest's ``tmp_path``: pytest removes old ``pytest-<n>`` folders when a run starts, and another
+    run starting on the same machine could remove the server's data folder under it."""
+    import tempfile
+
     pgserver = pytest.importorskip("pgserver", reason="pgserver (test extra) not installed")
     pytest.importorskip("psycopg", reason="psycopg (test extra) not installed")
-    try:
-        server = pgserver.get_server(tmp_path_factory.mktemp("pg"), cleanup_mode="stop")
-    except Exception as e:  # no binaries for this platform, no shared memory ...: say so and skip
-        pytest.skip(f"pgserver could not start PostgreSQL here: {type(e).__name__}: {e}")
-    made = []
+    with tempfile.TemporaryDirectory(prefix="bcg-pg-") as folder:
+        try:
+            server = pgserver.get_server(folder, cleanup_mode="stop")
+        except Exception as e:  # no binaries for this platform, no shared memory ...: say so and skip
+            pytest.skip(f"pgserver could not start PostgreSQL here: {type(e).__name__}: {e}")
 
-    def database(name: str) -> str:
-        server.psql(f"CREATE DATABASE {name};")
-        made.append(name)
-        return server.get_uri(name).replace("postgresql://", "postgresql+psycopg://", 1)
+        def database(name: str) -> str:
+            server.psql(f"CREATE DATABASE {name};")
+            return server.get_uri(name).replace("postgresql://", "postgresql+psycopg://", 1)
 
-    yield database
-    server.cleanup()
+        try:
+            yield database
+        finally:
+            server.cleanup()
 
 
 def test_a_postgresql_server_keeps_jobs_for_replicas_that_race_for_them(postgres, tmp_path, clock):
