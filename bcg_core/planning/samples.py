@@ -88,7 +88,10 @@ def planning_validator(config: EngineConfig) -> RequestValidator:
     Raises:
         ValueError: the configured checkpoint cannot be described (naming it).
     """
+    from bcg_core.families.defaults import family_buckets
+
     spec, counter = _spec_and_counter(config.model)
+    config = family_buckets(config, spec)  # a video family's frames where the config sets no buckets
     native = spec.rules.native_text_tokens
     text = native if native is not None else (spec.max_text_tokens or max(config.buckets.text_lengths))
     wide = replace_buckets(config, text_lengths=[text], miss_policy="eager")

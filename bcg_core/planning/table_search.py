@@ -158,8 +158,9 @@ def search_table(config: EngineConfig, traffic: Traffic, costs: PlanCosts | None
     """Choose the bucket table for ``traffic`` (module docstring).
 
     Args:
-        config: the model, limits and the current ``buckets`` (their ``image_padding`` and ``miss_policy`` are
-            kept).
+        config: the model, limits and the current ``buckets`` (their ``image_padding``, ``miss_policy`` and, for a
+            video family, ``frames`` are kept: the search plans resolutions, text and batch buckets at those frame
+            counts; without a ``buckets`` section, the family's table's).
         traffic: the sample (:mod:`bcg_core.planning.samples`: ``traffic_from_rows``, ``traffic_from_gentd26``,
             ``traffic_from_histogram``).
         costs: the cost model; None: :meth:`PlanCosts.token_count`.
@@ -186,7 +187,7 @@ def search_table(config: EngineConfig, traffic: Traffic, costs: PlanCosts | None
     costs = costs or PlanCosts.token_count(config)
     validator = planning_validator(config)
     rules = validator.rules
-    base = config.buckets
+    base = validator.config.buckets  # the config's, or its family's table (a video family's frames are kept)
     reject = str(getattr(base.miss_policy, "value", base.miss_policy)) == "reject"
     exact = rules.grid_keyed or base.image_padding == "exact"  # every size needs its own tier
     tiers, texts, batches = _candidates(traffic, rules, validator, None if reject and exact else 16)

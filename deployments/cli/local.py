@@ -169,7 +169,9 @@ def api_server_metrics_url(timeout_s: float = 2.0) -> str | None:
 
 
 def check_config(config_path: str | Path) -> ServeConfig:
-    """Load a ServeConfig file and build its bucket table, without starting anything.
+    """Load a ServeConfig file and build its bucket table, without starting anything; the config is returned with
+    the table the replicas build (a file without a ``buckets`` section gets its family's default table, where the
+    family has one: a video family's, :func:`bcg_core.families.defaults.family_buckets`).
 
     A relative ``model.path`` is taken from the current directory. Cheap (the validator loads only the tokenizer
     and the checkpoint's JSON configs), so a bad file fails with its own message before Ray starts.
@@ -206,7 +208,9 @@ def check_config(config_path: str | Path) -> ServeConfig:
         from bcg_core.lora.layers import check_targets
 
         check_targets(config.model, config.lora.targets)  # on the meta device: no weights are read
-    RequestValidator.from_config(config)
+    # a config without a buckets section takes its family's table where it has one (a video family's), written out
+    # here so that every replica and the ingress's router read the same table
+    config = RequestValidator.from_config(config).config
     runner_mode(config)  # a CUDA device or graph runner asked for where none is visible fails here, not in Ray
     return config
 
@@ -279,7 +283,8 @@ def check_file(path: str | Path) -> str:
     if not (isinstance(data, dict) and "applications" in data):
         config = check_config(path)
         return (f"{path}: ok (model {config.model.path or 'the tiny default'}, {len(config.buckets.batch_sizes)} "
-                f"batch sizes x {len(config.buckets.resolutions)} resolutions; text buckets "
+                f"batch sizes x {len(config.buckets.resolutions)} resolutions"
+                + (f" x frames {config.buckets.frames}" if config.buckets.frames else "") + "; text buckets "
                 f"{config.buckets.all_text_lengths()} tokens)" + "".join(f"\n  note: {n}" for n in plan_notes(config)))
     apps = data["applications"]
     if not isinstance(apps, list) or not apps:

@@ -6,7 +6,8 @@ within 1e-5 relative, fp32: a video alone at an exact bucket (bit-identical, and
 ``output_type="pil"`` frames), and a video with CFG and a negative prompt sharing each step's forward with another
 request of another prompt and seed that joined a step later, in one bucket with a pad row (its decoded frames equal
 diffusers' decode of those latents). Also: the padded bucket forward against the unpadded one at every boundary, the
-prompt limit, a Wan 2.2 checkpoint refused, and the engine's CPU entry (``DiTPipeline.generate``) returning frames.
+prompt limit, a Wan 2.2 checkpoint refused, and the engine's CPU entry (``DiTPipeline.generate``) and the step
+scheduler returning frames.
 """
 
 from __future__ import annotations
@@ -149,6 +150,29 @@ def test_two_videos_of_one_request_through_the_engines_cpu_entry(pipe, ref):
         pipe.finish(pipe.start(r))
 
 
+def test_videos_through_the_step_scheduler_come_back_as_frames(pipe, ref):
+    """The replica's path (``StepScheduler.submit``): two requests share steps, each result carries its frames from the
+    decode thread (no image encoding), equal to diffusers' to one level."""
+    import asyncio
+
+    from bcg_core.scheduler import StepScheduler
+
+    reqs = [pipe.validator.validate(_req(guidance_scale=1.0, seed=s, num_inference_steps=2)) for s in (7, 8)]
+    sched = StepScheduler(pipe, max_rows=4, trim_idle_s=None)
+
+    async def both():
+        return await asyncio.wait_for(asyncio.gather(*(sched.submit(v) for v in reqs)), 60)
+
+    try:
+        results = asyncio.run(both())
+    finally:
+        sched.close()
+    for v, result in zip(reqs, results, strict=True):
+        assert result.image_bytes == [] and len(result.videos) == 1 and result.videos[0].shape == (5, 32, 48, 3)
+        theirs = _pil_frames(_call(ref, v.request, "pil"))[0]
+        assert np.abs(result.videos[0].astype(int) - theirs.astype(int)).max() <= 1
+
+
 def test_padded_bucket_run_equals_unpadded_eager_run_at_every_boundary(pipe):
     adapter = pipe.model.adapter
     table = BucketTable(BucketConfig(**BUCKETS), adapter.rules)
@@ -186,3 +210,29 @@ def test_a_wan_2_2_checkpoint_with_two_experts_is_refused_naming_why(tmp_path):
              "transformer_2": ["diffusers", "WanTransformer3DModel"]}
     with pytest.raises(ValueError, match="two experts .* is not served yet; serve a Wan 2.1 checkpoint"):
         WanFamily.describe(tmp_path, index)
+
+
+def test_a_config_without_buckets_gets_the_family_table_in_config_check_plan_and_routing(folder, tmp_path, capsys):
+    """``bcg config --check``, ``bcg plan`` and the router's demands on a Wan config without a ``buckets`` section:
+    the family's table (832x480 at 81 frames), and a plan at those frames."""
+    from deployments.cli.local import check_config
+    from deployments.cli.main import main
+    from router.ownership import demands_for_config
+
+    config = tmp_path / "wan.yaml"
+    config.write_text(f"model: {{path: {folder}, device: cpu}}\nlimits: {{min_side_px: 32}}\n")
+    checked = check_config(config)
+    assert (checked.buckets.resolutions, checked.buckets.frames, checked.buckets.batch_sizes) == (
+        ["832x480"], [81], [1, 2])
+    assert set(demands_for_config(checked)) == {"i32760_t512_g21x30x52"}
+    krea = tmp_path / "krea.csv"
+    krea.write_text("prompt,width,height,num_step,num_generations\na red cube,64,64,4,1\na cat,32,32,4,1\n"
+                    "a lighthouse at dusk,64,64,4,1\n")
+    report = tmp_path / "plan.json"
+    assert main(["plan", "--config", str(config), "--krea", str(krea), "--max-graphs", "2", "--json",
+                 str(report)]) in (0, 1)
+    import json
+
+    plan = json.loads(report.read_text())
+    assert plan["buckets"]["frames"] == [81] and "64x64" in plan["buckets"]["resolutions"]
+    assert plan["shapes"] and set(plan["shapes"]) <= {"i336_t512_g21x4x4", "i84_t512_g21x2x2", "miss"}
