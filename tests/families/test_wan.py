@@ -6,8 +6,9 @@ within 1e-5 relative, fp32: a video alone at an exact bucket (bit-identical, and
 ``output_type="pil"`` frames), and a video with CFG and a negative prompt sharing each step's forward with another
 request of another prompt and seed that joined a step later, in one bucket with a pad row (its decoded frames equal
 diffusers' decode of those latents). Also: the padded bucket forward against the unpadded one at every boundary, the
-prompt limit, a Wan 2.2 checkpoint refused, and the engine's CPU entry (``DiTPipeline.generate``) and the step
-scheduler returning frames.
+prompt limit, bf16 against diffusers' bf16, a Wan 2.2 checkpoint refused, the engine's CPU entry
+(``DiTPipeline.generate``) and the step scheduler returning frames, and a config without buckets (the family's table)
+in ``bcg config --check``, ``bcg plan`` and the router.
 """
 
 from __future__ import annotations
@@ -171,6 +172,27 @@ def test_videos_through_the_step_scheduler_come_back_as_frames(pipe, ref):
         assert result.image_bytes == [] and len(result.videos) == 1 and result.videos[0].shape == (5, 32, 48, 3)
         theirs = _pil_frames(_call(ref, v.request, "pil"))[0]
         assert np.abs(result.videos[0].astype(int) - theirs.astype(int)).max() <= 1
+
+
+def test_bf16_cfg_rows_and_pad_rows_are_within_diffusers_own_batch_deviation(folder):
+    """bf16, as users run it: a CFG video (cond and uncond rows in one forward, where diffusers runs two) and three
+    videos padded to a 4-row bucket, against diffusers' bf16 ``WanPipeline``; bit-identical where diffusers' own
+    result does not move when it batches (``num_videos_per_prompt`` 2 against 1), else within twice that move
+    (``tests/reference_gate_bf16.py``'s rule)."""
+    ours = bcg_pipeline(folder, BUCKETS, dtype="bfloat16")
+    ref = WanPipeline.from_pretrained(str(folder), torch_dtype=torch.bfloat16, local_files_only=True)
+    ref.set_progress_bar_config(disable=True)
+    assert ours.model.adapter.model.dtype == torch.bfloat16
+    cfg = ours.validator.validate(_req(guidance_scale=4.0, negative_prompt="blurry", num_inference_steps=2)).request
+    padded = ours.validator.validate(_req(n=3, guidance_scale=1.0, num_inference_steps=2)).request
+    assert str(ours.validator.validate(padded).key) == "b4_i12_t512_g2x2x3"
+    for r in (cfg, padded):
+        alone = _call(ref, replace(r, n=1), "latent")
+        batched = _call(ref, replace(r, n=max(2, r.n)), "latent")
+        theirs = alone if r.n == 1 else batched
+        own = _rel(batched[:1], alone)  # diffusers' own move when it batches
+        got = bcg_state(ours, r).latents
+        assert torch.equal(got, theirs) if own == 0.0 else _rel(got, theirs) <= 2 * own, (r.n, own)
 
 
 def test_padded_bucket_run_equals_unpadded_eager_run_at_every_boundary(pipe):
