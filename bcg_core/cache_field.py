@@ -28,9 +28,10 @@ from bcg_core.step_cache.spec import METHODS, NoCache, StepCacheConfig, StepCach
 __all__ = ["CACHE_FAMILIES", "METHOD_FAMILIES", "cache_phrase", "check_cache", "default_cache"]
 
 METHOD_FAMILIES: dict[str, str] = {
-    "first_block": "FLUX.1, Qwen-Image (FluxPipeline and QwenImagePipeline checkpoints) and the tiny default",
-    "taylor_seer": "FLUX.1, Qwen-Image, FLUX.2 [klein] (FluxPipeline, QwenImagePipeline and Flux2KleinPipeline "
-                   "checkpoints) and the tiny default",
+    "first_block": "FLUX.1, Qwen-Image, Wan 2.1 (FluxPipeline, QwenImagePipeline and WanPipeline checkpoints) and "
+                   "the tiny default",
+    "taylor_seer": "FLUX.1, Qwen-Image, FLUX.2 [klein], Wan 2.1 (FluxPipeline, QwenImagePipeline, Flux2KleinPipeline "
+                   "and WanPipeline checkpoints) and the tiny default",
 }
 """The families that take each cache method, as messages name them: those whose diffusers transformer runs it
 (each declares :class:`~bcg_core.capabilities.StepCache` and lists the method in its ``cache_methods``). FLUX.2

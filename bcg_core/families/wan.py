@@ -47,7 +47,9 @@ A request's ``num_frames`` (1 + 4k, default 81 as ``__call__``) is validated by 
 
 Not served yet: Wan 2.2's two experts (``transformer_2`` with ``boundary_ratio``) and its TI2V ``expand_timesteps``
 (refused when the checkpoint is described), image to video (``WanImageToVideoPipeline``), LoRA
-(``WanLoraLoaderMixin``), previews, the fused step and the step cache (T has ``CacheMixin``; not wired yet).
+(``WanLoraLoaderMixin``), previews and the fused step. The step cache (First Block Cache, TaylorSeer) runs as on the
+image families: T is a ``CacheMixin`` and diffusers' ``TransformerBlockRegistry`` describes ``WanTransformerBlock``
+(one stream out), and the pipeline runs its cond and uncond forwards under ``cache_context("cond")`` / ``("uncond")``.
 """
 
 from __future__ import annotations
@@ -60,11 +62,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from bcg_core.capabilities import StepCache
 from bcg_core.families.base import QUALITY_STEPS, ModelSpec, heads_width, load_pipeline, read_json
 from bcg_core.families.defaults import pipeline_defaults
 from bcg_core.families.state import RequestState, TextRows
 from bcg_core.keys import BucketKey
 from bcg_core.padding import DenoiseInputs, copy_rows
+from bcg_core.step_cache.spec import METHODS as CACHE_METHODS
 from bcg_core.table import ShapeRules
 
 __all__ = ["WanAdapter", "WanFamily"]
@@ -182,11 +186,13 @@ class WanAdapter:
                           inputs.timestep.to(device=p.device, dtype=torch.float32))
 
 
-class WanFamily:
+class WanFamily(StepCache):
     """A ``WanPipeline`` checkpoint (Wan 2.1 text to video), served step by step (see the module docstring).
 
     Request fields: ``num_frames`` (1 + 4k, default 81), ``n`` videos, ``guidance_scale`` (default 5.0, the
-    pipeline's) above 1 runs CFG against ``negative_prompt`` (default ``""``); ``true_cfg_scale`` is refused.
+    pipeline's) above 1 runs CFG against ``negative_prompt`` (default ``""``); ``true_cfg_scale`` is refused;
+    ``cache``: diffusers' First Block Cache or TaylorSeer (``WanTransformer3DModel`` is a ``CacheMixin``), its cond and
+    uncond rows deciding apart as the pipeline's two cache contexts (:meth:`cache_contexts`).
 
     Args:
         name: served model name.
@@ -258,7 +264,7 @@ class WanFamily:
             name=path.name, family=cls.name, pipeline_class=kind,
             rules=ShapeRules(pixels_per_token=spatial * ph, grid_keyed=True, native_text_tokens=tokens,
                              frame_stride=temporal),
-            max_prompt_tokens=tokens, quality_steps=QUALITY_STEPS["wan"],
+            max_prompt_tokens=tokens, quality_steps=QUALITY_STEPS["wan"], cache_methods=CACHE_METHODS,
             default_buckets=dict(batch_sizes=[1, 2], resolutions=[f"{w}x{h}"], text_lengths=[tokens],
                                  frames=[defaults["default_frames"]]),
             **defaults,
@@ -329,6 +335,12 @@ class WanFamily:
         text = torch.cat([p.text.expand(n, -1, -1) for p in parts])
         timestep = state.timestep.to(torch.float32).expand(x.shape[0])
         return DenoiseInputs(x, text, lat.new_zeros(x.shape[0], 0), timestep, state.grid)
+
+    def cache_contexts(self, state: RequestState) -> list[tuple[str, slice]]:
+        """``WanPipeline`` runs the cond rows under ``cache_context("cond")`` and, with CFG, the uncond rows under
+        ``cache_context("uncond")`` (P:573-590): :meth:`model_rows`' two halves."""
+        n = state.n
+        return [("cond", slice(0, n))] + ([("uncond", slice(n, 2 * n))] if state.cfg else [])
 
     @torch.inference_mode()
     def advance(self, state: RequestState, output: torch.Tensor) -> None:

@@ -251,7 +251,8 @@ def cached_forward(pipe, split: BlockSplit | None, states: Sequence[RequestState
         if not predicted:
             return out_run
     like = out_run if out_run is not None else next(iter(predicted.values()))
-    out = like.new_empty((inputs.rows, *like.shape[-2:]))
+    per_row = like.shape[1:] if out_run is not None else like.shape  # (S, C) packed; (C, F, H, W) a latent video
+    out = like.new_empty((inputs.rows, *per_row))
     for r, o in predicted.items():
         out[r] = o.to(out.dtype)
     if out_run is not None:

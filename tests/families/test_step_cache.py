@@ -558,8 +558,9 @@ def test_flux2_takes_what_diffusers_runs_and_refuses_the_rest_naming_the_models_
     with pytest.raises(RequestError) as e:
         klein_pipe.validator.validate(_klein_request(FirstBlockCache(threshold=0.3)))
     assert (e.value.field, e.value.status) == ("cache", 422)
-    assert "Flux2KleinPipeline (family flux2) takes only taylor_seer (first_block is served for FLUX.1, Qwen-Image " \
-           "(FluxPipeline and QwenImagePipeline checkpoints) and the tiny default)" in e.value.message
+    assert "Flux2KleinPipeline (family flux2) takes only taylor_seer (first_block is served for FLUX.1, Qwen-Image, " \
+           "Wan 2.1 (FluxPipeline, QwenImagePipeline and WanPipeline checkpoints) and the tiny default)" \
+           in e.value.message
     for cache in (FirstBlockCache(), TaylorSeerCache()):
         with pytest.raises(RequestError, match=r"Flux2Pipeline \(family flux2\) takes no step cache.*FLUX\.2 \[kle"):
             dev.validator.validate(_klein_request(cache, guidance_scale=4.0))

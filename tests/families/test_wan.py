@@ -258,3 +258,40 @@ def test_a_config_without_buckets_gets_the_family_table_in_config_check_plan_and
     plan = json.loads(report.read_text())
     assert plan["buckets"]["frames"] == [81] and "64x64" in plan["buckets"]["resolutions"]
     assert plan["shapes"] and set(plan["shapes"]) <= {"i336_t512_g21x4x4", "i84_t512_g21x2x2", "miss"}
+
+
+@pytest.fixture(scope="module")
+def cached(tmp_path_factory):
+    """A 3-block tiny Wan (head, middle and tail blocks, as a step cache needs): its pipeline and diffusers'."""
+    folder = build(tmp_path_factory.mktemp("wan-cache"), layers=3)
+    ref = WanPipeline.from_pretrained(str(folder), torch_dtype=torch.float32, local_files_only=True)
+    ref.set_progress_bar_config(disable=True)
+    return bcg_pipeline(folder, BUCKETS), ref
+
+
+@pytest.mark.parametrize("cache,guidance", [("first_block", 1.0), ("taylor_seer", 4.0)])
+def test_the_step_cache_computes_the_steps_diffusers_computes(cached, cache, guidance):
+    """diffusers' First Block Cache and TaylorSeer on ``WanTransformer3DModel`` (a ``CacheMixin``): the same steps
+    computed as ``transformer.enable_cache`` in ``WanPipeline``, its cond and uncond rows deciding apart as the
+    pipeline's two cache contexts, and the same final latents (alone without CFG: bit for bit; CFG rows in one
+    forward: within 1e-5)."""
+    from bcg_core.step_cache import FirstBlockCache, TaylorSeerCache, request_cache, to_diffusers
+
+    pipe, ref = cached
+    spec = (FirstBlockCache(threshold=0.1) if cache == "first_block"
+            else TaylorSeerCache(cache_interval=3, disable_cache_before_step=2, taylor_factors_dtype="float32"))
+    r = pipe.validator.validate(_req(num_inference_steps=10, guidance_scale=guidance, cache=spec,
+                                     negative_prompt="blurry" if guidance > 1 else None)).request
+    state = bcg_state(pipe, r)
+    computed = {k: v["computed"] for k, v in request_cache(state).describe()["steps"].items()}
+    calls = [0]
+    hook = ref.transformer.blocks[-1].ffn.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    ref.transformer.enable_cache(to_diffusers(spec))
+    try:
+        theirs = _call(ref, replace(r, cache=None), "latent")
+    finally:
+        ref.transformer.disable_cache()
+        hook.remove()
+    assert set(computed) == ({"cond", "uncond"} if guidance > 1 else {"cond"})
+    assert sum(computed.values()) == calls[0] < 10 * len(computed)  # steps reused, as many as diffusers reuses
+    assert torch.equal(state.latents, theirs) if guidance <= 1 else _rel(state.latents, theirs) < RTOL

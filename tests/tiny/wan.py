@@ -37,25 +37,26 @@ WAN_SCHEDULER_CONFIG = dict(
 """``scheduler/scheduler_config.json`` of Wan-AI/Wan2.1-T2V-1.3B-Diffusers (UniPC, flow sigmas, shift 3.0)."""
 
 
-def _transformer(seed: int):
+def _transformer(seed: int, layers: int = 1):
     import torch
     from diffusers import WanTransformer3DModel
 
     torch.manual_seed(seed)
     return WanTransformer3DModel(
         patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=8, in_channels=16, out_channels=16,
-        text_dim=32, freq_dim=32, ffn_dim=32, num_layers=1, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
+        text_dim=32, freq_dim=32, ffn_dim=32, num_layers=layers, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
         rope_max_seq_len=32,
     ).eval()
 
 
-def build(folder: Path, boundary_ratio: float | None = None) -> Path:
+def build(folder: Path, boundary_ratio: float | None = None, layers: int = 1) -> Path:
     """Write the tiny Wan pipeline to ``folder`` (created); returns it.
 
     Args:
         folder: where to write the pipeline.
         boundary_ratio: None: Wan 2.1 (one transformer). A ratio in (0, 1): Wan 2.2's two experts, ``transformer``
             for timesteps at or above ``boundary_ratio x 1000``, ``transformer_2`` below.
+        layers: transformer blocks (a step cache's tests need a head block, blocks after it and a tail: 3).
     """
     import torch
     from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline
@@ -69,8 +70,8 @@ def build(folder: Path, boundary_ratio: float | None = None) -> Path:
         vocab_size=len(tokenizer), d_model=32, d_kv=8, d_ff=37, num_layers=1, num_heads=4,
         relative_attention_num_buckets=8, decoder_start_token_id=0, pad_token_id=0, eos_token_id=1,
     )).eval()
-    transformer = _transformer(1)
-    transformer_2 = _transformer(3) if boundary_ratio is not None else None
+    transformer = _transformer(1, layers)
+    transformer_2 = _transformer(3, layers) if boundary_ratio is not None else None
     torch.manual_seed(2)
     vae = AutoencoderKLWan(base_dim=8, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
                            temperal_downsample=[False, True, True]).eval()

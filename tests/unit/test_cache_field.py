@@ -64,7 +64,8 @@ def test_a_cache_on_a_model_without_one_is_refused_on_cache_naming_the_families_
     assert (err.field, err.status) == ("cache", 422)
     assert err.message.startswith("invalid 'cache' (got {'method': 'first_block', 'threshold': 0.2}): "
                                   "StableDiffusion3Pipeline (family sd3) takes no step cache; allowed: "), err.message
-    assert "FLUX.1, Qwen-Image (FluxPipeline and QwenImagePipeline checkpoints) and the tiny default" in err.message
+    assert ("FLUX.1, Qwen-Image, Wan 2.1 (FluxPipeline, QwenImagePipeline and WanPipeline checkpoints) and the tiny "
+            "default") in err.message
     assert "{\"method\": \"none\"} or null, or omit 'cache'" in err.message
     assert "FirstBlockCache" not in err.message  # the value as sent, not the model's repr
 

@@ -167,8 +167,8 @@ def test_a_model_without_a_step_cache_lists_none_ignores_the_default_and_refuses
     status, err = _error(_post(ingress, {"cache": {"method": "first_block", "threshold": 0.1}}))
     assert (status, err["param"]) == (422, "cache") and not dit.sent
     assert "PixArtSigmaPipeline (family pixart) takes no step cache" in err["message"]
-    assert "it is served for FLUX.1, Qwen-Image (FluxPipeline and QwenImagePipeline checkpoints) and the tiny " \
-           "default" in err["message"]
+    assert "it is served for FLUX.1, Qwen-Image, Wan 2.1 (FluxPipeline, QwenImagePipeline and WanPipeline " \
+           "checkpoints) and the tiny default" in err["message"]
     assert "{\"method\": \"none\"} or null, or omit 'cache'" in err["message"]
     _post(ingress, {})
     _post(ingress, {"cache": {"method": "none"}})
@@ -210,7 +210,8 @@ def test_flux2_lists_what_diffusers_runs_on_it_and_refuses_first_block(tmp_path,
     assert (status, err["param"]) == (422, "cache") and not dit.sent
     if taylor:
         assert "Flux2KleinPipeline (family flux2) takes only taylor_seer (first_block is served for FLUX.1, " \
-               "Qwen-Image (FluxPipeline and QwenImagePipeline checkpoints) and the tiny default)" in err["message"]
+               "Qwen-Image, Wan 2.1 (FluxPipeline, QwenImagePipeline and WanPipeline checkpoints) and the tiny " \
+               "default)" in err["message"]
         assert '"method": "taylor_seer"' in err["message"] and '"method": "first_block"' not in err["message"]
     else:
         assert "Flux2Pipeline (family flux2) takes no step cache" in err["message"]
