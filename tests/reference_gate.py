@@ -88,7 +88,8 @@ def edit_masks(size: tuple[int, int], box: tuple[int, int, int, int]):
 
 
 def diffusers_run(pipeline_cls, folder, request: GenerationRequest, device: str = "cpu",
-                  load_kwargs: dict | None = None, lora_dir=None, setup=None, **call_kwargs) -> GateRun:
+                  load_kwargs: dict | None = None, lora_dir=None, setup=None, images: bool = True,
+                  **call_kwargs) -> GateRun:
     """Run the diffusers pipeline itself on ``request`` (its ``seed`` must be set), fp32 on ``device``.
 
     ``load_kwargs`` go to ``from_pretrained`` (e.g. ``text_encoder_3=None, tokenizer_3=None`` for an SD3
@@ -101,7 +102,8 @@ def diffusers_run(pipeline_cls, folder, request: GenerationRequest, device: str 
     image (several, a reference edit's: a list of them, in order) and its ``strength`` as set; an inpainting mask
     is the caller's (``mask_image=``, in diffusers' own convention, white where to repaint), so the gate does not
     take bcg-serve's conversion on trust. ``setup(pipe)`` runs on the loaded pipeline before the calls (e.g.
-    ``pipe.transformer.enable_cache(...)``, as a diffusers user turns a step cache on).
+    ``pipe.transformer.enable_cache(...)``, as a diffusers user turns a step cache on). ``images=False``: the final
+    latents only (one call; no PNGs).
     """
     pipe = pipeline_cls.from_pretrained(str(folder), torch_dtype=torch.float32, local_files_only=True,
                                         **(load_kwargs or {})).to(device)
@@ -131,8 +133,8 @@ def diffusers_run(pipeline_cls, folder, request: GenerationRequest, device: str 
 
     with torch.inference_mode():
         latents = pipe(**kwargs, generator=gens(), output_type="latent").images
-        images = pipe(**kwargs, generator=gens(), output_type="pil").images
-    return GateRun(latents.float().cpu(), [png_bytes(im) for im in images])
+        pils = pipe(**kwargs, generator=gens(), output_type="pil").images if images else []
+    return GateRun(latents.float().cpu(), [png_bytes(im) for im in pils])
 
 
 def bcg_state(pipe: DiTPipeline, request: GenerationRequest):
@@ -155,9 +157,10 @@ def bcg_run(pipe: DiTPipeline, request: GenerationRequest) -> GateRun:
 
 
 def bcg_run_joined(pipe: DiTPipeline, request: GenerationRequest, other: GenerationRequest,
-                   head_start: int) -> tuple[GateRun, GateRun]:
+                   head_start: int, images: bool = True) -> tuple[GateRun, GateRun]:
     """``other`` runs ``head_start`` steps alone, then ``request`` joins it: both step together (one forward
-    per step, each at its own step and timestep) until each is done.
+    per step, each at its own step and timestep) until each is done. ``images=False``: the final latents only (not
+    decoded; no PNGs).
 
     Returns:
         ``(request's run, other's run)``.
@@ -174,7 +177,7 @@ def bcg_run_joined(pipe: DiTPipeline, request: GenerationRequest, other: Generat
     for s in (a, b):
         if s.extras.get("lora") is not None:
             s.extras["lora"].release()
-    return GateRun(a.latents.float().cpu(), pipe.finish(a)), GateRun(b.latents.float().cpu(), pipe.finish(b))
+    return tuple(GateRun(s.latents.float().cpu(), pipe.finish(s) if images else []) for s in (a, b))
 
 
 PIXEL_SHARE = 1e-3

@@ -364,8 +364,9 @@ class Family(Protocol):
     """``_class_name`` values of ``model_index.json`` this family loads."""
     lora_loader: ClassVar[str | None]
     """The diffusers pipeline class whose ``lora_state_dict`` reads this family's LoRA files
-    (:mod:`bcg_core.lora.files`), or None where bcg-serve serves no adapters for it: PixArt-Sigma (diffusers has no
-    LoRA loader for it), FLUX.2, Z-Image and Qwen-Image 2.1 (not yet; :func:`bcg_core.lora.slots.unserved`)."""
+    (:mod:`bcg_core.lora.files`; e.g. ``"FluxPipeline"``, ``"Flux2Pipeline"`` for both FLUX.2 pipelines), or None
+    where bcg-serve serves no adapters for it: PixArt-Sigma (diffusers has no LoRA loader for it), and a family whose
+    adapters bcg-serve does not serve yet (:func:`bcg_core.lora.slots.unserved` tells the two apart)."""
 
     model_name: str
     spec: ModelSpec

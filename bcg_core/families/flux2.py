@@ -77,7 +77,10 @@ TaylorSeer (lite mode) runs, and only on [klein]:
 Previews (:class:`~bcg_core.capabilities.Previews`): mid-denoise latents unpacked as the decode unpacks them
 (:meth:`Flux2Family.unpacked_latents`), then the VAE's fitted linear latent-to-RGB map (:mod:`bcg_core.preview`).
 
-Not served yet: LoRA (diffusers' ``Flux2LoraLoaderMixin``; ``lora.dir`` set: start-up error).
+LoRA adapters per request (:mod:`bcg_core.lora`), read with ``Flux2Pipeline.lora_state_dict`` ([klein]'s loader too):
+the layouts it converts are read as diffusers reads them (FLUX.2's original names as ai-toolkit saves them, the fused
+``qkv`` split into ``to_q``/``to_k``/``to_v`` sharing ``lora_A``; kohya's). Every linear layer of T keeps the rows
+first (the single blocks' fused ``to_qkv_mlp_proj`` and the modulation layers shared by the blocks too), as FLUX.1's.
 """
 
 from __future__ import annotations
@@ -267,7 +270,7 @@ class Flux2Family(FusedStep, Previews, StepCache):
 
     name = "flux2"
     pipeline_classes = ("Flux2Pipeline", "Flux2KleinPipeline")
-    lora_loader = None
+    lora_loader = "Flux2Pipeline"
     transformer_width = staticmethod(heads_width)
 
     def __init__(self, name: str, spec: ModelSpec, pipe, counter, device: torch.device, dtype: torch.dtype):

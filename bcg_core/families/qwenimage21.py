@@ -48,11 +48,22 @@ T's own forward builds positions and segments from Python lists (``tolist()``), 
 Previews (:class:`~bcg_core.capabilities.Previews`): the latents unpacked and un-normalised as the decode does, then the
 VAE's fitted linear latent-to-RGB map (:mod:`bcg_core.preview`, fitted on opaque pictures): RGB, no alpha.
 
+LoRA adapters per request (:mod:`bcg_core.lora`): files are read with ``QwenImage21Pipeline.lora_state_dict``
+(``QwenImageLoraLoaderMixin``, Qwen-Image's: ``diffusion_model.`` names with ``lora_down``/``lora_up`` and alphas folded
+into the weights as diffusers converts them; its kohya ``lora_unet_`` renaming knows Qwen-Image 1's module names only,
+and fails on a 2.1 file: refused with diffusers' message, as ``load_lora_weights`` fails). With ``causal_condition`` T
+embeds one t = 0 row for the whole batch, from which every row's text tokens are modulated; an adapter on the time
+embedding, on ``modulation`` or on ``norm_out.linear`` changes that row, so rows with different adapters need their own.
+The bucket forward embeds a t = 0 row per row (2B rows, each through its row's adapters:
+:meth:`~bcg_core.lora.layers.LoRALayers.stacked`), each block's modulation takes row B + i for row i's text tokens
+(:class:`~bcg_core.families.qwenimage21_attention.RowModulation`), and ``norm_out`` the rows' own timestep rows (its
+text tokens' output is dropped); at B = 1 that is T's layout. The unpadded forward (T's, one row at a time) runs once
+per set of rows carrying the same adapters (``QwenImage21Adapter.eager_mixes_rows``).
+
 Not served yet: condition images (P's ``image``: an edit request is refused with a 422 naming the families that
-edit), LoRA (``QwenImageLoraLoaderMixin``; ``lora.dir`` set: start-up error), the fused step, the step
-cache (T has ``CacheMixin``), ``sample_sigmas`` checkpoints, and diffusers' prefix KV cache (``use_kv_cache``,
-P's default: every bucket forward recomputes the text prefix; on the tiny checkpoint both settings give
-bit-identical latents in fp32 on a CPU).
+edit), the fused step, the step cache (T has ``CacheMixin``), ``sample_sigmas`` checkpoints, and diffusers' prefix KV
+cache (``use_kv_cache``, P's default: every bucket forward recomputes the text prefix; on the tiny checkpoint both
+settings give bit-identical latents in fp32 on a CPU).
 """
 
 from __future__ import annotations
@@ -69,9 +80,10 @@ from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21Att
 from bcg_core.capabilities import Previews
 from bcg_core.families.base import QUALITY_STEPS, ModelSpec, heads_width, load_pipeline, read_json
 from bcg_core.families.defaults import pipeline_defaults
-from bcg_core.families.qwenimage21_attention import BucketAttnProcessor, BucketMasks
+from bcg_core.families.qwenimage21_attention import BucketAttnProcessor, BucketMasks, RowModulation
 from bcg_core.families.state import RequestState, TextRows, pad_text
 from bcg_core.keys import BucketKey
+from bcg_core.lora.layers import LoRALayers
 from bcg_core.padding import DenoiseInputs, copy_rows, fill_masked_text
 from bcg_core.table import ShapeRules
 
@@ -109,6 +121,9 @@ class QwenImage21Adapter:
     timestep_max = 1.0
     guidance_embeds = False
     pooled_dim = 0
+    eager_mixes_rows = True
+    """:meth:`forward_eager` runs each row alone through T's own forward, whose time embedding adds a t = 0 row, so
+    LoRA rows reach it one set of entries at a time (:meth:`~bcg_core.lora.rows.LoRAAdapter.forward_eager`)."""
 
     def __init__(self, model: torch.nn.Module, max_text_tokens: int = QWEN21_ROPE_POSITIONS - 1):
         cfg = model.config
@@ -127,6 +142,8 @@ class QwenImage21Adapter:
             elif not isinstance(block.attn.processor, BucketAttnProcessor):
                 raise ValueError(f"QwenImage21Adapter needs the stock QwenImage21AttnProcessor on every block, found "
                                  f"{type(block.attn.processor).__name__}")
+            if not isinstance(block._modulate, RowModulation):
+                block._modulate = RowModulation(block._modulate)
 
     def example_latents(self, rows: int, grid: tuple[int, int], generator: torch.Generator) -> torch.Tensor:
         """Latent tokens (rows, h * w, 64), standard normal, CPU fp32."""
@@ -199,16 +216,21 @@ class QwenImage21Adapter:
         joint = torch.cat([mdl.txt_in(text), hidden], dim=1)
         timestep = buffers["timestep"].to(hidden.dtype)
         target = None
-        if mdl.config.causal_condition:  # T: an extra t = 0 row for text tokens
-            timestep = torch.cat([timestep, timestep.new_zeros(1)], dim=0)
+        if mdl.config.causal_condition:  # T: text tokens modulate from t = 0; here a t = 0 row per row
+            with LoRALayers.stacked(2):  # (RowModulation), each through its row's LoRA adapters
+                temb = mdl.time_text_embed(torch.cat([timestep, timestep.new_zeros(b)], dim=0), hidden)
+                modulation = mdl.modulation(temb)
             target = torch.arange(t + s, device=lat.device) >= t
-        temb = mdl.time_text_embed(timestep, hidden)
-        modulation = mdl.modulation(temb)
+        else:
+            temb = mdl.time_text_embed(timestep, hidden)
+            modulation = mdl.modulation(temb)
         causal = torch.ones(t, t, device=lat.device, dtype=torch.bool).tril()
         masks = BucketMasks(t, causal[None, None] & real[:, None, None, :],
                             torch.cat([real, real.new_ones(b, s)], dim=1)[:, None, None, :], buffers["rotary"])
         for block in mdl.transformer_blocks:
             joint = block(hidden_states=joint, modulation=modulation, attention_mask=masks, target_token_mask=target)
+        if target is not None and b > 1:  # each row's own timestep row; the text tokens' output is dropped
+            temb, target = temb[:b], None
         return mdl.proj_out(mdl.norm_out(joint, temb, target))[:, t:]
 
     def unpad(self, output: torch.Tensor, inputs: DenoiseInputs) -> torch.Tensor:
@@ -252,7 +274,7 @@ class QwenImage21Family(Previews):
 
     name = "qwenimage21"
     pipeline_classes = ("QwenImage21Pipeline",)
-    lora_loader = None
+    lora_loader = "QwenImage21Pipeline"
     transformer_width = staticmethod(heads_width)
 
     def __init__(self, name: str, spec: ModelSpec, pipe, counter, device: torch.device, dtype: torch.dtype):

@@ -1,7 +1,12 @@
-"""Qwen-Image 2.1's attention inside a bucket forward: the block-causal attention of diffusers 0.42.1's transformer
-(``models/transformers/transformer_qwenimage21.py``, T: one text segment, then the target) with per-row RoPE and key
-masks as tensors, so that a CUDA graph holds rows of different text lengths (:class:`~bcg_core.families.qwenimage21.
-QwenImage21Adapter`; the padding contract is :mod:`bcg_core.families.qwenimage21`'s docstring)."""
+"""Qwen-Image 2.1's attention and modulation inside a bucket forward.
+
+- :class:`BucketAttnProcessor`: the block-causal attention of diffusers 0.42.1's transformer
+  (``models/transformers/transformer_qwenimage21.py``, T: one text segment, then the target) with per-row RoPE and key
+  masks as tensors, so that a CUDA graph holds rows of different text lengths (:class:`~bcg_core.families.
+  qwenimage21.QwenImage21Adapter`; the padding contract is :mod:`bcg_core.families.qwenimage21`'s docstring).
+- :class:`RowModulation`: a block's modulation with a t = 0 row per row, where T computes one for the whole batch, so
+  that each row's LoRA adapters change its own t = 0 row (rows of one forward may carry different adapters).
+"""
 
 from __future__ import annotations
 
@@ -10,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21AttnProcessor
 
-__all__ = ["BucketAttnProcessor", "BucketMasks"]
+__all__ = ["BucketAttnProcessor", "BucketMasks", "RowModulation"]
 
 
 @dataclass(frozen=True)
@@ -61,3 +66,35 @@ class BucketAttnProcessor(QwenImage21AttnProcessor):
                                       parallel_config=self._parallel_config)
         out = torch.cat([text, image], dim=1).flatten(2, 3).type_as(query)
         return attn.to_out[1](attn.to_out[0](out))
+
+
+class RowModulation:
+    """A ``QwenImage21TransformerBlock``'s ``_modulate`` (T:610-616) that also takes a t = 0 row per row.
+
+    With ``causal_condition``, T embeds the batch's timesteps plus one t = 0 row: ``mod_params`` (B + 1, 2 dim),
+    target tokens scaled and gated by their own row, text tokens by the shared last one (T's
+    ``_select_modulation_rows``). The bucket forward embeds a t = 0 row per row instead, (2B, 2 dim): row ``i``'s own
+    in ``[0, B)`` and its t = 0 row at ``B + i``, each through row ``i``'s LoRA adapters
+    (:meth:`~bcg_core.lora.layers.LoRALayers.stacked`); its text tokens take row ``B + i``. Given anything else (T's
+    own B + 1 rows, no target mask) it *is* the block's own method; at B = 1 the two layouts are one.
+
+    Args:
+        method: the block's own bound ``_modulate``.
+    """
+
+    def __init__(self, method):
+        self.method = method
+
+    def __call__(self, hidden_states: torch.Tensor, mod_params: torch.Tensor,
+                 target_token_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``hidden_states`` (B, L, dim) modulated by ``mod_params`` (2B or B + 1 rows, 2 dim) with
+        ``target_token_mask`` (L,) bool (True at target tokens): ``(hidden_states * (1 + scale), gate)``, both
+        (B, L, dim)."""
+        b = hidden_states.shape[0]
+        if target_token_mask is None or b == 1 or mod_params.shape[0] != 2 * b:
+            return self.method(hidden_states, mod_params, target_token_mask)
+        scale, gate = mod_params.chunk(2, dim=-1)
+        target = target_token_mask.view(1, -1, 1)
+        scale = torch.where(target, scale[:b].unsqueeze(1), scale[b:].unsqueeze(1))
+        gate = torch.where(target, gate[:b].unsqueeze(1), gate[b:].unsqueeze(1))
+        return hidden_states * (1 + scale), gate

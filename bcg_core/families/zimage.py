@@ -51,8 +51,16 @@ alone whose Lc fills Tc equals it bit for bit where the attention kernel ignores
 Previews (:class:`~bcg_core.capabilities.Previews`): the latent image unscaled as the decode does, then the VAE's fitted
 linear latent-to-RGB map (:mod:`bcg_core.preview`).
 
-Not served yet: LoRA (``ZImageLoraLoaderMixin``), the fused step, edits (``ZImageImg2ImgPipeline``), the Omni and
-ControlNet variants; T has no ``CacheMixin``, so no step cache.
+LoRA adapters per request (:mod:`bcg_core.lora`): files are read with ``ZImagePipeline.lora_state_dict``
+(``ZImageLoraLoaderMixin``: kohya's ``lora_unet_`` and ``diffusion_model.`` layouts, ``lora_down``/``lora_up`` with
+alphas folded into the weights, as diffusers converts them). T's own forward feeds ``all_x_embedder`` and
+``cap_embedder`` every row's tokens as one flat sequence, where a linear layer cannot tell the rows apart;
+:meth:`ZImageAdapter.forward` embeds (B, Si, P) and (B, Tc, D) rows first (the same matmul, bit for bit), so each
+row's adapters reach its own tokens, and the unpadded forward (T's) runs once per set of rows carrying the same
+adapters (``ZImageAdapter.eager_mixes_rows``, :meth:`~bcg_core.lora.rows.LoRAAdapter.forward_eager`).
+
+Not served yet: the fused step, edits (``ZImageImg2ImgPipeline``), the Omni and ControlNet variants; T has no
+``CacheMixin``, so no step cache.
 """
 
 from __future__ import annotations
@@ -116,6 +124,10 @@ class ZImageAdapter:
     timestep_max = 1.0
     guidance_embeds = False
     pooled_dim = 0
+    eager_mixes_rows = True
+    """:meth:`forward_eager` (T's own forward) embeds every row's tokens as one flat sequence, so LoRA rows reach it
+    one set of entries at a time (:meth:`~bcg_core.lora.rows.LoRAAdapter.forward_eager`); :meth:`forward` keeps
+    rows first."""
 
     def __init__(self, model: torch.nn.Module, vae_scale_factor: int = 8, max_text_tokens: int = 512):
         cfg = model.config
@@ -205,15 +217,14 @@ class ZImageAdapter:
         x = torch.stack([mdl._patchify_image(img.unsqueeze(1), PATCH, F_PATCH)[0] for img in latents])  # (B, S, P)
         if si > s:  # the model's own pad tokens: any value here, x_pad_token after the embedding
             x = torch.cat([x, x[:, -1:].expand(b, si - s, x.shape[2])], dim=1)
-        x = mdl.all_x_embedder[self._embed_key](x.flatten(0, 1))
-        x_pad = (torch.arange(si, device=x.device) >= s).repeat(b).unsqueeze(-1)
-        x = torch.where(x_pad, mdl.x_pad_token, x).view(b, si, -1)
+        x = mdl.all_x_embedder[self._embed_key](x)  # (B, Si, dim): rows first, as LoRA rows need (T flattens them)
+        x_pad = (torch.arange(si, device=x.device) >= s).view(1, si, 1)
+        x = torch.where(x_pad, mdl.x_pad_token, x)
         x_freqs = mdl.rope_embedder(img_ids.flatten(0, 1)).view(b, si, -1)
         for layer in mdl.noise_refiner:  # every row has Si image tokens: no mask, as T
             x = layer(x, None, x_freqs, adaln)
-        cap = mdl.cap_embedder(text.flatten(0, 1))
-        cap_pad = (keep & ~real).flatten().unsqueeze(-1)
-        cap = torch.where(cap_pad, mdl.cap_pad_token, cap).view(b, tc, -1)
+        cap = mdl.cap_embedder(text)  # (B, Tc, dim)
+        cap = torch.where((keep & ~real).unsqueeze(-1), mdl.cap_pad_token, cap)
         cap_freqs = mdl.rope_embedder(cap_ids.flatten(0, 1)).view(b, tc, -1)
         for layer in mdl.context_refiner:
             cap = layer(cap, keep, cap_freqs)
@@ -262,7 +273,7 @@ class ZImageFamily(Previews):
 
     name = "zimage"
     pipeline_classes = ("ZImagePipeline",)
-    lora_loader = None
+    lora_loader = "ZImagePipeline"
 
     @staticmethod
     def transformer_width(config: dict) -> int:

@@ -65,18 +65,21 @@ def lora_add_(y: torch.Tensor, x: torch.Tensor, AB: torch.Tensor) -> None:
         AB: (slots + 1, max_rank, in + out) the layer's slot buffer (module docstring).
 
     Without rows set (a forward outside the padding wrapper: checks, tests, a compiled forward for rows without
-    adapters), ``y`` is left as it is.
+    adapters), ``y`` is left as it is. Rows set for one row apply to the whole of ``x``, whatever its first
+    dimension: every token of the forward is that row's (an unpadded forward whose rows all carry the same
+    adapters, :meth:`~bcg_core.lora.rows.LoRAAdapter.forward_eager`, through a transformer that flattens its rows'
+    tokens into one sequence before a linear layer, as Z-Image's embedders do).
 
     Raises:
-        ValueError: rows set for another number of rows than ``x`` has.
+        ValueError: rows set for more than one row and another number of rows than ``x`` has.
     """
     rows = getattr(_ROWS, "current", None)
     if rows is None:
         return
     slots, scales = rows
-    n, d_in = x.shape[0], x.shape[-1]
-    if slots.shape[0] != n:  # a layer fed something other than one entry per row would mix up adapters
-        raise ValueError(f"LoRA rows set for {slots.shape[0]} rows, the layer's input has {n} in its first dimension")
+    n, d_in = slots.shape[0], x.shape[-1]
+    if x.shape[0] != n and n != 1:  # a layer fed something other than one entry per row would mix up adapters
+        raise ValueError(f"LoRA rows set for {n} rows, the layer's input has {x.shape[0]} in its first dimension")
     ab = AB[slots]  # (n, K, r, in + out): one gather for both halves
     a = ab[..., :d_in].flatten(1, 2)  # (n, K*r, in), a view (the row stride of A is in + out)
     bt = torch.empty((*ab.shape[:3], ab.shape[3] - d_in), dtype=y.dtype, device=y.device)
@@ -264,6 +267,23 @@ class LoRALayers:
         the layers' device (None: no rows, every delta skipped), restoring the previous rows after."""
         before = getattr(_ROWS, "current", None)
         _ROWS.current = None if slots is None else (slots, scales)
+        try:
+            yield
+        finally:
+            _ROWS.current = before
+
+    @staticmethod
+    @contextlib.contextmanager
+    def stacked(times: int) -> Iterator[None]:
+        """Forwards on this thread inside the block take inputs that hold the forward's n rows ``times`` over, stacked
+        along the first dimension (``torch.cat`` of ``times`` tensors of one entry per row): entry ``j`` of such an
+        input is row ``j % n``'s, and gets that row's adapters. Qwen-Image 2.1's bucket forward embeds each row's
+        timestep and its own t = 0 (``times`` 2) this way (:meth:`~bcg_core.families.qwenimage21.QwenImage21Adapter.
+        forward`). Without rows set, nothing changes; the previous rows are restored after."""
+        before = getattr(_ROWS, "current", None)
+        if before is not None:
+            slots, scales = before
+            _ROWS.current = (slots.repeat(times, 1), scales.repeat(times, 1))
         try:
             yield
         finally:

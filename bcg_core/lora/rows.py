@@ -107,9 +107,33 @@ class LoRAAdapter(PlainForward):
         return self.inner.unpad(output, inputs)
 
     def forward_eager(self, inputs: DenoiseInputs) -> torch.Tensor:
-        """The family's unpadded forward with ``inputs``' entries as this thread's LoRA rows (none: no deltas)."""
+        """The family's unpadded forward with ``inputs``' entries as this thread's LoRA rows (none: no deltas).
+
+        A family whose unpadded forward feeds a linear layer something other than one entry per row
+        (``eager_mixes_rows`` on its adapter: Z-Image's transformer embeds every row's tokens as one flat sequence,
+        Qwen-Image 2.1's runs each row alone with an extra t = 0 row) runs once per set of rows that carry the same
+        entries, with those entries as one row (:func:`~bcg_core.lora.layers.lora_add_` applies one row's entries to
+        all of a layer's input); the rows' outputs are put back in their order. Rows of one request share their
+        entries, so a request alone is one forward, as diffusers runs it.
+        """
         if inputs.lora_slots is None:
             return self.inner.forward_eager(inputs)
         device = self.layers.device
-        with self.layers.rows(inputs.lora_slots.to(device), inputs.lora_scales.to(device)):
-            return self.inner.forward_eager(inputs)
+        slots, scales = inputs.lora_slots.to(device), inputs.lora_scales.to(device)
+        if not getattr(self.inner, "eager_mixes_rows", False):
+            with self.layers.rows(slots, scales):
+                return self.inner.forward_eager(inputs)
+        groups: dict[tuple, list[int]] = {}
+        for i, entry in enumerate(zip(inputs.lora_slots.tolist(), inputs.lora_scales.tolist(), strict=True)):
+            groups.setdefault(repr(entry), []).append(i)
+        if len(groups) == 1:
+            with self.layers.rows(slots[:1], scales[:1]):
+                return self.inner.forward_eager(inputs)
+        out = None
+        for rows in groups.values():
+            with self.layers.rows(slots[rows[:1]], scales[rows[:1]]):
+                part = self.inner.forward_eager(inputs.select(rows))
+            if out is None:
+                out = part.new_empty((inputs.rows, *part.shape[1:]))
+            out[rows] = part
+        return out

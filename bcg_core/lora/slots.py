@@ -362,8 +362,8 @@ def install(config, model) -> AdapterSlots | None:
 
     Raises:
         ValueError: a family that serves no adapters (:func:`unserved`: PixArt-Sigma, whose diffusers pipeline has no
-            LoRA loader; FLUX.2, Z-Image and Qwen-Image 2.1, not served yet), or a ``lora.dir`` that is not a folder,
-            or ``lora.targets`` that match no linear layer.
+            LoRA loader, or a family whose adapters are not served yet), or a ``lora.dir`` that is not a folder, or
+            ``lora.targets`` that match no linear layer.
     """
     cfg = config.lora
     if cfg.dir is None:
@@ -386,9 +386,9 @@ def install(config, model) -> AdapterSlots | None:
 def unserved(loader: str | None, pipeline_class: str, family: str) -> str | None:
     """Why ``lora.dir`` cannot be served for a ``pipeline_class`` checkpoint whose family reads adapters with
     ``loader`` (:attr:`~bcg_core.families.Family.lora_loader`), or None where it can. A family without a loader is
-    told apart by the installed diffusers: where its pipeline has a LoRA loader mixin (FLUX.2's
-    ``Flux2LoraLoaderMixin``, Z-Image's, Qwen-Image 2.1's), bcg-serve does not serve adapters for that family yet;
-    where it has none (PixArt-Sigma), no adapter of it can be read as diffusers reads it."""
+    told apart by the installed diffusers: where its pipeline has a LoRA loader mixin (e.g. ``WanLoraLoaderMixin``),
+    bcg-serve does not serve adapters for that family yet; where it has none (PixArt-Sigma), no adapter of it can be
+    read as diffusers reads it."""
     if loader is not None:
         return None
     import diffusers

@@ -22,8 +22,15 @@ at most 0.1% of the pixel values): one adapter at 0.8 on two images (with their 
 CFG); two adapters at 0.8 and -0.5; a two-adapter request joining a running request that carries one adapter
 at another scale, their rows and a pad row sharing each padded forward. So that the gates cannot pass with
 adapters ignored, each adapter, and the request's scale, must move the final latents by a thousand times
-that tolerance. PixArt-Sigma, whose diffusers pipeline has no LoRA loader, refuses ``lora.dir`` when the
-pipeline is built.
+that tolerance. PixArt-Sigma, whose diffusers pipeline has no LoRA loader, refuses ``lora.dir`` in ``bcg config
+--check`` and when the pipeline is built.
+
+FLUX.2 [dev] and [klein], Z-Image and Qwen-Image 2.1 (:data:`NEWER`) have one combined gate each, two steps at the
+smallest shapes: ``style-a`` as above, and ``style-b`` written in a published non-diffusers layout that diffusers'
+``lora_state_dict`` converts (``tiny.lora.make_published``: FLUX.2's original names with the fused ``qkv``, kohya's
+for Z-Image, ``diffusion_model.`` for Qwen-Image 2.1), on every linear layer; a two-adapter request with CFG rows
+joins a running one-adapter request, through padded bucket forwards and, where the family's unpadded forward
+does not keep one entry per row (``eager_mixes_rows``), through unpadded ones too.
 """
 
 from __future__ import annotations
@@ -35,12 +42,21 @@ from pathlib import Path
 
 import pytest
 import torch
-from diffusers import FluxPipeline, QwenImagePipeline, SanaPipeline, StableDiffusion3Pipeline
+from diffusers import (
+    Flux2KleinPipeline,
+    Flux2Pipeline,
+    FluxPipeline,
+    QwenImage21Pipeline,
+    QwenImagePipeline,
+    SanaPipeline,
+    StableDiffusion3Pipeline,
+    ZImagePipeline,
+)
 
 from bcg_core import DiTPipeline, GenerationRequest, RequestError
 from reference_gate import RTOL, GateRun, assert_same, bcg_pipeline, bcg_run, bcg_run_joined, bcg_state, diffusers_run
 from tiny import flux, flux2, pixart, qwenimage, qwenimage21, sana, sd3, zimage
-from tiny.lora import make_adapter
+from tiny.lora import make_adapter, make_published
 
 LORA = {"slots": 2, "max_rank": 8, "max_per_request": 2}
 """The ``lora`` section (``dir`` added per family): two resident adapters, both at once in one request."""
@@ -230,50 +246,37 @@ def test_an_adapter_on_sanas_convolutions_is_refused_naming_the_layer(served):
     assert "not a linear layer" in e.value.message
 
 
-def test_pixart_sigma_refuses_lora_dir_at_start(tmp_path):
+def test_pixart_sigma_refuses_lora_dir_before_ray_starts_and_at_start(tmp_path):
     folder = pixart.build(tmp_path / "pixart")
     (tmp_path / "loras").mkdir()
     buckets = {"batch_sizes": [1], "resolutions": ["256x256"], "text_lengths": [16]}
+    with pytest.raises(ValueError, match=r"PixArtSigmaPipeline \(family pixart\) has no LoRA loader in diffusers"):
+        _check_config(tmp_path, folder, buckets, tmp_path / "loras")  # bcg config --check, bcg serve
     with pytest.raises(ValueError, match="PixArtSigmaPipeline .*has no LoRA loader in diffusers"):
         bcg_pipeline(folder, buckets, lora={"dir": str(tmp_path / "loras")})
     assert bcg_pipeline(folder, buckets).lora is None  # without lora.dir it is served as before
 
 
-NOT_YET = {  # family: (tiny builder, its diffusers LoRA loader, a bucket table)
-    "flux2": (flux2.build, "Flux2LoraLoaderMixin",
-              "{batch_sizes: [1], resolutions: ['32x32'], text_lengths: [96]}"),
-    "zimage": (zimage.build, "ZImageLoraLoaderMixin",
-               "{batch_sizes: [1], resolutions: ['32x32'], text_lengths: [32]}"),
-    "qwenimage21": (qwenimage21.build, "QwenImageLoraLoaderMixin",
-                    "{batch_sizes: [1], resolutions: ['64x64'], text_lengths: [32]}"),
-}
-
-
-def test_lora_dir_on_a_family_not_served_yet_is_refused_before_ray_starts_saying_why(tmp_path):
-    """FLUX.2, Z-Image and Qwen-Image 2.1 have diffusers LoRA loaders: the refusal says bcg-serve does not serve their
-    adapters yet (not that diffusers has no loader), in ``bcg config --check`` / ``bcg serve`` before Ray starts, and
-    at a replica's start alike; PixArt-Sigma's still says diffusers has none."""
+def _check_config(tmp_path: Path, folder: Path, buckets: dict, loras: Path) -> None:
+    """``bcg config --check`` (``check_config``) of a config serving ``folder`` with ``lora.dir`` = ``loras``."""
     from deployments.cli.local import check_config
 
-    (tmp_path / "loras").mkdir()
-    folders = {name: build(tmp_path / name) for name, (build, _, _) in NOT_YET.items()}
-    folders["pixart"] = pixart.build(tmp_path / "pixart")
-    for name, folder in folders.items():
-        buckets = NOT_YET[name][2] if name in NOT_YET else "{batch_sizes: [1], resolutions: ['256x256']}"
-        config = tmp_path / f"{name}.yaml"
-        config.write_text(f"model: {{path: {folder}, device: cpu}}\nlimits: {{min_side_px: 32}}\n"
-                          f"buckets: {buckets}\nlora: {{dir: {tmp_path / 'loras'}}}\n")
-        with pytest.raises(ValueError) as e:
-            check_config(config)
-        if name == "pixart":
-            assert "PixArtSigmaPipeline (family pixart) has no LoRA loader in diffusers" in str(e.value)
-            continue
-        assert "bcg-serve does not serve LoRA adapters for this family yet" in str(e.value), str(e.value)
-        assert NOT_YET[name][1] in str(e.value) and "no LoRA loader in diffusers" not in str(e.value)
-        assert f"(family {name})" in str(e.value) and "unset lora.dir" in str(e.value)
-    with pytest.raises(ValueError, match=r"ZImagePipeline \(family zimage\).*does not serve LoRA adapters"):
-        bcg_pipeline(folders["zimage"], {"batch_sizes": [1], "resolutions": ["32x32"], "text_lengths": [32]},
-                     lora={"dir": str(tmp_path / "loras")})
+    config = tmp_path / f"{folder.name}.yaml"
+    config.write_text(f"model: {{path: {folder}, device: cpu}}\nlimits: {{min_side_px: 16}}\n"
+                      f"buckets: {dict(buckets)}\nlora: {{dir: {loras}}}\n")
+    check_config(config)
+
+
+def test_a_family_without_a_diffusers_loader_is_told_apart_from_one_bcg_serve_does_not_serve():
+    """:func:`~bcg_core.lora.slots.unserved` names the diffusers loader where the pipeline has one (a family that
+    sets no ``lora_loader`` although diffusers loads its adapters) and says there is none otherwise; a family
+    that names its loader is served."""
+    from bcg_core.lora.slots import unserved
+
+    told = unserved(None, "Flux2KleinPipeline", "flux2")
+    assert "bcg-serve does not serve LoRA adapters for this family yet" in told and "Flux2LoraLoaderMixin" in told
+    assert "has no LoRA loader in diffusers" in unserved(None, "PixArtSigmaPipeline", "pixart")
+    assert unserved("Flux2Pipeline", "Flux2KleinPipeline", "flux2") is None
 
 
 def test_a_cached_request_with_adapters_equals_diffusers_with_its_cache(served):
@@ -290,3 +293,117 @@ def test_a_cached_request_with_adapters_equals_diffusers_with_its_cache(served):
     steps = request_cache(state).describe()["steps"]
     assert sum(s["reused"] for s in steps.values()) > 0  # the case reuses steps
     assert_same(GateRun(state.latents.float().cpu(), served.pipe.finish(state)), ref)
+
+
+@dataclass(frozen=True)
+class Newer(Family):
+    """A family served since FLUX.2, Z-Image and Qwen-Image 2.1 took adapters: ``style-b`` is written in ``layout``
+    (:func:`tiny.lora.make_published`: a published non-diffusers layout diffusers' ``lora_state_dict`` converts, on
+    every linear layer of the transformer) instead of diffusers' own."""
+
+    layout: str = ""
+
+
+NEWER = {
+    "flux2-dev": Newer(
+        Flux2Pipeline, lambda folder: flux2.build(folder, "dev"),
+        dict(batch_sizes=[1, 2, 4], resolutions=["32x32"], text_lengths=[flux2.TEXT_TOKENS]),
+        dict(prompt=PROMPT, width=32, height=32, guidance_scale=4.0), dict(guidance_scale=5.0),  # an embedding
+        targets_a=[*ATTENTION, "add_k_proj", "ff.linear_in", "to_qkv_mlp_proj", "double_stream_modulation_img.linear",
+                   "guidance_embedder.linear_1"],
+        targets_b=[], call=dict(max_sequence_length=flux2.TEXT_TOKENS), layout="flux2-bfl"),
+    "flux2-klein": Newer(
+        Flux2KleinPipeline, lambda folder: flux2.build(folder, "klein"),
+        dict(batch_sizes=[1, 2, 4], resolutions=["32x32"], text_lengths=[flux2.TEXT_TOKENS]),
+        dict(prompt=PROMPT, width=32, height=32, guidance_scale=4.0), dict(guidance_scale=1.0),  # CFG above 1
+        targets_a=[*ATTENTION, "add_v_proj", "ff_context.linear_out", "single_transformer_blocks.0.attn.to_out",
+                   "single_stream_modulation.linear", "timestep_embedder.linear_2"],
+        targets_b=[], call=dict(max_sequence_length=flux2.TEXT_TOKENS), layout="flux2-bfl"),
+    "zimage": Newer(
+        ZImagePipeline, lambda folder: zimage.build(folder),
+        dict(batch_sizes=[1, 2, 4], resolutions=["32x32"], text_lengths=[32]),
+        dict(prompt=PROMPT, width=32, height=32, negative_prompt="blurry"), dict(guidance_scale=0.0),  # CFG above 0
+        # the embedders T feeds every row's tokens as one flat sequence, the blocks' AdaLN and MLP
+        targets_a=[*ATTENTION, "w1", "w3", "0.adaLN_modulation.0", "all_x_embedder.2-1", "cap_embedder.1", "mlp.0"],
+        targets_b=[], layout="kohya"),
+    "qwenimage21": Newer(
+        QwenImage21Pipeline, lambda folder: qwenimage21.build(folder),
+        dict(batch_sizes=[1, 2, 4], resolutions=["64x64"], text_lengths=[32]),
+        dict(prompt=PROMPT, width=64, height=64, negative_prompt="blurry", true_cfg_scale=4.0),
+        dict(negative_prompt=None, true_cfg_scale=None),
+        # the time embedding and the shared modulation (each row's own t = 0 row), text and image inputs, the MLP
+        targets_a=[*ATTENTION, "gate_layer", "modulation.1", "timestep_embedder.linear_1", "txt_in.in_layer", "img_in"],
+        targets_b=[], limits=dict(min_side_px=32), layout="diffusion-model"),
+}
+
+
+def _diffusers_layout(pipe: DiTPipeline, run: GateRun, request: GenerationRequest) -> GateRun:
+    """bcg-serve's final latents in diffusers' ``output_type="latent"`` layout: FLUX.2 [klein]'s unpacked and
+    un-normalised (:meth:`~bcg_core.families.flux2.Flux2Family.unpacked_latents`), every other's as they are."""
+    if pipe.model.spec.pipeline_class != "Flux2KleinPipeline":
+        return run
+    ids = Flux2Pipeline._prepare_latent_ids(torch.empty(request.n, 0, *pipe.model.rules.grid(request.width,
+                                                                                            request.height)))
+    return GateRun(pipe.model.unpacked_latents(run.latents, ids), run.pngs)
+
+
+def _all_eager(pipe: DiTPipeline):
+    """Costs under which every forward runs unpadded and eager (:meth:`~bcg_core.lora.rows.LoRAAdapter.
+    forward_eager`), rows of several requests together."""
+    from bcg_core.costs import CostModel
+
+    keys = pipe.table.keys
+    return CostModel({k: 1e3 for k in keys}, {k.shape: {1: 1e-3, 8: 8e-3} for k in keys}, eager=True)
+
+
+@pytest.mark.parametrize("name", list(NEWER))
+def test_newer_family_adapters_equal_diffusers_alone_beside_other_rows_and_unpadded(name, tmp_path, monkeypatch):
+    """FLUX.2 [dev] and [klein], Z-Image and Qwen-Image 2.1: ``lora.dir`` passes the check before Ray starts;
+    ``style-a`` (diffusers' layout, rank and alpha patterns) and ``style-b`` (a published layout, converted by
+    diffusers' loader, on every linear layer) at 0.8 and -0.5 on a request with CFG rows (two images on [dev]) that
+    joins a running request carrying ``style-b`` at 1.2: both requests' final latents equal diffusers' with
+    ``load_lora_weights`` and ``set_adapters``, their rows and a pad row sharing padded bucket forwards. Where the
+    family's unpadded forward does not keep one entry per row in every linear layer (``eager_mixes_rows``: Z-Image's
+    embedders take every row's tokens as one sequence, Qwen-Image 2.1's time embedding adds a t = 0 row), the same
+    again through unpadded eager forwards of both requests' rows."""
+    from bcg_core.config import ModelConfig
+    from bcg_core.lora.slots import check_served
+
+    if name == "qwenimage21":
+        qwenimage21.without_torchvision(monkeypatch)
+    fam = NEWER[name]
+    folder = fam.build(tmp_path / "ckpt")
+    loras = make_adapter(fam.pipeline_cls, folder, "style-a", fam.targets_a, rank=4, alpha=8, seed=0,
+                         rank_pattern={"to_q": 2}, alpha_pattern={"to_k": 3})
+    make_published(folder, "style-b", fam.layout, rank=8, alpha=4, seed=1)
+    check_served(ModelConfig(path=str(folder)))  # bcg config --check and bcg serve take lora.dir for it
+    pipe = bcg_pipeline(folder, fam.buckets, lora={"dir": str(loras), **LORA}, **fam.limits)
+
+    a, b = (pipe.lora.files.read(n) for n in ("style-a", "style-b"))
+    assert {(d.rank, d.scaling) for n, d in a.layers.items() if n.endswith(".to_q")} == {(2, 8 / 2)}
+    assert {(d.rank, d.scaling) for n, d in a.layers.items() if n.endswith(".to_k")} == {(4, 3 / 4)}
+    assert set(b.layers) == set(pipe.lora.layers.layers)  # converted onto every linear layer, none dropped
+    assert {(d.rank, d.scaling) for d in b.layers.values()} == {(8, 1.0)}  # alphas folded into the weights
+
+    other = GenerationRequest(**{**fam.request, **fam.no_cfg}, n=1, num_inference_steps=3, seed=3,
+                              lora=(("style-b", 1.2),))
+    req = GenerationRequest(**fam.request, n=1, num_inference_steps=2, seed=7, lora=TWO)
+    if pipe.validator.validate(req).rows == 1:  # [dev]: no CFG rows, so two images
+        req = dataclasses.replace(req, n=2)
+    assert [pipe.validator.validate(r).rows for r in (req, other)] == [2, 1]
+    refs = [diffusers_run(fam.pipeline_cls, folder, r, lora_dir=loras, images=False, **fam.call) for r in (req, other)]
+    inner, eager_rows = pipe.model.adapter.inner, []  # the rows of each unpadded forward of the family
+    monkeypatch.setattr(inner, "forward_eager", lambda x, f=inner.forward_eager: eager_rows.append(x.rows) or f(x))
+    mixes = getattr(inner, "eager_mixes_rows", False)
+    for costs in (None, _all_eager(pipe)) if mixes else (None,):  # padded bucket forwards, then unpadded eager ones
+        if costs is not None:
+            pipe.decider.set_costs(costs, merge=False)
+        ours = bcg_run_joined(pipe, req, other, head_start=1, images=False)
+        for run, r, ref in zip(ours, (req, other), refs, strict=True):
+            assert_same(_diffusers_layout(pipe, run, r), ref)
+        if costs is None:
+            assert eager_rows == [], "a bucket forward failed and ran unpadded"
+    if mixes:  # other alone, then both requests' rows in one step: one forward per request's entries
+        assert eager_rows[0] == 1 and sorted(eager_rows[1:3]) == [1, 2], eager_rows
+    plain = _latents(pipe, dataclasses.replace(req, lora=()))
+    assert _changed(ours[0].latents, plain) > CHANGED, "the adapters left the latents as they were"
