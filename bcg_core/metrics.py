@@ -317,7 +317,7 @@ class BucketMetrics:
             buckets = [
                 {
                     "key": str(k), "batch": k.batch, "image_tokens": k.image_tokens, "text_tokens": k.text_tokens,
-                    "latent_hw": list(k.latent_hw) if k.latent_hw else None, "shape": k.shape,
+                    "latent_hw": list(k.latent_hw) if k.latent_hw else None, "frames": k.frames, "shape": k.shape,
                     "requests": c.requests, "hits": c.hits, "forwards": c.forwards,
                     "replays": c.replays, "forwards_by_mode": c.forwards_by_mode, "captures": c.captures,
                     "faults": c.faults,

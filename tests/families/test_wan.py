@@ -228,10 +228,15 @@ def test_token_counts_are_what_the_encoder_reads_and_longer_prompts_are_refused(
 
 
 def test_a_wan_2_2_checkpoint_with_two_experts_is_refused_naming_why(tmp_path):
-    index = {"_class_name": "WanPipeline", "boundary_ratio": 0.875,
-             "transformer_2": ["diffusers", "WanTransformer3DModel"]}
-    with pytest.raises(ValueError, match="two experts .* is not served yet; serve a Wan 2.1 checkpoint"):
-        WanFamily.describe(tmp_path, index)
+    """Wan 2.2's layout (``transformer_2`` below ``boundary_ratio``), which diffusers loads, is refused before any
+    weight loads, naming why."""
+    from bcg_core.config import ModelConfig
+    from bcg_core.models import CheckpointError, describe_model
+
+    folder = build(tmp_path / "wan22", boundary_ratio=0.875)
+    assert WanPipeline.from_pretrained(str(folder), local_files_only=True).transformer_2 is not None
+    with pytest.raises((ValueError, CheckpointError), match="two experts .* is not served yet; serve a Wan 2.1"):
+        describe_model(ModelConfig(path=str(folder)))
 
 
 def test_a_config_without_buckets_gets_the_family_table_in_config_check_plan_and_routing(folder, tmp_path, capsys):

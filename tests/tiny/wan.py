@@ -49,17 +49,10 @@ def _transformer(seed: int, layers: int = 1):
     ).eval()
 
 
-def build(folder: Path, boundary_ratio: float | None = None, layers: int = 1) -> Path:
-    """Write the tiny Wan pipeline to ``folder`` (created); returns it.
-
-    Args:
-        folder: where to write the pipeline.
-        boundary_ratio: None: Wan 2.1 (one transformer). A ratio in (0, 1): Wan 2.2's two experts, ``transformer``
-            for timesteps at or above ``boundary_ratio x 1000``, ``transformer_2`` below.
-        layers: transformer blocks (a step cache's tests need a head block, blocks after it and a tail: 3).
-    """
+def _common():
+    """Tokenizer, text encoder, VAE and scheduler (seeded)."""
     import torch
-    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler
     from transformers import UMT5Config, UMT5EncoderModel
 
     from .tokenizers import t5_tokenizer
@@ -70,14 +63,29 @@ def build(folder: Path, boundary_ratio: float | None = None, layers: int = 1) ->
         vocab_size=len(tokenizer), d_model=32, d_kv=8, d_ff=37, num_layers=1, num_heads=4,
         relative_attention_num_buckets=8, decoder_start_token_id=0, pad_token_id=0, eos_token_id=1,
     )).eval()
-    transformer = _transformer(1, layers)
-    transformer_2 = _transformer(3, layers) if boundary_ratio is not None else None
     torch.manual_seed(2)
     vae = AutoencoderKLWan(base_dim=8, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
                            temperal_downsample=[False, True, True]).eval()
-    sched = UniPCMultistepScheduler(**WAN_SCHEDULER_CONFIG)
-    pipe = WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, scheduler=sched,
-                       transformer=transformer, transformer_2=transformer_2, boundary_ratio=boundary_ratio)
+    return dict(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae,
+                scheduler=UniPCMultistepScheduler(**WAN_SCHEDULER_CONFIG))
+
+
+def build(folder: Path, boundary_ratio: float | None = None, layers: int = 1) -> Path:
+    """Write the tiny Wan pipeline to ``folder`` (created); returns it.
+
+    Args:
+        folder: where to write the pipeline.
+        boundary_ratio: None: Wan 2.1 (one transformer). A ratio in (0, 1): Wan 2.2's two experts, ``transformer``
+            for timesteps at or above ``boundary_ratio x 1000``, ``transformer_2`` below.
+        layers: transformer blocks (a step cache's tests need a head block, blocks after it and a tail: 3).
+    """
+    from diffusers import WanPipeline
+
+    common = _common()
+    transformer = _transformer(1, layers)
+    transformer_2 = _transformer(3, layers) if boundary_ratio is not None else None
+    pipe = WanPipeline(**common, transformer=transformer, transformer_2=transformer_2, boundary_ratio=boundary_ratio)
     folder = Path(folder)
     pipe.save_pretrained(folder)
     return folder
+
