@@ -26,7 +26,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-__all__ = ["LazyPreview", "LinearPreview", "PartialImage", "preview_steps", "vae_latents", "vae_preview"]
+__all__ = ["LazyPreview", "LinearPreview", "PartialImage", "StepProgress", "preview_steps", "vae_latents",
+           "vae_preview"]
 
 
 def preview_steps(steps: int, partial_images: int) -> tuple[int, ...]:
@@ -61,6 +62,22 @@ class PartialImage:
     image_index: int
     step: int
     data: bytes
+
+
+@dataclass(frozen=True)
+class StepProgress:
+    """A request's denoising progress, streamed after each of its steps when its caller asks for it
+    (:meth:`~bcg_core.scheduler.step_scheduler.StepScheduler.submit_stream` with ``progress``; a video job's
+    ``progress``, :mod:`deployments.videos.worker`).
+
+    Attributes:
+        step: steps done, 1..``steps``.
+        steps: steps the request runs (an edit's: its strength's share, :attr:`~bcg_core.request.ValidatedRequest.
+            steps_run`).
+    """
+
+    step: int
+    steps: int
 
 
 def vae_latents(vae: torch.nn.Module, images: torch.Tensor) -> torch.Tensor:

@@ -156,13 +156,14 @@ class DiTReplica:
         key = RoutingKey.parse(serve.get_multiplexed_model_id())
         return self._served_result(await self._scheduler.submit(validated), key)
 
-    async def generate_stream(self, request: ValidatedRequest):
+    async def generate_stream(self, request: ValidatedRequest, progress: bool = False):
         """:meth:`generate` for a streamed request (``handle.options(stream=True)``): yields
         :data:`~deployments.routing.ACCEPTED` once the request is validated, counted and its LoRA adapters are
         resident (:meth:`StepScheduler.lease`: one it cannot serve is a plain 422 or 503), then its previews
         (:class:`~bcg_core.preview.PartialImage`, ``partial_images`` of them per image at most) as the step
-        scheduler draws them, then its :class:`GenerationResult`. A caller that stops reading (Ray cancels the
-        generator) cancels the request at its next step.
+        scheduler draws them and, with ``progress``, a :class:`~bcg_core.preview.StepProgress` after each denoising
+        step (a video job's progress), then its :class:`GenerationResult`. A caller that stops reading (Ray cancels
+        the generator) cancels the request at its next step.
 
         Raises:
             TypeError: as :meth:`generate`.
@@ -176,7 +177,7 @@ class DiTReplica:
         try:
             yield ACCEPTED
             handed = True
-            async for event in self._scheduler.submit_stream(validated, lease=lease):
+            async for event in self._scheduler.submit_stream(validated, lease=lease, progress=progress):
                 yield self._served_result(event, key) if isinstance(event, GenerationResult) else event
         finally:
             if not handed and lease is not None:  # the caller left before the stream began

@@ -20,6 +20,9 @@ Routes (relative to the application's route prefix):
   without it), the edits it serves (``edits``, null for a family without) and its step cache (``cache_methods``,
   ``cache_default``) under ``bcg``.
 - ``GET /healthz``: ``{"status": "ok"}``; never asks for a key.
+- ``/v1/videos`` (a video model's: create, list, retrieve, delete, ``cancel``, ``content``; OpenAI's Videos API):
+  :mod:`deployments.videos.routes` answers them, and its worker, started here, runs the jobs on this replica's event
+  loop; an image model answers them 404, and a video model its image routes 422 (field ``model``).
 - ``POST /v1/images/variations``: not served; answered 404 in OpenAI's error shape (code ``unsupported_endpoint``)
   saying to use ``/v1/images/edits``, without reading the body, after the API key check
   (:func:`~deployments.http_errors.unsupported_response`).
@@ -56,6 +59,7 @@ when no replica could serve it (under overload at once, with ``Retry-After``: ba
 # of the class-based view that ``serve.ingress`` builds, and postponed annotations hide them from it.
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import time
@@ -106,6 +110,7 @@ from .uploads import (
     read_form,
     upload_limit,
 )
+from .videos.create import VIDEO_BODY, VIDEO_CONTENT
 
 __all__ = ["Ingress"]
 
@@ -120,6 +125,7 @@ app.add_middleware(IdleTrimMiddleware)  # trims this process's heap once no requ
 
 _ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {c: {"model": ErrorBody} for c in (400, 401, 413, 415, 422, 500,
                                                                                       503)}
+_VIDEO_ERRORS = {**_ERROR_RESPONSES, 404: {"model": ErrorBody}, 409: {"model": ErrorBody}}
 _IMAGES_200 = {"description": "The images as JSON; with `stream: true` Server-Sent Events instead "
                               "(`<kind>.partial_image`, then `<kind>.completed` per image; kind `image_generation`, "
                               "or `image_edit` for an edit).",
@@ -190,6 +196,19 @@ class Ingress:
         self._edits = edits_card(self._validator.spec, self._config.limits)
         self._background = "transparent" if self._validator.spec.output_alpha else "opaque"  # what the images are
         configure_ingress(self._config)  # large buffers mmapped; the heap trimmed once idle
+        self._videos = None  # a video model's /v1/videos routes and the worker running their jobs
+        if self._validator.spec.video:
+            from .videos.routes import VideoRoutes, owner_id
+
+            self._videos = VideoRoutes(self._config, self._validator, self._validate, dit_handle, owner_id())
+            with contextlib.suppress(RuntimeError):  # outside Serve no loop runs here: the caller starts it
+                self._videos.worker.start()
+
+    def __del__(self):
+        """Graceful stop: the video worker's running jobs go back to the queue (for another replica, or this one
+        restarted; should this fail, their leases run out and they re-queue then)."""
+        if getattr(self, "_videos", None) is not None:
+            self._videos.worker.stop_now()
 
     def _request_limits(self) -> RequestLimits:
         return RequestLimits(
@@ -214,7 +233,9 @@ class Ingress:
         return {"status": "ok"}
 
     def _model_card(self) -> ModelCard:
-        return model_card(self._validator, self._config, self._model_name, self._started, self._adapters, self._edits)
+        card = model_card(self._validator, self._config, self._model_name, self._started, self._adapters, self._edits)
+        card.bcg["videos"] = self._videos.options.card() if self._videos is not None else None
+        return card
 
     async def _validate(self, request: GenerationRequest) -> ValidatedRequest:
         """``self._validator.validate(request)`` on the validation thread (raises its :class:`RequestError`)."""
@@ -357,6 +378,7 @@ class Ingress:
         ``stream: true`` Server-Sent Events of ``kind``; every refusal in OpenAI's error shape. The one path of
         generations and edits."""
         try:
+            self._validator.spec.check_output(video=False)  # a video model's videos: POST /v1/videos
             validated = await self._validate(request)
             await self._check_adapters(validated)
         except RequestError as exc:
@@ -428,3 +450,42 @@ class Ingress:
         ``/v1/images/edits``."""
         return self._refused(request) or unsupported_response("/v1/images/variations")
 
+    def _video_refusal(self, request: Request, route: str) -> JSONResponse | None:
+        """The 401 of a request without a known key, the 404 of a video route on an image model, or None."""
+        refused = self._refused(request)
+        if refused is None and self._videos is None:
+            from .videos.routes import videos_unsupported
+
+            return videos_unsupported(self._validator.spec, route)
+        return refused
+
+    @app.post("/v1/videos", responses=_VIDEO_ERRORS, openapi_extra=VIDEO_BODY)
+    async def create_video(self, request: Request):
+        """Create a video job (OpenAI ``videos.create``): JSON or a form; answered ``queued`` at once."""
+        return self._video_refusal(request, "POST /v1/videos") or await self._videos.create(request)
+
+    @app.get("/v1/videos", responses=_VIDEO_ERRORS)
+    async def list_videos(self, request: Request):
+        """A page of video jobs (``videos.list``: ``after``, ``limit``, ``order``)."""
+        return self._video_refusal(request, "GET /v1/videos") or await self._videos.list(request)
+
+    @app.get("/v1/videos/{video_id}", responses=_VIDEO_ERRORS)
+    async def retrieve_video(self, video_id: str, request: Request):
+        """One video job (``videos.retrieve``)."""
+        return self._video_refusal(request, "GET /v1/videos/{id}") or await self._videos.retrieve(video_id)
+
+    @app.delete("/v1/videos/{video_id}", responses=_VIDEO_ERRORS)
+    async def delete_video(self, video_id: str, request: Request):
+        """Delete a video job and its files (``videos.delete``)."""
+        return self._video_refusal(request, "DELETE /v1/videos/{id}") or await self._videos.delete(video_id)
+
+    @app.post("/v1/videos/{video_id}/cancel", responses=_VIDEO_ERRORS)
+    async def cancel_video(self, video_id: str, request: Request):
+        """Cancel a queued or running video job: ``failed`` with error code ``cancelled``."""
+        return self._video_refusal(request, "POST /v1/videos/{id}/cancel") or await self._videos.cancel(video_id)
+
+    @app.get("/v1/videos/{video_id}/content", responses={**_VIDEO_ERRORS, 200: VIDEO_CONTENT})
+    async def video_content(self, video_id: str, request: Request):
+        """A completed job's file (``videos.download_content``: ``variant`` video, thumbnail or spritesheet)."""
+        return (self._video_refusal(request, "GET /v1/videos/{id}/content")
+                or await self._videos.content(video_id, request))

@@ -105,9 +105,10 @@ def overloaded(exc: BackPressureError, retry_after_s: float) -> Overloaded:
                       f"after {retry_after_s:g} s", retry_after_s=retry_after_s)
 
 
-async def stream_dit(handle, validated: ValidatedRequest, retry_after_s: float = 2.0):
+async def stream_dit(handle, validated: ValidatedRequest, retry_after_s: float = 2.0, progress: bool = False):
     """Stream ``validated`` from the DiT deployment (``DiTReplica.generate_stream``), keyed by its bucket shape:
-    yields :data:`ACCEPTED` once the replica took it, then its previews, then its :class:`GenerationResult`.
+    yields :data:`ACCEPTED` once the replica took it, then its previews (and with ``progress`` a
+    :class:`~bcg_core.preview.StepProgress` after each denoising step), then its :class:`GenerationResult`.
 
     Not resent when the replica dies: previews may already have reached the client, so the failure is the
     caller's to report. Closing this iterator before the result (the client went away) cancels the call,
@@ -118,7 +119,8 @@ async def stream_dit(handle, validated: ValidatedRequest, retry_after_s: float =
         Overloaded: the deployment's queue for this caller is full (with ``retry_after_s``).
         ReplicaUnavailable: the replica died mid-stream.
     """
-    gen = handle.options(multiplexed_model_id=bucket_shape(validated), stream=True).generate_stream.remote(validated)
+    streamed = handle.options(multiplexed_model_id=bucket_shape(validated), stream=True).generate_stream
+    gen = streamed.remote(validated, progress=True) if progress else streamed.remote(validated)
     finished = False
     try:
         async for event in gen:

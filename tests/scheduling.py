@@ -11,7 +11,7 @@ from bcg_core import GenerationRequest, StepScheduler, ValidatedRequest
 class ValidatingScheduler(StepScheduler):
     """:class:`StepScheduler` whose ``submit`` validates a raw request first (tests only)."""
 
-    async def submit(self, validated: ValidatedRequest | GenerationRequest, on_preview=None, lease=None):
+    async def submit(self, validated: ValidatedRequest | GenerationRequest, on_preview=None, lease=None, on_step=None):
         if isinstance(validated, GenerationRequest):
             validated = self.pipeline.validator.validate(validated)
-        return await super().submit(validated, on_preview, lease)
+        return await super().submit(validated, on_preview, lease, on_step)

@@ -9,7 +9,19 @@ from __future__ import annotations
 
 import functools
 
-__all__ = ["edit_defaults", "family_buckets", "pipeline_defaults"]
+__all__ = ["FRAME_RATES", "edit_defaults", "family_buckets", "frame_rate", "pipeline_defaults"]
+
+
+FRAME_RATES: dict[str, float] = {"WanPipeline": 16.0}
+"""Frames per second of the videos a video pipeline's checkpoints are published at, which neither the checkpoint nor
+the pipeline's signature holds: Wan 2.1's 16 (its model card, and diffusers' ``WanPipeline`` example:
+``export_to_video(output, "output.mp4", fps=16)``; its default 81 frames are 5 seconds after the first frame)."""
+
+
+def frame_rate(pipeline_class: str) -> float | None:
+    """Frames per second of ``pipeline_class``'s videos (:data:`FRAME_RATES`); None for a pipeline not listed (an
+    image pipeline)."""
+    return FRAME_RATES.get(pipeline_class)
 
 
 @functools.cache

@@ -23,7 +23,7 @@ import torch
 
 from bcg_core.families import RequestState
 from bcg_core.keys import BucketKey, BucketShape
-from bcg_core.preview import PartialImage
+from bcg_core.preview import PartialImage, StepProgress
 from bcg_core.request import GenerationResult, ValidatedRequest
 from bcg_core.step_cache.state import RequestCache
 
@@ -53,6 +53,7 @@ class InFlight:
     nbytes: int = 0
     done_event: object | None = None
     on_preview: Callable[[PartialImage], None] | None = None  # called from the preview thread
+    on_step: Callable[[StepProgress], None] | None = None  # called on the denoising thread after each step
     preview_at: tuple[int, ...] = ()  # steps done after which a preview is taken
     previews_pending: int = 0  # queued for the preview thread, not drawn yet
     held: GenerationResult | None = None  # the result, waiting for the request's pending previews

@@ -20,7 +20,8 @@ Requests join and leave at step boundaries. One denoising thread runs *iteration
 
 Streamed requests hand a latent copy to the preview thread after the steps
 :func:`~bcg_core.preview.preview_steps` picks (:mod:`bcg_core.scheduler.previews`); a result is held until the
-request's queued previews are drawn, so they reach the caller first.
+request's queued previews are drawn, so they reach the caller first. A request with an ``on_step`` (a video job's
+progress) gets a :class:`~bcg_core.preview.StepProgress` after each of its steps, handed off on this thread.
 
 A cancelled request leaves the queue at the next admission, a running one at the next step boundary. Errors: a
 request whose start raises gets that error alone; a forward that raises fails the requests of that step only (an
@@ -41,6 +42,7 @@ from bcg_core.devices import timing_mark
 from bcg_core.errors import RequestCancelled, ServiceUnavailable
 from bcg_core.metrics import token_shares
 from bcg_core.pipeline import DiTPipeline
+from bcg_core.preview import StepProgress
 from bcg_core.runners.base import is_out_of_memory
 from bcg_core.scheduler.admission import InFlight, tensor_bytes
 from bcg_core.scheduler.edit_start import EditStarter, is_edit, use_on_stream
@@ -312,6 +314,8 @@ class DenoisingLoop:
                 item.first_share = share
             item.company = max(item.company, len(items))
         for item in items:
+            if item.on_step is not None:
+                self._report_step(item)
             if item.preview_at and item.state.step_index in item.preview_at:
                 self._take_preview(item)
         for item in items:
@@ -334,6 +338,15 @@ class DenoisingLoop:
             self._flight.finishing.add(item)
             self._flight.cv.notify_all()
         self._finisher.put(item)
+
+    @staticmethod
+    def _report_step(item: InFlight) -> None:
+        """Hand the request's :class:`~bcg_core.preview.StepProgress` to its ``on_step`` (a thread-safe hand-off to
+        its caller); a hand-off that fails (its caller's loop closed) is logged, never fails the step."""
+        try:
+            item.on_step(StepProgress(item.state.step_index, len(item.state.timesteps)))
+        except Exception:  # noqa: BLE001 - progress is a courtesy; the step's requests go on
+            log.debug("reporting a step of a request of shape %s failed", item.shape, exc_info=True)
 
     def _take_preview(self, item: InFlight) -> None:
         """On the denoising thread: hand a copy of the request's latents to the preview worker (a latent copy and

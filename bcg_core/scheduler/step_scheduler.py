@@ -26,7 +26,7 @@ from bcg_core.costs import CostModel, cuda_spare_bytes
 from bcg_core.errors import RequestCancelled, RequestError
 from bcg_core.keys import BucketKey
 from bcg_core.pipeline import DiTPipeline, runner_mode
-from bcg_core.preview import PartialImage, preview_steps
+from bcg_core.preview import PartialImage, StepProgress, preview_steps
 from bcg_core.request import GenerationResult, ValidatedRequest
 from bcg_core.runners.background import BackgroundCompiles
 from bcg_core.scheduler.admission import Admission, InFlight
@@ -189,7 +189,7 @@ class StepScheduler:
                                       retry_after_s=self.retry_after_s)
 
     async def submit(self, validated: ValidatedRequest, on_preview: Callable[[PartialImage], None] | None = None,
-                     lease=None) -> GenerationResult:
+                     lease=None, on_step: Callable[[StepProgress], None] | None = None) -> GenerationResult:
         """Queue a request, wait for its images, and return its result.
 
         With ``on_preview`` and the request's ``partial_images`` > 0, a copy of its latents is taken after each
@@ -208,6 +208,9 @@ class StepScheduler:
             validated: the request as the validator made it (trusted: it is not validated again).
             lease: its adapters' lease from :meth:`lease` (None: taken here when it has adapters); released once
                 the request is answered, or here if it never queues.
+            on_step: called on the denoising thread after each of its steps with a
+                :class:`~bcg_core.preview.StepProgress`: keep it to a thread-safe hand-off (``call_soon_threadsafe``),
+                as :meth:`submit_stream`'s is; None: no progress.
 
         Raises:
             TypeError: ``validated`` is not a :class:`~bcg_core.request.ValidatedRequest` (nothing is queued).
@@ -232,6 +235,7 @@ class StepScheduler:
         if on_preview is not None and self._previews.available and validated.request.partial_images > 0:
             item.on_preview = on_preview
             item.preview_at = preview_steps(validated.steps_run, validated.request.partial_images)
+        item.on_step = on_step
         # its adapters are resident before it queues: the denoising thread never waits for a load
         item.lease = lease if lease is not None else await self.lease(validated)
         self._ensure_started()
@@ -252,25 +256,27 @@ class StepScheduler:
                 self.flight.cv.notify_all()
             raise
 
-    async def submit_stream(self, validated: ValidatedRequest,
-                            lease=None) -> AsyncIterator[PartialImage | GenerationResult]:
+    async def submit_stream(self, validated: ValidatedRequest, lease=None,
+                            progress: bool = False) -> AsyncIterator[PartialImage | StepProgress | GenerationResult]:
         """:meth:`submit` as an async iterator: the request's previews (:class:`~bcg_core.preview.PartialImage`,
         as they are drawn), then its :class:`GenerationResult`: the result waits for the request's own previews
         that were queued before its last step (so every preview taken comes first; one dropped because the
         preview queue was full never comes). Closing the iterator early (its caller went away) cancels the
         request, as cancelling :meth:`submit` does.
 
-        ``lease``: as :meth:`submit` (a stream closed before its request queued releases it).
+        ``lease``: as :meth:`submit` (a stream closed before its request queued releases it). ``progress``: a
+        :class:`~bcg_core.preview.StepProgress` after each denoising step too, in step order, all before the result
+        (a video job's progress).
 
         Raises:
             As :meth:`submit`.
         """
         queued = False
 
-        def submit(on_preview):
+        def submit(emit):
             nonlocal queued
             queued = True
-            return self.submit(validated, on_preview=on_preview, lease=lease)
+            return self.submit(validated, on_preview=emit, lease=lease, on_step=emit if progress else None)
 
         try:
             async for event in stream_events(submit):
@@ -347,3 +353,4 @@ class StepScheduler:
                 "background_compiles": self.compiles.describe(),
                 "edit_start": self._loop.edit_starter.describe(),
             }
+

@@ -65,6 +65,28 @@ class VideosConfig(BaseModel):
         "expires_at; the store deletes it after that. None: kept until deleted (expires_at null).",
     )
 
+    max_running: int = Field(
+        default=2, ge=1, le=64,
+        description="Jobs each ingress replica runs at once (its worker claims no more until one finishes); the "
+        "rest wait queued, for this replica or another. Each running job is one request at a DiT replica, so keep "
+        "it at or below the video buckets' largest batch size (the default table's: 2).",
+    )
+    poll_s: float = Field(
+        default=1.0, gt=0.0, le=60.0,
+        description="Seconds between an idle worker's looks for queued jobs (jobs created through this replica are "
+        "claimed at once; those of other replicas, and jobs whose lease ran out, within this).",
+    )
+    fps: float | None = Field(
+        default=None, gt=0.0, le=240.0,
+        description="Frames per second of the videos: a request's seconds s asks for 1 + s x fps frames, and the MP4 "
+        "plays at fps. None: the model's published rate (Wan 2.1: 16).",
+    )
+    poll_after_ms: int = Field(
+        default=1000, ge=100, le=60000,
+        description="openai-poll-after-ms of GET /v1/videos/{id} while a job is queued or in progress: how long the "
+        "openai client's poll() waits before asking again.",
+    )
+
     @field_validator("folder")
     @classmethod
     def _folder(cls, folder: str) -> str:

@@ -24,7 +24,7 @@ from PIL import Image
 
 from bcg_core.config import EngineConfig
 from bcg_core.pipeline import DiTPipeline
-from bcg_core.preview import LinearPreview, PartialImage, preview_steps
+from bcg_core.preview import LinearPreview, PartialImage, StepProgress, preview_steps
 from bcg_core.request import GenerationRequest
 from bcg_core.scheduler.step_scheduler import StepScheduler
 from scheduling import ValidatingScheduler
@@ -172,6 +172,26 @@ def test_scheduler_streams_each_preview_of_each_image_then_the_result(pipe):
         assert len(plain.image_bytes) == 1 and sched.stats()["previews"]["taken"] == 3
     finally:
         sched.close()
+
+
+def test_a_stream_with_progress_reports_each_step_in_order_before_the_result(pipe):
+    """``submit_stream(progress=True)`` (a video job's progress): a StepProgress after every step, then the result;
+    without it, none."""
+    sched = ValidatingScheduler(pipe)
+
+    async def run(progress: bool):
+        return [e async for e in sched.submit_stream(_request(num_inference_steps=3, partial_images=1),
+                                                     progress=progress)]
+
+    try:
+        with_steps, without = asyncio.run(run(True)), asyncio.run(run(False))
+    finally:
+        sched.close()
+    steps = [e for e in with_steps if isinstance(e, StepProgress)]
+    assert steps == [StepProgress(1, 3), StepProgress(2, 3), StepProgress(3, 3)]
+    assert [type(e).__name__ for e in with_steps if not isinstance(e, StepProgress)] == ["PartialImage",
+                                                                                       "GenerationResult"]
+    assert with_steps[-1].steps == 3 and not any(isinstance(e, StepProgress) for e in without)
 
 
 def test_a_slow_preview_holds_only_its_own_result_and_all_previews_come_first(pipe, monkeypatch):
