@@ -251,8 +251,9 @@ class RequestValidator:
         :meth:`~bcg_core.table.ShapeRules.latent_frames`); 1 for an image model's request.
 
         Raises:
-            RequestError: ``num_frames`` on an image model, out of 1..``limits.max_frames`` or not ``1 + k x
-                frame_stride``; ``partial_images`` on a video model (no previews of videos).
+            RequestError: ``num_frames`` on an image model, out of 1..``limits.max_frames``, not ``1 + k x
+                frame_stride`` or of more latent frames than the model's position table holds; ``partial_images`` on a
+                video model (no previews of videos).
         """
         if not self.spec.video:
             if r.num_frames is not None:
@@ -266,9 +267,14 @@ class RequestValidator:
         if not _is_int(nf) or not 1 <= nf <= self.limits.max_frames:
             raise self._bad("num_frames", nf, "out of range")
         try:
-            return self.rules.latent_frames(nf)
+            latent = self.rules.latent_frames(nf)
         except ValueError as e:
             raise self._bad("num_frames", nf, str(e).removeprefix(f"num_frames {nf} ")) from None
+        most = self.spec.max_grid_side
+        if most is not None and latent > most:  # the frames axis of the model's position table
+            raise self._bad("num_frames", nf, f"its {latent} latent frames exceed this model's position table ({most} "
+                                              f"a side): at most {(most - 1) * self.rules.frame_stride + 1} frames")
+        return latent
 
     def _bad(self, name: str, got: object, reason: str) -> RequestError:
         """The error of a refused field, in the one wording of limit messages (:func:`invalid`,

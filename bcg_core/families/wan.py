@@ -233,7 +233,9 @@ class WanFamily(StepCache):
     def describe(cls, path: Path, index: dict) -> ModelSpec:
         """Spec from ``transformer/`` and ``vae/`` configs; request defaults from ``WanPipeline.__call__``'s signature
         (:func:`pipeline_defaults`: 50 steps, guidance 5.0, 832x480, 81 frames); the default table one exact tier at
-        that size and frame count, 1 and 2 rows (one video, with and without CFG).
+        that size and frame count, 1 and 2 rows (one video, with and without CFG). ``max_grid_side`` is the RoPE
+        table's length per axis (``rope_max_seq_len``, 1024): a grid side or a latent frame count above it would fail
+        in T's ``rope`` (diffusers raises there too), so it is refused.
 
         Raises:
             ValueError: another pipeline class, a Wan 2.2 checkpoint (``transformer_2`` / ``boundary_ratio``, or
@@ -265,6 +267,7 @@ class WanFamily(StepCache):
             rules=ShapeRules(pixels_per_token=spatial * ph, grid_keyed=True, native_text_tokens=tokens,
                              frame_stride=temporal),
             max_prompt_tokens=tokens, quality_steps=QUALITY_STEPS["wan"], cache_methods=CACHE_METHODS,
+            max_grid_side=int(tr.get("rope_max_seq_len", 1024)),
             default_buckets=dict(batch_sizes=[1, 2], resolutions=[f"{w}x{h}"], text_lengths=[tokens],
                                  frames=[defaults["default_frames"]]),
             **defaults,

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from bcg_core.config import BucketConfig, EngineConfig, PlannedTraffic
+from bcg_core.families.defaults import family_buckets
 from bcg_core.planning.plan_costs import PlanCosts, TableScore, evaluate
 from bcg_core.planning.samples import Traffic, planning_validator
 from bcg_core.table import BucketTable, ShapeRules
@@ -187,7 +188,7 @@ def search_table(config: EngineConfig, traffic: Traffic, costs: PlanCosts | None
     costs = costs or PlanCosts.token_count(config)
     validator = planning_validator(config)
     rules = validator.rules
-    base = validator.config.buckets  # the config's, or its family's table (a video family's frames are kept)
+    base = family_buckets(config, validator.spec).buckets  # the config's, or its family's (a video family's frames)
     reject = str(getattr(base.miss_policy, "value", base.miss_policy)) == "reject"
     exact = rules.grid_keyed or base.image_padding == "exact"  # every size needs its own tier
     tiers, texts, batches = _candidates(traffic, rules, validator, None if reject and exact else 16)

@@ -6,7 +6,7 @@ Layout of ``Wan-AI/Wan2.1-T2V-1.3B-Diffusers`` with toy widths (every model ``.e
   UMT5's), ``model_max_length`` 512 as ``max_sequence_length``.
 - ``text_encoder``: ``UMT5EncoderModel`` (the published class; 1 layer, width 32).
 - ``transformer``: ``WanTransformer3DModel`` (patch (1, 2, 2), 16 latent channels in and out, 2 heads of 8, 1
-  block, text width 32, ``rope_max_seq_len`` 32).
+  block, text width 32, ``rope_max_seq_len`` 64: grids up to 64 tokens a side, 832x480 included).
 - ``vae``: ``AutoencoderKLWan`` (``base_dim`` 8, ``dim_mult`` [1, 1, 1, 1]: 8x spatial and, with
   ``temperal_downsample`` [False, True, True], 4x temporal compression, as the real VAE; 16 latent channels with
   its default ``latents_mean`` / ``latents_std``), so 16 pixels per token side and ``(num_frames - 1) / 4 + 1``
@@ -45,7 +45,7 @@ def _transformer(seed: int, layers: int = 1):
     return WanTransformer3DModel(
         patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=8, in_channels=16, out_channels=16,
         text_dim=32, freq_dim=32, ffn_dim=32, num_layers=layers, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
-        rope_max_seq_len=32,
+        rope_max_seq_len=64,
     ).eval()
 
 

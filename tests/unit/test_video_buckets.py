@@ -136,3 +136,20 @@ def test_a_videos_work_counts_its_latent_frames():
     with pytest.raises(RequestError, match=r"832x480 x 21 latent frames x 3 videos x 50 steps = 1258"):
         v.validate(GenerationRequest(prompt="a cat", n=3))  # 3 videos: 3 x 419 megapixel-steps
     assert v.validate(GenerationRequest(prompt="a cat", n=2)).rows == 4
+
+
+def test_frames_and_sides_beyond_the_models_position_table_are_refused():
+    """Wan's RoPE table holds ``rope_max_seq_len`` positions per axis (frames, h, w): a grid beyond it is refused."""
+    spec = ModelSpec("wan-test", "wan", "WanPipeline", VIDEO, default_frames=81, default_size=(128, 128),
+                     max_grid_side=8, default_steps=4)
+    cfg = EngineConfig(buckets=BucketConfig(resolutions=["128x128"], text_lengths=[512], frames=[29]),
+                       limits={"min_side_px": 64})
+    v = RequestValidator(cfg, spec, lambda prompt, negative=False: 2)
+    assert v.validate(GenerationRequest(prompt="a cat", num_frames=29)).grid == (8, 8, 8)
+    with pytest.raises(RequestError) as e:
+        v.validate(GenerationRequest(prompt="a cat", num_frames=33))
+    assert e.value.field == "num_frames" and "its 9 latent frames exceed this model's position table (8 a side): " \
+                                             "at most 29 frames" in str(e.value)
+    with pytest.raises(RequestError) as e:
+        v.validate(GenerationRequest(prompt="a cat", num_frames=29, width=144, height=128))
+    assert e.value.field == "size" and "position table (8 tokens a side)" in str(e.value)
