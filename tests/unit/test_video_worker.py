@@ -146,6 +146,7 @@ def test_a_job_cancelled_elsewhere_between_steps_is_dropped_at_its_next_lease_re
 
 
 def test_a_graceful_stop_gives_the_running_job_back_and_another_worker_completes_it(tmp_path):
+    """``stop_now`` (the ingress's ``__del__``): the job goes back to the queue at once, its generation is cancelled."""
     store = _store(tmp_path)
     job = _job(store)
     started = asyncio.Event()
@@ -164,8 +165,9 @@ def test_a_graceful_stop_gives_the_running_job_back_and_another_worker_completes
         first = VideoWorker(store, "w1", ["m"], stuck, poll_s=0.01)
         first.start()
         await asyncio.wait_for(started.wait(), 5)
-        released = await first.stop()
+        released = first.stop_now()  # as the ingress's __del__ calls it when Serve stops the replica
         back = store.get(job.id)
+        await _until(lambda: not first.running)  # its generation's task was cancelled
         second = VideoWorker(store, "w2", ["m"], quick, poll_s=0.01)
         second.start()
         await _until(lambda: second.completed == 1)
