@@ -79,6 +79,13 @@ class Finisher:
         r = s.request
         return (tuple(s.latents.shape[1:]), s.latents.dtype, r.width, r.height, s.extras.get("size"))
 
+    @staticmethod
+    def _images(item: InFlight) -> int:
+        """Images ``item``'s decode makes, as ``decode_batch_images`` counts them: its ``n`` images, or every frame of
+        its ``n`` videos (``num_frames`` each), so that a video's decode (81 frames by default) is never merged with
+        another request's."""
+        return item.state.n * (item.validated.request.num_frames or 1)
+
     def _run(self) -> None:
         pending: deque[InFlight] = deque()
         while True:
@@ -86,7 +93,7 @@ class Finisher:
             if item is None:
                 break
             batch = [item]
-            key, images = self._decode_key(item), item.state.n
+            key, images = self._decode_key(item), self._images(item)
             while True:  # take every finished request queued now; same size joins this decode
                 try:
                     nxt = self._queue.get_nowait()
@@ -95,9 +102,9 @@ class Finisher:
                 if nxt is None:
                     pending.append(None)  # stop after this batch
                     break
-                if self._decode_key(nxt) == key and images + nxt.state.n <= self.decode_batch_images:
+                if self._decode_key(nxt) == key and images + self._images(nxt) <= self.decode_batch_images:
                     batch.append(nxt)
-                    images += nxt.state.n
+                    images += self._images(nxt)
                 else:
                     pending.append(nxt)
             self._decode(batch)

@@ -153,13 +153,17 @@ def test_two_videos_of_one_request_through_the_engines_cpu_entry(pipe, ref):
 
 def test_videos_through_the_step_scheduler_come_back_as_frames(pipe, ref):
     """The replica's path (``StepScheduler.submit``): two requests share steps, each result carries its frames from the
-    decode thread (no image encoding), equal to diffusers' to one level."""
+    decode thread (no image encoding), equal to diffusers' to one level; ``decode_batch_images`` counts a video's
+    frames, so videos are decoded apart."""
     import asyncio
 
     from bcg_core.scheduler import StepScheduler
 
     reqs = [pipe.validator.validate(_req(guidance_scale=1.0, seed=s, num_inference_steps=2)) for s in (7, 8)]
-    sched = StepScheduler(pipe, max_rows=4, trim_idle_s=None)
+    sched = StepScheduler(pipe, max_rows=4, trim_idle_s=None, decode_batch_images=8)
+    vae, batches = pipe.model.vae, []
+    decode = vae.decode
+    vae.decode = lambda z, **kw: batches.append(z.shape[0]) or decode(z, **kw)
 
     async def both():
         return await asyncio.wait_for(asyncio.gather(*(sched.submit(v) for v in reqs)), 60)
@@ -168,6 +172,8 @@ def test_videos_through_the_step_scheduler_come_back_as_frames(pipe, ref):
         results = asyncio.run(both())
     finally:
         sched.close()
+        vae.decode = decode
+    assert batches == [1, 1]  # 5 frames each: two videos are 10 images, above decode_batch_images 8
     for v, result in zip(reqs, results, strict=True):
         assert result.image_bytes == [] and len(result.videos) == 1 and result.videos[0].shape == (5, 32, 48, 3)
         theirs = _pil_frames(_call(ref, v.request, "pil"))[0]
