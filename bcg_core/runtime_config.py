@@ -176,7 +176,8 @@ class SchedulerConfig(BaseModel):
     )
     decode_batch_images: int = Field(default=8, ge=1, le=256, description="Most images one VAE "
         "decode call takes; finished requests of one image size are decoded together, in a decode thread, overlapped "
-        "with the next denoising steps.")
+        "with the next denoising steps. A video counts each of its frames (so videos are decoded one request at a "
+        "time).")
     encode_threads: int = Field(default=4, ge=1, le=64, description="Threads that encode decoded "
         "images to PNG (off the event loop and off the denoising and decode threads).")
     fair_wait_s: float = Field(default=2.0, ge=0.0, le=600.0, description="A request that has waited "
