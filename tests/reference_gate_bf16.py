@@ -122,7 +122,7 @@ def flux2_noise(pipe, noise: torch.Tensor, request: GenerationRequest) -> torch.
     from the size: ``pipe.vae_scale_factor * 2`` pixels a token)."""
     px = pipe.vae_scale_factor * 2
     ids = pipe._prepare_latent_ids(torch.empty(noise.shape[0], 0, request.height // px, request.width // px))
-    return pipe._unpack_latents_with_ids(noise, ids)
+    return pipe._unpack_latents_with_ids(noise, ids.to(noise.device))  # the ids are built on the CPU
 
 
 FAMILIES: dict[str, FamilyCase] = {
