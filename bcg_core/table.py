@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from bcg_core.config import BucketConfig, MissPolicy
 from bcg_core.keys import BucketKey, Dim, ShapeQuery
 
-__all__ = ["BucketLookup", "BucketTable", "ShapeRules"]
+__all__ = ["BucketLookup", "BucketTable", "ShapeRules", "fit_size"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -298,3 +298,31 @@ class BucketTable:
             "image_padding": "masked" if self.pad_images else "exact",
             "miss_policy": self.miss_policy.value,
         }
+
+
+def fit_size(size: tuple[int, int], min_side: int, max_side: int, multiple: int) -> tuple[int, int]:
+    """``size`` fitted into the side limits: unchanged where both sides lie in ``[min_side, max_side]``, else scaled
+    with its aspect kept until its longer side is ``max_side`` (or its shorter side ``min_side``), each side then
+    rounded down to a multiple of ``multiple`` and kept within the limits' multiples.
+
+    Used for a model's default size (a request without one) on a server whose ``limits`` leave it out (Z-Image's
+    1024x1024 under ``max_side_px: 512``), so such a request is served at the largest default that fits rather than
+    refused for a size it did not send.
+
+    Args:
+        size: ``(width, height)`` in pixels.
+        min_side, max_side: ``limits.min_side_px`` and ``limits.max_side_px``.
+        multiple: the model's size step (pixels a side must be a multiple of).
+
+    Returns:
+        ``(width, height)`` in pixels.
+    """
+    w, h = size
+    if min_side <= min(w, h) and max(w, h) <= max_side:
+        return size
+    scale = max_side / max(w, h) if max(w, h) > max_side else min_side / min(w, h)
+    lo, hi = -(-min_side // multiple) * multiple, max_side // multiple * multiple
+
+    def side(v: int) -> int:
+        return min(max(int(v * scale) // multiple * multiple, lo), hi)
+    return side(w), side(h)

@@ -30,7 +30,7 @@ from bcg_core.request import (
     ValidatedRequest,
     steps_run,
 )
-from bcg_core.table import BucketLookup, BucketTable, ShapeRules
+from bcg_core.table import BucketLookup, BucketTable, ShapeRules, fit_size
 
 __all__ = ["RequestValidator", "engine_field_phrase", "invalid"]
 
@@ -77,6 +77,11 @@ class RequestValidator:
         self.table = BucketTable(config.buckets, rules, min_image_tokens=min_side * min_side)
         self.count_tokens = count_tokens
         self.default_steps, self.default_guidance_scale = self._defaults(config.limits, spec)
+        lim = config.limits  # a request without a size: the model's default, fitted into the side limits
+        self.default_size = fit_size(spec.default_size, lim.min_side_px, lim.max_side_px, spec.size_step)
+        if self.default_size != tuple(spec.default_size):
+            log.warning("limits: the model's default size %dx%d is outside %d-%d px a side; a request without a size "
+                        "gets %dx%d", *spec.default_size, lim.min_side_px, lim.max_side_px, *self.default_size)
         self.default_cache = default_cache(config.cache, spec)
         if config.cache.default is not None and config.cache.default != self.default_cache:
             log.warning("cache.default %s is ignored: %s (family %s) takes no such step cache (methods: %s)",
@@ -161,7 +166,7 @@ class RequestValidator:
             w, h = edit["image_size"]
             r = replace(r, width=w if r.width is None else r.width, height=h if r.height is None else r.height)
         if r.width is None or r.height is None:  # size 'auto' or omitted: the model's (its diffusers pipeline's)
-            w, h = self.spec.default_size
+            w, h = self.default_size
             r = replace(r, width=w if r.width is None else r.width, height=h if r.height is None else r.height)
         size = f"{r.width}x{r.height}"
         for name, v in (("width", r.width), ("height", r.height)):

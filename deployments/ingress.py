@@ -396,7 +396,7 @@ class Ingress:
                     message += (" (for an edit, size 'auto', or omitted, is its image's size scaled into the side "
                                 f"limits, each side a multiple of {px})" if request.image is not None else
                                 " (size 'auto', or omitted, is the model's default size {}x{})".format(
-                                    *self._validator.spec.default_size))
+                                    *self._validator.default_size))
             return error_response(exc.status, message, param=exc.field)
         except Exception as exc:  # noqa: BLE001 - an input file Pillow fails on in a way bcg_core.edits misses
             if request.image is None:

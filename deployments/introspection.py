@@ -89,7 +89,7 @@ def model_card(validator: RequestValidator, config: ServeConfig, name: str, crea
         "buckets": {**table.describe_limits(), "count": len(table)},
         "limits": {"max_images": lim.max_images, "min_side_px": lim.min_side_px, "max_side_px": lim.max_side_px,
                    "size_multiple": spec.size_step, "max_steps": lim.max_steps,
-                   "default_steps": validator.default_steps, "default_size": "{}x{}".format(*spec.default_size)},
+                   "default_steps": validator.default_steps, "default_size": "{}x{}".format(*validator.default_size)},
         "defaults": validator.defaults,
         "quality_steps": quality,
         "quality_aliases": dict(QUALITY_ALIASES),

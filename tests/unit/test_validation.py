@@ -131,3 +131,25 @@ def test_cfg_fields_make_requests_that_run_as_asked(rule, guidance_embeds):
             continue
         req = GenerationRequest("a cat", seed=0, **{"guidance_scale": 3.5, **spec.cfg_fields(cfg)})
         assert spec.uses_cfg(req) == cfg, (rule, cfg)
+
+
+def test_a_default_size_outside_the_side_limits_is_fitted_into_them():
+    from bcg_core.families import ModelSpec
+    from bcg_core.table import fit_size
+
+    assert fit_size((1024, 1024), 256, 2048, 16) == (1024, 1024)  # fits: unchanged
+    assert fit_size((1024, 1024), 256, 512, 16) == (512, 512)
+    assert fit_size((832, 480), 256, 512, 16) == (512, 288)  # aspect kept, sides multiples of 16
+    assert fit_size((1024, 1024), 256, 500, 16) == (496, 496)
+    assert fit_size((512, 128), 256, 2048, 16) == (1024, 256)  # a short side below the minimum is scaled up
+    assert fit_size((4096, 256), 256, 1024, 16) == (1024, 256)  # both bounds at once: kept within the limits
+    buckets = BucketConfig(batch_sizes=[1], resolutions=["512x512"], text_lengths=[32])
+    zimage_like = ModelSpec("m", "zimage", "ZImagePipeline", RULES, default_size=(1024, 1024))
+    validator = RequestValidator(EngineConfig(buckets=buckets, limits=dict(max_side_px=512)), zimage_like,
+                                 lambda s, negative=False: 3)
+    assert validator.default_size == (512, 512)
+    r = validator.validate(GenerationRequest("a cat", seed=0)).request  # no size: served, not refused
+    assert (r.width, r.height) == (512, 512)
+    with pytest.raises(RequestError, match="1024 is out of range") as e:  # a size sent is still checked
+        validator.validate(GenerationRequest("a cat", seed=0, width=1024, height=1024))
+    assert e.value.field == "size"
