@@ -26,7 +26,6 @@ VideoStore.release`), where another replica, or this one after a restart, claims
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Collection
@@ -157,8 +156,16 @@ class VideoWorker:
             except Exception:  # noqa: BLE001 - a store that fails now may answer at the next look
                 logger.exception("video worker %s: the job store failed; looking again in %g s", self.owner,
                                  self.poll_s)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self.poll_s)
+            await self._wait()
+
+    async def _wait(self) -> None:
+        """Until :meth:`wake` or ``poll_s`` seconds. Not ``wait_for``: on Python 3.11 a cancel that meets its timeout
+        can come out as the ``TimeoutError``, and the stop would be lost."""
+        waiter = asyncio.get_running_loop().create_task(self._wake.wait())
+        try:
+            await asyncio.wait({waiter}, timeout=self.poll_s)
+        finally:
+            waiter.cancel()
 
     async def _fill(self) -> None:
         """Claim jobs while fewer than ``max_running`` run here."""
