@@ -1,6 +1,6 @@
-"""The 2-minute soak (issue: reliability), the CI version of docs/RELIABILITY.md's 10-minute run.
+"""The 75-second soak (issue: reliability), the CI version of docs/RELIABILITY.md's 10-minute run.
 
-``benchmarks/soak.py --duration-s 120`` runs in a subprocess against one local application (loopback only):
+``benchmarks/soak.py --duration-s 75`` runs in a subprocess against one local application (loopback only):
 4 clients send the packaged krea requests (their sizes and image counts) with 1, 2 or 4 steps, 30% streamed,
 10% abandoned mid-request, while ``GET /v1/buckets`` is polled every second. Targets: no lost or hung request,
 no 5xx, every poll answered, the bucket table unchanged, and the replica's memory at rest after the run within
@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="module")
 def soak(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("soak") / "soak.json"
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "soak.py"), "--duration-s", "120", "--warmup-share", "0.3",
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "soak.py"), "--duration-s", "75", "--warmup-share", "0.3",
            "--out", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert out.exists(), proc.stdout[-3000:] + proc.stderr[-5000:]
@@ -49,7 +49,7 @@ def test_the_soak_loses_hangs_and_fails_nothing(soak):
     o = soak["outcomes"]
     assert soak["sent"] >= 10 and o.get("ok", 0) >= 5, o
     assert o.get("lost", 0) == o.get("hung", 0) == o.get("5xx", 0) == 0, (o, soak["failures"])
-    assert soak["polls"]["failed"] == 0 and soak["polls"]["ok"] >= 60
+    assert soak["polls"]["failed"] == 0 and soak["polls"]["ok"] >= 40  # one a second over 75 s
     # every request the client abandoned was cancelled by the replica, or had finished already
     assert soak["replica"]["cancelled"] <= o.get("disconnected", 0)
     assert soak["replica"]["failed"] == 0
