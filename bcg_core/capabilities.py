@@ -13,6 +13,8 @@ them can do is declared here, one runtime-checkable ``typing.Protocol`` per capa
 - :class:`StepCache` (a family): its transformer takes diffusers' step cache (``CacheMixin.enable_cache``), which
   bcg-serve runs per request inside a batched step (:mod:`bcg_core.step_cache`): FLUX.1, Qwen-Image, the tiny default,
   and FLUX.2, whose [klein] checkpoints take TaylorSeer only (its ``ModelSpec.cache_methods`` say which).
+- :class:`EagerMixesRows` (a padding adapter): its unpadded forward mixes rows in a linear layer's input, so per-row
+  LoRA entries run one forward per set of rows (Z-Image, Qwen-Image 2.1).
 - :class:`GraphReplay` (a runner): replays captured CUDA graphs (:class:`~bcg_core.runners.cuda_graph.CudaGraphRunner`).
 
 :class:`FamilyCapabilities` and :class:`RunnerCapabilities` answer, once, where the pipeline is built (a runner
@@ -37,8 +39,8 @@ if TYPE_CHECKING:
     from bcg_core.padding import DenoiseInputs
     from bcg_core.runners.fused import EulerStep
 
-__all__ = ["FamilyCapabilities", "FusedStep", "GraphReplay", "PlainForward", "Previews", "RunnerCapabilities",
-           "StepCache", "supports_plain_forward"]
+__all__ = ["EagerMixesRows", "FamilyCapabilities", "FusedStep", "GraphReplay", "PlainForward", "Previews",
+           "RunnerCapabilities", "StepCache", "eager_mixes_rows", "supports_plain_forward"]
 
 
 @runtime_checkable
@@ -95,6 +97,16 @@ class PlainForward(Protocol):
 
 
 @runtime_checkable
+class EagerMixesRows(Protocol):
+    """A padding adapter whose unpadded forward (``forward_eager``) feeds a linear layer something other than one
+    entry per row: Z-Image's transformer embeds every row's tokens as one flat sequence, Qwen-Image 2.1's runs each row
+    alone with an extra t = 0 row. Per-row LoRA entries then cannot ride along in one forward:
+    :meth:`~bcg_core.lora.rows.LoRAAdapter.forward_eager` runs one forward per set of rows carrying the same entries."""
+
+    eager_mixes_rows: bool
+
+
+@runtime_checkable
 class GraphReplay(Protocol):
     """A runner whose bucket forwards replay captured CUDA graphs."""
 
@@ -108,6 +120,11 @@ def supports_plain_forward(adapter) -> bool:
     """Whether ``adapter`` has the :class:`PlainForward` capability (a LoRA deployment's adapter); a runner asks
     once, where it is built."""
     return isinstance(adapter, PlainForward)
+
+
+def eager_mixes_rows(adapter) -> bool:
+    """Whether ``adapter`` has the :class:`EagerMixesRows` capability; a LoRA adapter asks once, where it is built."""
+    return isinstance(adapter, EagerMixesRows)
 
 
 @dataclass(frozen=True)

@@ -77,7 +77,7 @@ import numpy as np
 import torch
 from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21AttnProcessor
 
-from bcg_core.capabilities import Previews
+from bcg_core.capabilities import EagerMixesRows, Previews
 from bcg_core.families.base import QUALITY_STEPS, ModelSpec, heads_width, load_pipeline, read_json
 from bcg_core.families.defaults import pipeline_defaults
 from bcg_core.families.qwenimage21_attention import BucketAttnProcessor, BucketMasks, RowModulation
@@ -100,7 +100,7 @@ QWEN21_ROPE_POSITIONS = 8192
 index it, so L < 8192 (beyond it the index runs into the negative table)."""
 
 
-class QwenImage21Adapter:
+class QwenImage21Adapter(EagerMixesRows):
     """Qwen-Image 2.1 architecture: keyed on the grid (the target's RoPE grid), masked text buckets (module
     docstring, "Padding contract").
 

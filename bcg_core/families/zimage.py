@@ -74,7 +74,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bcg_core.capabilities import Previews
+from bcg_core.capabilities import EagerMixesRows, Previews
 from bcg_core.families.base import QUALITY_STEPS, ModelSpec, load_pipeline, read_json
 from bcg_core.families.defaults import pipeline_defaults
 from bcg_core.families.state import RequestState, TextRows, pad_text
@@ -102,7 +102,7 @@ def _round_up(n, m: int):
     return (n + m - 1) // m * m
 
 
-class ZImageAdapter:
+class ZImageAdapter(EagerMixesRows):
     """Z-Image architecture (``ZImageTransformer2DModel``): keyed on the grid, masked caption buckets (module
     docstring, "Padding contract").
 

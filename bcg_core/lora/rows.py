@@ -15,7 +15,7 @@ import dataclasses
 
 import torch
 
-from bcg_core.capabilities import PlainForward
+from bcg_core.capabilities import PlainForward, eager_mixes_rows
 from bcg_core.keys import BucketKey
 from bcg_core.lora.layers import LoRALayers
 from bcg_core.padding import DenoiseInputs
@@ -49,6 +49,7 @@ class LoRAAdapter(PlainForward):
         self.inner = inner
         self.layers = layers
         self.k = layers.max_per_request
+        self._mixes_rows = eager_mixes_rows(inner)
 
     def __getattr__(self, name):  # family, rules, model, timestep_max, example_latents ... are the family's
         return getattr(self.inner, name)
@@ -110,17 +111,17 @@ class LoRAAdapter(PlainForward):
         """The family's unpadded forward with ``inputs``' entries as this thread's LoRA rows (none: no deltas).
 
         A family whose unpadded forward feeds a linear layer something other than one entry per row
-        (``eager_mixes_rows`` on its adapter: Z-Image's transformer embeds every row's tokens as one flat sequence,
-        Qwen-Image 2.1's runs each row alone with an extra t = 0 row) runs once per set of rows that carry the same
-        entries, with those entries as one row (:func:`~bcg_core.lora.layers.lora_add_` applies one row's entries to
-        all of a layer's input); the rows' outputs are put back in their order. Rows of one request share their
+        (:class:`~bcg_core.capabilities.EagerMixesRows`: Z-Image's transformer embeds every row's tokens as one flat
+        sequence, Qwen-Image 2.1's runs each row alone with an extra t = 0 row) runs once per set of rows that carry the
+        same entries, with those entries as one row (:func:`~bcg_core.lora.layers.lora_add_` applies one row's entries
+        to all of a layer's input); the rows' outputs are put back in their order. Rows of one request share their
         entries, so a request alone is one forward, as diffusers runs it.
         """
         if inputs.lora_slots is None:
             return self.inner.forward_eager(inputs)
         device = self.layers.device
         slots, scales = inputs.lora_slots.to(device), inputs.lora_scales.to(device)
-        if not getattr(self.inner, "eager_mixes_rows", False):
+        if not self._mixes_rows:
             with self.layers.rows(slots, scales):
                 return self.inner.forward_eager(inputs)
         groups: dict[tuple, list[int]] = {}
