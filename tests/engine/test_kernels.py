@@ -76,6 +76,7 @@ def test_buckets_of_one_token_shape_and_several_rows_share_one_compile():
     assert pre is None or (pre.loads, pre.saves, pre.unsaved) == before
 
 
+@pytest.mark.long  # outside the default run (README, Tests)
 def test_a_masked_tier_shares_its_batch_compile_too(tmp_path):
     """FLUX.1's masked tier passes its key-padding mask inside ``joint_attention_kwargs``: its batch dimension is
     left dynamic with the other inputs (``shared_batch``), or the shared compile specializes to the batch it was
@@ -182,6 +183,7 @@ print(json.dumps({**stats["kernels"], "passed": verdict.passed,
 """
 
 
+@pytest.mark.long  # outside the default run (README, Tests)
 def test_a_restart_reads_its_compiled_kernels_back_from_the_cache_dir(tmp_path):
     """``runner.compile_cache_dir``: the first start (a process of its own) compiles, missing the caches and
     writing them there (inductor's and the precompiled blocks of :mod:`bcg_core.runners.precompiled`); a second

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.long  # outside the default run (README, Tests)
+
 ROOT = Path(__file__).resolve().parents[2]
 COMPRESS = 6.0
 # the burst: arrivals pick up at 00:37:30 (3x the quiet rate), peak from 00:38:00 and end at 00:41:30; in seconds

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.long  # outside the default run (README, Tests)
+
 ROOT = Path(__file__).resolve().parents[2]
 _PATH = ROOT / "benchmarks" / "bench_saturation.py"
 

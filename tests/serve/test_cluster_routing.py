@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.long  # outside the default run (README, Tests)
+
 ROOT = Path(__file__).resolve().parents[2]
 REQUESTS, KILL_AFTER = 56, 32
 

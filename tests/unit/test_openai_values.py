@@ -60,7 +60,7 @@ def test_other_words_are_still_refused_naming_auto_and_wxh(size):
             "image's) or a string 'WxH' with width and height from 256 to 2048") in err["message"]
 
 
-def test_size_auto_is_resolved_and_checked_by_the_validator_at_the_models_default_size():
+def test_size_auto_is_resolved_by_the_validator_at_the_models_default_size_fitted_into_the_limits():
     dit = FakeDiT()
     answer = asyncio.run(_ingress(dit).generate(_http({"prompt": "x", "size": "auto", "num_inference_steps": 1})))
     (_, validated), = dit.sent
@@ -68,13 +68,14 @@ def test_size_auto_is_resolved_and_checked_by_the_validator_at_the_models_defaul
     assert (r.width, r.height) == (512, 512) and answer.size == "512x512"  # the tiny default's
     assert validated.lookup.key.image_tokens == 1024  # the 512x512 bucket: looked up like any size
 
-    # the validator checks the default size like any other: a server whose sides stop at 256 refuses it, saying why
-    small = _ingress(FakeDiT(), {"buckets": {"batch_sizes": [1], "resolutions": ["256x256"]},
-                                 "limits": {"min_side_px": 256, "max_side_px": 256}})
-    status, err = _error(asyncio.run(small.generate(_http({"prompt": "x", "size": "auto"}))))
-    assert status == 422 and err["param"] == "size"
-    assert "width 512 is out of range" in err["message"]
-    assert "size 'auto', or omitted, is the model's default size 512x512" in err["message"]
+    # a server whose sides stop at 256 serves 'auto' at the default fitted into its limits (table.fit_size), and
+    # refuses a size sent outside them, naming the default it serves
+    dit = FakeDiT()
+    small = _ingress(dit, {"buckets": {"batch_sizes": [1], "resolutions": ["256x256"]},
+                           "limits": {"min_side_px": 256, "max_side_px": 256}})
+    answer = asyncio.run(small.generate(_http({"prompt": "x", "size": "auto", "num_inference_steps": 1})))
+    (_, validated), = dit.sent
+    assert (validated.request.width, validated.request.height) == (256, 256) and answer.size == "256x256"
     status, err = _error(asyncio.run(small.generate(_http({"prompt": "x", "size": "512x512"}))))
     assert status == 422 and "'auto'" not in err["message"].split("allowed:")[0]  # the note is for 'auto' only
 
