@@ -1,4 +1,5 @@
-"""The 75-second soak (issue: reliability), a `long` test outside the default run (README, Tests), the short version of
+"""The 75-second soak (issue: reliability), a `long` test outside the default run (README, Tests): the short version of
+docs/RELIABILITY.md's 10-minute run.
 
 ``benchmarks/soak.py --duration-s 75`` runs in a subprocess against one local application (loopback only):
 4 clients send the packaged krea requests (their sizes and image counts) with 1, 2 or 4 steps, 30% streamed,
