@@ -284,7 +284,9 @@ def test_a_cached_request_with_adapters_equals_diffusers_with_its_cache(served):
 
     if not served.pipe.model.spec.cache_methods:
         pytest.skip(f"{served.name}'s transformer takes no step cache")
-    cache = FirstBlockCache(threshold=0.6)
+    # 0.8: the first block's relative change here runs 0.58-1.9 a step and moves by a few hundredths between
+    # processes (not traced: the tiny checkpoint and adapters are seeded), so 0.6 reused no step in some runs
+    cache = FirstBlockCache(threshold=0.8)
     req = served.req(TWO, seed=7, num_inference_steps=10, cache=cache)
     ref = diffusers_run(served.family.pipeline_cls, served.folder, dataclasses.replace(req, cache=None),
                         lora_dir=served.loras, setup=lambda p: p.transformer.enable_cache(to_diffusers(cache)),
