@@ -11,6 +11,7 @@ from deployments.settings import ServeConfig
 
 
 @pytest.mark.serve
+@pytest.mark.long  # outside the default run (README, Tests)
 def test_end_to_end_plan_serve_replay_and_the_measured_waste_is_the_predicted_one(serve_apps, tmp_path):
     """Plan a table for the first krea requests, serve it, replay them: the step scheduler's measured padded-token
     waste is within 2 points of the planner's prediction, the replica holds the planned number of buckets and
