@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 
-__all__ = ["FRAME_RATES", "edit_defaults", "family_buckets", "frame_rate", "pipeline_defaults"]
+__all__ = ["FRAME_RATES", "edit_defaults", "family_buckets", "frame_rate", "pipeline_defaults", "text_tokens"]
 
 
 FRAME_RATES: dict[str, float] = {"WanPipeline": 16.0}
@@ -119,3 +119,13 @@ def family_buckets(config, spec):
     from bcg_core.config import BucketConfig
 
     return config.model_copy(update={"buckets": BucketConfig(**spec.default_buckets)})
+
+
+def text_tokens(pipeline_cls, index: dict) -> int:
+    """The ``max_sequence_length`` a checkpoint is served with: ``bcg_text_tokens`` of its ``model_index.json``
+    (``index``), else the default of ``pipeline_cls.__call__``'s ``max_sequence_length`` (e.g. 512 for
+    ``ZImagePipeline``, ``WanPipeline`` and the FLUX.2 pipelines)."""
+    import inspect
+
+    default = inspect.signature(pipeline_cls.__call__).parameters["max_sequence_length"].default
+    return int(index.get("bcg_text_tokens", default))

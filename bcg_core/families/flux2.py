@@ -96,7 +96,7 @@ import torch
 
 from bcg_core.capabilities import FusedStep, Previews, StepCache
 from bcg_core.families.base import QUALITY_STEPS, ModelSpec, heads_width, read_json
-from bcg_core.families.defaults import pipeline_defaults
+from bcg_core.families.defaults import pipeline_defaults, text_tokens
 from bcg_core.families.flux import FluxAdapter
 from bcg_core.families.pixtral import load_flux2_pipeline, processor_tokenizer
 from bcg_core.families.references import ReferenceImages
@@ -305,8 +305,7 @@ class Flux2Family(FusedStep, Previews, StepCache):
         tr = read_json(path / "transformer" / "config.json")
         vae = read_json(path / "vae" / "config.json")
         scale = 2 ** (len(vae["block_out_channels"]) - 1)  # the pipelines' vae_scale_factor
-        default_tokens = inspect.signature(_pipeline_class(kind).__call__).parameters["max_sequence_length"].default
-        tokens = int(index.get("bcg_text_tokens", default_tokens))
+        tokens = text_tokens(_pipeline_class(kind), index)
         dev = kind == "Flux2Pipeline"
         distilled = bool(index.get("is_distilled", False)) and not dev
         from diffusers.pipelines.flux2.image_processor import Flux2ImageProcessor

@@ -55,7 +55,6 @@ image families: T is a ``CacheMixin`` and diffusers' ``TransformerBlockRegistry`
 from __future__ import annotations
 
 import copy
-import inspect
 import threading
 from pathlib import Path
 
@@ -64,7 +63,7 @@ import torch
 
 from bcg_core.capabilities import StepCache
 from bcg_core.families.base import QUALITY_STEPS, ModelSpec, heads_width, load_pipeline, read_json
-from bcg_core.families.defaults import pipeline_defaults
+from bcg_core.families.defaults import pipeline_defaults, text_tokens
 from bcg_core.families.state import RequestState, TextRows
 from bcg_core.keys import BucketKey
 from bcg_core.padding import DenoiseInputs, copy_rows
@@ -226,8 +225,7 @@ class WanFamily(StepCache):
         """``max_sequence_length``: ``bcg_text_tokens`` of ``model_index.json``, else ``__call__``'s default (512)."""
         from diffusers import WanPipeline
 
-        default = inspect.signature(WanPipeline.__call__).parameters["max_sequence_length"].default
-        return int(index.get("bcg_text_tokens", default))
+        return text_tokens(WanPipeline, index)
 
     @classmethod
     def describe(cls, path: Path, index: dict) -> ModelSpec:

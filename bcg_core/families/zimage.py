@@ -67,7 +67,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import inspect
 import threading
 from pathlib import Path
 
@@ -76,7 +75,7 @@ import torch
 
 from bcg_core.capabilities import EagerMixesRows, Previews
 from bcg_core.families.base import QUALITY_STEPS, ModelSpec, load_pipeline, read_json
-from bcg_core.families.defaults import pipeline_defaults
+from bcg_core.families.defaults import pipeline_defaults, text_tokens
 from bcg_core.families.state import RequestState, TextRows, pad_text
 from bcg_core.keys import BucketKey
 from bcg_core.padding import DenoiseInputs, copy_rows, fill_masked_text
@@ -303,8 +302,7 @@ class ZImageFamily(Previews):
         """``max_sequence_length``: ``bcg_text_tokens`` of ``model_index.json``, else ``__call__``'s default (512)."""
         from diffusers import ZImagePipeline
 
-        default = inspect.signature(ZImagePipeline.__call__).parameters["max_sequence_length"].default
-        return int(index.get("bcg_text_tokens", default))
+        return text_tokens(ZImagePipeline, index)
 
     @classmethod
     def describe(cls, path: Path, index: dict) -> ModelSpec:
