@@ -7,7 +7,9 @@ for the whole cluster at start and creates the folder when the fault should happ
 
 - ``BCG_FAILPOINT_CAPTURE_STALL="<seconds>:<claim file>"``: the replica that claims the file sleeps that long at
   the start of its first capture (:meth:`deployments.replica.model.ReplicaModel.prepare` from ``DiTReplica.__init__``):
-  a replica stuck in capture.
+  a replica stuck in capture. The stall ends sooner once ``<claim file>.release`` exists (polled every 0.1 s): a
+  scenario that has judged what it needed while the replica was stuck releases it instead of waiting out a stall
+  sized for the slowest machine.
 - ``BCG_FAILPOINT_FORWARD_ERROR="<claim file>"``: the next padded bucket forward of the process that claims it
   (a replay on CUDA, the static-buffer forward on a CPU) raises ``RuntimeError("CUDA error: ... (simulated)")``:
   a CUDA error mid-replay (the runner demotes the bucket, :func:`bcg_core.runners.base.demote`).
@@ -25,7 +27,7 @@ import os
 import time
 
 __all__ = ["CAPTURE_STALL_ENV", "FORWARD_ERROR_ENV", "SIMULATED_CUDA_ERROR", "STEP_OOM_ENV", "capture_stall", "claim",
-           "forward_error", "step_oom"]
+           "forward_error", "release_path", "step_oom"]
 
 log = logging.getLogger(__name__)
 
@@ -49,9 +51,15 @@ def claim(path: str) -> bool:
     return True
 
 
-def capture_stall() -> float:
-    """Sleep as ``BCG_FAILPOINT_CAPTURE_STALL`` says (module docstring) when this process claims it; returns the
-    seconds slept (0.0: off or claimed elsewhere).
+def release_path(claim_file: str) -> str:
+    """The file whose creation ends the capture stall of ``claim_file`` early (module docstring)."""
+    return claim_file + ".release"
+
+
+def capture_stall(poll_s: float = 0.1) -> float:
+    """Sleep as ``BCG_FAILPOINT_CAPTURE_STALL`` says (module docstring) when this process claims it, until its
+    seconds have passed or :func:`release_path` of its claim file exists (checked every ``poll_s`` seconds);
+    returns the seconds slept: the full stall, less when released (0.0: off or claimed elsewhere).
 
     Raises:
         ValueError: the variable is set but not ``<seconds>:<claim file>``.
@@ -70,7 +78,14 @@ def capture_stall() -> float:
         return 0.0
     log.warning("failpoint %s: this process (pid %d) stalls its capture for %.1f s", CAPTURE_STALL_ENV, os.getpid(),
                 stall)
-    time.sleep(stall)
+    t0 = time.monotonic()
+    release = release_path(path)
+    while (left := stall - (time.monotonic() - t0)) > 0:
+        if os.path.exists(release):
+            slept = time.monotonic() - t0
+            log.warning("failpoint %s: released after %.1f s", CAPTURE_STALL_ENV, slept)
+            return slept
+        time.sleep(min(poll_s, left))
     return stall
 
 

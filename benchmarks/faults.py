@@ -9,8 +9,9 @@ this order, each under its own bounded load of HTTP requests (exact sizes of the
   (:mod:`bcg_core.failpoints`): one DiT replica sleeps ``--stall-s`` in its first capture. With
   ``routing.capture_stall_s`` = ``--capture-stall-s`` the coordinator takes it out of the assignment; the
   others capture its shapes and serve them as owners. The load runs while it is stuck (``stalled_through_load``:
-  it still was when the load's last answer came); then the scenario waits for it to recover (its event
-  ``recovered``) and for every replica to be ready.
+  it still was when the load's last answer came); then the scenario ends the stall (the failpoint's release file;
+  ``--full-stall``: it sleeps all of ``--stall-s``), waits for it to recover (its event ``recovered``) and for
+  every replica to be ready.
 - ``dit_killed``: a DiT replica is killed (``ray.kill``) once the coordinator's last heartbeat from it shows at
   least 2 requests of one shape in its step scheduler (rows of several requests in one batch). The ingress
   resends its requests in flight (``bcg.retries`` in their answers); Serve starts a replacement.
@@ -57,7 +58,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_router import bench_ray  # noqa: E402
 from soak import replica_rss_bytes  # noqa: E402
 
-from bcg_core.failpoints import CAPTURE_STALL_ENV, FORWARD_ERROR_ENV, STEP_OOM_ENV  # noqa: E402
+from bcg_core.failpoints import CAPTURE_STALL_ENV, FORWARD_ERROR_ENV, STEP_OOM_ENV, release_path  # noqa: E402
 from deployments.cli.demo import apost_honouring_retry_after  # noqa: E402
 
 SCENARIOS = ("capture_stalled", "dit_killed", "coordinator_killed", "ingress_killed", "forward_error", "step_oom")
@@ -256,8 +257,10 @@ async def capture_stalled(args, base: str) -> dict:
     before = dit_rss_mb()
     records = await load(base, requests_for(args.requests, args.steps), args.concurrency, args.timeout_s)
     during = await coordinator_snapshot()
-    # the stall must outlast the load for the load to test it (the CI test's --stall-s leaves room for that)
+    # the stall must outlast the load for the load to test it (--stall-s leaves room for that)
     still = sorted(set(stalled) & set(during.get("stalled", [])))
+    if not args.full_stall:  # judged: end the stall now rather than sleep out the rest of --stall-s
+        Path(release_path(args.stall_claim)).touch()
     t0 = time.monotonic()
     after = await all_ready(args.stall_s + args.start_timeout_s)
     events = [e for e in after.get("events", []) if e["replica"] in stalled]
@@ -480,7 +483,10 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--kill-steps", type=int, default=24, help="steps of dit_killed's requests (long enough to be "
                    "killed mid-denoise)")
     p.add_argument("--fault-after", type=int, default=2, help="answers before the coordinator or ingress is killed")
-    p.add_argument("--stall-s", type=float, default=40.0, help="seconds the stalled replica sleeps in its capture")
+    p.add_argument("--stall-s", type=float, default=40.0, help="seconds the stalled replica sleeps in its capture at "
+                   "most: capture_stalled releases it once the load is answered and the ownership judged")
+    p.add_argument("--full-stall", action="store_true", help="let the stalled replica sleep all of --stall-s (the "
+                   "recovery then comes that long after start-up, as a capture that really hangs that long)")
     p.add_argument("--capture-stall-s", type=float, default=4.0, help="routing.capture_stall_s of the application")
     p.add_argument("--lease-s", type=float, default=3.0)
     p.add_argument("--timeout-s", type=float, default=120.0, help="a request without an answer by then is hung")
@@ -501,7 +507,8 @@ def main(argv: list[str] | None = None) -> dict:
     args.forward_dir = os.path.join(scratch, "forward")
     args.oom_dir = os.path.join(scratch, "oom")
     # every Ray process of the cluster inherits the failpoints; each stays disarmed until its folder exists
-    os.environ[CAPTURE_STALL_ENV] = f"{args.stall_s}:{os.path.join(args.claim_dir, 'capture_stall')}"
+    args.stall_claim = os.path.join(args.claim_dir, "capture_stall")
+    os.environ[CAPTURE_STALL_ENV] = f"{args.stall_s}:{args.stall_claim}"
     os.environ[FORWARD_ERROR_ENV] = os.path.join(args.forward_dir, "claim")
     os.environ[STEP_OOM_ENV] = os.path.join(args.oom_dir, "claim")
     t0 = time.perf_counter()
@@ -512,7 +519,7 @@ def main(argv: list[str] | None = None) -> dict:
         shutil.rmtree(scratch, ignore_errors=True)
     report.update(wall_s=round(time.perf_counter() - t0, 1), commit=_commit(),
                   args={k: v for k, v in vars(args).items()
-                        if k not in ("claim_dir", "forward_dir", "oom_dir", "port")})
+                        if k not in ("claim_dir", "stall_claim", "forward_dir", "oom_dir", "port")})
     text = json.dumps(report, indent=1, default=str)
     if args.json:
         Path(args.json).write_text(text)

@@ -19,6 +19,22 @@ def test_the_capture_stall_failpoint_fires_in_one_process_once_armed(tmp_path, m
     assert failpoints.capture_stall() == 0.0
 
 
+def test_the_capture_stall_ends_once_released(tmp_path, monkeypatch):
+    import threading
+    import time
+
+    armed = tmp_path / "armed"
+    armed.mkdir()
+    claim_file = str(armed / "claim")
+    monkeypatch.setenv(failpoints.CAPTURE_STALL_ENV, f"30:{claim_file}")
+    timer = threading.Timer(0.3, lambda: open(failpoints.release_path(claim_file), "w").close())
+    timer.start()
+    t0 = time.monotonic()
+    slept = failpoints.capture_stall(poll_s=0.02)
+    timer.join()
+    assert 0.3 <= slept < 5 and time.monotonic() - t0 < 5  # not the 30 s of its spec
+
+
 def test_the_forward_and_oom_failpoints_fire_once_per_cluster(tmp_path, monkeypatch):
     import torch
 
