@@ -52,7 +52,8 @@ def bare_ingress(dit, config):
     from deployments.ingress import Ingress
 
     user_class = Ingress.func_or_class.__mro__[1]
-    assert user_class.__module__ == "deployments.ingress" and "generate" in vars(user_class)
+    assert user_class.__module__ == "deployments.ingress" and user_class.__name__ == "Ingress", user_class
+    assert callable(getattr(user_class, "generate", None))  # a route of its image group (deployments.ingress_images)
     return user_class(dit, config.model_dump(mode="json"))
 
 
