@@ -16,6 +16,8 @@ them can do is declared here, one runtime-checkable ``typing.Protocol`` per capa
 - :class:`EagerMixesRows` (a padding adapter): its unpadded forward mixes rows in a linear layer's input, so per-row
   LoRA entries run one forward per set of rows (Z-Image, Qwen-Image 2.1).
 - :class:`GraphReplay` (a runner): replays captured CUDA graphs (:class:`~bcg_core.runners.cuda_graph.CudaGraphRunner`).
+- :class:`Experts` (a family): several transformers of one architecture, each denoising its own steps (Wan 2.2's
+  high- and low-noise experts); the pipeline builds one runner per expert (:mod:`bcg_core.experts`).
 
 :class:`FamilyCapabilities` and :class:`RunnerCapabilities` answer, once, where the pipeline is built (a runner
 answers :func:`supports_plain_forward` for its adapter once, where it is built), and are stored there. Nothing else
@@ -39,7 +41,7 @@ if TYPE_CHECKING:
     from bcg_core.padding import DenoiseInputs
     from bcg_core.runners.fused import EulerStep
 
-__all__ = ["EagerMixesRows", "FamilyCapabilities", "FusedStep", "GraphReplay", "PlainForward", "Previews",
+__all__ = ["EagerMixesRows", "Experts", "FamilyCapabilities", "FusedStep", "GraphReplay", "PlainForward", "Previews",
            "RunnerCapabilities", "StepCache", "eager_mixes_rows", "supports_plain_forward"]
 
 
@@ -107,6 +109,22 @@ class EagerMixesRows(Protocol):
 
 
 @runtime_checkable
+class Experts(Protocol):
+    """A family whose checkpoint holds several transformers of one architecture (its *experts*), each run for the
+    steps its diffusers pipeline picks it for: ``WanPipeline`` with ``transformer_2`` and ``boundary_ratio`` (Wan 2.2
+    A14B) runs ``transformer`` at timesteps at or above ``boundary_ratio x num_train_timesteps`` and ``transformer_2``
+    below. Each expert has its own weights, so its own runner, bucket graphs and compiled kernels
+    (:mod:`bcg_core.experts`); a step's rows on different experts run as separate forwards."""
+
+    experts: tuple
+    """The experts' padding adapters, expert 0 first (the family's ``adapter``); one for a single transformer."""
+
+    def expert(self, state: RequestState) -> int:
+        """The index in :attr:`experts` of the transformer that runs ``state``'s next step."""
+        ...
+
+
+@runtime_checkable
 class GraphReplay(Protocol):
     """A runner whose bucket forwards replay captured CUDA graphs."""
 
@@ -136,18 +154,21 @@ class FamilyCapabilities:
         previews: the family is a :class:`Previews`.
         plain_forward: its adapter is a :class:`PlainForward` (LoRA adapters are installed).
         step_cache: the family is a :class:`StepCache`.
+        experts: its transformers (:class:`Experts`): 1 for a family of one transformer.
     """
 
     fused_step: bool = False
     previews: bool = False
     plain_forward: bool = False
     step_cache: bool = False
+    experts: int = 1
 
     @classmethod
     def of(cls, family) -> FamilyCapabilities:
         """The capabilities of ``family`` with its adapter as it is now (after LoRA is installed)."""
         return cls(fused_step=isinstance(family, FusedStep), previews=isinstance(family, Previews),
-                   plain_forward=supports_plain_forward(family.adapter), step_cache=isinstance(family, StepCache))
+                   plain_forward=supports_plain_forward(family.adapter), step_cache=isinstance(family, StepCache),
+                   experts=len(family.experts) if isinstance(family, Experts) else 1)
 
 
 @dataclass(frozen=True)

@@ -54,6 +54,9 @@ def engine_field_phrase(name: str, limits: LimitsConfig, size_multiple: int | No
     if name == "guidance_scale":
         role = guidance or "above 1 enables classifier-free guidance"
         return f"a number from 0 to {lim.max_guidance_scale:g} ({role})"
+    if name == "guidance_scale_2":
+        return (f"a number from 0 to {lim.max_guidance_scale:g} (Wan 2.2 checkpoints of two experts only: the "
+                f"low-noise expert's classifier-free guidance, with guidance_scale above 1; omitted: guidance_scale)")
     if name == "true_cfg_scale":
         return (f"a number from 0 to {lim.max_guidance_scale:g} (FLUX.1, Qwen-Image and Qwen-Image 2.1 only: true CFG "
                 f"above 1 with a negative_prompt)")

@@ -271,10 +271,11 @@ def transformer_width(model_path: str | None) -> int:
                               f"wrote") from None
 
 
-def weights_stamp(path: str | Path | None) -> str | None:
-    """16 hex digits that change when a file of the checkpoint's ``transformer/`` folder (its weights and config) is
-    replaced, rewritten or renamed: a hash of each file's relative path, size and modification time (no weight is
-    read). None for the embedded tiny default (``path`` None) or a folder without ``transformer/``.
+def weights_stamp(path: str | Path | None, component: str = "transformer") -> str | None:
+    """16 hex digits that change when a file of the checkpoint's ``transformer/`` folder (its weights and config; or
+    of ``component``'s, e.g. Wan 2.2's second expert ``transformer_2``) is replaced, rewritten or renamed: a hash of
+    each file's relative path, size and modification time (no weight is read). None for the embedded tiny default
+    (``path`` None) or a folder without that component.
 
     What it keys: measurements of the weights' values kept across restarts (:func:`bcg_core.verify.
     derived_tolerance`). A file rewritten with the same size and a restored modification time (``rsync
@@ -283,7 +284,7 @@ def weights_stamp(path: str | Path | None) -> str | None:
     import hashlib
     import os
 
-    if path is None or not (folder := Path(path) / "transformer").is_dir():
+    if path is None or not (folder := Path(path) / component).is_dir():
         return None
     seen = []
     for root, _, names in os.walk(folder, followlinks=True):

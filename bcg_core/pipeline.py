@@ -36,6 +36,7 @@ from bcg_core.config import EngineConfig
 from bcg_core.costs import CostModel, StepDecider, StepForwards, measure_costs
 from bcg_core.devices import elapsed_ms, timing_mark
 from bcg_core.errors import RequestCancelled, require_finite
+from bcg_core.experts import describe_experts, expert_runners, prepared_by_all, step_expert
 from bcg_core.families import Family, RequestState, concat_rows
 from bcg_core.images import encode_image
 from bcg_core.keys import BucketKey
@@ -107,10 +108,13 @@ class DiTPipeline:
         self.runner: BucketRunner = runner or build_runner(config, model, self.table.keys, self.metrics)
         self.runner_capabilities = RunnerCapabilities.of(self.runner)
         """What the runner can do beyond its contract, answered once here."""
-        self.decider = StepDecider(self.table.keys, self.runner.prepared, graphs=self.runner_capabilities.graphs)
+        self.runners = expert_runners(config, model, self.table.keys, self.metrics, self.runner)
+        """One runner per expert (:mod:`bcg_core.experts`; ``runner`` first): ``(runner,)`` for one transformer."""
+        self.decider = StepDecider(self.table.keys, lambda: prepared_by_all(self.runners),
+                                   graphs=self.runner_capabilities.graphs)
         """Decides each step's forwards (the cost model): :meth:`generate`, the step scheduler and a caller of
         :meth:`step` ask it (:meth:`~bcg_core.costs.StepDecider.for_states`)."""
-        self.fused = FusedStats(wanted=self.runner.fused and self.capabilities.fused_step)
+        self.fused = FusedStats(wanted=self.runner.fused and self.capabilities.fused_step and len(self.runners) == 1)
         self._meta_cache: dict[tuple, torch.Tensor] = {}
         self._meta_lock = threading.Lock()
         self.prepare_s = 0.0
@@ -120,9 +124,11 @@ class DiTPipeline:
 
     def prepare(self, keys: Sequence[BucketKey] | None = None, defer_compiles: bool = False) -> None:
         """Prepare ``keys`` (every bucket when None) through the runner (``defer_compiles``: :mod:`~bcg_core.runners.
-        background`); the first time a fused bucket is ready, :meth:`check_fused`. Adds to :attr:`prepare_s`."""
+        background`; another expert's runner compiles now, :mod:`bcg_core.experts`); the first time a fused bucket is
+        ready, :meth:`check_fused`. Adds to :attr:`prepare_s`."""
         t0 = time.perf_counter()
-        self.runner.prepare(keys, defer_compiles)
+        for expert, runner in enumerate(self.runners):
+            runner.prepare(keys, defer_compiles and expert == 0)
         self.prepare_s += time.perf_counter() - t0
         if self.fused.wanted and not self.fused.checked:
             self.check_fused()
@@ -154,6 +160,10 @@ class DiTPipeline:
         part = self.model.model_rows(state)
         return part if self.lora is None else self.lora.attach(part, state.extras.get("lora"))
 
+    def expert_of(self, state: RequestState) -> int:
+        """The expert whose transformer runs ``state``'s next step (:mod:`bcg_core.experts`); 0 for one transformer."""
+        return self.model.expert(state) if len(self.runners) > 1 else 0
+
     @torch.inference_mode()
     def step(self, states: Sequence[RequestState], forwards: StepForwards, fused: bool | None = None) -> StepForwards:
         """One denoising step of each of ``states``, in the forwards it is given (``forwards``, decided by
@@ -164,6 +174,7 @@ class DiTPipeline:
         each chunk on its bucket (padded) or unpadded and eager (``key`` None). Every chunk finishes before any
         request advances, so an image's cond and uncond rows always share a step; each state then gets its own
         slice of the output for its guidance and scheduler step. The forwards are trusted: nothing is looked up.
+        A model of several experts (:mod:`bcg_core.experts`) runs them on the runner of the expert the states are at.
 
         The fused step (:mod:`bcg_core.runners.fused`, checked at start by :meth:`check_fused`) runs the step as one
         replay per forward, guidance and scheduler update inside it, when every request's update is a plain
@@ -182,17 +193,20 @@ class DiTPipeline:
             The forwards the step ran as.
 
         Raises:
-            ValueError: a finished state, states of different grids, unmasked text of different lengths, or
-                forwards whose rows are not the states' rows.
+            ValueError: a finished state, states of different grids or experts, unmasked text of different lengths,
+                or forwards whose rows are not the states' rows.
         """
         if any(s.done for s in states):
             raise ValueError("a finished request cannot take another step")
+        expert = step_expert([self.expert_of(s) for s in states])
         parts = [self._rows(s) for s in states]
         inputs = concat_rows(parts)
         if forwards.rows != inputs.rows:
             raise ValueError(f"the forwards run {forwards.rows} rows, the step has {inputs.rows}")
         caches = [c for c in map(request_cache, states) if c is not None]
         if caches:
+            if expert:
+                raise ValueError("the step cache runs on one transformer: a request on another expert takes none")
             if fused:
                 raise ValueError("this step cannot run fused: step_cache")
             if fused is None and self.fused.on:
@@ -218,19 +232,19 @@ class DiTPipeline:
             if fused:
                 raise ValueError(f"this step cannot run fused: {why}")
             self.fused.host(why)
-        self._advance(states, parts, self.run_forwards(inputs, forwards))
+        self._advance(states, parts, self.run_forwards(inputs, forwards, expert))
         return forwards
 
-    def run_forwards(self, inputs: DenoiseInputs, forwards: StepForwards) -> torch.Tensor:
+    def run_forwards(self, inputs: DenoiseInputs, forwards: StepForwards, expert: int = 0) -> torch.Tensor:
         """``inputs``' rows through ``forwards``' chunks in row order: each chunk on its bucket (padded; its whole
-        forward) or unpadded and eager (``key`` None).
+        forward) or unpadded and eager (``key`` None), on expert ``expert``'s runner.
 
         Returns:
             (inputs.rows, inputs.image_tokens, out_channels), a new tensor."""
-        outs, a = [], 0
+        outs, a, runner = [], 0, self.runners[expert]
         for chunk in forwards.chunks:
             rows = inputs.select(slice(a, a + chunk.rows)) if len(forwards.chunks) > 1 else inputs
-            outs.append(self.runner.run(chunk.key or chunk.home or forwards.home, rows, eager=chunk.key is None))
+            outs.append(runner.run(chunk.key or chunk.home or forwards.home, rows, eager=chunk.key is None))
             a += chunk.rows
         return torch.cat(outs) if len(outs) > 1 else outs[0]
 
@@ -445,7 +459,8 @@ class DiTPipeline:
 
     def stats(self) -> dict:
         """Model, table, per-bucket counters and runner state (``capture``: the runner's
-        :class:`~bcg_core.runners.base.CaptureStats`), for ``GET /v1/buckets``."""
+        :class:`~bcg_core.runners.base.CaptureStats`; ``experts``: the other experts' runners,
+        :func:`~bcg_core.experts.describe_experts`), for ``GET /v1/buckets``."""
         snap = self.metrics.snapshot()
         state = {d["key"]: d for d in self.runner.describe()}
         for b in snap["buckets"]:
@@ -463,6 +478,7 @@ class DiTPipeline:
         snap["kernels"] = self._kernel_stats(self.runner.kernels, state)
         snap["lora"] = None if self.lora is None else self.lora.describe()
         snap["capture"] = dataclasses.asdict(self.runner.stats)
+        snap["experts"] = describe_experts(self.runners)
         return snap
 
     def _kernel_stats(self, kernels: CompiledKernels | None, state: dict[str, dict]) -> dict:

@@ -68,6 +68,11 @@ class GenerationRequest:
             :attr:`~bcg_core.table.ShapeRules.frame_stride`, the VAE's temporal factor, 4 for Wan) up to
             ``limits.max_frames``; None: the family's pipeline default (81 for ``WanPipeline``) on a video model. Set on
             an image model it is refused. ``n`` is then the number of videos, each of ``num_frames`` frames.
+        guidance_scale_2: the low-noise expert's classifier-free guidance scale of a checkpoint of two experts (Wan
+            2.2 A14B: ``WanPipeline``'s ``guidance_scale_2``, for the steps ``transformer_2`` runs; ``guidance_scale``
+            is the high-noise expert's); None: ``guidance_scale``'s value, which the validator fills in. Refused on a
+            model of one transformer, and without classifier-free guidance (``guidance_scale`` at most 1: the
+            pipeline runs no uncond rows then and ignores it).
         cache: the step cache it asks for (:mod:`bcg_core.step_cache`: a
             :class:`~bcg_core.step_cache.FirstBlockCache`, or :class:`~bcg_core.step_cache.NoCache` for none); None:
             the config's ``cache.default``, which the validator fills in (a validated request holds a spec, never None).
@@ -92,6 +97,7 @@ class GenerationRequest:
     strength: float | None = None
     cache: FirstBlockCache | NoCache | None = None
     num_frames: int | None = None
+    guidance_scale_2: float | None = None
 
     @property
     def images(self) -> tuple[bytes, ...]:

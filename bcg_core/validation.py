@@ -209,6 +209,7 @@ class RequestValidator:
         if g is not None and (isinstance(g, bool) or not isinstance(g, (int, float))
                               or not 0.0 <= g <= lim.max_guidance_scale):
             raise bad("guidance_scale", g, "out of range")
+        g2 = self._guidance_2(r, g)
         neg = r.negative_prompt
         if neg is not None and (not isinstance(neg, str) or len(neg) > lim.max_prompt_chars):
             raise bad("negative_prompt", f"{len(neg)} characters" if isinstance(neg, str) else neg, "too long"
@@ -225,7 +226,7 @@ class RequestValidator:
         cache = self.default_cache if r.cache is None else check_cache(r.cache, self.spec)
         filled = replace(r, lora=lora, cache=cache, strength=strength, num_inference_steps=steps,
                          guidance_scale=None if g is None else float(g), negative_prompt=neg, seed=seed,
-                         true_cfg_scale=None if tcfg is None else float(tcfg), quality=quality,
+                         true_cfg_scale=None if tcfg is None else float(tcfg), quality=quality, guidance_scale_2=g2,
                          num_frames=r.num_frames if r.num_frames is not None or not self.spec.video
                          else self.spec.default_frames)
         self.spec.check(filled)
@@ -280,6 +281,25 @@ class RequestValidator:
             raise self._bad("num_frames", nf, f"its {latent} latent frames exceed this model's position table ({most} "
                                               f"a side): at most {(most - 1) * self.rules.frame_stride + 1} frames")
         return latent
+
+    def _guidance_2(self, r: GenerationRequest, g: float | None) -> float | None:
+        """``guidance_scale_2`` of a model of two experts (:attr:`ModelSpec.boundary_ratio`): the request's, else
+        ``g`` (as ``WanPipeline``); None on one transformer or without CFG. Raises RequestError where set on one
+        transformer (diffusers raises too), out of 0 to ``limits.max_guidance_scale``, or beside a ``guidance_scale``
+        of at most 1 (no uncond rows run)."""
+        g2 = r.guidance_scale_2
+        if g2 is None:
+            return None if self.spec.boundary_ratio is None or g is None or g <= 1.0 else float(g)
+        if self.spec.boundary_ratio is None:
+            raise self._bad("guidance_scale_2", g2, f"{self.spec.pipeline_class} checkpoint {self.spec.name!r} has "
+                                                    f"one transformer (no boundary_ratio); leave it unset")
+        if isinstance(g2, bool) or not isinstance(g2, (int, float)) or not 0.0 <= g2 <= self.limits.max_guidance_scale:
+            raise self._bad("guidance_scale_2", g2, "out of range")
+        if g is None or g <= 1.0:
+            raise self._bad("guidance_scale_2", g2, f"guidance_scale {g} runs no classifier-free guidance, so the "
+                                                    f"low-noise expert's scale would be ignored; set guidance_scale "
+                                                    f"above 1 or leave guidance_scale_2 unset")
+        return float(g2)
 
     def _bad(self, name: str, got: object, reason: str) -> RequestError:
         """The error of a refused field, in the one wording of limit messages (:func:`invalid`,

@@ -141,6 +141,8 @@ class ModelSpec:
             exact tier at its default size and frames, since the image defaults would capture graphs of videos at
             five image sizes), as :class:`~bcg_core.config.BucketConfig` fields; None: the config's own defaults
             (:func:`~bcg_core.families.defaults.family_buckets`).
+        boundary_ratio: a checkpoint of two experts (Wan 2.2: ``transformer_2`` below ``boundary_ratio x 1000``,
+            :mod:`bcg_core.experts`), whose requests take ``guidance_scale_2``; None: one transformer.
     """
 
     name: str
@@ -166,6 +168,7 @@ class ModelSpec:
     output_alpha: bool = False
     default_frames: int | None = None
     default_buckets: dict | None = None
+    boundary_ratio: float | None = None
 
     @property
     def video(self) -> bool:

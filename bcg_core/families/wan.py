@@ -1,6 +1,6 @@
-"""Wan family: ``WanPipeline`` checkpoints (Wan 2.1 text to video) with ``WanTransformer3DModel``, a UMT5 text
-encoder and ``AutoencoderKLWan``, a causal 3D VAE. The first video family: a request's output is ``n`` videos of
-``num_frames`` frames, and its bucket key holds the latent frames beside the grid.
+"""Wan family: ``WanPipeline`` checkpoints (Wan 2.1 text to video, and Wan 2.2 A14B's two experts) with
+``WanTransformer3DModel``, a UMT5 text encoder and ``AutoencoderKLWan``, a causal 3D VAE. The first video family: a
+request's output is ``n`` videos of ``num_frames`` frames, and its bucket key holds the latent frames beside the grid.
 
 What diffusers 0.42.1 does (``pipelines/wan/pipeline_wan.py``, P; ``models/transformers/transformer_wan.py``, T)
 and what this module reuses:
@@ -23,6 +23,13 @@ and what this module reuses:
 - Step: ``transformer(latents.to(dtype), t.expand(n), prompt_embeds)``; with CFG (``guidance_scale > 1``) a second
   forward on the negative embeddings, ``uncond + s * (cond - uncond)`` in the transformer's dtype, then
   ``scheduler.step`` on the fp32 latents. bcg-serve runs both forwards as rows of one (cond rows first).
+- Experts (Wan 2.2 A14B: ``transformer_2`` and ``boundary_ratio`` in ``model_index.json``, P:585-604): the step at
+  timestep ``t`` runs ``transformer`` (the high-noise expert) with ``s = guidance_scale`` where ``t >= boundary_ratio
+  x num_train_timesteps``, else ``transformer_2`` (the low-noise expert) with ``s = guidance_scale_2`` (default
+  ``guidance_scale``); CFG rows run or not by ``guidance_scale`` alone (``do_classifier_free_guidance``). The
+  comparison is made once per request, as torch makes it (an int64 timestep against a Python float, in fp32), on
+  its timesteps (:meth:`WanFamily.expert`). Each expert has its own runner and graphs (:mod:`bcg_core.experts`);
+  the step scheduler steps the requests at each expert apart.
 - Decode: ``latents / (1 / latents_std) + latents_mean`` per channel (the VAE config's), ``vae.decode``,
   ``video_processor.postprocess_video``; frames become uint8 as ``numpy_to_pil`` rounds them.
 
@@ -45,11 +52,13 @@ A request's ``num_frames`` (1 + 4k, default 81 as ``__call__``) is validated by 
 :meth:`WanFamily.decode` returns one (num_frames, height, width, 3) uint8 array per video
 (:attr:`~bcg_core.request.GenerationResult.videos`).
 
-Not served yet: Wan 2.2's two experts (``transformer_2`` with ``boundary_ratio``) and its TI2V ``expand_timesteps``
-(refused when the checkpoint is described), image to video (``WanImageToVideoPipeline``), LoRA
-(``WanLoraLoaderMixin``), previews and the fused step. The step cache (First Block Cache, TaylorSeer) runs as on the
+Not served yet: Wan 2.2 TI2V-5B's ``expand_timesteps`` (a timestep per token, with a 48-channel VAE: refused when
+the checkpoint is described), image to video (``WanImageToVideoPipeline``), LoRA (``WanLoraLoaderMixin``), previews
+and the fused step. The step cache (First Block Cache, TaylorSeer) runs on a checkpoint of one transformer as on the
 image families: T is a ``CacheMixin`` and diffusers' ``TransformerBlockRegistry`` describes ``WanTransformerBlock``
-(one stream out), and the pipeline runs its cond and uncond forwards under ``cache_context("cond")`` / ``("uncond")``.
+(one stream out), and the pipeline runs its cond and uncond forwards under ``cache_context("cond")`` / ``("uncond")``;
+a checkpoint of two experts takes none (each expert's hooks keep their own state, which one request's cache would
+have to follow across the boundary).
 """
 
 from __future__ import annotations
@@ -61,7 +70,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bcg_core.capabilities import StepCache
+from bcg_core.capabilities import Experts, StepCache
 from bcg_core.families.base import QUALITY_STEPS, ModelSpec, heads_width, load_pipeline, read_json
 from bcg_core.families.defaults import pipeline_defaults, text_tokens
 from bcg_core.families.state import RequestState, TextRows
@@ -71,6 +80,10 @@ from bcg_core.step_cache.spec import METHODS as CACHE_METHODS
 from bcg_core.table import ShapeRules
 
 __all__ = ["WanAdapter", "WanFamily"]
+
+EXPERT_KEYS = ("patch_size", "in_channels", "out_channels", "text_dim", "num_attention_heads", "attention_head_dim",
+               "rope_max_seq_len")
+"""``transformer/config.json`` keys both experts of a Wan 2.2 checkpoint must share: they serve one bucket table."""
 
 WAN_TEXT_TOKENS = 512
 """``WanPipeline.__call__``'s ``max_sequence_length``: the text stream's fixed length (read from the signature by
@@ -185,13 +198,15 @@ class WanAdapter:
                           inputs.timestep.to(device=p.device, dtype=torch.float32))
 
 
-class WanFamily(StepCache):
-    """A ``WanPipeline`` checkpoint (Wan 2.1 text to video), served step by step (see the module docstring).
+class WanFamily(StepCache, Experts):
+    """A ``WanPipeline`` checkpoint (Wan 2.1 text to video, or Wan 2.2 A14B's two experts), served step by step (see
+    the module docstring).
 
     Request fields: ``num_frames`` (1 + 4k, default 81), ``n`` videos, ``guidance_scale`` (default 5.0, the
-    pipeline's) above 1 runs CFG against ``negative_prompt`` (default ``""``); ``true_cfg_scale`` is refused;
-    ``cache``: diffusers' First Block Cache or TaylorSeer (``WanTransformer3DModel`` is a ``CacheMixin``), its cond and
-    uncond rows deciding apart as the pipeline's two cache contexts (:meth:`cache_contexts`).
+    pipeline's) above 1 runs CFG against ``negative_prompt`` (default ``""``); with two experts ``guidance_scale_2``
+    (default ``guidance_scale``) is the low-noise expert's scale; ``true_cfg_scale`` is refused; ``cache`` (one
+    transformer only): diffusers' First Block Cache or TaylorSeer (``WanTransformer3DModel`` is a ``CacheMixin``), its
+    cond and uncond rows deciding apart as the pipeline's two cache contexts (:meth:`cache_contexts`).
 
     Args:
         name: served model name.
@@ -212,8 +227,14 @@ class WanFamily(StepCache):
         self.guidance_embeds = False
         self.pipe = pipe
         self.vae = pipe.vae
-        self.adapter = WanAdapter(pipe.transformer, pipe.vae_scale_factor_spatial, pipe.vae_scale_factor_temporal,
-                                  spec.rules.native_text_tokens)
+        models = [pipe.transformer] + ([pipe.transformer_2] if spec.boundary_ratio is not None else [])
+        self.experts = tuple(WanAdapter(m, pipe.vae_scale_factor_spatial, pipe.vae_scale_factor_temporal,
+                                        spec.rules.native_text_tokens) for m in models)
+        """The experts' adapters: ``transformer``'s, and with ``boundary_ratio`` ``transformer_2``'s."""
+        self.adapter = self.experts[0]
+        self.boundary = (None if spec.boundary_ratio is None
+                         else spec.boundary_ratio * pipe.scheduler.config.num_train_timesteps)
+        """The boundary timestep (P:586): steps at or above it run expert 0, below it expert 1; None: one expert."""
         self._counter = counter
         self._lock = threading.Lock()
         self.device, self.dtype = device, dtype
@@ -235,21 +256,40 @@ class WanFamily(StepCache):
         table's length per axis (``rope_max_seq_len``, 1024): a grid side or a latent frame count above it would fail
         in T's ``rope`` (diffusers raises there too), so it is refused.
 
+        A Wan 2.2 checkpoint of two experts (``transformer_2`` and ``boundary_ratio``) has ``boundary_ratio`` in its
+        spec and no step cache (``cache_methods`` empty).
+
         Raises:
-            ValueError: another pipeline class, a Wan 2.2 checkpoint (``transformer_2`` / ``boundary_ratio``, or
-                ``expand_timesteps``), or a transformer patch other than (1, p, p).
+            ValueError: another pipeline class, no ``transformer``, only one of ``transformer_2`` and
+                ``boundary_ratio`` (``WanPipeline`` would fail or never run ``transformer_2``), a ``boundary_ratio``
+                outside 0..1, experts of different architectures (:data:`EXPERT_KEYS`), ``expand_timesteps`` (Wan 2.2
+                TI2V), or a transformer patch other than (1, p, p).
         """
         kind = index["_class_name"]
         if kind not in cls.pipeline_classes:
             raise ValueError(f"{kind!r} is not a Wan pipeline ({', '.join(cls.pipeline_classes)})")
-        two = (index.get("transformer_2") or [None])[0] is not None or index.get("boundary_ratio") is not None
-        if two:
-            raise ValueError(f"{path.name}: a Wan 2.2 checkpoint with two experts (transformer_2, boundary_ratio "
-                             f"{index.get('boundary_ratio')}) is not served yet; serve a Wan 2.1 checkpoint (one "
-                             f"transformer)")
+        if (index.get("transformer") or [None])[0] is None:
+            raise ValueError(f"{path.name}: model_index.json has no transformer; bcg-serve serves Wan checkpoints "
+                             f"with a transformer (and, for Wan 2.2's two experts, transformer_2 and boundary_ratio)")
+        ratio = index.get("boundary_ratio")
+        two = (index.get("transformer_2") or [None])[0] is not None
+        if two != (ratio is not None):
+            raise ValueError(f"{path.name}: transformer_2 {'set' if two else 'missing'} with boundary_ratio {ratio}: "
+                             f"Wan 2.2's two experts need both (WanPipeline runs transformer_2 below boundary_ratio x "
+                             f"1000), Wan 2.1 neither")
+        if ratio is not None and (isinstance(ratio, bool) or not isinstance(ratio, (int, float))
+                                  or not 0.0 <= ratio <= 1.0):
+            raise ValueError(f"{path.name}: boundary_ratio {ratio!r} in model_index.json: a number from 0 to 1")
         if index.get("expand_timesteps"):
-            raise ValueError(f"{path.name}: expand_timesteps (Wan 2.2 TI2V's per-token timesteps) is not served yet")
+            raise ValueError(f"{path.name}: expand_timesteps (Wan 2.2 TI2V-5B's per-token timesteps) is not served "
+                             f"yet; serve a Wan 2.1 or Wan 2.2 A14B checkpoint")
         tr = read_json(path / "transformer" / "config.json")
+        if two:
+            tr2 = read_json(path / "transformer_2" / "config.json")
+            differ = [k for k in EXPERT_KEYS if tr.get(k) != tr2.get(k)]
+            if differ:
+                raise ValueError(f"{path.name}: transformer and transformer_2 differ in {', '.join(differ)}; the two "
+                                 f"experts serve one bucket table, so their architectures must match")
         vae = read_json(path / "vae" / "config.json")
         pt, ph, pw = (int(p) for p in tr.get("patch_size", (1, 2, 2)))
         if pt != 1 or ph != pw:
@@ -264,7 +304,8 @@ class WanFamily(StepCache):
             name=path.name, family=cls.name, pipeline_class=kind,
             rules=ShapeRules(pixels_per_token=spatial * ph, grid_keyed=True, native_text_tokens=tokens,
                              frame_stride=temporal),
-            max_prompt_tokens=tokens, quality_steps=QUALITY_STEPS["wan"], cache_methods=CACHE_METHODS,
+            max_prompt_tokens=tokens, quality_steps=QUALITY_STEPS["wan"], cache_methods=() if two else CACHE_METHODS,
+            boundary_ratio=None if ratio is None else float(ratio),
             max_grid_side=int(tr.get("rope_max_seq_len", 1024)),
             default_buckets=dict(batch_sizes=[1, 2], resolutions=[f"{w}x{h}"], text_lengths=[tokens],
                                  frames=[defaults["default_frames"]]),
@@ -284,11 +325,14 @@ class WanFamily(StepCache):
 
     @classmethod
     def load(cls, path: Path, index: dict, device: torch.device, dtype: torch.dtype) -> WanFamily:
-        """Load with ``WanPipeline.from_pretrained`` (local files only, :func:`load_pipeline`)."""
+        """Load with ``WanPipeline.from_pretrained`` (local files only, :func:`load_pipeline`), both experts of a Wan
+        2.2 checkpoint in ``dtype``."""
         from diffusers import WanPipeline
 
         spec = cls.describe(path, index)
         pipe = load_pipeline(WanPipeline, path, device, dtype)
+        if pipe.transformer_2 is not None and pipe.transformer_2.dtype != dtype:  # as load_pipeline casts transformer
+            pipe.transformer_2.to(dtype=dtype)
         return cls(path.name, spec, pipe, cls.token_counter(path, index), device, dtype)
 
     # -- validation hooks ---------------------------------------------------------------------------
@@ -326,7 +370,16 @@ class WanFamily(StepCache):
         grid = (latents.shape[2], latents.shape[3] // self.adapter.patch, latents.shape[4] // self.adapter.patch)
         if grid != tuple(validated.grid):
             raise ValueError(f"latents of grid {grid} for a request validated at {validated.grid}")
-        return RequestState(validated, cond, uncond, latents, sched, sched.timesteps, grid, cancel=cancel)
+        state = RequestState(validated, cond, uncond, latents, sched, sched.timesteps, grid, cancel=cancel)
+        if self.boundary is not None:  # P:597's `t >= boundary_timestep`, as torch compares, once per request
+            state.extras["experts"] = (sched.timesteps < self.boundary).to(torch.int64).tolist()
+        return state
+
+    def expert(self, state: RequestState) -> int:
+        """The expert of ``state``'s next step: 0 (``transformer``) at a timestep at or above :attr:`boundary`, 1
+        (``transformer_2``) below it; always 0 for one transformer."""
+        experts = state.extras.get("experts")
+        return 0 if experts is None else experts[state.step_index]
 
     def model_rows(self, state: RequestState) -> DenoiseInputs:
         """Cond rows (one per video), then with CFG the uncond rows; the step's timestep per row (P:561-590)."""
@@ -345,13 +398,15 @@ class WanFamily(StepCache):
 
     @torch.inference_mode()
     def advance(self, state: RequestState, output: torch.Tensor) -> None:
-        """CFG ``uncond + s * (cond - uncond)`` in the output's dtype (P:592-601), then the request's scheduler step on
-        the fp32 latents (P:603)."""
+        """CFG ``uncond + s * (cond - uncond)`` in the output's dtype (P:630-638; ``s``: ``guidance_scale``, or on the
+        low-noise expert ``guidance_scale_2``), then the request's scheduler step on the fp32 latents (P:641)."""
         n = state.n
         noise = output[:n]
         if state.cfg:
             uncond = output[n : 2 * n]
-            noise = uncond + self.spec.cfg_scale(state.request) * (noise - uncond)
+            r = state.request
+            scale = self.spec.cfg_scale(r) if self.expert(state) == 0 else float(r.guidance_scale_2)
+            noise = uncond + scale * (noise - uncond)
         state.latents = state.scheduler.step(noise, state.timestep, state.latents, return_dict=False)[0]
         state.step_index += 1
 

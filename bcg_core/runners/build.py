@@ -54,23 +54,30 @@ def runner_mode(config: EngineConfig, device: torch.device | None = None) -> str
     return mode
 
 
-def build_runner(config: EngineConfig, model: Family, keys: list, metrics: BucketMetrics) -> BucketRunner:
+def build_runner(config: EngineConfig, model: Family, keys: list, metrics: BucketMetrics, adapter=None,
+                 component: str = "transformer") -> BucketRunner:
     """The runner ``config.runner.mode`` asks for: CUDA graphs (``graph``, or ``auto`` on CUDA) or eager.
+
+    Args:
+        adapter: the padding adapter it runs (None: ``model.adapter``; another expert's, :mod:`bcg_core.experts`).
+        component: the checkpoint folder of that adapter's weights (``transformer_2`` for Wan 2.2's second expert),
+            which keys its kept measurements (:func:`compiled_kernels`).
 
     Raises:
         ValueError: ``mode: graph`` on a model that is not on a CUDA device.
     """
+    adapter = model.adapter if adapter is None else adapter
     mode = runner_mode(config, model.device)
     fused = fused_wanted(config, model)
-    kernels = compiled_kernels(config, model, keys)
+    kernels = compiled_kernels(config, model, keys, adapter, component)
     if mode == "eager":
-        return EagerBucketRunner(model.adapter, keys, metrics, model.device, model.dtype, fused=fused,
+        return EagerBucketRunner(adapter, keys, metrics, model.device, model.dtype, fused=fused,
                                  kernels=kernels)
     from bcg_core.runners.cuda_graph import CudaGraphRunner
 
     budget = config.runner.graph_memory_budget_mib
     return CudaGraphRunner(
-        model.adapter, keys, metrics, model.device, model.dtype,
+        adapter, keys, metrics, model.device, model.dtype,
         budget_bytes=None if budget is None else int(budget * 2**20), lazy=config.runner.lazy_capture,
         warmup_iters=config.runner.warmup_iters, fused=fused, kernels=kernels,
     )
@@ -106,7 +113,8 @@ def installed_kernels(transformer: torch.nn.Module) -> InstalledKernels:
     return _INSTALLED.setdefault(transformer, InstalledKernels())
 
 
-def compiled_kernels(config: EngineConfig, model: Family, keys: list) -> CompiledKernels | None:
+def compiled_kernels(config: EngineConfig, model: Family, keys: list, adapter=None,
+                     component: str = "transformer") -> CompiledKernels | None:
     """The compiled kernels ``config.runner.kernels`` asks for on ``model`` (installed on its transformer once and
     kept beside it, :func:`installed_kernels`, so a second runner of the same model shares them), or None for eager
     kernels.
@@ -121,30 +129,34 @@ def compiled_kernels(config: EngineConfig, model: Family, keys: list) -> Compile
 
     Args:
         keys: the buckets the runner serves (each block may hold one static compile per shape).
+        adapter: the padding adapter whose transformer gets them (None: ``model.adapter``; another expert's).
+        component: the checkpoint folder of its weights, for :func:`~bcg_core.models.weights_stamp`.
     """
     tier = kernel_tier(config, model.device)
     if tier is KernelTier.EAGER:
         return None
-    installed = installed_kernels(model.adapter.model)
+    adapter = model.adapter if adapter is None else adapter
+    installed = installed_kernels(adapter.model)
     kernels = installed.compiled
     if kernels is None or (kernels.mode, kernels.batch_dynamic) != (config.runner.compile_mode,
                                                                    config.runner.compile_batch_dynamic):
         if config.runner.compile_rtol is not None:
             rtol, note = config.runner.compile_rtol, "runner.compile_rtol"
         else:
-            rtol, note = derived_tolerance(tier.value, model.adapter, keys, model.device, model.dtype,
-                                           config.runner.compile_cache_dir, weights_stamp(config.model.path))
+            rtol, note = derived_tolerance(tier.value, adapter, keys, model.device, model.dtype,
+                                           config.runner.compile_cache_dir,
+                                           weights_stamp(config.model.path, component))
         if tier is KernelTier.FP8 and not installed.fp8_layers:
             check_fp8(model.device)
-            installed.fp8_layers = quantize_fp8(model.adapter.model)  # in place: every forward, misses too
+            installed.fp8_layers = quantize_fp8(adapter.model)  # in place: every forward, misses too
         def install() -> CompiledKernels:
-            return CompiledKernels(model.adapter.model, mode=config.runner.compile_mode,
+            return CompiledKernels(adapter.model, mode=config.runner.compile_mode,
                                    max_shapes=max(64, 2 * len(keys)), cache_dir=config.runner.compile_cache_dir,
                                    timeout_s=config.runner.compile_timeout_s, rtol=rtol,
                                    attention=config.runner.attention,
                                    batch_dynamic=config.runner.compile_batch_dynamic)
 
-        split = split_of(model.adapter.model)  # a step cache's split installed first: the kernels go under it
+        split = split_of(adapter.model)  # a step cache's split installed first: the kernels go under it
         kernels = install() if split is None else split.around(install)
         kernels.rtol_note = note
         log.info("compiled kernels (%s): each bucket checked against eager within %.3g (%s)", tier.value, rtol, note)

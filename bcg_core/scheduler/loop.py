@@ -13,7 +13,8 @@ Requests join and leave at step boundaries. One denoising thread runs *iteration
    batch bucket belongs to its shape's group), oldest group first: one denoising step of every request of the
    group, each at its own step and timestep, in the forwards the pipeline's
    :class:`~bcg_core.costs.StepDecider` chooses (``fill``, ``pad``, ``split`` or ``eager``); where
-   requests with and without LoRA adapters mix, as two steps when the measured costs say that is cheaper. Every
+   requests with and without LoRA adapters mix, as two steps when the measured costs say that is cheaper; on a
+   model of several experts (Wan 2.2), the requests at each expert as a step of its own (:mod:`bcg_core.experts`). Every
    group steps once per iteration, so a rare shape waits at most one step of each other group.
 3. **Retires** finished requests (to the :class:`~bcg_core.scheduler.finish.Finisher`: decode thread and
    encoding pool) and cancelled ones (their rows leave at this step boundary).
@@ -74,7 +75,8 @@ class DenoisingLoop:
             by the scheduler.
         iterations: iterations run; busy_s: seconds spent starting and stepping; oom_steps: steps that ran out of
             device memory (their requests answered 503); adapter_splits: steps run as two, without and with LoRA
-            adapters (:meth:`_step_group`).
+            adapters (:meth:`_step_group`); expert_splits: steps run as several, one per expert (its rows at
+            different experts).
     """
 
     def __init__(self, flight: Flight, pipeline: DiTPipeline, finisher: Finisher, previews: PreviewWorker,
@@ -93,6 +95,7 @@ class DenoisingLoop:
         self.busy_s = 0.0
         self.oom_steps = 0
         self.adapter_splits = 0
+        self.expert_splits = 0
         self.edit_starter = EditStarter(pipeline, edit_start_batch, encode_batch_images, self._encoded,
                                         lambda: self._flight.closed)
 
@@ -264,9 +267,24 @@ class DenoisingLoop:
                 self._step_group(group, live)
 
     def _step_group(self, group: tuple, items: list[InFlight]) -> None:
-        """One step of a group's requests: in one step, or, where rows with and without LoRA adapters mix and
-        the cost model expects it to be cheaper (:meth:`~bcg_core.costs.StepDecider.split_adapters`),
-        in two: the requests without adapters on the plain graphs, those with adapters on the LoRA graphs."""
+        """One step of a group's requests: for a model of several experts (:mod:`bcg_core.experts`), the requests
+        at each expert apart (counted in ``expert_splits`` where a step has several), each as below.
+
+        In one step, or, where rows with and without LoRA adapters mix and the cost model expects it to be cheaper
+        (:meth:`~bcg_core.costs.StepDecider.split_adapters`), in two: the requests without adapters on the plain
+        graphs, those with adapters on the LoRA graphs."""
+        if len(self.pipeline.runners) > 1:
+            experts: dict[int, list[InFlight]] = {}
+            for item in items:
+                experts.setdefault(self.pipeline.expert_of(item.state), []).append(item)
+            self.expert_splits += len(experts) > 1
+            for expert in sorted(experts):
+                self._step_adapters(experts[expert])
+        else:
+            self._step_adapters(items)
+
+    def _step_adapters(self, items: list[InFlight]) -> None:
+        """One step of requests at one expert: one step, or two where LoRA rows split (:meth:`_step_group`)."""
         adapters = [i for i in items if i.validated.request.lora]
         plain = [i for i in items if not i.validated.request.lora]
         if adapters and plain and self.decider.split_adapters(items[0].shape, sum(i.rows for i in plain),

@@ -345,6 +345,7 @@ class StepScheduler:
                 "running": sum(len(g) for g in self.flight.running.values()), "finishing": len(self.flight.finishing),
                 "iterations": self._loop.iterations, "busy_s": round(self._loop.busy_s, 3),
                 "oom_steps": self._loop.oom_steps, "adapter_splits": self._loop.adapter_splits,
+                "expert_splits": self._loop.expert_splits,
                 "decode_batch_images": self._finisher.decode_batch_images,
                 "fair_wait_s": self.flight.admission.fair_wait_s,
                 **out, "costs": self.costs.describe(), "miss_memory": self.decider.miss.describe(),

@@ -18,6 +18,7 @@ import math
 
 import torch
 
+from bcg_core.experts import component
 from bcg_core.keys import BucketKey
 from bcg_core.pipeline import DiTPipeline
 from bcg_core.verify import RTOL, verify_runner
@@ -103,7 +104,8 @@ def run_verify(config: ServeConfig, buckets: list[str] | None = None, rtol: floa
     Before it starts it times the smallest and the largest case and prints an estimate of the total time
     (:func:`verify_estimate`); while it runs it shows a tqdm bar per bucket (``bucket i/N: KEY``, weighted by each
     case's tokens, with the remaining time) on ``progress``. Buckets run in table order (fewest rows first).
-    Checking the whole table, it first names ``--bucket KEY`` for a quick check.
+    Checking the whole table, it first names ``--bucket KEY`` for a quick check. A model of several experts (Wan 2.2)
+    has each other expert's runner checked on the same cases after the bar (rows ``KEY (transformer_2)``).
 
     Args:
         config: the serve config (model, table, runner).
@@ -190,16 +192,21 @@ def run_verify(config: ServeConfig, buckets: list[str] | None = None, rtol: floa
         print(f"checked {len(order)} bucket{plural[0]} ({len(cases)} case{plural[1]}) in "
               f"{_duration(time.perf_counter() - started)}", file=progress, flush=True)
     described = {d["key"]: d for d in pipe.runner.describe()}
+    rows = [(str(v.key), v, described) for v in verdicts]
+    for e in range(1, len(pipe.runners)):  # another expert's runner (Wan 2.2's transformer_2): the same cases
+        found = verify_runner(model.experts[e], pipe.runners[e], cases, model.device, model.dtype, rtol=tol)
+        kept = {d["key"]: d for d in pipe.runners[e].describe()}
+        rows += [(f"{v.key} ({component(e)})", v, kept) for v in found]
     table = Table(title=f"bcg verify: {model.model_name} on {model.device} "
                         f"({str(model.dtype).removeprefix('torch.')}), rtol {tol:.3g}")
     cols = ("bucket", "mode") + (("kernels",) if compiled is not None else ()) + (
         "cases", "shapes (rows x grid + text)", "max rel err", "result")
-    _key_column(table, [str(v.key) for v in verdicts])
+    _key_column(table, [label for label, _, _ in rows])
     for col in cols[1:]:
         table.add_column(col, justify="right" if col in ("cases", "max rel err") else "left")
-    for v in verdicts:
-        d = described.get(str(v.key), {})
-        table.add_row(str(v.key), d.get("mode", "?"), *((d.get("kernels", "?"),) if compiled is not None else ()),
+    for label, v, state in rows:
+        d = state.get(str(v.key), {})
+        table.add_row(label, d.get("mode", "?"), *((d.get("kernels", "?"),) if compiled is not None else ()),
                       str(v.cases), ", ".join(v.shapes[:4]) + (" ..." if len(v.shapes) > 4 else ""),
                       f"{v.max_rel_err:.2e}",
                       "[green]pass[/]" if v.passed else "[red]FAIL[/]" + (" (NaN)" if v.nan else ""))
@@ -211,8 +218,9 @@ def run_verify(config: ServeConfig, buckets: list[str] | None = None, rtol: floa
     unreached = sorted(str(k) for k in keys - {v.key for v in verdicts})
     if unreached:
         console.print(f"no valid request size maps to: {', '.join(unreached)}")
-    failed = [v for v in verdicts if not v.passed]
-    console.print(f"{len(verdicts) - len(failed)} of {len(verdicts)} buckets passed")
+    failed = [v for _, v, _ in rows if not v.passed]
+    console.print(f"{len(rows) - len(failed)} of {len(rows)} buckets passed"
+                  + (f" ({len(pipe.runners)} experts' runners)" if len(pipe.runners) > 1 else ""))
     return not failed
 
 

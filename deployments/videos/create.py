@@ -49,13 +49,16 @@ class VideoCreateRequest(BaseModel):
     guidance_scale: float | None = Field(default=None, description="Classifier-free guidance scale (Wan: above 1 "
                                          "runs cond + uncond rows; default 5.0, the pipeline's).")
     negative_prompt: str | None = Field(default=None, description="Text to guide away from (Wan's default: \"\").")
+    guidance_scale_2: float | None = Field(default=None, description="Wan 2.2 checkpoints of two experts only: the "
+                                           "low-noise expert's classifier-free guidance scale, with guidance_scale "
+                                           "above 1 (omitted: guidance_scale's).")
 
     def engine_request(self, shape: VideoShape) -> GenerationRequest:
         """The engine's request of one video at ``shape``."""
         return GenerationRequest(prompt=self.prompt, n=1, width=shape.width, height=shape.height,
                                  num_frames=shape.num_frames, seed=self.seed,
                                  num_inference_steps=self.num_inference_steps, guidance_scale=self.guidance_scale,
-                                 negative_prompt=self.negative_prompt)
+                                 negative_prompt=self.negative_prompt, guidance_scale_2=self.guidance_scale_2)
 
 
 class VideoCreateForm(VideoCreateRequest):

@@ -3,8 +3,8 @@ a streamed generation with step progress (:func:`deployments.routing.stream_dit`
 replica's admission, cancellation when the job is dropped), its frames returned to the
 :class:`~deployments.videos.worker.VideoWorker`.
 
-A job keeps what its create request resolved (frames, seed, steps, guidance, negative prompt: ``params``), so a job
-that runs again, after its replica died, makes the same video.
+A job keeps what its create request resolved (frames, seed, steps, guidance, the low-noise expert's guidance of a Wan
+2.2 checkpoint, negative prompt: ``params``), so a job that runs again, after its replica died, makes the same video.
 """
 
 from __future__ import annotations
@@ -36,7 +36,8 @@ def job_params(validated: ValidatedRequest, shape: VideoShape) -> dict[str, Any]
     """The ``params`` a job keeps of its validated request: what its generation needs beyond prompt and size."""
     r = validated.request
     return {"num_frames": r.num_frames, "fps": shape.fps, "seed": r.seed, "num_inference_steps": r.num_inference_steps,
-            "guidance_scale": r.guidance_scale, "negative_prompt": r.negative_prompt}
+            "guidance_scale": r.guidance_scale, "negative_prompt": r.negative_prompt,
+            "guidance_scale_2": r.guidance_scale_2}
 
 
 def job_request(job: VideoJob) -> GenerationRequest:
@@ -49,7 +50,8 @@ def job_request(job: VideoJob) -> GenerationRequest:
     p = job.params
     return GenerationRequest(prompt=job.prompt or "", n=1, width=width, height=height, num_frames=p["num_frames"],
                              seed=p.get("seed"), num_inference_steps=p.get("num_inference_steps"),
-                             guidance_scale=p.get("guidance_scale"), negative_prompt=p.get("negative_prompt"))
+                             guidance_scale=p.get("guidance_scale"), negative_prompt=p.get("negative_prompt"),
+                             guidance_scale_2=p.get("guidance_scale_2"))
 
 
 class DiTVideos:

@@ -6,9 +6,9 @@ within 1e-5 relative, fp32: a video alone at an exact bucket (bit-identical, and
 ``output_type="pil"`` frames), and a video with CFG and a negative prompt sharing each step's forward with another
 request of another prompt and seed that joined a step later, in one bucket with a pad row (its decoded frames equal
 diffusers' decode of those latents). Also: the padded bucket forward against the unpadded one at every boundary, the
-prompt limit, bf16 against diffusers' bf16, a Wan 2.2 checkpoint refused, the engine's CPU entry
-(``DiTPipeline.generate``) and the step scheduler returning frames, and a config without buckets (the family's table)
-in ``bcg config --check``, ``bcg plan`` and the router.
+prompt limit, bf16 against diffusers' bf16, the engine's CPU entry (``DiTPipeline.generate``) and the step scheduler
+returning frames, and a config without buckets (the family's table) in ``bcg config --check``, ``bcg plan`` and the
+router. Wan 2.2's two experts: ``tests/families/test_wan_experts.py``.
 """
 
 from __future__ import annotations
@@ -231,18 +231,6 @@ def test_token_counts_are_what_the_encoder_reads_and_longer_prompts_are_refused(
     with pytest.raises(RequestError) as e:
         pipe.validator.validate(_req(true_cfg_scale=2.0))
     assert e.value.field == "true_cfg_scale"
-
-
-def test_a_wan_2_2_checkpoint_with_two_experts_is_refused_naming_why(tmp_path):
-    """Wan 2.2's layout (``transformer_2`` below ``boundary_ratio``), which diffusers loads, is refused before any
-    weight loads, naming why."""
-    from bcg_core.config import ModelConfig
-    from bcg_core.models import CheckpointError, describe_model
-
-    folder = build(tmp_path / "wan22", boundary_ratio=0.875)
-    assert WanPipeline.from_pretrained(str(folder), local_files_only=True).transformer_2 is not None
-    with pytest.raises((ValueError, CheckpointError), match="two experts .* is not served yet; serve a Wan 2.1"):
-        describe_model(ModelConfig(path=str(folder)))
 
 
 def test_a_config_without_buckets_gets_the_family_table_in_config_check_plan_and_routing(folder, tmp_path, capsys):

@@ -108,8 +108,34 @@ def test_create_as_json_and_as_the_openai_clients_form_queues_a_job_with_its_res
     assert (b["seconds"], b["size"]) == ("1", "48x32")  # the defaults
     kept = routes.store.get(a["id"]).params
     assert kept == {"num_frames": 33, "fps": 16.0, "seed": 7, "num_inference_steps": 3, "guidance_scale": 4.0,
-                    "negative_prompt": None}  # what the validator resolved: the same video if it runs again
+                    "negative_prompt": None, "guidance_scale_2": None}  # the same video if it runs again
     assert routes.store.get(b["id"]).params["seed"] == 9 and dit.sent == []  # nothing generated until claimed
+
+
+def test_a_two_expert_models_guidance_scale_2_is_kept_with_the_job_and_sent_again(tmp_path):
+    """Wan 2.2 (``boundary_ratio``): ``guidance_scale_2`` from the form as the client sends it, kept with the job and
+    in the request its generation sends; omitted, it is ``guidance_scale``'s (``WanPipeline``'s default)."""
+    from dataclasses import replace
+
+    from deployments.videos.generation import job_request
+
+    config = _config(tmp_path)
+    validator = RequestValidator(config, replace(SPEC, boundary_ratio=0.875), lambda text, negative=False: 1)
+
+    async def validate(request):
+        return validator.validate(request)
+
+    routes = VideoRoutes(config, validator, validate, FakeVideoDiT(), "ingress-test")
+
+    async def run():
+        a = await routes.create(_form_request({"prompt": "a fox", "guidance_scale": "4", "guidance_scale_2": "2.5"}))
+        b = await routes.create(_json_request({"prompt": "a boat", "guidance_scale": 3.0}))
+        return _answer(a)[1]["id"], _answer(b)[1]["id"]
+
+    a, b = asyncio.run(run())
+    assert routes.store.get(a).params["guidance_scale_2"] == 2.5
+    assert job_request(routes.store.get(a)).guidance_scale_2 == 2.5
+    assert routes.store.get(b).params["guidance_scale_2"] == 3.0
 
 
 @pytest.mark.parametrize("make,status,param,needle", [
@@ -126,6 +152,10 @@ def test_create_as_json_and_as_the_openai_clients_form_queues_a_job_with_its_res
     (lambda: _json_request({"prompt": "x", "fps": 24}), 422, "fps", "unknown field 'fps'; allowed fields: prompt"),
     (lambda: _json_request({"seconds": "1"}), 422, "prompt", "'prompt' is required"),
     (lambda: _json_request({"prompt": "x", "num_inference_steps": 0}), 422, "num_inference_steps", "from 1 to"),
+    (lambda: _json_request({"prompt": "x", "guidance_scale": 4.0, "guidance_scale_2": 2.0}), 422, "guidance_scale_2",
+     "has one transformer (no boundary_ratio); leave it unset; allowed: a number from 0 to"),
+    (lambda: _form_request({"prompt": "x", "guidance_scale_2": "high"}), 422, "guidance_scale_2",
+     "invalid 'guidance_scale_2' (got 'high')"),
     (lambda: asgi_request("POST", "/v1/videos", b"{nope", JSON), 400, "request", "not valid JSON"),
     (lambda: asgi_request("POST", "/v1/videos", b"prompt=x", [("content-type", "application/x-www-form-urlencoded")]),
      415, "request", "takes a JSON or multipart/form-data body"),
