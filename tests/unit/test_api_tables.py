@@ -23,7 +23,7 @@ QUALITY_ROWS = {  # QUALITY_STEPS key -> the family cell of its row
     "flux2-distilled": "FLUX.2 [klein] distilled (`Flux2KleinPipeline`, `is_distilled`)",
     "zimage": "Z-Image (`ZImagePipeline`)",
     "qwenimage21": "Qwen-Image 2.1 (`QwenImage21Pipeline`)",
-    "wan": "Wan 2.1 (`WanPipeline`, video)",
+    "wan": "Wan 2.1, Wan 2.2 A14B (`WanPipeline`, video)",
 }
 
 
