@@ -171,7 +171,7 @@ def demands_for_config(config, validator: RequestValidator | None = None) -> dic
     wrote it (``buckets.plan.work``: each shape's share of the computed tokens on the planned traffic), else from
     the krea mix (requests at the configured default guidance scale, weighted by padded tokens:
     :func:`expected_load` ``by="work"``); graph bytes from :func:`estimate_graph_bytes` with the model's width and
-    dtype.
+    dtype, once per expert (a Wan 2.2 checkpoint of two experts captures every bucket twice, :mod:`bcg_core.experts`).
 
     Args:
         config: a :class:`deployments.settings.ServeConfig`.
@@ -183,7 +183,8 @@ def demands_for_config(config, validator: RequestValidator | None = None) -> dic
     validator = validator or RequestValidator.from_config(config)
     hidden = transformer_width(config.model.path)
     dtype_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}[config.model.dtype]
-    graph_bytes = lambda k: estimate_graph_bytes(k, hidden, dtype_bytes)  # noqa: E731
+    experts = 1 if validator.spec.boundary_ratio is None else 2  # transformer and transformer_2: a pool each
+    graph_bytes = lambda k: experts * estimate_graph_bytes(k, hidden, dtype_bytes)  # noqa: E731
     plan = config.buckets.plan
     if plan is not None:
         from bcg_core.planning.drift import plan_matches

@@ -184,6 +184,11 @@ def test_wan_2_1_refuses_guidance_scale_2_and_inconsistent_layouts_are_refused_a
     with pytest.raises(RequestError, match="one transformer") as e:
         one.validate(_req(guidance_scale=4.0, guidance_scale_2=2.0))
     assert e.value.field == "guidance_scale_2"
+    from router.ownership import demands_for_config
+
+    graphs = [{s: d.graph_bytes for s, d in demands_for_config(c).items()}
+              for c in (cfg, cfg.model_copy(update={"model": ModelConfig(path=str(folder))}))]
+    assert graphs[1] == {s: 2 * b for s, b in graphs[0].items()} and graphs[0]  # a pool per expert
     cases = [({"boundary_ratio": None}, "transformer_2 set with boundary_ratio None"),
              ({"boundary_ratio": 1.5}, "boundary_ratio 1.5"),
              ({"expand_timesteps": True}, "expand_timesteps")]
