@@ -72,9 +72,11 @@ def unsupported_response(route: str) -> JSONResponse:
                           code="unsupported_endpoint")
 
 
-def unavailable_response(message: str, retry_after_s: float, param: str | None = None) -> JSONResponse:
-    """A 503 answer with ``Retry-After`` in whole seconds (at least 1), for overload and a replica not ready."""
-    answer = error_response(503, message, param=param)
+def unavailable_response(message: str, retry_after_s: float, param: str | None = None,
+                         code: str | None = None) -> JSONResponse:
+    """A 503 answer with ``Retry-After`` in whole seconds (at least 1), for overload, a replica not ready and a
+    server that stops (``code``: OpenAI's machine-readable code, or None)."""
+    answer = error_response(503, message, param=param, code=code)
     answer.headers["Retry-After"] = str(max(1, round(retry_after_s)))
     return answer
 

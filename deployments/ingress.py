@@ -37,6 +37,10 @@ ingress refuses a name with no file in ``lora.dir`` with a 422 listing the adapt
 file and stays the authority (422 for a file it cannot serve, 503 with ``Retry-After`` when no adapter slot freed
 within ``lora.load_timeout_s``; neither is resent to another replica).
 
+Stopping: ``Ingress.drain`` (a handle method, called by :func:`deployments.drain.drain_ingress` before the local
+server deletes the application) makes every new HTTP request answered 503 with ``Retry-After`` (code
+``server_stopping``) while the requests in flight finish.
+
 Python handle callers use ``Ingress.images`` (same validation and routing). Each request is validated here
 once, on the ingress's one validation thread, so the event loop stays free while an edit's image is decoded
 (:class:`~bcg_core.validation.RequestValidator`: validation, defaults, the seed, the bucket lookup), and its
@@ -64,8 +68,11 @@ composes them. ``app`` is importable from here too.
 # No ``from __future__ import annotations`` in the route modules: FastAPI reads the route signatures
 # (``request: Request``) of the class-based view that ``serve.ingress`` builds, and postponed annotations hide them.
 
+from typing import Any
+
 from ray import serve
 
+from .drain import drain_replica
 from .ingress_app import app
 from .ingress_info import InfoEndpoints
 
@@ -95,3 +102,14 @@ class Ingress(InfoEndpoints, ImageEndpoints, VideoEndpoints):
         pydantic.ValidationError: on a bad config (at replica start); ValueError: ``auth.api_key_file`` cannot be
             read or holds no key.
     """
+
+    async def drain(self, wait_s: float = 1.0) -> dict[str, Any]:
+        """Handle method (``serve.get_app_handle(name).drain.remote(wait_s)``; :func:`~deployments.drain.
+        drain_ingress` calls it before the application is deleted): from now on this replica answers every new HTTP
+        request 503 with ``Retry-After`` (``routing.retry_after_s``; :func:`~deployments.drain.stopping_response`)
+        and serves those in flight to the end; then waits up to ``wait_s`` seconds for them.
+
+        Returns:
+            ``{"replica": this process's drain id, "in_flight": HTTP requests still in flight}``.
+        """
+        return await drain_replica(self._config.routing.retry_after_s, wait_s)

@@ -5,7 +5,9 @@ register, its middleware and exception handlers, and the route options they shar
 Every error it answers itself is in OpenAI's shape (:func:`~deployments.http_errors.error_response`): FastAPI's own
 validation error as 422 naming the field, and Starlette's HTTP errors (an unknown path: 404) with the method and path.
 
-Middleware: :class:`~deployments.memory.IdleTrimMiddleware` (the heap trimmed once no request is in flight).
+Middleware (outermost first): :class:`~deployments.drain.DrainMiddleware` (once the server stops, a new request is
+answered 503 with ``Retry-After`` while those in flight finish), then :class:`~deployments.memory.IdleTrimMiddleware`
+(the heap trimmed once no request is in flight).
 """
 
 from typing import Any
@@ -15,6 +17,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from .drain import DrainMiddleware
 from .http_errors import UNSUPPORTED_STATUS, error_response
 from .memory import IdleTrimMiddleware
 from .schemas import ErrorBody
@@ -28,6 +31,7 @@ app = FastAPI(
     "OpenAI Images API compatible.",
 )
 app.add_middleware(IdleTrimMiddleware)  # trims this process's heap once no request is in flight (deployments.memory)
+app.add_middleware(DrainMiddleware)  # added last, so outermost: a request refused while draining reaches nothing else
 
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {c: {"model": ErrorBody} for c in (400, 401, 413, 415, 422, 500,
                                                                                      503)}

@@ -5,8 +5,8 @@
 checkpoint's JSON configs and tokenizer, the device and runner mode), so that a bad file is reported with
 its own message instead of a replica failing inside Ray; :func:`start_local` starts a new local Ray
 instance, Serve on ``127.0.0.1`` and the application from :func:`deployments.app.build_app`;
-:func:`stop_local` shuts both down; :func:`deploy_failure` says in one line why an application failed to
-deploy.
+:func:`stop_local` drains the ingress and shuts both down; :func:`deploy_failure` says in one line why an
+application failed to deploy.
 
 Ray and httpx are imported only by the functions that use them.
 """
@@ -24,13 +24,18 @@ if TYPE_CHECKING:
     from ..settings import ServeConfig
 
 __all__ = [
-    "api_server_metrics_url", "bind_ray_to", "check_config", "check_file", "check_port_free", "deploy_failure",
-    "free_loopback_port", "start_local", "stop_local", "uncaptured_shapes", "wait_captured", "wait_healthy",
+    "DRAIN_TIMEOUT_S", "api_server_metrics_url", "bind_ray_to", "check_config", "check_file", "check_port_free",
+    "deploy_failure", "free_loopback_port", "start_local", "stop_local", "uncaptured_shapes", "wait_captured",
+    "wait_healthy",
 ]
 
 APP_NAME = "bcg"  # the Serve application start_local runs and stop_local deletes
 
 _HEALTH_WAIT_S = 60.0
+
+DRAIN_TIMEOUT_S = 20.0
+"""How long :func:`stop_local` waits for the requests in flight before deleting the application: as long as Serve's
+own graceful stop waits for a replica's requests (``graceful_shutdown_timeout_s``, Ray's default 20 s)."""
 
 
 def _poll(url: str, left: Callable[[Any], object], timeout_s: float,
@@ -427,23 +432,33 @@ def deploy_failure(app_name: str) -> str:
     return "; ".join(reasons) or (app.message or "no reason reported").strip().splitlines()[-1]
 
 
-def stop_local() -> None:
+def stop_local(drain_timeout_s: float = DRAIN_TIMEOUT_S) -> None:
     """Shut down the application, Serve and Ray started by :func:`start_local` (safe to call when they are not
     running).
 
-    The application is deleted first (``serve.delete``: its replicas finish their requests and stop gracefully),
-    then Ray is shut down, which ends the Serve controller and proxy with the local node. Not ``serve.shutdown()``:
-    the controller ends its own ``graceful_shutdown`` call by killing itself, and Ray retries that task (the
-    controller's ``max_task_retries=-1``), so the driver printed ``(raylet) Task ServeController.graceful_shutdown
-    failed. There are infinite retries remaining ...`` on every stop; ``tests/serve/test_ctrl_c_serve.py`` checks
-    that a Ctrl-C now prints no such line.
+    The ingress drains first (:func:`deployments.drain.drain_ingress`): a request that arrives from then on is
+    answered 503 with ``Retry-After`` in OpenAI's error shape (code ``server_stopping``), and the requests in flight
+    are served, for at most ``drain_timeout_s`` seconds. Only then is the application deleted (``serve.delete``: its
+    replicas finish what they still hold and stop gracefully), since deleting it takes its route out of Serve's HTTP
+    proxy at once, which then answers a plain-text 404. Then Ray is shut down, which ends the Serve controller and
+    proxy with the local node. Not ``serve.shutdown()``: the controller ends its own ``graceful_shutdown`` call by
+    killing itself, and Ray retries that task (the controller's ``max_task_retries=-1``), so the driver printed
+    ``(raylet) Task ServeController.graceful_shutdown failed. There are infinite retries remaining ...`` on every
+    stop; ``tests/serve/test_ctrl_c_serve.py`` checks that a Ctrl-C now prints no such line, and that a request
+    arriving during the drain is answered 503 while the one in flight completes.
     """
     import ray
     from ray import serve
     from ray.serve.exceptions import RayServeException
 
+    from ..drain import drain_ingress
+
     if ray.is_initialized():
         try:
+            try:
+                drain_ingress(APP_NAME, drain_timeout_s)
+            except Exception:  # noqa: BLE001 - no running application (a failed start) or a dead ingress: stop anyway
+                logging.getLogger("ray.serve").info("the ingress was not drained before the stop", exc_info=True)
             serve.delete(APP_NAME)
         except RayServeException:  # Serve never started (a failed start): nothing to delete
             pass

@@ -8,7 +8,13 @@ deleted, then Ray shut down) and ends with one line saying it stopped; Ray's dri
 ``ray.init(include_dashboard=False)`` still starts ``dashboard.py`` (Ray's API server, usage stats only): the ready
 block says so, and the metrics URL it gives is a listener of that process.
 
-One server start (a subprocess with its own Ray, 15-60 s on 2 cores) checks both."""
+A Ctrl-C drains before it deletes the application (``deployments/drain.py``): a streamed generation already accepted
+(its 200 came once the DiT replica took it) runs to its last event, while a request that arrives meanwhile is answered
+503 with ``Retry-After`` in OpenAI's error shape (code ``server_stopping``); only after the stream ended does Serve's
+proxy answer its plain-text 404 (the application deleted, its route gone), then nothing listens.
+
+One server start (a subprocess with its own Ray, 15-60 s on 2 cores) checks all three; the drain adds the streamed
+generation's few seconds."""
 
 from __future__ import annotations
 
@@ -17,6 +23,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -25,10 +32,32 @@ import psutil
 import pytest
 
 from listeners import listening
+from sse import parse_sse
 
 ROOT = Path(__file__).resolve().parents[2]
 _START_S = 240.0
 _STOP_S = 90.0
+# 512x512 at 16 steps: long enough (2-6 s on 2 cores) that the drain starts while it streams
+_IN_FLIGHT = {"prompt": "a lighthouse at dusk", "size": "512x512", "num_inference_steps": 16, "seed": 7, "stream": True}
+
+
+def _answers_until_gone(url: str, timeout_s: float) -> list[tuple[float, int | None, httpx.Response | None]]:
+    """``GET url`` every 0.05 s until an answer is neither 200 nor 503 (the proxy's 404) or the connection fails:
+    each change of status as ``(time.monotonic(), status or None for a failed connection, the response)``."""
+    seen: list[tuple[float, int | None, httpx.Response | None]] = []
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            r = httpx.get(url, timeout=10.0, trust_env=False)
+        except httpx.HTTPError:
+            r = None
+        status = None if r is None else r.status_code
+        if not seen or seen[-1][1] != status:
+            seen.append((time.monotonic(), status, r))
+        if status not in (200, 503):
+            break
+        time.sleep(0.05)
+    return seen
 
 
 def _listener_cmdline(root_pid: int, port: int) -> str:
@@ -75,7 +104,16 @@ def test_ctrl_c_stops_bcg_serve_with_one_clean_last_line_and_the_dashboard_line_
         # no web UI: nothing of the tree listens on Ray's dashboard port
         assert 8265 not in {p for _, p in listening(proc.pid)}
 
-        os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
+        stream_end: list[float] = []
+        with httpx.Client(timeout=120.0, trust_env=False) as client, \
+                client.stream("POST", f"{api[1]}/v1/images/generations", json=_IN_FLIGHT) as streamed:
+            assert streamed.status_code == 200, streamed.read()  # accepted: in flight at the ingress
+            reader = threading.Thread(target=lambda: (streamed.read(), stream_end.append(time.monotonic())))
+            reader.start()
+            os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
+            answers = _answers_until_gone(f"{api[1]}/v1/models", _STOP_S)
+            reader.join(timeout=_STOP_S)
+            events = parse_sse(streamed.content)
         out, _ = proc.communicate(timeout=_STOP_S)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
@@ -85,6 +123,16 @@ def test_ctrl_c_stops_bcg_serve_with_one_clean_last_line_and_the_dashboard_line_
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.communicate()
+    # the stream accepted before Ctrl-C ran to its image
+    assert [name for name, _ in events][-1:] == ["image_generation.completed"], events[-1:]
+    statuses = [status for _, status, _ in answers]
+    assert 503 in statuses and statuses[-1] in (404, None), statuses
+    refused = answers[statuses.index(503)]
+    body = refused[2].json()["error"]
+    assert body["code"] == "server_stopping" and body["type"] == "server_error" and "stopping" in body["message"], body
+    assert int(refused[2].headers["retry-after"]) >= 1, refused[2].headers
+    # refused while the stream was still running, and the application deleted (404, or gone) only after it ended
+    assert stream_end and refused[0] < stream_end[0] <= answers[statuses.index(503) + 1][0], (answers, stream_end)
     after = [ln for ln in out.splitlines() if ln.strip()]
     assert proc.returncode == 0, out
     assert after and after[-1] == f"bcg-serve: stopped (Ctrl-C); served {api[1]}", out
