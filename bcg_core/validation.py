@@ -6,6 +6,12 @@ comes from here, in the wording of :mod:`bcg_core.field_phrases`. The ingress va
 only, no weights), and everything below it (replica, step scheduler, pipeline) accepts only the
 :class:`~bcg_core.request.ValidatedRequest` and trusts it. docs/DESIGN.md section 2 says how a shape rounds up to its
 bucket.
+
+The validator is one class in three modules: this one holds :meth:`RequestValidator.validate`, the defaults and the
+checks of the plain request fields (prompt, n, size, steps, guidance, seed, output, LoRA, cache); its base classes
+hold the size and bucket lookup (:mod:`bcg_core.validation_buckets`: the prompt's token limit, a request's forward
+shape, the error of a miss) and the edit and video fields (:mod:`bcg_core.validation_edits`: an edit's image, size
+and strength, ``num_frames``, ``guidance_scale_2``).
 """
 
 from __future__ import annotations
@@ -17,10 +23,9 @@ from dataclasses import replace
 
 from bcg_core.cache_field import check_cache, default_cache
 from bcg_core.config import EngineConfig, LimitsConfig, MissPolicy
-from bcg_core.errors import BucketMissError, RequestError
+from bcg_core.errors import RequestError
 from bcg_core.families.base import ModelSpec
 from bcg_core.field_phrases import engine_field_phrase, invalid
-from bcg_core.keys import Dim, ShapeQuery
 from bcg_core.request import (
     MAX_PARTIAL_IMAGES,
     QUALITIES,
@@ -28,20 +33,17 @@ from bcg_core.request import (
     SEED_MAX,
     GenerationRequest,
     ValidatedRequest,
-    steps_run,
 )
-from bcg_core.table import BucketLookup, BucketTable, ShapeRules, fit_size
+from bcg_core.table import BucketTable, ShapeRules, fit_size
+from bcg_core.validation_buckets import BucketShapes
+from bcg_core.validation_edits import EditFields, is_int
 
 __all__ = ["RequestValidator", "engine_field_phrase", "invalid"]
 
 log = logging.getLogger(__name__)
 
 
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-class RequestValidator:
+class RequestValidator(BucketShapes, EditFields):
     """Validates requests and maps them to buckets.
 
     Args:
@@ -63,16 +65,7 @@ class RequestValidator:
         self.limits = config.limits
         rules = self.rules = spec.rules
         spec.check_table(config.buckets)
-        if spec.size_bins:
-            bins = {(int(w), int(h)) for h, w in spec.size_bins.values()}
-            dead = [r for r, wh in zip(config.buckets.resolutions, config.buckets.resolution_pairs(), strict=True)
-                    if wh not in bins]
-            if dead:
-                near = sorted({f"{w}x{h}" for w, h in (spec.generation_size(*wh)
-                                                       for wh in config.buckets.resolution_pairs())})
-                raise ValueError(f"buckets.resolutions: {dead} are not aspect-ratio bins of this model: resolution "
-                                 f"binning generates every image at a bin, so no request would reach them; use bins, "
-                                 f"e.g. {', '.join(near)}")
+        self._check_bins(config, spec)
         min_side = -(-config.limits.min_side_px // rules.pixels_per_token)
         self.table = BucketTable(config.buckets, rules, min_image_tokens=min_side * min_side)
         self.count_tokens = count_tokens
@@ -125,21 +118,6 @@ class RequestValidator:
 
         return cls(config, describe_model(config.model), load_tokenizer_counter(config.model))
 
-    @property
-    def text_limit(self) -> int:
-        """Most prompt tokens a request may have: what the text encoder reads (:attr:`ModelSpec.max_prompt_tokens`),
-        else the native length; for a masked-text family (PixArt-Sigma, SANA, Qwen-Image) the encoder's cut
-        (:attr:`ModelSpec.max_text_tokens`): a prompt longer than the largest text bucket is a text miss, served
-        unpadded on eager kernels under ``miss_policy: eager`` and refused as a miss (:class:`BucketMissError`,
-        counted by dimension) under ``reject``; else the largest text bucket."""
-        if self.spec.max_prompt_tokens is not None:
-            return self.spec.max_prompt_tokens
-        native = self.rules.native_text_tokens
-        if native is not None:
-            return native
-        cut = self.spec.max_text_tokens
-        return max(cut, self.table.text_lengths[-1]) if cut is not None else self.table.text_lengths[-1]
-
     def validate(self, request: GenerationRequest) -> ValidatedRequest:
         """Validate every field of ``request``, fill defaults (the step cache's: :mod:`bcg_core.cache_field`), and look
         its shape up in the table.
@@ -158,7 +136,7 @@ class RequestValidator:
                                           "characters)")
         if len(r.prompt) > lim.max_prompt_chars:
             raise bad("prompt", f"{len(r.prompt)} characters", "too long")
-        if not _is_int(r.n) or not 1 <= r.n <= lim.max_images:
+        if not is_int(r.n) or not 1 <= r.n <= lim.max_images:
             raise bad("n", r.n, "out of range")
         frames = self._frames(r)  # a video's latent frames (the transformer's), 1 for an image
         edit = self._edit_defaults(r)  # the edit pipeline's defaults; None for text to image
@@ -170,7 +148,7 @@ class RequestValidator:
             r = replace(r, width=w if r.width is None else r.width, height=h if r.height is None else r.height)
         size = f"{r.width}x{r.height}"
         for name, v in (("width", r.width), ("height", r.height)):
-            if not _is_int(v) or not lim.min_side_px <= v <= lim.max_side_px:
+            if not is_int(v) or not lim.min_side_px <= v <= lim.max_side_px:
                 raise bad("size", size, f"{name} {v} is out of range")
         if not self.spec.size_bins:  # with binning any size is served (generated at its bin, resized back)
             try:
@@ -188,7 +166,7 @@ class RequestValidator:
             steps = self.spec.steps_for_quality(quality, self.config.quality, default_steps, lim.max_steps)
         else:
             steps = default_steps
-        if not _is_int(steps) or not 1 <= steps <= lim.max_steps:
+        if not is_int(steps) or not 1 <= steps <= lim.max_steps:
             raise bad("num_inference_steps", steps, "out of range")
         strength, runs = self._strength(r, edit, steps)
         refs = edit["references"] if edit is not None else ()
@@ -215,7 +193,7 @@ class RequestValidator:
             raise bad("negative_prompt", f"{len(neg)} characters" if isinstance(neg, str) else neg, "too long"
                       if isinstance(neg, str) else "not a string")
         seed = r.seed if r.seed is not None else random.randint(0, 2**31 - 1)
-        if not _is_int(seed) or not 0 <= seed <= SEED_MAX - lim.max_images:
+        if not is_int(seed) or not 0 <= seed <= SEED_MAX - lim.max_images:
             raise bad("seed", seed, "out of range (image i uses seed + i)")
         tcfg = r.true_cfg_scale
         if tcfg is not None and (isinstance(tcfg, bool) or not isinstance(tcfg, (int, float))
@@ -252,55 +230,6 @@ class RequestValidator:
         grid = lookup.query.grid or self.rules.grid(*self.spec.generation_size(filled.width, filled.height))
         return ValidatedRequest(filled, lookup, tokens, grid, None if home is None else home.shape, refs)
 
-    def _frames(self, r: GenerationRequest) -> int:
-        """A video request's latent frames (its ``num_frames``, or the family's default, through
-        :meth:`~bcg_core.table.ShapeRules.latent_frames`); 1 for an image model's request.
-
-        Raises:
-            RequestError: ``num_frames`` on an image model, out of 1..``limits.max_frames``, not ``1 + k x
-                frame_stride`` or of more latent frames than the model's position table holds; ``partial_images`` on a
-                video model (no previews of videos).
-        """
-        if not self.spec.video:
-            if r.num_frames is not None:
-                raise RequestError("num_frames", f"invalid 'num_frames' (got {r.num_frames!r}): "
-                                                 f"{self.spec.pipeline_class} (family {self.spec.family}) generates "
-                                                 f"images, not videos; leave num_frames unset")
-            return 1
-        if r.partial_images:
-            raise self._bad("partial_images", r.partial_images, "previews are not served for videos; send 0")
-        nf = self.spec.default_frames if r.num_frames is None else r.num_frames
-        if not _is_int(nf) or not 1 <= nf <= self.limits.max_frames:
-            raise self._bad("num_frames", nf, "out of range")
-        try:
-            latent = self.rules.latent_frames(nf)
-        except ValueError as e:
-            raise self._bad("num_frames", nf, str(e).removeprefix(f"num_frames {nf} ")) from None
-        most = self.spec.max_grid_side
-        if most is not None and latent > most:  # the frames axis of the model's position table
-            raise self._bad("num_frames", nf, f"its {latent} latent frames exceed this model's position table ({most} "
-                                              f"a side): at most {(most - 1) * self.rules.frame_stride + 1} frames")
-        return latent
-
-    def _guidance_2(self, r: GenerationRequest, g: float | None) -> float | None:
-        """``guidance_scale_2`` of a model of two experts (:attr:`ModelSpec.boundary_ratio`): the request's, else
-        ``g`` (as ``WanPipeline``); None on one transformer or without CFG. Raises RequestError where set on one
-        transformer (diffusers raises too), out of 0 to ``limits.max_guidance_scale``, or beside a ``guidance_scale``
-        of at most 1 (no uncond rows run)."""
-        g2 = r.guidance_scale_2
-        if g2 is None:
-            return None if self.spec.boundary_ratio is None or g is None or g <= 1.0 else float(g)
-        if self.spec.boundary_ratio is None:
-            raise self._bad("guidance_scale_2", g2, f"{self.spec.pipeline_class} checkpoint {self.spec.name!r} has "
-                                                    f"one transformer (no boundary_ratio); leave it unset")
-        if isinstance(g2, bool) or not isinstance(g2, (int, float)) or not 0.0 <= g2 <= self.limits.max_guidance_scale:
-            raise self._bad("guidance_scale_2", g2, "out of range")
-        if g is None or g <= 1.0:
-            raise self._bad("guidance_scale_2", g2, f"guidance_scale {g} runs no classifier-free guidance, so the "
-                                                    f"low-noise expert's scale would be ignored; set guidance_scale "
-                                                    f"above 1 or leave guidance_scale_2 unset")
-        return float(g2)
-
     def _bad(self, name: str, got: object, reason: str) -> RequestError:
         """The error of a refused field, in the one wording of limit messages (:func:`invalid`,
         :func:`engine_field_phrase`)."""
@@ -308,78 +237,6 @@ class RequestValidator:
         return RequestError(name, invalid(name, got, reason, engine_field_phrase(
             name, self.limits, multiple, tuple(self.config.buckets.resolutions), self.config.lora,
             self.spec.cache_methods, self.spec.guidance_role(), self.rules.frame_stride)))
-
-    def _edit_defaults(self, r: GenerationRequest) -> dict | None:
-        """For an edit (``image`` set): its image read and checked (:mod:`bcg_core.edits`) and the defaults of the
-        family's edit pipeline (image-to-image, or inpainting with a ``mask``): ``steps`` and ``guidance``
-        (``limits.default_steps`` / ``default_guidance_scale`` where set), ``strength``, ``image_size``, the
-        image's size with each side rounded down to the model's token size (the size of an edit without one), and
-        ``references`` ``()``. A reference edit (:attr:`ModelSpec.references`: FLUX.2) has its pipeline's own
-        defaults (text to image's: the same ``__call__``), ``strength`` None, ``image_size`` its first image's as the
-        pipeline resizes it and ``references`` the images' token grids (:func:`~bcg_core.edits.read_references`).
-        None for text to image.
-
-        Raises:
-            RequestError: a mask without an image, a family without edits (naming the families that edit), several
-                images where the family edits one, or an image or mask that is not served (:mod:`bcg_core.edits`).
-        """
-        if r.image is None:
-            if r.mask is not None:
-                raise RequestError("image", "'mask' needs an 'image' to edit; send both (or neither)")
-            if r.strength is not None:
-                raise RequestError("strength", "'strength' applies to edits (POST /v1/images/edits) only")
-            return None
-        from bcg_core.edits import read_image, read_mask, read_references
-        from bcg_core.families.defaults import edit_defaults
-
-        if not r.images:  # an empty list of files
-            raise RequestError("image", "'image' holds no file; send the image to edit as the file part 'image'")
-        if self.spec.references is not None:
-            refs, size = read_references(r, self.spec.references, self.limits.max_input_pixels)
-            return {"steps": self.default_steps, "guidance": self.default_guidance_scale, "strength": None,
-                    "image_size": size, "references": refs}
-        if self.spec.edit_pipelines is None:
-            raise RequestError("image", f"'image': {self.spec.pipeline_class} (family {self.spec.family}) is not "
-                                        f"served for edits; edits are served for FLUX.1, SD3/SD3.5 and Qwen-Image "
-                                        f"(FluxPipeline, StableDiffusion3Pipeline and QwenImagePipeline "
-                                        f"checkpoints) and the tiny default; reference-image edits for FLUX.2 "
-                                        f"(Flux2Pipeline and Flux2KleinPipeline checkpoints)")
-        if len(r.images) > 1:
-            raise RequestError("image", f"'image': {len(r.images)} images were sent; {self.spec.pipeline_class} edits "
-                                        f"one image (several reference images are served for FLUX.2 checkpoints)")
-        image = read_image(r.images[0], self.limits.max_input_pixels)
-        if r.mask is not None:
-            read_mask(r.mask, image.size, self.limits.max_input_pixels)
-        return {**edit_defaults(self.spec, self.limits, r.mask is not None),
-                "image_size": self._edit_size(image.width, image.height), "references": ()}
-
-    def _edit_size(self, width: int, height: int) -> tuple[int, int]:
-        """The size of an edit that sends none: its image's, scaled (aspect kept) to fit ``limits.min_side_px`` ..
-        ``max_side_px`` where a side falls outside (a 4032x3024 photo at max 2048: 2048x1536), each side then rounded
-        down to the model's pixels per token (up where that would fall below ``min_side_px``). The image is resized
-        to it, as to a size the request names."""
-        lim, px = self.limits, self.rules.pixels_per_token
-        scale = min(1.0, lim.max_side_px / max(width, height))
-        if min(width, height) * scale < lim.min_side_px:
-            scale = min(lim.max_side_px / max(width, height), lim.min_side_px / min(width, height))
-
-        def side(v: float) -> int:
-            s = max(px, int(v + 1e-6) // px * px)
-            return s if s >= lim.min_side_px else -(-lim.min_side_px // px) * px
-        return side(width * scale), side(height * scale)
-
-    def _strength(self, r: GenerationRequest, edit: dict | None, steps: int) -> tuple[float | None, int]:
-        """``(strength, steps run)`` (:func:`~bcg_core.request.steps_run`); text to image: ``(None, steps)``."""
-        if edit is None or edit["references"]:  # text to image, or a reference edit (its target starts from noise)
-            return None, steps
-        s = edit["strength"] if r.strength is None else r.strength
-        if isinstance(s, bool) or not isinstance(s, (int, float)) or not 0.0 < s <= 1.0:
-            raise self._bad("strength", s, "out of range")
-        runs = steps_run(steps, s)
-        if runs < 1:  # steps x strength below one ulp of steps: diffusers' get_timesteps leaves no step either
-            raise self._bad("strength", s, f"runs no denoising step of {steps}: {steps} x strength is below the "
-                                           f"float resolution of {steps} (diffusers' edit pipelines refuse it too)")
-        return float(s), runs
 
     def _check_lora(self, lora) -> tuple[tuple[str, float], ...]:
         """``lora`` as ``((name, float scale), ...)``: at most ``lora.max_per_request`` entries, distinct names that
@@ -421,79 +278,10 @@ class RequestValidator:
         if r.output_format not in IMAGE_FORMATS:
             raise self._bad("output_format", r.output_format, "not a served format")
         c = r.output_compression
-        if c is not None and (not _is_int(c) or not 0 <= c <= 100):
+        if c is not None and (not is_int(c) or not 0 <= c <= 100):
             raise self._bad("output_compression", c, "out of range")
         if r.output_format == "png" and c is not None and c != 100:
             raise self._bad("output_compression", c, "it applies to jpeg and webp only (png is lossless)")
-        if not _is_int(r.partial_images) or not 0 <= r.partial_images <= MAX_PARTIAL_IMAGES:
+        if not is_int(r.partial_images) or not 0 <= r.partial_images <= MAX_PARTIAL_IMAGES:
             raise self._bad("partial_images", r.partial_images, "out of range")
 
-    def _too_long(self, tokens: int) -> str:
-        """``"N tokens long"``, or ``"at least N tokens long"`` where N is the family's cut (the encoder keeps no
-        more: PixArt-Sigma, SANA and Qwen-Image cut as their pipelines do)."""
-        cut = self.spec.max_text_tokens
-        return f"{'at least ' if cut is not None and tokens >= cut else ''}{tokens} tokens long"
-
-    @property
-    def _limit_reason(self) -> str:
-        """Why :attr:`text_limit` is the limit, and what to do."""
-        limit = self.text_limit
-        if self.spec.max_prompt_tokens is not None:
-            return f"this model's text encoder reads at most {limit} tokens (more would be cut); shorten it"
-        if self.rules.native_text_tokens is not None:
-            return f"this model takes at most {limit} tokens; shorten it"
-        most = self.spec.max_text_tokens
-        if most is not None:  # text_limit is then the encoder's cut
-            return f"this model's text encoder keeps at most {most} tokens; shorten it"
-        return f"the largest text bucket (buckets.text_lengths) holds {limit} tokens; shorten it"
-
-    def rows(self, request: GenerationRequest) -> int:
-        """Transformer rows of ``request``: ``n``, doubled when classifier-free guidance adds uncond rows."""
-        return request.n * (2 if self.spec.uses_cfg(request) else 1)
-
-    def query(self, request: GenerationRequest, prompt_tokens: int, negative_tokens: int = 0,
-              references: tuple[tuple[int, int], ...] = ()) -> ShapeQuery:
-        """The exact forward shape of a validated request (at its generation size: the aspect-ratio bin of
-        families with resolution binning); a reference edit's image stream also holds its ``references``' tokens
-        (token grids, :attr:`~bcg_core.request.ValidatedRequest.references`)."""
-        grid = self.rules.grid(*self.spec.generation_size(request.width, request.height))
-        native = self.rules.native_text_tokens
-        text = native if native is not None else max(prompt_tokens, negative_tokens)
-        frames = self.rules.latent_frames(request.num_frames) if self.spec.video else None
-        image = grid[0] * grid[1] * (frames or 1) + sum(h * w for h, w in references)
-        return ShapeQuery(self.rows(request), image, text, grid if self.rules.grid_keyed else None, frames)
-
-    def _miss_error(self, request: GenerationRequest, lookup: BucketLookup,
-                    references: tuple[tuple[int, int], ...] = ()) -> BucketMissError:
-        """One error naming every dimension that missed; ``field`` is the first one's request field. The batch
-        dimension never misses: the step scheduler splits rows above the largest batch bucket."""
-        t = self.table
-        parts: list[tuple[str, str]] = []
-        missed = tuple(d for d in lookup.missed if d is not Dim.BATCH)
-        for dim in missed:
-            if dim is Dim.IMAGE and self.spec.video:
-                q = lookup.query
-                parts.append(("size", f"size {request.width}x{request.height} at {request.num_frames} frames "
-                                      f"({q.frames} latent frames) fits no video bucket; served tiers: "
-                                      f"{', '.join(t.config.resolutions)} at num_frames {t.config.frames} (exactly "
-                                      f"these sizes and frame counts)"))
-            elif dim is Dim.IMAGE:
-                if t.pad_images:
-                    rule = "any size with at most as many pixels as a tier"
-                elif self.rules.grid_keyed:
-                    rule = "exactly these sizes"
-                else:
-                    rule = "sizes with exactly a tier's number of image tokens"
-                refs = sum(h * w for h, w in references)
-                also = (f" with its reference images' {refs} tokens ({lookup.query.image_tokens} image tokens in "
-                        f"all; a tier of 'WxH' holds W x H / {self.rules.pixels_per_token ** 2})") if refs else ""
-                parts.append(("size", f"size {request.width}x{request.height}{also} fits no resolution bucket; "
-                                      f"served tiers: {', '.join(t.config.resolutions)} ({rule})"))
-            else:
-                q = lookup.query
-                texts = t.texts_for(q.image_tokens, q.latent_hw, q.frames)
-                where = "" if texts == t.text_lengths else f" of its resolution tier ({list(texts)})"
-                parts.append(("prompt", f"prompt needs {q.text_tokens} text tokens, above the largest "
-                                        f"text bucket{where} {texts[-1]} (buckets.miss_policy is reject; under "
-                                        f"eager it would run unpadded)"))
-        return BucketMissError(parts[0][0], "; and ".join(m for _, m in parts), tuple(d.value for d in missed))
