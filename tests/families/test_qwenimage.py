@@ -308,7 +308,7 @@ def test_inputs_that_do_not_fit_and_text_buckets_beyond_512_are_refused(adapter,
 def test_the_vae_keeps_one_call_at_a_time_so_threads_never_mix_their_caches(pipe):
     """``AutoencoderKLQwenImage`` keeps its causal-convolution caches on the module (``clear_cache``), and the decode
     thread, edits' encode thread and previews call it at once: the loaded VAE serializes ``encode`` and ``decode``
-    (``bcg_core/families/base.py`` ``serialize_stateful_vae``). Without the lock this loop gave tens of wrong
+    (``bcg_core/families/vae.py`` ``serialize_stateful_vae``). Without the lock this loop gave tens of wrong
     decodes in a few seconds."""
     import sys
     import threading
