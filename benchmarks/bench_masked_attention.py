@@ -1,7 +1,7 @@
 """Key-padding attention of a masked bucket: the dense boolean mask against layouts that keep a faster kernel.
 
-A masked bucket (``image_padding: masked``, ``bcg_core/families/flux.py``) holds rows with fewer real tokens than
-its shape; their pad tokens sit at the end of each row and are hidden from every query by a boolean key-padding
+A masked bucket (``image_padding: masked``, ``bcg_core/families/flux_adapter.py``) holds rows with fewer real tokens
+than its shape; their pad tokens sit at the end of each row and are hidden from every query by a boolean key-padding
 mask ``(batch, 1, 1, tokens)``. On an H200 that mask sends PyTorch's cuDNN SDPA down a path that spends 60-70%
 more on attention than an unmasked call of the same shape (2026-12-05 profile, docs/BENCHMARKS.md). This script
 times, for the same queries, keys, values and real lengths, each way of computing that attention:
