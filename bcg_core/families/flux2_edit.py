@@ -23,7 +23,8 @@ shifted) and what this module reuses:
 
 Here the reference tokens are kept once per request (``extras["reference_latents"]``, (1, S_r, C)) and appended to
 every row (cond and uncond) by :meth:`~bcg_core.families.flux2.Flux2Family.model_rows`; their token grids travel as
-``DenoiseInputs.references``, from which :meth:`~bcg_core.families.flux2.Flux2Adapter.stream_ids` builds the ids.
+``DenoiseInputs.references``, from which :meth:`~bcg_core.families.flux2_adapter.Flux2Adapter.stream_ids` builds the
+ids.
 """
 
 from __future__ import annotations
