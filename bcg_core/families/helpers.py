@@ -1,5 +1,6 @@
 """Helpers the families share: a component's JSON config, a pipeline loaded from a checkpoint folder, the transformer
-width of most families, a tokenizer's token counter.
+width of most families, a tokenizer's token counter, the bucket forward's attention processors installed on a
+transformer's blocks.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import torch
 
 from bcg_core.families.vae import serialize_stateful_vae
 
-__all__ = ["heads_width", "load_pipeline", "read_json", "tokenizer_counter"]
+__all__ = ["heads_width", "install_processors", "load_pipeline", "read_json", "tokenizer_counter"]
 
 
 def read_json(path: Path, optional: bool = False) -> dict:
@@ -69,3 +70,27 @@ def tokenizer_counter(tokenizer) -> Callable[..., int]:
     """``(prompt, negative=False) -> tokens`` of ``tokenizer`` with its special tokens, untruncated: the count of
     families whose prompts and negative prompts tokenize alike and are never cut (FLUX, SD3, the tiny default)."""
     return lambda prompt, negative=False: len(tokenizer(prompt, truncation=False)["input_ids"])
+
+
+def install_processors(blocks, stock: type, replacement: type, adapter: str) -> None:
+    """Put a new ``replacement()`` attention processor on every block of ``blocks`` whose ``attn`` holds diffusers'
+    ``stock`` processor (that very class, not a subclass), as a padding adapter does when it is built; a block that
+    already holds a ``replacement`` (a transformer an adapter was built on before) keeps it.
+
+    Args:
+        blocks: the transformer's blocks, each with an ``attn`` (a diffusers ``Attention``: ``processor``,
+            ``set_processor``).
+        stock: the processor class diffusers installs (``QwenDoubleStreamAttnProcessor2_0``, ...).
+        replacement: the bucket forward's processor class, built without arguments.
+        adapter: the adapter's class name, for the message.
+
+    Raises:
+        ValueError: a block holding any other processor (one a caller set), naming it and the stock class needed; the
+            blocks before it already hold their new processors.
+    """
+    for block in blocks:
+        if type(block.attn.processor) is stock:
+            block.attn.set_processor(replacement())
+        elif not isinstance(block.attn.processor, replacement):
+            raise ValueError(f"{adapter} needs the stock {stock.__name__} on every block, found "
+                             f"{type(block.attn.processor).__name__}")

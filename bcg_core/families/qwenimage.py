@@ -51,6 +51,7 @@ from diffusers.models.transformers.transformer_qwenimage import QwenDoubleStream
 from bcg_core.capabilities import Previews, StepCache
 from bcg_core.families.base import QUALITY_STEPS, ModelSpec, heads_width, load_pipeline
 from bcg_core.families.defaults import pipeline_defaults
+from bcg_core.families.helpers import install_processors
 from bcg_core.families.state import RequestState, TextRows, pad_text
 from bcg_core.keys import BucketKey
 from bcg_core.padding import DenoiseInputs, copy_rows, fill_masked_text
@@ -138,12 +139,8 @@ class QwenImageAdapter:
         self.out_channels = int(cfg.patch_size) ** 2 * int(model.out_channels)
         self.seq_dim = int(cfg.joint_attention_dim)
         self.max_text_tokens = max_text_tokens
-        for block in model.transformer_blocks:
-            if type(block.attn.processor) is QwenDoubleStreamAttnProcessor2_0:
-                block.attn.set_processor(TextMaskAttnProcessor())
-            elif not isinstance(block.attn.processor, TextMaskAttnProcessor):
-                raise ValueError(f"QwenImageAdapter needs the stock QwenDoubleStreamAttnProcessor2_0 on every "
-                                 f"block, found {type(block.attn.processor).__name__}")
+        install_processors(model.transformer_blocks, QwenDoubleStreamAttnProcessor2_0, TextMaskAttnProcessor,
+                           "QwenImageAdapter")
 
     def example_latents(self, rows: int, grid: tuple[int, int], generator: torch.Generator) -> torch.Tensor:
         """Packed latents (rows, h * w, in_channels), standard normal, CPU fp32."""
