@@ -3,7 +3,8 @@
 - :class:`BucketAttnProcessor`: the block-causal attention of diffusers 0.42.1's transformer
   (``models/transformers/transformer_qwenimage21.py``, T: one text segment, then the target) with per-row RoPE and key
   masks as tensors, so that a CUDA graph holds rows of different text lengths (:class:`~bcg_core.families.
-  qwenimage21.QwenImage21Adapter`; the padding contract is :mod:`bcg_core.families.qwenimage21`'s docstring).
+  qwenimage21_adapter.QwenImage21Adapter`; the padding contract is :mod:`bcg_core.families.qwenimage21_adapter`'s
+  docstring).
 - :class:`RowModulation`: a block's modulation with a t = 0 row per row, where T computes one for the whole batch, so
   that each row's LoRA adapters change its own t = 0 row (rows of one forward may carry different adapters).
 """
@@ -26,7 +27,7 @@ class BucketMasks:
         text_len: text slots T of the bucket.
         text: (B, 1, T, T) bool, causal and real keys only: what the text queries attend.
         keys: (B, 1, 1, T + S) bool, real text keys and every image key: what the target queries attend.
-        rotary: (B, T + S, D_rope / 2) complex per-row positions (:mod:`bcg_core.families.qwenimage21`).
+        rotary: (B, T + S, D_rope / 2) complex per-row positions (:mod:`bcg_core.families.qwenimage21_adapter`).
     """
 
     text_len: int

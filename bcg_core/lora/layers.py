@@ -278,8 +278,8 @@ class LoRALayers:
         """Forwards on this thread inside the block take inputs that hold the forward's n rows ``times`` over, stacked
         along the first dimension (``torch.cat`` of ``times`` tensors of one entry per row): entry ``j`` of such an
         input is row ``j % n``'s, and gets that row's adapters. Qwen-Image 2.1's bucket forward embeds each row's
-        timestep and its own t = 0 (``times`` 2) this way (:meth:`~bcg_core.families.qwenimage21.QwenImage21Adapter.
-        forward`). Without rows set, nothing changes; the previous rows are restored after."""
+        timestep and its own t = 0 (``times`` 2) this way (:meth:`~bcg_core.families.qwenimage21_adapter.
+        QwenImage21Adapter.forward`). Without rows set, nothing changes; the previous rows are restored after."""
         before = getattr(_ROWS, "current", None)
         if before is not None:
             slots, scales = before
