@@ -3,7 +3,8 @@
 ``benchmarks/soak.py`` soaks generations only. This one sends the mix of issue 45 ("memory that settles"): for
 ``--duration-s`` seconds ``--concurrency`` clients each draw every request's kind (seeded) from :data:`MIX`:
 
-- ``generate``: a plain generation of the next packaged krea request (its size and image count);
+- ``generate``: a plain generation of the next packaged krea request (its size and image count, at most
+  ``--max-images``);
 - ``stream``: the same, streamed as Server-Sent Events with ``partial_images`` 1 or 2 (previews);
 - ``lora1`` / ``lora2``: a generation with one of the two adapters, or both, at a drawn scale. The adapters are
   made offline with peft at start-up, as ``tests/serve/test_lora_serve.py`` makes them (rank 4, on ``to_q``,
@@ -45,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import io
 import json
 import os
@@ -358,6 +360,8 @@ async def soak(url: str, args) -> dict:
 
     rng = random.Random(args.seed)
     rows = load_requests(args.requests)
+    if args.max_images is not None:  # the rows' sizes kept, their image counts capped
+        rows = [dataclasses.replace(r, n=min(r.n, args.max_images)) for r in rows]
     steps = [int(s) for s in args.steps.split(",")]
     kinds, weights = list(MIX), list(MIX.values())
     outcomes: dict[str, dict[str, int]] = {}
@@ -480,6 +484,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--duration-s", type=float, default=1800.0)
     ap.add_argument("--concurrency", type=int, default=5)
     ap.add_argument("--requests", type=int, default=64, help="krea requests cycled through (sizes, image counts)")
+    ap.add_argument("--max-images", type=int, default=None, help="cap on the images of one request (default: the "
+                    "krea rows' counts, mostly 9): more, shorter requests in the same time")
     ap.add_argument("--steps", default="1,2,4", help="step counts drawn from (comma-separated)")
     ap.add_argument("--disconnect-share", type=float, default=0.05)
     ap.add_argument("--request-timeout-s", type=float, default=300.0)
@@ -492,6 +498,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.duration_s <= 0 or not 1 <= args.concurrency <= 16:
         ap.error("--duration-s must be positive and --concurrency from 1 to 16")
+    if args.max_images is not None and args.max_images < 1:
+        ap.error(f"--max-images must be at least 1; got {args.max_images}")
 
     from deployments.cli.local import start_local, stop_local
     from deployments.settings import ServeConfig
