@@ -34,6 +34,11 @@ On a busy 2-core machine, what is timed and how it is kept deterministic:
   155 s for this module). The judgment is the same: it is made before the release, while the replica is stuck.
 - The fault counters (``bucket_faults``, ``oom_steps``) reach the coordinator by heartbeat: ``faults.py`` waits
   for them (bounded, 30 s) instead of a fixed 1.5 s.
+- ``dit_killed``'s requests run 12 steps (``--kill-steps``; the script's default, 24, is the documented run's).
+  The replica is killed as soon as a heartbeat at most 0.6 s old shows 2 of its requests (heartbeats every 0.5 s),
+  and on 2 cores one of those requests takes over 10 s at 12 steps (4 rows a forward on one owner), so it is still
+  mid-denoise when killed (3 requests resent by the ingress in one run, as at 24 steps). The scenario's load took
+  20 s instead of 32 s at 24 steps, the scenario 34 s instead of 46 s.
 - After a kill, "every replica ready" requires the coordinator's replicas to be the live ones, not only their
   count: a killed replica stays listed until its lease expires, and its replacement may already be alive.
 
@@ -51,13 +56,14 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 REQUESTS = 8
+KILL_STEPS = 12  # dit_killed's steps per request (module docstring)
 
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("faults") / "report.json"
     cmd = [sys.executable, str(ROOT / "benchmarks" / "faults.py"), "--requests", str(REQUESTS), "--stall-s", "40",
-           "--json", str(out)]
+           "--kill-steps", str(KILL_STEPS), "--json", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return json.loads(out.read_text())["scenarios"]
