@@ -284,7 +284,11 @@ async def _stalled_and_covered():
 
 
 async def warm_up(base: str, args) -> None:
-    """One request of each size, 2 images, on every replica's shapes: allocations made before the RSS baseline."""
+    """One request of each size, 2 images, on every replica's shapes: allocations made before the RSS baseline.
+    Its answers are not counted. ``--no-warm-up``: none (the RSS before a fault then misses what the load allocates
+    first)."""
+    if args.no_warm_up:
+        return
     await load(base, [dict(b, n=2) for b in requests_for(len(SIZES) * 2, args.steps)], len(SIZES) * 2,
                args.timeout_s)
 
@@ -492,6 +496,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--timeout-s", type=float, default=120.0, help="a request without an answer by then is hung")
     p.add_argument("--start-timeout-s", type=float, default=180.0)
     p.add_argument("--node-cpus", type=int, default=1)
+    p.add_argument("--no-warm-up", action="store_true", help="no warm-up requests before a scenario's RSS baseline "
+                   "(for a run that does not read the RSS columns)")
     p.add_argument("--records", action="store_true", help="keep per-request records in the report")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
