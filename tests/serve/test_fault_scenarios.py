@@ -30,8 +30,8 @@ On a busy 2-core machine, what is timed and how it is kept deterministic:
   times slower, and asserts ``stalled_through_load`` so that a machine slower still says so instead of failing an
   ownership check. The 40 s are a bound, not a wait: once the load is answered and the ownership judged,
   ``faults.py`` releases the stall (the failpoint's release file, :func:`bcg_core.failpoints.release_path`), and
-  the replica recovers and joins then (about 40 s less than sleeping out the stall on 2 busy cores: 194 s ->
-  155 s for this module). The judgment is the same: it is made before the release, while the replica is stuck.
+  the replica recovers and joins then (about 40 s less than sleeping out the stall on 2 busy cores). The judgment
+  is the same: it is made before the release, while the replica is stuck.
 - The fault counters (``bucket_faults``, ``oom_steps``) reach the coordinator by heartbeat: ``faults.py`` waits
   for them (bounded, 30 s) instead of a fixed 1.5 s.
 - ``dit_killed``'s requests run 12 steps (``--kill-steps``; the script's default, 24, is the documented run's).
@@ -45,7 +45,9 @@ On a busy 2-core machine, what is timed and how it is kept deterministic:
 - After a kill, "every replica ready" requires the coordinator's replicas to be the live ones, not only their
   count: a killed replica stays listed until its lease expires, and its replacement may already be alive.
 
-What the test protects is unchanged: every request answered 200 in every scenario, none lost, none hung.
+What the test protects is unchanged: every request answered 200 in every scenario, none lost, none hung. With the
+release, the 12 steps and no warm-up this module took 115 s where it took 172 s before, run back to back on 2 busy
+cores.
 """
 
 from __future__ import annotations
