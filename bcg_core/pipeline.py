@@ -467,7 +467,8 @@ class DiTPipeline:
             s = state.get(b["key"], {})
             b.update({"mode": s.get("mode"), "kernels": s.get("kernels"), "pool_bytes": s.get("pool_bytes", 0),
                       "capture_s": s.get("capture_s", 0.0), "compile_rel_err": s.get("compile_rel_err"),
-                      "attention": s.get("attention"), "pending": s.get("pending", False), "note": s.get("note", "")})
+                      "attention": s.get("attention"), "pending": s.get("pending", False),
+                      "step_cache_graphs": s.get("step_cache_graphs", False), "note": s.get("note", "")})
         m = self.model
         snap["model"] = {"name": m.model_name, "family": m.name, "pipeline_class": m.spec.pipeline_class,
                          "device": str(m.device), "dtype": str(m.dtype).removeprefix("torch."),

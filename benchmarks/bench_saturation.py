@@ -895,12 +895,15 @@ def wait_compiles(url: str, timeout_s: float, poll_s: float = 2.0) -> tuple[floa
 
 
 def trim_stats(stats: dict) -> dict:
-    """The parts of a ``GET /v1/buckets`` answer kept in the JSON: totals, scheduler, fused step, misses
-    and the buckets that served requests (without their step-latency histograms)."""
+    """The parts of a ``GET /v1/buckets`` answer kept in the JSON: totals, scheduler, fused step, misses, the
+    runner's capture totals (``capture``: step-cache halves captured and failed, replay errors) and the buckets that
+    served requests (without their step-latency histograms; with their runner ``mode``, ``note``, step-cache rows
+    and whether their step-cache halves are graphs)."""
     keep = ("key", "requests", "hits", "forwards", "forwards_by_mode", "real_tokens",
-            "padded_tokens", "padding_waste_pct", "mean_latency_ms")
+            "padded_tokens", "padding_waste_pct", "mean_latency_ms", "mode", "note", "step_cache_graphs",
+            "cache_reused_rows", "cache_computed_rows")
     misses = {k: v for k, v in (stats.get("misses") or {}).items() if k != "step_latency_ms"}
-    return {"totals": stats.get("totals"),
+    return {"totals": stats.get("totals"), "capture": stats.get("capture"),
             "scheduler": stats.get("scheduler"), "fused_step": stats.get("fused_step"), "misses": misses,
             "buckets": [{k: b.get(k) for k in keep} for b in stats.get("buckets") or [] if b.get("requests")]}
 

@@ -100,7 +100,12 @@ def measure_costs(runner, adapter, keys: Sequence[BucketKey], inputs_for: Callab
                 same = (ref.image_tokens, ref.text_tokens, ref.latent_hw, rows)
                 if same not in seen:
                     x = inputs_for(ref, rows)
-                    seen[same] = peaks.measure(x, lambda x=x: time_ms(lambda: adapter.forward_eager(x), iters))
+                    # a replica times these after ready, in a worker thread, while the denoising thread may capture
+                    # (a lazy bucket, a bucket's step-cache halves): ActivationPeaks synchronizes the whole device,
+                    # which would invalidate that capture, so they wait for each other on the runner's gate (never
+                    # held with runner.run's lock here: the denoising thread takes that lock first, then the gate)
+                    with runner.gate:
+                        seen[same] = peaks.measure(x, lambda x=x: time_ms(lambda: adapter.forward_eager(x), iters))
                 eager.setdefault(shape, {})[rows] = seen[same]
     log.info("measured %d bucket forwards and %d eager points in %.1f s", len(bucket),
              sum(len(p) for p in eager.values()), time.perf_counter() - t0)

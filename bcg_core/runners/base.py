@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import logging
+import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -163,6 +164,10 @@ class BucketRunner(Protocol):
     """The compiled kernels of its padded forwards (``runner.kernels``), or None: eager kernels."""
     stats: CaptureStats
     """Its capture totals (``/v1/buckets`` ``capture``)."""
+    gate: threading.RLock
+    """Held by a capture and by other threads' GPU work that synchronizes the whole device (a background compile's
+    forwards, the cost measurement's eager forwards): such a synchronization invalidates a capture in progress on
+    another thread, in any capture mode (:meth:`~bcg_core.runners.cuda_graph.CudaGraphRunner._record`)."""
 
     def prepare(self, keys: Iterable[BucketKey] | None = None, defer_compiles: bool = False) -> None:
         """Make ``keys`` (every bucket when None) ready; idempotent. With compiled kernels and ``defer_compiles``, a

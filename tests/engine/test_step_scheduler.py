@@ -599,9 +599,28 @@ def test_stats_show_forwards_fill_waste_and_queue_wait(pipe, make_sched):
     assert st["padded_token_waste"] == pytest.approx(1 - st["real_tokens"] / st["computed_tokens"], abs=1e-4)
 
 
-def test_measured_costs_on_the_cpu(pipe):
+def test_measured_costs_on_the_cpu(pipe, monkeypatch):
+    """Bucket and eager times on the CPU; each eager forward runs under the runner's gate, which a capture on the
+    denoising thread holds (a replica measures after ready, in a worker thread, while captures go on: the eager
+    measurement's device-wide synchronizations would invalidate one, ``bcg_core/costs/measure.py``)."""
     keys = [k for k in pipe.table.keys if k.shape == SHAPE]
+    gate_held, inner = [], pipe.model.adapter.forward_eager
+
+    def forward_eager(inputs):
+        def try_gate():  # from another thread, as the denoising thread would ask for it
+            got = pipe.runner.gate.acquire(blocking=False)
+            if got:
+                pipe.runner.gate.release()
+            gate_held.append(not got)
+
+        t = threading.Thread(target=try_gate)
+        t.start()
+        t.join()
+        return inner(inputs)
+
+    monkeypatch.setattr(pipe.model.adapter, "forward_eager", forward_eager)
     costs = pipe.measure_costs(keys, iters=1)
+    assert gate_held and all(gate_held), gate_held
     assert costs.source == "measured"
     assert set(costs.bucket_ms) == set(keys) and all(v > 0 for v in costs.bucket_ms.values())
     assert sorted(costs.eager_ms[SHAPE]) == [1, 2, 4, 8]
