@@ -130,7 +130,12 @@ class BucketEntry:
     bucket serves eager kernels until :mod:`bcg_core.runners.background` compiles, checks and swaps it in."""
     pieces: object | None = None
     """Its step-cache graphs (:class:`~bcg_core.runners.piecewise.CachePieces`), captured at its first cached step;
-    None before, False where their capture failed (its halves run unpadded and eager)."""
+    None before, False where their capture failed (its halves run unpadded and eager until a retry captures them:
+    :meth:`~bcg_core.runners.piecewise.PiecewiseReplay.piece_retry_due`)."""
+    piece_attempts: int = 0
+    """Failed captures (or replays) of its step-cache graphs so far."""
+    piece_retry_at: float = 0.0
+    """``time.monotonic()`` from which a failed capture of its step-cache graphs may be tried again."""
     fused: dict[str, torch.Tensor] | None = None
     """With a fused step (:mod:`bcg_core.runners.fused`): its ``meta`` (4, B) and ``dt`` (B,) fp32 buffers, and under a
     captured graph its static ``next`` latents output; None otherwise."""

@@ -20,8 +20,13 @@ costs.
 
 What a replay leaves in the pool is overwritten by the next replay of any graph of the pool, so every output is
 cloned (its real rows and tokens) before the next replay. A step where no request caches replays the bucket's
-whole-forward graph as before: requests that do not cache pay nothing. A bucket whose halves fail to capture runs
-them unpadded and eager (noted, counted in :attr:`~bcg_core.runners.base.CaptureStats.piece_failures`).
+whole-forward graph as before: requests that do not cache pay nothing. A bucket whose halves fail to capture (or
+whose replay raises) runs them unpadded and eager (noted, counted in
+:attr:`~bcg_core.runners.base.CaptureStats.piece_failures`). Such a capture runs on the request path while other
+threads go on using the GPU, so a failure may be passing (another thread's device-wide synchronization invalidates a
+capture in any mode; memory short for a moment under load): the capture is tried again at the bucket's next cached
+step after :data:`PIECE_RETRY_S` seconds, then after twice that, at most :data:`PIECE_CAPTURE_ATTEMPTS` times in all
+(:meth:`PiecewiseReplay.piece_retry_due`); after that the halves stay unpadded and eager.
 
 :meth:`run_piece` is what the cached step calls, on every runner: the eager runner runs the half on the bucket's
 static buffers (or unpadded) under the phase (:func:`eager_piece`).
@@ -71,6 +76,14 @@ class CachePieces:
     None where the bucket has no whole-forward graph to compare with."""
 
 
+PIECE_CAPTURE_ATTEMPTS = 3
+"""Most captures of one bucket's step-cache graphs (module docstring): the first and two retries."""
+
+PIECE_RETRY_S = 30.0
+"""Seconds after a failed capture of a bucket's step-cache graphs before the next try; doubled after each failure
+(30 s, then 60 s). A capture blocks the bucket's steps for about as long as its whole-forward capture took, so a
+bucket whose captures keep failing costs at most two more of them, spread over the first minutes."""
+
 PIECE_TIMING_ITERS = 3
 """Replays of each graph (whole, head, tail) timed at a bucket's piecewise capture; the median is kept. Three
 after one warm-up: the replays are a few milliseconds each, and a capture happens once per bucket while serving."""
@@ -109,9 +122,8 @@ class PiecewiseReplay:
             except RuntimeError as e:
                 if is_out_of_memory(e):
                     raise
-                entry.pieces = False
+                self._piece_failed(entry)
                 entry.note = f"{entry.note}; step-cache graphs dropped: {type(e).__name__}: {first_line(e, '')}"[:300]
-                self.stats.piece_failures += 1
                 log.error("bucket %s: a step-cache graph raised %s; its halves run unpadded and eager", key, e)
                 return eager_piece(self, key, inputs, phase, split, eager=True)
             entry.forwards += 1
@@ -142,25 +154,43 @@ class PiecewiseReplay:
         phase.residual_encoder = None if static.residual_encoder is None else static.residual_encoder[:rows, :t].clone()
         return self.adapter.unpad(pieces.tail_out, inputs).clone()
 
+    @staticmethod
+    def piece_retry_due(entry) -> bool:
+        """Whether ``entry``'s failed step-cache graphs may be captured again now (module docstring): fewer than
+        :data:`PIECE_CAPTURE_ATTEMPTS` failures, and :data:`PIECE_RETRY_S` (doubled per failure) passed since the
+        last one."""
+        return entry.piece_attempts < PIECE_CAPTURE_ATTEMPTS and time.monotonic() >= entry.piece_retry_at
+
+    def _piece_failed(self, entry) -> None:
+        """Mark ``entry``'s step-cache graphs failed (its halves unpadded and eager) and schedule the next try."""
+        entry.pieces = False
+        entry.piece_attempts += 1
+        entry.piece_retry_at = time.monotonic() + PIECE_RETRY_S * 2 ** (entry.piece_attempts - 1)
+        self.stats.piece_failures += 1
+
     def _pieces_of(self, entry, split: BlockSplit) -> CachePieces | None:
-        """The bucket's step-cache graphs, captured now if they are not yet; None where they failed (noted)."""
-        if entry.pieces is False:
+        """The bucket's step-cache graphs, captured now if they are not yet (or again, where an earlier capture
+        failed and :meth:`piece_retry_due`); None where they failed (noted)."""
+        if entry.pieces is False and not self.piece_retry_due(entry):
             return None
-        if entry.pieces is not None:
+        if entry.pieces:
             return entry.pieces
         with self.gate:
             try:
                 entry.pieces = self._capture_pieces(entry, split)
             except Exception as e:  # noqa: BLE001 - the bucket's halves then run unpadded and eager
-                torch.cuda.synchronize(self.device)
-                if isinstance(e, torch.cuda.OutOfMemoryError):
-                    torch.cuda.empty_cache()
-                entry.pieces = False
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                    if isinstance(e, torch.cuda.OutOfMemoryError):
+                        torch.cuda.empty_cache()
+                self._piece_failed(entry)
                 entry.note = f"{entry.note}; no step-cache graphs: {type(e).__name__}: {first_line(e, '')}"[:300]
-                self.stats.piece_failures += 1
-                log.warning("bucket %s: step-cache graphs not captured (%s); its halves run unpadded and eager",
-                            entry.key, entry.note)
+                log.warning("bucket %s: step-cache graphs not captured (attempt %d of %d: %s); its halves run unpadded "
+                            "and eager%s", entry.key, entry.piece_attempts, PIECE_CAPTURE_ATTEMPTS, entry.note,
+                            " until the next try" if entry.piece_attempts < PIECE_CAPTURE_ATTEMPTS else " from now on")
                 return None
+            if entry.piece_attempts:
+                log.info("bucket %s: step-cache graphs captured at attempt %d", entry.key, entry.piece_attempts + 1)
         return entry.pieces
 
     def _capture_pieces(self, entry, split: BlockSplit) -> CachePieces:
