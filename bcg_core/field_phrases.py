@@ -60,6 +60,14 @@ def engine_field_phrase(name: str, limits: LimitsConfig, size_multiple: int | No
     if name == "true_cfg_scale":
         return (f"a number from 0 to {lim.max_guidance_scale:g} (FLUX.1, Qwen-Image and Qwen-Image 2.1 only: true CFG "
                 f"above 1 with a negative_prompt)")
+    if name == "cfg_normalization":
+        return ("false, true (= 1.0) or a number of at least 0 (Z-Image only, with classifier-free guidance: caps each "
+                "image's guided prediction's norm at that multiple of its cond prediction's; false or 0: off; omitted: "
+                "the model's default, GET /v1/models bcg.defaults)")
+    if name == "cfg_truncation":
+        return ("a number of at least 0 (Z-Image only, with classifier-free guidance: steps whose (1000 - t) / 1000 "
+                "exceeds it run without guidance; 1 or more: every step guided; omitted: the model's default, GET "
+                "/v1/models bcg.defaults)")
     if name == "output_format":
         return ", ".join(repr(f) for f in IMAGE_FORMATS) + " ('gif' and 'svg' are not served)"
     if name == "output_compression":

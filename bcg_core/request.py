@@ -73,6 +73,17 @@ class GenerationRequest:
             is the high-noise expert's); None: ``guidance_scale``'s value, which the validator fills in. Refused on a
             model of one transformer, and without classifier-free guidance (``guidance_scale`` at most 1: the
             pipeline runs no uncond rows then and ignores it).
+        cfg_normalization: Z-Image's ``cfg_normalization`` (``ZImagePipeline.__call__``'s, same semantics): False
+            or 0 off; True (read as 1.0, as the pipeline's ``float()``) or a number c > 0 caps each image's guided
+            prediction's norm at c times its cond prediction's norm, at every step that runs guidance. None: the
+            model's default (the checkpoint's ``bcg_cfg_normalization``, else the pipeline's False), which the
+            validator fills in (None stays for a request without classifier-free guidance, which sets neither).
+            Refused by models without it (every family but Z-Image).
+        cfg_truncation: Z-Image's ``cfg_truncation`` (``ZImagePipeline.__call__``'s): guidance runs only at the steps
+            whose normalized time ``(1000 - t) / 1000`` is at most it (0 at the first step, rising towards 1); later
+            steps run the cond rows alone. 1.0 or more: every step guided. None: the model's default (the checkpoint's
+            ``bcg_cfg_truncation``, else the pipeline's 1.0), filled in by the validator as ``cfg_normalization``.
+            Refused by models without it.
         cache: the step cache it asks for (:mod:`bcg_core.step_cache`: a
             :class:`~bcg_core.step_cache.FirstBlockCache`, or :class:`~bcg_core.step_cache.NoCache` for none); None:
             the config's ``cache.default``, which the validator fills in (a validated request holds a spec, never None).
@@ -98,6 +109,8 @@ class GenerationRequest:
     cache: FirstBlockCache | NoCache | None = None
     num_frames: int | None = None
     guidance_scale_2: float | None = None
+    cfg_normalization: bool | float | None = None
+    cfg_truncation: float | None = None
 
     @property
     def images(self) -> tuple[bytes, ...]:

@@ -7,11 +7,12 @@ only, no weights), and everything below it (replica, step scheduler, pipeline) a
 :class:`~bcg_core.request.ValidatedRequest` and trusts it. docs/DESIGN.md section 2 says how a shape rounds up to its
 bucket.
 
-The validator is one class in three modules: this one holds :meth:`RequestValidator.validate`, the defaults and the
+The validator is one class in four modules: this one holds :meth:`RequestValidator.validate`, the defaults and the
 checks of the plain request fields (prompt, n, size, steps, guidance, seed, output, LoRA, cache); its base classes
 hold the size and bucket lookup (:mod:`bcg_core.validation_buckets`: the prompt's token limit, a request's forward
 shape, the error of a miss) and the edit and video fields (:mod:`bcg_core.validation_edits`: an edit's image, size
-and strength, ``num_frames``, ``guidance_scale_2``).
+and strength, ``num_frames``, ``guidance_scale_2``) and one family's guidance options (:mod:`bcg_core.validation_cfg`:
+Z-Image's ``cfg_normalization`` and ``cfg_truncation``).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from bcg_core.request import (
 )
 from bcg_core.table import BucketTable, ShapeRules, fit_size
 from bcg_core.validation_buckets import BucketShapes
+from bcg_core.validation_cfg import CfgOptionFields
 from bcg_core.validation_edits import EditFields, is_int
 
 __all__ = ["RequestValidator", "engine_field_phrase", "invalid"]
@@ -43,7 +45,7 @@ __all__ = ["RequestValidator", "engine_field_phrase", "invalid"]
 log = logging.getLogger(__name__)
 
 
-class RequestValidator(BucketShapes, EditFields):
+class RequestValidator(BucketShapes, EditFields, CfgOptionFields):
     """Validates requests and maps them to buckets.
 
     Args:
@@ -104,12 +106,13 @@ class RequestValidator(BucketShapes, EditFields):
     @property
     def defaults(self) -> dict[str, float | int | None]:
         """What a request that omits them gets: ``num_inference_steps``, ``guidance_scale`` (None: left unset, as
-        Qwen-Image's pipeline) and, for families with true CFG, ``true_cfg_scale`` (``GET /v1/models`` shows them)."""
+        Qwen-Image's pipeline), for families with true CFG, ``true_cfg_scale``, and Z-Image's ``cfg_normalization`` and
+        ``cfg_truncation`` (``GET /v1/models`` shows them)."""
         d: dict[str, float | int | None] = {"num_inference_steps": self.default_steps,
                                             "guidance_scale": self.default_guidance_scale}
         if self.spec.default_true_cfg_scale is not None:
             d["true_cfg_scale"] = self.spec.default_true_cfg_scale
-        return d
+        return {**d, **self.cfg_option_defaults}
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> RequestValidator:
@@ -188,6 +191,7 @@ class RequestValidator(BucketShapes, EditFields):
                               or not 0.0 <= g <= lim.max_guidance_scale):
             raise bad("guidance_scale", g, "out of range")
         g2 = self._guidance_2(r, g)
+        cfg_norm, cfg_trunc = self._cfg_options(r, g)
         neg = r.negative_prompt
         if neg is not None and (not isinstance(neg, str) or len(neg) > lim.max_prompt_chars):
             raise bad("negative_prompt", f"{len(neg)} characters" if isinstance(neg, str) else neg, "too long"
@@ -205,6 +209,7 @@ class RequestValidator(BucketShapes, EditFields):
         filled = replace(r, lora=lora, cache=cache, strength=strength, num_inference_steps=steps,
                          guidance_scale=None if g is None else float(g), negative_prompt=neg, seed=seed,
                          true_cfg_scale=None if tcfg is None else float(tcfg), quality=quality, guidance_scale_2=g2,
+                         cfg_normalization=cfg_norm, cfg_truncation=cfg_trunc,
                          num_frames=r.num_frames if r.num_frames is not None or not self.spec.video
                          else self.spec.default_frames)
         self.spec.check(filled)

@@ -230,6 +230,22 @@ class ImageGenerationRequest(BaseModel):
         "Omitted = the pipeline's default (1.0 FLUX.1, 4.0 Qwen-Image, 1.0 Qwen-Image 2.1). Other families answer "
         "422 when it is set.",
     )
+    cfg_normalization: bool | float | None = Field(
+        default=None,
+        description="Z-Image only (ZImagePipeline's cfg_normalization), with classifier-free guidance (guidance_scale "
+        "above 0): false or 0 = off; true (= 1.0) or a number c > 0 caps each image's guided prediction's norm at c "
+        "times its cond prediction's, at every guided step. Omitted = the model's default (GET /v1/models: "
+        "bcg.defaults; diffusers' false unless the checkpoint sets bcg_cfg_normalization). Other models answer 422 "
+        "when it is set.",
+    )
+    cfg_truncation: float | None = Field(
+        default=None,
+        description="Z-Image only (ZImagePipeline's cfg_truncation), with classifier-free guidance, a number of at "
+        "least 0: the steps whose normalized time (1000 - t) / 1000 (0 at the first step, rising towards 1) exceeds "
+        "it run without guidance (cond rows only); 1 or more = every step guided. Omitted = the model's default (GET "
+        "/v1/models: bcg.defaults; diffusers' 1.0 unless the checkpoint sets bcg_cfg_truncation). Other models "
+        "answer 422 when it is set.",
+    )
     lora: list[LoraAdapter] | None = Field(
         default=None, max_length=MAX_LORA_ENTRIES,
         description="LoRA adapters to apply, each {\"name\": ..., \"scale\": ...} (scale omitted = 1.0): at most "
@@ -335,7 +351,8 @@ class ImageGenerationRequest(BaseModel):
         return GenerationRequest(
             prompt=self.prompt, n=self.n, width=width, height=height, num_inference_steps=self.num_inference_steps,
             guidance_scale=self.guidance_scale, negative_prompt=self.negative_prompt, seed=self.seed,
-            true_cfg_scale=self.true_cfg_scale, quality=self.quality, output_format=self.image_format(),
+            true_cfg_scale=self.true_cfg_scale, cfg_normalization=self.cfg_normalization,
+            cfg_truncation=self.cfg_truncation, quality=self.quality, output_format=self.image_format(),
             output_compression=self.output_compression,
             partial_images=(self.partial_images or 0) if self.stream else 0, lora=self.lora_entries(),
             cache=self.cache_spec(), **edit)
@@ -387,7 +404,8 @@ class ImageEditRequest(ImageGenerationRequest):
     @classmethod
     def form_schema(cls) -> dict:
         """The ``multipart/form-data`` schema of the body for the OpenAPI document: :meth:`body_schema` with no
-        ``null`` alternatives (a form part is sent or omitted), ``image`` a file part (several reference images: one
+        ``null`` alternatives (a form part is sent or omitted; a union of plain types, e.g. boolean or number, as a
+        list of types), ``image`` a file part (several reference images: one
         ``image[]`` part each) and ``lora`` and ``cache`` as their JSON text fields."""
         schema = cls.body_schema()
         props = {}
@@ -395,6 +413,9 @@ class ImageEditRequest(ImageGenerationRequest):
             options = [o for o in prop.get("anyOf", ()) if o.get("type") != "null"]
             if len(options) == 1:
                 prop = {**{k: v for k, v in prop.items() if k not in ("anyOf", "default")}, **options[0]}
+            elif options and all(set(o) == {"type"} for o in options):  # cfg_normalization: boolean or number
+                prop = {**{k: v for k, v in prop.items() if k not in ("anyOf", "default")},
+                        "type": [o["type"] for o in options]}
             props[name] = prop
         props["image"] = {"type": "string", "format": "binary", "description": props["image"]["description"]}
         props["lora"] = {"type": "string", "description": "LoRA adapters as a JSON list of {\"name\": ..., "

@@ -95,8 +95,9 @@ def diffusers_run(pipeline_cls, folder, request: GenerationRequest, device: str 
     ``load_kwargs`` go to ``from_pretrained`` (e.g. ``text_encoder_3=None, tokenizer_3=None`` for an SD3
     checkpoint saved without T5, as diffusers documents); ``call_kwargs`` are passed on to the call as they are
     (e.g. ``max_sequence_length``); prompt, n, size, generators (CPU generators, as bcg-serve's) and, where
-    ``request`` sets them, negative prompt, steps, guidance and true CFG scale come from ``request`` (one it leaves
-    unset is left to the pipeline's default, as a diffusers user who omits it). The request's ``lora`` adapters
+    ``request`` sets them, negative prompt, steps, guidance, true CFG scale and Z-Image's ``cfg_normalization`` /
+    ``cfg_truncation`` come from ``request`` (one it leaves unset is left to the pipeline's default, as a diffusers
+    user who omits it). The request's ``lora`` adapters
     are read from ``lora_dir`` with ``load_lora_weights(path, adapter_name=name)`` and weighted by
     ``set_adapters(names, scales)``, as a diffusers user applies them. An edit's ``image`` is passed as its PIL
     image (several, a reference edit's: a list of them, in order) and its ``strength`` as set; an inpainting mask
@@ -119,7 +120,8 @@ def diffusers_run(pipeline_cls, folder, request: GenerationRequest, device: str 
         pipe.set_adapters([n for n, _ in request.lora], [s for _, s in request.lora])
     kwargs = dict(prompt=request.prompt, num_images_per_prompt=request.n, width=request.width,
                   height=request.height, **call_kwargs)
-    for name in ("num_inference_steps", "guidance_scale", "negative_prompt", "true_cfg_scale", "strength"):
+    for name in ("num_inference_steps", "guidance_scale", "negative_prompt", "true_cfg_scale", "strength",
+                 "cfg_normalization", "cfg_truncation"):
         if getattr(request, name) is not None and name not in kwargs:  # unset: the pipeline's own default
             kwargs[name] = getattr(request, name)
     if request.image is not None and "image" not in kwargs:  # an edit: its image(s) as the user's PIL images

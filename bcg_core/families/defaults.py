@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import functools
 
-__all__ = ["FRAME_RATES", "edit_defaults", "family_buckets", "frame_rate", "pipeline_defaults", "text_tokens"]
+__all__ = ["FRAME_RATES", "checkpoint_cfg_options", "edit_defaults", "family_buckets", "frame_rate",
+           "pipeline_defaults", "text_tokens"]
 
 
 FRAME_RATES: dict[str, float] = {"WanPipeline": 16.0}
@@ -42,7 +43,9 @@ def pipeline_defaults(pipeline_class: str) -> dict[str, float | int | None]:
         ``"default_size": (width, height)`` where the signature gives both as integers (SanaPipeline: 1024x1024;
         the other pipelines compute theirs from the checkpoint, see :attr:`ModelSpec.default_size`), and
         ``"default_strength"`` where it has a ``strength`` (the edit pipelines: 0.6), and ``"default_frames"`` where
-        it has an integer ``num_frames`` (video pipelines: ``WanPipeline`` 81; with ``default_size`` 832x480).
+        it has an integer ``num_frames`` (video pipelines: ``WanPipeline`` 81; with ``default_size`` 832x480), and
+        ``"default_cfg_normalization"`` / ``"default_cfg_truncation"`` where it has both (``ZImagePipeline``: False,
+        1.0).
 
     Raises:
         ValueError: diffusers has no such pipeline, or its ``__call__`` has no ``num_inference_steps`` default.
@@ -76,6 +79,41 @@ def pipeline_defaults(pipeline_class: str) -> dict[str, float | int | None]:
     frames = default("num_frames")
     if isinstance(frames, int):  # video pipelines (WanPipeline: 81)
         out["default_frames"] = frames
+    if "cfg_normalization" in params and "cfg_truncation" in params:  # ZImagePipeline: False, 1.0
+        out["default_cfg_normalization"] = default("cfg_normalization")
+        trunc = default("cfg_truncation")
+        out["default_cfg_truncation"] = 1.0 if trunc is None else float(trunc)
+    return out
+
+
+def checkpoint_cfg_options(index: dict, name: str = "checkpoint") -> dict[str, bool | float]:
+    """The checkpoint's own defaults of ``cfg_normalization`` / ``cfg_truncation`` (Z-Image), as :class:`ModelSpec`
+    fields: ``bcg_cfg_normalization`` / ``bcg_cfg_truncation`` of ``model_index.json``, each only where set (the
+    pipeline's defaults, :func:`pipeline_defaults`, stand otherwise). A ``bcg_cfg_truncation`` of null, which the
+    pipeline reads as "never truncated", is 1.0 (every ``(1000 - t) / 1000`` is below 1).
+
+    Raises:
+        ValueError: a ``bcg_cfg_normalization`` that is neither a boolean nor a finite number at least 0, or a
+            ``bcg_cfg_truncation`` that is not a finite number at least 0 (the request fields' ranges).
+    """
+    import math
+
+    def number(v) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
+
+    out: dict[str, bool | float] = {}
+    if "bcg_cfg_normalization" in index:
+        norm = index["bcg_cfg_normalization"]
+        if not isinstance(norm, bool) and not number(norm):
+            raise ValueError(f"{name}: model_index.json bcg_cfg_normalization {norm!r}: a boolean or a number of at "
+                             f"least 0 (the pipeline's cfg_normalization)")
+        out["default_cfg_normalization"] = norm if isinstance(norm, bool) else float(norm)
+    if "bcg_cfg_truncation" in index:
+        trunc = 1.0 if index["bcg_cfg_truncation"] is None else index["bcg_cfg_truncation"]
+        if not number(trunc):
+            raise ValueError(f"{name}: model_index.json bcg_cfg_truncation {trunc!r}: a number of at least 0 (the "
+                             f"pipeline's cfg_truncation)")
+        out["default_cfg_truncation"] = float(trunc)
     return out
 
 

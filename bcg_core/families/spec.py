@@ -111,6 +111,10 @@ class ModelSpec:
             (:func:`~bcg_core.families.defaults.family_buckets`).
         boundary_ratio: a checkpoint of two experts (Wan 2.2: ``transformer_2`` below ``boundary_ratio x 1000``,
             :mod:`bcg_core.experts`), whose requests take ``guidance_scale_2``; None: one transformer.
+        default_cfg_normalization, default_cfg_truncation: ``cfg_normalization`` / ``cfg_truncation`` of a request
+            that omits them, where the family's pipeline takes them (Z-Image: the checkpoint's
+            ``bcg_cfg_normalization`` / ``bcg_cfg_truncation``, else ``ZImagePipeline.__call__``'s False and 1.0);
+            None: not an option of the family (a request that sets them is refused).
     """
 
     name: str
@@ -137,6 +141,8 @@ class ModelSpec:
     default_frames: int | None = None
     default_buckets: dict | None = None
     boundary_ratio: float | None = None
+    default_cfg_normalization: bool | float | None = None
+    default_cfg_truncation: float | None = None
 
     @property
     def video(self) -> bool:

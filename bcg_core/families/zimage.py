@@ -17,10 +17,14 @@ transformer_z_image.py``, T) and what this module reuses:
 - CFG: on whenever ``guidance_scale > 0`` (not > 1), against ``negative_prompt`` (default ``""``), with
   ``pred = pos + s * (pos - neg)`` (cond rows first). ``cfg_normalization`` c > 0 caps ``|pred|`` at
   ``c * |pos|`` per image (norms over the whole latent image); ``cfg_truncation`` c <= 1 turns guidance off (one
-  forward, no uncond rows) at every step whose ``(1000 - t) / 1000`` exceeds c. Both are pipeline call options
-  without a request field here: a checkpoint serves them from ``bcg_cfg_normalization`` / ``bcg_cfg_truncation``
-  in ``model_index.json`` (the ``__call__`` defaults, off, when absent). A truncated request's uncond rows leave
-  the step loop at the first truncated step (its ``RequestState.rows`` halves, as diffusers' forward does).
+  forward, no uncond rows) at every step whose ``(1000 - t) / 1000`` exceeds c. Both are request fields of the same
+  names (:mod:`bcg_core.validation_cfg`), read per request in :meth:`ZImageFamily.start` / :meth:`ZImageFamily.advance`,
+  so rows of requests with different settings share a step; a request that omits them gets the model's defaults:
+  the checkpoint's ``bcg_cfg_normalization`` / ``bcg_cfg_truncation`` in ``model_index.json``, else the
+  ``__call__`` defaults (False, 1.0: off). A truncated request's uncond rows leave the step loop at the first
+  truncated step (its ``RequestState.rows`` halves, as diffusers' forward does). The step runs on the host path
+  (the family is no :class:`~bcg_core.capabilities.FusedStep`), where :meth:`ZImageFamily.advance` applies each
+  request's own settings.
 - Decode: ``z / scaling_factor + shift_factor``, ``vae.decode``, ``image_processor.postprocess``.
 
 Padding contract (:class:`ZImageAdapter`). T's forward takes per-row lists and pads them itself:
@@ -75,7 +79,7 @@ import torch
 
 from bcg_core.capabilities import EagerMixesRows, Previews
 from bcg_core.families.base import QUALITY_STEPS, ModelSpec, load_pipeline, read_json
-from bcg_core.families.defaults import pipeline_defaults, text_tokens
+from bcg_core.families.defaults import checkpoint_cfg_options, pipeline_defaults, text_tokens
 from bcg_core.families.state import RequestState, TextRows, pad_text
 from bcg_core.keys import BucketKey
 from bcg_core.padding import DenoiseInputs, copy_rows, fill_masked_text
@@ -257,17 +261,15 @@ class ZImageFamily(Previews):
     """A ``ZImagePipeline`` checkpoint, served step by step (see the module docstring).
 
     Request fields: ``guidance_scale`` (default 5.0, the pipeline's) above 0 runs CFG against ``negative_prompt``
-    (default ``""``); ``true_cfg_scale`` is refused. ``cfg_normalization`` and ``cfg_truncation`` come from the
-    checkpoint (``bcg_cfg_normalization``, ``bcg_cfg_truncation`` in ``model_index.json``).
+    (default ``""``); ``true_cfg_scale`` is refused. ``cfg_normalization`` and ``cfg_truncation`` per request (the
+    pipeline's options; defaults: the checkpoint's ``bcg_cfg_normalization`` / ``bcg_cfg_truncation`` in
+    ``model_index.json``, else the pipeline's False and 1.0: :attr:`ModelSpec.default_cfg_normalization`).
 
     Args:
         name: served model name.
         spec: the model's :class:`ModelSpec`.
         pipe: the loaded ``ZImagePipeline`` on ``device``; its methods do the work.
         counter: ``prompt -> tokens`` (:meth:`token_counter`).
-        cfg_normalization: the pipeline's ``cfg_normalization`` (0: off; True reads as 1.0, as the pipeline's
-            ``float()``).
-        cfg_truncation: the pipeline's ``cfg_truncation`` (1.0: never truncated).
     """
 
     name = "zimage"
@@ -280,8 +282,7 @@ class ZImageFamily(Previews):
         has no ``num_attention_heads`` / ``attention_head_dim``)."""
         return int(config["dim"])
 
-    def __init__(self, name: str, spec: ModelSpec, pipe, counter, device: torch.device, dtype: torch.dtype,
-                 cfg_normalization: float = 0.0, cfg_truncation: float | None = 1.0):
+    def __init__(self, name: str, spec: ModelSpec, pipe, counter, device: torch.device, dtype: torch.dtype):
         self.model_name = name
         self.spec = spec
         self.rules = spec.rules
@@ -289,8 +290,6 @@ class ZImageFamily(Previews):
         self.pipe = pipe
         self.vae = pipe.vae
         self.adapter = ZImageAdapter(pipe.transformer, pipe.vae_scale_factor, spec.max_text_tokens)
-        self.cfg_normalization = float(cfg_normalization)
-        self.cfg_truncation = cfg_truncation
         self._counter = counter
         self._lock = threading.Lock()
         self.device, self.dtype = device, dtype
@@ -307,11 +306,13 @@ class ZImageFamily(Previews):
     @classmethod
     def describe(cls, path: Path, index: dict) -> ModelSpec:
         """Spec from ``transformer/``, ``vae/`` and ``scheduler/`` configs; request defaults from
-        ``ZImagePipeline.__call__``'s signature (:func:`pipeline_defaults`: 50 steps, guidance 5.0).
+        ``ZImagePipeline.__call__``'s signature (:func:`pipeline_defaults`: 50 steps, guidance 5.0), and
+        ``cfg_normalization`` / ``cfg_truncation``, overridden by the checkpoint's (:func:`checkpoint_cfg_options`).
 
         Raises:
-            ValueError: another pipeline class, a transformer without the 2x2 patch embedder, or a scheduler with
-                ``stochastic_sampling`` (noise from the global RNG).
+            ValueError: another pipeline class, a transformer without the 2x2 patch embedder, a scheduler with
+                ``stochastic_sampling`` (noise from the global RNG), or a bad ``bcg_cfg_normalization`` /
+                ``bcg_cfg_truncation``.
         """
         kind = index["_class_name"]
         if kind not in cls.pipeline_classes:
@@ -332,7 +333,7 @@ class ZImageFamily(Previews):
             rules=ShapeRules(pixels_per_token=scale * PATCH, grid_keyed=True, native_text_tokens=None),
             cfg_rule="guidance_positive", max_prompt_tokens=tokens, max_text_tokens=tokens,
             quality_steps=QUALITY_STEPS["zimage"], default_size=(ZIMAGE_DEFAULT_SIDE_PX,) * 2,
-            **pipeline_defaults(kind),
+            **{**pipeline_defaults(kind), **checkpoint_cfg_options(index, path.name)},
         )
 
     @classmethod
@@ -357,9 +358,7 @@ class ZImageFamily(Previews):
 
         spec = cls.describe(path, index)
         pipe = load_pipeline(ZImagePipeline, path, device, dtype)
-        return cls(path.name, spec, pipe, cls.token_counter(path, index), device, dtype,
-                   cfg_normalization=float(index.get("bcg_cfg_normalization", 0.0)),
-                   cfg_truncation=index.get("bcg_cfg_truncation", 1.0))
+        return cls(path.name, spec, pipe, cls.token_counter(path, index), device, dtype)
 
     # -- validation hooks ---------------------------------------------------------------------------
 
@@ -403,20 +402,30 @@ class ZImageFamily(Previews):
         steps = req.num_inference_steps
         timesteps, _ = retrieve_timesteps(sched, steps, self.device, sigmas=get_default_z_image_sigmas(steps), mu=mu)
         sched.set_begin_index(0)
-        extras = {}
-        trunc = self.cfg_truncation
-        if uncond is not None and trunc is not None and float(trunc) <= 1:  # P:486-489
+        extras = {}  # the request's cfg_truncation, not the model's: rows of one step may differ
+        if uncond is not None and self.cfg_options(req)[1] <= 1:  # P:486-489
             extras["t_norms"] = ((1000 - timesteps.float()) / 1000).tolist()
         state = RequestState(validated, cond, uncond, latents, sched, timesteps, self.rules.grid(req.width, req.height),
                              extras=extras, cancel=cancel)
         self._truncate(state)
         return state
 
+    def cfg_options(self, request) -> tuple[float, float]:
+        """``(cfg_normalization, cfg_truncation)`` of ``request`` as the pipeline reads them: the normalization as a
+        float (False 0.0, True 1.0: ``float()``; 0 is off), both the model's defaults where the request holds None
+        (a validated request holds its own, :mod:`bcg_core.validation_cfg`)."""
+        norm, trunc = request.cfg_normalization, request.cfg_truncation
+        norm = self.spec.default_cfg_normalization if norm is None else norm
+        trunc = self.spec.default_cfg_truncation if trunc is None else trunc
+        return float(norm or 0.0), float(trunc)
+
     def _truncate(self, state: RequestState) -> None:
-        """Drop the uncond rows from the first step whose ``(1000 - t) / 1000`` exceeds ``cfg_truncation``
-        (P:498-500: guidance 0 there, one forward); the normalised times grow, so they never come back."""
+        """Drop the uncond rows from the first step whose ``(1000 - t) / 1000`` exceeds the request's
+        ``cfg_truncation`` (P:498-500: guidance 0 there, one forward); the normalised times grow, so they never come
+        back."""
         norms = state.extras.get("t_norms")
-        if state.cfg and norms is not None and not state.done and norms[state.step_index] > self.cfg_truncation:
+        if state.cfg and norms is not None and not state.done \
+                and norms[state.step_index] > self.cfg_options(state.request)[1]:
             state.uncond = None
 
     def model_rows(self, state: RequestState) -> DenoiseInputs:
@@ -434,19 +443,21 @@ class ZImageFamily(Previews):
 
     @torch.inference_mode()
     def advance(self, state: RequestState, output: torch.Tensor) -> None:
-        """CFG ``pos + s * (pos - neg)`` per image, capped by ``cfg_normalization`` (P:543-564), the negated
-        prediction through the request's scheduler step (P:566-570); then :meth:`_truncate` for the next step."""
+        """CFG ``pos + s * (pos - neg)`` per image, capped by the request's ``cfg_normalization`` (P:543-564), the
+        negated prediction through the request's scheduler step (P:566-570); then :meth:`_truncate` for the next step.
+        ``output``: this request's (rows, C, 2h, 2w) slice of the step's output (cond rows, then uncond rows)."""
         n = state.n
         if state.cfg:
             scale = self.spec.cfg_scale(state.request)
+            cap = self.cfg_options(state.request)[0]
             preds = []
             for j in range(n):
                 pos, neg = output[j].float(), output[n + j].float()
                 pred = pos + scale * (pos - neg)
-                if self.cfg_normalization > 0.0:
+                if cap > 0.0:
                     ori_pos_norm = torch.linalg.vector_norm(pos)
                     new_pos_norm = torch.linalg.vector_norm(pred)
-                    max_new_norm = ori_pos_norm * self.cfg_normalization
+                    max_new_norm = ori_pos_norm * cap
                     if new_pos_norm > max_new_norm:
                         pred = pred * (max_new_norm / new_pos_norm)
                 preds.append(pred)

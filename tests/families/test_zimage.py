@@ -5,15 +5,18 @@ Tiny random-weight checkpoint in the real layout (``tests/tiny/zimage.py``: Qwen
 with non-zero pad tokens, FLUX.1 VAE). Final latents within 1e-5 relative and PNG bytes (``reference_gate.assert_same``;
 byte-equal where the latents are bit-identical): a request alone at an exact bucket, padded rows, a padded caption
 bucket, the model's own image pad tokens (a 10 x 9 grid, 90 tokens padded to 96 inside the model), a request joining
-one that started earlier, CFG (on above guidance 0, not 1) with the default and a given negative prompt, and
-``cfg_truncation`` / ``cfg_normalization`` served from the checkpoint. A prompt over ``max_sequence_length`` is
-refused (the pipeline would cut it silently).
+one that started earlier, CFG (on above guidance 0, not 1) with the default and a given negative prompt,
+``cfg_truncation`` / ``cfg_normalization`` as the checkpoint's defaults and as request fields (a request with each,
+beside a plain one, in one forward per step: each equals its own diffusers run), and their refusals. A prompt over
+``max_sequence_length`` is refused (the pipeline would cut it silently).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import shutil
+from dataclasses import replace
 
 import pytest
 import torch
@@ -62,7 +65,7 @@ def test_the_pipeline_loads_as_the_zimage_family_with_its_defaults(pipe):
     assert (spec.default_steps, spec.default_guidance_scale, spec.default_true_cfg_scale) == (50, 5.0, None)
     assert spec.rules.grid_keyed and spec.rules.native_text_tokens is None and spec.rules.pixels_per_token == 4
     assert spec.default_size == (1024, 1024) and spec.max_prompt_tokens == spec.max_text_tokens == 512
-    assert (fam.cfg_normalization, fam.cfg_truncation) == (0.0, 1.0)
+    assert (spec.default_cfg_normalization, spec.default_cfg_truncation) == (False, 1.0)  # ZImagePipeline's
     assert pipe.validator.validate(_req(n=1)).request.guidance_scale == 5.0
     for guidance, rows in ((5.0, 2), (0.5, 2), (0.0, 1)):  # do_classifier_free_guidance is guidance_scale > 0
         assert pipe.validator.validate(_req(n=1, guidance_scale=guidance)).lookup.query.batch == rows
@@ -117,8 +120,10 @@ def cfg_options(folder, tmp_path_factory):
 
 def test_cfg_truncation_and_normalization_equal_diffusers(cfg_options, pipe, folder):
     other, cut = cfg_options
-    assert (cut.model.cfg_truncation, cut.model.cfg_normalization) == (0.3, 1.0)
+    assert (cut.model.spec.default_cfg_truncation, cut.model.spec.default_cfg_normalization) == (0.3, 1.0)
+    assert cut.validator.defaults["cfg_truncation"] == 0.3 and cut.validator.defaults["cfg_normalization"] == 1.0
     req = _validated(cut, _req(n=1, guidance_scale=4.0, num_inference_steps=3))
+    assert (req.cfg_truncation, req.cfg_normalization) == (0.3, 1.0)  # the checkpoint's, filled in
     v = cut.validator.validate(req)
     state, rows = cut.start(v), []
     while not state.done:  # shift 3: t = 1000, 857, 600, so (1000 - t) / 1000 = 0, 0.14, 0.4: the last is cut
@@ -128,10 +133,85 @@ def test_cfg_truncation_and_normalization_equal_diffusers(cfg_options, pipe, fol
     ours = bcg_run(cut, req)
     ref = diffusers_run(ZImagePipeline, other, req, cfg_truncation=0.3, cfg_normalization=1.0)
     assert_same(ours, ref)
-    plain = diffusers_run(ZImagePipeline, folder, req)  # both options change the result: the gate can fail
-    assert not torch.allclose(plain.latents, ref.latents, rtol=1e-3)
+    off = replace(req, cfg_truncation=1.0, cfg_normalization=False)  # both change the result: the gate can fail
+    assert not torch.allclose(diffusers_run(ZImagePipeline, folder, off, images=False).latents, ref.latents, rtol=1e-3)
     for kw in (dict(cfg_truncation=0.3), dict(cfg_normalization=1.0)):
-        assert not torch.allclose(diffusers_run(ZImagePipeline, folder, req, **kw).latents, ref.latents, rtol=1e-3)
+        one = diffusers_run(ZImagePipeline, folder, replace(off, **kw), images=False)
+        assert not torch.allclose(one.latents, ref.latents, rtol=1e-3)
+
+
+@pytest.fixture(scope="module")
+def pipe8(folder):
+    """The tiny checkpoint with an 8-row bucket at 32x32: three CFG requests share one forward per step."""
+    return bcg_pipeline(folder, dict(batch_sizes=[1, 8], resolutions=["32x32"], text_lengths=[64]))
+
+
+def test_cfg_options_per_request_in_one_step_each_equal_their_own_diffusers_run(pipe8, folder):
+    """A request with ``cfg_truncation`` 0.3, one with ``cfg_normalization`` 1.0 and a plain one (the defaults), all
+    CFG, step together: one 8-row forward per step (6 rows, then 5 once the truncated request's uncond rows leave),
+    each request's guidance combined with its own settings, each equal to its own ``ZImagePipeline`` call."""
+    pipe = pipe8
+    reqs = {"plain": _req(n=1, guidance_scale=4.0, num_inference_steps=3, seed=21),
+            "trunc": _req(n=1, guidance_scale=4.0, num_inference_steps=3, seed=22, prompt=LONG, cfg_truncation=0.3),
+            "norm": _req(n=1, guidance_scale=6.0, num_inference_steps=3, seed=23, cfg_normalization=1.0)}
+    validated = {k: pipe.validator.validate(r) for k, r in reqs.items()}
+    filled = {k: v.request for k, v in validated.items()}
+    assert {k: (r.cfg_normalization, r.cfg_truncation) for k, r in filled.items()} == {
+        "plain": (False, 1.0), "trunc": (False, 0.3), "norm": (1.0, 1.0)}
+    states = [pipe.start(validated[k]) for k in reqs]
+    seen = []
+    while not all(s.done for s in states):
+        forwards = pipe.decider.for_states(states)
+        seen.append(([s.rows for s in states], [str(c.key) for c in forwards.chunks]))
+        pipe.step(states, forwards)
+    # shift 3: (1000 - t) / 1000 = 0, 0.14, 0.4 at the three steps: the truncated request's last step is unguided
+    assert seen == [([2, 2, 2], ["b8_i64_t64_g8x8"])] * 2 + [([2, 1, 2], ["b8_i64_t64_g8x8"])]
+    ours = dict(zip(reqs, (s.latents.float().cpu() for s in states), strict=True))  # final latents (no decode)
+    for k in reqs:
+        assert_close(ours[k], diffusers_run(ZImagePipeline, folder, filled[k], images=False).latents)
+    # the gate can fail: without its setting each request's diffusers run moves away from ours
+    for k, off in (("trunc", dict(cfg_truncation=1.0)), ("norm", dict(cfg_normalization=False))):
+        moved = diffusers_run(ZImagePipeline, folder, replace(filled[k], **off), images=False)
+        assert not torch.allclose(moved.latents, ours[k], rtol=1e-3), k
+    assert not pipe.capabilities.fused_step  # the host path applies each request's settings (no fused update)
+
+
+@pytest.mark.parametrize(("kw", "field", "needle"), [
+    (dict(cfg_normalization=-0.5), "cfg_normalization", "out of range"),
+    (dict(cfg_normalization=math.nan), "cfg_normalization", "out of range"),
+    (dict(cfg_normalization="yes"), "cfg_normalization", "not a boolean or a number"),
+    (dict(cfg_truncation=math.inf), "cfg_truncation", "out of range"),
+    (dict(cfg_truncation=-1), "cfg_truncation", "out of range"),
+    (dict(cfg_truncation=True), "cfg_truncation", "not a number"),
+    (dict(cfg_truncation=0.5, guidance_scale=0.0), "cfg_truncation", "runs no classifier-free guidance"),
+])
+def test_bad_cfg_options_are_refused_naming_the_field_and_its_values(pipe, kw, field, needle):
+    with pytest.raises(RequestError) as e:
+        pipe.validator.validate(_req(**kw))
+    assert e.value.field == field and e.value.status == 422
+    assert needle in e.value.message and "allowed: " in e.value.message and "Z-Image only" in e.value.message
+
+
+def test_cfg_options_are_listed_accepted_over_http_and_refused_by_other_models(pipe):
+    from bcg_core.config import EngineConfig
+    from bcg_core.table import ShapeRules
+    from bcg_core.validation import RequestValidator
+    from deployments.schemas import ImageGenerationRequest
+
+    assert pipe.validator.defaults == {"num_inference_steps": 50, "guidance_scale": 5.0, "cfg_normalization": False,
+                                       "cfg_truncation": 1.0}  # GET /v1/models bcg.defaults
+    body = ImageGenerationRequest.model_validate_json(
+        '{"prompt": "a cat", "size": "32x32", "cfg_normalization": true, "cfg_truncation": 0}')
+    filled = pipe.validator.validate(body.engine_request()).request  # the OpenAI client's extra_body: top level
+    assert (filled.cfg_normalization, filled.cfg_truncation) == (True, 0.0)
+    rules = ShapeRules(pixels_per_token=16, grid_keyed=False, native_text_tokens=32)  # a model of another family
+    tiny = RequestValidator(EngineConfig(buckets=BucketConfig(batch_sizes=[1], resolutions=["256x256"],
+                                                              text_lengths=[32])), rules, lambda s, negative=False: 3)
+    assert "cfg_normalization" not in tiny.defaults
+    for name in ("cfg_normalization", "cfg_truncation"):
+        with pytest.raises(RequestError) as e:
+            tiny.validate(GenerationRequest(prompt="a cat", width=256, height=256, **{name: 0.5}))
+        assert e.value.field == name and "not an option of" in e.value.message and "Z-Image only" in e.value.message
 
 
 def test_token_counts_are_what_the_encoder_reads_and_longer_prompts_are_refused(pipe, folder):
