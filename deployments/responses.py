@@ -112,8 +112,9 @@ class ModelCard(BaseModel):
     owned_by: str = Field(default="bcg-serve", description="Always 'bcg-serve'.")
     bcg: dict = Field(description="Extension: family, pipeline class, the bucket table summarised (batch sizes, "
                       "resolutions, text lengths, bucket count, miss policy), the request limits, the defaults of a "
-                      "request that omits them (num_inference_steps, guidance_scale, and true_cfg_scale for FLUX and "
-                      "Qwen-Image: the family's diffusers pipeline's unless the config's limits set them), the "
+                      "request that omits them (num_inference_steps, guidance_scale, true_cfg_scale for FLUX and "
+                      "Qwen-Image, cfg_normalization and cfg_truncation for Z-Image: the family's diffusers "
+                      "pipeline's unless the config's limits or the checkpoint set them), the "
                       "step count of each quality, lora: the adapters in lora.dir and the LoRA limits (null "
                       "without lora.dir), edits: the edit modes served ('image-to-image', 'inpainting', or FLUX.2's "
                       "'reference' with max_reference_images), their diffusers pipelines and defaults, the mask "
