@@ -26,9 +26,10 @@ class InfoEndpoints(IngressBase):
     """Liveness, the model card, the bucket counters and the metrics pointer of :class:`~deployments.ingress.Ingress`
     (each route is registered on :data:`deployments.ingress_app.app`)."""
 
-    @app.get("/healthz")
+    @app.api_route("/healthz", methods=["GET", "HEAD"])
     async def healthz(self) -> dict[str, str]:
-        """Liveness: ``{"status": "ok"}`` (no key asked for)."""
+        """Liveness: ``{"status": "ok"}`` (no key asked for); ``HEAD`` answers 200 with no body, as load balancers
+        that probe with ``HEAD`` expect."""
         return {"status": "ok"}
 
     def _model_card(self) -> ModelCard:

@@ -135,6 +135,8 @@ def test_buckets_endpoint_describes_the_table(client):
 def test_healthz(client, reject_client):
     assert client.get("/healthz").json() == {"status": "ok"}
     assert reject_client.get("/healthz").json() == {"status": "ok"}
+    head = client.head("/healthz")  # a load balancer's probe
+    assert head.status_code == 200 and head.content == b""
 
 
 def test_metrics_on_the_api_port_answer_where_rays_exporter_is(client):
