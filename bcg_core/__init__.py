@@ -1,59 +1,57 @@
 """bcg-serve's torch-only engine: bucket keys and table, the validator, model families, runners, the step scheduler.
 
-Never imports Ray or ``deployments/`` (the Ray Serve layer lives in ``deployments/`` and ``router/``). The family
-adapters (``FluxAdapter``, ``SD3Adapter``, ``PixArtAdapter``, ``SanaAdapter``, ``QwenImageAdapter``) and the
-step scheduler are exported lazily: each pulls in heavier modules on first use. The layout is in README.md.
+Never imports Ray or ``deployments/`` (the Ray Serve layer lives in ``deployments/`` and ``router/``). Every name
+below is exported lazily (PEP 562): ``import bcg_core`` or ``from bcg_core.config import ...`` loads no torch, and
+``from bcg_core import X`` imports only the module that defines ``X``, so the processes that need none of the model
+(the ingress, the ownership coordinator) do not pay for torch and diffusers. The layout is in README.md.
 """
 
 import importlib
 
-from bcg_core.config import (
-    BucketConfig,
-    EngineConfig,
-    LimitsConfig,
-    MissPolicy,
-    ModelConfig,
-    RunnerConfig,
-    parse_size,
-)
-from bcg_core.errors import BucketMissError, RequestCancelled, RequestError
-from bcg_core.families import Family, ModelSpec, RequestState, TextRows
-from bcg_core.families.tiny import build_tiny
-from bcg_core.images import IMAGE_FORMATS, encode_image
-from bcg_core.keys import BucketKey, BucketShape, Dim, ShapeQuery
-from bcg_core.metrics import BucketCounters, BucketMetrics
-from bcg_core.models import CheckpointError, describe_model, load_model, save_pipeline
-from bcg_core.padding import DenoiseInputs, DiTAdapter
-from bcg_core.pipeline import DiTPipeline
-from bcg_core.planning.traffic import TrafficHistogram, TrafficKey, load_traffic
-from bcg_core.preview import LinearPreview, PartialImage, preview_steps
-from bcg_core.request import GenerationRequest, GenerationResult, ValidatedRequest
-from bcg_core.runners import BucketEntry, BucketRunner, EagerBucketRunner, RunMode
-from bcg_core.table import BucketLookup, BucketTable, ShapeRules
-from bcg_core.validation import RequestValidator
-
-_LAZY = {
-    "FluxAdapter": "bcg_core.families.flux", "SD3Adapter": "bcg_core.families.sd3",
-    "PixArtAdapter": "bcg_core.families.pixart", "SanaAdapter": "bcg_core.families.sana",
-    "QwenImageAdapter": "bcg_core.families.qwenimage", "StepScheduler": "bcg_core.scheduler",
-    "CostModel": "bcg_core.costs", "StepForwards": "bcg_core.costs",
+_WHERE = {
+    "bcg_core.config": ("BucketConfig", "EngineConfig", "LimitsConfig", "MissPolicy", "ModelConfig", "RunnerConfig",
+                        "parse_size"),
+    "bcg_core.errors": ("BucketMissError", "RequestCancelled", "RequestError"),
+    "bcg_core.families": ("Family", "ModelSpec", "RequestState", "TextRows"),
+    "bcg_core.families.tiny": ("build_tiny",),
+    "bcg_core.images": ("IMAGE_FORMATS", "encode_image"),
+    "bcg_core.keys": ("BucketKey", "BucketShape", "Dim", "ShapeQuery"),
+    "bcg_core.metrics": ("BucketCounters", "BucketMetrics"),
+    "bcg_core.models": ("CheckpointError", "describe_model", "load_model", "save_pipeline"),
+    "bcg_core.padding": ("DenoiseInputs", "DiTAdapter"),
+    "bcg_core.pipeline": ("DiTPipeline",),
+    "bcg_core.planning.traffic": ("TrafficHistogram", "TrafficKey", "load_traffic"),
+    "bcg_core.preview": ("LinearPreview", "PartialImage", "preview_steps"),
+    "bcg_core.request": ("GenerationRequest", "GenerationResult", "ValidatedRequest"),
+    "bcg_core.runners": ("BucketEntry", "BucketRunner", "EagerBucketRunner", "RunMode"),
+    "bcg_core.table": ("BucketLookup", "BucketTable", "ShapeRules"),
+    "bcg_core.validation": ("RequestValidator",),
+    "bcg_core.families.flux": ("FluxAdapter",),
+    "bcg_core.families.sd3": ("SD3Adapter",),
+    "bcg_core.families.pixart": ("PixArtAdapter",),
+    "bcg_core.families.sana": ("SanaAdapter",),
+    "bcg_core.families.qwenimage": ("QwenImageAdapter",),
+    "bcg_core.scheduler": ("StepScheduler",),
+    "bcg_core.costs": ("CostModel", "StepForwards"),
 }
+_MODULE = {name: module for module, names in _WHERE.items() for name in names}
 
 
 def __getattr__(name: str):
-    """The family adapters and the step scheduler, imported on first use."""
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
+    """Each exported name, imported from its module on first use.
+
+    Raises:
+        AttributeError: ``name`` is not exported (nor a submodule already imported).
+    """
+    if name in _MODULE:
+        value = getattr(importlib.import_module(_MODULE[name]), name)
+        globals()[name] = value
+        return value
     raise AttributeError(f"module 'bcg_core' has no attribute {name!r}")
 
 
-__all__ = [
-    "BucketConfig", "BucketCounters", "BucketEntry", "BucketKey", "BucketLookup", "BucketMetrics", "BucketMissError",
-    "BucketRunner", "BucketShape", "BucketTable", "CheckpointError", "DenoiseInputs", "DiTAdapter", "DiTPipeline",
-    "Dim", "EagerBucketRunner", "Family", "GenerationRequest", "GenerationResult", "IMAGE_FORMATS", "LimitsConfig",
-    "LinearPreview", "MissPolicy", "ModelConfig", "ModelSpec", "PartialImage", "RequestCancelled",
-    "RequestError", "RequestState", "RequestValidator", "RunMode", "RunnerConfig", "EngineConfig", "ShapeQuery",
-    "ShapeRules", "TextRows", "TrafficHistogram", "TrafficKey", "ValidatedRequest", "build_tiny", "describe_model",
-    "encode_image", "load_model", "load_traffic", "parse_size", "preview_steps", "save_pipeline",
-    *_LAZY,
-]
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_MODULE})
+
+
+__all__ = sorted(_MODULE)

@@ -22,7 +22,7 @@ import typing
 from pydantic import BaseModel, ValidationError
 
 from bcg_core.errors import RequestError, shown
-from bcg_core.families.base import ModelSpec
+from bcg_core.families.spec import ModelSpec
 from bcg_core.step_cache.spec import METHODS, NoCache, StepCacheConfig, StepCacheSpec, read_cache
 
 __all__ = ["CACHE_FAMILIES", "METHOD_FAMILIES", "cache_phrase", "check_cache", "default_cache"]

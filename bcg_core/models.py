@@ -16,12 +16,14 @@ from __future__ import annotations
 import json
 import weakref
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from bcg_core.config import ModelConfig
-from bcg_core.devices import resolve_device, torch_dtype
-from bcg_core.families import PIPELINE_CLASSES, Family, ModelSpec, family_class
-from bcg_core.families.base import tokenizer_counter
-from bcg_core.text import SentenceTextEncoder, minilm_path
+from bcg_core.families import PIPELINE_CLASSES, ModelSpec, family_class
+from bcg_core.families.helpers import tokenizer_counter
+
+if TYPE_CHECKING:
+    from bcg_core.families import Family
 
 __all__ = [
     "ACTIVATION_FACTOR",
@@ -136,7 +138,7 @@ def describe_model(config: ModelConfig) -> ModelSpec:
         CheckpointError: if ``config.path`` is not a servable checkpoint folder.
     """
     if config.path is None:
-        from bcg_core.families.tiny import tiny_spec
+        from bcg_core.families.tiny_spec import tiny_spec
 
         return tiny_spec()
     path = Path(config.path)
@@ -152,6 +154,8 @@ def load_tokenizer_counter(config: ModelConfig):
     """
     if config.path is None:
         from transformers import AutoTokenizer
+
+        from bcg_core.text import minilm_path
 
         return tokenizer_counter(AutoTokenizer.from_pretrained(str(minilm_path()), local_files_only=True))
     path = Path(config.path)
@@ -178,6 +182,8 @@ def load_model(config: ModelConfig) -> Family:
     """
     import time
 
+    from bcg_core.devices import resolve_device, torch_dtype
+
     t0 = time.perf_counter()
     if config.path is None:
         from bcg_core.families.tiny import build_tiny
@@ -202,6 +208,7 @@ def save_pipeline(model: Family, path: str | Path) -> Path:
         TypeError: if the model is not of the tiny layout (its text encoder is not a sentence encoder).
     """
     from bcg_core.families.tiny import BCGFluxFamily
+    from bcg_core.text import SentenceTextEncoder
 
     text = model.text_encoder if isinstance(model, BCGFluxFamily) else None
     if not isinstance(text, SentenceTextEncoder):
@@ -254,11 +261,11 @@ def transformer_width(model_path: str | None) -> int:
         CheckpointError: ``model_path`` is not a servable checkpoint folder (:func:`read_checkpoint`), or its
             transformer config lacks a key its family reads (naming the key and the file).
     """
-    from bcg_core.families.base import read_json
-    from bcg_core.families.tiny import BCGFluxFamily, tiny_transformer_config
+    from bcg_core.families.helpers import heads_width, read_json
+    from bcg_core.families.tiny_spec import tiny_transformer_config
 
-    if model_path is None:
-        return BCGFluxFamily.transformer_width(tiny_transformer_config(384))
+    if model_path is None:  # BCGFluxFamily's width: FLUX's heads x head channels
+        return heads_width(tiny_transformer_config(384))
     path = Path(model_path)
     index = read_checkpoint(path)
     family = family_class(index["_class_name"])

@@ -25,7 +25,7 @@ from dataclasses import replace
 from bcg_core.cache_field import check_cache, default_cache
 from bcg_core.config import EngineConfig, LimitsConfig, MissPolicy
 from bcg_core.errors import RequestError
-from bcg_core.families.base import ModelSpec
+from bcg_core.families.spec import ModelSpec
 from bcg_core.field_phrases import engine_field_phrase, invalid
 from bcg_core.request import (
     MAX_PARTIAL_IMAGES,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from bcg_core.config import EngineConfig
 from bcg_core.errors import BucketMissError
-from bcg_core.families.base import ModelSpec
+from bcg_core.families.spec import ModelSpec
 from bcg_core.keys import Dim, ShapeQuery
 from bcg_core.request import GenerationRequest
 from bcg_core.table import BucketLookup, BucketTable, ShapeRules

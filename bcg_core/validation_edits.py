@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from bcg_core.config import LimitsConfig
 from bcg_core.errors import RequestError
-from bcg_core.families.base import ModelSpec
+from bcg_core.families.spec import ModelSpec
 from bcg_core.request import GenerationRequest, steps_run
 from bcg_core.table import ShapeRules
 

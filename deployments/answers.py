@@ -13,9 +13,8 @@ import logging
 import time
 from base64 import b64encode
 
-from bcg_core.pipeline import GenerationResult
 from bcg_core.preview import PartialImage
-from bcg_core.request import ValidatedRequest
+from bcg_core.request import GenerationResult, ValidatedRequest
 
 from .http_errors import find_request_error
 from .responses import BcgInfo, Usage

@@ -68,6 +68,7 @@ composes them. ``app`` is importable from here too.
 # No ``from __future__ import annotations`` in the route modules: FastAPI reads the route signatures
 # (``request: Request``) of the class-based view that ``serve.ingress`` builds, and postponed annotations hide them.
 
+import sys
 from typing import Any
 
 from ray import serve
@@ -102,6 +103,12 @@ class Ingress(InfoEndpoints, ImageEndpoints, VideoEndpoints):
         pydantic.ValidationError: on a bad config (at replica start); ValueError: ``auth.api_key_file`` cannot be
             read or holds no key.
     """
+
+    # Ray Serve pickles this class by value, its route groups' methods by name (their modules). serve.ingress below
+    # gives those methods their ``self`` dependency in the process that runs it, so the replica's process must import
+    # this module too, or FastAPI takes ``self`` for a query parameter (422 on every route). Holding the module makes
+    # unpickling the class import it (deployments/__init__.py no longer imports every module: its exports are lazy).
+    _routes_module = sys.modules[__name__]
 
     async def drain(self, wait_s: float = 1.0) -> dict[str, Any]:
         """Handle method (``serve.get_app_handle(name).drain.remote(wait_s)``; :func:`~deployments.drain.

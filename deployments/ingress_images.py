@@ -22,8 +22,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 
 from bcg_core.errors import BucketMissError, RequestError, ServiceUnavailable
-from bcg_core.pipeline import GenerationResult
-from bcg_core.request import GenerationRequest
+from bcg_core.request import GenerationRequest, GenerationResult
 
 from .answers import bcg_info, image_events, ingress_timings, usage_of
 from .http_errors import (

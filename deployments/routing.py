@@ -18,8 +18,7 @@ from ray.exceptions import RayActorError
 from ray.serve.exceptions import BackPressureError
 
 from bcg_core.errors import ServiceUnavailable
-from bcg_core.pipeline import GenerationResult
-from bcg_core.request import ValidatedRequest
+from bcg_core.request import GenerationResult, ValidatedRequest
 from router.routing_key import RoutingKey
 
 __all__ = ["ACCEPTED", "Overloaded", "ReplicaUnavailable", "Routed", "bucket_shape", "call_dit", "overloaded",

@@ -2,15 +2,17 @@
 
 Each module implements :class:`~bcg_core.families.base.Family`; :data:`PIPELINE_CLASSES` maps every
 supported ``_class_name`` to its module. Modules are imported on first use (each pulls in its diffusers
-pipeline), never for their side effects.
+pipeline), never for their side effects. The names of the family contract (``Family``, ``RequestState`` ...) are
+exported lazily too (PEP 562): importing this package, or a torch-free module of it (``spec``, ``helpers``,
+``defaults``, ``tiny_spec``), loads no torch.
 """
 
 from __future__ import annotations
 
 import importlib
 
-from bcg_core.families.base import Family, ModelSpec, read_json
-from bcg_core.families.state import RequestState, TextRows, concat_rows, pad_text
+from bcg_core.families.helpers import read_json
+from bcg_core.families.spec import ModelSpec
 
 __all__ = [
     "Family", "ModelSpec", "PIPELINE_CLASSES", "RequestState", "TextRows", "UnknownPipelineClass",
@@ -51,3 +53,17 @@ def family_class(pipeline_class: str) -> type:
         )
     module, name = entry
     return getattr(importlib.import_module(f".{module}", __name__), name)
+
+
+_LAZY = {"Family": "base", "RequestState": "state", "TextRows": "state", "concat_rows": "state", "pad_text": "state"}
+
+
+def __getattr__(name: str):
+    """The torch-importing names of the family contract, imported on first use.
+
+    Raises:
+        AttributeError: ``name`` is none of them (nor a family module already imported).
+    """
+    if name in _LAZY:
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

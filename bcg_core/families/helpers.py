@@ -1,16 +1,19 @@
 """Helpers the families share: a component's JSON config, a pipeline loaded from a checkpoint folder, the transformer
 width of most families, a tokenizer's token counter, the bucket forward's attention processors installed on a
 transformer's blocks.
+
+Imports no torch at module level: the ingress and the ownership coordinator read JSON configs and count tokens with
+these helpers in processes that never load the model.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-
-from bcg_core.families.vae import serialize_stateful_vae
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["heads_width", "install_processors", "load_pipeline", "read_json", "tokenizer_counter"]
 
@@ -43,6 +46,10 @@ def load_pipeline(pipeline_cls, path: Path, device: torch.device, dtype: torch.d
     Reading the weights straight onto the GPU (``accelerate`` with ``device_map="cuda"``) did not pay: a FLUX.1-dev
     start on an H200 loaded in 19.1 s that way and in 17.1 s without (docs/BENCHMARKS.md, 2026-12-03).
     """
+    import torch
+
+    from bcg_core.families.vae import serialize_stateful_vae
+
     pipe = pipeline_cls.from_pretrained(str(path), torch_dtype=dtype, local_files_only=True, **components)
     if pipe.transformer.dtype != dtype:
         pipe.transformer.to(dtype=dtype)

@@ -24,10 +24,12 @@ import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from bcg_core.errors import first_line
+
+if TYPE_CHECKING:  # imported where a file is read: the ingress lists adapter names without torch
+    import torch
 
 __all__ = ["AdapterError", "AdapterFiles", "AdapterWeights", "LayerDelta", "NAME_RE", "WEIGHT_NAME", "adapter_path",
            "holds_lora", "list_names"]
@@ -208,6 +210,7 @@ class AdapterFiles:
 
     def _layers(self, name: str, where: str, sd: dict, alphas: dict | None, metadata: dict | None):
         """``load_lora_adapter``'s steps before peft injects layers (module docstring), then each layer's delta."""
+        import torch
         from diffusers.utils import convert_unet_state_dict_to_peft
         from diffusers.utils.peft_utils import _create_lora_config
         from peft.utils.other import get_pattern_key

@@ -9,6 +9,18 @@ forwards are decided by the cost model below it (:mod:`bcg_core.costs`), which t
 docs/DESIGN.md section 12.
 """
 
-from bcg_core.scheduler.step_scheduler import StepScheduler
-
 __all__ = ["StepScheduler"]
+
+
+def __getattr__(name: str):
+    """``StepScheduler``, imported on first use (PEP 562): its torch stays out of processes that import only a
+    torch-free part of this package (the ingress's :mod:`~bcg_core.scheduler.memtrim`).
+
+    Raises:
+        AttributeError: any other name.
+    """
+    if name == "StepScheduler":
+        from bcg_core.scheduler.step_scheduler import StepScheduler
+
+        return StepScheduler
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
