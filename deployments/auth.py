@@ -74,16 +74,19 @@ class ApiKeys:
         """Why ``authorization`` (the header's value) is refused, or None when it holds a known key.
 
         Returns:
-            None (accepted, or no keys configured); ``"missing"`` (no header, or not ``Bearer <key>``);
-            ``"invalid"`` (a key that matches no digest).
+            None (accepted, or no keys configured); ``"missing"`` (no header, or ``Bearer`` with no key);
+            ``"malformed"`` (a header that is not ``Bearer <key>``: another scheme, or a bare key); ``"invalid"`` (a
+            key that matches no digest).
         """
         if not self._digests:
             return None
         from fastapi.security.utils import get_authorization_scheme_param
 
         scheme, key = get_authorization_scheme_param(authorization)
-        if scheme.lower() != "bearer" or not key:
+        if not (authorization or "").strip() or (scheme.lower() == "bearer" and not key):
             return "missing"
+        if scheme.lower() != "bearer" or not key:
+            return "malformed"
         presented = bytes.fromhex(api_key_digest(key).removeprefix("sha256:"))
         found = 0
         for digest in self._digests:  # every digest, no early exit

@@ -38,14 +38,16 @@ def error_response(status: int, message: str, param: str | None = None, type_: s
 _AUTH_MESSAGES = {
     "missing": ("You didn't provide an API key. Send it in an Authorization header: 'Authorization: Bearer "
                 "<key>' (the openai client: OpenAI(api_key=...)).", None),
+    "malformed": ("The Authorization header is not 'Bearer <key>': send 'Authorization: Bearer <key>' (the scheme "
+                  "'Bearer', a space, then the key; the openai client: OpenAI(api_key=...)).", None),
     "invalid": ("Incorrect API key provided. Use a key this server was configured with (auth.api_keys or "
                 "auth.api_key_file).", "invalid_api_key"),
 }
 
 
 def unauthorized_response(reason: str) -> JSONResponse:
-    """A 401 in OpenAI's error shape for a ``"missing"`` or ``"invalid"`` key (:meth:`ApiKeys.check`), with
-    ``WWW-Authenticate: Bearer``; it never repeats the key."""
+    """A 401 in OpenAI's error shape for a ``"missing"``, ``"malformed"`` or ``"invalid"`` key
+    (:meth:`ApiKeys.check`), with ``WWW-Authenticate: Bearer``; it never repeats the key."""
     message, code = _AUTH_MESSAGES[reason]
     answer = error_response(401, message, code=code)
     answer.headers["WWW-Authenticate"] = "Bearer"

@@ -47,8 +47,12 @@ def test_key_file_skips_comments_and_blank_lines(tmp_path):
 def test_check_accepts_known_keys_and_names_missing_and_wrong_ones():
     keys = ApiKeys([api_key_digest(CONFIG_KEY), api_key_digest(FILE_KEY)])
     assert keys.check(f"Bearer {CONFIG_KEY}") is None and keys.check(f"bearer {FILE_KEY}") is None
-    assert keys.check(None) == "missing" and keys.check("Bearer ") == "missing" and keys.check(CONFIG_KEY) == "missing"
-    assert keys.check(f"Basic {CONFIG_KEY}") == "missing"
+    assert keys.check(None) == "missing" and keys.check("Bearer ") == "missing" and keys.check("") == "missing"
+    assert keys.check(CONFIG_KEY) == "malformed" and keys.check(f"Basic {CONFIG_KEY}") == "malformed"
+    from deployments.http_errors import unauthorized_response
+
+    body = unauthorized_response("malformed").body.decode()
+    assert "not 'Bearer <key>'" in body and CONFIG_KEY not in body
     assert keys.check("Bearer sk-wrong") == "invalid" and keys.check(f"Bearer {CONFIG_KEY}x") == "invalid"
     assert ApiKeys([]).check(None) is None  # no keys: open
     assert CONFIG_KEY not in repr(keys) and "digests" in repr(keys)
