@@ -73,10 +73,10 @@ def test_the_openai_client_creates_polls_and_downloads_an_mp4_of_the_asked_frame
     video, _ = _until_finished(client, created.id)
     assert video.status == "completed" and video.progress == 100, video
     mp4 = client.videos.download_content(created.id)
-    with av.open(io.BytesIO(mp4.content)) as container:
-        stream = container.streams.video[0]
+    with av.open(io.BytesIO(mp4.content)) as container:  # PyAV 18.1.1: a stream is read only while it is open
+        rate = container.streams.video[0].average_rate
         frames = [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
-    assert (len(frames), frames[0].shape, stream.average_rate) == (33, (32, 48, 3), 16)  # 1 + 2 s x 16 fps
+    assert (len(frames), frames[0].shape, rate) == (33, (32, 48, 3), 16)  # 1 + 2 s x 16 fps
     assert mp4.response.headers["content-type"] == "video/mp4"
     for variant, kind in (("thumbnail", "image/webp"), ("spritesheet", "image/jpeg")):
         got = client.videos.download_content(created.id, variant=variant)
