@@ -59,6 +59,11 @@ from pathlib import Path
 
 import pytest
 
+# outside the default run (README, Tests): 226 s of the 1557 s a fresh-clone run took at 44c7b56 on 2 cores, which put
+# CI over its 25 minutes; the in-process fault tests (tests/engine, tests/unit) stay in it. Run it by hand (pytest -m
+# long tests/serve/test_fault_scenarios.py) before a change to routing, ownership, retries or the ingress lands.
+pytestmark = pytest.mark.long
+
 ROOT = Path(__file__).resolve().parents[2]
 REQUESTS = 8
 KILL_STEPS = 12  # dit_killed's steps per request (module docstring)
