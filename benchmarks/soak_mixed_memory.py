@@ -49,19 +49,26 @@ def _group(cmdline: bytes) -> str:
     return name
 
 
-def process_groups(root: int | None = None) -> dict[str, int]:
-    """Resident memory (VmRSS, bytes) of the processes below ``root`` (default: this one), summed per group
-    (:func:`_group`). Linux ``/proc`` only; a process gone while being read is skipped."""
-    out: dict[str, int] = {}
+def _statuses(root: int | None):
+    """``(group, /proc/<pid>/status text)`` of each process below ``root`` (default: this one) with a command line
+    (:func:`_group`); a process gone while being read is skipped."""
     for pid in _descendants(os.getpid() if root is None else root):
         try:
             cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
             status = Path(f"/proc/{pid}/status").read_text()
         except OSError:
             continue
+        if cmd:
+            yield _group(cmd), status
+
+
+def process_groups(root: int | None = None) -> dict[str, int]:
+    """Resident memory (VmRSS, bytes) of the processes below ``root`` (default: this one), summed per group
+    (:func:`_group`). Linux ``/proc`` only; a process gone while being read is skipped."""
+    out: dict[str, int] = {}
+    for name, status in _statuses(root):
         kb = next((int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:")), None)
-        if kb is not None and cmd:
-            name = _group(cmd)
+        if kb is not None:
             out[name] = out.get(name, 0) + kb * 1024
     return out
 
@@ -70,13 +77,8 @@ def group_memory(group: str, root: int | None = None) -> dict[str, int]:
     """``VmRSS``, ``RssAnon``, ``RssFile`` and ``RssShmem`` (bytes) summed over the processes of ``group`` below
     ``root`` (:func:`process_groups`): private heap, mapped files and shared memory (Ray's object store)."""
     out = dict.fromkeys(("VmRSS", "RssAnon", "RssFile", "RssShmem"), 0)
-    for pid in _descendants(os.getpid() if root is None else root):
-        try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
-            status = Path(f"/proc/{pid}/status").read_text()
-        except OSError:
-            continue
-        if cmd and _group(cmd) == group:
+    for name, status in _statuses(root):
+        if name == group:
             for line in status.splitlines():
                 key = line.split(":", 1)[0]
                 if key in out:
