@@ -91,17 +91,7 @@ class Ingress(InfoEndpoints, ImageEndpoints, VideoEndpoints):
     """FastAPI ingress: validates each request once (bucket lookup, miss policy), forwards the validated request.
 
     Its routes come from its route groups (``serve.ingress`` finds a route of any class in its MRO); the
-    constructor is :class:`~deployments.ingress_base.IngressBase`'s.
-
-    Args:
-        dit_handle: handle of the :class:`~deployments.dit.DiTReplica` deployment.
-        config: a ``ServeConfig`` as a mapping (``ServeConfig.model_dump(mode="json")``).
-        coordinator: handle of the :class:`~deployments.coordinator.BucketCoordinator` (shape-aware routing),
-            or None.
-
-    Raises:
-        pydantic.ValidationError: on a bad config (at replica start); ValueError: ``auth.api_key_file`` cannot be
-            read or holds no key.
+    constructor, its arguments and what it raises are :class:`~deployments.ingress_base.IngressBase`'s.
     """
 
     # Ray Serve pickles this class by value, its route groups' methods by name (their modules). serve.ingress below
